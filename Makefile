@@ -1,0 +1,24 @@
+# The two commands of the README: `make demo` and `make test`. Both run `setup` first.
+SHELL := /bin/bash
+PY := .venv/bin/python
+
+.PHONY: setup test demo lint unit lab clean-lab
+setup:
+	@bash scripts/setup.sh
+
+test: setup lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: setup
+	$(PY) -m pytest -q -m "not lab and not llama" $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check orchestrator tests bench
+	$(PY) -m ruff format --check orchestrator tests bench
+	$(PY) -m mypy
+
+demo: setup
+	$(PY) -m orchestrator demo
+
+clean-lab: setup
+	$(PY) -m orchestrator lab down --all

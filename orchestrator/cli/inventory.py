@@ -1,0 +1,143 @@
+"""`rpcfleet inventory list|graph|show`: what the inventory resolves to, before anything touches a host."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.cli import _common
+from orchestrator.errors import InventoryError
+from orchestrator.inventory import VARIABLES, VARIABLES_BY_NAME, Host, Inventory, host_to_dict
+from orchestrator.units import format_size
+
+_SIZE_VARS = frozenset({"memory_reserve", "memory_limit"})
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("inventory", help="show the hosts, groups and variables of an inventory")
+    commands = parser.add_subparsers(dest="inventory_command", metavar="ACTION", required=True)
+
+    listing = commands.add_parser("list", help="one line per host: address, connection, endpoint, groups")
+    _common.add_inventory_args(listing)
+    _common.add_json_arg(listing)
+    listing.set_defaults(handler=handle_list)
+
+    graph = commands.add_parser("graph", help="the group tree, like ansible-inventory --graph")
+    _common.add_inventory_args(graph, limit=False)
+    _common.add_json_arg(graph)
+    graph.add_argument("group", nargs="?", default="all", help="the group to start from (default: all)")
+    graph.set_defaults(handler=handle_graph)
+
+    show = commands.add_parser("show", help="every resolved variable of one host and where it comes from")
+    _common.add_inventory_args(show, limit=False)
+    _common.add_json_arg(show)
+    show.add_argument("host", help="host name")
+    show.set_defaults(handler=handle_show)
+
+
+def _load(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
+    return _common.load_hosts(args)
+
+
+def handle_list(args: argparse.Namespace) -> int:
+    _, hosts = _load(args)
+    if args.json:
+        _common.print_json([host_to_dict(host) for host in hosts])
+        return 0
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("host", "address", "connection", "endpoint", "backend", "groups"):
+        table.add_column(column, overflow="fold")  # a narrow terminal wraps cells, never cuts them
+    for host in hosts:
+        table.add_row(
+            *(
+                escape(text)
+                for text in (
+                    host.name,
+                    host.address,
+                    host.connection,
+                    host.endpoint,
+                    host.backend,
+                    ", ".join(host.groups),
+                )
+            )
+        )
+    _common.console.print(table)
+    return 0
+
+
+def graph_tree(inventory: Inventory, group: str) -> dict[str, Any]:
+    """{"name", "hosts", "children"} of `group`, recursively; sorted by name, as ansible-inventory does."""
+    node = inventory.groups[group]
+    return {
+        "name": group,
+        "hosts": sorted(node.hosts),
+        "children": [graph_tree(inventory, child) for child in sorted(node.children)],
+    }
+
+
+def graph_lines(tree: dict[str, Any], depth: int = 0) -> list[str]:
+    """The tree as ansible-inventory --graph prints it (``@group:`` and ``|--`` rungs)."""
+    indent = "  " + "|  " * (depth - 1) + "|--" if depth else ""
+    lines = [f"{indent}@{tree['name']}:"]
+    rung = "  " + "|  " * depth + "|--"
+    for child in tree["children"]:
+        lines.extend(graph_lines(child, depth + 1))
+    lines.extend(f"{rung}{host}" for host in tree["hosts"])
+    return lines
+
+
+def handle_graph(args: argparse.Namespace) -> int:
+    inventory, _ = _load(args)
+    if args.group not in inventory.groups:
+        raise InventoryError(f"no group {args.group!r} in the inventory")
+    tree = graph_tree(inventory, args.group)
+    if args.json:
+        _common.print_json(tree)
+    else:
+        _common.console.print("\n".join(graph_lines(tree)), highlight=False, markup=False)
+    return 0
+
+
+def _display(name: str, value: Any) -> str:
+    if name in _SIZE_VARS and isinstance(value, int):
+        return f"{format_size(value)} ({value} B)"
+    if isinstance(value, tuple | list):
+        return ",".join(str(item) for item in value) or "-"
+    return "-" if value is None else str(value)
+
+
+def handle_show(args: argparse.Namespace) -> int:
+    inventory, _ = _load(args)
+    host = inventory.host(args.host)
+    extra = {key: value for key, value in host.vars.items() if key not in VARIABLES_BY_NAME}
+    if args.json:
+        data = host_to_dict(host)
+        data["sources"] = dict(host.var_sources)
+        data["location"] = str(host.location) if host.location else None
+        _common.print_json(data)
+        return 0
+    where = f" ({host.location})" if host.location else ""
+    _common.console.print(
+        f"{host.name}{where}  groups: {', '.join(host.groups) or '-'}  endpoint: {host.endpoint}",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("variable", "value", "from"):
+        table.add_column(column)
+    for variable in VARIABLES:
+        value = getattr(host, variable.name)
+        table.add_row(
+            variable.name,
+            escape(_display(variable.name, value)),
+            escape(host.var_sources.get(variable.name, "default")),
+        )
+    for key, value in extra.items():
+        table.add_row(escape(key), escape(_display(key, value)), escape(host.var_sources.get(key, "-")))
+    _common.console.print(table)
+    return 0

@@ -1,0 +1,155 @@
+"""One root error, one subclass per layer.
+
+Every error a user can cause or a node can report is an `RpcfleetError`; the CLI prints it without a
+traceback. Errors carry the context needed to act on them: the host, the command, its exit status and
+the tail of its stderr, or the file/line/column of the offending input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def tail(text: str, lines: int = 8) -> str:
+    """The last `lines` non-empty lines of `text` (enough to show why a remote command failed)."""
+    kept = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])
+
+
+class RpcfleetError(Exception):
+    """Root of every error rpcfleet raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        host: str | None = None,
+        command: str | None = None,
+        exit_status: int | None = None,
+        stderr: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.host = host
+        self.command = command
+        self.exit_status = exit_status
+        self.stderr_tail = tail(stderr) if stderr else None
+        self.hint = hint
+
+    def __str__(self) -> str:
+        parts = [f"{self.host}: {self.message}" if self.host else self.message]
+        if self.command is not None:
+            status = "" if self.exit_status is None else f" (exit status {self.exit_status})"
+            parts.append(f"  command: {self.command}{status}")
+        if self.stderr_tail:
+            parts.append("  stderr: " + self.stderr_tail.replace("\n", "\n          "))
+        if self.hint:
+            parts.append(f"  hint: {self.hint}")
+        return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """A place in a user's file: 1-based line and column, plus the text found there."""
+
+    path: Path | None
+    line: int | None = None
+    column: int | None = None
+    snippet: str | None = None
+
+    def __str__(self) -> str:
+        where = str(self.path) if self.path else "<input>"
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        return where
+
+
+class InputError(RpcfleetError):
+    """Bad user input in a file (inventory, playbook, plan) or on the command line."""
+
+    def __init__(self, message: str, location: SourceLocation | None = None, *, hint: str | None = None):
+        self.location = location
+        text = f"{location}: {message}" if location else message
+        if location and location.snippet:
+            text += f"\n    {location.snippet.strip()}"
+        super().__init__(text, hint=hint)
+
+
+class InventoryError(InputError):
+    """The inventory cannot be read or is invalid."""
+
+
+class PlaybookError(InputError):
+    """A playbook cannot be read or is invalid."""
+
+
+class UsageError(InputError):
+    """A bad command-line flag or argument."""
+
+
+class HostError(RpcfleetError):
+    """Something went wrong on, or on the way to, one host."""
+
+
+class UnreachableError(HostError):
+    """The host could not be connected to (refused, timed out, link cut, name unknown)."""
+
+
+class AuthenticationError(UnreachableError):
+    """The host answered but refused our credentials."""
+
+
+class HostKeyError(UnreachableError):
+    """The host's key is unknown or does not match known_hosts."""
+
+
+class CommandError(HostError):
+    """A remote (or local) command exited non-zero while success was required."""
+
+
+class CommandTimeoutError(HostError):
+    """A command did not finish within its timeout; the output received so far is kept."""
+
+    def __init__(self, message: str, *, stdout: str = "", stderr: str = "", **kw: object) -> None:
+        super().__init__(message, stderr=stderr, **kw)  # type: ignore[arg-type]
+        self.stdout = stdout
+
+
+class TransferError(HostError):
+    """An upload or download failed."""
+
+
+class LabError(RpcfleetError):
+    """The emulated lab could not be brought up, inspected or torn down."""
+
+
+class ArtifactError(RpcfleetError):
+    """An rpc-server artifact cannot be built, fetched, verified or chosen."""
+
+
+class InstallError(HostError):
+    """Installing an artifact on a host failed; the previous version is left in place."""
+
+
+class ServiceError(HostError):
+    """Starting, stopping or checking an rpc-server failed."""
+
+
+class ProbeError(RpcfleetError):
+    """Probing an endpoint failed (raised only by the raising API of the RPC client)."""
+
+
+class ModelError(RpcfleetError):
+    """A GGUF model cannot be read or profiled."""
+
+
+class PlanError(RpcfleetError):
+    """A plan is invalid or cannot be made."""
+
+
+class LoaderError(RpcfleetError):
+    """Loading a model through a plan was refused or failed before native code could abort."""

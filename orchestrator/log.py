@@ -1,0 +1,42 @@
+"""Structured logging (structlog): human-readable by default, JSON with --log-format json.
+
+Logs go to stderr and are separate from what the CLI prints for the user. Bind context per host and
+run: `log = get_logger().bind(host=host.name, run_id=run_id)`. Events are snake_case.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Literal
+
+import structlog
+
+LogFormat = Literal["text", "json"]
+
+
+def configure_logging(fmt: LogFormat = "text", level: str | int = "WARNING") -> None:
+    """Configure structlog once for the process (the CLI calls this; libraries never do)."""
+    numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info if fmt == "json" else structlog.processors.StackInfoRenderer(),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(**context: Any) -> Any:
+    """A structlog logger with `context` bound."""
+    return structlog.get_logger("rpcfleet").bind(**context)

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One-command, idempotent, unattended set-up (called by `make setup`).
+#  1. system packages (installed with apt-get when running as root, otherwise named)
+#  2. llama-cpp-python built with GGML_RPC=ON, cached as a wheel keyed by version and build flags
+#  3. a virtual environment keyed by the dependency versions, outside the checkout
+#  4. the CPU rpc-server artifact built from the same llama.cpp source (cached)
+# A second run only checks the stamps and takes seconds.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RPCFLEET_HOME=${RPCFLEET_HOME:-$HOME/.cache/rpcfleet}
+LLAMA_VERSION=0.3.36
+LLAMA_CMAKE_ARGS="-DGGML_RPC=ON -DGGML_NATIVE=OFF"
+PYTHON=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+LOG="$RPCFLEET_HOME/setup.log"
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+# ---- 1. system packages -------------------------------------------------------
+missing=()
+need() { command -v "$1" >/dev/null 2>&1 || [ -x "$1" ] || missing+=("$2"); }
+need cmake cmake
+need g++ g++
+need make make
+need /usr/sbin/sshd openssh-server
+need ssh-keygen openssh-client
+need iptables iptables
+need ip iproute2
+need ss iproute2
+need setsid util-linux
+need stdbuf coreutils
+need chromium chromium
+if [ ${#missing[@]} -gt 0 ]; then
+  # shellcheck disable=SC2207
+  missing=($(printf '%s\n' "${missing[@]}" | sort -u))
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    die "missing system packages: ${missing[*]}. Install them with: sudo apt-get install -y ${missing[*]}"
+  fi
+fi
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "Python >= 3.11 is required ($PYTHON is $("$PYTHON" -V 2>&1))"
+
+mkdir -p "$RPCFLEET_HOME"
+: >"$LOG"
+# quiet CMD...: run a noisy step, keep its output in the log, show the tail only when it fails.
+quiet() { "$@" >>"$LOG" 2>&1 || { tail -n 30 "$LOG" >&2; die "failed: $* (full log: $LOG)"; }; }
+exec 9>"$RPCFLEET_HOME/.setup.lock"
+flock 9   # two concurrent setups (a test run and a demo) must not build twice
+
+# ---- 2. llama-cpp-python wheel with RPC ----------------------------------------
+flags_key=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)
+WHEEL_DIR="$RPCFLEET_HOME/wheels/llama-cpp-python-$LLAMA_VERSION-$flags_key"
+SDIST="$RPCFLEET_HOME/src/llama_cpp_python-$LLAMA_VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  say "downloading the llama-cpp-python $LLAMA_VERSION source (also used to build the matching rpc-server)"
+  mkdir -p "$RPCFLEET_HOME/src"
+  quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$RPCFLEET_HOME/src"
+fi
+if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
+  say "building llama-cpp-python $LLAMA_VERSION with $LLAMA_CMAKE_ARGS (about 10 minutes on 2 cores, once)"
+  stage="$WHEEL_DIR.partial"
+  rm -rf "$stage"; mkdir -p "$stage"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    "$PYTHON" -m pip wheel -q --no-deps "$SDIST" -w "$stage" >"$RPCFLEET_HOME/llama-wheel-build.log" 2>&1 \
+    || die "building llama-cpp-python failed; see $RPCFLEET_HOME/llama-wheel-build.log"
+  rm -rf "$WHEEL_DIR"; mv "$stage" "$WHEEL_DIR"
+fi
+WHEEL=$(compgen -G "$WHEEL_DIR/*.whl" | head -n1)
+
+# ---- 3. the virtual environment -------------------------------------------------
+venv_key=$( { "$PYTHON" -VV; echo "$LLAMA_VERSION $flags_key"; \
+  sed -n '/^dependencies = \[/,/^\]/p;/^\[project.optional-dependencies\]/,/^\[project.scripts\]/p' "$ROOT/pyproject.toml"; } \
+  | sha256sum | cut -c1-12)
+VENV="$RPCFLEET_HOME/venv/$venv_key"
+if [ ! -f "$VENV/.rpcfleet-ready" ]; then
+  say "creating the virtual environment $VENV"
+  rm -rf "$VENV"
+  quiet "$PYTHON" -m venv "$VENV"
+  quiet "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+  quiet "$VENV/bin/pip" install -q "$WHEEL"
+  quiet "$VENV/bin/pip" install -q -e "$ROOT[llama,dev]"
+  touch "$VENV/.rpcfleet-ready"
+fi
+# The venv is shared by every checkout: point its editable install at this one.
+here=$("$VENV/bin/python" -c 'import orchestrator, os; print(os.path.dirname(os.path.dirname(orchestrator.__file__)))' 2>/dev/null || true)
+if [ "$here" != "$ROOT" ]; then
+  quiet "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT"
+fi
+ln -sfn "$VENV" "$ROOT/.venv"
+
+"$VENV/bin/python" - <<'PY' || die "llama-cpp-python in $VENV was built without RPC support (llama_supports_rpc() is false)"
+import sys
+import llama_cpp.llama_cpp as ll
+sys.exit(0 if ll.llama_supports_rpc() else 1)
+PY
+
+# ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
+if "$VENV/bin/python" -c 'import orchestrator.artifacts' 2>/dev/null; then
+  "$VENV/bin/python" -m orchestrator artifact build --backend cpu --quiet-if-cached \
+    || die "building the rpc-server artifact failed"
+fi
+say "ready: $VENV (linked as .venv)"
