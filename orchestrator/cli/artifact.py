@@ -1,0 +1,167 @@
+"""`rpcfleet artifact build|list|show|verify|add`: the pinned rpc-server artifacts in the local cache."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from orchestrator.cli import _common
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("artifact", help="build, list, show and verify rpc-server artifacts")
+    sub = parser.add_subparsers(dest="artifact_command", metavar="ACTION", required=True)
+
+    build = sub.add_parser(
+        "build", help="build ggml-rpc-server from the same llama.cpp source as the installed llama-cpp-python"
+    )
+    build.add_argument("--backend", default="cpu", help="cpu, cuda, rocm, vulkan or metal (default: cpu)")
+    build.add_argument(
+        "--cmake-arg",
+        dest="cmake_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra cmake argument, e.g. --cmake-arg=-DGGML_NATIVE=ON (repeatable)",
+    )
+    build.add_argument(
+        "--quiet-if-cached", action="store_true", help="print nothing when the artifact is already cached"
+    )
+    _common.add_json_arg(build)
+    build.set_defaults(handler=handle_build)
+
+    listing = sub.add_parser("list", help="the artifacts in the cache")
+    _common.add_json_arg(listing)
+    listing.set_defaults(handler=handle_list)
+
+    show = sub.add_parser("show", help="print an artifact's manifest")
+    show.add_argument("id", metavar="ID")
+    _common.add_json_arg(show)
+    show.set_defaults(handler=handle_show)
+
+    verify = sub.add_parser("verify", help="re-hash artifacts and every file in them (default: all)")
+    verify.add_argument("ids", nargs="*", metavar="ID")
+    verify.set_defaults(handler=handle_verify)
+
+    add = sub.add_parser("add", help="add an artifact from a spec file (url/path + sha256) to the cache")
+    add.add_argument("spec", metavar="SPEC", help="YAML/JSON spec file")
+    add.add_argument("--backend", default="cpu")
+    _common.add_json_arg(add)
+    add.set_defaults(handler=handle_add)
+
+
+def handle_build(args: argparse.Namespace) -> int:
+    from orchestrator import artifacts
+
+    cached = artifacts.cached_build(args.backend, args.cmake_args)
+    if cached is not None and args.quiet_if_cached:
+        return 0
+    if cached is None:
+        _common.err_console.print(
+            f"building ggml-rpc-server ({args.backend}) for llama-cpp-python "
+            f"{artifacts.llama_cpp_python_version()}: a few minutes, once",
+            highlight=False,
+        )
+
+    def progress(line: str) -> None:
+        _common.err_console.print(f"  {line}", style="dim", highlight=False, markup=False, soft_wrap=True)
+
+    artifact = cached or artifacts.build_artifact(args.backend, args.cmake_args, progress=progress)
+    if args.json:
+        _common.print_json(artifact.to_dict())
+    else:
+        _common.console.print(f"{artifact.id}  {artifact.archive}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def handle_list(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator import artifacts
+    from orchestrator.units import format_size
+
+    found = artifacts.list_artifacts()
+    if args.json:
+        _common.print_json([a.to_dict() for a in found])
+        return 0
+    if not found:
+        _common.err_console.print(f"no artifacts in {artifacts.artifacts_dir()}")
+        return 0
+    # The id already names protocol, backend, os and arch; `show` has the rest.
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column("id", no_wrap=True)
+    for column in ("llama.cpp", "native", "size"):
+        table.add_column(column, no_wrap=True)
+    for a in found:
+        m = a.manifest
+        table.add_row(a.id, m.llama_cpp_commit or "-", "yes" if m.native else "no", format_size(a.size))
+    _common.console.print(table)
+    return 0
+
+
+def handle_show(args: argparse.Namespace) -> int:
+    from orchestrator import artifacts
+
+    artifact = artifacts.load_artifact(args.id)
+    if args.json:
+        _common.print_json(artifact.to_dict())
+        return 0
+    m = artifact.manifest
+    rows = [
+        ("id", artifact.id),
+        ("archive", str(artifact.archive)),
+        ("archive sha256", artifact.archive_sha256),
+        ("protocol", m.protocol),
+        ("backend", m.backend),
+        ("os/arch", f"{m.os}/{m.arch}"),
+        ("native", "yes" if m.native else "no"),
+        ("llama.cpp commit", m.llama_cpp_commit or "-"),
+        ("ggml version", m.ggml_version or "-"),
+        ("llama-cpp-python", m.llama_cpp_python_version or "-"),
+        ("source", m.source),
+        ("cmake args", " ".join(m.cmake_args) or "-"),
+    ]
+    out = _common.console
+    for name, value in rows:
+        out.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
+    out.print("files:")
+    for f in m.files:
+        detail = f"-> {f.link}" if f.link is not None else f"{f.size:>9}  {f.mode:04o}  {f.sha256}"
+        out.print(f"  {f.path:<34}{detail}", highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
+def handle_verify(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
+    from orchestrator import artifacts
+    from orchestrator.errors import ArtifactError
+
+    targets = [artifacts.load_artifact(i) for i in args.ids] if args.ids else artifacts.list_artifacts()
+    failed = 0
+    for artifact in targets:
+        try:
+            artifacts.verify_artifact(artifact)
+        except ArtifactError as exc:
+            failed += 1
+            _common.console.print(f"[red]FAILED[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        else:
+            _common.console.print(f"[green]ok[/green]     {artifact.id}", highlight=False, soft_wrap=True)
+    if not targets:
+        _common.err_console.print(f"no artifacts in {artifacts.artifacts_dir()}")
+    return 1 if failed else 0
+
+
+def handle_add(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from orchestrator import artifacts
+
+    spec = artifacts.read_artifact_spec(Path(args.spec))
+    artifact = artifacts.import_artifact(spec, backend=args.backend)
+    if args.json:
+        _common.print_json(artifact.to_dict())
+    else:
+        _common.console.print(f"{artifact.id}  {artifact.archive}", highlight=False, soft_wrap=True)
+    return 0

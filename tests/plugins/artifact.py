@@ -1,0 +1,34 @@
+"""The cached CPU rpc-server artifact (built once by `make setup`, never rebuilt by tests) and a scratch
+RPCFLEET_HOME for tests that add artifacts to a cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator import artifacts
+
+
+@pytest.fixture(scope="session")
+def cpu_artifact() -> artifacts.Artifact:
+    """The default CPU artifact from the real cache (returns at once when `make setup` has built it)."""
+    return artifacts.default_artifact("cpu")
+
+
+@pytest.fixture(scope="session")
+def cpu_artifact_tree(cpu_artifact: artifacts.Artifact, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An unpacked copy of the CPU artifact (manifest.json + bin/) in a session temp folder."""
+    dest = tmp_path_factory.mktemp("cpu-artifact")
+    artifacts.unpack_artifact(cpu_artifact, dest)
+    return dest
+
+
+@pytest.fixture
+def artifact_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty RPCFLEET_HOME for this test (request `cpu_artifact` first if the test needs it too)."""
+    home = tmp_path / "rpcfleet-home"
+    home.mkdir()
+    monkeypatch.setenv("RPCFLEET_HOME", str(home))
+    yield home
