@@ -1,0 +1,71 @@
+"""`rpcfleet ping`: reach every selected host and report OS, architecture, user and latency."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from orchestrator.cli import _common
+from orchestrator.executor import Recap, Session
+from orchestrator.ping import PingResult, ping_step
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("ping", help="connect to every selected host and report what it is")
+    _common.add_inventory_args(parser)
+    _common.add_json_arg(parser)
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    _, hosts = _common.load_hosts(args)
+
+    async def go() -> Any:
+        async with Session(forks=args.forks) as session:
+            return await session.run(hosts, ping_step, name="ping")
+
+    run = _common.run_async(go())
+    if args.json:
+        _common.print_json(
+            [
+                {
+                    "host": r.host.name,
+                    "status": r.status,
+                    **(_ping_json(r.value) if isinstance(r.value, PingResult) else {}),
+                    "error": str(r.error) if r.error else None,
+                }
+                for r in run.results
+            ]
+        )
+        return 0 if run.ok else 1
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("host", "address", "status", "os", "arch", "user", "connect", "latency"):
+        table.add_column(column)
+    for r in run.results:
+        p = r.value if isinstance(r.value, PingResult) else None
+        table.add_row(
+            r.host.name,
+            r.host.address,
+            r.status,
+            p.os if p else "-",
+            p.arch if p else "-",
+            p.user if p else "-",
+            f"{p.connect_seconds * 1000:.0f} ms" if p else "-",
+            f"{p.latency_seconds * 1000:.1f} ms" if p else "-",
+        )
+    _common.console.print(table)
+    _common.print_recap(Recap().add(run))
+    return 0 if run.ok else 1
+
+
+def _ping_json(p: PingResult) -> dict[str, Any]:
+    return {
+        "os": p.os,
+        "arch": p.arch,
+        "user": p.user,
+        "connect_seconds": round(p.connect_seconds, 4),
+        "latency_seconds": round(p.latency_seconds, 4),
+    }
