@@ -5,6 +5,11 @@ from __future__ import annotations
 import pkgutil
 from pathlib import Path
 
+import pytest
+
+# Plugins import each other; rewrite their asserts whichever is imported first.
+pytest.register_assert_rewrite("tests.plugins")
+
 pytest_plugins = [
     f"tests.plugins.{module.name}"
     for module in pkgutil.iter_modules([str(Path(__file__).parent / "plugins")])

@@ -21,7 +21,7 @@ def _find_server_binary() -> Path:
     try:
         from orchestrator import artifacts
 
-        return artifacts.local_server_binary()  # type: ignore[attr-defined, no-any-return]
+        return artifacts.local_server_binary()
     except (ImportError, AttributeError):
         return RPCFLEET_HOME / "dev-server" / "ggml-rpc-server"
 
@@ -64,9 +64,7 @@ def rpc_server_binary() -> Path:
 
 
 @pytest.fixture
-def start_rpc_server(
-    rpc_server_binary: Path, tmp_path: Path
-) -> Iterator[Callable[..., LocalServer]]:
+def start_rpc_server(rpc_server_binary: Path, tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
     """Factory: start a real server on 127.0.0.1 and a free port, SIGPIPE ignored; stopped at teardown."""
     started: list[LocalServer] = []
 

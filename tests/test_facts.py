@@ -1,0 +1,244 @@
+"""orchestrator.facts: parsers from data files (tests/data/facts/<fact>/<case>.json), gathering, and a
+real run of the gathered script with bash and sh on this machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator import facts
+from orchestrator.facts import FACT_TYPES, Fact, RawOutput, gather_command, parse_gathered, split_output
+from tests.plugins.servers import LocalServer
+
+DATA = Path(__file__).parent / "data" / "facts"
+CASES = sorted(DATA.glob("*/*.json"))
+
+
+def jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    return value
+
+
+def test_every_fact_has_data_cases() -> None:
+    assert {case.parent.name for case in CASES} == set(FACT_TYPES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_parser_data_case(case: Path) -> None:
+    doc = json.loads(case.read_text())
+    fact = FACT_TYPES[case.parent.name](**doc["args"])
+    value = fact.parse(doc["stdout"], doc["stderr"], doc["exit_status"])
+    assert jsonable(value) == doc["expected"]
+
+
+def test_commands_quote_their_arguments() -> None:
+    assert facts.shell_path("~/.local/lib/rpcfleet") == '"$HOME"/.local/lib/rpcfleet'
+    assert facts.shell_path("~/my dir") == "\"$HOME\"/'my dir'"
+    assert facts.shell_path("/opt/it's here") == "'/opt/it'\"'\"'s here'"
+    assert facts.shell_path("~") == '"$HOME"'
+    command = facts.InstalledManifestFact("/x; rm -rf /").command()
+    assert "'/x; rm -rf /" in command
+    with pytest.raises(ValueError):
+        facts.RpcClientsFact("1; reboot").command()  # type: ignore[arg-type]
+
+
+# --- gathering (pure) -------------------------------------------------------------------------------------
+
+
+def fake_script_output(token: str, raws: list[RawOutput]) -> str:
+    """What gather_command's script prints, built by hand."""
+    out = ""
+    for i, raw in enumerate(raws):
+        out += f"\n@@rpcfleet-{token}-{i}-out@@\n{raw.stdout}"
+        out += f"\n@@rpcfleet-{token}-{i}-err@@\n{raw.stderr}"
+        out += f"\n@@rpcfleet-{token}-{i}-exit-{raw.exit_status}@@\n"
+    return out
+
+
+_TEXT = st.text(st.characters(blacklist_categories=["Cs"]), max_size=40)
+
+
+@settings(database=None)
+@given(st.lists(st.builds(RawOutput, _TEXT, _TEXT, st.integers(0, 255)), max_size=5))
+def test_split_output_round_trips(raws: list[RawOutput]) -> None:
+    token = "0123abcd"
+    assert split_output(fake_script_output(token, raws), token, len(raws)) == raws
+
+
+def test_split_output_ignores_other_tokens_and_marks_missing_facts() -> None:
+    raws = [RawOutput("@@rpcfleet-ffff-0-out@@\nx", "", 0), RawOutput("out", "err", 3)]
+    text = fake_script_output("abcd", raws)
+    assert split_output(text, "abcd", 2) == raws
+    cut = text[: text.index("@@rpcfleet-abcd-1-err@@") - 1]
+    assert split_output(cut, "abcd", 3) == [raws[0], RawOutput("out", "", -1), RawOutput("", "", -1)]
+
+
+def test_gather_command_rejects_odd_tokens() -> None:
+    with pytest.raises(ValueError):
+        gather_command([facts.CpuCountFact()], "a'b")
+    assert facts.new_token() != facts.new_token()
+
+
+# --- running the gathered script for real -----------------------------------------------------------------
+
+
+class ScriptFact(Fact[RawOutput]):
+    """A fact that runs any command and returns its raw output (to test the gathering itself)."""
+
+    def __init__(self, name: str, command: str) -> None:
+        self.name = name  # type: ignore[misc]
+        self._command = command
+
+    def command(self) -> str:
+        return self._command
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> RawOutput:
+        return RawOutput(stdout, stderr, exit_status)
+
+
+def run_gathered(shell: str, fact_list: list[Fact[Any]]) -> dict[str, Any]:
+    token = facts.new_token()
+    done = subprocess.run(
+        [shell, "-c", gather_command(fact_list, token)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return parse_gathered(fact_list, done.stdout, token)
+
+
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_gathered_raw_outputs_come_back_exactly(shell: str) -> None:
+    values = run_gathered(
+        shell,
+        [
+            ScriptFact("plain", "echo hello; echo oops >&2"),
+            ScriptFact("no_newline", "printf 'a\\n\\nb'; printf 'e' >&2; exit 7"),
+            ScriptFact("exits", "exit 3"),
+            ScriptFact("missing", "no-such-tool-rpcfleet --version"),
+            ScriptFact("stdin", "cat; echo done"),  # must not eat the script
+            ScriptFact("comment", "echo x # a trailing comment"),
+        ],
+    )
+    assert values["plain"] == RawOutput("hello\n", "oops\n", 0)
+    assert values["no_newline"] == RawOutput("a\n\nb", "e", 7)
+    assert values["exits"] == RawOutput("", "", 3)
+    assert values["missing"].exit_status == 127 and "not found" in values["missing"].stderr
+    assert values["stdin"] == RawOutput("done\n", "", 0)
+    assert values["comment"] == RawOutput("x\n", "", 0)
+
+
+@pytest.fixture
+def processes() -> Iterator[Callable[[list[str]], subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str]) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(argv)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(5)
+
+
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_gathered_facts_on_this_machine(
+    shell: str,
+    tmp_path: Path,
+    start_rpc_server: Callable[..., LocalServer],
+    processes: Callable[[list[str]], subprocess.Popen[bytes]],
+) -> None:
+    install = tmp_path / "it's installed"
+    (install / "current").mkdir(parents=True)
+    manifest = {"protocol": "7.0.0", "backend": "cpu"}
+    (install / "current" / "manifest.json").write_text(json.dumps(manifest))
+    sleeper = processes(["sleep", "30"])
+    zombie = processes(["true"])
+    while not (Path(f"/proc/{zombie.pid}/stat").read_text().split(") ")[1].startswith("Z")):
+        time.sleep(0.01)  # exited, not waited for: a zombie
+    (tmp_path / "sleep.pid").write_text(f"{sleeper.pid}\n")
+    (tmp_path / "zombie.pid").write_text(str(zombie.pid))
+    server = start_rpc_server()
+    idle = start_rpc_server()
+    client = socket.create_connection((server.host, server.port), timeout=2)
+    client.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
+    reply = b""
+    while len(reply) < 36:  # read the whole HELLO reply, as any well-behaved client does
+        chunk = client.recv(36 - len(reply))
+        assert chunk
+        reply += chunk
+    client_address = f"127.0.0.1:{client.getsockname()[1]}"
+
+    try:
+        values = run_gathered(
+            shell,
+            [
+                facts.OsFact(),
+                facts.CpuCountFact(),
+                facts.MemoryFact(),
+                facts.NvidiaGpuFact(),
+                facts.RocmGpuFact(),
+                facts.RpcClientsFact(server.port),
+                facts.InstalledManifestFact(str(install)),
+                facts.ServerProcessFact(str(tmp_path / "sleep.pid"), expect="sleep"),
+            ],
+        )
+        more = run_gathered(
+            shell,
+            [
+                facts.RpcClientsFact(idle.port),
+                facts.InstalledManifestFact(str(tmp_path / "nothing")),
+                facts.ServerProcessFact(str(tmp_path / "zombie.pid"), expect="true"),
+            ],
+        )
+        gone = run_gathered(shell, [facts.ServerProcessFact(str(tmp_path / "sleep.pid"))])
+    finally:
+        client.close()
+
+    os_release = platform.freedesktop_os_release()
+    assert values["os"] == facts.OsInfo(
+        platform.system(),
+        platform.machine(),
+        os_release["ID"],
+        os_release.get("VERSION_ID"),
+        os_release.get("PRETTY_NAME"),
+    )
+    assert values["cpu_count"] == len(os.sched_getaffinity(0))
+    memory = values["memory"]
+    assert memory.total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < memory.available <= memory.total
+    # Neither GPU tool is installed here: a normal "none", not an error.
+    assert values["nvidia_gpus"] == facts.GpuReport("nvidia-smi", present=False)
+    assert values["rocm_gpus"] == facts.GpuReport("rocm-smi", present=False)
+    assert values["rpc_clients"] == (client_address,)
+    assert values["installed_manifest"] == facts.InstalledManifest(manifest)
+    assert values["server_process"].state == "running"
+    assert values["server_process"].pid == sleeper.pid
+    assert more["rpc_clients"] == ()
+    assert more["installed_manifest"] is None
+    assert more["server_process"].state == "zombie"
+    assert gone["server_process"].state == "gone"  # alive, but not a ggml-rpc-server
+    assert gone["server_process"].note == f"pid {sleeper.pid} now runs something else"
+    sleeper.kill()
+    sleeper.wait(5)
+    after = run_gathered(shell, [facts.ServerProcessFact(str(tmp_path / "sleep.pid"), expect="sleep")])
+    assert after["server_process"] == facts.ProcessState("gone", sleeper.pid)
