@@ -126,7 +126,9 @@ async def connect(host: Host, options: ConnectOptions | None = None) -> Connecti
     """Open a connection to `host`: `SSHConnection` or `LocalConnection` per `host.connection`."""
     options = options or ConnectOptions()
     if host.connection == "local":
-        return LocalConnection(host, options)
+        # A local host may have its own HOME (the local-connection lab gives each node one).
+        home = host.vars.get("home")
+        return LocalConnection(host, options, home=Path(str(home)).expanduser() if home else None)
     return await SSHConnection.open(host, options)
 
 

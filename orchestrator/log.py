@@ -39,4 +39,5 @@ def configure_logging(fmt: LogFormat = "text", level: str | int = "WARNING") -> 
 
 def get_logger(**context: Any) -> Any:
     """A structlog logger with `context` bound."""
-    return structlog.get_logger("rpcfleet").bind(**context)
+    # Lazy proxy: a module-level logger must follow configure_logging() called later by the CLI.
+    return structlog.get_logger("rpcfleet", **context)

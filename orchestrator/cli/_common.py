@@ -65,9 +65,7 @@ def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -
         parser.add_argument(
             "-l", "--limit", default=None, help="host pattern: names, groups, globs, !exclude, &intersect"
         )
-    parser.add_argument(
-        "-f", "--forks", type=int, default=16, help="hosts worked on at once (default: 16)"
-    )
+    parser.add_argument("-f", "--forks", type=int, default=16, help="hosts worked on at once (default: 16)")
 
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
@@ -126,9 +124,7 @@ def print_recap(recap: Recap) -> None:
     for status in STATUSES:
         table.add_column(status, justify="right")
     for host, counts in recap.counts.items():
-        cells = [
-            f"[{_STATUS_STYLE[s]}]{n}[/{_STATUS_STYLE[s]}]" if n else "0" for s, n in counts.items()
-        ]
+        cells = [f"[{_STATUS_STYLE[s]}]{n}[/{_STATUS_STYLE[s]}]" if n else "0" for s, n in counts.items()]
         table.add_row(host, *cells)
     console.print(table)
     for host, errors in recap.errors.items():

@@ -1,0 +1,147 @@
+"""`rpcfleet lab up|down|status`: an emulated fleet on this machine, for demos, benchmarks and tests."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from orchestrator import lab
+from orchestrator.cli import _common
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "lab",
+        help="an emulated fleet on this machine (network namespaces with sshd, or local connections)",
+        description=(
+            "As root, each node is a network namespace on a bridge with its own address, hostname, HOME "
+            "and OpenSSH sshd. With --local (no privileges needed), nodes are 127.0.x.y addresses with "
+            "their own HOME, reached through local connections."
+        ),
+    )
+    commands = parser.add_subparsers(dest="lab_command", metavar="ACTION", required=True)
+
+    up = commands.add_parser("up", help="bring a lab up and write its inventory")
+    up.add_argument("-n", "--nodes", type=int, default=3, help="number of nodes (default: 3)")
+    _add_name(up)
+    up.add_argument(
+        "--local", action="store_true", help="local-connection nodes on 127.0.x.y (no root, no sshd)"
+    )
+    up.add_argument("-o", "--output", type=Path, default=None, help="also write the inventory to this file")
+    _common.add_json_arg(up)
+    up.set_defaults(handler=handle_up)
+
+    down = commands.add_parser("down", help="tear a lab down completely")
+    _add_name(down)
+    down.add_argument("--all", action="store_true", help="every lab, and whatever dead labs left behind")
+    down.set_defaults(handler=handle_down)
+
+    status = commands.add_parser("status", help="nodes, addresses, sshd, reachability on :22")
+    _add_name(status)
+    _common.add_json_arg(status)
+    status.set_defaults(handler=handle_status)
+
+
+def _add_name(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--name",
+        default=lab.DEFAULT_LAB,
+        help=f"lab name, for several labs at once (default: {lab.DEFAULT_LAB})",
+    )
+
+
+def handle_up(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    reaped = lab.reap_stale()
+    made = lab.lab_up(args.nodes, name=args.name, local=args.local, output=args.output)
+    seconds = time.monotonic() - started
+    if args.json:
+        _common.print_json({**lab.lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})
+        return 0
+    if reaped:
+        _common.err_console.print(f"reaped {len(reaped)} leftovers of dead labs", highlight=False)
+    kind = "network namespaces with OpenSSH" if made.kind == "netns" else "local connections"
+    _common.console.print(
+        f"lab [bold]{made.name}[/bold]: {len(made.nodes)} nodes ({kind}) up in {seconds:.2f} s",
+        highlight=False,
+    )
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("node", "address", "home"):
+        table.add_column(column)
+    for node in made.nodes:
+        table.add_row(node.name, node.address, str(node.home))
+    _common.console.print(table)
+    _common.console.print(f"inventory: {made.inventory}", highlight=False)
+    for extra in made.outputs:
+        _common.console.print(f"inventory copy: {extra}", highlight=False)
+    if made.kind == "netns":
+        first = made.nodes[0]
+        _common.console.print(
+            f"ssh: ssh -i {made.client_key} -o UserKnownHostsFile={made.known_hosts} "
+            f"{made.user}@{first.address}",
+            highlight=False,
+        )
+    flag = "" if made.name == lab.DEFAULT_LAB else f" --name {made.name}"
+    _common.console.print(f"tear down: rpcfleet lab down{flag}", highlight=False)
+    return 0
+
+
+def handle_down(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    if args.all:
+        removed = lab.lab_down_all()
+        for item in removed:
+            _common.console.print(f"  removed {item}", highlight=False)
+        _common.console.print(
+            f"{len(removed)} removed in {time.monotonic() - started:.2f} s", highlight=False
+        )
+        for name in lab.list_labs():
+            _common.console.print(f"  kept lab {name}: owned by a running process (a test session)")
+        return 0
+    if not lab.lab_down(args.name):
+        _common.err_console.print(f"no lab named {args.name!r}: nothing to do", highlight=False)
+        return 0
+    _common.console.print(f"lab {args.name} down in {time.monotonic() - started:.2f} s", highlight=False)
+    return 0
+
+
+def handle_status(args: argparse.Namespace) -> int:
+    status = lab.lab_status(args.name)
+    if args.json:
+        _common.print_json(status.to_dict())
+        return 0 if status.healthy else 1
+    _common.console.print(
+        f"lab [bold]{status.name}[/bold] ({status.kind}, 10.77.{status.slot}.0/24)"
+        if status.kind == "netns"
+        else f"lab [bold]{status.name}[/bold] (local connections)",
+        highlight=False,
+    )
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("node", "address", "namespace", "sshd", ":22", "home"):
+        table.add_column(column)
+    for node in status.nodes:
+        table.add_row(
+            node.name,
+            node.address,
+            _mark(node.namespace_present, node.namespace or "-"),
+            _mark(
+                node.sshd_alive if status.kind == "netns" else None,
+                f"pid {node.sshd_pid}" if node.sshd_pid else "dead",
+            ),
+            _mark(node.reachable, "open" if node.reachable else "closed"),
+            str(node.home),
+        )
+    _common.console.print(table)
+    _common.console.print(f"inventory: {status.inventory}", highlight=False)
+    return 0 if status.healthy else 1
+
+
+def _mark(ok: bool | None, text: str) -> str:
+    if ok is None:
+        return "-"
+    return f"[green]{text}[/green]" if ok else f"[red]{text}[/red]"

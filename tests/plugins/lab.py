@@ -1,0 +1,84 @@
+"""Tier-2 fixtures: an emulated lab of network namespaces with real OpenSSH (needs root).
+
+- `lab`: one 3-node lab for the whole session (stale labs of killed runs are reaped first; the lab is
+  owned by this process, so a killed session's lab is reaped by the next one).
+- `healthy_lab`: that lab, healed after the test (links up, firewalls cleared, sshd running).
+- `lab_hosts`: the session lab's inventory hosts, in node order.
+- `make_lab`: a factory for a fresh small lab a test may break as it likes; torn down after the test.
+
+Without root these skip with a reason, except in CI (`CI` set), where they fail: CI runs as root.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from orchestrator import lab as labmod
+from orchestrator.inventory import Host, load_inventory
+
+_counter = itertools.count(1)
+
+
+def require_lab_privileges() -> None:
+    """Skip (locally) or fail (in CI) when network namespaces cannot be made."""
+    if labmod.privileged():
+        return
+    reason = "tier-2 lab tests need root with CAP_NET_ADMIN and CAP_SYS_ADMIN (network namespaces, sshd)"
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must run them as root")
+    pytest.skip(reason)
+
+
+def session_lab_name(suffix: str = "") -> str:
+    """A lab name unique to this test session (pid based), so parallel sessions never collide."""
+    return f"t{os.getpid()}{suffix}"
+
+
+def lab_hosts_of(lab: labmod.Lab) -> list[Host]:
+    hosts = {host.name: host for host in load_inventory(lab.inventory).hosts}
+    return [hosts[node.name] for node in lab.nodes]
+
+
+@pytest.fixture(scope="session")
+def lab() -> Iterator[labmod.Lab]:
+    require_lab_privileges()
+    labmod.reap_stale()
+    name = session_lab_name()
+    made = labmod.lab_up(3, name=name, owner_pid=os.getpid())
+    try:
+        yield made
+    finally:
+        labmod.lab_down(name)
+
+
+@pytest.fixture
+def healthy_lab(lab: labmod.Lab) -> Iterator[labmod.Lab]:
+    """The session lab; whatever faults the test injects are undone afterwards."""
+    yield lab
+    lab.heal()
+
+
+@pytest.fixture(scope="session")
+def lab_hosts(lab: labmod.Lab) -> list[Host]:
+    return lab_hosts_of(lab)
+
+
+@pytest.fixture
+def make_lab() -> Iterator[Callable[..., labmod.Lab]]:
+    """Factory: `make_lab(nodes=2, local=False)` -> a fresh lab of this session, down after the test."""
+    made: list[str] = []
+
+    def make(nodes: int = 2, *, local: bool = False) -> labmod.Lab:
+        if not local:
+            require_lab_privileges()
+        name = session_lab_name(f"x{next(_counter)}")
+        made.append(name)
+        return labmod.lab_up(nodes, name=name, local=local, owner_pid=os.getpid())
+
+    yield make
+    for name in made:
+        labmod.lab_down(name)
