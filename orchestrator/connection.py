@@ -126,10 +126,14 @@ async def connect(host: Host, options: ConnectOptions | None = None) -> Connecti
     """Open a connection to `host`: `SSHConnection` or `LocalConnection` per `host.connection`."""
     options = options or ConnectOptions()
     if host.connection == "local":
-        # A local host may have its own HOME (the local-connection lab gives each node one).
-        home = host.vars.get("home")
-        return LocalConnection(host, options, home=Path(str(home)).expanduser() if home else None)
+        return LocalConnection(host, options, home=_local_home(host))
     return await SSHConnection.open(host, options)
+
+
+def _local_home(host: Host) -> Path | None:
+    """A local host may have its own HOME (the local-connection lab gives each node one)."""
+    home = host.vars.get("home")
+    return Path(str(home)).expanduser() if home else None
 
 
 # --- shared -----------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ def configure_logging(fmt: LogFormat = "text", level: str | int = "WARNING") -> 
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info if fmt == "json" else structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info
+            if fmt == "json"
+            else structlog.processors.StackInfoRenderer(),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -1,0 +1,127 @@
+"""`rpcfleet probe`: every selected server's protocol, devices and usable memory, probed at once."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.cli import _common
+from orchestrator.errors import UsageError
+from orchestrator.units import format_size
+
+if TYPE_CHECKING:  # imported lazily: the probe pulls in asyncssh and numpy
+    from orchestrator.probe import FleetProbe
+
+_STATE_STYLE = {"ok": "green", "busy": "yellow"}
+_PIPE_WIDTH = 160
+
+
+def register(subparsers: Any) -> None:
+    from orchestrator.probe import DEFAULT_TIMEOUT, FAIL_ON
+
+    parser = subparsers.add_parser(
+        "probe",
+        help="probe every selected rpc-server: protocol, devices, free and usable memory",
+        description=(
+            "Probe every selected host at once: RPC (HELLO, devices, memory) from here and host facts "
+            "(MemAvailable, GPUs, connected clients) over SSH, each bounded by --timeout. "
+            "Exit status 1 when nodes are not ok (see --fail-on)."
+        ),
+    )
+    _common.add_inventory_args(parser)
+    _common.add_json_arg(parser)
+    parser.add_argument(
+        "--no-facts",
+        dest="facts",
+        action="store_false",
+        help="RPC only: no SSH (CPU devices then show the server's free figure, which is total RAM)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds per host for the RPC probe and the facts (default: {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--fail-on",
+        choices=FAIL_ON,
+        default="any",
+        help="exit 1 when any node (default), all nodes, or none is not ok",
+    )
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.probe import fleet_failed, probe_fleet
+
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
+    _, hosts = _common.load_hosts(args)
+    fleet = _common.run_async(probe_fleet(hosts, timeout=args.timeout, facts=args.facts, forks=args.forks))
+    if args.json:
+        _common.print_json(fleet.to_json())
+    else:
+        _print_table(fleet)
+    return 1 if fleet_failed(fleet, args.fail_on) else 0
+
+
+def _state_cell(state: str, clients: tuple[str, ...] | None) -> str:
+    style = _STATE_STYLE.get(state, "red")
+    text = f"[{style}]{escape(state)}[/{style}]"
+    if state != "ok" and clients:
+        text += f" ({escape(', '.join(clients))})"
+    return text
+
+
+def _print_table(fleet: FleetProbe) -> None:
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("host", "endpoint", "protocol", "device", "total", "free", "usable", "state"):
+        numeric = column in ("total", "free", "usable")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=column != "device")
+    notes: list[str] = []
+    for node in fleet.nodes:
+        protocol = str(node.rpc.version) if node.rpc.version is not None else "-"
+        state = _state_cell(node.state, node.clients)
+        if not node.devices:
+            table.add_row(escape(node.host), escape(node.endpoint), protocol, "-", "-", "-", "-", state)
+        for device in node.devices:
+            free = format_size(device.free) + ("" if device.source_of_free == "rpc" else "*")
+            table.add_row(
+                escape(node.host),
+                escape(node.endpoint),
+                protocol,
+                escape(f"#{device.index} {device.description}"),
+                format_size(device.total),
+                free,
+                format_size(device.usable),
+                state,
+            )
+            notes += [f"{node.host} #{device.index}: {w}" for w in device.warnings]
+        if not node.ok:
+            notes.append(f"{node.host}: {node.state}: {node.rpc.message}")
+        notes += [f"{node.host}: {w}" for w in node.warnings]
+    totals = fleet.totals
+    table.add_section()
+    table.add_row(
+        "total",
+        f"{totals.ok_endpoints}/{totals.endpoints} ok",
+        "",
+        f"{totals.devices} device(s)",
+        format_size(totals.total),
+        format_size(totals.free),
+        format_size(totals.usable),
+        "",
+    )
+    # Piped output has no terminal width to fit: print the table whole rather than folded into 80 columns.
+    out = _common.console if _common.console.is_terminal else Console(width=_PIPE_WIDTH)
+    out.print(table)
+    if any(d.source_of_free == "meminfo" for n in fleet.nodes for d in n.devices):
+        out.print("* free = MemAvailable on the host (CPU devices)", highlight=False)
+    for note in notes:
+        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False)

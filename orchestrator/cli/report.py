@@ -1,0 +1,129 @@
+"""`rpcfleet report`: probe the fleet, plan each model at each context, write a capacity report.
+
+The report itself is pure (`orchestrator.report`); this module probes, reads the models, and writes the
+result to stdout or, with `-o`, atomically to a file (a temporary file in the same folder, then a rename,
+so a reader never sees half a report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli import _common
+from orchestrator.errors import RpcfleetError, UsageError
+from orchestrator.units import parse_size
+
+_CTX = re.compile(r"^\s*(\d+)\s*([kK])?\s*$")
+
+
+def parse_contexts(values: list[str] | None) -> list[int]:
+    """'4096,32k' (repeatable) -> [4096, 32768]; k means 1024. Duplicates are dropped, order kept."""
+    out: list[int] = []
+    for value in values or ["4096"]:
+        for part in value.split(","):
+            match = _CTX.match(part)
+            if match is None:
+                raise UsageError(f"--ctx: expected context sizes such as 4096,32k, got {part.strip()!r}")
+            n = int(match.group(1)) * (1024 if match.group(2) else 1)
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path()
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        Path(tmp).chmod(0o644)
+        Path(tmp).replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            Path(tmp).unlink()
+        raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def register(subparsers: Any) -> None:
+    from orchestrator.report import FORMATS
+
+    parser = subparsers.add_parser(
+        "report",
+        help="capacity report: the fleet's memory and, per model and context, whether and where it fits",
+    )
+    _common.add_inventory_args(parser)
+    parser.add_argument(
+        "-m", "--model", action="extend", nargs="+", default=[], metavar="GGUF", help="model file(s) to plan"
+    )
+    parser.add_argument(
+        "--ctx",
+        action="append",
+        default=None,
+        help="context sizes, comma-separated (default 4096; 32k = 32768)",
+    )
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
+    parser.add_argument("--margin", default=None, help="headroom kept free per device (default 256MiB)")
+    parser.add_argument("--type-k", default="f16", help="KV cache type of K (default f16)")
+    parser.add_argument("--type-v", default="f16", help="KV cache type of V (default f16)")
+    parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
+    parser.add_argument("--ubatch", type=int, default=512, help="n_ubatch (default 512)")
+    parser.add_argument("--strategy", choices=["proportional", "fewest"], default="proportional")
+    parser.add_argument("--timeout", type=float, default=3.0, help="probe timeout per host, seconds")
+    parser.add_argument("--no-facts", action="store_true", help="probe over RPC only (no SSH facts)")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.model import profile_model
+    from orchestrator.planner import DEFAULT_MARGIN, PlanOptions
+    from orchestrator.probe import probe_fleet
+    from orchestrator.report import ReportOptions, build_report, render
+
+    contexts = parse_contexts(args.ctx)
+    try:
+        margin = parse_size(args.margin) if args.margin is not None else DEFAULT_MARGIN
+    except ValueError as exc:
+        raise UsageError(f"--margin: {exc}") from None
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    models = [(str(m), profile_model(m)) for m in args.model]  # read before probing: fail fast on a typo
+    _, hosts = _common.load_hosts(args)
+    fleet = _common.run_async(
+        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+    )
+    options = ReportOptions(
+        plan=PlanOptions(
+            type_k=args.type_k,
+            type_v=args.type_v,
+            n_ubatch=args.ubatch,
+            flash_attn=args.flash_attn,
+            margin=margin,
+            strategy=args.strategy,
+        ),
+        generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        inventory=str(_common.inventory_path(args)),
+    )
+    report = build_report(fleet, models, contexts, options)
+    text = render(report, args.format)
+    if args.output is not None:
+        write_atomic(args.output, text)
+        _common.err_console.print(f"report written to {args.output}", highlight=False)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,230 @@
+"""`rpcfleet run`: probe the fleet, plan, load the model over RPC, generate, and show where it went.
+
+The placement table sets the plan's prediction beside what llama.cpp allocated (its load log, 0.01 MiB
+precision) for every device and for the host, then generation speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.cli import _common
+from orchestrator.errors import UsageError
+from orchestrator.units import format_size
+
+MiB = 1024 * 1024
+
+if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
+    from orchestrator.inventory import Host
+    from orchestrator.loader import Placement
+    from orchestrator.planner import Plan, PlanDevice
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="plan from a fresh probe, load a model over RPC, generate, and show the placement",
+        description=(
+            "Probe the selected servers (inventory, or --endpoint for servers outside it), plan the "
+            "model's placement, load it through llama-cpp-python with an explicit device list, generate "
+            "and print predicted versus actual memory per device and tokens per second."
+        ),
+    )
+    parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
+    parser.add_argument("-p", "--prompt", required=True, help="the prompt")
+    parser.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
+    parser.add_argument("--ctx", type=int, default=4096, help="context size (default: 4096; 0 = the model's)")
+    parser.add_argument("--flash-attn", action="store_true", help="use flash attention")
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a server to use (repeatable); without it, the inventory's hosts",
+    )
+    parser.add_argument("--plan", type=Path, default=None, help="load this plan (JSON) instead of planning")
+    parser.add_argument("--timeout", type=float, default=3.0, metavar="S", help="probe timeout per host")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature (default: 0, greedy)")
+    parser.add_argument("--llama-verbose", action="store_true", help="show llama.cpp's own log")
+    _common.add_inventory_args(parser)
+    _common.add_json_arg(parser)
+    parser.set_defaults(handler=handle)
+
+
+def endpoint_hosts(endpoints: list[str]) -> list[Host]:
+    """Inventory-less hosts for `--endpoint` values. Loopback servers run on this machine, so they get
+    a local connection (facts such as MemAvailable are read here); others are probed over RPC only."""
+    from orchestrator.inventory import Host
+    from orchestrator.rpc import parse_endpoint
+
+    hosts = []
+    for text in endpoints:
+        ep = parse_endpoint(text)
+        hosts.append(
+            Host(name=str(ep), address=ep.host, connection="local", rpc_host=ep.host, rpc_port=ep.port)
+        )
+    return hosts
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _devices(args: argparse.Namespace) -> list[PlanDevice]:
+    from orchestrator.probe import probe_fleet, to_plan_devices
+
+    if args.endpoint:
+        hosts = endpoint_hosts(args.endpoint)
+        facts = all(_is_loopback(h.address) for h in hosts)
+    else:
+        _, hosts = _common.load_hosts(args)
+        facts = True
+    if not hosts:
+        raise UsageError("no hosts selected: give --endpoint or an inventory")
+    fleet = _common.run_async(probe_fleet(hosts, timeout=args.timeout, facts=facts, forks=args.forks))
+    return to_plan_devices(fleet, failed="raise")
+
+
+def make_run_plan(args: argparse.Namespace) -> Plan:
+    from orchestrator.model import profile_model
+    from orchestrator.planner import Plan, PlanOptions, make_plan
+
+    if args.plan is not None:
+        try:
+            return Plan.from_json(args.plan.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise UsageError(f"cannot read plan {args.plan}: {exc.strerror}") from exc
+    profile = profile_model(args.model)
+    return make_plan(_devices(args), profile, PlanOptions(n_ctx=args.ctx, flash_attn=args.flash_attn))
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.loader import load_llama, placement_of
+
+    if args.n_predict < 1:
+        raise UsageError(f"-n must be at least 1, got {args.n_predict}")
+    if not args.model.exists():
+        raise UsageError(f"model {args.model} does not exist")
+    plan = make_run_plan(args)
+    if not plan.fit.fits and not args.json:
+        _common.err_console.print(
+            f"[yellow]warning:[/yellow] the plan does not fit: short by {format_size(plan.fit.shortfall)}"
+        )
+    llm = load_llama(plan, args.model, seed=args.seed, verbose=args.llama_verbose)
+    try:
+        text, stats = generate(llm, args.prompt, args.n_predict, args.temp, echo=not args.json)
+        placement = placement_of(llm)
+    finally:
+        llm.close()
+    if args.json:
+        _common.print_json(
+            {
+                "text": text,
+                **stats,
+                "placement": _placement_json(placement),
+                "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
+            }
+        )
+        return 0
+    _common.console.print()
+    _print_placement(placement)
+    _common.console.print(
+        f"load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
+        f"{stats['prompt_seconds']:.3f} s · {stats['completion_tokens']} tokens at "
+        f"[bold]{stats['tokens_per_second']:.1f} tokens/s[/bold]",
+        highlight=False,
+    )
+    return 0
+
+
+def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple[str, dict[str, Any]]:
+    """Stream a completion; prompt time is up to the first token, speed is over the tokens after it."""
+    started = time.monotonic()
+    first: float | None = None
+    pieces: list[str] = []
+    count = 0
+    for chunk in llm(prompt, max_tokens=n, temperature=temp, stream=True):
+        choice = chunk["choices"][0]
+        piece = choice["text"]
+        if not piece and choice.get("finish_reason") is not None:
+            break  # the closing chunk carries no token
+        first = first if first is not None else time.monotonic()
+        pieces.append(piece)
+        count += 1
+        if echo:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    ended = time.monotonic()
+    if echo:
+        sys.stdout.write("\n")
+    first = first if first is not None else ended
+    decode = ended - first
+    return "".join(pieces), {
+        "prompt_tokens": len(llm.tokenize(prompt.encode("utf-8"))),
+        "completion_tokens": count,
+        "prompt_seconds": round(first - started, 4),
+        "decode_seconds": round(decode, 4),
+        "tokens_per_second": round((count - 1) / decode, 2) if count > 1 and decode > 0 else 0.0,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.2f}"
+
+
+def _print_placement(placement: Placement) -> None:
+    """Two rows per device: the plan's prediction, then what llama.cpp allocated."""
+    table = Table(
+        title="placement (MiB)", title_justify="left", box=box.SIMPLE_HEAD, highlight=False, pad_edge=False
+    )
+    table.add_column("device", no_wrap=True)
+    table.add_column("name", no_wrap=True)
+    table.add_column("layers", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    for column in ("weights", "KV", "compute", "total"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for d in placement.devices:
+        layers = _layer_range(d.planned_layers)
+        actual_layers = _layer_range(d.actual_layers)
+        if d.actual_layers != d.planned_layers:
+            actual_layers = f"[red]{actual_layers}[/red]"
+        p, a = d.predicted, d.actual
+        table.add_row(
+            escape(d.label), d.name, layers, "plan", *map(_mib, (p.weights, p.kv, p.compute, p.total))
+        )
+        table.add_row("", "", actual_layers, "actual", *map(_mib, (a.weights, a.kv, a.compute, a.total)))
+    h = placement.host
+    predicted = (h.predicted_weights, h.predicted_kv, h.predicted_compute)
+    actual = (h.actual_weights, h.actual_kv, h.actual_compute)
+    table.add_row("host", "CPU", "", "plan", *map(_mib, (*predicted, sum(predicted))))
+    table.add_row("", "", "", "actual", *map(_mib, (*actual, sum(actual))))
+    _common.console.print(table)
+
+
+def _layer_range(layers: tuple[int, ...]) -> str:
+    if not layers:
+        return "-"
+    if list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    return ",".join(map(str, layers))
+
+
+def _placement_json(placement: Placement) -> dict[str, Any]:
+    data = dataclasses.asdict(placement)
+    data.pop("log", None)
+    return data

@@ -1,0 +1,156 @@
+"""Fixtures for real llama.cpp loads over RPC (marker `llama`).
+
+Native RPC registrations last for the life of the process and a process may register at most
+`loader.MAX_ENDPOINTS` distinct endpoints, so real loads share one set of session-scoped servers: three
+real `ggml-rpc-server`s on loopback, started with `GGML_RPC_DEBUG=1` so their logs record every buffer
+allocation to the byte. Each load runs in the test process (no subprocess): the loader preflights every
+endpoint before native code, so a refused server cannot abort pytest, and tests can check the process's
+own registry. A test reads only the log written since it started (`log_offset` / `allocations_since`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from orchestrator import rpc
+from orchestrator.planner import PlanDevice
+from tests.plugins.servers import free_port
+
+GiB = 1 << 30
+
+
+@dataclass
+class DebugServer:
+    """A real server whose log (stdout line-buffered, plus stderr) holds GGML_RPC_DEBUG allocations."""
+
+    host: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_offset(self) -> int:
+        return self.log.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with self.log.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
+
+    def allocations_since(self, offset: int) -> dict[int, list[int]]:
+        """Sizes the model's connection allocated per device since `offset` (weights, KV, compute...)."""
+        from orchestrator.loader import model_allocations, parse_server_log
+
+        return model_allocations(parse_server_log(self.log_since(offset)))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def start_debug_server(binary: Path, log_dir: Path, *extra: str) -> DebugServer:
+    """Start `binary` on 127.0.0.1 and a free port with GGML_RPC_DEBUG=1, SIGPIPE ignored; wait until it
+    accepts a connection (connect and close without a byte: harmless to the server)."""
+    port = free_port()
+    log = log_dir / f"rpc-debug-{port}.log"
+    argv = ["stdbuf", "-oL", str(binary), "-H", "127.0.0.1", "-p", str(port), *extra]
+    line = " ".join(shlex.quote(a) for a in argv)
+    env = {**os.environ, "GGML_RPC_DEBUG": "1"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            ["bash", "-c", f"trap '' PIPE; exec {line}"], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    server = DebugServer("127.0.0.1", port, process, log)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return server
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError(f"rpc-server exited: {log.read_text()}") from None
+            time.sleep(0.02)
+    server.stop()
+    raise RuntimeError(f"rpc-server on {server.endpoint} did not listen within 10 s")
+
+
+@pytest.fixture(scope="session")
+def debug_rpc_servers(
+    rpc_server_binary: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[DebugServer]]:
+    """Three real servers with GGML_RPC_DEBUG=1, shared by every real load of the session."""
+    log_dir = tmp_path_factory.mktemp("rpc-debug")
+    servers: list[DebugServer] = []
+    try:
+        for _ in range(3):
+            servers.append(start_debug_server(rpc_server_binary, log_dir))
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def plan_devices(
+    servers: Sequence[DebugServer | str], usable: Sequence[int] | None = None
+) -> list[PlanDevice]:
+    """One PlanDevice per server or endpoint (device 0, CPU backend, alignment 32), `usable` bytes each
+    (default 8 GiB): the planner's input as a fleet probe would give it."""
+    sizes = list(usable) if usable is not None else [8 * GiB] * len(servers)
+    endpoints = [s if isinstance(s, str) else s.endpoint for s in servers]
+    return [
+        PlanDevice(
+            endpoint=endpoints[i],
+            index=0,
+            name="CPU",
+            description=endpoints[i],
+            total=sizes[i],
+            free=sizes[i],
+            usable=sizes[i],
+        )
+        for i in range(len(endpoints))
+    ]
+
+
+@pytest.fixture
+def hold_server() -> Iterator[Callable[[str], socket.socket]]:
+    """`hold(endpoint)`: connect, complete HELLO and keep the connection open, so the server is busy
+    serving us (it takes one client at a time). Closed at teardown."""
+    held: list[socket.socket] = []
+
+    def hold(endpoint: str) -> socket.socket:
+        ep = rpc.parse_endpoint(endpoint)
+        sock = socket.create_connection((ep.host, ep.port), timeout=5)
+        sock.sendall(rpc.hello_request())
+        want = rpc.SIZE_HEADER + rpc.HELLO_REPLY_SIZE
+        got = b""
+        while len(got) < want:
+            chunk = sock.recv(want - len(got))
+            if not chunk:
+                raise RuntimeError(f"{endpoint} closed during HELLO")
+            got += chunk
+        held.append(sock)
+        return sock
+
+    yield hold
+    for sock in held:
+        sock.close()
