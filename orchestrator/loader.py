@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -552,14 +553,15 @@ def _run_sync(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
+@functools.cache
 def expected_protocol() -> rpc.ProtocolVersion:
     """The RPC protocol of the installed llama-cpp-python (known per release), else the local default."""
-    try:
-        from importlib.metadata import version
+    # llama_cpp.__version__, not importlib.metadata: the latter scans every distribution on
+    # sys.path (22 ms, half of load_llama's own overhead). Importing llama_cpp loads its
+    # libraries but calls nothing that can abort.
+    import llama_cpp
 
-        known = LLAMA_CPP_PROTOCOL.get(version("llama_cpp_python"))
-    except Exception:
-        known = None
+    known = LLAMA_CPP_PROTOCOL.get(str(getattr(llama_cpp, "__version__", "")))
     return rpc.ProtocolVersion.parse(known) if known else rpc.local_protocol_version()
 
 
