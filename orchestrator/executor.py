@@ -140,11 +140,11 @@ class HostContext:
 
     def __init__(self, host: Host, session: Session) -> None:
         self.host = host
-        self._session = session
+        self.session = session
         self.log = get_logger(host=host.name, run_id=session.run_id)
 
     async def connection(self) -> Connection:
-        return await self._session.connection(self.host)
+        return await self.session.connection(self.host)
 
 
 Step = Callable[[HostContext], Awaitable[StepOutcome[T]]]

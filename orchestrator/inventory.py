@@ -102,6 +102,19 @@ class Host:
             return f"[{target}]:{self.rpc_port}"
         return f"{target}:{self.rpc_port}"
 
+    @property
+    def binds_own_loopback(self) -> bool:
+        """Whether the server binds a remote node's loopback: reachable only from that node, so the
+        controller must not probe the address (it would reach its own loopback instead)."""
+        return self.connection == "ssh" and not _is_loopback(self.address) and _is_loopback(self.rpc_host)
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address == "localhost"
+
 
 @dataclass(frozen=True)
 class Group:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -81,7 +80,6 @@ from orchestrator.rpc import (
     ProbeResult,
     ProtocolVersion,
     local_protocol_version,
-    parse_endpoint,
     probe_endpoint,
 )
 from orchestrator.units import format_size
@@ -635,23 +633,12 @@ def _unreachable_endpoint(host: Host) -> str | None:
     A server bound to a remote node's loopback is reachable only from that node; probing the same
     address here would reach a different server (or none).
     """
-    try:
-        remote = host.connection == "ssh" and not _is_loopback(host.address)
-        if remote and _is_loopback(parse_endpoint(host.endpoint).host):
-            return (
-                f"the server binds the node's loopback ({host.endpoint}): "
-                "unreachable from this controller (set rpc_host to an address clients can reach)"
-            )
-    except RpcfleetError as exc:
-        return str(exc)
+    if host.binds_own_loopback:
+        return (
+            f"the server binds the node's loopback ({host.endpoint}): "
+            "unreachable from this controller (set rpc_host to an address clients can reach)"
+        )
     return None
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
-        return address == "localhost"
 
 
 @functools.cache

@@ -1,0 +1,538 @@
+"""Installing a pinned rpc-server artifact on a host: read what is there, plan the change, apply it.
+
+Layout on the node (`install_dir`, default `~/.local/lib/rpcfleet`):
+
+    versions/<id>/         one unpacked artifact each (manifest.json, bin/ggml-rpc-server, libggml*.so)
+    current -> versions/<id>   switched atomically (`ln -s` to a temporary name, then `mv -T`)
+    history                ids in the order they were made current (most recent last): rollback, pruning
+    tmp/                   uploads and unpacking in progress (emptied before each upload)
+    run/, log/, cache/     the server's pid file, log and LLAMA_CACHE (see service.py)
+
+Read, then change: `read_install_state` runs one command and `parse_install_state` (pure) turns its
+output into an `InstallState`; `plan_install` (pure) compares it with the artifact and returns an
+`InstallChange` (what `--check` prints); `apply_install` uploads to a temporary name, verifies the
+sha256 on the node, unpacks into a staging folder, verifies every file, and only then moves it into
+`versions/` and switches `current`. Any failure before the switch leaves the previous version in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import shlex
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from orchestrator.artifacts import Artifact, Manifest, resolve_artifact, verify_artifact
+from orchestrator.connection import Connection, Progress
+from orchestrator.errors import ArtifactError, CommandTimeoutError, InstallError, TransferError, tail
+from orchestrator.executor import HostContext, StepOutcome
+from orchestrator.inventory import Host
+from orchestrator.units import format_size
+
+__all__ = [
+    "ArtifactChooser",
+    "InstallChange",
+    "InstallState",
+    "apply_install",
+    "ensure_installed",
+    "install_script",
+    "install_state_command",
+    "make_install_step",
+    "normalise_platform",
+    "parse_apply_output",
+    "parse_install_state",
+    "plan_install",
+    "plan_rollback",
+    "prune_plan",
+    "read_install_state",
+    "shell_path",
+    "switch_script",
+]
+
+Action = Literal["none", "install", "switch"]
+STATE_TIMEOUT = 20.0
+PREPARE_TIMEOUT = 20.0
+APPLY_TIMEOUT = 120.0
+SPACE_MARGIN = 1 << 20  # bytes kept free beyond the archive and the unpacked files
+_MARK = "@"
+
+
+def shell_path(path: str) -> str:
+    """`path` for a POSIX shell: a leading `~` becomes "$HOME", everything else is quoted."""
+    if path in ("~", "~/"):
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:].rstrip("/")
+        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
+    return shlex.quote(path.rstrip("/") or "/")
+
+
+def normalise_platform(uname_s: str, uname_m: str) -> tuple[str, str]:
+    """(os, arch) in manifest spelling from `uname -s` / `uname -m`."""
+    os_name = uname_s.strip().lower()
+    machine = uname_m.strip().lower()
+    arch = {"amd64": "x86_64", "x64": "x86_64"}.get(machine, machine)
+    if arch == "arm64" and os_name != "darwin":
+        arch = "aarch64"
+    return os_name, arch
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class InstallState:
+    """What is installed on one host, read in one command."""
+
+    host: str
+    install_dir: str  # absolute, as the node's shell expanded it
+    os: str
+    arch: str
+    current: str | None  # the version id `current` points to
+    versions: tuple[str, ...]  # version folders present
+    history: tuple[str, ...]  # ids made current, oldest first (deduplicated, most recent last)
+    free_bytes: int | None  # free space where the install lives (or would be created)
+    manifest: Manifest | None  # current/manifest.json, when readable
+    problems: tuple[str, ...] = ()  # e.g. a `current` link to a missing folder
+
+    @property
+    def installed(self) -> bool:
+        return self.current is not None and self.current in self.versions and self.manifest is not None
+
+    @property
+    def protocol(self) -> str | None:
+        return self.manifest.protocol if self.manifest else None
+
+    def previous(self) -> str | None:
+        """The most recently current version other than `current` that is still installed (rollback)."""
+        for version in reversed(self.history):
+            if version != self.current and version in self.versions:
+                return version
+        return None
+
+
+def install_state_command(install_dir: str) -> str:
+    """One read-only shell command printing the install state as `@key value` lines."""
+    d = shell_path(install_dir)
+    return "\n".join(
+        [
+            f"D={d}",
+            'echo "@dir $D"',
+            'echo "@os $(uname -s)"',
+            'echo "@arch $(uname -m)"',
+            'if [ -L "$D/current" ]; then echo "@current $(readlink "$D/current")"; fi',
+            'for v in "$D"/versions/*; do if [ -d "$v" ]; then echo "@version ${v##*/}"; fi; done',
+            'if [ -f "$D/history" ]; then sed "s/^/@history /" "$D/history"; fi',
+            'p="$D"; while [ ! -d "$p" ]; do p=$(dirname "$p"); done',
+            'echo "@free $(df -Pk "$p" | awk \'NR==2 {print $4}\')"',
+            'if [ -f "$D/current/manifest.json" ]; then',
+            '  echo "@manifest-begin"; cat "$D/current/manifest.json"; echo; echo "@manifest-end"',
+            "fi",
+        ]
+    )
+
+
+def _lines(stdout: str) -> Iterable[tuple[str, str]]:
+    """(key, value) of every `@key value` line; manifest lines come as ("manifest", line)."""
+    in_manifest = False
+    for line in stdout.splitlines():
+        if line == "@manifest-begin":
+            in_manifest = True
+            continue
+        if line == "@manifest-end":
+            in_manifest = False
+            continue
+        if in_manifest:
+            yield "manifest", line
+            continue
+        if not line.startswith(_MARK):
+            continue
+        key, _, value = line[1:].partition(" ")
+        yield key, value.strip()
+
+
+def parse_install_state(stdout: str, host: str) -> InstallState:
+    """Pure: the output of `install_state_command` -> `InstallState` (other `@` lines are ignored)."""
+    values: dict[str, str] = {}
+    versions: list[str] = []
+    history: list[str] = []
+    manifest_lines: list[str] = []
+    for key, value in _lines(stdout):
+        if key == "version":
+            versions.append(value)
+        elif key == "history":
+            if value:
+                if value in history:
+                    history.remove(value)
+                history.append(value)
+        elif key == "manifest":
+            manifest_lines.append(value)
+        elif key in ("dir", "os", "arch", "current", "free"):
+            values[key] = value
+    if "dir" not in values or "os" not in values:
+        raise InstallError(f"unexpected answer while reading the install state: {tail(stdout)!r}", host=host)
+    os_name, arch = normalise_platform(values["os"], values.get("arch", ""))
+    problems: list[str] = []
+    current: str | None = None
+    if "current" in values:
+        # The link is relative (versions/<id>); an absolute one from elsewhere is reported as such.
+        target = values["current"].rstrip("/")
+        current = target.rsplit("/", 1)[-1] if target.startswith("versions/") else None
+        if current is None:
+            problems.append(f"`current` points outside versions/: {target}")
+        elif current not in versions:
+            problems.append(f"`current` points to a missing version: {current}")
+    manifest: Manifest | None = None
+    if manifest_lines:
+        try:
+            manifest = Manifest.from_dict(json.loads("\n".join(manifest_lines)))
+        except (ValueError, ArtifactError) as exc:
+            problems.append(f"unreadable current/manifest.json: {exc}")
+    elif current is not None and current in versions:
+        problems.append("current/manifest.json is missing")
+    free: int | None = None
+    if values.get("free", "").isdigit():
+        free = int(values["free"]) * 1024
+    return InstallState(
+        host=host,
+        install_dir=values["dir"],
+        os=os_name,
+        arch=arch,
+        current=current,
+        versions=tuple(sorted(versions)),
+        history=tuple(history),
+        free_bytes=free,
+        manifest=manifest,
+        problems=tuple(problems),
+    )
+
+
+async def read_install_state(conn: Connection, host: Host) -> InstallState:
+    result = await conn.run(install_state_command(host.install_dir), timeout=STATE_TIMEOUT, check=True)
+    return parse_install_state(result.stdout, host.name)
+
+
+# ---------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class InstallChange:
+    """What making `version` current on a host means: nothing, a switch to a present version, or an
+    install (upload + unpack + switch). `artifact` is None for a rollback (the version is on the node)."""
+
+    host: str
+    action: Action
+    version: str
+    artifact: Artifact | None
+    install_dir: str
+    previous: str | None  # the version current before the change
+    prune: tuple[str, ...] = ()  # versions removed after the switch
+    reason: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.action != "none"
+
+    def describe(self) -> str:
+        if self.action == "none":
+            return f"{self.version} already installed"
+        text = f"{'install' if self.action == 'install' else 'switch to installed'} {self.version}"
+        if self.previous:
+            text += f" (was {self.previous})"
+        if self.prune:
+            text += f"; remove {', '.join(self.prune)}"
+        return text
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "action": self.action,
+            "version": self.version,
+            "previous": self.previous,
+            "prune": list(self.prune),
+            "reason": self.reason,
+        }
+
+
+def _unpacked_size(artifact: Artifact) -> int:
+    return sum(entry.size for entry in artifact.manifest.files) + len(artifact.manifest.to_json())
+
+
+def prune_plan(
+    history: Sequence[str], versions: Sequence[str], new: str, protect: Iterable[str], keep_versions: int
+) -> tuple[str, ...]:
+    """Pure: the versions to remove once `new` is current, keeping the `keep_versions` most recently
+    current ones (`new` included) and every version in `protect` (the one still running)."""
+    order = [v for v in history if v != new] + [new]
+    recent = [v for v in reversed(order) if v in versions or v == new]
+    kept = set(recent[: max(1, keep_versions)]) | set(protect)
+    return tuple(sorted(v for v in versions if v not in kept))
+
+
+def plan_install(
+    state: InstallState, artifact: Artifact, *, keep_versions: int = 3, force: bool = False
+) -> InstallChange:
+    """Pure: the change that makes `artifact` current on the host described by `state`.
+
+    Raises InstallError when the artifact does not fit the host (os/arch) or its disk.
+    """
+    manifest = artifact.manifest
+    if (manifest.os, manifest.arch) != (state.os, state.arch):
+        raise InstallError(
+            f"artifact {artifact.id} is built for {manifest.os}/{manifest.arch}, "
+            f"the host runs {state.os}/{state.arch}",
+            host=state.host,
+            hint="pin a matching artifact with the host variable rpc_artifact",
+        )
+    # The version current before the change may still be running: never pruned in the same step.
+    protect = [state.current] if state.current else []
+    prune = prune_plan(state.history, state.versions, artifact.id, protect, keep_versions)
+    up_to_date = state.current == artifact.id and state.installed and state.manifest == manifest
+    if up_to_date and not state.problems and not force:
+        return InstallChange(state.host, "none", artifact.id, artifact, state.install_dir, state.current)
+    if artifact.id in state.versions and not force:
+        reason = "already unpacked in versions/"
+        return InstallChange(
+            state.host, "switch", artifact.id, artifact, state.install_dir, state.current, prune, reason
+        )
+    needed = artifact.size + _unpacked_size(artifact) + SPACE_MARGIN
+    if state.free_bytes is not None and state.free_bytes < needed:
+        kept = f"{state.current} stays installed" if state.current else "nothing was changed"
+        raise InstallError(
+            f"not enough disk space in {state.install_dir}: {format_size(state.free_bytes)} free, "
+            f"{format_size(needed)} needed to install {artifact.id}; {kept}",
+            host=state.host,
+        )
+    reason = "not installed" if state.current is None else f"current is {state.current}"
+    return InstallChange(
+        state.host, "install", artifact.id, artifact, state.install_dir, state.current, prune, reason
+    )
+
+
+def plan_rollback(state: InstallState, *, to: str | None = None) -> InstallChange:
+    """Pure: the switch back to the most recent other version (or `to`). Prunes nothing, so a roll
+    forward is a switch again. Raises InstallError when there is nothing to roll back to."""
+    target = to or state.previous()
+    if target is None:
+        raise InstallError("no previous version is installed to roll back to", host=state.host)
+    if target not in state.versions:
+        installed = ", ".join(state.versions) or "none"
+        raise InstallError(f"version {target} is not installed (installed: {installed})", host=state.host)
+    if target == state.current:
+        return InstallChange(state.host, "none", target, None, state.install_dir, state.current)
+    return InstallChange(state.host, "switch", target, None, state.install_dir, state.current, (), "rollback")
+
+
+# ---------------------------------------------------------------- apply
+
+
+def _verify_lines(manifest: Manifest | None, folder: str) -> list[str]:
+    """Shell lines checking every regular file of `manifest` in `folder` with sha256sum."""
+    if manifest is None:
+        return [f'[ -x {folder}/bin/ggml-rpc-server ] || fail files "$ID has no bin/ggml-rpc-server"']
+    sums = "".join(f"{e.sha256}  {e.path}\n" for e in manifest.files if e.sha256 is not None)
+    return [
+        f"sums={shlex.quote(sums)}",
+        f'bad=$(cd {folder} && printf "%s" "$sums" | sha256sum --check --quiet 2>&1) || '
+        'fail files "files differ from the manifest: $(echo "$bad" | head -n 3 | tr "\\n" " ")"',
+        f'[ -x {folder}/bin/ggml-rpc-server ] || fail files "bin/ggml-rpc-server is missing"',
+    ]
+
+
+def _script(change: InstallChange, nonce: str, cleanup: Sequence[str], body: Sequence[str]) -> str:
+    """A node-side script: header (D, ID, fail), `body`, then the switch, history and pruning."""
+    q = shlex.quote
+    lines = [
+        f"D={q(change.install_dir)}",
+        f"ID={q(change.version)}",
+        # fail STAGE MESSAGE: remove what this attempt made, report, exit non-zero.
+        f'fail() {{ rm -rf {" ".join(cleanup)} "$D/current.{nonce}" "$D/history.{nonce}"; '
+        'echo "@fail $1 $2"; exit 3; }',
+        *body,
+        f'ln -s "versions/$ID" "$D/current.{nonce}" || fail switch "cannot create the link"',
+        f'mv -T "$D/current.{nonce}" "$D/current" || fail switch "cannot switch current"',
+        # History: the new id last, without duplicates; written aside and renamed.
+        f'{{ grep -vxF "$ID" "$D/history" 2>/dev/null; echo "$ID"; }} > "$D/history.{nonce}"'
+        f' && mv -f "$D/history.{nonce}" "$D/history" || echo "@warning history not updated"',
+    ]
+    for version in change.prune:
+        lines.append(f'rm -rf "$D/versions/"{q(version)} || echo "@warning cannot remove {version}"')
+    lines.append('echo "@ok"')
+    return "\n".join(lines) + "\n"
+
+
+def install_script(change: InstallChange, remote_archive: str, nonce: str) -> str:
+    """After the upload: verify the archive's sha256, unpack aside, verify every file, move into
+    versions/, switch `current`, prune. Nothing visible changes before the switch."""
+    assert change.artifact is not None
+    q = shlex.quote
+    sha = change.artifact.archive_sha256
+    old = f'"$D/tmp/$ID.old.{nonce}"'
+    body = [
+        f"A={q(remote_archive)}",
+        f'S="$D/tmp/$ID.{nonce}.d"',
+        'got=$(sha256sum "$A" | cut -d" " -f1) || fail checksum "cannot read the uploaded archive"',
+        f'[ "$got" = {sha} ] || fail checksum "archive sha256 on the node is $got, expected {sha}"',
+        'mkdir -p "$S" || fail unpack "cannot create $S"',
+        'err=$(tar -xzf "$A" -C "$S" 2>&1) || fail unpack "tar: $(echo "$err" | tail -n 2 | tr "\\n" " ")"',
+        *_verify_lines(change.artifact.manifest, '"$S"'),
+        'rm -f "$A"',
+        # A leftover folder of the same id (an earlier broken or forced install) is replaced.
+        f'if [ -e "$D/versions/$ID" ]; then mv -T "$D/versions/$ID" {old} || fail move "cannot move"; fi',
+        'mv -T "$S" "$D/versions/$ID" || fail move "cannot move the version into place"',
+        f"rm -rf {old}",
+    ]
+    return _script(change, nonce, ['"$S"', '"$A"'], body)
+
+
+def switch_script(change: InstallChange, nonce: str) -> str:
+    """Switch to a version already in versions/ (its files verified first when the manifest is known)."""
+    manifest = change.artifact.manifest if change.artifact is not None else None
+    body = [
+        '[ -d "$D/versions/$ID" ] || fail switch "version $ID is not installed"',
+        *_verify_lines(manifest, '"$D/versions/$ID"'),
+    ]
+    return _script(change, nonce, [], body)
+
+
+def parse_apply_output(stdout: str, change: InstallChange) -> list[str]:
+    """Pure: the warnings of a successful apply; InstallError naming the failed stage otherwise."""
+    warnings: list[str] = []
+    for key, value in _lines(stdout):
+        if key == "fail":
+            stage, _, message = value.partition(" ")
+            kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+            raise InstallError(
+                f"{stage} failed while installing {change.version}: {message.strip()}; {kept}",
+                host=change.host,
+            )
+        if key == "warning":
+            warnings.append(value)
+        if key == "ok":
+            return warnings
+    raise InstallError(
+        f"installing {change.version} stopped without a result: {tail(stdout, 3)!r}", host=change.host
+    )
+
+
+async def apply_install(
+    conn: Connection, change: InstallChange, *, progress: Progress | None = None
+) -> list[str]:
+    """Carry out `change` on the node; returns warnings. Raises InstallError, previous version kept."""
+    if change.action == "none":
+        return []
+    nonce = secrets.token_hex(4)
+    if change.action == "switch":
+        return await _run_script(conn, change, switch_script(change, nonce))
+    assert change.artifact is not None
+    d = shlex.quote(change.install_dir)
+    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+    # Leftovers of interrupted uploads go first, so they never fill the disk.
+    prepare = f"mkdir -p {d}/tmp {d}/versions && rm -rf {d}/tmp/*"
+    result = await conn.run(prepare, timeout=PREPARE_TIMEOUT)
+    if not result.ok:
+        raise InstallError(
+            f"cannot prepare {change.install_dir}: {tail(result.stderr, 2)}; {kept}",
+            host=change.host,
+            exit_status=result.exit_status,
+        )
+    remote_archive = f"{change.install_dir}/tmp/{change.version}.{nonce}.tar.gz.part"
+    try:
+        await conn.put(change.artifact.archive, remote_archive, progress=progress)
+    except TransferError as exc:
+        with contextlib.suppress(Exception):  # the connection may be gone; the upload error is the news
+            await conn.run(f"rm -f {shlex.quote(remote_archive)}", timeout=PREPARE_TIMEOUT)
+        raise InstallError(
+            f"upload of {change.artifact.archive.name} failed: {exc.message}; {kept}", host=change.host
+        ) from exc
+    return await _run_script(conn, change, install_script(change, remote_archive, nonce))
+
+
+async def _run_script(conn: Connection, change: InstallChange, script: str) -> list[str]:
+    try:
+        result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=APPLY_TIMEOUT)
+    except CommandTimeoutError as exc:
+        raise InstallError(
+            f"installing {change.version} did not finish within {APPLY_TIMEOUT:g} s", host=change.host
+        ) from exc
+    try:
+        return parse_apply_output(result.stdout, change)
+    except InstallError as exc:
+        if result.stderr.strip():
+            exc.stderr_tail = tail(result.stderr, 4)
+        raise
+
+
+# ---------------------------------------------------------------- choosing the artifact, the step
+
+
+class ArtifactChooser:
+    """Picks (and verifies once) the artifact for each host: `override`, else the host's `rpc_artifact`,
+    else the default one, for the host's backend and the node's os/arch. Shared by all hosts of a run."""
+
+    def __init__(self, override: str | None = None, *, verify: bool = True) -> None:
+        self.override = override
+        self.verify = verify
+        self._cache: dict[tuple[str, str, str, str], asyncio.Future[Artifact]] = {}
+
+    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+        spec = self.override or host.rpc_artifact or ""
+        key = (spec, host.backend, state.os, state.arch)
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = asyncio.ensure_future(asyncio.to_thread(self._resolve, *key))
+            self._cache[key] = future
+        try:
+            return await asyncio.shield(future)
+        except ArtifactError as exc:
+            raise InstallError(
+                f"no artifact for this host: {exc.message}", host=host.name, hint=exc.hint
+            ) from exc
+
+    def _resolve(self, spec: str, backend: str, os_name: str, arch: str) -> Artifact:
+        artifact = resolve_artifact(spec, backend=backend, os=os_name, arch=arch)
+        if self.verify:
+            verify_artifact(artifact)  # a corrupted local cache is refused before any upload
+        return artifact
+
+
+ProgressFactory = Callable[[Host, InstallChange], Progress | None]
+
+
+async def ensure_installed(
+    conn: Connection,
+    host: Host,
+    choose: ArtifactChooser,
+    *,
+    state: InstallState | None = None,
+    check: bool = False,
+    force: bool = False,
+    progress: ProgressFactory | None = None,
+) -> InstallChange:
+    """Read, plan, and (unless `check`) apply: the artifact for `host` becomes current."""
+    state = state or await read_install_state(conn, host)
+    artifact = await choose(host, state)
+    change = plan_install(state, artifact, keep_versions=host.keep_versions, force=force)
+    if change.changed and not check:
+        await apply_install(conn, change, progress=progress(host, change) if progress else None)
+    return change
+
+
+def make_install_step(
+    choose: ArtifactChooser,
+    *,
+    check: bool = False,
+    force: bool = False,
+    progress: ProgressFactory | None = None,
+) -> Callable[[HostContext], Awaitable[StepOutcome[InstallChange]]]:
+    """The executor step of `rpcfleet install`."""
+
+    async def install(ctx: HostContext) -> StepOutcome[InstallChange]:
+        conn = await ctx.connection()
+        change = await ensure_installed(conn, ctx.host, choose, check=check, force=force, progress=progress)
+        return StepOutcome(change, change.changed, change.describe())
+
+    return install

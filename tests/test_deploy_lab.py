@@ -1,0 +1,298 @@
+"""Tier 2: deploy the real artifact to lab nodes (network namespaces, real OpenSSH) and break things."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import lab as labmod
+from orchestrator.artifacts import Artifact
+from orchestrator.errors import InstallError
+from orchestrator.executor import RunResult, Session
+from orchestrator.install import ArtifactChooser, InstallState, apply_install, plan_install
+from orchestrator.inventory import Host
+from orchestrator.rpc import Outcome, probe_endpoint
+from orchestrator.service import (
+    DeployResult,
+    ServerStatus,
+    make_deploy_step,
+    make_restart_step,
+    make_rollback_step,
+    make_status_step,
+    make_stop_step,
+    read_node_state,
+)
+
+pytestmark = pytest.mark.lab
+
+INSTALL_DIRS = ("rpcfleet", "fulldisk", "taken")  # under the lab user's home on each node
+
+
+class _Fixed(ArtifactChooser):
+    """Always this artifact (a variant of the real one under another id stands for a new version)."""
+
+    def __init__(self, artifact: Artifact) -> None:
+        super().__init__()
+        self.artifact = artifact
+
+    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+        return self.artifact
+
+
+def _variant(artifact: Artifact, tag: str) -> Artifact:
+    return dataclasses.replace(artifact, id=f"{artifact.id}-{tag}")
+
+
+async def _run(hosts: list[Host], step: Any, name: str) -> RunResult[Any]:
+    async with Session(forks=16) as session:
+        return await session.run(hosts, step, name=name)
+
+
+async def _states(hosts: list[Host]) -> dict[str, ServerStatus]:
+    run = await _run(hosts, make_status_step(), "status")
+    assert run.ok, [str(r.error) for r in run.failed]
+    return {r.host.name: r.value for r in run.results if isinstance(r.value, ServerStatus)}
+
+
+def _service_action(value: object) -> str:
+    assert isinstance(value, DeployResult)
+    return value.service.action
+
+
+def _node_file(lab: labmod.Lab, host: Host, relative: str) -> Path:
+    return lab.node(host.name).home / relative
+
+
+def _server_pid(lab: labmod.Lab, host: Host, install: str = "rpcfleet") -> int:
+    return int(_node_read(lab, host, f"{install}/run/rpc-server.pid") or "0")
+
+
+def _node_read(lab: labmod.Lab, host: Host, relative: str) -> str:
+    """A file as the node sees it (inside its mount namespace, where a test may have mounted a tmpfs)."""
+    path = f"/home/{lab.user}/{relative}"
+    return lab.node_exec(host.name, ["sh", "-c", f"cat {path} 2>/dev/null || true"]).stdout.strip()
+
+
+def _node_ls(lab: labmod.Lab, host: Host, relative: str) -> list[str]:
+    return lab.node_exec(host.name, ["ls", "-A", f"/home/{lab.user}/{relative}"]).stdout.split()
+
+
+def _wait_gone(pid: int, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} is still alive")
+
+
+def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
+    """Kill our servers (by pid file) and remove every install folder this module uses."""
+    for host in hosts:
+        for install in INSTALL_DIRS:
+            pid = _server_pid(lab, host, install)
+            if pid:
+                cmdline = Path(f"/proc/{pid}/cmdline")
+                if cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+                    _wait_gone(pid)
+            if install == "fulldisk":
+                lab.node_exec(host.name, ["umount", "-l", f"/home/{lab.user}/fulldisk"], check=False)
+            shutil.rmtree(_node_file(lab, host, install), ignore_errors=True)
+
+
+@pytest.fixture
+def nodes(lab: labmod.Lab, lab_hosts: list[Host]) -> Iterator[list[Host]]:
+    """The lab's hosts, with nothing of ours installed before and after the test."""
+    _clean(lab, lab_hosts)
+    yield lab_hosts
+    lab.heal()
+    _clean(lab, lab_hosts)
+
+
+@pytest.fixture
+def chooser(cpu_artifact: Artifact) -> ArtifactChooser:
+    return _Fixed(cpu_artifact)
+
+
+async def test_deploy_noop_restart_stop(
+    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser, cpu_artifact: Artifact
+) -> None:
+    first = await _run(nodes, make_deploy_step(chooser), "deploy")
+    assert [r.status for r in first.results] == ["changed"] * 3, [str(r.error) for r in first.failed]
+    for r in first.results:
+        assert isinstance(r.value, DeployResult)
+        assert (r.value.install.action, r.value.service.action) == ("install", "start")
+        hello = await probe_endpoint(r.host.endpoint, hello_only=True)
+        assert hello.ok and str(hello.version) == cpu_artifact.protocol
+    pids = {h.name: _server_pid(lab, h) for h in nodes}
+
+    started = time.monotonic()
+    second = await _run(nodes, make_deploy_step(chooser), "deploy")
+    assert [r.status for r in second.results] == ["ok"] * 3
+    assert time.monotonic() - started < 2.0
+    assert {h.name: _server_pid(lab, h) for h in nodes} == pids
+
+    states = await _states(nodes)
+    assert {s.state for s in states.values()} == {"running"}
+    assert {s.version for s in states.values()} == {cpu_artifact.id}
+
+    restarted = await _run(nodes, make_restart_step(), "restart")
+    assert [r.status for r in restarted.results] == ["changed"] * 3
+    new_pids = {h.name: _server_pid(lab, h) for h in nodes}
+    assert all(new_pids[n] != pids[n] for n in pids)
+    assert {s.state for s in (await _states(nodes)).values()} == {"running"}
+
+    stopped = await _run(nodes, make_stop_step(), "stop")
+    assert [r.status for r in stopped.results] == ["changed"] * 3
+    for pid in new_pids.values():
+        _wait_gone(pid)
+    assert {s.state for s in (await _states(nodes)).values()} == {"stopped"}
+    for host in nodes:
+        refused = await probe_endpoint(host.endpoint, hello_only=True, deadline=2)
+        assert refused.outcome is Outcome.REFUSED
+
+
+async def test_a_killed_server_is_crashed_and_deploy_brings_it_back(
+    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser
+) -> None:
+    assert (await _run(nodes, make_deploy_step(chooser), "deploy")).ok
+    victim = nodes[1]
+    pid = _server_pid(lab, victim)
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    states = await _states(nodes)
+    assert states[victim.name].state == "crashed" and states[victim.name].pid == pid
+    assert {states[h.name].state for h in nodes if h != victim} == {"running"}
+    again = await _run(nodes, make_deploy_step(chooser), "deploy")
+    assert {r.host.name: r.status for r in again.results} == {
+        nodes[0].name: "ok", victim.name: "changed", nodes[2].name: "ok",
+    }  # fmt: skip
+    assert _service_action(again.by_host()[victim.name].value) == "start"
+    assert (await _states(nodes))[victim.name].state == "running"
+
+
+async def test_a_corrupted_archive_is_refused_and_the_old_version_keeps_serving(
+    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser, cpu_artifact: Artifact, tmp_path: Path
+) -> None:
+    host = nodes[0]
+    assert (await _run([host], make_deploy_step(chooser), "deploy")).ok
+    pid = _server_pid(lab, host)
+    data = bytearray(cpu_artifact.archive.read_bytes())
+    data[len(data) // 3] ^= 0x55
+    (tmp_path / "bad.tar.gz").write_bytes(bytes(data))
+    bad = dataclasses.replace(_variant(cpu_artifact, "bad"), archive=tmp_path / "bad.tar.gz")
+    run = await _run([host], make_deploy_step(_Fixed(bad)), "deploy")
+    result = run.results[0]
+    assert result.status == "failed"
+    assert "checksum failed" in str(result.error) and f"{cpu_artifact.id} stays installed" in str(
+        result.error
+    )
+    status = (await _states([host]))[host.name]
+    assert (status.state, status.version, status.pid) == ("running", cpu_artifact.id, pid)
+    assert (await probe_endpoint(host.endpoint, hello_only=True)).ok
+    assert list(_node_file(lab, host, "rpcfleet/tmp").iterdir()) == []
+
+
+async def test_a_full_disk_fails_cleanly(
+    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser, cpu_artifact: Artifact
+) -> None:
+    host = dataclasses.replace(nodes[2], install_dir="~/fulldisk", rpc_port=50053)
+    mount_point = f"/home/{lab.user}/fulldisk"
+    lab.node_exec(host.name, ["mkdir", "-p", mount_point])
+    # Room for one version (archive + files + margin), not for a second one beside it.
+    lab.node_exec(host.name, ["mount", "-t", "tmpfs", "-o", "size=6m,mode=1777", "tmpfs", mount_point])
+    first = await _run([host], make_deploy_step(chooser), "deploy")
+    assert first.ok, [str(r.error) for r in first.failed]
+    pid = _server_pid(lab, host, "fulldisk")
+
+    v2 = _variant(cpu_artifact, "v2")
+    refused = (await _run([host], make_deploy_step(_Fixed(v2)), "deploy")).results[0]
+    assert refused.status == "failed"
+    assert "not enough disk space" in str(refused.error) and f"{cpu_artifact.id} stays installed" in str(
+        refused.error
+    )
+
+    # Past the early check (as if df had lied): the disk really fills during upload or unpack.
+    async with Session() as session:
+        conn = await session.connection(host)
+        state = (await read_node_state(conn, host)).install
+        change = plan_install(dataclasses.replace(state, free_bytes=1 << 40), v2)
+        with pytest.raises(InstallError, match=f"{cpu_artifact.id} stays installed") as info:
+            await apply_install(conn, change)
+        assert "space" in str(info.value).lower() or "failure" in str(info.value).lower()
+        after = (await read_node_state(conn, host)).install
+    assert after.current == cpu_artifact.id and after.versions == (cpu_artifact.id,)
+    assert _node_ls(lab, host, "fulldisk/tmp") == []
+    status = (await _states([host]))[host.name]
+    assert (status.state, status.pid, status.version) == ("running", pid, cpu_artifact.id)
+
+
+async def test_a_taken_port_is_a_clear_error(nodes: list[Host], chooser: ArtifactChooser) -> None:
+    # sshd listens on port 22 of every node: a port taken by a process this user cannot even see.
+    host = dataclasses.replace(nodes[0], install_dir="~/taken", rpc_port=22)
+    result = (await _run([host], make_deploy_step(chooser), "deploy")).results[0]
+    assert result.status == "failed"
+    assert f"port 22 is already taken: {host.address}:22" in str(result.error)
+    assert (await _states([host]))[host.name].state == "stopped"
+
+
+async def test_an_unreachable_node_is_reported_while_the_others_deploy(
+    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser
+) -> None:
+    lab.firewall_reject(nodes[2].name)
+    run = await _run(nodes, make_deploy_step(chooser), "deploy")
+    statuses = {r.host.name: r.status for r in run.results}
+    assert statuses == {nodes[0].name: "changed", nodes[1].name: "changed", nodes[2].name: "unreachable"}
+    assert "refused" in str(run.by_host()[nodes[2].name].error).lower()
+    for host in nodes[:2]:
+        assert (await probe_endpoint(host.endpoint, hello_only=True)).ok
+
+
+async def test_rollback_returns_to_the_previous_version(
+    nodes: list[Host], chooser: ArtifactChooser, cpu_artifact: Artifact
+) -> None:
+    assert (await _run(nodes, make_deploy_step(chooser), "deploy")).ok
+    v2 = _variant(cpu_artifact, "v2")
+    upgrade = await _run(nodes, make_deploy_step(_Fixed(v2)), "deploy")
+    assert upgrade.ok and all(_service_action(r.value) == "restart" for r in upgrade.results)
+    assert {s.running_version for s in (await _states(nodes)).values()} == {v2.id}
+    back = await _run(nodes, make_rollback_step(), "rollback")
+    assert [r.status for r in back.results] == ["changed"] * 3
+    states = await _states(nodes)
+    assert {(s.state, s.version, s.running_version) for s in states.values()} == {
+        ("running", cpu_artifact.id, cpu_artifact.id)
+    }
+
+
+async def test_a_timed_out_probe_of_a_held_server_does_not_kill_it(
+    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser
+) -> None:
+    host = nodes[0]
+    assert (await _run([host], make_deploy_step(chooser), "deploy")).ok
+    pid = _server_pid(lab, host)
+    holder = socket.create_connection((host.rpc_host, host.rpc_port), timeout=2)
+    try:
+        await asyncio.sleep(0.1)
+        assert (await _states([host]))[host.name].state == "busy"
+        probe = await probe_endpoint(host.endpoint, connect_timeout=1, read_timeout=0.3, deadline=1)
+        assert probe.outcome in (Outcome.BUSY, Outcome.TIMEOUT)
+    finally:
+        holder.close()
+    await asyncio.sleep(0.3)  # the server now answers the dead probe: SIGPIPE, ignored
+    assert (await probe_endpoint(host.endpoint, hello_only=True)).ok
+    status = (await _states([host]))[host.name]
+    assert (status.state, status.pid) == ("running", pid)

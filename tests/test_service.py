@@ -1,0 +1,431 @@
+"""service.py: bind policy, the state parser, classification and plans (pure), then real servers on
+loopback through `connection: local` hosts and an in-process SSH host, and the CLI commands."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.artifacts import Artifact
+from orchestrator.cli import main
+from orchestrator.connection import connect
+from orchestrator.errors import ServiceError
+from orchestrator.install import ArtifactChooser, InstallState
+from orchestrator.inventory import Host
+from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion, probe_endpoint
+from orchestrator.service import (
+    LOG_MARKER,
+    NodeState,
+    ServerStatus,
+    ServiceState,
+    bind_policy,
+    classify,
+    deploy,
+    ensure_state,
+    launch_script,
+    parse_service_state,
+    plan_service,
+    rollback,
+    server_argv,
+    server_status,
+)
+from tests.plugins.servers import free_port
+
+# ---------------------------------------------------------------- pure
+
+H = Host(name="n1", address="10.77.0.11", rpc_host="10.77.0.11")
+
+
+@pytest.mark.parametrize("bind", ["10.77.0.11", "127.0.0.1", "192.168.1.5", "172.16.0.1"])
+def test_private_and_loopback_binds_are_fine(bind: str) -> None:
+    assert bind_policy(dataclasses.replace(H, rpc_host=bind)) is None
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "8.8.8.8"])
+def test_public_binds_need_allow_public_bind(bind: str) -> None:
+    host = dataclasses.replace(H, rpc_host=bind)
+    with pytest.raises(ServiceError, match=r"refusing to bind .* no authentication") as info:
+        bind_policy(host)
+    assert info.value.host == "n1" and "allow_public_bind" in (info.value.hint or "")
+    warning = bind_policy(dataclasses.replace(host, allow_public_bind=True))
+    assert warning is not None and "anyone who reaches it" in warning
+
+
+@pytest.mark.parametrize("bind", ["localhost", "::1"])
+def test_only_ipv4_literals_bind(bind: str) -> None:
+    with pytest.raises(ServiceError, match="IPv4"):
+        bind_policy(dataclasses.replace(H, rpc_host=bind))
+
+
+def test_server_argv_and_launch_line() -> None:
+    host = dataclasses.replace(
+        H, rpc_port=50099, rpc_devices=("CUDA0", "CUDA1"), rpc_threads=6, rpc_cache=True, rpc_debug=True
+    )
+    argv = server_argv(host, "/home/lab/i", "v1")
+    assert argv == [
+        "/home/lab/i/versions/v1/bin/ggml-rpc-server",
+        *("-H", "10.77.0.11", "-p", "50099", "-d", "CUDA0,CUDA1", "-t", "6", "-c"),
+    ]
+    script = launch_script(host, "/home/lab/i", "v1")
+    assert "trap '' PIPE" in script
+    assert "setsid nohup env LLAMA_CACHE=/home/lab/i/cache GGML_RPC_DEBUG=1 stdbuf -oL " in script
+    assert '</dev/null >>"$D/log/rpc-server.log" 2>&1 &\npid=$!' in script  # never `&& ... &`
+    assert "GGML_RPC_DEBUG" not in launch_script(H, "/i", "v1")
+    assert "-d" not in server_argv(H, "/i", "v1") and "-c" not in server_argv(H, "/i", "v1")
+
+
+STATE_OUT = """\
+@pid 4242
+@stat Sl
+@argv0 /home/lab/i/versions/v1/bin/ggml-rpc-server
+@listen LISTEN 0      1      10.77.0.11:50052 0.0.0.0:* users:(("ggml-rpc-server",pid=4242,fd=3))
+@client 0      0      10.77.0.11:50052 10.77.0.1:38366
+"""
+
+
+def test_parse_service_state() -> None:
+    s = parse_service_state(STATE_OUT, "n1", "/home/lab/i")
+    assert (s.pid, s.stat, s.alive, s.ours, s.running_version) == (4242, "Sl", True, True, "v1")
+    assert s.listeners[0].pid == 4242 and s.listeners[0].process == "ggml-rpc-server"
+    assert s.clients == ("10.77.0.1:38366",) and s.foreign_listeners() == ()
+    assert not s.log_failed_bind
+
+
+def test_a_recycled_pid_or_a_zombie_is_not_ours() -> None:
+    recycled = parse_service_state("@pid 4242\n@stat S\n@argv0 /usr/bin/sleep\n", "n1", "/home/lab/i")
+    assert recycled.alive and not recycled.ours and recycled.running_version is None
+    zombie = parse_service_state("@pid 4242\n@stat Z\n", "n1", "/home/lab/i")
+    assert not zombie.alive and not zombie.ours
+    gone = parse_service_state("@pid 4242\n@stat \n", "n1", "/home/lab/i")
+    assert gone.stat == "" and not gone.alive
+    other_install = STATE_OUT.replace("/home/lab/i/", "/home/lab/other/")
+    assert not parse_service_state(other_install, "n1", "/home/lab/i").ours
+
+
+def _node(service: ServiceState, current: str | None = "v1") -> NodeState:
+    install = InstallState("n1", "/home/lab/i", "linux", "x86_64", current, ("v1",), ("v1",), None, None)
+    return NodeState(install, service)
+
+
+def _probe(outcome: Outcome, message: str = "") -> ProbeResult:
+    version = ProtocolVersion(7, 0, 0) if outcome is Outcome.OK else None
+    return ProbeResult("10.77.0.11:50052", outcome, version, (DeviceMemory(0, 1, 1),), message, 0.001)
+
+
+def test_classify() -> None:
+    running = parse_service_state(STATE_OUT.replace("@client", "#"), "n1", "/home/lab/i")
+    assert classify(H, _node(running), _probe(Outcome.OK)).state == "running"
+    assert classify(H, _node(running), _probe(Outcome.OK)).protocol == "7.0.0"
+    assert classify(H, _node(running), _probe(Outcome.BUSY)).state == "busy"
+    unhealthy = classify(H, _node(running), _probe(Outcome.TIMEOUT, "no reply"))
+    assert unhealthy.state == "unhealthy" and "no reply" in unhealthy.message
+    busy = classify(H, _node(parse_service_state(STATE_OUT, "n1", "/home/lab/i")), None)
+    assert busy.state == "busy" and busy.clients == ("10.77.0.1:38366",)
+    crashed = classify(H, _node(parse_service_state("@pid 9\n@stat \n", "n1", "/home/lab/i")), None)
+    assert crashed.state == "crashed" and crashed.pid == 9 and "exited" in crashed.message
+    bindfail = parse_service_state("@pid 9\n@stat \n@bindfail\n", "n1", "/home/lab/i")
+    assert "could not bind" in classify(H, _node(bindfail), None).message
+    stopped = classify(H, _node(parse_service_state("", "n1", "/home/lab/i")), None)
+    assert (stopped.state, stopped.pid, stopped.version) == ("stopped", None, "v1")
+    foreign = '@listen LISTEN 0 5 10.77.0.11:50052 0.0.0.0:* users:(("python3",pid=77,fd=3))\n'
+    taken = classify(H, _node(parse_service_state(foreign, "n1", "/home/lab/i")), None)
+    assert taken.state == "stopped" and "taken" in taken.message and "python3 (pid 77)" in taken.message
+
+
+def _status(state: str, running: str | None = "v1", pid: int | None = 5) -> ServerStatus:
+    return ServerStatus("n1", "e", state, pid, "v1", running, "7.0.0")  # type: ignore[arg-type]
+
+
+def test_plan_service() -> None:
+    assert plan_service(_status("running"), "running", current="v1").action == "none"
+    assert plan_service(_status("busy"), "running", current="v1").action == "none"
+    assert plan_service(_status("stopped", None, None), "running", current="v1").action == "start"
+    assert plan_service(_status("crashed", None), "running", current="v1").action == "start"
+    upgrade = plan_service(_status("running"), "running", current="v2")
+    assert upgrade.action == "restart" and "running v1, installed v2" in upgrade.reason
+    assert plan_service(_status("unhealthy"), "running", current="v1").action == "restart"
+    assert plan_service(_status("stopped", None, None), "stopped", current="v1").action == "none"
+    assert plan_service(_status("crashed", None), "stopped", current="v1").action == "stop"
+    assert plan_service(_status("busy"), "stopped", current="v1").action == "stop"
+    assert plan_service(_status("running"), "restarted", current="v1").action == "restart"
+    assert plan_service(_status("stopped", None, None), "restarted", current="v1").action == "start"
+
+
+# ---------------------------------------------------------------- real servers on loopback
+
+_octet = itertools.count(150)
+
+
+@pytest.fixture
+def local_host(tmp_path: Path) -> Iterator[Host]:
+    """A `connection: local` host with its own install folder and its own 127.0.0.x bind address."""
+    address = f"127.0.0.{next(_octet) % 100 + 150}"
+    host = Host(
+        name="local1",
+        address="127.0.0.1",
+        connection="local",
+        rpc_host=address,
+        rpc_port=free_port(address),
+        install_dir=str(tmp_path / "inst"),
+    )
+    yield host
+    _kill_from_pid_file(host)
+
+
+def _kill_from_pid_file(host: Host) -> None:
+    pid_file = Path(host.install_dir) / "run" / "rpc-server.pid"
+    if pid_file.exists():
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        if cmdline.exists() and host.install_dir.encode() in cmdline.read_bytes():
+            os.kill(pid, signal.SIGKILL)
+
+
+def _pid(host: Host) -> int:
+    return int((Path(host.install_dir) / "run" / "rpc-server.pid").read_text())
+
+
+def _exists(path: str | Path) -> bool:
+    return Path(path).exists()
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def _spawn(*argv: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv)
+
+
+def _sigpipe_ignored(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGPIPE - 1)))
+    raise AssertionError("no SigIgn line")
+
+
+def _wait_gone(pid: int, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return
+        if stat == "Z":
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} still alive")
+
+
+@pytest.fixture
+async def chooser(cpu_artifact: Artifact) -> AsyncIterator[ArtifactChooser]:
+    yield ArtifactChooser(cpu_artifact.id)
+
+
+async def test_deploy_lifecycle_on_a_local_host(
+    local_host: Host, chooser: ArtifactChooser, cpu_artifact: Artifact
+) -> None:
+    host = dataclasses.replace(local_host, rpc_debug=True, rpc_threads=1)
+    conn = await connect(host)
+    planned = await deploy(conn, host, chooser, check=True)
+    assert planned.install.action == "install" and planned.service.action == "start"
+    assert not _exists(host.install_dir)  # --check changed nothing
+
+    first = await deploy(conn, host, chooser)
+    assert first.changed and first.install.action == "install" and first.service.action == "start"
+    pid = _pid(host)
+    assert _sigpipe_ignored(pid)
+    environ = _environ(pid)
+    assert b"GGML_RPC_DEBUG=1" in environ
+    assert f"LLAMA_CACHE={host.install_dir}/cache".encode() in environ
+    log = (Path(host.install_dir) / "log" / "rpc-server.log").read_text()
+    assert LOG_MARKER in log and "Starting RPC server v7.0.0" in log  # line-buffered: there at once
+
+    status = await server_status(conn, host)
+    assert (status.state, status.pid, status.version, status.protocol) == (
+        "running", pid, cpu_artifact.id, "7.0.0",
+    )  # fmt: skip
+
+    second = await deploy(conn, host, chooser)
+    assert not second.changed and _pid(host) == pid
+
+    # A client holds the server: busy, and deploy leaves it alone.
+    with socket.create_connection((host.rpc_host, host.rpc_port), timeout=2):
+        await asyncio.sleep(0.1)
+        held = await server_status(conn, host)
+        assert held.state == "busy" and held.clients
+        assert not (await deploy(conn, host, chooser)).changed
+
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    crashed = await server_status(conn, host)
+    assert crashed.state == "crashed" and crashed.pid == pid
+    back = await deploy(conn, host, chooser)
+    assert back.service.action == "start" and not back.install.changed
+    assert (await server_status(conn, host)).state == "running" and _pid(host) != pid
+
+    restarted = await ensure_state(conn, host, "restarted")
+    assert restarted.action == "restart"
+    new_pid = _pid(host)
+    stopped = await ensure_state(conn, host, "stopped")
+    assert stopped.action == "stop"
+    _wait_gone(new_pid)
+    assert (await server_status(conn, host)).state == "stopped"
+    assert (await ensure_state(conn, host, "stopped")).action == "none"
+
+
+async def test_a_timed_out_probe_does_not_kill_a_held_server(
+    local_host: Host, chooser: ArtifactChooser
+) -> None:
+    conn = await connect(local_host)
+    await deploy(conn, local_host, chooser)
+    pid = _pid(local_host)
+    holder = socket.create_connection((local_host.rpc_host, local_host.rpc_port), timeout=2)
+    try:
+        probe = await probe_endpoint(
+            local_host.endpoint, connect_timeout=1, read_timeout=0.3, deadline=1, hello_only=True
+        )
+        assert probe.outcome in (Outcome.BUSY, Outcome.TIMEOUT)
+    finally:
+        holder.close()
+    # The server now reads the probe's HELLO and writes to a closed socket: SIGPIPE, ignored.
+    await asyncio.sleep(0.3)
+    again = await probe_endpoint(local_host.endpoint, hello_only=True)
+    assert again.ok, again.message
+    assert _pid(local_host) == pid and _exists(f"/proc/{pid}")
+
+
+async def test_a_taken_port_is_a_clear_error(local_host: Host, chooser: ArtifactChooser) -> None:
+    conn = await connect(local_host)
+    with socket.socket() as squatter:
+        squatter.bind((local_host.rpc_host, local_host.rpc_port))
+        squatter.listen(1)
+        with pytest.raises(ServiceError, match=rf"port {local_host.rpc_port} is already taken") as info:
+            await deploy(conn, local_host, chooser)
+        assert f"pid={os.getpid()}" not in str(info.value)  # named in words, not ss's syntax
+        assert f"(pid {os.getpid()})" in str(info.value)
+        status = await server_status(conn, local_host)
+        assert status.state == "stopped" and "taken" in status.message
+
+
+async def test_a_recycled_pid_is_never_signalled(local_host: Host, chooser: ArtifactChooser) -> None:
+    conn = await connect(local_host)
+    await deploy(conn, local_host, chooser)
+    await ensure_state(conn, local_host, "stopped")
+    stranger = _spawn("sleep", "30")
+    try:
+        pid_file = Path(local_host.install_dir) / "run" / "rpc-server.pid"
+        pid_file.write_text(f"{stranger.pid}\n")
+        status = await server_status(conn, local_host)
+        assert status.state == "crashed" and "another program" in status.message
+        change = await ensure_state(conn, local_host, "stopped")
+        assert change.action == "stop"
+        assert stranger.poll() is None and not pid_file.exists()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+async def test_rollback_restarts_on_the_previous_version(
+    local_host: Host, chooser: ArtifactChooser, cpu_artifact: Artifact
+) -> None:
+    conn = await connect(local_host)
+    await deploy(conn, local_host, chooser)
+    first_pid = _pid(local_host)
+    v2 = dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-v2")
+    chooser._cache.clear()
+    upgraded = await deploy(conn, local_host, _FixedChooser(v2))
+    assert upgraded.install.action == "install" and upgraded.service.action == "restart"
+    assert (await server_status(conn, local_host)).running_version == v2.id
+    back = await rollback(conn, local_host)
+    assert back.install.version == cpu_artifact.id and back.service.action == "restart"
+    status = await server_status(conn, local_host)
+    assert (status.state, status.version, status.running_version) == (
+        "running",
+        cpu_artifact.id,
+        cpu_artifact.id,
+    )
+    assert _pid(local_host) != first_pid
+
+
+class _FixedChooser(ArtifactChooser):
+    def __init__(self, artifact: Artifact) -> None:
+        super().__init__()
+        self.artifact = artifact
+
+    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+        return self.artifact
+
+
+async def test_deploy_over_ssh_with_upload_progress(
+    fake_hosts: Callable[..., list[object]], chooser: ArtifactChooser, cpu_artifact: Artifact
+) -> None:
+    fake = fake_hosts(1)[0]
+    host = dataclasses.replace(fake.host, rpc_port=free_port(fake.host.rpc_host))  # type: ignore[attr-defined]
+    seen: list[tuple[int, int]] = []
+    conn = await connect(host)
+    try:
+        result = await deploy(conn, host, chooser, progress=lambda h, c: lambda d, t: seen.append((d, t)))
+        assert result.install.action == "install" and result.service.action == "start"
+        assert seen and seen[-1] == (cpu_artifact.size, cpu_artifact.size)
+        assert (await server_status(conn, host)).state == "running"
+        assert not (await deploy(conn, host, chooser)).changed
+        assert (await ensure_state(conn, host, "stopped")).action == "stop"
+    finally:
+        await ensure_state(conn, host, "stopped")
+        await conn.close()
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def _json_out(stdout: str) -> Any:
+    return json.loads(stdout)  # stdout must be the document alone: logs go to stderr
+
+
+def test_cli_deploy_status_stop(
+    local_host: Host, cpu_artifact: Artifact, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(
+        "hosts:\n"
+        "  l1:\n"
+        "    connection: local\n"
+        f"    rpc_host: {local_host.rpc_host}\n"
+        f"    rpc_port: {local_host.rpc_port}\n"
+        f"    install_dir: {local_host.install_dir}\n"
+        f"    rpc_artifact: {cpu_artifact.id}\n"
+    )
+    assert main(["deploy", "-i", str(inventory), "--check"]) == 0
+    assert "would change" in capsys.readouterr().out and not Path(local_host.install_dir).exists()
+    assert main(["deploy", "-i", str(inventory)]) == 0
+    out = capsys.readouterr().out
+    assert "install" in out and "recap" in out
+    assert main(["deploy", "-i", str(inventory), "--json"]) == 0
+    again = _json_out(capsys.readouterr().out)
+    assert again[0]["status"] == "ok" and again[0]["result"]["install"]["action"] == "none"
+    assert main(["status", "-i", str(inventory), "--json"]) == 0
+    status = _json_out(capsys.readouterr().out)[0]["result"]
+    assert status["state"] == "running" and status["version"] == cpu_artifact.id
+    assert main(["logs", "-i", str(inventory), "-n", "5"]) == 0
+    assert "l1" in capsys.readouterr().out
+    assert main(["stop", "-i", str(inventory)]) == 0
+    assert "stop" in capsys.readouterr().out
+    assert main(["status", "-i", str(inventory), "--json"]) == 0
+    assert _json_out(capsys.readouterr().out)[0]["result"]["state"] == "stopped"
+    public = inventory.read_text().replace(local_host.rpc_host, "0.0.0.0")
+    inventory.write_text(public)
+    assert main(["start", "-i", str(inventory)]) == 1
+    assert "refusing to bind" in capsys.readouterr().err
