@@ -1,0 +1,150 @@
+"""`rpcfleet run-playbook` and `rpcfleet rolling-restart`: playbooks through the executor.
+
+`rolling-restart` is the `restart` step of a one-step playbook with `serial` (the same path as
+`run-playbook playbooks/rolling-restart.yml`). `add_rolling_args` and `handle_rolling_restart` are what
+`rpcfleet restart --rolling` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.cli import _common
+from orchestrator.errors import UsageError
+
+if TYPE_CHECKING:
+    from orchestrator.playbook import Playbook, PlaybookResult, StepRun
+
+_STYLE = {"ok": "green", "changed": "yellow", "failed": "red", "unreachable": "red", "skipped": "cyan"}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run-playbook",
+        help="run a playbook (YAML steps over a host selection, in batches)",
+        description="Run a playbook: its steps over its hosts (narrowed by --limit), in batches of its "
+        "`serial`, stopping at its failure threshold. Ends with the per-host recap.",
+    )
+    parser.add_argument("playbook", type=Path, help="the playbook file (see playbooks/)")
+    _common.add_inventory_args(parser)
+    parser.add_argument("--check", action="store_true", help="print every change it would make, make none")
+    parser.add_argument(
+        "-e",
+        "--extra-vars",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a playbook variable (repeatable; wins over the playbook's vars)",
+    )
+    parser.set_defaults(handler=handle_run_playbook)
+
+    rolling = subparsers.add_parser(
+        "rolling-restart",
+        help="restart the rpc-servers batch by batch, refusing busy ones, waiting for each to be back",
+    )
+    _common.add_inventory_args(rolling)
+    parser_check = rolling.add_argument_group("rolling restart")
+    parser_check.add_argument("--check", action="store_true", help="print what would restart, change nothing")
+    add_rolling_args(rolling)
+    rolling.set_defaults(handler=handle_rolling_restart)
+
+
+def add_rolling_args(parser: argparse.ArgumentParser, *, serial: bool = True) -> None:
+    """--serial, --max-fail-percentage (unless the parser has them) and --force."""
+    if serial:
+        parser.add_argument("--serial", default="1", help="hosts per batch: N or N%% (default: 1)")
+        parser.add_argument(
+            "--max-fail-percentage",
+            type=float,
+            default=0.0,
+            help="stop after a batch with more failed hosts than this percentage (default: 0)",
+        )
+    parser.add_argument(
+        "--force", action="store_true", help="restart busy servers too (their clients are cut off)"
+    )
+
+
+def _serial_value(text: str | None) -> int | str:
+    if text is None:
+        return 1
+    text = str(text).strip()
+    return int(text) if text.isdigit() else text
+
+
+def handle_rolling_restart(args: argparse.Namespace) -> int:
+    from orchestrator.playbook import rolling_restart_playbook
+
+    max_fail = getattr(args, "max_fail_percentage", None)
+    playbook = rolling_restart_playbook(
+        serial=_serial_value(getattr(args, "serial", None)),
+        max_fail_percentage=0.0 if max_fail is None else max_fail,
+        force=bool(getattr(args, "force", False)),
+    )
+    return _run(args, playbook)
+
+
+def handle_run_playbook(args: argparse.Namespace) -> int:
+    from orchestrator.playbook import load_playbook, parse_extra_vars
+
+    playbook = load_playbook(args.playbook, parse_extra_vars(args.extra_vars))
+    return _run(args, playbook)
+
+
+def _run(args: argparse.Namespace, playbook: Playbook) -> int:
+    from orchestrator.executor import Session
+    from orchestrator.inventory import load_inventory
+    from orchestrator.playbook import play_hosts, run_playbook
+
+    if args.forks < 1:
+        raise UsageError("--forks must be at least 1")
+    inventory = load_inventory(_common.inventory_path(args))
+    for warning in inventory.warnings:
+        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    hosts = play_hosts(playbook, inventory, getattr(args, "limit", None))
+    check = bool(getattr(args, "check", False))
+    mode = " [yellow](check mode: nothing is changed)[/yellow]" if check else ""
+    _common.console.print(
+        f"[bold]PLAY {escape(playbook.name)}[/bold] on {len(hosts)} host(s){mode}", highlight=False
+    )
+
+    async def go() -> PlaybookResult:
+        async with Session(forks=args.forks) as session:
+            return await run_playbook(playbook, hosts, session=session, check=check, on_step=_print_step)
+
+    result = _common.run_async(go())
+    _finish(result)
+    return 0 if result.ok else 1
+
+
+def _print_step(step_run: StepRun) -> None:
+    run = step_run.run
+    table = Table(box=box.SIMPLE_HEAD, title=escape(step_run.step.label), title_justify="left")
+    for column in ("host", "status", "what"):
+        table.add_column(column)
+    for r in run.results:
+        style = _STYLE[r.status]
+        table.add_row(r.host.name, f"[{style}]{r.status}[/{style}]", escape(r.message))
+    _common.console.print(table, highlight=False)
+    for r in run.results:
+        for warning in getattr(r.value, "warnings", ()) or ():
+            _common.err_console.print(f"[yellow]warning:[/yellow] {escape(r.host.name)}: {escape(warning)}")
+
+
+def _finish(result: PlaybookResult) -> None:
+    for document in result.documents:
+        if document.path is not None:
+            _common.console.print(f"{document.kind} written to {escape(document.path)}", highlight=False)
+        elif document.kind == "report" or result.check:
+            _common.console.rule(f"{document.kind} ({document.step})")
+            _common.console.print(document.text.rstrip("\n"), highlight=False, markup=False)
+    if result.aborted:
+        _common.err_console.print("[red]the failure threshold was reached: the play stopped[/red]")
+    elif len(result.steps) < len(result.playbook.steps):
+        _common.err_console.print("[red]no hosts left in play: the remaining steps did not run[/red]")
+    _common.print_recap(result.recap)
