@@ -106,10 +106,11 @@ class Host:
     def binds_own_loopback(self) -> bool:
         """Whether the server binds a remote node's loopback: reachable only from that node, so the
         controller must not probe the address (it would reach its own loopback instead)."""
-        return self.connection == "ssh" and not _is_loopback(self.address) and _is_loopback(self.rpc_host)
+        return self.connection == "ssh" and not is_loopback(self.address) and is_loopback(self.rpc_host)
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether an address (IPv4/IPv6 literal, brackets allowed, or `localhost`) is a loopback one."""
     try:
         return ipaddress.ip_address(address.strip("[]")).is_loopback
     except ValueError:

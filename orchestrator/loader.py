@@ -44,7 +44,7 @@ from orchestrator import rpc
 from orchestrator.errors import LoaderError
 from orchestrator.log import get_logger
 from orchestrator.model import KV_CACHE_TYPES
-from orchestrator.planner import Plan
+from orchestrator.planner import Plan, PlanDevice
 
 MiB = 1024 * 1024
 # ggml-rpc itself has no limit on servers, but every registration lives until the process exits (a
@@ -467,6 +467,11 @@ class _Native:
         self.dev_description = fn("ggml_backend_dev_description", [vp], cp)
         self.dev_by_name = fn("ggml_backend_dev_by_name", [cp], vp)
         self.dev_type = fn("ggml_backend_dev_type", [vp], ctypes.c_int)
+        self.dev_count = fn("ggml_backend_dev_count", [], sz)
+        self.dev_get = fn("ggml_backend_dev_get", [sz], vp)
+        self.dev_memory = fn("ggml_backend_dev_memory", [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None)
+        self.dev_buffer_type = fn("ggml_backend_dev_buffer_type", [vp], vp)
+        self.buft_alignment = fn("ggml_backend_buft_get_alignment", [vp], sz)
 
     def add_server(self) -> Callable[[bytes], int | None]:
         reg = self.reg_by_name(b"RPC")
@@ -482,6 +487,41 @@ class _Native:
 
 
 _NATIVE: _Native | None = None
+
+
+_GPU_TYPES = (1, 2)  # enum ggml_backend_dev_type: CPU 0, GPU 1, IGPU 2, ACCEL 3
+
+
+def local_gpus() -> list[PlanDevice]:
+    """This machine's GPUs as llama.cpp sees them (CUDA0, Vulkan0...), with their free memory, for
+    the device list after the RPC devices. Empty without llama-cpp-python or without GPUs."""
+    try:
+        native = _native()
+    except RpcUnavailableError:
+        return []
+    found: list[PlanDevice] = []
+    gpus = [native.dev_get(i) for i in range(native.dev_count())]
+    gpus = [d for d in gpus if d and native.dev_type(d) in _GPU_TYPES]
+    # llama.cpp uses integrated GPUs only when there is no discrete one.
+    if any(native.dev_type(d) == 1 for d in gpus):
+        gpus = [d for d in gpus if native.dev_type(d) == 1]
+    for dev in gpus:
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        native.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        name = (native.dev_name(dev) or b"").decode()
+        found.append(
+            PlanDevice(
+                endpoint=None,
+                index=len(found),
+                name=name,
+                description=(native.dev_description(dev) or b"").decode(),
+                total=total.value,
+                free=free.value,
+                usable=free.value,
+                alignment=int(native.buft_alignment(native.dev_buffer_type(dev))),
+            )
+        )
+    return found
 
 
 def _llama_cpp() -> Any:

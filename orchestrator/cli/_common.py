@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # imported lazily below: `rpcfleet artifact build` must start
 
 T = TypeVar("T")
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (logs, CI, `| less`) gets room for wide tables instead of rich's 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 DEFAULT_INVENTORY_ENV = "RPCFLEET_INVENTORY"
 

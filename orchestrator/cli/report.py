@@ -17,9 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _common, _planning
 from orchestrator.errors import RpcfleetError, UsageError
-from orchestrator.units import parse_size
 
 _CTX = re.compile(r"^\s*(\d+)\s*([kK])?\s*$")
 
@@ -78,44 +77,24 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
-    parser.add_argument("--margin", default=None, help="headroom kept free per device (default 256MiB)")
-    parser.add_argument("--type-k", default="f16", help="KV cache type of K (default f16)")
-    parser.add_argument("--type-v", default="f16", help="KV cache type of V (default f16)")
-    parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
-    parser.add_argument("--ubatch", type=int, default=512, help="n_ubatch (default 512)")
-    parser.add_argument("--strategy", choices=["proportional", "fewest"], default="proportional")
-    parser.add_argument("--timeout", type=float, default=3.0, help="probe timeout per host, seconds")
-    parser.add_argument("--no-facts", action="store_true", help="probe over RPC only (no SSH facts)")
+    _planning.add_plan_option_args(parser, ctx=False, local=False)
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.model import profile_model
-    from orchestrator.planner import DEFAULT_MARGIN, PlanOptions
     from orchestrator.probe import probe_fleet
     from orchestrator.report import ReportOptions, build_report, render
 
     contexts = parse_contexts(args.ctx)
-    try:
-        margin = parse_size(args.margin) if args.margin is not None else DEFAULT_MARGIN
-    except ValueError as exc:
-        raise UsageError(f"--margin: {exc}") from None
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    plan_options = _planning.plan_options(args, n_ctx=contexts[0])
     models = [(str(m), profile_model(m)) for m in args.model]  # read before probing: fail fast on a typo
     _, hosts = _common.load_hosts(args)
     fleet = _common.run_async(
         probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
     )
     options = ReportOptions(
-        plan=PlanOptions(
-            type_k=args.type_k,
-            type_v=args.type_v,
-            n_ubatch=args.ubatch,
-            flash_attn=args.flash_attn,
-            margin=margin,
-            strategy=args.strategy,
-        ),
+        plan=plan_options,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         inventory=str(_common.inventory_path(args)),
     )

@@ -17,7 +17,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.cli import _common
+from orchestrator.cli import _common, _planning
 from orchestrator.errors import UsageError
 from orchestrator.units import format_size
 
@@ -26,7 +26,7 @@ MiB = 1024 * 1024
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
     from orchestrator.inventory import Host
     from orchestrator.loader import Placement
-    from orchestrator.planner import Plan, PlanDevice
+    from orchestrator.planner import Plan
 
 
 def register(subparsers: Any) -> None:
@@ -42,8 +42,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
     parser.add_argument("-p", "--prompt", required=True, help="the prompt")
     parser.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: 32)")
-    parser.add_argument("--ctx", type=int, default=4096, help="context size (default: 4096; 0 = the model's)")
-    parser.add_argument("--flash-attn", action="store_true", help="use flash attention")
+    _planning.add_plan_option_args(parser)
     parser.add_argument(
         "--endpoint",
         action="append",
@@ -52,7 +51,6 @@ def register(subparsers: Any) -> None:
         help="a server to use (repeatable); without it, the inventory's hosts",
     )
     parser.add_argument("--plan", type=Path, default=None, help="load this plan (JSON) instead of planning")
-    parser.add_argument("--timeout", type=float, default=3.0, metavar="S", help="probe timeout per host")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--temp", type=float, default=0.0, help="temperature (default: 0, greedy)")
     parser.add_argument("--llama-verbose", action="store_true", help="show llama.cpp's own log")
@@ -76,41 +74,24 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     return hosts
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _devices(args: argparse.Namespace) -> list[PlanDevice]:
-    from orchestrator.probe import probe_fleet, to_plan_devices
-
-    if args.endpoint:
-        hosts = endpoint_hosts(args.endpoint)
-        facts = all(_is_loopback(h.address) for h in hosts)
-    else:
-        _, hosts = _common.load_hosts(args)
-        facts = True
-    if not hosts:
-        raise UsageError("no hosts selected: give --endpoint or an inventory")
-    fleet = _common.run_async(probe_fleet(hosts, timeout=args.timeout, facts=facts, forks=args.forks))
-    return to_plan_devices(fleet, failed="raise")
-
-
 def make_run_plan(args: argparse.Namespace) -> Plan:
+    from orchestrator.inventory import is_loopback
     from orchestrator.model import profile_model
-    from orchestrator.planner import Plan, PlanOptions, make_plan
+    from orchestrator.planner import Plan, make_plan
 
     if args.plan is not None:
         try:
             return Plan.from_json(args.plan.read_text(encoding="utf-8"))
         except OSError as exc:
             raise UsageError(f"cannot read plan {args.plan}: {exc.strerror}") from exc
+    options = _planning.plan_options(args)
     profile = profile_model(args.model)
-    return make_plan(_devices(args), profile, PlanOptions(n_ctx=args.ctx, flash_attn=args.flash_attn))
+    hosts = None
+    if args.endpoint:
+        hosts = endpoint_hosts(args.endpoint)
+        # Facts are read on this machine for loopback servers; others are probed over RPC only.
+        args.no_facts = args.no_facts or any(not is_loopback(h.address) for h in hosts)
+    return make_plan(_planning.probe_devices(args, hosts), profile, options)
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -1,0 +1,89 @@
+"""Planning flags shared by `plan`, `run` and `report`, and the probe → devices step behind them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from orchestrator.cli import _common
+from orchestrator.errors import UsageError
+from orchestrator.units import parse_size
+
+if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
+    from orchestrator.inventory import Host
+    from orchestrator.planner import PlanDevice, PlanOptions
+
+
+def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, local: bool = True) -> None:
+    if ctx:
+        parser.add_argument(
+            "--ctx", type=int, default=4096, help="context size (default: 4096; 0 = the model's)"
+        )
+    parser.add_argument("--margin", default=None, help="headroom kept free per device (default: 256MiB)")
+    parser.add_argument("--type-k", default="f16", help="KV cache type of K (default: f16)")
+    parser.add_argument("--type-v", default="f16", help="KV cache type of V (default: f16)")
+    parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
+    parser.add_argument("--ubatch", type=int, default=512, help="n_ubatch (default: 512)")
+    parser.add_argument(
+        "--strategy",
+        choices=["proportional", "fewest"],
+        default="proportional",
+        help="layers proportional to usable memory (default), or on the fewest devices",
+    )
+    if local:
+        parser.add_argument(
+            "--local-devices",
+            default=None,
+            metavar="NAMES",
+            help="local GPUs after the RPC devices: absent = all, '' = none, 'CUDA0,CUDA1' = those in order",
+        )
+    parser.add_argument("--timeout", type=float, default=3.0, metavar="S", help="probe timeout per host")
+    parser.add_argument("--no-facts", action="store_true", help="probe over RPC only (no SSH facts)")
+
+
+def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanOptions:
+    """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
+    from orchestrator.planner import DEFAULT_MARGIN, PlanOptions
+
+    try:
+        margin = parse_size(args.margin) if args.margin is not None else DEFAULT_MARGIN
+    except ValueError as exc:
+        raise UsageError(f"--margin: {exc}") from None
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    n_ctx = args.ctx if n_ctx is None else n_ctx
+    if n_ctx < 0 or args.ubatch < 1:
+        raise UsageError("--ctx must be 0 or positive and --ubatch at least 1")
+    return PlanOptions(
+        n_ctx=n_ctx,
+        type_k=args.type_k,
+        type_v=args.type_v,
+        n_ubatch=args.ubatch,
+        flash_attn=args.flash_attn,
+        margin=margin,
+        strategy=args.strategy,
+    )
+
+
+def local_device_selection(args: argparse.Namespace) -> list[str] | None:
+    text = args.local_devices
+    if text is None:
+        return None
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> list[PlanDevice]:
+    """Probe the selected hosts and order their devices for the planner: every RPC device of each
+    endpoint in inventory order, then the selected local GPUs of this machine."""
+    from orchestrator.loader import local_gpus
+    from orchestrator.planner import order_devices
+    from orchestrator.probe import probe_fleet, to_plan_devices
+
+    if hosts is None:
+        _, hosts = _common.load_hosts(args)
+    if not hosts:
+        raise UsageError("no hosts selected")
+    fleet = _common.run_async(
+        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+    )
+    return list(order_devices(to_plan_devices(fleet), local_gpus(), local_device_selection(args)))

@@ -1,0 +1,110 @@
+"""`rpcfleet plan`: probe the fleet, profile a GGUF model and show where every layer will go."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from orchestrator.cli import _common, _planning
+from orchestrator.errors import UsageError
+from orchestrator.units import format_size
+
+if TYPE_CHECKING:
+    from orchestrator.planner import Plan
+
+FORMATS = ("table", "json", "llama-cli", "python")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan a model's placement on the fleet: layers, tensor_split, memory per device, fit",
+        description=(
+            "Probe the selected servers, profile the GGUF model (metadata only) and plan the layers "
+            "per device: proportional to usable memory, or on the fewest devices. The plan can be "
+            "printed as a table, JSON (reloadable with `rpcfleet run --plan`), llama-cli/llama-server "
+            "arguments, or a Python snippet."
+        ),
+    )
+    parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
+    _planning.add_plan_option_args(parser)
+    parser.add_argument("--format", choices=FORMATS, default="table", help="output (default: table)")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON here")
+    _common.add_inventory_args(parser)
+    _common.add_json_arg(parser)
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.model import profile_model
+    from orchestrator.planner import llama_cli_args, make_plan, python_snippet
+
+    fmt = "json" if args.json else args.format
+    if not args.model.is_file():
+        raise UsageError(f"model {args.model} does not exist")
+    options = _planning.plan_options(args)
+    profile = profile_model(args.model)  # before probing: a bad model fails fast
+    plan = make_plan(_planning.probe_devices(args), profile, options)
+    if args.output is not None:
+        from orchestrator.cli.report import write_atomic
+
+        write_atomic(args.output, plan.to_json())
+    if fmt == "json":
+        sys.stdout.write(plan.to_json() + "\n")
+    elif fmt == "llama-cli":
+        sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
+    elif fmt == "python":
+        sys.stdout.write(python_snippet(plan, args.model))
+    else:
+        print_plan(plan)
+    return 0 if plan.fit.fits else 1
+
+
+def print_plan(plan: Plan) -> None:
+    table = Table(
+        box=box.SIMPLE_HEAD, highlight=False, title=f"plan: {plan.model_name}", title_justify="left"
+    )
+    for column in ("device", "layers", "weights", "KV", "compute", "total", "usable", "headroom"):
+        table.add_column(column, justify="left" if column in ("device", "layers") else "right")
+    for i, d in enumerate(plan.devices):
+        m = d.memory
+        layers = f"{d.n_layers - 1} + output" if d.has_output else str(d.n_layers)
+        headroom = format_size(m.headroom)
+        if m.headroom < 0:
+            headroom = f"[red]{headroom}[/red]"
+        elif i == plan.fit.binding_device:
+            headroom = f"[yellow]{headroom}[/yellow]"
+        table.add_row(
+            escape(d.label),
+            layers,
+            *(format_size(x) for x in (m.weights, m.kv, m.compute, m.total, m.usable)),
+            headroom,
+        )
+    h = plan.host
+    table.add_row("host (CPU)", "", *(format_size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", "")
+    _common.console.print(table)
+    split = ",".join(f"{x:g}" for x in plan.tensor_split)
+    _common.console.print(
+        f"n_ctx {plan.n_ctx} · n_gpu_layers {plan.n_gpu_layers} · split_mode layer · tensor_split {split}",
+        highlight=False,
+    )
+    if plan.fit.fits:
+        _common.console.print(
+            f"[green]fits[/green]; the largest context that fits: {plan.fit.largest_n_ctx}", highlight=False
+        )
+    else:
+        binding = plan.devices[plan.fit.binding_device or 0]
+        _common.console.print(
+            f"[red]does not fit[/red]: {escape(binding.label)} is short by {format_size(plan.fit.shortfall)}"
+            f"; the largest context that fits: {plan.fit.largest_n_ctx}",
+            highlight=False,
+        )
+    for note in plan.notes:
+        _common.err_console.print(f"note: {escape(note)}", highlight=False)

@@ -1,0 +1,112 @@
+"""`rpcfleet plan` against real servers on loopback, and the local GPUs offered to the planner."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.planner import Plan
+from orchestrator.units import format_size
+from tests.plugins.servers import LocalServer
+
+MiB = 1024 * 1024
+
+
+def _inventory(tmp_path: Path, servers: list[LocalServer], limits: list[str]) -> Path:
+    lines = ["hosts:"]
+    for i, (server, limit) in enumerate(zip(servers, limits, strict=True)):
+        lines += [
+            f"  node{i}:",
+            "    connection: local",
+            "    address: 127.0.0.1",
+            f"    rpc_host: {server.host}",
+            f"    rpc_port: {server.port}",
+            f"    memory_limit: {limit}",
+        ]
+    path = tmp_path / "inventory.yml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def two_servers(start_rpc_server: Callable[..., LocalServer]) -> list[LocalServer]:
+    return [start_rpc_server(), start_rpc_server()]
+
+
+def test_plan_json_round_trips_and_follows_the_limits(
+    two_servers: list[LocalServer],
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = tiny_model_factory(n_layer=8)
+    inventory = _inventory(tmp_path, two_servers, ["1000MiB", "3000MiB"])
+    saved = tmp_path / "plan.json"
+    status = main(
+        ["plan", "-i", str(inventory), "-m", str(model), "--ctx", "1024", "--json", "-o", str(saved)]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    plan = Plan.from_json(out)
+    assert Plan.from_json(saved.read_text()) == plan
+    assert plan.endpoints == tuple(s.endpoint for s in two_servers)
+    # 9 offloadable layers (8 + output) split 1:3 on usable memory less the 256 MiB margin: 744:2744.
+    assert plan.layer_counts == (2, 7) and plan.tensor_split == (2.0, 7.0)
+    assert plan.fit.fits and plan.n_ctx == 1024
+
+
+def test_plan_renders_llama_cli_args_and_python(
+    two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inventory = _inventory(tmp_path, two_servers, ["2GiB", "2GiB"])
+    assert main(["plan", "-i", str(inventory), "-m", str(tiny_model), "--format", "llama-cli"]) == 0
+    args = capsys.readouterr().out.split()
+    assert args[args.index("--rpc") + 1] == ",".join(s.endpoint for s in two_servers)
+    assert args[args.index("--device") + 1] == "RPC0,RPC1"
+    assert "--tensor-split" in args and args[args.index("-ngl") + 1] == "5"
+    assert main(["plan", "-i", str(inventory), "-m", str(tiny_model), "--format", "python"]) == 0
+    snippet = capsys.readouterr().out
+    ast.parse(snippet)
+    assert "orchestrator.load_llama(plan" in snippet
+
+
+def test_plan_that_does_not_fit_names_the_short_device(
+    two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inventory = _inventory(tmp_path, two_servers, ["300MiB", "290MiB"])
+    base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096"]
+    assert main([*base, "--json"]) == 1
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert not plan.fit.fits and plan.fit.shortfall > 0 and plan.fit.binding_device is not None
+    short = plan.devices[plan.fit.binding_device]
+    assert short.memory.headroom == -plan.fit.shortfall
+    assert main(base) == 1
+    out = capsys.readouterr().out
+    assert f"does not fit: {short.label} is short by {format_size(plan.fit.shortfall)}" in out
+    assert f"the largest context that fits: {plan.fit.largest_n_ctx}" in out
+    assert plan.fit.largest_n_ctx < 4096
+
+
+def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text("hosts:\n  a:\n    connection: local\n    rpc_host: 127.0.0.1\n")
+    assert main(["plan", "-i", str(inventory), "-m", str(tmp_path / "missing.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["plan", "-i", str(inventory), "-m", str(inventory), "--margin", "lots"]) == 2
+    assert "--margin" in capsys.readouterr().err
+
+
+@pytest.mark.llama
+def test_local_gpus_are_only_gpus() -> None:
+    from orchestrator.loader import _native, local_gpus
+
+    native = _native()
+    kinds = [native.dev_type(native.dev_get(i)) for i in range(native.dev_count())]
+    gpus = local_gpus()
+    assert len(gpus) == sum(k in (1, 2) for k in kinds) or (1 in kinds and 2 in kinds)
+    assert all(g.endpoint is None and g.total >= g.free >= 0 for g in gpus)
+    assert [g.index for g in gpus] == list(range(len(gpus)))
