@@ -489,6 +489,32 @@ class _Native:
 _NATIVE: _Native | None = None
 
 
+@dataclass(frozen=True)
+class GenerationTimings:
+    """llama.cpp's own counters for the last completion (not the stream's chunks, which
+    llama-cpp-python holds back while a token ends inside a UTF-8 character)."""
+
+    prompt_tokens: int
+    prompt_seconds: float
+    generated_tokens: int  # tokens evaluated after the prompt
+    generate_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+
+def generation_timings(llm: Any) -> GenerationTimings:
+    """Prompt and generation counters of `llm`'s last completion (llama_perf_context)."""
+    perf = _llama_cpp().llama_perf_context(llm._ctx.ctx)
+    return GenerationTimings(
+        prompt_tokens=int(perf.n_p_eval),
+        prompt_seconds=perf.t_p_eval_ms / 1000,
+        generated_tokens=int(perf.n_eval),
+        generate_seconds=perf.t_eval_ms / 1000,
+    )
+
+
 _GPU_TYPES = (1, 2)  # enum ggml_backend_dev_type: CPU 0, GPU 1, IGPU 2, ACCEL 3
 
 

@@ -1,38 +1,87 @@
 """`rpcfleet demo`: the main job on an embedded default lab (what `make demo` runs).
 
 Brings up an emulated lab (network namespaces with real sshd as root, a local-connection lab
-otherwise), reaches every node, prints the recap, and brings the lab down again.
+otherwise), then runs the pipeline a user runs on real machines, each step through its own
+command: ping → deploy → probe → plan → run (load over RPC, generate, placement predicted vs
+actual), and brings the lab down again.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common
 
+DEMO_LAB = "demo"
+PROMPT = "The fleet of llama servers"
+
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("demo", help="run the main job on an emulated lab on this machine")
+    parser = subparsers.add_parser(
+        "demo", help="run the whole pipeline on an emulated lab on this machine (make demo)"
+    )
     parser.add_argument("--nodes", type=int, default=3, help="lab nodes (default: 3)")
-    parser.add_argument("--keep", action="store_true", help="leave the lab running afterwards")
+    parser.add_argument("--keep", action="store_true", help="leave the lab and its servers running")
+    parser.add_argument("--lab-name", default=DEMO_LAB, help=f"name of the lab (default: {DEMO_LAB})")
+    parser.add_argument(
+        "--model", "-m", type=Path, default=None, help="GGUF model (default: a generated 8-layer llama)"
+    )
     parser.set_defaults(handler=handle)
+
+
+def demo_model() -> Path:
+    """A small llama GGUF with random weights, generated once into the cache (no download)."""
+    from orchestrator.artifacts import rpcfleet_home
+    from orchestrator.synth import write_tiny_llama
+
+    path = rpcfleet_home() / "models" / "demo-llama-8L-512d.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_tiny_llama(partial, n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_ff=1408, seed=7)
+        partial.replace(path)
+    return path
 
 
 def handle(args: argparse.Namespace) -> int:
     from orchestrator import lab as lab_module
-    from orchestrator.cli import ping
+    from orchestrator.cli import main
 
     local = os.geteuid() != 0
-    name = "demo"
-    _common.console.rule(f"lab up: {args.nodes} {'local' if local else 'namespaced'} nodes")
-    lab = lab_module.lab_up(args.nodes, name=name, local=local)
+    model = args.model or demo_model()
+    kind = "local-connection (not root)" if local else "network-namespace"
+    _common.console.rule(f"lab up: {args.nodes} {kind} nodes")
+    lab = lab_module.lab_up(args.nodes, name=args.lab_name, local=local)
+    inventory = ["-i", str(lab.inventory)]
+    steps: list[tuple[str, list[str]]] = [
+        ("ping: reach every node over " + ("a local shell" if local else "SSH"), ["ping", *inventory]),
+        ("deploy: install the pinned rpc-server, start it, wait for HELLO", ["deploy", *inventory]),
+        ("probe: protocol, devices and usable memory of every server", ["probe", *inventory]),
+        (
+            "plan: where every layer of the model goes",
+            ["plan", *inventory, "-m", str(model), "--ctx", "2048"],
+        ),
+        (
+            "run: load through the plan, generate, placement predicted vs actual",
+            ["run", *inventory, "-m", str(model), "--ctx", "2048", "-p", PROMPT, "-n", "24"],
+        ),
+    ]
     try:
-        _common.console.rule("ping every node over " + ("a local connection" if local else "SSH"))
-        ping_args = argparse.Namespace(inventory=lab.inventory, limit=None, forks=16, json=False)
-        return ping.handle(ping_args)
+        for title, argv in steps:
+            _common.console.rule(title)
+            status = main(argv)
+            if status != 0:
+                _common.err_console.print(f"[red]demo stopped: `rpcfleet {' '.join(argv)}` failed[/red]")
+                return status
+        return 0
     finally:
-        if not args.keep:
+        if args.keep:
+            _common.console.print(
+                f"lab kept: rpcfleet -i {lab.inventory} ...; `rpcfleet lab down --name {args.lab_name}`"
+            )
+        else:
             _common.console.rule("lab down")
-            lab_module.lab_down(name)
+            lab_module.lab_down(args.lab_name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,33 +133,25 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple[str, dict[str, Any]]:
-    """Stream a completion; prompt time is up to the first token, speed is over the tokens after it."""
-    started = time.monotonic()
-    first: float | None = None
+    """Stream a completion (echoed as it comes); the numbers are llama.cpp's own counters."""
+    from orchestrator.loader import generation_timings
+
     pieces: list[str] = []
-    count = 0
     for chunk in llm(prompt, max_tokens=n, temperature=temp, stream=True):
-        choice = chunk["choices"][0]
-        piece = choice["text"]
-        if not piece and choice.get("finish_reason") is not None:
-            break  # the closing chunk carries no token
-        first = first if first is not None else time.monotonic()
+        piece = chunk["choices"][0]["text"]
         pieces.append(piece)
-        count += 1
         if echo:
             sys.stdout.write(piece)
             sys.stdout.flush()
-    ended = time.monotonic()
     if echo:
         sys.stdout.write("\n")
-    first = first if first is not None else ended
-    decode = ended - first
+    timings = generation_timings(llm)
     return "".join(pieces), {
-        "prompt_tokens": len(llm.tokenize(prompt.encode("utf-8"))),
-        "completion_tokens": count,
-        "prompt_seconds": round(first - started, 4),
-        "decode_seconds": round(decode, 4),
-        "tokens_per_second": round((count - 1) / decode, 2) if count > 1 and decode > 0 else 0.0,
+        "prompt_tokens": timings.prompt_tokens,
+        "prompt_seconds": round(timings.prompt_seconds, 4),
+        "completion_tokens": timings.generated_tokens,
+        "decode_seconds": round(timings.generate_seconds, 4),
+        "tokens_per_second": round(timings.tokens_per_second, 2),
     }
 
 
