@@ -125,7 +125,7 @@ def handle(args: argparse.Namespace) -> int:
     _print_placement(placement)
     _common.console.print(
         f"load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
-        f"{stats['prompt_seconds']:.3f} s · {stats['completion_tokens']} tokens at "
+        f"{stats['prompt_seconds']:.3f} s · {stats['completion_tokens']} tokens, decoding at "
         f"[bold]{stats['tokens_per_second']:.1f} tokens/s[/bold]",
         highlight=False,
     )
@@ -137,8 +137,10 @@ def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple
     from orchestrator.loader import generation_timings
 
     pieces: list[str] = []
+    finish_reason = None
     for chunk in llm(prompt, max_tokens=n, temperature=temp, stream=True):
         piece = chunk["choices"][0]["text"]
+        finish_reason = chunk["choices"][0].get("finish_reason") or finish_reason
         pieces.append(piece)
         if echo:
             sys.stdout.write(piece)
@@ -146,10 +148,12 @@ def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple
     if echo:
         sys.stdout.write("\n")
     timings = generation_timings(llm)
+    # Every generated token is evaluated for the next one, except the last when max_tokens ends it.
+    generated = timings.generated_tokens + (1 if finish_reason == "length" else 0)
     return "".join(pieces), {
         "prompt_tokens": timings.prompt_tokens,
         "prompt_seconds": round(timings.prompt_seconds, 4),
-        "completion_tokens": timings.generated_tokens,
+        "completion_tokens": generated,
         "decode_seconds": round(timings.generate_seconds, 4),
         "tokens_per_second": round(timings.tokens_per_second, 2),
     }
