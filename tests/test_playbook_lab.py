@@ -54,7 +54,9 @@ def test_check_mode_of_rolling_restart_and_teardown_changes_nothing(
     assert _cli(lab, "teardown", "--check") == 0
     out = capsys.readouterr().out
     assert out.count("stop: running (pid") == 3
-    assert main(["rolling-restart", "-i", str(lab.inventory), "--check", "--limit", deployed[0].name]) == 0
+    assert (
+        main(["restart", "--rolling", "-i", str(lab.inventory), "--check", "--limit", deployed[0].name]) == 0
+    )
     assert "would restart" in capsys.readouterr().out
     assert [v.pid() for v in views] == pids and [v.starts() for v in views] == starts
     assert all(v.server_alive() for v in views)

@@ -1,8 +1,8 @@
-"""`rpcfleet run-playbook` and `rpcfleet rolling-restart`: playbooks through the executor.
+"""`rpcfleet run-playbook`: playbooks through the executor.
 
-`rolling-restart` is the `restart` step of a one-step playbook with `serial` (the same path as
-`run-playbook playbooks/rolling-restart.yml`). `add_rolling_args` and `handle_rolling_restart` are what
-`rpcfleet restart --rolling` calls.
+`rpcfleet restart --rolling` (registered with the other service commands) comes here through
+`add_rolling_args` and `handle_rolling_restart`: the `restart` step of a one-step playbook with
+`serial`, the same path as `run-playbook playbooks/rolling-restart.yml`.
 """
 
 from __future__ import annotations
@@ -43,16 +43,6 @@ def register(subparsers: Any) -> None:
         help="set a playbook variable (repeatable; wins over the playbook's vars)",
     )
     parser.set_defaults(handler=handle_run_playbook)
-
-    rolling = subparsers.add_parser(
-        "rolling-restart",
-        help="restart the rpc-servers batch by batch, refusing busy ones, waiting for each to be back",
-    )
-    _common.add_inventory_args(rolling)
-    parser_check = rolling.add_argument_group("rolling restart")
-    parser_check.add_argument("--check", action="store_true", help="print what would restart, change nothing")
-    add_rolling_args(rolling)
-    rolling.set_defaults(handler=handle_rolling_restart)
 
 
 def add_rolling_args(parser: argparse.ArgumentParser, *, serial: bool = True) -> None:
