@@ -1,0 +1,174 @@
+"""Small helpers shared by the benchmarks: statistics, machine/commit info, BENCHMARKS.md sections and real
+`ggml-rpc-server`s on loopback. Importing it puts the repository root on `sys.path` (the scripts run from
+`bench/`), so `orchestrator` imports after it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def p95(xs: Sequence[float]) -> float:
+    """Nearest-rank 95th percentile."""
+    ordered = sorted(xs)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def machine() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({model or platform.machine()}), {platform.system()} {platform.release()}"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def stamp() -> str:
+    """`date, machine, commit X` for a section's first line."""
+    return f"{datetime.date.today().isoformat()}, {machine()}, commit `{commit()}`"
+
+
+def write_section(path: Path, section: str, body: str) -> None:
+    """Replace (or append) the `## <section>` part of `path`; other sections stay as they are. `body`
+    starts with its own `## <section>` heading."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    pattern = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    block = body.rstrip("\n") + "\n\n"
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def arg_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser (`doc` as its help) with the common `--write [PATH]`: also replace the
+    benchmark's section of PATH (default: BENCHMARKS.md)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--write",
+        type=Path,
+        nargs="?",
+        const=ROOT / "BENCHMARKS.md",
+        default=None,
+        metavar="PATH",
+        help="replace this benchmark's section of PATH (default BENCHMARKS.md); otherwise print only",
+    )
+    return parser
+
+
+def load_average() -> float:
+    """1-minute load average: how busy the machine was when the measurement started."""
+    return os.getloadavg()[0]
+
+
+# --- real servers on loopback -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_binary() -> Path:
+    try:
+        from orchestrator.artifacts import local_server_binary
+
+        return local_server_binary()
+    except Exception:  # no artifact built yet: the development server
+        return Path.home() / ".cache" / "rpcfleet" / "dev-server" / "ggml-rpc-server"
+
+
+def server_command(binary: Path, port: int, *extra: str) -> list[str]:
+    """argv running `binary` on 127.0.0.1:`port` with SIGPIPE ignored (a client that goes away mid-reply
+    would otherwise kill the server)."""
+    line = shlex.join([str(binary), "-H", "127.0.0.1", "-p", str(port), *extra])
+    return ["bash", "-c", f"trap '' PIPE; exec {line}"]
+
+
+def wait_listening(port: int, proc: subprocess.Popen[bytes] | None = None, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        # Connect and close without a byte: harmless to the server (an unread HELLO is not).
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"rpc-server on port {port} did not start") from None
+            time.sleep(0.02)
+
+
+@contextmanager
+def servers(n: int, log_dir: Path, *extra: str) -> Iterator[list[int]]:
+    """The ports of `n` real servers on 127.0.0.1 (`extra`: more server arguments), logs in `log_dir`;
+    always stopped on exit."""
+    binary = server_binary()
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    try:
+        for _ in range(n):
+            port = free_port()
+            with (log_dir / f"rpc-{port}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        server_command(binary, port, *extra), stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
+            ports.append(port)
+        for port, proc in zip(ports, procs, strict=True):
+            wait_listening(port, proc)
+        yield ports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
