@@ -49,6 +49,7 @@ from typing import Any, BinaryIO, Literal
 
 from orchestrator.errors import ArtifactError, InputError, SourceLocation
 from orchestrator.log import get_logger
+from orchestrator.paths import rpcfleet_home
 
 __all__ = [
     "BACKENDS",
@@ -296,12 +297,6 @@ class ArtifactSpec:
 
 
 # ---------------------------------------------------------------- paths, platform, versions
-
-
-def rpcfleet_home() -> Path:
-    """`$RPCFLEET_HOME`, default `~/.cache/rpcfleet` (read on every call so tests can point it elsewhere)."""
-    value = os.environ.get("RPCFLEET_HOME")
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "rpcfleet"
 
 
 def artifacts_dir() -> Path:
@@ -1121,6 +1116,8 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
     """Parse a YAML/JSON artifact spec; errors name the file and line (`ArtifactSpecError`)."""
     import yaml
 
+    from orchestrator.yamlsource import Source, compose, node_value
+
     try:
         text = path.read_text()
     except OSError as exc:
@@ -1128,19 +1125,12 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
             f"cannot read the artifact spec: {exc.strerror}", SourceLocation(path)
         ) from exc
     try:
-        node = yaml.compose(text)
+        node = compose(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else SourceLocation(path)
         raise ArtifactSpecError(f"not valid YAML/JSON: {getattr(exc, 'problem', exc)}", where) from exc
-    lines = text.splitlines()
-
-    def loc(n: yaml.Node) -> SourceLocation:
-        line = n.start_mark.line
-        return SourceLocation(
-            path, line + 1, n.start_mark.column + 1, lines[line] if line < len(lines) else None
-        )
-
+    loc = Source.of_text(path, text).node
     if not isinstance(node, yaml.MappingNode):
         raise ArtifactSpecError(
             "an artifact spec must be a mapping (url/path/build + sha256)", SourceLocation(path, 1)
@@ -1152,7 +1142,7 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
             raise ArtifactSpecError(
                 f"unknown key {key!r}", loc(key_node), hint=f"known: {', '.join(sorted(_SPEC_KEYS))}"
             )
-        values[key] = (yaml.safe_load(yaml.serialize(value_node)), value_node)
+        values[key] = (node_value(value_node), value_node)
 
     def text_of(key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str | None:
         if key not in values:

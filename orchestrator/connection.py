@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import time
@@ -44,6 +45,7 @@ __all__ = [
     "Progress",
     "SSHConnection",
     "connect",
+    "shell_path",
 ]
 
 _CLOSE_TIMEOUT = 5.0  # closing never waits longer than this
@@ -139,6 +141,16 @@ def _local_home(host: Host) -> Path | None:
 # --- shared -----------------------------------------------------------------------------------
 
 
+def shell_path(path: str) -> str:
+    """`path` for a POSIX shell: a leading `~` becomes "$HOME", everything else is quoted."""
+    if path in ("~", "~/"):
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:].rstrip("/")
+        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
+    return shlex.quote(path.rstrip("/") or "/")
+
+
 def _decode(data: bytes | str | None) -> str:
     if data is None:
         return ""
@@ -160,6 +172,23 @@ def _signal_status(name: str) -> int:
 class _BaseConnection:
     host: Host
     options: ConnectOptions
+
+    async def run(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the API: a per-call limit)
+        check: bool = False,
+        input: str | bytes | None = None,
+    ) -> CommandResult:
+        limit = self.options.command_timeout if timeout is None else timeout
+        started = time.monotonic()
+        status, stdout, stderr = await self._execute(command, limit, _encode(input))
+        return self._finish(command, status, stdout, stderr, started, check)
+
+    async def _execute(self, command: str, limit: float, data: bytes | None) -> tuple[int, bytes, bytes]:
+        """Run `command` within `limit` seconds: (exit status, stdout, stderr)."""
+        raise NotImplementedError
 
     def _finish(
         self, command: str, status: int, stdout: bytes, stderr: bytes, started: float, check: bool
@@ -361,21 +390,11 @@ class SSHConnection(_BaseConnection):
             f"connection to {_where(self.host)} lost {what}: {reason}", host=self.host.name
         )
 
-    async def run(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 (the API: a per-call limit)
-        check: bool = False,
-        input: str | bytes | None = None,
-    ) -> CommandResult:
-        limit = self.options.command_timeout if timeout is None else timeout
-        started = time.monotonic()
+    async def _execute(self, command: str, limit: float, data: bytes | None) -> tuple[int, bytes, bytes]:
         process: asyncssh.SSHClientProcess[bytes] | None = None
         try:
             async with asyncio.timeout(limit):
                 process = await self._conn.create_process(command, encoding=None)
-                data = _encode(input)
                 if data:
                     stdout, stderr = await process.communicate(data)
                 else:
@@ -414,7 +433,7 @@ class SSHConnection(_BaseConnection):
                 command=command,
                 stderr=_decode(stderr),
             )
-        return self._finish(command, status, stdout, stderr, started, check)
+        return status, stdout, stderr
 
     async def _sftp_client(self) -> asyncssh.SFTPClient:
         async with self._sftp_lock:
@@ -540,17 +559,7 @@ class LocalConnection(_BaseConnection):
             return self.home / remote[2:]
         return self.home / Path(remote).expanduser()  # an absolute path stays absolute
 
-    async def run(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 (the API: a per-call limit)
-        check: bool = False,
-        input: str | bytes | None = None,
-    ) -> CommandResult:
-        limit = self.options.command_timeout if timeout is None else timeout
-        started = time.monotonic()
-        data = _encode(input)
+    async def _execute(self, command: str, limit: float, data: bytes | None) -> tuple[int, bytes, bytes]:
         env = None if self.home == Path.home() else {**os.environ, "HOME": str(self.home)}
         try:
             process = await asyncio.create_subprocess_shell(
@@ -592,8 +601,7 @@ class LocalConnection(_BaseConnection):
                 task.cancel()
             raise self._timed_out(command, limit, bytes(stdout), bytes(stderr))
         code = waiter.result()
-        status = 128 - code if code < 0 else code
-        return self._finish(command, status, bytes(stdout), bytes(stderr), started, check)
+        return (128 - code if code < 0 else code), bytes(stdout), bytes(stderr)
 
     async def put(self, local: Path, remote: str, *, progress: Progress | None = None) -> None:
         await _copy(local, self._path(remote), progress, self.host, f"cannot upload {local} to {remote}")

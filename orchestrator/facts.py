@@ -21,21 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
+from orchestrator.connection import shell_path
+
 T = TypeVar("T")
 
 MiB = 1024 * 1024
 NOT_FOUND = 127  # the shell's "command not found"
 # A GPU tool can hang on a wedged driver; one fact must not stall the whole gathering.
 TOOL_TIMEOUT_S = 15
-
-
-def shell_path(path: str) -> str:
-    """Quote a remote path for the shell, keeping a leading `~` (the remote user's home) working."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(path[2:])
-    return shlex.quote(path)
 
 
 def _with_tool(tool: str, args: str) -> str:
@@ -492,20 +485,6 @@ def parse_gathered(facts: Sequence[Fact[Any]], stdout: str, token: str) -> dict[
         fact.name: fact.parse(raw.stdout, raw.stderr, raw.exit_status)
         for fact, raw in zip(facts, raws, strict=True)
     }
-
-
-def default_facts(rpc_port: int, install_dir: str, pid_file: str) -> list[Fact[Any]]:
-    """Everything the probe needs to know about a node, in one list."""
-    return [
-        OsFact(),
-        CpuCountFact(),
-        MemoryFact(),
-        NvidiaGpuFact(),
-        RocmGpuFact(),
-        RpcClientsFact(rpc_port),
-        InstalledManifestFact(install_dir),
-        ServerProcessFact(pid_file),
-    ]
 
 
 FACT_TYPES: Mapping[str, type[Fact[Any]]] = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.artifacts import Artifact, Manifest, resolve_artifact, verify_artifact
-from orchestrator.connection import Connection, Progress
+from orchestrator.connection import Connection, Progress, shell_path
 from orchestrator.errors import ArtifactError, CommandTimeoutError, InstallError, TransferError, tail
 from orchestrator.executor import HostContext, StepOutcome
 from orchestrator.inventory import Host
@@ -49,7 +49,6 @@ __all__ = [
     "plan_rollback",
     "prune_plan",
     "read_install_state",
-    "shell_path",
     "switch_script",
 ]
 
@@ -59,16 +58,6 @@ PREPARE_TIMEOUT = 20.0
 APPLY_TIMEOUT = 120.0
 SPACE_MARGIN = 1 << 20  # bytes kept free beyond the archive and the unpacked files
 _MARK = "@"
-
-
-def shell_path(path: str) -> str:
-    """`path` for a POSIX shell: a leading `~` becomes "$HOME", everything else is quoted."""
-    if path in ("~", "~/"):
-        return '"$HOME"'
-    if path.startswith("~/"):
-        rest = path[2:].rstrip("/")
-        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
-    return shlex.quote(path.rstrip("/") or "/")
 
 
 def normalise_platform(uname_s: str, uname_m: str) -> tuple[str, str]:

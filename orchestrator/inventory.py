@@ -36,7 +36,6 @@ give a warning (``Inventory.warnings``), never an error.
 from __future__ import annotations
 
 import ast
-import difflib
 import fnmatch
 import ipaddress
 import re
@@ -51,6 +50,16 @@ import yaml
 
 from orchestrator.errors import InventoryError, SourceLocation
 from orchestrator.units import parse_size
+from orchestrator.yamlsource import (
+    Source,
+    compose,
+    did_you_mean,
+    flatten_merge_keys,
+    is_null,
+    node_kind,
+    node_value,
+    type_name,
+)
 
 DEFAULT_RPC_PORT = 50052
 DEFAULT_INSTALL_DIR = "~/.local/lib/rpcfleet"
@@ -166,15 +175,9 @@ class HostPatternError(InventoryError):
 # with a message for the user.
 
 
-def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}.get(
-        type(value), f"a {type(value).__name__}"
-    )
-
-
 def _parse_str(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ValueError(f"expected a string, got {_type_name(value)} {value!r}")
+        raise ValueError(f"expected a string, got {type_name(value)} {value!r}")
     return str(value)
 
 
@@ -375,8 +378,7 @@ _ANSIBLE_VARS = frozenset(
 
 
 def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(word, candidates, cutoff=0.75)  # variable and group names: only near misses
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -454,7 +456,7 @@ class _RawHost:
 class _Builder:
     def __init__(self, path: Path | None, lines: Sequence[str]) -> None:
         self.path = path
-        self.lines = lines
+        self.source = Source(path, lines)
         self.hosts: dict[str, _RawHost] = {}
         self.groups: dict[str, _RawGroup] = {}
         self.errors: list[InventoryError] = []
@@ -463,10 +465,7 @@ class _Builder:
 
     def loc(self, line: int | None, column: int | None = None) -> SourceLocation:
         """A location with 1-based line/column; the snippet is the whole source line."""
-        snippet = None
-        if line is not None and 1 <= line <= len(self.lines):
-            snippet = self.lines[line - 1].strip() or None
-        return SourceLocation(self.path, line, column, snippet)
+        return self.source.at(line, column)
 
     def error(self, message: str, location: SourceLocation | None) -> None:
         err = InventoryError(message, location)
@@ -528,78 +527,57 @@ class _Builder:
 # ------------------------------------------------------------------------------------------------- YAML
 
 
-def _yaml_loc(builder: _Builder, node: yaml.Node) -> SourceLocation:
-    mark = node.start_mark
-    return builder.loc(mark.line + 1, mark.column + 1)
-
-
-_CONSTRUCTOR = yaml.SafeLoader("")
-
-
-def _yaml_value(node: yaml.Node) -> Any:
-    try:
-        return _CONSTRUCTOR.construct_object(node, deep=True)
-    finally:
-        _CONSTRUCTOR.constructed_objects.clear()  # keep no reference to old documents
-
-
-def _is_null(node: yaml.Node) -> bool:
-    return isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null"
-
-
 def _yaml_items(builder: _Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
     """(key, key node, value node) of a mapping node, in document order; null is an empty mapping."""
-    if _is_null(node):
+    if is_null(node):
         return
     if not isinstance(node, yaml.MappingNode):
-        builder.error(f"{what} must be a mapping, got {_node_kind(node)}", _yaml_loc(builder, node))
+        builder.error(f"{what} must be a mapping, got {_node_kind(node)}", builder.source.node(node))
         return
-    _CONSTRUCTOR.flatten_mapping(node)  # resolves YAML merge keys (<<: *anchor)
+    flatten_merge_keys(node)  # resolves YAML merge keys (<<: *anchor)
     seen: dict[str, yaml.Node] = {}
     for key_node, value_node in node.value:
-        key = _yaml_value(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+        key = node_value(key_node) if isinstance(key_node, yaml.ScalarNode) else None
         if key is None or isinstance(key, bool):
-            builder.error(f"invalid key in {what}", _yaml_loc(builder, key_node))
+            builder.error(f"invalid key in {what}", builder.source.node(key_node))
             continue
         key = str(key)
         if key in seen:
-            builder.warn(f"duplicate key {key!r} in {what}; the last one wins", _yaml_loc(builder, key_node))
+            builder.warn(f"duplicate key {key!r} in {what}; the last one wins", builder.source.node(key_node))
         seen[key] = key_node
         yield key, key_node, value_node
 
 
 def _node_kind(node: yaml.Node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "a mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "a list"
-    return f"{_type_name(_yaml_value(node))} {_yaml_value(node)!r}"
+    """`node_kind`, quoting a scalar's value."""
+    kind = node_kind(node)
+    return f"{kind} {node_value(node)!r}" if isinstance(node, yaml.ScalarNode) else kind
 
 
 def _yaml_vars(builder: _Builder, scope: dict[str, _RawVar], node: yaml.Node, what: str) -> None:
     for key, _key_node, value_node in _yaml_items(builder, node, what):
-        builder.set_var(scope, key, _yaml_value(value_node), _yaml_loc(builder, value_node))
+        builder.set_var(scope, key, node_value(value_node), builder.source.node(value_node))
 
 
 def _yaml_names(builder: _Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node]]:
     """Names from a list (or a mapping whose values are ignored by the caller)."""
-    if _is_null(node):
+    if is_null(node):
         return
     if isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            value = _yaml_value(item) if isinstance(item, yaml.ScalarNode) else None
+            value = node_value(item) if isinstance(item, yaml.ScalarNode) else None
             if value is None or isinstance(value, bool):
-                builder.error(f"{what} must list names", _yaml_loc(builder, item))
+                builder.error(f"{what} must list names", builder.source.node(item))
             else:
                 yield str(value), item
     else:
-        builder.error(f"{what} must be a list of names, got {_node_kind(node)}", _yaml_loc(builder, node))
+        builder.error(f"{what} must be a list of names, got {_node_kind(node)}", builder.source.node(node))
 
 
 def _yaml_group_hosts(builder: _Builder, group: _RawGroup | None, node: yaml.Node, what: str) -> None:
     """`hosts:` as a mapping name -> vars (declares hosts)."""
     for name, key_node, value_node in _yaml_items(builder, node, what):
-        for host in builder.add_hosts(name, _yaml_loc(builder, key_node), group):
+        for host in builder.add_hosts(name, builder.source.node(key_node), group):
             _yaml_vars(builder, host.vars, value_node, f"variables of host {host.name!r}")
 
 
@@ -609,21 +587,21 @@ _GROUP_KEYS = ("hosts", "children", "vars")
 def _ansible_group(
     builder: _Builder, name: str, node: yaml.Node, key_node: yaml.Node, parent: _RawGroup | None
 ) -> None:
-    location = _yaml_loc(builder, key_node)
+    location = builder.source.node(key_node)
     group = builder.group(name, location)
     if parent is not None:
         builder.add_child(parent, name, location)
-    if not _is_null(node) and not isinstance(node, yaml.MappingNode):
+    if not is_null(node) and not isinstance(node, yaml.MappingNode):
         builder.error(
             f"group {name!r} must be a mapping of hosts/children/vars, got {_node_kind(node)}",
-            _yaml_loc(builder, node),
+            builder.source.node(node),
         )
         return
     for key, sub_key, value in _yaml_items(builder, node, f"group {name!r}"):
         if key == "hosts":
             if isinstance(value, yaml.SequenceNode):
                 for host_name, item in _yaml_names(builder, value, f"hosts of group {name!r}"):
-                    builder.add_hosts(host_name, _yaml_loc(builder, item), group)
+                    builder.add_hosts(host_name, builder.source.node(item), group)
             else:
                 _yaml_group_hosts(builder, group, value, f"hosts of group {name!r}")
         elif key == "children":
@@ -635,7 +613,7 @@ def _ansible_group(
             builder.warn(
                 f"unexpected key {key!r} in group {name!r} is ignored (only hosts, children and vars)"
                 + _did_you_mean(key, _GROUP_KEYS),
-                _yaml_loc(builder, sub_key),
+                builder.source.node(sub_key),
             )
 
 
@@ -655,32 +633,33 @@ def _native(builder: _Builder, root: yaml.MappingNode) -> None:
             for name, name_node, body in _yaml_items(builder, value, "groups"):
                 if name in ("all", "ungrouped"):
                     builder.error(
-                        f"group {name!r} is implicit; use top-level vars/hosts", _yaml_loc(builder, name_node)
+                        f"group {name!r} is implicit; use top-level vars/hosts",
+                        builder.source.node(name_node),
                     )
                     continue
-                group = builder.group(name, _yaml_loc(builder, name_node))
+                group = builder.group(name, builder.source.node(name_node))
                 for gkey, gkey_node, gvalue in _yaml_items(builder, body, f"group {name!r}"):
                     what = f"{gkey} of group {name!r}"
                     if gkey == "hosts" and isinstance(gvalue, yaml.MappingNode):
                         _yaml_group_hosts(builder, group, gvalue, what)
                     elif gkey == "hosts":
                         for host, item in _yaml_names(builder, gvalue, what):
-                            host_refs.append((group, host, _yaml_loc(builder, item)))
+                            host_refs.append((group, host, builder.source.node(item)))
                     elif gkey == "children":
                         for child, item in _yaml_names(builder, gvalue, what):
-                            group_refs.append((group, child, _yaml_loc(builder, item)))
+                            group_refs.append((group, child, builder.source.node(item)))
                     elif gkey == "vars":
                         _yaml_vars(builder, group.vars, gvalue, what)
                     else:
                         builder.error(
                             f"unknown key {gkey!r} in group {name!r}{_did_you_mean(gkey, _GROUP_KEYS)}",
-                            _yaml_loc(builder, gkey_node),
+                            builder.source.node(gkey_node),
                         )
         else:
             builder.error(
                 f"unknown top-level key {key!r}{_did_you_mean(key, _NATIVE_KEYS)}"
                 " (a native inventory has vars, hosts and groups)",
-                _yaml_loc(builder, key_node),
+                builder.source.node(key_node),
             )
     for group, pattern, location in host_refs:
         try:
@@ -703,18 +682,18 @@ def _native(builder: _Builder, root: yaml.MappingNode) -> None:
 
 
 def _is_native(root: yaml.MappingNode) -> bool:
-    keys = [str(_yaml_value(k)) for k, _ in root.value if isinstance(k, yaml.ScalarNode)]
+    keys = [str(node_value(k)) for k, _ in root.value if isinstance(k, yaml.ScalarNode)]
     if "all" in keys:
         return False
     if "groups" in keys or (keys and set(keys) <= set(_NATIVE_KEYS)):
         return True
     # Ansible without `all:`: every top-level value is a group body (hosts/children/vars) or empty.
     for _key, value in root.value:
-        if _is_null(value):
+        if is_null(value):
             continue
         if not isinstance(value, yaml.MappingNode):
             return True
-        body_keys = {str(_yaml_value(k)) for k, _ in value.value if isinstance(k, yaml.ScalarNode)}
+        body_keys = {str(node_value(k)) for k, _ in value.value if isinstance(k, yaml.ScalarNode)}
         if not body_keys & set(_GROUP_KEYS):
             return True
     return not keys
@@ -722,23 +701,22 @@ def _is_native(root: yaml.MappingNode) -> bool:
 
 def _parse_yaml(builder: _Builder, text: str) -> None:
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = compose(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or "cannot be parsed"
         if exc.context:  # PyYAML's order: "while parsing X" / "expected Y", then the problem
             problem = f"{exc.context}{', ' if problem.startswith('but ') else ': '}{problem}"
-        location = builder.loc(mark.line + 1, mark.column + 1) if mark else builder.loc(None)
-        raise InventoryError(f"invalid YAML: {problem}", location) from None
+        raise InventoryError(f"invalid YAML: {problem}", builder.source.mark(mark)) from None
     except yaml.YAMLError as exc:
         raise InventoryError(f"invalid YAML: {exc}", builder.loc(None)) from None
-    if root is None or _is_null(root):
+    if root is None or is_null(root):
         builder.warn("the inventory is empty", builder.loc(None))
         return
     if not isinstance(root, yaml.MappingNode):
         raise InventoryError(
             f"an inventory must be a mapping (vars/hosts/groups, or Ansible's all:), got {_node_kind(root)}",
-            _yaml_loc(builder, root),
+            builder.source.node(root),
         )
     if _is_native(root):
         _native(builder, root)

@@ -48,6 +48,7 @@ import yaml
 
 from orchestrator.errors import LabError
 from orchestrator.log import get_logger
+from orchestrator.paths import rpcfleet_home
 
 DEFAULT_LAB = "lab"
 PREFIX = "rfl"
@@ -75,10 +76,6 @@ LabKind = Literal["netns", "local"]
 
 
 # ---------------------------------------------------------------------------------------------- paths
-
-
-def rpcfleet_home() -> Path:
-    return Path(os.environ.get("RPCFLEET_HOME") or Path.home() / ".cache" / "rpcfleet")
 
 
 def labs_root() -> Path:

@@ -24,22 +24,18 @@ than the `restart` step with `serial: 1`.
 
 Every validation error names the file, line and column, quotes the line, and says which step; all
 errors of a file are reported together (`PlaybookErrors`).
-
-The inventory's YAML helpers (`inventory._yaml_loc`, `_yaml_items`...) are private and bound to its
-builder, so the few lines of mark handling needed here are written for playbooks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import difflib
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -58,6 +54,7 @@ from orchestrator.errors import (
 )
 from orchestrator.executor import HostContext, HostResult, Recap, RunResult, Session, StepOutcome, batch_sizes
 from orchestrator.inventory import Host, Inventory, select_hosts
+from orchestrator.yamlsource import Source, compose, did_you_mean, is_null, node_kind, node_value, type_name
 
 __all__ = [
     "REGISTRY",
@@ -144,25 +141,18 @@ class Arg:
     help: str = ""
 
 
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
-    return names.get(type(value), f"a {type(value).__name__}")
-
-
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "false", "no", "off"):
         return value.strip().lower() in ("true", "yes", "on")
-    raise ValueError(f"expected true or false, got {_type_name(value)} {value!r}")
+    raise ValueError(f"expected true or false, got {type_name(value)} {value!r}")
 
 
 def _int(minimum: int | None = None) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError(f"expected an integer, got {_type_name(value)} {value!r}")
+            raise ValueError(f"expected an integer, got {type_name(value)} {value!r}")
         try:
             number = int(value)
         except ValueError:
@@ -180,7 +170,7 @@ def _seconds(value: Any) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"expected a number of seconds, got {_type_name(value)} {value!r}") from None
+        raise ValueError(f"expected a number of seconds, got {type_name(value)} {value!r}") from None
     if not 0 < seconds < float("inf"):
         raise ValueError(f"expected a positive number of seconds, got {value!r}")
     return seconds
@@ -188,7 +178,7 @@ def _seconds(value: Any) -> float:
 
 def _text(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ValueError(f"expected a string, got {_type_name(value)} {value!r}")
+        raise ValueError(f"expected a string, got {type_name(value)} {value!r}")
     return str(value)
 
 
@@ -200,7 +190,7 @@ def _choice(*allowed: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in allowed:
             raise ValueError(
-                f"expected one of {', '.join(allowed)}, got {value!r}{_did_you_mean(value, allowed)}"
+                f"expected one of {', '.join(allowed)}, got {value!r}{did_you_mean(value, allowed)}"
             )
         return str(value)
 
@@ -238,7 +228,7 @@ def _list_of(parse_one: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]
             return ()
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple):
-            raise ValueError(f"expected a list, got {_type_name(value)} {value!r}")
+            raise ValueError(f"expected a list, got {type_name(value)} {value!r}")
         return tuple(parse_one(item.strip() if isinstance(item, str) else item) for item in items)
 
     return parse
@@ -664,26 +654,16 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
 # ------------------------------------------------------------------------------------------- loading
 
 
-def _did_you_mean(word: Any, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 class _Reader:
     """Walks the composed YAML, collecting errors with their location."""
 
     def __init__(self, path: Path | None, text: str, variables: Mapping[str, Any]) -> None:
-        self.path = path
-        self.lines = text.splitlines()
+        self.source = Source.of_text(path, text)
         self.vars = variables
         self.errors: list[PlaybookError] = []
 
     def loc(self, node: yaml.Node | None) -> SourceLocation:
-        if node is None:
-            return SourceLocation(self.path)
-        line, column = node.start_mark.line + 1, node.start_mark.column + 1
-        snippet = self.lines[line - 1] if 1 <= line <= len(self.lines) else None
-        return SourceLocation(self.path, line, column, snippet or None)
+        return self.source.at(None) if node is None else self.source.node(node)
 
     def error(self, message: str, node: yaml.Node | None) -> None:
         self.errors.append(PlaybookError(message, self.loc(node)))
@@ -691,7 +671,7 @@ class _Reader:
     def items(self, node: yaml.MappingNode) -> list[tuple[str, yaml.Node, yaml.Node]]:
         out = []
         for key_node, value_node in node.value:
-            key = _value(key_node)
+            key = node_value(key_node)
             if not isinstance(key, str):
                 self.error(f"keys must be strings, got {key!r}", key_node)
                 continue
@@ -709,35 +689,13 @@ class _Reader:
         missing = [name for name in _TEMPLATE.findall(value) if name not in self.vars]
         if missing:
             raise ValueError(
-                f"undefined variable {missing[0]!r}{_did_you_mean(missing[0], self.vars)} "
+                f"undefined variable {missing[0]!r}{did_you_mean(missing[0], self.vars)} "
                 f"(define it under vars:, or pass -e {missing[0]}=...)"
             )
         whole = _TEMPLATE.fullmatch(value.strip())
         if whole:
             return self.vars[whole.group(1)]
         return _TEMPLATE.sub(lambda m: str(self.vars[m.group(1)]), value)
-
-
-_CONSTRUCTOR = yaml.SafeLoader("")
-
-
-def _value(node: yaml.Node) -> Any:
-    try:
-        return _CONSTRUCTOR.construct_object(node, deep=True)
-    finally:
-        _CONSTRUCTOR.constructed_objects.clear()
-
-
-def _is_null(node: yaml.Node) -> bool:
-    return isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null"
-
-
-def _kind(node: yaml.Node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "a mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "a list"
-    return _type_name(_value(node))
 
 
 def parse_extra_vars(items: Sequence[str]) -> dict[str, Any]:
@@ -757,7 +715,7 @@ def parse_extra_vars(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _serial(reader: _Reader, node: yaml.Node) -> Serial:
-    raw = _value(node) if not isinstance(node, yaml.MappingNode) else None
+    raw = node_value(node) if not isinstance(node, yaml.MappingNode) else None
     try:
         raw = reader.render(raw, node, "serial")
     except ValueError as exc:
@@ -766,7 +724,9 @@ def _serial(reader: _Reader, node: yaml.Node) -> Serial:
     if isinstance(raw, str) and raw.strip().startswith("["):
         raw = yaml.safe_load(raw)  # a list given with -e serial=[1,50%]
     if raw is None or isinstance(raw, bool | float) or not isinstance(raw, int | str | list):
-        reader.error(f"serial: expected a number, a percentage or a list of them, got {_kind(node)}", node)
+        reader.error(
+            f"serial: expected a number, a percentage or a list of them, got {node_kind(node)}", node
+        )
         return None
     values = tuple(raw) if isinstance(raw, list) else raw
     try:
@@ -781,7 +741,7 @@ def _serial(reader: _Reader, node: yaml.Node) -> Serial:
 
 
 def _max_fail(reader: _Reader, node: yaml.Node) -> float | None:
-    raw = _value(node) if isinstance(node, yaml.ScalarNode) else None
+    raw = node_value(node) if isinstance(node, yaml.ScalarNode) else None
     try:
         raw = reader.render(raw, node, "max_fail_percentage")
     except ValueError as exc:
@@ -794,7 +754,7 @@ def _max_fail(reader: _Reader, node: yaml.Node) -> float | None:
             raise ValueError
         value = float(raw)
     except ValueError:
-        reader.error(f"max_fail_percentage: expected a number from 0 to 100, got {_kind(node)}", node)
+        reader.error(f"max_fail_percentage: expected a number from 0 to 100, got {node_kind(node)}", node)
         return None
     if not 0 <= value <= 100:
         reader.error(f"max_fail_percentage: expected a number from 0 to 100, got {value:g}", node)
@@ -807,13 +767,13 @@ def _step(reader: _Reader, node: yaml.Node, index: int) -> PlaybookStep | None:
     name: str | None = None
     op_node: yaml.Node
     args_node: yaml.Node | None
-    if isinstance(node, yaml.ScalarNode) and isinstance(_value(node), str):
-        op_name, op_node, args_node = str(_value(node)), node, None
+    if isinstance(node, yaml.ScalarNode) and isinstance(node_value(node), str):
+        op_name, op_node, args_node = str(node_value(node)), node, None
     elif isinstance(node, yaml.MappingNode):
         found: list[tuple[str, yaml.Node, yaml.Node]] = []
         for key, key_node, value_node in reader.items(node):
             if key == "name":
-                name = _value(value_node) if isinstance(value_node, yaml.ScalarNode) else None
+                name = node_value(value_node) if isinstance(value_node, yaml.ScalarNode) else None
                 if not isinstance(name, str):
                     reader.error(f"{label}: name must be a string", value_node)
                     name = None
@@ -831,34 +791,34 @@ def _step(reader: _Reader, node: yaml.Node, index: int) -> PlaybookStep | None:
             return None
         op_name, op_node, args_node = found[0]
     else:
-        reader.error(f"{label}: expected an operation name or `op: {{args}}`, got {_kind(node)}", node)
+        reader.error(f"{label}: expected an operation name or `op: {{args}}`, got {node_kind(node)}", node)
         return None
     op = REGISTRY.get(op_name)
     if op is None:
         reader.error(
-            f"{label}: unknown operation {op_name!r}{_did_you_mean(op_name, REGISTRY)} "
+            f"{label}: unknown operation {op_name!r}{did_you_mean(op_name, REGISTRY)} "
             f"(known: {', '.join(REGISTRY)})",
             op_node,
         )
         return None
     label = f"{label} ({op_name})"
     raw: dict[str, tuple[yaml.Node, Any]] = {}
-    if args_node is not None and not _is_null(args_node):
+    if args_node is not None and not is_null(args_node):
         if not isinstance(args_node, yaml.MappingNode):
             reader.error(
-                f"{label}: arguments must be a mapping (name: value), got {_kind(args_node)}", args_node
+                f"{label}: arguments must be a mapping (name: value), got {node_kind(args_node)}", args_node
             )
             return None
         for key, key_node, value_node in reader.items(args_node):
             if op.arg(key) is None:
                 known = ", ".join(a.name for a in op.args) or "none"
                 reader.error(
-                    f"{label}: unknown argument {key!r}{_did_you_mean(key, [a.name for a in op.args])} "
+                    f"{label}: unknown argument {key!r}{did_you_mean(key, [a.name for a in op.args])} "
                     f"(arguments of {op_name}: {known})",
                     key_node,
                 )
                 continue
-            raw[key] = (value_node, _value(value_node))
+            raw[key] = (value_node, node_value(value_node))
     args: dict[str, Any] = {}
     ok = True
     for arg in op.args:
@@ -885,19 +845,16 @@ def load_playbook_text(
     text: str, path: Path | None = None, extra_vars: Mapping[str, Any] | None = None
 ) -> Playbook:
     """Parse and validate a playbook given as text (`path` only names it in messages)."""
+    reader = _Reader(path, text, {})
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = compose(text)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else SourceLocation(path)
-        if mark and 0 <= mark.line < len(text.splitlines()):
-            where = dataclasses.replace(where, snippet=text.splitlines()[mark.line] or None)
+        where = reader.source.mark(exc.problem_mark or exc.context_mark)
         raise PlaybookError(f"invalid YAML: {exc.problem or exc}", where) from None
     except yaml.YAMLError as exc:
-        raise PlaybookError(f"invalid YAML: {exc}", SourceLocation(path)) from None
-    reader = _Reader(path, text, {})
+        raise PlaybookError(f"invalid YAML: {exc}", reader.source.at(None)) from None
     if root is None or not isinstance(root, yaml.MappingNode):
-        got = "an empty file" if root is None else _kind(root)
+        got = "an empty file" if root is None else node_kind(root)
         raise PlaybookError(
             f"a playbook is a mapping with name, hosts and steps; got {got}", reader.loc(root)
         )
@@ -905,22 +862,22 @@ def load_playbook_text(
     for key, (key_node, _) in found.items():
         if key not in _TOP_KEYS:
             reader.error(
-                f"unknown key {key!r}{_did_you_mean(key, _TOP_KEYS)} (keys: {', '.join(_TOP_KEYS)})", key_node
+                f"unknown key {key!r}{did_you_mean(key, _TOP_KEYS)} (keys: {', '.join(_TOP_KEYS)})", key_node
             )
     variables: dict[str, Any] = {}
-    if "vars" in found and not _is_null(found["vars"][1]):
+    if "vars" in found and not is_null(found["vars"][1]):
         vars_node = found["vars"][1]
         if isinstance(vars_node, yaml.MappingNode):
-            variables = {key: _value(value_node) for key, _, value_node in reader.items(vars_node)}
+            variables = {key: node_value(value_node) for key, _, value_node in reader.items(vars_node)}
         else:
-            reader.error(f"vars must be a mapping, got {_kind(vars_node)}", vars_node)
+            reader.error(f"vars must be a mapping, got {node_kind(vars_node)}", vars_node)
     variables.update(extra_vars or {})
     reader.vars = variables
     name = ""
     if "name" not in found:
         reader.error("missing required key 'name'", root)
     else:
-        raw_name = _value(found["name"][1]) if isinstance(found["name"][1], yaml.ScalarNode) else None
+        raw_name = node_value(found["name"][1]) if isinstance(found["name"][1], yaml.ScalarNode) else None
         if not isinstance(raw_name, str) or not raw_name.strip():
             reader.error("name must be a non-empty string", found["name"][1])
         else:
@@ -928,7 +885,7 @@ def load_playbook_text(
     hosts = "all"
     if "hosts" in found:
         node = found["hosts"][1]
-        raw_hosts = _value(node) if isinstance(node, yaml.ScalarNode) else None
+        raw_hosts = node_value(node) if isinstance(node, yaml.ScalarNode) else None
         try:
             hosts = _text(reader.render(raw_hosts, node, "hosts")).strip()
             if not hosts:
@@ -943,7 +900,7 @@ def load_playbook_text(
     else:
         steps_node = found["steps"][1]
         if not isinstance(steps_node, yaml.SequenceNode) or not steps_node.value:
-            reader.error(f"steps must be a non-empty list, got {_kind(steps_node)}", steps_node)
+            reader.error(f"steps must be a non-empty list, got {node_kind(steps_node)}", steps_node)
         else:
             for index, step_node in enumerate(steps_node.value, start=1):
                 step = _step(reader, step_node, index)

@@ -312,13 +312,6 @@ def _ctx_label(n_ctx: int) -> str:
     return "n_ctx_train" if n_ctx == 0 else str(n_ctx)
 
 
-def _model_label(report: Report, path: str) -> str:
-    for m in report.models:
-        if m.path == path:
-            return m.profile.name or path
-    return path
-
-
 def _node_rows(node: NodeProbe) -> list[list[str]]:
     protocol = str(node.rpc.version) if node.rpc.version is not None else "-"
     base = [node.host, node.endpoint, node.state, protocol]

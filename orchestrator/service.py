@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from orchestrator.connection import Connection
+from orchestrator.connection import Connection, shell_path
 from orchestrator.errors import CommandTimeoutError, ServiceError, tail
 from orchestrator.executor import HostContext, StepOutcome
 from orchestrator.install import (
@@ -39,7 +39,6 @@ from orchestrator.install import (
     install_state_command,
     parse_install_state,
     plan_rollback,
-    shell_path,
 )
 from orchestrator.inventory import Host
 from orchestrator.rpc import Outcome, ProbeResult, ProtocolVersion, probe_endpoint

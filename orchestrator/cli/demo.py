@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
 
 def demo_model() -> Path:
     """A small llama GGUF with random weights, generated once into the cache (no download)."""
-    from orchestrator.artifacts import rpcfleet_home
+    from orchestrator.paths import rpcfleet_home
     from orchestrator.synth import write_tiny_llama
 
     path = rpcfleet_home() / "models" / "demo-llama-8L-512d.gguf"
