@@ -18,6 +18,7 @@ from orchestrator.connection import (
     LocalConnection,
     SSHConnection,
     connect,
+    shell_path,
 )
 from orchestrator.errors import (
     AuthenticationError,
@@ -29,18 +30,19 @@ from orchestrator.errors import (
 )
 from orchestrator.inventory import Host
 from tests.plugins.fakehosts import FakeHost, ServerLoop
+from tests.procs import gone
 
 FakeHosts = Callable[..., list[FakeHost]]
 FAST = ConnectOptions(connect_timeout=5.0, command_timeout=10.0)
 
 
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie counts: it no longer runs)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+def test_shell_path_expands_home_and_quotes_the_rest() -> None:
+    assert shell_path("~/.local/lib/rpcfleet") == '"$HOME"/.local/lib/rpcfleet'
+    assert shell_path("~") == '"$HOME"'
+    assert shell_path("~/my dir") == "\"$HOME\"/'my dir'"
+    assert shell_path("/opt/it's here") == "'/opt/it'\"'\"'s here'"
+    assert shell_path("/opt/rpc fleet/") == "'/opt/rpc fleet'"
+    assert shell_path("~/a;rm -rf x") == "\"$HOME\"/'a;rm -rf x'"
 
 
 async def wait_gone(pid: int, within: float = 3.0) -> bool:

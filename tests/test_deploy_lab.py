@@ -32,6 +32,7 @@ from orchestrator.service import (
     make_stop_step,
     read_node_state,
 )
+from tests.procs import wait_gone
 
 pytestmark = pytest.mark.lab
 
@@ -87,18 +88,6 @@ def _node_ls(lab: labmod.Lab, host: Host, relative: str) -> list[str]:
     return lab.node_exec(host.name, ["ls", "-A", f"/home/{lab.user}/{relative}"]).stdout.split()
 
 
-def _wait_gone(pid: int, limit: float = 5.0) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                return
-        except FileNotFoundError:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"pid {pid} is still alive")
-
-
 def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
     """Kill our servers (by pid file) and remove every install folder this module uses."""
     for host in hosts:
@@ -108,7 +97,7 @@ def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
                 cmdline = Path(f"/proc/{pid}/cmdline")
                 if cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes():
                     os.kill(pid, signal.SIGKILL)
-                    _wait_gone(pid)
+                    wait_gone(pid)
             if install == "fulldisk":
                 lab.node_exec(host.name, ["umount", "-l", f"/home/{lab.user}/fulldisk"], check=False)
             shutil.rmtree(_node_file(lab, host, install), ignore_errors=True)
@@ -159,7 +148,7 @@ async def test_deploy_noop_restart_stop(
     stopped = await _run(nodes, make_stop_step(), "stop")
     assert [r.status for r in stopped.results] == ["changed"] * 3
     for pid in new_pids.values():
-        _wait_gone(pid)
+        wait_gone(pid)
     assert {s.state for s in (await _states(nodes)).values()} == {"stopped"}
     for host in nodes:
         refused = await probe_endpoint(host.endpoint, hello_only=True, deadline=2)
@@ -173,7 +162,7 @@ async def test_a_killed_server_is_crashed_and_deploy_brings_it_back(
     victim = nodes[1]
     pid = _server_pid(lab, victim)
     os.kill(pid, signal.SIGKILL)
-    _wait_gone(pid)
+    wait_gone(pid)
     states = await _states(nodes)
     assert states[victim.name].state == "crashed" and states[victim.name].pid == pid
     assert {states[h.name].state for h in nodes if h != victim} == {"running"}

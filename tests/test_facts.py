@@ -50,10 +50,6 @@ def test_parser_data_case(case: Path) -> None:
 
 
 def test_commands_quote_their_arguments() -> None:
-    assert facts.shell_path("~/.local/lib/rpcfleet") == '"$HOME"/.local/lib/rpcfleet'
-    assert facts.shell_path("~/my dir") == "\"$HOME\"/'my dir'"
-    assert facts.shell_path("/opt/it's here") == "'/opt/it'\"'\"'s here'"
-    assert facts.shell_path("~") == '"$HOME"'
     command = facts.InstalledManifestFact("/x; rm -rf /").command()
     assert "'/x; rm -rf /" in command
     with pytest.raises(ValueError):

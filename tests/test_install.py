@@ -23,18 +23,10 @@ from orchestrator.install import (
     plan_rollback,
     prune_plan,
     read_install_state,
-    shell_path,
 )
 from orchestrator.inventory import Host
 
 # ---------------------------------------------------------------- pure
-
-
-def test_shell_path_expands_home_and_quotes_the_rest() -> None:
-    assert shell_path("~/.local/lib/rpcfleet") == '"$HOME"/.local/lib/rpcfleet'
-    assert shell_path("~") == '"$HOME"'
-    assert shell_path("/opt/rpc fleet/") == "'/opt/rpc fleet'"
-    assert shell_path("~/a;rm -rf x") == "\"$HOME\"/'a;rm -rf x'"
 
 
 def test_normalise_platform() -> None:

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from orchestrator.service import (
     server_status,
 )
 from tests.plugins.servers import free_port
+from tests.procs import wait_gone
 
 # ---------------------------------------------------------------- pure
 
@@ -216,19 +216,6 @@ def _sigpipe_ignored(pid: int) -> bool:
     raise AssertionError("no SigIgn line")
 
 
-def _wait_gone(pid: int, limit: float = 5.0) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except FileNotFoundError:
-            return
-        if stat == "Z":
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"pid {pid} still alive")
-
-
 @pytest.fixture
 async def chooser(cpu_artifact: Artifact) -> AsyncIterator[ArtifactChooser]:
     yield ArtifactChooser(cpu_artifact.id)
@@ -269,7 +256,7 @@ async def test_deploy_lifecycle_on_a_local_host(
         assert not (await deploy(conn, host, chooser)).changed
 
     os.kill(pid, signal.SIGKILL)
-    _wait_gone(pid)
+    wait_gone(pid)
     crashed = await server_status(conn, host)
     assert crashed.state == "crashed" and crashed.pid == pid
     back = await deploy(conn, host, chooser)
@@ -281,7 +268,7 @@ async def test_deploy_lifecycle_on_a_local_host(
     new_pid = _pid(host)
     stopped = await ensure_state(conn, host, "stopped")
     assert stopped.action == "stop"
-    _wait_gone(new_pid)
+    wait_gone(new_pid)
     assert (await server_status(conn, host)).state == "stopped"
     assert (await ensure_state(conn, host, "stopped")).action == "none"
 

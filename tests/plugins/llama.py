@@ -11,38 +11,21 @@ own registry. A test reads only the log written since it started (`log_offset` /
 from __future__ import annotations
 
 import os
-import shlex
 import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from orchestrator import rpc
 from orchestrator.planner import PlanDevice
-from tests.plugins.servers import free_port
+from tests.plugins.servers import LocalServer, launch_rpc_server
 
 GiB = 1 << 30
 
 
-@dataclass
-class DebugServer:
+class DebugServer(LocalServer):
     """A real server whose log (stdout line-buffered, plus stderr) holds GGML_RPC_DEBUG allocations."""
-
-    host: str
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
 
     def log_offset(self) -> int:
         return self.log.stat().st_size
@@ -58,40 +41,14 @@ class DebugServer:
 
         return model_allocations(parse_server_log(self.log_since(offset)))
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-
 
 def start_debug_server(binary: Path, log_dir: Path, *extra: str) -> DebugServer:
-    """Start `binary` on 127.0.0.1 and a free port with GGML_RPC_DEBUG=1, SIGPIPE ignored; wait until it
-    accepts a connection (connect and close without a byte: harmless to the server)."""
-    port = free_port()
-    log = log_dir / f"rpc-debug-{port}.log"
-    argv = ["stdbuf", "-oL", str(binary), "-H", "127.0.0.1", "-p", str(port), *extra]
-    line = " ".join(shlex.quote(a) for a in argv)
+    """Start `binary` on 127.0.0.1 and a free port with GGML_RPC_DEBUG=1, SIGPIPE ignored."""
     env = {**os.environ, "GGML_RPC_DEBUG": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            ["bash", "-c", f"trap '' PIPE; exec {line}"], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-    server = DebugServer("127.0.0.1", port, process, log)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return server
-        except OSError:
-            if process.poll() is not None:
-                raise RuntimeError(f"rpc-server exited: {log.read_text()}") from None
-            time.sleep(0.02)
-    server.stop()
-    raise RuntimeError(f"rpc-server on {server.endpoint} did not listen within 10 s")
+    server = launch_rpc_server(
+        binary, log_dir, *extra, env=env, wrapper=("stdbuf", "-oL"), log_prefix="rpc-debug"
+    )
+    return DebugServer(server.host, server.port, server.process, server.log)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from orchestrator.artifacts import Artifact
 from orchestrator.executor import Session
 from orchestrator.inventory import Host
 from orchestrator.playbook import PlaybookResult, load_playbook, run_playbook
+from tests.procs import wait_gone
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 INSTALL = "rpcfleet"  # the lab inventory's install_dir, under the node's home
@@ -69,19 +69,7 @@ class NodeView:
         pid = self.pid()
         if pid is not None and self.server_alive():
             os.kill(pid, signal.SIGKILL)
-            _wait_gone(pid)
-
-
-def _wait_gone(pid: int, limit: float = 5.0) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return
-        except FileNotFoundError:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"pid {pid} is still alive")
+            wait_gone(pid)
 
 
 def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:

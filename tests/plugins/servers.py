@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-RPCFLEET_HOME = Path(os.environ.get("RPCFLEET_HOME", Path.home() / ".cache" / "rpcfleet"))
-
-
-def _find_server_binary() -> Path:
-    """The ggml-rpc-server to test against (the cached CPU artifact once it exists)."""
-    try:
-        from orchestrator import artifacts
-
-        return artifacts.local_server_binary()
-    except (ImportError, AttributeError):
-        return RPCFLEET_HOME / "dev-server" / "ggml-rpc-server"
+from orchestrator import artifacts
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,9 +45,46 @@ class LocalServer:
                 self.process.wait(5)
 
 
+def launch_rpc_server(
+    binary: Path,
+    log_dir: Path,
+    *extra: str,
+    host: str = "127.0.0.1",
+    sigpipe_guard: bool = True,
+    env: Mapping[str, str] | None = None,
+    wrapper: Sequence[str] = (),
+    log_prefix: str = "rpc",
+) -> LocalServer:
+    """Start `binary` (under `wrapper`, e.g. stdbuf) on `host` and a free port, SIGPIPE ignored unless
+    told otherwise; wait until it accepts a connection (connect and close without a byte: harmless to
+    the server, unlike an unread HELLO). Its stdout and stderr go to `<log_dir>/<log_prefix>-<port>.log`."""
+    port = free_port(host)
+    log = log_dir / f"{log_prefix}-{port}.log"
+    argv = [*wrapper, str(binary), "-H", host, "-p", str(port), *extra]
+    line = " ".join(shlex.quote(a) for a in argv)
+    guard = "trap '' PIPE; " if sigpipe_guard else ""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            ["bash", "-c", f"{guard}exec {line}"], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    server = LocalServer(host, port, process, log)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return server
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError(f"rpc-server exited: {log.read_text()}") from None
+            time.sleep(0.02)
+    server.stop()
+    raise RuntimeError(f"rpc-server on {server.endpoint} did not listen within 10 s")
+
+
 @pytest.fixture(scope="session")
 def rpc_server_binary() -> Path:
-    path = _find_server_binary()
+    """The ggml-rpc-server to test against: the cached CPU artifact's."""
+    path = artifacts.local_server_binary()
     assert path.exists(), f"no ggml-rpc-server at {path}: run `make setup`"
     return path
 
@@ -69,28 +95,11 @@ def start_rpc_server(rpc_server_binary: Path, tmp_path: Path) -> Iterator[Callab
     started: list[LocalServer] = []
 
     def start(*extra: str, host: str = "127.0.0.1", sigpipe_guard: bool = True) -> LocalServer:
-        port = free_port(host)
-        log = tmp_path / f"rpc-{port}.log"
-        argv = [str(rpc_server_binary), "-H", host, "-p", str(port), *extra]
-        line = " ".join(shlex.quote(a) for a in argv)
-        guard = "trap '' PIPE; " if sigpipe_guard else ""
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                ["bash", "-c", f"{guard}exec {line}"], stdout=out, stderr=subprocess.STDOUT
-            )
-        server = LocalServer(host, port, process, log)
+        server = launch_rpc_server(
+            rpc_server_binary, tmp_path, *extra, host=host, sigpipe_guard=sigpipe_guard
+        )
         started.append(server)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            # Connect and close without sending: harmless to the server, unlike an unread HELLO.
-            try:
-                socket.create_connection((host, port), timeout=0.2).close()
-                return server
-            except OSError:
-                if process.poll() is not None:
-                    raise RuntimeError(f"rpc-server exited: {log.read_text()}") from None
-                time.sleep(0.02)
-        raise RuntimeError(f"rpc-server on {server.endpoint} did not listen within 10 s")
+        return server
 
     yield start
     for server in started:
