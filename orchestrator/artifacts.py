@@ -59,6 +59,8 @@ __all__ = [
     "ArtifactSpecError",
     "FileEntry",
     "Manifest",
+    "NodeBuild",
+    "SdistInfo",
     "artifacts_dir",
     "build_artifact",
     "build_key",
@@ -72,6 +74,7 @@ __all__ = [
     "llama_cpp_python_version",
     "load_artifact",
     "local_server_binary",
+    "node_build",
     "on_node_build_script",
     "pack_artifact",
     "probe_protocol",
@@ -79,6 +82,7 @@ __all__ = [
     "read_ggml_version",
     "read_llama_cpp_commit",
     "read_protocol_version",
+    "read_sdist_info",
     "resolve_artifact",
     "rpcfleet_home",
     "sdist_path",
@@ -120,6 +124,7 @@ BACKEND_DEFINES: dict[str, dict[str, str]] = {
 PIP_TIMEOUT_S = 600.0
 CONFIGURE_TIMEOUT_S = 900.0
 BUILD_TIMEOUT_S = 3600.0
+NODE_BUILD_TIMEOUT_S = 1800.0  # an on-node build without `build_timeout:` in its spec
 FETCH_TIMEOUT_S = 60.0
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -293,6 +298,7 @@ class ArtifactSpec:
     subdir: str | None = None  # folder inside the archive holding the binaries, e.g. "build/bin"
     llama_cpp_commit: str | None = None
     llama_cpp_python_version: str | None = None
+    build_timeout: float | None = None  # seconds an on-node build may take (NODE_BUILD_TIMEOUT_S)
     location: SourceLocation | None = field(default=None, compare=False)
 
 
@@ -330,11 +336,15 @@ def read_protocol_version(header_path: Path) -> str:
         text = Path(header_path).read_text(errors="replace")
     except OSError as exc:
         raise ArtifactError(f"cannot read {header_path}: {exc.strerror}") from exc
+    return _protocol_of(text, str(header_path))
+
+
+def _protocol_of(text: str, where: str) -> str:
     parts = []
     for name in ("MAJOR", "MINOR", "PATCH"):
         match = re.search(rf"^\s*#\s*define\s+RPC_PROTO_{name}_VERSION\s+(\d+)\b", text, re.MULTILINE)
         if match is None:
-            raise ArtifactError(f"{header_path}: no RPC_PROTO_{name}_VERSION definition")
+            raise ArtifactError(f"{where}: no RPC_PROTO_{name}_VERSION definition")
         parts.append(match.group(1))
     return ".".join(parts)
 
@@ -345,6 +355,10 @@ def read_ggml_version(cmakelists: Path) -> str | None:
         text = cmakelists.read_text(errors="replace")
     except OSError:
         return None
+    return _ggml_version_of(text)
+
+
+def _ggml_version_of(text: str) -> str | None:
     parts = []
     for name in ("MAJOR", "MINOR", "PATCH"):
         match = re.search(rf"set\(\s*GGML_VERSION_{name}\s+(\d+)\s*\)", text)
@@ -361,6 +375,10 @@ def read_llama_cpp_commit(changelog: Path) -> str | None:
         text = changelog.read_text(errors="replace")
     except OSError:
         return None
+    return _commit_of(text)
+
+
+def _commit_of(text: str) -> str | None:
     match = re.search(r"llama\.cpp@([0-9a-f]{7,40})\b", text)
     return match.group(1) if match else None
 
@@ -1108,7 +1126,7 @@ def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
 
 _SPEC_KEYS = {
     "url", "path", "build", "sha256", "protocol", "backend", "os", "arch", "native", "cmake_args",
-    "subdir", "llama_cpp_commit", "llama_cpp_python_version",
+    "subdir", "llama_cpp_commit", "llama_cpp_python_version", "build_timeout",
 }  # fmt: skip
 
 
@@ -1188,6 +1206,18 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
         if not isinstance(native_value, bool):
             raise ArtifactSpecError("native must be true or false", loc(native_node))
         native = native_value
+    build_timeout: float | None = None
+    if "build_timeout" in values:
+        timeout_value, timeout_node = values["build_timeout"]
+        if (
+            isinstance(timeout_value, bool)
+            or not isinstance(timeout_value, int | float)
+            or timeout_value <= 0
+        ):
+            raise ArtifactSpecError("build_timeout must be a positive number of seconds", loc(timeout_node))
+        if kind != "build":
+            raise ArtifactSpecError("build_timeout applies to `build: on_node` only", loc(timeout_node))
+        build_timeout = float(timeout_value)
     return ArtifactSpec(
         kind=kind,
         value=value,
@@ -1201,6 +1231,7 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
         subdir=text_of("subdir"),
         llama_cpp_commit=text_of("llama_cpp_commit"),
         llama_cpp_python_version=text_of("llama_cpp_python_version"),
+        build_timeout=build_timeout,
         location=SourceLocation(path),
     )
 
@@ -1299,6 +1330,160 @@ def on_node_build_script(
         'echo "RPCFLEET_PROTOCOL=$(v MAJOR).$(v MINOR).$(v PATCH)"',
     ]
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class SdistInfo:
+    """What a llama-cpp-python sdist says about the server it builds (read without extracting it)."""
+
+    sha256: str
+    protocol: str
+    llama_cpp_commit: str | None
+    ggml_version: str | None
+
+
+_SDIST_INFO: dict[tuple[str, int, int], SdistInfo] = {}
+
+
+def read_sdist_info(sdist: Path) -> SdistInfo:
+    """sha256, RPC protocol, llama.cpp commit and ggml version of a llama-cpp-python sdist: one pass
+    over the archive (about half a second), remembered per file for this process."""
+    try:
+        st = sdist.stat()
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {sdist}: {exc.strerror}") from exc
+    memo = (str(sdist), st.st_size, st.st_mtime_ns)
+    if memo in _SDIST_INFO:
+        return _SDIST_INFO[memo]
+    wanted = {
+        "header": "/vendor/llama.cpp/ggml/include/ggml-rpc.h",
+        "cmake": "/vendor/llama.cpp/ggml/CMakeLists.txt",
+        "changelog": "/CHANGELOG.md",
+    }
+    texts: dict[str, str] = {}
+    try:
+        with tarfile.open(sdist, "r:gz") as tar:
+            for member in tar:
+                for key, suffix in wanted.items():
+                    # Only the sdist's top folder: <name>/CHANGELOG.md, not vendor/*/CHANGELOG.md.
+                    depth_ok = member.name.count("/") == suffix.count("/")
+                    if key not in texts and member.isfile() and depth_ok and member.name.endswith(suffix):
+                        fh = tar.extractfile(member)
+                        texts[key] = fh.read().decode(errors="replace") if fh else ""
+                if len(texts) == len(wanted):
+                    break
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ArtifactError(f"cannot read the source archive {sdist}: {exc}") from exc
+    if "header" not in texts:
+        raise ArtifactError(
+            f"{sdist} holds no vendor/llama.cpp/ggml/include/ggml-rpc.h: not a llama-cpp-python sdist"
+        )
+    info = SdistInfo(
+        sha256=_sha256_file(sdist),
+        protocol=_protocol_of(texts["header"], f"{sdist.name}: ggml-rpc.h"),
+        llama_cpp_commit=_commit_of(texts.get("changelog", "")),
+        ggml_version=_ggml_version_of(texts.get("cmake", "")),
+    )
+    _SDIST_INFO[memo] = info
+    return info
+
+
+@dataclass(frozen=True)
+class NodeBuild:
+    """A `build: on_node` request made concrete for one kind of host: the sdist to upload, the cmake
+    arguments, and the version id the result is installed under.
+
+    The id is derived from what decides the binary (sdist sha256, llama-cpp-python version, backend,
+    effective cmake arguments, os, arch), so the node tells whether it already has this build from its
+    `versions/` alone; the protocol in the id comes from the sdist's ggml-rpc.h, read on the controller.
+    """
+
+    spec: ArtifactSpec  # backend, cmake_args (spec's + host's) and sha256 filled in
+    sdist: Path
+    info: SdistInfo
+    version: str  # llama-cpp-python
+    backend: str
+    os: str
+    arch: str
+    cmake_args: tuple[str, ...]  # effective (what the script passes to cmake)
+    key: str
+    timeout: float
+
+    @property
+    def id(self) -> str:
+        return f"rpc-server-{self.info.protocol}-{self.backend}-{self.os}-{self.arch}-node-{self.key[:8]}"
+
+    @property
+    def protocol(self) -> str:
+        return self.info.protocol
+
+    @property
+    def sdist_name(self) -> str:
+        return f"llama_cpp_python-{self.version}.tar.gz"
+
+    @property
+    def source(self) -> str:
+        return f"build-on-node:llama-cpp-python=={self.version}"
+
+    def script(self, workdir: str, source_archive: str) -> str:
+        return on_node_build_script(self.spec, workdir=workdir, source_archive=source_archive)
+
+    def manifest(self, files: Sequence[FileEntry]) -> Manifest:
+        return Manifest(
+            protocol=self.info.protocol,
+            backend=self.backend,
+            os=self.os,
+            arch=self.arch,
+            native=_is_native(self.cmake_args),
+            files=tuple(sorted(files, key=lambda e: e.path)),
+            cmake_args=self.cmake_args,
+            llama_cpp_commit=self.info.llama_cpp_commit,
+            ggml_version=self.info.ggml_version,
+            llama_cpp_python_version=self.version,
+            source=self.source,
+        )
+
+
+def node_build(
+    spec: ArtifactSpec, *, backend: str, os_name: str, arch: str, extra_cmake_args: Sequence[str] = ()
+) -> NodeBuild:
+    """The on-node build of `spec` for a host (its backend unless the spec names one, its os/arch);
+    `extra_cmake_args` (the host's) come after the spec's and override them by variable name.
+
+    The sdist must be in the controller's cache (`sdist_path`, fetched with pip when missing) and match
+    the spec's sha256 when it pins one.
+    """
+    if spec.kind != "build":
+        raise ArtifactError(f"not an on-node build spec: {spec.kind}: {spec.value}")
+    version = spec.llama_cpp_python_version or llama_cpp_python_version()
+    want_backend = spec.backend or backend
+    user_args = (*spec.cmake_args, *extra_cmake_args)
+    args = effective_cmake_args(want_backend, user_args)
+    sdist = _ensure_sdist(version, lambda _line: None)
+    info = read_sdist_info(sdist)
+    if spec.sha256 is not None and spec.sha256 != info.sha256:
+        raise ArtifactError(
+            f"{sdist}: sha256 is {info.sha256}, the spec pins {spec.sha256}",
+            hint="put the pinned llama-cpp-python sdist into the cache, or fix the spec's sha256",
+        )
+    key = hashlib.sha256(
+        json.dumps(["node-build", info.sha256, version, want_backend, list(args), os_name, arch]).encode()
+    ).hexdigest()[:16]
+    concrete = replace(
+        spec, backend=want_backend, cmake_args=user_args, sha256=info.sha256, llama_cpp_python_version=version
+    )
+    return NodeBuild(
+        spec=concrete,
+        sdist=sdist,
+        info=info,
+        version=version,
+        backend=want_backend,
+        os=os_name,
+        arch=arch,
+        cmake_args=args,
+        key=key,
+        timeout=spec.build_timeout or NODE_BUILD_TIMEOUT_S,
+    )
 
 
 def _opt_str(value: Any) -> str | None:

@@ -13,39 +13,63 @@ output into an `InstallState`; `plan_install` (pure) compares it with the artifa
 `InstallChange` (what `--check` prints); `apply_install` uploads to a temporary name, verifies the
 sha256 on the node, unpacks into a staging folder, verifies every file, and only then moves it into
 `versions/` and switches `current`. Any failure before the switch leaves the previous version in place.
+
+A `build: on_node` spec (for a backend the controller cannot build) goes another way with the same end:
+`plan_node_build` compares the node's versions with the build's id (derived from the sdist and the cmake
+arguments, see artifacts.NodeBuild); `apply_node_build` uploads the sdist to `src/` once, runs the build
+script in `build/<key>/` (kept for incremental rebuilds) with its output in `build/<key>/build.log`,
+reporting the latest log line while it runs, lists and hashes the output on the node, writes the manifest,
+and installs it into `versions/<id>/` through the same switch, history and pruning as an upload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import shlex
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from orchestrator.artifacts import Artifact, Manifest, resolve_artifact, verify_artifact
+from orchestrator.artifacts import (
+    Artifact,
+    FileEntry,
+    Manifest,
+    NodeBuild,
+    node_build,
+    read_artifact_spec,
+    resolve_artifact,
+    verify_artifact,
+)
 from orchestrator.connection import Connection, Progress, shell_path
 from orchestrator.errors import ArtifactError, CommandTimeoutError, InstallError, TransferError, tail
 from orchestrator.executor import HostContext, StepOutcome
 from orchestrator.inventory import Host
+from orchestrator.log import get_logger
 from orchestrator.units import format_size
 
 __all__ = [
     "ArtifactChooser",
+    "BuildLogFactory",
     "InstallChange",
     "InstallState",
     "apply_install",
+    "apply_node_build",
+    "build_command",
     "ensure_installed",
     "install_script",
     "install_state_command",
     "make_install_step",
     "normalise_platform",
     "parse_apply_output",
+    "parse_build_output",
     "parse_install_state",
     "plan_install",
+    "plan_node_build",
     "plan_rollback",
     "prune_plan",
     "read_install_state",
@@ -57,6 +81,11 @@ STATE_TIMEOUT = 20.0
 PREPARE_TIMEOUT = 20.0
 APPLY_TIMEOUT = 120.0
 SPACE_MARGIN = 1 << 20  # bytes kept free beyond the archive and the unpacked files
+# An on-node build needs the sdist, its extracted source (about 3x the sdist) and the build tree.
+BUILD_SPACE_FACTOR = 4
+BUILD_SPACE_EXTRA = 256 << 20
+BUILD_POLL_INTERVAL = 1.0  # seconds between reads of the build log's last line
+UPLOAD_CHECK_TIMEOUT = 60.0  # sha256 of the uploaded sdist on the node
 _MARK = "@"
 
 
@@ -221,15 +250,26 @@ class InstallChange:
     previous: str | None  # the version current before the change
     prune: tuple[str, ...] = ()  # versions removed after the switch
     reason: str = ""
+    build: NodeBuild | None = None  # set for a `build: on_node` artifact (then `artifact` is None)
+    built: Manifest | None = None  # the manifest an on-node build produced (after apply_node_build)
 
     @property
     def changed(self) -> bool:
         return self.action != "none"
 
+    @property
+    def manifest(self) -> Manifest | None:
+        """The manifest of `version` when the controller knows it (None for a switch to a node build)."""
+        return self.artifact.manifest if self.artifact is not None else self.built
+
     def describe(self) -> str:
         if self.action == "none":
             return f"{self.version} already installed"
-        text = f"{'install' if self.action == 'install' else 'switch to installed'} {self.version}"
+        if self.action == "install" and self.build is not None:
+            verb = "build on the node and install"
+        else:
+            verb = "install" if self.action == "install" else "switch to installed"
+        text = f"{verb} {self.version}"
         if self.previous:
             text += f" (was {self.previous})"
         if self.prune:
@@ -243,6 +283,7 @@ class InstallChange:
             "previous": self.previous,
             "prune": list(self.prune),
             "reason": self.reason,
+            "build_on_node": self.build is not None,
         }
 
 
@@ -298,6 +339,43 @@ def plan_install(
     reason = "not installed" if state.current is None else f"current is {state.current}"
     return InstallChange(
         state.host, "install", artifact.id, artifact, state.install_dir, state.current, prune, reason
+    )
+
+
+def plan_node_build(
+    state: InstallState, build: NodeBuild, *, keep_versions: int = 3, force: bool = False
+) -> InstallChange:
+    """Pure: the change that makes the on-node build `build` current: nothing when the node already
+    runs this build (same id: same sdist, cmake arguments, backend, platform), a switch when it is in
+    versions/, else a build. `force` rebuilds (incrementally) and reinstalls."""
+    if (build.os, build.arch) != (state.os, state.arch):
+        raise InstallError(
+            f"the build {build.id} is planned for {build.os}/{build.arch}, "
+            f"the host runs {state.os}/{state.arch}",
+            host=state.host,
+        )
+    protect = [state.current] if state.current else []
+    prune = prune_plan(state.history, state.versions, build.id, protect, keep_versions)
+    if state.current == build.id and state.installed and not state.problems and not force:
+        return InstallChange(
+            state.host, "none", build.id, None, state.install_dir, state.current, build=build
+        )
+    if build.id in state.versions and not force:
+        return InstallChange(
+            state.host, "switch", build.id, None, state.install_dir, state.current, prune,
+            "already built in versions/", build=build,
+        )  # fmt: skip
+    needed = build.sdist.stat().st_size * BUILD_SPACE_FACTOR + BUILD_SPACE_EXTRA
+    if state.free_bytes is not None and state.free_bytes < needed:
+        kept = f"{state.current} stays installed" if state.current else "nothing was changed"
+        raise InstallError(
+            f"not enough disk space in {state.install_dir} to build on the node: "
+            f"{format_size(state.free_bytes)} free, about {format_size(needed)} needed; {kept}",
+            host=state.host,
+        )
+    reason = "not installed" if state.current is None else f"current is {state.current}"
+    return InstallChange(
+        state.host, "install", build.id, None, state.install_dir, state.current, prune, reason, build=build
     )
 
 
@@ -455,21 +533,258 @@ async def _run_script(conn: Connection, change: InstallChange, script: str) -> l
         raise
 
 
+# ---------------------------------------------------------------- building on the node
+
+BuildLog = Callable[[str], None]  # the build log's latest line, as it is written
+
+
+def _build_paths(install_dir: str, build: NodeBuild) -> tuple[str, str, str]:
+    """(workdir, sdist on the node, log) for `build` under `install_dir` (absolute)."""
+    workdir = f"{install_dir}/build/{build.key}"
+    return workdir, f"{install_dir}/src/{build.sdist_name}", f"{workdir}/build.log"
+
+
+def build_command(install_dir: str, build: NodeBuild) -> str:
+    """Run the build script (already in `<workdir>/build.sh`) under `timeout`, output to the log, then
+    print `@status N` and, on success, the protocol line and every output file (`@file path size mode
+    sha256`, `@link path target`); on failure the log's last 40 lines as `@log ...`."""
+    q = shlex.quote
+    workdir, _, log = _build_paths(install_dir, build)
+    limit = int(build.timeout)
+    return "\n".join(
+        [
+            f"W={q(workdir)}",
+            f"L={q(log)}",
+            # Two deploys to one node never build in the same tree at once.
+            'exec 9>"$W/.lock"',
+            'if command -v flock >/dev/null 2>&1 && ! flock -n 9; then echo "@status busy"; exit 0; fi',
+            f'timeout -k 10 {limit} bash "$W/build.sh" > "$L" 2>&1 </dev/null; s=$?',
+            'echo "@status $s"',
+            'if [ "$s" -ne 0 ]; then tail -n 40 "$L" | sed "s/^/@log /"; exit 0; fi',
+            "grep '^RPCFLEET_PROTOCOL=' \"$L\" | tail -n 1 | sed 's/^RPCFLEET_PROTOCOL=/@protocol /'",
+            'cd "$W/out" || exit 0',
+            "find bin -mindepth 1 \\( -type f -o -type l \\) | LC_ALL=C sort | while IFS= read -r f; do",
+            '  if [ -L "$f" ]; then echo "@link $f $(readlink "$f")";',
+            '  else echo "@file $f $(stat -c \'%s %a\' "$f") $(sha256sum "$f" | cut -d\' \' -f1)"; fi',
+            "done",
+        ]
+    )
+
+
+def parse_build_output(stdout: str, change: InstallChange) -> tuple[str, tuple[FileEntry, ...]]:
+    """Pure: (protocol, files) of a successful build; InstallError naming the failure otherwise (the
+    first CMake/compiler error line of the log's tail, the tail itself as stderr)."""
+    status = ""
+    protocol = ""
+    files: list[FileEntry] = []
+    log: list[str] = []
+    for key, value in _lines(stdout):
+        if key == "status":
+            status = value
+        elif key == "protocol":
+            protocol = value
+        elif key == "log":
+            log.append(value)
+        elif key == "file":
+            path, size, mode, sha = value.rsplit(" ", 3)
+            executable = int(mode, 8) & 0o100
+            files.append(FileEntry(path, sha, int(size), 0o755 if executable else 0o644))
+        elif key == "link":
+            path, _, target = value.partition(" ")
+            files.append(FileEntry(path, None, 0, 0o777, target))
+    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+    where = change.build and _build_paths(change.install_dir, change.build)[2]
+    hint = f"the full log is {where} on the node" if where else None
+    if status == "busy":
+        raise InstallError(
+            f"another build of {change.version} is running on this node; {kept}", host=change.host
+        )
+    if status != "0":
+        if status in ("124", "137"):
+            limit = change.build.timeout if change.build else 0
+            why = f"did not finish within {limit:g} s (build_timeout in the spec)"
+        else:
+            why = f"failed (exit status {status or 'unknown'})"
+            problem = _first_error(log)
+            if problem:
+                why += f": {problem}"
+        raise InstallError(
+            f"building {change.version} on the node {why}; {kept}",
+            host=change.host,
+            stderr="\n".join(log) or stdout,
+            hint=hint,
+        )
+    if not files or not any(f.path == "bin/ggml-rpc-server" for f in files):
+        raise InstallError(
+            f"the build of {change.version} left no bin/ggml-rpc-server; {kept}", host=change.host
+        )
+    return protocol, tuple(files)
+
+
+def _first_error(log: Sequence[str]) -> str:
+    """The line naming what went wrong: CMake's error (and the line after it), else a compiler error."""
+    for i, line in enumerate(log):
+        if "CMake Error" in line:
+            detail = next((x.strip() for x in log[i + 1 : i + 4] if x.strip()), "")
+            return f"{line.strip()} {detail}".strip()
+    for line in log:
+        if "error:" in line or "Error " in line or line.startswith("sha256sum:"):
+            return line.strip()
+    return next((line.strip() for line in reversed(log) if line.strip()), "")
+
+
+def node_install_script(change: InstallChange, manifest: Manifest, nonce: str) -> str:
+    """After a successful build: copy `<workdir>/out/bin` aside with the manifest, verify every file,
+    move it into versions/, switch `current`, prune (the build tree stays for the next build)."""
+    assert change.build is not None
+    q = shlex.quote
+    workdir, _, _ = _build_paths(change.install_dir, change.build)
+    old = f'"$D/tmp/$ID.old.{nonce}"'
+    body = [
+        f"W={q(workdir)}",
+        f'S="$D/tmp/$ID.{nonce}.d"',
+        'mkdir -p "$S" || fail copy "cannot create $S"',
+        'cp -P -R "$W/out/bin" "$S/bin" || fail copy "cannot copy the build output"',
+        f'printf "%s" {q(manifest.to_json().decode())} > "$S/manifest.json" '
+        '|| fail copy "cannot write the manifest"',
+        *_verify_lines(manifest, '"$S"'),
+        f'if [ -e "$D/versions/$ID" ]; then mv -T "$D/versions/$ID" {old} || fail move "cannot move"; fi',
+        'mv -T "$S" "$D/versions/$ID" || fail move "cannot move the version into place"',
+        f"rm -rf {old}",
+    ]
+    return _script(change, nonce, ['"$S"'], body)
+
+
+async def _follow_log(conn: Connection, log: str, on_line: BuildLog) -> None:
+    """Report the build log's latest line each second until cancelled (a failed read is skipped)."""
+    last = ""
+    while True:
+        await asyncio.sleep(BUILD_POLL_INTERVAL)
+        try:
+            result = await conn.run(f"tail -n 1 {shlex.quote(log)} 2>/dev/null", timeout=10)
+        except Exception:  # the build's own command reports a lost connection
+            continue
+        line = result.stdout.strip()
+        if line and line != last:
+            last = line
+            on_line(line)
+
+
+async def apply_node_build(
+    conn: Connection,
+    change: InstallChange,
+    *,
+    progress: Progress | None = None,
+    on_line: BuildLog | None = None,
+) -> InstallChange:
+    """Build `change.build` on the node and install it; returns the change with the built manifest.
+    Raises InstallError (the previous version stays installed and running) with the log's tail."""
+    build = change.build
+    assert build is not None and change.action == "install"
+    q = shlex.quote
+    d = q(change.install_dir)
+    workdir, remote_sdist, log = _build_paths(change.install_dir, build)
+    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+    say = get_logger(host=change.host)
+    # Prepare: folders, the build script, and the sha256 of an sdist uploaded by an earlier build.
+    prepare = (
+        f"mkdir -p {d}/tmp {d}/versions {d}/src {q(workdir)} && rm -rf {d}/tmp/* && "
+        f"cat > {q(workdir)}/build.sh && "
+        f"if [ -f {q(remote_sdist)} ]; then echo \"@have $(sha256sum {q(remote_sdist)} | cut -d' ' -f1)\"; fi"
+    )
+    script = build.script(workdir, remote_sdist)
+    result = await conn.run(prepare, timeout=UPLOAD_CHECK_TIMEOUT, input=script)
+    if not result.ok:
+        raise InstallError(
+            f"cannot prepare the build in {change.install_dir}: {tail(result.stderr, 2)}; {kept}",
+            host=change.host,
+            exit_status=result.exit_status,
+        )
+    have = dict(_lines(result.stdout)).get("have")
+    if have != build.info.sha256:
+        nonce = secrets.token_hex(4)
+        part = f"{remote_sdist}.{nonce}.part"
+        say.info("node_build_upload", sdist=str(build.sdist))
+        try:
+            await conn.put(build.sdist, part, progress=progress)
+        except TransferError as exc:
+            with contextlib.suppress(Exception):
+                await conn.run(f"rm -f {q(part)}", timeout=PREPARE_TIMEOUT)
+            raise InstallError(
+                f"upload of {build.sdist.name} failed: {exc.message}; {kept}", host=change.host
+            ) from exc
+        check = (
+            f"got=$(sha256sum {q(part)} | cut -d' ' -f1); "
+            f'if [ "$got" = {build.info.sha256} ]; then mv -f {q(part)} {q(remote_sdist)} && echo @ok; '
+            f'else rm -f {q(part)}; echo "@fail $got"; fi'
+        )
+        moved = dict(_lines((await conn.run(check, timeout=UPLOAD_CHECK_TIMEOUT)).stdout))
+        if "ok" not in moved:
+            raise InstallError(
+                f"the uploaded {build.sdist.name} has sha256 {moved.get('fail', '?')} on the node, "
+                f"expected {build.info.sha256}; {kept}",
+                host=change.host,
+            )
+    say.info("node_build_started", id=change.version, workdir=workdir)
+    follower = asyncio.create_task(_follow_log(conn, log, on_line)) if on_line else None
+    try:
+        done = await conn.run(build_command(change.install_dir, build), timeout=build.timeout + 60)
+    except CommandTimeoutError as exc:
+        raise InstallError(
+            f"building {change.version} on the node did not finish within {build.timeout:g} s; {kept}",
+            host=change.host,
+        ) from exc
+    finally:
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+    protocol, files = parse_build_output(done.stdout, change)
+    manifest = build.manifest(files)
+    if protocol and protocol != build.protocol:
+        raise InstallError(
+            f"the node built protocol {protocol}, the source's ggml-rpc.h says {build.protocol}; {kept}",
+            host=change.host,
+        )
+    say.info("node_build_finished", id=change.version, seconds=round(done.duration, 1))
+    nonce = secrets.token_hex(4)
+    built = dataclasses.replace(change, built=manifest)
+    await _run_script(conn, built, node_install_script(built, manifest, nonce))
+    return built
+
+
 # ---------------------------------------------------------------- choosing the artifact, the step
+
+
+def host_cmake_args(host: Host) -> tuple[str, ...]:
+    """Host-level cmake arguments for on-node builds: the inventory variable `rpc_cmake_args` (a list,
+    or one string split like a shell would), appended to the spec's."""
+    raw = host.vars.get("rpc_cmake_args")
+    if raw is None or raw == "":
+        return ()
+    if isinstance(raw, str):
+        return tuple(shlex.split(raw))
+    if isinstance(raw, list | tuple) and all(isinstance(a, str) for a in raw):
+        return tuple(raw)
+    raise InstallError("rpc_cmake_args must be a list of strings", host=host.name)
+
+
+Source = Artifact | NodeBuild
 
 
 class ArtifactChooser:
     """Picks (and verifies once) the artifact for each host: `override`, else the host's `rpc_artifact`,
-    else the default one, for the host's backend and the node's os/arch. Shared by all hosts of a run."""
+    else the default one, for the host's backend and the node's os/arch. A `build: on_node` spec file
+    gives a `NodeBuild` instead (with the host's `rpc_cmake_args`). Shared by all hosts of a run."""
 
     def __init__(self, override: str | None = None, *, verify: bool = True) -> None:
         self.override = override
         self.verify = verify
-        self._cache: dict[tuple[str, str, str, str], asyncio.Future[Artifact]] = {}
+        self._cache: dict[tuple[str, str, str, str, tuple[str, ...]], asyncio.Future[Source]] = {}
 
-    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+    async def __call__(self, host: Host, state: InstallState) -> Source:
         spec = self.override or host.rpc_artifact or ""
-        key = (spec, host.backend, state.os, state.arch)
+        key = (spec, host.backend, state.os, state.arch, host_cmake_args(host))
         future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):
             future = asyncio.ensure_future(asyncio.to_thread(self._resolve, *key))
@@ -481,7 +796,12 @@ class ArtifactChooser:
                 f"no artifact for this host: {exc.message}", host=host.name, hint=exc.hint
             ) from exc
 
-    def _resolve(self, spec: str, backend: str, os_name: str, arch: str) -> Artifact:
+    def _resolve(self, spec: str, backend: str, os_name: str, arch: str, extra: tuple[str, ...]) -> Source:
+        path = Path(spec.strip()).expanduser()
+        if spec.strip() and path.suffix.lower() in (".yml", ".yaml", ".json") and path.is_file():
+            parsed = read_artifact_spec(path)
+            if parsed.kind == "build":
+                return node_build(parsed, backend=backend, os_name=os_name, arch=arch, extra_cmake_args=extra)
         artifact = resolve_artifact(spec, backend=backend, os=os_name, arch=arch)
         if self.verify:
             verify_artifact(artifact)  # a corrupted local cache is refused before any upload
@@ -489,6 +809,7 @@ class ArtifactChooser:
 
 
 ProgressFactory = Callable[[Host, InstallChange], Progress | None]
+BuildLogFactory = Callable[[Host, InstallChange], BuildLog | None]
 
 
 async def ensure_installed(
@@ -500,11 +821,23 @@ async def ensure_installed(
     check: bool = False,
     force: bool = False,
     progress: ProgressFactory | None = None,
+    build_log: BuildLogFactory | None = None,
 ) -> InstallChange:
-    """Read, plan, and (unless `check`) apply: the artifact for `host` becomes current."""
+    """Read, plan, and (unless `check`) apply: the artifact for `host` becomes current (built on the
+    node first for a `build: on_node` spec; the returned change then carries the built manifest)."""
     state = state or await read_install_state(conn, host)
-    artifact = await choose(host, state)
-    change = plan_install(state, artifact, keep_versions=host.keep_versions, force=force)
+    source = await choose(host, state)
+    if isinstance(source, NodeBuild):
+        change = plan_node_build(state, source, keep_versions=host.keep_versions, force=force)
+        if change.action == "install" and not check:
+            return await apply_node_build(
+                conn,
+                change,
+                progress=progress(host, change) if progress else None,
+                on_line=build_log(host, change) if build_log else None,
+            )
+    else:
+        change = plan_install(state, source, keep_versions=host.keep_versions, force=force)
     if change.changed and not check:
         await apply_install(conn, change, progress=progress(host, change) if progress else None)
     return change
@@ -516,12 +849,15 @@ def make_install_step(
     check: bool = False,
     force: bool = False,
     progress: ProgressFactory | None = None,
+    build_log: BuildLogFactory | None = None,
 ) -> Callable[[HostContext], Awaitable[StepOutcome[InstallChange]]]:
     """The executor step of `rpcfleet install`."""
 
     async def install(ctx: HostContext) -> StepOutcome[InstallChange]:
         conn = await ctx.connection()
-        change = await ensure_installed(conn, ctx.host, choose, check=check, force=force, progress=progress)
+        change = await ensure_installed(
+            conn, ctx.host, choose, check=check, force=force, progress=progress, build_log=build_log
+        )
         return StepOutcome(change, change.changed, change.describe())
 
     return install

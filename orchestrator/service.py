@@ -31,6 +31,7 @@ from orchestrator.errors import CommandTimeoutError, ServiceError, tail
 from orchestrator.executor import HostContext, StepOutcome
 from orchestrator.install import (
     ArtifactChooser,
+    BuildLogFactory,
     InstallChange,
     InstallState,
     ProgressFactory,
@@ -39,6 +40,7 @@ from orchestrator.install import (
     install_state_command,
     parse_install_state,
     plan_rollback,
+    read_install_state,
 )
 from orchestrator.inventory import Host
 from orchestrator.rpc import Outcome, ProbeResult, ProtocolVersion, probe_endpoint
@@ -749,20 +751,32 @@ async def deploy(
     check: bool = False,
     force: bool = False,
     progress: ProgressFactory | None = None,
+    build_log: BuildLogFactory | None = None,
 ) -> DeployResult:
     """Install the pinned artifact and have it serve: one state read, then only the needed changes.
 
-    A failed install raises before the server is touched: the running version keeps serving.
+    A failed install (or on-node build) raises before the server is touched: the running version keeps
+    serving.
     """
     warning = bind_policy(host)  # refuse a bad bind before changing anything
     state = await read_node_state(conn, host)
     change = await ensure_installed(
-        conn, host, choose, state=state.install, check=check, force=force, progress=progress
+        conn,
+        host,
+        choose,
+        state=state.install,
+        check=check,
+        force=force,
+        progress=progress,
+        build_log=build_log,
     )
-    if change.changed:
+    if change.changed and change.manifest is None and not check:
+        # A switch to a version built on the node: only the node has its manifest.
+        state = NodeState(await read_install_state(conn, host), state.service)
+    elif change.changed:
         # What the install made (or, with --check, would make) current: no second read needed.
         installed = sorted({*state.install.versions, change.version} - set(change.prune))
-        manifest = change.artifact.manifest if change.artifact else state.install.manifest
+        manifest = change.manifest or state.install.manifest
         install = dataclasses.replace(
             state.install, current=change.version, versions=tuple(installed), manifest=manifest, problems=()
         )
@@ -778,10 +792,13 @@ def make_deploy_step(
     check: bool = False,
     force: bool = False,
     progress: ProgressFactory | None = None,
+    build_log: BuildLogFactory | None = None,
 ) -> Callable[[HostContext], Awaitable[StepOutcome[DeployResult]]]:
     async def deploy_step(ctx: HostContext) -> StepOutcome[DeployResult]:
         conn = await ctx.connection()
-        result = await deploy(conn, ctx.host, choose, check=check, force=force, progress=progress)
+        result = await deploy(
+            conn, ctx.host, choose, check=check, force=force, progress=progress, build_log=build_log
+        )
         return StepOutcome(result, result.changed, result.describe())
 
     deploy_step.__name__ = "deploy"

@@ -11,8 +11,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rich import box
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator.cli import _common
 from orchestrator.connection import Progress as ProgressCallback
@@ -114,14 +115,24 @@ def _run(
     return _common.run_async(go())
 
 
+class _TransferColumn(DownloadColumn):
+    """Bytes done/total for an upload; the latest build log line for an on-node build."""
+
+    def render(self, task: Task) -> Text:
+        if "line" in task.fields:
+            return Text(str(task.fields["line"])[:80], style="dim")
+        return super().render(task)
+
+
 class _Uploads:
-    """Rich progress bars for uploads, one per host, fed by `Connection.put`'s callback."""
+    """Rich progress bars for uploads, one per host, fed by `Connection.put`'s callback; for an on-node
+    build, one status line per host showing the build log's latest line."""
 
     def __init__(self, enabled: bool) -> None:
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            DownloadColumn(),
+            _TransferColumn(),
             TransferSpeedColumn(),
             console=_common.err_console,
             transient=True,
@@ -129,10 +140,19 @@ class _Uploads:
         )
 
     def __call__(self, host: Host, change: InstallChange) -> ProgressCallback:
-        task = self.progress.add_task(f"{host.name}: upload {change.version}", total=None)
+        what = f"the source of {change.version}" if change.build is not None else change.version
+        task = self.progress.add_task(f"{host.name}: upload {what}", total=None)
 
         def update(done: int, total: int) -> None:
             self.progress.update(task, completed=done, total=total)
+
+        return update
+
+    def build_log(self, host: Host, change: InstallChange) -> Callable[[str], None]:
+        task = self.progress.add_task(f"{host.name}: build {change.version}", total=None, line="starting")
+
+        def update(line: str) -> None:
+            self.progress.update(task, line=line)
 
         return update
 
@@ -186,7 +206,11 @@ def handle_deploy(args: argparse.Namespace) -> int:
     _, hosts = _common.load_hosts(args)
     uploads = _Uploads(enabled=not args.json and not args.check)
     step = make_deploy_step(
-        ArtifactChooser(args.artifact), check=args.check, force=args.force, progress=uploads
+        ArtifactChooser(args.artifact),
+        check=args.check,
+        force=args.force,
+        progress=uploads,
+        build_log=uploads.build_log,
     )
     with uploads.progress:
         run = _run(args, hosts, step, "deploy")
