@@ -70,9 +70,10 @@ CHILD = textwrap.dedent(
     from orchestrator.log import configure_logging
     configure_logging("text", "WARNING")
     from orchestrator import loader
+    from pathlib import Path
     from orchestrator.planner import Plan
 
-    plan = Plan.from_json(open(spec["plan"]).read())
+    plan = Plan.from_path(Path(spec["plan"]))
     model = spec["model"]
     out = {}
 

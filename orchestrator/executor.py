@@ -178,12 +178,6 @@ class Session:
             self._connections[host.name] = task
         return await asyncio.shield(task)
 
-    async def drop_connection(self, host: Host) -> None:
-        """Close and forget a host's connection (after a restart of sshd, a cut link...)."""
-        task = self._connections.pop(host.name, None)
-        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
-            await task.result().close()
-
     async def close(self) -> None:
         tasks = list(self._connections.values())
         self._connections.clear()

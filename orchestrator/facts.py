@@ -133,6 +133,34 @@ class CpuCountFact(Fact[int | None]):
         return count if count > 0 else None
 
 
+class MachineIdFact(Fact[str | None]):
+    """Which machine the host runs on: `boot_id:<id>` (the running kernel, shared by every network
+    namespace and container on it), else `machine_id:<id>` (/etc/machine-id); None when neither is
+    readable. Servers with the same value share one machine's RAM."""
+
+    name: ClassVar[str] = "machine_id"
+
+    def command(self) -> str:
+        return (
+            "if [ -r /proc/sys/kernel/random/boot_id ]; then "
+            "printf 'boot_id '; cat /proc/sys/kernel/random/boot_id; "
+            "elif [ -r /etc/machine-id ]; then printf 'machine_id '; cat /etc/machine-id; "
+            f"else exit {NOT_FOUND}; fi"
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        fields = stdout.split()
+        if exit_status != 0 or len(fields) != 2 or fields[0] not in ("boot_id", "machine_id"):
+            return None
+        value = fields[1].lower()
+        if not _MACHINE_ID_RE.fullmatch(value):
+            return None
+        return f"{fields[0]}:{value}"
+
+
+_MACHINE_ID_RE = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}")
+
+
 @dataclass(frozen=True)
 class MemInfo:
     total: int  # bytes
@@ -492,6 +520,7 @@ FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
     for cls in (
         OsFact,
         CpuCountFact,
+        MachineIdFact,
         MemoryFact,
         NvidiaGpuFact,
         RocmGpuFact,

@@ -756,19 +756,6 @@ async def apply_node_build(
 # ---------------------------------------------------------------- choosing the artifact, the step
 
 
-def host_cmake_args(host: Host) -> tuple[str, ...]:
-    """Host-level cmake arguments for on-node builds: the inventory variable `rpc_cmake_args` (a list,
-    or one string split like a shell would), appended to the spec's."""
-    raw = host.vars.get("rpc_cmake_args")
-    if raw is None or raw == "":
-        return ()
-    if isinstance(raw, str):
-        return tuple(shlex.split(raw))
-    if isinstance(raw, list | tuple) and all(isinstance(a, str) for a in raw):
-        return tuple(raw)
-    raise InstallError("rpc_cmake_args must be a list of strings", host=host.name)
-
-
 Source = Artifact | NodeBuild
 
 
@@ -784,7 +771,7 @@ class ArtifactChooser:
 
     async def __call__(self, host: Host, state: InstallState) -> Source:
         spec = self.override or host.rpc_artifact or ""
-        key = (spec, host.backend, state.os, state.arch, host_cmake_args(host))
+        key = (spec, host.backend, state.os, state.arch, host.rpc_cmake_args)
         future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):
             future = asyncio.ensure_future(asyncio.to_thread(self._resolve, *key))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import ipaddress
+import math
 import re
 import shlex
 import string
@@ -97,6 +98,7 @@ class Host:
     allow_public_bind: bool = False
     rpc_debug: bool = False
     keep_versions: int = 3  # installed versions kept on the host (>= 1)
+    rpc_cmake_args: tuple[str, ...] = ()  # extra cmake args for `build: on_node` artifacts
     groups: tuple[str, ...] = ()  # every group the host belongs to (not `all`), shallowest first
     vars: Mapping[str, Any] = field(default_factory=dict, hash=False)  # all merged variables, unknown too
     location: SourceLocation | None = field(default=None, compare=False)  # where the host is declared
@@ -267,6 +269,14 @@ def _parse_devices(value: Any) -> tuple[str, ...]:
     return devices
 
 
+def _parse_cmake_args(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(shlex.split(value))
+    if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    raise ValueError(f"expected cmake arguments such as [-DGGML_CUDA=ON], got {value!r}")
+
+
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
@@ -354,6 +364,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("allow_public_bind", (), _parse_bool, False, "allow rpc_host on a public address"),
     Variable("rpc_debug", (), _parse_bool, False, "rpc-server debug output"),
     Variable("keep_versions", (), _int_at_least(1), 3, "installed versions kept"),
+    Variable("rpc_cmake_args", (), _parse_cmake_args, (), "extra cmake args for on-node builds"),
 )
 VARIABLES_BY_NAME: Mapping[str, Variable] = {var.name: var for var in VARIABLES}
 _CANONICAL: Mapping[str, str] = {alias: var.name for var in VARIABLES for alias in (var.name, *var.aliases)}
@@ -388,17 +399,34 @@ def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
 _RANGE = re.compile(r"\[([^\[\]:]*):([^\[\]:]*)(?::([^\[\]:]*))?\]")
 
 
+MAX_RANGE_HOSTS = 10_000  # more names in one pattern is a typo (node[0:99999999]), not a fleet
+
+
 def expand_host_range(pattern: str) -> list[str]:
     """``node[01:03]`` -> node01, node02, node03; also ``[a:c]``, ``[1:9:2]``, several ranges.
 
-    Raises ValueError (a message for the user) on a malformed range.
+    Raises ValueError (a message for the user) on a malformed range, or on one that names more than
+    `MAX_RANGE_HOSTS` hosts (counted before any name is made).
     """
-    match = _RANGE.search(pattern)
-    if match is None:
-        if "[" in pattern or "]" in pattern:
-            raise ValueError(f"invalid host range in {pattern!r} (expected [start:end] or [start:end:step])")
-        return [pattern]
-    head, tail = pattern[: match.start()], pattern[match.end() :]
+    ranges: list[tuple[str, range | str, int]] = []  # (text before, numbers or letters, zero-pad width)
+    rest = pattern
+    while (match := _RANGE.search(rest)) is not None:
+        ranges.append((rest[: match.start()], *_range_segment(match, pattern)))
+        rest = rest[match.end() :]
+    if "[" in rest or "]" in rest:
+        raise ValueError(f"invalid host range in {pattern!r} (expected [start:end] or [start:end:step])")
+    count = math.prod(len(items) for _, items, _ in ranges)
+    if count > MAX_RANGE_HOSTS:
+        raise ValueError(f"host range {pattern!r} names {count} hosts (at most {MAX_RANGE_HOSTS})")
+    names = [""]
+    for before, items, width in ranges:
+        texts = [str(item).zfill(width) for item in items]
+        names = [name + before + text for name in names for text in texts]
+    return [name + rest for name in names]
+
+
+def _range_segment(match: re.Match[str], pattern: str) -> tuple[range | str, int]:
+    """One `[start:end:step]`: (the numbers, their zero-padded width) or (the letters, 0)."""
     begin, end, step_text = match.group(1) or "0", match.group(2), match.group(3)
     if not end:
         raise ValueError(f"host range in {pattern!r} has no end")
@@ -412,17 +440,16 @@ def expand_host_range(pattern: str) -> list[str]:
         padded = len(begin) > 1 and begin.startswith("0")
         if padded and len(begin) != len(end):
             raise ValueError(f"zero-padded host range in {pattern!r} needs start and end of equal length")
-        width = len(begin) if padded else 0
         first, last = int(begin), int(end)
-        items = [str(n).zfill(width) for n in range(first, last + 1, step)]
-    elif len(begin) == 1 and len(end) == 1 and begin in string.ascii_letters and end in string.ascii_letters:
+        if first > last:
+            raise ValueError(f"host range in {pattern!r} ends before it starts")
+        return range(first, last + 1, step), len(begin) if padded else 0
+    if len(begin) == 1 and len(end) == 1 and begin in string.ascii_letters and end in string.ascii_letters:
         first, last = string.ascii_letters.index(begin), string.ascii_letters.index(end)
-        items = list(string.ascii_letters[first : last + 1 : step])
-    else:
-        raise ValueError(f"invalid host range [{match.group(0)[1:-1]}] in {pattern!r}")
-    if first > last:
-        raise ValueError(f"host range in {pattern!r} ends before it starts")
-    return [head + item + rest for item in items for rest in expand_host_range(tail)]
+        if first > last:
+            raise ValueError(f"host range in {pattern!r} ends before it starts")
+        return string.ascii_letters[first : last + 1 : step], 0
+    raise ValueError(f"invalid host range [{match.group(0)[1:-1]}] in {pattern!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1203,22 +1203,24 @@ def _run(
 def _run_all(argvs: Sequence[Sequence[str]], *, inputs: Sequence[str] | None = None) -> None:
     """Run commands concurrently (all started before any is waited for); fail if any failed."""
     env = _env()
-    procs = []
+    procs: list[tuple[Sequence[str], subprocess.Popen[str], str | None]] = []
     for i, argv in enumerate(argvs):
-        procs.append(
-            (
-                argv,
-                subprocess.Popen(
-                    list(argv),
-                    stdin=subprocess.PIPE if inputs else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                ),
-                inputs[i] if inputs else None,
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.PIPE if inputs else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
             )
-        )
+        except OSError as exc:
+            # Those already started must not run on unwatched: kill and reap them before failing.
+            for _, started, _ in procs:
+                started.kill()
+                started.communicate()
+            raise LabError(f"cannot run {argv[0]}: {exc.strerror or exc}", command=shlex.join(argv)) from None
+        procs.append((argv, proc, inputs[i] if inputs else None))
     failures: list[tuple[Sequence[str], int | None, str]] = []
     for argv, proc, data in procs:
         try:

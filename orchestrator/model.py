@@ -117,11 +117,6 @@ class ModelProfile:
         return self.paths[0]
 
     @property
-    def n_offloadable(self) -> int:
-        """Layers llama.cpp can offload: the repeating layers plus the output layer."""
-        return self.n_layer + 1
-
-    @property
     def output_layer_bytes(self) -> int:
         """Weights of the output layer on its device: output + output_norm, or a copy of token_embd."""
         head = self.token_embd_bytes if self.output_tied else self.output_bytes
@@ -157,9 +152,6 @@ class ModelProfile:
             if m:
                 per[int(m.group(1))].append(t)
         return tuple(tuple(x) for x in per)
-
-    def layer_tensors(self, il: int) -> tuple[TensorInfo, ...]:
-        return self._layer_tensors[il]
 
     def layer_bytes_aligned(self, il: int, alignment: int = 1) -> int:
         """Bytes of layer `il` in a backend buffer: each tensor padded to `alignment`, plus rope_freqs

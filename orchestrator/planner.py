@@ -186,6 +186,21 @@ class Plan:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
+    def from_path(cls, path: str | Path) -> Plan:
+        """The plan saved in `path`; PlanError naming the file when it is unreadable, not UTF-8 or not
+        a valid plan."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlanError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"plan {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        try:
+            return cls.from_json(text)
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc.message}", hint=exc.hint) from None
+
+    @classmethod
     def from_json(cls, text: str) -> Plan:
         try:
             data = json.loads(text)
@@ -818,16 +833,16 @@ def llama_cli_args(plan: Plan, model_path: str | Path | None = None) -> list[str
     return args
 
 
-def python_snippet(plan: Plan, model_path: str | Path | None = None) -> str:
-    """A Python program that loads this plan through rpcfleet's loader."""
+def python_snippet(
+    plan: Plan, model_path: str | Path | None = None, plan_path: str | Path = "plan.json"
+) -> str:
+    """A Python program that loads this plan (saved in `plan_path`) through rpcfleet's loader."""
     path = str(model_path or plan.model_path)
     return (
-        "from pathlib import Path\n"
-        "\n"
         "import orchestrator\n"
         "from orchestrator.planner import Plan\n"
         "\n"
-        "plan = Plan.from_json(Path('plan.json').read_text())\n"
+        f"plan = Plan.from_path({str(plan_path)!r})\n"
         f"llm = orchestrator.load_llama(plan, {path!r})\n"
         "try:\n"
         "    out = llm('The capital of France is', max_tokens=16)\n"

@@ -29,6 +29,7 @@ errors of a file are reported together (`PlaybookErrors`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import yaml
 
@@ -53,13 +54,21 @@ from orchestrator.errors import (
     UsageError,
 )
 from orchestrator.executor import HostContext, HostResult, Recap, RunResult, Session, StepOutcome, batch_sizes
+from orchestrator.files import write_atomic
 from orchestrator.inventory import Host, Inventory, select_hosts
 from orchestrator.yamlsource import Source, compose, did_you_mean, is_null, node_kind, node_value, type_name
+
+if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
+    from orchestrator.loader import MemoryBytes
+    from orchestrator.planner import Plan, PlanOptions
+    from orchestrator.probe import FleetProbe
 
 __all__ = [
     "REGISTRY",
     "Arg",
+    "DeviceCheck",
     "Document",
+    "LoadCheckResult",
     "Op",
     "PlayState",
     "Playbook",
@@ -67,6 +76,7 @@ __all__ = [
     "PlaybookResult",
     "PlaybookStep",
     "StepRun",
+    "load_check",
     "load_playbook",
     "load_playbook_text",
     "parse_extra_vars",
@@ -251,8 +261,8 @@ class PlayState:
     """What fleet steps leave for the steps after them (the latest probe and plan) and the documents
     (plans, reports) the run produced."""
 
-    probe: Any = None  # orchestrator.probe.FleetProbe
-    plan: Any = None  # orchestrator.planner.Plan
+    probe: FleetProbe | None = None
+    plan: Plan | None = None
     documents: list[Document] = field(default_factory=list)
 
 
@@ -302,10 +312,17 @@ class _Shared(Generic[T]):
         try:
             return await asyncio.shield(self._task)
         except RpcfleetError as exc:
-            # A fresh error per host: the executor stamps the host on it.
-            copy = RpcfleetError(exc.message, command=exc.command, exit_status=exc.exit_status, hint=exc.hint)
-            copy.stderr_tail = exc.stderr_tail
-            raise copy from exc
+            # A fresh error per host (the executor stamps the host on it), of the same type: an
+            # UnreachableError must still count as unreachable.
+            raise _clone_error(exc) from exc
+
+
+def _clone_error(exc: RpcfleetError) -> RpcfleetError:
+    """A shallow copy of `exc`, made without calling its `__init__` (some take other arguments than
+    `args`, such as PlaybookErrors' list)."""
+    clone = type(exc).__new__(type(exc), *exc.args)
+    clone.__dict__.update(exc.__dict__)
+    return clone
 
 
 def _named(step: Step, name: str) -> Step:
@@ -374,10 +391,10 @@ def _wait_ready(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(wait, "wait_ready")
 
 
-def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[Any]:
+def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[FleetProbe]:
     from orchestrator.probe import probe_fleet
 
-    async def make() -> Any:
+    async def make() -> FleetProbe:
         fleet = await probe_fleet(
             play.hosts, timeout=args["timeout"], facts=args["facts"], session=play.session
         )
@@ -403,7 +420,7 @@ def _probe(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(probe, "probe")
 
 
-def _latest_probe(play: _Play) -> _Shared[Any]:
+def _latest_probe(play: _Play) -> _Shared[FleetProbe]:
     """The play's latest probe, restricted to the hosts still in play; a fresh probe when there is none."""
     from orchestrator.probe import FleetProbe
 
@@ -412,7 +429,7 @@ def _latest_probe(play: _Play) -> _Shared[Any]:
         return _probe_of(play, {"timeout": 3.0, "facts": True})
     names = {h.name for h in play.hosts}
 
-    async def reuse() -> Any:
+    async def reuse() -> FleetProbe:
         nodes = [n for n in previous.nodes if n.host in names]
         return FleetProbe.of(
             nodes, protocol=previous.protocol, timeout=previous.timeout, facts=previous.facts
@@ -421,7 +438,7 @@ def _latest_probe(play: _Play) -> _Shared[Any]:
     return _Shared(reuse)
 
 
-def _plan_options(args: Mapping[str, Any]) -> Any:
+def _plan_options(args: Mapping[str, Any]) -> PlanOptions:
     from orchestrator.planner import DEFAULT_MARGIN, PlanOptions
 
     return PlanOptions(
@@ -442,7 +459,7 @@ def _plan(args: Mapping[str, Any], play: _Play) -> Step:
 
     fleet_of = _latest_probe(play)
 
-    async def make() -> Any:
+    async def make() -> Plan:
         fleet = await fleet_of.get()
         profile = await asyncio.to_thread(profile_model, args["model"])
         plan = make_plan(to_plan_devices(fleet, failed="skip"), profile, _plan_options(args))
@@ -450,7 +467,7 @@ def _plan(args: Mapping[str, Any], play: _Play) -> Step:
         text = plan.to_json()
         path = args["output"]
         if path is not None and not play.check:
-            await asyncio.to_thread(_write_text, Path(path), text)
+            await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
         play.state.documents.append(Document(play.step.label, "plan", text, path if not play.check else None))
         if not plan.fit.fits:
             binding = plan.devices[plan.fit.binding_device or 0]
@@ -481,18 +498,8 @@ def _layer_range(layers: Sequence[int], n_layer: int) -> str:
     return f"layers {names[0]}-{names[-1]}" if len(names) > 1 else f"layer {names[0]}"
 
 
-def _write_text(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:
-        raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
 def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
-    async def make() -> dict[str, Any]:
+    async def make() -> LoadCheckResult:
         plan = play.state.plan
         if plan is None:
             raise PlanError("load_check needs a plan: put a `plan` step before it")
@@ -506,16 +513,16 @@ def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
             model = args["model"] or (play.state.plan.model_path if play.state.plan else "the plan's model")
             return StepOutcome(None, False, f"would load {model} and compare the placement with the plan")
         placement = await shared.get()
-        mine = [d for d in placement["devices"] if d["endpoint"] == ctx.host.endpoint]
-        wrong = [d for d in mine if d["planned_layers"] != d["actual_layers"]]
+        mine = [d for d in placement.devices if d.endpoint == ctx.host.endpoint]
+        wrong = [d for d in mine if not d.as_planned]
         if wrong:
             listed = "; ".join(
-                f"{d['label']}: planned {d['planned_layers']}, got {d['actual_layers']}" for d in wrong
+                f"{d.label}: planned {list(d.planned_layers)}, got {list(d.actual_layers)}" for d in wrong
             )
             raise LoaderError(f"the placement differs from the plan: {listed}", host=ctx.host.name)
         if not mine:
             return StepOutcome(placement, False, "no layers here, as planned")
-        parts = [f"{d['label']}: layers {d['actual_layers']} as planned" for d in mine]
+        parts = [f"{d.label}: layers {list(d.actual_layers)} as planned" for d in mine]
         return StepOutcome(placement, False, "; ".join(parts))
 
     return _named(check_step, "load_check")
@@ -529,7 +536,7 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
 
     fleet_of = _latest_probe(play)
 
-    async def make() -> Any:
+    async def make() -> FleetProbe:
         fleet = await fleet_of.get()
         models = [(str(m), await asyncio.to_thread(profile_model, m)) for m in args["model"]]
         options = ReportOptions(
@@ -540,7 +547,7 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
         text = render(report, args["format"])
         path = args["output"]
         if path is not None and not play.check:
-            await asyncio.to_thread(_write_text, Path(path), text)
+            await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
         play.state.documents.append(
             Document(play.step.label, "report", text, path if not play.check else None)
         )
@@ -1039,13 +1046,104 @@ async def run_playbook(
 # ------------------------------------------------------------------------------ load check (a child)
 
 
-async def load_check(plan: Any, model: str | Path, *, limit_s: float = _LOAD_CHECK_TIMEOUT) -> dict[str, Any]:
-    """Load `model` through `plan` in a child Python process and return its placement as JSON data:
-    `{"layers_as_planned": bool, "load_seconds": float, "devices": [{label, endpoint, index,
-    planned_layers, actual_layers, predicted, actual}]}`.
+@dataclass(frozen=True)
+class DeviceCheck:
+    """One device of a load check: the layers the plan put there and those llama.cpp placed there, and
+    the memory predicted and allocated (bytes)."""
+
+    label: str
+    endpoint: str | None
+    index: int
+    planned_layers: tuple[int, ...]
+    actual_layers: tuple[int, ...]
+    predicted: MemoryBytes
+    actual: MemoryBytes
+
+    @property
+    def as_planned(self) -> bool:
+        return self.planned_layers == self.actual_layers
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeviceCheck:
+        """From the child's JSON; ValueError when a field is missing or of the wrong type."""
+        from orchestrator.loader import MemoryBytes
+
+        if not isinstance(data, dict):
+            raise ValueError(f"a device must be an object, got {type(data).__name__}")
+        endpoint = data.get("endpoint")
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise ValueError(f"endpoint must be a string or null, got {endpoint!r}")
+        return cls(
+            label=_typed(data, "label", str),
+            endpoint=endpoint,
+            index=_typed(data, "index", int),
+            planned_layers=_int_tuple(data, "planned_layers"),
+            actual_layers=_int_tuple(data, "actual_layers"),
+            predicted=MemoryBytes(**_int_mapping(data, "predicted", ("weights", "kv", "compute"))),
+            actual=MemoryBytes(**_int_mapping(data, "actual", ("weights", "kv", "compute"))),
+        )
+
+
+@dataclass(frozen=True)
+class LoadCheckResult:
+    """What `load_check` found: whether every device got the layers the plan gave it, how long the load
+    took, and each device."""
+
+    layers_as_planned: bool
+    load_seconds: float
+    devices: tuple[DeviceCheck, ...]
+
+    @classmethod
+    def from_json(cls, data: Any) -> LoadCheckResult:
+        """From the child's JSON; ValueError when it is not the expected shape."""
+        if not isinstance(data, dict):
+            raise ValueError(f"the answer must be an object, got {type(data).__name__}")
+        devices = data.get("devices")
+        if not isinstance(devices, list):
+            raise ValueError("devices must be a list")
+        seconds = data.get("load_seconds")
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+            raise ValueError(f"load_seconds must be a number, got {seconds!r}")
+        return cls(
+            layers_as_planned=_typed(data, "layers_as_planned", bool),
+            load_seconds=float(seconds),
+            devices=tuple(DeviceCheck.from_json(d) for d in devices),
+        )
+
+
+def _typed(data: Mapping[str, Any], key: str, kind: type[T]) -> T:
+    value = data.get(key)
+    # bool is an int: an int field must not take true/false (and a bool field takes only those).
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{key} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _int_tuple(data: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = data.get(key)
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ValueError(f"{key} must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def _int_mapping(data: Mapping[str, Any], key: str, keys: Sequence[str]) -> dict[str, int]:
+    value = data.get(key)
+    if not isinstance(value, dict) or not all(
+        isinstance(value.get(k), int) and not isinstance(value.get(k), bool) for k in keys
+    ):
+        raise ValueError(f"{key} must be an object with integers {', '.join(keys)}, got {value!r}")
+    return {k: value[k] for k in keys}
+
+
+async def load_check(
+    plan: Plan, model: str | Path, *, limit_s: float = _LOAD_CHECK_TIMEOUT
+) -> LoadCheckResult:
+    """Load `model` through `plan` in a child Python process and return where its layers went.
 
     A child, because a loaded model holds its servers for the life of the process that loaded it (one
-    client per server) and the native client aborts its process when a server misbehaves.
+    client per server) and the native client aborts its process when a server misbehaves. The child
+    never outlives this call: on a timeout, a cancellation (Ctrl-C, an outer timeout) or any other
+    error it is killed and reaped, so the servers are free again.
     """
     request = json.dumps({"plan": plan.to_json(), "model": str(model)}).encode()
     env = {
@@ -1065,9 +1163,11 @@ async def load_check(plan: Any, model: str | Path, *, limit_s: float = _LOAD_CHE
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(request), limit_s)
     except TimeoutError:
-        process.kill()
-        await process.wait()
+        await _kill(process)
         raise LoaderError(f"loading {model} did not finish within {limit_s:g} s") from None
+    except BaseException:
+        await _kill(process)
+        raise
     text = stderr.decode(errors="replace")
     try:
         answer = json.loads(stdout.decode(errors="replace").strip().splitlines()[-1])
@@ -1075,10 +1175,21 @@ async def load_check(plan: Any, model: str | Path, *, limit_s: float = _LOAD_CHE
         raise LoaderError(
             f"the load check of {model} died (exit status {process.returncode})", stderr=text
         ) from None
-    if "error" in answer:
+    if isinstance(answer, dict) and "error" in answer:
         raise LoaderError(f"loading {model} failed: {answer['error']}", hint=answer.get("hint"), stderr=text)
-    result: dict[str, Any] = answer
-    return result
+    try:
+        return LoadCheckResult.from_json(answer)
+    except ValueError as exc:
+        raise LoaderError(f"the load check of {model} answered malformed JSON: {exc}", stderr=text) from None
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    """Kill `process` and reap it, even when the caller is being cancelled."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    # Shielded: a second cancellation must not leave a zombie (or a live child) behind.
+    await asyncio.shield(process.wait())
 
 
 def _load_check_child() -> None:

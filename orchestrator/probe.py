@@ -6,13 +6,16 @@ Every selected host is probed at once, two ways, both bounded by one timeout per
   device's free/total memory. Each distinct endpoint is probed once (two probes of one server at once
   would make one of them `busy`).
 * Facts, over the host's connection through the executor (`orchestrator.facts`): MemAvailable, the CPU
-  model, nvidia-smi / rocm-smi, and the clients connected to the rpc port (`ss`), in one round trip.
+  model, nvidia-smi / rocm-smi, the clients connected to the rpc port (`ss`, less the probe's own
+  connection) and the machine's identity (boot id, else machine-id), in one round trip.
 
 `compute_capacity` (pure) turns both into one `DeviceCapacity` per device:
 
 * usable = max(0, min(free - memory_reserve, memory_limit)); reserve and limit are per device.
 * CPU devices report free == total == physical RAM (a constant), so their free is `MemAvailable`
-  (`source_of_free="meminfo"`); without facts the RPC number is kept, with a warning.
+  (`source_of_free="meminfo"`); without facts the RPC number is kept, with a warning. Several CPU
+  devices on one machine (same machine identity: lab nodes share one kernel, a machine may run several
+  servers) split its MemAvailable evenly, with a warning on each: otherwise each would claim all of it.
 * GPU devices keep the RPC numbers (the driver's, as the server sees them), cross-checked against
   nvidia-smi / rocm-smi when present; a disagreement beyond `GPU_TOLERANCE` is a warning on the device.
 * The protocol has no command that names a device (protocol 7.0.0: HELLO, DEVICE_COUNT and
@@ -37,7 +40,8 @@ added)::
                 "facts": {"mem_total": int | null, "mem_available": int | null,
                           "cpu_model": str | null, "cpu_count": int | null,
                           "gpus": [{"vendor", "index", "name", "total", "free"}],
-                          "gpu_errors": [str], "rpc_clients": [str] | null} | null,
+                          "gpu_errors": [str], "rpc_clients": [str] | null,
+                          "machine_id": str | null} | null,
                 "devices": [{"index": int, "name": str, "description": str, "backend": str,
                              "kind": "cpu" | "gpu", "total": int, "free": int, "reserve": int,
                              "limit": int | null, "usable": int, "source_of_free": "rpc" | "meminfo",
@@ -47,7 +51,7 @@ added)::
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,6 +66,7 @@ from orchestrator.facts import (
     Fact,
     Gpu,
     GpuReport,
+    MachineIdFact,
     MemInfo,
     MemoryFact,
     NvidiaGpuFact,
@@ -79,7 +84,7 @@ from orchestrator.rpc import (
     Outcome,
     ProbeResult,
     ProtocolVersion,
-    local_protocol_version,
+    cached_local_protocol_version,
     probe_endpoint,
 )
 from orchestrator.units import format_size
@@ -96,6 +101,8 @@ __all__ = [
     "HostFacts",
     "NodeProbe",
     "compute_capacity",
+    "cpu_shares",
+    "fleet_capacity",
     "fleet_failed",
     "fleet_totals",
     "node_state",
@@ -105,6 +112,7 @@ __all__ = [
     "read_facts",
     "to_plan_devices",
     "usable_bytes",
+    "without_own_connection",
 ]
 
 
@@ -159,6 +167,7 @@ class HostFacts:
     nvidia: GpuReport | None = None
     rocm: GpuReport | None = None
     rpc_clients: tuple[str, ...] | None = None  # peers connected to the rpc port; None: no `ss`
+    machine_id: str | None = None  # `MachineIdFact`: hosts with the same one share one machine's RAM
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> HostFacts:
@@ -170,6 +179,7 @@ class HostFacts:
             nvidia=values.get(NvidiaGpuFact.name),
             rocm=values.get(RocmGpuFact.name),
             rpc_clients=values.get(RpcClientsFact.name),
+            machine_id=values.get(MachineIdFact.name),
         )
 
     def gpus(self, vendor: Literal["nvidia", "amd"]) -> dict[int, Gpu]:
@@ -192,6 +202,7 @@ class HostFacts:
             ],
             "gpu_errors": self.gpu_errors(),
             "rpc_clients": list(self.rpc_clients) if self.rpc_clients is not None else None,
+            "machine_id": self.machine_id,
         }
 
 
@@ -204,6 +215,7 @@ def probe_facts(host: Host) -> list[Fact[Any]]:
         NvidiaGpuFact(),
         RocmGpuFact(),
         RpcClientsFact(host.rpc_port),
+        MachineIdFact(),
     ]
 
 
@@ -315,9 +327,16 @@ def _looks_like_cpu(free: int, total: int, facts: HostFacts | None) -> bool:
 
 
 def compute_capacity(
-    host: Host, rpc_result: ProbeResult, facts: HostFacts | None
+    host: Host, rpc_result: ProbeResult, facts: HostFacts | None, *, cpu_share: int = 1
 ) -> tuple[DeviceCapacity, ...]:
-    """Capacity of every device the server reported (none unless the probe is ok). Pure."""
+    """Capacity of every device the server reported (none unless the probe is ok). Pure.
+
+    `cpu_share`: how many CPU devices of the fleet run on this host's machine (`cpu_shares`); each
+    gets that fraction of MemAvailable, since each of them would otherwise claim all of it. Reserve
+    and limit still apply per host, to the share.
+    """
+    if cpu_share < 1:
+        raise ValueError(f"cpu_share must be at least 1, got {cpu_share}")
     if not rpc_result.ok:
         return ()
     endpoint = rpc_result.endpoint
@@ -344,8 +363,13 @@ def compute_capacity(
                     "CPU memory: MemAvailable unreadable, so free is the server's figure (total RAM)"
                 )
             else:
-                free = min(facts.memory.available, dev.total)
+                free = min(facts.memory.available // cpu_share, dev.total)
                 source = "meminfo"
+                if cpu_share > 1:
+                    warnings.append(
+                        f"MemAvailable ({format_size(facts.memory.available)}) is shared among the "
+                        f"{cpu_share} CPU servers of this machine: {format_size(free)} each"
+                    )
         elif target in ("nvidia", "amd") and facts is not None:
             tool = "nvidia-smi" if target == "nvidia" else "rocm-smi"
             report = facts.nvidia if target == "nvidia" else facts.rocm
@@ -387,6 +411,61 @@ def compute_capacity(
             )
         )
     return tuple(devices)
+
+
+def _peer(address: str) -> tuple[str, str]:
+    """(host, port) of an `ss` peer or a probe's local address; IPv4-mapped IPv6 is the IPv4 address."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]").lower().removeprefix("::ffff:")
+    return host, port
+
+
+def without_own_connection(clients: Sequence[str], own: str | None) -> tuple[str, ...]:
+    """`clients` less the probe's own connection (`ProbeResult.local_address`): facts are read while
+    the RPC probe is connected, and a stalled server must not look busy because of our own socket."""
+    if own is None:
+        return tuple(clients)
+    mine = _peer(own)
+    return tuple(c for c in clients if _peer(c) != mine)
+
+
+def _cpu_device_count(host: Host, rpc_result: ProbeResult, facts: HostFacts | None) -> int:
+    """How many of the server's devices take their free memory from MemAvailable."""
+    return sum(d.source_of_free == "meminfo" for d in compute_capacity(host, rpc_result, facts))
+
+
+def cpu_shares(
+    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]],
+) -> dict[str, int]:
+    """{machine id: CPU devices running on it} over distinct ok endpoints (first host of each). Pure.
+
+    Several servers on one machine (lab nodes share one kernel; a machine may run a server per NUMA
+    node or per port) each see the whole MemAvailable; counting them lets each take its share.
+    """
+    counts: dict[str, int] = {}
+    seen: set[str] = set()
+    for host, result, facts in probed:
+        if result.endpoint in seen or facts is None or facts.machine_id is None:
+            continue
+        seen.add(result.endpoint)
+        n = _cpu_device_count(host, result, facts)
+        if n:
+            counts[facts.machine_id] = counts.get(facts.machine_id, 0) + n
+    return counts
+
+
+def fleet_capacity(
+    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]],
+) -> list[tuple[DeviceCapacity, ...]]:
+    """`compute_capacity` of every (host, RPC result, facts), the CPU devices of one machine sharing
+    its MemAvailable (`cpu_shares`). Pure."""
+    shares = cpu_shares(probed)
+    out = []
+    for host, result, facts in probed:
+        machine = facts.machine_id if facts is not None else None
+        share = shares.get(machine, 1) if machine is not None else 1
+        out.append(compute_capacity(host, result, facts, cpu_share=share))
+    return out
 
 
 def node_state(rpc_result: ProbeResult, facts: HostFacts | None) -> NodeStateName:
@@ -641,12 +720,6 @@ def _unreachable_endpoint(host: Host) -> str | None:
     return None
 
 
-@functools.cache
-def _client_protocol() -> ProtocolVersion:
-    # Reading the artifact manifest costs about a millisecond: once per process is enough.
-    return local_protocol_version()
-
-
 async def _probe_rpc(host: Host, timeout: float, expected: ProtocolVersion | None) -> ProbeResult:  # noqa: ASYNC109
     why = _unreachable_endpoint(host)
     if why is not None:
@@ -676,7 +749,7 @@ async def probe_fleet(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     started = time.monotonic()
-    client = expected or _client_protocol()
+    client = expected or cached_local_protocol_version()
 
     # One probe per distinct endpoint: two probes of one server at once would make one of them busy.
     first_host: dict[str, Host] = {}
@@ -706,8 +779,11 @@ async def probe_fleet(
         }
 
     rpc_results, fact_results = await asyncio.gather(rpc_all(), facts_all())
+    capacities = fleet_capacity(
+        [(h, rpc_results[h.endpoint], fact_results.get(h.name, (None, None))[0]) for h in hosts]
+    )
     nodes: list[NodeProbe] = []
-    for host in hosts:
+    for host, devices in zip(hosts, capacities, strict=True):
         result = rpc_results[host.endpoint]
         host_facts, facts_error = fact_results.get(host.name, (None, None))
         first = first_host[host.endpoint]
@@ -719,13 +795,16 @@ async def probe_fleet(
             warnings.append(f"facts not read: {facts_error}")
         if host_facts is not None:
             warnings += host_facts.gpu_errors()
+            if host_facts.rpc_clients is not None:
+                clients = without_own_connection(host_facts.rpc_clients, result.local_address)
+                host_facts = dataclasses.replace(host_facts, rpc_clients=clients)
         nodes.append(
             NodeProbe(
                 host=host.name,
                 endpoint=result.endpoint,
                 rpc=result,
                 facts=host_facts,
-                devices=compute_capacity(host, result, host_facts),
+                devices=devices,
                 state=node_state(result, host_facts),
                 facts_error=facts_error,
                 duplicate_of=duplicate_of,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib
 import ipaddress
 import re
 import socket
@@ -40,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from orchestrator.errors import ProbeError
 from orchestrator.log import get_logger
@@ -142,6 +141,9 @@ class ProbeResult:
     devices: tuple[DeviceMemory, ...]
     message: str
     elapsed: float
+    # This probe's own address ("host:port", "[v6]:port") as the server sees the peer (no NAT between):
+    # `ss` on the server lists it among the clients while the probe runs. None: never connected.
+    local_address: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -285,36 +287,25 @@ def parse_header_version(text: str) -> ProtocolVersion:
 
 
 def _version_from_manifest() -> ProtocolVersion | None:
-    """The protocol recorded in the manifest of the local artifact, if `orchestrator.artifacts` has one.
+    """The protocol recorded in the manifest of the locally built CPU artifact, or None without one.
 
     Only the cheap lookup (`cached_build`): probing must never trigger a build.
     """
+    from orchestrator.artifacts import cached_build  # lazily: artifacts is the heavier module
+    from orchestrator.errors import ArtifactError
+
     try:
-        # Import by name: this module must keep working without (or with an older) artifacts module.
-        artifacts = importlib.import_module("orchestrator.artifacts")
-    except ImportError:
-        return None
-    try:
-        getter = getattr(artifacts, "local_protocol_version", None)
-        if callable(getter):
-            value: Any = getter()
-        else:
-            cached_build = getattr(artifacts, "cached_build", None)
-            artifact = cached_build("cpu") if callable(cached_build) else None
-            if artifact is None:
-                return None
-            value = getattr(artifact, "protocol", None) or getattr(artifact.manifest, "protocol", None)
-        if value is None:
-            return None
-        return value if isinstance(value, ProtocolVersion) else ProtocolVersion.parse(str(value))
-    except Exception as exc:  # a broken or missing manifest must not stop a probe
+        artifact = cached_build("cpu")
+        return ProtocolVersion.parse(artifact.manifest.protocol) if artifact is not None else None
+    except (ArtifactError, ValueError) as exc:  # a broken manifest must not stop a probe
         log.debug("rpc_manifest_version_unreadable", error=str(exc))
         return None
 
 
 @functools.cache
-def _cached_local_version() -> ProtocolVersion:
-    return _version_from_manifest() or ProtocolVersion.parse(LLAMA_CPP_PYTHON_0_3_36_PROTOCOL)
+def cached_local_protocol_version() -> ProtocolVersion:
+    """`local_protocol_version()`, read once per process (the manifest costs about a millisecond)."""
+    return local_protocol_version()
 
 
 def local_protocol_version(header: Path | None = None) -> ProtocolVersion:
@@ -495,6 +486,14 @@ async def _connect(endpoint: Endpoint, limit_s: float) -> tuple[asyncio.StreamRe
         return await asyncio.open_connection(endpoint.host, endpoint.port, limit=4096)
 
 
+def _format_address(sockname: object) -> str | None:
+    """A socket address as `ss` prints it: `host:port`, or `[host]:port` for IPv6."""
+    if not isinstance(sockname, tuple) or len(sockname) < 2:
+        return None
+    host, port = str(sockname[0]), int(sockname[1])
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def probe_endpoint(
     endpoint: str,
     *,
@@ -511,16 +510,18 @@ async def probe_endpoint(
     `read_timeout` bounds each reply, `deadline` the whole probe, connect included.
     """
     parsed = parse_endpoint(endpoint)
-    client = expected if expected is not None else _cached_local_version()
+    client = expected if expected is not None else cached_local_protocol_version()
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     deadline_at = loop.time() + deadline
     name = str(parsed)
     version: ProtocolVersion | None = None
     devices: list[DeviceMemory] = []
+    local: str | None = None
 
     def result(outcome: Outcome, message: str) -> ProbeResult:
-        res = ProbeResult(name, outcome, version, tuple(devices), message, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        res = ProbeResult(name, outcome, version, tuple(devices), message, elapsed, local)
         log.debug("rpc_probe", endpoint=name, outcome=str(outcome), elapsed=round(res.elapsed, 4))
         return res
 
@@ -535,6 +536,7 @@ async def probe_endpoint(
     except OSError as exc:
         return result(Outcome.REFUSED, f"cannot connect: {exc.strerror or exc}")
 
+    local = _format_address(writer.get_extra_info("sockname"))
     sock = writer.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):

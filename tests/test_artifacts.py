@@ -165,7 +165,20 @@ def test_archive_is_deterministic(cpu_artifact: Artifact, cpu_artifact_tree: Pat
 
 
 def test_verify_accepts_the_cached_artifact(cpu_artifact: Artifact) -> None:
-    artifacts.verify_artifact(cpu_artifact)
+    artifacts.verify_artifact(cpu_artifact)  # raises on any mismatch
+    # What it vouched for holds: the archive hash, and every file of the manifest in the archive with
+    # its recorded hash (symlinks with their target).
+    assert sha256_of(cpu_artifact.archive.read_bytes()) == cpu_artifact.archive_sha256
+    members = archive_members(cpu_artifact.archive)
+    with tarfile.open(cpu_artifact.archive, "r:gz") as tar:
+        for entry in cpu_artifact.manifest.files:
+            member = members[entry.path]
+            if entry.link is not None:
+                assert member.issym() and member.linkname == entry.link
+                continue
+            data = tar.extractfile(member)
+            assert data is not None and sha256_of(data.read()) == entry.sha256
+            assert member.size == entry.size
 
 
 def test_verify_detects_a_corrupted_archive(cpu_artifact: Artifact, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from orchestrator.errors import InventoryError
 from orchestrator.inventory import (
     DEFAULT_INSTALL_DIR,
+    MAX_RANGE_HOSTS,
     VARIABLES,
     Host,
     HostPatternError,
@@ -208,6 +210,19 @@ def test_bad_host_ranges(pattern: str, message: str) -> None:
     with pytest.raises(ValueError) as info:
         expand_host_range(pattern)
     assert str(info.value) == message
+
+
+def test_huge_host_ranges_are_refused_before_expanding() -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"names 100000000 hosts \(at most 10000\)"):
+        expand_host_range("node[0:99999999]")
+    with pytest.raises(ValueError, match="names 100000 hosts"):
+        expand_host_range("r[0:99]n[0:999]")  # several ranges multiply
+    assert time.monotonic() - started < 1.0  # counted, never built
+    assert len(expand_host_range("n[1:10000]")) == MAX_RANGE_HOSTS  # the limit itself is fine
+    with pytest.raises(InventoryError) as info:
+        load("hosts:\n  ok: {}\n  node[0:99999999]:\n")
+    assert str(info.value).startswith("inv.yml:3:3: host range 'node[0:99999999]' names 100000000 hosts")
 
 
 @given(

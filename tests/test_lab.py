@@ -427,3 +427,21 @@ def test_down_all_spares_labs_of_running_sessions(
         labmod.lab_down(owned.name)
     monkeypatch.undo()
     assert labmod.lab_status(lab.name).healthy  # found through its bridge, from another home: live
+
+
+def test_run_all_reaps_what_it_started_when_a_command_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[subprocess.Popen[str]] = []
+
+    class Recording(subprocess.Popen[str]):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[call-overload]
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recording)
+    with pytest.raises(LabError, match="cannot run /nonexistent/rpcfleet-tool") as info:
+        labmod._run_all([["sleep", "30"], ["/nonexistent/rpcfleet-tool", "x"], ["sleep", "30"]])
+    assert info.value.command == "/nonexistent/rpcfleet-tool x"
+    (sleeper,) = started  # the third never started
+    assert sleeper.returncode is not None  # killed and reaped, not left running
+    with pytest.raises(ProcessLookupError):
+        os.kill(sleeper.pid, 0)

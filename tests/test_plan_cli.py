@@ -72,6 +72,14 @@ def test_plan_renders_llama_cli_args_and_python(
     snippet = capsys.readouterr().out
     ast.parse(snippet)
     assert "orchestrator.load_llama(plan" in snippet
+    assert "Plan.from_path('plan.json')" in snippet  # the default name
+    # With -o the snippet reads the file the plan was written to.
+    saved = tmp_path / "my plan.json"
+    base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--format", "python"]
+    assert main([*base, "-o", str(saved)]) == 0
+    snippet = capsys.readouterr().out
+    assert f"Plan.from_path({str(saved)!r})" in snippet and "'plan.json'" not in snippet
+    assert Plan.from_path(saved).model_path == str(tiny_model)
 
 
 def test_plan_that_does_not_fit_names_the_short_device(
@@ -110,3 +118,50 @@ def test_local_gpus_are_only_gpus() -> None:
     assert len(gpus) == sum(k in (1, 2) for k in kinds) or (1 in kinds and 2 in kinds)
     assert all(g.endpoint is None and g.total >= g.free >= 0 for g in gpus)
     assert [g.index for g in gpus] == list(range(len(gpus)))
+
+
+def test_run_refuses_a_plan_that_does_not_fit_unless_forced(
+    two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inventory = _inventory(tmp_path, two_servers, ["300MiB", "290MiB"])
+    saved = tmp_path / "short.json"
+    assert main(["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096", "-o", str(saved)]) == 1
+    capsys.readouterr()
+    plan = Plan.from_path(saved)
+    short = plan.devices[plan.fit.binding_device or 0]
+    run = ["run", "-m", str(tiny_model), "-p", "x", "-n", "1", "--plan", str(saved)]
+    assert main(run) == 1
+    err = capsys.readouterr().err
+    assert f"{short.label} is short by {format_size(plan.fit.shortfall)}" in err
+    assert "--force" in err and "--ctx" in err and "Traceback" not in err
+    # The servers were not touched: both answer a probe at once (a loaded model would hold them).
+    for server in two_servers:
+        assert server.process.poll() is None
+    # --force loads it anyway: only a warning, then the load itself runs (and here is refused: the
+    # servers are stopped first, so nothing is allocated on them).
+    for server in two_servers:
+        server.process.kill()
+        server.process.wait()
+    assert main([*run, "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "warning" in err and "(--force)" in err and "refused" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xff\xfe{not utf-8", "is not UTF-8 text"),
+        (b"{", "is not valid JSON"),
+        (b"[]", "must be an object"),
+        (None, "cannot read plan"),
+    ],
+)
+def test_run_reports_a_bad_plan_file_by_name(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None, message: str
+) -> None:
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["run", "-m", str(tiny_model), "-p", "x", "--plan", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err and "Traceback" not in err

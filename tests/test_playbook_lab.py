@@ -12,6 +12,7 @@ from orchestrator.artifacts import Artifact
 from orchestrator.cli import main
 from orchestrator.inventory import Host
 from orchestrator.planner import Plan
+from orchestrator.playbook import LoadCheckResult
 from orchestrator.rpc import Outcome, probe_endpoint
 from tests.plugins.playbooks import PLAYBOOKS, NodeView, Play
 
@@ -100,9 +101,9 @@ async def test_preload_ends_with_a_model_placed_as_planned(
     plan = Plan.from_json(next(d.text for d in result.documents if d.kind == "plan"))
     assert set(plan.endpoints) == {h.endpoint for h in deployed}  # all three nodes hold layers
     placement = result.steps[3].run.results[0].value
-    assert placement is not None and placement["layers_as_planned"] is True
+    assert isinstance(placement, LoadCheckResult) and placement.layers_as_planned is True
     planned = {d.endpoint: list(d.layers) for d in plan.devices}
-    actual = {d["endpoint"]: d["actual_layers"] for d in placement["devices"]}
+    actual = {d.endpoint: list(d.actual_layers) for d in placement.devices}
     assert actual == planned
     assert sorted(il for layers in actual.values() for il in layers) == list(range(plan.n_layer + 1))
     # The check ran in a child process: the servers are free again.

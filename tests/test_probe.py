@@ -28,6 +28,7 @@ from orchestrator.probe import (
     HostFacts,
     NodeProbe,
     compute_capacity,
+    fleet_capacity,
     fleet_failed,
     fleet_totals,
     node_state,
@@ -36,8 +37,10 @@ from orchestrator.probe import (
     query_fleet_memory,
     to_plan_devices,
     usable_bytes,
+    without_own_connection,
 )
 from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from tests.fakerpc import drip, fake_rpc_server, hello_payload
 from tests.plugins.servers import LocalServer, free_port
 
 StartServer = Callable[..., LocalServer]
@@ -392,6 +395,59 @@ def test_totals_count_each_endpoint_once_and_only_ok_ones() -> None:
     assert FleetProbe.of([], protocol="7.0.0", timeout=1.0).memory() == rpc.AggregateMemory(0, 0, 0, 0)
 
 
+# (host, port, machine id, backend, memory_reserve) per row; MemAvailable is 20 GiB on every machine.
+SHARE_CASES: dict[str, tuple[list[tuple[str, int, str | None, str, int]], list[int]]] = {
+    "two endpoints on one machine: half each": (
+        [("a", 1, "boot_id:m1", "cpu", 0), ("b", 2, "boot_id:m1", "cpu", 0)],
+        [10 * GiB, 10 * GiB],
+    ),
+    "three on one machine, one elsewhere": (
+        [
+            ("a", 1, "m1", "cpu", 0),
+            ("b", 2, "m1", "cpu", 0),
+            ("c", 3, "m1", "cpu", 0),
+            ("d", 4, "m2", "cpu", 0),
+        ],
+        [20 * GiB // 3] * 3 + [20 * GiB],
+    ),
+    "the reserve applies per host, to the share": (
+        [("a", 1, "m1", "cpu", GiB), ("b", 2, "m1", "cpu", 0)],
+        [10 * GiB - GiB, 10 * GiB],
+    ),
+    "one endpoint named twice is one server": (
+        [("a", 1, "m1", "cpu", 0), ("a-again", 1, "m1", "cpu", 0)],
+        [20 * GiB, 20 * GiB],
+    ),
+    "no machine identity: no sharing": (
+        [("a", 1, None, "cpu", 0), ("b", 2, None, "cpu", 0)],
+        [20 * GiB, 20 * GiB],
+    ),
+    "a GPU server's device takes no share of the RAM": (
+        [("a", 1, "m1", "cpu", 0), ("g", 2, "m1", "cuda", 0)],
+        [20 * GiB, 16 * GiB],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARE_CASES), ids=list(SHARE_CASES))
+def test_cpu_devices_of_one_machine_share_its_mem_available(case: str) -> None:
+    rows, usable = SHARE_CASES[case]
+    probed = []
+    for name, port, machine, backend, reserve in rows:
+        h = host(name, address="10.0.0.1", rpc_port=port, backend=backend, memory_reserve=reserve)
+        if backend == "cpu":
+            result = ok_result(h.endpoint, (RAM, RAM))
+        else:
+            result = ok_result(h.endpoint, (16 * GiB, 24 * GiB))
+        probed.append((h, result, dataclasses.replace(CPU_FACTS, machine_id=machine)))
+    capacities = fleet_capacity(probed)
+    assert [d.usable for devices in capacities for d in devices] == usable
+    for devices in capacities:
+        for d in devices:
+            sharing = [w for w in d.warnings if "shared among" in w]
+            assert bool(sharing) == (d.kind == "cpu" and d.free < 20 * GiB), d
+
+
 @pytest.mark.parametrize(
     ("states", "fail_on", "failed"),
     [
@@ -451,6 +507,7 @@ GOLDEN: dict[str, Any] = {
                 "gpus": [],
                 "gpu_errors": [],
                 "rpc_clients": [],
+                "machine_id": None,
             },
             "devices": [
                 {
@@ -493,6 +550,7 @@ GOLDEN: dict[str, Any] = {
                 ],
                 "gpu_errors": [],
                 "rpc_clients": [],
+                "machine_id": None,
             },
             "devices": [
                 {
@@ -549,6 +607,7 @@ GOLDEN: dict[str, Any] = {
                 "gpus": [],
                 "gpu_errors": [],
                 "rpc_clients": [],
+                "machine_id": None,
             },
             "devices": [
                 {
@@ -642,9 +701,12 @@ async def test_ok_node_uses_mem_available_and_stopped_node_is_refused(start_rpc_
     (dev,) = up.devices
     assert dev.kind == "cpu" and dev.source_of_free == "meminfo"
     assert up.facts.memory is not None and dev.total == up.facts.memory.total  # CPU total = RAM, both ways
-    assert min(before, after) - 256 * MiB <= dev.free <= max(before, after) + 256 * MiB
+    # Both ok servers run on this machine (one machine id): each gets half of MemAvailable.
+    assert up.facts.machine_id is not None and up.facts.machine_id == lim.facts.machine_id  # type: ignore[union-attr]
+    assert min(before, after) // 2 - 256 * MiB <= dev.free <= max(before, after) // 2 + 256 * MiB
     assert dev.free < up.rpc.devices[0].free  # the server claims all RAM is free; MemAvailable is less
     assert dev.usable == dev.free - GiB
+    assert any("shared among the 2 CPU servers" in w for w in dev.warnings)
     assert lim.devices[0].usable == 2 * GiB
     assert gone.devices == () and "refused" in gone.rpc.message
     assert gone.facts is not None  # the host itself is fine: only its server is not running
@@ -684,6 +746,29 @@ async def test_busy_node_is_reported_and_keeps_serving(start_rpc_server: StartSe
         await asyncio.sleep(0.05)
     assert again.nodes[0].state == "ok" and len(again.nodes[0].devices) == 1
     assert server.alive()
+
+
+async def test_our_own_connection_does_not_make_a_stalled_server_busy() -> None:
+    # The reply starts and then stalls: a timeout. `ss` runs while the probe is connected, so it lists
+    # the probe itself; that connection must not turn the timeout into `busy`.
+    with fake_rpc_server(drip(hello_payload((7, 0, 0)), 0.3)) as server:
+        fleet = await probe_fleet([local_host("stalled", server.port)], timeout=0.5)
+    (node,) = fleet.nodes
+    assert node.rpc.outcome is Outcome.TIMEOUT and node.rpc.local_address is not None
+    assert node.clients == () and node.state == "timeout"
+
+
+@pytest.mark.parametrize(
+    ("clients", "own", "left"),
+    [
+        (("127.0.0.1:5000", "127.0.0.1:5001"), "127.0.0.1:5000", ("127.0.0.1:5001",)),
+        (("[::ffff:127.0.0.1]:5000", "10.0.0.2:5000"), "127.0.0.1:5000", ("10.0.0.2:5000",)),
+        (("[::1]:6000", "[::1]:6001"), "[::1]:6001", ("[::1]:6000",)),
+        (("127.0.0.1:5000",), None, ("127.0.0.1:5000",)),
+    ],
+)
+def test_without_own_connection(clients: tuple[str, ...], own: str | None, left: tuple[str, ...]) -> None:
+    assert without_own_connection(clients, own) == left
 
 
 async def test_remote_host_with_loopback_bind_is_not_probed_here(start_rpc_server: StartServer) -> None:

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.cli.report import parse_contexts, write_atomic
+from orchestrator.cli.report import parse_contexts
 from orchestrator.errors import PlanError, RpcfleetError, UsageError
+from orchestrator.files import write_atomic
 from orchestrator.model import ModelProfile, profile_model
 from orchestrator.planner import PlanDevice, PlanOptions, make_plan
 from orchestrator.probe import DeviceCapacity, FleetProbe, NodeProbe
@@ -543,6 +544,13 @@ def test_write_atomic(tmp_path: Path) -> None:
     assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
     with pytest.raises(RpcfleetError, match="cannot write"):
         write_atomic(tmp_path / "missing" / "r.json", "x")
+    write_atomic(tmp_path / "made" / "deeper" / "r.json", "x", parents=True)
+    assert (tmp_path / "made" / "deeper" / "r.json").read_text() == "x"
+    # A failed rename (the target is a folder) leaves no temporary file behind.
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(RpcfleetError, match="cannot write"):
+        write_atomic(tmp_path / "dir.json", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "made", "r.json"]
 
 
 def _inventory(tmp_path: Path, servers: Sequence[LocalServer], limits: Sequence[str], dead_port: int) -> Path:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
-import sys
 import time
 import tracemalloc
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypedDict
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator import rpc
+from orchestrator.artifacts import Artifact
 from orchestrator.errors import ProbeError
 from orchestrator.rpc import DeviceMemory, Outcome, ProtocolVersion
 from tests.fakerpc import FakeRpcServer, GiB, Handler, drip, hello_payload, protocol, raw_after_hello, silent
@@ -472,22 +472,42 @@ def test_any_reply_bytes(shared_fake: FakeRpcServer, data: bytes, then: str, rai
         assert result.version is not None and V7.accepts(result.version)
 
 
-def test_local_protocol_version_sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def _record_artifact(home: Path, real: Artifact, protocol: str) -> None:
+    """A cache in `home` whose CPU artifact for this llama-cpp-python is `real`, but whose manifest
+    records `protocol` (the archive is a symlink: only the record is read)."""
+    from orchestrator.artifacts import build_key, effective_cmake_args, llama_cpp_python_version
+
+    cache = home / "artifacts"
+    (cache / "keys").mkdir(parents=True)
+    data = json.loads((real.archive.parent / f"{real.id}.json").read_text())
+    data["manifest"]["protocol"] = protocol
+    (cache / f"{real.id}.json").write_text(json.dumps(data))
+    (cache / f"{real.id}.tar.gz").symlink_to(real.archive)
+    key = build_key(llama_cpp_python_version(), "cpu", effective_cmake_args("cpu"))
+    (cache / "keys" / key).write_text(real.id + "\n")
+
+
+def test_local_protocol_version_sources(cpu_artifact: Artifact, artifact_home: Path, tmp_path: Path) -> None:
     header = tmp_path / "ggml-rpc.h"
     header.write_text(
         "#define RPC_PROTO_MAJOR_VERSION 7\n#define RPC_PROTO_MINOR_VERSION 3\n"
         "#define RPC_PROTO_PATCH_VERSION 1\n"
     )
-    manifest = types.SimpleNamespace(protocol="7.2.0")
-    fake_artifacts = types.ModuleType("orchestrator.artifacts")
-    fake_artifacts.cached_build = lambda backend: types.SimpleNamespace(manifest=manifest)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "orchestrator.artifacts", fake_artifacts)
-    assert rpc.local_protocol_version(header) == ProtocolVersion(7, 2, 0)  # the manifest wins
-    fake_artifacts.cached_build = lambda backend: None  # type: ignore[attr-defined]
-    assert rpc.local_protocol_version(header) == ProtocolVersion(7, 3, 1)  # no artifact: the header
-    manifest.protocol = "garbage"
-    fake_artifacts.cached_build = lambda backend: types.SimpleNamespace(manifest=manifest)  # type: ignore[attr-defined]
-    assert rpc.local_protocol_version() == V7  # unreadable manifest, no header: the 0.3.36 constant
-    monkeypatch.setitem(sys.modules, "orchestrator.artifacts", None)  # not importable
+    # An empty cache: the header when given, else the constant of llama-cpp-python 0.3.36.
+    assert rpc._version_from_manifest() is None
     assert rpc.local_protocol_version(header) == ProtocolVersion(7, 3, 1)
     assert rpc.local_protocol_version() == V7
+    # A cached artifact: its manifest wins over the header.
+    _record_artifact(artifact_home, cpu_artifact, "7.2.0")
+    assert rpc._version_from_manifest() == ProtocolVersion(7, 2, 0)
+    assert rpc.local_protocol_version(header) == ProtocolVersion(7, 2, 0)
+
+
+def test_an_unreadable_manifest_falls_back(cpu_artifact: Artifact, artifact_home: Path) -> None:
+    _record_artifact(artifact_home, cpu_artifact, "garbage")
+    assert rpc._version_from_manifest() is None
+    assert rpc.local_protocol_version() == V7
+
+
+def test_the_real_cache_gives_the_artifact_protocol(cpu_artifact: Artifact) -> None:
+    assert rpc.local_protocol_version() == ProtocolVersion.parse(cpu_artifact.manifest.protocol)

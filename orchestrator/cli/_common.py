@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.errors import RpcfleetError
+from orchestrator.errors import RpcfleetError, UsageError
 
 if TYPE_CHECKING:  # imported lazily below: `rpcfleet artifact build` must start fast without asyncssh
     from orchestrator.executor import Recap
@@ -69,6 +69,32 @@ def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -
     parser.add_argument("-f", "--forks", type=int, default=16, help="hosts worked on at once (default: 16)")
 
 
+def add_probe_args(parser: argparse.ArgumentParser) -> None:
+    """--timeout and --no-facts, for every command that probes the fleet."""
+    from orchestrator.probe import DEFAULT_TIMEOUT
+
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds per host for the RPC probe and the facts (default: {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--no-facts",
+        action="store_true",
+        help="RPC only: no SSH (CPU devices then show the server's free figure, which is total RAM)",
+    )
+
+
+def probe_timeout(args: argparse.Namespace) -> float:
+    """--timeout, checked."""
+    timeout: float = args.timeout
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {timeout:g}")
+    return timeout
+
+
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -95,13 +121,21 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def load_hosts(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
-    """The inventory named by the flags and the hosts selected by --limit (all when absent)."""
-    from orchestrator.inventory import load_inventory, select_hosts
+def load_inventory(args: argparse.Namespace) -> Inventory:
+    """The inventory named by the flags; its warnings are printed."""
+    from orchestrator.inventory import load_inventory as load
 
-    inventory = load_inventory(inventory_path(args))
+    inventory = load(inventory_path(args))
     for warning in inventory.warnings:
         err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    return inventory
+
+
+def load_hosts(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
+    """The inventory named by the flags and the hosts selected by --limit (all when absent)."""
+    from orchestrator.inventory import select_hosts
+
+    inventory = load_inventory(args)
     pattern = getattr(args, "limit", None)
     hosts = select_hosts(inventory, pattern) if pattern else list(inventory.hosts)
     return inventory, hosts

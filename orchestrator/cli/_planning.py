@@ -37,8 +37,7 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
             metavar="NAMES",
             help="local GPUs after the RPC devices: absent = all, '' = none, 'CUDA0,CUDA1' = those in order",
         )
-    parser.add_argument("--timeout", type=float, default=3.0, metavar="S", help="probe timeout per host")
-    parser.add_argument("--no-facts", action="store_true", help="probe over RPC only (no SSH facts)")
+    _common.add_probe_args(parser)
 
 
 def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanOptions:
@@ -49,8 +48,7 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
         margin = parse_size(args.margin) if args.margin is not None else DEFAULT_MARGIN
     except ValueError as exc:
         raise UsageError(f"--margin: {exc}") from None
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    _common.probe_timeout(args)
     n_ctx = args.ctx if n_ctx is None else n_ctx
     if n_ctx < 0 or args.ubatch < 1:
         raise UsageError("--ctx must be 0 or positive and --ubatch at least 1")

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from orchestrator.cli import _common, _planning
 from orchestrator.errors import UsageError
+from orchestrator.files import write_atomic
 from orchestrator.units import format_size
 
 if TYPE_CHECKING:
@@ -53,15 +54,13 @@ def handle(args: argparse.Namespace) -> int:
     profile = profile_model(args.model)  # before probing: a bad model fails fast
     plan = make_plan(_planning.probe_devices(args), profile, options)
     if args.output is not None:
-        from orchestrator.cli.report import write_atomic
-
         write_atomic(args.output, plan.to_json())
     if fmt == "json":
         sys.stdout.write(plan.to_json() + "\n")
     elif fmt == "llama-cli":
         sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
     elif fmt == "python":
-        sys.stdout.write(python_snippet(plan, args.model))
+        sys.stdout.write(python_snippet(plan, args.model, args.output or "plan.json"))
     else:
         print_plan(plan)
     return 0 if plan.fit.fits else 1

@@ -88,14 +88,11 @@ def handle_run_playbook(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, playbook: Playbook) -> int:
     from orchestrator.executor import Session
-    from orchestrator.inventory import load_inventory
     from orchestrator.playbook import play_hosts, run_playbook
 
     if args.forks < 1:
         raise UsageError("--forks must be at least 1")
-    inventory = load_inventory(_common.inventory_path(args))
-    for warning in inventory.warnings:
-        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    inventory = _common.load_inventory(args)
     hosts = play_hosts(playbook, inventory, getattr(args, "limit", None))
     check = bool(getattr(args, "check", False))
     mode = " [yellow](check mode: nothing is changed)[/yellow]" if check else ""

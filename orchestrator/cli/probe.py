@@ -11,7 +11,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common
-from orchestrator.errors import UsageError
 from orchestrator.units import format_size
 
 if TYPE_CHECKING:  # imported lazily: the probe pulls in asyncssh and numpy
@@ -22,7 +21,7 @@ _PIPE_WIDTH = 160
 
 
 def register(subparsers: Any) -> None:
-    from orchestrator.probe import DEFAULT_TIMEOUT, FAIL_ON
+    from orchestrator.probe import FAIL_ON
 
     parser = subparsers.add_parser(
         "probe",
@@ -35,19 +34,7 @@ def register(subparsers: Any) -> None:
     )
     _common.add_inventory_args(parser)
     _common.add_json_arg(parser)
-    parser.add_argument(
-        "--no-facts",
-        dest="facts",
-        action="store_false",
-        help="RPC only: no SSH (CPU devices then show the server's free figure, which is total RAM)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
-        metavar="S",
-        help=f"seconds per host for the RPC probe and the facts (default: {DEFAULT_TIMEOUT:g})",
-    )
+    _common.add_probe_args(parser)
     parser.add_argument(
         "--fail-on",
         choices=FAIL_ON,
@@ -60,10 +47,9 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.probe import fleet_failed, probe_fleet
 
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
+    timeout = _common.probe_timeout(args)
     _, hosts = _common.load_hosts(args)
-    fleet = _common.run_async(probe_fleet(hosts, timeout=args.timeout, facts=args.facts, forks=args.forks))
+    fleet = _common.run_async(probe_fleet(hosts, timeout=timeout, facts=not args.no_facts, forks=args.forks))
     if args.json:
         _common.print_json(fleet.to_json())
     else:

@@ -8,17 +8,15 @@ so a reader never sees half a report).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common, _planning
-from orchestrator.errors import RpcfleetError, UsageError
+from orchestrator.errors import UsageError
+from orchestrator.files import write_atomic
 
 _CTX = re.compile(r"^\s*(\d+)\s*([kK])?\s*$")
 
@@ -35,27 +33,6 @@ def parse_contexts(values: list[str] | None) -> list[int]:
             if n not in out:
                 out.append(n)
     return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path()
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        Path(tmp).chmod(0o644)
-        Path(tmp).replace(path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            Path(tmp).unlink()
-        raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def register(subparsers: Any) -> None:

@@ -53,6 +53,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--temp", type=float, default=0.0, help="temperature (default: 0, greedy)")
     parser.add_argument("--llama-verbose", action="store_true", help="show llama.cpp's own log")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="load even when the plan does not fit (a CPU server may then be killed for lack of memory)",
+    )
     _common.add_inventory_args(parser)
     _common.add_json_arg(parser)
     parser.set_defaults(handler=handle)
@@ -79,10 +84,7 @@ def make_run_plan(args: argparse.Namespace) -> Plan:
     from orchestrator.planner import Plan, make_plan
 
     if args.plan is not None:
-        try:
-            return Plan.from_json(args.plan.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise UsageError(f"cannot read plan {args.plan}: {exc.strerror}") from exc
+        return Plan.from_path(args.plan)
     options = _planning.plan_options(args)
     profile = profile_model(args.model)
     hosts = None
@@ -93,6 +95,26 @@ def make_run_plan(args: argparse.Namespace) -> Plan:
     return make_plan(_planning.probe_devices(args, hosts), profile, options)
 
 
+def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
+    """Refuse a plan that does not fit (PlanError) unless `force`, then only warn.
+
+    Refusing matters most on CPU servers: with memory overcommit the allocation succeeds and the
+    kernel's OOM killer kills the rpc-server later, in the middle of the load or of a generation.
+    """
+    from orchestrator.errors import PlanError
+
+    if plan.fit.fits:
+        return
+    short = plan.devices[plan.fit.binding_device or 0].label if plan.devices else "the host"
+    message = f"the plan does not fit: {short} is short by {format_size(plan.fit.shortfall)}"
+    if not force:
+        largest = plan.fit.largest_n_ctx
+        ctx = f"a smaller --ctx (the largest that fits: {largest})" if largest else "a smaller --ctx"
+        raise PlanError(message, hint=f"use {ctx}, more nodes, or --force to load it anyway")
+    if not json:
+        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(message)} (--force)", highlight=False)
+
+
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.loader import load_llama, placement_of
 
@@ -101,10 +123,7 @@ def handle(args: argparse.Namespace) -> int:
     if not args.model.exists():
         raise UsageError(f"model {args.model} does not exist")
     plan = make_run_plan(args)
-    if not plan.fit.fits and not args.json:
-        _common.err_console.print(
-            f"[yellow]warning:[/yellow] the plan does not fit: short by {format_size(plan.fit.shortfall)}"
-        )
+    check_fit(plan, force=args.force, json=args.json)
     llm = load_llama(plan, args.model, seed=args.seed, verbose=args.llama_verbose)
     try:
         text, stats = generate(llm, args.prompt, args.n_predict, args.temp, echo=not args.json)
