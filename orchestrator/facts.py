@@ -4,7 +4,8 @@ A `Fact[T]` knows the command that reads it (`command()`) and how to turn that c
 stderr and exit status into a `T` (`parse()`); parsing does no I/O and is tested from data files.
 `gather_command(facts, token)` joins several commands into one script, so one SSH round trip reads
 them all; `split_output(stdout, token, n)` cuts that script's output back into per-fact outputs and
-`parse_gathered` parses them.
+`parse_gathered` parses them; `gather(conn, facts, timeout=...)` does all three over a connection.
+The state reads of install.py, service.py and probe.py are these facts (change scripts reuse pieces).
 
 A tool that is not installed (no nvidia-smi on a CPU node, no ss) is a normal answer ("none"), not an
 error: only the caller knows whether it needed it.
@@ -19,9 +20,12 @@ import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 from orchestrator.connection import shell_path
+
+if TYPE_CHECKING:
+    from orchestrator.connection import Connection
 
 T = TypeVar("T")
 
@@ -343,7 +347,149 @@ class RpcClientsFact(Fact[tuple[str, ...] | None]):
         return tuple(peers)
 
 
-# --- the installed artifact -------------------------------------------------------------------------------
+# --- listening sockets on the rpc port --------------------------------------------------------------------
+
+_USERS_RE = re.compile(r'\("([^"]*)",pid=(\d+)')
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket (one line of `ss -Hltnp`); no process when it is not visible to this user."""
+
+    local: str
+    process: str | None = None
+    pid: int | None = None
+
+    def describe(self) -> str:
+        if self.pid is None:
+            return f"{self.local} (process not visible to this user)"
+        return f"{self.local} by {self.process} (pid {self.pid})"
+
+
+def parse_listener(line: str) -> Listener | None:
+    """One `ss -Hltnp` line: `State Recv-Q Send-Q Local:Port Peer:Port users:(("name",pid=N,fd=M))`."""
+    fields = line.split()
+    addresses = [f for f in fields if ":" in f and not f.startswith("users:")]
+    if not addresses:
+        return None
+    match = _USERS_RE.search(line)
+    if match is None:
+        return Listener(addresses[0])
+    return Listener(addresses[0], match.group(1), int(match.group(2)))
+
+
+@dataclass(frozen=True)
+class ListenersFact(Fact[tuple[Listener, ...] | None]):
+    """Listening TCP sockets on local port `port`, with their process (None: `ss` is not installed or
+    failed)."""
+
+    port: int
+    name: ClassVar[str] = "listeners"
+
+    def command(self) -> str:
+        port = int(self.port)  # an int, so nothing else can reach the shell
+        return f"command -v ss >/dev/null 2>&1 || exit {NOT_FOUND}; ss -Hltnp 'sport = :{port}'"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[Listener, ...] | None:
+        if exit_status != 0:
+            return None
+        found = (parse_listener(line) for line in stdout.splitlines())
+        return tuple(listener for listener in found if listener is not None)
+
+
+# --- the install folder (see install.py for its layout) ---------------------------------------------------
+
+
+def _under(install_dir: str, relative: str) -> str:
+    """`install_dir/relative` for the shell (`~` expanded there)."""
+    return shell_path(install_dir.rstrip("/") + "/" + relative)
+
+
+@dataclass(frozen=True)
+class InstallDirFact(Fact[str | None]):
+    """`install_dir` as the node's shell expands it (`~/x` -> `/home/user/x`)."""
+
+    install_dir: str
+    name: ClassVar[str] = "install_dir"
+
+    def command(self) -> str:
+        return f"printf '%s\\n' {shell_path(self.install_dir)}"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        path = stdout.rstrip("\n")
+        return path if exit_status == 0 and path.strip() else None
+
+
+@dataclass(frozen=True)
+class CurrentLinkFact(Fact[str | None]):
+    """Where `<install_dir>/current` points, as written in the link (None: no such link)."""
+
+    install_dir: str
+    name: ClassVar[str] = "current_link"
+    ABSENT: ClassVar[int] = 3
+
+    def command(self) -> str:
+        return f'l={_under(self.install_dir, "current")}; [ -L "$l" ] || exit {self.ABSENT}; readlink "$l"'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        return None if exit_status == self.ABSENT else stdout.strip()
+
+
+@dataclass(frozen=True)
+class VersionsFact(Fact[tuple[str, ...]]):
+    """The folders in `<install_dir>/versions/`, sorted."""
+
+    install_dir: str
+    name: ClassVar[str] = "versions"
+
+    def command(self) -> str:
+        folder = _under(self.install_dir, "versions")
+        return f'for v in {folder}/*; do if [ -d "$v" ]; then printf \'%s\\n\' "${{v##*/}}"; fi; done'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[str, ...]:
+        return tuple(sorted(line.strip() for line in stdout.splitlines() if line.strip()))
+
+
+@dataclass(frozen=True)
+class HistoryFact(Fact[tuple[str, ...]]):
+    """`<install_dir>/history`: the ids made current, oldest first, each once (its most recent time)."""
+
+    install_dir: str
+    name: ClassVar[str] = "history"
+
+    def command(self) -> str:
+        return f'h={_under(self.install_dir, "history")}; [ -f "$h" ] || exit 0; cat "$h"'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[str, ...]:
+        history: list[str] = []
+        for line in stdout.splitlines():
+            version = line.strip()
+            if version:
+                if version in history:
+                    history.remove(version)
+                history.append(version)
+        return tuple(history)
+
+
+_DF_ROW_RE = re.compile(r"\s(\d+)\s+(\d+)\s+(\d+)\s+(?:\d+%|-)\s")
+
+
+@dataclass(frozen=True)
+class FreeSpaceFact(Fact[int | None]):
+    """Bytes free (for this user) on the file system holding `path`, or that would hold it: the nearest
+    existing folder above it counts (`df -Pk`)."""
+
+    path: str
+    name: ClassVar[str] = "free_space"
+
+    def command(self) -> str:
+        return f'p={shell_path(self.path)}; while [ ! -d "$p" ]; do p=$(dirname "$p"); done; df -Pk "$p"'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> int | None:
+        lines = stdout.splitlines()
+        # Filesystem 1024-blocks Used Available Capacity Mounted-on; a name may hold spaces.
+        match = _DF_ROW_RE.search(lines[1] + " ") if len(lines) > 1 else None
+        return int(match.group(3)) * 1024 if match else None
 
 
 @dataclass(frozen=True)
@@ -366,7 +512,7 @@ class InstalledManifestFact(Fact[InstalledManifest | None]):
     ABSENT: ClassVar[int] = 3
 
     def command(self) -> str:
-        path = shell_path(self.install_dir.rstrip("/") + "/current/manifest.json")
+        path = _under(self.install_dir, "current/manifest.json")
         return f"if [ -f {path} ]; then cat {path}; else exit {self.ABSENT}; fi"
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> InstalledManifest | None:
@@ -383,59 +529,97 @@ class InstalledManifestFact(Fact[InstalledManifest | None]):
         return InstalledManifest(data)
 
 
-# --- the server process -----------------------------------------------------------------------------------
+# --- the server process and its log -----------------------------------------------------------------------
 
-ProcessStateName = Literal["running", "zombie", "gone"]
+# Shell pieces reading the process whose pid is in $pid; the stop script (service.py) reuses them.
+READ_PID = 'pid=$(head -n 1 "$pf")'
+PID_IS_NUMBER = 'case "$pid" in ""|*[!0-9]*) false;; *) true;; esac'
+PS_STAT = 'ps -o stat= -p "$pid" 2>/dev/null'
+PROC_ARGV0 = "tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null | head -n 1"
 
 
 @dataclass(frozen=True)
 class ProcessState:
-    state: ProcessStateName
-    pid: int | None  # from the pid file; None when there is no (usable) pid file
+    """The process a pid file names. `stat` is None without a usable pid, "" when no such process
+    exists; `argv0` (from /proc/PID/cmdline, exact even with spaces) is None when unreadable."""
+
+    pid: int | None
     stat: str | None = None  # ps STAT, e.g. "Ssl", "Z"
-    args: str | None = None
-    note: str | None = None  # why "gone" when the pid is alive (it belongs to another program)
+    argv0: str | None = None
 
 
 @dataclass(frozen=True)
 class ServerProcessFact(Fact[ProcessState]):
-    """The state of the process whose pid is in `pid_file`.
+    """The pid in `pid_file` and that process's `ps` state and first argument.
 
-    `kill -0` succeeds on a zombie and on a recycled pid, so this reads `ps` and checks that the command
-    line contains `expect` (the server's name).
+    `kill -0` succeeds on a zombie and on a recycled pid, so the caller checks `stat` and `argv0`.
     """
 
     pid_file: str
-    expect: str | None = "ggml-rpc-server"
     name: ClassVar[str] = "server_process"
 
     def command(self) -> str:
-        path = shell_path(self.pid_file)
-        return (
-            f"[ -r {path} ] || {{ echo nopidfile; exit 0; }}; "
-            f"pid=$(head -c 32 {path} | tr -dc 0-9); echo pid=$pid; "
-            '[ -n "$pid" ] || exit 0; ps -o stat=,args= -p "$pid" || true'
+        return "\n".join(
+            [
+                f"pf={shell_path(self.pid_file)}",
+                '[ -f "$pf" ] || exit 0',
+                READ_PID,
+                "printf 'pid %s\\n' \"$pid\"",
+                f"{PID_IS_NUMBER} || exit 0",
+                f"printf 'stat %s\\n' \"$({PS_STAT})\"",
+                f"if [ -r /proc/$pid/cmdline ]; then printf 'argv0 %s\\n' \"$({PROC_ARGV0})\"; fi",
+            ]
         )
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> ProcessState:
-        lines = [line for line in stdout.splitlines() if line.strip()]
-        if not lines or lines[0].strip() == "nopidfile":
-            return ProcessState("gone", None, note="no pid file")
-        match = re.fullmatch(r"pid=(\d*)", lines[0].strip())
-        if match is None or not match.group(1):
-            return ProcessState("gone", None, note="no pid in the pid file")
-        pid = int(match.group(1))
-        if len(lines) < 2:
-            return ProcessState("gone", pid)
-        stat, _, args = lines[1].strip().partition(" ")
-        args = args.strip()
-        if stat.startswith("Z"):
-            return ProcessState("zombie", pid, stat, args)
-        if stat.startswith("X"):
-            return ProcessState("gone", pid, stat, args)
-        if self.expect and self.expect not in args:
-            return ProcessState("gone", pid, stat, args, note=f"pid {pid} now runs something else")
-        return ProcessState("running", pid, stat, args)
+        values: dict[str, str] = {}
+        for line in stdout.splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("pid", "stat", "argv0"):
+                values.setdefault(key, value.strip())
+        pid = values.get("pid", "")
+        if not pid.isdigit():
+            return ProcessState(None)
+        return ProcessState(int(pid), values.get("stat", ""), values.get("argv0") or None)
+
+
+@dataclass(frozen=True)
+class LogMatchFact(Fact[bool]):
+    """Whether a line of the log `path` after its last line starting with `marker` contains `text`
+    (False when there is no log)."""
+
+    path: str
+    marker: str
+    text: str
+    name: ClassVar[str] = "log_match"
+
+    def command(self) -> str:
+        path = shell_path(self.path)
+        # The strings reach awk through the environment: no quoting or regex rules apply to them.
+        return (
+            f"[ -f {path} ] || exit 0; "
+            f"__rf_m={shlex.quote(self.marker)} __rf_t={shlex.quote(self.text)} awk '"
+            'index($0, ENVIRON["__rf_m"]) == 1 {f=0} index($0, ENVIRON["__rf_t"]) {f=1} '
+            f'END {{if (f) print "found"}}\' {path}'
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> bool:
+        return exit_status == 0 and stdout.strip() == "found"
+
+
+@dataclass(frozen=True)
+class LogTailFact(Fact[str | None]):
+    """The last `lines` lines of the log `path` (None: no readable log)."""
+
+    path: str
+    lines: int = 8
+    name: ClassVar[str] = "log_tail"
+
+    def command(self) -> str:
+        return f"tail -n {int(self.lines)} {shell_path(self.path)}"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        return stdout if exit_status == 0 else None
 
 
 # --- gathering several facts in one round trip ------------------------------------------------------------
@@ -515,6 +699,20 @@ def parse_gathered(facts: Sequence[Fact[Any]], stdout: str, token: str) -> dict[
     }
 
 
+async def gather(
+    conn: Connection,
+    facts: Sequence[Fact[Any]],
+    *,
+    timeout: float,  # noqa: ASYNC109 (the API: a per-call limit)
+    check: bool = True,
+) -> dict[str, Any]:
+    """Read `facts` over `conn` in one round trip: {fact.name: value}. `check`: raise CommandError when
+    the script itself fails (a fact's own failure is part of its value)."""
+    token = new_token()
+    result = await conn.run(gather_command(facts, token), timeout=timeout, check=check)
+    return parse_gathered(facts, result.stdout, token)
+
+
 FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
     cls.name: cls
     for cls in (
@@ -525,7 +723,15 @@ FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
         NvidiaGpuFact,
         RocmGpuFact,
         RpcClientsFact,
+        ListenersFact,
+        InstallDirFact,
+        CurrentLinkFact,
+        VersionsFact,
+        HistoryFact,
+        FreeSpaceFact,
         InstalledManifestFact,
         ServerProcessFact,
+        LogMatchFact,
+        LogTailFact,
     )
 }

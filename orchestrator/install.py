@@ -8,11 +8,12 @@ Layout on the node (`install_dir`, default `~/.local/lib/rpcfleet`):
     tmp/                   uploads and unpacking in progress (emptied before each upload)
     run/, log/, cache/     the server's pid file, log and LLAMA_CACHE (see service.py)
 
-Read, then change: `read_install_state` runs one command and `parse_install_state` (pure) turns its
-output into an `InstallState`; `plan_install` (pure) compares it with the artifact and returns an
-`InstallChange` (what `--check` prints); `apply_install` uploads to a temporary name, verifies the
-sha256 on the node, unpacks into a staging folder, verifies every file, and only then moves it into
-`versions/` and switches `current`. Any failure before the switch leaves the previous version in place.
+Read, then change: `read_install_state` gathers `install_facts` (orchestrator.facts) in one round
+trip and `install_state_from_facts` (pure) turns them into an `InstallState`; `plan_install` (pure)
+compares it with the artifact and returns an `InstallChange` (what `--check` prints); `apply_install`
+uploads to a temporary name, verifies the sha256 on the node, unpacks into a staging folder, verifies
+every file, and only then moves it into `versions/` and switches `current`. Any failure before the
+switch leaves the previous version in place.
 
 A `build: on_node` spec (for a backend the controller cannot build) goes another way with the same end:
 `plan_node_build` compares the node's versions with the build's id (derived from the sdist and the cmake
@@ -27,13 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import secrets
 import shlex
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from orchestrator.artifacts import (
     Artifact,
@@ -45,9 +45,22 @@ from orchestrator.artifacts import (
     resolve_artifact,
     verify_artifact,
 )
-from orchestrator.connection import Connection, Progress, shell_path
+from orchestrator.connection import Connection, Progress
 from orchestrator.errors import ArtifactError, CommandTimeoutError, InstallError, TransferError, tail
 from orchestrator.executor import HostContext, StepOutcome
+from orchestrator.facts import (
+    CurrentLinkFact,
+    Fact,
+    FreeSpaceFact,
+    HistoryFact,
+    InstallDirFact,
+    InstalledManifest,
+    InstalledManifestFact,
+    OsFact,
+    OsInfo,
+    VersionsFact,
+    gather,
+)
 from orchestrator.inventory import Host
 from orchestrator.log import get_logger
 from orchestrator.units import format_size
@@ -61,13 +74,13 @@ __all__ = [
     "apply_node_build",
     "build_command",
     "ensure_installed",
+    "install_facts",
     "install_script",
-    "install_state_command",
+    "install_state_from_facts",
     "make_install_step",
     "normalise_platform",
     "parse_apply_output",
     "parse_build_output",
-    "parse_install_state",
     "plan_install",
     "plan_node_build",
     "plan_rollback",
@@ -87,6 +100,14 @@ BUILD_SPACE_EXTRA = 256 << 20
 BUILD_POLL_INTERVAL = 1.0  # seconds between reads of the build log's last line
 UPLOAD_CHECK_TIMEOUT = 60.0  # sha256 of the uploaded sdist on the node
 _MARK = "@"
+
+
+def _lines(stdout: str) -> Iterable[tuple[str, str]]:
+    """(key, value) of every `@key value` line a node-side script printed."""
+    for line in stdout.splitlines():
+        if line.startswith(_MARK):
+            key, _, value = line[1:].partition(" ")
+            yield key, value.strip()
 
 
 def normalise_platform(uname_s: str, uname_m: str) -> tuple[str, str]:
@@ -133,105 +154,67 @@ class InstallState:
         return None
 
 
-def install_state_command(install_dir: str) -> str:
-    """One read-only shell command printing the install state as `@key value` lines."""
-    d = shell_path(install_dir)
-    return "\n".join(
-        [
-            f"D={d}",
-            'echo "@dir $D"',
-            'echo "@os $(uname -s)"',
-            'echo "@arch $(uname -m)"',
-            'if [ -L "$D/current" ]; then echo "@current $(readlink "$D/current")"; fi',
-            'for v in "$D"/versions/*; do if [ -d "$v" ]; then echo "@version ${v##*/}"; fi; done',
-            'if [ -f "$D/history" ]; then sed "s/^/@history /" "$D/history"; fi',
-            'p="$D"; while [ ! -d "$p" ]; do p=$(dirname "$p"); done',
-            'echo "@free $(df -Pk "$p" | awk \'NR==2 {print $4}\')"',
-            'if [ -f "$D/current/manifest.json" ]; then',
-            '  echo "@manifest-begin"; cat "$D/current/manifest.json"; echo; echo "@manifest-end"',
-            "fi",
-        ]
-    )
+def install_facts(install_dir: str) -> list[Fact[Any]]:
+    """The facts an `InstallState` is made of (gathered in one round trip)."""
+    return [
+        InstallDirFact(install_dir),
+        OsFact(),
+        CurrentLinkFact(install_dir),
+        VersionsFact(install_dir),
+        HistoryFact(install_dir),
+        FreeSpaceFact(install_dir),
+        InstalledManifestFact(install_dir),
+    ]
 
 
-def _lines(stdout: str) -> Iterable[tuple[str, str]]:
-    """(key, value) of every `@key value` line; manifest lines come as ("manifest", line)."""
-    in_manifest = False
-    for line in stdout.splitlines():
-        if line == "@manifest-begin":
-            in_manifest = True
-            continue
-        if line == "@manifest-end":
-            in_manifest = False
-            continue
-        if in_manifest:
-            yield "manifest", line
-            continue
-        if not line.startswith(_MARK):
-            continue
-        key, _, value = line[1:].partition(" ")
-        yield key, value.strip()
-
-
-def parse_install_state(stdout: str, host: str) -> InstallState:
-    """Pure: the output of `install_state_command` -> `InstallState` (other `@` lines are ignored)."""
-    values: dict[str, str] = {}
-    versions: list[str] = []
-    history: list[str] = []
-    manifest_lines: list[str] = []
-    for key, value in _lines(stdout):
-        if key == "version":
-            versions.append(value)
-        elif key == "history":
-            if value:
-                if value in history:
-                    history.remove(value)
-                history.append(value)
-        elif key == "manifest":
-            manifest_lines.append(value)
-        elif key in ("dir", "os", "arch", "current", "free"):
-            values[key] = value
-    if "dir" not in values or "os" not in values:
-        raise InstallError(f"unexpected answer while reading the install state: {tail(stdout)!r}", host=host)
-    os_name, arch = normalise_platform(values["os"], values.get("arch", ""))
+def install_state_from_facts(host: str, values: Mapping[str, Any]) -> InstallState:
+    """Pure: the values of `install_facts` (as `parse_gathered` returns them) -> `InstallState`."""
+    install_dir: str | None = values.get(InstallDirFact.name)
+    os_info: OsInfo | None = values.get(OsFact.name)
+    if install_dir is None or os_info is None or os_info.system is None:
+        missing = "the install folder" if install_dir is None else "`uname -s`"
+        raise InstallError(f"the install state read from the host lacks {missing}", host=host)
+    os_name, arch = normalise_platform(os_info.system, os_info.machine or "")
+    versions: tuple[str, ...] = values.get(VersionsFact.name, ())
     problems: list[str] = []
     current: str | None = None
-    if "current" in values:
+    link: str | None = values.get(CurrentLinkFact.name)
+    if link is not None:
         # The link is relative (versions/<id>); an absolute one from elsewhere is reported as such.
-        target = values["current"].rstrip("/")
+        target = link.rstrip("/")
         current = target.rsplit("/", 1)[-1] if target.startswith("versions/") else None
         if current is None:
             problems.append(f"`current` points outside versions/: {target}")
         elif current not in versions:
             problems.append(f"`current` points to a missing version: {current}")
     manifest: Manifest | None = None
-    if manifest_lines:
+    found: InstalledManifest | None = values.get(InstalledManifestFact.name)
+    if found is not None and found.error is not None:
+        problems.append(f"unreadable current/manifest.json: {found.error}")
+    elif found is not None:
         try:
-            manifest = Manifest.from_dict(json.loads("\n".join(manifest_lines)))
+            manifest = Manifest.from_dict(found.data)
         except (ValueError, ArtifactError) as exc:
             problems.append(f"unreadable current/manifest.json: {exc}")
     elif current is not None and current in versions:
         problems.append("current/manifest.json is missing")
-    free: int | None = None
-    if values.get("free", "").isdigit():
-        free = int(values["free"]) * 1024
     return InstallState(
         host=host,
-        install_dir=values["dir"],
+        install_dir=install_dir,
         os=os_name,
         arch=arch,
         current=current,
-        versions=tuple(sorted(versions)),
-        history=tuple(history),
-        free_bytes=free,
+        versions=versions,
+        history=values.get(HistoryFact.name, ()),
+        free_bytes=values.get(FreeSpaceFact.name),
         manifest=manifest,
         problems=tuple(problems),
     )
 
 
 async def read_install_state(conn: Connection, host: Host) -> InstallState:
-    result = await conn.run(install_state_command(host.install_dir), timeout=STATE_TIMEOUT, check=True)
-    return parse_install_state(result.stdout, host.name)
+    values = await gather(conn, install_facts(host.install_dir), timeout=STATE_TIMEOUT)
+    return install_state_from_facts(host.name, values)
 
 
 # ---------------------------------------------------------------- plan

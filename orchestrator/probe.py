@@ -72,9 +72,7 @@ from orchestrator.facts import (
     NvidiaGpuFact,
     RocmGpuFact,
     RpcClientsFact,
-    gather_command,
-    new_token,
-    parse_gathered,
+    gather,
 )
 from orchestrator.inventory import Host
 from orchestrator.log import get_logger
@@ -224,15 +222,13 @@ async def read_facts(ctx: HostContext, *, timeout: float = DEFAULT_TIMEOUT) -> H
 
     Raises UnreachableError when the host cannot be reached within it (the executor records it).
     """
-    facts = probe_facts(ctx.host)
-    token = new_token()
     try:
         async with asyncio.timeout(timeout):
             conn = await ctx.connection()
-            result = await conn.run(gather_command(facts, token), timeout=timeout)
+            values = await gather(conn, probe_facts(ctx.host), timeout=timeout, check=False)
     except TimeoutError:
         raise UnreachableError(f"facts not read within {timeout:g} s", host=ctx.host.name) from None
-    return HostFacts.from_values(parse_gathered(facts, result.stdout, token))
+    return HostFacts.from_values(values)
 
 
 # --- capacity (pure) --------------------------------------------------------------------------------------

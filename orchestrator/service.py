@@ -9,9 +9,10 @@ failed bind), so ready means a HELLO answered with the expected protocol; SIGPIP
 ignored; it serves one client at a time, so a connected client makes it *busy*, not broken; it must be
 detached with every stream redirected or the SSH command never returns.
 
-Read, then change: `read_node_state` gathers the install state and the server's state (pid file,
-`ps`, `/proc/PID/cmdline`, listening socket and connected clients from `ss`) in one command;
-`classify` (pure) names the server's state; `plan_service` (pure) decides what to do.
+Read, then change: `read_node_state` gathers `node_facts` (orchestrator.facts: the install state's,
+then the pid file with `ps` and `/proc/PID/cmdline`, the listening socket and connected clients from
+`ss`, a failed bind in the log) in one round trip and `node_state_from_facts` (pure) builds a
+`NodeState`; `classify` (pure) names the server's state; `plan_service` (pure) decides what to do.
 """
 
 from __future__ import annotations
@@ -19,16 +20,31 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
-import re
 import shlex
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from orchestrator.connection import Connection, shell_path
+from orchestrator.connection import Connection
 from orchestrator.errors import CommandTimeoutError, ServiceError, tail
 from orchestrator.executor import HostContext, StepOutcome
+from orchestrator.facts import (
+    PID_IS_NUMBER,
+    PROC_ARGV0,
+    PS_STAT,
+    READ_PID,
+    Fact,
+    Listener,
+    ListenersFact,
+    LogMatchFact,
+    LogTailFact,
+    ProcessState,
+    RpcClientsFact,
+    ServerProcessFact,
+    gather,
+    parse_listener,
+)
 from orchestrator.install import (
     ArtifactChooser,
     BuildLogFactory,
@@ -37,8 +53,8 @@ from orchestrator.install import (
     ProgressFactory,
     apply_install,
     ensure_installed,
-    install_state_command,
-    parse_install_state,
+    install_facts,
+    install_state_from_facts,
     plan_rollback,
     read_install_state,
 )
@@ -67,13 +83,13 @@ __all__ = [
     "make_start_step",
     "make_status_step",
     "make_stop_step",
-    "parse_service_state",
+    "node_facts",
+    "node_state_from_facts",
     "plan_service",
     "read_node_state",
     "rollback",
     "server_argv",
     "server_status",
-    "service_state_command",
     "stop_script",
     "wait_ready",
 ]
@@ -91,7 +107,6 @@ STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 READY_TIMEOUT = 15.0
 PROBE_TIMEOUT = 2.0
 BIND_FAILED = "Failed to create server socket"
-_USERS_RE = re.compile(r'\("([^"]*)",pid=(\d+)')
 
 
 # ---------------------------------------------------------------- bind policy
@@ -126,20 +141,6 @@ def bind_policy(host: Host) -> str | None:
 
 
 # ---------------------------------------------------------------- reading the state
-
-
-@dataclass(frozen=True)
-class Listener:
-    """A listening TCP socket on the server's port (from `ss -Hltnp`)."""
-
-    local: str
-    process: str | None = None
-    pid: int | None = None
-
-    def describe(self) -> str:
-        if self.pid is None:
-            return f"{self.local} (process not visible to this user)"
-        return f"{self.local} by {self.process} (pid {self.pid})"
 
 
 @dataclass(frozen=True)
@@ -188,84 +189,43 @@ class NodeState:
     service: ServiceState
 
 
-def service_state_command(host: Host) -> str:
-    """One read-only command printing the server's state as `@key value` lines."""
+def _node_path(install_dir: str, relative: str) -> str:
+    return f"{install_dir.rstrip('/')}/{relative}"
+
+
+def node_facts(host: Host) -> list[Fact[Any]]:
+    """The facts a `NodeState` is made of: the install state's, then the server's (one round trip)."""
     port = int(host.rpc_port)
-    return "\n".join(
-        [
-            f"D={shell_path(host.install_dir)}",
-            f'pf="$D/{PID_FILE}"',
-            'if [ -f "$pf" ]; then',
-            '  pid=$(head -n 1 "$pf"); echo "@pid $pid"',
-            '  case "$pid" in ""|*[!0-9]*) ;; *)',
-            '    echo "@stat $(ps -o stat= -p "$pid" 2>/dev/null)"',
-            "    if [ -r /proc/$pid/cmdline ]; then",
-            "      echo \"@argv0 $(tr '\\0' '\\n' < /proc/$pid/cmdline | head -n 1)\"",
-            "    fi;;",
-            "  esac",
-            "fi",
-            f"ss -Hltnp 'sport = :{port}' 2>/dev/null | sed 's/^/@listen /'",
-            f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | sed 's/^/@client /'",
-            f'if [ -f "$D/{LOG_FILE}" ]; then',
-            f"  awk '/^{LOG_MARKER}/ {{f=0}} /{BIND_FAILED}/ {{f=1}} END {{if (f) print \"@bindfail\"}}' "
-            f'"$D/{LOG_FILE}"',
-            "fi",
-        ]
+    return [
+        *install_facts(host.install_dir),
+        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
+        ListenersFact(port),
+        RpcClientsFact(port),
+        LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+    ]
+
+
+def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
+    """Pure: the values of `node_facts` (as `parse_gathered` returns them) -> `NodeState`."""
+    install = install_state_from_facts(host, values)
+    process: ProcessState = values.get(ServerProcessFact.name) or ProcessState(None)
+    service = ServiceState(
+        host,
+        install.install_dir,
+        process.pid,
+        process.stat,
+        process.argv0,
+        values.get(ListenersFact.name) or (),
+        values.get(RpcClientsFact.name) or (),
+        bool(values.get(LogMatchFact.name)),
     )
-
-
-def _parse_listener(line: str) -> Listener | None:
-    fields = line.split()
-    addresses = [f for f in fields if ":" in f and not f.startswith("users:")]
-    if not addresses:
-        return None
-    match = _USERS_RE.search(line)
-    if match is None:
-        return Listener(addresses[0])
-    return Listener(addresses[0], match.group(1), int(match.group(2)))
-
-
-def parse_service_state(stdout: str, host: str, install_dir: str) -> ServiceState:
-    """Pure: the output of `service_state_command` -> `ServiceState` (other lines are ignored)."""
-    pid: int | None = None
-    stat: str | None = None
-    argv0: str | None = None
-    listeners: list[Listener] = []
-    clients: list[str] = []
-    bind_failed = False
-    for line in stdout.splitlines():
-        if not line.startswith("@"):
-            continue
-        key, _, value = line[1:].partition(" ")
-        value = value.strip()
-        if key == "pid" and value.isdigit():
-            pid = int(value)
-        elif key == "stat":
-            stat = value
-        elif key == "argv0":
-            argv0 = value or None
-        elif key == "listen":
-            listener = _parse_listener(value)
-            if listener is not None:
-                listeners.append(listener)
-        elif key == "client":
-            addresses = [f for f in value.split() if ":" in f]
-            if len(addresses) >= 2:
-                clients.append(addresses[1])
-        elif key == "bindfail":
-            bind_failed = True
-    if pid is not None and stat is None:
-        stat = ""
-    return ServiceState(host, install_dir, pid, stat, argv0, tuple(listeners), tuple(clients), bind_failed)
+    return NodeState(install, service)
 
 
 async def read_node_state(conn: Connection, host: Host) -> NodeState:
     """Install state and server state in one round trip."""
-    command = install_state_command(host.install_dir) + "\n" + service_state_command(host)
-    result = await conn.run(command, timeout=STATE_TIMEOUT, check=True)
-    install = parse_install_state(result.stdout, host.name)
-    service = parse_service_state(result.stdout, host.name, install.install_dir)
-    return NodeState(install, service)
+    values = await gather(conn, node_facts(host), timeout=STATE_TIMEOUT)
+    return node_state_from_facts(host.name, values)
 
 
 # ---------------------------------------------------------------- status
@@ -412,7 +372,7 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
         [
             f"D={q(install_dir)}",
             f'mkdir -p "$D/run" "$D/log" "$D/{CACHE_DIR}" || exit 1',
-            f"taken=$(ss -Hltnp 'sport = :{port}' 2>/dev/null)",
+            f"taken=$({{ {ListenersFact(port).command()}; }} 2>/dev/null)",
             'if [ -n "$taken" ]; then echo "@taken $taken"; exit 0; fi',
             f'if [ -f {log} ] && [ "$(wc -c < {log})" -gt {LOG_ROTATE_BYTES} ]; then mv -f {log} {log}.1; fi',
             f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
@@ -435,13 +395,13 @@ def stop_script(install_dir: str, grace: float = STOP_GRACE) -> str:
             f"D={q(install_dir)}",
             f'pf="$D/{PID_FILE}"',
             'if [ ! -f "$pf" ]; then echo "@none"; exit 0; fi',
-            'pid=$(head -n 1 "$pf")',
-            'case "$pid" in ""|*[!0-9]*) rm -f "$pf"; echo "@none"; exit 0;; esac',
+            READ_PID,
+            f'{PID_IS_NUMBER} || {{ rm -f "$pf"; echo "@none"; exit 0; }}',
             "alive() {",
-            '  s=$(ps -o stat= -p "$pid" 2>/dev/null) || return 1; case "$s" in Z*) return 1;; esac',
+            f'  s=$({PS_STAT}) || return 1; case "$s" in Z*) return 1;; esac',
             "}",
             "ours() {",
-            "  a=$(tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null | head -n 1)",
+            f"  a=$({PROC_ARGV0})",
             f'  case "$a" in "$D"/versions/*/bin/{SERVER_BINARY}) return 0;; esac; return 1',
             "}",
             'if ! alive || ! ours; then rm -f "$pf"; echo "@gone $pid"; exit 0; fi',
@@ -494,11 +454,12 @@ async def stop_server(conn: Connection, host: Host, install_dir: str) -> str:
 
 
 async def _log_tail(conn: Connection, install_dir: str, lines: int = 8) -> str:
-    command = f"tail -n {int(lines)} {shlex.quote(install_dir)}/{LOG_FILE} 2>/dev/null"
+    fact = LogTailFact(f"{install_dir}/{LOG_FILE}", lines)
     try:
-        return (await conn.run(command, timeout=10)).stdout
+        result = await conn.run(fact.command(), timeout=10)
     except Exception:
         return ""
+    return fact.parse(result.stdout, result.stderr, result.exit_status) or ""
 
 
 async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
@@ -508,7 +469,7 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         raise ServiceError("no rpc-server is installed (run `rpcfleet deploy`)", host=host.name)
     out = _keys(await _sh(conn, launch_script(host, state.install.install_dir, version), START_TIMEOUT))
     if "taken" in out:
-        listener = _parse_listener(out["taken"])
+        listener = parse_listener(out["taken"])
         who = listener.describe() if listener else out["taken"]
         raise ServiceError(
             f"port {host.rpc_port} is already taken: {who}",
@@ -705,11 +666,12 @@ def make_status_step() -> Callable[[HostContext], Awaitable[StepOutcome[ServerSt
 def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
     async def logs(ctx: HostContext) -> StepOutcome[str]:
         conn = await ctx.connection()
-        d = shell_path(ctx.host.install_dir)
-        result = await conn.run(f"tail -n {int(lines)} {d}/{LOG_FILE}", timeout=15)
-        if not result.ok:
+        fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines)
+        result = await conn.run(fact.command(), timeout=15)
+        text = fact.parse(result.stdout, result.stderr, result.exit_status)
+        if text is None:
             raise ServiceError("no rpc-server log yet", host=ctx.host.name, stderr=result.stderr)
-        return StepOutcome(result.stdout, False, f"{len(result.stdout.splitlines())} lines")
+        return StepOutcome(text, False, f"{len(text.splitlines())} lines")
 
     return logs
 

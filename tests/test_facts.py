@@ -164,9 +164,18 @@ def test_gathered_facts_on_this_machine(
     processes: Callable[[list[str]], subprocess.Popen[bytes]],
 ) -> None:
     install = tmp_path / "it's installed"
-    (install / "current").mkdir(parents=True)
+    for version in ("v2", "v 1"):
+        (install / "versions" / version).mkdir(parents=True)
+    (install / "versions" / "not-a-folder").touch()
+    (install / "current").symlink_to("versions/v2")
+    (install / "history").write_text("v2\nv 1\nv2\n")
     manifest = {"protocol": "7.0.0", "backend": "cpu"}
     (install / "current" / "manifest.json").write_text(json.dumps(manifest))
+    log = tmp_path / "server.log"
+    marker, failure = "=== start", "Failed to create server socket"
+    log.write_text(f"{marker} v1\n{failure}\n{marker} v2\nlistening\n")
+    failed_log = tmp_path / "failed.log"
+    failed_log.write_text(f"{marker} v1\nlistening\n{marker} v2\n{failure}.* (not a regex)\nbye\n")
     sleeper = processes(["sleep", "30"])
     zombie = processes(["true"])
     while not (Path(f"/proc/{zombie.pid}/stat").read_text().split(") ")[1].startswith("Z")):
@@ -194,19 +203,38 @@ def test_gathered_facts_on_this_machine(
                 facts.NvidiaGpuFact(),
                 facts.RocmGpuFact(),
                 facts.RpcClientsFact(server.port),
+                facts.ListenersFact(server.port),
+                facts.InstallDirFact(str(install)),
+                facts.CurrentLinkFact(str(install)),
+                facts.VersionsFact(str(install)),
+                facts.HistoryFact(str(install)),
+                facts.FreeSpaceFact(str(install / "not" / "yet")),
                 facts.InstalledManifestFact(str(install)),
-                facts.ServerProcessFact(str(tmp_path / "sleep.pid"), expect="sleep"),
+                facts.ServerProcessFact(str(tmp_path / "sleep.pid")),
+                facts.LogMatchFact(str(log), marker, failure),
+                facts.LogTailFact(str(log), 2),
             ],
         )
         more = run_gathered(
             shell,
             [
                 facts.RpcClientsFact(idle.port),
+                facts.CurrentLinkFact(str(tmp_path / "nothing")),
+                facts.VersionsFact(str(tmp_path / "nothing")),
+                facts.HistoryFact(str(tmp_path / "nothing")),
                 facts.InstalledManifestFact(str(tmp_path / "nothing")),
-                facts.ServerProcessFact(str(tmp_path / "zombie.pid"), expect="true"),
+                facts.ServerProcessFact(str(tmp_path / "zombie.pid")),
+                facts.LogMatchFact(str(failed_log), marker, failure + ".* (not a regex)"),
+                facts.LogTailFact(str(tmp_path / "nothing.log")),
             ],
         )
-        gone = run_gathered(shell, [facts.ServerProcessFact(str(tmp_path / "sleep.pid"))])
+        none = run_gathered(
+            shell,
+            [
+                facts.ServerProcessFact(str(tmp_path / "no.pid")),
+                facts.LogMatchFact(str(tmp_path / "no.log"), "a", "b"),
+            ],
+        )
     finally:
         client.close()
 
@@ -226,15 +254,27 @@ def test_gathered_facts_on_this_machine(
     assert values["nvidia_gpus"] == facts.GpuReport("nvidia-smi", present=False)
     assert values["rocm_gpus"] == facts.GpuReport("rocm-smi", present=False)
     assert values["rpc_clients"] == (client_address,)
+    (listener,) = values["listeners"]
+    assert listener == facts.Listener(f"{server.host}:{server.port}", "ggml-rpc-server", server.process.pid)
+    assert values["install_dir"] == str(install)
+    assert values["current_link"] == "versions/v2"
+    assert values["versions"] == ("v 1", "v2")
+    assert values["history"] == ("v 1", "v2")
+    stat = os.statvfs(tmp_path)
+    assert abs(values["free_space"] - stat.f_bavail * stat.f_frsize) < 64 << 20  # others write too
     assert values["installed_manifest"] == facts.InstalledManifest(manifest)
-    assert values["server_process"].state == "running"
-    assert values["server_process"].pid == sleeper.pid
+    assert values["server_process"] == facts.ProcessState(sleeper.pid, values["server_process"].stat, "sleep")
+    assert values["server_process"].stat[0] in "SR"
+    assert values["log_match"] is False  # the failure was before the last start
+    assert values["log_tail"] == f"{marker} v2\nlistening\n"
     assert more["rpc_clients"] == ()
+    assert (more["current_link"], more["versions"], more["history"]) == (None, (), ())
     assert more["installed_manifest"] is None
-    assert more["server_process"].state == "zombie"
-    assert gone["server_process"].state == "gone"  # alive, but not a ggml-rpc-server
-    assert gone["server_process"].note == f"pid {sleeper.pid} now runs something else"
+    assert more["server_process"] == facts.ProcessState(zombie.pid, "Z", None)
+    assert more["log_match"] is True  # matched as text, not as a pattern
+    assert more["log_tail"] is None
+    assert none == {"server_process": facts.ProcessState(None), "log_match": False}
     sleeper.kill()
     sleeper.wait(5)
-    after = run_gathered(shell, [facts.ServerProcessFact(str(tmp_path / "sleep.pid"), expect="sleep")])
-    assert after["server_process"] == facts.ProcessState("gone", sleeper.pid)
+    after = run_gathered(shell, [facts.ServerProcessFact(str(tmp_path / "sleep.pid"))])
+    assert after["server_process"] == facts.ProcessState(sleeper.pid, "", None)

@@ -1,4 +1,5 @@
-"""install.py: the pure state parser and plans, then the node-side scripts run for real (local shell)."""
+"""install.py: the install state built from facts and the plans (pure), then the node-side scripts
+run for real (local shell)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from orchestrator import install
 from orchestrator.artifacts import Artifact
 from orchestrator.connection import connect
 from orchestrator.errors import InstallError
+from orchestrator.facts import InstalledManifest, OsInfo
 from orchestrator.install import (
     ArtifactChooser,
     InstallState,
     apply_install,
+    install_state_from_facts,
     parse_apply_output,
-    parse_install_state,
     plan_install,
     plan_rollback,
     prune_plan,
@@ -35,51 +37,62 @@ def test_normalise_platform() -> None:
     assert install.normalise_platform("Darwin", "arm64") == ("darwin", "arm64")
 
 
-def _state_output(
-    cpu_artifact: Artifact, *, current: str | None, versions: list[str], history: list[str]
-) -> str:
-    lines = ["@dir /home/lab/.local/lib/rpcfleet", "@os Linux", "@arch x86_64"]
-    if current:
-        lines.append(f"@current versions/{current}")
-    lines += [f"@version {v}" for v in versions]
-    lines += [f"@history {v}" for v in history]
-    lines.append("@free 1048576")
-    if current and current in versions:
-        lines += ["@manifest-begin", cpu_artifact.manifest.to_json().decode(), "@manifest-end"]
-    return "\n".join(lines) + "\n"
+def _values(
+    cpu_artifact: Artifact | None = None,
+    *,
+    current: str | None = None,
+    versions: tuple[str, ...] = (),
+    history: tuple[str, ...] = (),
+    manifest: InstalledManifest | None = None,
+) -> dict[str, object]:
+    """Parsed `install_facts` values, as `parse_gathered` returns them."""
+    if manifest is None and cpu_artifact is not None and current in versions:
+        manifest = InstalledManifest(json.loads(cpu_artifact.manifest.to_json()))
+    return {
+        "install_dir": "/home/lab/.local/lib/rpcfleet",
+        "os": OsInfo("Linux", "x86_64", "debian", "12", None),
+        "current_link": f"versions/{current}" if current else None,
+        "versions": versions,
+        "history": history,
+        "free_space": 2 << 20,
+        "installed_manifest": manifest,
+    }
 
 
-def test_parse_nothing_installed() -> None:
-    out = "@dir /root/x\n@os Linux\n@arch x86_64\n@free 2048\n"
-    state = parse_install_state(out, "n1")
-    assert state == InstallState("n1", "/root/x", "linux", "x86_64", None, (), (), 2048 * 1024, None)
+def test_install_state_of_nothing_installed() -> None:
+    state = install_state_from_facts("n1", _values())
+    home = "/home/lab/.local/lib/rpcfleet"
+    assert state == InstallState("n1", home, "linux", "x86_64", None, (), (), 2 << 20, None)
     assert not state.installed and state.previous() is None
 
 
-def test_parse_installed_state(cpu_artifact: Artifact) -> None:
-    out = _state_output(cpu_artifact, current="b", versions=["a", "b"], history=["a", "b", "a", "b"])
-    state = parse_install_state(out, "n1")
-    assert state.current == "b" and state.versions == ("a", "b")
-    assert state.history == ("a", "b")  # deduplicated, most recent last
+def test_install_state_of_an_installed_version(cpu_artifact: Artifact) -> None:
+    state = install_state_from_facts(
+        "n1", _values(cpu_artifact, current="b", versions=("a", "b"), history=("a", "b"))
+    )
+    assert state.current == "b" and state.versions == ("a", "b") and state.history == ("a", "b")
     assert state.manifest == cpu_artifact.manifest and state.protocol == cpu_artifact.manifest.protocol
     assert state.installed and state.previous() == "a" and not state.problems
 
 
-def test_parse_reports_a_dangling_current_and_a_bad_manifest(cpu_artifact: Artifact) -> None:
-    dangling = parse_install_state(
-        _state_output(cpu_artifact, current="gone", versions=["a"], history=[]), "n"
-    )
+def test_install_state_reports_a_dangling_current_and_a_bad_manifest(cpu_artifact: Artifact) -> None:
+    dangling = install_state_from_facts("n", _values(cpu_artifact, current="gone", versions=("a",)))
     assert dangling.current == "gone" and not dangling.installed
     assert dangling.problems == ("`current` points to a missing version: gone",)
-    broken = "@dir /x\n@os Linux\n@arch x86_64\n@current versions/a\n@version a\n"
-    broken += "@manifest-begin\n{\n@manifest-end\n"
-    state = parse_install_state(broken, "n")
-    assert state.manifest is None and "unreadable current/manifest.json" in state.problems[0]
+    outside = install_state_from_facts("n", {**_values(), "current_link": "/opt/other/"})
+    assert outside.current is None and outside.problems == ("`current` points outside versions/: /opt/other",)
+    missing = install_state_from_facts("n", _values(current="a", versions=("a",)))
+    assert missing.problems == ("current/manifest.json is missing",) and not missing.installed
+    for bad in (InstalledManifest({}, error="not JSON: Expecting value"), InstalledManifest({"files": 3})):
+        state = install_state_from_facts("n", _values(current="a", versions=("a",), manifest=bad))
+        assert state.manifest is None and state.problems[0].startswith("unreadable current/manifest.json: ")
 
 
-def test_parse_garbage_is_an_install_error() -> None:
-    with pytest.raises(InstallError, match="unexpected answer"):
-        parse_install_state("bash: uname: command not found\n", "n1")
+def test_install_state_without_uname_or_folder_is_an_install_error() -> None:
+    with pytest.raises(InstallError, match="install state read from the host lacks `uname -s`"):
+        install_state_from_facts("n1", {**_values(), "os": OsInfo(None, None, None, None, None)})
+    with pytest.raises(InstallError, match="lacks the install folder"):
+        install_state_from_facts("n1", {**_values(), "install_dir": None})
 
 
 def _state(cpu_artifact: Artifact, **fields: object) -> InstallState:

@@ -1,5 +1,6 @@
-"""service.py: bind policy, the state parser, classification and plans (pure), then real servers on
-loopback through `connection: local` hosts and an in-process SSH host, and the CLI commands."""
+"""service.py: bind policy, the node state built from facts, classification and plans (pure), then
+real servers on loopback through `connection: local` hosts and an in-process SSH host, and the CLI
+commands."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from orchestrator.artifacts import Artifact
 from orchestrator.cli import main
 from orchestrator.connection import connect
 from orchestrator.errors import ServiceError
+from orchestrator.facts import Listener, OsInfo, ProcessState
 from orchestrator.install import ArtifactChooser, InstallState
 from orchestrator.inventory import Host
 from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion, probe_endpoint
@@ -28,13 +30,12 @@ from orchestrator.service import (
     LOG_MARKER,
     NodeState,
     ServerStatus,
-    ServiceState,
     bind_policy,
     classify,
     deploy,
     ensure_state,
     launch_script,
-    parse_service_state,
+    node_state_from_facts,
     plan_service,
     rollback,
     server_argv,
@@ -86,37 +87,52 @@ def test_server_argv_and_launch_line() -> None:
     assert "-d" not in server_argv(H, "/i", "v1") and "-c" not in server_argv(H, "/i", "v1")
 
 
-STATE_OUT = """\
-@pid 4242
-@stat Sl
-@argv0 /home/lab/i/versions/v1/bin/ggml-rpc-server
-@listen LISTEN 0      1      10.77.0.11:50052 0.0.0.0:* users:(("ggml-rpc-server",pid=4242,fd=3))
-@client 0      0      10.77.0.11:50052 10.77.0.1:38366
-"""
+OURS = Listener("10.77.0.11:50052", "ggml-rpc-server", 4242)
+RUNNING = ProcessState(4242, "Sl", "/home/lab/i/versions/v1/bin/ggml-rpc-server")
 
 
-def test_parse_service_state() -> None:
-    s = parse_service_state(STATE_OUT, "n1", "/home/lab/i")
+def _node(
+    process: ProcessState = RUNNING,
+    listeners: tuple[Listener, ...] | None = (OURS,),
+    clients: tuple[str, ...] | None = ("10.77.0.1:38366",),
+    bind_failed: bool = False,
+    current: str | None = "v1",
+) -> NodeState:
+    """A NodeState built from parsed facts, as `read_node_state` builds it."""
+    values = {
+        "install_dir": "/home/lab/i",
+        "os": OsInfo("Linux", "x86_64", "debian", "12", None),
+        "current_link": f"versions/{current}" if current else None,
+        "versions": ("v1",),
+        "history": ("v1",),
+        "free_space": None,
+        "installed_manifest": None,
+        "server_process": process,
+        "listeners": listeners,
+        "rpc_clients": clients,
+        "log_match": bind_failed,
+    }
+    return node_state_from_facts("n1", values)
+
+
+def test_node_state_from_facts() -> None:
+    s = _node().service
     assert (s.pid, s.stat, s.alive, s.ours, s.running_version) == (4242, "Sl", True, True, "v1")
-    assert s.listeners[0].pid == 4242 and s.listeners[0].process == "ggml-rpc-server"
-    assert s.clients == ("10.77.0.1:38366",) and s.foreign_listeners() == ()
-    assert not s.log_failed_bind
+    assert s.listeners == (OURS,) and s.clients == ("10.77.0.1:38366",) and s.foreign_listeners() == ()
+    assert not s.log_failed_bind and s.install_dir == "/home/lab/i"
+    without_ss = _node(listeners=None, clients=None).service
+    assert without_ss.listeners == () and without_ss.clients == ()
 
 
 def test_a_recycled_pid_or_a_zombie_is_not_ours() -> None:
-    recycled = parse_service_state("@pid 4242\n@stat S\n@argv0 /usr/bin/sleep\n", "n1", "/home/lab/i")
+    recycled = _node(ProcessState(4242, "S", "/usr/bin/sleep")).service
     assert recycled.alive and not recycled.ours and recycled.running_version is None
-    zombie = parse_service_state("@pid 4242\n@stat Z\n", "n1", "/home/lab/i")
+    zombie = _node(ProcessState(4242, "Z", None)).service
     assert not zombie.alive and not zombie.ours
-    gone = parse_service_state("@pid 4242\n@stat \n", "n1", "/home/lab/i")
+    gone = _node(ProcessState(4242, "", None)).service
     assert gone.stat == "" and not gone.alive
-    other_install = STATE_OUT.replace("/home/lab/i/", "/home/lab/other/")
-    assert not parse_service_state(other_install, "n1", "/home/lab/i").ours
-
-
-def _node(service: ServiceState, current: str | None = "v1") -> NodeState:
-    install = InstallState("n1", "/home/lab/i", "linux", "x86_64", current, ("v1",), ("v1",), None, None)
-    return NodeState(install, service)
+    other_install = ProcessState(4242, "Sl", "/home/lab/other/versions/v1/bin/ggml-rpc-server")
+    assert not _node(other_install).service.ours
 
 
 def _probe(outcome: Outcome, message: str = "") -> ProbeResult:
@@ -125,22 +141,23 @@ def _probe(outcome: Outcome, message: str = "") -> ProbeResult:
 
 
 def test_classify() -> None:
-    running = parse_service_state(STATE_OUT.replace("@client", "#"), "n1", "/home/lab/i")
-    assert classify(H, _node(running), _probe(Outcome.OK)).state == "running"
-    assert classify(H, _node(running), _probe(Outcome.OK)).protocol == "7.0.0"
-    assert classify(H, _node(running), _probe(Outcome.BUSY)).state == "busy"
-    unhealthy = classify(H, _node(running), _probe(Outcome.TIMEOUT, "no reply"))
+    running = _node(clients=())
+    assert classify(H, running, _probe(Outcome.OK)).state == "running"
+    assert classify(H, running, _probe(Outcome.OK)).protocol == "7.0.0"
+    assert classify(H, running, _probe(Outcome.BUSY)).state == "busy"
+    unhealthy = classify(H, running, _probe(Outcome.TIMEOUT, "no reply"))
     assert unhealthy.state == "unhealthy" and "no reply" in unhealthy.message
-    busy = classify(H, _node(parse_service_state(STATE_OUT, "n1", "/home/lab/i")), None)
+    busy = classify(H, _node(), None)
     assert busy.state == "busy" and busy.clients == ("10.77.0.1:38366",)
-    crashed = classify(H, _node(parse_service_state("@pid 9\n@stat \n", "n1", "/home/lab/i")), None)
+    exited = ProcessState(9, "", None)
+    crashed = classify(H, _node(exited, (), ()), None)
     assert crashed.state == "crashed" and crashed.pid == 9 and "exited" in crashed.message
-    bindfail = parse_service_state("@pid 9\n@stat \n@bindfail\n", "n1", "/home/lab/i")
-    assert "could not bind" in classify(H, _node(bindfail), None).message
-    stopped = classify(H, _node(parse_service_state("", "n1", "/home/lab/i")), None)
+    bindfail = _node(exited, (), (), bind_failed=True)
+    assert "could not bind" in classify(H, bindfail, None).message
+    stopped = classify(H, _node(ProcessState(None), (), ()), None)
     assert (stopped.state, stopped.pid, stopped.version) == ("stopped", None, "v1")
-    foreign = '@listen LISTEN 0 5 10.77.0.11:50052 0.0.0.0:* users:(("python3",pid=77,fd=3))\n'
-    taken = classify(H, _node(parse_service_state(foreign, "n1", "/home/lab/i")), None)
+    foreign = (Listener("10.77.0.11:50052", "python3", 77),)
+    taken = classify(H, _node(ProcessState(None), foreign, ()), None)
     assert taken.state == "stopped" and "taken" in taken.message and "python3 (pid 77)" in taken.message
 
 
@@ -222,7 +239,7 @@ async def chooser(cpu_artifact: Artifact) -> AsyncIterator[ArtifactChooser]:
 
 
 async def test_deploy_lifecycle_on_a_local_host(
-    local_host: Host, chooser: ArtifactChooser, cpu_artifact: Artifact
+    local_host: Host, chooser: ArtifactChooser, cpu_artifact: Artifact, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     host = dataclasses.replace(local_host, rpc_debug=True, rpc_threads=1)
     conn = await connect(host)
@@ -245,8 +262,18 @@ async def test_deploy_lifecycle_on_a_local_host(
         "running", pid, cpu_artifact.id, "7.0.0",
     )  # fmt: skip
 
-    second = await deploy(conn, host, chooser)
+    commands: list[str] = []
+    run = conn.run
+
+    async def counted(command: str, **kwargs: Any) -> Any:
+        commands.append(command)
+        return await run(command, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(conn, "run", counted)
+        second = await deploy(conn, host, chooser)
     assert not second.changed and _pid(host) == pid
+    assert len(commands) == 1  # a deploy with nothing to do: one state read (and one HELLO)
 
     # A client holds the server: busy, and deploy leaves it alone.
     with socket.create_connection((host.rpc_host, host.rpc_port), timeout=2):
