@@ -117,6 +117,19 @@ class OsFact(Fact[OsInfo]):
         )
 
 
+@dataclass(frozen=True)
+class UserFact(Fact[str | None]):
+    """The remote user commands run as."""
+
+    name: ClassVar[str] = "user"
+
+    def command(self) -> str:
+        return "id -un"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        return stdout.strip() or None if exit_status == 0 else None
+
+
 # --- CPUs and memory --------------------------------------------------------------------------------------
 
 

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 from orchestrator.errors import HostError
 from orchestrator.executor import HostContext, StepOutcome
-
-# One round trip: kernel, machine, user. Output: three lines.
-_PING_COMMAND = "uname -s; uname -m; id -un"
+from orchestrator.facts import OsFact, OsInfo, UserFact, gather
 
 
 @dataclass(frozen=True)
@@ -17,23 +15,26 @@ class PingResult:
     os: str
     arch: str
     user: str
+    distribution: str | None  # PRETTY_NAME of /etc/os-release
     connect_seconds: float
     latency_seconds: float  # one command round trip on the open connection
-
-
-def parse_ping(stdout: str, host: str) -> tuple[str, str, str]:
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    if len(lines) != 3:
-        raise HostError(f"unexpected answer to {_PING_COMMAND!r}: {stdout!r}", host=host)
-    return lines[0], lines[1], lines[2]
 
 
 async def ping_step(context: HostContext) -> StepOutcome[PingResult]:
     started = time.monotonic()
     connection = await context.connection()
     connected = time.monotonic()
-    result = await connection.run(_PING_COMMAND, timeout=10, check=True)
+    values = await gather(connection, [OsFact(), UserFact()], timeout=10)
     finished = time.monotonic()
-    os_name, arch, user = parse_ping(result.stdout, context.host.name)
-    ping = PingResult(os_name, arch, user, connected - started, finished - connected)
-    return StepOutcome(ping, message=f"{os_name}/{arch} as {user} in {ping.latency_seconds * 1000:.1f} ms")
+    os_info: OsInfo = values[OsFact.name]
+    user: str | None = values[UserFact.name]
+    if os_info.system is None or os_info.machine is None or user is None:
+        raise HostError(
+            "the host did not say its kernel, machine and user (uname, id)", host=context.host.name
+        )
+    ping = PingResult(
+        os_info.system, os_info.machine, user, os_info.pretty_name, connected - started, finished - connected
+    )
+    return StepOutcome(
+        ping, message=f"{ping.os}/{ping.arch} as {user} in {ping.latency_seconds * 1000:.1f} ms"
+    )

@@ -42,7 +42,7 @@ def handle(args: argparse.Namespace) -> int:
         )
         return 0 if run.ok else 1
     table = Table(box=box.SIMPLE_HEAD)
-    for column in ("host", "address", "status", "os", "arch", "user", "connect", "latency"):
+    for column in ("host", "address", "status", "os", "arch", "distribution", "user", "connect", "latency"):
         table.add_column(column)
     for r in run.results:
         p = r.value if isinstance(r.value, PingResult) else None
@@ -52,6 +52,7 @@ def handle(args: argparse.Namespace) -> int:
             r.status,
             p.os if p else "-",
             p.arch if p else "-",
+            (p.distribution or "-") if p else "-",
             p.user if p else "-",
             f"{p.connect_seconds * 1000:.0f} ms" if p else "-",
             f"{p.latency_seconds * 1000:.1f} ms" if p else "-",
@@ -65,6 +66,7 @@ def _ping_json(p: PingResult) -> dict[str, Any]:
     return {
         "os": p.os,
         "arch": p.arch,
+        "distribution": p.distribution,
         "user": p.user,
         "connect_seconds": round(p.connect_seconds, 4),
         "latency_seconds": round(p.latency_seconds, 4),
