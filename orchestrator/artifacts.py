@@ -1337,6 +1337,7 @@ class SdistInfo:
     """What a llama-cpp-python sdist says about the server it builds (read without extracting it)."""
 
     sha256: str
+    size: int
     protocol: str
     llama_cpp_commit: str | None
     ggml_version: str | None
@@ -1380,6 +1381,7 @@ def read_sdist_info(sdist: Path) -> SdistInfo:
         )
     info = SdistInfo(
         sha256=_sha256_file(sdist),
+        size=st.st_size,
         protocol=_protocol_of(texts["header"], f"{sdist.name}: ggml-rpc.h"),
         llama_cpp_commit=_commit_of(texts.get("changelog", "")),
         ggml_version=_ggml_version_of(texts.get("cmake", "")),

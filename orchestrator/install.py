@@ -348,7 +348,7 @@ def plan_node_build(
             state.host, "switch", build.id, None, state.install_dir, state.current, prune,
             "already built in versions/", build=build,
         )  # fmt: skip
-    needed = build.sdist.stat().st_size * BUILD_SPACE_FACTOR + BUILD_SPACE_EXTRA
+    needed = build.info.size * BUILD_SPACE_FACTOR + BUILD_SPACE_EXTRA
     if state.free_bytes is not None and state.free_bytes < needed:
         kept = f"{state.current} stays installed" if state.current else "nothing was changed"
         raise InstallError(

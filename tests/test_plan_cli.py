@@ -11,25 +11,17 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.planner import Plan
 from orchestrator.units import format_size
-from tests.plugins.servers import LocalServer
+from tests.plugins.servers import LocalServer, write_local_inventory
 
 MiB = 1024 * 1024
 
 
 def _inventory(tmp_path: Path, servers: list[LocalServer], limits: list[str]) -> Path:
-    lines = ["hosts:"]
-    for i, (server, limit) in enumerate(zip(servers, limits, strict=True)):
-        lines += [
-            f"  node{i}:",
-            "    connection: local",
-            "    address: 127.0.0.1",
-            f"    rpc_host: {server.host}",
-            f"    rpc_port: {server.port}",
-            f"    memory_limit: {limit}",
-        ]
-    path = tmp_path / "inventory.yml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    hosts = {
+        f"node{i}": {"rpc_port": server.port, "memory_limit": limit}
+        for i, (server, limit) in enumerate(zip(servers, limits, strict=True))
+    }
+    return write_local_inventory(tmp_path / "inventory.yml", hosts)
 
 
 @pytest.fixture

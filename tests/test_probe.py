@@ -41,7 +41,7 @@ from orchestrator.probe import (
 )
 from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.fakerpc import drip, fake_rpc_server, hello_payload
-from tests.plugins.servers import LocalServer, free_port
+from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 StartServer = Callable[..., LocalServer]
 GiB = 1 << 30
@@ -807,12 +807,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def write_inventory(path: Path, ports: dict[str, int], **extra: str) -> Path:
-    lines = ["hosts:"]
-    for name, port in ports.items():
-        more = "".join(f", {k}: {v}" for k, v in extra.items())
-        lines.append(f"  {name}: {{connection: local, rpc_host: 127.0.0.1, rpc_port: {port}{more}}}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_local_inventory(path, {name: {"rpc_port": port, **extra} for name, port in ports.items()})
 
 
 def test_cli_json_and_exit_status(start_rpc_server: StartServer, tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from orchestrator.report import (
 )
 from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from orchestrator.synth import write_tiny_llama
-from tests.plugins.servers import LocalServer, free_port
+from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 GiB = 1024**3
 MiB = 1024**2
@@ -554,20 +554,12 @@ def test_write_atomic(tmp_path: Path) -> None:
 
 
 def _inventory(tmp_path: Path, servers: Sequence[LocalServer], limits: Sequence[str], dead_port: int) -> Path:
-    lines = ["hosts:"]
-    for i, (server, limit) in enumerate(zip(servers, limits, strict=True)):
-        lines += [
-            f"  node{i}:",
-            "    connection: local",
-            "    address: 127.0.0.1",
-            f"    rpc_host: {server.host}",
-            f"    rpc_port: {server.port}",
-            f"    memory_limit: {limit}",
-        ]
-    lines += ["  gone:", "    connection: local", "    rpc_host: 127.0.0.1", f"    rpc_port: {dead_port}"]
-    path = tmp_path / "inventory.yml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    hosts: dict[str, dict[str, object]] = {
+        f"node{i}": {"rpc_port": server.port, "memory_limit": limit}
+        for i, (server, limit) in enumerate(zip(servers, limits, strict=True))
+    }
+    hosts["gone"] = {"rpc_port": dead_port}
+    return write_local_inventory(tmp_path / "inventory.yml", hosts)
 
 
 def test_cli_end_to_end(

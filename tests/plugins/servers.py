@@ -104,3 +104,18 @@ def start_rpc_server(rpc_server_binary: Path, tmp_path: Path) -> Iterator[Callab
     yield start
     for server in started:
         server.stop()
+
+
+def write_local_inventory(path: Path, hosts: dict[str, dict[str, object]]) -> Path:
+    """A native inventory of `connection: local` hosts on 127.0.0.1 (servers on this machine): each
+    entry's variables (rpc_port, memory_limit...) on top of those defaults, in the order given."""
+    import yaml
+
+    document = {
+        "hosts": {
+            name: {"connection": "local", "address": "127.0.0.1", "rpc_host": "127.0.0.1", **variables}
+            for name, variables in hosts.items()
+        }
+    }
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
