@@ -12,6 +12,10 @@ can be compared with llama.cpp's log lines:
   GGML_PAD(n_ctx, 256)` (llama-context.cpp); without flash attention V rows use the widest layer
   (`v_trans`). Exact.
 - compute: `<dev> compute buffer size` — an estimate, see `estimate_compute`.
+
+The default strategy ("proportional") splits the layers in proportion to the memory each device has for
+layers (weights + KV): usable - margin minus the fixed costs it pays whatever its share (its compute
+buffer, the output layer on the last device), re-split until the counts settle (`proportional_candidates`).
 """
 
 from __future__ import annotations
@@ -641,6 +645,75 @@ def _fewest_counts(
     return counts
 
 
+PROPORTIONAL_ROUNDS = 4  # re-splits after today's; the counts settle after one or two in practice
+
+
+@dataclass(frozen=True)
+class SplitCandidate:
+    """One split the proportional strategy considers: layer counts per device (0 = left out), the
+    weights they are in proportion to, and the smallest headroom of the plan they make."""
+
+    counts: tuple[int, ...]
+    weights: tuple[int, ...]
+    min_headroom: int
+
+
+def _fixed_costs(
+    profile: ModelProfile,
+    devices: Sequence[PlanDevice],
+    counts: Sequence[int],
+    n_ctx_pad: int,
+    opts: PlanOptions,
+    ngl: int,
+) -> tuple[int, list[int]]:
+    """Predict `counts` as the plan would run them (devices without layers left out): the smallest
+    headroom and, per device, its fixed costs (compute buffer + output layer; 0 for a device left out)."""
+    kept = [i for i, c in enumerate(counts) if c > 0]
+    devs = [devices[i] for i in kept]
+    assignment = _assignment_from_counts([counts[i] for i in kept], profile.n_layer, ngl)
+    pred = _predict(profile, devs, assignment, n_ctx_pad, opts, ngl)
+    fixed = [0] * len(devices)
+    for j, i in enumerate(kept):
+        output = assignment[-1] == j  # the last entry is the output layer
+        fixed[i] = pred.memories[j].compute + (
+            profile.output_layer_bytes_aligned(devices[i].alignment) if output else 0
+        )
+    return min((m.headroom for m in pred.memories), default=0), fixed
+
+
+def proportional_candidates(
+    profile: ModelProfile, devices: Sequence[PlanDevice], n_ctx_pad: int, opts: PlanOptions, ngl: int
+) -> list[SplitCandidate]:
+    """The splits the proportional strategy considers, in order; `make_plan` takes the one with the
+    largest smallest headroom (the first on ties).
+
+    The first is today's split, by usable - margin. Each next one is in proportion to the memory each
+    device has for layers (weights + KV): usable - margin minus the fixed costs the previous split's
+    prediction gives it (its compute buffer and, on the last device, the output layer), which it pays
+    whatever its share. A device left without layers stays out (weight 0): rejoining would cost it its
+    compute buffer. Stops when the counts repeat or after PROPORTIONAL_ROUNDS re-splits.
+    """
+    weights = [max(d.usable - opts.margin, 0) for d in devices]
+    counts = largest_remainder(ngl, weights)
+    score, fixed = _fixed_costs(profile, devices, counts, n_ctx_pad, opts, ngl) if ngl else (0, [])
+    out = [SplitCandidate(tuple(counts), tuple(weights), score)]
+    if ngl == 0 or len(devices) < 2:
+        return out
+    for _ in range(PROPORTIONAL_ROUNDS):
+        weights = [
+            max(d.usable - opts.margin - f, 0) if c else 0
+            for d, f, c in zip(devices, fixed, counts, strict=True)
+        ]
+        if not any(weights):
+            break
+        counts = largest_remainder(ngl, weights)
+        if any(tuple(counts) == c.counts for c in out):
+            break
+        score, fixed = _fixed_costs(profile, devices, counts, n_ctx_pad, opts, ngl)
+        out.append(SplitCandidate(tuple(counts), tuple(weights), score))
+    return out
+
+
 def _largest_ctx(
     profile: ModelProfile,
     devices: Sequence[PlanDevice],
@@ -672,7 +745,12 @@ def make_plan(
     devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOptions | None = None
 ) -> Plan:
     """Decide layers per device, predict memory and give a fit verdict. `devices` are already ordered
-    (see `order_devices`)."""
+    (see `order_devices`).
+
+    "proportional" weighs each device by usable - margin - (compute buffer + output layer), the fixed
+    costs predicted for the previous split, starting from the split by usable - margin; the candidate
+    with the largest smallest headroom wins. "fewest" fills devices in order; a given `tensor_split` is
+    used as is."""
     opts = options or PlanOptions()
     devices = tuple(devices)
     validate(devices, profile, opts)
@@ -700,7 +778,8 @@ def make_plan(
                     "no device has usable memory beyond the margin",
                     hint=f"lower the margin (now {opts.margin} bytes) or add devices",
                 )
-            counts = largest_remainder(ngl, weights)
+            candidates = proportional_candidates(profile, devices, n_ctx, opts, ngl)
+            counts = list(max(candidates, key=lambda c: c.min_headroom).counts)  # first on ties
         # A device without layers still joins the model (a connection, and it turns pipeline
         # parallelism on): leave it out.
         unused = [d.label for d, c in zip(devices, counts, strict=True) if c == 0]

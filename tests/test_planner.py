@@ -18,6 +18,7 @@ from orchestrator.planner import (
     SCHEMA_VERSION,
     Plan,
     PlanDevice,
+    PlannedDevice,
     PlanOptions,
     cli_device_names,
     estimate_compute,
@@ -27,6 +28,7 @@ from orchestrator.planner import (
     make_plan,
     order_devices,
     pad_ctx,
+    proportional_candidates,
     python_snippet,
 )
 
@@ -158,11 +160,13 @@ def test_integer_counts_are_reproduced_exactly(n_layer: int, counts_seed: list[i
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_layer=st.integers(1, 96),
-    usable_mib=st.lists(st.integers(300, 100_000), min_size=1, max_size=8),
+    # Small enough that the fixed costs (compute buffer, output layer up to 32 MiB) move the split.
+    usable_mib=st.lists(st.integers(16, 3000), min_size=1, max_size=8),
     ngl=st.integers(-1, 100),
+    n_vocab=st.integers(300, 32000),
 )
-def test_proportional_properties(n_layer: int, usable_mib: list[int], ngl: int) -> None:
-    profile = synthetic_profile(n_layer)
+def test_proportional_properties(n_layer: int, usable_mib: list[int], ngl: int, n_vocab: int) -> None:
+    profile = synthetic_profile(n_layer, n_vocab=n_vocab)
     devices = [rpc(f"10.0.0.{i}:50052", usable=u * MiB) for i, u in enumerate(usable_mib)]
     opts = PlanOptions(n_ctx=512, n_gpu_layers=ngl, margin=0)
     plan = make_plan(devices, profile, opts)
@@ -173,10 +177,42 @@ def test_proportional_properties(n_layer: int, usable_mib: list[int], ngl: int) 
         assert all(c > 0 for c in plan.layer_counts)  # devices without a layer are left out
     else:
         assert plan.layer_counts == (0,) * len(devices) and plan.tensor_split == (0.0,) * len(devices)
-    kept = {d.endpoint for d in plan.devices}
-    weights = [u for d, u in zip(devices, usable_mib, strict=True) if d.endpoint in kept]
-    for count, w in zip(plan.layer_counts, weights, strict=True):
-        assert abs(count - n_off * w / sum(usable_mib)) < 1  # within one layer of the exact share
+    # Each device is within one layer of its share of the memory it has for layers: usable - margin minus
+    # the fixed costs (compute buffer, the output layer on the last device) predicted for the split it
+    # was derived from. The splits considered start with today's (by usable - margin alone); the plan is
+    # the one with the largest smallest headroom.
+    candidates = proportional_candidates(profile, devices, pad_ctx(512), opts, n_off)
+    assert candidates[0].counts == tuple(largest_remainder(n_off, usable_mib))
+    assert candidates[0].weights == tuple(d.usable for d in devices)
+    for k in range(1, len(candidates)):
+        prev, cand = candidates[k - 1], candidates[k]
+        # The fixed costs as make_plan predicts them when running prev's split.
+        ran = run_counts(devices, profile, opts, prev.counts)
+        fixed = [
+            ran[d.endpoint].memory.compute
+            + (profile.output_layer_bytes_aligned(d.alignment) if ran[d.endpoint].has_output else 0)
+            if d.endpoint in ran
+            else 0
+            for d in devices
+        ]
+        assert cand.weights == tuple(
+            max(d.usable - f, 0) if c else 0 for d, f, c in zip(devices, fixed, prev.counts, strict=True)
+        )
+        assert cand.counts not in [c.counts for c in candidates[:k]]  # stops when the counts repeat
+    for cand in candidates:
+        if n_off:
+            ran = run_counts(devices, profile, opts, cand.counts)
+            assert cand.min_headroom == min(d.memory.headroom for d in ran.values())
+    chosen = max(candidates, key=lambda c: c.min_headroom)
+    assert all(c.min_headroom < chosen.min_headroom for c in candidates[: candidates.index(chosen)])
+    by_endpoint = {d.endpoint: d for d in plan.devices}
+    counts = [by_endpoint[d.endpoint].n_layers if d.endpoint in by_endpoint else 0 for d in devices]
+    assert tuple(counts) == chosen.counts
+    for count, w in zip(counts, chosen.weights, strict=True):
+        assert abs(count - n_off * w / sum(chosen.weights)) < 1  # within one layer of the exact share
+    if n_off:
+        # Never worse than today's split.
+        assert min(d.memory.headroom for d in plan.devices) >= candidates[0].min_headroom
     # The plan's tensor_split reproduces its layers through llama.cpp's arithmetic.
     ported = llama_cpp_assignment(plan.tensor_split, n_layer, plan.n_gpu_layers)
     for i, d in enumerate(plan.devices):
@@ -185,6 +221,37 @@ def test_proportional_properties(n_layer: int, usable_mib: list[int], ngl: int) 
     assert sum(1 for d in plan.devices if d.has_output) == (1 if n_off else 0)
     if n_off:
         assert plan.devices[-1].has_output and plan.devices[-1].layers[-1] == n_layer
+
+
+def run_counts(
+    devices: list[PlanDevice], profile: ModelProfile, opts: PlanOptions, counts: tuple[int, ...]
+) -> dict[str | None, PlannedDevice]:
+    """The plan's devices when `counts` is given as tensor_split (devices without layers left out)."""
+    kept = [(d, c) for d, c in zip(devices, counts, strict=True) if c]
+    plan = make_plan(
+        [d for d, _ in kept], profile, replace(opts, tensor_split=tuple(float(c) for _, c in kept))
+    )
+    return {d.endpoint: d for d in plan.devices}
+
+
+def test_proportional_split_leaves_room_for_fixed_costs() -> None:
+    # A 400 MiB device next to a 2 GiB one. By usable - margin alone (today's split) the small one gets
+    # 2 of 33 layers and then pays its 115 MiB compute buffer on top: 4 MiB short. Weighing the memory
+    # each has for layers (the compute buffers and the output layer taken off) gives it 1 layer.
+    profile = synthetic_profile(32, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048, n_vocab=32000)
+    devices = [rpc("10.0.0.1:50052", usable=400 * MiB), rpc("10.0.0.2:50052", usable=2 * GiB)]
+    opts = PlanOptions(n_ctx=4096)
+    today = largest_remainder(33, [d.usable - DEFAULT_MARGIN for d in devices])
+    assert today == [2, 31]
+    old = make_plan(devices, profile, replace(opts, tensor_split=(2.0, 31.0)))
+    assert not old.fit.fits and old.fit.binding_device == 0
+    assert old.devices[0].memory.compute > 100 * MiB
+    plan = make_plan(devices, profile, opts)
+    assert plan.layer_counts == (1, 32)
+    assert plan.fit.fits and plan.fit.shortfall == 0
+    assert plan.fit.binding_device is not None
+    assert plan.devices[plan.fit.binding_device].memory.headroom >= 0
+    assert llama_cpp_assignment(plan.tensor_split, 32, plan.n_gpu_layers) == [0] + [1] * 32
 
 
 @settings(max_examples=60, deadline=None)
@@ -209,8 +276,9 @@ def test_largest_ctx_is_the_boundary_and_grows_with_memory(
         assert not make_plan(
             plan_devices(plan, devices), profile, replace(fixed, n_ctx=largest + 256)
         ).fit.fits
-    bigger = [replace(d, usable=d.usable * scale) for d in devices]  # same proportions, same layers
-    plan2 = make_plan(bigger, profile, opts)
+    # More memory, same placement (pinned: the default split weighs fixed costs, which do not scale).
+    bigger = [replace(d, usable=d.usable * scale) for d in plan_devices(plan, devices)]
+    plan2 = make_plan(bigger, profile, fixed)
     assert plan2.layer_counts == plan.layer_counts
     assert plan2.fit.largest_n_ctx >= largest
 

@@ -343,7 +343,9 @@ def test_golden_json(models_dir: Path, sparse_70b: Path) -> None:
     assert text == golden.read_text()
     assert render_json(_golden_report(models_dir, sparse_70b)) == text  # deterministic
     doc = json.loads(text)
-    assert [c["fits"] for c in doc["cases"]] == [True, True, True, False]
+    # 70b at 65536 fits since the default split weighs the compute buffers: 18/18/45 layers, not 20/20/41
+    # (which left gpu-a's devices 157.5 MiB short, with 3.66 GiB as the smallest change).
+    assert [c["fits"] for c in doc["cases"]] == [True, True, True, True]
 
 
 def _keys(value: Any) -> set[str]:
