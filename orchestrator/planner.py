@@ -823,7 +823,8 @@ def make_plan(
         shortfall = max(0, -planned[binding].memory.headroom)
     else:
         binding, shortfall = None, 0
-    cap = opts.n_ctx_cap or max(profile.n_ctx_train, CTX_PAD)
+    # Up to the training context, or the asked one when larger: never report less than what fits.
+    cap = opts.n_ctx_cap or max(profile.n_ctx_train, n_ctx, CTX_PAD)
     largest = _largest_ctx(profile, devices, assignment, opts, ngl, cap) if devices else cap
     if ngl < n_all + 1:
         notes.append(f"{n_all + 1 - ngl} of {n_all + 1} layers stay on the CPU")
