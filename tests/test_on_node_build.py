@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +42,7 @@ from orchestrator.install import (
 from orchestrator.inventory import Host
 from orchestrator.rpc import Outcome, probe_endpoint
 from orchestrator.service import DeployResult, make_deploy_step
-from tests.plugins.lab import lab_hosts_of, require_lab_privileges, session_lab_name
+from tests.plugins.lab import lab_hosts_of, own_lab
 
 SDIST = sdist_path(llama_cpp_python_version())
 
@@ -137,13 +136,8 @@ def test_parse_build_output() -> None:
 
 @pytest.fixture(scope="module")
 def build_lab() -> Iterator[labmod.Lab]:
-    require_lab_privileges()
-    name = session_lab_name("nb")
-    made = labmod.lab_up(1, name=name, owner_pid=os.getpid())
-    try:
+    with own_lab(1, "nb") as made:
         yield made
-    finally:
-        labmod.lab_down(name)
 
 
 def _spec(folder: Path, name: str, text: str) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,20 +27,15 @@ from orchestrator.planner import PlanOptions, make_plan
 from orchestrator.playbook import load_check
 from orchestrator.probe import probe_fleet, to_plan_devices
 from orchestrator.service import LOG_FILE, DeployResult, make_deploy_step
-from tests.plugins.lab import lab_hosts_of, require_lab_privileges, session_lab_name
+from tests.plugins.lab import lab_hosts_of, own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
 
 @pytest.fixture(scope="module")
 def debug_lab() -> Iterator[labmod.Lab]:
-    require_lab_privileges()
-    name = session_lab_name("dbg")
-    made = labmod.lab_up(3, name=name, owner_pid=os.getpid())
-    try:
+    with own_lab(3, "dbg") as made:
         yield made
-    finally:
-        labmod.lab_down(name)
 
 
 async def _fetch_log(host: Host, dest: Path) -> str:

@@ -11,6 +11,7 @@ Without root these skip with a reason, except in CI (`CI` set), where they fail:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -43,16 +44,24 @@ def lab_hosts_of(lab: labmod.Lab) -> list[Host]:
     return [hosts[node.name] for node in lab.nodes]
 
 
-@pytest.fixture(scope="session")
-def lab() -> Iterator[labmod.Lab]:
+@contextlib.contextmanager
+def own_lab(nodes: int, suffix: str = "") -> Iterator[labmod.Lab]:
+    """A namespaced lab owned by this test session (reaped if the session dies), down on exit."""
     require_lab_privileges()
-    labmod.reap_stale()
-    name = session_lab_name()
-    made = labmod.lab_up(3, name=name, owner_pid=os.getpid())
+    name = session_lab_name(suffix)
+    made = labmod.lab_up(nodes, name=name, owner_pid=os.getpid())
     try:
         yield made
     finally:
         labmod.lab_down(name)
+
+
+@pytest.fixture(scope="session")
+def lab() -> Iterator[labmod.Lab]:
+    require_lab_privileges()
+    labmod.reap_stale()
+    with own_lab(3) as made:
+        yield made
 
 
 @pytest.fixture
