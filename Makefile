@@ -16,6 +16,7 @@ lint: setup
 	$(PY) -m ruff check orchestrator tests bench
 	$(PY) -m ruff format --check orchestrator tests bench
 	$(PY) -m mypy
+	.venv/bin/lint-imports --no-cache
 
 demo: setup
 	$(PY) -m orchestrator demo

@@ -115,7 +115,7 @@ def free_port() -> int:
 
 def server_binary() -> Path:
     try:
-        from orchestrator.artifacts import local_server_binary
+        from orchestrator.artifacts.build import local_server_binary
 
         return local_server_binary()
     except Exception:  # no artifact built yet: the development server

@@ -23,12 +23,17 @@ from pathlib import Path
 
 from _common import arg_parser, load_average, machine, median, write_section
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import Artifact, default_artifact, rpcfleet_home
-from orchestrator.executor import Session
-from orchestrator.install import ArtifactChooser
-from orchestrator.inventory import Host, load_inventory
-from orchestrator.service import make_deploy_step
+from orchestrator.artifacts.build import default_artifact
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import Host
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.model import Lab
+from orchestrator.lab.netns import privileged
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.service import make_deploy_step
 
 SECTION = "deploy"
 
@@ -75,7 +80,7 @@ def ansible_venv() -> Path:
     return venv
 
 
-def kill_servers(lab: labmod.Lab) -> None:
+def kill_servers(lab: Lab) -> None:
     """Kill every server this benchmark started (by pid file) and remove both install folders."""
     for node in lab.nodes:
         for folder in ("rpcfleet", "rpcfleet-ansible"):
@@ -102,7 +107,7 @@ async def rpcfleet_deploy(hosts: list[Host], artifact: Artifact) -> tuple[float,
     return elapsed, sum(r.status == "changed" for r in run.results)
 
 
-def ansible_deploy(venv: Path, lab: labmod.Lab, artifact: Artifact, workdir: Path) -> float:
+def ansible_deploy(venv: Path, lab: Lab, artifact: Artifact, workdir: Path) -> float:
     inventory = workdir / "hosts.ini"
     lines = ["[lab]"]
     for node in lab.nodes:
@@ -142,8 +147,8 @@ def ansible_deploy(venv: Path, lab: labmod.Lab, artifact: Artifact, workdir: Pat
 
 def measure(size: int, repeat: int, venv: Path | None, artifact: Artifact) -> dict[str, float]:
     name = f"bd{size}"
-    labmod.lab_down(name)
-    lab = labmod.lab_up(size, name=name, owner_pid=os.getpid())
+    lab_down(name)
+    lab = lab_up(size, name=name, owner_pid=os.getpid())
     try:
         hosts = list(load_inventory(lab.inventory).hosts)
         results: dict[str, list[float]] = {"fresh": [], "noop": [], "a_fresh": [], "a_noop": []}
@@ -164,7 +169,7 @@ def measure(size: int, repeat: int, venv: Path | None, artifact: Artifact) -> di
         return {key: median(values) for key, values in results.items() if values}
     finally:
         kill_servers(lab)
-        labmod.lab_down(name)
+        lab_down(name)
 
 
 def markdown(rows: dict[int, dict[str, float]], repeat: int, load: float) -> str:
@@ -221,10 +226,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-ansible", action="store_true")
     args = parser.parse_args()
-    if not labmod.privileged():
+    if not privileged():
         print("the lab needs root (network namespaces)", file=sys.stderr)
         return 2
-    labmod.reap_stale()
+    reap_stale()
     load = load_average()
     artifact = default_artifact("cpu")
     venv = None if args.no_ansible else ansible_venv()

@@ -37,13 +37,14 @@ from typing import Any
 
 from _common import ROOT, arg_parser, load_average, median, ms, p95, servers, stamp, write_section
 
-from orchestrator.log import configure_logging
+from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")  # before the modules below make their loggers
 
-from orchestrator.model import KV_CACHE_TYPES, profile_model  # noqa: E402
-from orchestrator.planner import Plan, PlanDevice, PlanOptions, make_plan  # noqa: E402
-from orchestrator.synth import write_sparse_70b_header, write_tiny_llama  # noqa: E402
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
+from orchestrator.planning.profile import KV_CACHE_TYPES, profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
 
 SECTION = "plan"
 GiB = 1 << 30
@@ -67,11 +68,11 @@ CHILD = textwrap.dedent(
     import llama_cpp
     import llama_cpp.llama_cpp as L
     from llama_cpp import Llama
-    from orchestrator.log import configure_logging
+    from orchestrator.core.log import configure_logging
     configure_logging("text", "WARNING")
-    from orchestrator import loader
+    from orchestrator.llama import loader
     from pathlib import Path
-    from orchestrator.planner import Plan
+    from orchestrator.planning.plan import Plan
 
     plan = Plan.from_path(Path(spec["plan"]))
     model = spec["model"]

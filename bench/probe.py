@@ -36,13 +36,13 @@ from typing import Any
 from _common import arg_parser, load_average, machine, ms, servers, write_section
 from _common import median as med
 
-from orchestrator.log import configure_logging
+from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")  # before the modules below make their loggers
 
-from orchestrator.inventory import Host  # noqa: E402
-from orchestrator.probe import probe_fleet  # noqa: E402
-from orchestrator.rpc import probe_endpoint  # noqa: E402
+from orchestrator.inventory.model import Host
+from orchestrator.probe.fleet import probe_fleet
+from orchestrator.rpc.client import probe_endpoint
 
 SIZES = (1, 4, 16)
 SECTION = "probe"

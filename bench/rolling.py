@@ -35,17 +35,20 @@ from _common import (
     write_section,
 )
 
-from orchestrator.log import configure_logging
+from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator import lab as labmod  # noqa: E402
-from orchestrator.artifacts import default_artifact, unpack_artifact  # noqa: E402
-from orchestrator.executor import Session  # noqa: E402
-from orchestrator.inventory import load_inventory  # noqa: E402
-from orchestrator.playbook import load_playbook, run_playbook  # noqa: E402
-from orchestrator.rolling import RestartReport  # noqa: E402
-from orchestrator.rpc import probe_endpoint  # noqa: E402
+from orchestrator.artifacts.build import default_artifact
+from orchestrator.artifacts.store import unpack_artifact
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.load import load_inventory
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.netns import privileged
+from orchestrator.operations.rolling import RestartReport
+from orchestrator.playbooks.reader import load_playbook
+from orchestrator.playbooks.runner import run_playbook
+from orchestrator.rpc.client import probe_endpoint
 
 SECTION = "rolling restart"
 LAB_NAME = "brolling"
@@ -148,17 +151,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rolling restarts to time (default 3)")
     parser.add_argument("--floor-repeat", type=int, default=15)
     args = parser.parse_args()
-    if not labmod.privileged():
+    if not privileged():
         print("bench/rolling.py needs root (network namespaces)", file=sys.stderr)
         return 2
     artifact = default_artifact("cpu")
-    labmod.reap_stale()
+    reap_stale()
     load = load_average()
-    lab = labmod.lab_up(args.nodes, name=LAB_NAME, owner_pid=os.getpid())
+    lab = lab_up(args.nodes, name=LAB_NAME, owner_pid=os.getpid())
     try:
         reports, walls = asyncio.run(rolling(lab.inventory, args.rounds))
     finally:
-        labmod.lab_down(LAB_NAME)
+        lab_down(LAB_NAME)
     with tempfile.TemporaryDirectory() as scratch:
         binary = unpack_artifact(artifact, Path(scratch) / "artifact")
         floor = asyncio.run(server_floor(binary, args.floor_repeat))

@@ -102,7 +102,7 @@ sys.exit(0 if ll.llama_supports_rpc() else 1)
 PY
 
 # ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
-if "$VENV/bin/python" -c 'import orchestrator.artifacts' 2>/dev/null; then
+if "$VENV/bin/python" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   "$VENV/bin/python" -m orchestrator artifact build --backend cpu --quiet-if-cached \
     || die "building the rpc-server artifact failed"
 fi

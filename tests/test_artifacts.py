@@ -24,10 +24,34 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import artifacts
-from orchestrator.artifacts import Artifact, ArtifactSpec, ArtifactSpecError
+from orchestrator.artifacts.build import (
+    build_artifact,
+    build_key,
+    cached_build,
+    effective_cmake_args,
+    local_server_binary,
+)
+from orchestrator.artifacts.imports import import_artifact
+from orchestrator.artifacts.manifest import (
+    Artifact,
+    ArtifactSpec,
+    ArtifactSpecError,
+    Manifest,
+    llama_cpp_python_version,
+)
+from orchestrator.artifacts.node_build import on_node_build_script
+from orchestrator.artifacts.source import read_protocol_version, sdist_path
+from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
+from orchestrator.artifacts.store import (
+    artifacts_dir,
+    list_artifacts,
+    load_artifact,
+    pack_artifact,
+    unpack_artifact,
+    verify_artifact,
+)
 from orchestrator.cli import main
-from orchestrator.errors import ArtifactError
+from orchestrator.core.errors import ArtifactError
 from tests.plugins.servers import free_port
 
 SERVER = "bin/ggml-rpc-server"
@@ -53,7 +77,7 @@ def hello(port: int, timeout: float = 2.0) -> str:
 def sdist_header(tmp_path: Path, version: str) -> Path:
     """ggml-rpc.h straight out of the llama-cpp-python sdist the artifact was built from."""
     name = f"llama_cpp_python-{version}/vendor/llama.cpp/ggml/include/ggml-rpc.h"
-    with tarfile.open(artifacts.sdist_path(version)) as tar:
+    with tarfile.open(sdist_path(version)) as tar:
         member = tar.extractfile(name)
         assert member is not None
         out = tmp_path / "ggml-rpc.h"
@@ -71,8 +95,8 @@ def archive_members(archive: Path) -> dict[str, tarfile.TarInfo]:
 
 def test_manifest_describes_the_build(cpu_artifact: Artifact, tmp_path: Path) -> None:
     m = cpu_artifact.manifest
-    version = artifacts.llama_cpp_python_version()
-    assert m.protocol == artifacts.read_protocol_version(sdist_header(tmp_path, version)) == "7.0.0"
+    version = llama_cpp_python_version()
+    assert m.protocol == read_protocol_version(sdist_header(tmp_path, version)) == "7.0.0"
     assert (m.backend, m.os, m.native) == ("cpu", "linux", False)
     assert m.arch == {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
     assert "-DGGML_NATIVE=OFF" in m.cmake_args and "-DGGML_RPC=ON" in m.cmake_args
@@ -93,7 +117,7 @@ def test_manifest_describes_the_build(cpu_artifact: Artifact, tmp_path: Path) ->
         assert names[0] == "manifest.json"
         inner = tar.extractfile("manifest.json")
         assert inner is not None
-        assert artifacts.Manifest.from_dict(json.loads(inner.read())) == m
+        assert Manifest.from_dict(json.loads(inner.read())) == m
         assert sorted(names[1:]) == sorted(e.path for e in m.files) == names[1:]
         for entry in m.files:
             member = tar.getmember(entry.path)
@@ -112,27 +136,27 @@ def test_manifest_describes_the_build(cpu_artifact: Artifact, tmp_path: Path) ->
 
 def test_build_returns_the_cached_artifact_fast(cpu_artifact: Artifact) -> None:
     start = time.perf_counter()
-    again = artifacts.build_artifact("cpu")
+    again = build_artifact("cpu")
     elapsed = time.perf_counter() - start
     assert again == cpu_artifact
     assert elapsed < 0.5, f"a cached build took {elapsed:.2f} s"
     # The same request spelled differently (an explicit default, other order) hits the same cache entry.
-    assert artifacts.cached_build("cpu", ["-DGGML_NATIVE=OFF", "-DGGML_RPC=ON"]) == cpu_artifact
-    assert artifacts.cached_build("cpu", ["-DGGML_NATIVE=ON"]) != cpu_artifact
+    assert cached_build("cpu", ["-DGGML_NATIVE=OFF", "-DGGML_RPC=ON"]) == cpu_artifact
+    assert cached_build("cpu", ["-DGGML_NATIVE=ON"]) != cpu_artifact
 
 
 def test_cmake_args_are_canonical_and_user_args_override() -> None:
-    base = artifacts.effective_cmake_args("cpu")
+    base = effective_cmake_args("cpu")
     assert "-DGGML_NATIVE=OFF" in base and "-DCMAKE_INSTALL_RPATH=$ORIGIN" in base
-    native = artifacts.effective_cmake_args("cuda", ["-DGGML_NATIVE:BOOL=ON", "-G", "Ninja"])
+    native = effective_cmake_args("cuda", ["-DGGML_NATIVE:BOOL=ON", "-G", "Ninja"])
     assert "-DGGML_NATIVE=ON" in native and "-DGGML_NATIVE=OFF" not in native
     assert "-DGGML_CUDA=ON" in native and native[-2:] == ("-G", "Ninja")
-    key = artifacts.build_key("0.3.36", "cpu", ["-DA=1", "-DB=2"])
-    assert key == artifacts.build_key("0.3.36", "cpu", ["-DB=2", "-DA=1"])
-    assert key != artifacts.build_key("0.3.37", "cpu", ["-DA=1", "-DB=2"])
-    assert key != artifacts.build_key("0.3.36", "cpu", ["-DA=1", "-DB=2"], arch="aarch64")
+    key = build_key("0.3.36", "cpu", ["-DA=1", "-DB=2"])
+    assert key == build_key("0.3.36", "cpu", ["-DB=2", "-DA=1"])
+    assert key != build_key("0.3.37", "cpu", ["-DA=1", "-DB=2"])
+    assert key != build_key("0.3.36", "cpu", ["-DA=1", "-DB=2"], arch="aarch64")
     with pytest.raises(ArtifactError, match="unknown backend"):
-        artifacts.effective_cmake_args("opencl")
+        effective_cmake_args("opencl")
 
 
 def test_read_protocol_version(tmp_path: Path) -> None:
@@ -141,23 +165,23 @@ def test_read_protocol_version(tmp_path: Path) -> None:
         "#pragma once\n#define RPC_PROTO_MAJOR_VERSION    8\n"
         "#define RPC_PROTO_MINOR_VERSION 1\n#  define RPC_PROTO_PATCH_VERSION 12 // note\n"
     )
-    assert artifacts.read_protocol_version(header) == "8.1.12"
+    assert read_protocol_version(header) == "8.1.12"
     header.write_text("#define RPC_PROTO_MAJOR_VERSION 8\n#define RPC_PROTO_MINOR_VERSION 1\n")
     with pytest.raises(ArtifactError, match=r"ggml-rpc\.h: no RPC_PROTO_PATCH_VERSION"):
-        artifacts.read_protocol_version(header)
+        read_protocol_version(header)
 
 
 def test_archive_is_deterministic(cpu_artifact: Artifact, cpu_artifact_tree: Path, tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     shutil.copytree(cpu_artifact_tree, tree, symlinks=True)
     first = io.BytesIO()
-    artifacts.pack_artifact(tree, cpu_artifact.manifest, first)
+    pack_artifact(tree, cpu_artifact.manifest, first)
     # New mtimes (and a new folder) must not change a byte.
     for path in tree.rglob("*"):
         if not path.is_symlink():
             os.utime(path, (1_700_000_000, 1_700_000_000))
     second = io.BytesIO()
-    artifacts.pack_artifact(tree, cpu_artifact.manifest, second)
+    pack_artifact(tree, cpu_artifact.manifest, second)
     assert first.getvalue() == second.getvalue()
     assert sha256_of(first.getvalue()) == cpu_artifact.archive_sha256
     for member in archive_members(cpu_artifact.archive).values():
@@ -165,7 +189,7 @@ def test_archive_is_deterministic(cpu_artifact: Artifact, cpu_artifact_tree: Pat
 
 
 def test_verify_accepts_the_cached_artifact(cpu_artifact: Artifact) -> None:
-    artifacts.verify_artifact(cpu_artifact)  # raises on any mismatch
+    verify_artifact(cpu_artifact)  # raises on any mismatch
     # What it vouched for holds: the archive hash, and every file of the manifest in the archive with
     # its recorded hash (symlinks with their target).
     assert sha256_of(cpu_artifact.archive.read_bytes()) == cpu_artifact.archive_sha256
@@ -187,7 +211,7 @@ def test_verify_detects_a_corrupted_archive(cpu_artifact: Artifact, tmp_path: Pa
     data[len(data) // 2] ^= 0x01
     copy.write_bytes(data)
     with pytest.raises(ArtifactError, match=rf"archive {re.escape(copy.name)} has sha256"):
-        artifacts.verify_artifact(replace(cpu_artifact, archive=copy))
+        verify_artifact(replace(cpu_artifact, archive=copy))
 
 
 def test_verify_detects_a_corrupted_member(cpu_artifact: Artifact, tmp_path: Path) -> None:
@@ -201,11 +225,11 @@ def test_verify_detects_a_corrupted_member(cpu_artifact: Artifact, tmp_path: Pat
     copy.write_bytes(gzip.compress(bytes(raw)))
     corrupt = replace(cpu_artifact, archive=copy, archive_sha256=sha256_of(copy.read_bytes()))
     with pytest.raises(ArtifactError, match=rf"{re.escape(victim.path)}: sha256"):
-        artifacts.verify_artifact(corrupt)
+        verify_artifact(corrupt)
 
 
 def test_unpacked_server_runs_from_any_folder(cpu_artifact: Artifact, tmp_path: Path) -> None:
-    binary = artifacts.unpack_artifact(cpu_artifact, tmp_path / "some where" / "else")
+    binary = unpack_artifact(cpu_artifact, tmp_path / "some where" / "else")
     # The build folder still exists on this machine, so running alone would not catch an absolute
     # RUNPATH: require $ORIGIN-only search paths in every ELF file, then run it.
     for path in binary.parent.iterdir():
@@ -242,12 +266,12 @@ def test_unpacked_server_runs_from_any_folder(cpu_artifact: Artifact, tmp_path: 
 
 
 def test_local_server_binary_is_the_unpacked_default(cpu_artifact: Artifact) -> None:
-    binary = artifacts.local_server_binary()
-    assert binary == artifacts.artifacts_dir() / cpu_artifact.id / SERVER
+    binary = local_server_binary()
+    assert binary == artifacts_dir() / cpu_artifact.id / SERVER
     assert os.access(binary, os.X_OK)
     assert sha256_of(binary.read_bytes()) == cpu_artifact.manifest.file(SERVER).sha256
     start = time.perf_counter()
-    assert artifacts.local_server_binary() == binary
+    assert local_server_binary() == binary
     assert time.perf_counter() - start < 0.5
 
 
@@ -300,7 +324,7 @@ def test_url_source_with_a_wrong_sha256_leaves_nothing(
     base, requests = http_root
     spec = ArtifactSpec("url", f"{base}/{release_zip.name}", sha256="0" * 64, protocol="7.0.0")
     with pytest.raises(ArtifactError, match="sha256 is"):
-        artifacts.import_artifact(spec)
+        import_artifact(spec)
     assert requests == [f"/{release_zip.name}"]
     assert [p for p in artifact_home.rglob("*") if p.is_file()] == []
 
@@ -315,7 +339,7 @@ def test_url_source_is_fetched_once_and_repackaged(
     sha = sha256_of(release_zip.read_bytes())
     # No protocol given: it is asked from the binary with HELLO on 127.0.0.1.
     spec = ArtifactSpec("url", f"{base}/{release_zip.name}", sha256=sha)
-    artifact = artifacts.import_artifact(spec)
+    artifact = import_artifact(spec)
     m = artifact.manifest
     assert artifact.archive.parent == artifact_home / "artifacts"
     assert (m.protocol, m.backend, m.os, m.source) == ("7.0.0", "cpu", "linux", f"url:{spec.value}")
@@ -326,11 +350,11 @@ def test_url_source_is_fetched_once_and_repackaged(
     assert {p for p in paths if p.startswith("bin/lib")} == {
         e.path for e in cpu_artifact.manifest.files if e.path.startswith("bin/lib")
     }
-    artifacts.verify_artifact(artifact)
-    assert artifacts.load_artifact(artifact.id) == artifact
+    verify_artifact(artifact)
+    assert load_artifact(artifact.id) == artifact
     assert (artifact_home / "downloads" / sha).is_file()
     # A second request is answered from the cache, without fetching again.
-    assert artifacts.import_artifact(spec) == artifact
+    assert import_artifact(spec) == artifact
     assert requests == [f"/{release_zip.name}"]
 
 
@@ -342,37 +366,37 @@ def test_folder_source_through_a_spec_file(
     binary_sha = sha256_of((folder / "ggml-rpc-server").read_bytes())
     spec_file = tmp_path / "pinned.yml"
     spec_file.write_text(f"path: server\nsha256: {binary_sha}\nprotocol: 7.0.0\nbackend: cpu\n")
-    artifact = artifacts.resolve_artifact(str(spec_file), backend="cpu")
+    artifact = resolve_artifact(str(spec_file), backend="cpu")
     # The same files, the same manifest fields: the folder repacks into the built artifact's content.
     assert {e.path: e.sha256 for e in artifact.manifest.files} == {
         e.path: e.sha256 for e in cpu_artifact.manifest.files
     }
     assert artifact.manifest.protocol == "7.0.0"
-    artifacts.verify_artifact(artifact)
+    verify_artifact(artifact)
     spec_file.write_text(f"path: server\nsha256: {'1' * 64}\nprotocol: 7.0.0\n")
     with pytest.raises(ArtifactError, match="sha256 is"):
-        artifacts.resolve_artifact(str(spec_file), backend="cpu")
+        resolve_artifact(str(spec_file), backend="cpu")
 
 
 def test_an_artifact_archive_as_source_is_adopted_unchanged(
     cpu_artifact: Artifact, artifact_home: Path
 ) -> None:
     spec = ArtifactSpec("path", str(cpu_artifact.archive), sha256=cpu_artifact.archive_sha256)
-    adopted = artifacts.import_artifact(spec)
+    adopted = import_artifact(spec)
     assert (adopted.id, adopted.archive_sha256) == (cpu_artifact.id, cpu_artifact.archive_sha256)
     assert adopted.archive == artifact_home / "artifacts" / cpu_artifact.archive.name
-    assert [a.id for a in artifacts.list_artifacts()] == [cpu_artifact.id]
+    assert [a.id for a in list_artifacts()] == [cpu_artifact.id]
 
 
 def test_resolve_by_id_checks_the_platform(cpu_artifact: Artifact) -> None:
-    assert artifacts.resolve_artifact(cpu_artifact.id, backend="cpu") == cpu_artifact
-    assert artifacts.resolve_artifact("default") == cpu_artifact
+    assert resolve_artifact(cpu_artifact.id, backend="cpu") == cpu_artifact
+    assert resolve_artifact("default") == cpu_artifact
     with pytest.raises(ArtifactError, match="the host needs cuda/linux"):
-        artifacts.resolve_artifact(cpu_artifact.id, backend="cuda")
+        resolve_artifact(cpu_artifact.id, backend="cuda")
     with pytest.raises(ArtifactError, match=r"aarch64|x86_64"):
-        artifacts.resolve_artifact(cpu_artifact.id, arch="riscv64")
+        resolve_artifact(cpu_artifact.id, arch="riscv64")
     with pytest.raises(ArtifactError, match="neither a cached artifact id nor a spec file"):
-        artifacts.resolve_artifact("rpc-server-0.0.0-cpu-linux-x86_64-deadbeef")
+        resolve_artifact("rpc-server-0.0.0-cpu-linux-x86_64-deadbeef")
 
 
 # ---------------------------------------------------------------- spec files
@@ -406,7 +430,7 @@ def test_spec_errors_name_file_and_line(tmp_path: Path, text: str, line: int, me
     path = tmp_path / "artifact.yml"
     path.write_text(text)
     with pytest.raises(ArtifactSpecError) as info:
-        artifacts.read_artifact_spec(path)
+        read_artifact_spec(path)
     assert f"{path}:{line}" in str(info.value)
     assert message in str(info.value)
     assert isinstance(info.value, ArtifactError)
@@ -426,13 +450,13 @@ def test_spec_file_parsing(tmp_path: Path) -> None:
             }
         )
     )
-    spec = artifacts.read_artifact_spec(path)
+    spec = read_artifact_spec(path)
     assert (spec.kind, spec.sha256, spec.backend, spec.subdir) == ("url", "ab" * 32, "cuda", "build/bin")
     assert spec.cmake_args == ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=86")
     relative = tmp_path / "sub" / "local.yaml"
     relative.parent.mkdir()
     relative.write_text(f"path: ../srv.tar.gz\nsha256: {'c' * 64}\n")
-    assert artifacts.read_artifact_spec(relative).value == str(tmp_path / "srv.tar.gz")
+    assert read_artifact_spec(relative).value == str(tmp_path / "srv.tar.gz")
 
 
 # ---------------------------------------------------------------- building on the node
@@ -447,7 +471,7 @@ def test_on_node_build_script_text() -> None:
         cmake_args=("-DCMAKE_CUDA_ARCHITECTURES=86;89",),
         llama_cpp_python_version="0.3.36",
     )
-    script = artifacts.on_node_build_script(spec, workdir="/opt/rpc build", jobs=4)
+    script = on_node_build_script(spec, workdir="/opt/rpc build", jobs=4)
     assert script.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in script
     assert "workdir='/opt/rpc build'" in script
     assert "source='/opt/rpc build/llama_cpp_python-0.3.36.tar.gz'" in script
@@ -456,7 +480,7 @@ def test_on_node_build_script_text() -> None:
     assert "-DGGML_CUDA=ON" in script and "-DGGML_NATIVE=OFF" in script
     assert "--target ggml-rpc-server -j 4" in script
     with pytest.raises(ArtifactError):
-        artifacts.on_node_build_script(ArtifactSpec("url", "http://x", sha256="a" * 64))
+        on_node_build_script(ArtifactSpec("url", "http://x", sha256="a" * 64))
 
 
 def test_on_node_build_script_runs(tmp_path: Path) -> None:
@@ -484,7 +508,7 @@ def test_on_node_build_script_runs(tmp_path: Path) -> None:
     spec = ArtifactSpec(
         "build", "on_node", sha256=sha256_of(sdist.read_bytes()), llama_cpp_python_version="9.9.9"
     )
-    script = artifacts.on_node_build_script(spec, workdir="work")
+    script = on_node_build_script(spec, workdir="work")
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == "RPCFLEET_PROTOCOL=7.1.2"
@@ -492,7 +516,7 @@ def test_on_node_build_script_runs(tmp_path: Path) -> None:
     assert subprocess.run([str(out / "ggml-rpc-server")], cwd=tmp_path, timeout=10).returncode == 0
     assert (out / "libggml.so").is_symlink() and (out / "libggml.so.0.1.0").is_file()
     # A wrong pinned sha256 stops the script before anything is built.
-    bad = artifacts.on_node_build_script(replace(spec, sha256="0" * 64), workdir="work")
+    bad = on_node_build_script(replace(spec, sha256="0" * 64), workdir="work")
     assert subprocess.run(["bash", "-c", bad], cwd=tmp_path, capture_output=True, timeout=60).returncode != 0
 
 

@@ -12,15 +12,11 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from orchestrator.connection import (
-    CommandResult,
-    ConnectOptions,
-    LocalConnection,
-    SSHConnection,
-    connect,
-    shell_path,
-)
-from orchestrator.errors import (
+from orchestrator.connectors.base import CommandResult, ConnectOptions, shell_path
+from orchestrator.connectors.connect import connect
+from orchestrator.connectors.local import LocalConnection
+from orchestrator.connectors.ssh import SSHConnection
+from orchestrator.core.errors import (
     AuthenticationError,
     CommandError,
     CommandTimeoutError,
@@ -28,7 +24,7 @@ from orchestrator.errors import (
     TransferError,
     UnreachableError,
 )
-from orchestrator.inventory import Host
+from orchestrator.inventory.model import Host
 from tests.plugins.fakehosts import FakeHost, ServerLoop
 from tests.procs import gone
 

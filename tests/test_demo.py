@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from orchestrator import lab as labmod
 from orchestrator.cli import main
+from orchestrator.lab.lifecycle import list_labs
 from tests.plugins.lab import require_lab_privileges, session_lab_name
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
@@ -29,4 +29,4 @@ def test_demo_runs_the_pipeline_and_leaves_nothing(capsys: pytest.CaptureFixture
     assert plan_rows == actual_rows  # weights and KV predicted exactly (0.01 MiB log precision)
     speed = re.search(r"(\d+) tokens, decoding at ([\d.]+) tokens/s", out)
     assert speed is not None and int(speed.group(1)) == 24 and float(speed.group(2)) > 0
-    assert name not in labmod.list_labs()
+    assert name not in list_labs()

@@ -15,23 +15,25 @@ from typing import Any
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import Artifact
-from orchestrator.errors import InstallError
-from orchestrator.executor import RunResult, Session
-from orchestrator.install import ArtifactChooser, InstallState, apply_install, plan_install
-from orchestrator.inventory import Host
-from orchestrator.rpc import Outcome, probe_endpoint
-from orchestrator.service import (
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.core.errors import InstallError
+from orchestrator.engine.executor import RunResult, Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_apply import apply_install
+from orchestrator.operations.install_plan import InstallState, plan_install
+from orchestrator.operations.server import ServerStatus, read_node_state
+from orchestrator.operations.service import (
     DeployResult,
-    ServerStatus,
     make_deploy_step,
     make_restart_step,
     make_rollback_step,
     make_status_step,
     make_stop_step,
-    read_node_state,
 )
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
 from tests.procs import wait_gone
 
 pytestmark = pytest.mark.lab
@@ -70,25 +72,25 @@ def _service_action(value: object) -> str:
     return value.service.action
 
 
-def _node_file(lab: labmod.Lab, host: Host, relative: str) -> Path:
+def _node_file(lab: Lab, host: Host, relative: str) -> Path:
     return lab.node(host.name).home / relative
 
 
-def _server_pid(lab: labmod.Lab, host: Host, install: str = "rpcfleet") -> int:
+def _server_pid(lab: Lab, host: Host, install: str = "rpcfleet") -> int:
     return int(_node_read(lab, host, f"{install}/run/rpc-server.pid") or "0")
 
 
-def _node_read(lab: labmod.Lab, host: Host, relative: str) -> str:
+def _node_read(lab: Lab, host: Host, relative: str) -> str:
     """A file as the node sees it (inside its mount namespace, where a test may have mounted a tmpfs)."""
     path = f"/home/{lab.user}/{relative}"
     return lab.node_exec(host.name, ["sh", "-c", f"cat {path} 2>/dev/null || true"]).stdout.strip()
 
 
-def _node_ls(lab: labmod.Lab, host: Host, relative: str) -> list[str]:
+def _node_ls(lab: Lab, host: Host, relative: str) -> list[str]:
     return lab.node_exec(host.name, ["ls", "-A", f"/home/{lab.user}/{relative}"]).stdout.split()
 
 
-def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
+def _clean(lab: Lab, hosts: list[Host]) -> None:
     """Kill our servers (by pid file) and remove every install folder this module uses."""
     for host in hosts:
         for install in INSTALL_DIRS:
@@ -104,7 +106,7 @@ def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
 
 
 @pytest.fixture
-def nodes(lab: labmod.Lab, lab_hosts: list[Host]) -> Iterator[list[Host]]:
+def nodes(lab: Lab, lab_hosts: list[Host]) -> Iterator[list[Host]]:
     """The lab's hosts, with nothing of ours installed before and after the test."""
     _clean(lab, lab_hosts)
     yield lab_hosts
@@ -118,7 +120,7 @@ def chooser(cpu_artifact: Artifact) -> ArtifactChooser:
 
 
 async def test_deploy_noop_restart_stop(
-    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser, cpu_artifact: Artifact
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser, cpu_artifact: Artifact
 ) -> None:
     first = await _run(nodes, make_deploy_step(chooser), "deploy")
     assert [r.status for r in first.results] == ["changed"] * 3, [str(r.error) for r in first.failed]
@@ -156,7 +158,7 @@ async def test_deploy_noop_restart_stop(
 
 
 async def test_a_killed_server_is_crashed_and_deploy_brings_it_back(
-    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
 ) -> None:
     assert (await _run(nodes, make_deploy_step(chooser), "deploy")).ok
     victim = nodes[1]
@@ -175,7 +177,7 @@ async def test_a_killed_server_is_crashed_and_deploy_brings_it_back(
 
 
 async def test_a_corrupted_archive_is_refused_and_the_old_version_keeps_serving(
-    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser, cpu_artifact: Artifact, tmp_path: Path
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser, cpu_artifact: Artifact, tmp_path: Path
 ) -> None:
     host = nodes[0]
     assert (await _run([host], make_deploy_step(chooser), "deploy")).ok
@@ -197,7 +199,7 @@ async def test_a_corrupted_archive_is_refused_and_the_old_version_keeps_serving(
 
 
 async def test_a_full_disk_fails_cleanly(
-    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser, cpu_artifact: Artifact
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser, cpu_artifact: Artifact
 ) -> None:
     host = dataclasses.replace(nodes[2], install_dir="~/fulldisk", rpc_port=50053)
     mount_point = f"/home/{lab.user}/fulldisk"
@@ -240,7 +242,7 @@ async def test_a_taken_port_is_a_clear_error(nodes: list[Host], chooser: Artifac
 
 
 async def test_an_unreachable_node_is_reported_while_the_others_deploy(
-    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
 ) -> None:
     lab.firewall_reject(nodes[2].name)
     run = await _run(nodes, make_deploy_step(chooser), "deploy")
@@ -268,7 +270,7 @@ async def test_rollback_returns_to_the_previous_version(
 
 
 async def test_a_timed_out_probe_of_a_held_server_does_not_kill_it(
-    nodes: list[Host], lab: labmod.Lab, chooser: ArtifactChooser
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
 ) -> None:
     host = nodes[0]
     assert (await _run([host], make_deploy_step(chooser), "deploy")).ok

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from orchestrator.errors import CommandError, RpcfleetError, UnreachableError, UsageError
-from orchestrator.executor import HostContext, Recap, Session, StepOutcome, batch_sizes
-from orchestrator.inventory import Host
+from orchestrator.core.errors import CommandError, RpcfleetError, UnreachableError, UsageError
+from orchestrator.engine.executor import HostContext, Recap, Session, StepOutcome, batch_sizes
+from orchestrator.inventory.model import Host
 
 
 def hosts(n: int) -> list[Host]:

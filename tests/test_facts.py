@@ -19,8 +19,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import facts
-from orchestrator.facts import FACT_TYPES, Fact, RawOutput, gather_command, parse_gathered, split_output
+from orchestrator.facts.base import Fact, RawOutput, gather_command, new_token, parse_gathered, split_output
+from orchestrator.facts.gpus import GpuReport, NvidiaGpuFact, RocmGpuFact
+from orchestrator.facts.registry import FACT_TYPES
+from orchestrator.facts.server import (
+    CurrentLinkFact,
+    HistoryFact,
+    InstallDirFact,
+    InstalledManifest,
+    InstalledManifestFact,
+    Listener,
+    ListenersFact,
+    LogMatchFact,
+    LogTailFact,
+    ProcessState,
+    RpcClientsFact,
+    ServerProcessFact,
+    VersionsFact,
+)
+from orchestrator.facts.system import CpuCountFact, FreeSpaceFact, MemoryFact, OsFact, OsInfo
 from tests.plugins.servers import LocalServer
 
 DATA = Path(__file__).parent / "data" / "facts"
@@ -50,10 +67,10 @@ def test_parser_data_case(case: Path) -> None:
 
 
 def test_commands_quote_their_arguments() -> None:
-    command = facts.InstalledManifestFact("/x; rm -rf /").command()
+    command = InstalledManifestFact("/x; rm -rf /").command()
     assert "'/x; rm -rf /" in command
     with pytest.raises(ValueError):
-        facts.RpcClientsFact("1; reboot").command()  # type: ignore[arg-type]
+        RpcClientsFact("1; reboot").command()  # type: ignore[arg-type]
 
 
 # --- gathering (pure) -------------------------------------------------------------------------------------
@@ -89,8 +106,8 @@ def test_split_output_ignores_other_tokens_and_marks_missing_facts() -> None:
 
 def test_gather_command_rejects_odd_tokens() -> None:
     with pytest.raises(ValueError):
-        gather_command([facts.CpuCountFact()], "a'b")
-    assert facts.new_token() != facts.new_token()
+        gather_command([CpuCountFact()], "a'b")
+    assert new_token() != new_token()
 
 
 # --- running the gathered script for real -----------------------------------------------------------------
@@ -111,7 +128,7 @@ class ScriptFact(Fact[RawOutput]):
 
 
 def run_gathered(shell: str, fact_list: list[Fact[Any]]) -> dict[str, Any]:
-    token = facts.new_token()
+    token = new_token()
     done = subprocess.run(
         [shell, "-c", gather_command(fact_list, token)], capture_output=True, text=True, timeout=60
     )
@@ -197,49 +214,49 @@ def test_gathered_facts_on_this_machine(
         values = run_gathered(
             shell,
             [
-                facts.OsFact(),
-                facts.CpuCountFact(),
-                facts.MemoryFact(),
-                facts.NvidiaGpuFact(),
-                facts.RocmGpuFact(),
-                facts.RpcClientsFact(server.port),
-                facts.ListenersFact(server.port),
-                facts.InstallDirFact(str(install)),
-                facts.CurrentLinkFact(str(install)),
-                facts.VersionsFact(str(install)),
-                facts.HistoryFact(str(install)),
-                facts.FreeSpaceFact(str(install / "not" / "yet")),
-                facts.InstalledManifestFact(str(install)),
-                facts.ServerProcessFact(str(tmp_path / "sleep.pid")),
-                facts.LogMatchFact(str(log), marker, failure),
-                facts.LogTailFact(str(log), 2),
+                OsFact(),
+                CpuCountFact(),
+                MemoryFact(),
+                NvidiaGpuFact(),
+                RocmGpuFact(),
+                RpcClientsFact(server.port),
+                ListenersFact(server.port),
+                InstallDirFact(str(install)),
+                CurrentLinkFact(str(install)),
+                VersionsFact(str(install)),
+                HistoryFact(str(install)),
+                FreeSpaceFact(str(install / "not" / "yet")),
+                InstalledManifestFact(str(install)),
+                ServerProcessFact(str(tmp_path / "sleep.pid")),
+                LogMatchFact(str(log), marker, failure),
+                LogTailFact(str(log), 2),
             ],
         )
         more = run_gathered(
             shell,
             [
-                facts.RpcClientsFact(idle.port),
-                facts.CurrentLinkFact(str(tmp_path / "nothing")),
-                facts.VersionsFact(str(tmp_path / "nothing")),
-                facts.HistoryFact(str(tmp_path / "nothing")),
-                facts.InstalledManifestFact(str(tmp_path / "nothing")),
-                facts.ServerProcessFact(str(tmp_path / "zombie.pid")),
-                facts.LogMatchFact(str(failed_log), marker, failure + ".* (not a regex)"),
-                facts.LogTailFact(str(tmp_path / "nothing.log")),
+                RpcClientsFact(idle.port),
+                CurrentLinkFact(str(tmp_path / "nothing")),
+                VersionsFact(str(tmp_path / "nothing")),
+                HistoryFact(str(tmp_path / "nothing")),
+                InstalledManifestFact(str(tmp_path / "nothing")),
+                ServerProcessFact(str(tmp_path / "zombie.pid")),
+                LogMatchFact(str(failed_log), marker, failure + ".* (not a regex)"),
+                LogTailFact(str(tmp_path / "nothing.log")),
             ],
         )
         none = run_gathered(
             shell,
             [
-                facts.ServerProcessFact(str(tmp_path / "no.pid")),
-                facts.LogMatchFact(str(tmp_path / "no.log"), "a", "b"),
+                ServerProcessFact(str(tmp_path / "no.pid")),
+                LogMatchFact(str(tmp_path / "no.log"), "a", "b"),
             ],
         )
     finally:
         client.close()
 
     os_release = platform.freedesktop_os_release()
-    assert values["os"] == facts.OsInfo(
+    assert values["os"] == OsInfo(
         platform.system(),
         platform.machine(),
         os_release["ID"],
@@ -251,30 +268,30 @@ def test_gathered_facts_on_this_machine(
     assert memory.total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < memory.available <= memory.total
     # Neither GPU tool is installed here: a normal "none", not an error.
-    assert values["nvidia_gpus"] == facts.GpuReport("nvidia-smi", present=False)
-    assert values["rocm_gpus"] == facts.GpuReport("rocm-smi", present=False)
+    assert values["nvidia_gpus"] == GpuReport("nvidia-smi", present=False)
+    assert values["rocm_gpus"] == GpuReport("rocm-smi", present=False)
     assert values["rpc_clients"] == (client_address,)
     (listener,) = values["listeners"]
-    assert listener == facts.Listener(f"{server.host}:{server.port}", "ggml-rpc-server", server.process.pid)
+    assert listener == Listener(f"{server.host}:{server.port}", "ggml-rpc-server", server.process.pid)
     assert values["install_dir"] == str(install)
     assert values["current_link"] == "versions/v2"
     assert values["versions"] == ("v 1", "v2")
     assert values["history"] == ("v 1", "v2")
     stat = os.statvfs(tmp_path)
     assert abs(values["free_space"] - stat.f_bavail * stat.f_frsize) < 64 << 20  # others write too
-    assert values["installed_manifest"] == facts.InstalledManifest(manifest)
-    assert values["server_process"] == facts.ProcessState(sleeper.pid, values["server_process"].stat, "sleep")
+    assert values["installed_manifest"] == InstalledManifest(manifest)
+    assert values["server_process"] == ProcessState(sleeper.pid, values["server_process"].stat, "sleep")
     assert values["server_process"].stat[0] in "SR"
     assert values["log_match"] is False  # the failure was before the last start
     assert values["log_tail"] == f"{marker} v2\nlistening\n"
     assert more["rpc_clients"] == ()
     assert (more["current_link"], more["versions"], more["history"]) == (None, (), ())
     assert more["installed_manifest"] is None
-    assert more["server_process"] == facts.ProcessState(zombie.pid, "Z", None)
+    assert more["server_process"] == ProcessState(zombie.pid, "Z", None)
     assert more["log_match"] is True  # matched as text, not as a pattern
     assert more["log_tail"] is None
-    assert none == {"server_process": facts.ProcessState(None), "log_match": False}
+    assert none == {"server_process": ProcessState(None), "log_match": False}
     sleeper.kill()
     sleeper.wait(5)
-    after = run_gathered(shell, [facts.ServerProcessFact(str(tmp_path / "sleep.pid"))])
-    assert after["server_process"] == facts.ProcessState(sleeper.pid, "", None)
+    after = run_gathered(shell, [ServerProcessFact(str(tmp_path / "sleep.pid"))])
+    assert after["server_process"] == ProcessState(sleeper.pid, "", None)

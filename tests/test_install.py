@@ -10,31 +10,31 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import install
-from orchestrator.artifacts import Artifact
-from orchestrator.connection import connect
-from orchestrator.errors import InstallError
-from orchestrator.facts import InstalledManifest, OsInfo
-from orchestrator.install import (
-    ArtifactChooser,
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.connectors.connect import connect
+from orchestrator.core.errors import InstallError
+from orchestrator.facts.server import InstalledManifest
+from orchestrator.facts.system import OsInfo
+from orchestrator.inventory.model import Host
+from orchestrator.operations.install import ArtifactChooser, ensure_installed
+from orchestrator.operations.install_apply import apply_install, parse_apply_output
+from orchestrator.operations.install_plan import (
     InstallState,
-    apply_install,
     install_state_from_facts,
-    parse_apply_output,
+    normalise_platform,
     plan_install,
     plan_rollback,
     prune_plan,
     read_install_state,
 )
-from orchestrator.inventory import Host
 
 # ---------------------------------------------------------------- pure
 
 
 def test_normalise_platform() -> None:
-    assert install.normalise_platform("Linux", "x86_64") == ("linux", "x86_64")
-    assert install.normalise_platform("Linux\n", "arm64") == ("linux", "aarch64")
-    assert install.normalise_platform("Darwin", "arm64") == ("darwin", "arm64")
+    assert normalise_platform("Linux", "x86_64") == ("linux", "x86_64")
+    assert normalise_platform("Linux\n", "arm64") == ("linux", "aarch64")
+    assert normalise_platform("Darwin", "arm64") == ("darwin", "arm64")
 
 
 def _values(
@@ -275,10 +275,10 @@ async def test_chooser_verifies_once_and_names_the_host(
 async def test_ensure_installed_check_mode_changes_nothing(local_host: Host, cpu_artifact: Artifact) -> None:
     conn = await connect(local_host)
     chooser = ArtifactChooser(cpu_artifact.id)
-    change = await install.ensure_installed(conn, local_host, chooser, check=True)
+    change = await ensure_installed(conn, local_host, chooser, check=True)
     assert change.action == "install"
     assert not _exists(local_host.install_dir)
-    change = await install.ensure_installed(conn, local_host, chooser)
+    change = await ensure_installed(conn, local_host, chooser)
     assert change.action == "install" and (Path(local_host.install_dir) / "current").exists()
-    assert (await install.ensure_installed(conn, local_host, chooser)).action == "none"
+    assert (await ensure_installed(conn, local_host, chooser)).action == "none"
     shutil.rmtree(local_host.install_dir)

@@ -11,21 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.errors import InventoryError
-from orchestrator.inventory import (
-    DEFAULT_INSTALL_DIR,
-    MAX_RANGE_HOSTS,
-    VARIABLES,
-    Host,
-    HostPatternError,
-    InventoryErrors,
-    detect_format,
-    expand_host_range,
-    host_to_dict,
-    load_inventory,
-    load_inventory_text,
-    select_hosts,
-)
+from orchestrator.core.errors import InventoryError
+from orchestrator.inventory.load import InventoryErrors, detect_format, load_inventory, load_inventory_text
+from orchestrator.inventory.model import Host, HostPatternError, host_to_dict, select_hosts
+from orchestrator.inventory.ranges import MAX_RANGE_HOSTS, expand_host_range
+from orchestrator.inventory.variables import DEFAULT_INSTALL_DIR, VARIABLES
 
 DATA = Path(__file__).parent / "data" / "inventory"
 EXAMPLES = Path(__file__).parent.parent / "inventory"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import _common, main
-from orchestrator.inventory import host_to_dict, load_inventory
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import host_to_dict
 
 DATA = Path(__file__).parent / "data" / "inventory"
 FLEET = str(DATA / "fleet_ansible.yml")

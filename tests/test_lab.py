@@ -18,18 +18,23 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import lab as labmod
 from orchestrator.cli import main
-from orchestrator.connection import ConnectOptions, LocalConnection, connect
-from orchestrator.errors import AuthenticationError, HostKeyError, LabError, UnreachableError
-from orchestrator.inventory import Host, load_inventory
+from orchestrator.connectors.base import ConnectOptions
+from orchestrator.connectors.connect import connect
+from orchestrator.connectors.local import LocalConnection
+from orchestrator.core.errors import AuthenticationError, HostKeyError, LabError, UnreachableError
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import Host
+from orchestrator.lab.lifecycle import default_lab_inventory, lab_down, lab_status, lab_up, reap_stale
+from orchestrator.lab.model import Lab
+from orchestrator.lab.procs import _run_all
 from tests.plugins.lab import lab_hosts_of
 
-MakeLab = Callable[..., labmod.Lab]
+MakeLab = Callable[..., Lab]
 FAST = ConnectOptions(connect_timeout=1.0, keepalive_interval=1.0, keepalive_count_max=2)
 
 
-def leftovers(lab: labmod.Lab) -> list[str]:
+def leftovers(lab: Lab) -> list[str]:
     """Everything of `lab` still on the machine, found independently of the lab module."""
     found: list[str] = []
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
@@ -73,11 +78,11 @@ async def start_sleeper(host: Host) -> int:
     return int(result.stdout.strip())
 
 
-def orphaned_lab(name: str) -> labmod.Lab:
+def orphaned_lab(name: str) -> Lab:
     """A lab as a run killed half-way leaves it: its owner is gone and nothing ran `down`."""
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        return labmod.lab_up(2, name=name, owner_pid=owner.pid)
+        return lab_up(2, name=name, owner_pid=owner.pid)
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
@@ -87,7 +92,7 @@ def orphaned_lab(name: str) -> labmod.Lab:
 
 
 @pytest.mark.lab
-async def test_each_node_is_its_own_machine_over_real_ssh(lab: labmod.Lab, lab_hosts: list[Host]) -> None:
+async def test_each_node_is_its_own_machine_over_real_ssh(lab: Lab, lab_hosts: list[Host]) -> None:
     assert [h.name for h in lab_hosts] == [n.name for n in lab.nodes]
     assert len({h.address for h in lab_hosts}) == 3
 
@@ -114,7 +119,7 @@ async def test_each_node_is_its_own_machine_over_real_ssh(lab: labmod.Lab, lab_h
 
 @pytest.mark.lab
 async def test_file_transfer_and_nodes_have_no_way_out(
-    lab: labmod.Lab, lab_hosts: list[Host], tmp_path: Path
+    lab: Lab, lab_hosts: list[Host], tmp_path: Path
 ) -> None:
     source = tmp_path / "blob"
     source.write_bytes(os.urandom(300_000))
@@ -127,8 +132,8 @@ async def test_file_transfer_and_nodes_have_no_way_out(
 
 
 @pytest.mark.lab
-def test_status_reports_every_node(lab: labmod.Lab, capsys: pytest.CaptureFixture[str]) -> None:
-    status = labmod.lab_status(lab.name)
+def test_status_reports_every_node(lab: Lab, capsys: pytest.CaptureFixture[str]) -> None:
+    status = lab_status(lab.name)
     assert status.healthy and status.kind == "netns" and status.user == lab.user
     assert [n.address for n in status.nodes] == [f"10.77.{lab.slot}.{11 + i}" for i in range(3)]
     assert all(n.namespace_present and n.reachable and n.sshd_pid for n in status.nodes)
@@ -139,7 +144,7 @@ def test_status_reports_every_node(lab: labmod.Lab, capsys: pytest.CaptureFixtur
 
 @pytest.mark.lab
 async def test_pulled_cable_is_unreachable_within_the_connect_timeout_others_fine(
-    healthy_lab: labmod.Lab, lab_hosts: list[Host]
+    healthy_lab: Lab, lab_hosts: list[Host]
 ) -> None:
     healthy_lab.cut_link(2)
 
@@ -156,7 +161,7 @@ async def test_pulled_cable_is_unreachable_within_the_connect_timeout_others_fin
     assert results[0][0] == lab_hosts[0].name and results[2][0] == lab_hosts[2].name
     assert results[1][0] == "unreachable: UnreachableError"
     assert 0.9 <= results[1][1] < 3.0  # the connect timeout, not minutes
-    status = labmod.lab_status(healthy_lab.name, probe_timeout=0.3)
+    status = lab_status(healthy_lab.name, probe_timeout=0.3)
     assert [n.reachable for n in status.nodes] == [True, False, True]
     healthy_lab.restore_link(2)
     async with await connect(lab_hosts[1], FAST) as conn:
@@ -165,7 +170,7 @@ async def test_pulled_cable_is_unreachable_within_the_connect_timeout_others_fin
 
 @pytest.mark.lab
 async def test_cut_on_an_open_connection_is_noticed_by_keepalive(
-    healthy_lab: labmod.Lab, lab_hosts: list[Host]
+    healthy_lab: Lab, lab_hosts: list[Host]
 ) -> None:
     async with await connect(lab_hosts[0], FAST) as conn:
         await conn.run("true", timeout=5, check=True)
@@ -178,7 +183,7 @@ async def test_cut_on_an_open_connection_is_noticed_by_keepalive(
 
 @pytest.mark.lab
 async def test_firewall_drop_times_out_reject_refuses_at_once(
-    healthy_lab: labmod.Lab, lab_hosts: list[Host]
+    healthy_lab: Lab, lab_hosts: list[Host]
 ) -> None:
     healthy_lab.firewall_reject(3)
     started = time.monotonic()
@@ -198,7 +203,7 @@ async def test_firewall_drop_times_out_reject_refuses_at_once(
 
 @pytest.mark.lab
 async def test_killed_sshd_refuses_new_connections_open_sessions_live_on(
-    healthy_lab: labmod.Lab, lab_hosts: list[Host]
+    healthy_lab: Lab, lab_hosts: list[Host]
 ) -> None:
     old_pid = healthy_lab.nodes[0].sshd_pid()
     assert old_pid is not None and old_pid in healthy_lab.node_pids(1)
@@ -215,7 +220,7 @@ async def test_killed_sshd_refuses_new_connections_open_sessions_live_on(
 
 
 @pytest.mark.lab
-async def test_wrong_host_key_is_refused(lab: labmod.Lab, lab_hosts: list[Host], tmp_path: Path) -> None:
+async def test_wrong_host_key_is_refused(lab: Lab, lab_hosts: list[Host], tmp_path: Path) -> None:
     lines = lab.known_hosts.read_text().splitlines()
     first_key = lines[0].split(None, 1)[1]
     second_key = lines[1].split(None, 1)[1]
@@ -233,7 +238,7 @@ async def test_wrong_host_key_is_refused(lab: labmod.Lab, lab_hosts: list[Host],
 
 @pytest.mark.lab
 async def test_wrong_client_key_is_an_authentication_error(
-    lab: labmod.Lab, lab_hosts: list[Host], other_client_key_path: Path
+    lab: Lab, lab_hosts: list[Host], other_client_key_path: Path
 ) -> None:
     key = other_client_key_path
     with pytest.raises(AuthenticationError) as info:
@@ -245,7 +250,7 @@ async def test_wrong_client_key_is_an_authentication_error(
 
 
 @pytest.mark.lab
-async def test_node_exec_mounts_inside_the_node_only(healthy_lab: labmod.Lab, lab_hosts: list[Host]) -> None:
+async def test_node_exec_mounts_inside_the_node_only(healthy_lab: Lab, lab_hosts: list[Host]) -> None:
     node = healthy_lab.nodes[1]
     (node.home / "small").mkdir(exist_ok=True)
     mount_point = f"{healthy_lab.home_mount}/small"
@@ -273,17 +278,17 @@ async def test_down_leaves_nothing_behind(make_lab: MakeLab) -> None:
     assert alive(sleeper) and sleeper in made.node_pids(1)
     assert leftovers(made)  # the check sees the lab while it is up
     started = time.monotonic()
-    assert labmod.lab_down(made.name) is True
+    assert lab_down(made.name) is True
     assert time.monotonic() - started < 3.0
     assert leftovers(made) == []
     assert not alive(sleeper)
-    assert labmod.lab_down(made.name) is False  # idempotent
+    assert lab_down(made.name) is False  # idempotent
     with pytest.raises(LabError, match="no lab named"):
-        labmod.lab_status(made.name)
+        lab_status(made.name)
 
 
 @pytest.mark.lab
-async def test_reap_removes_a_killed_runs_leftovers_only(lab: labmod.Lab, make_lab: MakeLab) -> None:
+async def test_reap_removes_a_killed_runs_leftovers_only(lab: Lab, make_lab: MakeLab) -> None:
     orphan = orphaned_lab(f"t{os.getpid()}o")
     sleeper = await start_sleeper(lab_hosts_of(orphan)[1])
     # A run whose state dir was deleted outright: namespaces, links, user, sshds remain.
@@ -291,22 +296,22 @@ async def test_reap_removes_a_killed_runs_leftovers_only(lab: labmod.Lab, make_l
     while lost.dir.exists():  # its sshds may still be appending to their logs
         shutil.rmtree(lost.dir, ignore_errors=True)
     assert leftovers(orphan) and leftovers(lost)
-    removed = labmod.reap_stale()
+    removed = reap_stale()
     assert any(f"rfl{orphan.slot}-" in r for r in removed) and any(f"rfl{lost.slot}-" in r for r in removed)
     assert leftovers(orphan) == [] and leftovers(lost) == []
     assert not alive(sleeper)
-    assert labmod.lab_status(lab.name).healthy  # the live session lab is untouched
-    assert labmod.reap_stale() == []
+    assert lab_status(lab.name).healthy  # the live session lab is untouched
+    assert reap_stale() == []
 
 
 @pytest.mark.lab
-def test_up_refuses_a_running_name_and_rejects_bad_input(lab: labmod.Lab) -> None:
+def test_up_refuses_a_running_name_and_rejects_bad_input(lab: Lab) -> None:
     with pytest.raises(LabError, match="already up"):
-        labmod.lab_up(1, name=lab.name)
+        lab_up(1, name=lab.name)
     with pytest.raises(LabError, match="invalid lab name"):
-        labmod.lab_up(1, name="Bad_Name")
+        lab_up(1, name="Bad_Name")
     with pytest.raises(LabError, match="between 1 and"):
-        labmod.lab_up(0, name="zero")
+        lab_up(0, name="zero")
 
 
 @pytest.mark.lab
@@ -315,9 +320,9 @@ def test_up_and_down_are_fast(count: int, make_lab: MakeLab) -> None:
     started = time.monotonic()
     made = make_lab(count)
     up = time.monotonic() - started
-    assert labmod.lab_status(made.name).healthy
+    assert lab_status(made.name).healthy
     started = time.monotonic()
-    labmod.lab_down(made.name)
+    lab_down(made.name)
     down = time.monotonic() - started
     print(f"lab of {count}: up {up:.3f} s, down {down:.3f} s")
     # Measured 0.1-0.3 s up and 0.15-0.3 s down; bounds leave room for a loaded CI machine.
@@ -355,8 +360,8 @@ async def test_local_lab_gives_each_node_its_own_home_and_address(make_lab: Make
             result = await conn.run("pwd; echo $HOME; echo hi > mark", timeout=5, check=True)
         assert result.stdout.split() == [str(node.home)] * 2
         assert (node.home / "mark").exists()
-    assert labmod.lab_status(made.name).healthy
-    labmod.lab_down(made.name)
+    assert lab_status(made.name).healthy
+    lab_down(made.name)
     assert not made.dir.exists()
 
 
@@ -392,24 +397,24 @@ def test_without_privileges_up_says_so_and_local_still_works(tmp_path: Path) -> 
 def test_default_lab_inventory_hints_at_lab_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path))
     with pytest.raises(LabError) as info:
-        labmod.default_lab_inventory()
+        default_lab_inventory()
     assert "rpcfleet lab up" in str(info.value)
-    labmod.lab_up(1, local=True)
+    lab_up(1, local=True)
     try:
-        assert labmod.default_lab_inventory() == tmp_path / "lab" / "lab" / "inventory.yml"
+        assert default_lab_inventory() == tmp_path / "lab" / "lab" / "inventory.yml"
     finally:
-        labmod.lab_down()
+        lab_down()
 
 
 @pytest.mark.lab
 def test_down_all_spares_labs_of_running_sessions(
-    lab: labmod.Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A home of its own: `down --all` must not touch other people's labs on this machine.
     monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path))
     pid = os.getpid()
-    unowned = labmod.lab_up(1, name=f"t{pid}u")
-    owned = labmod.lab_up(1, name=f"t{pid}w", owner_pid=pid)
+    unowned = lab_up(1, name=f"t{pid}u")
+    owned = lab_up(1, name=f"t{pid}w", owner_pid=pid)
     try:
         result = subprocess.run(
             [sys.executable, "-m", "orchestrator", "lab", "down", "--all"],
@@ -421,12 +426,12 @@ def test_down_all_spares_labs_of_running_sessions(
         assert result.returncode == 0, result.stderr
         assert leftovers(unowned) == []
         assert f"kept lab {owned.name}" in result.stdout
-        assert labmod.lab_status(owned.name).healthy
+        assert lab_status(owned.name).healthy
     finally:
-        labmod.lab_down(unowned.name)
-        labmod.lab_down(owned.name)
+        lab_down(unowned.name)
+        lab_down(owned.name)
     monkeypatch.undo()
-    assert labmod.lab_status(lab.name).healthy  # found through its bridge, from another home: live
+    assert lab_status(lab.name).healthy  # found through its bridge, from another home: live
 
 
 def test_run_all_reaps_what_it_started_when_a_command_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -439,7 +444,7 @@ def test_run_all_reaps_what_it_started_when_a_command_cannot_start(monkeypatch: 
 
     monkeypatch.setattr(subprocess, "Popen", Recording)
     with pytest.raises(LabError, match="cannot run /nonexistent/rpcfleet-tool") as info:
-        labmod._run_all([["sleep", "30"], ["/nonexistent/rpcfleet-tool", "x"], ["sleep", "30"]])
+        _run_all([["sleep", "30"], ["/nonexistent/rpcfleet-tool", "x"], ["sleep", "30"]])
     assert info.value.command == "/nonexistent/rpcfleet-tool x"
     (sleeper,) = started  # the third never started
     assert sleeper.returncode is not None  # killed and reaped, not left running

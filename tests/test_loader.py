@@ -16,10 +16,31 @@ from typing import Any
 
 import pytest
 
-from orchestrator import loader, rpc
-from orchestrator.errors import LoaderError
-from orchestrator.model import profile_model
-from orchestrator.planner import Plan, PlanOptions, make_plan, order_devices
+import orchestrator.llama.loader as llama_loader
+from orchestrator.core.errors import LoaderError
+from orchestrator.llama.errors import (
+    DeviceMismatchError,
+    EndpointBusyError,
+    EndpointLimitError,
+    EndpointUnreachableError,
+    ProtocolMismatchError,
+    _error_for_probe,
+)
+from orchestrator.llama.loader import _multimodal, check_plan_devices, device_names, load_llama, preflight
+from orchestrator.llama.logs import (
+    join_log_records,
+    model_allocations,
+    parse_buffer_line,
+    parse_load_log,
+    parse_server_log,
+)
+from orchestrator.llama.native import _register, live_endpoints, registered_endpoints
+from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
+from orchestrator.planning.placement import order_devices
+from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.rpc.protocol import Outcome, ProbeResult
 from tests.fakerpc import fake_rpc_server, protocol
 from tests.plugins.llama import DebugServer, GiB, plan_devices
 from tests.plugins.servers import free_port
@@ -60,7 +81,7 @@ BUFFER_LINES = [
 
 @pytest.mark.parametrize(("line", "expected"), BUFFER_LINES)
 def test_parse_buffer_line(line: str, expected: tuple[Any, ...]) -> None:
-    buf = loader.parse_buffer_line(line)
+    buf = parse_buffer_line(line)
     assert buf is not None
     assert (buf.kind, buf.buffer, buf.mib, buf.endpoint, buf.index) == expected
     assert abs(buf.approx_bytes - expected[2] * MiB) < 1
@@ -77,7 +98,7 @@ def test_parse_buffer_line(line: str, expected: tuple[Any, ...]) -> None:
     ],
 )
 def test_parse_buffer_line_ignores_other_lines(line: str) -> None:
-    assert loader.parse_buffer_line(line) is None
+    assert parse_buffer_line(line) is None
 
 
 LOAD_LOG = """\
@@ -95,7 +116,7 @@ sched_reserve: RPC0[127.0.0.1:50111] compute buffer size =    16.02 MiB
 
 
 def test_parse_load_log() -> None:
-    parsed = loader.parse_load_log(LOAD_LOG.splitlines())
+    parsed = parse_load_log(LOAD_LOG.splitlines())
     assert parsed.devices == (("RPC2", "127.0.0.1:50112"), ("RPC0", "127.0.0.1:50111"))
     assert dict(parsed.layers) == {0: "CPU", 1: "RPC2", 2: "RPC0"}
     assert [(b.kind, b.endpoint) for b in parsed.buffers] == [
@@ -109,7 +130,7 @@ def test_parse_load_log() -> None:
 
 def test_join_log_records_joins_continuations_and_splits_lines() -> None:
     records = [(2, "load_tensors: layer "), (5, "  1 assigned"), (5, " to device RPC0\n"), (2, "a\nb\n")]
-    assert loader.join_log_records(records) == ["load_tensors: layer   1 assigned to device RPC0", "a", "b"]
+    assert join_log_records(records) == ["load_tensors: layer   1 assigned to device RPC0", "a", "b"]
 
 
 # --- pure: the server's debug log -------------------------------------------------------------------------
@@ -136,7 +157,7 @@ Accepted client connection
 
 
 def test_parse_server_log() -> None:
-    allocs = loader.parse_server_log(SERVER_LOG)
+    allocs = parse_server_log(SERVER_LOG)
     assert [(a.connection, a.device, a.size, a.freed) for a in allocs] == [
         (1, 0, 2625536, True),  # freed when its client's connection closed
         (1, 0, 1048576, True),
@@ -148,19 +169,19 @@ def test_parse_server_log() -> None:
     assert allocs[0].remote_ptr == 0x55F17E9EEEB0
     assert allocs[2].remote_ptr is None
     # The last connection that allocated is the model's; per device, in order.
-    assert loader.model_allocations(allocs) == {1: [4096], 0: [512]}
-    assert loader.model_allocations(allocs[:4]) == {0: [2625536, 1048576, 16801792]}
-    assert loader.model_allocations(()) == {}
+    assert model_allocations(allocs) == {1: [4096], 0: [512]}
+    assert model_allocations(allocs[:4]) == {0: [2625536, 1048576, 16801792]}
+    assert model_allocations(()) == {}
 
 
 def test_exact_memory_pairs_logged_buffers_with_allocations() -> None:
-    logged = loader.MemoryBytes(weights=round(2.50 * MiB), kv=MiB, compute=round(16.02 * MiB))
-    exact = loader.exact_memory(logged, [2625536, 1048576, 16801792])
-    assert exact == loader.MemoryBytes(2625536, 1048576, 16801792)
+    logged = MemoryBytes(weights=round(2.50 * MiB), kv=MiB, compute=round(16.02 * MiB))
+    exact = exact_memory(logged, [2625536, 1048576, 16801792])
+    assert exact == MemoryBytes(2625536, 1048576, 16801792)
     # A dummy zero-size buffer in between is skipped; a missing one is an error.
-    assert loader.exact_memory(logged, [2625536, 0, 1048576, 16801792]) == exact
+    assert exact_memory(logged, [2625536, 0, 1048576, 16801792]) == exact
     with pytest.raises(ValueError, match="compute"):
-        loader.exact_memory(logged, [2625536, 1048576])
+        exact_memory(logged, [2625536, 1048576])
 
 
 # --- pure: plans against servers --------------------------------------------------------------------------
@@ -174,18 +195,18 @@ def two_device_plan(tiny_model: Path) -> Plan:
 
 def test_check_plan_devices(two_device_plan: Plan) -> None:
     plan = two_device_plan
-    loader.check_plan_devices(plan, {"127.0.0.1:1": 1, "127.0.0.1:2": 1})
-    with pytest.raises(loader.DeviceMismatchError, match="server has 1 device"):
+    check_plan_devices(plan, {"127.0.0.1:1": 1, "127.0.0.1:2": 1})
+    with pytest.raises(DeviceMismatchError, match="server has 1 device"):
         moved = dataclasses.replace(plan.devices[1], index=1)
-        loader.check_plan_devices(
+        check_plan_devices(
             dataclasses.replace(plan, devices=(plan.devices[0], moved)), {"127.0.0.1:1": 1, "127.0.0.1:2": 1}
         )
-    with pytest.raises(loader.DeviceMismatchError, match="tensor_split"):
-        loader.check_plan_devices(
+    with pytest.raises(DeviceMismatchError, match="tensor_split"):
+        check_plan_devices(
             dataclasses.replace(plan, tensor_split=(1.0,)), {"127.0.0.1:1": 1, "127.0.0.1:2": 1}
         )
-    with pytest.raises(loader.DeviceMismatchError, match="twice"):
-        loader.check_plan_devices(
+    with pytest.raises(DeviceMismatchError, match="twice"):
+        check_plan_devices(
             dataclasses.replace(plan, devices=(plan.devices[0], plan.devices[0])), {"127.0.0.1:1": 2}
         )
 
@@ -201,7 +222,7 @@ def test_build_placement_sets_predicted_beside_actual(two_device_plan: Plan) -> 
         f"llama_kv_cache: RPC0[{b}] KV buffer size =     1.00 MiB",
         "sched_reserve:        CPU compute buffer size =    10.54 MiB",
     ]
-    placement = loader.build_placement(plan, ["RPC7", "RPC9"], lines, 0.5)
+    placement = build_placement(plan, ["RPC7", "RPC9"], lines, 0.5)
     first, second = placement.devices
     assert (first.name, first.label, first.actual.weights) == ("RPC7", f"{a}#0", round(2.5 * MiB))
     assert (second.actual.weights, second.actual.kv, second.actual.compute) == (round(2.65 * MiB), MiB, 0)
@@ -214,9 +235,9 @@ def test_build_placement_sets_predicted_beside_actual(two_device_plan: Plan) -> 
 
 def test_plan_controlled_kwargs_are_refused(two_device_plan: Plan) -> None:
     with pytest.raises(LoaderError, match="n_ctx"):
-        loader.load_llama(two_device_plan, n_ctx=4096)
+        load_llama(two_device_plan, n_ctx=4096)
     with pytest.raises(LoaderError, match="rpc_servers"):
-        loader.load_llama(two_device_plan, rpc_servers=["127.0.0.1:1"])
+        load_llama(two_device_plan, rpc_servers=["127.0.0.1:1"])
 
 
 # --- real loads -------------------------------------------------------------------------------------------
@@ -259,15 +280,15 @@ def test_predictions_match_server_allocations(
     plan = make_plan(plan_devices(servers), profile_model(path), PlanOptions(**options))
     assert len(plan.devices) == n_servers
     offsets = [s.log_offset() for s in servers]
-    llm = loader.load_llama(plan, path)
+    llm = load_llama(plan, path)
     try:
         assert len(_generate(llm)) == 4
-        placement = loader.placement_of(llm)
+        placement = placement_of(llm)
         assert placement.layers_as_planned
         assert [desc for _, desc in placement.used_devices] == [s.endpoint for s in servers]
         for server, offset, dev in zip(servers, offsets, placement.devices, strict=True):
             sizes = server.allocations_since(offset)[0]
-            exact = loader.exact_memory(dev.actual, sizes)
+            exact = exact_memory(dev.actual, sizes)
             assert exact.weights == dev.predicted.weights, dev.label
             assert exact.kv == dev.predicted.kv, dev.label
             error = abs(exact.compute - dev.predicted.compute) / exact.compute
@@ -291,12 +312,12 @@ def test_layers_follow_memory_budgets_and_plan_order(
     assert [d.endpoint for d in devices] == [c.endpoint, a.endpoint, b.endpoint]
     plan = make_plan(devices, profile_model(path), PlanOptions(n_ctx=256))
     assert plan.layer_counts == (2, 4, 6)
-    llm = loader.load_llama(plan, path)
+    llm = load_llama(plan, path)
     try:
-        placement = loader.placement_of(llm)
+        placement = placement_of(llm)
         # Only the plan's RPC devices, in plan order, though others are registered in this process.
         assert [desc for _, desc in placement.used_devices] == [c.endpoint, a.endpoint, b.endpoint]
-        assert [d.name for d in placement.devices] == loader.device_names(plan)
+        assert [d.name for d in placement.devices] == device_names(plan)
         assert [len(d.actual_layers) for d in placement.devices] == [2, 4, 6]
         assert placement.devices[2].actual_layers[-1] == plan.n_layer  # the output layer, last device
         assert len(_generate(llm)) == 4
@@ -312,27 +333,25 @@ def test_registrations_are_reused_and_never_leak(
     profile = profile_model(tiny_model)
     both = make_plan(plan_devices([a, b]), profile, PlanOptions(n_ctx=256))
     only_b = make_plan(plan_devices([b]), profile, PlanOptions(n_ctx=256))
-    first = loader.load_llama(both, tiny_model)
+    first = load_llama(both, tiny_model)
     try:
-        registered = loader.registered_endpoints()
+        registered = registered_endpoints()
         assert {a.endpoint, b.endpoint} <= set(registered)
         # While `first` holds b's connection, a second model on b reuses the registration (no probe,
         # which would only see our own connection as busy) and uses b alone.
-        second = loader.load_llama(only_b, tiny_model)
+        second = load_llama(only_b, tiny_model)
         try:
-            assert loader.registered_endpoints()[b.endpoint] == registered[b.endpoint]
-            assert loader.placement_of(second).used_devices == (
-                (registered[b.endpoint].names[0], b.endpoint),
-            )
-            assert loader.live_endpoints()[b.endpoint] == 2
+            assert registered_endpoints()[b.endpoint] == registered[b.endpoint]
+            assert placement_of(second).used_devices == ((registered[b.endpoint].names[0], b.endpoint),)
+            assert live_endpoints()[b.endpoint] == 2
             assert len(_generate(second)) == 4
             assert len(_generate(first)) == 4
         finally:
             second.close()
     finally:
         first.close()
-    assert a.endpoint not in loader.live_endpoints()
-    assert b.endpoint not in loader.live_endpoints()
+    assert a.endpoint not in live_endpoints()
+    assert b.endpoint not in live_endpoints()
 
 
 # --- refusals before native code --------------------------------------------------------------------------
@@ -354,30 +373,30 @@ def test_refusals_leave_the_process_alive(
     busy = start_rpc_server()
     hold_server(busy.endpoint)
     cases: list[tuple[str, type[LoaderError]]] = [
-        (stopped, loader.EndpointUnreachableError),
-        (busy.endpoint, loader.EndpointBusyError),
+        (stopped, EndpointUnreachableError),
+        (busy.endpoint, EndpointBusyError),
     ]
     with fake_rpc_server(protocol(version=(8, 0, 0))) as newer:
-        cases.append((newer.endpoint, loader.ProtocolMismatchError))
+        cases.append((newer.endpoint, ProtocolMismatchError))
         for endpoint, error in cases:
             with pytest.raises(error) as info:
-                loader.load_llama(_single_plan(endpoint, tiny_model), tiny_model, read_timeout=0.5)
+                load_llama(_single_plan(endpoint, tiny_model), tiny_model, read_timeout=0.5)
             assert info.value.host == endpoint
-            assert endpoint not in loader.registered_endpoints()
+            assert endpoint not in registered_endpoints()
         assert "8.0.0" in str(info.value)
         # A plan mixing a good server with a bad one registers neither.
         fresh = start_rpc_server()
         mixed = make_plan(
             plan_devices([fresh.endpoint, newer.endpoint]), profile_model(tiny_model), PlanOptions(n_ctx=256)
         )
-        with pytest.raises(loader.ProtocolMismatchError):
-            loader.load_llama(mixed, tiny_model)
-        assert newer.endpoint not in loader.registered_endpoints()
-        assert fresh.endpoint not in loader.registered_endpoints()
+        with pytest.raises(ProtocolMismatchError):
+            load_llama(mixed, tiny_model)
+        assert newer.endpoint not in registered_endpoints()
+        assert fresh.endpoint not in registered_endpoints()
     assert busy.alive()
     assert os.getpid() == pid
     # Still able to load after all that.
-    llm = loader.load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
+    llm = load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
     try:
         assert len(_generate(llm)) == 4
     finally:
@@ -390,17 +409,17 @@ def test_device_mismatch_is_refused(debug_rpc_servers: list[DebugServer], tiny_m
     plan = _single_plan(server.endpoint, tiny_model)
     # The plan says the server has a second device; it has one.
     wrong_index = dataclasses.replace(plan, devices=(dataclasses.replace(plan.devices[0], index=1),))
-    with pytest.raises(loader.DeviceMismatchError, match="server has 1 device"):
-        loader.load_llama(wrong_index, tiny_model)
+    with pytest.raises(DeviceMismatchError, match="server has 1 device"):
+        load_llama(wrong_index, tiny_model)
     two = dataclasses.replace(
         plan,
         devices=(plan.devices[0], dataclasses.replace(plan.devices[0], index=1)),
         tensor_split=(1.0, 1.0),
     )
-    with pytest.raises(loader.DeviceMismatchError):
-        loader.load_llama(two, tiny_model)
-    with pytest.raises(loader.DeviceMismatchError, match="tensor_split"):
-        loader.load_llama(dataclasses.replace(plan, tensor_split=(1.0, 1.0)), tiny_model)
+    with pytest.raises(DeviceMismatchError):
+        load_llama(two, tiny_model)
+    with pytest.raises(DeviceMismatchError, match="tensor_split"):
+        load_llama(dataclasses.replace(plan, tensor_split=(1.0, 1.0)), tiny_model)
 
 
 @pytest.mark.llama
@@ -411,32 +430,32 @@ def test_endpoint_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Make sure at least one endpoint is registered, then cap the process at what it has.
-    llm = loader.load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
+    llm = load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
     llm.close()
-    monkeypatch.setattr(loader, "MAX_ENDPOINTS", len(loader.registered_endpoints()))
+    monkeypatch.setattr(llama_loader, "MAX_ENDPOINTS", len(registered_endpoints()))
     fresh = start_rpc_server()
-    with pytest.raises(loader.EndpointLimitError, match="distinct endpoints"):
-        loader.load_llama(_single_plan(fresh.endpoint, tiny_model), tiny_model)
-    assert fresh.endpoint not in loader.registered_endpoints()
+    with pytest.raises(EndpointLimitError, match="distinct endpoints"):
+        load_llama(_single_plan(fresh.endpoint, tiny_model), tiny_model)
+    assert fresh.endpoint not in registered_endpoints()
     # Endpoints already registered still load.
-    llm = loader.load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
+    llm = load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
     llm.close()
 
 
 def test_probe_outcomes_map_to_loader_errors() -> None:
-    def result(outcome: rpc.Outcome) -> rpc.ProbeResult:
-        return rpc.ProbeResult("127.0.0.1:1", outcome, None, (), "why", 0.0)
+    def result(outcome: Outcome) -> ProbeResult:
+        return ProbeResult("127.0.0.1:1", outcome, None, (), "why", 0.0)
 
     expected = {
-        rpc.Outcome.REFUSED: loader.EndpointUnreachableError,
-        rpc.Outcome.TIMEOUT: loader.EndpointUnreachableError,
-        rpc.Outcome.CLOSED: loader.EndpointUnreachableError,
-        rpc.Outcome.BUSY: loader.EndpointBusyError,
-        rpc.Outcome.VERSION_MISMATCH: loader.ProtocolMismatchError,
-        rpc.Outcome.PROTOCOL_ERROR: loader.ProtocolMismatchError,
+        Outcome.REFUSED: EndpointUnreachableError,
+        Outcome.TIMEOUT: EndpointUnreachableError,
+        Outcome.CLOSED: EndpointUnreachableError,
+        Outcome.BUSY: EndpointBusyError,
+        Outcome.VERSION_MISMATCH: ProtocolMismatchError,
+        Outcome.PROTOCOL_ERROR: ProtocolMismatchError,
     }
     for outcome, cls in expected.items():
-        err = loader._error_for_probe(result(outcome))
+        err = _error_for_probe(result(outcome))
         assert type(err) is cls
         assert err.host == "127.0.0.1:1"
 
@@ -479,7 +498,7 @@ def test_importing_the_loader_runs_no_native_code() -> None:
 
     code = (
         "import os, sys; os.environ.pop('GGML_NO_BACKTRACE', None)\n"
-        "import orchestrator, orchestrator.loader\n"
+        "import orchestrator, orchestrator.llama.loader\n"
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n"
         "assert os.environ['GGML_NO_BACKTRACE'] == '1'\n"
     )
@@ -492,7 +511,7 @@ def test_a_plan_for_another_model_is_refused(
 ) -> None:
     other = tiny_model_factory(n_layer=6)
     with pytest.raises(LoaderError, match="4 layers"):
-        loader.load_llama(two_device_plan, other)  # before any probe: its endpoints do not exist
+        load_llama(two_device_plan, other)  # before any probe: its endpoints do not exist
 
 
 @pytest.mark.llama
@@ -500,7 +519,7 @@ def test_projector_stays_on_the_cpu_without_a_local_gpu(tmp_path: Path) -> None:
     mmproj = tmp_path / "mmproj.gguf"
     mmproj.write_bytes(b"")  # MTMDChatHandler opens it only on the first multimodal request
     kwargs: dict[str, Any] = {}
-    assert loader._multimodal(kwargs, mmproj, has_local_gpu=False, verbose=False) == []
+    assert _multimodal(kwargs, mmproj, has_local_gpu=False, verbose=False) == []
     handler = kwargs["chat_handler"]
     assert (type(handler).__name__, handler.use_gpu, handler.clip_model_path) == (
         "MTMDChatHandler",
@@ -508,14 +527,14 @@ def test_projector_stays_on_the_cpu_without_a_local_gpu(tmp_path: Path) -> None:
         str(mmproj),
     )
     kwargs = {}
-    loader._multimodal(kwargs, mmproj, has_local_gpu=True, verbose=False)
+    _multimodal(kwargs, mmproj, has_local_gpu=True, verbose=False)
     assert kwargs["chat_handler"].use_gpu is True
     # A handler passed in is kept, with its projector moved to the CPU; one without the setting is noted.
     kwargs = {"chat_handler": handler}
     handler.use_gpu = True
-    loader._multimodal(kwargs, None, has_local_gpu=False, verbose=False)
+    _multimodal(kwargs, None, has_local_gpu=False, verbose=False)
     assert kwargs["chat_handler"] is handler and handler.use_gpu is False
-    notes = loader._multimodal({"chat_handler": object()}, None, has_local_gpu=False, verbose=False)
+    notes = _multimodal({"chat_handler": object()}, None, has_local_gpu=False, verbose=False)
     assert notes and "use_gpu" in notes[0]
 
 
@@ -523,10 +542,10 @@ def test_projector_stays_on_the_cpu_without_a_local_gpu(tmp_path: Path) -> None:
 def test_a_server_whose_devices_changed_since_registration_is_refused(tiny_model: Path) -> None:
     # A fake server (protocol 7.0.0, one device) is registered natively, then starts reporting two.
     with fake_rpc_server(protocol(devices=((8 * GiB, 8 * GiB),))) as server:
-        preflight_counts = loader.preflight(_single_plan(server.endpoint, tiny_model))
+        preflight_counts = preflight(_single_plan(server.endpoint, tiny_model))
         assert preflight_counts == {server.endpoint: 1}
-        registered = loader._register(server.endpoint, 1)
+        registered = _register(server.endpoint, 1)
         assert (len(registered.devices), registered.descriptions) == (1, (server.endpoint,))
         server.handler = protocol(devices=((8 * GiB, 8 * GiB), (8 * GiB, 8 * GiB)))
-        with pytest.raises(loader.DeviceMismatchError, match=r"2 device.*1 are registered"):
-            loader.load_llama(_single_plan(server.endpoint, tiny_model), tiny_model)
+        with pytest.raises(DeviceMismatchError, match=r"2 device.*1 are registered"):
+            load_llama(_single_plan(server.endpoint, tiny_model), tiny_model)

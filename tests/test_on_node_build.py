@@ -18,30 +18,19 @@ from typing import Any
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import (
-    ArtifactSpec,
-    FileEntry,
-    Manifest,
-    NodeBuild,
-    llama_cpp_python_version,
-    node_build,
-    read_sdist_info,
-    sdist_path,
-)
-from orchestrator.errors import ArtifactError, InstallError
-from orchestrator.executor import RunResult, Session
-from orchestrator.install import (
-    ArtifactChooser,
-    InstallChange,
-    InstallState,
-    build_command,
-    parse_build_output,
-    plan_node_build,
-)
-from orchestrator.inventory import Host
-from orchestrator.rpc import Outcome, probe_endpoint
-from orchestrator.service import DeployResult, make_deploy_step
+from orchestrator.artifacts.manifest import ArtifactSpec, FileEntry, Manifest, llama_cpp_python_version
+from orchestrator.artifacts.node_build import NodeBuild, node_build
+from orchestrator.artifacts.source import read_sdist_info, sdist_path
+from orchestrator.core.errors import ArtifactError, InstallError
+from orchestrator.engine.executor import RunResult, Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_plan import InstallChange, InstallState, plan_node_build
+from orchestrator.operations.node_build import build_command, parse_build_output
+from orchestrator.operations.service import DeployResult, make_deploy_step
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
 
 SDIST = sdist_path(llama_cpp_python_version())
@@ -135,7 +124,7 @@ def test_parse_build_output() -> None:
 
 
 @pytest.fixture(scope="module")
-def build_lab() -> Iterator[labmod.Lab]:
+def build_lab() -> Iterator[Lab]:
     with own_lab(1, "nb") as made:
         yield made
 
@@ -157,7 +146,7 @@ async def _deploy(host: Host, lines: list[str] | None = None) -> RunResult[Deplo
 
 @dataclasses.dataclass
 class Built:
-    lab: labmod.Lab
+    lab: Lab
     host: Host
     result: DeployResult
     seconds: float
@@ -168,7 +157,7 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def built(build_lab: labmod.Lab, tmp_path_factory: pytest.TempPathFactory) -> Built:
+def built(build_lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Built:
     """The one real on-node build of this session: the real sdist, pinned by its sha256."""
     folder = tmp_path_factory.mktemp("specs")
     sha = read_sdist_info(SDIST).sha256

@@ -7,8 +7,8 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.executor import Session
-from orchestrator.ping import PingResult, ping_step
+from orchestrator.engine.executor import Session
+from orchestrator.probe.ping import PingResult, ping_step
 
 
 async def test_ping_reports_os_arch_user_and_latency(fake_hosts: Callable[..., list[Any]]) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.planner import Plan
-from orchestrator.units import format_size
+from orchestrator.core.units import format_size
+from orchestrator.planning.plan import Plan
 from tests.plugins.servers import LocalServer, write_local_inventory
 
 MiB = 1024 * 1024
@@ -102,7 +102,7 @@ def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 @pytest.mark.llama
 def test_local_gpus_are_only_gpus() -> None:
-    from orchestrator.loader import _native, local_gpus
+    from orchestrator.llama.native import _native, local_gpus
 
     native = _native()
     kinds = [native.dev_type(native.dev_get(i)) for i in range(native.dev_count())]

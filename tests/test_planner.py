@@ -11,26 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.errors import PlanError
-from orchestrator.model import ModelProfile, TensorInfo, profile_model
-from orchestrator.planner import (
+from orchestrator.core.errors import PlanError
+from orchestrator.planning.formats import cli_device_names, llama_cli_args, python_snippet
+from orchestrator.planning.memory import estimate_compute
+from orchestrator.planning.placement import largest_remainder, llama_cpp_assignment, order_devices, pad_ctx
+from orchestrator.planning.plan import (
     DEFAULT_MARGIN,
     SCHEMA_VERSION,
     Plan,
     PlanDevice,
     PlannedDevice,
     PlanOptions,
-    cli_device_names,
-    estimate_compute,
-    largest_remainder,
-    llama_cli_args,
-    llama_cpp_assignment,
-    make_plan,
-    order_devices,
-    pad_ctx,
-    proportional_candidates,
-    python_snippet,
 )
+from orchestrator.planning.profile import ModelProfile, TensorInfo, profile_model
+from orchestrator.planning.strategy import make_plan, proportional_candidates
 
 GiB = 1024**3
 MiB = 1024**2

@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.errors import PlaybookError, UsageError
-from orchestrator.executor import batch_sizes
-from orchestrator.inventory import load_inventory_text
-from orchestrator.playbook import (
-    REGISTRY,
-    PlaybookErrors,
+from orchestrator.core.errors import PlaybookError, UsageError
+from orchestrator.engine.executor import batch_sizes
+from orchestrator.inventory.load import load_inventory_text
+from orchestrator.operations.rolling import memory_back
+from orchestrator.playbooks.model import PlaybookErrors
+from orchestrator.playbooks.ops import REGISTRY
+from orchestrator.playbooks.reader import (
     load_playbook,
     load_playbook_text,
     parse_extra_vars,
-    play_hosts,
     rolling_restart_playbook,
 )
-from orchestrator.rolling import memory_back
-from orchestrator.rpc import DeviceMemory
+from orchestrator.playbooks.runner import play_hosts
+from orchestrator.rpc.protocol import DeviceMemory
 
 PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
 GiB = 1 << 30

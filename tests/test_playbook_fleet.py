@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.errors import LoaderError, PlaybookError, UnreachableError
-from orchestrator.executor import HostContext, Session, StepOutcome
-from orchestrator.inventory import Host
-from orchestrator.loader import MemoryBytes
-from orchestrator.planner import Plan, PlanOptions, make_plan
-from orchestrator.playbook import DeviceCheck, LoadCheckResult, PlaybookErrors, _Shared, load_check
+from orchestrator.core.errors import LoaderError, PlaybookError, UnreachableError
+from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.inventory.model import Host
+from orchestrator.llama.placement import MemoryBytes
+from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.strategy import make_plan
+from orchestrator.playbooks.load_check import DeviceCheck, LoadCheckResult, load_check
+from orchestrator.playbooks.model import PlaybookErrors
+from orchestrator.playbooks.ops import _Shared
 from tests.procs import gone
 
 MiB = 1 << 20
@@ -65,8 +68,8 @@ async def test_a_shared_error_with_its_own_constructor_is_copied_whole() -> None
 
 @pytest.fixture
 def plan(tiny_model: Path) -> Plan:
-    from orchestrator.model import profile_model
-    from orchestrator.planner import PlanDevice
+    from orchestrator.planning.plan import PlanDevice
+    from orchestrator.planning.profile import profile_model
 
     device = PlanDevice("127.0.0.1:1", 0, "127.0.0.1:1#0", usable=512 * MiB)
     return make_plan([device], profile_model(tiny_model), PlanOptions(n_ctx=256))

@@ -7,24 +7,25 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import Artifact
+from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
-from orchestrator.inventory import Host
-from orchestrator.planner import Plan
-from orchestrator.playbook import LoadCheckResult
-from orchestrator.rpc import Outcome, probe_endpoint
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.planning.plan import Plan
+from orchestrator.playbooks.load_check import LoadCheckResult
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
 from tests.plugins.playbooks import PLAYBOOKS, NodeView, Play
 
 pytestmark = pytest.mark.lab
 
 
-def _cli(lab: labmod.Lab, name: str, *args: str) -> int:
+def _cli(lab: Lab, name: str, *args: str) -> int:
     return main(["run-playbook", str(PLAYBOOKS / f"{name}.yml"), "-i", str(lab.inventory), *args])
 
 
 def test_deploy_check_changes_nothing_then_deploy_then_nothing_to_do(
-    lab: labmod.Lab, fresh_nodes: list[Host], cpu_artifact: Artifact, capsys: pytest.CaptureFixture[str]
+    lab: Lab, fresh_nodes: list[Host], cpu_artifact: Artifact, capsys: pytest.CaptureFixture[str]
 ) -> None:
     views = [NodeView(lab, h) for h in fresh_nodes]
     assert _cli(lab, "deploy", "--check") == 1  # its probe step fails: nothing serves yet
@@ -45,7 +46,7 @@ def test_deploy_check_changes_nothing_then_deploy_then_nothing_to_do(
 
 
 def test_check_mode_of_rolling_restart_and_teardown_changes_nothing(
-    lab: labmod.Lab, deployed: list[Host], capsys: pytest.CaptureFixture[str]
+    lab: Lab, deployed: list[Host], capsys: pytest.CaptureFixture[str]
 ) -> None:
     views = [NodeView(lab, h) for h in deployed]
     pids, starts = [v.pid() for v in views], [v.starts() for v in views]
@@ -63,7 +64,7 @@ def test_check_mode_of_rolling_restart_and_teardown_changes_nothing(
     assert all(v.server_alive() for v in views)
 
 
-async def test_teardown_stops_every_server(lab: labmod.Lab, deployed: list[Host], play: Play) -> None:
+async def test_teardown_stops_every_server(lab: Lab, deployed: list[Host], play: Play) -> None:
     views = [NodeView(lab, h) for h in deployed]
     result = await play("teardown", deployed)
     assert result.ok and [r.status for r in result.steps[0].run.results] == ["changed"] * 3
@@ -75,7 +76,7 @@ async def test_teardown_stops_every_server(lab: labmod.Lab, deployed: list[Host]
 
 
 def test_capacity_report_writes_the_report(
-    lab: labmod.Lab, deployed: list[Host], tiny_model: Path, tmp_path: Path
+    lab: Lab, deployed: list[Host], tiny_model: Path, tmp_path: Path
 ) -> None:
     output = tmp_path / "capacity.json"
     extra = [f"models={tiny_model}", "ctx=512,1k", "format=json", f"output={output}"]
@@ -89,7 +90,7 @@ def test_capacity_report_writes_the_report(
 
 @pytest.mark.llama
 async def test_preload_ends_with_a_model_placed_as_planned(
-    lab: labmod.Lab, deployed: list[Host], play: Play, tiny_model_factory: object
+    lab: Lab, deployed: list[Host], play: Play, tiny_model_factory: object
 ) -> None:
     model = tiny_model_factory(n_layer=5)  # type: ignore[operator]
     views = [NodeView(lab, h) for h in deployed]

@@ -15,31 +15,34 @@ from typing import Any
 
 import pytest
 
-from orchestrator import rpc
-from orchestrator.errors import PlanError, ProbeError
-from orchestrator.facts import Gpu, GpuReport, MemInfo, gather_command, parse_gathered
-from orchestrator.inventory import Host
-from orchestrator.model import profile_model
-from orchestrator.planner import PlanOptions, make_plan
-from orchestrator.probe import (
-    CpuModelFact,
+from orchestrator.core.errors import PlanError, ProbeError
+from orchestrator.facts.base import gather_command, parse_gathered
+from orchestrator.facts.gpus import Gpu, GpuReport
+from orchestrator.facts.system import MemInfo
+from orchestrator.inventory.model import Host
+from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.plan import PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.probe.capacity import (
     DeviceCapacity,
-    FleetProbe,
-    HostFacts,
-    NodeProbe,
     compute_capacity,
     fleet_capacity,
-    fleet_failed,
-    fleet_totals,
-    node_state,
-    probe_facts,
-    probe_fleet,
-    query_fleet_memory,
-    to_plan_devices,
     usable_bytes,
     without_own_connection,
 )
-from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.probe.fleet import (
+    FleetProbe,
+    NodeProbe,
+    fleet_failed,
+    fleet_totals,
+    node_state,
+    probe_fleet,
+    query_fleet_memory,
+)
+from orchestrator.probe.host import CpuModelFact, HostFacts, probe_facts
+from orchestrator.rpc.protocol import AggregateMemory, DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
 from tests.fakerpc import drip, fake_rpc_server, hello_payload
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
@@ -389,10 +392,8 @@ def test_totals_count_each_endpoint_once_and_only_ok_ones() -> None:
     assert not fleet.ok and [n.host for n in fleet.failed] == ["c"]
     assert fleet.memory() is None  # like RpcMemoryQuery: nothing when any endpoint fails
     healthy = FleetProbe.of([n for n in fleet.nodes if n.ok], protocol="7.0.0", timeout=3.0)
-    assert healthy.memory() == rpc.AggregateMemory(
-        free=50 * GiB, total=56 * GiB, server_count=2, device_count=3
-    )
-    assert FleetProbe.of([], protocol="7.0.0", timeout=1.0).memory() == rpc.AggregateMemory(0, 0, 0, 0)
+    assert healthy.memory() == AggregateMemory(free=50 * GiB, total=56 * GiB, server_count=2, device_count=3)
+    assert FleetProbe.of([], protocol="7.0.0", timeout=1.0).memory() == AggregateMemory(0, 0, 0, 0)
 
 
 # (host, port, machine id, backend, memory_reserve) per row; MemAvailable is 20 GiB on every machine.
@@ -675,8 +676,8 @@ def mem_available() -> int:
 async def holder(server: LocalServer) -> AsyncIterator[str]:
     """A client that completed HELLO and stays connected (like a loaded model); yields its address."""
     reader, writer = await asyncio.open_connection(server.host, server.port)
-    writer.write(rpc.hello_request())
-    await reader.readexactly(8 + rpc.HELLO_REPLY_SIZE)
+    writer.write(hello_request())
+    await reader.readexactly(8 + HELLO_REPLY_SIZE)
     local = writer.get_extra_info("sockname")
     try:
         yield f"{local[0]}:{local[1]}"

@@ -7,19 +7,19 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import Artifact
-from orchestrator.executor import Session
-from orchestrator.install import ArtifactChooser
-from orchestrator.probe import probe_fleet
-from orchestrator.service import make_deploy_step
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.engine.executor import Session
+from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.service import make_deploy_step
+from orchestrator.probe.fleet import probe_fleet
 from tests.plugins.lab import lab_hosts_of
 
 pytestmark = pytest.mark.lab
 
 
 async def test_probe_three_nodes_then_a_cut_link_times_out_alone(
-    make_lab: Callable[..., labmod.Lab], cpu_artifact: Artifact
+    make_lab: Callable[..., Lab], cpu_artifact: Artifact
 ) -> None:
     lab = make_lab(3)
     hosts = lab_hosts_of(lab)

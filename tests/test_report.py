@@ -20,29 +20,28 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.cli.report import parse_contexts
-from orchestrator.errors import PlanError, RpcfleetError, UsageError
-from orchestrator.files import write_atomic
-from orchestrator.model import ModelProfile, profile_model
-from orchestrator.planner import PlanDevice, PlanOptions, make_plan
-from orchestrator.probe import DeviceCapacity, FleetProbe, NodeProbe
-from orchestrator.report import (
-    BAR_WIDTH,
+from orchestrator.core.errors import PlanError, RpcfleetError, UsageError
+from orchestrator.core.files import write_atomic
+from orchestrator.planning.plan import PlanDevice, PlanOptions
+from orchestrator.planning.profile import ModelProfile, profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.planning.synth import write_tiny_llama
+from orchestrator.probe.capacity import DeviceCapacity
+from orchestrator.probe.fleet import FleetProbe, NodeProbe
+from orchestrator.report.build import (
     NEW_NODE_ENDPOINT,
     SCHEMA_VERSION,
-    SEGMENT_COLOURS,
     Report,
     ReportOptions,
     build_report,
-    render,
-    render_html,
-    render_json,
-    render_markdown,
-    render_text,
     size_up,
     smallest_addition,
 )
-from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
-from orchestrator.synth import write_tiny_llama
+from orchestrator.report.data import render_json
+from orchestrator.report.html import BAR_WIDTH, SEGMENT_COLOURS, render_html
+from orchestrator.report.render import render
+from orchestrator.report.text import render_markdown, render_text
+from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 GiB = 1024**3

@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.inventory import Host
-from orchestrator.rolling import RestartReport
-from orchestrator.rpc import Outcome, probe_endpoint
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.operations.rolling import RestartReport
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
 from tests.plugins.playbooks import NodeView, Play
 
 pytestmark = pytest.mark.lab
@@ -33,7 +34,7 @@ def _statuses(result: object, step: int = 0) -> list[str]:
 
 
 async def test_serial_1_keeps_two_of_three_serving_at_every_moment(
-    lab: labmod.Lab, deployed: list[Host], play: Play
+    lab: Lab, deployed: list[Host], play: Play
 ) -> None:
     views = [NodeView(lab, h) for h in deployed]
     pids = [v.pid() for v in views]
@@ -70,7 +71,7 @@ async def test_serial_1_keeps_two_of_three_serving_at_every_moment(
 
 @pytest.mark.parametrize("fault", ["binary_removed", "port_taken"])
 async def test_a_node_that_does_not_come_back_stops_the_run_and_the_rest_keeps_running(
-    lab: labmod.Lab, deployed: list[Host], play: Play, fault: str
+    lab: Lab, deployed: list[Host], play: Play, fault: str
 ) -> None:
     first, broken, last = (NodeView(lab, h) for h in deployed)
     last_pid = last.pid()
@@ -117,7 +118,7 @@ async def test_a_node_that_does_not_come_back_stops_the_run_and_the_rest_keeps_r
 
 
 async def test_a_busy_node_is_refused_unless_forced(
-    lab: labmod.Lab, deployed: list[Host], play: Play, hold_server: Callable[[str], socket.socket]
+    lab: Lab, deployed: list[Host], play: Play, hold_server: Callable[[str], socket.socket]
 ) -> None:
     views = [NodeView(lab, h) for h in deployed]
     pids = [v.pid() for v in views]

@@ -16,10 +16,42 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator import rpc
-from orchestrator.artifacts import Artifact
-from orchestrator.errors import ProbeError
-from orchestrator.rpc import DeviceMemory, Outcome, ProtocolVersion
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.artifacts.protocol import _version_from_manifest, local_protocol_version
+from orchestrator.core.errors import ProbeError
+from orchestrator.rpc.client import probe_endpoint, probe_endpoint_or_raise, probe_endpoints, query_memory
+from orchestrator.rpc.protocol import (
+    ERROR_FOR_OUTCOME,
+    LLAMA_CPP_PYTHON_0_3_36_PROTOCOL,
+    AggregateMemory,
+    BusyError,
+    ClosedError,
+    DeviceMemory,
+    Endpoint,
+    EndpointError,
+    Outcome,
+    ProbeOutcomeError,
+    ProbeResult,
+    ProbeTimeoutError,
+    ProtocolError,
+    ProtocolVersion,
+    RefusedError,
+    VersionMismatchError,
+    check_version,
+    error_for,
+    parse_endpoint,
+    parse_header_version,
+)
+from orchestrator.rpc.wire import (
+    MAX_DEVICES,
+    ReplyError,
+    decode_device_count,
+    decode_device_memory,
+    decode_hello,
+    device_count_request,
+    device_memory_request,
+    hello_request,
+)
 from tests.fakerpc import FakeRpcServer, GiB, Handler, drip, hello_payload, protocol, raw_after_hello, silent
 
 V7 = ProtocolVersion(7, 0, 0)
@@ -87,33 +119,33 @@ def test_protocol_version_parse_and_str() -> None:
     ],
 )
 def test_version_rule(server: str, client: str, usable: bool) -> None:
-    message = rpc.check_version(ProtocolVersion.parse(server), ProtocolVersion.parse(client))
+    message = check_version(ProtocolVersion.parse(server), ProtocolVersion.parse(client))
     assert (message is None) is usable
     if message is not None:
         assert server in message and client in message
 
 
 def test_local_protocol_version(tmp_path: Path) -> None:
-    assert rpc.local_protocol_version() == V7
+    assert local_protocol_version() == V7
     header = tmp_path / "ggml-rpc.h"
     header.write_text(
         "#define RPC_PROTO_MAJOR_VERSION    7\n#define RPC_PROTO_MINOR_VERSION    0\n"
         "#define RPC_PROTO_PATCH_VERSION    0\n"
     )
-    assert rpc.parse_header_version(header.read_text()) == V7
-    assert rpc.parse_header_version(
+    assert parse_header_version(header.read_text()) == V7
+    assert parse_header_version(
         "#define RPC_PROTO_MAJOR_VERSION 9\n#define RPC_PROTO_MINOR_VERSION 2\n"
         "# define RPC_PROTO_PATCH_VERSION 1"
     ) == ProtocolVersion(9, 2, 1)
     with pytest.raises(ValueError):
-        rpc.parse_header_version("#define RPC_PROTO_MAJOR_VERSION 7\n")
+        parse_header_version("#define RPC_PROTO_MAJOR_VERSION 7\n")
 
 
 def test_local_protocol_version_matches_the_vendored_header() -> None:
     header = Path("/tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/include/ggml-rpc.h")
     if header.exists():  # the source tree is a dev-machine convenience; the constant is what ships
-        assert rpc.parse_header_version(header.read_text()) == rpc.local_protocol_version()
-    assert str(rpc.local_protocol_version()) == rpc.LLAMA_CPP_PYTHON_0_3_36_PROTOCOL
+        assert parse_header_version(header.read_text()) == local_protocol_version()
+    assert str(local_protocol_version()) == LLAMA_CPP_PYTHON_0_3_36_PROTOCOL
 
 
 @pytest.mark.parametrize(
@@ -126,7 +158,7 @@ def test_local_protocol_version_matches_the_vendored_header() -> None:
     ],
 )
 def test_parse_endpoint(text: str, host: str, port: int, canonical: str) -> None:
-    endpoint = rpc.parse_endpoint(text)
+    endpoint = parse_endpoint(text)
     assert (endpoint.host, endpoint.port, str(endpoint)) == (host, port, canonical)
 
 
@@ -149,25 +181,25 @@ def test_parse_endpoint(text: str, host: str, port: int, canonical: str) -> None
     ],
 )
 def test_parse_endpoint_rejects(text: str) -> None:
-    with pytest.raises(rpc.EndpointError):
-        rpc.parse_endpoint(text)
+    with pytest.raises(EndpointError):
+        parse_endpoint(text)
 
 
 def test_parse_endpoint_default_port() -> None:
-    assert rpc.parse_endpoint("10.0.0.5", default_port=50052) == rpc.Endpoint("10.0.0.5", 50052)
-    assert rpc.parse_endpoint("[::1]", default_port=1) == rpc.Endpoint("::1", 1)
+    assert parse_endpoint("10.0.0.5", default_port=50052) == Endpoint("10.0.0.5", 50052)
+    assert parse_endpoint("[::1]", default_port=1) == Endpoint("::1", 1)
 
 
 def test_requests_match_the_documented_bytes() -> None:
-    assert rpc.hello_request() == bytes.fromhex("0e" + "1800000000000000") + bytes(24)
-    assert rpc.device_count_request() == bytes.fromhex("0f" + "0000000000000000")
-    assert rpc.device_memory_request(3) == bytes.fromhex("0b" + "0400000000000000" + "03000000")
+    assert hello_request() == bytes.fromhex("0e" + "1800000000000000") + bytes(24)
+    assert device_count_request() == bytes.fromhex("0f" + "0000000000000000")
+    assert device_memory_request(3) == bytes.fromhex("0b" + "0400000000000000" + "03000000")
 
 
 def test_decoders() -> None:
-    assert rpc.decode_hello(hello_reply((7, 0, 5))) == ProtocolVersion(7, 0, 5)
-    assert rpc.decode_device_count(struct.pack("<QI", 4, 2)) == 2
-    assert rpc.decode_device_memory(struct.pack("<QQQ", 16, 5, 9), 1) == DeviceMemory(1, 5, 9)
+    assert decode_hello(hello_reply((7, 0, 5))) == ProtocolVersion(7, 0, 5)
+    assert decode_device_count(struct.pack("<QI", 4, 2)) == 2
+    assert decode_device_memory(struct.pack("<QQQ", 16, 5, 9), 1) == DeviceMemory(1, 5, 9)
     cases = [
         (hello_reply((7, 0, 0))[:20], Outcome.CLOSED),
         (hello_reply((7, 0, 0))[:5], Outcome.CLOSED),
@@ -176,29 +208,29 @@ def test_decoders() -> None:
         (b"HTTP/1.1 400 Bad Request\r\n", Outcome.PROTOCOL_ERROR),
     ]
     for data, outcome in cases:
-        with pytest.raises(rpc.ReplyError) as info:
-            rpc.decode_hello(data)
+        with pytest.raises(ReplyError) as info:
+            decode_hello(data)
         assert info.value.outcome is outcome
-    with pytest.raises(rpc.ReplyError) as info:
-        rpc.decode_device_count(struct.pack("<QI", 4, rpc.MAX_DEVICES + 1))
+    with pytest.raises(ReplyError) as info:
+        decode_device_count(struct.pack("<QI", 4, MAX_DEVICES + 1))
     assert info.value.outcome is Outcome.PROTOCOL_ERROR
 
 
 @settings(database=None)
 @given(st.binary(max_size=64))
 def test_decoders_take_any_bytes(data: bytes) -> None:
-    for decode in (rpc.decode_hello, rpc.decode_device_count, lambda b: rpc.decode_device_memory(b, 0)):
+    for decode in (decode_hello, decode_device_count, lambda b: decode_device_memory(b, 0)):
         try:
             decode(data)
-        except rpc.ReplyError as exc:
+        except ReplyError as exc:
             assert exc.outcome in (Outcome.CLOSED, Outcome.PROTOCOL_ERROR)
 
 
 @settings(database=None)
 @given(st.tuples(*[st.integers(0, 255)] * 3), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
 def test_decoders_round_trip(version: tuple[int, int, int], free: int, total: int) -> None:
-    assert rpc.decode_hello(hello_reply(version)) == ProtocolVersion(*version)
-    assert rpc.decode_device_memory(struct.pack("<QQQ", 16, free, total), 2) == DeviceMemory(2, free, total)
+    assert decode_hello(hello_reply(version)) == ProtocolVersion(*version)
+    assert decode_device_memory(struct.pack("<QQQ", 16, free, total), 2) == DeviceMemory(2, free, total)
 
 
 # --- against fake servers ---------------------------------------------------------------------------------
@@ -206,7 +238,7 @@ def test_decoders_round_trip(version: tuple[int, int, int], free: int, total: in
 
 async def test_ok_reads_every_device_and_closes_gracefully(fake: MakeFake) -> None:
     server = fake(protocol(devices=[(3 * GiB, 4 * GiB), (10, 20)]))
-    result = await rpc.probe_endpoint(server.endpoint, **FAST)
+    result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.OK and result.ok
     assert result.version == V7
     assert result.devices == (DeviceMemory(0, 3 * GiB, 4 * GiB), DeviceMemory(1, 10, 20))
@@ -219,7 +251,7 @@ async def test_ok_reads_every_device_and_closes_gracefully(fake: MakeFake) -> No
 
 async def test_hello_only_sends_nothing_else(fake: MakeFake) -> None:
     server = fake(protocol())
-    result = await rpc.probe_endpoint(server.endpoint, hello_only=True, **FAST)
+    result = await probe_endpoint(server.endpoint, hello_only=True, **FAST)
     assert (result.outcome, result.version, result.devices) == (Outcome.OK, V7, ())
     await asyncio.to_thread(server.wait_idle)
     assert server.connections[0].commands == [14]
@@ -229,7 +261,7 @@ async def test_hello_only_sends_nothing_else(fake: MakeFake) -> None:
 @pytest.mark.parametrize("version", [(6, 0, 0), (8, 0, 0), (7, 1, 0)])
 async def test_version_mismatch(fake: MakeFake, version: tuple[int, int, int]) -> None:
     server = fake(protocol(version))
-    result = await rpc.probe_endpoint(server.endpoint, **FAST)
+    result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.VERSION_MISMATCH
     assert result.version == ProtocolVersion(*version)
     assert "7.0.0" in result.message and str(ProtocolVersion(*version)) in result.message
@@ -240,17 +272,17 @@ async def test_version_mismatch(fake: MakeFake, version: tuple[int, int, int]) -
 
 async def test_newer_patch_is_ok_and_expected_is_a_parameter(fake: MakeFake) -> None:
     server = fake(protocol((7, 0, 5)))
-    assert (await rpc.probe_endpoint(server.endpoint, **FAST)).outcome is Outcome.OK
+    assert (await probe_endpoint(server.endpoint, **FAST)).outcome is Outcome.OK
     newer = fake(protocol((7, 1, 0)))
-    result = await rpc.probe_endpoint(newer.endpoint, expected=ProtocolVersion(7, 1, 0), **FAST)
+    result = await probe_endpoint(newer.endpoint, expected=ProtocolVersion(7, 1, 0), **FAST)
     assert result.outcome is Outcome.OK
-    result = await rpc.probe_endpoint(server.endpoint, expected=ProtocolVersion(6, 0, 0), **FAST)
+    result = await probe_endpoint(server.endpoint, expected=ProtocolVersion(6, 0, 0), **FAST)
     assert result.outcome is Outcome.VERSION_MISMATCH
 
 
 async def test_garbage_is_a_protocol_error(fake: MakeFake) -> None:
     server = fake(raw_after_hello(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", then="wait"))
-    result = await rpc.probe_endpoint(server.endpoint, **PATIENT)
+    result = await probe_endpoint(server.endpoint, **PATIENT)
     assert result.outcome is Outcome.PROTOCOL_ERROR
     assert result.elapsed < 1.0  # decided from the 8-byte header, without waiting for more
     await asyncio.to_thread(server.wait_idle)
@@ -262,7 +294,7 @@ async def test_huge_announced_size_allocates_nothing(fake: MakeFake, size: int) 
     server = fake(raw_after_hello(struct.pack("<Q", size) + b"\xff" * 4096, then="wait"))
     tracemalloc.start()
     try:
-        result = await rpc.probe_endpoint(server.endpoint, **FAST)
+        result = await probe_endpoint(server.endpoint, **FAST)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -274,7 +306,7 @@ async def test_huge_announced_size_allocates_nothing(fake: MakeFake, size: int) 
 async def test_drip_is_bounded_by_the_deadline(fake: MakeFake) -> None:
     server = fake(drip(hello_reply((7, 0, 0)), interval=1.0))
     started = time.monotonic()
-    result = await rpc.probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=30, deadline=0.5)
+    result = await probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=30, deadline=0.5)
     assert result.outcome is Outcome.TIMEOUT  # bytes came, so not busy
     assert "deadline" in result.message
     assert 0.45 < time.monotonic() - started < 1.0
@@ -282,7 +314,7 @@ async def test_drip_is_bounded_by_the_deadline(fake: MakeFake) -> None:
 
 async def test_drip_is_bounded_by_the_read_timeout(fake: MakeFake) -> None:
     server = fake(drip(hello_reply((7, 0, 0)), interval=0.05))
-    result = await rpc.probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=0.3, deadline=30)
+    result = await probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=0.3, deadline=30)
     assert result.outcome is Outcome.TIMEOUT
     assert "read timeout" in result.message
     assert 0.25 < result.elapsed < 0.9
@@ -291,14 +323,14 @@ async def test_drip_is_bounded_by_the_read_timeout(fake: MakeFake) -> None:
 @pytest.mark.parametrize("cut", [0, 5, 8, 20])
 async def test_close_mid_reply(fake: MakeFake, cut: int) -> None:
     server = fake(raw_after_hello(hello_reply((7, 0, 0))[:cut]))
-    result = await rpc.probe_endpoint(server.endpoint, **PATIENT)
+    result = await probe_endpoint(server.endpoint, **PATIENT)
     assert result.outcome is Outcome.CLOSED
     assert result.elapsed < 1.0
 
 
 async def test_device_count_zero(fake: MakeFake) -> None:
     server = fake(protocol(devices=[]))
-    result = await rpc.probe_endpoint(server.endpoint, **FAST)
+    result = await probe_endpoint(server.endpoint, **FAST)
     assert (result.outcome, result.devices) == (Outcome.OK, ())
     assert "no devices" in result.message
 
@@ -306,7 +338,7 @@ async def test_device_count_zero(fake: MakeFake) -> None:
 async def test_device_index_error_closes(fake: MakeFake) -> None:
     # The server claims two devices but knows one: asking for #1 makes it close, as the real one does.
     server = fake(protocol(devices=[(1, 2)], device_count=2))
-    result = await rpc.probe_endpoint(server.endpoint, **FAST)
+    result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.CLOSED
     assert "GET_DEVICE_MEMORY(1)" in result.message
     assert result.version == V7 and result.devices == (DeviceMemory(0, 1, 2),)
@@ -314,7 +346,7 @@ async def test_device_index_error_closes(fake: MakeFake) -> None:
 
 async def test_absurd_device_count(fake: MakeFake) -> None:
     server = fake(protocol(device_count=2**32 - 1))
-    result = await rpc.probe_endpoint(server.endpoint, **FAST)
+    result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.PROTOCOL_ERROR
     await asyncio.to_thread(server.wait_idle)
     assert server.connections[0].commands == [14, 15]
@@ -322,7 +354,7 @@ async def test_absurd_device_count(fake: MakeFake) -> None:
 
 async def test_silent_server_is_busy_and_is_reset(fake: MakeFake) -> None:
     server = fake(silent())
-    result = await rpc.probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=0.3, deadline=5)
+    result = await probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=0.3, deadline=5)
     assert result.outcome is Outcome.BUSY
     assert 0.28 < result.elapsed < 0.9
     await asyncio.to_thread(server.wait_idle)
@@ -331,13 +363,13 @@ async def test_silent_server_is_busy_and_is_reset(fake: MakeFake) -> None:
 
 async def test_silent_server_within_a_short_deadline_is_still_busy(fake: MakeFake) -> None:
     server = fake(silent())
-    result = await rpc.probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=5, deadline=0.3)
+    result = await probe_endpoint(server.endpoint, connect_timeout=0.3, read_timeout=5, deadline=0.3)
     assert result.outcome is Outcome.BUSY
     assert "deadline" in result.message
 
 
 async def test_refused() -> None:
-    result = await rpc.probe_endpoint(f"127.0.0.1:{closed_port()}", **FAST)
+    result = await probe_endpoint(f"127.0.0.1:{closed_port()}", **FAST)
     assert result.outcome is Outcome.REFUSED
     assert (result.version, result.devices) == (None, ())
 
@@ -350,7 +382,7 @@ async def test_full_accept_queue_is_a_connect_timeout() -> None:
         port = listener.getsockname()[1]
         queued = [socket.create_connection(("127.0.0.1", port), timeout=1) for _ in range(1)]
         try:
-            result = await rpc.probe_endpoint(f"127.0.0.1:{port}", **FAST)
+            result = await probe_endpoint(f"127.0.0.1:{port}", **FAST)
         finally:
             for sock in queued:
                 sock.close()
@@ -360,40 +392,40 @@ async def test_full_accept_queue_is_a_connect_timeout() -> None:
 
 
 async def test_bad_endpoint_raises_from_both_apis() -> None:
-    with pytest.raises(rpc.EndpointError):
-        await rpc.probe_endpoint("no-port")
-    with pytest.raises(rpc.EndpointError):
-        await rpc.probe_endpoint_or_raise("no-port")
+    with pytest.raises(EndpointError):
+        await probe_endpoint("no-port")
+    with pytest.raises(EndpointError):
+        await probe_endpoint_or_raise("no-port")
 
 
 async def test_raising_api(fake: MakeFake) -> None:
     good = fake(protocol())
-    assert (await rpc.probe_endpoint_or_raise(good.endpoint, **FAST)).ok
-    cases: list[tuple[str, type[rpc.ProbeOutcomeError]]] = [
-        (f"127.0.0.1:{closed_port()}", rpc.RefusedError),
-        (fake(silent()).endpoint, rpc.BusyError),
-        (fake(protocol((8, 0, 0))).endpoint, rpc.VersionMismatchError),
-        (fake(raw_after_hello(b"\x00" * 3)).endpoint, rpc.ClosedError),
-        (fake(raw_after_hello(b"garbage!" * 5)).endpoint, rpc.ProtocolError),
-        (fake(drip(hello_reply((7, 0, 0)), 0.1)).endpoint, rpc.ProbeTimeoutError),
+    assert (await probe_endpoint_or_raise(good.endpoint, **FAST)).ok
+    cases: list[tuple[str, type[ProbeOutcomeError]]] = [
+        (f"127.0.0.1:{closed_port()}", RefusedError),
+        (fake(silent()).endpoint, BusyError),
+        (fake(protocol((8, 0, 0))).endpoint, VersionMismatchError),
+        (fake(raw_after_hello(b"\x00" * 3)).endpoint, ClosedError),
+        (fake(raw_after_hello(b"garbage!" * 5)).endpoint, ProtocolError),
+        (fake(drip(hello_reply((7, 0, 0)), 0.1)).endpoint, ProbeTimeoutError),
     ]
     for endpoint, error in cases:
         with pytest.raises(error) as info:
-            await rpc.probe_endpoint_or_raise(endpoint, **FAST)
+            await probe_endpoint_or_raise(endpoint, **FAST)
         assert isinstance(info.value, ProbeError)
         assert info.value.result.outcome is error.outcome
         assert info.value.result.endpoint == endpoint
         assert str(info.value).startswith(f"{endpoint}: ")
-    assert set(rpc.ERROR_FOR_OUTCOME) == set(Outcome) - {Outcome.OK}
+    assert set(ERROR_FOR_OUTCOME) == set(Outcome) - {Outcome.OK}
     with pytest.raises(ValueError):
-        rpc.error_for(await rpc.probe_endpoint(good.endpoint, **FAST))
+        error_for(await probe_endpoint(good.endpoint, **FAST))
 
 
 async def test_probe_endpoints_dedups_keeps_order_and_runs_concurrently(fake: MakeFake) -> None:
     a, b, c, d = fake(protocol()), fake(silent()), fake(silent()), fake(silent())
     refused = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()
-    results = await rpc.probe_endpoints(
+    results = await probe_endpoints(
         [b.endpoint, a.endpoint, refused, f" {b.endpoint} ", a.endpoint, c.endpoint, d.endpoint],
         connect_timeout=0.5,
         read_timeout=0.5,
@@ -410,12 +442,12 @@ async def test_probe_endpoints_dedups_keeps_order_and_runs_concurrently(fake: Ma
 async def test_query_memory(fake: MakeFake) -> None:
     a = fake(protocol(devices=[(1 * GiB, 2 * GiB), (3 * GiB, 4 * GiB)]))
     b = fake(protocol(devices=[(5 * GiB, 6 * GiB)]))
-    total = await rpc.query_memory([a.endpoint, b.endpoint, a.endpoint], **FAST)
-    assert total == rpc.AggregateMemory(free=9 * GiB, total=12 * GiB, server_count=2, device_count=3)
-    assert await rpc.query_memory([a.endpoint, f"127.0.0.1:{closed_port()}"], **FAST) is None
-    assert await rpc.query_memory([a.endpoint, fake(protocol((8, 0, 0))).endpoint], **FAST) is None
-    assert await rpc.query_memory([a.endpoint, "not an endpoint"], **FAST) is None
-    assert await rpc.query_memory([], **FAST) == rpc.AggregateMemory(0, 0, 0, 0)
+    total = await query_memory([a.endpoint, b.endpoint, a.endpoint], **FAST)
+    assert total == AggregateMemory(free=9 * GiB, total=12 * GiB, server_count=2, device_count=3)
+    assert await query_memory([a.endpoint, f"127.0.0.1:{closed_port()}"], **FAST) is None
+    assert await query_memory([a.endpoint, fake(protocol((8, 0, 0))).endpoint], **FAST) is None
+    assert await query_memory([a.endpoint, "not an endpoint"], **FAST) is None
+    assert await query_memory([], **FAST) == AggregateMemory(0, 0, 0, 0)
 
 
 # --- property: any reply bytes, the client stays within its deadline and raises only its own errors ------
@@ -456,14 +488,14 @@ def test_any_reply_bytes(shared_fake: FakeRpcServer, data: bytes, then: str, rai
     shared_fake.handler = raw_after_hello(data, then=then)
     deadline = 0.25
 
-    async def go() -> rpc.ProbeResult:
-        probe = rpc.probe_endpoint_or_raise if raising else rpc.probe_endpoint
+    async def go() -> ProbeResult:
+        probe = probe_endpoint_or_raise if raising else probe_endpoint
         return await probe(shared_fake.endpoint, connect_timeout=0.2, read_timeout=0.15, deadline=deadline)
 
     started = time.monotonic()
     try:
         result = asyncio.run(go())
-    except rpc.ProbeOutcomeError as exc:
+    except ProbeOutcomeError as exc:
         assert raising
         result = exc.result
     assert time.monotonic() - started < deadline + 0.5
@@ -475,7 +507,8 @@ def test_any_reply_bytes(shared_fake: FakeRpcServer, data: bytes, then: str, rai
 def _record_artifact(home: Path, real: Artifact, protocol: str) -> None:
     """A cache in `home` whose CPU artifact for this llama-cpp-python is `real`, but whose manifest
     records `protocol` (the archive is a symlink: only the record is read)."""
-    from orchestrator.artifacts import build_key, effective_cmake_args, llama_cpp_python_version
+    from orchestrator.artifacts.build import build_key, effective_cmake_args
+    from orchestrator.artifacts.manifest import llama_cpp_python_version
 
     cache = home / "artifacts"
     (cache / "keys").mkdir(parents=True)
@@ -494,20 +527,20 @@ def test_local_protocol_version_sources(cpu_artifact: Artifact, artifact_home: P
         "#define RPC_PROTO_PATCH_VERSION 1\n"
     )
     # An empty cache: the header when given, else the constant of llama-cpp-python 0.3.36.
-    assert rpc._version_from_manifest() is None
-    assert rpc.local_protocol_version(header) == ProtocolVersion(7, 3, 1)
-    assert rpc.local_protocol_version() == V7
+    assert _version_from_manifest() is None
+    assert local_protocol_version(header) == ProtocolVersion(7, 3, 1)
+    assert local_protocol_version() == V7
     # A cached artifact: its manifest wins over the header.
     _record_artifact(artifact_home, cpu_artifact, "7.2.0")
-    assert rpc._version_from_manifest() == ProtocolVersion(7, 2, 0)
-    assert rpc.local_protocol_version(header) == ProtocolVersion(7, 2, 0)
+    assert _version_from_manifest() == ProtocolVersion(7, 2, 0)
+    assert local_protocol_version(header) == ProtocolVersion(7, 2, 0)
 
 
 def test_an_unreadable_manifest_falls_back(cpu_artifact: Artifact, artifact_home: Path) -> None:
     _record_artifact(artifact_home, cpu_artifact, "garbage")
-    assert rpc._version_from_manifest() is None
-    assert rpc.local_protocol_version() == V7
+    assert _version_from_manifest() is None
+    assert local_protocol_version() == V7
 
 
 def test_the_real_cache_gives_the_artifact_protocol(cpu_artifact: Artifact) -> None:
-    assert rpc.local_protocol_version() == ProtocolVersion.parse(cpu_artifact.manifest.protocol)
+    assert local_protocol_version() == ProtocolVersion.parse(cpu_artifact.manifest.protocol)

@@ -15,25 +15,29 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import Artifact
-from orchestrator.connection import connect
-from orchestrator.executor import Session
-from orchestrator.install import ArtifactChooser
-from orchestrator.inventory import Host
-from orchestrator.loader import exact_memory, model_allocations, parse_server_log
-from orchestrator.model import profile_model
-from orchestrator.planner import PlanOptions, make_plan
-from orchestrator.playbook import load_check
-from orchestrator.probe import probe_fleet, to_plan_devices
-from orchestrator.service import LOG_FILE, DeployResult, make_deploy_step
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.connectors.connect import connect
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.llama.logs import model_allocations, parse_server_log
+from orchestrator.llama.placement import exact_memory
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.server import LOG_FILE
+from orchestrator.operations.service import DeployResult, make_deploy_step
+from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.plan import PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.playbooks.load_check import load_check
+from orchestrator.probe.fleet import probe_fleet
 from tests.plugins.lab import lab_hosts_of, own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
 
 @pytest.fixture(scope="module")
-def debug_lab() -> Iterator[labmod.Lab]:
+def debug_lab() -> Iterator[Lab]:
     with own_lab(3, "dbg") as made:
         yield made
 
@@ -45,7 +49,7 @@ async def _fetch_log(host: Host, dest: Path) -> str:
 
 
 async def test_predicted_weights_and_kv_equal_the_allocations_of_deployed_debug_servers(
-    debug_lab: labmod.Lab,
+    debug_lab: Lab,
     cpu_artifact: Artifact,
     tiny_model_factory: Callable[..., Path],
     tmp_path: Path,

@@ -8,8 +8,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from orchestrator import rpc
-from orchestrator.rpc import Outcome, ProtocolVersion
+from orchestrator.rpc.client import probe_endpoint, query_memory
+from orchestrator.rpc.protocol import AggregateMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
 from tests.plugins.servers import LocalServer
 
 StartServer = Callable[..., LocalServer]
@@ -20,8 +21,8 @@ SHORT = 0.3
 async def holder(server: LocalServer) -> AsyncIterator[None]:
     """A client that completed HELLO and stays connected, like a loaded model does."""
     reader, writer = await asyncio.open_connection(server.host, server.port)
-    writer.write(rpc.hello_request())
-    await reader.readexactly(8 + rpc.HELLO_REPLY_SIZE)
+    writer.write(hello_request())
+    await reader.readexactly(8 + HELLO_REPLY_SIZE)
     try:
         yield
     finally:
@@ -29,46 +30,46 @@ async def holder(server: LocalServer) -> AsyncIterator[None]:
         await writer.wait_closed()
 
 
-async def wait_ok(endpoint: str) -> rpc.ProbeResult:
+async def wait_ok(endpoint: str) -> ProbeResult:
     """The server takes the next client only after it noticed the previous one left."""
-    result = await rpc.probe_endpoint(endpoint, read_timeout=1, deadline=2)
+    result = await probe_endpoint(endpoint, read_timeout=1, deadline=2)
     for _ in range(20):
         if result.ok:
             break
         await asyncio.sleep(0.05)
-        result = await rpc.probe_endpoint(endpoint, read_timeout=1, deadline=2)
+        result = await probe_endpoint(endpoint, read_timeout=1, deadline=2)
     return result
 
 
 async def test_ok(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
-    result = await rpc.probe_endpoint(server.endpoint)
+    result = await probe_endpoint(server.endpoint)
     assert result.outcome is Outcome.OK, result.message
     assert result.version == ProtocolVersion(7, 0, 0)
     assert len(result.devices) == 1
     assert result.devices[0].index == 0
     assert 0 < result.devices[0].free <= result.devices[0].total
     assert result.elapsed < 1.0
-    hello = await rpc.probe_endpoint(server.endpoint, hello_only=True)
+    hello = await probe_endpoint(server.endpoint, hello_only=True)
     assert (hello.outcome, hello.version, hello.devices) == (Outcome.OK, result.version, ())
-    memory = await rpc.query_memory([server.endpoint, server.endpoint])
-    assert memory == rpc.AggregateMemory(result.free, result.total, server_count=1, device_count=1)
+    memory = await query_memory([server.endpoint, server.endpoint])
+    assert memory == AggregateMemory(result.free, result.total, server_count=1, device_count=1)
     assert server.alive()
 
 
 async def test_stopped_server_is_refused(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     server.stop()
-    result = await rpc.probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
+    result = await probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
     assert result.outcome is Outcome.REFUSED
-    assert await rpc.query_memory([server.endpoint]) is None
+    assert await query_memory([server.endpoint]) is None
 
 
 async def test_busy_then_served_again(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     async with holder(server):
         started = time.monotonic()
-        result = await rpc.probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
+        result = await probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
         assert result.outcome is Outcome.BUSY, result.message
         assert SHORT <= time.monotonic() - started < SHORT + 0.6
         assert server.alive()
@@ -84,7 +85,7 @@ async def test_busy_probe_does_not_kill_an_unguarded_server(start_rpc_server: St
     # connection with a reset, so the late reply fails with ECONNRESET instead, which raises no signal.
     server = start_rpc_server(sigpipe_guard=False)
     async with holder(server):
-        result = await rpc.probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
+        result = await probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
         assert result.outcome is Outcome.BUSY
     after = await wait_ok(server.endpoint)
     assert after.outcome is Outcome.OK, after.message
@@ -99,7 +100,7 @@ async def test_why_the_reset_matters_a_graceful_close_kills_an_unguarded_server(
     server = start_rpc_server(sigpipe_guard=False)
     async with holder(server):
         reader, writer = await asyncio.open_connection(server.host, server.port)
-        writer.write(rpc.hello_request())
+        writer.write(hello_request())
         await writer.drain()
         try:
             await asyncio.wait_for(reader.read(1), SHORT)
@@ -117,7 +118,7 @@ async def test_full_accept_queue_times_out_at_connect(start_rpc_server: StartSer
     async with holder(server):
         queued = [socket.create_connection((server.host, server.port), timeout=1) for _ in range(2)]
         try:
-            result = await rpc.probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
+            result = await probe_endpoint(server.endpoint, connect_timeout=SHORT, read_timeout=SHORT)
         finally:
             for sock in queued:
                 sock.close()  # they sent nothing, so closing them is harmless

@@ -18,29 +18,28 @@ from typing import Any
 
 import pytest
 
-from orchestrator.artifacts import Artifact
+from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
-from orchestrator.connection import connect
-from orchestrator.errors import ServiceError
-from orchestrator.facts import Listener, OsInfo, ProcessState
-from orchestrator.install import ArtifactChooser, InstallState
-from orchestrator.inventory import Host
-from orchestrator.rpc import DeviceMemory, Outcome, ProbeResult, ProtocolVersion, probe_endpoint
-from orchestrator.service import (
+from orchestrator.connectors.connect import connect
+from orchestrator.core.errors import ServiceError
+from orchestrator.facts.server import Listener, ProcessState
+from orchestrator.facts.system import OsInfo
+from orchestrator.inventory.model import Host
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.process import launch_script, server_argv
+from orchestrator.operations.server import (
     LOG_MARKER,
     NodeState,
     ServerStatus,
     bind_policy,
     classify,
-    deploy,
-    ensure_state,
-    launch_script,
     node_state_from_facts,
-    plan_service,
-    rollback,
-    server_argv,
     server_status,
 )
+from orchestrator.operations.service import deploy, ensure_state, plan_service, rollback
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import free_port
 from tests.procs import wait_gone
 

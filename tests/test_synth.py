@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
-from orchestrator.errors import ModelError
-from orchestrator.synth import write_sparse_70b_header, write_tiny_llama
+from orchestrator.core.errors import ModelError
+from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> object:

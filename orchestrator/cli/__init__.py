@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from orchestrator import __version__
 from orchestrator.cli import _common
-from orchestrator.errors import InputError, RpcfleetError
-from orchestrator.log import configure_logging
+from orchestrator.core.errors import InputError, RpcfleetError
+from orchestrator.core.log import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:

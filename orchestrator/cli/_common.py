@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.errors import RpcfleetError, UsageError
+from orchestrator.core.errors import RpcfleetError, UsageError
 
 if TYPE_CHECKING:  # imported lazily below: `rpcfleet artifact build` must start fast without asyncssh
-    from orchestrator.executor import Recap
-    from orchestrator.inventory import Host, Inventory
+    from orchestrator.engine.executor import Recap
+    from orchestrator.inventory.model import Host, Inventory
 
 T = TypeVar("T")
 
@@ -71,7 +71,7 @@ def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:
     """--timeout and --no-facts, for every command that probes the fleet."""
-    from orchestrator.probe import DEFAULT_TIMEOUT
+    from orchestrator.probe.host import DEFAULT_TIMEOUT
 
     parser.add_argument(
         "--timeout",
@@ -107,7 +107,7 @@ def inventory_path(args: argparse.Namespace) -> Path:
         return Path(os.environ[DEFAULT_INVENTORY_ENV])
     if Path("inventory.yml").exists():
         return Path("inventory.yml")
-    from orchestrator.lab import default_lab_inventory
+    from orchestrator.lab.lifecycle import default_lab_inventory
 
     path: Path = default_lab_inventory()
     return path
@@ -123,7 +123,7 @@ def print_json(data: Any) -> None:
 
 def load_inventory(args: argparse.Namespace) -> Inventory:
     """The inventory named by the flags; its warnings are printed."""
-    from orchestrator.inventory import load_inventory as load
+    from orchestrator.inventory.load import load_inventory as load
 
     inventory = load(inventory_path(args))
     for warning in inventory.warnings:
@@ -133,7 +133,7 @@ def load_inventory(args: argparse.Namespace) -> Inventory:
 
 def load_hosts(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
     """The inventory named by the flags and the hosts selected by --limit (all when absent)."""
-    from orchestrator.inventory import select_hosts
+    from orchestrator.inventory.model import select_hosts
 
     inventory = load_inventory(args)
     pattern = getattr(args, "limit", None)
@@ -152,7 +152,7 @@ _STATUS_STYLE = {
 
 def print_recap(recap: Recap) -> None:
     """The end-of-run summary, one line per host (Ansible's PLAY RECAP)."""
-    from orchestrator.executor import STATUSES
+    from orchestrator.engine.executor import STATUSES
 
     table = Table(title="recap", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("host")

@@ -6,12 +6,12 @@ import argparse
 from typing import TYPE_CHECKING
 
 from orchestrator.cli import _common
-from orchestrator.errors import UsageError
-from orchestrator.units import parse_size
+from orchestrator.core.errors import UsageError
+from orchestrator.core.units import parse_size
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
-    from orchestrator.inventory import Host
-    from orchestrator.planner import PlanDevice, PlanOptions
+    from orchestrator.inventory.model import Host
+    from orchestrator.planning.plan import PlanDevice, PlanOptions
 
 
 def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, local: bool = True) -> None:
@@ -42,7 +42,7 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
 
 def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanOptions:
     """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
-    from orchestrator.planner import DEFAULT_MARGIN, PlanOptions
+    from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
 
     try:
         margin = parse_size(args.margin) if args.margin is not None else DEFAULT_MARGIN
@@ -73,9 +73,10 @@ def local_device_selection(args: argparse.Namespace) -> list[str] | None:
 def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> list[PlanDevice]:
     """Probe the selected hosts and order their devices for the planner: every RPC device of each
     endpoint in inventory order, then the selected local GPUs of this machine."""
-    from orchestrator.loader import local_gpus
-    from orchestrator.planner import order_devices
-    from orchestrator.probe import probe_fleet, to_plan_devices
+    from orchestrator.llama.native import local_gpus
+    from orchestrator.planning.devices import to_plan_devices
+    from orchestrator.planning.placement import order_devices
+    from orchestrator.probe.fleet import probe_fleet
 
     if hosts is None:
         _, hosts = _common.load_hosts(args)

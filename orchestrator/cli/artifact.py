@@ -51,22 +51,23 @@ def register(subparsers: Any) -> None:
 
 
 def handle_build(args: argparse.Namespace) -> int:
-    from orchestrator import artifacts
+    from orchestrator.artifacts.build import build_artifact, cached_build
+    from orchestrator.artifacts.manifest import llama_cpp_python_version
 
-    cached = artifacts.cached_build(args.backend, args.cmake_args)
+    cached = cached_build(args.backend, args.cmake_args)
     if cached is not None and args.quiet_if_cached:
         return 0
     if cached is None:
         _common.err_console.print(
             f"building ggml-rpc-server ({args.backend}) for llama-cpp-python "
-            f"{artifacts.llama_cpp_python_version()}: a few minutes, once",
+            f"{llama_cpp_python_version()}: a few minutes, once",
             highlight=False,
         )
 
     def progress(line: str) -> None:
         _common.err_console.print(f"  {line}", style="dim", highlight=False, markup=False, soft_wrap=True)
 
-    artifact = cached or artifacts.build_artifact(args.backend, args.cmake_args, progress=progress)
+    artifact = cached or build_artifact(args.backend, args.cmake_args, progress=progress)
     if args.json:
         _common.print_json(artifact.to_dict())
     else:
@@ -78,15 +79,15 @@ def handle_list(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
-    from orchestrator import artifacts
-    from orchestrator.units import format_size
+    from orchestrator.artifacts.store import artifacts_dir, list_artifacts
+    from orchestrator.core.units import format_size
 
-    found = artifacts.list_artifacts()
+    found = list_artifacts()
     if args.json:
         _common.print_json([a.to_dict() for a in found])
         return 0
     if not found:
-        _common.err_console.print(f"no artifacts in {artifacts.artifacts_dir()}")
+        _common.err_console.print(f"no artifacts in {artifacts_dir()}")
         return 0
     # The id already names protocol, backend, os and arch; `show` has the rest.
     table = Table(box=box.SIMPLE_HEAD)
@@ -101,9 +102,9 @@ def handle_list(args: argparse.Namespace) -> int:
 
 
 def handle_show(args: argparse.Namespace) -> int:
-    from orchestrator import artifacts
+    from orchestrator.artifacts.store import load_artifact
 
-    artifact = artifacts.load_artifact(args.id)
+    artifact = load_artifact(args.id)
     if args.json:
         _common.print_json(artifact.to_dict())
         return 0
@@ -135,31 +136,32 @@ def handle_show(args: argparse.Namespace) -> int:
 def handle_verify(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from orchestrator import artifacts
-    from orchestrator.errors import ArtifactError
+    from orchestrator.artifacts.store import artifacts_dir, list_artifacts, load_artifact, verify_artifact
+    from orchestrator.core.errors import ArtifactError
 
-    targets = [artifacts.load_artifact(i) for i in args.ids] if args.ids else artifacts.list_artifacts()
+    targets = [load_artifact(i) for i in args.ids] if args.ids else list_artifacts()
     failed = 0
     for artifact in targets:
         try:
-            artifacts.verify_artifact(artifact)
+            verify_artifact(artifact)
         except ArtifactError as exc:
             failed += 1
             _common.console.print(f"[red]FAILED[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         else:
             _common.console.print(f"[green]ok[/green]     {artifact.id}", highlight=False, soft_wrap=True)
     if not targets:
-        _common.err_console.print(f"no artifacts in {artifacts.artifacts_dir()}")
+        _common.err_console.print(f"no artifacts in {artifacts_dir()}")
     return 1 if failed else 0
 
 
 def handle_add(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from orchestrator import artifacts
+    from orchestrator.artifacts.imports import import_artifact
+    from orchestrator.artifacts.spec import read_artifact_spec
 
-    spec = artifacts.read_artifact_spec(Path(args.spec))
-    artifact = artifacts.import_artifact(spec, backend=args.backend)
+    spec = read_artifact_spec(Path(args.spec))
+    artifact = import_artifact(spec, backend=args.backend)
     if args.json:
         _common.print_json(artifact.to_dict())
     else:

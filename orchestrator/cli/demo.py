@@ -34,8 +34,8 @@ def register(subparsers: Any) -> None:
 
 def demo_model() -> Path:
     """A small llama GGUF with random weights, generated once into the cache (no download)."""
-    from orchestrator.paths import rpcfleet_home
-    from orchestrator.synth import write_tiny_llama
+    from orchestrator.core.paths import rpcfleet_home
+    from orchestrator.planning.synth import write_tiny_llama
 
     path = rpcfleet_home() / "models" / "demo-llama-8L-512d.gguf"
     if not path.exists():
@@ -47,14 +47,14 @@ def demo_model() -> Path:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator import lab as lab_module
     from orchestrator.cli import main
+    from orchestrator.lab.lifecycle import lab_down, lab_up
 
     local = os.geteuid() != 0
     model = args.model or demo_model()
     kind = "local-connection (not root)" if local else "network-namespace"
     _common.console.rule(f"lab up: {args.nodes} {kind} nodes")
-    lab = lab_module.lab_up(args.nodes, name=args.lab_name, local=local)
+    lab = lab_up(args.nodes, name=args.lab_name, local=local)
     inventory = ["-i", str(lab.inventory)]
     steps: list[tuple[str, list[str]]] = [
         ("ping: reach every node over " + ("a local shell" if local else "SSH"), ["ping", *inventory]),
@@ -84,4 +84,4 @@ def handle(args: argparse.Namespace) -> int:
             )
         else:
             _common.console.rule("lab down")
-            lab_module.lab_down(args.lab_name)
+            lab_down(args.lab_name)

@@ -16,13 +16,14 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.cli import _common
-from orchestrator.connection import Progress as ProgressCallback
-from orchestrator.executor import HostContext, Recap, RunResult, Session, StepOutcome
-from orchestrator.install import ArtifactChooser, InstallChange
-from orchestrator.inventory import Host
-from orchestrator.service import (
+from orchestrator.connectors.base import Progress as ProgressCallback
+from orchestrator.engine.executor import HostContext, Recap, RunResult, Session, StepOutcome
+from orchestrator.inventory.model import Host
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_plan import InstallChange
+from orchestrator.operations.server import ServerStatus
+from orchestrator.operations.service import (
     DeployResult,
-    ServerStatus,
     ServiceChange,
     make_deploy_step,
     make_logs_step,

@@ -10,9 +10,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common
-from orchestrator.errors import InventoryError
-from orchestrator.inventory import VARIABLES, VARIABLES_BY_NAME, Host, Inventory, host_to_dict
-from orchestrator.units import format_size
+from orchestrator.core.errors import InventoryError
+from orchestrator.core.units import format_size
+from orchestrator.inventory.model import Host, Inventory, host_to_dict
+from orchestrator.inventory.variables import VARIABLES, VARIABLES_BY_NAME
 
 _SIZE_VARS = frozenset({"memory_reserve", "memory_limit"})
 

@@ -10,8 +10,9 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from orchestrator import lab
 from orchestrator.cli import _common
+from orchestrator.lab.lifecycle import lab_down, lab_down_all, lab_status, lab_up, list_labs, reap_stale
+from orchestrator.lab.model import DEFAULT_LAB
 
 
 def register(subparsers: Any) -> None:
@@ -50,18 +51,18 @@ def register(subparsers: Any) -> None:
 def _add_name(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--name",
-        default=lab.DEFAULT_LAB,
-        help=f"lab name, for several labs at once (default: {lab.DEFAULT_LAB})",
+        default=DEFAULT_LAB,
+        help=f"lab name, for several labs at once (default: {DEFAULT_LAB})",
     )
 
 
 def handle_up(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    reaped = lab.reap_stale()
-    made = lab.lab_up(args.nodes, name=args.name, local=args.local, output=args.output)
+    reaped = reap_stale()
+    made = lab_up(args.nodes, name=args.name, local=args.local, output=args.output)
     seconds = time.monotonic() - started
     if args.json:
-        _common.print_json({**lab.lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})
+        _common.print_json({**lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})
         return 0
     if reaped:
         _common.err_console.print(f"reaped {len(reaped)} leftovers of dead labs", highlight=False)
@@ -86,7 +87,7 @@ def handle_up(args: argparse.Namespace) -> int:
             f"{made.user}@{first.address}",
             highlight=False,
         )
-    flag = "" if made.name == lab.DEFAULT_LAB else f" --name {made.name}"
+    flag = "" if made.name == DEFAULT_LAB else f" --name {made.name}"
     _common.console.print(f"tear down: rpcfleet lab down{flag}", highlight=False)
     return 0
 
@@ -94,16 +95,16 @@ def handle_up(args: argparse.Namespace) -> int:
 def handle_down(args: argparse.Namespace) -> int:
     started = time.monotonic()
     if args.all:
-        removed = lab.lab_down_all()
+        removed = lab_down_all()
         for item in removed:
             _common.console.print(f"  removed {item}", highlight=False)
         _common.console.print(
             f"{len(removed)} removed in {time.monotonic() - started:.2f} s", highlight=False
         )
-        for name in lab.list_labs():
+        for name in list_labs():
             _common.console.print(f"  kept lab {name}: owned by a running process (a test session)")
         return 0
-    if not lab.lab_down(args.name):
+    if not lab_down(args.name):
         _common.err_console.print(f"no lab named {args.name!r}: nothing to do", highlight=False)
         return 0
     _common.console.print(f"lab {args.name} down in {time.monotonic() - started:.2f} s", highlight=False)
@@ -111,7 +112,7 @@ def handle_down(args: argparse.Namespace) -> int:
 
 
 def handle_status(args: argparse.Namespace) -> int:
-    status = lab.lab_status(args.name)
+    status = lab_status(args.name)
     if args.json:
         _common.print_json(status.to_dict())
         return 0 if status.healthy else 1

@@ -9,8 +9,8 @@ from rich import box
 from rich.table import Table
 
 from orchestrator.cli import _common
-from orchestrator.executor import Recap, Session
-from orchestrator.ping import PingResult, ping_step
+from orchestrator.engine.executor import Recap, Session
+from orchestrator.probe.ping import PingResult, ping_step
 
 
 def register(subparsers: Any) -> None:

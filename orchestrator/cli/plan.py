@@ -13,12 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common, _planning
-from orchestrator.errors import UsageError
-from orchestrator.files import write_atomic
-from orchestrator.units import format_size
+from orchestrator.core.errors import UsageError
+from orchestrator.core.files import write_atomic
+from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:
-    from orchestrator.planner import Plan
+    from orchestrator.planning.plan import Plan
 
 FORMATS = ("table", "json", "llama-cli", "python")
 
@@ -44,8 +44,9 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.model import profile_model
-    from orchestrator.planner import llama_cli_args, make_plan, python_snippet
+    from orchestrator.planning.formats import llama_cli_args, python_snippet
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
 
     fmt = "json" if args.json else args.format
     if not args.model.is_file():

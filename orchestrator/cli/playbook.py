@@ -16,10 +16,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common
-from orchestrator.errors import UsageError
+from orchestrator.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from orchestrator.playbook import Playbook, PlaybookResult, StepRun
+    from orchestrator.playbooks.model import Playbook, PlaybookResult, StepRun
 
 _STYLE = {"ok": "green", "changed": "yellow", "failed": "red", "unreachable": "red", "skipped": "cyan"}
 
@@ -68,7 +68,7 @@ def _serial_value(text: str | None) -> int | str:
 
 
 def handle_rolling_restart(args: argparse.Namespace) -> int:
-    from orchestrator.playbook import rolling_restart_playbook
+    from orchestrator.playbooks.reader import rolling_restart_playbook
 
     max_fail = getattr(args, "max_fail_percentage", None)
     playbook = rolling_restart_playbook(
@@ -80,15 +80,15 @@ def handle_rolling_restart(args: argparse.Namespace) -> int:
 
 
 def handle_run_playbook(args: argparse.Namespace) -> int:
-    from orchestrator.playbook import load_playbook, parse_extra_vars
+    from orchestrator.playbooks.reader import load_playbook, parse_extra_vars
 
     playbook = load_playbook(args.playbook, parse_extra_vars(args.extra_vars))
     return _run(args, playbook)
 
 
 def _run(args: argparse.Namespace, playbook: Playbook) -> int:
-    from orchestrator.executor import Session
-    from orchestrator.playbook import play_hosts, run_playbook
+    from orchestrator.engine.executor import Session
+    from orchestrator.playbooks.runner import play_hosts, run_playbook
 
     if args.forks < 1:
         raise UsageError("--forks must be at least 1")

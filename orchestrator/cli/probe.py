@@ -11,17 +11,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common
-from orchestrator.units import format_size
+from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:  # imported lazily: the probe pulls in asyncssh and numpy
-    from orchestrator.probe import FleetProbe
+    from orchestrator.probe.fleet import FleetProbe
 
 _STATE_STYLE = {"ok": "green", "busy": "yellow"}
 _PIPE_WIDTH = 160
 
 
 def register(subparsers: Any) -> None:
-    from orchestrator.probe import FAIL_ON
+    from orchestrator.probe.fleet import FAIL_ON
 
     parser = subparsers.add_parser(
         "probe",
@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.probe import fleet_failed, probe_fleet
+    from orchestrator.probe.fleet import fleet_failed, probe_fleet
 
     timeout = _common.probe_timeout(args)
     _, hosts = _common.load_hosts(args)

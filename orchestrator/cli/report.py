@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common, _planning
-from orchestrator.errors import UsageError
-from orchestrator.files import write_atomic
+from orchestrator.core.errors import UsageError
+from orchestrator.core.files import write_atomic
 
 _CTX = re.compile(r"^\s*(\d+)\s*([kK])?\s*$")
 
@@ -36,7 +36,7 @@ def parse_contexts(values: list[str] | None) -> list[int]:
 
 
 def register(subparsers: Any) -> None:
-    from orchestrator.report import FORMATS
+    from orchestrator.report.render import FORMATS
 
     parser = subparsers.add_parser(
         "report",
@@ -59,9 +59,10 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.model import profile_model
-    from orchestrator.probe import probe_fleet
-    from orchestrator.report import ReportOptions, build_report, render
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.probe.fleet import probe_fleet
+    from orchestrator.report.build import ReportOptions, build_report
+    from orchestrator.report.render import render
 
     contexts = parse_contexts(args.ctx)
     plan_options = _planning.plan_options(args, n_ctx=contexts[0])

@@ -17,15 +17,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common, _planning
-from orchestrator.errors import UsageError
-from orchestrator.units import format_size
+from orchestrator.core.errors import UsageError
+from orchestrator.core.units import format_size
 
 MiB = 1024 * 1024
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
-    from orchestrator.inventory import Host
-    from orchestrator.loader import Placement
-    from orchestrator.planner import Plan
+    from orchestrator.inventory.model import Host
+    from orchestrator.llama.placement import Placement
+    from orchestrator.planning.plan import Plan
 
 
 def register(subparsers: Any) -> None:
@@ -66,8 +66,8 @@ def register(subparsers: Any) -> None:
 def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     """Inventory-less hosts for `--endpoint` values. Loopback servers run on this machine, so they get
     a local connection (facts such as MemAvailable are read here); others are probed over RPC only."""
-    from orchestrator.inventory import Host
-    from orchestrator.rpc import parse_endpoint
+    from orchestrator.inventory.model import Host
+    from orchestrator.rpc.protocol import parse_endpoint
 
     hosts = []
     for text in endpoints:
@@ -79,9 +79,10 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
 
 
 def make_run_plan(args: argparse.Namespace) -> Plan:
-    from orchestrator.inventory import is_loopback
-    from orchestrator.model import profile_model
-    from orchestrator.planner import Plan, make_plan
+    from orchestrator.inventory.model import is_loopback
+    from orchestrator.planning.plan import Plan
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
 
     if args.plan is not None:
         return Plan.from_path(args.plan)
@@ -101,7 +102,7 @@ def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
     Refusing matters most on CPU servers: with memory overcommit the allocation succeeds and the
     kernel's OOM killer kills the rpc-server later, in the middle of the load or of a generation.
     """
-    from orchestrator.errors import PlanError
+    from orchestrator.core.errors import PlanError
 
     if plan.fit.fits:
         return
@@ -116,7 +117,8 @@ def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.loader import load_llama, placement_of
+    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.placement import placement_of
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
@@ -153,7 +155,7 @@ def handle(args: argparse.Namespace) -> int:
 
 def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple[str, dict[str, Any]]:
     """Stream a completion (echoed as it comes); the numbers are llama.cpp's own counters."""
-    from orchestrator.loader import generation_timings
+    from orchestrator.llama.native import generation_timings
 
     pieces: list[str] = []
     finish_reason = None

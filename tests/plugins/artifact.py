@@ -8,20 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import artifacts
+from orchestrator.artifacts.build import default_artifact
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.artifacts.store import unpack_artifact
 
 
 @pytest.fixture(scope="session")
-def cpu_artifact() -> artifacts.Artifact:
+def cpu_artifact() -> Artifact:
     """The default CPU artifact from the real cache (returns at once when `make setup` has built it)."""
-    return artifacts.default_artifact("cpu")
+    return default_artifact("cpu")
 
 
 @pytest.fixture(scope="session")
-def cpu_artifact_tree(cpu_artifact: artifacts.Artifact, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cpu_artifact_tree(cpu_artifact: Artifact, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An unpacked copy of the CPU artifact (manifest.json + bin/) in a session temp folder."""
     dest = tmp_path_factory.mktemp("cpu-artifact")
-    artifacts.unpack_artifact(cpu_artifact, dest)
+    unpack_artifact(cpu_artifact, dest)
     return dest
 
 

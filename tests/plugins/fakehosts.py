@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 import asyncssh
 import pytest
 
-from orchestrator.inventory import Host
+from orchestrator.inventory.model import Host
 
 T = TypeVar("T")
 _CALL_TIMEOUT = 10.0

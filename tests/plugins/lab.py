@@ -18,15 +18,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.inventory import Host, load_inventory
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import Host
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.model import Lab
+from orchestrator.lab.netns import privileged
 
 _counter = itertools.count(1)
 
 
 def require_lab_privileges() -> None:
     """Skip (locally) or fail (in CI) when network namespaces cannot be made."""
-    if labmod.privileged():
+    if privileged():
         return
     reason = "tier-2 lab tests need root with CAP_NET_ADMIN and CAP_SYS_ADMIN (network namespaces, sshd)"
     if os.environ.get("CI"):
@@ -39,55 +42,55 @@ def session_lab_name(suffix: str = "") -> str:
     return f"t{os.getpid()}{suffix}"
 
 
-def lab_hosts_of(lab: labmod.Lab) -> list[Host]:
+def lab_hosts_of(lab: Lab) -> list[Host]:
     hosts = {host.name: host for host in load_inventory(lab.inventory).hosts}
     return [hosts[node.name] for node in lab.nodes]
 
 
 @contextlib.contextmanager
-def own_lab(nodes: int, suffix: str = "") -> Iterator[labmod.Lab]:
+def own_lab(nodes: int, suffix: str = "") -> Iterator[Lab]:
     """A namespaced lab owned by this test session (reaped if the session dies), down on exit."""
     require_lab_privileges()
     name = session_lab_name(suffix)
-    made = labmod.lab_up(nodes, name=name, owner_pid=os.getpid())
+    made = lab_up(nodes, name=name, owner_pid=os.getpid())
     try:
         yield made
     finally:
-        labmod.lab_down(name)
+        lab_down(name)
 
 
 @pytest.fixture(scope="session")
-def lab() -> Iterator[labmod.Lab]:
+def lab() -> Iterator[Lab]:
     require_lab_privileges()
-    labmod.reap_stale()
+    reap_stale()
     with own_lab(3) as made:
         yield made
 
 
 @pytest.fixture
-def healthy_lab(lab: labmod.Lab) -> Iterator[labmod.Lab]:
+def healthy_lab(lab: Lab) -> Iterator[Lab]:
     """The session lab; whatever faults the test injects are undone afterwards."""
     yield lab
     lab.heal()
 
 
 @pytest.fixture(scope="session")
-def lab_hosts(lab: labmod.Lab) -> list[Host]:
+def lab_hosts(lab: Lab) -> list[Host]:
     return lab_hosts_of(lab)
 
 
 @pytest.fixture
-def make_lab() -> Iterator[Callable[..., labmod.Lab]]:
+def make_lab() -> Iterator[Callable[..., Lab]]:
     """Factory: `make_lab(nodes=2, local=False)` -> a fresh lab of this session, down after the test."""
     made: list[str] = []
 
-    def make(nodes: int = 2, *, local: bool = False) -> labmod.Lab:
+    def make(nodes: int = 2, *, local: bool = False) -> Lab:
         if not local:
             require_lab_privileges()
         name = session_lab_name(f"x{next(_counter)}")
         made.append(name)
-        return labmod.lab_up(nodes, name=name, local=local, owner_pid=os.getpid())
+        return lab_up(nodes, name=name, local=local, owner_pid=os.getpid())
 
     yield make
     for name in made:
-        labmod.lab_down(name)
+        lab_down(name)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import rpc
-from orchestrator.planner import PlanDevice
+from orchestrator.planning.plan import PlanDevice
+from orchestrator.rpc.protocol import parse_endpoint
+from orchestrator.rpc.wire import HELLO_REPLY_SIZE, SIZE_HEADER, hello_request
 from tests.plugins.servers import LocalServer, launch_rpc_server
 
 GiB = 1 << 30
@@ -37,7 +38,7 @@ class DebugServer(LocalServer):
 
     def allocations_since(self, offset: int) -> dict[int, list[int]]:
         """Sizes the model's connection allocated per device since `offset` (weights, KV, compute...)."""
-        from orchestrator.loader import model_allocations, parse_server_log
+        from orchestrator.llama.logs import model_allocations, parse_server_log
 
         return model_allocations(parse_server_log(self.log_since(offset)))
 
@@ -95,10 +96,10 @@ def hold_server() -> Iterator[Callable[[str], socket.socket]]:
     held: list[socket.socket] = []
 
     def hold(endpoint: str) -> socket.socket:
-        ep = rpc.parse_endpoint(endpoint)
+        ep = parse_endpoint(endpoint)
         sock = socket.create_connection((ep.host, ep.port), timeout=5)
-        sock.sendall(rpc.hello_request())
-        want = rpc.SIZE_HEADER + rpc.HELLO_REPLY_SIZE
+        sock.sendall(hello_request())
+        want = SIZE_HEADER + HELLO_REPLY_SIZE
         got = b""
         while len(got) < want:
             chunk = sock.recv(want - len(got))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.synth import write_sparse_70b_header, write_tiny_llama
+from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
 
 TinyModelFactory = Callable[..., Path]
 

@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
-from orchestrator import lab as labmod
-from orchestrator.artifacts import Artifact
-from orchestrator.executor import Session
-from orchestrator.inventory import Host
-from orchestrator.playbook import PlaybookResult, load_playbook, run_playbook
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.playbooks.model import PlaybookResult
+from orchestrator.playbooks.reader import load_playbook
+from orchestrator.playbooks.runner import run_playbook
 from tests.procs import wait_gone
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
@@ -33,7 +35,7 @@ Play = Callable[..., Awaitable[PlaybookResult]]
 class NodeView:
     """A lab node's rpcfleet files, read from the root namespace (the node's home is a plain folder)."""
 
-    def __init__(self, lab: labmod.Lab, host: Host) -> None:
+    def __init__(self, lab: Lab, host: Host) -> None:
         self.lab = lab
         self.host = host
         self.root = lab.node(host.name).home / INSTALL
@@ -72,7 +74,7 @@ class NodeView:
             wait_gone(pid)
 
 
-def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
+def _clean(lab: Lab, hosts: list[Host]) -> None:
     for host in hosts:
         view = NodeView(lab, host)
         view.kill()
@@ -80,7 +82,7 @@ def _clean(lab: labmod.Lab, hosts: list[Host]) -> None:
 
 
 @pytest.fixture
-def fresh_nodes(lab: labmod.Lab, lab_hosts: list[Host]) -> Iterator[list[Host]]:
+def fresh_nodes(lab: Lab, lab_hosts: list[Host]) -> Iterator[list[Host]]:
     _clean(lab, lab_hosts)
     yield lab_hosts
     lab.heal()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import artifacts
+from orchestrator.artifacts.build import local_server_binary
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,7 +84,7 @@ def launch_rpc_server(
 @pytest.fixture(scope="session")
 def rpc_server_binary() -> Path:
     """The ggml-rpc-server to test against: the cached CPU artifact's."""
-    path = artifacts.local_server_binary()
+    path = local_server_binary()
     assert path.exists(), f"no ggml-rpc-server at {path}: run `make setup`"
     return path
 

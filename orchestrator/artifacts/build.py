@@ -1,0 +1,300 @@
+"""Building a `ggml-rpc-server` artifact from the same source as the installed binding."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator.artifacts.manifest import (
+    BACKENDS,
+    SERVER_NAME,
+    Artifact,
+    ArtifactSpec,
+    Manifest,
+    _scan_files,
+    host_platform,
+    llama_cpp_python_version,
+)
+from orchestrator.artifacts.source import (
+    _ensure_sdist,
+    _extract_source,
+    read_ggml_version,
+    read_llama_cpp_commit,
+    read_protocol_version,
+)
+from orchestrator.artifacts.store import Progress, _recall, _remember, _store, artifacts_dir, unpack_artifact
+from orchestrator.core.errors import ArtifactError
+from orchestrator.core.log import get_logger
+from orchestrator.core.paths import rpcfleet_home
+
+# cmake -D definitions every build gets; the user's --cmake-arg overrides them by variable name.
+BASE_DEFINES: dict[str, str] = {
+    "GGML_RPC": "ON",
+    "LLAMA_BUILD_TESTS": "OFF",
+    "LLAMA_BUILD_EXAMPLES": "OFF",
+    "LLAMA_BUILD_SERVER": "OFF",
+    "LLAMA_CURL": "OFF",
+    # Portable by default: GGML_NATIVE=ON adds -march=native and the binary may not run on another CPU.
+    "GGML_NATIVE": "OFF",
+    "CMAKE_BUILD_TYPE": "Release",
+    # The binary must find its libggml*.so wherever it is unpacked: RUNPATH=$ORIGIN, never the build dir.
+    "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON",
+    "CMAKE_INSTALL_RPATH": "$ORIGIN",
+}
+
+
+BACKEND_DEFINES: dict[str, dict[str, str]] = {
+    "cpu": {},
+    "cuda": {"GGML_CUDA": "ON"},
+    "rocm": {"GGML_HIP": "ON"},
+    "vulkan": {"GGML_VULKAN": "ON"},
+    "metal": {"GGML_METAL": "ON"},
+}
+
+
+CONFIGURE_TIMEOUT_S = 900.0
+
+
+BUILD_TIMEOUT_S = 3600.0
+
+
+def _split_define(arg: str) -> tuple[str, str] | None:
+    """("NAME", "VALUE") for "-DNAME=VALUE" or "-DNAME:TYPE=VALUE", else None."""
+    match = re.match(r"^-D([A-Za-z_][A-Za-z0-9_]*)(?::[A-Za-z]+)?=(.*)$", arg)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def effective_cmake_args(backend: str, cmake_args: Sequence[str] = ()) -> tuple[str, ...]:
+    """The full cmake configure arguments: base defines + backend defines + the user's, in a canonical
+    order (defines sorted by name, later ones overriding earlier; other arguments after, as given)."""
+    if backend not in BACKENDS:
+        raise ArtifactError(f"unknown backend {backend!r}", hint=f"one of: {', '.join(BACKENDS)}")
+    defines = {**BASE_DEFINES, **BACKEND_DEFINES[backend]}
+    others: list[str] = []
+    for arg in cmake_args:
+        split = _split_define(arg)
+        if split is None:
+            others.append(arg)
+        else:
+            defines[split[0]] = split[1]
+    return (*(f"-D{k}={v}" for k, v in sorted(defines.items())), *others)
+
+
+def _is_native(cmake_args: Sequence[str]) -> bool:
+    value = "ON"  # llama.cpp's default when not given
+    for arg in cmake_args:
+        split = _split_define(arg)
+        if split and split[0] == "GGML_NATIVE":
+            value = split[1]
+    return value.upper() in ("ON", "1", "TRUE", "YES", "Y")
+
+
+def build_key(
+    version: str, backend: str, cmake_args: Sequence[str], os_name: str | None = None, arch: str | None = None
+) -> str:
+    """The cache key of a local build: hash of (llama-cpp-python version, backend, sorted args, os, arch)."""
+    host_os, host_arch = host_platform()
+    data = json.dumps(
+        ["build", version, backend, sorted(cmake_args), os_name or host_os, arch or host_arch]
+    ).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _source_key(spec: ArtifactSpec, os_name: str, arch: str) -> str:
+    data = json.dumps(
+        [spec.kind, spec.sha256, spec.subdir, spec.protocol, spec.backend, os_name, arch, spec.native,
+         list(spec.cmake_args), spec.llama_cpp_commit]
+    ).encode()  # fmt: skip
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def local_server_binary() -> Path:
+    """The server of the default CPU artifact, unpacked once into `$RPCFLEET_HOME/artifacts/<id>/`."""
+    artifact = default_artifact("cpu")
+    target = artifacts_dir() / artifact.id
+    binary = target / artifact.manifest.server_path
+    if (target / ".complete").exists() and binary.exists():
+        return binary
+    staging = Path(tempfile.mkdtemp(prefix=f".{artifact.id}-", dir=artifacts_dir()))
+    try:
+        unpack_artifact(artifact, staging)
+        (staging / ".complete").touch()
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            staging.replace(target)
+        except OSError:
+            if not (target / ".complete").exists():  # else another process unpacked it meanwhile
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return binary
+
+
+def cached_build(backend: str = "cpu", cmake_args: Sequence[str] = ()) -> Artifact | None:
+    """The cached artifact for this build request, or None (fast: no hashing, no subprocess)."""
+    args = effective_cmake_args(backend, cmake_args)
+    return _recall(build_key(llama_cpp_python_version(), backend, args))
+
+
+def default_artifact(backend: str = "cpu") -> Artifact:
+    """The locally built artifact matching the installed llama-cpp-python (built on first use)."""
+    return cached_build(backend) or build_artifact(backend)
+
+
+def build_artifact(
+    backend: str = "cpu", cmake_args: Sequence[str] = (), *, progress: Progress | None = None
+) -> Artifact:
+    """Build ggml-rpc-server from the same llama.cpp source as the installed llama-cpp-python and store
+    it in the cache; returns the cached artifact at once when this request was built before."""
+    args = effective_cmake_args(backend, cmake_args)
+    version = llama_cpp_python_version()
+    key = build_key(version, backend, args)
+    cached = _recall(key)
+    if cached is not None:
+        return cached
+    say = progress or (lambda _line: None)
+    workdir = rpcfleet_home() / "build" / key
+    workdir.mkdir(parents=True, exist_ok=True)
+    with _locked(workdir / ".lock"):
+        cached = _recall(key)  # another process may have built it while we waited
+        if cached is not None:
+            return cached
+        sdist = _ensure_sdist(version, say)
+        source = _extract_source(sdist, workdir / "src", say)
+        llama = source / "vendor" / "llama.cpp"
+        protocol = read_protocol_version(llama / "ggml" / "include" / "ggml-rpc.h")
+        build_dir = workdir / "build"
+        log_path = workdir / "build.log"
+        with log_path.open("w") as log:
+            say(f"configuring llama.cpp ({backend}) in {build_dir}")
+            _run_logged(
+                ["cmake", "-S", str(llama), "-B", str(build_dir), *args], log, say, CONFIGURE_TIMEOUT_S
+            )
+            say(f"building {SERVER_NAME} (log: {log_path})")
+            jobs = str(os.cpu_count() or 1)
+            _run_logged(
+                ["cmake", "--build", str(build_dir), "--target", SERVER_NAME, "-j", jobs],
+                log,
+                say,
+                BUILD_TIMEOUT_S,
+            )
+        os_name, arch = host_platform()
+        with tempfile.TemporaryDirectory(dir=workdir, prefix="stage-") as tmp:
+            stage = Path(tmp)
+            _collect_server(build_dir / "bin", stage / "bin", SERVER_NAME)
+            _check_runpath(stage / "bin")
+            manifest = Manifest(
+                protocol=protocol,
+                backend=backend,
+                os=os_name,
+                arch=arch,
+                native=_is_native(args),
+                files=_scan_files(stage),
+                cmake_args=args,
+                llama_cpp_commit=read_llama_cpp_commit(source / "CHANGELOG.md"),
+                ggml_version=read_ggml_version(llama / "ggml" / "CMakeLists.txt"),
+                llama_cpp_python_version=version,
+                source=f"build:llama-cpp-python=={version}",
+            )
+            artifact = _store(stage, manifest)
+        _remember(key, artifact)
+        say(f"stored {artifact.id}")
+        get_logger().info("artifact_built", id=artifact.id, key=key)
+        return artifact
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run_logged(command: list[str], log: Any, say: Progress, timeout: float) -> None:
+    """Run `command`, copying its output to `log` and cmake's `[ NN%]` lines to `say`."""
+    log.write(f"$ {shlex.join(command)}\n")
+    log.flush()
+    tail: list[str] = []
+    deadline = time.monotonic() + timeout
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            tail = [*tail[-40:], line]
+            if re.match(r"^\[\s*\d+%\]", line):
+                say(line.rstrip())
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise ArtifactError(f"timed out after {timeout:.0f} s", command=shlex.join(command))
+        status = proc.wait()
+    if status != 0:
+        raise ArtifactError(
+            "building the rpc-server failed",
+            command=shlex.join(command),
+            exit_status=status,
+            stderr="".join(tail),
+            hint=f"full log: {log.name}",
+        )
+
+
+def _is_shared_lib(name: str) -> bool:
+    return bool(re.search(r"\.so(\.\d+)*$|\.dylib$", name))
+
+
+def _collect_server(src: Path, dest: Path, server_name: str) -> None:
+    """Copy the server binary and the shared libraries beside it (symlinks kept when they stay inside)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    binary = src / server_name
+    if not binary.is_file():
+        raise ArtifactError(f"no {server_name} in {src}")
+    shutil.copy2(binary, dest / SERVER_NAME)
+    for path in sorted(src.iterdir()):
+        if not _is_shared_lib(path.name):
+            continue
+        if path.is_symlink():
+            target = str(path.readlink())
+            if "/" not in target and (src / target).exists():
+                (dest / path.name).symlink_to(target)
+                continue
+        if path.is_file():
+            shutil.copy2(path, dest / path.name)
+
+
+def _check_runpath(bin_dir: Path) -> None:
+    """Refuse binaries whose RUNPATH/RPATH holds anything but $ORIGIN (e.g. the build folder): they
+    would work here and break on every node."""
+    readelf = shutil.which("readelf")
+    if readelf is None or sys.platform != "linux":
+        return
+    for path in sorted(bin_dir.iterdir()):
+        if path.is_symlink() or not path.is_file():
+            continue
+        out = subprocess.run(
+            [readelf, "-d", str(path)], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+        for match in re.finditer(r"\((?:RUNPATH|RPATH)\).*?\[(.*)\]", out):
+            bad = [p for p in match.group(1).split(":") if p and not p.startswith("$ORIGIN")]
+            if bad:
+                raise ArtifactError(
+                    f"{path.name} has RUNPATH {match.group(1)}: it would only run from the build folder",
+                    hint="build with -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN'",
+                )

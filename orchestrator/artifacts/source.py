@@ -1,0 +1,187 @@
+"""The llama-cpp-python source an artifact is built from: sdist, vendored versions, commit."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.artifacts.manifest import _sha256_file
+from orchestrator.artifacts.store import Progress
+from orchestrator.core.errors import ArtifactError
+from orchestrator.core.paths import rpcfleet_home
+
+PIP_TIMEOUT_S = 600.0
+
+
+def sdist_path(version: str) -> Path:
+    return rpcfleet_home() / "src" / f"llama_cpp_python-{version}.tar.gz"
+
+
+def read_protocol_version(header_path: Path) -> str:
+    """ "major.minor.patch" from `RPC_PROTO_*_VERSION` in ggml-rpc.h."""
+    try:
+        text = Path(header_path).read_text(errors="replace")
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {header_path}: {exc.strerror}") from exc
+    return _protocol_of(text, str(header_path))
+
+
+def _protocol_of(text: str, where: str) -> str:
+    parts = []
+    for name in ("MAJOR", "MINOR", "PATCH"):
+        match = re.search(rf"^\s*#\s*define\s+RPC_PROTO_{name}_VERSION\s+(\d+)\b", text, re.MULTILINE)
+        if match is None:
+            raise ArtifactError(f"{where}: no RPC_PROTO_{name}_VERSION definition")
+        parts.append(match.group(1))
+    return ".".join(parts)
+
+
+def read_ggml_version(cmakelists: Path) -> str | None:
+    """ggml's version from `set(GGML_VERSION_MAJOR 0)` etc. in ggml/CMakeLists.txt (None if absent)."""
+    try:
+        text = cmakelists.read_text(errors="replace")
+    except OSError:
+        return None
+    return _ggml_version_of(text)
+
+
+def _ggml_version_of(text: str) -> str | None:
+    parts = []
+    for name in ("MAJOR", "MINOR", "PATCH"):
+        match = re.search(rf"set\(\s*GGML_VERSION_{name}\s+(\d+)\s*\)", text)
+        if match is None:
+            return None
+        parts.append(match.group(1))
+    return ".".join(parts)
+
+
+def read_llama_cpp_commit(changelog: Path) -> str | None:
+    """The llama.cpp commit vendored by a llama-cpp-python sdist: the first `llama.cpp@<hash>` of its
+    CHANGELOG.md (the sdist carries no git metadata)."""
+    try:
+        text = changelog.read_text(errors="replace")
+    except OSError:
+        return None
+    return _commit_of(text)
+
+
+def _commit_of(text: str) -> str | None:
+    match = re.search(r"llama\.cpp@([0-9a-f]{7,40})\b", text)
+    return match.group(1) if match else None
+
+
+def _ensure_sdist(version: str, say: Progress) -> Path:
+    sdist = sdist_path(version)
+    if sdist.is_file():
+        return sdist
+    sdist.parent.mkdir(parents=True, exist_ok=True)
+    say(f"downloading the llama-cpp-python {version} source with pip")
+    command = [
+        sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+        f"llama-cpp-python=={version}", "-d", str(sdist.parent),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ArtifactError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s") from exc
+    if done.returncode != 0 or not sdist.is_file():
+        raise ArtifactError(
+            f"could not download the llama-cpp-python {version} sdist",
+            command=shlex.join(command),
+            exit_status=done.returncode,
+            stderr=done.stderr,
+            hint=f"put llama_cpp_python-{version}.tar.gz into {sdist.parent}",
+        )
+    return sdist
+
+
+def _extract_source(sdist: Path, dest: Path, say: Progress) -> Path:
+    """Extract the sdist once (a stamp holds its sha256) so cmake's build tree stays incremental."""
+    stamp = dest / ".extracted"
+    sha = _sha256_file(sdist)
+    if stamp.is_file() and stamp.read_text().strip() == sha:
+        return _single_child(dest)
+    say(f"extracting {sdist.name}")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    try:
+        with tarfile.open(sdist, "r:*") as tar:
+            tar.extractall(dest, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise ArtifactError(f"cannot extract {sdist}: {exc}") from exc
+    root = _single_child(dest)
+    if not (root / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        raise ArtifactError(f"{sdist} holds no vendor/llama.cpp: not a llama-cpp-python sdist")
+    stamp.write_text(sha + "\n")
+    return root
+
+
+def _single_child(folder: Path) -> Path:
+    children = [p for p in folder.iterdir() if p.is_dir()]
+    if len(children) != 1:
+        raise ArtifactError(f"{folder}: expected one top-level folder in the source archive")
+    return children[0]
+
+
+@dataclass(frozen=True)
+class SdistInfo:
+    """What a llama-cpp-python sdist says about the server it builds (read without extracting it)."""
+
+    sha256: str
+    size: int
+    protocol: str
+    llama_cpp_commit: str | None
+    ggml_version: str | None
+
+
+_SDIST_INFO: dict[tuple[str, int, int], SdistInfo] = {}
+
+
+def read_sdist_info(sdist: Path) -> SdistInfo:
+    """sha256, RPC protocol, llama.cpp commit and ggml version of a llama-cpp-python sdist: one pass
+    over the archive (about half a second), remembered per file for this process."""
+    try:
+        st = sdist.stat()
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {sdist}: {exc.strerror}") from exc
+    memo = (str(sdist), st.st_size, st.st_mtime_ns)
+    if memo in _SDIST_INFO:
+        return _SDIST_INFO[memo]
+    wanted = {
+        "header": "/vendor/llama.cpp/ggml/include/ggml-rpc.h",
+        "cmake": "/vendor/llama.cpp/ggml/CMakeLists.txt",
+        "changelog": "/CHANGELOG.md",
+    }
+    texts: dict[str, str] = {}
+    try:
+        with tarfile.open(sdist, "r:gz") as tar:
+            for member in tar:
+                for key, suffix in wanted.items():
+                    # Only the sdist's top folder: <name>/CHANGELOG.md, not vendor/*/CHANGELOG.md.
+                    depth_ok = member.name.count("/") == suffix.count("/")
+                    if key not in texts and member.isfile() and depth_ok and member.name.endswith(suffix):
+                        fh = tar.extractfile(member)
+                        texts[key] = fh.read().decode(errors="replace") if fh else ""
+                if len(texts) == len(wanted):
+                    break
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ArtifactError(f"cannot read the source archive {sdist}: {exc}") from exc
+    if "header" not in texts:
+        raise ArtifactError(
+            f"{sdist} holds no vendor/llama.cpp/ggml/include/ggml-rpc.h: not a llama-cpp-python sdist"
+        )
+    info = SdistInfo(
+        sha256=_sha256_file(sdist),
+        size=st.st_size,
+        protocol=_protocol_of(texts["header"], f"{sdist.name}: ggml-rpc.h"),
+        llama_cpp_commit=_commit_of(texts.get("changelog", "")),
+        ggml_version=_ggml_version_of(texts.get("cmake", "")),
+    )
+    _SDIST_INFO[memo] = info
+    return info

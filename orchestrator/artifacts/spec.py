@@ -1,0 +1,175 @@
+"""Artifact specs in the inventory (`artifact:`): reading and resolving them to an artifact."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from orchestrator.artifacts.build import default_artifact
+from orchestrator.artifacts.imports import import_artifact
+from orchestrator.artifacts.manifest import (
+    _ID_RE,
+    _PROTO_RE,
+    _SHA_RE,
+    BACKENDS,
+    Artifact,
+    ArtifactSpec,
+    ArtifactSpecError,
+    host_platform,
+)
+from orchestrator.artifacts.store import artifacts_dir, load_artifact
+from orchestrator.core.errors import ArtifactError, SourceLocation
+
+_SPEC_KEYS = {
+    "url", "path", "build", "sha256", "protocol", "backend", "os", "arch", "native", "cmake_args",
+    "subdir", "llama_cpp_commit", "llama_cpp_python_version", "build_timeout",
+}  # fmt: skip
+
+
+def read_artifact_spec(path: Path) -> ArtifactSpec:
+    """Parse a YAML/JSON artifact spec; errors name the file and line (`ArtifactSpecError`)."""
+    import yaml
+
+    from orchestrator.core.yamlsource import Source, compose, node_value
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ArtifactSpecError(
+            f"cannot read the artifact spec: {exc.strerror}", SourceLocation(path)
+        ) from exc
+    try:
+        node = compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else SourceLocation(path)
+        raise ArtifactSpecError(f"not valid YAML/JSON: {getattr(exc, 'problem', exc)}", where) from exc
+    loc = Source.of_text(path, text).node
+    if not isinstance(node, yaml.MappingNode):
+        raise ArtifactSpecError(
+            "an artifact spec must be a mapping (url/path/build + sha256)", SourceLocation(path, 1)
+        )
+    values: dict[str, tuple[Any, yaml.Node]] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value
+        if key not in _SPEC_KEYS:
+            raise ArtifactSpecError(
+                f"unknown key {key!r}", loc(key_node), hint=f"known: {', '.join(sorted(_SPEC_KEYS))}"
+            )
+        values[key] = (node_value(value_node), value_node)
+
+    def text_of(key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str | None:
+        if key not in values:
+            return None
+        value, value_node = values[key]
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ArtifactSpecError(f"{key} must be a string", loc(value_node))
+        value = str(value).strip()
+        if pattern is not None and not pattern.match(value):
+            raise ArtifactSpecError(f"{key} must be {what}, not {value!r}", loc(value_node))
+        return value
+
+    sources = [k for k in ("url", "path", "build") if k in values]
+    if len(sources) != 1:
+        raise ArtifactSpecError("an artifact spec needs exactly one of url, path or build", loc(node))
+    kind = sources[0]
+    value = text_of(kind) or ""
+    sha = text_of("sha256", _SHA_RE, "64 lowercase hex digits")
+    if kind == "build" and value != "on_node":
+        raise ArtifactSpecError(f"build must be 'on_node', not {value!r}", loc(values["build"][1]))
+    if kind == "url" and not re.match(r"^(https?|file)://", value):
+        raise ArtifactSpecError(f"url must be http(s):// or file://, not {value!r}", loc(values["url"][1]))
+    if kind != "build" and sha is None:
+        raise ArtifactSpecError(f"a {kind} source needs its sha256", loc(node))
+    if kind == "path":
+        value = str((path.parent / Path(value).expanduser()).resolve())
+    backend = text_of("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ArtifactSpecError(
+            f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}", loc(values["backend"][1])
+        )
+    cmake_args: tuple[str, ...] = ()
+    if "cmake_args" in values:
+        raw, raw_node = values["cmake_args"]
+        if isinstance(raw, str):
+            raw = shlex.split(raw)
+        if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
+            raise ArtifactSpecError("cmake_args must be a list of strings", loc(raw_node))
+        cmake_args = tuple(raw)
+    native = False
+    if "native" in values:
+        native_value, native_node = values["native"]
+        if not isinstance(native_value, bool):
+            raise ArtifactSpecError("native must be true or false", loc(native_node))
+        native = native_value
+    build_timeout: float | None = None
+    if "build_timeout" in values:
+        timeout_value, timeout_node = values["build_timeout"]
+        if (
+            isinstance(timeout_value, bool)
+            or not isinstance(timeout_value, int | float)
+            or timeout_value <= 0
+        ):
+            raise ArtifactSpecError("build_timeout must be a positive number of seconds", loc(timeout_node))
+        if kind != "build":
+            raise ArtifactSpecError("build_timeout applies to `build: on_node` only", loc(timeout_node))
+        build_timeout = float(timeout_value)
+    return ArtifactSpec(
+        kind=kind,
+        value=value,
+        sha256=sha,
+        protocol=text_of("protocol", _PROTO_RE, "major.minor.patch"),
+        backend=backend,
+        os=text_of("os"),
+        arch=text_of("arch"),
+        native=native,
+        cmake_args=cmake_args,
+        subdir=text_of("subdir"),
+        llama_cpp_commit=text_of("llama_cpp_commit"),
+        llama_cpp_python_version=text_of("llama_cpp_python_version"),
+        build_timeout=build_timeout,
+        location=SourceLocation(path),
+    )
+
+
+def resolve_artifact(
+    spec: str, *, backend: str = "cpu", os: str | None = None, arch: str | None = None
+) -> Artifact:
+    """An inventory's `rpc_artifact` value as an artifact for a host with this backend/os/arch.
+
+    `spec` is an artifact id from the cache, a path to a YAML/JSON spec file, or "" / "default" for the
+    locally built default. The artifact must match the host's backend, os and arch.
+    """
+    host_os, host_arch = host_platform()
+    want_os, want_arch = os or host_os, arch or host_arch
+    spec = spec.strip()
+    if spec in ("", "default"):
+        if (want_os, want_arch) != (host_os, host_arch):
+            raise ArtifactError(
+                f"the default artifact is built for {host_os}/{host_arch}, the host is {want_os}/{want_arch}",
+                hint="pin rpc_artifact to a spec file (url/path, or build: on_node)",
+            )
+        artifact = default_artifact(backend)
+    elif _ID_RE.match(spec) and (artifacts_dir() / f"{spec}.json").is_file():
+        artifact = load_artifact(spec)
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ArtifactError(
+                f"rpc_artifact {spec!r} is neither a cached artifact id nor a spec file",
+                hint="`rpcfleet artifact list` shows cached ids",
+            )
+        parsed = read_artifact_spec(path)
+        if parsed.kind == "build":
+            raise ArtifactError(f"{path}: `build: on_node` artifacts are built on the node during install")
+        artifact = import_artifact(parsed, backend=backend, os_name=want_os, arch=want_arch)
+    manifest = artifact.manifest
+    wanted = (backend, want_os, want_arch)
+    if (manifest.backend, manifest.os, manifest.arch) != wanted:
+        raise ArtifactError(
+            f"artifact {artifact.id} is for {manifest.backend}/{manifest.os}/{manifest.arch}, "
+            f"the host needs {'/'.join(wanted)}"
+        )
+    return artifact

@@ -1,0 +1,16 @@
+"""Opening a connection to a host: SSH or local, by the host's `connection`."""
+
+from __future__ import annotations
+
+from orchestrator.connectors.base import Connection, ConnectOptions, _local_home
+from orchestrator.connectors.local import LocalConnection
+from orchestrator.connectors.ssh import SSHConnection
+from orchestrator.inventory.model import Host
+
+
+async def connect(host: Host, options: ConnectOptions | None = None) -> Connection:
+    """Open a connection to `host`: `SSHConnection` or `LocalConnection` per `host.connection`."""
+    options = options or ConnectOptions()
+    if host.connection == "local":
+        return LocalConnection(host, options, home=_local_home(host))
+    return await SSHConnection.open(host, options)

@@ -1,0 +1,276 @@
+"""The one place for concurrency: run a step on many hosts.
+
+A step is an async function of a `HostContext` (the host plus a lazily opened, cached connection).
+Hosts run concurrently up to `forks`, in batches when `serial` is given (Ansible semantics: `serial`
+is a number, a percentage or a list of them whose last entry repeats), and the run stops after a
+batch whose failures pass `max_fail_percentage`; hosts not reached are reported `skipped`.
+Partial failure is data: every host gets a `HostResult`; one bad host never hides the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from orchestrator.connectors.base import Connection, ConnectOptions
+from orchestrator.connectors.connect import connect
+from orchestrator.core.errors import RpcfleetError, UnreachableError, UsageError
+from orchestrator.core.log import get_logger
+from orchestrator.inventory.model import Host
+
+T = TypeVar("T")
+
+
+Status = Literal["ok", "changed", "failed", "unreachable", "skipped"]
+
+
+STATUSES: tuple[Status, ...] = ("ok", "changed", "failed", "unreachable", "skipped")
+
+
+@dataclass(frozen=True)
+class StepOutcome(Generic[T]):
+    """What a step returns for one host: whether it changed something, a value, a one-line summary."""
+
+    value: T
+    changed: bool = False
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class HostResult(Generic[T]):
+    host: Host
+    status: Status
+    value: T | None = None
+    error: RpcfleetError | None = None
+    message: str = ""
+    duration: float = 0.0
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status in ("ok", "changed")
+
+
+@dataclass(frozen=True)
+class RunResult(Generic[T]):
+    """Per-host results in the order the hosts were given; `aborted` when the failure threshold stopped it."""
+
+    step: str
+    results: tuple[HostResult[T], ...]
+    aborted: bool = False
+
+    @property
+    def succeeded(self) -> tuple[HostResult[T], ...]:
+        return tuple(r for r in self.results if r.succeeded)
+
+    @property
+    def failed(self) -> tuple[HostResult[T], ...]:
+        return tuple(r for r in self.results if r.status in ("failed", "unreachable"))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.aborted
+
+    def by_host(self) -> dict[str, HostResult[T]]:
+        return {r.host.name: r for r in self.results}
+
+
+@dataclass
+class Recap:
+    """Counts per host and status over one or more runs (the end-of-run summary)."""
+
+    counts: dict[str, dict[Status, int]] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, run: RunResult[Any]) -> Recap:
+        for result in run.results:
+            per_host = self.counts.setdefault(result.host.name, dict.fromkeys(STATUSES, 0))
+            per_host[result.status] += 1
+            if result.error is not None:
+                self.errors.setdefault(result.host.name, []).append(f"{run.step}: {result.error}")
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return all(c["failed"] == 0 and c["unreachable"] == 0 for c in self.counts.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {host: {**counts, "errors": self.errors.get(host, [])} for host, counts in self.counts.items()}
+
+
+def batch_sizes(n_hosts: int, serial: int | str | Sequence[int | str] | None) -> list[int]:
+    """Split `n_hosts` into batch sizes following Ansible's `serial` (numbers, "N%", lists)."""
+    if n_hosts == 0:
+        return []
+    if serial is None:
+        return [n_hosts]
+    steps = [serial] if isinstance(serial, int | str) else list(serial)
+    if not steps:
+        raise UsageError("serial: an empty list is not a batch size")
+    sizes: list[int] = []
+    remaining = n_hosts
+    index = 0
+    while remaining > 0:
+        size = _one_batch_size(steps[min(index, len(steps) - 1)], n_hosts)
+        sizes.append(min(size, remaining))
+        remaining -= sizes[-1]
+        index += 1
+    return sizes
+
+
+def _one_batch_size(value: int | str, n_hosts: int) -> int:
+    if isinstance(value, bool):
+        raise UsageError(f"serial: expected a number or a percentage, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise UsageError(f"serial: a batch needs at least one host, got {value}")
+        return value
+    text = value.strip()
+    try:
+        if text.endswith("%"):
+            percent = float(text[:-1])
+            if not 0 < percent <= 100:
+                raise ValueError
+            return max(1, math.floor(n_hosts * percent / 100))
+        return _one_batch_size(int(text), n_hosts)
+    except ValueError:
+        raise UsageError(f"serial: expected a number or a percentage such as 25%, got {value!r}") from None
+
+
+class HostContext:
+    """What a step sees for one host: the host, its (cached) connection, a bound logger."""
+
+    def __init__(self, host: Host, session: Session) -> None:
+        self.host = host
+        self.session = session
+        self.log = get_logger(host=host.name, run_id=session.run_id)
+
+    async def connection(self) -> Connection:
+        return await self.session.connection(self.host)
+
+
+Step = Callable[[HostContext], Awaitable[StepOutcome[T]]]
+
+
+class Session:
+    """One run of rpcfleet against a fleet: connection cache, concurrency limit, run id.
+
+    Use as `async with Session() as session: result = await session.run(hosts, step)`.
+    """
+
+    def __init__(self, *, forks: int = 16, options: ConnectOptions | None = None) -> None:
+        if forks < 1:
+            raise UsageError(f"--forks must be at least 1, got {forks}")
+        self.forks = forks
+        self.options = options
+        self.run_id = f"{int(time.time() * 1000) % 10**10:010d}"
+        self._connections: dict[str, asyncio.Task[Connection]] = {}
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connection(self, host: Host) -> Connection:
+        """The host's connection, opened once per session (concurrent callers share the attempt)."""
+        task = self._connections.get(host.name)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.ensure_future(connect(host, self.options))
+            self._connections[host.name] = task
+        return await asyncio.shield(task)
+
+    async def close(self) -> None:
+        tasks = list(self._connections.values())
+        self._connections.clear()
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        for task in tasks:
+            try:
+                conn = await task
+            except (Exception, asyncio.CancelledError):  # a failed connect has nothing to close
+                continue
+            await conn.close()
+
+    async def run(
+        self,
+        hosts: Iterable[Host],
+        step: Step[T],
+        *,
+        name: str | None = None,
+        serial: int | str | Sequence[int | str] | None = None,
+        max_fail_percentage: float | None = None,
+        on_result: Callable[[HostResult[T]], None] | None = None,
+    ) -> RunResult[T]:
+        """Run `step` on every host; return a result per host, in the order given."""
+        hosts = list(hosts)
+        step_name: str = name or str(getattr(step, "__name__", "step"))
+        limiter = asyncio.Semaphore(self.forks)
+        results: dict[str, HostResult[T]] = {}
+        aborted = False
+        offset = 0
+        for size in batch_sizes(len(hosts), serial):
+            batch = hosts[offset : offset + size]
+            offset += size
+            batch_results = await asyncio.gather(
+                *(self._run_one(host, step, step_name, limiter, on_result) for host in batch)
+            )
+            results.update((r.host.name, r) for r in batch_results)
+            n_failed = sum(not r.succeeded for r in batch_results)
+            if n_failed and _threshold_passed(n_failed, len(batch), max_fail_percentage):
+                aborted = offset < len(hosts)
+                break
+        for host in hosts[offset:]:
+            skipped: HostResult[T] = HostResult(host, "skipped", message="not run: failure threshold reached")
+            results[host.name] = skipped
+            if on_result:
+                on_result(skipped)
+        return RunResult(step_name, tuple(results[h.name] for h in hosts), aborted)
+
+    async def _run_one(
+        self,
+        host: Host,
+        step: Step[T],
+        step_name: str,
+        limiter: asyncio.Semaphore,
+        on_result: Callable[[HostResult[T]], None] | None,
+    ) -> HostResult[T]:
+        context = HostContext(host, self)
+        async with limiter:
+            started = time.monotonic()
+            status: Status
+            value: T | None = None
+            error: RpcfleetError | None = None
+            try:
+                outcome = await step(context)
+                status, value, message = (
+                    ("changed" if outcome.changed else "ok"),
+                    outcome.value,
+                    outcome.message,
+                )
+            except UnreachableError as exc:
+                status, error = "unreachable", exc
+            except RpcfleetError as exc:
+                status, error = "failed", exc
+            except Exception as exc:  # a bug on one host must not hide the others' results
+                context.log.exception("step_crashed", step=step_name)
+                status, error = "failed", RpcfleetError(f"{step_name} crashed: {type(exc).__name__}: {exc}")
+            if error is not None:
+                error.host = error.host or host.name
+                message = error.message
+            result = HostResult(host, status, value, error, message, time.monotonic() - started)
+        context.log.info("step_done", step=step_name, status=status, duration=round(result.duration, 3))
+        if on_result:
+            on_result(result)
+        return result
+
+
+def _threshold_passed(n_failed: int, batch: int, max_fail_percentage: float | None) -> bool:
+    """Ansible: without a percentage, a batch whose hosts all failed stops the run; with one, more than it."""
+    if max_fail_percentage is None:
+        return n_failed == batch
+    return 100.0 * n_failed / batch > max_fail_percentage

@@ -1,0 +1,298 @@
+"""Facts about an rpc-server install and its process: clients, listeners, versions, pid, log."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from orchestrator.connectors.base import shell_path
+
+if TYPE_CHECKING:
+    pass
+from orchestrator.facts.base import NOT_FOUND, Fact, _tail
+
+
+@dataclass(frozen=True)
+class RpcClientsFact(Fact[tuple[str, ...] | None]):
+    """Peers with an established TCP connection to local port `port` (None: `ss` is not installed).
+
+    A connection the server has not accepted yet (a client waiting while it serves another) counts too:
+    the kernel established it.
+    """
+
+    port: int
+    name: ClassVar[str] = "rpc_clients"
+
+    def command(self) -> str:
+        port = int(self.port)  # an int, so nothing else can reach the shell
+        return (
+            f"command -v ss >/dev/null 2>&1 || exit {NOT_FOUND}; "
+            f"ss -Htn state established '( sport = :{port} )'"
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[str, ...] | None:
+        if exit_status != 0:
+            return None
+        peers: list[str] = []
+        for line in stdout.splitlines():
+            fields = line.split()
+            # Recv-Q Send-Q Local:Port Peer:Port [Process]; with a state filter there is no State column.
+            if len(fields) >= 4 and fields[0].isdigit() and fields[1].isdigit():
+                peers.append(fields[3])
+        return tuple(peers)
+
+
+_USERS_RE = re.compile(r'\("([^"]*)",pid=(\d+)')
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket (one line of `ss -Hltnp`); no process when it is not visible to this user."""
+
+    local: str
+    process: str | None = None
+    pid: int | None = None
+
+    def describe(self) -> str:
+        if self.pid is None:
+            return f"{self.local} (process not visible to this user)"
+        return f"{self.local} by {self.process} (pid {self.pid})"
+
+
+def parse_listener(line: str) -> Listener | None:
+    """One `ss -Hltnp` line: `State Recv-Q Send-Q Local:Port Peer:Port users:(("name",pid=N,fd=M))`."""
+    fields = line.split()
+    addresses = [f for f in fields if ":" in f and not f.startswith("users:")]
+    if not addresses:
+        return None
+    match = _USERS_RE.search(line)
+    if match is None:
+        return Listener(addresses[0])
+    return Listener(addresses[0], match.group(1), int(match.group(2)))
+
+
+@dataclass(frozen=True)
+class ListenersFact(Fact[tuple[Listener, ...] | None]):
+    """Listening TCP sockets on local port `port`, with their process (None: `ss` is not installed or
+    failed)."""
+
+    port: int
+    name: ClassVar[str] = "listeners"
+
+    def command(self) -> str:
+        port = int(self.port)  # an int, so nothing else can reach the shell
+        return f"command -v ss >/dev/null 2>&1 || exit {NOT_FOUND}; ss -Hltnp 'sport = :{port}'"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[Listener, ...] | None:
+        if exit_status != 0:
+            return None
+        found = (parse_listener(line) for line in stdout.splitlines())
+        return tuple(listener for listener in found if listener is not None)
+
+
+def _under(install_dir: str, relative: str) -> str:
+    """`install_dir/relative` for the shell (`~` expanded there)."""
+    return shell_path(install_dir.rstrip("/") + "/" + relative)
+
+
+@dataclass(frozen=True)
+class InstallDirFact(Fact[str | None]):
+    """`install_dir` as the node's shell expands it (`~/x` -> `/home/user/x`)."""
+
+    install_dir: str
+    name: ClassVar[str] = "install_dir"
+
+    def command(self) -> str:
+        return f"printf '%s\\n' {shell_path(self.install_dir)}"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        path = stdout.rstrip("\n")
+        return path if exit_status == 0 and path.strip() else None
+
+
+@dataclass(frozen=True)
+class CurrentLinkFact(Fact[str | None]):
+    """Where `<install_dir>/current` points, as written in the link (None: no such link)."""
+
+    install_dir: str
+    name: ClassVar[str] = "current_link"
+    ABSENT: ClassVar[int] = 3
+
+    def command(self) -> str:
+        return f'l={_under(self.install_dir, "current")}; [ -L "$l" ] || exit {self.ABSENT}; readlink "$l"'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        return None if exit_status == self.ABSENT else stdout.strip()
+
+
+@dataclass(frozen=True)
+class VersionsFact(Fact[tuple[str, ...]]):
+    """The folders in `<install_dir>/versions/`, sorted."""
+
+    install_dir: str
+    name: ClassVar[str] = "versions"
+
+    def command(self) -> str:
+        folder = _under(self.install_dir, "versions")
+        return f'for v in {folder}/*; do if [ -d "$v" ]; then printf \'%s\\n\' "${{v##*/}}"; fi; done'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[str, ...]:
+        return tuple(sorted(line.strip() for line in stdout.splitlines() if line.strip()))
+
+
+@dataclass(frozen=True)
+class HistoryFact(Fact[tuple[str, ...]]):
+    """`<install_dir>/history`: the ids made current, oldest first, each once (its most recent time)."""
+
+    install_dir: str
+    name: ClassVar[str] = "history"
+
+    def command(self) -> str:
+        return f'h={_under(self.install_dir, "history")}; [ -f "$h" ] || exit 0; cat "$h"'
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[str, ...]:
+        history: list[str] = []
+        for line in stdout.splitlines():
+            version = line.strip()
+            if version:
+                if version in history:
+                    history.remove(version)
+                history.append(version)
+        return tuple(history)
+
+
+@dataclass(frozen=True)
+class InstalledManifest:
+    data: dict[str, Any]  # the manifest as found; {} when it could not be read
+    error: str | None = None  # why it could not be read (not JSON, not an object)
+
+    @property
+    def protocol(self) -> str | None:
+        value = self.data.get("protocol")
+        return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class InstalledManifestFact(Fact[InstalledManifest | None]):
+    """`<install_dir>/current/manifest.json` (None: nothing installed)."""
+
+    install_dir: str
+    name: ClassVar[str] = "installed_manifest"
+    ABSENT: ClassVar[int] = 3
+
+    def command(self) -> str:
+        path = _under(self.install_dir, "current/manifest.json")
+        return f"if [ -f {path} ]; then cat {path}; else exit {self.ABSENT}; fi"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> InstalledManifest | None:
+        if exit_status == self.ABSENT:
+            return None
+        if exit_status != 0:
+            return InstalledManifest({}, error=_tail(stderr) or f"exit status {exit_status}")
+        try:
+            data = json.loads(stdout)
+        except ValueError as exc:
+            return InstalledManifest({}, error=f"not JSON: {exc}")
+        if not isinstance(data, dict):
+            return InstalledManifest({}, error=f"not a JSON object but {type(data).__name__}")
+        return InstalledManifest(data)
+
+
+# Shell pieces reading the process whose pid is in $pid; the stop script (service.py) reuses them.
+READ_PID = 'pid=$(head -n 1 "$pf")'
+
+
+PID_IS_NUMBER = 'case "$pid" in ""|*[!0-9]*) false;; *) true;; esac'
+
+
+PS_STAT = 'ps -o stat= -p "$pid" 2>/dev/null'
+
+
+PROC_ARGV0 = "tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null | head -n 1"
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """The process a pid file names. `stat` is None without a usable pid, "" when no such process
+    exists; `argv0` (from /proc/PID/cmdline, exact even with spaces) is None when unreadable."""
+
+    pid: int | None
+    stat: str | None = None  # ps STAT, e.g. "Ssl", "Z"
+    argv0: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerProcessFact(Fact[ProcessState]):
+    """The pid in `pid_file` and that process's `ps` state and first argument.
+
+    `kill -0` succeeds on a zombie and on a recycled pid, so the caller checks `stat` and `argv0`.
+    """
+
+    pid_file: str
+    name: ClassVar[str] = "server_process"
+
+    def command(self) -> str:
+        return "\n".join(
+            [
+                f"pf={shell_path(self.pid_file)}",
+                '[ -f "$pf" ] || exit 0',
+                READ_PID,
+                "printf 'pid %s\\n' \"$pid\"",
+                f"{PID_IS_NUMBER} || exit 0",
+                f"printf 'stat %s\\n' \"$({PS_STAT})\"",
+                f"if [ -r /proc/$pid/cmdline ]; then printf 'argv0 %s\\n' \"$({PROC_ARGV0})\"; fi",
+            ]
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> ProcessState:
+        values: dict[str, str] = {}
+        for line in stdout.splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("pid", "stat", "argv0"):
+                values.setdefault(key, value.strip())
+        pid = values.get("pid", "")
+        if not pid.isdigit():
+            return ProcessState(None)
+        return ProcessState(int(pid), values.get("stat", ""), values.get("argv0") or None)
+
+
+@dataclass(frozen=True)
+class LogMatchFact(Fact[bool]):
+    """Whether a line of the log `path` after its last line starting with `marker` contains `text`
+    (False when there is no log)."""
+
+    path: str
+    marker: str
+    text: str
+    name: ClassVar[str] = "log_match"
+
+    def command(self) -> str:
+        path = shell_path(self.path)
+        # The strings reach awk through the environment: no quoting or regex rules apply to them.
+        return (
+            f"[ -f {path} ] || exit 0; "
+            f"__rf_m={shlex.quote(self.marker)} __rf_t={shlex.quote(self.text)} awk '"
+            'index($0, ENVIRON["__rf_m"]) == 1 {f=0} index($0, ENVIRON["__rf_t"]) {f=1} '
+            f'END {{if (f) print "found"}}\' {path}'
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> bool:
+        return exit_status == 0 and stdout.strip() == "found"
+
+
+@dataclass(frozen=True)
+class LogTailFact(Fact[str | None]):
+    """The last `lines` lines of the log `path` (None: no readable log)."""
+
+    path: str
+    lines: int = 8
+    name: ClassVar[str] = "log_tail"
+
+    def command(self) -> str:
+        return f"tail -n {int(self.lines)} {shell_path(self.path)}"
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
+        return stdout if exit_status == 0 else None

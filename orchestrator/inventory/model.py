@@ -1,0 +1,214 @@
+"""Hosts, groups and the inventory: the typed result of reading one."""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.core.errors import InventoryError, SourceLocation
+from orchestrator.inventory.variables import (
+    DEFAULT_INSTALL_DIR,
+    DEFAULT_RPC_PORT,
+    VARIABLES,
+    VARIABLES_BY_NAME,
+    Backend,
+    ConnectionKind,
+    _did_you_mean,
+)
+
+_WILDCARD_BINDS = frozenset({"", "0.0.0.0"})
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine of the fleet, with every variable resolved (all < parent group < child group < host)."""
+
+    name: str
+    address: str
+    ssh_user: str | None = None
+    ssh_port: int = 22
+    ssh_key: str | None = None
+    connection: ConnectionKind = "ssh"
+    rpc_host: str = ""  # bind address of the rpc-server; "" is resolved to `address` while loading
+    rpc_port: int = DEFAULT_RPC_PORT
+    rpc_devices: tuple[str, ...] = ()
+    rpc_threads: int | None = None
+    rpc_cache: bool = False
+    backend: Backend = "cpu"
+    install_dir: str = DEFAULT_INSTALL_DIR
+    memory_reserve: int = 0  # bytes
+    memory_limit: int | None = None  # bytes
+    ssh_known_hosts: str | None = None  # None: ~/.ssh/known_hosts
+    ssh_host_key_checking: bool = True
+    ssh_connect_timeout: float = 10.0  # seconds
+    rpc_artifact: str | None = None  # name/id of the pinned artifact; None: the default one
+    allow_public_bind: bool = False
+    rpc_debug: bool = False
+    keep_versions: int = 3  # installed versions kept on the host (>= 1)
+    rpc_cmake_args: tuple[str, ...] = ()  # extra cmake args for `build: on_node` artifacts
+    groups: tuple[str, ...] = ()  # every group the host belongs to (not `all`), shallowest first
+    vars: Mapping[str, Any] = field(default_factory=dict, hash=False)  # all merged variables, unknown too
+    location: SourceLocation | None = field(default=None, compare=False)  # where the host is declared
+    # variable name -> where its value comes from: "host", "group NAME", "all" or "default"
+    var_sources: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def endpoint(self) -> str:
+        """The rpc endpoint clients connect to, "host:port" (a wildcard bind is reached at `address`)."""
+        target = self.address if self.rpc_host in _WILDCARD_BINDS else self.rpc_host
+        if ":" in target:
+            return f"[{target}]:{self.rpc_port}"
+        return f"{target}:{self.rpc_port}"
+
+    @property
+    def binds_own_loopback(self) -> bool:
+        """Whether the server binds a remote node's loopback: reachable only from that node, so the
+        controller must not probe the address (it would reach its own loopback instead)."""
+        return self.connection == "ssh" and not is_loopback(self.address) and is_loopback(self.rpc_host)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether an address (IPv4/IPv6 literal, brackets allowed, or `localhost`) is a loopback one."""
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group as declared: direct children and direct hosts (names), its own variables."""
+
+    name: str
+    children: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    vars: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    location: SourceLocation | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Every host (in inventory order) and group of one inventory file, plus non-fatal warnings."""
+
+    path: Path | None
+    hosts: tuple[Host, ...]
+    groups: Mapping[str, Group] = field(default_factory=dict, hash=False)
+    warnings: tuple[str, ...] = ()
+
+    def host(self, name: str) -> Host:
+        """The host called `name`; InventoryError (with a suggestion) if there is none."""
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise InventoryError(f"no host {name!r} in the inventory{_did_you_mean(name, self.host_names())}")
+
+    def host_names(self) -> tuple[str, ...]:
+        return tuple(host.name for host in self.hosts)
+
+    def hosts_of(self, group: str) -> tuple[Host, ...]:
+        """Hosts in `group`, directly or through its children, in inventory order."""
+        if group == "all":
+            return self.hosts
+        return tuple(host for host in self.hosts if group in host.groups)
+
+    def select(self, pattern: str | None) -> list[Host]:
+        return select_hosts(self, pattern)
+
+
+class HostPatternError(InventoryError):
+    """A --limit / hosts pattern is malformed or matches nothing."""
+
+
+def _split_pattern(pattern: str) -> list[str]:
+    """Ansible's splitting: on commas if there are any, else on colons outside brackets."""
+    if "," in pattern:
+        return [term.strip() for term in pattern.split(",") if term.strip()]
+    terms, depth, current = [], 0, ""
+    for char in pattern:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == ":" and depth == 0:
+            terms.append(current)
+            current = ""
+        else:
+            current += char
+    terms.append(current)
+    return [term.strip() for term in terms if term.strip()]
+
+
+def _match_term(inventory: Inventory, term: str) -> set[str] | None:
+    """Host names a term selects; None when it names nothing at all (no host, no group)."""
+    if term in ("all", "*"):
+        return set(inventory.host_names())
+    if term in inventory.groups:
+        return {host.name for host in inventory.hosts_of(term)}
+    if any(host.name == term for host in inventory.hosts):
+        return {term}
+    if term.startswith("~"):
+        try:
+            regex = re.compile(term[1:])
+        except re.error as exc:
+            raise HostPatternError(f"invalid regular expression in host pattern {term!r}: {exc}") from None
+        names = [name for name in [*inventory.host_names(), *inventory.groups] if regex.search(name)]
+    elif any(char in term for char in "*?["):
+        names = fnmatch.filter([*inventory.host_names(), *inventory.groups], term)
+    else:
+        return None
+    selected: set[str] = set()
+    for name in names:
+        selected |= {host.name for host in inventory.hosts_of(name)} if name in inventory.groups else {name}
+    return selected if names else None
+
+
+def select_hosts(inventory: Inventory, pattern: str | None) -> list[Host]:
+    """Hosts matching an Ansible-style pattern, in inventory order; None or "" selects every host.
+
+    Terms are separated by commas (or colons): a host name, a group, a glob (``node*``), ``~regex``;
+    ``!term`` excludes, ``&term`` intersects. A term naming nothing, or a pattern that selects no host, is
+    a `HostPatternError`.
+    """
+    if pattern is None or not pattern.strip():
+        return list(inventory.hosts)
+    union: set[str] = set()
+    intersections: list[set[str]] = []
+    exclusions: set[str] = set()
+    has_union = False
+    for term in _split_pattern(pattern):
+        operator, name = (term[0], term[1:].strip()) if term[0] in "!&" else ("", term)
+        if not name:
+            raise HostPatternError(f"empty term {term!r} in host pattern {pattern!r}")
+        matched = _match_term(inventory, name)
+        if matched is None:
+            hint = _did_you_mean(name, [*inventory.host_names(), *inventory.groups])
+            raise HostPatternError(f"host pattern {name!r} matches no host or group{hint}")
+        if operator == "!":
+            exclusions |= matched
+        elif operator == "&":
+            intersections.append(matched)
+        else:
+            union |= matched
+            has_union = True
+    if not has_union:  # "!gpu" alone means every host but the GPU ones, as in Ansible
+        union = set(inventory.host_names())
+    for matched in intersections:
+        union &= matched
+    union -= exclusions
+    if not union:
+        raise HostPatternError(f"host pattern {pattern!r} selects no host")
+    return [host for host in inventory.hosts if host.name in union]
+
+
+def host_to_dict(host: Host) -> dict[str, Any]:
+    """A host as plain JSON-able data: name, every known variable, groups, endpoint, extra variables."""
+    data: dict[str, Any] = {"name": host.name}
+    for variable in VARIABLES:
+        value = getattr(host, variable.name)
+        data[variable.name] = list(value) if isinstance(value, tuple) else value
+    data["endpoint"] = host.endpoint
+    data["groups"] = list(host.groups)
+    data["extra_vars"] = {key: value for key, value in host.vars.items() if key not in VARIABLES_BY_NAME}
+    return data

@@ -1,0 +1,391 @@
+"""The emulated lab: a fleet of nodes on this machine, for demos, benchmarks and tests.
+
+As root, each node is a network namespace on a bridge, with its own address, hostname, HOME and a real
+OpenSSH sshd (`kind="netns"`). Without the privileges, a local-connection lab (`kind="local"`) gives
+each node a 127.0.x.y address and its own HOME directory, and no sshd.
+
+Every kernel object and user the lab creates carries the lab's slot in its name, so teardown and
+reaping touch only what the lab made:
+
+    slot k            one per lab, chosen free at `lab_up`; subnet 10.77.k.0/24 (local: 127.0.k.0/24)
+    rfl<k>br          the bridge, address 10.77.k.1, its ifalias names the lab's state dir
+    rfl<k>v<i>        the host side of node i's veth (inside the node it is eth0)
+    rfl<k>-<node>     node i's network namespace; node i is `<lab name>n<i>` at 10.77.k.(10+i)
+    rfl<k>            the system user every node logs in as (home /home/rfl<k>, a mount point that
+                      each node's mount namespace binds to its own home directory)
+
+State lives in `$RPCFLEET_HOME/lab/<name>/` (lab.json, keys, known_hosts, inventory.yml, one directory
+per node with its sshd_config, host key, pid files, logs and home). A node is anchored by a holder
+process (`sleep`, renamed `<node dir>/holder`) that owns the node's mount and UTS namespaces inside
+its network namespace; sshd runs beside it, so killing sshd leaves the node up and `start_sshd`
+brings it back. Namespaces have no default route; ip_forward and NAT are never touched.
+
+This is lab plumbing run with local subprocesses, not the product's remote path; it is synchronous
+and parallelises per-node steps by starting all processes before waiting for any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.core.errors import LabError
+from orchestrator.core.log import get_logger
+from orchestrator.lab.model import (
+    _LINK_RE,
+    _NAME_RE,
+    _NS_RE,
+    _USER_RE,
+    DEFAULT_LAB,
+    LAB_GROUP,
+    MAX_NODES,
+    NODE_INSTALL_DIR,
+    NODE_RPC_PORT,
+    PREFIX,
+    SSH_PORT,
+    Lab,
+    LabKind,
+    LabNode,
+    LabStatus,
+    NodeStatus,
+    Owner,
+    check_name,
+    lab_dir,
+    labs_root,
+)
+from orchestrator.lab.netns import (
+    _check_netns_prerequisites,
+    _create_local,
+    _create_netns,
+    _lab_users,
+    _list_links,
+    _list_namespaces,
+    _teardown,
+    _teardown_slot,
+    privileged,
+)
+from orchestrator.lab.procs import _tcp_open
+
+
+def lab_up(
+    nodes: int,
+    *,
+    name: str = DEFAULT_LAB,
+    local: bool = False,
+    output: Path | None = None,
+    owner_pid: int | None = None,
+) -> Lab:
+    """Bring a lab of `nodes` nodes up, write its key, known_hosts and inventory, and return it.
+
+    `owner_pid`: the lab counts as stale (reaped by `reap_stale`) once that process is gone.
+    """
+    check_name(name)
+    if not 1 <= nodes <= MAX_NODES:
+        raise LabError(f"--nodes must be between 1 and {MAX_NODES}, not {nodes}")
+    kind: LabKind = "local" if local else "netns"
+    if kind == "netns":
+        _check_netns_prerequisites()
+    owner = Owner.of(owner_pid) if owner_pid is not None else None
+    started = time.monotonic()
+    with _lock():
+        existing = _load(lab_dir(name))
+        if existing is not None and existing.live():
+            raise LabError(
+                f"lab {name!r} is already up ({len(existing.nodes)} nodes)",
+                hint=f"`rpcfleet lab down --name {name}` first, or choose another --name",
+            )
+        if existing is not None or lab_dir(name).exists():
+            _teardown(existing, lab_dir(name))
+        slot = _free_slot(name, kind)
+        lab = _plan(name, kind, slot, nodes, owner)
+        lab.dir.mkdir(parents=True, mode=0o700)
+        lab.save()
+    try:
+        if kind == "netns":
+            _create_netns(lab)
+        else:
+            _create_local(lab)
+        written = _write_inventory(lab, output)
+        lab = replace(lab, state="up", outputs=written)
+        lab.save()
+    except BaseException:
+        _teardown(lab, lab.dir)
+        raise
+    get_logger().info(
+        "lab_up", lab=name, kind=kind, nodes=nodes, seconds=round(time.monotonic() - started, 3)
+    )
+    return lab
+
+
+def lab_down(name: str = DEFAULT_LAB) -> bool:
+    """Tear a lab down completely. Returns False when there was nothing to remove."""
+    check_name(name)
+    with _lock():
+        directory = lab_dir(name)
+        lab = _load(directory)
+        if lab is None and not directory.exists():
+            return False
+        started = time.monotonic()
+        _teardown(lab, directory)
+    get_logger().info("lab_down", lab=name, seconds=round(time.monotonic() - started, 3))
+    return True
+
+
+def lab_down_all(*, include_owned: bool = False) -> list[str]:
+    """Tear down every lab under $RPCFLEET_HOME and reap stale lab objects; returns what was removed.
+
+    A lab owned by another live process (a running test session) is its owner's to remove: kept
+    unless `include_owned`.
+    """
+    removed = []
+    for name in list_labs():
+        lab = _load(lab_dir(name))
+        owned = lab is not None and lab.owner is not None and lab.owner.pid != os.getpid()
+        if owned and not include_owned and lab is not None and lab.live():
+            continue
+        if lab_down(name):
+            removed.append(f"lab {name}")
+    return removed + reap_stale()
+
+
+def load_lab(name: str = DEFAULT_LAB) -> Lab:
+    """The lab recorded under `name`; LabError when there is none."""
+    check_name(name)
+    lab = _load(lab_dir(name))
+    if lab is None or lab.state != "up":
+        raise LabError(f"no lab named {name!r} is up", hint=_up_hint(name))
+    return lab
+
+
+def list_labs() -> list[str]:
+    root = labs_root()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and _NAME_RE.match(p.name))
+
+
+def lab_status(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> LabStatus:
+    """What runs of the lab: per node, its namespace, sshd and whether :22 accepts a TCP connect."""
+    lab = load_lab(name)
+    namespaces = set(_list_namespaces()) if lab.kind == "netns" else set()
+
+    def one(node: LabNode) -> NodeStatus:
+        if lab.kind == "local":
+            return NodeStatus(node.name, node.address, None, None, None, None, node.home)
+        return NodeStatus(
+            name=node.name,
+            address=node.address,
+            namespace=node.namespace,
+            namespace_present=node.namespace in namespaces,
+            sshd_pid=node.sshd_pid(),
+            reachable=_tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge),
+            home=node.home,
+        )
+
+    with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
+        statuses = tuple(pool.map(one, lab.nodes))
+    return LabStatus(
+        name=lab.name,
+        kind=lab.kind,
+        slot=lab.slot,
+        dir=lab.dir,
+        inventory=lab.inventory,
+        user=lab.user,
+        owner_pid=lab.owner.pid if lab.owner else None,
+        nodes=statuses,
+    )
+
+
+def default_lab_inventory() -> Path:
+    """The default lab's inventory (what commands use when no inventory is given)."""
+    lab = _load(lab_dir(DEFAULT_LAB))
+    if lab is None or lab.state != "up" or not lab.inventory.exists():
+        raise LabError(
+            "no inventory given and no lab is up",
+            hint="pass -i INVENTORY, or run `rpcfleet lab up` (or `rpcfleet lab up --local`) first",
+        )
+    return lab.inventory
+
+
+def reap_stale() -> list[str]:
+    """Remove what dead labs left behind (killed runs, labs whose owner exited, orphaned objects).
+
+    Only objects with the lab's own names are touched: namespaces `rfl<k>-*`, links `rfl<k>br` and
+    `rfl<k>v<i>`, users `rfl<k>` marked as lab users, state dirs under $RPCFLEET_HOME/lab.
+    Returns a description of each thing removed.
+    """
+    removed: list[str] = []
+    with _lock():
+        live_slots: set[int] = set()
+        for name in list_labs():
+            directory = lab_dir(name)
+            lab = _load(directory)
+            if lab is not None and lab.live():
+                live_slots.add(lab.slot)
+                continue
+            removed += _teardown(lab, directory)
+        if not privileged():
+            return removed
+        # Labs of other $RPCFLEET_HOMEs are found through their bridge's alias.
+        links = _list_links()
+        for link, alias in links.items():
+            match = _LINK_RE.match(link)
+            if match and match.group(2) == "br" and alias:
+                other = _load(Path(alias))
+                if other is not None and other.slot == int(match.group(1)) and other.live():
+                    live_slots.add(other.slot)
+        stale_slots: set[int] = set()
+        for name in [*_list_namespaces(), *links]:
+            match = _NS_RE.match(name) or _LINK_RE.match(name)
+            if match and int(match.group(1)) not in live_slots:
+                stale_slots.add(int(match.group(1)))
+        for user in _lab_users():
+            user_match = _USER_RE.match(user)
+            if user_match and int(user_match.group(1)) not in live_slots:
+                stale_slots.add(int(user_match.group(1)))
+        for slot in sorted(stale_slots):
+            removed += _teardown_slot(slot)
+    if removed:
+        get_logger().info("lab_reaped", removed=removed)
+    return removed
+
+
+def _plan(name: str, kind: LabKind, slot: int, count: int, owner: Owner | None) -> Lab:
+    directory = lab_dir(name)
+    nodes = []
+    for index in range(1, count + 1):
+        node = f"{name}n{index}"
+        if kind == "netns":
+            address = f"10.77.{slot}.{10 + index}"
+            nodes.append(
+                LabNode(
+                    node,
+                    index,
+                    address,
+                    directory / "nodes" / node,
+                    namespace=f"{PREFIX}{slot}-{node}",
+                    veth=f"{PREFIX}{slot}v{index}",
+                )
+            )
+        else:
+            nodes.append(LabNode(node, index, f"127.0.{slot}.{10 + index}", directory / "nodes" / node))
+    netns = kind == "netns"
+    return Lab(
+        name=name,
+        kind=kind,
+        slot=slot,
+        dir=directory,
+        nodes=tuple(nodes),
+        user=f"{PREFIX}{slot}" if netns else None,
+        bridge=f"{PREFIX}{slot}br" if netns else None,
+        bridge_address=f"10.77.{slot}.1" if netns else None,
+        state="starting",
+        creator=Owner.current(),
+        owner=owner,
+    )
+
+
+def _free_slot(name: str, kind: LabKind) -> int:
+    """A slot no other lab uses; stable per name when free (the default lab gets 0)."""
+    taken: set[int] = set()
+    for other in list_labs():
+        lab = _load(lab_dir(other))
+        if lab is not None and other != name:
+            taken.add(lab.slot)
+    if kind == "netns":
+        for obj in [*_list_namespaces(), *_list_links(), *_lab_users(all_users=True)]:
+            match = _NS_RE.match(obj) or _LINK_RE.match(obj) or _USER_RE.match(obj)
+            if match:
+                taken.add(int(match.group(1)))
+    preferred = 0 if name == DEFAULT_LAB else zlib.crc32(name.encode()) % 255 + 1
+    for offset in range(256):
+        slot = (preferred + offset) % 256
+        if slot not in taken:
+            return slot
+    raise LabError("all 256 lab slots are in use", hint="`rpcfleet lab down --all`")
+
+
+def inventory_document(lab: Lab) -> dict[str, Any]:
+    """The lab's inventory in rpcfleet's native YAML form: common vars, one entry per node, group `lab`."""
+    hosts: dict[str, dict[str, Any]] = {}
+    if lab.kind == "netns":
+        common: dict[str, Any] = {
+            "connection": "ssh",
+            "ssh_user": lab.user,
+            "ssh_port": SSH_PORT,
+            "ssh_key": str(lab.client_key),
+            "ssh_known_hosts": str(lab.known_hosts),
+            "rpc_port": NODE_RPC_PORT,
+            "install_dir": NODE_INSTALL_DIR,
+        }
+        for node in lab.nodes:
+            hosts[node.name] = {"address": node.address}
+    else:
+        common = {"connection": "local", "rpc_port": NODE_RPC_PORT}
+        for node in lab.nodes:
+            # `home`: the node's HOME for its local connection; install_dir is absolute either way.
+            hosts[node.name] = {
+                "address": node.address,
+                "rpc_host": node.address,
+                "home": str(node.home),
+                "install_dir": str(node.home / "rpcfleet"),
+            }
+    return {"vars": common, "hosts": hosts, "groups": {LAB_GROUP: {"hosts": list(hosts)}}}
+
+
+def _write_inventory(lab: Lab, output: Path | None) -> tuple[str, ...]:
+    kind = "network namespaces with OpenSSH" if lab.kind == "netns" else "local connections"
+    header = (
+        f"# rpcfleet lab {lab.name!r}: {len(lab.nodes)} nodes ({kind}), written by `rpcfleet lab up`.\n"
+        f"# Gone with `rpcfleet lab down --name {lab.name}`.\n"
+    )
+    text = header + yaml.safe_dump(inventory_document(lab), sort_keys=False)
+    lab.inventory.write_text(text)
+    if output is None:
+        return ()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text)
+    except OSError as exc:
+        raise LabError(f"cannot write the inventory to {output}: {exc.strerror}") from exc
+    return (str(output.resolve()),)
+
+
+def _load(directory: Path) -> Lab | None:
+    try:
+        data = json.loads((directory / "lab.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    try:
+        return Lab.from_json(data)
+    except LabError:
+        return None
+
+
+def _up_hint(name: str) -> str:
+    flag = "" if name == DEFAULT_LAB else f" --name {name}"
+    return f"run `rpcfleet lab up --nodes 3{flag}` (add --local without root)"
+
+
+@contextlib.contextmanager
+def _lock() -> Iterator[None]:
+    """One lab operation at a time per $RPCFLEET_HOME (slot choice, state writes, reaping)."""
+    root = labs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

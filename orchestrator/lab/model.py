@@ -1,0 +1,476 @@
+"""A lab and its nodes as typed data, with the state file that records them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from orchestrator.core.errors import LabError
+from orchestrator.core.paths import rpcfleet_home
+from orchestrator.lab.procs import (
+    _KILL_TIMEOUT,
+    _PATH,
+    SSHD,
+    _is_sshd,
+    _netns_pids,
+    _pids_under,
+    _proc_alive,
+    _read_pid,
+    _run,
+    _start_time,
+    _tail,
+    _tcp_open,
+    _wait_dead,
+)
+
+DEFAULT_LAB = "lab"
+
+
+PREFIX = "rfl"
+
+
+SSH_PORT = 22
+
+
+NODE_RPC_PORT = 50052
+
+
+NODE_INSTALL_DIR = "~/rpcfleet"
+
+
+MAX_NODES = 200
+
+
+LAB_GROUP = "lab"
+
+
+STATE_VERSION = 1
+
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+
+_MAX_NAME = 16
+
+
+_USER_COMMENT = "rpcfleet-lab"
+
+
+_NS_RE = re.compile(rf"^{PREFIX}(\d+)-")
+
+
+_LINK_RE = re.compile(rf"^{PREFIX}(\d+)(br|v\d+)$")
+
+
+_USER_RE = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+_CAP_NET_ADMIN = 12
+
+
+_CAP_SYS_ADMIN = 21
+
+
+_UP_TIMEOUT = 15.0
+
+
+LabKind = Literal["netns", "local"]
+
+
+def labs_root() -> Path:
+    return rpcfleet_home() / "lab"
+
+
+def lab_dir(name: str = DEFAULT_LAB) -> Path:
+    return labs_root() / name
+
+
+def check_name(name: str) -> str:
+    """A lab name becomes part of hostnames and namespace names: lowercase letters, digits, dashes."""
+    if len(name) > _MAX_NAME or not _NAME_RE.match(name):
+        raise LabError(
+            f"invalid lab name {name!r}",
+            hint=f"use up to {_MAX_NAME} lowercase letters, digits and inner dashes, starting with a letter",
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class LabNode:
+    """One node of a lab. `namespace` and `veth` are None in a local-connection lab."""
+
+    name: str
+    index: int
+    address: str
+    dir: Path
+    namespace: str | None = None
+    veth: str | None = None
+
+    @property
+    def home(self) -> Path:
+        """The node's HOME as seen from the controller (inside the node it is the user's home)."""
+        return self.dir / "home"
+
+    @property
+    def sshd_config(self) -> Path:
+        return self.dir / "sshd_config"
+
+    @property
+    def host_key(self) -> Path:
+        return self.dir / "ssh_host_ed25519_key"
+
+    @property
+    def sshd_pid_file(self) -> Path:
+        return self.dir / "sshd.pid"
+
+    @property
+    def holder_pid_file(self) -> Path:
+        return self.dir / "holder.pid"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "node.log"
+
+    @property
+    def sshd_log(self) -> Path:
+        return self.dir / "sshd.log"
+
+    def sshd_pid(self) -> int | None:
+        """The listening sshd's pid, when it runs."""
+        pid = _read_pid(self.sshd_pid_file)
+        return pid if pid is not None and _is_sshd(pid, self.sshd_config) else None
+
+    def holder_pid(self) -> int | None:
+        pid = _read_pid(self.holder_pid_file)
+        return pid if pid is not None and _proc_alive(pid) else None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, identified by pid and start time so a reused pid is not mistaken for it."""
+
+    pid: int
+    started: float
+
+    @classmethod
+    def current(cls) -> Owner:
+        return cls(os.getpid(), _start_time(os.getpid()) or 0.0)
+
+    @classmethod
+    def of(cls, pid: int) -> Owner:
+        started = _start_time(pid)
+        if started is None:
+            raise LabError(f"no process {pid} to own the lab")
+        return cls(pid, started)
+
+    def alive(self) -> bool:
+        started = _start_time(self.pid)
+        return started is not None and abs(started - self.started) < 0.05
+
+
+@dataclass(frozen=True)
+class Lab:
+    """A lab as recorded in its lab.json, with the fault helpers the tier-2 tests use."""
+
+    name: str
+    kind: LabKind
+    slot: int
+    dir: Path
+    nodes: tuple[LabNode, ...]
+    user: str | None  # the ssh user (netns labs)
+    bridge: str | None
+    bridge_address: str | None
+    state: Literal["starting", "up"] = "up"
+    creator: Owner | None = None
+    owner: Owner | None = None  # the lab is stale once its owner is gone (test sessions)
+    outputs: tuple[str, ...] = ()  # extra inventory copies (-o); left in place by `down`
+    created: float = field(default_factory=time.time)
+
+    # -- files
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "lab.json"
+
+    @property
+    def inventory(self) -> Path:
+        return self.dir / "inventory.yml"
+
+    @property
+    def client_key(self) -> Path:
+        return self.dir / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.dir / "known_hosts"
+
+    @property
+    def home_mount(self) -> Path | None:
+        """The user's home in the root mount namespace: an empty mount point each node binds over."""
+        return Path("/home") / self.user if self.user else None
+
+    def node(self, node: str | int | LabNode) -> LabNode:
+        """A node by name, 1-based index, or itself."""
+        if isinstance(node, LabNode):
+            return node
+        for candidate in self.nodes:
+            if candidate.name == node or candidate.index == node:
+                return candidate
+        raise LabError(f"lab {self.name!r} has no node {node!r}")
+
+    # -- state
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["version"] = STATE_VERSION
+        data["dir"] = str(self.dir)
+        data["nodes"] = [{**asdict(n), "dir": str(n.dir)} for n in self.nodes]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Lab:
+        try:
+            return cls(
+                name=data["name"],
+                kind=data["kind"],
+                slot=int(data["slot"]),
+                dir=Path(data["dir"]),
+                nodes=tuple(
+                    LabNode(
+                        name=n["name"],
+                        index=int(n["index"]),
+                        address=n["address"],
+                        dir=Path(n["dir"]),
+                        namespace=n.get("namespace"),
+                        veth=n.get("veth"),
+                    )
+                    for n in data["nodes"]
+                ),
+                user=data.get("user"),
+                bridge=data.get("bridge"),
+                bridge_address=data.get("bridge_address"),
+                state=data.get("state", "up"),
+                creator=Owner(**data["creator"]) if data.get("creator") else None,
+                owner=Owner(**data["owner"]) if data.get("owner") else None,
+                outputs=tuple(data.get("outputs", ())),
+                created=float(data.get("created", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LabError(f"unreadable lab state: {exc!r}") from exc
+
+    def save(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(self.state_file)
+
+    def live(self) -> bool:
+        """Whether this lab is in use: being created by a live process, or up with a live owner (if any)."""
+        if self.state == "starting":
+            return self.creator is not None and self.creator.alive()
+        if self.bridge is not None and not Path("/sys/class/net", self.bridge).exists():
+            return False  # its network is gone (a reboot, a manual cleanup): only leftovers remain
+        return self.owner is None or self.owner.alive()
+
+    # -- faults (netns labs)
+    def _netns(self, node: str | int | LabNode) -> LabNode:
+        found = self.node(node)
+        if self.kind != "netns" or found.namespace is None or found.veth is None:
+            raise LabError(f"lab {self.name!r} is a local-connection lab: no network faults")
+        return found
+
+    def cut_link(self, node: str | int | LabNode) -> None:
+        """Pull the node's cable: its veth goes down, packets to it are dropped silently."""
+        _run(["ip", "link", "set", self._netns(node).veth or "", "down"])
+
+    def restore_link(self, node: str | int | LabNode) -> None:
+        _run(["ip", "link", "set", self._netns(node).veth or "", "up"])
+
+    def firewall_drop(self, node: str | int | LabNode) -> None:
+        """Every packet into the node is dropped (connects time out)."""
+        self._iptables(node, ["-I", "INPUT", "-j", "DROP"])
+
+    def firewall_reject(self, node: str | int | LabNode) -> None:
+        """Every TCP connect to the node is reset (connects are refused at once)."""
+        self._iptables(node, ["-I", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"])
+
+    def firewall_clear(self, node: str | int | LabNode) -> None:
+        self._iptables(node, ["-F", "INPUT"])
+
+    def _iptables(self, node: str | int | LabNode, args: list[str]) -> None:
+        found = self._netns(node)
+        if shutil.which("iptables", path=_PATH) is None:
+            raise LabError("iptables is not installed", hint="apt-get install iptables (or `make setup`)")
+        _run(["ip", "netns", "exec", found.namespace or "", "iptables", "-w", *args])
+
+    def kill_sshd(self, node: str | int | LabNode) -> None:
+        """Kill the node's listening sshd: new connects are refused, open sessions keep working."""
+        found = self._netns(node)
+        pid = found.sshd_pid()
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _wait_dead([pid], _KILL_TIMEOUT)
+        found.sshd_pid_file.unlink(missing_ok=True)
+
+    def start_sshd(self, node: str | int | LabNode) -> int:
+        """(Re)start the node's sshd inside its namespaces; returns its pid once it accepts connections."""
+        found = self._netns(node)
+        existing = found.sshd_pid()
+        if existing is not None:
+            return existing
+        holder = found.holder_pid()
+        if holder is None:
+            raise LabError(f"node {found.name} is gone (no holder process)", hint="recreate the lab")
+        found.sshd_pid_file.unlink(missing_ok=True)
+        _run(["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *_sshd_argv(found)])
+        _wait_ready([found], _UP_TIMEOUT, self.bridge)
+        pid = found.sshd_pid()
+        if pid is None:
+            raise LabError(f"sshd on {found.name} did not start", stderr=_tail(found.sshd_log))
+        return pid
+
+    def node_exec(
+        self, node: str | int | LabNode, argv: Sequence[str], *, check: bool = True, timeout: float = 30
+    ) -> subprocess.CompletedProcess[str]:
+        """Run argv as root inside the node's network, mount and UTS namespaces (a mount is the node's)."""
+        found = self._netns(node)
+        holder = found.holder_pid()
+        if holder is None:
+            raise LabError(f"node {found.name} is gone (no holder process)")
+        return _run(
+            ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *argv], check=check, timeout=timeout
+        )
+
+    def node_pids(self, node: str | int | LabNode) -> list[int]:
+        """Every live process of the node: holder, sshd, sessions, whatever they started."""
+        found = self.node(node)
+        if found.namespace is not None:
+            return _netns_pids([found.namespace])
+        return _pids_under(found.dir)
+
+    def heal(self, nodes: Iterable[str | int | LabNode] | None = None) -> None:
+        """Undo the faults: links up, firewalls cleared, sshd running. For per-test restore fixtures."""
+        for node in self.nodes if nodes is None else [self.node(n) for n in nodes]:
+            if self.kind != "netns":
+                continue
+            self.restore_link(node)
+            self.firewall_clear(node)
+            self.start_sshd(node)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    address: str
+    namespace: str | None
+    namespace_present: bool | None  # None: not a netns lab
+    sshd_pid: int | None
+    reachable: bool | None  # TCP connect to :22 within the probe timeout; None: no sshd in a local lab
+    home: Path
+
+    @property
+    def sshd_alive(self) -> bool:
+        return self.sshd_pid is not None
+
+
+@dataclass(frozen=True)
+class LabStatus:
+    name: str
+    kind: LabKind
+    slot: int
+    dir: Path
+    inventory: Path
+    user: str | None
+    owner_pid: int | None
+    nodes: tuple[NodeStatus, ...]
+
+    @property
+    def healthy(self) -> bool:
+        if self.kind == "local":
+            return all(n.home.is_dir() for n in self.nodes)
+        return all(n.namespace_present and n.sshd_alive and n.reachable for n in self.nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "slot": self.slot,
+            "dir": str(self.dir),
+            "inventory": str(self.inventory),
+            "user": self.user,
+            "owner_pid": self.owner_pid,
+            "healthy": self.healthy,
+            "nodes": [{**asdict(n), "home": str(n.home), "sshd_alive": n.sshd_alive} for n in self.nodes],
+        }
+
+
+def _sshd_argv(node: LabNode) -> list[str]:
+    # Daemon mode: sshd writes its pid file once its socket is bound.
+    return [SSHD, "-f", str(node.sshd_config), "-E", str(node.sshd_log)]
+
+
+def _sshd_extra_options() -> list[str]:
+    # OpenSSH >= 9.8 penalises sources that fail auth or close early: the controller is one source.
+    probe = subprocess.run([SSHD, "-V"], capture_output=True, text=True, check=False, timeout=5)
+    match = re.search(r"OpenSSH_(\d+)\.(\d+)", probe.stderr + probe.stdout)
+    if match and (int(match.group(1)), int(match.group(2))) >= (9, 8):
+        return ["PerSourcePenalties no"]
+    return []
+
+
+def _sshd_config(lab: Lab, node: LabNode, extra: list[str]) -> str:
+    lines = [
+        f"# rpcfleet lab {lab.name}, node {node.name}",
+        f"ListenAddress {node.address}",
+        f"Port {SSH_PORT}",
+        f'HostKey "{node.host_key}"',
+        f'PidFile "{node.sshd_pid_file}"',
+        # Read with the user's rights: it must be inside the (bind-mounted) home, not under /root.
+        "AuthorizedKeysFile %h/.ssh/authorized_keys",
+        f"AllowUsers {lab.user}",
+        "PermitRootLogin no",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "PrintMotd no",
+        "PrintLastLog no",
+        "UseDNS no",
+        "MaxStartups 100",
+        "MaxSessions 64",
+        "Subsystem sftp internal-sftp",
+        *extra,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _wait_ready(nodes: Sequence[LabNode], timeout: float, device: str | None) -> None:
+    """Until every node's sshd wrote its pid file and accepts TCP on :22; fail early if a node died."""
+    deadline = time.monotonic() + timeout
+    pending = list(nodes)
+    while pending:
+        for node in list(pending):
+            if node.sshd_pid_file.exists() and _tcp_open(node.address, SSH_PORT, 0.2, device):
+                pending.remove(node)
+                continue
+            holder = _read_pid(node.holder_pid_file)
+            if holder is not None and not _proc_alive(holder):
+                raise LabError(
+                    f"node {node.name} failed to start",
+                    stderr=_tail(node.log) + "\n" + _tail(node.sshd_log),
+                )
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(n.name for n in pending)
+            logs = "\n".join(_tail(n.sshd_log) for n in pending)
+            raise LabError(f"sshd did not accept connections within {timeout:.0f} s on {names}", stderr=logs)
+        if pending:
+            time.sleep(0.01)

@@ -1,0 +1,246 @@
+"""Creating and removing lab nodes: namespaces, veth links, users and their sshd."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from orchestrator.core.errors import LabError
+from orchestrator.lab.model import (
+    _CAP_NET_ADMIN,
+    _CAP_SYS_ADMIN,
+    _LINK_RE,
+    _UP_TIMEOUT,
+    _USER_COMMENT,
+    _USER_RE,
+    PREFIX,
+    Lab,
+    LabNode,
+    _sshd_argv,
+    _sshd_config,
+    _sshd_extra_options,
+    _wait_ready,
+)
+from orchestrator.lab.procs import SSHD, _env, _kill, _netns_pids, _pids_under, _run, _run_all, _which
+
+
+def privileged() -> bool:
+    """Whether this process can make namespaces, links and users (root with NET_ADMIN and SYS_ADMIN)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    match = re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.M)
+    caps = int(match.group(1), 16) if match else 0
+    return bool(caps & (1 << _CAP_NET_ADMIN)) and bool(caps & (1 << _CAP_SYS_ADMIN))
+
+
+def _check_netns_prerequisites() -> None:
+    if not privileged():
+        raise LabError(
+            "an emulated lab with network namespaces and sshd needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)",
+            hint="run as root, or make a local-connection lab without them: `rpcfleet lab up --local`",
+        )
+    missing = [tool for tool in ("ip", "nsenter", "unshare", "ssh-keygen", "useradd") if not _which(tool)]
+    if not Path(SSHD).exists():
+        missing.append(SSHD)
+    if missing:
+        raise LabError(
+            f"the lab needs {', '.join(missing)}",
+            hint="apt-get install openssh-server iptables iproute2 (or `make setup`)",
+        )
+
+
+def _create_local(lab: Lab) -> None:
+    for node in lab.nodes:
+        node.home.mkdir(parents=True)
+
+
+def _create_netns(lab: Lab) -> None:
+    assert lab.user and lab.bridge and lab.bridge_address and lab.home_mount
+    for node in lab.nodes:
+        node.dir.mkdir(parents=True)
+        (node.home / ".ssh").mkdir(parents=True, mode=0o700)
+    # Links first: the bridge's alias marks the slot as this lab's for reapers in other processes.
+    # One batch in the root namespace, then one per node namespace, those in parallel.
+    batch = [
+        f"link add {lab.bridge} type bridge",
+        f'link set {lab.bridge} alias "{lab.dir}"',
+        f"addr add {lab.bridge_address}/24 dev {lab.bridge}",
+        f"link set {lab.bridge} up",
+    ]
+    for node in lab.nodes:
+        batch += [
+            f"netns add {node.namespace}",
+            f"link add {node.veth} type veth peer name eth0 netns {node.namespace}",
+            f"link set {node.veth} master {lab.bridge} up",
+        ]
+    _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+    _run_all(
+        [["ip", "-n", node.namespace or "", "-batch", "-"] for node in lab.nodes],
+        inputs=[
+            f"addr add {node.address}/24 dev eth0\nlink set eth0 up\nlink set lo up\n" for node in lab.nodes
+        ],
+    )
+    # Keys: all ssh-keygens at once.
+    keygens = [(lab.client_key, f"rpcfleet-lab-{lab.name}")] + [
+        (node.host_key, node.name) for node in lab.nodes
+    ]
+    _run_all(
+        [
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)]
+            for path, comment in keygens
+        ]
+    )
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    lab.home_mount.mkdir(mode=0o755, exist_ok=True)
+    _run(
+        [
+            "useradd",
+            "-M",
+            "-N",
+            "-p",
+            "*",
+            "-s",
+            "/bin/bash",
+            "-c",
+            _USER_COMMENT,
+            "-d",
+            str(lab.home_mount),
+            lab.user,
+        ]
+    )
+    uid = int(_run(["id", "-u", lab.user]).stdout)
+    gid = int(_run(["id", "-g", lab.user]).stdout)
+    client_pub = lab.client_key.with_suffix(".pub").read_text()
+    extra = _sshd_extra_options()
+    for node in lab.nodes:
+        authorized = node.home / ".ssh" / "authorized_keys"
+        authorized.write_text(client_pub)
+        for path in (node.home, node.home / ".ssh", authorized):
+            os.chown(path, uid, gid)
+        node.sshd_config.write_text(_sshd_config(lab, node, extra))
+    # Nodes: a holder owns the node's mount and UTS namespaces and starts sshd inside them.
+    for node in lab.nodes:
+        _start_node(lab, node)
+    _wait_ready(lab.nodes, _UP_TIMEOUT, lab.bridge)
+    lines = []
+    for node in lab.nodes:
+        key_type, key = node.host_key.with_suffix(".pub").read_text().split()[:2]
+        lines.append(f"{node.address} {key_type} {key}\n")
+    lab.known_hosts.write_text("".join(lines))
+
+
+def _start_node(lab: Lab, node: LabNode) -> None:
+    assert lab.home_mount and node.namespace
+    q = shlex.quote
+    script = "; ".join(
+        [
+            "set -e",
+            f"echo $$ > {q(str(node.holder_pid_file))}",
+            f"mount --bind {q(str(node.home))} {q(str(lab.home_mount))}",
+            f"hostname {q(node.name)}",
+            " ".join(q(a) for a in _sshd_argv(node)),
+            f"exec -a {q(str(node.dir / 'holder'))} sleep infinity",
+        ]
+    )
+    argv = ["setsid", "-f", "ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
+    argv += ["--propagation", "private", "bash", "-c", script]
+    with node.log.open("ab") as out:
+        # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
+        subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_env(), check=True, timeout=10
+        )
+
+
+def _teardown(lab: Lab | None, directory: Path) -> list[str]:
+    """Remove a lab: its processes, kernel objects, user and state dir. Idempotent."""
+    removed: list[str] = []
+    if lab is not None and lab.kind == "netns":
+        removed += _teardown_slot(lab.slot, lab)
+    pids = _pids_under(directory)
+    if pids:
+        _kill(pids)
+        removed.append(f"{len(pids)} processes of {directory}")
+    if directory.exists():
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(f"state dir {directory}")
+    return removed
+
+
+def _teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
+    """Remove every namespace, link, user and process of slot `slot` (found by name)."""
+    removed: list[str] = []
+    namespaces = [ns for ns in _list_namespaces() if ns.startswith(f"{PREFIX}{slot}-")]
+    links = [link for link in _list_links() if (m := _LINK_RE.match(link)) and int(m.group(1)) == slot]
+    pids = _netns_pids(namespaces)
+    if lab is not None:
+        pids += _pids_under(lab.dir)
+    if pids:
+        _kill(pids)
+        removed.append(f"{len(set(pids))} processes")
+    # Deleting a namespace (no process left in it) takes its veth with it, all namespaces in one
+    # batched kernel cleanup: much faster than deleting veths one by one. The bridge goes explicitly.
+    batch = [f"link del {link}" for link in links if link.endswith("br")]
+    batch += [f"netns del {ns}" for ns in namespaces]
+    if batch:
+        _run(["ip", "-force", "-batch", "-"], input="\n".join(batch) + "\n", check=False)
+        removed += [f"link {link}" for link in links] + [f"namespace {ns}" for ns in namespaces]
+    veths = [link for link in links if not link.endswith("br")]
+    deadline = time.monotonic() + 2.0
+    while veths and time.monotonic() < deadline:
+        time.sleep(0.005)
+        veths = [link for link in _list_links() if link in veths]
+    if veths:  # a veth whose peer namespace lives on (a process we could not kill): delete it here
+        _run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
+    user = f"{PREFIX}{slot}"
+    if user in _lab_users():
+        _run(["userdel", user], check=False)
+        removed.append(f"user {user}")
+    mount_point = Path("/home") / user
+    # Only the empty mount point we made: a node's files live in its own home dir, never here.
+    with contextlib.suppress(OSError):
+        mount_point.rmdir()
+    return removed
+
+
+def _list_namespaces() -> list[str]:
+    result = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+
+def _list_links() -> dict[str, str]:
+    """Links of the root namespace with the lab's prefix -> their alias ("" when none)."""
+    result = _run(["ip", "-j", "link", "show"], check=False)
+    try:
+        links = json.loads(result.stdout or "[]")
+    except json.JSONDecodeError:
+        return {}
+    return {
+        link["ifname"]: link.get("ifalias", "")
+        for link in links
+        if isinstance(link, dict) and str(link.get("ifname", "")).startswith(PREFIX)
+    }
+
+
+def _lab_users(*, all_users: bool = False) -> list[str]:
+    """Users the lab created (name rfl<k> and the lab's comment); `all_users`: any rfl<k> name."""
+    try:
+        lines = Path("/etc/passwd").read_text().splitlines()
+    except OSError:
+        return []
+    users = []
+    for line in lines:
+        fields = line.split(":")
+        if len(fields) > 4 and _USER_RE.match(fields[0]) and (all_users or fields[4] == _USER_COMMENT):
+            users.append(fields[0])
+    return users

@@ -1,0 +1,120 @@
+"""Installing a pinned artifact on a node: choose, then apply an upload or an on-node build."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.artifacts.node_build import NodeBuild, node_build
+from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
+from orchestrator.artifacts.store import verify_artifact
+from orchestrator.connectors.base import Connection, Progress
+from orchestrator.core.errors import ArtifactError, InstallError
+from orchestrator.engine.executor import HostContext, StepOutcome
+from orchestrator.inventory.model import Host
+from orchestrator.operations.install_apply import apply_install
+from orchestrator.operations.install_plan import (
+    InstallChange,
+    InstallState,
+    plan_install,
+    plan_node_build,
+    read_install_state,
+)
+from orchestrator.operations.node_build import BuildLog, apply_node_build
+
+Source = Artifact | NodeBuild
+
+
+class ArtifactChooser:
+    """Picks (and verifies once) the artifact for each host: `override`, else the host's `rpc_artifact`,
+    else the default one, for the host's backend and the node's os/arch. A `build: on_node` spec file
+    gives a `NodeBuild` instead (with the host's `rpc_cmake_args`). Shared by all hosts of a run."""
+
+    def __init__(self, override: str | None = None, *, verify: bool = True) -> None:
+        self.override = override
+        self.verify = verify
+        self._cache: dict[tuple[str, str, str, str, tuple[str, ...]], asyncio.Future[Source]] = {}
+
+    async def __call__(self, host: Host, state: InstallState) -> Source:
+        spec = self.override or host.rpc_artifact or ""
+        key = (spec, host.backend, state.os, state.arch, host.rpc_cmake_args)
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = asyncio.ensure_future(asyncio.to_thread(self._resolve, *key))
+            self._cache[key] = future
+        try:
+            return await asyncio.shield(future)
+        except ArtifactError as exc:
+            raise InstallError(
+                f"no artifact for this host: {exc.message}", host=host.name, hint=exc.hint
+            ) from exc
+
+    def _resolve(self, spec: str, backend: str, os_name: str, arch: str, extra: tuple[str, ...]) -> Source:
+        path = Path(spec.strip()).expanduser()
+        if spec.strip() and path.suffix.lower() in (".yml", ".yaml", ".json") and path.is_file():
+            parsed = read_artifact_spec(path)
+            if parsed.kind == "build":
+                return node_build(parsed, backend=backend, os_name=os_name, arch=arch, extra_cmake_args=extra)
+        artifact = resolve_artifact(spec, backend=backend, os=os_name, arch=arch)
+        if self.verify:
+            verify_artifact(artifact)  # a corrupted local cache is refused before any upload
+        return artifact
+
+
+ProgressFactory = Callable[[Host, InstallChange], Progress | None]
+
+
+BuildLogFactory = Callable[[Host, InstallChange], BuildLog | None]
+
+
+async def ensure_installed(
+    conn: Connection,
+    host: Host,
+    choose: ArtifactChooser,
+    *,
+    state: InstallState | None = None,
+    check: bool = False,
+    force: bool = False,
+    progress: ProgressFactory | None = None,
+    build_log: BuildLogFactory | None = None,
+) -> InstallChange:
+    """Read, plan, and (unless `check`) apply: the artifact for `host` becomes current (built on the
+    node first for a `build: on_node` spec; the returned change then carries the built manifest)."""
+    state = state or await read_install_state(conn, host)
+    source = await choose(host, state)
+    if isinstance(source, NodeBuild):
+        change = plan_node_build(state, source, keep_versions=host.keep_versions, force=force)
+        if change.action == "install" and not check:
+            return await apply_node_build(
+                conn,
+                change,
+                progress=progress(host, change) if progress else None,
+                on_line=build_log(host, change) if build_log else None,
+            )
+    else:
+        change = plan_install(state, source, keep_versions=host.keep_versions, force=force)
+    if change.changed and not check:
+        await apply_install(conn, change, progress=progress(host, change) if progress else None)
+    return change
+
+
+def make_install_step(
+    choose: ArtifactChooser,
+    *,
+    check: bool = False,
+    force: bool = False,
+    progress: ProgressFactory | None = None,
+    build_log: BuildLogFactory | None = None,
+) -> Callable[[HostContext], Awaitable[StepOutcome[InstallChange]]]:
+    """The executor step of `rpcfleet install`."""
+
+    async def install(ctx: HostContext) -> StepOutcome[InstallChange]:
+        conn = await ctx.connection()
+        change = await ensure_installed(
+            conn, ctx.host, choose, check=check, force=force, progress=progress, build_log=build_log
+        )
+        return StepOutcome(change, change.changed, change.describe())
+
+    return install

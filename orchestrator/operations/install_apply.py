@@ -1,0 +1,150 @@
+"""Applying an install: upload, verify by sha256, switch `current` atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shlex
+from collections.abc import Sequence
+
+from orchestrator.artifacts.manifest import Manifest
+from orchestrator.connectors.base import Connection, Progress
+from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
+from orchestrator.operations.install_plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange, _lines
+
+
+def _verify_lines(manifest: Manifest | None, folder: str) -> list[str]:
+    """Shell lines checking every regular file of `manifest` in `folder` with sha256sum."""
+    if manifest is None:
+        return [f'[ -x {folder}/bin/ggml-rpc-server ] || fail files "$ID has no bin/ggml-rpc-server"']
+    sums = "".join(f"{e.sha256}  {e.path}\n" for e in manifest.files if e.sha256 is not None)
+    return [
+        f"sums={shlex.quote(sums)}",
+        f'bad=$(cd {folder} && printf "%s" "$sums" | sha256sum --check --quiet 2>&1) || '
+        'fail files "files differ from the manifest: $(echo "$bad" | head -n 3 | tr "\\n" " ")"',
+        f'[ -x {folder}/bin/ggml-rpc-server ] || fail files "bin/ggml-rpc-server is missing"',
+    ]
+
+
+def _script(change: InstallChange, nonce: str, cleanup: Sequence[str], body: Sequence[str]) -> str:
+    """A node-side script: header (D, ID, fail), `body`, then the switch, history and pruning."""
+    q = shlex.quote
+    lines = [
+        f"D={q(change.install_dir)}",
+        f"ID={q(change.version)}",
+        # fail STAGE MESSAGE: remove what this attempt made, report, exit non-zero.
+        f'fail() {{ rm -rf {" ".join(cleanup)} "$D/current.{nonce}" "$D/history.{nonce}"; '
+        'echo "@fail $1 $2"; exit 3; }',
+        *body,
+        f'ln -s "versions/$ID" "$D/current.{nonce}" || fail switch "cannot create the link"',
+        f'mv -T "$D/current.{nonce}" "$D/current" || fail switch "cannot switch current"',
+        # History: the new id last, without duplicates; written aside and renamed.
+        f'{{ grep -vxF "$ID" "$D/history" 2>/dev/null; echo "$ID"; }} > "$D/history.{nonce}"'
+        f' && mv -f "$D/history.{nonce}" "$D/history" || echo "@warning history not updated"',
+    ]
+    for version in change.prune:
+        lines.append(f'rm -rf "$D/versions/"{q(version)} || echo "@warning cannot remove {version}"')
+    lines.append('echo "@ok"')
+    return "\n".join(lines) + "\n"
+
+
+def install_script(change: InstallChange, remote_archive: str, nonce: str) -> str:
+    """After the upload: verify the archive's sha256, unpack aside, verify every file, move into
+    versions/, switch `current`, prune. Nothing visible changes before the switch."""
+    assert change.artifact is not None
+    q = shlex.quote
+    sha = change.artifact.archive_sha256
+    old = f'"$D/tmp/$ID.old.{nonce}"'
+    body = [
+        f"A={q(remote_archive)}",
+        f'S="$D/tmp/$ID.{nonce}.d"',
+        'got=$(sha256sum "$A" | cut -d" " -f1) || fail checksum "cannot read the uploaded archive"',
+        f'[ "$got" = {sha} ] || fail checksum "archive sha256 on the node is $got, expected {sha}"',
+        'mkdir -p "$S" || fail unpack "cannot create $S"',
+        'err=$(tar -xzf "$A" -C "$S" 2>&1) || fail unpack "tar: $(echo "$err" | tail -n 2 | tr "\\n" " ")"',
+        *_verify_lines(change.artifact.manifest, '"$S"'),
+        'rm -f "$A"',
+        # A leftover folder of the same id (an earlier broken or forced install) is replaced.
+        f'if [ -e "$D/versions/$ID" ]; then mv -T "$D/versions/$ID" {old} || fail move "cannot move"; fi',
+        'mv -T "$S" "$D/versions/$ID" || fail move "cannot move the version into place"',
+        f"rm -rf {old}",
+    ]
+    return _script(change, nonce, ['"$S"', '"$A"'], body)
+
+
+def switch_script(change: InstallChange, nonce: str) -> str:
+    """Switch to a version already in versions/ (its files verified first when the manifest is known)."""
+    manifest = change.artifact.manifest if change.artifact is not None else None
+    body = [
+        '[ -d "$D/versions/$ID" ] || fail switch "version $ID is not installed"',
+        *_verify_lines(manifest, '"$D/versions/$ID"'),
+    ]
+    return _script(change, nonce, [], body)
+
+
+def parse_apply_output(stdout: str, change: InstallChange) -> list[str]:
+    """Pure: the warnings of a successful apply; InstallError naming the failed stage otherwise."""
+    warnings: list[str] = []
+    for key, value in _lines(stdout):
+        if key == "fail":
+            stage, _, message = value.partition(" ")
+            kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+            raise InstallError(
+                f"{stage} failed while installing {change.version}: {message.strip()}; {kept}",
+                host=change.host,
+            )
+        if key == "warning":
+            warnings.append(value)
+        if key == "ok":
+            return warnings
+    raise InstallError(
+        f"installing {change.version} stopped without a result: {tail(stdout, 3)!r}", host=change.host
+    )
+
+
+async def apply_install(
+    conn: Connection, change: InstallChange, *, progress: Progress | None = None
+) -> list[str]:
+    """Carry out `change` on the node; returns warnings. Raises InstallError, previous version kept."""
+    if change.action == "none":
+        return []
+    nonce = secrets.token_hex(4)
+    if change.action == "switch":
+        return await _run_script(conn, change, switch_script(change, nonce))
+    assert change.artifact is not None
+    d = shlex.quote(change.install_dir)
+    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+    # Leftovers of interrupted uploads go first, so they never fill the disk.
+    prepare = f"mkdir -p {d}/tmp {d}/versions && rm -rf {d}/tmp/*"
+    result = await conn.run(prepare, timeout=PREPARE_TIMEOUT)
+    if not result.ok:
+        raise InstallError(
+            f"cannot prepare {change.install_dir}: {tail(result.stderr, 2)}; {kept}",
+            host=change.host,
+            exit_status=result.exit_status,
+        )
+    remote_archive = f"{change.install_dir}/tmp/{change.version}.{nonce}.tar.gz.part"
+    try:
+        await conn.put(change.artifact.archive, remote_archive, progress=progress)
+    except TransferError as exc:
+        with contextlib.suppress(Exception):  # the connection may be gone; the upload error is the news
+            await conn.run(f"rm -f {shlex.quote(remote_archive)}", timeout=PREPARE_TIMEOUT)
+        raise InstallError(
+            f"upload of {change.artifact.archive.name} failed: {exc.message}; {kept}", host=change.host
+        ) from exc
+    return await _run_script(conn, change, install_script(change, remote_archive, nonce))
+
+
+async def _run_script(conn: Connection, change: InstallChange, script: str) -> list[str]:
+    try:
+        result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=APPLY_TIMEOUT)
+    except CommandTimeoutError as exc:
+        raise InstallError(
+            f"installing {change.version} did not finish within {APPLY_TIMEOUT:g} s", host=change.host
+        ) from exc
+    try:
+        return parse_apply_output(result.stdout, change)
+    except InstallError as exc:
+        if result.stderr.strip():
+            exc.stderr_tail = tail(result.stderr, 4)
+        raise

@@ -1,0 +1,295 @@
+"""Supervising the rpc-server on each host: start, stop, restart, status, deploy.
+
+Files on the node, under the install folder (see install.py): `run/rpc-server.pid` (the pid of the
+server we started), `log/rpc-server.log` (everything it prints, line-buffered, a marker line per
+start) and `cache/` (its LLAMA_CACHE).
+
+Facts the code relies on (docs/llama-rpc.md §3): the exit code of the server says nothing (0 after a
+failed bind), so ready means a HELLO answered with the expected protocol; SIGPIPE kills it unless
+ignored; it serves one client at a time, so a connected client makes it *busy*, not broken; it must be
+detached with every stream redirected or the SSH command never returns.
+
+Read, then change: `read_node_state` gathers `node_facts` (orchestrator.facts: the install state's,
+then the pid file with `ps` and `/proc/PID/cmdline`, the listening socket and connected clients from
+`ss`, a failed bind in the log) in one round trip and `node_state_from_facts` (pure) builds a
+`NodeState`; `classify` (pure) names the server's state; `plan_service` (pure) decides what to do.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from orchestrator.connectors.base import Connection
+from orchestrator.core.errors import ServiceError
+from orchestrator.facts.base import Fact, gather
+from orchestrator.facts.server import (
+    Listener,
+    ListenersFact,
+    LogMatchFact,
+    ProcessState,
+    RpcClientsFact,
+    ServerProcessFact,
+)
+from orchestrator.inventory.model import Host
+from orchestrator.operations.install_plan import (
+    InstallState,
+    install_facts,
+    install_state_from_facts,
+)
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
+
+ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy"]
+
+
+SERVER_BINARY = "ggml-rpc-server"
+
+
+PID_FILE = "run/rpc-server.pid"
+
+
+LOG_FILE = "log/rpc-server.log"
+
+
+CACHE_DIR = "cache"
+
+
+LOG_MARKER = "=== rpcfleet: starting"
+
+
+LOG_ROTATE_BYTES = 8 << 20
+
+
+STATE_TIMEOUT = 20.0
+
+
+START_TIMEOUT = 20.0
+
+
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+
+
+READY_TIMEOUT = 15.0
+
+
+PROBE_TIMEOUT = 2.0
+
+
+BIND_FAILED = "Failed to create server socket"
+
+
+def bind_policy(host: Host) -> str | None:
+    """Check the server's bind address: an IPv4 literal, private or loopback unless the inventory
+    allows a public bind. Returns a warning for an allowed public bind; raises ServiceError otherwise."""
+    bind = host.rpc_host or host.address
+    try:
+        address = ipaddress.ip_address(bind)
+    except ValueError:
+        raise ServiceError(
+            f"rpc_host {bind!r} is not an IPv4 address; ggml-rpc-server binds only IPv4 literals",
+            host=host.name,
+        ) from None
+    if address.version != 4:
+        raise ServiceError(f"rpc_host {bind} is IPv6; ggml-rpc-server binds only IPv4", host=host.name)
+    public = address.is_unspecified or not (
+        address.is_private or address.is_loopback or address.is_link_local
+    )
+    if not public:
+        return None
+    what = "every interface (0.0.0.0)" if address.is_unspecified else f"the public address {bind}"
+    if not host.allow_public_bind:
+        raise ServiceError(
+            f"refusing to bind the rpc-server to {what}: the RPC protocol has no authentication",
+            host=host.name,
+            hint="bind to a private address, or set allow_public_bind: true in the inventory",
+        )
+    return f"rpc-server bound to {what} (allow_public_bind): anyone who reaches it can use it"
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """The server's state on a node, as one command read it."""
+
+    host: str
+    install_dir: str
+    pid: int | None  # from the pid file
+    stat: str | None  # `ps -o stat=` of that pid ("" when the process is gone)
+    argv0: str | None  # first word of /proc/PID/cmdline
+    listeners: tuple[Listener, ...] = ()
+    clients: tuple[str, ...] = ()  # peers of established connections to the port
+    log_failed_bind: bool = False  # the log since the last start says the bind failed
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.stat) and not (self.stat or "").startswith("Z")
+
+    @property
+    def ours(self) -> bool:
+        """The pid file's process is alive and is our server binary (never a recycled pid)."""
+        prefix = f"{self.install_dir}/versions/"
+        return (
+            self.alive
+            and self.argv0 is not None
+            and self.argv0.startswith(prefix)
+            and self.argv0.endswith(f"/bin/{SERVER_BINARY}")
+        )
+
+    @property
+    def running_version(self) -> str | None:
+        if not self.ours or self.argv0 is None:
+            return None
+        return self.argv0[len(f"{self.install_dir}/versions/") :].split("/", 1)[0]
+
+    def foreign_listeners(self) -> tuple[Listener, ...]:
+        """Listeners on the port that are not our server (the port is taken)."""
+        mine = self.pid if self.ours else None
+        return tuple(lst for lst in self.listeners if lst.pid is None or lst.pid != mine)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    install: InstallState
+    service: ServiceState
+
+
+def _node_path(install_dir: str, relative: str) -> str:
+    return f"{install_dir.rstrip('/')}/{relative}"
+
+
+def node_facts(host: Host) -> list[Fact[Any]]:
+    """The facts a `NodeState` is made of: the install state's, then the server's (one round trip)."""
+    port = int(host.rpc_port)
+    return [
+        *install_facts(host.install_dir),
+        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
+        ListenersFact(port),
+        RpcClientsFact(port),
+        LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+    ]
+
+
+def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
+    """Pure: the values of `node_facts` (as `parse_gathered` returns them) -> `NodeState`."""
+    install = install_state_from_facts(host, values)
+    process: ProcessState = values.get(ServerProcessFact.name) or ProcessState(None)
+    service = ServiceState(
+        host,
+        install.install_dir,
+        process.pid,
+        process.stat,
+        process.argv0,
+        values.get(ListenersFact.name) or (),
+        values.get(RpcClientsFact.name) or (),
+        bool(values.get(LogMatchFact.name)),
+    )
+    return NodeState(install, service)
+
+
+async def read_node_state(conn: Connection, host: Host) -> NodeState:
+    """Install state and server state in one round trip."""
+    values = await gather(conn, node_facts(host), timeout=STATE_TIMEOUT)
+    return node_state_from_facts(host.name, values)
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """What `rpcfleet status` shows for one server."""
+
+    host: str
+    endpoint: str
+    state: ServerState
+    pid: int | None
+    version: str | None  # the installed (current) version
+    running_version: str | None  # the version the running process was started from
+    protocol: str | None  # of the installed version (or the HELLO's when answered)
+    clients: tuple[str, ...] = ()
+    message: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "host": self.host,
+            "endpoint": self.endpoint,
+            "state": self.state,
+            "pid": self.pid,
+            "version": self.version,
+            "running_version": self.running_version,
+            "protocol": self.protocol,
+            "clients": list(self.clients),
+            "message": self.message,
+        }
+
+
+def needs_probe(state: NodeState) -> bool:
+    """A probe is needed to tell running from unhealthy, except when a client holds the server."""
+    return state.service.ours and not state.service.clients
+
+
+def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerStatus:
+    """Pure: the server's state from the node's state and (when the process runs) a HELLO probe."""
+    svc, inst = state.service, state.install
+    protocol = inst.protocol
+    pid = svc.pid
+    server: ServerState
+    if not svc.ours:
+        taken = svc.foreign_listeners()
+        note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
+        if svc.pid is None:
+            server, message = "stopped", note
+        else:
+            why = "exited (pid file left)" if not svc.alive else "its pid now belongs to another program"
+            if svc.log_failed_bind:
+                why = "could not bind its port (see `rpcfleet logs`)"
+            server, message = "crashed", "; ".join(filter(None, [why, note]))
+    elif svc.clients:
+        server, message = "busy", f"serving {', '.join(svc.clients)}"
+    elif probe is None:
+        server, message = "running", "not probed (bound to the node's loopback)"
+    elif probe.outcome is Outcome.OK:
+        server, message = "running", probe.message
+        protocol = str(probe.version) if probe.version else protocol
+    elif probe.outcome is Outcome.BUSY:
+        server, message = "busy", probe.message
+    else:
+        server, message = "unhealthy", f"{probe.outcome}: {probe.message}"
+    return ServerStatus(
+        host=host.name,
+        endpoint=host.endpoint,
+        state=server,
+        pid=pid,
+        version=inst.current,
+        running_version=svc.running_version,
+        protocol=protocol,
+        clients=svc.clients,
+        message=message,
+    )
+
+
+def _expected(state: InstallState) -> ProtocolVersion | None:
+    if state.protocol is None:
+        return None
+    try:
+        return ProtocolVersion.parse(state.protocol)
+    except ValueError:
+        return None
+
+
+async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_TIMEOUT) -> ProbeResult | None:
+    target = None if host.binds_own_loopback else host.endpoint
+    if target is None or not needs_probe(state):
+        return None
+    return await probe_endpoint(
+        target,
+        expected=_expected(state.install),
+        connect_timeout=limit_s,
+        read_timeout=limit_s,
+        deadline=limit_s * 1.5,
+        hello_only=True,
+    )
+
+
+async def server_status(conn: Connection, host: Host) -> ServerStatus:
+    state = await read_node_state(conn, host)
+    return classify(host, state, await probe_server(host, state))

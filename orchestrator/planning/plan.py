@@ -1,0 +1,267 @@
+"""Placement planner (pure, no I/O): devices + model profile + options → `Plan`.
+
+The plan decides whole layers per device and passes those counts as `tensor_split`; llama.cpp then
+makes exactly that assignment (`llama_cpp_assignment` is a faithful port of its arithmetic in
+`llama_model::load_tensors`, and every plan is checked through it). Memory per device is predicted so it
+can be compared with llama.cpp's log lines:
+
+- weights: `<dev> model buffer size` — the sum of the device's `blk.<il>.*` tensors (each padded to the
+  buffer alignment, rope_freqs duplicated per layer as llama.cpp does), plus output + output_norm (or a
+  copy of token_embd when the output is tied) on the device holding the output layer. Exact.
+- KV: `<dev> KV buffer size` — `n_ctx_pad` cells of K and V rows per layer, `n_ctx_pad =
+  GGML_PAD(n_ctx, 256)` (llama-context.cpp); without flash attention V rows use the widest layer
+  (`v_trans`). Exact.
+- compute: `<dev> compute buffer size` — an estimate, see `estimate_compute`.
+
+The default strategy ("proportional") splits the layers in proportion to the memory each device has for
+layers (weights + KV): usable - margin minus the fixed costs it pays whatever its share (its compute
+buffer, the output layer on the last device), re-split until the counts settle (`proportional_candidates`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from orchestrator.core.errors import PlanError
+
+SCHEMA_VERSION = 1
+
+
+MAX_DEVICES = 16  # llama_max_devices(): tensor_split entries
+
+
+MAX_RPC_DEVICES = 15  # the scheduler takes 16 backends including the CPU
+
+
+CTX_PAD = 256  # llama-context.cpp: cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)
+
+
+SCHED_MAX_COPIES = 4  # GGML_SCHED_MAX_COPIES: input copies with pipeline parallelism
+
+
+MiB = 1024 * 1024
+
+
+# Headroom kept free on every device on top of its usable bytes: covers the compute-buffer estimate's
+# error and small backend allocations. llama.cpp's own fitting (common_fit_params) keeps 1 GiB; usable
+# already excludes the inventory's memory_reserve, so a smaller default is enough.
+DEFAULT_MARGIN = 256 * MiB
+
+
+Strategy = Literal["proportional", "fewest"]
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """A device a plan may use. RPC devices have an endpoint ("host:port"); local GPUs have None.
+
+    `usable` is what the plan may fill (free memory minus the host's reserve, capped by its limit).
+    `ok` is False for a device whose probe failed or whose server speaks another protocol version;
+    `state` says why (as the probe reported it).
+    """
+
+    endpoint: str | None
+    index: int
+    name: str
+    description: str = ""
+    total: int = 0
+    free: int = 0
+    usable: int = 0
+    alignment: int = 32  # buffer alignment: CPU and RPC-to-CPU 32, CUDA 128
+    ok: bool = True
+    state: str = "ok"
+    host: str | None = None
+
+    @property
+    def is_rpc(self) -> bool:
+        return self.endpoint is not None
+
+    @property
+    def label(self) -> str:
+        """A name for messages: `host:port#0` for RPC devices, the backend name for local ones."""
+        return f"{self.endpoint}#{self.index}" if self.endpoint is not None else self.name
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    n_ctx: int = 4096  # 0 = the model's n_ctx_train
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_ubatch: int = 512
+    n_batch: int = 512  # llama-cpp-python's default; sizes the host output (logits) buffer
+    flash_attn: bool = False
+    n_gpu_layers: int = -1  # -1 = all (including the output layer)
+    margin: int = DEFAULT_MARGIN
+    strategy: Strategy = "proportional"
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] | None = None  # user-given split: overrides the strategy
+    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default n_ctx_train)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Predicted bytes on one device against what it may use."""
+
+    weights: int
+    kv: int
+    compute: int
+    usable: int
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+    @property
+    def headroom(self) -> int:
+        """Bytes left after the prediction and the margin (negative: short by that much)."""
+        return self.usable - self.margin - self.total
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes on the machine running llama.cpp (the CPU side): never offloaded or not offloaded."""
+
+    weights: int  # token_embd + layers kept on the CPU (+ the output layer when kept there)
+    kv: int
+    compute: int
+    output: int  # logits buffer
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.output
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    endpoint: str | None
+    index: int
+    name: str
+    description: str
+    layers: tuple[int, ...]  # model layers; index n_layer is the output layer
+    memory: DeviceMemory
+    has_output: bool = False  # holds the output layer (output + output_norm, or token_embd's copy)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def label(self) -> str:
+        return f"{self.endpoint}#{self.index}" if self.endpoint is not None else self.name
+
+
+@dataclass(frozen=True)
+class Fit:
+    fits: bool
+    binding_device: int | None  # index into plan.devices with the smallest headroom
+    shortfall: int  # bytes missing on the binding device (0 when it fits)
+    largest_n_ctx: int  # largest multiple of 256 that fits with this placement (0: none)
+
+
+@dataclass(frozen=True)
+class Plan:
+    schema_version: int
+    model_path: str
+    model_name: str | None
+    n_layer: int
+    devices: tuple[PlannedDevice, ...]
+    tensor_split: tuple[float, ...]
+    n_gpu_layers: int  # resolved: 0..n_layer + 1
+    split_mode: str
+    main_gpu: int
+    n_ctx: int  # as llama.cpp will use it (padded)
+    pipeline_parallel: bool
+    host: HostMemory
+    fit: Fit
+    options: PlanOptions
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        return tuple(d.n_layers for d in self.devices)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """RPC endpoints in registration order (each once)."""
+        seen: list[str] = []
+        for d in self.devices:
+            if d.endpoint is not None and d.endpoint not in seen:
+                seen.append(d.endpoint)
+        return tuple(seen)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> Plan:
+        """The plan saved in `path`; PlanError naming the file when it is unreadable, not UTF-8 or not
+        a valid plan."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PlanError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"plan {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        try:
+            return cls.from_json(text)
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc.message}", hint=exc.hint) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise PlanError("plan JSON must be an object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(
+                f"unsupported plan schema version {version!r} (this rpcfleet reads version {SCHEMA_VERSION})",
+                hint="re-create the plan with this version of rpcfleet",
+            )
+        try:
+            return _plan_from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"plan JSON is malformed: {exc!r}") from exc
+
+
+def _plan_from_dict(d: dict[str, Any]) -> Plan:
+    opts = dict(d["options"])
+    if opts.get("tensor_split") is not None:
+        opts["tensor_split"] = tuple(float(x) for x in opts["tensor_split"])
+    devices = tuple(
+        PlannedDevice(
+            endpoint=x["endpoint"],
+            index=int(x["index"]),
+            name=x["name"],
+            description=x["description"],
+            layers=tuple(int(i) for i in x["layers"]),
+            memory=DeviceMemory(**x["memory"]),
+            has_output=bool(x["has_output"]),
+        )
+        for x in d["devices"]
+    )
+    return Plan(
+        schema_version=int(d["schema_version"]),
+        model_path=d["model_path"],
+        model_name=d["model_name"],
+        n_layer=int(d["n_layer"]),
+        devices=devices,
+        tensor_split=tuple(float(x) for x in d["tensor_split"]),
+        n_gpu_layers=int(d["n_gpu_layers"]),
+        split_mode=d["split_mode"],
+        main_gpu=int(d["main_gpu"]),
+        n_ctx=int(d["n_ctx"]),
+        pipeline_parallel=bool(d["pipeline_parallel"]),
+        host=HostMemory(**d["host"]),
+        fit=Fit(**d["fit"]),
+        options=PlanOptions(**opts),
+        notes=tuple(d.get("notes", ())),
+    )

@@ -1,0 +1,421 @@
+"""The step registry: each playbook step name → its arguments and the operation it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic
+
+from orchestrator.core.errors import (
+    LoaderError,
+    PlanError,
+    ProbeError,
+    RpcfleetError,
+)
+from orchestrator.core.files import write_atomic
+from orchestrator.engine.executor import (
+    HostContext,
+    StepOutcome,
+)
+
+if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
+    from orchestrator.planning.plan import Plan, PlanOptions
+    from orchestrator.probe.fleet import FleetProbe
+from orchestrator.playbooks.args import (
+    Arg,
+    _bool,
+    _choice,
+    _context,
+    _fraction,
+    _list_of,
+    _optional_text,
+    _seconds,
+    _size,
+    _text,
+)
+from orchestrator.playbooks.load_check import _LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
+from orchestrator.playbooks.model import Document, Scope, Step, T, _Play
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    scope: Scope
+    summary: str
+    args: tuple[Arg, ...]
+    factory: Callable[[Mapping[str, Any], _Play], Step]
+
+    def arg(self, name: str) -> Arg | None:
+        return next((a for a in self.args if a.name == name), None)
+
+
+class _Shared(Generic[T]):
+    """A fleet computation made once, awaited by every host's step."""
+
+    def __init__(self, make: Callable[[], Awaitable[T]]) -> None:
+        self._make = make
+        self._task: asyncio.Future[T] | None = None
+
+    async def get(self) -> T:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._make())
+        try:
+            return await asyncio.shield(self._task)
+        except RpcfleetError as exc:
+            # A fresh error per host (the executor stamps the host on it), of the same type: an
+            # UnreachableError must still count as unreachable.
+            raise _clone_error(exc) from exc
+
+
+def _clone_error(exc: RpcfleetError) -> RpcfleetError:
+    """A shallow copy of `exc`, made without calling its `__init__` (some take other arguments than
+    `args`, such as PlaybookErrors' list)."""
+    clone = type(exc).__new__(type(exc), *exc.args)
+    clone.__dict__.update(exc.__dict__)
+    return clone
+
+
+def _named(step: Step, name: str) -> Step:
+    step.__name__ = name
+    return step
+
+
+def _install(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.install import ArtifactChooser, make_install_step
+
+    chooser = ArtifactChooser(args["artifact"])
+    return make_install_step(chooser, check=play.check, force=args["force"])
+
+
+def _deploy(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.install import ArtifactChooser
+    from orchestrator.operations.service import make_deploy_step
+
+    return make_deploy_step(ArtifactChooser(args["artifact"]), check=play.check, force=args["force"])
+
+
+def _start(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.service import make_start_step
+
+    return make_start_step(check=play.check)
+
+
+def _stop(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.service import make_stop_step
+
+    return make_stop_step(check=play.check)
+
+
+def _restart(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.rolling import make_rolling_restart_step
+
+    return make_rolling_restart_step(
+        force=args["force"],
+        check=play.check,
+        ready_timeout=args["timeout"],
+        busy_grace=args["busy_grace"],
+        memory_tolerance=args["memory_tolerance"],
+        memory_tolerance_min=args["memory_tolerance_min"],
+        memory_timeout=args["memory_timeout"],
+    )
+
+
+def _wait_ready(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.process import wait_ready
+    from orchestrator.operations.server import read_node_state
+
+    async def wait(ctx: HostContext) -> StepOutcome[None]:
+        conn = await ctx.connection()
+        state = await read_node_state(conn, ctx.host)
+        svc = state.service
+        if play.check and not (svc.ours and svc.pid):
+            return StepOutcome(None, False, "would wait until HELLO answers (the server is not running now)")
+        if not svc.ours or svc.pid is None:
+            from orchestrator.core.errors import ServiceError
+
+            raise ServiceError("the rpc-server is not running", host=ctx.host.name, hint="start it first")
+        started = time.monotonic()
+        result = await wait_ready(conn, ctx.host, state, svc.pid, limit_s=args["timeout"])
+        what = result.message if result is not None else "listening"
+        return StepOutcome(None, False, f"ready in {time.monotonic() - started:.2f} s ({what})")
+
+    return _named(wait, "wait_ready")
+
+
+def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[FleetProbe]:
+    from orchestrator.probe.fleet import probe_fleet
+
+    async def make() -> FleetProbe:
+        fleet = await probe_fleet(
+            play.hosts, timeout=args["timeout"], facts=args["facts"], session=play.session
+        )
+        play.state.probe = fleet
+        return fleet
+
+    return _Shared(make)
+
+
+def _probe(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.core.units import format_size
+
+    shared = _probe_of(play, args)
+
+    async def probe(ctx: HostContext) -> StepOutcome[Any]:
+        fleet = await shared.get()
+        node = next(n for n in fleet.nodes if n.host == ctx.host.name)
+        if not node.ok:
+            raise ProbeError(f"{node.state}: {node.rpc.message}", host=ctx.host.name)
+        usable = sum(d.usable for d in node.devices)
+        return StepOutcome(node, False, f"{len(node.devices)} device(s), {format_size(usable)} usable")
+
+    return _named(probe, "probe")
+
+
+def _latest_probe(play: _Play) -> _Shared[FleetProbe]:
+    """The play's latest probe, restricted to the hosts still in play; a fresh probe when there is none."""
+    from orchestrator.probe.fleet import FleetProbe
+
+    previous = play.state.probe
+    if previous is None:
+        return _probe_of(play, {"timeout": 3.0, "facts": True})
+    names = {h.name for h in play.hosts}
+
+    async def reuse() -> FleetProbe:
+        nodes = [n for n in previous.nodes if n.host in names]
+        return FleetProbe.of(
+            nodes, protocol=previous.protocol, timeout=previous.timeout, facts=previous.facts
+        )
+
+    return _Shared(reuse)
+
+
+def _plan_options(args: Mapping[str, Any]) -> PlanOptions:
+    from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
+
+    return PlanOptions(
+        n_ctx=args["ctx"],
+        type_k=args["type_k"],
+        type_v=args["type_v"],
+        flash_attn=args["flash_attn"],
+        margin=args["margin"] if args["margin"] is not None else DEFAULT_MARGIN,
+        strategy=args["strategy"],
+    )
+
+
+def _plan(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.core.units import format_size
+    from orchestrator.planning.devices import to_plan_devices
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
+
+    fleet_of = _latest_probe(play)
+
+    async def make() -> Plan:
+        fleet = await fleet_of.get()
+        profile = await asyncio.to_thread(profile_model, args["model"])
+        plan = make_plan(to_plan_devices(fleet, failed="skip"), profile, _plan_options(args))
+        play.state.plan = plan
+        text = plan.to_json()
+        path = args["output"]
+        if path is not None and not play.check:
+            await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
+        play.state.documents.append(Document(play.step.label, "plan", text, path if not play.check else None))
+        if not plan.fit.fits:
+            binding = plan.devices[plan.fit.binding_device or 0]
+            raise PlanError(
+                f"{Path(args['model']).name} does not fit at n_ctx {plan.n_ctx}: "
+                f"{format_size(plan.fit.shortfall)} short on {binding.label}",
+                hint=f"the largest context that fits is {plan.fit.largest_n_ctx}",
+            )
+        return plan
+
+    shared = _Shared(make)
+
+    async def plan_step(ctx: HostContext) -> StepOutcome[Any]:
+        plan = await shared.get()
+        mine = [d for d in plan.devices if d.endpoint == ctx.host.endpoint]
+        if not mine:
+            return StepOutcome(plan, False, "no layers planned here")
+        parts = [f"{d.label}: {_layer_range(d.layers, plan.n_layer)}" for d in mine]
+        return StepOutcome(plan, False, "; ".join(parts))
+
+    return _named(plan_step, "plan")
+
+
+def _layer_range(layers: Sequence[int], n_layer: int) -> str:
+    if not layers:
+        return "no layers"
+    names = [("output" if il == n_layer else str(il)) for il in layers]
+    return f"layers {names[0]}-{names[-1]}" if len(names) > 1 else f"layer {names[0]}"
+
+
+def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
+    async def make() -> LoadCheckResult:
+        plan = play.state.plan
+        if plan is None:
+            raise PlanError("load_check needs a plan: put a `plan` step before it")
+        model = args["model"] or plan.model_path
+        return await load_check(plan, model, limit_s=args["timeout"])
+
+    shared = _Shared(make)
+
+    async def check_step(ctx: HostContext) -> StepOutcome[Any]:
+        if play.check:
+            model = args["model"] or (play.state.plan.model_path if play.state.plan else "the plan's model")
+            return StepOutcome(None, False, f"would load {model} and compare the placement with the plan")
+        placement = await shared.get()
+        mine = [d for d in placement.devices if d.endpoint == ctx.host.endpoint]
+        wrong = [d for d in mine if not d.as_planned]
+        if wrong:
+            listed = "; ".join(
+                f"{d.label}: planned {list(d.planned_layers)}, got {list(d.actual_layers)}" for d in wrong
+            )
+            raise LoaderError(f"the placement differs from the plan: {listed}", host=ctx.host.name)
+        if not mine:
+            return StepOutcome(placement, False, "no layers here, as planned")
+        parts = [f"{d.label}: layers {list(d.actual_layers)} as planned" for d in mine]
+        return StepOutcome(placement, False, "; ".join(parts))
+
+    return _named(check_step, "load_check")
+
+
+def _report(args: Mapping[str, Any], play: _Play) -> Step:
+    from datetime import UTC, datetime
+
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.report.build import ReportOptions, build_report
+    from orchestrator.report.render import render
+
+    fleet_of = _latest_probe(play)
+
+    async def make() -> FleetProbe:
+        fleet = await fleet_of.get()
+        models = [(str(m), await asyncio.to_thread(profile_model, m)) for m in args["model"]]
+        options = ReportOptions(
+            plan=_plan_options({**args, "ctx": 0}),
+            generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+        report = build_report(fleet, models, list(args["ctx"]), options)
+        text = render(report, args["format"])
+        path = args["output"]
+        if path is not None and not play.check:
+            await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
+        play.state.documents.append(
+            Document(play.step.label, "report", text, path if not play.check else None)
+        )
+        return fleet
+
+    shared = _Shared(make)
+
+    async def report_step(ctx: HostContext) -> StepOutcome[Any]:
+        fleet = await shared.get()
+        node = next(n for n in fleet.nodes if n.host == ctx.host.name)
+        if not node.ok:
+            raise ProbeError(f"{node.state}: {node.rpc.message} (left out of the report)", host=ctx.host.name)
+        return StepOutcome(node, False, "in the report")
+
+    return _named(report_step, "report")
+
+
+_FORCE = Arg("force", _bool, False, help="install: upload even when installed; restart: even a busy server")
+
+
+_ARTIFACT = Arg("artifact", _optional_text, None, help="artifact id or spec (default: the host's)")
+
+
+_TIMEOUT_PROBE = Arg("timeout", _seconds, 3.0, help="probe timeout per host, seconds")
+
+
+_PLAN_ARGS = (
+    Arg("type_k", _choice("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"), "f16"),
+    Arg("type_v", _choice("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"), "f16"),
+    Arg("flash_attn", _bool, False),
+    Arg("margin", _size, None, help="headroom kept free per device (default 256MiB)"),
+    Arg("strategy", _choice("proportional", "fewest"), "proportional"),
+)
+
+
+REGISTRY: Mapping[str, Op] = MappingProxyType(
+    {
+        op.name: op
+        for op in (
+            Op("install", "host", "install the pinned rpc-server artifact", (_ARTIFACT, _FORCE), _install),
+            Op(
+                "deploy",
+                "host",
+                "install, then start (or restart on the new version)",
+                (_ARTIFACT, _FORCE),
+                _deploy,
+            ),
+            Op("start", "host", "start the rpc-server where it is not running", (), _start),
+            Op("stop", "host", "stop the rpc-server", (), _stop),
+            Op(
+                "restart",
+                "host",
+                "restart one node: refuse a busy one, stop, start, wait for HELLO and the memory baseline",
+                (
+                    _FORCE,
+                    Arg("timeout", _seconds, 15.0, help="seconds until HELLO must answer"),
+                    Arg("busy_grace", _seconds, 1.0, help="a client connected this long makes a node busy"),
+                    Arg("memory_tolerance", _fraction, 0.05, help="of each device's total (5%)"),
+                    Arg("memory_tolerance_min", _size, 256 * 1024 * 1024),
+                    Arg("memory_timeout", _seconds, 30.0, help="seconds for the memory to come back"),
+                ),
+                _restart,
+            ),
+            Op(
+                "wait_ready",
+                "host",
+                "wait until the running rpc-server answers HELLO",
+                (Arg("timeout", _seconds, 15.0),),
+                _wait_ready,
+            ),
+            Op(
+                "probe",
+                "fleet",
+                "probe every server (RPC and host facts)",
+                (_TIMEOUT_PROBE, Arg("facts", _bool, True)),
+                _probe,
+            ),
+            Op(
+                "plan",
+                "fleet",
+                "plan a model's placement on the probed devices (fails when it does not fit)",
+                (
+                    Arg("model", _text, required=True, help="the GGUF model"),
+                    Arg("ctx", _context, 4096),
+                    Arg("output", _optional_text, None, help="also write the plan (JSON) to this file"),
+                    *_PLAN_ARGS,
+                ),
+                _plan,
+            ),
+            Op(
+                "load_check",
+                "fleet",
+                "load the planned model over RPC in a child process and compare the placement",
+                (
+                    Arg("model", _optional_text, None, help="default: the plan's model"),
+                    Arg("timeout", _seconds, _LOAD_CHECK_TIMEOUT),
+                ),
+                _load_check,
+            ),
+            Op(
+                "report",
+                "fleet",
+                "a capacity report of the probed fleet for the given models and contexts",
+                (
+                    Arg("model", _list_of(_text), (), help="GGUF models (a list, or comma-separated)"),
+                    Arg("ctx", _list_of(_context), (4096,)),
+                    Arg("format", _choice("text", "md", "json", "html"), "text"),
+                    Arg("output", _optional_text, None, help="write the report to this file"),
+                    *_PLAN_ARGS,
+                ),
+                _report,
+            ),
+        )
+    }
+)

@@ -1,0 +1,266 @@
+"""Usable capacity per device from RPC answers and host facts (pure)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from orchestrator.core.units import format_size
+from orchestrator.inventory.model import Host
+from orchestrator.probe.host import HostFacts
+from orchestrator.rpc.protocol import (
+    ProbeResult,
+)
+
+MiB = 1024 * 1024
+
+
+# GPU cross-check: the server's and the driver tool's numbers may differ by this fraction of the device's
+# total, or by GPU_TOLERANCE_MIN bytes, whichever is larger (free memory moves; CUDA's total excludes
+# what the driver reserves) before the probe warns.
+GPU_TOLERANCE = 0.05
+
+
+GPU_TOLERANCE_MIN = 256 * MiB
+
+
+# buffer alignment of the server's devices (CPU 32, CUDA/HIP 128); the planner pads tensors with it
+_ALIGNMENT = {"cuda": 128, "rocm": 128}
+
+
+SourceOfFree = Literal["rpc", "meminfo"]
+
+
+DeviceKind = Literal["cpu", "gpu"]
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """One device of one rpc-server, with what a plan may put on it (`usable`, bytes)."""
+
+    host: str
+    endpoint: str
+    index: int
+    name: str  # `<endpoint>#<index>`: stable (the native client's `RPC<k>` depends on registration order)
+    description: str
+    backend: str
+    kind: DeviceKind
+    total: int
+    free: int
+    reserve: int
+    limit: int | None
+    usable: int
+    source_of_free: SourceOfFree
+    warnings: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "description": self.description,
+            "backend": self.backend,
+            "kind": self.kind,
+            "total": self.total,
+            "free": self.free,
+            "reserve": self.reserve,
+            "limit": self.limit,
+            "usable": self.usable,
+            "source_of_free": self.source_of_free,
+            "warnings": list(self.warnings),
+        }
+
+
+def usable_bytes(free: int, reserve: int, limit: int | None) -> int:
+    """min(free - reserve, limit), never negative."""
+    usable = free - reserve
+    if limit is not None:
+        usable = min(usable, limit)
+    return max(0, usable)
+
+
+_DEVICE_NAME_RE = re.compile(r"([A-Za-z]+)(\d*)")
+
+
+def _device_target(host: Host, index: int) -> tuple[str, int | None]:
+    """(kind hint, driver index) of device `index` from the inventory: 'cpu', 'nvidia', 'amd' or 'gpu'.
+
+    With `rpc_devices` the server exposes exactly those, in that order (`CUDA1` is nvidia GPU 1). Without
+    it a GPU build exposes every GPU in order and a CPU build the CPU.
+    """
+    if host.rpc_devices:
+        if index >= len(host.rpc_devices):
+            return "gpu", None
+        match = _DEVICE_NAME_RE.fullmatch(host.rpc_devices[index].strip())
+        if match is None:
+            return "gpu", None
+        prefix, number = match.group(1).upper(), match.group(2)
+        gpu_index = int(number) if number else None
+        if prefix == "CPU":
+            return "cpu", None
+        if prefix == "CUDA":
+            return "nvidia", gpu_index
+        if prefix in ("ROCM", "HIP"):
+            return "amd", gpu_index
+        return "gpu", gpu_index
+    if host.backend == "cpu":
+        return "cpu", None
+    vendor = {"cuda": "nvidia", "rocm": "amd"}.get(host.backend, "gpu")
+    return vendor, index
+
+
+def _disagrees(a: int, b: int, total: int) -> bool:
+    return abs(a - b) > max(GPU_TOLERANCE_MIN, int(GPU_TOLERANCE * total))
+
+
+def _looks_like_cpu(free: int, total: int, facts: HostFacts | None) -> bool:
+    """A 'GPU' reporting free == total == the host's RAM is the CPU (a GPU build that found no GPU)."""
+    return (
+        facts is not None
+        and facts.memory is not None
+        and free == total
+        and abs(total - facts.memory.total) <= MiB
+    )
+
+
+def compute_capacity(
+    host: Host, rpc_result: ProbeResult, facts: HostFacts | None, *, cpu_share: int = 1
+) -> tuple[DeviceCapacity, ...]:
+    """Capacity of every device the server reported (none unless the probe is ok). Pure.
+
+    `cpu_share`: how many CPU devices of the fleet run on this host's machine (`cpu_shares`); each
+    gets that fraction of MemAvailable, since each of them would otherwise claim all of it. Reserve
+    and limit still apply per host, to the share.
+    """
+    if cpu_share < 1:
+        raise ValueError(f"cpu_share must be at least 1, got {cpu_share}")
+    if not rpc_result.ok:
+        return ()
+    endpoint = rpc_result.endpoint
+    devices: list[DeviceCapacity] = []
+    for dev in rpc_result.devices:
+        warnings: list[str] = []
+        target, gpu_index = _device_target(host, dev.index)
+        kind: DeviceKind = "cpu" if target == "cpu" else "gpu"
+        if kind == "gpu" and _looks_like_cpu(dev.free, dev.total, facts):
+            warnings.append(
+                f"backend {host.backend}: the device reports free == total == the host's RAM, "
+                "so it is the CPU (did the server find no GPU?)"
+            )
+            kind = "cpu"
+        free = dev.free
+        source: SourceOfFree = "rpc"
+        description = ""
+        if kind == "cpu":
+            description = (facts.cpu_model if facts else None) or "CPU"
+            if facts is None:
+                warnings.append("CPU memory: no host facts, so free is the server's figure (total RAM)")
+            elif facts.memory is None or facts.memory.available is None:
+                warnings.append(
+                    "CPU memory: MemAvailable unreadable, so free is the server's figure (total RAM)"
+                )
+            else:
+                free = min(facts.memory.available // cpu_share, dev.total)
+                source = "meminfo"
+                if cpu_share > 1:
+                    warnings.append(
+                        f"MemAvailable ({format_size(facts.memory.available)}) is shared among the "
+                        f"{cpu_share} CPU servers of this machine: {format_size(free)} each"
+                    )
+        elif target in ("nvidia", "amd") and facts is not None:
+            tool = "nvidia-smi" if target == "nvidia" else "rocm-smi"
+            report = facts.nvidia if target == "nvidia" else facts.rocm
+            gpu = (
+                facts.gpus("nvidia" if target == "nvidia" else "amd").get(gpu_index)
+                if gpu_index is not None
+                else None
+            )
+            if gpu is not None:
+                description = gpu.name
+                if gpu.total is not None and _disagrees(gpu.total, dev.total, dev.total):
+                    warnings.append(
+                        f"{tool} says total {format_size(gpu.total)}, the server {format_size(dev.total)}"
+                    )
+                if gpu.free is not None and _disagrees(gpu.free, dev.free, dev.total):
+                    warnings.append(
+                        f"{tool} says free {format_size(gpu.free)}, the server {format_size(dev.free)}"
+                    )
+            elif report is not None and report.present and not report.error:
+                warnings.append(f"{tool} lists no GPU {gpu_index}")
+        if not description:
+            description = f"{host.backend} device {dev.index}"
+        devices.append(
+            DeviceCapacity(
+                host=host.name,
+                endpoint=endpoint,
+                index=dev.index,
+                name=f"{endpoint}#{dev.index}",
+                description=description,
+                backend=host.backend,
+                kind=kind,
+                total=dev.total,
+                free=free,
+                reserve=host.memory_reserve,
+                limit=host.memory_limit,
+                usable=usable_bytes(free, host.memory_reserve, host.memory_limit),
+                source_of_free=source,
+                warnings=tuple(warnings),
+            )
+        )
+    return tuple(devices)
+
+
+def _peer(address: str) -> tuple[str, str]:
+    """(host, port) of an `ss` peer or a probe's local address; IPv4-mapped IPv6 is the IPv4 address."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]").lower().removeprefix("::ffff:")
+    return host, port
+
+
+def without_own_connection(clients: Sequence[str], own: str | None) -> tuple[str, ...]:
+    """`clients` less the probe's own connection (`ProbeResult.local_address`): facts are read while
+    the RPC probe is connected, and a stalled server must not look busy because of our own socket."""
+    if own is None:
+        return tuple(clients)
+    mine = _peer(own)
+    return tuple(c for c in clients if _peer(c) != mine)
+
+
+def _cpu_device_count(host: Host, rpc_result: ProbeResult, facts: HostFacts | None) -> int:
+    """How many of the server's devices take their free memory from MemAvailable."""
+    return sum(d.source_of_free == "meminfo" for d in compute_capacity(host, rpc_result, facts))
+
+
+def cpu_shares(
+    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]],
+) -> dict[str, int]:
+    """{machine id: CPU devices running on it} over distinct ok endpoints (first host of each). Pure.
+
+    Several servers on one machine (lab nodes share one kernel; a machine may run a server per NUMA
+    node or per port) each see the whole MemAvailable; counting them lets each take its share.
+    """
+    counts: dict[str, int] = {}
+    seen: set[str] = set()
+    for host, result, facts in probed:
+        if result.endpoint in seen or facts is None or facts.machine_id is None:
+            continue
+        seen.add(result.endpoint)
+        n = _cpu_device_count(host, result, facts)
+        if n:
+            counts[facts.machine_id] = counts.get(facts.machine_id, 0) + n
+    return counts
+
+
+def fleet_capacity(
+    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]],
+) -> list[tuple[DeviceCapacity, ...]]:
+    """`compute_capacity` of every (host, RPC result, facts), the CPU devices of one machine sharing
+    its MemAvailable (`cpu_shares`). Pure."""
+    shares = cpu_shares(probed)
+    out = []
+    for host, result, facts in probed:
+        machine = facts.machine_id if facts is not None else None
+        share = shares.get(machine, 1) if machine is not None else 1
+        out.append(compute_capacity(host, result, facts, cpu_share=share))
+    return out

@@ -1,0 +1,164 @@
+"""The capacity report as JSON (schema in docs/report-schema.md)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from orchestrator.planning.plan import (
+    PlannedDevice,
+)
+from orchestrator.report.build import Case, DeviceChange, Report
+from orchestrator.report.text import _reserve_total
+
+
+def _plan_device_json(report: Report, d: PlannedDevice) -> dict[str, Any]:
+    m = d.memory
+    return {
+        "device": d.label,
+        "host": report.host_of(d.endpoint),
+        "endpoint": d.endpoint,
+        "index": d.index,
+        "description": d.description,
+        "layers": d.n_layers,
+        "first_layer": d.layers[0] if d.layers else None,
+        "last_layer": d.layers[-1] if d.layers else None,
+        "has_output": d.has_output,
+        "weights": m.weights,
+        "kv": m.kv,
+        "compute": m.compute,
+        "predicted": m.total,
+        "usable": m.usable,
+        "margin": m.margin,
+        "headroom": m.headroom,
+    }
+
+
+def _case_json(report: Report, case: Case) -> dict[str, Any]:
+    plan = case.plan
+    binding = case.binding
+    out: dict[str, Any] = {
+        "model": case.model,
+        "n_ctx": case.n_ctx,
+        "n_ctx_padded": plan.n_ctx if plan is not None else None,
+        "fits": plan.fit.fits if plan is not None else False,
+        "error": case.error,
+        "binding_device": binding.label if binding is not None else None,
+        "binding_host": report.host_of(binding.endpoint) if binding is not None else None,
+        "shortfall": plan.fit.shortfall if plan is not None else None,
+        "largest_n_ctx": plan.fit.largest_n_ctx if plan is not None else None,
+        "n_gpu_layers": plan.n_gpu_layers if plan is not None else None,
+        "tensor_split": list(plan.tensor_split) if plan is not None else None,
+        "pipeline_parallel": plan.pipeline_parallel if plan is not None else None,
+        "devices": [_plan_device_json(report, d) for d in plan.devices] if plan is not None else [],
+        "host_memory": (
+            {
+                "weights": plan.host.weights,
+                "kv": plan.host.kv,
+                "compute": plan.host.compute,
+                "output": plan.host.output,
+                "total": plan.host.total,
+            }
+            if plan is not None
+            else None
+        ),
+        "notes": list(plan.notes) if plan is not None else [],
+        "recommendation": None,
+    }
+    rec = case.recommendation
+    if rec is not None:
+
+        def change(c: DeviceChange) -> dict[str, Any]:
+            return {"device": c.device, "host": c.host, "add": c.add}
+
+        out["recommendation"] = {
+            "smallest": change(rec.smallest) if rec.smallest is not None else None,
+            "new_node": {"usable": rec.new_node} if rec.new_node is not None else None,
+            "new_node_note": rec.new_node_note,
+            "devices": [change(c) for c in rec.devices],
+        }
+    return out
+
+
+def report_to_dict(report: Report) -> dict[str, Any]:
+    """The JSON document (docs/report-schema.md) as plain data."""
+    fleet = report.fleet
+    t = fleet.totals
+    o = report.options.plan
+    return {
+        "schema_version": report.schema_version,
+        "generated_at": report.options.generated_at,
+        "inventory": report.options.inventory,
+        "options": {
+            "type_k": o.type_k,
+            "type_v": o.type_v,
+            "n_ubatch": o.n_ubatch,
+            "n_batch": o.n_batch,
+            "flash_attn": o.flash_attn,
+            "n_gpu_layers": o.n_gpu_layers,
+            "margin": o.margin,
+            "strategy": o.strategy,
+            "resolution": report.options.resolution,
+        },
+        "fleet": {
+            "protocol": fleet.protocol,
+            "ok": fleet.ok,
+            "totals": {
+                "endpoints": t.endpoints,
+                "ok_endpoints": t.ok_endpoints,
+                "devices": t.devices,
+                "total": t.total,
+                "free": t.free,
+                "reserve": _reserve_total(fleet),
+                "usable": t.usable,
+            },
+            "nodes": [
+                {
+                    "host": n.host,
+                    "endpoint": n.endpoint,
+                    "state": n.state,
+                    "ok": n.ok,
+                    "protocol": str(n.rpc.version) if n.rpc.version is not None else None,
+                    "message": n.rpc.message,
+                    "duplicate_of": n.duplicate_of,
+                    "warnings": list(n.warnings),
+                    "devices": [
+                        {
+                            "device": d.name,
+                            "index": d.index,
+                            "description": d.description,
+                            "backend": d.backend,
+                            "kind": d.kind,
+                            "total": d.total,
+                            "free": d.free,
+                            "reserve": d.reserve,
+                            "limit": d.limit,
+                            "usable": d.usable,
+                            "source_of_free": d.source_of_free,
+                            "warnings": list(d.warnings),
+                        }
+                        for d in n.devices
+                    ],
+                }
+                for n in fleet.nodes
+            ],
+        },
+        "notes": list(report.notes),
+        "models": [
+            {
+                "path": m.path,
+                "name": m.profile.name,
+                "architecture": m.profile.architecture,
+                "n_layer": m.profile.n_layer,
+                "n_ctx_train": m.profile.n_ctx_train,
+                "weights": m.profile.total_bytes,
+            }
+            for m in report.models
+        ],
+        "contexts": list(report.contexts),
+        "cases": [_case_json(report, c) for c in report.cases],
+    }
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report_to_dict(report), indent=2) + "\n"

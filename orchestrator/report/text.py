@@ -1,0 +1,250 @@
+"""The capacity report as text and Markdown tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from orchestrator.core.units import format_size
+from orchestrator.planning.plan import (
+    Plan,
+)
+from orchestrator.probe.fleet import FleetProbe, NodeProbe
+from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, size_up
+
+
+def _size(n: int | None) -> str:
+    return format_size(n)
+
+
+def _ctx_label(n_ctx: int) -> str:
+    return "n_ctx_train" if n_ctx == 0 else str(n_ctx)
+
+
+def _node_rows(node: NodeProbe) -> list[list[str]]:
+    protocol = str(node.rpc.version) if node.rpc.version is not None else "-"
+    base = [node.host, node.endpoint, node.state, protocol]
+    if not node.devices:
+        return [[*base, "-", "-", "-", "-", "-", "-", "-"]]
+    return [
+        [
+            *base,
+            f"#{d.index}",
+            d.description,
+            _size(d.total),
+            _size(d.free),
+            _size(d.reserve),
+            _size(d.limit) if d.limit is not None else "-",
+            _size(d.usable),
+        ]
+        for d in node.devices
+    ]
+
+
+FLEET_HEADERS = [
+    "host",
+    "endpoint",
+    "state",
+    "protocol",
+    "device",
+    "description",
+    "total",
+    "free",
+    "reserve",
+    "limit",
+    "usable",
+]
+
+
+DEVICE_HEADERS = ["device", "host", "layers", "weights", "KV", "compute", "predicted", "usable", "headroom"]
+
+
+def _reserve_total(fleet: FleetProbe) -> int:
+    return sum(d.reserve for d in fleet.devices)
+
+
+def _totals_row(fleet: FleetProbe) -> list[str]:
+    t = fleet.totals
+    return [
+        "total",
+        f"{t.ok_endpoints}/{t.endpoints} endpoints ok",
+        "",
+        "",
+        f"{t.devices} devices",
+        "",
+        _size(t.total),
+        _size(t.free),
+        _size(_reserve_total(fleet)),
+        "",
+        _size(t.usable),
+    ]
+
+
+def _device_rows(report: Report, plan: Plan) -> list[list[str]]:
+    rows = []
+    for d in plan.devices:
+        m = d.memory
+        rows.append(
+            [
+                d.label,
+                report.host_of(d.endpoint) or "-",
+                str(d.n_layers) + (" +out" if d.has_output else ""),
+                _size(m.weights),
+                _size(m.kv),
+                _size(m.compute),
+                _size(m.total),
+                _size(m.usable),
+                _size(m.headroom),
+            ]
+        )
+    return rows
+
+
+def _verdict(report: Report, case: Case) -> str:
+    plan = case.plan
+    if plan is None:
+        return f"cannot plan: {case.error}"
+    fit = plan.fit
+    largest = f"largest context that fits: {fit.largest_n_ctx}" if fit.largest_n_ctx else "no context fits"
+    binding = case.binding
+    where = ""
+    if binding is not None:
+        host = report.host_of(binding.endpoint)
+        where = f"{host} ({binding.label})" if host else binding.label
+    if fit.fits:
+        head = binding.memory.headroom if binding is not None else 0
+        return f"fits (n_ctx {plan.n_ctx}); binding device {where}, headroom {_size(head)}; {largest}"
+    return f"does not fit (n_ctx {plan.n_ctx}): short {size_up(fit.shortfall)} on {where}; {largest}"
+
+
+def _change_where(change: DeviceChange) -> str:
+    return f"{change.host} ({change.device})" if change.host else change.device
+
+
+def _recommendation_lines(rec: Recommendation, shortfall: int) -> list[str]:
+    lines: list[str] = []
+    if rec.smallest is not None:
+        lines.append(
+            f"smallest change: add {size_up(rec.smallest.add)} usable memory to {_change_where(rec.smallest)}"
+        )
+        if (rec.smallest.add or 0) > shortfall + MiB:
+            lines.append(
+                "(more than the shortfall: re-planned, the split moves layers onto the grown device, "
+                "and their weights, KV and compute come with them)"
+            )
+    else:
+        lines.append("no memory added to a single existing device makes it fit")
+    if rec.new_node is not None:
+        lines.append(f"or add a node with {size_up(rec.new_node)} usable memory")
+    elif rec.new_node_note:
+        lines.append(f"no new node helps: {rec.new_node_note}")
+    if len(rec.devices) > 1:
+        per = ", ".join(
+            f"{_change_where(c)} +{size_up(c.add)}" if c.add is not None else f"{_change_where(c)} (none)"
+            for c in rec.devices
+        )
+        lines.append(f"per device: {per}")
+    return lines
+
+
+def _shortfall(case: Case) -> int:
+    return case.plan.fit.shortfall if case.plan is not None else 0
+
+
+def _header_lines(report: Report) -> list[str]:
+    lines = []
+    if report.options.generated_at:
+        lines.append(f"generated: {report.options.generated_at}")
+    if report.options.inventory:
+        lines.append(f"inventory: {report.options.inventory}")
+    o = report.options.plan
+    lines.append(
+        f"plan options: KV {o.type_k}/{o.type_v}, ubatch {o.n_ubatch}, flash attention "
+        f"{'on' if o.flash_attn else 'off'}, margin {_size(o.margin)} per device, strategy {o.strategy}"
+    )
+    lines.append(f"controller protocol: {report.fleet.protocol}")
+    return lines
+
+
+def _text_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return (indent + "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))).rstrip()
+
+    return [line(headers), indent + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def render_text(report: Report) -> str:
+    out = ["rpcfleet capacity report", *_header_lines(report), "", "Fleet"]
+    rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
+    out += _text_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)], "  ")
+    for node in report.fleet.nodes:
+        if not node.ok:
+            out.append(f"  {node.host}: {node.state}: {node.rpc.message}")
+        out += [f"  {node.host}: warning: {w}" for w in node.warnings]
+        out += [f"  {node.host} #{d.index}: warning: {w}" for d in node.devices for w in d.warnings]
+    for note in report.notes:
+        out.append(f"  note: {note}")
+    for model in report.models:
+        p = model.profile
+        out += [
+            "",
+            f"Model {p.name or model.path} ({model.path}): {p.n_layer} layers, "
+            f"weights {_size(p.total_bytes)}, n_ctx_train {p.n_ctx_train}",
+        ]
+        for case in (c for c in report.cases if c.model == model.path):
+            out.append(f"  ctx {_ctx_label(case.n_ctx)}: {_verdict(report, case)}")
+            if case.plan is not None and case.plan.devices:
+                out += _text_table(DEVICE_HEADERS, _device_rows(report, case.plan), "    ")
+            if case.plan is not None:
+                out += [f"    note: {n}" for n in case.plan.notes]
+            if case.recommendation is not None:
+                out += [
+                    "    " + line for line in _recommendation_lines(case.recommendation, _shortfall(case))
+                ]
+    return "\n".join(out) + "\n"
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(_md_cell(c) for c in cells) + " |"
+
+    return [line(headers), "|" + "|".join("---" for _ in headers) + "|", *(line(r) for r in rows)]
+
+
+def render_markdown(report: Report) -> str:
+    out = ["# rpcfleet capacity report", ""]
+    out += [f"- {_md_cell(line)}" for line in _header_lines(report)]
+    out += ["", "## Fleet", ""]
+    rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
+    out += _md_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)])
+    extra = [f"- {node.host}: {node.state}: {node.rpc.message}" for node in report.fleet.nodes if not node.ok]
+    extra += [f"- note: {n}" for n in report.notes]
+    if extra:
+        out += ["", *(_md_cell(e) for e in extra)]
+    for model in report.models:
+        p = model.profile
+        out += [
+            "",
+            f"## Model {_md_cell(p.name or model.path)}",
+            "",
+            f"`{model.path}`: {p.n_layer} layers, weights {_size(p.total_bytes)}, "
+            f"n_ctx_train {p.n_ctx_train}",
+        ]
+        for case in (c for c in report.cases if c.model == model.path):
+            out += ["", f"### ctx {_ctx_label(case.n_ctx)}", "", f"**{_md_cell(_verdict(report, case))}**"]
+            if case.plan is not None and case.plan.devices:
+                out += ["", *_md_table(DEVICE_HEADERS, _device_rows(report, case.plan))]
+            if case.recommendation is not None:
+                out += [
+                    "",
+                    *(
+                        f"- {_md_cell(line)}"
+                        for line in _recommendation_lines(case.recommendation, _shortfall(case))
+                    ),
+                ]
+    return "\n".join(out) + "\n"
