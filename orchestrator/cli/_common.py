@@ -6,8 +6,9 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -19,8 +20,9 @@ from rich.table import Table
 from orchestrator.core.errors import RpcfleetError, UsageError
 
 if TYPE_CHECKING:  # imported lazily below: `rpcfleet artifact build` must start fast without asyncssh
-    from orchestrator.engine.executor import Recap
+    from orchestrator.engine.executor import Recap, RunResult, Session
     from orchestrator.inventory.model import Host, Inventory
+    from orchestrator.operations.layer import OperationOptions
 
 T = TypeVar("T")
 
@@ -115,6 +117,95 @@ def inventory_path(args: argparse.Namespace) -> Path:
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+INTERRUPTED_EXIT = 130
+LOCKED_EXIT = 3  # operations.lock.LOCKED_EXIT: a host is being changed by another operator
+
+
+def add_operation_args(parser: argparse.ArgumentParser, *, force_help: str | None = None) -> None:
+    """The flags of every command that changes nodes (the operations layer's options)."""
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=force_help or "stop a server even while a client is connected (its model is cut off)",
+    )
+    parser.add_argument(
+        "--wait-lock",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for another operator's lock on a host (default: fail at once, exit 3)",
+    )
+
+
+def operation_options(args: argparse.Namespace) -> OperationOptions:
+    from orchestrator.operations.layer import OperationOptions
+
+    wait = float(getattr(args, "wait_lock", 0.0) or 0.0)
+    if wait < 0:
+        raise UsageError(f"--wait-lock must be 0 or more seconds, got {wait:g}")
+    return OperationOptions(
+        check=bool(getattr(args, "check", False)), force=bool(getattr(args, "force", False)), wait_lock=wait
+    )
+
+
+def _on_interrupt(why: str, count: int) -> None:
+    if count == 1:
+        err_console.print(
+            f"[yellow]{why}: finishing the hosts already being changed; no new host is started[/yellow]",
+            highlight=False,
+        )
+    else:
+        err_console.print("[yellow]still finishing the hosts in flight (each step has a timeout)[/yellow]")
+
+
+def fleet_session(args: argparse.Namespace) -> Session:
+    """The executor session of a command: its forks, and Ctrl-C / SIGTERM stop it between hosts."""
+    from orchestrator.engine.executor import Session
+
+    return Session(forks=args.forks, interruptible=True, on_interrupt=_on_interrupt)
+
+
+def finish_command(hosts: Sequence[str]) -> str:
+    """This command line again, limited to `hosts`: what finishes an interrupted run."""
+    argv, out, skip = sys.argv[1:], ["rpcfleet"], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-l", "--limit"):
+            skip = True
+            continue
+        if arg.startswith("--limit="):
+            continue
+        out.append(shlex.quote(arg))
+    return " ".join([*out, "-l", shlex.quote(",".join(hosts))])
+
+
+def exit_status(runs: Sequence[RunResult[Any]]) -> int:
+    """130 when interrupted, 3 when a host was locked by another operator, 1 on any failure, else 0."""
+    from orchestrator.operations.lock import HostLockedError
+
+    if any(run.interrupted for run in runs):
+        return INTERRUPTED_EXIT
+    if any(isinstance(r.error, HostLockedError) for run in runs for r in run.results):
+        return LOCKED_EXIT
+    return 0 if all(run.ok for run in runs) else 1
+
+
+def print_interrupted(runs: Sequence[RunResult[Any]]) -> None:
+    """After an interrupted run: what was done, what was not, and the command that finishes the job."""
+    if not any(run.interrupted for run in runs):
+        return
+    done = sorted({r.host.name for run in runs for r in run.results if r.status in ("ok", "changed")})
+    pending = sorted({r.host.name for run in runs for r in run.results if r.status == "skipped"})
+    err_console.print(
+        f"[yellow]interrupted[/yellow]: done on {', '.join(done) or 'no host'}; "
+        f"not started on {', '.join(pending)}",
+        highlight=False,
+    )
+    err_console.print(f"finish with: {escape(finish_command(pending))}", highlight=False)
 
 
 def print_json(data: Any) -> None:

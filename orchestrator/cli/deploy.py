@@ -17,49 +17,51 @@ from rich.text import Text
 
 from orchestrator.cli import _common
 from orchestrator.connectors.base import Progress as ProgressCallback
-from orchestrator.engine.executor import HostContext, Recap, RunResult, Session, StepOutcome
+from orchestrator.engine.executor import HostContext, Recap, RunResult, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_plan import InstallChange
+from orchestrator.operations.rolling import RestartReport, make_rolling_restart_step
 from orchestrator.operations.server import ServerStatus
 from orchestrator.operations.service import (
     DeployResult,
     ServiceChange,
     make_deploy_step,
     make_logs_step,
-    make_restart_step,
     make_rollback_step,
-    make_start_step,
+    make_service_step,
     make_status_step,
-    make_stop_step,
 )
 
 
 def register(subparsers: Any) -> None:
     deploy = subparsers.add_parser(
-        "deploy", help="install the pinned rpc-server on every host, start it and wait until it answers"
+        "deploy",
+        help="install the pinned rpc-server on every host, start it (or restart it when its version or "
+        "launch line changed) and wait until it answers",
     )
     _add_run_args(deploy, check=True)
     deploy.add_argument(
         "--artifact", default=None, help="artifact id or spec file (default: each host's rpc_artifact)"
     )
-    deploy.add_argument("--force", action="store_true", help="upload and unpack even when installed")
+    deploy.add_argument("--reinstall", action="store_true", help="upload and unpack even when installed")
+    _common.add_operation_args(deploy)
     deploy.set_defaults(handler=handle_deploy)
 
     for name, help_text in (
         ("start", "start the installed rpc-server where it is not running"),
-        ("stop", "stop the rpc-server (SIGTERM, then SIGKILL)"),
-        ("restart", "restart the rpc-server (--rolling: batches, busy servers refused)"),
+        ("stop", "stop the rpc-server (refused while a client is connected, unless --force)"),
+        ("restart", "restart the rpc-server, waiting for HELLO (--rolling: one batch at a time)"),
     ):
         parser = subparsers.add_parser(name, help=help_text)
         _add_run_args(parser, check=True)
+        _common.add_operation_args(parser)
         if name == "restart":
-            from orchestrator.cli.playbook import add_rolling_args
-
             parser.add_argument(
-                "--rolling", action="store_true", help="one batch at a time; refuse busy servers"
+                "--rolling",
+                action="store_true",
+                help="one batch at a time (default --serial 1), stopping at the first failure",
             )
-            add_rolling_args(parser, serial=False)  # adds --force
         parser.set_defaults(handler=handle_service, action=name)
 
     status = subparsers.add_parser("status", help="state of every rpc-server: running, busy, crashed...")
@@ -76,6 +78,7 @@ def register(subparsers: Any) -> None:
     )
     _add_run_args(rollback, check=True)
     rollback.add_argument("--to", default=None, help="the version id to return to (default: the previous)")
+    _common.add_operation_args(rollback)
     rollback.set_defaults(handler=handle_rollback)
 
 
@@ -104,7 +107,7 @@ def _run(
     name: str,
 ) -> RunResult[Any]:
     async def go() -> RunResult[Any]:
-        async with Session(forks=args.forks) as session:
+        async with _common.fleet_session(args) as session:
             return await session.run(
                 hosts,
                 step,
@@ -174,7 +177,7 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 
 def _json_value(value: Any) -> Any:
-    if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange):
+    if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange | RestartReport):
         return value.to_json()
     return value
 
@@ -200,7 +203,8 @@ def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
     else:
         _print_changes(run, getattr(args, "check", False))
         _common.print_recap(Recap().add(run))
-    return 0 if run.ok else 1
+        _common.print_interrupted([run])
+    return _common.exit_status([run])
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
@@ -208,8 +212,8 @@ def handle_deploy(args: argparse.Namespace) -> int:
     uploads = _Uploads(enabled=not args.json and not args.check)
     step = make_deploy_step(
         ArtifactChooser(args.artifact),
-        check=args.check,
-        force=args.force,
+        _common.operation_options(args),
+        reinstall=args.reinstall,
         progress=uploads,
         build_log=uploads.build_log,
     )
@@ -224,14 +228,18 @@ def handle_service(args: argparse.Namespace) -> int:
 
         return handle_rolling_restart(args)
     _, hosts = _common.load_hosts(args)
-    factory = {"start": make_start_step, "stop": make_stop_step, "restart": make_restart_step}[args.action]
-    run = _run(args, hosts, factory(check=args.check), args.action)
-    return _finish(args, run)
+    options = _common.operation_options(args)
+    if args.action == "restart":
+        # The same operation as `restart --rolling` (and the playbooks' `restart`), without batches.
+        step: Step[Any] = make_rolling_restart_step(options)
+    else:
+        step = make_service_step("running" if args.action == "start" else "stopped", options)
+    return _finish(args, _run(args, hosts, step, args.action))
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
     _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_rollback_step(to=args.to, check=args.check), "rollback")
+    run = _run(args, hosts, make_rollback_step(_common.operation_options(args), to=args.to), "rollback")
     return _finish(args, run)
 
 
@@ -241,6 +249,7 @@ _STATE_STYLE = {
     "stopped": "yellow",
     "crashed": "red",
     "unhealthy": "red",
+    "orphan": "red",
 }
 
 

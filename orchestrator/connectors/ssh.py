@@ -225,6 +225,15 @@ class SSHConnection(_BaseConnection):
             )
         return status, stdout, stderr
 
+    async def hold(self, command: str) -> _HeldSSHCommand:
+        try:
+            process = await self._conn.create_process(command, encoding="utf-8", errors="replace")
+        except asyncssh.ChannelOpenError as exc:
+            raise self._lost("before running the command", exc) from None
+        except (asyncssh.Error, OSError) as exc:
+            raise self._lost("while starting the command", exc) from None
+        return _HeldSSHCommand(self, process)
+
     async def _sftp_client(self) -> asyncssh.SFTPClient:
         async with self._sftp_lock:
             if self._sftp is None:
@@ -323,3 +332,31 @@ class _ProgressReporter:
     def finish(self, size: int) -> None:
         if self.last != (size, size):
             self.report(size, size)
+
+
+class _HeldSSHCommand:
+    def __init__(self, conn: SSHConnection, process: asyncssh.SSHClientProcess[str]) -> None:
+        self._conn = conn
+        self._process = process
+
+    async def readline(self, timeout: float) -> str | None:  # noqa: ASYNC109
+        try:
+            async with asyncio.timeout(timeout):
+                line = await self._process.stdout.readline()
+        except TimeoutError:
+            raise self._conn._timed_out("(held command)", timeout, b"", b"") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise self._conn._lost("while holding a command", exc) from None
+        return line.rstrip("\n") if line else None
+
+    async def release(self) -> None:
+        with contextlib.suppress(Exception):
+            self._process.stdin.write_eof()
+        try:
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                await self._process.wait_closed()
+        except (TimeoutError, Exception):
+            with contextlib.suppress(Exception):
+                self._process.kill()
+        finally:
+            self._process.close()

@@ -95,6 +95,10 @@ class HostError(RpcfleetError):
     """Something went wrong on, or on the way to, one host."""
 
 
+class NotStartedError(HostError):
+    """A host's step did not begin (the run was interrupted first): nothing was changed there."""
+
+
 class UnreachableError(HostError):
     """The host could not be connected to (refused, timed out, link cut, name unknown)."""
 

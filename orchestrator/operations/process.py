@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
+from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import CommandTimeoutError, ServiceError, tail
@@ -13,11 +14,13 @@ from orchestrator.facts.server import (
     PROC_ARGV0,
     PS_STAT,
     READ_PID,
+    Launch,
     ListenersFact,
     LogTailFact,
     parse_listener,
 )
 from orchestrator.inventory.model import Host
+from orchestrator.operations import BUSY_GRACE
 from orchestrator.operations.server import (
     BIND_FAILED,
     CACHE_DIR,
@@ -55,6 +58,56 @@ def server_argv(host: Host, install_dir: str, version: str) -> list[str]:
     return argv
 
 
+def launch_env(host: Host, install_dir: str) -> dict[str, str]:
+    """The environment the launch line sets (the cache folder, the debug log when asked)."""
+    env = {"LLAMA_CACHE": f"{install_dir}/{CACHE_DIR}"}
+    if host.rpc_debug:
+        env["GGML_RPC_DEBUG"] = "1"
+    return env
+
+
+def desired_launch(host: Host, install_dir: str, version: str) -> Launch:
+    """What the inventory says the running server's command line and environment should be."""
+    return Launch(
+        tuple(server_argv(host, install_dir, version)), tuple(sorted(launch_env(host, install_dir).items()))
+    )
+
+
+_VALUED_FLAGS = ("-H", "-p", "-d", "-t")
+
+
+def _flags(argv: tuple[str, ...]) -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    args = list(argv[1:])
+    while args:
+        arg = args.pop(0)
+        found[arg] = args.pop(0) if arg in _VALUED_FLAGS and args else None
+    return found
+
+
+def launch_diff(desired: Launch, actual: Launch) -> tuple[str, ...]:
+    """Pure: how the running server's launch differs from the inventory's, as short phrases
+    ("-c added", "-t 4 -> 2", "GGML_RPC_DEBUG=1 removed"). The binary (the version) is compared elsewhere."""
+    changes: list[str] = []
+    want, have = _flags(desired.argv), _flags(actual.argv)
+    for flag in [*want, *(f for f in have if f not in want)]:
+        if flag not in have:
+            changes.append(f"{flag} {want[flag]} added" if want[flag] is not None else f"{flag} added")
+        elif flag not in want:
+            changes.append(f"{flag} {have[flag]} removed" if have[flag] is not None else f"{flag} removed")
+        elif want[flag] != have[flag]:
+            changes.append(f"{flag} {have[flag]} -> {want[flag]}")
+    want_env, have_env = dict(desired.env), dict(actual.env)
+    for key in sorted({*want_env, *have_env}):
+        if key not in have_env:
+            changes.append(f"{key}={want_env[key]} added")
+        elif key not in want_env:
+            changes.append(f"{key}={have_env[key]} removed")
+        elif want_env[key] != have_env[key]:
+            changes.append(f"{key} {have_env[key]} -> {want_env[key]}")
+    return tuple(changes)
+
+
 def launch_script(host: Host, install_dir: str, version: str) -> str:
     """The node-side script that starts the server detached and records its pid.
 
@@ -65,9 +118,7 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
     """
     q = shlex.quote
     port = int(host.rpc_port)
-    env = [f"LLAMA_CACHE={install_dir}/{CACHE_DIR}"]
-    if host.rpc_debug:
-        env.append("GGML_RPC_DEBUG=1")
+    env = [f"{key}={value}" for key, value in launch_env(host, install_dir).items()]
     command = " ".join(q(a) for a in ["env", *env, "stdbuf", "-oL", *server_argv(host, install_dir, version)])
     log = f'"$D/{LOG_FILE}"'
     return "\n".join(
@@ -88,36 +139,79 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
     )
 
 
-def stop_script(install_dir: str, grace: float = STOP_GRACE) -> str:
-    """SIGTERM, wait, SIGKILL; only a pid whose /proc/PID/cmdline is our install's server is signalled."""
+class BusyServerError(ServiceError):
+    """A client is connected to the server: stopping it would kill that client's model mid-inference."""
+
+
+def stop_script(
+    install_dir: str,
+    port: int,
+    *,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
+    grace: float = STOP_GRACE,
+) -> str:
+    """Stop our server, and any orphan of this install listening on its port, in one step on the node.
+
+    Only processes whose /proc/PID/cmdline is this install's server binary are signalled. Unless `force`,
+    a server with a client connected is refused (`@busy`), and the check and the stop are one step: a
+    connection lasting `busy_grace` seconds is a model, not a probe passing by; then the servers are frozen
+    (SIGSTOP) and the clients checked again, so a client that connected a moment before the check is
+    seen, and the servers are resumed untouched (`@busy`), before anything is killed.
+    """
     q = shlex.quote
+    port = int(port)
     steps = max(1, int(grace * 10))
-    return "\n".join(
-        [
-            f"D={q(install_dir)}",
-            f'pf="$D/{PID_FILE}"',
-            'if [ ! -f "$pf" ]; then echo "@none"; exit 0; fi',
-            READ_PID,
-            f'{PID_IS_NUMBER} || {{ rm -f "$pf"; echo "@none"; exit 0; }}',
-            "alive() {",
-            f'  s=$({PS_STAT}) || return 1; case "$s" in Z*) return 1;; esac',
-            "}",
-            "ours() {",
-            f"  a=$({PROC_ARGV0})",
-            f'  case "$a" in "$D"/versions/*/bin/{SERVER_BINARY}) return 0;; esac; return 1',
-            "}",
-            'if ! alive || ! ours; then rm -f "$pf"; echo "@gone $pid"; exit 0; fi',
-            'kill -TERM "$pid" 2>/dev/null',
-            f"i=0; while alive && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done",
-            "if alive; then",
-            '  kill -KILL "$pid" 2>/dev/null; echo "@killed $pid"',
-            "  i=0; while alive && [ $i -lt 30 ]; do sleep 0.1; i=$((i+1)); done",
-            "fi",
-            'if alive; then echo "@stuck $pid"; exit 0; fi',
-            'rm -f "$pf"',
-            'echo "@stopped $pid"',
-        ]
+    busy_steps = max(1, int(busy_grace * 10))
+    clients = (
+        f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | awk '{{print $4}}' | tr '\\n' ' '"
     )
+    listening = f"ss -Hltnp 'sport = :{port}' 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u"
+    lines = [
+        f"D={q(install_dir)}",
+        f'pf="$D/{PID_FILE}"',
+        "alive() {",
+        f'  s=$({PS_STAT}) || return 1; case "$s" in Z*) return 1;; esac',
+        "}",
+        "ours() {",
+        f"  a=$({PROC_ARGV0})",
+        f'  case "$a" in "$D"/versions/*/bin/{SERVER_BINARY}) return 0;; esac; return 1',
+        "}",
+        'targets=""',
+        'if [ -f "$pf" ]; then',
+        f"  {READ_PID}",
+        f'  if {PID_IS_NUMBER} && alive && ours; then targets="$pid"; else echo "@gone $pid"; fi',
+        "fi",
+        # Orphans: this install's servers that hold the port without being the tracked one.
+        f"for pid in $({listening}); do",
+        '  case " $targets " in *" $pid "*) continue;; esac',
+        '  if alive && ours; then targets="$targets $pid"; echo "@orphan $pid $(' + PROC_ARGV0 + ')"; fi',
+        "done",
+        'if [ -z "$targets" ]; then rm -f "$pf"; echo "@none"; exit 0; fi',
+    ]
+    if not force:
+        lines += [
+            f'i=0; while c=$({clients}); [ -n "$c" ]; do',
+            f'  if [ $i -ge {busy_steps} ]; then echo "@busy $c"; exit 0; fi',
+            "  sleep 0.1; i=$((i+1))",
+            "done",
+            "kill -STOP $targets 2>/dev/null",
+            f"c=$({clients})",
+            'if [ -n "$c" ]; then kill -CONT $targets 2>/dev/null; echo "@busy $c"; exit 0; fi',
+        ]
+    lines += [
+        "kill -TERM $targets 2>/dev/null; kill -CONT $targets 2>/dev/null",
+        "left() { for pid in $targets; do if alive; then echo $pid; fi; done; }",
+        f'i=0; while [ -n "$(left)" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done',
+        'if [ -n "$(left)" ]; then',
+        '  kill -KILL $(left) 2>/dev/null; echo "@killed $targets"',
+        '  i=0; while [ -n "$(left)" ] && [ $i -lt 30 ]; do sleep 0.1; i=$((i+1)); done',
+        "fi",
+        'if [ -n "$(left)" ]; then echo "@stuck $(left)"; exit 0; fi',
+        'rm -f "$pf"',
+        'echo "@stopped $targets"',
+    ]
+    return "\n".join(lines)
 
 
 async def _sh(conn: Connection, script: str, limit_s: float) -> str:
@@ -141,18 +235,48 @@ def _keys(stdout: str) -> dict[str, str]:
     return found
 
 
-async def stop_server(conn: Connection, host: Host, install_dir: str) -> str:
-    """Stop our server; returns what happened ("stopped", "killed", "gone", "none")."""
+@dataclass(frozen=True)
+class StopResult:
+    """What stopping did: "stopped", "killed" (needed SIGKILL) or "none" (nothing of ours was running)."""
+
+    outcome: str
+    pids: tuple[int, ...] = ()
+    orphans: tuple[str, ...] = ()  # "pid path" of orphans that were stopped too
+
+
+async def stop_server(
+    conn: Connection,
+    host: Host,
+    install_dir: str,
+    *,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
+) -> StopResult:
+    """Stop our server (and this install's orphans on its port); refuse a busy one unless `force`."""
     try:
-        out = _keys(await _sh(conn, stop_script(install_dir), STOP_GRACE + 15))
+        stdout = await _sh(
+            conn, stop_script(install_dir, host.rpc_port, force=force, busy_grace=busy_grace), STOP_GRACE + 15
+        )
     except CommandTimeoutError as exc:
         raise ServiceError("stopping the rpc-server did not finish", host=host.name) from exc
+    out = _keys(stdout)
+    orphans = tuple(line[len("@orphan ") :] for line in stdout.splitlines() if line.startswith("@orphan "))
+    if "busy" in out:
+        raise BusyServerError(
+            f"refusing to stop a busy server (clients: {out['busy'].strip()}): its client would be "
+            "killed mid-inference",
+            host=host.name,
+            hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
+        )
     if "stuck" in out:
         raise ServiceError(f"the rpc-server (pid {out['stuck']}) survived SIGKILL", host=host.name)
-    for key in ("killed", "stopped", "gone", "none"):
+    for key in ("killed", "stopped"):
         if key in out:
-            return key
-    raise ServiceError(f"unexpected answer from the stop script: {tail(str(out))}", host=host.name)
+            pids = tuple(int(p) for p in out[key].split() if p.isdigit())
+            return StopResult(key, pids, orphans)
+    if "none" in out:
+        return StopResult("none")
+    raise ServiceError(f"unexpected answer from the stop script: {tail(stdout)}", host=host.name)
 
 
 async def _log_tail(conn: Connection, install_dir: str, lines: int = 8) -> str:

@@ -26,9 +26,13 @@ from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import ServiceError
 from orchestrator.facts.base import Fact, gather
 from orchestrator.facts.server import (
+    Launch,
+    LaunchFact,
     Listener,
     ListenersFact,
     LogMatchFact,
+    PortOwner,
+    PortOwnersFact,
     ProcessState,
     RpcClientsFact,
     ServerProcessFact,
@@ -42,7 +46,7 @@ from orchestrator.operations.install_plan import (
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
-ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy"]
+ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy", "orphan"]
 
 
 SERVER_BINARY = "ggml-rpc-server"
@@ -121,6 +125,23 @@ class ServiceState:
     listeners: tuple[Listener, ...] = ()
     clients: tuple[str, ...] = ()  # peers of established connections to the port
     log_failed_bind: bool = False  # the log since the last start says the bind failed
+    launch: Launch | None = None  # the tracked process's command line and environment
+    port_owners: tuple[PortOwner, ...] = ()  # processes listening on the port, with argv0
+
+    def is_our_binary(self, argv0: str | None) -> bool:
+        prefix = f"{self.install_dir}/versions/"
+        return argv0 is not None and argv0.startswith(prefix) and argv0.endswith(f"/bin/{SERVER_BINARY}")
+
+    def version_of(self, argv0: str | None) -> str | None:
+        if not self.is_our_binary(argv0) or argv0 is None:
+            return None
+        return argv0[len(f"{self.install_dir}/versions/") :].split("/", 1)[0]
+
+    def orphans(self) -> tuple[PortOwner, ...]:
+        """This install's servers holding the port without being the tracked one (a lost pid file, or
+        a start that raced another)."""
+        mine = self.pid if self.ours else None
+        return tuple(o for o in self.port_owners if o.pid != mine and self.is_our_binary(o.argv0))
 
     @property
     def alive(self) -> bool:
@@ -129,24 +150,17 @@ class ServiceState:
     @property
     def ours(self) -> bool:
         """The pid file's process is alive and is our server binary (never a recycled pid)."""
-        prefix = f"{self.install_dir}/versions/"
-        return (
-            self.alive
-            and self.argv0 is not None
-            and self.argv0.startswith(prefix)
-            and self.argv0.endswith(f"/bin/{SERVER_BINARY}")
-        )
+        return self.alive and self.is_our_binary(self.argv0)
 
     @property
     def running_version(self) -> str | None:
-        if not self.ours or self.argv0 is None:
-            return None
-        return self.argv0[len(f"{self.install_dir}/versions/") :].split("/", 1)[0]
+        return self.version_of(self.argv0) if self.ours else None
 
     def foreign_listeners(self) -> tuple[Listener, ...]:
         """Listeners on the port that are not our server (the port is taken)."""
-        mine = self.pid if self.ours else None
-        return tuple(lst for lst in self.listeners if lst.pid is None or lst.pid != mine)
+        mine = {self.pid} if self.ours else set()
+        ours = mine | {o.pid for o in self.orphans()}
+        return tuple(lst for lst in self.listeners if lst.pid is None or lst.pid not in ours)
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,8 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
         ListenersFact(port),
         RpcClientsFact(port),
+        LaunchFact(_node_path(host.install_dir, PID_FILE)),
+        PortOwnersFact(port),
         LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
     ]
 
@@ -184,6 +200,8 @@ def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
         values.get(ListenersFact.name) or (),
         values.get(RpcClientsFact.name) or (),
         bool(values.get(LogMatchFact.name)),
+        values.get(LaunchFact.name),
+        values.get(PortOwnersFact.name) or (),
     )
     return NodeState(install, service)
 
@@ -233,7 +251,17 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     protocol = inst.protocol
     pid = svc.pid
     server: ServerState
-    if not svc.ours:
+    orphans = svc.orphans()
+    if not svc.ours and orphans:
+        first = orphans[0]
+        server, message = (
+            "orphan",
+            (
+                f"orphan (pid {first.pid}, version {svc.version_of(first.argv0)}, path {first.argv0}): "
+                "this install's server holds the port untracked; `rpcfleet stop` or `deploy` replaces it"
+            ),
+        )
+    elif not svc.ours:
         taken = svc.foreign_listeners()
         note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
         if svc.pid is None:

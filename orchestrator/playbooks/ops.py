@@ -21,8 +21,10 @@ from orchestrator.engine.executor import (
     HostContext,
     StepOutcome,
 )
+from orchestrator.operations import BUSY_GRACE
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
+    from orchestrator.operations.layer import OperationOptions
     from orchestrator.planning.plan import Plan, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
 from orchestrator.playbooks.args import (
@@ -84,40 +86,51 @@ def _named(step: Step, name: str) -> Step:
     return step
 
 
+def _options(args: Mapping[str, Any], play: _Play) -> OperationOptions:
+    from orchestrator.operations.layer import OperationOptions
+
+    return OperationOptions(
+        check=play.check,
+        force=bool(args.get("force", False)),
+        wait_lock=play.wait_lock,
+        busy_grace=float(args.get("busy_grace", BUSY_GRACE)),
+    )
+
+
 def _install(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.install import ArtifactChooser, make_install_step
 
     chooser = ArtifactChooser(args["artifact"])
-    return make_install_step(chooser, check=play.check, force=args["force"])
+    return make_install_step(chooser, _options(args, play), reinstall=args["reinstall"])
 
 
 def _deploy(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.install import ArtifactChooser
     from orchestrator.operations.service import make_deploy_step
 
-    return make_deploy_step(ArtifactChooser(args["artifact"]), check=play.check, force=args["force"])
+    return make_deploy_step(
+        ArtifactChooser(args["artifact"]), _options(args, play), reinstall=args["reinstall"]
+    )
 
 
 def _start(args: Mapping[str, Any], play: _Play) -> Step:
-    from orchestrator.operations.service import make_start_step
+    from orchestrator.operations.service import make_service_step
 
-    return make_start_step(check=play.check)
+    return make_service_step("running", _options(args, play))
 
 
 def _stop(args: Mapping[str, Any], play: _Play) -> Step:
-    from orchestrator.operations.service import make_stop_step
+    from orchestrator.operations.service import make_service_step
 
-    return make_stop_step(check=play.check)
+    return make_service_step("stopped", _options(args, play))
 
 
 def _restart(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.rolling import make_rolling_restart_step
 
     return make_rolling_restart_step(
-        force=args["force"],
-        check=play.check,
+        _options(args, play),
         ready_timeout=args["timeout"],
-        busy_grace=args["busy_grace"],
         memory_tolerance=args["memory_tolerance"],
         memory_tolerance_min=args["memory_tolerance_min"],
         memory_timeout=args["memory_timeout"],
@@ -321,7 +334,8 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(report_step, "report")
 
 
-_FORCE = Arg("force", _bool, False, help="install: upload even when installed; restart: even a busy server")
+_FORCE = Arg("force", _bool, False, help="stop a server even while a client is connected (kills it)")
+_REINSTALL = Arg("reinstall", _bool, False, help="upload and unpack even when installed")
 
 
 _ARTIFACT = Arg("artifact", _optional_text, None, help="artifact id or spec (default: the host's)")
@@ -343,16 +357,18 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
     {
         op.name: op
         for op in (
-            Op("install", "host", "install the pinned rpc-server artifact", (_ARTIFACT, _FORCE), _install),
+            Op(
+                "install", "host", "install the pinned rpc-server artifact", (_ARTIFACT, _REINSTALL), _install
+            ),
             Op(
                 "deploy",
                 "host",
-                "install, then start (or restart on the new version)",
-                (_ARTIFACT, _FORCE),
+                "install, then start (or restart on the new version or launch line)",
+                (_ARTIFACT, _REINSTALL, _FORCE),
                 _deploy,
             ),
             Op("start", "host", "start the rpc-server where it is not running", (), _start),
-            Op("stop", "host", "stop the rpc-server", (), _stop),
+            Op("stop", "host", "stop the rpc-server (refused while a client is connected)", (_FORCE,), _stop),
             Op(
                 "restart",
                 "host",
@@ -360,7 +376,12 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 (
                     _FORCE,
                     Arg("timeout", _seconds, 15.0, help="seconds until HELLO must answer"),
-                    Arg("busy_grace", _seconds, 1.0, help="a client connected this long makes a node busy"),
+                    Arg(
+                        "busy_grace",
+                        _seconds,
+                        BUSY_GRACE,
+                        help="a client connected this long makes a node busy",
+                    ),
                     Arg("memory_tolerance", _fraction, 0.05, help="of each device's total (5%)"),
                     Arg("memory_tolerance_min", _size, 256 * 1024 * 1024),
                     Arg("memory_timeout", _seconds, 30.0, help="seconds for the memory to come back"),
