@@ -11,7 +11,6 @@ from pathlib import Path
 
 from orchestrator.connectors.base import (
     _CHUNK,
-    _CLOSE_TIMEOUT,
     _DRAIN_TIMEOUT,
     ConnectOptions,
     Progress,
@@ -119,6 +118,9 @@ class LocalConnection(_BaseConnection):
         return None
 
 
+_RELEASE_TIMEOUT = 1.0  # a held command that does not read its stdin is killed after this
+
+
 class _HeldLocalCommand:
     def __init__(self, conn: LocalConnection, process: asyncio.subprocess.Process) -> None:
         self._conn = conn
@@ -137,7 +139,7 @@ class _HeldLocalCommand:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
         try:
-            await asyncio.wait_for(self._process.wait(), _CLOSE_TIMEOUT)
+            await asyncio.wait_for(self._process.wait(), _RELEASE_TIMEOUT)
         except TimeoutError:
             _kill_group(self._process.pid)
             await self._process.wait()

@@ -27,6 +27,8 @@ from orchestrator.core.errors import (
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
 
+_RELEASE_TIMEOUT = 1.0
+
 _warned_unchecked: set[tuple[str, str, int]] = set()
 
 
@@ -353,7 +355,9 @@ class _HeldSSHCommand:
         with contextlib.suppress(Exception):
             self._process.stdin.write_eof()
         try:
-            async with asyncio.timeout(_CLOSE_TIMEOUT):
+            # A command that reads its stdin exits at once; one that does not (still waiting for
+            # something) has its channel closed after a second.
+            async with asyncio.timeout(_RELEASE_TIMEOUT):
                 await self._process.wait_closed()
         except (TimeoutError, Exception):
             with contextlib.suppress(Exception):

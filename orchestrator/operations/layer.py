@@ -70,7 +70,8 @@ def node_operation(name: str, body: Body[T], options: OperationOptions) -> Step[
             return await body(ctx, conn)
 
         def waiting(host: Host, holder: str) -> None:
-            ctx.log.warning("host_lock_waiting", holder=holder, wait_s=options.wait_lock)
+            if options.wait_lock > 0:
+                ctx.log.warning("host_lock_waiting", holder=holder, wait_s=options.wait_lock)
 
         # Waiting for another operator's lock changes nothing: an interrupt ends the wait.
         lock = await ctx.session.unless_interrupted(

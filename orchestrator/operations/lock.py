@@ -30,9 +30,7 @@ _ANSWER_SLACK = 10.0  # beyond the wait: connecting the channel and the node's s
 
 
 class HostLockedError(ServiceError):
-    """Another operator is changing this host (and `--wait-lock` ran out, or was 0)."""
-
-    exit_status = LOCKED_EXIT
+    """Another operator is changing this host (and `--wait-lock` ran out, or was 0); the CLI exits 3."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +65,22 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float) -> str:
             "command -v flock >/dev/null 2>&1 ||",
             '  { echo "@error flock (util-linux) is not installed"; exit 1; }',
             f'exec 9>>"$D/{LOCK_FILE}" || {{ echo "@error cannot open $D/{LOCK_FILE}"; exit 1; }}',
+            # The holder writes "<its shell's pid> <owner>" just after taking the lock: an info file whose
+            # shell is gone is the previous holder's, so wait a moment for the new one to write its own.
+            "who() {",
+            "  i=0; while [ $i -lt 50 ]; do",
+            f'    if read -r p rest < "$D/{LOCK_INFO}" 2>/dev/null && [ -d "/proc/$p" ]; then',
+            '      echo "$rest"; return; fi',
+            "    sleep 0.02; i=$((i+1))",
+            "  done; echo another operator",
+            "}",
             "if ! flock -n 9; then",
-            f'  echo "@held $(cat "$D/{LOCK_INFO}" 2>/dev/null || echo another operator)"',
+            '  echo "@held $(who)"',
             f'  flock -w {wait:g} 9 || {{ echo "@timeout"; exit {LOCKED_EXIT}; }}'
             if wait > 0
             else f'  echo "@timeout"; exit {LOCKED_EXIT}',
             "fi",
-            f'printf "%s\\n" {info} > "$D/{LOCK_INFO}"',
+            f'printf "%s %s\\n" "$$" {info} > "$D/{LOCK_INFO}"',
             'echo "@locked"',
             "cat >/dev/null",  # hold: until the controller closes stdin, or its connection dies
         ]
