@@ -143,6 +143,36 @@ class BusyServerError(ServiceError):
     """A client is connected to the server: stopping it would kill that client's model mid-inference."""
 
 
+def busy_script(port: int, busy_grace: float = BUSY_GRACE) -> str:
+    """Shell lines that print `@busy <peers>` and exit when a client holds the server: a connection to
+    `port` seen in every sample for `busy_grace` seconds (samples every 0.1 s).
+
+    A model holds one connection, same peer port, for its whole life; probes come and go with new
+    ports, so a stream of them (a monitor probing every 20 ms) never makes a server busy. Sampling ends
+    at once when nothing is connected, and after `3 * busy_grace` of probes only.
+    """
+    port = int(port)
+    steps = max(1, round(busy_grace * 10))
+    peers = f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | awk '{{print $4}}'"
+    # `seen` holds "peer count" lines: how many consecutive samples each peer has been connected.
+    count = (
+        'awk -v s="$seen" \'BEGIN{n=split(s,a,"\\n"); for(k=1;k<=n;k++){split(a[k],f," "); c[f[1]]=f[2]}} '
+        "{print $1, c[$1]+1}'"
+    )
+    return "\n".join(
+        [
+            'seen=""; i=0',
+            f'while now=$({peers}); [ -n "$now" ]; do',
+            f'  seen=$(printf "%s\\n" "$now" | {count})',
+            f'  held=$(printf "%s\\n" "$seen" | awk \'$2 >= {steps} {{printf "%s ", $1}}\')',
+            '  if [ -n "$held" ]; then echo "@busy $held"; exit 0; fi',
+            f"  [ $i -ge {3 * steps} ] && break",
+            "  sleep 0.1; i=$((i+1))",
+            "done",
+        ]
+    )
+
+
 def stop_script(
     install_dir: str,
     port: int,
@@ -154,18 +184,12 @@ def stop_script(
     """Stop our server, and any orphan of this install listening on its port, in one step on the node.
 
     Only processes whose /proc/PID/cmdline is this install's server binary are signalled. Unless `force`,
-    a server with a client connected is refused (`@busy`), and the check and the stop are one step: a
-    connection lasting `busy_grace` seconds is a model, not a probe passing by; then the servers are frozen
-    (SIGSTOP) and the clients checked again, so a client that connected a moment before the check is
-    seen, and the servers are resumed untouched (`@busy`), before anything is killed.
+    a server with a client connected is refused (`@busy`, see `busy_script`), and the check and the kill
+    are one step on the node: no second round trip lets a client seen by the check slip through.
     """
     q = shlex.quote
     port = int(port)
     steps = max(1, int(grace * 10))
-    busy_steps = max(1, int(busy_grace * 10))
-    clients = (
-        f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | awk '{{print $4}}' | tr '\\n' ' '"
-    )
     listening = f"ss -Hltnp 'sport = :{port}' 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u"
     lines = [
         f"D={q(install_dir)}",
@@ -190,17 +214,9 @@ def stop_script(
         'if [ -z "$targets" ]; then rm -f "$pf"; echo "@none"; exit 0; fi',
     ]
     if not force:
-        lines += [
-            f'i=0; while c=$({clients}); [ -n "$c" ]; do',
-            f'  if [ $i -ge {busy_steps} ]; then echo "@busy $c"; exit 0; fi',
-            "  sleep 0.1; i=$((i+1))",
-            "done",
-            "kill -STOP $targets 2>/dev/null",
-            f"c=$({clients})",
-            'if [ -n "$c" ]; then kill -CONT $targets 2>/dev/null; echo "@busy $c"; exit 0; fi',
-        ]
+        lines.append(busy_script(port, busy_grace))  # the check and the stop: one step on the node
     lines += [
-        "kill -TERM $targets 2>/dev/null; kill -CONT $targets 2>/dev/null",
+        "kill -TERM $targets 2>/dev/null",
         "left() { for pid in $targets; do if alive; then echo $pid; fi; done; }",
         f'i=0; while [ -n "$(left)" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done',
         'if [ -n "$(left)" ]; then',
@@ -251,6 +267,7 @@ async def stop_server(
     *,
     force: bool = False,
     busy_grace: float = BUSY_GRACE,
+    action: str = "stop",
 ) -> StopResult:
     """Stop our server (and this install's orphans on its port); refuse a busy one unless `force`."""
     try:
@@ -262,12 +279,7 @@ async def stop_server(
     out = _keys(stdout)
     orphans = tuple(line[len("@orphan ") :] for line in stdout.splitlines() if line.startswith("@orphan "))
     if "busy" in out:
-        raise BusyServerError(
-            f"refusing to stop a busy server (clients: {out['busy'].strip()}): its client would be "
-            "killed mid-inference",
-            host=host.name,
-            hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
-        )
+        raise _busy_error(host, action, out["busy"])
     if "stuck" in out:
         raise ServiceError(f"the rpc-server (pid {out['stuck']}) survived SIGKILL", host=host.name)
     for key in ("killed", "stopped"):
@@ -277,6 +289,25 @@ async def stop_server(
     if "none" in out:
         return StopResult("none")
     raise ServiceError(f"unexpected answer from the stop script: {tail(stdout)}", host=host.name)
+
+
+def _busy_error(host: Host, action: str, peers: str) -> BusyServerError:
+    return BusyServerError(
+        f"refusing to {action} a busy server (clients: {peers.strip()}): its client would be killed "
+        "mid-inference",
+        host=host.name,
+        hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
+    )
+
+
+async def refuse_if_busy(
+    conn: Connection, host: Host, action: str, *, busy_grace: float = BUSY_GRACE
+) -> None:
+    """Raise BusyServerError when a client holds the server (the node-side rule of `busy_script`), for a
+    change that must not begin on a busy server (a deploy's version switch, a --check)."""
+    out = _keys(await _sh(conn, busy_script(host.rpc_port, busy_grace), busy_grace * 3 + 15))
+    if "busy" in out:
+        raise _busy_error(host, action, out["busy"])
 
 
 async def _log_tail(conn: Connection, install_dir: str, lines: int = 8) -> str:

@@ -29,7 +29,7 @@ from orchestrator.core.units import format_size
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
-from orchestrator.operations.process import BusyServerError, start_server, stop_server, wait_ready
+from orchestrator.operations.process import refuse_if_busy, start_server, stop_server, wait_ready
 from orchestrator.operations.server import (
     READY_TIMEOUT,
     ServerStatus,
@@ -149,16 +149,11 @@ def make_rolling_restart_step(
         warning = bind_policy(host)  # a bad bind is refused before anything is stopped
         state = await read_node_state(conn, host)
         status = classify(host, state, await probe_server(host, state))
-        if status.state == "busy" and not options.force:
-            raise BusyServerError(
-                f"refusing to restart a busy server ({status.message}): its client would be killed "
-                "mid-inference",
-                host=host.name,
-                hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
-            )
         running = _has_process(status)
         warnings = (warning,) if warning else ()
         if options.check:
+            if status.pid is not None and not options.force:
+                await refuse_if_busy(conn, host, "restart", busy_grace=options.busy_grace)
             action = "would restart" if running else "would start"
             report = RestartReport(host.name, action, status.pid, None, status.state, warnings=warnings)
             return StepOutcome(report, True, report.describe())
@@ -166,7 +161,12 @@ def make_rolling_restart_step(
         started = time.monotonic()
         # The stop re-checks for clients on the node, in the same step as the kill (operations.process).
         await stop_server(
-            conn, host, state.install.install_dir, force=options.force, busy_grace=options.busy_grace
+            conn,
+            host,
+            state.install.install_dir,
+            force=options.force,
+            busy_grace=options.busy_grace,
+            action="restart",
         )
         stopped = time.monotonic()
         pid = await start_server(conn, host, state)

@@ -29,9 +29,9 @@ from orchestrator.operations.install_plan import (
 )
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
 from orchestrator.operations.process import (
-    BusyServerError,
     desired_launch,
     launch_diff,
+    refuse_if_busy,
     start_server,
     stop_server,
     wait_ready,
@@ -160,17 +160,15 @@ async def ensure_state(
     status = classify(host, state, await probe_server(host, state))
     change = plan_service(status, want, current=state.install.current, drift=_drift(host, state))
     change = dataclasses.replace(change, warnings=tuple(warnings), check=check)
-    if change.action in ("stop", "restart") and status.state == "busy" and not force:
-        raise BusyServerError(
-            f"refusing to {change.action} a busy server ({status.message}): its client would be killed "
-            "mid-inference",
-            host=host.name,
-            hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
-        )
+    stops = change.action in ("stop", "restart") and status.pid is not None
+    if check and stops and not force:
+        await refuse_if_busy(conn, host, change.action, busy_grace=busy_grace)  # what the stop would say
     if not change.changed or check:
         return change
     if change.action in ("stop", "restart"):
-        await stop_server(conn, host, state.install.install_dir, force=force, busy_grace=busy_grace)
+        await stop_server(
+            conn, host, state.install.install_dir, force=force, busy_grace=busy_grace, action=change.action
+        )
     if change.action in ("start", "restart"):
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
@@ -261,17 +259,17 @@ async def deploy(
     """
     warning = bind_policy(host)  # refuse a bad bind before changing anything
     state = await read_node_state(conn, host)
-    if state.service.clients and state.service.ours and not force and not check:
+    if state.service.clients and state.service.ours and not force:
         # Refuse before switching versions: a switch that cannot be followed by a restart is half a deploy.
-        status = classify(host, state, None)
-        would = plan_service(status, "running", current=state.install.current, drift=_drift(host, state))
-        if would.changed or reinstall:
-            raise BusyServerError(
-                f"refusing to deploy to a busy server ({status.message}): its client would be killed "
-                "mid-inference",
-                host=host.name,
-                hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
-            )
+        source = await choose(host, state.install)
+        would = plan_service(
+            classify(host, state, None),
+            "running",
+            current=source.id,
+            drift=_drift(host, state),
+        )
+        if would.changed:
+            await refuse_if_busy(conn, host, "deploy to")
     change = await ensure_installed(
         conn,
         host,
@@ -328,12 +326,8 @@ async def rollback(
     """Switch `current` back to the previous version (or `to`) and have that version serve."""
     state = await read_node_state(conn, host)
     change = plan_rollback(state.install, to=to)
-    if change.changed and state.service.clients and not force and not check:
-        raise BusyServerError(
-            "refusing to roll back a busy server: its client would be killed mid-inference",
-            host=host.name,
-            hint="wait until it is idle, or force it (--force)",
-        )
+    if change.changed and state.service.clients and state.service.ours and not force:
+        await refuse_if_busy(conn, host, "roll back")
     if change.changed and not check:
         await apply_install(conn, change)
         state = await read_node_state(conn, host)
