@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.core.errors import LoaderError
 import orchestrator.llama.preflight as llama_preflight
+from orchestrator.core.errors import LoaderError
 from orchestrator.llama.errors import (
     DeviceMismatchError,
     EndpointBusyError,
@@ -27,7 +27,6 @@ from orchestrator.llama.errors import (
     ProtocolMismatchError,
 )
 from orchestrator.llama.loader import _multimodal, device_names, load_llama
-from orchestrator.llama.preflight import check_plan_devices, preflight
 from orchestrator.llama.logs import (
     join_log_records,
     model_allocations,
@@ -37,6 +36,7 @@ from orchestrator.llama.logs import (
 )
 from orchestrator.llama.native import _register, live_endpoints, registered_endpoints
 from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
+from orchestrator.llama.preflight import check_plan_devices, preflight
 from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
