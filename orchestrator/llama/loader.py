@@ -3,8 +3,8 @@
 0.3.36 has no `rpc_servers` argument (it is swallowed by `**kwargs`), and its native RPC client aborts the
 whole process on an unreachable or mismatched server. So, in this order (facts: docs/llama-rpc.md §4-§6):
 
-1. Preflight every endpoint of the plan with the pure-Python client (`orchestrator.rpc`) and refuse,
-   with a typed `LoaderError`, anything unreachable, busy, of another protocol, or whose devices do not
+1. Preflight every endpoint of the plan with the pure-Python client (`llama.preflight`) and refuse,
+   with a typed error, anything unreachable, busy, of another protocol, or whose devices do not
    match the plan. No native call happens before this (`GGML_NO_BACKTRACE=1` is set even earlier).
 2. Register the endpoints through libllama's own ggml (`llama_cpp.llama_cpp._lib`; `llama_cpp._ggml` is a
    second copy whose registry llama never sees). Registrations live for the process (models hold
