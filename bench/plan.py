@@ -71,6 +71,7 @@ CHILD = textwrap.dedent(
     from orchestrator.core.log import configure_logging
     configure_logging("text", "WARNING")
     from orchestrator.llama import loader
+    from orchestrator.llama import preflight as preflight_module
     from pathlib import Path
     from orchestrator.planning.plan import Plan
 
@@ -93,7 +94,7 @@ CHILD = textwrap.dedent(
         # load_llama looks these up as module globals at call time.
         loader._check_model = timed("check_model", loader._check_model)
         loader.preflight = timed("preflight", loader.preflight)
-        loader.expected_protocol = timed("expected_protocol", loader.expected_protocol)
+        preflight_module.expected_protocol = timed("expected_protocol", preflight_module.expected_protocol)
         loader._register = timed("register", loader._register)
         loader.build_placement = timed("placement", loader.build_placement)
         started = time.perf_counter()

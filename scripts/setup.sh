@@ -4,6 +4,7 @@
 #  2. llama-cpp-python built with GGML_RPC=ON, cached as a wheel keyed by version and build flags
 #  3. a virtual environment keyed by the dependency versions, outside the checkout
 #  4. the CPU rpc-server artifact built from the same llama.cpp source (cached)
+#  5. an old (protocol 2.0.0) rpc-server for the version-skew tests (cached)
 # A second run only checks the stamps and takes seconds.
 set -euo pipefail
 
@@ -105,5 +106,10 @@ PY
 if "$VENV/bin/python" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   "$VENV/bin/python" -m orchestrator artifact build --backend cpu --quiet-if-cached \
     || die "building the rpc-server artifact failed"
+fi
+# ---- 5. an old rpc-server (protocol 2.0.0) for the version-skew tests (cached) ----------
+# llama-cpp-python 0.3.16's vendored `rpc-server` target only, GGML_NATIVE=OFF: about 3 minutes, once.
+if "$VENV/bin/python" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
+  quiet "$VENV/bin/python" -c 'from orchestrator.artifacts.build import build_artifact; build_artifact("cpu", version="0.3.16")'
 fi
 say "ready: $VENV (linked as .venv)"

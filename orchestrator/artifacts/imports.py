@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -40,6 +41,7 @@ from orchestrator.artifacts.store import (
 )
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.rpc.client import probe_endpoint
 
 FETCH_TIMEOUT_S = 60.0
 
@@ -237,26 +239,9 @@ def _binary_platform(path: Path) -> tuple[str, str] | None:
     return None
 
 
-def _hello(host: str, port: int, timeout: float) -> str:
-    """Send HELLO (command 14, 24 zero bytes of capabilities); return "major.minor.patch"."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
-        reply = b""
-        while len(reply) < 8 + 28:
-            chunk = sock.recv(8 + 28 - len(reply))
-            if not chunk:
-                raise ConnectionError("connection closed during HELLO")
-            reply += chunk
-        (size,) = struct.unpack("<Q", reply[:8])
-        if size != 28:
-            raise ConnectionError(f"unexpected HELLO reply size {size}")
-        sock.shutdown(socket.SHUT_RDWR)
-    return f"{reply[8]}.{reply[9]}.{reply[10]}"
-
-
 def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
-    """Start `binary` on a free 127.0.0.1 port, ask HELLO, stop it: the protocol version it speaks."""
+    """Start `binary` on a free 127.0.0.1 port, ask HELLO (`rpc.client`, also the legacy one of servers
+    older than protocol 3), stop it: the protocol version it speaks."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
@@ -272,16 +257,20 @@ def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
         try:
             deadline = time.monotonic() + timeout
             while True:
-                try:
-                    return _hello("127.0.0.1", port, 2.0)
-                except OSError as exc:
-                    if proc.poll() is not None:
-                        raise ArtifactError(
-                            f"{binary} exited with status {proc.returncode} before answering HELLO"
-                        ) from exc
-                    if time.monotonic() > deadline:
-                        raise ArtifactError(f"{binary} did not answer HELLO within {timeout:.0f} s") from exc
-                    time.sleep(0.05)
+                # Any version is an answer here, also one this client cannot use (a mismatch).
+                result = asyncio.run(probe_endpoint(f"127.0.0.1:{port}", hello_only=True))
+                if result.version is not None:
+                    return str(result.version)
+                if proc.poll() is not None:
+                    raise ArtifactError(
+                        f"{binary} exited with status {proc.returncode} before answering HELLO"
+                    )
+                if time.monotonic() > deadline:
+                    raise ArtifactError(
+                        f"{binary} did not answer HELLO within {timeout:.0f} s "
+                        f"({result.outcome}: {result.message})"
+                    )
+                time.sleep(0.05)
         finally:
             proc.terminate()
             try:
