@@ -10,6 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic
 
+from orchestrator.core import fields
 from orchestrator.core.errors import (
     LoaderError,
     PlanError,
@@ -25,18 +26,7 @@ from orchestrator.engine.executor import (
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.planning.plan import Plan, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
-from orchestrator.playbooks.args import (
-    Arg,
-    _bool,
-    _choice,
-    _context,
-    _fraction,
-    _list_of,
-    _optional_text,
-    _seconds,
-    _size,
-    _text,
-)
+from orchestrator.playbooks.args import Arg
 from orchestrator.playbooks.load_check import _LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
 from orchestrator.playbooks.model import Document, Scope, Step, T, _Play
 
@@ -321,21 +311,28 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(report_step, "report")
 
 
-_FORCE = Arg("force", _bool, False, help="install: upload even when installed; restart: even a busy server")
+_FORCE = Arg(
+    "force", fields.boolean, False, help="install: upload even when installed; restart: even a busy server"
+)
 
 
-_ARTIFACT = Arg("artifact", _optional_text, None, help="artifact id or spec (default: the host's)")
+_ARTIFACT = Arg(
+    "artifact", fields.optional(fields.text), None, help="artifact id or spec (default: the host's)"
+)
 
 
-_TIMEOUT_PROBE = Arg("timeout", _seconds, 3.0, help="probe timeout per host, seconds")
+_TIMEOUT_PROBE = Arg("timeout", fields.seconds, 3.0, help="probe timeout per host, seconds")
+
+
+_KV_TYPE = fields.choice(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"))
 
 
 _PLAN_ARGS = (
-    Arg("type_k", _choice("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"), "f16"),
-    Arg("type_v", _choice("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"), "f16"),
-    Arg("flash_attn", _bool, False),
-    Arg("margin", _size, None, help="headroom kept free per device (default 256MiB)"),
-    Arg("strategy", _choice("proportional", "fewest"), "proportional"),
+    Arg("type_k", _KV_TYPE, "f16"),
+    Arg("type_v", _KV_TYPE, "f16"),
+    Arg("flash_attn", fields.boolean, False),
+    Arg("margin", fields.optional(fields.size), None, help="headroom kept free per device (default 256MiB)"),
+    Arg("strategy", fields.choice(("proportional", "fewest")), "proportional"),
 )
 
 
@@ -359,11 +356,16 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "restart one node: refuse a busy one, stop, start, wait for HELLO and the memory baseline",
                 (
                     _FORCE,
-                    Arg("timeout", _seconds, 15.0, help="seconds until HELLO must answer"),
-                    Arg("busy_grace", _seconds, 1.0, help="a client connected this long makes a node busy"),
-                    Arg("memory_tolerance", _fraction, 0.05, help="of each device's total (5%)"),
-                    Arg("memory_tolerance_min", _size, 256 * 1024 * 1024),
-                    Arg("memory_timeout", _seconds, 30.0, help="seconds for the memory to come back"),
+                    Arg("timeout", fields.seconds, 15.0, help="seconds until HELLO must answer"),
+                    Arg(
+                        "busy_grace",
+                        fields.seconds,
+                        1.0,
+                        help="a client connected this long makes a node busy",
+                    ),
+                    Arg("memory_tolerance", fields.fraction, 0.05, help="of each device's total (5%)"),
+                    Arg("memory_tolerance_min", fields.size, 256 * 1024 * 1024),
+                    Arg("memory_timeout", fields.seconds, 30.0, help="seconds for the memory to come back"),
                 ),
                 _restart,
             ),
@@ -371,14 +373,14 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "wait_ready",
                 "host",
                 "wait until the running rpc-server answers HELLO",
-                (Arg("timeout", _seconds, 15.0),),
+                (Arg("timeout", fields.seconds, 15.0),),
                 _wait_ready,
             ),
             Op(
                 "probe",
                 "fleet",
                 "probe every server (RPC and host facts)",
-                (_TIMEOUT_PROBE, Arg("facts", _bool, True)),
+                (_TIMEOUT_PROBE, Arg("facts", fields.boolean, True)),
                 _probe,
             ),
             Op(
@@ -386,9 +388,14 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "fleet",
                 "plan a model's placement on the probed devices (fails when it does not fit)",
                 (
-                    Arg("model", _text, required=True, help="the GGUF model"),
-                    Arg("ctx", _context, 4096),
-                    Arg("output", _optional_text, None, help="also write the plan (JSON) to this file"),
+                    Arg("model", fields.text, required=True, help="the GGUF model"),
+                    Arg("ctx", fields.context, 4096),
+                    Arg(
+                        "output",
+                        fields.optional(fields.text),
+                        None,
+                        help="also write the plan (JSON) to this file",
+                    ),
                     *_PLAN_ARGS,
                 ),
                 _plan,
@@ -398,8 +405,8 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "fleet",
                 "load the planned model over RPC in a child process and compare the placement",
                 (
-                    Arg("model", _optional_text, None, help="default: the plan's model"),
-                    Arg("timeout", _seconds, _LOAD_CHECK_TIMEOUT),
+                    Arg("model", fields.optional(fields.text), None, help="default: the plan's model"),
+                    Arg("timeout", fields.seconds, _LOAD_CHECK_TIMEOUT),
                 ),
                 _load_check,
             ),
@@ -408,10 +415,15 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "fleet",
                 "a capacity report of the probed fleet for the given models and contexts",
                 (
-                    Arg("model", _list_of(_text), (), help="GGUF models (a list, or comma-separated)"),
-                    Arg("ctx", _list_of(_context), (4096,)),
-                    Arg("format", _choice("text", "md", "json", "html"), "text"),
-                    Arg("output", _optional_text, None, help="write the report to this file"),
+                    Arg(
+                        "model",
+                        fields.list_of(fields.text),
+                        (),
+                        help="GGUF models (a list, or comma-separated)",
+                    ),
+                    Arg("ctx", fields.list_of(fields.context), (4096,)),
+                    Arg("format", fields.choice(("text", "md", "json", "html")), "text"),
+                    Arg("output", fields.optional(fields.text), None, help="write the report to this file"),
                     *_PLAN_ARGS,
                 ),
                 _report,

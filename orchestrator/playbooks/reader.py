@@ -32,10 +32,11 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
+from orchestrator.core import fields
 from orchestrator.core.errors import (
     PlaybookError,
     SourceLocation,
@@ -49,13 +50,7 @@ from orchestrator.core.yamlsource import (
     node_kind,
     node_value,
 )
-from orchestrator.engine.executor import (
-    batch_sizes,
-)
-
-if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
-    pass
-from orchestrator.playbooks.args import _text
+from orchestrator.engine.executor import batch_sizes
 from orchestrator.playbooks.model import Playbook, PlaybookErrors, PlaybookStep, Serial
 from orchestrator.playbooks.ops import REGISTRY
 
@@ -298,7 +293,7 @@ def load_playbook_text(
         node = found["hosts"][1]
         raw_hosts = node_value(node) if isinstance(node, yaml.ScalarNode) else None
         try:
-            hosts = _text(reader.render(raw_hosts, node, "hosts")).strip()
+            hosts = fields.text(reader.render(raw_hosts, node, "hosts")).strip()
             if not hosts:
                 raise ValueError("an empty pattern")
         except ValueError as exc:
