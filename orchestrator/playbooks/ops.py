@@ -4,31 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.core import fields
 from orchestrator.core.errors import (
     LoaderError,
     PlanError,
     ProbeError,
-    RpcfleetError,
 )
 from orchestrator.core.files import write_atomic
 from orchestrator.engine.executor import (
     HostContext,
     StepOutcome,
 )
+from orchestrator.engine.shared import SharedCall
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.planning.plan import Plan, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
 from orchestrator.playbooks.args import Arg
 from orchestrator.playbooks.load_check import _LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
-from orchestrator.playbooks.model import Document, Scope, Step, T, _Play
+from orchestrator.playbooks.model import Document, Scope, Step, _Play
 
 
 @dataclass(frozen=True)
@@ -41,32 +41,6 @@ class Op:
 
     def arg(self, name: str) -> Arg | None:
         return next((a for a in self.args if a.name == name), None)
-
-
-class _Shared(Generic[T]):
-    """A fleet computation made once, awaited by every host's step."""
-
-    def __init__(self, make: Callable[[], Awaitable[T]]) -> None:
-        self._make = make
-        self._task: asyncio.Future[T] | None = None
-
-    async def get(self) -> T:
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._make())
-        try:
-            return await asyncio.shield(self._task)
-        except RpcfleetError as exc:
-            # A fresh error per host (the executor stamps the host on it), of the same type: an
-            # UnreachableError must still count as unreachable.
-            raise _clone_error(exc) from exc
-
-
-def _clone_error(exc: RpcfleetError) -> RpcfleetError:
-    """A shallow copy of `exc`, made without calling its `__init__` (some take other arguments than
-    `args`, such as PlaybookErrors' list)."""
-    clone = type(exc).__new__(type(exc), *exc.args)
-    clone.__dict__.update(exc.__dict__)
-    return clone
 
 
 def _named(step: Step, name: str) -> Step:
@@ -136,7 +110,7 @@ def _wait_ready(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(wait, "wait_ready")
 
 
-def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[FleetProbe]:
+def _probe_of(play: _Play, args: Mapping[str, Any]) -> SharedCall[FleetProbe]:
     from orchestrator.probe.fleet import probe_fleet
 
     async def make() -> FleetProbe:
@@ -146,7 +120,7 @@ def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[FleetProbe]:
         play.state.probe = fleet
         return fleet
 
-    return _Shared(make)
+    return SharedCall(make)
 
 
 def _probe(args: Mapping[str, Any], play: _Play) -> Step:
@@ -165,7 +139,7 @@ def _probe(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(probe, "probe")
 
 
-def _latest_probe(play: _Play) -> _Shared[FleetProbe]:
+def _latest_probe(play: _Play) -> SharedCall[FleetProbe]:
     """The play's latest probe, restricted to the hosts still in play; a fresh probe when there is none."""
     from orchestrator.probe.fleet import FleetProbe
 
@@ -180,7 +154,7 @@ def _latest_probe(play: _Play) -> _Shared[FleetProbe]:
             nodes, protocol=previous.protocol, timeout=previous.timeout, facts=previous.facts
         )
 
-    return _Shared(reuse)
+    return SharedCall(reuse)
 
 
 def _plan_options(args: Mapping[str, Any]) -> PlanOptions:
@@ -223,7 +197,7 @@ def _plan(args: Mapping[str, Any], play: _Play) -> Step:
             )
         return plan
 
-    shared = _Shared(make)
+    shared = SharedCall(make)
 
     async def plan_step(ctx: HostContext) -> StepOutcome[Any]:
         plan = await shared.get()
@@ -251,7 +225,7 @@ def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
         model = args["model"] or plan.model_path
         return await load_check(plan, model, limit_s=args["timeout"])
 
-    shared = _Shared(make)
+    shared = SharedCall(make)
 
     async def check_step(ctx: HostContext) -> StepOutcome[Any]:
         if play.check:
@@ -299,7 +273,7 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
         )
         return fleet
 
-    shared = _Shared(make)
+    shared = SharedCall(make)
 
     async def report_step(ctx: HostContext) -> StepOutcome[Any]:
         fleet = await shared.get()
