@@ -34,11 +34,11 @@ from orchestrator.artifacts.store import (
     _recall,
     _remember,
     _store,
-    _write_atomic,
     artifacts_dir,
     verify_artifact,
 )
 from orchestrator.core.errors import ArtifactError
+from orchestrator.core.files import atomic_path, write_atomic
 from orchestrator.core.paths import rpcfleet_home
 
 FETCH_TIMEOUT_S = 60.0
@@ -54,22 +54,18 @@ def fetch_url(url: str, sha256: str, *, timeout: float = FETCH_TIMEOUT_S) -> Pat
     import urllib.error
     import urllib.request
 
-    downloads.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".fetch-", dir=downloads)
-    tmp = Path(tmp_name)
     try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-            while chunk := response.read(_CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise ArtifactError(f"{url}: sha256 is {digest.hexdigest()}, expected {sha256}")
-        tmp.replace(target)
+        with atomic_path(target, parents=True) as tmp:
+            digest = hashlib.sha256()
+            with tmp.open("wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+                while chunk := response.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != sha256:
+                raise ArtifactError(f"{url}: sha256 is {digest.hexdigest()}, expected {sha256}")
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         raise ArtifactError(f"cannot fetch {url}: {exc}") from exc
     finally:
-        tmp.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             downloads.rmdir()  # only if empty: a failed first fetch leaves no trace
     return target
@@ -195,11 +191,10 @@ def _adopt_if_artifact(archive: Path, unpacked: Path) -> Artifact | None:
     cache.mkdir(parents=True, exist_ok=True)
     stored = cache / f"{artifact_id}.tar.gz"
     if not stored.exists():
-        tmp = cache / f".{artifact_id}.{os.getpid()}.tmp"
-        shutil.copyfile(archive, tmp)
-        tmp.replace(stored)
+        with atomic_path(stored) as tmp:
+            shutil.copyfile(archive, tmp)
     sidecar = {"id": artifact_id, "archive_sha256": sha, "manifest": manifest.to_dict()}
-    _write_atomic(cache / f"{artifact_id}.json", (json.dumps(sidecar, indent=2) + "\n").encode())
+    write_atomic(cache / f"{artifact_id}.json", json.dumps(sidecar, indent=2) + "\n")
     return Artifact(artifact_id, stored, manifest, sha)
 
 

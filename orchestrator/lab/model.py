@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import LabError
+from orchestrator.core.files import write_atomic
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.lab.procs import (
     _KILL_TIMEOUT,
@@ -267,9 +268,7 @@ class Lab:
             raise LabError(f"unreadable lab state: {exc!r}") from exc
 
     def save(self) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        tmp.replace(self.state_file)
+        write_atomic(self.state_file, json.dumps(self.to_json(), indent=2) + "\n")
 
     def live(self) -> bool:
         """Whether this lab is in use: being created by a live process, or up with a live owner (if any)."""
