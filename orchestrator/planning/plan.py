@@ -103,8 +103,9 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
-class DeviceMemory:
-    """Predicted bytes on one device against what it may use."""
+class PlannedMemory:
+    """The plan's prediction for one device (weights, KV cache, compute buffer) against what it may use;
+    what a server reports is `rpc.protocol.DeviceMemory`."""
 
     weights: int
     kv: int
@@ -143,7 +144,7 @@ class PlannedDevice:
     name: str
     description: str
     layers: tuple[int, ...]  # model layers; index n_layer is the output layer
-    memory: DeviceMemory
+    memory: PlannedMemory
     has_output: bool = False  # holds the output layer (output + output_norm, or token_embd's copy)
 
     @property
@@ -243,7 +244,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             name=x["name"],
             description=x["description"],
             layers=tuple(int(i) for i in x["layers"]),
-            memory=DeviceMemory(**x["memory"]),
+            memory=PlannedMemory(**x["memory"]),
             has_output=bool(x["has_output"]),
         )
         for x in d["devices"]

@@ -69,6 +69,8 @@ class ProtocolVersion:
 
 @dataclass(frozen=True)
 class DeviceMemory:
+    """What a server reports for one device (GET_DEVICE_MEMORY); the planner's view is `PlannedMemory`."""
+
     index: int
     free: int
     total: int
