@@ -26,6 +26,9 @@ from orchestrator.inventory.model import Host
 T = TypeVar("T")
 
 
+DEFAULT_FORKS = 16  # hosts worked on at once (the CLI's -f/--forks default)
+
+
 Status = Literal["ok", "changed", "failed", "unreachable", "skipped"]
 
 
@@ -162,7 +165,7 @@ class Session:
     Use as `async with Session() as session: result = await session.run(hosts, step)`.
     """
 
-    def __init__(self, *, forks: int = 16, options: ConnectOptions | None = None) -> None:
+    def __init__(self, *, forks: int = DEFAULT_FORKS, options: ConnectOptions | None = None) -> None:
         if forks < 1:
             raise UsageError(f"--forks must be at least 1, got {forks}")
         self.forks = forks
