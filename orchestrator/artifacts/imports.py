@@ -12,7 +12,6 @@ import struct
 import subprocess
 import tarfile
 import tempfile
-import time
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +39,8 @@ from orchestrator.artifacts.store import (
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.files import atomic_path, write_atomic
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.core.poll import poll
+from orchestrator.rpc.wire import HELLO_REPLY_SIZE, SIZE_HEADER, ReplyError, decode_hello, hello_request
 
 FETCH_TIMEOUT_S = 60.0
 
@@ -233,21 +234,19 @@ def _binary_platform(path: Path) -> tuple[str, str] | None:
 
 
 def _hello(host: str, port: int, timeout: float) -> str:
-    """Send HELLO (command 14, 24 zero bytes of capabilities); return "major.minor.patch"."""
+    """Ask HELLO (rpc.wire's request and decoder, over a blocking socket); return "major.minor.patch"."""
+    want = SIZE_HEADER + HELLO_REPLY_SIZE
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
-        sock.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
+        sock.sendall(hello_request())
         reply = b""
-        while len(reply) < 8 + 28:
-            chunk = sock.recv(8 + 28 - len(reply))
-            if not chunk:
-                raise ConnectionError("connection closed during HELLO")
+        while len(reply) < want and (chunk := sock.recv(want - len(reply))):
             reply += chunk
-        (size,) = struct.unpack("<Q", reply[:8])
-        if size != 28:
-            raise ConnectionError(f"unexpected HELLO reply size {size}")
         sock.shutdown(socket.SHUT_RDWR)
-    return f"{reply[8]}.{reply[9]}.{reply[10]}"
+    try:
+        return str(decode_hello(reply))
+    except ReplyError as exc:
+        raise ConnectionError(str(exc)) from None
 
 
 def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
@@ -264,19 +263,26 @@ def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
             stderr=subprocess.DEVNULL,
             env=env,
         )
+        failures: list[OSError] = []
+
+        def answer() -> str | None:
+            try:
+                return _hello("127.0.0.1", port, 2.0)
+            except OSError as exc:
+                if proc.poll() is not None:
+                    raise ArtifactError(
+                        f"{binary} exited with status {proc.returncode} before answering HELLO"
+                    ) from exc
+                failures.append(exc)
+                return None
+
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    return _hello("127.0.0.1", port, 2.0)
-                except OSError as exc:
-                    if proc.poll() is not None:
-                        raise ArtifactError(
-                            f"{binary} exited with status {proc.returncode} before answering HELLO"
-                        ) from exc
-                    if time.monotonic() > deadline:
-                        raise ArtifactError(f"{binary} did not answer HELLO within {timeout:.0f} s") from exc
-                    time.sleep(0.05)
+            version = poll(answer, timeout=timeout, interval=0.05)
+            if version is None:
+                raise ArtifactError(f"{binary} did not answer HELLO within {timeout:.0f} s") from (
+                    failures[-1] if failures else None
+                )
+            return version
         finally:
             proc.terminate()
             try:
