@@ -53,6 +53,17 @@ def _playbook(op: str, arg: str, *, extra_vars: bool = False, **others: str) -> 
     return read
 
 
+def _play_key(key: str) -> FrontEnd:
+    def read(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Any:
+        try:
+            playbook = load_playbook_text(f"name: x\n{key}: {text}\nsteps: [probe]\n", tmp_path / "play.yml")
+        except InputError as exc:
+            raise Refused(str(exc)) from exc
+        return getattr(playbook, key)
+
+    return read
+
+
 def _spec(key: str) -> FrontEnd:
     def read(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Any:
         from orchestrator.artifacts.spec import read_artifact_spec
@@ -112,6 +123,11 @@ FRONT_ENDS: dict[str, dict[str, FrontEnd]] = {
         "flag --forks": _flag(["probe"], "--forks"),
         "flag --ubatch": _flag(["plan", "-m", "m.gguf"], "--ubatch"),
     },
+    "percentage": {
+        "playbook": _play_key("max_fail_percentage"),
+        "flag rolling": _flag(["restart", "--rolling"], "--max-fail-percentage"),
+        "flag deploy": _flag(["deploy"], "--max-fail-percentage"),
+    },
     "context": {
         "playbook": _playbook("plan", "ctx", model="m.gguf"),
         "playbook -e": _playbook("plan", "ctx", extra_vars=True, model="m.gguf"),
@@ -146,6 +162,13 @@ VALUES: dict[str, list[tuple[str, object]]] = {
         ("0", "expected an integer >= 1, got 0"),
         ("2.5", "expected an integer, got"),
         ("many", "expected an integer, got"),
+    ],
+    "percentage": [
+        ("25", 25.0),
+        ("12.5%", 12.5),
+        ("0", 0.0),
+        ("150", "expected a number from 0 to 100, got"),
+        ("some", "expected a number from 0 to 100, got"),
     ],
     "context": [
         ("4096", 4096),

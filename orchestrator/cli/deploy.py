@@ -17,6 +17,7 @@ from rich.text import Text
 
 from orchestrator.cli import _common
 from orchestrator.connectors.base import Progress as ProgressCallback
+from orchestrator.core import fields
 from orchestrator.engine.executor import HostContext, Recap, RunResult, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ArtifactChooser
@@ -59,7 +60,7 @@ def register(subparsers: Any) -> None:
             parser.add_argument(
                 "--rolling", action="store_true", help="one batch at a time; refuse busy servers"
             )
-            add_rolling_args(parser, serial=False)  # adds --force
+            add_rolling_args(parser)  # adds --force
         parser.set_defaults(handler=handle_service, action=name)
 
     status = subparsers.add_parser("status", help="state of every rpc-server: running, busy, crashed...")
@@ -86,7 +87,10 @@ def _add_run_args(parser: argparse.ArgumentParser, *, check: bool) -> None:
         parser.add_argument("--check", action="store_true", help="print what would change, change nothing")
     parser.add_argument("--serial", default=None, help="hosts per batch: a number or a percentage")
     parser.add_argument(
-        "--max-fail-percentage", type=float, default=None, help="stop after a batch with more failures"
+        "--max-fail-percentage",
+        type=_common.flag(fields.percentage),
+        default=None,
+        help="stop after a batch with more failures",
     )
 
 

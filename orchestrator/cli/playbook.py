@@ -44,16 +44,8 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle_run_playbook)
 
 
-def add_rolling_args(parser: argparse.ArgumentParser, *, serial: bool = True) -> None:
-    """--serial, --max-fail-percentage (unless the parser has them) and --force."""
-    if serial:
-        parser.add_argument("--serial", default="1", help="hosts per batch: N or N%% (default: 1)")
-        parser.add_argument(
-            "--max-fail-percentage",
-            type=float,
-            default=0.0,
-            help="stop after a batch with more failed hosts than this percentage (default: 0)",
-        )
+def add_rolling_args(parser: argparse.ArgumentParser) -> None:
+    """--force (the parser has --serial and --max-fail-percentage already)."""
     parser.add_argument(
         "--force", action="store_true", help="restart busy servers too (their clients are cut off)"
     )

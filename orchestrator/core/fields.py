@@ -120,6 +120,18 @@ def fraction(value: Any) -> float:
     return number
 
 
+def percentage(value: Any) -> float:
+    """`25` or `25%` -> 25.0, from 0 to 100."""
+    raw = str(value).strip() if isinstance(value, str | int | float) and not isinstance(value, bool) else "?"
+    try:
+        number = float(raw.removesuffix("%"))
+    except ValueError:
+        raise ValueError(f"expected a number from 0 to 100, got {_got(value)}") from None
+    if not 0 <= number <= 100:
+        raise ValueError(f"expected a number from 0 to 100, got {_got(value)}")
+    return number
+
+
 def context(value: Any) -> int:
     """A context size in tokens: 4096, or 32k (k = 1024); 0 is allowed (the model's own)."""
     raw = str(value).strip().lower() if isinstance(value, str | int) and not isinstance(value, bool) else "?"
