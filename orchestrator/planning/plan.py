@@ -103,19 +103,25 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
-class PlannedMemory:
-    """The plan's prediction for one device (weights, KV cache, compute buffer) against what it may use;
-    what a server reports is `rpc.protocol.DeviceMemory`."""
+class MemoryBytes:
+    """Bytes one device holds for a model: weights, KV cache, compute buffer."""
 
     weights: int
     kv: int
     compute: int
-    usable: int
-    margin: int
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute
+
+
+@dataclass(frozen=True)
+class PlannedMemory(MemoryBytes):
+    """The plan's prediction for one device against what it may use; what a server reports is
+    `rpc.protocol.DeviceMemory`, what a load allocated `llama.placement.DevicePlacement.actual`."""
+
+    usable: int
+    margin: int
 
     @property
     def headroom(self) -> int:
