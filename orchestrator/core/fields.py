@@ -108,13 +108,19 @@ def size(value: Any) -> int:
     return parse_size(value)
 
 
-def fraction(value: Any) -> float:
-    """`5%` or `0.05` -> 0.05, from 0 to 1."""
+def _number_and_percent(value: Any, what: str) -> tuple[float, bool]:
+    """`12.5%` -> (12.5, True), `0.05` -> (0.05, False); ValueError naming `what` otherwise."""
     raw = str(value).strip() if isinstance(value, str | int | float) and not isinstance(value, bool) else "?"
     try:
-        number = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+        return float(raw.removesuffix("%")), raw.endswith("%")
     except ValueError:
-        raise ValueError(f"expected a fraction such as 5% or 0.05, got {_got(value)}") from None
+        raise ValueError(f"expected {what}, got {_got(value)}") from None
+
+
+def fraction(value: Any) -> float:
+    """`5%` or `0.05` -> 0.05, from 0 to 1."""
+    number, percent = _number_and_percent(value, "a fraction such as 5% or 0.05")
+    number = number / 100 if percent else number
     if not 0 <= number <= 1:
         raise ValueError(f"expected a fraction between 0% and 100%, got {_got(value)}")
     return number
@@ -122,11 +128,7 @@ def fraction(value: Any) -> float:
 
 def percentage(value: Any) -> float:
     """`25` or `25%` -> 25.0, from 0 to 100."""
-    raw = str(value).strip() if isinstance(value, str | int | float) and not isinstance(value, bool) else "?"
-    try:
-        number = float(raw.removesuffix("%"))
-    except ValueError:
-        raise ValueError(f"expected a number from 0 to 100, got {_got(value)}") from None
+    number, _ = _number_and_percent(value, "a number from 0 to 100")
     if not 0 <= number <= 100:
         raise ValueError(f"expected a number from 0 to 100, got {_got(value)}")
     return number
