@@ -13,13 +13,13 @@ import pytest
 
 from orchestrator.core.errors import LoaderError, PlaybookError, UnreachableError
 from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.engine.shared import SharedCall
 from orchestrator.inventory.model import Host
 from orchestrator.llama.placement import MemoryBytes
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.load_check import DeviceCheck, LoadCheckResult, load_check
 from orchestrator.playbooks.model import PlaybookErrors
-from orchestrator.playbooks.ops import _Shared
 from tests.procs import gone
 
 MiB = 1 << 20
@@ -33,7 +33,7 @@ async def test_a_shared_fleet_error_keeps_its_type_for_every_host() -> None:
         calls += 1
         raise UnreachableError("the fleet is gone", hint="check the network")
 
-    shared: _Shared[None] = _Shared(fail)
+    shared: SharedCall[None] = SharedCall(fail)
 
     async def step(ctx: HostContext) -> StepOutcome[None]:
         await shared.get()
@@ -58,7 +58,7 @@ async def test_a_shared_error_with_its_own_constructor_is_copied_whole() -> None
         raise original
 
     with pytest.raises(PlaybookErrors) as info:
-        await _Shared(fail).get()
+        await SharedCall(fail).get()
     assert info.value is not original
     assert info.value.errors == original.errors and str(info.value) == str(original)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from orchestrator.core.errors import PlanError, ProbeError
+from orchestrator.engine.executor import Session
 from orchestrator.facts.base import gather_command, parse_gathered
 from orchestrator.facts.gpus import Gpu, GpuReport
 from orchestrator.facts.system import MemInfo
@@ -43,7 +46,7 @@ from orchestrator.probe.fleet import (
 from orchestrator.probe.host import CpuModelFact, HostFacts, probe_facts
 from orchestrator.rpc.protocol import AggregateMemory, DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
-from tests.fakerpc import drip, fake_rpc_server, hello_payload
+from tests.fakerpc import FakeConnection, Handler, drip, fake_rpc_server, hello_payload, protocol
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 StartServer = Callable[..., LocalServer]
@@ -779,6 +782,47 @@ async def test_remote_host_with_loopback_bind_is_not_probed_here(start_rpc_serve
     fleet = await probe_fleet([remote], timeout=0.5, facts=False)
     assert fleet.nodes[0].state == "refused"
     assert "unreachable from this controller" in fleet.nodes[0].rpc.message
+
+
+class _Gauge:
+    """Connections open at once across several fake servers (each on its own thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = self.peak = 0
+
+    def holding(self, hold: float) -> Handler:
+        serve = protocol()
+
+        async def handle(conn: FakeConnection) -> None:
+            with self.lock:
+                self.open += 1
+                self.peak = max(self.peak, self.open)
+            try:
+                await asyncio.sleep(hold)  # the answer comes late: overlapping probes overlap here
+                await serve(conn)
+            finally:
+                with self.lock:
+                    self.open -= 1
+
+        return handle
+
+
+@pytest.mark.parametrize(("forks", "session_forks", "peak"), [(2, None, 2), (None, 3, 3), (None, None, 6)])
+def test_the_rpc_fan_out_honours_forks(forks: int | None, session_forks: int | None, peak: int) -> None:
+    gauge = _Gauge()
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(fake_rpc_server(gauge.holding(0.3))) for _ in range(6)]
+        hosts = [local_host(f"n{i}", server.port) for i, server in enumerate(servers)]
+
+        async def go() -> FleetProbe:
+            if session_forks is None:
+                return await probe_fleet(hosts, timeout=5.0, facts=False, forks=forks)
+            async with Session(forks=session_forks) as session:
+                return await probe_fleet(hosts, timeout=5.0, facts=False, session=session)
+
+        fleet = asyncio.run(go())
+    assert fleet.ok and gauge.peak == peak  # default: the session's forks, else DEFAULT_FORKS (16)
 
 
 def test_duplicate_endpoints_are_probed_once() -> None:

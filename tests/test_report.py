@@ -20,8 +20,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.cli.report import parse_contexts
-from orchestrator.core.errors import PlanError, RpcfleetError, UsageError
-from orchestrator.core.files import write_atomic
+from orchestrator.core.errors import PlanError, UsageError
 from orchestrator.planning.plan import PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
@@ -536,22 +535,6 @@ def test_parse_contexts() -> None:
     assert parse_contexts(["4096,32k", "8192", "4096"]) == [4096, 32768, 8192]
     with pytest.raises(UsageError):
         parse_contexts(["4k,big"])
-
-
-def test_write_atomic(tmp_path: Path) -> None:
-    target = tmp_path / "r.json"
-    target.write_text("old")
-    write_atomic(target, "new")
-    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
-    with pytest.raises(RpcfleetError, match="cannot write"):
-        write_atomic(tmp_path / "missing" / "r.json", "x")
-    write_atomic(tmp_path / "made" / "deeper" / "r.json", "x", parents=True)
-    assert (tmp_path / "made" / "deeper" / "r.json").read_text() == "x"
-    # A failed rename (the target is a folder) leaves no temporary file behind.
-    (tmp_path / "dir.json").mkdir()
-    with pytest.raises(RpcfleetError, match="cannot write"):
-        write_atomic(tmp_path / "dir.json", "x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "made", "r.json"]
 
 
 def _inventory(tmp_path: Path, servers: Sequence[LocalServer], limits: Sequence[str], dead_port: int) -> Path:

@@ -8,7 +8,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from orchestrator.core import fields
 from orchestrator.core.errors import RpcfleetError, UsageError
 
 if TYPE_CHECKING:  # imported lazily below: `rpcfleet artifact build` must start fast without asyncssh
@@ -52,6 +53,19 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageExit(status)
 
 
+def flag(parse: Callable[[Any], T]) -> Callable[[str], T]:
+    """A field parser (`orchestrator.core.fields`) as an argparse `type=`: the flag means what the same
+    value means in an inventory or a playbook, and its message becomes the usage error (exit status 2)."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
 def print_error(exc: RpcfleetError) -> None:
     err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
 
@@ -68,7 +82,13 @@ def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -
         parser.add_argument(
             "-l", "--limit", default=None, help="host pattern: names, groups, globs, !exclude, &intersect"
         )
-    parser.add_argument("-f", "--forks", type=int, default=16, help="hosts worked on at once (default: 16)")
+    parser.add_argument(
+        "-f",
+        "--forks",
+        type=flag(fields.integer(minimum=1)),
+        default=16,
+        help="hosts worked on at once (default: 16)",
+    )
 
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +97,7 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=flag(fields.seconds),
         default=DEFAULT_TIMEOUT,
         metavar="S",
         help=f"seconds per host for the RPC probe and the facts (default: {DEFAULT_TIMEOUT:g})",
@@ -87,14 +107,6 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="RPC only: no SSH (CPU devices then show the server's free figure, which is total RAM)",
     )
-
-
-def probe_timeout(args: argparse.Namespace) -> float:
-    """--timeout, checked."""
-    timeout: float = args.timeout
-    if not timeout > 0:
-        raise UsageError(f"--timeout must be positive, got {timeout:g}")
-    return timeout
 
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:

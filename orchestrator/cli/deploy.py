@@ -17,6 +17,7 @@ from rich.text import Text
 
 from orchestrator.cli import _common
 from orchestrator.connectors.base import Progress as ProgressCallback
+from orchestrator.core import fields
 from orchestrator.engine.executor import HostContext, Recap, RunResult, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ArtifactChooser
@@ -89,7 +90,10 @@ def _add_run_args(parser: argparse.ArgumentParser, *, check: bool) -> None:
         parser.add_argument("--check", action="store_true", help="print what would change, change nothing")
     parser.add_argument("--serial", default=None, help="hosts per batch: a number or a percentage")
     parser.add_argument(
-        "--max-fail-percentage", type=float, default=None, help="stop after a batch with more failures"
+        "--max-fail-percentage",
+        type=_common.flag(fields.percentage),
+        default=None,
+        help="stop after a batch with more failures",
     )
 
 

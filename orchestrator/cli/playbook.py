@@ -16,7 +16,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli import _common
-from orchestrator.core.errors import UsageError
 
 if TYPE_CHECKING:
     from orchestrator.playbooks.model import Playbook, PlaybookResult, StepRun
@@ -82,8 +81,6 @@ def handle_run_playbook(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, playbook: Playbook) -> int:
     from orchestrator.playbooks.runner import play_hosts, run_playbook
 
-    if args.forks < 1:
-        raise UsageError("--forks must be at least 1")
     inventory = _common.load_inventory(args)
     hosts = play_hosts(playbook, inventory, getattr(args, "limit", None))
     check = bool(getattr(args, "check", False))

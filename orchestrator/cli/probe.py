@@ -47,9 +47,10 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.probe.fleet import fleet_failed, probe_fleet
 
-    timeout = _common.probe_timeout(args)
     _, hosts = _common.load_hosts(args)
-    fleet = _common.run_async(probe_fleet(hosts, timeout=timeout, facts=not args.no_facts, forks=args.forks))
+    fleet = _common.run_async(
+        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+    )
     if args.json:
         _common.print_json(fleet.to_json())
     else:

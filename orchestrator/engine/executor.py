@@ -27,9 +27,13 @@ from orchestrator.connectors.base import Connection, ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.core.errors import NotStartedError, RpcfleetError, UnreachableError, UsageError
 from orchestrator.core.log import get_logger
+from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
 
 T = TypeVar("T")
+
+
+DEFAULT_FORKS = 16  # hosts worked on at once (the CLI's -f/--forks default)
 
 
 Status = Literal["ok", "changed", "failed", "unreachable", "skipped"]
@@ -176,7 +180,7 @@ class Session:
     def __init__(
         self,
         *,
-        forks: int = 16,
+        forks: int = DEFAULT_FORKS,
         options: ConnectOptions | None = None,
         interruptible: bool = False,
         on_interrupt: Callable[[str, int], None] | None = None,
@@ -186,7 +190,7 @@ class Session:
         self.forks = forks
         self.options = options
         self.run_id = f"{int(time.time() * 1000) % 10**10:010d}"
-        self._connections: dict[str, asyncio.Task[Connection]] = {}
+        self._connections: Shared[str, Connection] = Shared()
         self.interruptible = interruptible
         self.on_interrupt = on_interrupt
         self.interrupted: str | None = None  # what interrupted the run ("SIGINT", ...), once it happened
@@ -241,24 +245,12 @@ class Session:
         return task.result()
 
     async def connection(self, host: Host) -> Connection:
-        """The host's connection, opened once per session (concurrent callers share the attempt)."""
-        task = self._connections.get(host.name)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.ensure_future(connect(host, self.options))
-            self._connections[host.name] = task
-        return await asyncio.shield(task)
+        """The host's connection, opened once per session: concurrent callers share the attempt, and a
+        failed connect fails every later step on the host alike (`Shared`'s rule)."""
+        return await self._connections.get(host.name, lambda: connect(host, self.options))
 
     async def close(self) -> None:
-        tasks = list(self._connections.values())
-        self._connections.clear()
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-        for task in tasks:
-            try:
-                conn = await task
-            except (Exception, asyncio.CancelledError):  # a failed connect has nothing to close
-                continue
+        for conn in await self._connections.clear():
             await conn.close()
 
     async def run(

@@ -8,18 +8,7 @@ from typing import Any
 
 from orchestrator.core.errors import LoaderError
 from orchestrator.llama.logs import MiB, parse_load_log
-from orchestrator.planning.plan import Plan
-
-
-@dataclass(frozen=True)
-class MemoryBytes:
-    weights: int
-    kv: int
-    compute: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv + self.compute
+from orchestrator.planning.plan import MemoryBytes, Plan
 
 
 def _mib_of(n: int) -> str:

@@ -103,18 +103,25 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
-class DeviceMemory:
-    """Predicted bytes on one device against what it may use."""
+class MemoryBytes:
+    """Bytes one device holds for a model: weights, KV cache, compute buffer."""
 
     weights: int
     kv: int
     compute: int
-    usable: int
-    margin: int
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute
+
+
+@dataclass(frozen=True)
+class PlannedMemory(MemoryBytes):
+    """The plan's prediction for one device against what it may use; what a server reports is
+    `rpc.protocol.DeviceMemory`, what a load allocated `llama.placement.DevicePlacement.actual`."""
+
+    usable: int
+    margin: int
 
     @property
     def headroom(self) -> int:
@@ -143,7 +150,7 @@ class PlannedDevice:
     name: str
     description: str
     layers: tuple[int, ...]  # model layers; index n_layer is the output layer
-    memory: DeviceMemory
+    memory: PlannedMemory
     has_output: bool = False  # holds the output layer (output + output_norm, or token_embd's copy)
 
     @property
@@ -243,7 +250,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             name=x["name"],
             description=x["description"],
             layers=tuple(int(i) for i in x["layers"]),
-            memory=DeviceMemory(**x["memory"]),
+            memory=PlannedMemory(**x["memory"]),
             has_output=bool(x["has_output"]),
         )
         for x in d["devices"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
+from orchestrator.core.search import first_true
 from orchestrator.planning.memory import _predict, estimate_compute, kv_layer_bytes, validate
 from orchestrator.planning.placement import (
     largest_remainder,
@@ -171,13 +172,8 @@ def _largest_ctx(
     lo = 1
     if fits(hi * CTX_PAD):
         return hi * CTX_PAD
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * CTX_PAD):
-            lo = mid
-        else:
-            hi = mid
-    return lo * CTX_PAD
+    too_long = first_true(lambda units: not fits(units * CTX_PAD), lo, hi)
+    return (too_long - 1) * CTX_PAD
 
 
 def make_plan(

@@ -19,8 +19,7 @@ from orchestrator.core.errors import (
 )
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
-    from orchestrator.llama.placement import MemoryBytes
-    from orchestrator.planning.plan import Plan
+    from orchestrator.planning.plan import MemoryBytes, Plan
 from orchestrator.playbooks.model import T
 
 _LOAD_CHECK_TIMEOUT = 300.0
@@ -47,7 +46,7 @@ class DeviceCheck:
     @classmethod
     def from_json(cls, data: Any) -> DeviceCheck:
         """From the child's JSON; ValueError when a field is missing or of the wrong type."""
-        from orchestrator.llama.placement import MemoryBytes
+        from orchestrator.planning.plan import MemoryBytes
 
         if not isinstance(data, dict):
             raise ValueError(f"a device must be an object, got {type(data).__name__}")

@@ -1,6 +1,6 @@
 """The fleet probe: RPC from the controller plus host facts over SSH -> capacity per device.
 
-Every selected host is probed at once, two ways, both bounded by one timeout per host:
+Every selected host is probed, up to `forks` at once, two ways, both bounded by one timeout per host:
 
 * RPC, from this controller straight to the endpoint (`orchestrator.rpc`): HELLO, device count and each
   device's free/total memory. Each distinct endpoint is probed once (two probes of one server at once
@@ -61,7 +61,7 @@ from orchestrator.artifacts.protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity, without_own_connection
 from orchestrator.probe.host import DEFAULT_TIMEOUT, HostFacts, read_facts
@@ -293,19 +293,23 @@ async def probe_fleet(
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (per host, not for the whole call)
     facts: bool = True,
     session: Session | None = None,
-    forks: int = 64,
+    forks: int | None = None,
     expected: ProtocolVersion | None = None,
 ) -> FleetProbe:
-    """Probe every host at once: RPC from here and (when `facts`) host facts through the executor.
+    """Probe up to `forks` hosts at once: RPC from here and (when `facts`) host facts through the executor.
 
     Each host's RPC probe and facts are bounded by `timeout`; the whole call takes about the slowest
-    host's time, never more than about `timeout`. Never raises for a host's failure: it is in its
-    `NodeProbe`. `session`: reuse its connections (otherwise one is opened and closed here, with
-    `timeout` as the connect timeout).
+    host's time when `forks` covers the fleet, never more than about `timeout` per round of `forks`
+    hosts. Never raises for a host's failure: it is in its `NodeProbe`. `session`: reuse its
+    connections (otherwise one is opened and closed here, with `timeout` as the connect timeout).
+    `forks` (default: the session's, else `DEFAULT_FORKS`) bounds the RPC probes and the facts alike.
     """
     hosts = list(hosts)
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    forks = forks if forks is not None else session.forks if session is not None else DEFAULT_FORKS
+    if forks < 1:
+        raise ValueError(f"forks must be at least 1, got {forks}")
     started = time.monotonic()
     client = expected or cached_local_protocol_version()
 
@@ -314,9 +318,15 @@ async def probe_fleet(
     for host in hosts:
         first_host.setdefault(host.endpoint, host)
 
+    slots = asyncio.Semaphore(forks)
+
+    async def rpc_one(host: Host) -> ProbeResult:
+        async with slots:
+            return await _probe_rpc(host, timeout, client)
+
     async def rpc_all() -> dict[str, ProbeResult]:
         endpoints = list(first_host)
-        results = await asyncio.gather(*(_probe_rpc(first_host[e], timeout, client) for e in endpoints))
+        results = await asyncio.gather(*(rpc_one(first_host[e]) for e in endpoints))
         return dict(zip(endpoints, results, strict=True))
 
     async def facts_step(ctx: HostContext) -> StepOutcome[HostFacts]:

@@ -67,7 +67,7 @@ class ProtocolVersion:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """One device's memory as its server reports it (CPU servers report total RAM as free)."""
+    """What a server reports for one device (GET_DEVICE_MEMORY); the planner's view is `PlannedMemory`."""
 
     index: int
     free: int
