@@ -80,6 +80,9 @@ _API: dict[str, str] = {
     "preflight": "orchestrator.llama.loader",
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
+    "Worker": "orchestrator.llama.worker",
+    "WorkerError": "orchestrator.llama.worker",
+    "NodeLostError": "orchestrator.llama.worker",
     "build_report": "orchestrator.report.build",
     "ReportOptions": "orchestrator.report.build",
     "Report": "orchestrator.report.build",
@@ -135,6 +138,9 @@ if TYPE_CHECKING:
     from orchestrator.llama.loader import preflight as preflight
     from orchestrator.llama.placement import Placement as Placement
     from orchestrator.llama.placement import placement_of as placement_of
+    from orchestrator.llama.worker import NodeLostError as NodeLostError
+    from orchestrator.llama.worker import Worker as Worker
+    from orchestrator.llama.worker import WorkerError as WorkerError
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
     from orchestrator.planning.placement import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan

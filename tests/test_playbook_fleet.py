@@ -112,7 +112,9 @@ async def test_a_load_check_past_its_limit_kills_its_child(
 ) -> None:
     monkeypatch.setattr(sys, "executable", str(_fake_python(tmp_path, "exec sleep 60")))
     # The plan's endpoint refuses connections, so the silence is blamed on it.
-    with pytest.raises(LoaderError, match=r"lost 127\.0\.0\.1:1 \(refused\) while loading .* within 0\.3 s"):
+    with pytest.raises(
+        LoaderError, match=r"lost 127\.0\.0\.1:1 \(refused\) while starting: .* within 0\.3 s"
+    ):
         await load_check(plan, "m.gguf", limit_s=0.3)
     pid = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):

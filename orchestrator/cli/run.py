@@ -130,15 +130,13 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
     if not args.model.exists():
         raise UsageError(f"model {args.model} does not exist")
-    plan = make_run_plan(args)
-    check_fit(plan, force=args.force, json=args.json)
     # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
-    # process; the worker's log (llama.cpp's own) is named in the error.
-    with Worker.start(
-        plan, args.model, {"seed": args.seed}, log_to_stderr=args.llama_verbose, verbose=True
-    ) as worker:
-        assert worker.placement is not None
-        placement = worker.placement
+    # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
+    # overlap with the probe and the plan.
+    with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
+        plan = make_run_plan(args)
+        check_fit(plan, force=args.force, json=args.json)
+        placement = worker.load(plan, args.model, {"seed": args.seed})
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
         _common.print_json(

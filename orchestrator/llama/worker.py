@@ -30,21 +30,42 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from orchestrator.core import errors as core_errors
-from orchestrator.core.errors import LoaderError, RpcfleetError, tail
+from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
-from orchestrator.llama import errors as llama_errors
 from orchestrator.llama.placement import Placement
 from orchestrator.llama.worker_child import PARENT_ENV
-from orchestrator.llama.worker_wire import decode, encode, placement_from_json
+from orchestrator.llama.worker_wire import (
+    Done,
+    Event,
+    NodeLostError,
+    Token,
+    WorkerCrashedError,
+    WorkerError,
+    WorkerTimeoutError,
+    decode,
+    done_from_json,
+    encode,
+    error_from_child,
+    placement_from_json,
+)
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.protocol import Outcome, ProbeResult
+
+__all__ = [
+    "Done",
+    "Event",
+    "NodeLostError",
+    "Token",
+    "Worker",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerTimeoutError",
+]
 
 E = TypeVar("E", bound=RpcfleetError)
 
@@ -61,57 +82,6 @@ LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
 
 # Log lines worth showing when the worker dies (the rest is llama.cpp's chatter).
 _TELLING = re.compile(r"error|fail|abort|crash|ggml-rpc|Traceback|Killed", re.IGNORECASE)
-
-
-class WorkerError(LoaderError):
-    """The worker process failed, was refused a request, or could not be started."""
-
-    log_path: Path | None = None
-
-
-class NodeLostError(WorkerError):
-    """A node of the plan stopped answering while the worker used it (`endpoints`: the lost ones)."""
-
-    endpoints: tuple[str, ...] = ()
-    probes: tuple[ProbeResult, ...] = ()
-
-
-class WorkerCrashedError(WorkerError):
-    """The worker died, but every node still answers (a bug, memory, a signal from outside)."""
-
-
-class WorkerTimeoutError(WorkerError):
-    """The worker did not answer within its timeout (it was killed) and every node still answers."""
-
-
-@dataclass(frozen=True)
-class Token:
-    """A piece of generated text, as it streams."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Done:
-    """The end of a request: the whole text and llama.cpp's counts and timings (seconds)."""
-
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_seconds: float  # llama.cpp's prompt evaluation time
-    decode_seconds: float  # llama.cpp's generation time
-    decode_tokens: int  # the tokens llama.cpp evaluated one by one in that time
-    first_token_seconds: float  # from the request to the first piece of text, in the child
-    seconds: float  # the whole request, in the child
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Decoding speed, llama.cpp's own: tokens evaluated one by one over the time it took."""
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-
-Event = Token | Done
 
 
 def default_log_path() -> Path:
@@ -146,23 +116,6 @@ def _signal_name(returncode: int | None) -> str:
     return f"exit status {returncode}"
 
 
-def _error_from_child(message: Mapping[str, Any], log_path: Path | None) -> RpcfleetError:
-    """The child's error event as the error class it names (loader refusals keep their type)."""
-    name = str(message.get("type", ""))
-    cls = getattr(llama_errors, name, None) or getattr(core_errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, RpcfleetError)) or issubclass(
-        cls, core_errors.InputError
-    ):
-        cls = WorkerError
-    text = str(message.get("message", "the worker failed"))
-    if cls is WorkerError and name not in ("", "WorkerError"):
-        text = f"{name}: {text}"
-    err = cls(text, host=message.get("host"), hint=message.get("hint"), stderr=message.get("stderr"))
-    if isinstance(err, WorkerError):
-        err.log_path = log_path
-    return err
-
-
 class Worker:
     """One model loaded in a child process. Use `Worker.start`; close it (or use it as a context manager).
 
@@ -173,21 +126,23 @@ class Worker:
     def __init__(
         self,
         process: subprocess.Popen[bytes],
-        plan: Plan,
         log_path: Path | None,
         *,
         event_timeout: float,
+        link_timeout: float,
         probe_timeout: float,
     ) -> None:
         self._process = process
-        self.plan = plan
+        self.plan: Plan | None = None
         self.log_path = log_path
         self.event_timeout = event_timeout
+        self.link_timeout = link_timeout
         self.probe_timeout = probe_timeout
         self.placement: Placement | None = None
         self._lines: queue.Queue[bytes | None] = queue.Queue()
         self._busy = threading.Lock()
         self._dead: RpcfleetError | None = None
+        self._ready = False  # the child said `ready` (its imports are done)
         assert process.stdout is not None
         threading.Thread(target=self._read, args=(process.stdout,), name="worker-reader", daemon=True).start()
 
@@ -200,18 +155,15 @@ class Worker:
         llama_kwargs: Mapping[str, Any] | None = None,
         log_path: Path | None = None,
         *,
+        verbose: bool = True,
         load_timeout: float = LOAD_TIMEOUT,
         **options: Any,
     ) -> Worker:
-        """Start a worker, load `model_path` (default: the plan's) through `plan`, and return once it is
-        loaded (`worker.placement` holds the placement and the load time). `spawn` for the options.
-
-        Raises the loader's errors (a refused endpoint keeps its type), `WorkerTimeoutError` past
-        `load_timeout`, `NodeLostError` when a node dies during the load.
-        """
-        worker = cls.spawn(plan, model_path, llama_kwargs, log_path, **options)
+        """Start a worker (`spawn`, for the options) and `load` the model: returns once it is loaded
+        (`worker.placement` holds the placement and the load time)."""
+        worker = cls.spawn(log_path, **options)
         try:
-            worker.wait_loaded(load_timeout)
+            worker.load(plan, model_path, llama_kwargs, verbose=verbose, timeout=load_timeout)
         except BaseException:
             worker.kill()
             raise
@@ -220,32 +172,20 @@ class Worker:
     @classmethod
     def spawn(
         cls,
-        plan: Plan,
-        model_path: str | Path | None = None,
-        llama_kwargs: Mapping[str, Any] | None = None,
         log_path: Path | None = None,
         *,
         log_to_stderr: bool = False,
-        verbose: bool = True,
         event_timeout: float = EVENT_TIMEOUT,
         link_timeout: float = LINK_TIMEOUT,
         probe_timeout: float = PROBE_TIMEOUT,
     ) -> Worker:
-        """Start the child and send it the load; returns at once (`wait_loaded` waits for the load).
+        """Start the child; returns at once. The child imports llama_cpp and the loader meanwhile, so a
+        caller that spawns before probing and planning hides that time; `load` then loads the model.
 
-        The child's stderr (llama.cpp's log when `verbose`) goes to `log_path` (default: a fresh file
-        under `$RPCFLEET_HOME/logs`), or to this process's stderr with `log_to_stderr`. `llama_kwargs` go
-        to `load_llama` and must be JSON (seed, n_threads, chat_format...).
+        The child's stderr (llama.cpp's log) goes to `log_path` (default: a fresh file under
+        `$RPCFLEET_HOME/logs`), or to this process's stderr with `log_to_stderr`.
         """
         path = None if log_to_stderr else (log_path or default_log_path())
-        request = {
-            "op": "load",
-            "plan": plan.to_json(),
-            "model": str(model_path if model_path is not None else plan.model_path),
-            "llama_kwargs": dict(llama_kwargs or {}),
-            "verbose": verbose,
-            "link_timeout": link_timeout,
-        }
         env = {
             **os.environ,
             "GGML_NO_BACKTRACE": "1",
@@ -265,18 +205,44 @@ class Worker:
         finally:
             if log is not None:
                 log.close()
-        worker = cls(process, plan, path, event_timeout=event_timeout, probe_timeout=probe_timeout)
-        try:
-            worker._send(request)
-        except BaseException:
-            worker.kill()
-            raise
-        return worker
+        return cls(
+            process, path, event_timeout=event_timeout, link_timeout=link_timeout, probe_timeout=probe_timeout
+        )
 
-    def wait_loaded(self, timeout: float = LOAD_TIMEOUT) -> Placement:
-        """Wait for the load `spawn` sent (see `start` for the errors); the child is killed on an error."""
+    def load(
+        self,
+        plan: Plan,
+        model_path: str | Path | None = None,
+        llama_kwargs: Mapping[str, Any] | None = None,
+        *,
+        verbose: bool = True,
+        timeout: float = LOAD_TIMEOUT,
+    ) -> Placement:
+        """Load `model_path` (default: the plan's) through `plan` in the child (once per worker); returns
+        the placement. `llama_kwargs` go to `load_llama` and must be JSON (seed, n_threads...);
+        `verbose`: llama.cpp's log into the worker's log.
+
+        Raises the loader's errors (a refused endpoint keeps its type), `WorkerTimeoutError` past
+        `timeout` (start-up included), `NodeLostError` when a node dies during the load; the child is
+        killed on any error.
+        """
+        if self.plan is not None:
+            raise WorkerError("this worker has loaded a model already: start another")
+        self.plan = plan
+        request = {
+            "op": "load",
+            "plan": plan.to_json(),
+            "model": str(model_path if model_path is not None else plan.model_path),
+            "llama_kwargs": dict(llama_kwargs or {}),
+            "verbose": verbose,
+            "link_timeout": self.link_timeout,
+        }
+        deadline = time.monotonic() + timeout
         try:
-            answer = self._next(timeout, "loading the model")
+            self._send(request)
+            answer = self._next(timeout, "starting") if not self._ready else {"event": "ready"}
+            if answer.get("event") == "ready":  # the child's imports are done
+                answer = self._next(max(0.0, deadline - time.monotonic()), "loading the model")
             if answer.get("event") != "loaded":
                 self.kill()
                 raise self._record(self._unexpected(answer))
@@ -286,10 +252,22 @@ class Worker:
             raise self._record(
                 self._attach(WorkerError(f"the worker answered a malformed placement: {exc}"))
             ) from None
+        except BaseException:
+            self.kill()
+            raise
         get_logger().info(
             "worker_loaded", pid=self.pid, log=str(self.log_path), seconds=self.placement.load_seconds
         )
         return self.placement
+
+    def wait_ready(self, timeout: float = LOAD_TIMEOUT) -> None:
+        """Wait until the spawned child has done its imports (optional: `load` waits anyway)."""
+        if not self._ready:
+            answer = self._next(timeout, "starting")
+            if answer.get("event") != "ready":
+                self.kill()
+                raise self._record(self._unexpected(answer))
+            self._ready = True
 
     # -- requests
     def complete(
@@ -327,16 +305,9 @@ class Worker:
             raise self._dead
         if not self._busy.acquire(blocking=False):
             raise WorkerError("the worker is serving another request (one at a time)")
+        options = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": stream}
         try:
-            self._send(
-                {
-                    **request,
-                    "max_tokens": max_tokens,
-                    "temperature": temperature,
-                    "seed": seed,
-                    "stream": stream,
-                }
-            )
+            self._send({**request, **options})
         except BaseException:
             self._busy.release()
             raise
@@ -352,7 +323,7 @@ class Worker:
                     yield Token(str(answer.get("text", "")))
                 elif kind == "done":
                     finished = True
-                    yield _done(answer)
+                    yield done_from_json(answer)
                     return
                 else:
                     finished = True  # an error answer ends the request; the worker keeps serving
@@ -411,7 +382,7 @@ class Worker:
 
     def _unexpected(self, answer: Mapping[str, Any]) -> RpcfleetError:
         if answer.get("event") == "error":
-            return _error_from_child(answer, self.log_path)
+            return error_from_child(answer, self.log_path)
         return self._attach(WorkerError(f"the worker answered {answer.get('event')!r} unexpectedly"))
 
     # -- death and diagnosis
@@ -436,25 +407,17 @@ class Worker:
             )
             err.endpoints = tuple(r.endpoint for r in lost)
             err.probes = probes
-        elif timed_out is not None:
-            err = WorkerTimeoutError(
-                f"the worker {how} while {doing}; every node still answers", stderr=self._log_tail()
-            )
         else:
-            err = WorkerCrashedError(
-                f"the worker {how} while {doing}; every node still answers", stderr=self._log_tail()
-            )
+            cls = WorkerTimeoutError if timed_out is not None else WorkerCrashedError
+            err = cls(f"the worker {how} while {doing}; every node still answers", stderr=self._log_tail())
         get_logger().info("worker_failed", error=err.message, log=str(self.log_path))
         return self._record(self._attach(err))
 
     def _probe(self) -> list[ProbeResult]:
-        if not self.plan.endpoints:
+        t, endpoints = self.probe_timeout, self.plan.endpoints if self.plan else ()
+        if not endpoints:
             return []
-        t = self.probe_timeout
-        results: list[ProbeResult] = _run_sync(
-            probe_endpoints(self.plan.endpoints, connect_timeout=t, read_timeout=t, deadline=t + 1)
-        )
-        return results
+        return list(_run_sync(probe_endpoints(endpoints, connect_timeout=t, read_timeout=t, deadline=t + 1)))
 
     def _log_tail(self) -> str | None:
         """The lines of the log's end that say what went wrong (llama.cpp's abort, a failed send)."""
@@ -518,22 +481,3 @@ class Worker:
             self.close()
         else:
             self.kill()  # an error or Ctrl-C: do not wait for a generation to finish
-
-
-def _done(answer: Mapping[str, Any]) -> Done:
-    def number(key: str) -> float:
-        value = answer.get(key, 0)
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-    finish = answer.get("finish_reason")
-    return Done(
-        text=str(answer.get("text", "")),
-        finish_reason=finish if isinstance(finish, str) else None,
-        prompt_tokens=int(number("prompt_tokens")),
-        completion_tokens=int(number("completion_tokens")),
-        prompt_seconds=number("prompt_seconds"),
-        decode_seconds=number("decode_seconds"),
-        decode_tokens=int(number("decode_tokens")),
-        first_token_seconds=number("first_token_seconds"),
-        seconds=number("seconds"),
-    )

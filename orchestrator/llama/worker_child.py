@@ -195,6 +195,9 @@ def serve(channel: _Channel) -> int:
     from orchestrator.planning.plan import Plan
     from orchestrator.rpc.protocol import parse_endpoint
 
+    with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort
+        import llama_cpp  # noqa: F401
+    channel.send(event="ready")  # the imports are done: the parent may have planned meanwhile
     load = channel.requests.get()
     try:
         plan = Plan.from_json(load["plan"])

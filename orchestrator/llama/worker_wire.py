@@ -1,7 +1,8 @@
-"""The worker's wire format: one JSON object per line, both ways (pure; no llama_cpp).
+"""What crosses the worker's pipes, and what the parent makes of it (pure; no llama_cpp).
 
-Parent → child (stdin): `{"op": "complete" | "chat" | "close", ...}`.
-Child → parent (its protocol pipe): `{"event": "loaded" | "token" | "done" | "error", ...}`.
+One JSON object per line, both ways. Parent → child (stdin): `{"op": "load" | "complete" | "chat" |
+"cancel" | "close", ...}`. Child → parent (its protocol pipe): `{"event": "loaded" | "token" | "done" |
+"error", ...}`; they become `Token`/`Done` events and `WorkerError`s here.
 
 The `Placement` of a load crosses as JSON; `placement_from_json` checks every field, so a malformed
 answer is a `ValueError` naming the field, never a half-built record.
@@ -12,11 +13,68 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
+from orchestrator.core import errors as core_errors
+from orchestrator.core.errors import LoaderError, RpcfleetError
+from orchestrator.llama import errors as llama_errors
 from orchestrator.llama.placement import DevicePlacement, HostPlacement, MemoryBytes, Placement
+from orchestrator.rpc.protocol import ProbeResult
 
 T = TypeVar("T")
+
+
+class WorkerError(LoaderError):
+    """The worker process failed, was refused a request, or could not be started."""
+
+    log_path: Path | None = None
+
+
+class NodeLostError(WorkerError):
+    """A node of the plan stopped answering while the worker used it (`endpoints`: the lost ones)."""
+
+    endpoints: tuple[str, ...] = ()
+    probes: tuple[ProbeResult, ...] = ()
+
+
+class WorkerCrashedError(WorkerError):
+    """The worker died, but every node still answers (a bug, memory, a signal from outside)."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """The worker did not answer within its timeout (it was killed) and every node still answers."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of generated text, as it streams."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a request: the whole text and llama.cpp's counts and timings (seconds)."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_seconds: float  # llama.cpp's prompt evaluation time
+    decode_seconds: float  # llama.cpp's generation time
+    decode_tokens: int  # the tokens llama.cpp evaluated one by one in that time
+    first_token_seconds: float  # from the request to the first piece of text, in the child
+    seconds: float  # the whole request, in the child
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decoding speed, llama.cpp's own: tokens evaluated one by one over the time it took."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+Event = Token | Done
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
@@ -111,4 +169,40 @@ def placement_from_json(data: Any) -> Placement:
         used_devices=tuple((u[0], u[1]) for u in used),
         load_seconds=typed(data, "load_seconds", float),
         log=tuple(log),
+    )
+
+
+def error_from_child(message: Mapping[str, Any], log_path: Path | None) -> RpcfleetError:
+    """The child's error event as the error class it names (loader refusals keep their type)."""
+    name = str(message.get("type", ""))
+    cls = getattr(llama_errors, name, None) or getattr(core_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, RpcfleetError)) or issubclass(
+        cls, core_errors.InputError
+    ):
+        cls = WorkerError
+    text = str(message.get("message", "the worker failed"))
+    if cls is WorkerError and name not in ("", "WorkerError"):
+        text = f"{name}: {text}"
+    err = cls(text, host=message.get("host"), hint=message.get("hint"), stderr=message.get("stderr"))
+    if isinstance(err, WorkerError):
+        err.log_path = log_path
+    return err
+
+
+def done_from_json(answer: Mapping[str, Any]) -> Done:
+    def number(key: str) -> float:
+        value = answer.get(key, 0)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+    finish = answer.get("finish_reason")
+    return Done(
+        text=str(answer.get("text", "")),
+        finish_reason=finish if isinstance(finish, str) else None,
+        prompt_tokens=int(number("prompt_tokens")),
+        completion_tokens=int(number("completion_tokens")),
+        prompt_seconds=number("prompt_seconds"),
+        decode_seconds=number("decode_seconds"),
+        decode_tokens=int(number("decode_tokens")),
+        first_token_seconds=number("first_token_seconds"),
+        seconds=number("seconds"),
     )

@@ -68,9 +68,9 @@ async def load_check(
     """
     from orchestrator.llama.worker import Worker
 
-    worker = Worker.spawn(plan, model, verbose=False)
+    worker = Worker.spawn()
     try:
-        placement = await asyncio.to_thread(worker.wait_loaded, limit_s)
+        placement = await asyncio.to_thread(worker.load, plan, model, verbose=False, timeout=limit_s)
     except BaseException:
         worker.kill()  # a cancellation leaves the waiting thread behind: the kill ends its wait
         raise
