@@ -17,6 +17,7 @@ Both generate the same text (checked).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -187,7 +188,13 @@ def main() -> None:
             "numpy and the loader. `rpcfleet run` spawns the worker before it probes and plans, so that "
             "time overlaps with the probe (the pre-spawned column: the child's imports are done when the "
             "clock starts); what remains is the plan and the placement crossing the pipe. Generation "
-            "pays one JSON line per token on a pipe.",
+            "pays one JSON line per token on a pipe."
+            + (
+                f" The machine was busy (load average {load_before:.1f} on {os.cpu_count()} cores, other "
+                "test runs): differences of 10-20 % between columns are within the noise of one round."
+                if load_before > (os.cpu_count() or 1)
+                else ""
+            ),
         ]
     )
     print(body)

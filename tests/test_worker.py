@@ -45,6 +45,12 @@ def test_messages_and_placements_cross_the_pipe_unchanged(tiny_model: Path) -> N
     assert placement_from_json(json.loads(json.dumps(placement_to_json(placement)))) == placement
 
 
+def test_the_parent_side_imports_no_llama_cpp() -> None:
+    code = "import sys, orchestrator.llama.worker; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.llama
 def test_the_worker_generates_what_an_in_process_load_generates(
     debug_rpc_servers: list[DebugServer], tiny_model: Path
