@@ -95,6 +95,9 @@ _API: dict[str, str] = {
     "RpcDevice": "orchestrator.llama.registry",
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
+    "Worker": "orchestrator.llama.worker",
+    "WorkerError": "orchestrator.llama.worker",
+    "NodeLostError": "orchestrator.llama.worker",
     "build_report": "orchestrator.report.build",
     "ReportOptions": "orchestrator.report.build",
     "Report": "orchestrator.report.build",
@@ -159,6 +162,9 @@ if TYPE_CHECKING:
     from orchestrator.llama.registry import rpc_device_handles as rpc_device_handles
     from orchestrator.llama.registry import supports_rpc as supports_rpc
     from orchestrator.llama.seed import Llama as Llama
+    from orchestrator.llama.worker import NodeLostError as NodeLostError
+    from orchestrator.llama.worker import Worker as Worker
+    from orchestrator.llama.worker import WorkerError as WorkerError
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
     from orchestrator.planning.placement import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan

@@ -40,6 +40,12 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
         default="proportional",
         help="layers proportional to usable memory (default), or on the fewest devices",
     )
+    parser.add_argument(
+        "--trust-rpc-memory",
+        action="store_true",
+        help="plan on a CPU server's own memory figure (total RAM) when its host facts cannot be read "
+        "(default: such a node is refused)",
+    )
     if local:
         parser.add_argument(
             "--local-devices",
@@ -85,6 +91,12 @@ def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> 
     if not hosts:
         raise UsageError("no hosts selected")
     fleet = _common.run_async(
-        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+        probe_fleet(
+            hosts,
+            timeout=args.timeout,
+            facts=not args.no_facts,
+            forks=args.forks,
+            trust_rpc_memory=args.trust_rpc_memory,
+        )
     )
     return list(order_devices(to_plan_devices(fleet), local_gpus(), local_device_selection(args)))

@@ -65,7 +65,13 @@ def handle(args: argparse.Namespace) -> int:
     models = [(str(m), profile_model(m)) for m in args.model]  # read before probing: fail fast on a typo
     _, hosts = _common.load_hosts(args)
     fleet = _common.run_async(
-        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+        probe_fleet(
+            hosts,
+            timeout=args.timeout,
+            facts=not args.no_facts,
+            forks=args.forks,
+            trust_rpc_memory=args.trust_rpc_memory,
+        )
     )
     options = ReportOptions(
         plan=plan_options,

@@ -1,7 +1,10 @@
 """`rpcfleet run`: probe the fleet, plan, load the model over RPC, generate, and show where it went.
 
 The placement table sets the plan's prediction beside what llama.cpp allocated (its load log, 0.01 MiB
-precision) for every device and for the host, then generation speed.
+precision) for every device and for the host, then generation speed. The model runs in a worker process
+(`orchestrator.llama.worker`): a node lost mid-inference is an error naming it (exit status 1), never a
+native abort of this process; llama.cpp's log goes to the worker's log file (or stderr with
+`--llama-verbose`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--plan", type=Path, default=None, help="load this plan (JSON) instead of planning")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--temp", type=float, default=0.0, help="temperature (default: 0, greedy)")
-    parser.add_argument("--llama-verbose", action="store_true", help="show llama.cpp's own log")
+    parser.add_argument(
+        "--llama-verbose",
+        action="store_true",
+        help="show llama.cpp's own log here (default: the worker's log file, named on failure)",
+    )
     parser.add_argument(
         "--force",
         action="store_true",
@@ -117,21 +124,20 @@ def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.worker import Worker
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
     if not args.model.exists():
         raise UsageError(f"model {args.model} does not exist")
-    plan = make_run_plan(args)
-    check_fit(plan, force=args.force, json=args.json)
-    llm = load_llama(plan, args.model, seed=args.seed, verbose=args.llama_verbose)
-    try:
-        text, stats = generate(llm, args.prompt, args.n_predict, args.temp, echo=not args.json)
-        placement = placement_of(llm)
-    finally:
-        llm.close()
+    # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
+    # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
+    # overlap with the probe and the plan.
+    with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
+        plan = make_run_plan(args)
+        check_fit(plan, force=args.force, json=args.json)
+        placement = worker.load(plan, args.model, {"seed": args.seed})
+        text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
         _common.print_json(
             {
@@ -139,6 +145,7 @@ def handle(args: argparse.Namespace) -> int:
                 **stats,
                 "placement": _placement_json(placement),
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
+                "log": str(worker.log_path) if worker.log_path else None,
             }
         )
         return 0
@@ -153,30 +160,33 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple[str, dict[str, Any]]:
-    """Stream a completion (echoed as it comes); the numbers are llama.cpp's own counters."""
-    from orchestrator.llama.native import generation_timings
+def generate(
+    worker: Any, prompt: str, n: int, temp: float, seed: int, *, echo: bool
+) -> tuple[str, dict[str, Any]]:
+    """Stream a completion from the worker (echoed as it comes); the counts are the tokens the model
+    produced and llama.cpp's own timings."""
+    from orchestrator.llama.worker import Done
 
-    pieces: list[str] = []
-    finish_reason = None
-    for chunk in llm(prompt, max_tokens=n, temperature=temp, stream=True):
-        piece = chunk["choices"][0]["text"]
-        finish_reason = chunk["choices"][0].get("finish_reason") or finish_reason
-        pieces.append(piece)
+    done: Done | None = None
+    try:
+        for event in worker.complete(prompt, max_tokens=n, temperature=temp, seed=seed):
+            if isinstance(event, Done):
+                done = event
+            elif echo:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    finally:
         if echo:
-            sys.stdout.write(piece)
+            sys.stdout.write("\n")
             sys.stdout.flush()
-    if echo:
-        sys.stdout.write("\n")
-    timings = generation_timings(llm)
-    # Every generated token is evaluated for the next one, except the last when max_tokens ends it.
-    generated = timings.generated_tokens + (1 if finish_reason == "length" else 0)
-    return "".join(pieces), {
-        "prompt_tokens": timings.prompt_tokens,
-        "prompt_seconds": round(timings.prompt_seconds, 4),
-        "completion_tokens": generated,
-        "decode_seconds": round(timings.generate_seconds, 4),
-        "tokens_per_second": round(timings.tokens_per_second, 2),
+    assert done is not None
+    return done.text, {
+        "prompt_tokens": done.prompt_tokens,
+        "prompt_seconds": round(done.prompt_seconds, 4),
+        "completion_tokens": done.completion_tokens,
+        "finish_reason": done.finish_reason,
+        "decode_seconds": round(done.decode_seconds, 4),
+        "tokens_per_second": round(done.tokens_per_second, 2),
     }
 
 

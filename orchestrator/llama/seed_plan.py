@@ -26,7 +26,7 @@ from orchestrator.core.units import format_size, parse_size
 from orchestrator.facts.base import gather
 from orchestrator.inventory.model import Host, is_loopback
 from orchestrator.planning.plan import Plan, PlanDevice
-from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity
+from orchestrator.probe.capacity import fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.errors import EndpointUnreachableError
 from orchestrator.rpc.protocol import EndpointError, Outcome, ProbeResult, parse_endpoint
@@ -130,11 +130,14 @@ def measured_devices(
     ]
     devices: list[PlanDevice] = []
     unmeasured: list[str] = []
-    for (host, _result, _facts), capacities in zip(probed, fleet_capacity(probed), strict=True):
+    capacities_of = fleet_capacity(probed, trust_rpc_memory=trust_rpc_memory)
+    for (host, _result, _facts), capacities in zip(probed, capacities_of, strict=True):
         for cap in capacities:
-            usable = _usable(cap, explicit.get(host.name), trust_rpc_memory)
+            usable = explicit.get(host.name)
             if usable is None:
-                unmeasured.append(cap.name)
+                # The probe's rule: a CPU device without facts is not measured (usable 0, untrusted).
+                if not cap.measured and not trust_rpc_memory:
+                    unmeasured.append(cap.name)
                 usable = cap.usable
             devices.append(
                 PlanDevice(
@@ -150,15 +153,6 @@ def measured_devices(
                 )
             )
     return Measured(tuple(devices), tuple(unmeasured))
-
-
-def _usable(cap: DeviceCapacity, explicit: int | None, trust: bool) -> int | None:
-    """A device's usable bytes, or None when they were not measured (a CPU device without facts)."""
-    if explicit is not None:
-        return explicit
-    if cap.kind == "cpu" and cap.source_of_free == "rpc" and not trust:
-        return None
-    return cap.usable
 
 
 def refuse_unmeasured(labels: Sequence[str]) -> None:

@@ -13,7 +13,9 @@ Every selected host is probed, up to `forks` at once, two ways, both bounded by 
 
 * usable = max(0, min(free - memory_reserve, memory_limit)); reserve and limit are per device.
 * CPU devices report free == total == physical RAM (a constant), so their free is `MemAvailable`
-  (`source_of_free="meminfo"`); without facts the RPC number is kept, with a warning. Several CPU
+  (`source_of_free="meminfo"`). Without facts (SSH down, facts failed or `facts=False`) that memory is
+  not measured: the device's `usable` is 0 and `untrusted` says why (`to_plan_devices` refuses the
+  node), unless `trust_rpc_memory`, which keeps the RPC number with a warning. Several CPU
   devices on one machine (same machine identity: lab nodes share one kernel, a machine may run several
   servers) split its MemAvailable evenly, with a warning on each: otherwise each would claim all of it.
 * GPU devices keep the RPC numbers (the driver's, as the server sees them), cross-checked against
@@ -37,6 +39,7 @@ added)::
                 "clients": [str] | null,                            # from ss; null without facts
                 "duplicate_of": str | null,                         # host probed for the same endpoint
                 "warnings": [str], "facts_error": str | null,
+                "untrusted": str | null,                            # why its memory is not used
                 "facts": {"mem_total": int | null, "mem_available": int | null,
                           "cpu_model": str | null, "cpu_count": int | null,
                           "gpus": [{"vendor", "index", "name", "total", "free"}],
@@ -45,7 +48,7 @@ added)::
                 "devices": [{"index": int, "name": str, "description": str, "backend": str,
                              "kind": "cpu" | "gpu", "total": int, "free": int, "reserve": int,
                              "limit": int | null, "usable": int, "source_of_free": "rpc" | "meminfo",
-                             "warnings": [str]}]}]}
+                             "warnings": [str], "measured": bool, "untrusted": str | null}]}]}
 """
 
 from __future__ import annotations
@@ -122,6 +125,14 @@ class NodeProbe:
         return self.state == "ok"
 
     @property
+    def untrusted(self) -> str | None:
+        """Why this node's memory is not used (not measured, not trusted), or None."""
+        why = next((d.untrusted for d in self.devices if d.untrusted), None)
+        if why is not None and self.facts_error:
+            why += f": {self.facts_error}"
+        return why
+
+    @property
     def clients(self) -> tuple[str, ...] | None:
         return self.facts.rpc_clients if self.facts is not None else None
 
@@ -139,6 +150,7 @@ class NodeProbe:
             "duplicate_of": self.duplicate_of,
             "warnings": list(self.warnings),
             "facts_error": self.facts_error,
+            "untrusted": self.untrusted,
             "facts": self.facts.to_json() if self.facts is not None else None,
             "devices": [d.to_json() for d in self.devices],
         }
@@ -295,6 +307,7 @@ async def probe_fleet(
     session: Session | None = None,
     forks: int | None = None,
     expected: ProtocolVersion | None = None,
+    trust_rpc_memory: bool = False,
 ) -> FleetProbe:
     """Probe up to `forks` hosts at once: RPC from here and (when `facts`) host facts through the executor.
 
@@ -303,6 +316,7 @@ async def probe_fleet(
     hosts. Never raises for a host's failure: it is in its `NodeProbe`. `session`: reuse its
     connections (otherwise one is opened and closed here, with `timeout` as the connect timeout).
     `forks` (default: the session's, else `DEFAULT_FORKS`) bounds the RPC probes and the facts alike.
+    `trust_rpc_memory`: see `compute_capacity`.
     """
     hosts = list(hosts)
     if timeout <= 0:
@@ -348,7 +362,8 @@ async def probe_fleet(
 
     rpc_results, fact_results = await asyncio.gather(rpc_all(), facts_all())
     capacities = fleet_capacity(
-        [(h, rpc_results[h.endpoint], fact_results.get(h.name, (None, None))[0]) for h in hosts]
+        [(h, rpc_results[h.endpoint], fact_results.get(h.name, (None, None))[0]) for h in hosts],
+        trust_rpc_memory=trust_rpc_memory,
     )
     nodes: list[NodeProbe] = []
     for host, devices in zip(hosts, capacities, strict=True):

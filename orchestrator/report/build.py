@@ -225,8 +225,14 @@ def build_report(
         )
     devices = tuple(to_plan_devices(fleet, failed="skip"))
     notes: list[str] = []
-    for node in fleet.failed:
-        notes.append(f"{node.host} ({node.endpoint}) is {node.state}: its devices are not in the plans")
+    for node in fleet.nodes:
+        if not node.ok:
+            notes.append(f"{node.host} ({node.endpoint}) is {node.state}: its devices are not in the plans")
+        elif node.untrusted:
+            notes.append(
+                f"{node.host} ({node.endpoint}): {node.untrusted}: its devices are not in the plans "
+                "(--trust-rpc-memory plans on the server's figure, total RAM)"
+            )
     cases: list[Case] = []
     for path, profile in models:
         for n_ctx in contexts:
