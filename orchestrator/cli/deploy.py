@@ -8,31 +8,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-from rich import box
-from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common
-from orchestrator.connectors.base import Progress as ProgressCallback
-from orchestrator.engine.executor import HostContext, Recap, RunResult, Session, StepOutcome
-from orchestrator.inventory.model import Host
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallChange
-from orchestrator.operations.server import ServerStatus
-from orchestrator.operations.service import (
-    DeployResult,
-    ServiceChange,
-    make_deploy_step,
-    make_logs_step,
-    make_restart_step,
-    make_rollback_step,
-    make_start_step,
-    make_status_step,
-    make_stop_step,
-)
+
+if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
+    from orchestrator.engine.executor import HostContext, RunResult, StepOutcome
+    from orchestrator.inventory.model import Host
 
 
 def register(subparsers: Any) -> None:
@@ -103,6 +85,8 @@ def _run(
     step: Callable[[HostContext], Awaitable[StepOutcome[Any]]],
     name: str,
 ) -> RunResult[Any]:
+    from orchestrator.engine.executor import Session
+
     async def go() -> RunResult[Any]:
         async with Session(forks=args.forks) as session:
             return await session.run(
@@ -116,49 +100,10 @@ def _run(
     return _common.run_async(go())
 
 
-class _TransferColumn(DownloadColumn):
-    """Bytes done/total for an upload; the latest build log line for an on-node build."""
-
-    def render(self, task: Task) -> Text:
-        if "line" in task.fields:
-            return Text(str(task.fields["line"])[:80], style="dim")
-        return super().render(task)
-
-
-class _Uploads:
-    """Rich progress bars for uploads, one per host, fed by `Connection.put`'s callback; for an on-node
-    build, one status line per host showing the build log's latest line."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            _TransferColumn(),
-            TransferSpeedColumn(),
-            console=_common.err_console,
-            transient=True,
-            disable=not enabled,
-        )
-
-    def __call__(self, host: Host, change: InstallChange) -> ProgressCallback:
-        what = f"the source of {change.version}" if change.build is not None else change.version
-        task = self.progress.add_task(f"{host.name}: upload {what}", total=None)
-
-        def update(done: int, total: int) -> None:
-            self.progress.update(task, completed=done, total=total)
-
-        return update
-
-    def build_log(self, host: Host, change: InstallChange) -> Callable[[str], None]:
-        task = self.progress.add_task(f"{host.name}: build {change.version}", total=None, line="starting")
-
-        def update(line: str) -> None:
-            self.progress.update(task, line=line)
-
-        return update
-
-
 def _print_changes(run: RunResult[Any], check: bool) -> None:
+    from rich import box
+    from rich.table import Table
+
     table = Table(box=box.SIMPLE_HEAD, title="would change" if check else None, title_justify="left")
     for column in ("host", "status", "what"):
         table.add_column(column)
@@ -174,6 +119,10 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 
 def _json_value(value: Any) -> Any:
+    from orchestrator.operations.install_plan import InstallChange
+    from orchestrator.operations.server import ServerStatus
+    from orchestrator.operations.service import DeployResult, ServiceChange
+
     if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange):
         return value.to_json()
     return value
@@ -195,6 +144,8 @@ def _print_json(run: RunResult[Any]) -> None:
 
 
 def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
+    from orchestrator.engine.executor import Recap
+
     if args.json:
         _print_json(run)
     else:
@@ -204,8 +155,12 @@ def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
+    from orchestrator.cli._progress import Uploads
+    from orchestrator.operations.install import ArtifactChooser
+    from orchestrator.operations.service import make_deploy_step
+
     _, hosts = _common.load_hosts(args)
-    uploads = _Uploads(enabled=not args.json and not args.check)
+    uploads = Uploads(enabled=not args.json and not args.check)
     step = make_deploy_step(
         ArtifactChooser(args.artifact),
         check=args.check,
@@ -223,6 +178,8 @@ def handle_service(args: argparse.Namespace) -> int:
         from orchestrator.cli.playbook import handle_rolling_restart
 
         return handle_rolling_restart(args)
+    from orchestrator.operations.service import make_restart_step, make_start_step, make_stop_step
+
     _, hosts = _common.load_hosts(args)
     factory = {"start": make_start_step, "stop": make_stop_step, "restart": make_restart_step}[args.action]
     run = _run(args, hosts, factory(check=args.check), args.action)
@@ -230,6 +187,8 @@ def handle_service(args: argparse.Namespace) -> int:
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
+    from orchestrator.operations.service import make_rollback_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_rollback_step(to=args.to, check=args.check), "rollback")
     return _finish(args, run)
@@ -245,6 +204,12 @@ _STATE_STYLE = {
 
 
 def handle_status(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.operations.server import ServerStatus
+    from orchestrator.operations.service import make_status_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_status_step(), "status")
     if args.json:
@@ -280,6 +245,8 @@ def handle_status(args: argparse.Namespace) -> int:
 
 
 def handle_logs(args: argparse.Namespace) -> int:
+    from orchestrator.operations.service import make_logs_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_logs_step(args.lines), "logs")
     for r in run.results:

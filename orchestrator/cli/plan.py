@@ -8,11 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.units import format_size
@@ -68,6 +65,9 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def print_plan(plan: Plan) -> None:
+    from rich import box
+    from rich.table import Table
+
     table = Table(
         box=box.SIMPLE_HEAD, highlight=False, title=f"plan: {plan.model_name}", title_justify="left"
     )

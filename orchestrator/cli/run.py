@@ -12,11 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
@@ -186,6 +183,9 @@ def _mib(n: int) -> str:
 
 def _print_placement(placement: Placement) -> None:
     """Two rows per device: the plan's prediction, then what llama.cpp allocated."""
+    from rich import box
+    from rich.table import Table
+
     table = Table(
         title="placement (MiB)", title_justify="left", box=box.SIMPLE_HEAD, highlight=False, pad_edge=False
     )

@@ -9,8 +9,14 @@ import shutil
 import signal
 from pathlib import Path
 
-from orchestrator.connectors.base import _CHUNK, _DRAIN_TIMEOUT, ConnectOptions, Progress, _BaseConnection
-from orchestrator.connectors.ssh import _ProgressReporter
+from orchestrator.connectors.base import (
+    _CHUNK,
+    _DRAIN_TIMEOUT,
+    ConnectOptions,
+    Progress,
+    _BaseConnection,
+    _ProgressReporter,
+)
 from orchestrator.core.errors import (
     TransferError,
     UnreachableError,
