@@ -14,16 +14,33 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
     from orchestrator.planning.plan import PlanDevice, PlanOptions
 
 
+# orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def add_kv_type_args(parser: argparse.ArgumentParser) -> None:
+    for which in ("k", "v"):
+        parser.add_argument(
+            f"--type-{which}",
+            choices=KV_TYPES,
+            default="f16",
+            metavar="TYPE",
+            help=f"KV cache type of {which.upper()}: {', '.join(KV_TYPES)} (default: f16)",
+        )
+
+
 def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, local: bool = True) -> None:
     if ctx:
         parser.add_argument(
-            "--ctx", type=int, default=4096, help="context size (default: 4096; 0 = the model's)"
+            "--ctx",
+            type=_common.context_size,
+            default=4096,
+            help="context size: 8192, 8k, 128k (default: 4096; 0 = the model's training context)",
         )
     parser.add_argument("--margin", default=None, help="headroom kept free per device (default: 256MiB)")
-    parser.add_argument("--type-k", default="f16", help="KV cache type of K (default: f16)")
-    parser.add_argument("--type-v", default="f16", help="KV cache type of V (default: f16)")
+    add_kv_type_args(parser)
     parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
-    parser.add_argument("--ubatch", type=int, default=512, help="n_ubatch (default: 512)")
+    parser.add_argument("--ubatch", type=_common.positive_int, default=512, help="n_ubatch (default: 512)")
     parser.add_argument(
         "--strategy",
         choices=["proportional", "fewest"],
@@ -50,8 +67,6 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
         raise UsageError(f"--margin: {exc}") from None
     _common.probe_timeout(args)
     n_ctx = args.ctx if n_ctx is None else n_ctx
-    if n_ctx < 0 or args.ubatch < 1:
-        raise UsageError("--ctx must be 0 or positive and --ubatch at least 1")
     return PlanOptions(
         n_ctx=n_ctx,
         type_k=args.type_k,

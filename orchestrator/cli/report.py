@@ -8,7 +8,6 @@ so a reader never sees half a report).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,18 +17,16 @@ from orchestrator.cli import _common, _planning
 from orchestrator.core.errors import UsageError
 from orchestrator.core.files import write_atomic
 
-_CTX = re.compile(r"^\s*(\d+)\s*([kK])?\s*$")
-
 
 def parse_contexts(values: list[str] | None) -> list[int]:
     """'4096,32k' (repeatable) -> [4096, 32768]; k means 1024. Duplicates are dropped, order kept."""
     out: list[int] = []
     for value in values or ["4096"]:
         for part in value.split(","):
-            match = _CTX.match(part)
-            if match is None:
-                raise UsageError(f"--ctx: expected context sizes such as 4096,32k, got {part.strip()!r}")
-            n = int(match.group(1)) * (1024 if match.group(2) else 1)
+            try:
+                n = _common.parse_context(part)
+            except ValueError as exc:
+                raise UsageError(f"--ctx: {exc}") from None
             if n not in out:
                 out.append(n)
     return out
