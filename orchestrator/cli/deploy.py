@@ -240,7 +240,8 @@ def handle_status(args: argparse.Namespace) -> int:
     _common.console.print(table, highlight=False)
     for r in run.results:
         if r.error is not None:
-            _common.err_console.print(f"[red]{r.host.name}[/red]: {r.error}", highlight=False, markup=False)
+            error = _common.escape(r.error.describe(with_host=False))
+            _common.err_console.print(f"[red]{_common.escape(r.host.name)}[/red]: {error}", highlight=False)
     return 0 if run.ok else 1
 
 
