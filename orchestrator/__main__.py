@@ -15,5 +15,6 @@ try:
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exec("None")  # see orchestrator.cli.run: otherwise `python -m` may end by SIGINT, not 130
     sys.exit(130)
 run()

@@ -121,6 +121,10 @@ def run() -> NoReturn:
         status = INTERRUPTED
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # CPython remembers a KeyboardInterrupt that ended any string exec() (dataclasses and others make
+    # code that way) even once it was caught, and under `python -m` then kills the process with SIGINT
+    # at exit instead of exiting with `status`. A string exec that ends normally clears that flag.
+    exec("None")
     sys.exit(status)
 
 
