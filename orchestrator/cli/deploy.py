@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _common, _follow
 
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
     from orchestrator.engine.executor import HostContext, RunResult, StepOutcome
@@ -51,6 +51,7 @@ def register(subparsers: Any) -> None:
     logs = subparsers.add_parser("logs", help="the end of each rpc-server's log")
     _common.add_inventory_args(logs)
     logs.add_argument("-n", "--lines", type=int, default=40, help="lines per host (default: 40)")
+    _follow.add_follow_args(logs)
     logs.set_defaults(handler=handle_logs)
 
     rollback = subparsers.add_parser(
@@ -253,7 +254,10 @@ def handle_logs(args: argparse.Namespace) -> int:
     for r in run.results:
         _common.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):
-            _common.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
+            text = _follow.filter_tail(r.value.rstrip("\n"), args.noise)
+            _common.console.print(text, highlight=False, markup=False)
         elif r.error is not None:
             _common.err_console.print(str(r.error), highlight=False, markup=False)
+    if args.follow:
+        return _follow.follow(args, hosts)
     return 0 if run.ok else 1

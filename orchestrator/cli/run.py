@@ -121,6 +121,11 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError(f"model {args.model} does not exist")
     plan = make_run_plan(args)
     check_fit(plan, force=args.force, json=args.json)
+    if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
+        where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
+        _common.err_console.print(
+            f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]", highlight=False
+        )
     llm = load_llama(plan, args.model, seed=args.seed, verbose=args.llama_verbose)
     try:
         text, stats = generate(llm, args.prompt, args.n_predict, args.temp, echo=not args.json)
