@@ -14,13 +14,28 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
     from orchestrator.planning.plan import PlanDevice, PlanOptions
 
 
+# orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def add_kv_type_args(parser: argparse.ArgumentParser) -> None:
+    for which in ("k", "v"):
+        parser.add_argument(
+            f"--type-{which}",
+            choices=KV_TYPES,
+            default="f16",
+            metavar="TYPE",
+            help=f"KV cache type of {which.upper()}: {', '.join(KV_TYPES)} (default: f16)",
+        )
+
+
 def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, local: bool = True) -> None:
     if ctx:
         parser.add_argument(
             "--ctx",
             type=_common.flag(fields.context),
             default=4096,
-            help="context size (default: 4096; 0 = the model's)",
+            help="context size: 8192, 8k, 128k (default: 4096; 0 = the model's training context)",
         )
     parser.add_argument(
         "--margin",
@@ -28,8 +43,7 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
         default=None,
         help="headroom kept free per device (default: 256MiB)",
     )
-    parser.add_argument("--type-k", default="f16", help="KV cache type of K (default: f16)")
-    parser.add_argument("--type-v", default="f16", help="KV cache type of V (default: f16)")
+    add_kv_type_args(parser)
     parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
     parser.add_argument(
         "--ubatch", type=_common.flag(fields.integer(minimum=1)), default=512, help="n_ubatch (default: 512)"
@@ -60,6 +74,7 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
     """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
     from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
 
+    _common.probe_timeout(args)
     return PlanOptions(
         n_ctx=args.ctx if n_ctx is None else n_ctx,
         type_k=args.type_k,

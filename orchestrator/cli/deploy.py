@@ -8,31 +8,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
-
-from orchestrator.cli import _common
-from orchestrator.connectors.base import Progress as ProgressCallback
+from orchestrator.cli import _common, _follow
 from orchestrator.core import fields
-from orchestrator.engine.executor import HostContext, Recap, RunResult, Step, StepOutcome
-from orchestrator.inventory.model import Host
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallChange
-from orchestrator.operations.rolling import RestartReport, make_rolling_restart_step
-from orchestrator.operations.server import ServerStatus
-from orchestrator.operations.service import (
-    DeployResult,
-    ServiceChange,
-    make_deploy_step,
-    make_logs_step,
-    make_rollback_step,
-    make_service_step,
-    make_status_step,
-)
+
+if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
+    from orchestrator.engine.executor import HostContext, RunResult, Step, StepOutcome
+    from orchestrator.inventory.model import Host
 
 
 def register(subparsers: Any) -> None:
@@ -72,6 +55,7 @@ def register(subparsers: Any) -> None:
     logs = subparsers.add_parser("logs", help="the end of each rpc-server's log")
     _common.add_inventory_args(logs)
     logs.add_argument("-n", "--lines", type=int, default=40, help="lines per host (default: 40)")
+    _follow.add_follow_args(logs)
     logs.set_defaults(handler=handle_logs)
 
     rollback = subparsers.add_parser(
@@ -110,6 +94,7 @@ def _run(
     step: Callable[[HostContext], Awaitable[StepOutcome[Any]]],
     name: str,
 ) -> RunResult[Any]:
+
     async def go() -> RunResult[Any]:
         async with _common.fleet_session(args) as session:
             return await session.run(
@@ -123,49 +108,10 @@ def _run(
     return _common.run_async(go())
 
 
-class _TransferColumn(DownloadColumn):
-    """Bytes done/total for an upload; the latest build log line for an on-node build."""
-
-    def render(self, task: Task) -> Text:
-        if "line" in task.fields:
-            return Text(str(task.fields["line"])[:80], style="dim")
-        return super().render(task)
-
-
-class _Uploads:
-    """Rich progress bars for uploads, one per host, fed by `Connection.put`'s callback; for an on-node
-    build, one status line per host showing the build log's latest line."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            _TransferColumn(),
-            TransferSpeedColumn(),
-            console=_common.err_console,
-            transient=True,
-            disable=not enabled,
-        )
-
-    def __call__(self, host: Host, change: InstallChange) -> ProgressCallback:
-        what = f"the source of {change.version}" if change.build is not None else change.version
-        task = self.progress.add_task(f"{host.name}: upload {what}", total=None)
-
-        def update(done: int, total: int) -> None:
-            self.progress.update(task, completed=done, total=total)
-
-        return update
-
-    def build_log(self, host: Host, change: InstallChange) -> Callable[[str], None]:
-        task = self.progress.add_task(f"{host.name}: build {change.version}", total=None, line="starting")
-
-        def update(line: str) -> None:
-            self.progress.update(task, line=line)
-
-        return update
-
-
 def _print_changes(run: RunResult[Any], check: bool) -> None:
+    from rich import box
+    from rich.table import Table
+
     table = Table(box=box.SIMPLE_HEAD, title="would change" if check else None, title_justify="left")
     for column in ("host", "status", "what"):
         table.add_column(column)
@@ -181,6 +127,11 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 
 def _json_value(value: Any) -> Any:
+    from orchestrator.operations.install_plan import InstallChange
+    from orchestrator.operations.rolling import RestartReport
+    from orchestrator.operations.server import ServerStatus
+    from orchestrator.operations.service import DeployResult, ServiceChange
+
     if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange | RestartReport):
         return value.to_json()
     return value
@@ -202,6 +153,8 @@ def _print_json(run: RunResult[Any]) -> None:
 
 
 def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
+    from orchestrator.engine.executor import Recap
+
     if args.json:
         _print_json(run)
     else:
@@ -212,8 +165,12 @@ def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
+    from orchestrator.cli._progress import Uploads
+    from orchestrator.operations.install import ArtifactChooser
+    from orchestrator.operations.service import make_deploy_step
+
     _, hosts = _common.load_hosts(args)
-    uploads = _Uploads(enabled=not args.json and not args.check)
+    uploads = Uploads(enabled=not args.json and not args.check)
     step = make_deploy_step(
         ArtifactChooser(args.artifact),
         _common.operation_options(args),
@@ -231,6 +188,9 @@ def handle_service(args: argparse.Namespace) -> int:
         from orchestrator.cli.playbook import handle_rolling_restart
 
         return handle_rolling_restart(args)
+    from orchestrator.operations.rolling import make_rolling_restart_step
+    from orchestrator.operations.service import make_service_step
+
     _, hosts = _common.load_hosts(args)
     options = _common.operation_options(args)
     if args.action == "restart":
@@ -242,6 +202,8 @@ def handle_service(args: argparse.Namespace) -> int:
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
+    from orchestrator.operations.service import make_rollback_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_rollback_step(_common.operation_options(args), to=args.to), "rollback")
     return _finish(args, run)
@@ -258,6 +220,12 @@ _STATE_STYLE = {
 
 
 def handle_status(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.operations.server import ServerStatus
+    from orchestrator.operations.service import make_status_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_status_step(), "status")
     if args.json:
@@ -288,17 +256,23 @@ def handle_status(args: argparse.Namespace) -> int:
     _common.console.print(table, highlight=False)
     for r in run.results:
         if r.error is not None:
-            _common.err_console.print(f"[red]{r.host.name}[/red]: {r.error}", highlight=False, markup=False)
+            error = _common.escape(r.error.describe(with_host=False))
+            _common.err_console.print(f"[red]{_common.escape(r.host.name)}[/red]: {error}", highlight=False)
     return 0 if run.ok else 1
 
 
 def handle_logs(args: argparse.Namespace) -> int:
+    from orchestrator.operations.service import make_logs_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_logs_step(args.lines), "logs")
     for r in run.results:
         _common.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):
-            _common.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
+            text = _follow.filter_tail(r.value.rstrip("\n"), args.noise)
+            _common.console.print(text, highlight=False, markup=False)
         elif r.error is not None:
             _common.err_console.print(str(r.error), highlight=False, markup=False)
+    if args.follow:
+        return _follow.follow(args, hosts)
     return 0 if run.ok else 1

@@ -11,11 +11,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common
+from orchestrator.cli._common import escape
 
 if TYPE_CHECKING:
     from orchestrator.playbooks.model import Playbook, PlaybookResult, StepRun
@@ -116,6 +113,9 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
 
 
 def _print_step(step_run: StepRun) -> None:
+    from rich import box
+    from rich.table import Table
+
     run = step_run.run
     table = Table(box=box.SIMPLE_HEAD, title=escape(step_run.step.label), title_justify="left")
     for column in ("host", "status", "what"):

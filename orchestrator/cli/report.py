@@ -31,9 +31,10 @@ def parse_contexts(values: list[str] | None) -> list[int]:
 _CONTEXTS = fields.list_of(fields.context)
 
 
-def register(subparsers: Any) -> None:
-    from orchestrator.report.render import FORMATS
+FORMATS = ("text", "md", "json", "html")  # orchestrator.report.render.FORMATS (tests/test_cli.py checks)
 
+
+def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "report",
         help="capacity report: the fleet's memory and, per model and context, whether and where it fits",

@@ -15,15 +15,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
-
-MiB = 1024 * 1024
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
     from orchestrator.inventory.model import Host
@@ -136,6 +131,12 @@ def handle(args: argparse.Namespace) -> int:
     with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
         plan = make_run_plan(args)
         check_fit(plan, force=args.force, json=args.json)
+        if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
+            where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
+            _common.err_console.print(
+                f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
+                highlight=False,
+            )
         placement = worker.load(plan, args.model, {"seed": args.seed})
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
@@ -151,10 +152,15 @@ def handle(args: argparse.Namespace) -> int:
         return 0
     _common.console.print()
     _print_placement(placement)
+    n = stats["completion_tokens"]
+    speed = (
+        f", decoding at [bold]{stats['tokens_per_second']:.1f} tokens/s[/bold]"
+        if stats["decode_seconds"] > 0
+        else " (from the prompt's evaluation: no decoding step)"
+    )
     _common.console.print(
         f"load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
-        f"{stats['prompt_seconds']:.3f} s · {stats['completion_tokens']} tokens, decoding at "
-        f"[bold]{stats['tokens_per_second']:.1f} tokens/s[/bold]",
+        f"{stats['prompt_seconds']:.3f} s · {n} token{'s' if n != 1 else ''} generated{speed}",
         highlight=False,
     )
     return 0
@@ -190,45 +196,36 @@ def generate(
     }
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.2f}"
+def generated_tokens(n_eval: int, finish_reason: str | None, max_tokens: int, any_text: bool) -> int:
+    """Tokens generated, from llama.cpp's evaluation counter. Every generated token is evaluated for the
+    next one, except the last when max_tokens ends the run; and llama.cpp reports at least 1 evaluation
+    (`max(1, n_eval)`), so -n 1 would read 2 and an immediate end of text 1 without these corrections."""
+    if finish_reason != "length":
+        return n_eval if any_text else 0
+    return min(n_eval + 1, max_tokens)
 
 
 def _print_placement(placement: Placement) -> None:
-    """Two rows per device: the plan's prediction, then what llama.cpp allocated."""
+    """Two rows per device: the plan's prediction, then what llama.cpp allocated (red: other layers)."""
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.llama.placement import PLACEMENT_COLUMNS
+
     table = Table(
         title="placement (MiB)", title_justify="left", box=box.SIMPLE_HEAD, highlight=False, pad_edge=False
     )
-    table.add_column("device", no_wrap=True)
-    table.add_column("name", no_wrap=True)
-    table.add_column("layers", no_wrap=True)
-    table.add_column("", no_wrap=True)
-    for column in ("weights", "KV", "compute", "total"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for d in placement.devices:
-        layers = _layer_range(d.planned_layers)
-        actual_layers = _layer_range(d.actual_layers)
-        if d.actual_layers != d.planned_layers:
-            actual_layers = f"[red]{actual_layers}[/red]"
-        p, a = d.predicted, d.actual
-        table.add_row(
-            escape(d.label), d.name, layers, "plan", *map(_mib, (p.weights, p.kv, p.compute, p.total))
-        )
-        table.add_row("", "", actual_layers, "actual", *map(_mib, (a.weights, a.kv, a.compute, a.total)))
-    h = placement.host
-    predicted = (h.predicted_weights, h.predicted_kv, h.predicted_compute)
-    actual = (h.actual_weights, h.actual_kv, h.actual_compute)
-    table.add_row("host", "CPU", "", "plan", *map(_mib, (*predicted, sum(predicted))))
-    table.add_row("", "", "", "actual", *map(_mib, (*actual, sum(actual))))
+    for i, column in enumerate(PLACEMENT_COLUMNS):
+        table.add_column(column, justify="right" if i >= 4 else "left", no_wrap=True)
+    moved = {d.label for d in placement.devices if d.actual_layers != d.planned_layers}
+    label = ""
+    for row in placement.rows():
+        label = row[0] or label
+        cells = [escape(cell) for cell in row]
+        if row[3] == "actual" and label in moved:
+            cells[2] = f"[red]{cells[2]}[/red]"
+        table.add_row(*cells)
     _common.console.print(table)
-
-
-def _layer_range(layers: tuple[int, ...]) -> str:
-    if not layers:
-        return "-"
-    if list(layers) == list(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
-    return ",".join(map(str, layers))
 
 
 def _placement_json(placement: Placement) -> dict[str, Any]:

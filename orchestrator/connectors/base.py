@@ -225,3 +225,23 @@ class _BaseConnection:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+class _ProgressReporter:
+    """Adapts a (done, total) callback and makes sure the last call reports completion."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.last: tuple[int, int] | None = None
+
+    def report(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.last = (done, total)
+            self.progress(done, total)
+
+    def sftp_handler(self, _src: bytes, _dst: bytes, done: int, total: int) -> None:
+        self.report(done, total)
+
+    def finish(self, size: int) -> None:
+        if self.last != (size, size):
+            self.report(size, size)

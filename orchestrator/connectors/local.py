@@ -15,8 +15,8 @@ from orchestrator.connectors.base import (
     ConnectOptions,
     Progress,
     _BaseConnection,
+    _ProgressReporter,
 )
-from orchestrator.connectors.ssh import _ProgressReporter
 from orchestrator.core.errors import (
     TransferError,
     UnreachableError,

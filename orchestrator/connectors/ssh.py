@@ -16,6 +16,7 @@ from orchestrator.connectors.base import (
     Progress,
     _BaseConnection,
     _decode,
+    _ProgressReporter,
     _signal_status,
 )
 from orchestrator.core.errors import (
@@ -314,26 +315,6 @@ def _sftp_path(remote: str, host: Host) -> str:
             f"remote path {remote!r}: only ~/ (the login user's home) is supported", host=host.name
         )
     return remote
-
-
-class _ProgressReporter:
-    """Adapts a (done, total) callback and makes sure the last call reports completion."""
-
-    def __init__(self, progress: Progress | None) -> None:
-        self.progress = progress
-        self.last: tuple[int, int] | None = None
-
-    def report(self, done: int, total: int) -> None:
-        if self.progress is not None:
-            self.last = (done, total)
-            self.progress(done, total)
-
-    def sftp_handler(self, _src: bytes, _dst: bytes, done: int, total: int) -> None:
-        self.report(done, total)
-
-    def finish(self, size: int) -> None:
-        if self.last != (size, size):
-            self.report(size, size)
 
 
 class _HeldSSHCommand:

@@ -106,7 +106,8 @@ class Recap:
             per_host = self.counts.setdefault(result.host.name, dict.fromkeys(STATUSES, 0))
             per_host[result.status] += 1
             if result.error is not None:
-                self.errors.setdefault(result.host.name, []).append(f"{run.step}: {result.error}")
+                error = result.error.describe(with_host=False)  # the recap's row names the host
+                self.errors.setdefault(result.host.name, []).append(f"{run.step}: {error}")
         return self
 
     @property

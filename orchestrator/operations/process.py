@@ -15,6 +15,7 @@ from orchestrator.facts.server import (
     PS_STAT,
     READ_PID,
     Launch,
+    Listener,
     ListenersFact,
     LogTailFact,
     parse_listener,
@@ -319,6 +320,17 @@ async def _log_tail(conn: Connection, install_dir: str, lines: int = 8) -> str:
     return fact.parse(result.stdout, result.stderr, result.exit_status) or ""
 
 
+def taken_hint(listener: Listener | None, install_dir: str) -> str:
+    """What to do about a taken port. Another rpc-server there is not the one rpcfleet supervises in
+    `install_dir` (that one has no running pid, or start would not be here): say so, with its pid."""
+    if listener is not None and listener.pid is not None and "rpc-server" in (listener.process or ""):
+        return (
+            f"it is another rpc-server (pid {listener.pid}), not the one rpcfleet runs from {install_dir}: "
+            f"stop it (`kill {listener.pid}` on the node) or choose another rpc_port"
+        )
+    return "stop that process or choose another rpc_port"
+
+
 async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
     """Launch the current version detached; returns its pid. Refuses a taken port, naming its owner."""
     version = state.install.current
@@ -331,7 +343,7 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         raise ServiceError(
             f"port {host.rpc_port} is already taken: {who}",
             host=host.name,
-            hint="stop that process or choose another rpc_port",
+            hint=taken_hint(listener, state.install.install_dir),
         )
     if not out.get("started", "").isdigit():
         raise ServiceError("the launch script did not report a pid", host=host.name, stderr=str(out))

@@ -37,6 +37,7 @@ MAX_RPC_DEVICES = 15  # the scheduler takes 16 backends including the CPU
 
 
 CTX_PAD = 256  # llama-context.cpp: cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)
+MAX_CTX = 1 << 24  # where the search for the largest context that fits stops (16M tokens)
 
 
 SCHED_MAX_COPIES = 4  # GGML_SCHED_MAX_COPIES: input copies with pipeline parallelism
@@ -99,7 +100,7 @@ class PlanOptions:
     split_mode: str = "layer"
     main_gpu: int = 0
     tensor_split: tuple[float, ...] | None = None  # user-given split: overrides the strategy
-    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default n_ctx_train)
+    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default: none)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,11 @@ class PlannedDevice:
     @property
     def label(self) -> str:
         return f"{self.endpoint}#{self.index}" if self.endpoint is not None else self.name
+
+    @property
+    def layers_label(self) -> str:
+        """`5`, or `4 + output` when the output layer is among this device's layers (counted in n_layers)."""
+        return f"{self.n_layers - 1} + output" if self.has_output else str(self.n_layers)
 
 
 @dataclass(frozen=True)
