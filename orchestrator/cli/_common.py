@@ -112,49 +112,17 @@ class ArgumentParser(argparse.ArgumentParser):
         self.error(f"unrecognized arguments: {' '.join(words)}")
 
 
-# --- numbers from the command line ------------------------------------------------------------------------
+def flag(parse: Callable[[Any], T]) -> Callable[[str], T]:
+    """A field parser (`orchestrator.core.fields`) as an argparse `type=`: the flag means what the same
+    value means in an inventory or a playbook, and its message becomes the usage error (exit status 2)."""
 
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a number above 0 (seconds)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-_CTX_UNITS = {"": 1, "k": 1024, "m": 1024 * 1024}
-
-
-def parse_context(text: str) -> int:
-    """A context size: `8192`, `8k` (8192), `128K`, `1m`; 0 means the model's own."""
-    raw = text.strip().lower()
-    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in ("k", "m") else (raw, "")
-    if not number.isdigit():
-        raise ValueError(f"expected a context size such as 4096 or 8k, got {text.strip()!r}")
-    return int(number) * _CTX_UNITS[unit]
-
-
-def context_size(text: str) -> int:
-    """An argparse type for one --ctx value."""
-    try:
-        return parse_context(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
 # --- options accepted before or after the command -----------------------------------------------------------
@@ -173,7 +141,7 @@ class GlobalOption:
 GLOBAL_OPTIONS = (
     GlobalOption(("-i", "--inventory"), "inventory", {"type": Path, "metavar": "INVENTORY"}),
     GlobalOption(("-l", "--limit"), "limit", {"metavar": "PATTERN"}),
-    GlobalOption(("-f", "--forks"), "forks", {"type": positive_int, "metavar": "N"}),
+    GlobalOption(("-f", "--forks"), "forks", {"type": flag(fields.integer(minimum=1)), "metavar": "N"}),
     GlobalOption(("--json",), "json", {"action": "store_true"}),
     GlobalOption(("-v", "--verbose"), "verbose", {"action": "count"}, every_command=True),
     GlobalOption(("--log-format",), "log_format", {"choices": ["text", "json"]}, every_command=True),
@@ -220,19 +188,6 @@ def merge_global_options(args: argparse.Namespace, command: ArgumentParser) -> N
             args.verbose += value
         elif getattr(args, option.dest) == command.get_default(option.dest):
             setattr(args, option.dest, value)
-
-
-def flag(parse: Callable[[Any], T]) -> Callable[[str], T]:
-    """A field parser (`orchestrator.core.fields`) as an argparse `type=`: the flag means what the same
-    value means in an inventory or a playbook, and its message becomes the usage error (exit status 2)."""
-
-    def convert(text: str) -> T:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
 
 
 def print_error(exc: RpcfleetError) -> None:

@@ -74,7 +74,6 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
     """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
     from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
 
-    _common.probe_timeout(args)
     return PlanOptions(
         n_ctx=args.ctx if n_ctx is None else n_ctx,
         type_k=args.type_k,
@@ -108,7 +107,7 @@ def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> 
     fleet = _common.run_async(
         probe_fleet(
             hosts,
-            timeout=args.timeout,
+            timeout=_common.probe_timeout(args),
             facts=not args.no_facts,
             forks=args.forks,
             trust_rpc_memory=args.trust_rpc_memory,

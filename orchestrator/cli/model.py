@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
+from orchestrator.core import fields
 
 if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering stays cheap
     from orchestrator.planning.profile import ModelProfile
@@ -27,7 +28,7 @@ def register(subparsers: Any) -> None:
         "The same arguments give the same bytes.",
     )
     synth.add_argument("output", type=Path, metavar="OUT.gguf", help="the file to write")
-    size = _common.positive_int
+    size = _common.flag(fields.integer(minimum=1))
     synth.add_argument("--layers", type=size, default=8, help="transformer blocks (default: 8)")
     synth.add_argument("--embd", type=size, default=512, help="embedding width (default: 512)")
     synth.add_argument("--heads", type=size, default=8, help="attention heads (default: 8)")
@@ -36,7 +37,7 @@ def register(subparsers: Any) -> None:
     synth.add_argument("--vocab", type=size, default=300, help="vocabulary size (default: 300)")
     synth.add_argument(
         "--ctx-train",
-        type=_common.context_size,
+        type=_common.flag(fields.context),
         default=4096,
         help="training context recorded in the model: 4096, 32k (default: 4096)",
     )
@@ -54,7 +55,10 @@ def register(subparsers: Any) -> None:
     )
     info.add_argument("model", type=Path, metavar="M.gguf", help="the model (first shard of a split one)")
     info.add_argument(
-        "--ctx", type=_common.context_size, default=None, help="also show the KV cache at this context"
+        "--ctx",
+        type=_common.flag(fields.context),
+        default=None,
+        help="also show the KV cache at this context",
     )
     _planning.add_kv_type_args(info)
     _common.add_json_arg(info)

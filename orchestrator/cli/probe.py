@@ -44,7 +44,7 @@ def handle(args: argparse.Namespace) -> int:
 
     _, hosts = _common.load_hosts(args)
     fleet = _common.run_async(
-        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+        probe_fleet(hosts, timeout=_common.probe_timeout(args), facts=not args.no_facts, forks=args.forks)
     )
     if args.json:
         _common.print_json(fleet.to_json())

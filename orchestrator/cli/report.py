@@ -68,7 +68,7 @@ def handle(args: argparse.Namespace) -> int:
     fleet = _common.run_async(
         probe_fleet(
             hosts,
-            timeout=args.timeout,
+            timeout=_common.probe_timeout(args),
             facts=not args.no_facts,
             forks=args.forks,
             trust_rpc_memory=args.trust_rpc_memory,

@@ -135,12 +135,12 @@ def percentage(value: Any) -> float:
 
 
 def context(value: Any) -> int:
-    """A context size in tokens: 4096, or 32k (k = 1024); 0 is allowed (the model's own)."""
+    """A context size in tokens: 4096, 32k (k = 1024) or 1m (m = 1024 k); 0 is allowed (the model's own)."""
     raw = str(value).strip().lower() if isinstance(value, str | int) and not isinstance(value, bool) else "?"
-    match = re.fullmatch(r"(\d+)(k?)", raw)
+    match = re.fullmatch(r"(\d+)([km]?)", raw)
     if match is None:
         raise ValueError(f"expected a context size such as 4096 or 32k, got {_got(value)}")
-    return int(match.group(1)) * (1024 if match.group(2) else 1)
+    return int(match.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[match.group(2)]
 
 
 def choice(allowed: Iterable[str], synonyms: Mapping[str, str] | None = None) -> Parser[str]:
