@@ -364,3 +364,20 @@ async def test_an_orphan_is_reported_then_replaced_by_deploy(
 def _is_server(pid: int | None) -> bool:
     cmdline = Path(f"/proc/{pid}/cmdline")
     return cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes()
+
+
+async def test_a_locked_host_makes_the_cli_exit_3_naming_the_holder(
+    lab: Lab, fleet: list[Host], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.connectors.connect import connect
+    from orchestrator.operations.lock import acquire
+
+    async with await connect(fleet[0]) as conn:
+        lock = await acquire(conn, fleet[0], "deploy")
+        try:
+            status = await asyncio.to_thread(main, ["restart", "-i", str(lab.inventory), "-l", fleet[0].name])
+        finally:
+            await lock.release()
+    out = capsys.readouterr()
+    assert status == 3
+    assert f"{fleet[0].name} is being changed by" in out.out + out.err and "--wait-lock" in out.out + out.err
