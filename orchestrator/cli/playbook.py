@@ -39,13 +39,7 @@ def register(subparsers: Any) -> None:
         help="set a playbook variable (repeatable; wins over the playbook's vars)",
     )
     _common.add_json_arg(parser)
-    parser.add_argument(
-        "--wait-lock",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="wait this long for another operator's lock on a host (default: fail at once, exit 3)",
-    )
+    _common.add_wait_lock_arg(parser)
     parser.set_defaults(handler=handle_run_playbook)
 
 
