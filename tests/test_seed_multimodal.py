@@ -142,18 +142,18 @@ def test_the_seed_multimodal_example_runs_the_projector_here_and_the_layers_on_t
 CHILD = """
 import json, sys
 from orchestrator import Llama
-model, narrow, empty, image, endpoint = sys.argv[1:]
+model, good, narrow, empty, image, endpoint = sys.argv[1:]
 import base64
 url = "data:image/png;base64," + base64.b64encode(open(image, "rb").read()).decode("ascii")
 messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "hi"}]}]
 out = {}
-for name, mmproj in (("narrow", narrow), ("empty", empty)):
+for name, mmproj in (("good", good), ("narrow", narrow), ("empty", empty)):
     llm = Llama(model_path=model, mmproj_path=mmproj, rpc_servers=[endpoint], rpc_local_devices=[],
                 n_gpu_layers=-1, n_ctx=256, verbose=False)
     try:
-        llm.create_chat_completion(messages=messages, max_tokens=2)
-        out[name] = "ran?!"
+        out[name] = llm.create_chat_completion(messages=messages, max_tokens=2)["usage"]
+        sys.stderr.write("-- after " + name + "\\n")
     except ValueError as exc:
         out[name] = [type(exc).__name__, str(exc)]
     finally:
@@ -166,13 +166,13 @@ print(json.dumps(out))
 
 
 @pytest.mark.llama
-def test_a_projector_that_does_not_load_names_mtmds_reason(
+def test_quiet_when_not_verbose_and_a_projector_that_does_not_load_names_mtmds_reason(
     debug_rpc_servers: list[DebugServer], multimodal_files: dict[str, Path], tmp_path: Path
 ) -> None:
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     files = multimodal_files
-    argv = [str(files["model"]), str(files["narrow"]), str(empty), str(files["image"])]
+    argv = [str(files[k]) for k in ("model", "mmproj", "narrow")] + [str(empty), str(files["image"])]
     done = subprocess.run(
         [sys.executable, "-c", CHILD, *argv, debug_rpc_servers[1].endpoint],
         capture_output=True,
@@ -182,6 +182,9 @@ def test_a_projector_that_does_not_load_names_mtmds_reason(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
+    # verbose=False: the image ran, and mtmd said nothing (stock 0.3.36 prints ~20 lines per image).
+    assert out["good"]["prompt_tokens"] > IMAGE_TOKENS
+    assert done.stderr.startswith("-- after good\n"), done.stderr[-3000:]
     # Stock 0.3.36 says only "Failed to load mtmd context" (and hides mtmd's log when not verbose).
     assert out["narrow"][0] == orchestrator.MultimodalError.__name__
     assert "mismatch between text model (n_embd = 256) and mmproj (n_embd = 128)" in out["narrow"][1]

@@ -5,7 +5,9 @@ MTMD opens the projector on the first multimodal request (as the seed says), so 
 does not load fails there. Stock 0.3.36 then raises `ValueError("Failed to load mtmd context from:
 ...")` and, when not verbose, hides mtmd's reason (a width mismatch with the text model, a file that
 is no projector). Here mtmd's log is captured while the projector loads and a `MultimodalError` (a
-`LoaderError` and still a `ValueError`) names the file and mtmd's own reason.
+`LoaderError` and still a `ValueError`) names the file and mtmd's own reason. mtmd's log otherwise
+follows the model's `verbose` (stock 0.3.36 prints it whatever `verbose` says): everything when
+verbose, else only errors.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,9 @@ from orchestrator.core.errors import LoaderError
 
 _GGML_LOG_LEVEL_ERROR = 4
 
+
+_GGML_LOG_LEVEL_CONT = 5
+
 HANDLER_KEYS = frozenset({"use_gpu", "verbose", "extra_template_arguments"})
 
 
@@ -28,25 +34,67 @@ class MultimodalError(LoaderError, ValueError):
     """The multimodal projector did not load (mtmd's reason in the message)."""
 
 
-@contextlib.contextmanager
-def _capture_mtmd_log(mtmd: Any, sink: list[tuple[int, str]], echo: bool) -> Iterator[None]:
-    """Route mtmd's (and clip's) log into `sink` while the block runs, echoed to stderr when `echo`;
-    mtmd's default logger (stderr) is restored afterwards (`mtmd_log_set(NULL)`)."""
-    import llama_cpp
+class _MtmdLog:
+    """mtmd's and mtmd-helper's logs, routed here once per process. Both default to stderr whatever
+    `verbose` says (stock 0.3.36 prints about 20 lines per image with verbose=False); here they are
+    echoed when the request's model is verbose, else only errors, and collected while a projector
+    loads. The callback lives as long as the process, like llama_cpp's own log callback."""
 
-    def record(level: int, text: bytes, user_data: Any) -> None:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.installed = False
+        self.echo = True
+        self.sink: list[tuple[int, str]] | None = None
+        self.last_level = 0
+        self.callback: Any = None
+
+    def record(self, level: int, text: bytes, user_data: Any) -> None:
+        if level == _GGML_LOG_LEVEL_CONT:
+            level = self.last_level
+        self.last_level = level
         decoded = text.decode("utf-8", "replace")
-        sink.append((level, decoded))
-        if echo:
-            sys.stderr.write(decoded)
+        if self.sink is not None:
+            self.sink.append((level, decoded))
+        elif self.echo or level >= _GGML_LOG_LEVEL_ERROR:
+            with contextlib.suppress(Exception):  # stderr may be gone at interpreter exit
+                sys.stderr.write(decoded)
 
-    callback = llama_cpp.llama_cpp.llama_log_callback(record)  # referenced until restored below
-    mtmd.mtmd_log_set(callback, ctypes.c_void_p(0))
-    try:
-        yield
-    finally:
-        mtmd.mtmd_log_set(llama_cpp.llama_cpp.llama_log_callback(), ctypes.c_void_p(0))  # NULL: the default
-        del callback
+    def install(self, mtmd: Any) -> None:
+        with self.lock:
+            if self.installed:
+                return
+            import llama_cpp
+
+            self.callback = llama_cpp.llama_cpp.llama_log_callback(self.record)
+            mtmd.mtmd_log_set(self.callback, ctypes.c_void_p(0))
+            mtmd.mtmd_helper_log_set(self.callback, ctypes.c_void_p(0))
+            self.installed = True
+
+    @contextlib.contextmanager
+    def routed(self, mtmd: Any, echo: bool) -> Iterator[None]:
+        """Echo everything (`echo`) or only errors while the block runs."""
+        self.install(mtmd)
+        previous, self.echo = self.echo, echo
+        try:
+            yield
+        finally:
+            self.echo = previous
+
+    @contextlib.contextmanager
+    def collected(self, echo: bool) -> Iterator[list[tuple[int, str]]]:
+        """Collect the log (level, text) while the block runs, echoing it too when `echo`."""
+        records: list[tuple[int, str]] = []
+        self.sink = records
+        try:
+            yield records
+        finally:
+            self.sink = None
+            if echo:
+                with contextlib.suppress(Exception):
+                    sys.stderr.write("".join(text for _, text in records))
+
+
+_LOG = _MtmdLog()
 
 
 def _reason(records: list[tuple[int, str]]) -> str:
@@ -69,14 +117,15 @@ def mtmd_handler(mmproj: str | Path, verbose: bool, use_gpu: bool, handler_kwarg
             self.extra_template_arguments = dict(extra_template_arguments or {})
 
         def __call__(self, **kw: Any) -> Any:
-            return super().__call__(**{**self.extra_template_arguments, **kw})
+            with _LOG.routed(self._mtmd_cpp, echo=bool(getattr(kw.get("llama"), "verbose", True))):
+                return super().__call__(**{**self.extra_template_arguments, **kw})
 
         def _init_mtmd_context(self, llama_model: Any) -> None:
             if self.mtmd_ctx is not None:
                 return
-            records: list[tuple[int, str]] = []
+            _LOG.install(self._mtmd_cpp)
             try:
-                with _capture_mtmd_log(self._mtmd_cpp, records, bool(llama_model.verbose)):
+                with _LOG.collected(echo=bool(llama_model.verbose)) as records:
                     super()._init_mtmd_context(llama_model)
             except ValueError as exc:
                 reason = _reason(records) or str(exc)
