@@ -44,12 +44,8 @@ def register(subparsers: Any) -> None:
             _common.add_operation_args(p)
         if action == "warm":
             p.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
-            _planning.add_plan_option_args(p, local=False)
+            _planning.add_plan_option_args(p)
         p.set_defaults(handler=handle, cache_action=action)
-
-
-def _endpoint_of(host: Host) -> str:
-    return f"{host.rpc_host or host.address}:{int(host.rpc_port)}"
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -93,7 +89,7 @@ def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
     t = time.monotonic()
     per_endpoint = plan_cache(plan, profile.paths)
     phases["hash"] = time.monotonic() - t
-    by_endpoint = {_endpoint_of(h): h for h in hosts}
+    by_endpoint = {h.endpoint: h for h in hosts}
     items: dict[str, Sequence[WarmItem]] = {}
     for endpoint, tensors in per_endpoint.items():
         host = by_endpoint.get(endpoint)

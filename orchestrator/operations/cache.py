@@ -339,3 +339,35 @@ async def status_step(ctx: HostContext) -> StepOutcome[CacheState]:
     conn = await ctx.connection()
     files, _ = await read_cache(conn, ctx.host)
     return StepOutcome(CacheState(tuple(files), ctx.host.rpc_cache_max))
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """A node's cache against what a load will ask it for: hits, misses, and files that would be read
+    back wrong (wrong size, or with `full` a hash that is not their name)."""
+
+    hits: tuple[str, ...]
+    misses: tuple[str, ...]
+    bad: tuple[str, ...]
+
+
+def check_step(expected: dict[str, dict[str, int]], *, full: bool = False) -> Step[CacheCheck]:
+    """Read-only: for each host, its cache against `expected[host.name]` (file name -> size). A file of
+    the wrong size is truncated; `full` also re-hashes the hits on the node (as `verify` does)."""
+
+    async def step(ctx: HostContext) -> StepOutcome[CacheCheck]:
+        conn = await ctx.connection()
+        want = expected.get(ctx.host.name, {})
+        files, _ = await read_cache(conn, ctx.host)
+        have = {f.name: f.size for f in files}
+        hits = tuple(n for n in want if n in have)
+        bad = [n for n in hits if have[n] != want[n]]
+        if full:
+            hashes = await hash_on_node(conn, ctx.host, [n for n in hits if n not in bad])
+            bad += [n for n, h in hashes.items() if h != n]
+        misses = tuple(n for n in want if n not in have)
+        return StepOutcome(
+            CacheCheck(hits, misses, tuple(bad)), message=f"{len(hits)} hits, {len(misses)} misses"
+        )
+
+    return step
