@@ -8,6 +8,7 @@ operations over a local connection (the same shell scripts an SSH node runs).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -246,3 +247,26 @@ def test_full_disk_during_warm_is_clear_and_consistent(big_model: Path, tmp_path
             assert fnv.hash_file_range(folder / name, 0, (folder / name).stat().st_size) == int(name, 16)
     finally:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_cli_errors_and_the_quota_variable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.cli import main
+    from orchestrator.inventory.load import load_inventory
+    from tests.plugins.servers import write_local_inventory
+
+    inv = write_local_inventory(
+        tmp_path / "inv.yml", {"a": {"install_dir": str(tmp_path / "a"), "rpc_cache_max": "2GiB"}}
+    )
+    assert load_inventory(inv).host("a").rpc_cache_max == 2 << 30
+    assert main(["cache", "warm", "-i", str(inv), "-m", str(tmp_path / "nope.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["cache", "frob", "-i", str(inv)]) == 2
+    capsys.readouterr()
+    bad = write_local_inventory(tmp_path / "bad.yml", {"a": {"rpc_cache_max": "lots"}})
+    assert main(["cache", "status", "-i", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yml:" in err and "rpc_cache_max" in err and "Traceback" not in err
+    assert main(["cache", "status", "-i", str(inv), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    row = status["hosts"][0]
+    assert (row["files"], row["bytes"], row["max_bytes"], row["hits_since_start"]) == (0, 0, 2 << 30, None)

@@ -35,7 +35,7 @@ def cache_lab() -> Iterator[Lab]:
 @pytest.fixture(scope="module")
 def inventory(cache_lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Path:
     doc = yaml.safe_load(cache_lab.inventory.read_text())
-    doc["vars"] = {**doc.get("vars", {}), "rpc_cache": True}
+    doc["vars"] = {**doc.get("vars", {}), "rpc_cache": True, "rpc_debug": True}  # debug: hits in the log
     path = tmp_path_factory.mktemp("cache-inv") / "inventory.yml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -103,6 +103,9 @@ def test_warm_run_verify_deploy_prune_clear(
 
     status = _json(capsys, ["cache", "status", *inv, "--json"])
     assert [h["files"] for h in status["hosts"]] == [3, 3]
+    # Hits since the server started (one start: deploy changed nothing later), from its debug log:
+    # 3 (first run) + 2 and 3 (after verify removed n1's file) + 3 and 2 (after deploy removed n2's).
+    assert [h["hits_since_start"] for h in status["hosts"]] == [8, 8]
     assert all(
         h["bytes"] == sum(p.stat().st_size for p in _folder(cache_lab, i).iterdir())
         for i, h in enumerate(status["hosts"])

@@ -126,6 +126,7 @@ def _report(
         }
         if state is not None:
             row |= {"files": len(state.files), "bytes": state.size, "max_bytes": state.max_bytes}
+            row |= {"hits_since_start": state.hits} if action == "status" else {}
         if isinstance(value, CacheChange):
             row |= {
                 "removed": list(value.removed),
@@ -154,7 +155,8 @@ def _report(
             sent = format_size(row["bytes_sent"])
             what = f"{len(row['added'])} added ({sent}, {mbps:.0f} MB/s), {len(row['hits'])} hits"
         elif action == "status":
-            what = ""
+            hits = row.get("hits_since_start")
+            what = f"{hits} hits since the server started" if hits is not None else ""
         else:
             what = f"{len(row.get('removed', []))} removed" + (
                 f" ({len(row['corrupt'])} corrupt)" if row.get("corrupt") else ""

@@ -25,7 +25,7 @@ from orchestrator.core.fnv import helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import OperationOptions, node_operation
-from orchestrator.operations.server import CACHE_DIR
+from orchestrator.operations.server import CACHE_DIR, LOG_FILE, LOG_MARKER
 
 NAME = re.compile(r"^[0-9a-f]{16}$")
 TEMP_PREFIX = ".warm-"
@@ -42,6 +42,7 @@ class CacheFile:
 class CacheState:
     files: tuple[CacheFile, ...]
     max_bytes: int | None
+    hits: int | None = None  # cache hits since the server started (its log, with rpc_debug); None: unknown
 
     @property
     def size(self) -> int:
@@ -283,6 +284,16 @@ async def warm(
             )
         added.append(item.name)
         sent += item.size
+        if ctx is not None:  # structured progress: one event per file, bytes so far and the rate
+            elapsed = time.monotonic() - started
+            ctx.log.info(
+                "cache_warm_progress",
+                file=item.name,
+                done=len(added),
+                of=len(missing),
+                bytes=sent,
+                mb_per_s=round(sent / elapsed / 1e6, 1) if elapsed > 0 else None,
+            )
     pruned = await prune(conn, host, keep=wanted)
     return CacheChange(
         added=tuple(added),
@@ -334,11 +345,23 @@ def warm_step(items: dict[str, Sequence[WarmItem]], options: OperationOptions) -
     return node_operation("cache-warm", body, options)
 
 
+def hits_script(host: Host) -> str:
+    """Count `[set_tensor_hash]` lines (logged on a hit with GGML_RPC_DEBUG) since the last start marker."""
+    log = f"{shell_path(host.install_dir)}/{LOG_FILE}"
+    marker = shlex.quote(LOG_MARKER)
+    return f"test -f {log} && tac {log} | sed '/^'{marker}'/q' | grep -c '\\[set_tensor_hash\\]'; true"
+
+
 async def status_step(ctx: HostContext) -> StepOutcome[CacheState]:
-    """Read-only: the node's cache files and quota."""
+    """Read-only: the node's cache files and quota, and its hits since start when the log says so."""
     conn = await ctx.connection()
     files, _ = await read_cache(conn, ctx.host)
-    return StepOutcome(CacheState(tuple(files), ctx.host.rpc_cache_max))
+    hits = None
+    if ctx.host.rpc_debug:
+        done = await conn.run(hits_script(ctx.host), timeout=60)
+        text = done.stdout.strip()
+        hits = int(text) if text.isdigit() else None
+    return StepOutcome(CacheState(tuple(files), ctx.host.rpc_cache_max, hits))
 
 
 @dataclass(frozen=True)
