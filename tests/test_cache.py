@@ -220,6 +220,7 @@ def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await asyncio.sleep(0.2)  # let the killed command's transport close inside this loop
 
     _run(interrupted())
     files, _ = _run(_with(host, read_cache))
@@ -270,3 +271,16 @@ def test_cli_errors_and_the_quota_variable(tmp_path: Path, capsys: pytest.Captur
     status = json.loads(capsys.readouterr().out)
     row = status["hosts"][0]
     assert (row["files"], row["bytes"], row["max_bytes"], row["hits_since_start"]) == (0, 0, 2 << 30, None)
+
+
+def test_a_helper_that_cannot_run_removes_nothing(big_model: Path, tmp_path: Path) -> None:
+    items = _items(big_model)[:2]
+    host = _host("x", tmp_path / "x")
+    _run(_with(host, warm, items))
+    broken = tmp_path / "x" / "tools" / fnv.tools_dir().name / "fnv1a"
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_text("#!/bin/sh\necho 'cannot execute binary file: Exec format error' >&2\nexit 126\n")
+    broken.chmod(0o755)
+    with pytest.raises(HostError, match="did not hash"):
+        _run(_with(host, verify))
+    assert set(_cache_files(tmp_path / "x")) == {i.name for i in items}

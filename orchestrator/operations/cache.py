@@ -169,6 +169,17 @@ async def hash_on_node(conn: Connection, host: Host, names: Sequence[str]) -> di
             parts = line.split(" ", 2)
             if len(parts) == 3:
                 out[parts[2]] = None if parts[0] == "-" else parts[0]
+        if done.exit_status not in (0, 1) or any(n not in out for n in names[i : i + 200]):
+            # A helper that cannot run there (another architecture, noexec) proves nothing: never
+            # treat its silence as corruption, or every file would be removed.
+            raise HostError(
+                "the FNV-1a helper did not hash the cache files on this node",
+                host=host.name,
+                command=helper,
+                exit_status=done.exit_status,
+                stderr=done.stderr,
+                hint="the helper is built for this machine's architecture; verify needs the same on the node",
+            )
     return out
 
 
