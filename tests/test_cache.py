@@ -260,6 +260,9 @@ def test_cli_errors_and_the_quota_variable(tmp_path: Path, capsys: pytest.Captur
     )
     assert load_inventory(inv).host("a").rpc_cache_max == 2 << 30
     assert main(["cache", "warm", "-i", str(inv), "-m", str(tmp_path / "nope.gguf")]) == 2
+    assert "no selected host has rpc_cache: true" in capsys.readouterr().err
+    on = write_local_inventory(tmp_path / "on.yml", {"a": {"rpc_cache": True}})
+    assert main(["cache", "warm", "-i", str(on), "-m", str(tmp_path / "nope.gguf")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["cache", "frob", "-i", str(inv)]) == 2
     capsys.readouterr()

@@ -120,3 +120,14 @@ def test_warm_run_verify_deploy_prune_clear(
     preload = ["run-playbook", str(PLAYBOOKS / "preload.yml"), *inv, "-e", f"model={model}", "-e", "ctx=256"]
     assert main(preload) == 0, capsys.readouterr()
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
+
+    # A quota of 1 byte: prune with the model keeps what its plan needs (over the quota, said so);
+    # without it, LRU removes everything over the quota.
+    doc = yaml.safe_load(inventory.read_text())
+    doc["vars"]["rpc_cache_max"] = 1
+    tight = inventory.with_name("tight.yml")
+    tight.write_text(yaml.safe_dump(doc))
+    kept = _json(capsys, ["cache", "prune", "-i", str(tight), "-m", str(model), "--ctx", "256", "--json"])
+    assert all(not h["removed"] and h["kept_over_quota"] > 0 for h in kept["hosts"])
+    pruned = _json(capsys, ["cache", "prune", "-i", str(tight), "--json"])
+    assert [len(h["removed"]) for h in pruned["hosts"]] == [3, 3]

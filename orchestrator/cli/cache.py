@@ -20,8 +20,11 @@ from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host
+    from orchestrator.operations.cache import WarmItem
 
 
 def register(subparsers: Any) -> None:
@@ -45,6 +48,15 @@ def register(subparsers: Any) -> None:
         if action == "warm":
             p.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
             _planning.add_plan_option_args(p)
+        if action == "prune":
+            p.add_argument(
+                "--model",
+                "-m",
+                type=Path,
+                default=None,
+                help="keep every file this model's plan needs, even over the quota",
+            )
+            _planning.add_plan_option_args(p)
         p.set_defaults(handler=handle, cache_action=action)
 
 
@@ -57,7 +69,12 @@ def handle(args: argparse.Namespace) -> int:
     action = args.cache_action
     if action == "warm":
         return _warm(args, hosts)
-    step = status_step if action == "status" else cache_step(action, _common.operation_options(args))
+    keep: dict[str, list[str]] = {}
+    if action == "prune" and args.model is not None:
+        keep = {h: [i.name for i in items] for h, items in _warm_items(args, hosts, {}).items()}
+    step = (
+        status_step if action == "status" else cache_step(action, _common.operation_options(args), keep=keep)
+    )
     run = _session_run(args, hosts, step, f"cache-{action}")
     _report(args, run, action)
     return _common.exit_status([run])
@@ -71,17 +88,17 @@ def _session_run(args: argparse.Namespace, hosts: list[Host], step: Any, name: s
     return _common.run_async(go())
 
 
-def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
-    from collections.abc import Sequence
-
+def _warm_items(
+    args: argparse.Namespace, hosts: list[Host], phases: dict[str, float]
+) -> dict[str, Sequence[WarmItem]]:
+    """Plan the model on the selected hosts; per host name, the cache files its share needs."""
     from orchestrator.llama.cache_plan import plan_cache
-    from orchestrator.operations.cache import WarmItem, warm_step
+    from orchestrator.operations.cache import WarmItem
     from orchestrator.planning.profile import profile_model
     from orchestrator.planning.strategy import make_plan
 
     if not args.model.exists():
         raise UsageError(f"model {args.model} does not exist")
-    phases: dict[str, float] = {}
     t = time.monotonic()
     profile = profile_model(args.model)
     plan = make_plan(_planning.probe_devices(args, hosts), profile, _planning.plan_options(args))
@@ -93,10 +110,24 @@ def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
     items: dict[str, Sequence[WarmItem]] = {}
     for endpoint, tensors in per_endpoint.items():
         host = by_endpoint.get(endpoint)
-        if host is None:
-            continue
-        items[host.name] = [WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in tensors]
-    chosen = [h for h in hosts if h.name in items]
+        if host is not None:
+            items[host.name] = [
+                WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in tensors
+            ]
+    return items
+
+
+def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
+    from orchestrator.operations.cache import warm_step
+
+    if not any(h.rpc_cache for h in hosts):
+        raise UsageError(
+            "no selected host has rpc_cache: true (its server would not read the cache)",
+            hint="set rpc_cache: true in the inventory, then deploy",
+        )
+    phases: dict[str, float] = {}
+    items = _warm_items(args, hosts, phases)
+    chosen = [h for h in hosts if h.name in items and h.rpc_cache]
     t = time.monotonic()
     run = _session_run(args, chosen, warm_step(items, _common.operation_options(args)), "cache-warm")
     phases["upload"] = time.monotonic() - t

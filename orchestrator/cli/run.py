@@ -196,7 +196,7 @@ def check_cache(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:
     """Before a load through the inventory's `rpc_cache` hosts: count each node's hits and misses, and
     refuse (LoaderError) when a file the load would read back is truncated (or, with --verify-cache,
     corrupt): llama.cpp would load it as weights without a check."""
-    from orchestrator.core.errors import LoaderError
+    from orchestrator.core.errors import InputError, LabError, LoaderError
     from orchestrator.engine.executor import Session
     from orchestrator.llama.cache_plan import plan_cache
     from orchestrator.operations.cache import CacheCheck, check_step
@@ -204,7 +204,12 @@ def check_cache(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:
 
     if args.endpoint:
         return None
-    _, hosts = _common.load_hosts(args)
+    try:
+        _, hosts = _common.load_hosts(args)
+    except (InputError, LabError):
+        if args.plan is not None:  # a saved plan needs no inventory: nothing to check against
+            return None
+        raise
     cached = [h for h in hosts if h.rpc_cache and h.endpoint in plan.endpoints]
     if not cached:
         return None
