@@ -119,6 +119,7 @@ def test_warm_run_verify_deploy_prune_clear(
     # preload.yml warms each node's share before its load check: afterwards the caches hold the warm set.
     preload = ["run-playbook", str(PLAYBOOKS / "preload.yml"), *inv, "-e", f"model={model}", "-e", "ctx=256"]
     assert main(preload) == 0, capsys.readouterr()
+    capsys.readouterr()
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
 
     # A quota of 1 byte: prune with the model keeps what its plan needs (over the quota, said so);
