@@ -36,6 +36,12 @@ BACKENDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "vulkan", "metal")
 CONNECTIONS: tuple[str, ...] = ("ssh", "local")
 
 
+Supervisor = Literal["auto", "systemd", "process"]
+
+
+SUPERVISORS: tuple[str, ...] = ("auto", "systemd", "process")
+
+
 def _parse_str(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ValueError(f"expected a string, got {type_name(value)} {value!r}")
@@ -226,6 +232,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("rpc_debug", (), _parse_bool, False, "rpc-server debug output"),
     Variable("keep_versions", (), _int_at_least(1), 3, "installed versions kept"),
     Variable("rpc_cmake_args", (), _parse_cmake_args, (), "extra cmake args for on-node builds"),
+    Variable("supervisor", (), _choice(SUPERVISORS), "auto", "systemd, process or auto (systemd if usable)"),
 )
 
 
