@@ -33,6 +33,12 @@ from orchestrator.operations.server import (
     _expected,
     read_node_state,
 )
+from orchestrator.operations.systemd import (
+    control_script,
+    install_unit_script,
+    journal_command,
+    render_unit,
+)
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult
 
@@ -74,8 +80,7 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
         [
             f"D={q(install_dir)}",
             f'mkdir -p "$D/run" "$D/log" "$D/{CACHE_DIR}" || exit 1',
-            f"taken=$({{ {ListenersFact(port).command()}; }} 2>/dev/null)",
-            'if [ -n "$taken" ]; then echo "@taken $taken"; exit 0; fi',
+            _taken_check(port),
             f'if [ -f {log} ] && [ "$(wc -c < {log})" -gt {LOG_ROTATE_BYTES} ]; then mv -f {log} {log}.1; fi',
             f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
             "cd ~ || cd /",
@@ -86,6 +91,33 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
             'echo "@started $pid"',
         ]
     )
+
+
+def _taken_check(port: int) -> str:
+    """Shell: print `@taken <listener>` and exit when something listens on the port already."""
+    listeners = ListenersFact(port).command()
+    return (
+        f'taken=$({{ {listeners}; }} 2>/dev/null)\nif [ -n "$taken" ]; then echo "@taken $taken"; exit 0; fi'
+    )
+
+
+def unit_text(host: Host, state: NodeState) -> str | None:
+    """The systemd unit the inventory asks for the installed version (None: not supervised by systemd)."""
+    version, unit = state.install.current, state.unit
+    if state.supervisor != "systemd" or unit is None or version is None:
+        return None
+    install_dir = state.install.install_dir
+    return render_unit(host, install_dir, server_argv(host, install_dir, version), user=unit.user)
+
+
+def supervisor_drift(host: Host, state: NodeState) -> str:
+    """Why the running server's supervision differs from the inventory's ("" when it does not)."""
+    text, unit = unit_text(host, state), state.unit
+    if text is None or unit is None:
+        return ""
+    if unit.text != text:
+        return f"unit {unit.name} differs from the inventory's"
+    return "" if unit.enabled else f"unit {unit.name} is not enabled"
 
 
 def stop_script(install_dir: str, grace: float = STOP_GRACE) -> str:
@@ -141,8 +173,15 @@ def _keys(stdout: str) -> dict[str, str]:
     return found
 
 
-async def stop_server(conn: Connection, host: Host, install_dir: str) -> str:
+async def stop_server(
+    conn: Connection, host: Host, install_dir: str, *, state: NodeState | None = None
+) -> str:
     """Stop our server; returns what happened ("stopped", "killed", "gone", "none")."""
+    if state is not None and state.supervisor == "systemd" and state.unit is not None:
+        if not state.unit.installed:
+            return "none"
+        await _sh(conn, control_script(state.unit.name, "stop", user=state.unit.user), STOP_GRACE + 15)
+        return "stopped"
     try:
         out = _keys(await _sh(conn, stop_script(install_dir), STOP_GRACE + 15))
     except CommandTimeoutError as exc:
@@ -155,7 +194,16 @@ async def stop_server(conn: Connection, host: Host, install_dir: str) -> str:
     raise ServiceError(f"unexpected answer from the stop script: {tail(str(out))}", host=host.name)
 
 
-async def _log_tail(conn: Connection, install_dir: str, lines: int = 8) -> str:
+async def _log_tail(
+    conn: Connection, install_dir: str, lines: int = 8, *, state: NodeState | None = None
+) -> str:
+    """The server's last log lines: its log file, or its unit's journal under systemd."""
+    if state is not None and state.supervisor == "systemd" and state.unit is not None:
+        command = journal_command(state.unit.name, lines, user=state.unit.user)
+        try:
+            return (await conn.run(command, timeout=10)).stdout
+        except Exception:
+            return ""
     fact = LogTailFact(f"{install_dir}/{LOG_FILE}", lines)
     try:
         result = await conn.run(fact.command(), timeout=10)
@@ -169,7 +217,19 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
     version = state.install.current
     if version is None or not state.install.installed:
         raise ServiceError("no rpc-server is installed (run `rpcfleet deploy`)", host=host.name)
-    out = _keys(await _sh(conn, launch_script(host, state.install.install_dir, version), START_TIMEOUT))
+    text = unit_text(host, state)
+    if text is not None and state.unit is not None:  # systemd: install (idempotent), enable, start
+        name, user = state.unit.name, state.unit.user
+        script = "\n".join(
+            [
+                _taken_check(int(host.rpc_port)),
+                install_unit_script(name, state.install.install_dir, text, user=user),
+                control_script(name, "start", user=user),
+            ]
+        )
+    else:
+        script = launch_script(host, state.install.install_dir, version)
+    out = _keys(await _sh(conn, script, START_TIMEOUT))
     if "taken" in out:
         listener = parse_listener(out["taken"])
         who = listener.describe() if listener else out["taken"]
@@ -178,9 +238,14 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
             host=host.name,
             hint="stop that process or choose another rpc_port",
         )
-    if not out.get("started", "").isdigit():
-        raise ServiceError("the launch script did not report a pid", host=host.name, stderr=str(out))
-    return int(out["started"])
+    started = out.get("started") or out.get("pid", "")
+    if not started.isdigit() or started == "0":
+        raise ServiceError(
+            "the rpc-server did not start" if "pid" in out else "the launch script did not report a pid",
+            host=host.name,
+            stderr=await _log_tail(conn, state.install.install_dir, state=state) or str(out),
+        )
+    return int(started)
 
 
 async def wait_ready(
@@ -217,7 +282,7 @@ async def wait_ready(
             # Until the exec chain (setsid, nohup, env, stdbuf) reaches the server, argv0 is theirs.
             launching = svc.pid == pid and svc.alive and now < deadline - limit_s + 3.0
             if (svc.pid != pid or not svc.ours) and not launching:
-                log = await _log_tail(conn, install_dir)
+                log = await _log_tail(conn, install_dir, state=state)
                 if BIND_FAILED in log or svc.log_failed_bind:
                     taken = svc.foreign_listeners()
                     who = f": {taken[0].describe()}" if taken else ""
@@ -234,6 +299,6 @@ async def wait_ready(
             raise ServiceError(
                 f"the rpc-server did not answer HELLO within {limit_s:g} s ({why})",
                 host=host.name,
-                stderr=await _log_tail(conn, install_dir),
+                stderr=await _log_tail(conn, install_dir, state=state),
             )
         await asyncio.sleep(0.02)

@@ -33,12 +33,14 @@ from orchestrator.facts.server import (
     RpcClientsFact,
     ServerProcessFact,
 )
+from orchestrator.facts.systemd import SystemdFact, SystemdInfo, UnitFact, UnitState
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install_plan import (
     InstallState,
     install_facts,
     install_state_from_facts,
 )
+from orchestrator.operations.systemd import Supervision, choose_supervisor, unit_name
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
@@ -152,7 +154,10 @@ class ServiceState:
 @dataclass(frozen=True)
 class NodeState:
     install: InstallState
-    service: ServiceState
+    service: ServiceState  # the supervised server: from the pid file, or from the unit's MainPID
+    supervisor: Supervision = "process"
+    unit: UnitState | None = None  # this install's systemd unit, read whatever the supervisor
+    systemd: SystemdInfo | None = None
 
 
 def _node_path(install_dir: str, relative: str) -> str:
@@ -168,13 +173,22 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ListenersFact(port),
         RpcClientsFact(port),
         LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+        SystemdFact(),
+        UnitFact(unit_name(host.install_dir), BIND_FAILED),
     ]
 
 
-def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
-    """Pure: the values of `node_facts` (as `parse_gathered` returns them) -> `NodeState`."""
+def node_state_from_facts(host: str, values: Mapping[str, Any], supervisor: str = "process") -> NodeState:
+    """Pure: the values of `node_facts` (as `parse_gathered` returns them) -> `NodeState`, supervised as
+    the inventory's `supervisor` asks (`auto`: systemd where rpcfleet may manage units)."""
     install = install_state_from_facts(host, values)
+    info: SystemdInfo | None = values.get(SystemdFact.name)
+    unit: UnitState | None = values.get(UnitFact.name)
+    chosen = choose_supervisor(supervisor, info, host=host)
     process: ProcessState = values.get(ServerProcessFact.name) or ProcessState(None)
+    if chosen == "systemd" and unit is not None:
+        pid = unit.main_pid
+        process = ProcessState(pid, unit.stat if pid else None, unit.argv0 if pid else None)
     service = ServiceState(
         host,
         install.install_dir,
@@ -183,15 +197,15 @@ def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
         process.argv0,
         values.get(ListenersFact.name) or (),
         values.get(RpcClientsFact.name) or (),
-        bool(values.get(LogMatchFact.name)),
+        unit.failed_bind if chosen == "systemd" and unit is not None else bool(values.get(LogMatchFact.name)),
     )
-    return NodeState(install, service)
+    return NodeState(install, service, chosen, unit, info)
 
 
 async def read_node_state(conn: Connection, host: Host) -> NodeState:
     """Install state and server state in one round trip."""
     values = await gather(conn, node_facts(host), timeout=STATE_TIMEOUT)
-    return node_state_from_facts(host.name, values)
+    return node_state_from_facts(host.name, values, host.supervisor)
 
 
 @dataclass(frozen=True)
@@ -207,6 +221,9 @@ class ServerStatus:
     protocol: str | None  # of the installed version (or the HELLO's when answered)
     clients: tuple[str, ...] = ()
     message: str = ""
+    supervisor: Supervision = "process"
+    restarts: int | None = None  # systemd's NRestarts (automatic restarts since the unit started)
+    last_exit: str = ""  # systemd's Result and how the main process last ended
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -219,6 +236,9 @@ class ServerStatus:
             "protocol": self.protocol,
             "clients": list(self.clients),
             "message": self.message,
+            "supervisor": self.supervisor,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
         }
 
 
@@ -236,7 +256,10 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     if not svc.ours:
         taken = svc.foreign_listeners()
         note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
-        if svc.pid is None:
+        failure = _unit_failure(state)
+        if svc.pid is None and failure:
+            server, message = "crashed", "; ".join(filter(None, [failure, note]))
+        elif svc.pid is None:
             server, message = "stopped", note
         else:
             why = "exited (pid file left)" if not svc.alive else "its pid now belongs to another program"
@@ -254,6 +277,7 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
         server, message = "busy", probe.message
     else:
         server, message = "unhealthy", f"{probe.outcome}: {probe.message}"
+    systemd = state.supervisor == "systemd" and state.unit is not None
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
@@ -264,7 +288,22 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
         protocol=protocol,
         clients=svc.clients,
         message=message,
+        supervisor=state.supervisor,
+        restarts=state.unit.restarts if systemd and state.unit else None,
+        last_exit=state.unit.last_exit() if systemd and state.unit else "",
     )
+
+
+def _unit_failure(state: NodeState) -> str:
+    """Why a systemd unit that should run does not ("" when it was stopped, or is not systemd's)."""
+    unit = state.unit
+    if state.supervisor != "systemd" or unit is None or not unit.installed:
+        return ""
+    if unit.failed_bind:
+        return "failed: could not bind its port (see `rpcfleet logs`)"
+    if unit.active == "failed":
+        return f"failed: {unit.last_exit()}"
+    return ""
 
 
 def _expected(state: InstallState) -> ProtocolVersion | None:

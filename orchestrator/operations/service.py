@@ -26,7 +26,7 @@ from orchestrator.operations.install_plan import (
     plan_rollback,
     read_install_state,
 )
-from orchestrator.operations.process import start_server, stop_server, wait_ready
+from orchestrator.operations.process import start_server, stop_server, supervisor_drift, wait_ready
 from orchestrator.operations.server import (
     LOG_FILE,
     NodeState,
@@ -38,6 +38,7 @@ from orchestrator.operations.server import (
     read_node_state,
     server_status,
 )
+from orchestrator.operations.systemd import journal_command, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
 
@@ -64,7 +65,11 @@ class ServiceChange:
 
 
 def plan_service(
-    status: ServerStatus, want: Literal["running", "stopped", "restarted"], *, current: str | None
+    status: ServerStatus,
+    want: Literal["running", "stopped", "restarted"],
+    *,
+    current: str | None,
+    drift: str = "",
 ) -> ServiceChange:
     """Pure: what brings the server to `want`, given its status and the installed version `current`."""
     host = status.host
@@ -83,6 +88,8 @@ def plan_service(
         return ServiceChange(host, "restart", reason, status)
     if status.state == "unhealthy":
         return ServiceChange(host, "restart", f"unhealthy: {status.message}", status)
+    if drift:
+        return ServiceChange(host, "restart", drift, status)
     return ServiceChange(host, "none", f"{status.state} (pid {status.pid})", status)
 
 
@@ -102,13 +109,13 @@ async def ensure_state(
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
     status = classify(host, state, await probe_server(host, state))
-    change = plan_service(status, want, current=state.install.current)
+    change = plan_service(status, want, current=state.install.current, drift=supervisor_drift(host, state))
     change = ServiceChange(change.host, change.action, change.reason, status, tuple(warnings))
     if not change.changed or check:
         return change
     install_dir = state.install.install_dir
     if change.action in ("stop", "restart"):
-        await stop_server(conn, host, install_dir)
+        await stop_server(conn, host, install_dir, state=state)
     if change.action in ("start", "restart"):
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
@@ -166,6 +173,13 @@ def make_status_step() -> Callable[[HostContext], Awaitable[StepOutcome[ServerSt
 def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
     async def logs(ctx: HostContext) -> StepOutcome[str]:
         conn = await ctx.connection()
+        state = await read_node_state(conn, ctx.host)
+        if state.supervisor == "systemd" and state.unit is not None:
+            command = journal_command(state.unit.name, lines, user=state.unit.user)
+            journal = (await conn.run(command, timeout=15)).stdout
+            return StepOutcome(
+                journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
+            )
         fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
@@ -174,6 +188,29 @@ def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOut
         return StepOutcome(text, False, f"{len(text.splitlines())} lines")
 
     return logs
+
+
+async def remove_unit(conn: Connection, host: Host, *, check: bool = False) -> str:
+    """Stop the server and remove its systemd unit (and, with the last one, the dedicated user).
+    Nothing to do where the install has no unit. Returns what was (or would be) done."""
+    state = await read_node_state(conn, host)
+    unit = state.unit
+    if unit is None or not unit.installed:
+        return "no unit"
+    if check:
+        return f"would stop and remove {unit.name}"
+    await ensure_state(conn, host, "stopped", state=state)
+    out = (await conn.run(remove_unit_script(unit.name, user=unit.user), timeout=60)).stdout
+    return f"removed {unit.name}" + (", and user rpcfleet" if "@userdel" in out else "")
+
+
+def make_remove_unit_step(*, check: bool = False) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
+    async def remove_unit_step(ctx: HostContext) -> StepOutcome[str]:
+        done = await remove_unit(await ctx.connection(), ctx.host, check=check)
+        return StepOutcome(done, done.startswith("removed"), done)
+
+    remove_unit_step.__name__ = "remove_unit"
+    return remove_unit_step
 
 
 @dataclass(frozen=True)
@@ -234,7 +271,7 @@ async def deploy(
     )
     if change.changed and change.manifest is None and not check:
         # A switch to a version built on the node: only the node has its manifest.
-        state = NodeState(await read_install_state(conn, host), state.service)
+        state = dataclasses.replace(state, install=await read_install_state(conn, host))
     elif change.changed:
         # What the install made (or, with --check, would make) current: no second read needed.
         installed = sorted({*state.install.versions, change.version} - set(change.prune))
@@ -242,7 +279,7 @@ async def deploy(
         install = dataclasses.replace(
             state.install, current=change.version, versions=tuple(installed), manifest=manifest, problems=()
         )
-        state = NodeState(install, state.service)
+        state = dataclasses.replace(state, install=install)
     service = await ensure_state(conn, host, "running", check=check, state=state)
     warnings = (warning,) if warning else ()
     return DeployResult(change, service, service.status, warnings)
@@ -277,7 +314,7 @@ async def rollback(
         await apply_install(conn, change)
         state = await read_node_state(conn, host)
     elif change.changed:
-        state = NodeState(dataclasses.replace(state.install, current=change.version), state.service)
+        state = dataclasses.replace(state, install=dataclasses.replace(state.install, current=change.version))
     service = await ensure_state(conn, host, "running", check=check, state=state)
     return DeployResult(change, service, service.status)
 

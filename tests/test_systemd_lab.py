@@ -1,0 +1,149 @@
+"""Tier 2: the systemd supervisor on lab nodes that boot systemd (`lab up --init systemd`), real servers.
+
+One 2-node systemd lab for the module: node 1 is reached as the lab user (a user unit with lingering),
+node 2 as root (a system unit running as the dedicated user `rpcfleet`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.engine.executor import RunResult, Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.server import ServerStatus, read_node_state
+from orchestrator.operations.service import (
+    DeployResult,
+    make_deploy_step,
+    make_logs_step,
+    make_remove_unit_step,
+    make_restart_step,
+    make_status_step,
+    make_stop_step,
+)
+from orchestrator.operations.systemd import unit_name
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
+from tests.plugins.lab import lab_hosts_of, own_lab
+
+pytestmark = pytest.mark.lab
+
+
+class _Fixed(ArtifactChooser):
+    def __init__(self, artifact: Artifact) -> None:
+        super().__init__()
+        self.artifact = artifact
+
+    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+        return self.artifact
+
+
+@pytest.fixture(scope="module")
+def sd_lab() -> Iterator[Lab]:
+    with own_lab(2, "sd", init="systemd") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def sd_hosts(sd_lab: Lab) -> list[Host]:
+    user, root = lab_hosts_of(sd_lab)
+    return [
+        dataclasses.replace(user, supervisor="systemd"),
+        dataclasses.replace(root, supervisor="systemd", ssh_user="root"),
+    ]
+
+
+@pytest.fixture
+def chooser(cpu_artifact: Artifact) -> ArtifactChooser:
+    return _Fixed(cpu_artifact)
+
+
+@pytest.fixture
+def hosts(sd_lab: Lab, sd_hosts: list[Host]) -> Iterator[list[Host]]:
+    """The systemd hosts; their units removed (and nothing left) after the test."""
+    yield sd_hosts
+    removed = _run_sync(sd_hosts, make_remove_unit_step(), "remove_unit")
+    assert removed.ok, [str(r.error) for r in removed.failed]
+
+
+def _run_sync(hosts: list[Host], step: Any, name: str) -> RunResult[Any]:
+    import asyncio
+
+    return asyncio.run(_run(hosts, step, name))
+
+
+async def _run(hosts: list[Host], step: Any, name: str) -> RunResult[Any]:
+    async with Session(forks=8) as session:
+        return await session.run(hosts, step, name=name)
+
+
+async def _states(hosts: list[Host]) -> dict[str, ServerStatus]:
+    run = await _run(hosts, make_status_step(), "status")
+    assert run.ok, [str(r.error) for r in run.failed]
+    return {r.host.name: r.value for r in run.results if isinstance(r.value, ServerStatus)}
+
+
+def _unit_files(lab: Lab, host: Host) -> list[str]:
+    folder = "/etc/systemd/system" if host.ssh_user == "root" else f"/home/{lab.user}/.config/systemd/user"
+    out = lab.node_exec(host.name, ["sh", "-c", f"ls {folder} | grep '^rpcfleet-' || true"]).stdout
+    return out.split()
+
+
+async def _until_hello(host: Host, limit_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        if (await probe_endpoint(host.endpoint, hello_only=True, deadline=1.0)).ok:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"{host.name} did not answer HELLO within {limit_s} s")
+
+
+async def test_deploy_installs_an_enabled_unit_and_a_second_deploy_changes_nothing(
+    hosts: list[Host], sd_lab: Lab, chooser: ArtifactChooser
+) -> None:
+    first = await _run(hosts, make_deploy_step(chooser), "deploy")
+    assert first.ok, [str(r.error) for r in first.failed]
+    for host in hosts:
+        state = await _read(host)
+        assert state.supervisor == "systemd" and state.unit is not None
+        assert state.unit.installed and state.unit.enabled and state.unit.active == "active"
+        assert state.unit.user == (host.ssh_user != "root")
+        assert _unit_files(sd_lab, host) == [unit_name(host.install_dir)]
+        assert (await probe_endpoint(host.endpoint, hello_only=True)).ok
+    # the system unit runs as the dedicated user, the user unit as the login user
+    users = {h.name: _main_user(sd_lab, h) for h in hosts}
+    assert users == {hosts[0].name: sd_lab.user, hosts[1].name: "rpcfleet"}
+    pids = {s.host: s.pid for s in (await _states(hosts)).values()}
+    second = await _run(hosts, make_deploy_step(chooser), "deploy")
+    assert [r.status for r in second.results] == ["ok", "ok"], [r.message for r in second.results]
+    assert {s.host: s.pid for s in (await _states(hosts)).values()} == pids
+    # restart and stop through the same operations as the process supervisor
+    restarted = await _run(hosts, make_restart_step(), "restart")
+    assert restarted.ok, [str(r.error) for r in restarted.failed]
+    after = await _states(hosts)
+    assert all(after[n].pid not in (None, pids[n]) and after[n].state == "running" for n in pids)
+    stopped = await _run(hosts, make_stop_step(), "stop")
+    assert stopped.ok and {s.state for s in (await _states(hosts)).values()} == {"stopped"}
+    for host in hosts:
+        assert (await probe_endpoint(host.endpoint, hello_only=True, deadline=2)).outcome is Outcome.REFUSED
+
+
+async def _read(host: Host) -> Any:
+    async with Session(forks=1) as session:
+        conn = await session.connection(host)
+        return await read_node_state(conn, host)
+
+
+def _main_user(lab: Lab, host: Host) -> str:
+    scope = "" if host.ssh_user == "root" else f"--user -M {lab.user}@ "
+    unit = unit_name(host.install_dir)
+    out = lab.node_exec(host.name, ["sh", "-c", f"systemctl {scope}show -p MainPID --value {unit}"]).stdout
+    return lab.node_exec(host.name, ["ps", "-o", "user=", "-p", out.strip()]).stdout.strip()
