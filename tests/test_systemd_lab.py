@@ -6,6 +6,7 @@ node 2 as root (a system unit running as the dedicated user `rpcfleet`).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -21,7 +22,6 @@ from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_plan import InstallState
 from orchestrator.operations.server import ServerStatus, read_node_state
 from orchestrator.operations.service import (
-    DeployResult,
     make_deploy_step,
     make_logs_step,
     make_remove_unit_step,
@@ -75,8 +75,6 @@ def hosts(sd_lab: Lab, sd_hosts: list[Host]) -> Iterator[list[Host]]:
 
 
 def _run_sync(hosts: list[Host], step: Any, name: str) -> RunResult[Any]:
-    import asyncio
-
     return asyncio.run(_run(hosts, step, name))
 
 
@@ -102,7 +100,7 @@ async def _until_hello(host: Host, limit_s: float) -> float:
     while time.monotonic() - started < limit_s:
         if (await probe_endpoint(host.endpoint, hello_only=True, deadline=1.0)).ok:
             return time.monotonic() - started
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     raise AssertionError(f"{host.name} did not answer HELLO within {limit_s} s")
 
 
@@ -147,3 +145,89 @@ def _main_user(lab: Lab, host: Host) -> str:
     unit = unit_name(host.install_dir)
     out = lab.node_exec(host.name, ["sh", "-c", f"systemctl {scope}show -p MainPID --value {unit}"]).stdout
     return lab.node_exec(host.name, ["ps", "-o", "user=", "-p", out.strip()]).stdout.strip()
+
+
+async def test_kill_9_comes_back_counted_and_a_reboot_starts_it_again(
+    hosts: list[Host], sd_lab: Lab, chooser: ArtifactChooser
+) -> None:
+    assert (await _run(hosts, make_deploy_step(chooser), "deploy")).ok
+    before = await _states(hosts)
+    for host in hosts:
+        sd_lab.node_exec(host.name, ["kill", "-9", str(_main_pid(sd_lab, host))])
+    for host in hosts:
+        assert await _until_hello(host, 5.0) < 5.0
+    after = await _states(hosts)
+    for host in hosts:
+        assert after[host.name].state == "running" and after[host.name].restarts == 1
+        assert after[host.name].pid != before[host.name].pid
+    sd_lab.reboot(hosts[1].name)  # no rpcfleet command afterwards: the enabled unit starts at boot
+    await _until_hello(hosts[1], 10.0)
+    logs = await _run([hosts[1]], make_logs_step(200), "logs")
+    assert logs.ok and "Started rpcfleet-" in str(logs.results[0].value)
+
+
+def _main_pid(lab: Lab, host: Host) -> int:
+    scope = "" if host.ssh_user == "root" else f"--user -M {lab.user}@ "
+    unit = unit_name(host.install_dir)
+    out = lab.node_exec(host.name, ["sh", "-c", f"systemctl {scope}show -p MainPID --value {unit}"]).stdout
+    return int(out.strip())
+
+
+async def test_a_taken_port_fails_with_the_reason_and_no_restart_loop(
+    hosts: list[Host], sd_lab: Lab, chooser: ArtifactChooser
+) -> None:
+    host = dataclasses.replace(hosts[1], rpc_port=22)  # sshd holds port 22 of the node
+    result = (await _run([host], make_deploy_step(chooser), "deploy")).results[0]
+    assert result.status == "failed" and "port 22 is already taken" in str(result.error)
+    # Taken after the unit was installed (the check before the start cannot see it): the server's bind fails
+    assert (await _run([hosts[1]], make_deploy_step(chooser), "deploy")).ok
+    await _run([hosts[1]], make_stop_step(), "stop")
+    blocker = sd_lab.node_exec(
+        hosts[1].name,
+        ["systemd-run", "--unit=blocker", "python3", "-c",
+         f"import socket,time; s=socket.socket(); s.bind(('{hosts[1].address}', 50052)); "
+         "s.listen(); time.sleep(60)"],
+    )  # fmt: skip
+    assert blocker.returncode == 0
+    try:
+        unit = unit_name(hosts[1].install_dir)
+        await asyncio.sleep(0.5)
+        sd_lab.node_exec(hosts[1].name, ["systemctl", "start", unit])
+        await asyncio.sleep(2.5)  # more than RestartSec: a restart loop would show
+        status = (await _states([hosts[1]]))[hosts[1].name]
+        assert status.state == "crashed" and "could not bind its port" in status.message, status
+        assert status.restarts == 0
+    finally:
+        sd_lab.node_exec(hosts[1].name, ["systemctl", "stop", "blocker"], check=False)
+
+
+async def test_teardown_leaves_no_unit_user_or_file(
+    sd_lab: Lab, sd_hosts: list[Host], chooser: ArtifactChooser
+) -> None:
+
+    assert (await _run(sd_hosts, make_deploy_step(chooser), "deploy")).ok
+    removed = await _run(sd_hosts, make_remove_unit_step(), "remove_unit")
+    assert [r.status for r in removed.results] == ["changed", "changed"]
+    for host in sd_hosts:
+        assert _unit_files(sd_lab, host) == []
+        wants = sd_lab.node_exec(
+            host.name,
+            ["sh", "-c", "ls /etc/systemd/system/*.wants /home/*/.config/systemd/user/*.wants; true"],
+        ).stdout
+        assert "rpcfleet-" not in wants
+    assert sd_lab.node_exec(sd_hosts[1].name, ["id", "rpcfleet"], check=False).returncode != 0
+    again = await _run(sd_hosts, make_remove_unit_step(), "remove_unit")
+    assert [r.status for r in again.results] == ["ok", "ok"]
+
+
+async def test_auto_picks_systemd_on_systemd_nodes_and_process_on_plain_ones(
+    sd_hosts: list[Host], lab_hosts: list[Host]
+) -> None:
+    for host in [sd_hosts[0], sd_hosts[1]]:
+        assert (await _read(dataclasses.replace(host, supervisor="auto"))).supervisor == "systemd"
+    plain = dataclasses.replace(lab_hosts[0], supervisor="auto")
+    assert (await _read(plain)).supervisor == "process"
+    from orchestrator.core.errors import ServiceError
+
+    with pytest.raises(ServiceError, match=r"PID 1 is .*, not systemd"):
+        await _read(dataclasses.replace(lab_hosts[0], supervisor="systemd"))
