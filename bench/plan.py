@@ -13,9 +13,10 @@ Part 2 (two real `ggml-rpc-server`s on loopback, a tiny llama model of about 200
 before the call to the returned `Llama`, for
   (A) `load_llama(plan, model)`: model check, pure-Python preflight probe of every endpoint, native
       registration, explicit device list, log capture, placement report;
-  (B) hand-written registration (docs/llama-rpc.md §5): `ggml_backend_reg_by_name("RPC")`,
-      `ggml_backend_rpc_add_server` per endpoint, device handles, a NULL-terminated device list through a
-      wrapper of `llama_model_default_params`, then `Llama(...)` with the same split, layers and context.
+  (B) hand-written registration (§5 of `../shared/docs/llama-rpc.md`, relative to the repository root):
+      `ggml_backend_reg_by_name("RPC")`, `ggml_backend_rpc_add_server` per endpoint, device handles, a
+      NULL-terminated device list through a wrapper of `llama_model_default_params`, then `Llama(...)`
+      with the same split, layers and context.
 Each measurement runs in its own fresh process (the native RPC registry is process-global), with
 `llama_cpp` imported before the clock starts; runs alternate A B B A ..., after one discarded warm-up of
 each. A's stages (model check, preflight, placement report) are timed inside its process by wrapping the
@@ -71,6 +72,7 @@ CHILD = textwrap.dedent(
     from orchestrator.core.log import configure_logging
     configure_logging("text", "WARNING")
     from orchestrator.llama import loader
+    from orchestrator.llama import preflight as preflight_module
     from pathlib import Path
     from orchestrator.planning.plan import Plan
 
@@ -93,7 +95,7 @@ CHILD = textwrap.dedent(
         # load_llama looks these up as module globals at call time.
         loader._check_model = timed("check_model", loader._check_model)
         loader.preflight = timed("preflight", loader.preflight)
-        loader.expected_protocol = timed("expected_protocol", loader.expected_protocol)
+        preflight_module.expected_protocol = timed("expected_protocol", preflight_module.expected_protocol)
         loader._register = timed("register", loader._register)
         loader.build_placement = timed("placement", loader.build_placement)
         started = time.perf_counter()
@@ -118,7 +120,7 @@ CHILD = textwrap.dedent(
         L.llama_log_set(callback, ctypes.c_void_p(0))
         opts = plan.options
         started = time.perf_counter()
-        # --- hand-written registration (docs/llama-rpc.md section 5) ---
+        # --- hand-written registration (../shared/docs/llama-rpc.md §5) ---
         lib = L._lib
         vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
         lib.ggml_backend_reg_by_name.argtypes, lib.ggml_backend_reg_by_name.restype = [cp], vp

@@ -59,6 +59,12 @@ _API: dict[str, str] = {
     "probe_endpoint": "orchestrator.rpc.client",
     "probe_endpoints": "orchestrator.rpc.client",
     "query_memory": "orchestrator.rpc.client",
+    "RpcDeviceMemory": "orchestrator.rpc.protocol",
+    "RpcMemoryInfo": "orchestrator.rpc.protocol",
+    "EndpointProbeError": "orchestrator.rpc.errors",
+    "EndpointUnreachableError": "orchestrator.rpc.errors",
+    "EndpointBusyError": "orchestrator.rpc.errors",
+    "ProtocolMismatchError": "orchestrator.rpc.errors",
     "Artifact": "orchestrator.artifacts.manifest",
     "build_artifact": "orchestrator.artifacts.build",
     "default_artifact": "orchestrator.artifacts.build",
@@ -76,10 +82,22 @@ _API: dict[str, str] = {
     "order_devices": "orchestrator.planning.placement",
     "to_plan_devices": "orchestrator.planning.devices",
     "write_tiny_llama": "orchestrator.planning.synth",
+    "Llama": "orchestrator.llama.seed",
     "load_llama": "orchestrator.llama.loader",
-    "preflight": "orchestrator.llama.loader",
+    "preflight": "orchestrator.llama.preflight",
+    "supports_rpc": "orchestrator.llama.registry",
+    "add_rpc_server": "orchestrator.llama.registry",
+    "add_rpc_servers": "orchestrator.llama.registry",
+    "rpc_device_handles": "orchestrator.llama.registry",
+    "print_summary": "orchestrator.llama.registry",
+    "query_rpc_memory": "orchestrator.llama.registry",
+    "query_all": "orchestrator.llama.registry",
+    "RpcDevice": "orchestrator.llama.registry",
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
+    "Worker": "orchestrator.llama.worker",
+    "WorkerError": "orchestrator.llama.worker",
+    "NodeLostError": "orchestrator.llama.worker",
     "build_report": "orchestrator.report.build",
     "ReportOptions": "orchestrator.report.build",
     "Report": "orchestrator.report.build",
@@ -132,9 +150,21 @@ if TYPE_CHECKING:
     from orchestrator.lab.lifecycle import lab_down as lab_down
     from orchestrator.lab.lifecycle import lab_up as lab_up
     from orchestrator.llama.loader import load_llama as load_llama
-    from orchestrator.llama.loader import preflight as preflight
     from orchestrator.llama.placement import Placement as Placement
     from orchestrator.llama.placement import placement_of as placement_of
+    from orchestrator.llama.preflight import preflight as preflight
+    from orchestrator.llama.registry import RpcDevice as RpcDevice
+    from orchestrator.llama.registry import add_rpc_server as add_rpc_server
+    from orchestrator.llama.registry import add_rpc_servers as add_rpc_servers
+    from orchestrator.llama.registry import print_summary as print_summary
+    from orchestrator.llama.registry import query_all as query_all
+    from orchestrator.llama.registry import query_rpc_memory as query_rpc_memory
+    from orchestrator.llama.registry import rpc_device_handles as rpc_device_handles
+    from orchestrator.llama.registry import supports_rpc as supports_rpc
+    from orchestrator.llama.seed import Llama as Llama
+    from orchestrator.llama.worker import NodeLostError as NodeLostError
+    from orchestrator.llama.worker import Worker as Worker
+    from orchestrator.llama.worker import WorkerError as WorkerError
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
     from orchestrator.planning.placement import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan
@@ -157,9 +187,15 @@ if TYPE_CHECKING:
     from orchestrator.rpc.client import probe_endpoint as probe_endpoint
     from orchestrator.rpc.client import probe_endpoints as probe_endpoints
     from orchestrator.rpc.client import query_memory as query_memory
+    from orchestrator.rpc.errors import EndpointBusyError as EndpointBusyError
+    from orchestrator.rpc.errors import EndpointProbeError as EndpointProbeError
+    from orchestrator.rpc.errors import EndpointUnreachableError as EndpointUnreachableError
+    from orchestrator.rpc.errors import ProtocolMismatchError as ProtocolMismatchError
     from orchestrator.rpc.protocol import Outcome as Outcome
     from orchestrator.rpc.protocol import ProbeResult as ProbeResult
     from orchestrator.rpc.protocol import ProtocolVersion as ProtocolVersion
+    from orchestrator.rpc.protocol import RpcDeviceMemory as RpcDeviceMemory
+    from orchestrator.rpc.protocol import RpcMemoryInfo as RpcMemoryInfo
     from orchestrator.rpc.protocol import parse_endpoint as parse_endpoint
 
 

@@ -2,8 +2,10 @@
 # One-command, idempotent, unattended set-up (called by `make setup`).
 #  1. system packages (installed with apt-get when running as root, otherwise named)
 #  2. llama-cpp-python built with GGML_RPC=ON, cached as a wheel keyed by version and build flags
-#  3. a virtual environment keyed by the dependency versions, outside the checkout
+#  3. a shared virtual environment keyed by the dependency versions, outside the checkout, and a
+#     small .venv per checkout on top of it that runs that checkout's code (scripts/checkout-venv.sh)
 #  4. the CPU rpc-server artifact built from the same llama.cpp source (cached)
+#  5. an old (protocol 2.0.0) rpc-server for the version-skew tests (cached)
 # A second run only checks the stamps and takes seconds.
 set -euo pipefail
 
@@ -75,36 +77,41 @@ if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
 fi
 WHEEL=$(compgen -G "$WHEEL_DIR/*.whl" | head -n1)
 
-# ---- 3. the virtual environment -------------------------------------------------
+# ---- 3. the virtual environments ------------------------------------------------------
+# One shared venv with every dependency (keyed by their versions, outside the checkout, never holding
+# rpcfleet itself), and per checkout a small .venv on top of it that runs this checkout's code.
 venv_key=$( { "$PYTHON" -VV; echo "$LLAMA_VERSION $flags_key"; \
   sed -n '/^dependencies = \[/,/^\]/p;/^\[project.optional-dependencies\]/,/^\[project.scripts\]/p' "$ROOT/pyproject.toml"; } \
   | sha256sum | cut -c1-12)
 VENV="$RPCFLEET_HOME/venv/$venv_key"
 if [ ! -f "$VENV/.rpcfleet-ready" ]; then
-  say "creating the virtual environment $VENV"
+  say "creating the shared virtual environment $VENV"
   rm -rf "$VENV"
   quiet "$PYTHON" -m venv "$VENV"
   quiet "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
   quiet "$VENV/bin/pip" install -q "$WHEEL"
+  # The dependencies of rpcfleet[llama,dev], then rpcfleet itself out again: each checkout adds its own.
   quiet "$VENV/bin/pip" install -q -e "$ROOT[llama,dev]"
+  quiet "$VENV/bin/pip" uninstall -q -y rpcfleet
   touch "$VENV/.rpcfleet-ready"
 fi
-# The venv is shared by every checkout: point its editable install at this one.
-here=$("$VENV/bin/python" -c 'import orchestrator, os; print(os.path.dirname(os.path.dirname(orchestrator.__file__)))' 2>/dev/null || true)
-if [ "$here" != "$ROOT" ]; then
-  quiet "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT"
-fi
-ln -sfn "$VENV" "$ROOT/.venv"
+bash "$ROOT/scripts/checkout-venv.sh" "$VENV" "$ROOT" || die "making $ROOT/.venv failed"
+PY="$ROOT/.venv/bin/python"
 
-"$VENV/bin/python" - <<'PY' || die "llama-cpp-python in $VENV was built without RPC support (llama_supports_rpc() is false)"
+"$PY" - <<'PY' || die "llama-cpp-python in $VENV was built without RPC support (llama_supports_rpc() is false)"
 import sys
 import llama_cpp.llama_cpp as ll
 sys.exit(0 if ll.llama_supports_rpc() else 1)
 PY
 
 # ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
-if "$VENV/bin/python" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
-  "$VENV/bin/python" -m orchestrator artifact build --backend cpu --quiet-if-cached \
+if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
+  "$PY" -m orchestrator artifact build --backend cpu --quiet-if-cached \
     || die "building the rpc-server artifact failed"
 fi
-say "ready: $VENV (linked as .venv)"
+# ---- 5. an old rpc-server (protocol 2.0.0) for the version-skew tests (cached) ----------
+# llama-cpp-python 0.3.16's vendored `rpc-server` target only, GGML_NATIVE=OFF: about 3 minutes, once.
+if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
+  quiet "$PY" -c 'from orchestrator.artifacts.build import build_artifact; build_artifact("cpu", version="0.3.16")'
+fi
+say "ready: $ROOT/.venv (this checkout's code, the packages of $VENV)"

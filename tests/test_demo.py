@@ -27,6 +27,6 @@ def test_demo_runs_the_pipeline_and_leaves_nothing(capsys: pytest.CaptureFixture
     actual_rows = re.findall(r"actual\s+([\d.]+)\s+([\d.]+)", placement)
     assert len(plan_rows) == len(actual_rows) == 4  # three RPC devices and the host
     assert plan_rows == actual_rows  # weights and KV predicted exactly (0.01 MiB log precision)
-    speed = re.search(r"(\d+) tokens, decoding at ([\d.]+) tokens/s", out)
+    speed = re.search(r"(\d+) tokens generated, decoding at ([\d.]+) tokens/s", out)
     assert speed is not None and int(speed.group(1)) == 24 and float(speed.group(2)) > 0
     assert name not in list_labs()

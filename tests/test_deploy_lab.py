@@ -23,14 +23,14 @@ from orchestrator.lab.model import Lab
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_apply import apply_install
 from orchestrator.operations.install_plan import InstallState, plan_install
+from orchestrator.operations.layer import OperationOptions
 from orchestrator.operations.server import ServerStatus, read_node_state
 from orchestrator.operations.service import (
     DeployResult,
     make_deploy_step,
-    make_restart_step,
     make_rollback_step,
+    make_service_step,
     make_status_step,
-    make_stop_step,
 )
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
@@ -141,13 +141,13 @@ async def test_deploy_noop_restart_stop(
     assert {s.state for s in states.values()} == {"running"}
     assert {s.version for s in states.values()} == {cpu_artifact.id}
 
-    restarted = await _run(nodes, make_restart_step(), "restart")
+    restarted = await _run(nodes, make_service_step("restarted", OperationOptions()), "restart")
     assert [r.status for r in restarted.results] == ["changed"] * 3
     new_pids = {h.name: _server_pid(lab, h) for h in nodes}
     assert all(new_pids[n] != pids[n] for n in pids)
     assert {s.state for s in (await _states(nodes)).values()} == {"running"}
 
-    stopped = await _run(nodes, make_stop_step(), "stop")
+    stopped = await _run(nodes, make_service_step("stopped", OperationOptions()), "stop")
     assert [r.status for r in stopped.results] == ["changed"] * 3
     for pid in new_pids.values():
         wait_gone(pid)

@@ -498,7 +498,7 @@ ERRORS = [
     ("ssh port zero", "inv.yml", "all:\n  hosts:\n    a:\n      ansible_port: 0\n",
      "inv.yml:4:21: ansible_port: port 0 is out of range (1-65535)\n    ansible_port: 0"),
     ("bool port", "inv.yml", "hosts: {a: {rpc_port: true}}\n",
-     "inv.yml:1:23: rpc_port: expected an integer, got True\n    hosts: {a: {rpc_port: true}}"),
+     "inv.yml:1:23: rpc_port: expected an integer, got a boolean True\n    hosts: {a: {rpc_port: true}}"),
     ("bad address", "inv.yml", "hosts:\n  a: {address: 'bad host'}\n",
      "inv.yml:2:16: address: invalid address 'bad host' (expected an IPv4/IPv6 address or a hostname)\n"
      "    a: {address: 'bad host'}"),
@@ -527,7 +527,8 @@ ERRORS = [
      "inv.yml:2:27: ansible_connection: expected one of ssh, local, got 'winrm'\n"
      "    a: {ansible_connection: winrm}"),
     ("bool", "inv.yml", "hosts:\n  a: {rpc_cache: maybe}\n",
-     "inv.yml:2:18: rpc_cache: expected a boolean (true/false), got 'maybe'\n    a: {rpc_cache: maybe}"),
+     "inv.yml:2:18: rpc_cache: expected a boolean (true/false, yes/no, on/off), got 'maybe'\n"
+     "    a: {rpc_cache: maybe}"),
     ("threads", "inv.yml", "hosts:\n  a: {rpc_threads: 0}\n",
      "inv.yml:2:20: rpc_threads: expected an integer >= 1, got 0\n    a: {rpc_threads: 0}"),
     ("keep_versions", "inv.yml", "hosts:\n  a: {keep_versions: 0}\n",
@@ -538,7 +539,7 @@ ERRORS = [
     ("string type", "inv.yml", "hosts:\n  a: {ssh_user: [a, b]}\n",
      "inv.yml:2:17: ssh_user: expected a string, got a list ['a', 'b']\n    a: {ssh_user: [a, b]}"),
     ("devices", "inv.yml", "hosts:\n  a: {rpc_devices: 'CUDA 0'}\n",
-     "inv.yml:2:20: rpc_devices: invalid device name 'CUDA 0' (expected names such as CUDA0, Vulkan1, CPU)\n"
+     "inv.yml:2:20: rpc_devices: expected a device name such as CUDA0, Vulkan1 or CPU, got 'CUDA 0'\n"
      "    a: {rpc_devices: 'CUDA 0'}"),
     ("template", "inv.yml", "hosts:\n  a: {address: '{{ foo }}'}\n",
      "inv.yml:2:16: address: template '{{ foo }}' is not supported (only {{ inventory_hostname }} is)\n"

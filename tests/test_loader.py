@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 
-import orchestrator.llama.loader as llama_loader
+import orchestrator.llama.preflight as llama_preflight
 from orchestrator.core.errors import LoaderError
 from orchestrator.llama.errors import (
     DeviceMismatchError,
     EndpointBusyError,
     EndpointLimitError,
+    EndpointProbeError,
     EndpointUnreachableError,
     ProtocolMismatchError,
-    _error_for_probe,
 )
-from orchestrator.llama.loader import _multimodal, check_plan_devices, device_names, load_llama, preflight
+from orchestrator.llama.loader import _multimodal, device_names, load_llama
 from orchestrator.llama.logs import (
     join_log_records,
     model_allocations,
@@ -36,10 +36,12 @@ from orchestrator.llama.logs import (
 )
 from orchestrator.llama.native import _register, live_endpoints, registered_endpoints
 from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
+from orchestrator.llama.preflight import check_plan_devices, preflight
 from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
+from orchestrator.rpc.errors import error_for
 from orchestrator.rpc.protocol import Outcome, ProbeResult
 from tests.fakerpc import fake_rpc_server, protocol
 from tests.plugins.llama import DebugServer, GiB, plan_devices
@@ -372,7 +374,7 @@ def test_refusals_leave_the_process_alive(
     stopped = f"127.0.0.1:{free_port()}"
     busy = start_rpc_server()
     hold_server(busy.endpoint)
-    cases: list[tuple[str, type[LoaderError]]] = [
+    cases: list[tuple[str, type[EndpointProbeError]]] = [
         (stopped, EndpointUnreachableError),
         (busy.endpoint, EndpointBusyError),
     ]
@@ -432,7 +434,7 @@ def test_endpoint_limit(
     # Make sure at least one endpoint is registered, then cap the process at what it has.
     llm = load_llama(_single_plan(debug_rpc_servers[0].endpoint, tiny_model), tiny_model)
     llm.close()
-    monkeypatch.setattr(llama_loader, "MAX_ENDPOINTS", len(registered_endpoints()))
+    monkeypatch.setattr(llama_preflight, "MAX_ENDPOINTS", len(registered_endpoints()))
     fresh = start_rpc_server()
     with pytest.raises(EndpointLimitError, match="distinct endpoints"):
         load_llama(_single_plan(fresh.endpoint, tiny_model), tiny_model)
@@ -442,7 +444,7 @@ def test_endpoint_limit(
     llm.close()
 
 
-def test_probe_outcomes_map_to_loader_errors() -> None:
+def test_probe_outcomes_map_to_one_error_family() -> None:
     def result(outcome: Outcome) -> ProbeResult:
         return ProbeResult("127.0.0.1:1", outcome, None, (), "why", 0.0)
 
@@ -455,9 +457,10 @@ def test_probe_outcomes_map_to_loader_errors() -> None:
         Outcome.PROTOCOL_ERROR: ProtocolMismatchError,
     }
     for outcome, cls in expected.items():
-        err = _error_for_probe(result(outcome))
-        assert type(err) is cls
+        err = error_for(result(outcome), "refused before loading")
+        assert type(err) is cls and err.outcome is outcome
         assert err.host == "127.0.0.1:1"
+        assert err.message == f"refused before loading: {outcome}: why"
 
 
 @pytest.mark.llama
@@ -521,11 +524,10 @@ def test_projector_stays_on_the_cpu_without_a_local_gpu(tmp_path: Path) -> None:
     kwargs: dict[str, Any] = {}
     assert _multimodal(kwargs, mmproj, has_local_gpu=False, verbose=False) == []
     handler = kwargs["chat_handler"]
-    assert (type(handler).__name__, handler.use_gpu, handler.clip_model_path) == (
-        "MTMDChatHandler",
-        False,
-        str(mmproj),
-    )
+    from llama_cpp.llama_chat_format import MTMDChatHandler
+
+    assert isinstance(handler, MTMDChatHandler)
+    assert (handler.use_gpu, handler.clip_model_path) == (False, str(mmproj))
     kwargs = {}
     _multimodal(kwargs, mmproj, has_local_gpu=True, verbose=False)
     assert kwargs["chat_handler"].use_gpu is True

@@ -64,7 +64,12 @@ def test_plan_renders_llama_cli_args_and_python(
     snippet = capsys.readouterr().out
     ast.parse(snippet)
     assert "orchestrator.load_llama(plan" in snippet
-    assert "Plan.from_path('plan.json')" in snippet  # the default name
+    # Without -o no file was written: the snippet carries the plan itself.
+    assert "plan.json" not in snippet and "from_path" not in snippet
+    namespace: dict[str, object] = {}
+    exec(snippet.split("llm = ")[0], namespace)  # the lines up to the load
+    embedded = namespace["plan"]
+    assert isinstance(embedded, Plan) and embedded.model_path == str(tiny_model)
     # With -o the snippet reads the file the plan was written to.
     saved = tmp_path / "my plan.json"
     base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--format", "python"]

@@ -113,7 +113,7 @@ ERRORS = [
         4,
     ),
     ("name: x\nsteps:\n  - restart: {timeout: soon}\n", "step 1 (restart): timeout: expected a number", 3),
-    ("name: x\nsteps:\n  - restart: {force: maybe}\n", "step 1 (restart): force: expected true or false", 3),
+    ("name: x\nsteps:\n  - restart: {force: maybe}\n", "step 1 (restart): force: expected a boolean", 3),
     ("name: x\nsteps:\n  - probe\n  - plan: {ctx: 4096}\n", "step 2 (plan): missing required argument", 4),
     ("name: x\nsteps:\n  - plan: {model: '{{ modle }}'}\n", "step 1 (plan): model: undefined variable", 3),
     ("name: x\nsteps:\n  - name: both\n    stop:\n    start:\n", 'step 1 "both": a step is one operation', 3),

@@ -13,13 +13,13 @@ import pytest
 
 from orchestrator.core.errors import LoaderError, PlaybookError, UnreachableError
 from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.engine.shared import SharedCall
 from orchestrator.inventory.model import Host
 from orchestrator.llama.placement import MemoryBytes
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.load_check import DeviceCheck, LoadCheckResult, load_check
 from orchestrator.playbooks.model import PlaybookErrors
-from orchestrator.playbooks.ops import _Shared
 from tests.procs import gone
 
 MiB = 1 << 20
@@ -33,7 +33,7 @@ async def test_a_shared_fleet_error_keeps_its_type_for_every_host() -> None:
         calls += 1
         raise UnreachableError("the fleet is gone", hint="check the network")
 
-    shared: _Shared[None] = _Shared(fail)
+    shared: SharedCall[None] = SharedCall(fail)
 
     async def step(ctx: HostContext) -> StepOutcome[None]:
         await shared.get()
@@ -58,12 +58,12 @@ async def test_a_shared_error_with_its_own_constructor_is_copied_whole() -> None
         raise original
 
     with pytest.raises(PlaybookErrors) as info:
-        await _Shared(fail).get()
+        await SharedCall(fail).get()
     assert info.value is not original
     assert info.value.errors == original.errors and str(info.value) == str(original)
 
 
-# --- the load-check child ------------------------------------------------------------------------------
+# --- the load-check worker -----------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def plan(tiny_model: Path) -> Plan:
 
 
 def _fake_python(tmp_path: Path, body: str) -> Path:
-    """A stand-in for the child's interpreter: a shell script that writes its pid, then runs `body`."""
+    """A stand-in for the worker's interpreter: a shell script that writes its pid, then runs `body`."""
     script = tmp_path / "python"
     script.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\n{body}\n")
     script.chmod(0o755)
@@ -111,16 +111,20 @@ async def test_a_load_check_past_its_limit_kills_its_child(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: Plan
 ) -> None:
     monkeypatch.setattr(sys, "executable", str(_fake_python(tmp_path, "exec sleep 60")))
-    with pytest.raises(LoaderError, match=r"did not finish within 0\.3 s"):
+    # The plan's endpoint refuses connections, so the silence is blamed on it.
+    with pytest.raises(
+        LoaderError, match=r"lost 127\.0\.0\.1:1 \(refused\) while starting: .* within 0\.3 s"
+    ):
         await load_check(plan, "m.gguf", limit_s=0.3)
     pid = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
 
-def _answer(**changes: object) -> dict[str, object]:
+def _placement(**changes: object) -> dict[str, object]:
     device = {
         "label": "127.0.0.1:1#0",
+        "name": "RPC0",
         "endpoint": "127.0.0.1:1",
         "index": 0,
         "planned_layers": [0, 1, 2],
@@ -128,14 +132,26 @@ def _answer(**changes: object) -> dict[str, object]:
         "predicted": {"weights": 3 * MiB, "kv": MiB, "compute": 2 * MiB},
         "actual": {"weights": 3 * MiB, "kv": MiB, "compute": 2 * MiB + 5},
     }
-    return {"layers_as_planned": True, "load_seconds": 0.25, "devices": [device], **changes}
+    host = {f"{w}_{k}": 0 for w in ("predicted", "actual") for k in ("weights", "kv", "compute", "output")}
+    answer = {
+        "devices": [device],
+        "host": host,
+        "used_devices": [["RPC0", "127.0.0.1:1"]],
+        "load_seconds": 0.25,
+    }
+    return {**answer, "log": ["load_tensors: layer   0 assigned to device RPC0"], **changes}
 
 
-async def test_the_child_answer_becomes_typed_data(
+def _answering(tmp_path: Path, placement: object) -> Path:
+    """A fake worker that reads the load request, answers `loaded` with `placement`, then exits on close."""
+    line = json.dumps({"event": "loaded", "pid": 1, "placement": placement})
+    return _fake_python(tmp_path, f"read -r _; echo '{line}'; read -r _")
+
+
+async def test_the_worker_answer_becomes_typed_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: Plan
 ) -> None:
-    line = json.dumps(_answer())
-    monkeypatch.setattr(sys, "executable", str(_fake_python(tmp_path, f"cat >/dev/null; echo '{line}'")))
+    monkeypatch.setattr(sys, "executable", str(_answering(tmp_path, _placement())))
     result = await load_check(plan, "m.gguf", limit_s=30)
     assert result == LoadCheckResult(
         layers_as_planned=True,
@@ -153,31 +169,31 @@ async def test_the_child_answer_becomes_typed_data(
         ),
     )
     assert result.devices[0].as_planned
+    assert gone(int((tmp_path / "pid").read_text()))  # closed after the check
+
+
+_DEVICE = _placement()["devices"][0]  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
-    ("answer", "message"),
+    ("placement", "message"),
     [
         ([], "must be an object"),
-        (_answer(devices=None), "devices must be a list"),
-        (_answer(load_seconds="fast"), "load_seconds"),
-        (_answer(layers_as_planned=1), "layers_as_planned"),
-        (_answer(devices=[{"label": "x"}]), "endpoint must be|index"),
-        (_answer(devices=[{**_answer()["devices"][0], "actual_layers": [0, "1"]}]), "actual_layers"),  # type: ignore[index]
-        (_answer(devices=[{**_answer()["devices"][0], "actual": {"weights": 1}}]), "actual must be"),  # type: ignore[index]
+        (_placement(devices=None), "devices must be a list"),
+        (_placement(load_seconds="fast"), "load_seconds"),
+        (_placement(load_seconds=True), "load_seconds"),
+        (_placement(devices=[{"label": "x"}]), "name must be|endpoint must be|index"),
+        (_placement(devices=[{**_DEVICE, "index": True}]), "index must be int"),
+        (_placement(devices=[{**_DEVICE, "actual_layers": [0, "1"]}]), "actual_layers"),
+        (_placement(devices=[{**_DEVICE, "actual": {"weights": 1}}]), "actual: kv"),
+        (_placement(used_devices=[["RPC0"]]), "used_devices"),
+        (_placement(log="text"), "log must be"),
     ],
 )
-async def test_a_malformed_child_answer_is_a_loader_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: Plan, answer: object, message: str
+async def test_a_malformed_worker_answer_is_a_loader_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: Plan, placement: object, message: str
 ) -> None:
-    line = json.dumps(answer)
-    monkeypatch.setattr(sys, "executable", str(_fake_python(tmp_path, f"cat >/dev/null; echo '{line}'")))
-    with pytest.raises(LoaderError, match=f"malformed JSON: .*({message})"):
+    monkeypatch.setattr(sys, "executable", str(_answering(tmp_path, placement)))
+    with pytest.raises(LoaderError, match=f"malformed placement: .*({message})"):
         await load_check(plan, "m.gguf", limit_s=30)
-
-
-def test_device_check_refuses_booleans_for_numbers() -> None:
-    device = dict(_answer()["devices"][0])  # type: ignore[index]
-    with pytest.raises(ValueError, match="index"):
-        DeviceCheck.from_json({**device, "index": True})
-    assert DeviceCheck.from_json(device).predicted.total == 6 * MiB
+    assert gone(int((tmp_path / "pid").read_text()))

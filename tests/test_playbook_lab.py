@@ -55,7 +55,7 @@ def test_check_mode_of_rolling_restart_and_teardown_changes_nothing(
     assert out.count("would restart (pid") == 3
     assert _cli(lab, "teardown", "--check") == 0
     out = capsys.readouterr().out
-    assert out.count("stop: running (pid") == 3
+    assert out.count("would stop: was running pid") == 3
     assert (
         main(["restart", "--rolling", "-i", str(lab.inventory), "--check", "--limit", deployed[0].name]) == 0
     )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from orchestrator.core.errors import PlanError, ProbeError
+from orchestrator.engine.executor import Session
 from orchestrator.facts.base import gather_command, parse_gathered
 from orchestrator.facts.gpus import Gpu, GpuReport
 from orchestrator.facts.system import MemInfo
@@ -43,7 +46,7 @@ from orchestrator.probe.fleet import (
 from orchestrator.probe.host import CpuModelFact, HostFacts, probe_facts
 from orchestrator.rpc.protocol import AggregateMemory, DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
-from tests.fakerpc import drip, fake_rpc_server, hello_payload
+from tests.fakerpc import FakeConnection, Handler, drip, fake_rpc_server, hello_payload, protocol
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 StartServer = Callable[..., LocalServer]
@@ -126,18 +129,18 @@ CAPACITY_CASES: list[
         [("cpu", "AMD EPYC 7713", 20 * GiB, 0, "meminfo", ())],
     ),
     (
-        "cpu node without facts: the server's figure, with a warning",
+        "cpu node without facts: the server's figure (total RAM) is not usable memory",
         {"memory_reserve": 1 * GiB},
         [(RAM, RAM)],
         None,
-        [("cpu", "CPU", RAM, RAM - GiB, "rpc", ("no host facts",))],
+        [("cpu", "CPU", RAM, 0, "rpc", ("not measured (no host facts)",))],
     ),
     (
-        "cpu node whose MemAvailable is unknown (old kernel)",
+        "cpu node whose MemAvailable is unknown (old kernel): not measured either",
         {},
         [(RAM, RAM)],
         HostFacts(memory=MemInfo(total=RAM, available=None), cpu_model=None),
-        [("cpu", "CPU", RAM, RAM, "rpc", ("MemAvailable unreadable",))],
+        [("cpu", "CPU", RAM, 0, "rpc", ("not measured (MemAvailable unreadable)",))],
     ),
     (
         "gpu node: RPC numbers, names from nvidia-smi, agreeing",
@@ -500,6 +503,7 @@ GOLDEN: dict[str, Any] = {
             "duplicate_of": None,
             "warnings": [],
             "facts_error": None,
+            "untrusted": None,
             "facts": {
                 "mem_total": 8 * GiB,
                 "mem_available": 6 * GiB,
@@ -524,6 +528,8 @@ GOLDEN: dict[str, Any] = {
                     "usable": 5 * GiB,
                     "source_of_free": "meminfo",
                     "warnings": [],
+                    "measured": True,
+                    "untrusted": None,
                 }
             ],
         },
@@ -540,6 +546,7 @@ GOLDEN: dict[str, Any] = {
             "duplicate_of": None,
             "warnings": [],
             "facts_error": None,
+            "untrusted": None,
             "facts": {
                 "mem_total": 8 * GiB,
                 "mem_available": 6 * GiB,
@@ -567,6 +574,8 @@ GOLDEN: dict[str, Any] = {
                     "usable": free,
                     "source_of_free": "rpc",
                     "warnings": [],
+                    "measured": True,
+                    "untrusted": None,
                 }
                 for i, free in ((0, 20 * GiB), (1, 24 * GiB))
             ],
@@ -584,6 +593,7 @@ GOLDEN: dict[str, Any] = {
             "duplicate_of": None,
             "warnings": [],
             "facts_error": "facts not read within 3 s",
+            "untrusted": None,
             "facts": None,
             "devices": [],
         },
@@ -600,6 +610,7 @@ GOLDEN: dict[str, Any] = {
             "duplicate_of": "a",
             "warnings": [],
             "facts_error": None,
+            "untrusted": None,
             "facts": {
                 "mem_total": 8 * GiB,
                 "mem_available": 6 * GiB,
@@ -624,6 +635,8 @@ GOLDEN: dict[str, Any] = {
                     "usable": 6 * GiB,
                     "source_of_free": "meminfo",
                     "warnings": [],
+                    "measured": True,
+                    "untrusted": None,
                 }
             ],
         },
@@ -658,6 +671,48 @@ def test_plan_devices_raise_skip_or_flag_failed_nodes(tiny_model: Path) -> None:
     with pytest.raises(PlanError, match=r"10\.0\.0\.3:50052#0 is not usable: timeout") as info:
         make_plan(flagged, profile, PlanOptions(n_ctx=256))
     assert info.value.host == "c"
+
+
+def test_cpu_memory_that_was_not_measured_is_not_trusted() -> None:
+    h = host(memory_reserve=GiB, memory_limit=16 * GiB)
+    result = ok_result(h.endpoint, (RAM, RAM))
+    (refused,) = compute_capacity(h, result, None)
+    assert (refused.free, refused.usable, refused.measured) == (RAM, 0, False)
+    assert refused.untrusted == "CPU memory not measured (no host facts)"
+    assert any("--trust-rpc-memory" in w for w in refused.warnings)
+    # Trusted on request: the server's figure, with reserve and limit, and a warning that says so.
+    (trusted,) = compute_capacity(h, result, None, trust_rpc_memory=True)
+    assert (trusted.usable, trusted.measured, trusted.untrusted) == (16 * GiB, False, None)
+    assert any("used as free (--trust-rpc-memory)" in w for w in trusted.warnings)
+    # Measured memory and GPU memory (the driver's numbers) need no trust.
+    (measured,) = compute_capacity(h, result, CPU_FACTS)
+    assert (measured.usable, measured.measured, measured.untrusted) == (16 * GiB, True, None)
+    gpu = host(backend="cuda")
+    (card,) = compute_capacity(gpu, ok_result(gpu.endpoint, (23 * GiB, 24 * GiB)), None)
+    assert (card.usable, card.measured, card.untrusted) == (23 * GiB, True, None)
+
+
+def test_a_node_without_facts_is_refused_by_the_planner_unless_trusted(tiny_model: Path) -> None:
+    blind = node(A, ok_result(A.endpoint, (RAM, RAM)), None, facts_error="ssh: connection refused")
+    seeing = sample_fleet().nodes[1]
+    fleet = FleetProbe.of([blind, seeing], protocol="7.0.0", timeout=3.0)
+    assert blind.ok and blind.untrusted == "CPU memory not measured (no host facts): ssh: connection refused"
+    assert fleet.totals.usable == 44 * GiB  # the blind node's RAM is not counted as usable
+    with pytest.raises(
+        ProbeError, match=r"a \(10\.0\.0\.1:50052: CPU memory not measured .*refused\)"
+    ) as info:
+        to_plan_devices(fleet)
+    assert "--trust-rpc-memory" in (info.value.hint or "")
+    assert [d.endpoint for d in to_plan_devices(fleet, failed="skip")] == [seeing.endpoint] * 2
+    flagged = to_plan_devices(fleet, failed="flag")
+    assert (flagged[0].ok, flagged[0].state, flagged[0].host) == (False, "unmeasured", "a")
+    with pytest.raises(PlanError, match=r"10\.0\.0\.1:50052#0 is not usable: unmeasured"):
+        make_plan(flagged, profile_model(tiny_model), PlanOptions(n_ctx=256))
+    trusted_devices = compute_capacity(A, blind.rpc, None, trust_rpc_memory=True)
+    trusted = FleetProbe.of(
+        [dataclasses.replace(blind, devices=trusted_devices), seeing], protocol="7.0.0", timeout=3.0
+    )
+    assert next(d.usable for d in to_plan_devices(trusted)) == RAM - A.memory_reserve
 
 
 # --- real servers on loopback -----------------------------------------------------------------------------
@@ -719,7 +774,9 @@ async def test_ok_node_uses_mem_available_and_stopped_node_is_refused(start_rpc_
     (raw,) = no_facts.nodes[0].devices
     assert no_facts.nodes[0].facts is None and no_facts.nodes[0].facts_error is None
     assert raw.source_of_free == "rpc" and raw.free == up.rpc.devices[0].free
-    assert any("no host facts" in w for w in raw.warnings)
+    assert (raw.usable, raw.measured) == (0, False) and any("no host facts" in w for w in raw.warnings)
+    trusted = await probe_fleet([ok], timeout=2.0, facts=False, trust_rpc_memory=True)
+    assert trusted.nodes[0].devices[0].usable == raw.free - GiB
     memory = await query_fleet_memory([ok, small], timeout=2.0)
     assert memory is not None and (memory.server_count, memory.device_count) == (2, 2)
     assert await query_fleet_memory([ok, small, down], timeout=2.0) is None
@@ -779,6 +836,47 @@ async def test_remote_host_with_loopback_bind_is_not_probed_here(start_rpc_serve
     fleet = await probe_fleet([remote], timeout=0.5, facts=False)
     assert fleet.nodes[0].state == "refused"
     assert "unreachable from this controller" in fleet.nodes[0].rpc.message
+
+
+class _Gauge:
+    """Connections open at once across several fake servers (each on its own thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = self.peak = 0
+
+    def holding(self, hold: float) -> Handler:
+        serve = protocol()
+
+        async def handle(conn: FakeConnection) -> None:
+            with self.lock:
+                self.open += 1
+                self.peak = max(self.peak, self.open)
+            try:
+                await asyncio.sleep(hold)  # the answer comes late: overlapping probes overlap here
+                await serve(conn)
+            finally:
+                with self.lock:
+                    self.open -= 1
+
+        return handle
+
+
+@pytest.mark.parametrize(("forks", "session_forks", "peak"), [(2, None, 2), (None, 3, 3), (None, None, 6)])
+def test_the_rpc_fan_out_honours_forks(forks: int | None, session_forks: int | None, peak: int) -> None:
+    gauge = _Gauge()
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(fake_rpc_server(gauge.holding(0.3))) for _ in range(6)]
+        hosts = [local_host(f"n{i}", server.port) for i, server in enumerate(servers)]
+
+        async def go() -> FleetProbe:
+            if session_forks is None:
+                return await probe_fleet(hosts, timeout=5.0, facts=False, forks=forks)
+            async with Session(forks=session_forks) as session:
+                return await probe_fleet(hosts, timeout=5.0, facts=False, session=session)
+
+        fleet = asyncio.run(go())
+    assert fleet.ok and gauge.peak == peak  # default: the session's forks, else DEFAULT_FORKS (16)
 
 
 def test_duplicate_endpoints_are_probed_once() -> None:

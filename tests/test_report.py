@@ -20,9 +20,8 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.cli.report import parse_contexts
-from orchestrator.core.errors import PlanError, RpcfleetError, UsageError
-from orchestrator.core.files import write_atomic
-from orchestrator.planning.plan import PlanDevice, PlanOptions
+from orchestrator.core.errors import PlanError, UsageError
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.planning.synth import write_tiny_llama
@@ -280,9 +279,32 @@ def test_markdown_table_structure(report_70b: Report) -> None:
     assert fleet[4][2] == "refused" and fleet[2][-1] == "32.00 GiB"
     for table, case in zip(tables[1:], report_70b.cases, strict=True):
         assert table[0][:6] == ["device", "host", "layers", "weights", "KV", "compute"]
-        assert case.plan is not None and len(table) - 2 == len(case.plan.devices)
+        # one row per device, then the host (CPU) row that `rpcfleet plan` shows too
+        assert case.plan is not None and len(table) - 2 == len(case.plan.devices) + 1
+        assert table[-1][:3] == ["host (CPU)", "-", ""]
+        _assert_layer_column(table[2:-1], case.plan)
     assert md.startswith("# rpcfleet capacity report") and "### ctx 32768" in md
     assert "- smallest change: add" in md
+
+
+def _assert_layer_column(rows: list[list[str]], plan: Plan) -> None:
+    """The layers column adds up to the model's layers: `N + output` counts the output layer apart."""
+    blocks, outputs = 0, 0
+    for row in rows:
+        n, _, rest = row[2].partition(" + ")
+        blocks += int(n)
+        outputs += rest == "output"
+    assert outputs <= 1 and blocks <= plan.n_layer
+    assert blocks + outputs == plan.n_gpu_layers == sum(d.n_layers for d in plan.devices)
+
+
+def test_report_html_has_the_host_row_and_exact_layers(report_70b: Report) -> None:
+    html = render_html(report_70b)
+    plan = report_70b.cases[0].plan
+    assert plan is not None
+    assert html.count("<td>host (CPU)</td>") == sum(1 for c in report_70b.cases if c.plan and c.plan.devices)
+    with_output = next(d for d in plan.devices if d.has_output)
+    assert f">{with_output.n_layers - 1} + output</td>" in html and "+out<" not in html
 
 
 def test_markdown_escapes_pipes(tiny_profile: ModelProfile) -> None:
@@ -536,22 +558,6 @@ def test_parse_contexts() -> None:
     assert parse_contexts(["4096,32k", "8192", "4096"]) == [4096, 32768, 8192]
     with pytest.raises(UsageError):
         parse_contexts(["4k,big"])
-
-
-def test_write_atomic(tmp_path: Path) -> None:
-    target = tmp_path / "r.json"
-    target.write_text("old")
-    write_atomic(target, "new")
-    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
-    with pytest.raises(RpcfleetError, match="cannot write"):
-        write_atomic(tmp_path / "missing" / "r.json", "x")
-    write_atomic(tmp_path / "made" / "deeper" / "r.json", "x", parents=True)
-    assert (tmp_path / "made" / "deeper" / "r.json").read_text() == "x"
-    # A failed rename (the target is a folder) leaves no temporary file behind.
-    (tmp_path / "dir.json").mkdir()
-    with pytest.raises(RpcfleetError, match="cannot write"):
-        write_atomic(tmp_path / "dir.json", "x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "made", "r.json"]
 
 
 def _inventory(tmp_path: Path, servers: Sequence[LocalServer], limits: Sequence[str], dead_port: int) -> Path:

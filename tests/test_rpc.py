@@ -20,25 +20,25 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.artifacts.protocol import _version_from_manifest, local_protocol_version
 from orchestrator.core.errors import ProbeError
 from orchestrator.rpc.client import probe_endpoint, probe_endpoint_or_raise, probe_endpoints, query_memory
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.errors import (
     ERROR_FOR_OUTCOME,
+    EndpointBusyError,
+    EndpointProbeError,
+    EndpointUnreachableError,
+    ProtocolMismatchError,
+    error_for,
+)
+from orchestrator.rpc.protocol import (
     LLAMA_CPP_PYTHON_0_3_36_PROTOCOL,
     AggregateMemory,
-    BusyError,
-    ClosedError,
     DeviceMemory,
     Endpoint,
     EndpointError,
     Outcome,
-    ProbeOutcomeError,
     ProbeResult,
-    ProbeTimeoutError,
-    ProtocolError,
     ProtocolVersion,
-    RefusedError,
-    VersionMismatchError,
     check_version,
-    error_for,
+    needed_version,
     parse_endpoint,
     parse_header_version,
 )
@@ -122,7 +122,7 @@ def test_version_rule(server: str, client: str, usable: bool) -> None:
     message = check_version(ProtocolVersion.parse(server), ProtocolVersion.parse(client))
     assert (message is None) is usable
     if message is not None:
-        assert server in message and client in message
+        assert server in message and needed_version(ProtocolVersion.parse(client)) in message
 
 
 def test_local_protocol_version(tmp_path: Path) -> None:
@@ -264,7 +264,7 @@ async def test_version_mismatch(fake: MakeFake, version: tuple[int, int, int]) -
     result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.VERSION_MISMATCH
     assert result.version == ProtocolVersion(*version)
-    assert "7.0.0" in result.message and str(ProtocolVersion(*version)) in result.message
+    assert f"the server speaks {ProtocolVersion(*version)}, this client needs 7.0.x" in result.message
     await asyncio.to_thread(server.wait_idle)
     assert server.connections[0].commands == [14]  # nothing after HELLO
     assert server.connections[0].ended == "eof"  # the reply was read, then a clean close
@@ -401,21 +401,21 @@ async def test_bad_endpoint_raises_from_both_apis() -> None:
 async def test_raising_api(fake: MakeFake) -> None:
     good = fake(protocol())
     assert (await probe_endpoint_or_raise(good.endpoint, **FAST)).ok
-    cases: list[tuple[str, type[ProbeOutcomeError]]] = [
-        (f"127.0.0.1:{closed_port()}", RefusedError),
-        (fake(silent()).endpoint, BusyError),
-        (fake(protocol((8, 0, 0))).endpoint, VersionMismatchError),
-        (fake(raw_after_hello(b"\x00" * 3)).endpoint, ClosedError),
-        (fake(raw_after_hello(b"garbage!" * 5)).endpoint, ProtocolError),
-        (fake(drip(hello_reply((7, 0, 0)), 0.1)).endpoint, ProbeTimeoutError),
+    cases: list[tuple[str, type[EndpointProbeError], Outcome]] = [
+        (f"127.0.0.1:{closed_port()}", EndpointUnreachableError, Outcome.REFUSED),
+        (fake(silent()).endpoint, EndpointBusyError, Outcome.BUSY),
+        (fake(protocol((8, 0, 0))).endpoint, ProtocolMismatchError, Outcome.VERSION_MISMATCH),
+        (fake(raw_after_hello(b"\x00" * 3)).endpoint, EndpointUnreachableError, Outcome.CLOSED),
+        (fake(raw_after_hello(b"garbage!" * 5)).endpoint, ProtocolMismatchError, Outcome.PROTOCOL_ERROR),
+        (fake(drip(hello_reply((7, 0, 0)), 0.1)).endpoint, EndpointUnreachableError, Outcome.TIMEOUT),
     ]
-    for endpoint, error in cases:
+    for endpoint, error, outcome in cases:
         with pytest.raises(error) as info:
             await probe_endpoint_or_raise(endpoint, **FAST)
         assert isinstance(info.value, ProbeError)
-        assert info.value.result.outcome is error.outcome
+        assert info.value.outcome is outcome and info.value.result.outcome is outcome
         assert info.value.result.endpoint == endpoint
-        assert str(info.value).startswith(f"{endpoint}: ")
+        assert str(info.value).startswith(f"{endpoint}: {outcome}: ")
     assert set(ERROR_FOR_OUTCOME) == set(Outcome) - {Outcome.OK}
     with pytest.raises(ValueError):
         error_for(await probe_endpoint(good.endpoint, **FAST))
@@ -495,7 +495,7 @@ def test_any_reply_bytes(shared_fake: FakeRpcServer, data: bytes, then: str, rai
     started = time.monotonic()
     try:
         result = asyncio.run(go())
-    except ProbeOutcomeError as exc:
+    except EndpointProbeError as exc:
         assert raising
         result = exc.result
     assert time.monotonic() - started < deadline + 0.5

@@ -120,9 +120,10 @@ def _source_key(spec: ArtifactSpec, os_name: str, arch: str) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def local_server_binary() -> Path:
-    """The server of the default CPU artifact, unpacked once into `$RPCFLEET_HOME/artifacts/<id>/`."""
-    artifact = default_artifact("cpu")
+def local_server_binary(version: str | None = None) -> Path:
+    """The server of the CPU artifact built from llama-cpp-python `version` (default: the installed one),
+    built on first use and unpacked once into `$RPCFLEET_HOME/artifacts/<id>/`."""
+    artifact = default_artifact("cpu") if version is None else build_artifact("cpu", version=version)
     target = artifacts_dir() / artifact.id
     binary = target / artifact.manifest.server_path
     if (target / ".complete").exists() and binary.exists():
@@ -142,10 +143,12 @@ def local_server_binary() -> Path:
     return binary
 
 
-def cached_build(backend: str = "cpu", cmake_args: Sequence[str] = ()) -> Artifact | None:
+def cached_build(
+    backend: str = "cpu", cmake_args: Sequence[str] = (), *, version: str | None = None
+) -> Artifact | None:
     """The cached artifact for this build request, or None (fast: no hashing, no subprocess)."""
     args = effective_cmake_args(backend, cmake_args)
-    return _recall(build_key(llama_cpp_python_version(), backend, args))
+    return _recall(build_key(version or llama_cpp_python_version(), backend, args))
 
 
 def default_artifact(backend: str = "cpu") -> Artifact:
@@ -153,13 +156,32 @@ def default_artifact(backend: str = "cpu") -> Artifact:
     return cached_build(backend) or build_artifact(backend)
 
 
+def server_target(llama_dir: Path) -> str:
+    """The server's cmake target in a vendored llama.cpp: `ggml-rpc-server`, or `rpc-server` in older
+    sources (e.g. llama-cpp-python 0.3.16's, protocol 2.0.0)."""
+    for folder in ("tools/rpc", "examples/rpc"):
+        try:
+            text = (llama_dir / folder / "CMakeLists.txt").read_text(errors="replace")
+        except OSError:
+            continue
+        match = re.search(r"set\(\s*TARGET\s+([A-Za-z0-9_.-]+)\s*\)", text)
+        if match:
+            return match.group(1)
+    return SERVER_NAME
+
+
 def build_artifact(
-    backend: str = "cpu", cmake_args: Sequence[str] = (), *, progress: Progress | None = None
+    backend: str = "cpu",
+    cmake_args: Sequence[str] = (),
+    *,
+    version: str | None = None,
+    progress: Progress | None = None,
 ) -> Artifact:
-    """Build ggml-rpc-server from the same llama.cpp source as the installed llama-cpp-python and store
-    it in the cache; returns the cached artifact at once when this request was built before."""
+    """Build ggml-rpc-server from the llama.cpp vendored by llama-cpp-python `version` (default: the
+    installed one, so that server and binding match) and store it in the cache; returns the cached
+    artifact at once when this request was built before. Only the server target is built."""
     args = effective_cmake_args(backend, cmake_args)
-    version = llama_cpp_python_version()
+    version = version or llama_cpp_python_version()
     key = build_key(version, backend, args)
     cached = _recall(key)
     if cached is not None:
@@ -182,10 +204,11 @@ def build_artifact(
             _run_logged(
                 ["cmake", "-S", str(llama), "-B", str(build_dir), *args], log, say, CONFIGURE_TIMEOUT_S
             )
-            say(f"building {SERVER_NAME} (log: {log_path})")
+            target = server_target(llama)
+            say(f"building {target} (log: {log_path})")
             jobs = str(os.cpu_count() or 1)
             _run_logged(
-                ["cmake", "--build", str(build_dir), "--target", SERVER_NAME, "-j", jobs],
+                ["cmake", "--build", str(build_dir), "--target", target, "-j", jobs],
                 log,
                 say,
                 BUILD_TIMEOUT_S,
@@ -193,7 +216,7 @@ def build_artifact(
         os_name, arch = host_platform()
         with tempfile.TemporaryDirectory(dir=workdir, prefix="stage-") as tmp:
             stage = Path(tmp)
-            _collect_server(build_dir / "bin", stage / "bin", SERVER_NAME)
+            _collect_server(build_dir / "bin", stage / "bin", target)
             _check_runpath(stage / "bin")
             manifest = Manifest(
                 protocol=protocol,

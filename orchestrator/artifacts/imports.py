@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -12,7 +13,6 @@ import struct
 import subprocess
 import tarfile
 import tempfile
-import time
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -34,12 +34,14 @@ from orchestrator.artifacts.store import (
     _recall,
     _remember,
     _store,
-    _write_atomic,
     artifacts_dir,
     verify_artifact,
 )
 from orchestrator.core.errors import ArtifactError
+from orchestrator.core.files import atomic_path, write_atomic
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.core.poll import poll
+from orchestrator.rpc.client import probe_endpoint
 
 FETCH_TIMEOUT_S = 60.0
 
@@ -54,22 +56,18 @@ def fetch_url(url: str, sha256: str, *, timeout: float = FETCH_TIMEOUT_S) -> Pat
     import urllib.error
     import urllib.request
 
-    downloads.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".fetch-", dir=downloads)
-    tmp = Path(tmp_name)
     try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-            while chunk := response.read(_CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise ArtifactError(f"{url}: sha256 is {digest.hexdigest()}, expected {sha256}")
-        tmp.replace(target)
+        with atomic_path(target, parents=True) as tmp:
+            digest = hashlib.sha256()
+            with tmp.open("wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+                while chunk := response.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != sha256:
+                raise ArtifactError(f"{url}: sha256 is {digest.hexdigest()}, expected {sha256}")
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         raise ArtifactError(f"cannot fetch {url}: {exc}") from exc
     finally:
-        tmp.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             downloads.rmdir()  # only if empty: a failed first fetch leaves no trace
     return target
@@ -195,11 +193,10 @@ def _adopt_if_artifact(archive: Path, unpacked: Path) -> Artifact | None:
     cache.mkdir(parents=True, exist_ok=True)
     stored = cache / f"{artifact_id}.tar.gz"
     if not stored.exists():
-        tmp = cache / f".{artifact_id}.{os.getpid()}.tmp"
-        shutil.copyfile(archive, tmp)
-        tmp.replace(stored)
+        with atomic_path(stored) as tmp:
+            shutil.copyfile(archive, tmp)
     sidecar = {"id": artifact_id, "archive_sha256": sha, "manifest": manifest.to_dict()}
-    _write_atomic(cache / f"{artifact_id}.json", (json.dumps(sidecar, indent=2) + "\n").encode())
+    write_atomic(cache / f"{artifact_id}.json", json.dumps(sidecar, indent=2) + "\n")
     return Artifact(artifact_id, stored, manifest, sha)
 
 
@@ -237,26 +234,9 @@ def _binary_platform(path: Path) -> tuple[str, str] | None:
     return None
 
 
-def _hello(host: str, port: int, timeout: float) -> str:
-    """Send HELLO (command 14, 24 zero bytes of capabilities); return "major.minor.patch"."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
-        reply = b""
-        while len(reply) < 8 + 28:
-            chunk = sock.recv(8 + 28 - len(reply))
-            if not chunk:
-                raise ConnectionError("connection closed during HELLO")
-            reply += chunk
-        (size,) = struct.unpack("<Q", reply[:8])
-        if size != 28:
-            raise ConnectionError(f"unexpected HELLO reply size {size}")
-        sock.shutdown(socket.SHUT_RDWR)
-    return f"{reply[8]}.{reply[9]}.{reply[10]}"
-
-
 def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
-    """Start `binary` on a free 127.0.0.1 port, ask HELLO, stop it: the protocol version it speaks."""
+    """Start `binary` on a free 127.0.0.1 port, ask HELLO (`rpc.client`, also the legacy one of servers
+    older than protocol 3), stop it: the protocol version it speaks."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
@@ -269,19 +249,24 @@ def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
             stderr=subprocess.DEVNULL,
             env=env,
         )
+        failures: list[str] = []
+
+        def answer() -> str | None:
+            # Any version is an answer here, also one this client cannot use (a mismatch).
+            result = asyncio.run(probe_endpoint(f"127.0.0.1:{port}", hello_only=True))
+            if result.version is not None:
+                return str(result.version)
+            if proc.poll() is not None:
+                raise ArtifactError(f"{binary} exited with status {proc.returncode} before answering HELLO")
+            failures.append(f"{result.outcome}: {result.message}")
+            return None
+
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    return _hello("127.0.0.1", port, 2.0)
-                except OSError as exc:
-                    if proc.poll() is not None:
-                        raise ArtifactError(
-                            f"{binary} exited with status {proc.returncode} before answering HELLO"
-                        ) from exc
-                    if time.monotonic() > deadline:
-                        raise ArtifactError(f"{binary} did not answer HELLO within {timeout:.0f} s") from exc
-                    time.sleep(0.05)
+            version = poll(answer, timeout=timeout, interval=0.05)
+            if version is None:
+                why = failures[-1] if failures else "no answer"
+                raise ArtifactError(f"{binary} did not answer HELLO within {timeout:.0f} s ({why})")
+            return version
         finally:
             proc.terminate()
             try:

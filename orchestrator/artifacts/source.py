@@ -44,11 +44,7 @@ def _protocol_of(text: str, where: str) -> str:
 
 def read_ggml_version(cmakelists: Path) -> str | None:
     """ggml's version from `set(GGML_VERSION_MAJOR 0)` etc. in ggml/CMakeLists.txt (None if absent)."""
-    try:
-        text = cmakelists.read_text(errors="replace")
-    except OSError:
-        return None
-    return _ggml_version_of(text)
+    return _ggml_version_of(_text_or_nothing(cmakelists))
 
 
 def _ggml_version_of(text: str) -> str | None:
@@ -64,11 +60,15 @@ def _ggml_version_of(text: str) -> str | None:
 def read_llama_cpp_commit(changelog: Path) -> str | None:
     """The llama.cpp commit vendored by a llama-cpp-python sdist: the first `llama.cpp@<hash>` of its
     CHANGELOG.md (the sdist carries no git metadata)."""
+    return _commit_of(_text_or_nothing(changelog))
+
+
+def _text_or_nothing(path: Path) -> str:
+    """The file's text, or "" when it cannot be read (then nothing is found in it)."""
     try:
-        text = changelog.read_text(errors="replace")
+        return path.read_text(errors="replace")
     except OSError:
-        return None
-    return _commit_of(text)
+        return ""
 
 
 def _commit_of(text: str) -> str | None:

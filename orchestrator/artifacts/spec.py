@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from orchestrator.artifacts.build import default_artifact
 from orchestrator.artifacts.imports import import_artifact
 from orchestrator.artifacts.manifest import (
     _ID_RE,
-    _PROTO_RE,
-    _SHA_RE,
     BACKENDS,
     Artifact,
     ArtifactSpec,
@@ -20,12 +17,25 @@ from orchestrator.artifacts.manifest import (
     host_platform,
 )
 from orchestrator.artifacts.store import artifacts_dir, load_artifact
+from orchestrator.core import fields
 from orchestrator.core.errors import ArtifactError, SourceLocation
+
+T = TypeVar("T")
 
 _SPEC_KEYS = {
     "url", "path", "build", "sha256", "protocol", "backend", "os", "arch", "native", "cmake_args",
     "subdir", "llama_cpp_commit", "llama_cpp_python_version", "build_timeout",
 }  # fmt: skip
+
+
+_SHA256 = fields.matching(r"[0-9a-f]{64}", "64 lowercase hex digits")
+
+
+_PROTOCOL = fields.matching(r"\d+\.\d+\.\d+", "a protocol version major.minor.patch")
+
+
+def _stripped(value: Any) -> str:
+    return fields.text(value).strip()
 
 
 def read_artifact_spec(path: Path) -> ArtifactSpec:
@@ -60,23 +70,21 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
             )
         values[key] = (node_value(value_node), value_node)
 
-    def text_of(key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str | None:
+    def field(key: str, parse: fields.Parser[T]) -> T | None:
         if key not in values:
             return None
         value, value_node = values[key]
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
-            raise ArtifactSpecError(f"{key} must be a string", loc(value_node))
-        value = str(value).strip()
-        if pattern is not None and not pattern.match(value):
-            raise ArtifactSpecError(f"{key} must be {what}, not {value!r}", loc(value_node))
-        return value
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise ArtifactSpecError(f"{key}: {exc}", loc(value_node)) from None
 
     sources = [k for k in ("url", "path", "build") if k in values]
     if len(sources) != 1:
         raise ArtifactSpecError("an artifact spec needs exactly one of url, path or build", loc(node))
     kind = sources[0]
-    value = text_of(kind) or ""
-    sha = text_of("sha256", _SHA_RE, "64 lowercase hex digits")
+    value = field(kind, _stripped) or ""
+    sha = field("sha256", _SHA256)
     if kind == "build" and value != "on_node":
         raise ArtifactSpecError(f"build must be 'on_node', not {value!r}", loc(values["build"][1]))
     if kind == "url" and not re.match(r"^(https?|file)://", value):
@@ -85,50 +93,24 @@ def read_artifact_spec(path: Path) -> ArtifactSpec:
         raise ArtifactSpecError(f"a {kind} source needs its sha256", loc(node))
     if kind == "path":
         value = str((path.parent / Path(value).expanduser()).resolve())
-    backend = text_of("backend")
-    if backend is not None and backend not in BACKENDS:
+    build_timeout = field("build_timeout", fields.seconds)
+    if build_timeout is not None and kind != "build":
         raise ArtifactSpecError(
-            f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}", loc(values["backend"][1])
+            "build_timeout applies to `build: on_node` only", loc(values["build_timeout"][1])
         )
-    cmake_args: tuple[str, ...] = ()
-    if "cmake_args" in values:
-        raw, raw_node = values["cmake_args"]
-        if isinstance(raw, str):
-            raw = shlex.split(raw)
-        if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
-            raise ArtifactSpecError("cmake_args must be a list of strings", loc(raw_node))
-        cmake_args = tuple(raw)
-    native = False
-    if "native" in values:
-        native_value, native_node = values["native"]
-        if not isinstance(native_value, bool):
-            raise ArtifactSpecError("native must be true or false", loc(native_node))
-        native = native_value
-    build_timeout: float | None = None
-    if "build_timeout" in values:
-        timeout_value, timeout_node = values["build_timeout"]
-        if (
-            isinstance(timeout_value, bool)
-            or not isinstance(timeout_value, int | float)
-            or timeout_value <= 0
-        ):
-            raise ArtifactSpecError("build_timeout must be a positive number of seconds", loc(timeout_node))
-        if kind != "build":
-            raise ArtifactSpecError("build_timeout applies to `build: on_node` only", loc(timeout_node))
-        build_timeout = float(timeout_value)
     return ArtifactSpec(
         kind=kind,
         value=value,
         sha256=sha,
-        protocol=text_of("protocol", _PROTO_RE, "major.minor.patch"),
-        backend=backend,
-        os=text_of("os"),
-        arch=text_of("arch"),
-        native=native,
-        cmake_args=cmake_args,
-        subdir=text_of("subdir"),
-        llama_cpp_commit=text_of("llama_cpp_commit"),
-        llama_cpp_python_version=text_of("llama_cpp_python_version"),
+        protocol=field("protocol", _PROTOCOL),
+        backend=field("backend", fields.choice(BACKENDS)),
+        os=field("os", _stripped),
+        arch=field("arch", _stripped),
+        native=field("native", fields.boolean) or False,
+        cmake_args=field("cmake_args", fields.arguments) or (),
+        subdir=field("subdir", _stripped),
+        llama_cpp_commit=field("llama_cpp_commit", _stripped),
+        llama_cpp_python_version=field("llama_cpp_python_version", _stripped),
         build_timeout=build_timeout,
         location=SourceLocation(path),
     )

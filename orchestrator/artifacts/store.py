@@ -44,6 +44,7 @@ from orchestrator.artifacts.manifest import (
     _sha256_file,
 )
 from orchestrator.core.errors import ArtifactError
+from orchestrator.core.files import write_atomic
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
 
@@ -83,13 +84,6 @@ def pack_artifact(root: Path, manifest: Manifest, dest: BinaryIO) -> None:
                 tar.addfile(_tarinfo(entry.path, size=entry.size, mode=entry.mode), fh)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
 def _store(root: Path, manifest: Manifest) -> Artifact:
     """Pack `root` into the cache under its content-derived id (idempotent)."""
     cache = artifacts_dir()
@@ -109,12 +103,12 @@ def _store(root: Path, manifest: Manifest) -> Artifact:
         tmp.unlink(missing_ok=True)
     artifact = Artifact(artifact_id, archive, manifest, sha)
     sidecar = {"id": artifact_id, "archive_sha256": sha, "manifest": manifest.to_dict()}
-    _write_atomic(cache / f"{artifact_id}.json", (json.dumps(sidecar, indent=2) + "\n").encode())
+    write_atomic(cache / f"{artifact_id}.json", json.dumps(sidecar, indent=2) + "\n")
     return artifact
 
 
 def _remember(key: str, artifact: Artifact) -> None:
-    _write_atomic(artifacts_dir() / "keys" / key, (artifact.id + "\n").encode())
+    write_atomic(artifacts_dir() / "keys" / key, artifact.id + "\n", parents=True)
 
 
 def _recall(key: str) -> Artifact | None:

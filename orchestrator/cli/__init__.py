@@ -1,49 +1,97 @@
 """The command line: the only place that prints for the user and exits.
 
 Each module in this package (not starting with "_") contributes commands through
-`register(subparsers, common)`; they are discovered, so adding a command never touches this file.
-A command handler takes the parsed `argparse.Namespace` and returns an exit status.
+`register(subparsers)`; they are discovered, so adding a command never touches this file. A command
+handler takes the parsed `argparse.Namespace` and returns an exit status. Registering must stay cheap
+(the modules import their stages inside the handlers): every command parses the whole tree.
+
+Ctrl-C or SIGTERM at any moment, from the first import to the last line printed, ends the process
+with "interrupted" and exit status 130, never a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import pkgutil
+import signal
 import sys
-from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
-from orchestrator import __version__
-from orchestrator.cli import _common
-from orchestrator.core.errors import InputError, RpcfleetError
-from orchestrator.core.log import configure_logging
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+    from types import FrameType
+
+INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+    import pkgutil
+
+    from orchestrator import __version__
+    from orchestrator.cli import _common
+
     parser = _common.ArgumentParser(
         prog="rpcfleet",
         description="Orchestrate fleets of llama.cpp ggml-rpc-server nodes.",
+        epilog="-i/-l/-f/--json/-v/--log-format may also come before the command "
+        "(`rpcfleet -i inv.yml ping`). `rpcfleet COMMAND --help` shows a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"rpcfleet {__version__}")
-    parser.add_argument(
-        "--log-format", choices=["text", "json"], default="text", help="format of log lines on stderr"
-    )
-    parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="more log output (-v info, -vv debug)"
-    )
+    _common.add_global_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if module_info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         module.register(subparsers)
+    for command in _commands(parser):
+        _common.add_every_command_options(command)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser of the tree that runs a command (the leaves: they set a handler)."""
+    import argparse
+
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                found += _commands(sub)
+    if parser.get_default("handler") is not None:
+        found.append(parser)
+    return found
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line as a namespace; usage errors raise `_common.UsageExit` (after printing)."""
+    from orchestrator.cli import _common
+
     parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    command: _common.ArgumentParser = args._parser
+    if extra:
+        command.unknown_arguments(extra)
+    _common.merge_global_options(args, command)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command line; returns its exit status (0 ok, 1 failed, 2 bad input, 130 interrupted)."""
     try:
-        args = parser.parse_args(argv)
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from orchestrator.cli import _common
+    from orchestrator.core.errors import InputError, RpcfleetError
+    from orchestrator.core.log import configure_logging
+
+    try:
+        args = parse_args(argv)
     except _common.UsageExit as exc:
         return exc.status
     level = ["WARNING", "INFO", "DEBUG"][min(args.verbose, 2)]
@@ -57,10 +105,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RpcfleetError as exc:
         _common.print_error(exc)
         return 1
-    except KeyboardInterrupt:
-        _common.err_console.print("[yellow]interrupted[/yellow]")
-        return 130
+
+
+def _terminate(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the run as Ctrl-C does
+
+
+def run() -> NoReturn:
+    """The `rpcfleet` program: `main()` with SIGTERM treated as Ctrl-C, and no signal heard while the
+    process exits (a late one would otherwise print a traceback from the interpreter's shutdown)."""
+    try:
+        signal.signal(signal.SIGTERM, _terminate)
+        status = main()
+    except KeyboardInterrupt:  # a second signal while the first was being reported
+        status = INTERRUPTED
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # CPython remembers a KeyboardInterrupt that ended any string exec() (dataclasses and others make
+    # code that way) even once it was caught, and under `python -m` then kills the process with SIGINT
+    # at exit instead of exiting with `status`. A string exec that ends normally clears that flag.
+    exec("None")
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,34 +1,64 @@
-"""Helpers shared by the command modules: consoles, common flags, loading the inventory, async."""
+"""Helpers shared by the command modules: consoles, common flags, loading the inventory, async.
+
+Start-up matters (`rpcfleet --help` in a tenth of a second): this module imports nothing heavy at the
+top. The consoles are made on first use (rich costs about 50 ms), the stages inside the functions.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import difflib
 import json
 import os
+import shlex
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
+from orchestrator.core import fields
 from orchestrator.core.errors import RpcfleetError, UsageError
 
-if TYPE_CHECKING:  # imported lazily below: `rpcfleet artifact build` must start fast without asyncssh
-    from orchestrator.engine.executor import Recap
+if TYPE_CHECKING:  # imported lazily below: each command pays only for what it uses
+    from rich.console import Console
+
+    from orchestrator.engine.executor import Recap, RunResult, Session
     from orchestrator.inventory.model import Host, Inventory
+    from orchestrator.operations.layer import OperationOptions
+
+    console: Console
+    err_console: Console
 
 T = TypeVar("T")
 
-# Piped output (logs, CI, `| less`) gets room for wide tables instead of rich's 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-
 DEFAULT_INVENTORY_ENV = "RPCFLEET_INVENTORY"
+
+
+def __getattr__(name: str) -> Any:
+    """`console` (stdout) and `err_console` (stderr), made on first use."""
+    if name not in ("console", "err_console"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from rich.console import Console
+
+    stream = sys.stderr if name == "err_console" else sys.stdout
+    # Piped output (logs, CI, `| less`) gets room for wide tables instead of rich's 80 columns.
+    made = Console(stderr=name == "err_console", width=None if stream.isatty() else 160)
+    globals()[name] = made
+    return made
+
+
+def _console(name: str) -> Console:
+    """`console` or `err_console` from inside this module (a bare name would skip `__getattr__`)."""
+    made: Console = globals().get(name) or __getattr__(name)
+    return made
+
+
+def escape(text: str) -> str:
+    """`text` safe to print with rich markup on (a host name or message with brackets stays as is)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 class UsageExit(Exception):
@@ -37,11 +67,13 @@ class UsageExit(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports usage errors as exit status 2 without a traceback, through one path."""
+    """argparse that reports usage errors as exit status 2 without a traceback, through one path; an
+    unknown command or choice gets a "did you mean"; the parser that parsed the command is recorded
+    (`args._parser`) so that errors found later print that command's usage."""
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        err_console.print(f"[red]error:[/red] {message}", highlight=False)
+        _console("err_console").print(f"[red]error:[/red] {escape(message)}", highlight=False)
         raise UsageExit(2)
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
@@ -49,9 +81,117 @@ class ArgumentParser(argparse.ArgumentParser):
             sys.stderr.write(message)
         raise UsageExit(status)
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, "_parser"):  # the innermost (sub)parser finishes first
+            parsed._parser = self
+        return parsed, extra
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is not None and isinstance(value, str) and value not in choices:
+            names = [str(c) for c in choices]
+            close = difflib.get_close_matches(value, names, n=2)
+            what = "command" if isinstance(action, argparse._SubParsersAction) else "choice"
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise argparse.ArgumentError(
+                action, f"unknown {what} {value!r}{hint} (choose from {', '.join(names)})"
+            )
+        super()._check_value(action, value)
+
+    def unknown_arguments(self, extra: list[str]) -> NoReturn:
+        """Arguments nothing took: this parser's usage, and the closest option for a mistyped flag."""
+        known = [o for action in self._actions for o in action.option_strings]
+        words = []
+        for arg in extra:
+            flag = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("-") else []
+            words.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+        self.error(f"unrecognized arguments: {' '.join(words)}")
+
+
+def flag(parse: Callable[[Any], T]) -> Callable[[str], T]:
+    """A field parser (`orchestrator.core.fields`) as an argparse `type=`: the flag means what the same
+    value means in an inventory or a playbook, and its message becomes the usage error (exit status 2)."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+# --- options accepted before or after the command -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GlobalOption:
+    """An option a user may put before the command (`rpcfleet -i inv.yml ping`) or after it."""
+
+    flags: tuple[str, ...]
+    dest: str
+    kwargs: dict[str, Any]
+    every_command: bool = False  # -v and --log-format: every command takes them
+
+
+GLOBAL_OPTIONS = (
+    GlobalOption(("-i", "--inventory"), "inventory", {"type": Path, "metavar": "INVENTORY"}),
+    GlobalOption(("-l", "--limit"), "limit", {"metavar": "PATTERN"}),
+    GlobalOption(("-f", "--forks"), "forks", {"type": flag(fields.integer(minimum=1)), "metavar": "N"}),
+    GlobalOption(("--json",), "json", {"action": "store_true"}),
+    GlobalOption(("-v", "--verbose"), "verbose", {"action": "count"}, every_command=True),
+    GlobalOption(("--log-format",), "log_format", {"choices": ["text", "json"]}, every_command=True),
+)
+_TOP = "_top_"
+
+
+def add_global_options(parser: argparse.ArgumentParser) -> None:
+    """The options of GLOBAL_OPTIONS on the top-level parser (before the command)."""
+    group = parser.add_argument_group("options also accepted before the command")
+    for option in GLOBAL_OPTIONS:
+        group.add_argument(
+            *option.flags,
+            dest=_TOP + option.dest,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,  # each command's --help explains them; here one line lists them
+            **option.kwargs,
+        )
+    group.description = "  ".join("/".join(o.flags) for o in GLOBAL_OPTIONS)
+
+
+def add_every_command_options(parser: argparse.ArgumentParser) -> None:
+    """-v and --log-format on a command's own parser."""
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output (-v info, -vv debug)"
+    )
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="format of log lines on stderr"
+    )
+
+
+def merge_global_options(args: argparse.Namespace, command: ArgumentParser) -> None:
+    """Fold the options given before the command into `args`. One given after the command wins; an
+    option the command does not take is a usage error of that command."""
+    taken = {action.dest for action in command._actions}
+    for option in GLOBAL_OPTIONS:
+        value = getattr(args, _TOP + option.dest, argparse.SUPPRESS)
+        if value is argparse.SUPPRESS:
+            continue
+        delattr(args, _TOP + option.dest)
+        if option.dest not in taken:
+            command.error(f"{option.flags[0]} does not apply to `{command.prog}`")
+        if option.dest == "verbose":
+            args.verbose += value
+        elif getattr(args, option.dest) == command.get_default(option.dest):
+            setattr(args, option.dest, value)
+
 
 def print_error(exc: RpcfleetError) -> None:
-    err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+    _console("err_console").print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
 
 
 def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -> None:
@@ -66,19 +206,23 @@ def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -
         parser.add_argument(
             "-l", "--limit", default=None, help="host pattern: names, groups, globs, !exclude, &intersect"
         )
-    parser.add_argument("-f", "--forks", type=int, default=16, help="hosts worked on at once (default: 16)")
+    parser.add_argument(
+        "-f",
+        "--forks",
+        type=flag(fields.integer(minimum=1)),
+        default=16,
+        help="hosts worked on at once (default: 16)",
+    )
 
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:
     """--timeout and --no-facts, for every command that probes the fleet."""
-    from orchestrator.probe.host import DEFAULT_TIMEOUT
-
     parser.add_argument(
         "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
+        type=flag(fields.seconds),
+        default=None,
         metavar="S",
-        help=f"seconds per host for the RPC probe and the facts (default: {DEFAULT_TIMEOUT:g})",
+        help="seconds per host for the RPC probe and the facts (default: 3)",
     )
     parser.add_argument(
         "--no-facts",
@@ -88,10 +232,12 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
 
 
 def probe_timeout(args: argparse.Namespace) -> float:
-    """--timeout, checked."""
+    """--timeout, or the probe's default (imported here: registering the flag stays cheap)."""
+    if args.timeout is None:
+        from orchestrator.probe.host import DEFAULT_TIMEOUT
+
+        args.timeout = DEFAULT_TIMEOUT
     timeout: float = args.timeout
-    if not timeout > 0:
-        raise UsageError(f"--timeout must be positive, got {timeout:g}")
     return timeout
 
 
@@ -114,7 +260,100 @@ def inventory_path(args: argparse.Namespace) -> Path:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    import asyncio  # 40 ms: only the commands that run a loop pay for it
+
     return asyncio.run(coro)
+
+
+INTERRUPTED_EXIT = 130
+LOCKED_EXIT = 3  # operations.lock.LOCKED_EXIT: a host is being changed by another operator
+
+
+def add_operation_args(parser: argparse.ArgumentParser, *, force_help: str | None = None) -> None:
+    """The flags of every command that changes nodes (the operations layer's options)."""
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=force_help or "stop a server even while a client is connected (its model is cut off)",
+    )
+    parser.add_argument(
+        "--wait-lock",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for another operator's lock on a host (default: fail at once, exit 3)",
+    )
+
+
+def operation_options(args: argparse.Namespace) -> OperationOptions:
+    from orchestrator.operations.layer import OperationOptions
+
+    wait = float(getattr(args, "wait_lock", 0.0) or 0.0)
+    if wait < 0:
+        raise UsageError(f"--wait-lock must be 0 or more seconds, got {wait:g}")
+    return OperationOptions(
+        check=bool(getattr(args, "check", False)), force=bool(getattr(args, "force", False)), wait_lock=wait
+    )
+
+
+def _on_interrupt(why: str, count: int) -> None:
+    if count == 1:
+        _console("err_console").print(
+            f"[yellow]{why}: finishing the hosts already being changed; no new host is started[/yellow]",
+            highlight=False,
+        )
+    else:
+        _console("err_console").print(
+            "[yellow]still finishing the hosts in flight (each step has a timeout)[/yellow]"
+        )
+
+
+def fleet_session(args: argparse.Namespace) -> Session:
+    """The executor session of a command: its forks, and Ctrl-C / SIGTERM stop it between hosts."""
+    from orchestrator.engine.executor import Session
+
+    return Session(forks=args.forks, interruptible=True, on_interrupt=_on_interrupt)
+
+
+def finish_command(hosts: Sequence[str]) -> str:
+    """This command line again, limited to `hosts`: what finishes an interrupted run."""
+    argv, out, skip = sys.argv[1:], ["rpcfleet"], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-l", "--limit"):
+            skip = True
+            continue
+        if arg.startswith("--limit="):
+            continue
+        out.append(shlex.quote(arg))
+    return " ".join([*out, "-l", shlex.quote(",".join(hosts))])
+
+
+def exit_status(runs: Sequence[RunResult[Any]]) -> int:
+    """130 when interrupted, 3 when a host was locked by another operator, 1 on any failure, else 0."""
+    from orchestrator.operations.lock import HostLockedError
+
+    if any(run.interrupted for run in runs):
+        return INTERRUPTED_EXIT
+    if any(isinstance(r.error, HostLockedError) for run in runs for r in run.results):
+        return LOCKED_EXIT
+    return 0 if all(run.ok for run in runs) else 1
+
+
+def print_interrupted(runs: Sequence[RunResult[Any]]) -> None:
+    """After an interrupted run: what was done, what was not, and the command that finishes the job."""
+    if not any(run.interrupted for run in runs):
+        return
+    done = sorted({r.host.name for run in runs for r in run.results if r.status in ("ok", "changed")})
+    pending = sorted({r.host.name for run in runs for r in run.results if r.status == "skipped"})
+    _console("err_console").print(
+        f"[yellow]interrupted[/yellow]: done on {', '.join(done) or 'no host'}; "
+        f"not started on {', '.join(pending)}",
+        highlight=False,
+    )
+    _console("err_console").print(f"finish with: {escape(finish_command(pending))}", highlight=False)
 
 
 def print_json(data: Any) -> None:
@@ -127,7 +366,7 @@ def load_inventory(args: argparse.Namespace) -> Inventory:
 
     inventory = load(inventory_path(args))
     for warning in inventory.warnings:
-        err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+        _console("err_console").print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     return inventory
 
 
@@ -152,6 +391,9 @@ _STATUS_STYLE = {
 
 def print_recap(recap: Recap) -> None:
     """The end-of-run summary, one line per host (Ansible's PLAY RECAP)."""
+    from rich import box
+    from rich.table import Table
+
     from orchestrator.engine.executor import STATUSES
 
     table = Table(title="recap", title_justify="left", box=box.SIMPLE_HEAD)
@@ -160,8 +402,8 @@ def print_recap(recap: Recap) -> None:
         table.add_column(status, justify="right")
     for host, counts in recap.counts.items():
         cells = [f"[{_STATUS_STYLE[s]}]{n}[/{_STATUS_STYLE[s]}]" if n else "0" for s, n in counts.items()]
-        table.add_row(host, *cells)
-    console.print(table)
+        table.add_row(escape(host), *cells)
+    _console("console").print(table)
     for host, errors in recap.errors.items():
         for error in errors:
-            err_console.print(f"[red]{escape(host)}[/red]: {escape(error)}", highlight=False)
+            _console("err_console").print(f"[red]{escape(host)}[/red]: {escape(error)}", highlight=False)

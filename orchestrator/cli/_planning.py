@@ -6,29 +6,59 @@ import argparse
 from typing import TYPE_CHECKING
 
 from orchestrator.cli import _common
+from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
-from orchestrator.core.units import parse_size
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanDevice, PlanOptions
 
 
+# orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def add_kv_type_args(parser: argparse.ArgumentParser) -> None:
+    for which in ("k", "v"):
+        parser.add_argument(
+            f"--type-{which}",
+            choices=KV_TYPES,
+            default="f16",
+            metavar="TYPE",
+            help=f"KV cache type of {which.upper()}: {', '.join(KV_TYPES)} (default: f16)",
+        )
+
+
 def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, local: bool = True) -> None:
     if ctx:
         parser.add_argument(
-            "--ctx", type=int, default=4096, help="context size (default: 4096; 0 = the model's)"
+            "--ctx",
+            type=_common.flag(fields.context),
+            default=4096,
+            help="context size: 8192, 8k, 128k (default: 4096; 0 = the model's training context)",
         )
-    parser.add_argument("--margin", default=None, help="headroom kept free per device (default: 256MiB)")
-    parser.add_argument("--type-k", default="f16", help="KV cache type of K (default: f16)")
-    parser.add_argument("--type-v", default="f16", help="KV cache type of V (default: f16)")
+    parser.add_argument(
+        "--margin",
+        type=_common.flag(fields.size),
+        default=None,
+        help="headroom kept free per device (default: 256MiB)",
+    )
+    add_kv_type_args(parser)
     parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
-    parser.add_argument("--ubatch", type=int, default=512, help="n_ubatch (default: 512)")
+    parser.add_argument(
+        "--ubatch", type=_common.flag(fields.integer(minimum=1)), default=512, help="n_ubatch (default: 512)"
+    )
     parser.add_argument(
         "--strategy",
         choices=["proportional", "fewest"],
         default="proportional",
         help="layers proportional to usable memory (default), or on the fewest devices",
+    )
+    parser.add_argument(
+        "--trust-rpc-memory",
+        action="store_true",
+        help="plan on a CPU server's own memory figure (total RAM) when its host facts cannot be read "
+        "(default: such a node is refused)",
     )
     if local:
         parser.add_argument(
@@ -44,21 +74,13 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
     """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
     from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
 
-    try:
-        margin = parse_size(args.margin) if args.margin is not None else DEFAULT_MARGIN
-    except ValueError as exc:
-        raise UsageError(f"--margin: {exc}") from None
-    _common.probe_timeout(args)
-    n_ctx = args.ctx if n_ctx is None else n_ctx
-    if n_ctx < 0 or args.ubatch < 1:
-        raise UsageError("--ctx must be 0 or positive and --ubatch at least 1")
     return PlanOptions(
-        n_ctx=n_ctx,
+        n_ctx=args.ctx if n_ctx is None else n_ctx,
         type_k=args.type_k,
         type_v=args.type_v,
         n_ubatch=args.ubatch,
         flash_attn=args.flash_attn,
-        margin=margin,
+        margin=args.margin if args.margin is not None else DEFAULT_MARGIN,
         strategy=args.strategy,
     )
 
@@ -83,6 +105,12 @@ def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> 
     if not hosts:
         raise UsageError("no hosts selected")
     fleet = _common.run_async(
-        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+        probe_fleet(
+            hosts,
+            timeout=_common.probe_timeout(args),
+            facts=not args.no_facts,
+            forks=args.forks,
+            trust_rpc_memory=args.trust_rpc_memory,
+        )
     )
     return list(order_devices(to_plan_devices(fleet), local_gpus(), local_device_selection(args)))

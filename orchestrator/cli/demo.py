@@ -34,15 +34,14 @@ def register(subparsers: Any) -> None:
 
 def demo_model() -> Path:
     """A small llama GGUF with random weights, generated once into the cache (no download)."""
+    from orchestrator.core.files import atomic_path
     from orchestrator.core.paths import rpcfleet_home
     from orchestrator.planning.synth import write_tiny_llama
 
     path = rpcfleet_home() / "models" / "demo-llama-8L-512d.gguf"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        write_tiny_llama(partial, n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_ff=1408, seed=7)
-        partial.replace(path)
+        with atomic_path(path, parents=True) as partial:
+            write_tiny_llama(partial, n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_ff=1408, seed=7)
     return path
 
 

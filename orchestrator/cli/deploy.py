@@ -8,58 +8,44 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
+from orchestrator.cli import _common, _follow
+from orchestrator.core import fields
 
-from orchestrator.cli import _common
-from orchestrator.connectors.base import Progress as ProgressCallback
-from orchestrator.engine.executor import HostContext, Recap, RunResult, Session, StepOutcome
-from orchestrator.inventory.model import Host
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallChange
-from orchestrator.operations.server import ServerStatus
-from orchestrator.operations.service import (
-    DeployResult,
-    ServiceChange,
-    make_deploy_step,
-    make_logs_step,
-    make_restart_step,
-    make_rollback_step,
-    make_start_step,
-    make_status_step,
-    make_stop_step,
-)
+if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
+    from orchestrator.engine.executor import HostContext, RunResult, Step, StepOutcome
+    from orchestrator.inventory.model import Host
 
 
 def register(subparsers: Any) -> None:
     deploy = subparsers.add_parser(
-        "deploy", help="install the pinned rpc-server on every host, start it and wait until it answers"
+        "deploy",
+        help="install the pinned rpc-server on every host, start it (or restart it when its version or "
+        "launch line changed) and wait until it answers",
     )
     _add_run_args(deploy, check=True)
     deploy.add_argument(
         "--artifact", default=None, help="artifact id or spec file (default: each host's rpc_artifact)"
     )
-    deploy.add_argument("--force", action="store_true", help="upload and unpack even when installed")
+    deploy.add_argument("--reinstall", action="store_true", help="upload and unpack even when installed")
+    _common.add_operation_args(deploy)
     deploy.set_defaults(handler=handle_deploy)
 
     for name, help_text in (
         ("start", "start the installed rpc-server where it is not running"),
-        ("stop", "stop the rpc-server (SIGTERM, then SIGKILL)"),
-        ("restart", "restart the rpc-server (--rolling: batches, busy servers refused)"),
+        ("stop", "stop the rpc-server (refused while a client is connected, unless --force)"),
+        ("restart", "restart the rpc-server, waiting for HELLO (--rolling: one batch at a time)"),
     ):
         parser = subparsers.add_parser(name, help=help_text)
         _add_run_args(parser, check=True)
+        _common.add_operation_args(parser)
         if name == "restart":
-            from orchestrator.cli.playbook import add_rolling_args
-
             parser.add_argument(
-                "--rolling", action="store_true", help="one batch at a time; refuse busy servers"
+                "--rolling",
+                action="store_true",
+                help="one batch at a time (default --serial 1), stopping at the first failure",
             )
-            add_rolling_args(parser, serial=False)  # adds --force
         parser.set_defaults(handler=handle_service, action=name)
 
     status = subparsers.add_parser("status", help="state of every rpc-server: running, busy, crashed...")
@@ -69,6 +55,7 @@ def register(subparsers: Any) -> None:
     logs = subparsers.add_parser("logs", help="the end of each rpc-server's log")
     _common.add_inventory_args(logs)
     logs.add_argument("-n", "--lines", type=int, default=40, help="lines per host (default: 40)")
+    _follow.add_follow_args(logs)
     logs.set_defaults(handler=handle_logs)
 
     rollback = subparsers.add_parser(
@@ -76,6 +63,7 @@ def register(subparsers: Any) -> None:
     )
     _add_run_args(rollback, check=True)
     rollback.add_argument("--to", default=None, help="the version id to return to (default: the previous)")
+    _common.add_operation_args(rollback)
     rollback.set_defaults(handler=handle_rollback)
 
 
@@ -86,7 +74,10 @@ def _add_run_args(parser: argparse.ArgumentParser, *, check: bool) -> None:
         parser.add_argument("--check", action="store_true", help="print what would change, change nothing")
     parser.add_argument("--serial", default=None, help="hosts per batch: a number or a percentage")
     parser.add_argument(
-        "--max-fail-percentage", type=float, default=None, help="stop after a batch with more failures"
+        "--max-fail-percentage",
+        type=_common.flag(fields.percentage),
+        default=None,
+        help="stop after a batch with more failures",
     )
 
 
@@ -103,8 +94,9 @@ def _run(
     step: Callable[[HostContext], Awaitable[StepOutcome[Any]]],
     name: str,
 ) -> RunResult[Any]:
+
     async def go() -> RunResult[Any]:
-        async with Session(forks=args.forks) as session:
+        async with _common.fleet_session(args) as session:
             return await session.run(
                 hosts,
                 step,
@@ -116,49 +108,10 @@ def _run(
     return _common.run_async(go())
 
 
-class _TransferColumn(DownloadColumn):
-    """Bytes done/total for an upload; the latest build log line for an on-node build."""
-
-    def render(self, task: Task) -> Text:
-        if "line" in task.fields:
-            return Text(str(task.fields["line"])[:80], style="dim")
-        return super().render(task)
-
-
-class _Uploads:
-    """Rich progress bars for uploads, one per host, fed by `Connection.put`'s callback; for an on-node
-    build, one status line per host showing the build log's latest line."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            _TransferColumn(),
-            TransferSpeedColumn(),
-            console=_common.err_console,
-            transient=True,
-            disable=not enabled,
-        )
-
-    def __call__(self, host: Host, change: InstallChange) -> ProgressCallback:
-        what = f"the source of {change.version}" if change.build is not None else change.version
-        task = self.progress.add_task(f"{host.name}: upload {what}", total=None)
-
-        def update(done: int, total: int) -> None:
-            self.progress.update(task, completed=done, total=total)
-
-        return update
-
-    def build_log(self, host: Host, change: InstallChange) -> Callable[[str], None]:
-        task = self.progress.add_task(f"{host.name}: build {change.version}", total=None, line="starting")
-
-        def update(line: str) -> None:
-            self.progress.update(task, line=line)
-
-        return update
-
-
 def _print_changes(run: RunResult[Any], check: bool) -> None:
+    from rich import box
+    from rich.table import Table
+
     table = Table(box=box.SIMPLE_HEAD, title="would change" if check else None, title_justify="left")
     for column in ("host", "status", "what"):
         table.add_column(column)
@@ -174,7 +127,12 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 
 def _json_value(value: Any) -> Any:
-    if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange):
+    from orchestrator.operations.install_plan import InstallChange
+    from orchestrator.operations.rolling import RestartReport
+    from orchestrator.operations.server import ServerStatus
+    from orchestrator.operations.service import DeployResult, ServiceChange
+
+    if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange | RestartReport):
         return value.to_json()
     return value
 
@@ -195,21 +153,28 @@ def _print_json(run: RunResult[Any]) -> None:
 
 
 def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
+    from orchestrator.engine.executor import Recap
+
     if args.json:
         _print_json(run)
     else:
         _print_changes(run, getattr(args, "check", False))
         _common.print_recap(Recap().add(run))
-    return 0 if run.ok else 1
+        _common.print_interrupted([run])
+    return _common.exit_status([run])
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
+    from orchestrator.cli._progress import Uploads
+    from orchestrator.operations.install import ArtifactChooser
+    from orchestrator.operations.service import make_deploy_step
+
     _, hosts = _common.load_hosts(args)
-    uploads = _Uploads(enabled=not args.json and not args.check)
+    uploads = Uploads(enabled=not args.json and not args.check)
     step = make_deploy_step(
         ArtifactChooser(args.artifact),
-        check=args.check,
-        force=args.force,
+        _common.operation_options(args),
+        reinstall=args.reinstall,
         progress=uploads,
         build_log=uploads.build_log,
     )
@@ -223,15 +188,24 @@ def handle_service(args: argparse.Namespace) -> int:
         from orchestrator.cli.playbook import handle_rolling_restart
 
         return handle_rolling_restart(args)
+    from orchestrator.operations.rolling import make_rolling_restart_step
+    from orchestrator.operations.service import make_service_step
+
     _, hosts = _common.load_hosts(args)
-    factory = {"start": make_start_step, "stop": make_stop_step, "restart": make_restart_step}[args.action]
-    run = _run(args, hosts, factory(check=args.check), args.action)
-    return _finish(args, run)
+    options = _common.operation_options(args)
+    if args.action == "restart":
+        # The same operation as `restart --rolling` (and the playbooks' `restart`), without batches.
+        step: Step[Any] = make_rolling_restart_step(options)
+    else:
+        step = make_service_step("running" if args.action == "start" else "stopped", options)
+    return _finish(args, _run(args, hosts, step, args.action))
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
+    from orchestrator.operations.service import make_rollback_step
+
     _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_rollback_step(to=args.to, check=args.check), "rollback")
+    run = _run(args, hosts, make_rollback_step(_common.operation_options(args), to=args.to), "rollback")
     return _finish(args, run)
 
 
@@ -241,10 +215,17 @@ _STATE_STYLE = {
     "stopped": "yellow",
     "crashed": "red",
     "unhealthy": "red",
+    "orphan": "red",
 }
 
 
 def handle_status(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.operations.server import ServerStatus
+    from orchestrator.operations.service import make_status_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_status_step(), "status")
     if args.json:
@@ -279,17 +260,23 @@ def handle_status(args: argparse.Namespace) -> int:
     _common.console.print(table, highlight=False)
     for r in run.results:
         if r.error is not None:
-            _common.err_console.print(f"[red]{r.host.name}[/red]: {r.error}", highlight=False, markup=False)
+            error = _common.escape(r.error.describe(with_host=False))
+            _common.err_console.print(f"[red]{_common.escape(r.host.name)}[/red]: {error}", highlight=False)
     return 0 if run.ok else 1
 
 
 def handle_logs(args: argparse.Namespace) -> int:
+    from orchestrator.operations.service import make_logs_step
+
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_logs_step(args.lines), "logs")
     for r in run.results:
         _common.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):
-            _common.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
+            text = _follow.filter_tail(r.value.rstrip("\n"), args.noise)
+            _common.console.print(text, highlight=False, markup=False)
         elif r.error is not None:
             _common.err_console.print(str(r.error), highlight=False, markup=False)
+    if args.follow:
+        return _follow.follow(args, hosts)
     return 0 if run.ok else 1

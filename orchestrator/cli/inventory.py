@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
-
-from rich import box
-from rich.markup import escape
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common
-from orchestrator.core.errors import InventoryError
-from orchestrator.core.units import format_size
-from orchestrator.inventory.model import Host, Inventory, host_to_dict
-from orchestrator.inventory.variables import VARIABLES, VARIABLES_BY_NAME
+from orchestrator.cli._common import escape
+
+if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
+    from orchestrator.inventory.model import Host, Inventory
 
 _SIZE_VARS = frozenset({"memory_reserve", "memory_limit"})
 
@@ -45,6 +41,11 @@ def _load(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
 
 
 def handle_list(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.inventory.model import host_to_dict
+
     _, hosts = _load(args)
     if args.json:
         _common.print_json([host_to_dict(host) for host in hosts])
@@ -92,6 +93,8 @@ def graph_lines(tree: dict[str, Any], depth: int = 0) -> list[str]:
 
 
 def handle_graph(args: argparse.Namespace) -> int:
+    from orchestrator.core.errors import InventoryError
+
     inventory, _ = _load(args)
     if args.group not in inventory.groups:
         raise InventoryError(f"no group {args.group!r} in the inventory")
@@ -104,6 +107,8 @@ def handle_graph(args: argparse.Namespace) -> int:
 
 
 def _display(name: str, value: Any) -> str:
+    from orchestrator.core.units import format_size
+
     if name in _SIZE_VARS and isinstance(value, int):
         return f"{format_size(value)} ({value} B)"
     if isinstance(value, tuple | list):
@@ -112,6 +117,12 @@ def _display(name: str, value: Any) -> str:
 
 
 def handle_show(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.inventory.model import host_to_dict
+    from orchestrator.inventory.variables import VARIABLES, VARIABLES_BY_NAME
+
     inventory, _ = _load(args)
     host = inventory.host(args.host)
     extra = {key: value for key, value in host.vars.items() if key not in VARIABLES_BY_NAME}

@@ -7,12 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich import box
-from rich.table import Table
-
 from orchestrator.cli import _common
-from orchestrator.lab.lifecycle import lab_down, lab_down_all, lab_status, lab_up, list_labs, reap_stale
-from orchestrator.lab.model import DEFAULT_LAB
+
+DEFAULT_LAB = "lab"  # orchestrator.lab.model.DEFAULT_LAB (tests/test_cli.py checks they agree)
 
 
 def register(subparsers: Any) -> None:
@@ -63,6 +60,11 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
 
 
 def handle_up(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.lab.lifecycle import lab_status, lab_up, reap_stale
+
     started = time.monotonic()
     reaped = reap_stale()
     made = lab_up(args.nodes, name=args.name, local=args.local, output=args.output, init=args.init)
@@ -101,6 +103,8 @@ def handle_up(args: argparse.Namespace) -> int:
 
 
 def handle_down(args: argparse.Namespace) -> int:
+    from orchestrator.lab.lifecycle import lab_down, lab_down_all, list_labs
+
     started = time.monotonic()
     if args.all:
         removed = lab_down_all()
@@ -120,6 +124,11 @@ def handle_down(args: argparse.Namespace) -> int:
 
 
 def handle_status(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.lab.lifecycle import lab_status
+
     status = lab_status(args.name)
     if args.json:
         _common.print_json(status.to_dict())

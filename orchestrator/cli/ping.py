@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
-
-from rich import box
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common
-from orchestrator.engine.executor import Recap, Session
-from orchestrator.probe.ping import PingResult, ping_step
+from orchestrator.cli._common import escape
+
+if TYPE_CHECKING:  # imported by the handler: registering stays cheap
+    from orchestrator.probe.ping import PingResult
 
 
 def register(subparsers: Any) -> None:
@@ -21,6 +20,12 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.engine.executor import Recap, Session
+    from orchestrator.probe.ping import PingResult, ping_step
+
     _, hosts = _common.load_hosts(args)
 
     async def go() -> Any:
@@ -47,8 +52,8 @@ def handle(args: argparse.Namespace) -> int:
     for r in run.results:
         p = r.value if isinstance(r.value, PingResult) else None
         table.add_row(
-            r.host.name,
-            r.host.address,
+            escape(r.host.name),
+            escape(r.host.address),
             r.status,
             p.os if p else "-",
             p.arch if p else "-",

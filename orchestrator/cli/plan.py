@@ -8,17 +8,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:
-    from orchestrator.planning.plan import Plan
+    from collections.abc import Sequence
+
+    from orchestrator.planning.plan import Plan, PlanDevice
 
 FORMATS = ("table", "json", "llama-cli", "python")
 
@@ -53,7 +52,8 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError(f"model {args.model} does not exist")
     options = _planning.plan_options(args)
     profile = profile_model(args.model)  # before probing: a bad model fails fast
-    plan = make_plan(_planning.probe_devices(args), profile, options)
+    devices = _planning.probe_devices(args)
+    plan = make_plan(devices, profile, options)
     if args.output is not None:
         write_atomic(args.output, plan.to_json())
     if fmt == "json":
@@ -61,13 +61,17 @@ def handle(args: argparse.Namespace) -> int:
     elif fmt == "llama-cli":
         sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
     elif fmt == "python":
-        sys.stdout.write(python_snippet(plan, args.model, args.output or "plan.json"))
+        sys.stdout.write(python_snippet(plan, args.model, args.output))  # embeds the plan without -o
     else:
-        print_plan(plan)
+        print_plan(plan, devices)
     return 0 if plan.fit.fits else 1
 
 
-def print_plan(plan: Plan) -> None:
+def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
+    """The plan as a table; a probed device the plan leaves out (no layers for it) gets a row saying so."""
+    from rich import box
+    from rich.table import Table
+
     table = Table(
         box=box.SIMPLE_HEAD, highlight=False, title=f"plan: {plan.model_name}", title_justify="left"
     )
@@ -75,7 +79,6 @@ def print_plan(plan: Plan) -> None:
         table.add_column(column, justify="left" if column in ("device", "layers") else "right")
     for i, d in enumerate(plan.devices):
         m = d.memory
-        layers = f"{d.n_layers - 1} + output" if d.has_output else str(d.n_layers)
         headroom = format_size(m.headroom)
         if m.headroom < 0:
             headroom = f"[red]{headroom}[/red]"
@@ -83,10 +86,15 @@ def print_plan(plan: Plan) -> None:
             headroom = f"[yellow]{headroom}[/yellow]"
         table.add_row(
             escape(d.label),
-            layers,
+            d.layers_label,
             *(format_size(x) for x in (m.weights, m.kv, m.compute, m.total, m.usable)),
             headroom,
         )
+    planned = {d.label for d in plan.devices}
+    for device in probed:
+        if device.label not in planned:
+            left_out = ("[yellow]left out[/yellow]", "", "", "", "", format_size(device.usable), "")
+            table.add_row(escape(device.label), *left_out)
     h = plan.host
     table.add_row("host (CPU)", "", *(format_size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", "")
     _common.console.print(table)

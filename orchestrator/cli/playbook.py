@@ -11,12 +11,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common
-from orchestrator.core.errors import UsageError
+from orchestrator.cli._common import escape
 
 if TYPE_CHECKING:
     from orchestrator.playbooks.model import Playbook, PlaybookResult, StepRun
@@ -42,22 +38,15 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="set a playbook variable (repeatable; wins over the playbook's vars)",
     )
-    parser.set_defaults(handler=handle_run_playbook)
-
-
-def add_rolling_args(parser: argparse.ArgumentParser, *, serial: bool = True) -> None:
-    """--serial, --max-fail-percentage (unless the parser has them) and --force."""
-    if serial:
-        parser.add_argument("--serial", default="1", help="hosts per batch: N or N%% (default: 1)")
-        parser.add_argument(
-            "--max-fail-percentage",
-            type=float,
-            default=0.0,
-            help="stop after a batch with more failed hosts than this percentage (default: 0)",
-        )
+    _common.add_json_arg(parser)
     parser.add_argument(
-        "--force", action="store_true", help="restart busy servers too (their clients are cut off)"
+        "--wait-lock",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for another operator's lock on a host (default: fail at once, exit 3)",
     )
+    parser.set_defaults(handler=handle_run_playbook)
 
 
 def _serial_value(text: str | None) -> int | str:
@@ -87,29 +76,46 @@ def handle_run_playbook(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, playbook: Playbook) -> int:
-    from orchestrator.engine.executor import Session
     from orchestrator.playbooks.runner import play_hosts, run_playbook
 
-    if args.forks < 1:
-        raise UsageError("--forks must be at least 1")
     inventory = _common.load_inventory(args)
     hosts = play_hosts(playbook, inventory, getattr(args, "limit", None))
     check = bool(getattr(args, "check", False))
     mode = " [yellow](check mode: nothing is changed)[/yellow]" if check else ""
-    _common.console.print(
-        f"[bold]PLAY {escape(playbook.name)}[/bold] on {len(hosts)} host(s){mode}", highlight=False
-    )
+    if not getattr(args, "json", False):
+        _common.console.print(
+            f"[bold]PLAY {escape(playbook.name)}[/bold] on {len(hosts)} host(s){mode}", highlight=False
+        )
+
+    wait_lock = _common.operation_options(args).wait_lock
+    as_json = bool(getattr(args, "json", False))
 
     async def go() -> PlaybookResult:
-        async with Session(forks=args.forks) as session:
-            return await run_playbook(playbook, hosts, session=session, check=check, on_step=_print_step)
+        async with _common.fleet_session(args) as session:
+            return await run_playbook(
+                playbook,
+                hosts,
+                session=session,
+                check=check,
+                wait_lock=wait_lock,
+                on_step=None if as_json else _print_step,
+            )
 
     result = _common.run_async(go())
-    _finish(result)
-    return 0 if result.ok else 1
+    runs = [step_run.run for step_run in result.steps]
+    if as_json:
+        _common.print_json(result.to_json())
+    else:
+        _finish(result)
+        _common.print_interrupted(runs)
+    status = _common.exit_status(runs)
+    return status if status else (0 if result.ok else 1)
 
 
 def _print_step(step_run: StepRun) -> None:
+    from rich import box
+    from rich.table import Table
+
     run = step_run.run
     table = Table(box=box.SIMPLE_HEAD, title=escape(step_run.step.label), title_justify="left")
     for column in ("host", "status", "what"):

@@ -5,24 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common
-from orchestrator.core.units import format_size
+from orchestrator.cli._common import escape
 
-if TYPE_CHECKING:  # imported lazily: the probe pulls in asyncssh and numpy
+if TYPE_CHECKING:  # imported by the handler: registering stays cheap
     from orchestrator.probe.fleet import FleetProbe
+
+FAIL_ON = ("any", "none", "all")  # orchestrator.probe.fleet.FAIL_ON (tests/test_cli.py checks they agree)
 
 _STATE_STYLE = {"ok": "green", "busy": "yellow"}
 _PIPE_WIDTH = 160
 
 
 def register(subparsers: Any) -> None:
-    from orchestrator.probe.fleet import FAIL_ON
-
     parser = subparsers.add_parser(
         "probe",
         help="probe every selected rpc-server: protocol, devices, free and usable memory",
@@ -47,9 +42,10 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.probe.fleet import fleet_failed, probe_fleet
 
-    timeout = _common.probe_timeout(args)
     _, hosts = _common.load_hosts(args)
-    fleet = _common.run_async(probe_fleet(hosts, timeout=timeout, facts=not args.no_facts, forks=args.forks))
+    fleet = _common.run_async(
+        probe_fleet(hosts, timeout=_common.probe_timeout(args), facts=not args.no_facts, forks=args.forks)
+    )
     if args.json:
         _common.print_json(fleet.to_json())
     else:
@@ -66,6 +62,12 @@ def _state_cell(state: str, clients: tuple[str, ...] | None) -> str:
 
 
 def _print_table(fleet: FleetProbe) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from orchestrator.core.units import format_size
+
     table = Table(box=box.SIMPLE_HEAD)
     for column in ("host", "endpoint", "protocol", "device", "total", "free", "usable", "state"):
         numeric = column in ("total", "free", "usable")

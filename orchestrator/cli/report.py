@@ -8,36 +8,33 @@ so a reader never sees half a report).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common, _planning
+from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.files import write_atomic
-
-_CTX = re.compile(r"^\s*(\d+)\s*([kK])?\s*$")
 
 
 def parse_contexts(values: list[str] | None) -> list[int]:
     """'4096,32k' (repeatable) -> [4096, 32768]; k means 1024. Duplicates are dropped, order kept."""
-    out: list[int] = []
-    for value in values or ["4096"]:
-        for part in value.split(","):
-            match = _CTX.match(part)
-            if match is None:
-                raise UsageError(f"--ctx: expected context sizes such as 4096,32k, got {part.strip()!r}")
-            n = int(match.group(1)) * (1024 if match.group(2) else 1)
-            if n not in out:
-                out.append(n)
-    return out
+    try:
+        parsed = [n for value in values or ["4096"] for n in _CONTEXTS(value)]
+    except ValueError as exc:
+        raise UsageError(f"--ctx: {exc}") from None
+    return list(dict.fromkeys(parsed))
+
+
+_CONTEXTS = fields.list_of(fields.context)
+
+
+FORMATS = ("text", "md", "json", "html")  # orchestrator.report.render.FORMATS (tests/test_cli.py checks)
 
 
 def register(subparsers: Any) -> None:
-    from orchestrator.report.render import FORMATS
-
     parser = subparsers.add_parser(
         "report",
         help="capacity report: the fleet's memory and, per model and context, whether and where it fits",
@@ -69,7 +66,13 @@ def handle(args: argparse.Namespace) -> int:
     models = [(str(m), profile_model(m)) for m in args.model]  # read before probing: fail fast on a typo
     _, hosts = _common.load_hosts(args)
     fleet = _common.run_async(
-        probe_fleet(hosts, timeout=args.timeout, facts=not args.no_facts, forks=args.forks)
+        probe_fleet(
+            hosts,
+            timeout=_common.probe_timeout(args),
+            facts=not args.no_facts,
+            forks=args.forks,
+            trust_rpc_memory=args.trust_rpc_memory,
+        )
     )
     options = ReportOptions(
         plan=plan_options,

@@ -1,7 +1,10 @@
 """`rpcfleet run`: probe the fleet, plan, load the model over RPC, generate, and show where it went.
 
 The placement table sets the plan's prediction beside what llama.cpp allocated (its load log, 0.01 MiB
-precision) for every device and for the host, then generation speed.
+precision) for every device and for the host, then generation speed. The model runs in a worker process
+(`orchestrator.llama.worker`): a node lost mid-inference is an error naming it (exit status 1), never a
+native abort of this process; llama.cpp's log goes to the worker's log file (or stderr with
+`--llama-verbose`).
 """
 
 from __future__ import annotations
@@ -12,15 +15,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
-
-MiB = 1024 * 1024
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
     from orchestrator.inventory.model import Host
@@ -52,7 +50,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--plan", type=Path, default=None, help="load this plan (JSON) instead of planning")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--temp", type=float, default=0.0, help="temperature (default: 0, greedy)")
-    parser.add_argument("--llama-verbose", action="store_true", help="show llama.cpp's own log")
+    parser.add_argument(
+        "--llama-verbose",
+        action="store_true",
+        help="show llama.cpp's own log here (default: the worker's log file, named on failure)",
+    )
     parser.add_argument(
         "--force",
         action="store_true",
@@ -117,21 +119,26 @@ def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.worker import Worker
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
     if not args.model.exists():
         raise UsageError(f"model {args.model} does not exist")
-    plan = make_run_plan(args)
-    check_fit(plan, force=args.force, json=args.json)
-    llm = load_llama(plan, args.model, seed=args.seed, verbose=args.llama_verbose)
-    try:
-        text, stats = generate(llm, args.prompt, args.n_predict, args.temp, echo=not args.json)
-        placement = placement_of(llm)
-    finally:
-        llm.close()
+    # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
+    # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
+    # overlap with the probe and the plan.
+    with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
+        plan = make_run_plan(args)
+        check_fit(plan, force=args.force, json=args.json)
+        if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
+            where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
+            _common.err_console.print(
+                f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
+                highlight=False,
+            )
+        placement = worker.load(plan, args.model, {"seed": args.seed})
+        text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
         _common.print_json(
             {
@@ -139,86 +146,86 @@ def handle(args: argparse.Namespace) -> int:
                 **stats,
                 "placement": _placement_json(placement),
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
+                "log": str(worker.log_path) if worker.log_path else None,
             }
         )
         return 0
     _common.console.print()
     _print_placement(placement)
+    n = stats["completion_tokens"]
+    speed = (
+        f", decoding at [bold]{stats['tokens_per_second']:.1f} tokens/s[/bold]"
+        if stats["decode_seconds"] > 0
+        else " (from the prompt's evaluation: no decoding step)"
+    )
     _common.console.print(
         f"load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
-        f"{stats['prompt_seconds']:.3f} s · {stats['completion_tokens']} tokens, decoding at "
-        f"[bold]{stats['tokens_per_second']:.1f} tokens/s[/bold]",
+        f"{stats['prompt_seconds']:.3f} s · {n} token{'s' if n != 1 else ''} generated{speed}",
         highlight=False,
     )
     return 0
 
 
-def generate(llm: Any, prompt: str, n: int, temp: float, *, echo: bool) -> tuple[str, dict[str, Any]]:
-    """Stream a completion (echoed as it comes); the numbers are llama.cpp's own counters."""
-    from orchestrator.llama.native import generation_timings
+def generate(
+    worker: Any, prompt: str, n: int, temp: float, seed: int, *, echo: bool
+) -> tuple[str, dict[str, Any]]:
+    """Stream a completion from the worker (echoed as it comes); the counts are the tokens the model
+    produced and llama.cpp's own timings."""
+    from orchestrator.llama.worker import Done
 
-    pieces: list[str] = []
-    finish_reason = None
-    for chunk in llm(prompt, max_tokens=n, temperature=temp, stream=True):
-        piece = chunk["choices"][0]["text"]
-        finish_reason = chunk["choices"][0].get("finish_reason") or finish_reason
-        pieces.append(piece)
+    done: Done | None = None
+    try:
+        for event in worker.complete(prompt, max_tokens=n, temperature=temp, seed=seed):
+            if isinstance(event, Done):
+                done = event
+            elif echo:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    finally:
         if echo:
-            sys.stdout.write(piece)
+            sys.stdout.write("\n")
             sys.stdout.flush()
-    if echo:
-        sys.stdout.write("\n")
-    timings = generation_timings(llm)
-    # Every generated token is evaluated for the next one, except the last when max_tokens ends it.
-    generated = timings.generated_tokens + (1 if finish_reason == "length" else 0)
-    return "".join(pieces), {
-        "prompt_tokens": timings.prompt_tokens,
-        "prompt_seconds": round(timings.prompt_seconds, 4),
-        "completion_tokens": generated,
-        "decode_seconds": round(timings.generate_seconds, 4),
-        "tokens_per_second": round(timings.tokens_per_second, 2),
+    assert done is not None
+    return done.text, {
+        "prompt_tokens": done.prompt_tokens,
+        "prompt_seconds": round(done.prompt_seconds, 4),
+        "completion_tokens": done.completion_tokens,
+        "finish_reason": done.finish_reason,
+        "decode_seconds": round(done.decode_seconds, 4),
+        "tokens_per_second": round(done.tokens_per_second, 2),
     }
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.2f}"
+def generated_tokens(n_eval: int, finish_reason: str | None, max_tokens: int, any_text: bool) -> int:
+    """Tokens generated, from llama.cpp's evaluation counter. Every generated token is evaluated for the
+    next one, except the last when max_tokens ends the run; and llama.cpp reports at least 1 evaluation
+    (`max(1, n_eval)`), so -n 1 would read 2 and an immediate end of text 1 without these corrections."""
+    if finish_reason != "length":
+        return n_eval if any_text else 0
+    return min(n_eval + 1, max_tokens)
 
 
 def _print_placement(placement: Placement) -> None:
-    """Two rows per device: the plan's prediction, then what llama.cpp allocated."""
+    """Two rows per device: the plan's prediction, then what llama.cpp allocated (red: other layers)."""
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.llama.placement import PLACEMENT_COLUMNS
+
     table = Table(
         title="placement (MiB)", title_justify="left", box=box.SIMPLE_HEAD, highlight=False, pad_edge=False
     )
-    table.add_column("device", no_wrap=True)
-    table.add_column("name", no_wrap=True)
-    table.add_column("layers", no_wrap=True)
-    table.add_column("", no_wrap=True)
-    for column in ("weights", "KV", "compute", "total"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for d in placement.devices:
-        layers = _layer_range(d.planned_layers)
-        actual_layers = _layer_range(d.actual_layers)
-        if d.actual_layers != d.planned_layers:
-            actual_layers = f"[red]{actual_layers}[/red]"
-        p, a = d.predicted, d.actual
-        table.add_row(
-            escape(d.label), d.name, layers, "plan", *map(_mib, (p.weights, p.kv, p.compute, p.total))
-        )
-        table.add_row("", "", actual_layers, "actual", *map(_mib, (a.weights, a.kv, a.compute, a.total)))
-    h = placement.host
-    predicted = (h.predicted_weights, h.predicted_kv, h.predicted_compute)
-    actual = (h.actual_weights, h.actual_kv, h.actual_compute)
-    table.add_row("host", "CPU", "", "plan", *map(_mib, (*predicted, sum(predicted))))
-    table.add_row("", "", "", "actual", *map(_mib, (*actual, sum(actual))))
+    for i, column in enumerate(PLACEMENT_COLUMNS):
+        table.add_column(column, justify="right" if i >= 4 else "left", no_wrap=True)
+    moved = {d.label for d in placement.devices if d.actual_layers != d.planned_layers}
+    label = ""
+    for row in placement.rows():
+        label = row[0] or label
+        cells = [escape(cell) for cell in row]
+        if row[3] == "actual" and label in moved:
+            cells[2] = f"[red]{cells[2]}[/red]"
+        table.add_row(*cells)
     _common.console.print(table)
-
-
-def _layer_range(layers: tuple[int, ...]) -> str:
-    if not layers:
-        return "-"
-    if list(layers) == list(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
-    return ",".join(map(str, layers))
 
 
 def _placement_json(placement: Placement) -> dict[str, Any]:

@@ -77,6 +77,18 @@ class ConnectOptions:
         return float(host.ssh_connect_timeout)
 
 
+class HeldCommand(Protocol):
+    """A command started by `Connection.hold`: read its output line by line, then release it."""
+
+    async def readline(self, timeout: float) -> str | None:  # noqa: ASYNC109 (a per-call limit)
+        """The next line of its stdout without the newline; None at end of file (it exited)."""
+        ...
+
+    async def release(self) -> None:
+        """Close its stdin and let it exit (killed if it does not within a few seconds)."""
+        ...
+
+
 class Connection(Protocol):
     """An open connection to one host."""
 
@@ -99,6 +111,11 @@ class Connection(Protocol):
 
     async def get(self, remote: str, local: Path) -> None:
         """Download the file `remote` to `local`."""
+        ...
+
+    async def hold(self, command: str) -> HeldCommand:
+        """Start `command` with its stdin kept open; it lives until `release()` or until this connection
+        dies (its stdin then reaches end of file): what a lock that must die with its holder needs."""
         ...
 
     async def close(self) -> None: ...
@@ -208,3 +225,23 @@ class _BaseConnection:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+class _ProgressReporter:
+    """Adapts a (done, total) callback and makes sure the last call reports completion."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.last: tuple[int, int] | None = None
+
+    def report(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.last = (done, total)
+            self.progress(done, total)
+
+    def sftp_handler(self, _src: bytes, _dst: bytes, done: int, total: int) -> None:
+        self.report(done, total)
+
+    def finish(self, size: int) -> None:
+        if self.last != (size, size):
+            self.report(size, size)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from orchestrator.connectors.base import Connection, ConnectOptions, _local_home
 from orchestrator.connectors.local import LocalConnection
-from orchestrator.connectors.ssh import SSHConnection
 from orchestrator.inventory.model import Host
 
 
@@ -13,4 +12,7 @@ async def connect(host: Host, options: ConnectOptions | None = None) -> Connecti
     options = options or ConnectOptions()
     if host.connection == "local":
         return LocalConnection(host, options, home=_local_home(host))
+    # asyncssh takes a quarter of a second to import: only a command that opens SSH pays for it.
+    from orchestrator.connectors.ssh import SSHConnection
+
     return await SSHConnection.open(host, options)

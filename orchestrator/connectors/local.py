@@ -9,8 +9,14 @@ import shutil
 import signal
 from pathlib import Path
 
-from orchestrator.connectors.base import _CHUNK, _DRAIN_TIMEOUT, ConnectOptions, Progress, _BaseConnection
-from orchestrator.connectors.ssh import _ProgressReporter
+from orchestrator.connectors.base import (
+    _CHUNK,
+    _DRAIN_TIMEOUT,
+    ConnectOptions,
+    Progress,
+    _BaseConnection,
+    _ProgressReporter,
+)
 from orchestrator.core.errors import (
     TransferError,
     UnreachableError,
@@ -83,6 +89,25 @@ class LocalConnection(_BaseConnection):
         code = waiter.result()
         return (128 - code if code < 0 else code), bytes(stdout), bytes(stderr)
 
+    async def hold(self, command: str) -> _HeldLocalCommand:
+        env = None if self.home == Path.home() else {**os.environ, "HOME": str(self.home)}
+        try:
+            process = await asyncio.create_subprocess_shell(
+                command,
+                executable="/bin/bash",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+                cwd=self.home,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise UnreachableError(
+                f"cannot start bash in {self.home}: {exc.strerror or exc}", host=self.host.name
+            ) from None
+        return _HeldLocalCommand(self, process)
+
     async def put(self, local: Path, remote: str, *, progress: Progress | None = None) -> None:
         await _copy(local, self._path(remote), progress, self.host, f"cannot upload {local} to {remote}")
 
@@ -91,6 +116,33 @@ class LocalConnection(_BaseConnection):
 
     async def close(self) -> None:
         return None
+
+
+_RELEASE_TIMEOUT = 1.0  # a held command that does not read its stdin is killed after this
+
+
+class _HeldLocalCommand:
+    def __init__(self, conn: LocalConnection, process: asyncio.subprocess.Process) -> None:
+        self._conn = conn
+        self._process = process
+
+    async def readline(self, timeout: float) -> str | None:  # noqa: ASYNC109
+        assert self._process.stdout is not None
+        try:
+            line = await asyncio.wait_for(self._process.stdout.readline(), timeout)
+        except TimeoutError:
+            raise self._conn._timed_out("(held command)", timeout, b"", b"") from None
+        return line.decode("utf-8", errors="replace").rstrip("\n") if line else None
+
+    async def release(self) -> None:
+        if self._process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+        try:
+            await asyncio.wait_for(self._process.wait(), _RELEASE_TIMEOUT)
+        except TimeoutError:
+            _kill_group(self._process.pid)
+            await self._process.wait()
 
 
 async def _read_into(stream: asyncio.StreamReader, buffer: bytearray) -> None:

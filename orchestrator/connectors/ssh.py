@@ -16,6 +16,7 @@ from orchestrator.connectors.base import (
     Progress,
     _BaseConnection,
     _decode,
+    _ProgressReporter,
     _signal_status,
 )
 from orchestrator.core.errors import (
@@ -26,6 +27,8 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
+
+_RELEASE_TIMEOUT = 1.0
 
 _warned_unchecked: set[tuple[str, str, int]] = set()
 
@@ -225,6 +228,15 @@ class SSHConnection(_BaseConnection):
             )
         return status, stdout, stderr
 
+    async def hold(self, command: str) -> _HeldSSHCommand:
+        try:
+            process = await self._conn.create_process(command, encoding="utf-8", errors="replace")
+        except asyncssh.ChannelOpenError as exc:
+            raise self._lost("before running the command", exc) from None
+        except (asyncssh.Error, OSError) as exc:
+            raise self._lost("while starting the command", exc) from None
+        return _HeldSSHCommand(self, process)
+
     async def _sftp_client(self) -> asyncssh.SFTPClient:
         async with self._sftp_lock:
             if self._sftp is None:
@@ -305,21 +317,31 @@ def _sftp_path(remote: str, host: Host) -> str:
     return remote
 
 
-class _ProgressReporter:
-    """Adapts a (done, total) callback and makes sure the last call reports completion."""
+class _HeldSSHCommand:
+    def __init__(self, conn: SSHConnection, process: asyncssh.SSHClientProcess[str]) -> None:
+        self._conn = conn
+        self._process = process
 
-    def __init__(self, progress: Progress | None) -> None:
-        self.progress = progress
-        self.last: tuple[int, int] | None = None
+    async def readline(self, timeout: float) -> str | None:  # noqa: ASYNC109
+        try:
+            async with asyncio.timeout(timeout):
+                line = await self._process.stdout.readline()
+        except TimeoutError:
+            raise self._conn._timed_out("(held command)", timeout, b"", b"") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise self._conn._lost("while holding a command", exc) from None
+        return line.rstrip("\n") if line else None
 
-    def report(self, done: int, total: int) -> None:
-        if self.progress is not None:
-            self.last = (done, total)
-            self.progress(done, total)
-
-    def sftp_handler(self, _src: bytes, _dst: bytes, done: int, total: int) -> None:
-        self.report(done, total)
-
-    def finish(self, size: int) -> None:
-        if self.last != (size, size):
-            self.report(size, size)
+    async def release(self) -> None:
+        with contextlib.suppress(Exception):
+            self._process.stdin.write_eof()
+        try:
+            # A command that reads its stdin exits at once; one that does not (still waiting for
+            # something) has its channel closed after a second.
+            async with asyncio.timeout(_RELEASE_TIMEOUT):
+                await self._process.wait_closed()
+        except (TimeoutError, Exception):
+            with contextlib.suppress(Exception):
+                self._process.kill()
+        finally:
+            self._process.close()

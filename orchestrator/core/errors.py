@@ -39,7 +39,12 @@ class RpcfleetError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        parts = [f"{self.host}: {self.message}" if self.host else self.message]
+        return self.describe()
+
+    def describe(self, *, with_host: bool = True) -> str:
+        """The message with its command, stderr and hint; `with_host=False` where the host is already
+        named (a recap row, a table cell), so that it is not said twice."""
+        parts = [f"{self.host}: {self.message}" if self.host and with_host else self.message]
         if self.command is not None:
             status = "" if self.exit_status is None else f" (exit status {self.exit_status})"
             parts.append(f"  command: {self.command}{status}")
@@ -93,6 +98,10 @@ class UsageError(InputError):
 
 class HostError(RpcfleetError):
     """Something went wrong on, or on the way to, one host."""
+
+
+class NotStartedError(HostError):
+    """A host's step did not begin (the run was interrupted first): nothing was changed there."""
 
 
 class UnreachableError(HostError):

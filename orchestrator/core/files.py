@@ -1,37 +1,47 @@
-"""Writing files the user asked for (plans, reports) so that a reader never sees half of one."""
+"""Writing files so that a reader never sees half of one: plans, reports, the artifact cache, lab state."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.core.errors import RpcfleetError
 
 
-def write_atomic(path: str | Path, text: str, *, parents: bool = False) -> None:
-    """Write `text` to `path` through a uniquely named temporary file in the same folder and a rename.
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, parents: bool = False) -> Iterator[Path]:
+    """A uniquely named temporary path in `path`'s folder, for the block to write; renamed over `path`
+    when the block ends, removed when it raises (its exception goes on unchanged).
 
-    `parents`: create missing folders first. The temporary file never stays behind; a failure is an
-    RpcfleetError naming `path`.
+    `parents`: create missing folders first. For writers that stream (a download, a copy, a generated
+    model); `write_atomic` for a text or bytes already in memory.
     """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path()
+    if parents:
+        directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
-        if parents:
-            directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
+        yield tmp
+        tmp.chmod(0o644)  # mkstemp makes it 0600: give it what an ordinary write would
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: str | Path, data: str | bytes, *, parents: bool = False) -> None:
+    """Write `data` (text as UTF-8) to `path` through a temporary file in the same folder, synced to disk
+    before the rename. The temporary file never stays behind; a failure is an RpcfleetError naming
+    `path`."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        with atomic_path(path, parents=parents) as tmp, tmp.open("wb") as out:
+            out.write(data.encode() if isinstance(data, str) else data)
             out.flush()
             os.fsync(out.fileno())
-        Path(tmp).chmod(0o644)
-        Path(tmp).replace(path)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            Path(tmp).unlink()
         raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None

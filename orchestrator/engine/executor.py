@@ -5,12 +5,19 @@ Hosts run concurrently up to `forks`, in batches when `serial` is given (Ansible
 is a number, a percentage or a list of them whose last entry repeats), and the run stops after a
 batch whose failures pass `max_fail_percentage`; hosts not reached are reported `skipped`.
 Partial failure is data: every host gets a `HostResult`; one bad host never hides the others.
+
+Interrupts: `Session.interrupt()` (SIGINT/SIGTERM when the session is `interruptible`) lets the hosts in
+flight finish and starts no new one; those are reported `skipped` ("not started: interrupted") and the
+run result says `interrupted`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +25,15 @@ from typing import Any, Generic, Literal, TypeVar
 
 from orchestrator.connectors.base import Connection, ConnectOptions
 from orchestrator.connectors.connect import connect
-from orchestrator.core.errors import RpcfleetError, UnreachableError, UsageError
+from orchestrator.core.errors import NotStartedError, RpcfleetError, UnreachableError, UsageError
 from orchestrator.core.log import get_logger
+from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
 
 T = TypeVar("T")
+
+
+DEFAULT_FORKS = 16  # hosts worked on at once (the CLI's -f/--forks default)
 
 
 Status = Literal["ok", "changed", "failed", "unreachable", "skipped"]
@@ -61,6 +72,7 @@ class RunResult(Generic[T]):
     step: str
     results: tuple[HostResult[T], ...]
     aborted: bool = False
+    interrupted: bool = False  # an interrupt stopped it: hosts not started are `skipped`
 
     @property
     def succeeded(self) -> tuple[HostResult[T], ...]:
@@ -72,7 +84,11 @@ class RunResult(Generic[T]):
 
     @property
     def ok(self) -> bool:
-        return not self.failed and not self.aborted
+        return not self.failed and not self.aborted and not self.interrupted
+
+    @property
+    def not_started(self) -> tuple[HostResult[T], ...]:
+        return tuple(r for r in self.results if r.status == "skipped")
 
     def by_host(self) -> dict[str, HostResult[T]]:
         return {r.host.name: r for r in self.results}
@@ -90,7 +106,8 @@ class Recap:
             per_host = self.counts.setdefault(result.host.name, dict.fromkeys(STATUSES, 0))
             per_host[result.status] += 1
             if result.error is not None:
-                self.errors.setdefault(result.host.name, []).append(f"{run.step}: {result.error}")
+                error = result.error.describe(with_host=False)  # the recap's row names the host
+                self.errors.setdefault(result.host.name, []).append(f"{run.step}: {error}")
         return self
 
     @property
@@ -161,39 +178,80 @@ class Session:
     Use as `async with Session() as session: result = await session.run(hosts, step)`.
     """
 
-    def __init__(self, *, forks: int = 16, options: ConnectOptions | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        forks: int = DEFAULT_FORKS,
+        options: ConnectOptions | None = None,
+        interruptible: bool = False,
+        on_interrupt: Callable[[str, int], None] | None = None,
+    ) -> None:
         if forks < 1:
             raise UsageError(f"--forks must be at least 1, got {forks}")
         self.forks = forks
         self.options = options
         self.run_id = f"{int(time.time() * 1000) % 10**10:010d}"
-        self._connections: dict[str, asyncio.Task[Connection]] = {}
+        self._connections: Shared[str, Connection] = Shared()
+        self.interruptible = interruptible
+        self.on_interrupt = on_interrupt
+        self.interrupted: str | None = None  # what interrupted the run ("SIGINT", ...), once it happened
+        self._interrupt_count = 0
+        self._interrupted_event: asyncio.Event | None = None
+        self._installed: list[signal.Signals] = []
 
     async def __aenter__(self) -> Session:
+        if self.interruptible and threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.interrupt, sig.name)
+                self._installed.append(sig)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._installed:
+            loop.remove_signal_handler(sig)
+        self._installed.clear()
         await self.close()
 
+    def interrupt(self, why: str = "interrupted") -> None:
+        """Start no new host from now on; the hosts in flight finish (see the module docstring)."""
+        self._interrupt_count += 1
+        if self.interrupted is None:
+            self.interrupted = why
+            get_logger(run_id=self.run_id).warning("run_interrupted", why=why)
+            if self._interrupted_event is not None:
+                self._interrupted_event.set()
+        if self.on_interrupt is not None:
+            self.on_interrupt(why, self._interrupt_count)
+
+    async def unless_interrupted(self, work: Awaitable[T]) -> T:
+        """`work`'s result, or NotStartedError if the run is interrupted first (`work` is cancelled):
+        for waits that change nothing, such as waiting for another operator's lock."""
+        if self.interrupted is not None:
+            raise NotStartedError(f"not started: {self.interrupted}")
+        if self._interrupted_event is None:
+            self._interrupted_event = asyncio.Event()
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(self._interrupted_event.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise NotStartedError(f"not started: {self.interrupted}")
+        return task.result()
+
     async def connection(self, host: Host) -> Connection:
-        """The host's connection, opened once per session (concurrent callers share the attempt)."""
-        task = self._connections.get(host.name)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.ensure_future(connect(host, self.options))
-            self._connections[host.name] = task
-        return await asyncio.shield(task)
+        """The host's connection, opened once per session: concurrent callers share the attempt, and a
+        failed connect fails every later step on the host alike (`Shared`'s rule)."""
+        return await self._connections.get(host.name, lambda: connect(host, self.options))
 
     async def close(self) -> None:
-        tasks = list(self._connections.values())
-        self._connections.clear()
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-        for task in tasks:
-            try:
-                conn = await task
-            except (Exception, asyncio.CancelledError):  # a failed connect has nothing to close
-                continue
+        for conn in await self._connections.clear():
             await conn.close()
 
     async def run(
@@ -214,6 +272,8 @@ class Session:
         aborted = False
         offset = 0
         for size in batch_sizes(len(hosts), serial):
+            if self.interrupted is not None:
+                break
             batch = hosts[offset : offset + size]
             offset += size
             batch_results = await asyncio.gather(
@@ -224,12 +284,14 @@ class Session:
             if n_failed and _threshold_passed(n_failed, len(batch), max_fail_percentage):
                 aborted = offset < len(hosts)
                 break
+        why = f"not started: {self.interrupted}" if self.interrupted else "not run: failure threshold reached"
         for host in hosts[offset:]:
-            skipped: HostResult[T] = HostResult(host, "skipped", message="not run: failure threshold reached")
+            skipped: HostResult[T] = HostResult(host, "skipped", message=why)
             results[host.name] = skipped
             if on_result:
                 on_result(skipped)
-        return RunResult(step_name, tuple(results[h.name] for h in hosts), aborted)
+        interrupted = self.interrupted is not None and any(r.status == "skipped" for r in results.values())
+        return RunResult(step_name, tuple(results[h.name] for h in hosts), aborted, interrupted)
 
     async def _run_one(
         self,
@@ -246,12 +308,16 @@ class Session:
             value: T | None = None
             error: RpcfleetError | None = None
             try:
+                if self.interrupted is not None:
+                    raise NotStartedError(f"not started: {self.interrupted}")
                 outcome = await step(context)
                 status, value, message = (
                     ("changed" if outcome.changed else "ok"),
                     outcome.value,
                     outcome.message,
                 )
+            except NotStartedError as exc:
+                status, error = "skipped", exc
             except UnreachableError as exc:
                 status, error = "unreachable", exc
             except RpcfleetError as exc:

@@ -14,9 +14,11 @@ from orchestrator.facts.server import (
     HistoryFact,
     InstallDirFact,
     InstalledManifestFact,
+    LaunchFact,
     ListenersFact,
     LogMatchFact,
     LogTailFact,
+    PortOwnersFact,
     RpcClientsFact,
     ServerProcessFact,
     VersionsFact,
@@ -43,5 +45,7 @@ FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
         ServerProcessFact,
         LogMatchFact,
         LogTailFact,
+        LaunchFact,
+        PortOwnersFact,
     )
 }

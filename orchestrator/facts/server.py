@@ -296,3 +296,83 @@ class LogTailFact(Fact[str | None]):
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
         return stdout if exit_status == 0 else None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a server process was started: its whole command line and the environment rpcfleet sets."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # (name, value), sorted by name
+
+
+LAUNCH_ENV = ("LLAMA_CACHE", "GGML_RPC_DEBUG")  # the variables a launch line sets
+
+
+@dataclass(frozen=True)
+class LaunchFact(Fact[Launch | None]):
+    """The command line and rpcfleet's environment variables of the process in `pid_file` (None: no such
+    process, or /proc is not readable)."""
+
+    pid_file: str
+    name: ClassVar[str] = "launch"
+
+    def command(self) -> str:
+        keys = "|".join(LAUNCH_ENV)
+        return "\n".join(
+            [
+                f"pf={shell_path(self.pid_file)}",
+                '[ -f "$pf" ] || exit 0',
+                READ_PID,
+                f"{PID_IS_NUMBER} || exit 0",
+                "[ -r /proc/$pid/cmdline ] || exit 0",
+                "echo @argv; tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null",
+                f"echo @env; tr '\\0' '\\n' < /proc/$pid/environ 2>/dev/null | grep -E '^({keys})=' || true",
+            ]
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> Launch | None:
+        argv: list[str] = []
+        env: list[tuple[str, str]] = []
+        section = None
+        for line in stdout.splitlines():
+            if line in ("@argv", "@env"):
+                section = line
+            elif section == "@argv":
+                argv.append(line)
+            elif section == "@env" and "=" in line:
+                key, _, value = line.partition("=")
+                env.append((key, value))
+        return Launch(tuple(argv), tuple(sorted(env))) if argv else None
+
+
+@dataclass(frozen=True)
+class PortOwner:
+    """A process listening on the port, with the first word of its command line."""
+
+    pid: int
+    argv0: str | None
+
+
+@dataclass(frozen=True)
+class PortOwnersFact(Fact[tuple[PortOwner, ...]]):
+    """The processes listening on local TCP `port` that this user can see, each with its argv0."""
+
+    port: int
+    name: ClassVar[str] = "port_owners"
+
+    def command(self) -> str:
+        port = int(self.port)
+        return (
+            f"command -v ss >/dev/null 2>&1 || exit 0; "
+            f"for pid in $(ss -Hltnp 'sport = :{port}' | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do "
+            f'printf \'%s %s\\n\' "$pid" "$({PROC_ARGV0})"; done'
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[PortOwner, ...]:
+        owners = []
+        for line in stdout.splitlines():
+            pid, _, argv0 = line.partition(" ")
+            if pid.isdigit():
+                owners.append(PortOwner(int(pid), argv0.strip() or None))
+        return tuple(owners)

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import LabError
+from orchestrator.core.files import write_atomic
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.core.poll import poll
 from orchestrator.lab import systemd
 from orchestrator.lab.procs import (
     _KILL_TIMEOUT,
@@ -275,9 +277,7 @@ class Lab:
             raise LabError(f"unreadable lab state: {exc!r}") from exc
 
     def save(self) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        tmp.replace(self.state_file)
+        write_atomic(self.state_file, json.dumps(self.to_json(), indent=2) + "\n")
 
     def live(self) -> bool:
         """Whether this lab is in use: being created by a live process, or up with a live owner (if any)."""
@@ -483,9 +483,9 @@ def _sshd_config(lab: Lab, node: LabNode, extra: list[str]) -> str:
 
 def _wait_ready(nodes: Sequence[LabNode], timeout: float, device: str | None) -> None:
     """Until every node's sshd wrote its pid file and accepts TCP on :22; fail early if a node died."""
-    deadline = time.monotonic() + timeout
     pending = list(nodes)
-    while pending:
+
+    def all_ready() -> bool | None:
         for node in list(pending):
             if node.sshd_pid_file.exists() and _tcp_open(node.address, SSH_PORT, 0.2, device):
                 pending.remove(node)
@@ -496,9 +496,9 @@ def _wait_ready(nodes: Sequence[LabNode], timeout: float, device: str | None) ->
                     f"node {node.name} failed to start",
                     stderr=_tail(node.log) + "\n" + _tail(node.sshd_log),
                 )
-        if pending and time.monotonic() > deadline:
-            names = ", ".join(n.name for n in pending)
-            logs = "\n".join(_tail(n.sshd_log) for n in pending)
-            raise LabError(f"sshd did not accept connections within {timeout:.0f} s on {names}", stderr=logs)
-        if pending:
-            time.sleep(0.01)
+        return not pending or None
+
+    if not poll(all_ready, timeout=timeout, interval=0.01):
+        names = ", ".join(n.name for n in pending)
+        logs = "\n".join(_tail(n.sshd_log) for n in pending)
+        raise LabError(f"sshd did not accept connections within {timeout:.0f} s on {names}", stderr=logs)

@@ -9,10 +9,10 @@ import re
 import shlex
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 from orchestrator.core.errors import LabError
+from orchestrator.core.poll import poll
 from orchestrator.lab import systemd
 from orchestrator.lab.model import (
     _CAP_NET_ADMIN,
@@ -209,11 +209,14 @@ def _teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
         _run(["ip", "-force", "-batch", "-"], input="\n".join(batch) + "\n", check=False)
         removed += [f"link {link}" for link in links] + [f"namespace {ns}" for ns in namespaces]
     veths = [link for link in links if not link.endswith("br")]
-    deadline = time.monotonic() + 2.0
-    while veths and time.monotonic() < deadline:
-        time.sleep(0.005)
+
+    def veths_gone() -> bool | None:
+        nonlocal veths
         veths = [link for link in _list_links() if link in veths]
-    if veths:  # a veth whose peer namespace lives on (a process we could not kill): delete it here
+        return not veths or None
+
+    # A veth whose peer namespace lives on (a process we could not kill) is deleted here.
+    if veths and not poll(veths_gone, timeout=2.0, interval=0.005):
         _run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
     removed += systemd.release_slot(f"{PREFIX}{slot}-")
     user = f"{PREFIX}{slot}"

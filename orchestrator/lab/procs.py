@@ -1,4 +1,7 @@
-"""Processes of the lab: pids in a namespace, liveness, waiting for exit."""
+"""Processes of the lab: pids in a namespace, liveness, waiting for exit.
+
+psutil reads /proc here; it is imported where it is used, so that the command line starts without it.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from orchestrator.core.errors import LabError
+from orchestrator.core.poll import poll
 
 SSHD = "/usr/sbin/sshd"
 
@@ -35,16 +38,15 @@ def _kill(pids: Iterable[int]) -> None:
 
 def _protected_pids() -> set[int]:
     """This process and its ancestors: never killed, whatever their command line says."""
-    pids = {os.getpid()}
-    pid = os.getppid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        pid = _ppid(pid) or 1
-    return pids
+    import psutil
+
+    return {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
 
 
 def _netns_pids(namespaces: Iterable[str]) -> list[int]:
     """Live processes in any of the named network namespaces (one pass over /proc)."""
+    import psutil
+
     wanted = set()
     for ns in namespaces:
         with contextlib.suppress(OSError):
@@ -53,8 +55,8 @@ def _netns_pids(namespaces: Iterable[str]) -> list[int]:
     if not wanted:
         return []
     found = []
-    for pid in _all_pids():
-        try:
+    for pid in psutil.pids():
+        try:  # psutil has no namespaces: the link /proc/PID/ns/net names the process's one
             info = Path(f"/proc/{pid}/ns/net").stat()
         except OSError:
             continue
@@ -65,63 +67,64 @@ def _netns_pids(namespaces: Iterable[str]) -> list[int]:
 
 def _pids_under(directory: Path) -> list[int]:
     """Live processes whose executable path (argv[0]) lies in `directory`, or sshds configured there."""
+    import psutil
+
     prefix = str(directory).rstrip("/") + "/"
     found = []
-    for pid in _all_pids():
-        argv = _cmdline(pid)
-        if not argv:
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        argv = [part for part in proc.info["cmdline"] or () if part]
+        if not argv or proc.info["status"] in _DEAD:
             continue
         if argv[0].startswith(prefix) or (_looks_like_sshd(argv) and prefix in " ".join(argv)):
-            found.append(pid)
-    return [pid for pid in found if _proc_alive(pid)]
-
-
-def _all_pids() -> Iterator[int]:
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                yield int(entry.name)
+            found.append(proc.pid)
+    return found
 
 
 def _cmdline(pid: int) -> list[str]:
+    import psutil
+
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        argv: list[str] = psutil.Process(pid).cmdline()
+    except psutil.Error:
         return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    return [part for part in argv if part]  # a rewritten title leaves empty ones behind
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name: [state, ppid, ...]."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
+_DEAD = ("zombie", "dead")  # psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD
 
 
 def _proc_alive(pid: int) -> bool:
     """Running, not a zombie (kill -0 succeeds on a zombie; here pid 1 may never reap orphans)."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    import psutil
 
-
-def _ppid(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[1]) if fields else None
+    try:
+        return psutil.Process(pid).status() not in _DEAD
+    except psutil.Error:
+        return False
 
 
 def _start_time(pid: int) -> float | None:
-    """Process start time in clock ticks since boot (stable per process, distinct on pid reuse)."""
-    fields = _stat_fields(pid)
-    if fields is None or fields[0] in ("Z", "X"):
+    """Process start time in clock ticks since boot (stable per process, distinct on pid reuse).
+
+    Read from /proc/PID/stat, not psutil: psutil's `create_time()` is boot time + these ticks in
+    wall-clock seconds, and boot time moves with clock adjustments; lab state files keep this value and
+    other rpcfleet processes compare it, so it must not move (a live lab would look dead and be reaped).
+    """
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()  # after the command name: state, ppid, ...
+    if fields[0] in ("Z", "X"):
         return None
     return float(fields[19])
 
 
 def _looks_like_sshd(argv: Sequence[str]) -> bool:
-    # sshd rewrites its title: "sshd: /usr/sbin/sshd -f CONFIG ... [listener] ...".
-    return bool(argv) and (argv[0] == SSHD or argv[0].startswith(("sshd: ", f"{SSHD} ")))
+    # sshd rewrites its title: "sshd: /usr/sbin/sshd -f CONFIG ... [listener] ..." (one argument, which
+    # psutil splits at its blanks).
+    title = " ".join(argv)
+    return title == SSHD or title.startswith(("sshd: ", f"{SSHD} "))
 
 
 def _is_sshd(pid: int, config: Path) -> bool:
@@ -130,12 +133,11 @@ def _is_sshd(pid: int, config: Path) -> bool:
 
 
 def _wait_dead(pids: Sequence[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_proc_alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            alive = [pid for pid in pids if _proc_alive(pid)]
-            raise LabError(f"processes {alive} did not exit within {timeout:.0f} s of SIGKILL")
-        time.sleep(0.005)
+    # Not psutil.wait_procs: it waits for a pid to vanish, and a zombie that pid 1 never reaps does not.
+    if poll(lambda: not any(_proc_alive(pid) for pid in pids) or None, timeout=timeout, interval=0.005):
+        return
+    alive = [pid for pid in pids if _proc_alive(pid)]
+    raise LabError(f"processes {alive} did not exit within {timeout:.0f} s of SIGKILL")
 
 
 def _read_pid(path: Path) -> int | None:

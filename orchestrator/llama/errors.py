@@ -1,27 +1,32 @@
-"""Typed errors of preflight and loading."""
+"""Typed errors of preflight and loading.
+
+An endpoint that fails the preflight raises the RPC client's own family (`rpc.errors`, re-exported
+here): `EndpointUnreachableError`, `EndpointBusyError` or `ProtocolMismatchError`, all
+`EndpointProbeError`s holding the probe's result. The rest are `LoaderError`s.
+"""
 
 from __future__ import annotations
 
 from orchestrator.core.errors import LoaderError
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.errors import (
+    EndpointBusyError,
+    EndpointProbeError,
+    EndpointUnreachableError,
+    ProtocolMismatchError,
+)
 
-
-class PreflightError(LoaderError):
-    """An endpoint failed the preflight probe; `probe` holds what the probe learned."""
-
-    probe: ProbeResult | None = None
-
-
-class EndpointUnreachableError(PreflightError):
-    """An endpoint refused the connection, timed out or closed it (nothing listens, or a node is down)."""
-
-
-class EndpointBusyError(PreflightError):
-    """An endpoint serves another client (the server takes one client at a time)."""
-
-
-class ProtocolMismatchError(PreflightError):
-    """An endpoint speaks another RPC protocol version (or is not a ggml-rpc-server at all)."""
+__all__ = [
+    "DeviceMismatchError",
+    "EndpointBusyError",
+    "EndpointLimitError",
+    "EndpointProbeError",
+    "EndpointUnreachableError",
+    "LoadFailedError",
+    "LocalDeviceError",
+    "ProtocolMismatchError",
+    "RpcUnavailableError",
+    "UnknownArgumentError",
+]
 
 
 class DeviceMismatchError(LoaderError):
@@ -40,20 +45,9 @@ class LocalDeviceError(LoaderError):
     """A local GPU named in the plan does not exist in this process."""
 
 
+class UnknownArgumentError(LoaderError, TypeError):
+    """A keyword argument the stock constructor would swallow without a word."""
+
+
 class LoadFailedError(LoaderError):
     """llama.cpp refused the model after preflight (its own error, e.g. a file it cannot read)."""
-
-
-def _error_for_probe(result: ProbeResult) -> PreflightError:
-    cls: type[PreflightError]
-    hint: str
-    if result.outcome is Outcome.BUSY:
-        cls, hint = EndpointBusyError, "another client holds this server; stop it or pick another node"
-    elif result.outcome in (Outcome.VERSION_MISMATCH, Outcome.PROTOCOL_ERROR):
-        cls = ProtocolMismatchError
-        hint = "install a server built from the same llama.cpp as llama-cpp-python (rpcfleet install)"
-    else:
-        cls, hint = EndpointUnreachableError, "start the server (rpcfleet start) or remove it from the plan"
-    err = cls(f"refused before loading: {result.outcome}: {result.message}", host=result.endpoint, hint=hint)
-    err.probe = result
-    return err

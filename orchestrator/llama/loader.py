@@ -1,10 +1,11 @@
 """`Plan` → `llama_cpp.Llama` on stock llama-cpp-python 0.3.36 (the only module importing llama_cpp).
 
 0.3.36 has no `rpc_servers` argument (it is swallowed by `**kwargs`), and its native RPC client aborts the
-whole process on an unreachable or mismatched server. So, in this order (facts: docs/llama-rpc.md §4-§6):
+whole process on an unreachable or mismatched server. So, in this order (facts: §4-§6 of
+`../shared/docs/llama-rpc.md`, relative to the repository root):
 
-1. Preflight every endpoint of the plan with the pure-Python client (`orchestrator.rpc`) and refuse,
-   with a typed `LoaderError`, anything unreachable, busy, of another protocol, or whose devices do not
+1. Preflight every endpoint of the plan with the pure-Python client (`llama.preflight`) and refuse,
+   with a typed error, anything unreachable, busy, of another protocol, or whose devices do not
    match the plan. No native call happens before this (`GGML_NO_BACKTRACE=1` is set even earlier).
 2. Register the endpoints through libllama's own ggml (`llama_cpp.llama_cpp._lib`; `llama_cpp._ggml` is a
    second copy whose registry llama never sees). Registrations live for the process (models hold
@@ -21,28 +22,17 @@ Parsers for the client's load log and for a server's `GGML_RPC_DEBUG=1` log are 
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import ctypes
-import functools
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.artifacts.protocol import local_protocol_version
 from orchestrator.core.errors import LoaderError
 from orchestrator.core.log import get_logger
-from orchestrator.llama.errors import (
-    DeviceMismatchError,
-    EndpointLimitError,
-    EndpointUnreachableError,
-    LoadFailedError,
-    LocalDeviceError,
-    _error_for_probe,
-)
+from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
 from orchestrator.llama.native import (
     _LIVE,
@@ -55,25 +45,17 @@ from orchestrator.llama.native import (
     _register,
 )
 from orchestrator.llama.placement import build_placement
+from orchestrator.llama.preflight import check_endpoint_limit, preflight
 from orchestrator.planning.plan import Plan
 from orchestrator.planning.profile import KV_CACHE_TYPES
-from orchestrator.rpc.client import probe_endpoints
-from orchestrator.rpc.protocol import (
-    EndpointError,
-    ProbeResult,
-    ProtocolVersion,
-    parse_endpoint,
-)
 
-# ggml-rpc itself has no limit on servers, but every registration lives until the process exits (a
-# socket and a device per server): the adapter's documented policy is 16 distinct endpoints per process.
-MAX_ENDPOINTS = 16
+LLAMA_SPLIT_MODE_NONE = 0
 
 
 LLAMA_SPLIT_MODE_LAYER = 1
 
 
-LLAMA_CPP_PROTOCOL = {"0.3.36": "7.0.0"}
+LLAMA_SPLIT_MODE_ROW = 2
 
 
 # Keyword arguments the plan decides: passing them beside a plan would make the prediction wrong.
@@ -92,117 +74,6 @@ PLAN_CONTROLLED = frozenset(
         "rpc_servers",  # silently ignored by 0.3.36: refusing it beats a model quietly on the CPU
     }
 )
-
-
-def _run_sync(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    # Called from async code: run the probe on a private loop in a worker thread.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-@functools.cache
-def expected_protocol() -> ProtocolVersion:
-    """The RPC protocol of the installed llama-cpp-python (known per release), else the local default."""
-    # llama_cpp.__version__, not importlib.metadata: the latter scans every distribution on
-    # sys.path (22 ms, half of load_llama's own overhead). Importing llama_cpp loads its
-    # libraries but calls nothing that can abort.
-    import llama_cpp
-
-    known = LLAMA_CPP_PROTOCOL.get(str(getattr(llama_cpp, "__version__", "")))
-    return ProtocolVersion.parse(known) if known else local_protocol_version()
-
-
-def check_plan_devices(plan: Plan, device_counts: Mapping[str, int]) -> None:
-    """Refuse a plan whose devices do not match the servers (pure): every RPC device's index must exist
-    on its server, no device twice, and one tensor_split value per device."""
-    if len(plan.tensor_split) != len(plan.devices):
-        raise DeviceMismatchError(
-            f"the plan has {len(plan.devices)} device(s) but {len(plan.tensor_split)} tensor_split value(s)",
-            hint="re-create the plan (rpcfleet plan)",
-        )
-    seen: set[tuple[str | None, int | str]] = set()
-    for dev in plan.devices:
-        key: tuple[str | None, int | str] = (
-            (dev.endpoint, dev.index) if dev.endpoint is not None else (None, dev.name)
-        )
-        if key in seen:
-            raise DeviceMismatchError(f"device {dev.label} appears twice in the plan")
-        seen.add(key)
-        if dev.endpoint is None:
-            continue
-        count = device_counts.get(dev.endpoint)
-        if count is None:
-            raise DeviceMismatchError(f"no probe result for {dev.endpoint}", host=dev.endpoint)
-        if not 0 <= dev.index < count:
-            raise DeviceMismatchError(
-                f"the plan uses device {dev.index} but the server has {count} device(s)",
-                host=dev.endpoint,
-                hint="the fleet changed since planning: probe and plan again",
-            )
-
-
-def preflight(
-    plan: Plan,
-    *,
-    expected: ProtocolVersion | None = None,
-    connect_timeout: float = 2.0,
-    read_timeout: float = 2.0,
-    deadline: float = 5.0,
-) -> dict[str, int]:
-    """Probe every endpoint of the plan (pure Python, no native code) and check its devices.
-
-    Returns the device count per endpoint. Endpoints held by a live model of this process are not probed
-    (their connection is ours); their registered device count is used. Raises a `LoaderError` subclass
-    for the first endpoint that is unreachable, busy or mismatched (all problems are in the message).
-    """
-    endpoints = list(plan.endpoints)
-    for ep in endpoints:
-        try:
-            parse_endpoint(ep)
-        except EndpointError as exc:
-            raise EndpointUnreachableError(f"invalid endpoint {ep!r} in the plan: {exc}", host=ep) from exc
-    with _LOCK:
-        held = {ep: len(_REGISTRY[ep].devices) for ep in endpoints if _LIVE.get(ep) and ep in _REGISTRY}
-    to_probe = [ep for ep in endpoints if ep not in held]
-    results: list[ProbeResult] = []
-    if to_probe:
-        results = _run_sync(
-            probe_endpoints(
-                to_probe,
-                expected=expected or expected_protocol(),
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                deadline=deadline,
-            )
-        )
-    bad = [r for r in results if not r.ok]
-    if bad:
-        err = _error_for_probe(bad[0])
-        if len(bad) > 1:
-            others = "; ".join(f"{r.endpoint}: {r.outcome}" for r in bad[1:])
-            err.message += f" (also refused: {others})"
-        raise err
-    counts = dict(held)
-    # probe_endpoints canonicalises endpoints; map results back to the plan's spelling.
-    by_canonical = {str(parse_endpoint(ep)): ep for ep in to_probe}
-    for r in results:
-        counts[by_canonical.get(r.endpoint, r.endpoint)] = len(r.devices)
-    with _LOCK:
-        for ep, n in counts.items():
-            reg = _REGISTRY.get(ep)
-            if reg is not None and len(reg.devices) != n:
-                raise DeviceMismatchError(
-                    f"the server now reports {n} device(s) but {len(reg.devices)} are registered in this "
-                    "process",
-                    host=ep,
-                    hint="restart Python to register the server again",
-                )
-    check_plan_devices(plan, counts)
-    return counts
 
 
 @contextlib.contextmanager
@@ -274,25 +145,131 @@ def _check_model(plan: Plan, model_path: Path) -> None:
         )
 
 
+def _mtmd_handler(mmproj: str | Path, verbose: bool, use_gpu: bool, handler_kwargs: Mapping[str, Any]) -> Any:
+    """MTMD's chat handler for `mmproj`, taking the seed's `chat_handler_kwargs`: `use_gpu`, `verbose`
+    and `extra_template_arguments` (given to the chat template on every request). Any other key is an
+    error naming those."""
+    from llama_cpp.llama_chat_format import MTMDChatHandler
+
+    class SeedMTMDChatHandler(MTMDChatHandler):
+        def __init__(self, extra_template_arguments: Mapping[str, Any] | None = None, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.extra_template_arguments = dict(extra_template_arguments or {})
+
+        def __call__(self, **kw: Any) -> Any:
+            return super().__call__(**{**self.extra_template_arguments, **kw})
+
+    known = {"use_gpu", "verbose", "extra_template_arguments"}
+    unknown = sorted(set(handler_kwargs) - known)
+    if unknown:
+        raise LoaderError(
+            f"chat_handler_kwargs: unknown key(s) {', '.join(unknown)} "
+            f"(the multimodal handler takes {', '.join(sorted(known))})"
+        )
+    options = {"use_gpu": use_gpu, "verbose": verbose, **handler_kwargs}
+    try:
+        return SeedMTMDChatHandler(clip_model_path=str(mmproj), **options)
+    except ValueError as exc:  # the projector file does not exist
+        raise LoaderError(f"mmproj: {exc}") from None
+
+
 def _multimodal(
-    kwargs: dict[str, Any], mmproj: str | Path | None, has_local_gpu: bool, verbose: bool
+    kwargs: dict[str, Any],
+    mmproj: str | Path | None,
+    has_local_gpu: bool,
+    verbose: bool,
+    handler_kwargs: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Pass mmproj / chat handler through; with no local GPU selected, keep the projector on the CPU
-    (MTMD otherwise picks the first GPU in the process-wide registry, which may be an RPC device)."""
+    (MTMD otherwise picks the first GPU in the process-wide registry, which may be a local GPU the model
+    does not use), unless `handler_kwargs` says `use_gpu` itself."""
     notes: list[str] = []
     handler = kwargs.get("chat_handler")
-    if mmproj is not None and handler is None:
-        from llama_cpp.llama_chat_format import MTMDChatHandler
-
-        kwargs["chat_handler"] = MTMDChatHandler(
-            clip_model_path=str(mmproj), verbose=verbose, use_gpu=has_local_gpu
-        )
+    if handler_kwargs and mmproj is None:
+        raise LoaderError("chat_handler_kwargs configure the mmproj handler: pass mmproj_path too")
+    if mmproj is not None and handler is not None:
+        raise LoaderError("pass either a chat_handler or an mmproj, not both")
+    if mmproj is not None:
+        kwargs["chat_handler"] = _mtmd_handler(mmproj, verbose, has_local_gpu, handler_kwargs or {})
     elif handler is not None and not has_local_gpu:
         if hasattr(handler, "use_gpu"):
             handler.use_gpu = False
         else:
             notes.append(f"{type(handler).__name__} has no use_gpu setting: its projector may use a GPU")
     return notes
+
+
+def register_endpoints(counts: Mapping[str, int]) -> None:
+    """Register each preflighted endpoint natively (once per process) with its device count."""
+    for ep, count in counts.items():
+        _register(ep, count)
+
+
+def load_registered(
+    plan: Plan,
+    path: Path,
+    construct: Callable[..., Any],
+    *,
+    verbose: bool,
+    llama_kwargs: dict[str, Any],
+    mmproj: str | Path | None = None,
+    handler_kwargs: Mapping[str, Any] | None = None,
+    split_mode: int = LLAMA_SPLIT_MODE_LAYER,
+) -> Any:
+    """Construct the model (`construct(model_path, **params)` returns it) on the plan's devices, whose
+    endpoints are registered already: explicit device list, the plan's split, the load log captured,
+    the `Placement` attached. Call under `_LOCK`."""
+    lc = _llama_cpp()
+    native = _native()
+    handles, names = _resolve_devices(plan, native)
+    devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+    has_local_gpu = any(d.endpoint is None for d in plan.devices)
+    notes = _multimodal(llama_kwargs, mmproj, has_local_gpu, verbose, handler_kwargs)
+    opts = plan.options
+    records: list[tuple[int, str]] = []
+    started = time.monotonic()
+    try:
+        with _capture_log(lc, records, verbose), _explicit_devices(lc, devices):
+            llm: Any = construct(
+                str(path),
+                n_gpu_layers=plan.n_gpu_layers,
+                split_mode=split_mode,
+                main_gpu=plan.main_gpu,
+                tensor_split=list(plan.tensor_split) if plan.devices else None,
+                n_ctx=plan.n_ctx,
+                n_batch=opts.n_batch,
+                n_ubatch=opts.n_ubatch,
+                flash_attn=opts.flash_attn,
+                type_k=int(KV_CACHE_TYPES[opts.type_k]),
+                type_v=int(KV_CACHE_TYPES[opts.type_v]),
+                verbose=verbose,
+                **llama_kwargs,
+            )
+    except ValueError as exc:
+        lines = join_log_records(records)
+        raise LoadFailedError(
+            f"llama.cpp could not load {path}: {exc}", stderr="\n".join(lines[-20:])
+        ) from exc
+    elapsed = time.monotonic() - started
+    endpoints = plan.endpoints
+    for ep in endpoints:
+        _LIVE[ep] = _LIVE.get(ep, 0) + 1
+
+    def release() -> None:
+        with _LOCK:
+            for ep in endpoints:
+                _LIVE[ep] = max(0, _LIVE.get(ep, 0) - 1)
+
+    llm._stack.callback(release)  # runs on close() and on garbage collection (Llama.__del__ closes)
+    # The device array must outlive the model: llama keeps the pointer.
+    llm._rpcfleet_devices = devices
+    llm.rpcfleet_placement = build_placement(plan, names, join_log_records(records), elapsed)
+    llm.rpcfleet_plan = plan
+    llm.rpcfleet_notes = tuple(notes)
+    get_logger().info(
+        "llama_loaded", model=str(path), devices=[d.label for d in plan.devices], seconds=round(elapsed, 3)
+    )
+    return llm
 
 
 def load_llama(
@@ -309,10 +286,10 @@ def load_llama(
     the `Placement` attached (`placement_of(llm)`).
 
     Every endpoint is preflighted before any native call: an unreachable, busy or mismatched server
-    raises a `LoaderError` subclass and the process carries on. `llama_kwargs` go to `Llama` (e.g.
-    `seed`, `n_threads`, `chat_format`, `chat_handler`), except what the plan decides (`PLAN_CONTROLLED`).
-    `mmproj`: a multimodal projector, run on the CPU unless the plan selects a local GPU.
-    The llama.cpp log is always captured and shown only when `verbose`.
+    raises its typed error (`EndpointProbeError`) and the process carries on. `llama_kwargs` go to
+    `Llama` (e.g. `seed`, `n_threads`, `chat_format`, `chat_handler`), except what the plan decides
+    (`PLAN_CONTROLLED`). `mmproj`: a multimodal projector, run on the CPU unless the plan selects a local
+    GPU. The llama.cpp log is always captured and shown only when `verbose`.
     """
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     _check_kwargs(llama_kwargs)
@@ -321,71 +298,10 @@ def load_llama(
     if plan.split_mode != "layer":
         raise LoaderError(f"split mode {plan.split_mode!r} is not supported with RPC; plans use 'layer'")
     with _LOCK:
-        endpoints = plan.endpoints
-        new = [ep for ep in endpoints if ep not in _REGISTRY]
-        if len(_REGISTRY) + len(new) > MAX_ENDPOINTS:
-            raise EndpointLimitError(
-                f"loading would register {len(_REGISTRY) + len(new)} distinct endpoints; one process "
-                f"allows {MAX_ENDPOINTS} (registrations last until the process exits)",
-                hint="restart Python, or load in a child process",
-            )
+        check_endpoint_limit(plan.endpoints)
         counts = preflight(plan, connect_timeout=connect_timeout, read_timeout=read_timeout)
-        # Only now native code runs (import, RPC check, registration).
-        lc = _llama_cpp()
-        native = _native()
-        for ep in endpoints:
-            _register(ep, counts[ep])
-        handles, names = _resolve_devices(plan, native)
-        devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
-        has_local_gpu = any(d.endpoint is None for d in plan.devices)
-        notes = _multimodal(llama_kwargs, mmproj, has_local_gpu, verbose)
-        opts = plan.options
-        records: list[tuple[int, str]] = []
+        # Only now native code runs (RPC check, registration).
         from llama_cpp import Llama
 
-        started = time.monotonic()
-        try:
-            with _capture_log(lc, records, verbose), _explicit_devices(lc, devices):
-                llm: Any = Llama(
-                    str(path),
-                    n_gpu_layers=plan.n_gpu_layers,
-                    split_mode=LLAMA_SPLIT_MODE_LAYER,
-                    main_gpu=plan.main_gpu,
-                    tensor_split=list(plan.tensor_split) if plan.devices else None,
-                    n_ctx=plan.n_ctx,
-                    n_batch=opts.n_batch,
-                    n_ubatch=opts.n_ubatch,
-                    flash_attn=opts.flash_attn,
-                    type_k=int(KV_CACHE_TYPES[opts.type_k]),
-                    type_v=int(KV_CACHE_TYPES[opts.type_v]),
-                    verbose=verbose,
-                    **llama_kwargs,
-                )
-        except ValueError as exc:
-            lines = join_log_records(records)
-            raise LoadFailedError(
-                f"llama.cpp could not load {path}: {exc}", stderr="\n".join(lines[-20:])
-            ) from exc
-        elapsed = time.monotonic() - started
-        for ep in endpoints:
-            _LIVE[ep] = _LIVE.get(ep, 0) + 1
-
-    def release() -> None:
-        with _LOCK:
-            for ep in endpoints:
-                _LIVE[ep] = max(0, _LIVE.get(ep, 0) - 1)
-
-    llm._stack.callback(release)  # runs on close() and on garbage collection (Llama.__del__ closes)
-    placement = build_placement(plan, names, join_log_records(records), elapsed)
-    # The device array must outlive the model: llama keeps the pointer.
-    llm._rpcfleet_devices = devices
-    llm.rpcfleet_placement = placement
-    llm.rpcfleet_plan = plan
-    llm.rpcfleet_notes = tuple(notes)
-    get_logger().info(
-        "llama_loaded",
-        model=str(path),
-        devices=[d.label for d in plan.devices],
-        seconds=round(elapsed, 3),
-    )
-    return llm
+        register_endpoints(counts)
+        return load_registered(plan, path, Llama, verbose=verbose, llama_kwargs=llama_kwargs, mmproj=mmproj)

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from orchestrator.core.log import get_logger
@@ -83,6 +84,21 @@ class _Native:
         self.dev_memory = fn("ggml_backend_dev_memory", [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None)
         self.dev_buffer_type = fn("ggml_backend_dev_buffer_type", [vp], vp)
         self.buft_alignment = fn("ggml_backend_buft_get_alignment", [vp], sz)
+        self.reg_count = fn("ggml_backend_reg_count", [], sz)
+        self.reg_get = fn("ggml_backend_reg_get", [sz], vp)
+        self.reg_name = fn("ggml_backend_reg_name", [vp], cp)
+        self.load_all_from_path = fn("ggml_backend_load_all_from_path", [cp], None)
+        self.dynamic_backends = _load_dynamic_backends(self, Path(lib._name).parent)
+
+    def alignment(self, dev: int) -> int:
+        return int(self.buft_alignment(self.dev_buffer_type(dev)))
+
+    def memory(self, dev: int) -> tuple[int, int]:
+        """(free, total) ggml reports for `dev`. For an RPC device this talks to its server over the
+        registered connection: only for endpoints known to be up."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        return free.value, total.value
 
     def add_server(self) -> Callable[[bytes], int | None]:
         reg = self.reg_by_name(b"RPC")
@@ -98,6 +114,31 @@ class _Native:
 
 
 _NATIVE: _Native | None = None
+
+
+def has_dynamic_backends(lib_dir: Path) -> bool:
+    """Whether the binding was built with GGML_BACKEND_DL: its backend libraries (libggml-cpu...) are
+    plugins exporting `ggml_backend_init`, loaded by `ggml_backend_load_all`, not linked."""
+    for path in sorted(lib_dir.glob("libggml-*.so")):
+        if path.name.startswith("libggml-base"):
+            continue
+        try:
+            if hasattr(ctypes.CDLL(str(path)), "ggml_backend_init"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _load_dynamic_backends(native: _Native, lib_dir: Path) -> bool:
+    """The seed's order: ggml's backends are loaded before any RPC registration. A build with dynamic
+    backends needs `ggml_backend_load_all` (from the binding's library folder); a linked build has
+    them already, and loading them again would register a second copy. Returns whether it loaded."""
+    if not has_dynamic_backends(lib_dir):
+        return False
+    native.load_all_from_path(str(lib_dir).encode())
+    get_logger().debug("ggml_backends_loaded", path=str(lib_dir), count=int(native.reg_count()))
+    return True
 
 
 @dataclass(frozen=True)
@@ -143,8 +184,7 @@ def local_gpus() -> list[PlanDevice]:
     if any(native.dev_type(d) == 1 for d in gpus):
         gpus = [d for d in gpus if native.dev_type(d) == 1]
     for dev in gpus:
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        native.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        free, total = native.memory(dev)
         name = (native.dev_name(dev) or b"").decode()
         found.append(
             PlanDevice(
@@ -152,10 +192,10 @@ def local_gpus() -> list[PlanDevice]:
                 index=len(found),
                 name=name,
                 description=(native.dev_description(dev) or b"").decode(),
-                total=total.value,
-                free=free.value,
-                usable=free.value,
-                alignment=int(native.buft_alignment(native.dev_buffer_type(dev))),
+                total=total,
+                free=free,
+                usable=free,
+                alignment=native.alignment(dev),
             )
         )
     return found

@@ -8,18 +8,7 @@ from typing import Any
 
 from orchestrator.core.errors import LoaderError
 from orchestrator.llama.logs import MiB, parse_load_log
-from orchestrator.planning.plan import Plan
-
-
-@dataclass(frozen=True)
-class MemoryBytes:
-    weights: int
-    kv: int
-    compute: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv + self.compute
+from orchestrator.planning.plan import MemoryBytes, Plan
 
 
 def _mib_of(n: int) -> str:
@@ -85,6 +74,50 @@ class Placement:
     @property
     def layers_as_planned(self) -> bool:
         return all(d.planned_layers == d.actual_layers for d in self.devices)
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """The placement as table rows (MiB): per device a `plan` row, then an `actual` row; then the host.
+        Columns: PLACEMENT_COLUMNS."""
+        out: list[tuple[str, ...]] = []
+        for d in self.devices:
+            p, a = d.predicted, d.actual
+            mib = [_mib_of(x) for x in (p.weights, p.kv, p.compute, p.total)]
+            out.append((d.label, d.name, layer_range(d.planned_layers), "plan", *mib))
+            mib = [_mib_of(x) for x in (a.weights, a.kv, a.compute, a.total)]
+            out.append(("", "", layer_range(d.actual_layers), "actual", *mib))
+        h = self.host
+        for kind, parts in (
+            ("plan", (h.predicted_weights, h.predicted_kv, h.predicted_compute)),
+            ("actual", (h.actual_weights, h.actual_kv, h.actual_compute)),
+        ):
+            first = ("host", "CPU") if kind == "plan" else ("", "")
+            out.append((*first, "", kind, *(_mib_of(x) for x in (*parts, sum(parts)))))
+        return out
+
+    def render(self) -> str:
+        """A plain-text table of `rows()` (what `print(placement_of(llm))` shows)."""
+        rows = [PLACEMENT_COLUMNS, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(PLACEMENT_COLUMNS))]
+
+        def line(row: tuple[str, ...]) -> str:
+            cells = zip(row, widths, strict=True)
+            return "  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(cells)).rstrip()
+
+        return "\n".join(["placement (MiB)", *map(line, rows)])
+
+    __str__ = render
+
+
+PLACEMENT_COLUMNS = ("device", "name", "layers", "", "weights", "KV", "compute", "total")
+
+
+def layer_range(layers: Sequence[int]) -> str:
+    """`0-4` for a run of layers, `0,2` otherwise, `-` for none."""
+    if not layers:
+        return "-"
+    if list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    return ",".join(map(str, layers))
 
 
 def build_placement(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.artifacts.manifest import Artifact
@@ -12,7 +12,7 @@ from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
 from orchestrator.artifacts.store import verify_artifact
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.core.errors import ArtifactError, InstallError
-from orchestrator.engine.executor import HostContext, StepOutcome
+from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install_apply import apply_install
 from orchestrator.operations.install_plan import (
@@ -22,6 +22,7 @@ from orchestrator.operations.install_plan import (
     plan_node_build,
     read_install_state,
 )
+from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
 from orchestrator.operations.node_build import BuildLog, apply_node_build
 
 Source = Artifact | NodeBuild
@@ -102,19 +103,24 @@ async def ensure_installed(
 
 def make_install_step(
     choose: ArtifactChooser,
+    options: OperationOptions = DEFAULT_OPTIONS,
     *,
-    check: bool = False,
-    force: bool = False,
+    reinstall: bool = False,
     progress: ProgressFactory | None = None,
     build_log: BuildLogFactory | None = None,
-) -> Callable[[HostContext], Awaitable[StepOutcome[InstallChange]]]:
-    """The executor step of `rpcfleet install`."""
+) -> Step[InstallChange]:
+    """The executor step of `install`: the artifact becomes current; the running server is not touched."""
 
-    async def install(ctx: HostContext) -> StepOutcome[InstallChange]:
-        conn = await ctx.connection()
+    async def install(ctx: HostContext, conn: Connection) -> StepOutcome[InstallChange]:
         change = await ensure_installed(
-            conn, ctx.host, choose, check=check, force=force, progress=progress, build_log=build_log
+            conn,
+            ctx.host,
+            choose,
+            check=options.check,
+            force=reinstall,
+            progress=progress,
+            build_log=build_log,
         )
         return StepOutcome(change, change.changed, change.describe())
 
-    return install
+    return node_operation("install", install, options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
+from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import CommandTimeoutError, ServiceError, tail
@@ -13,11 +14,15 @@ from orchestrator.facts.server import (
     PROC_ARGV0,
     PS_STAT,
     READ_PID,
+    Listener,
     ListenersFact,
     LogTailFact,
     parse_listener,
 )
+from orchestrator.facts.systemd import USER_ENV
 from orchestrator.inventory.model import Host
+from orchestrator.operations import BUSY_GRACE
+from orchestrator.operations.launch import desired_launch, launch_diff, launch_env, server_argv
 from orchestrator.operations.server import (
     BIND_FAILED,
     CACHE_DIR,
@@ -38,27 +43,10 @@ from orchestrator.operations.systemd import (
     install_unit_script,
     journal_command,
     render_unit,
+    systemctl,
 )
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult
-
-
-def server_argv(host: Host, install_dir: str, version: str) -> list[str]:
-    """The server's command line, from the inventory."""
-    argv = [
-        f"{install_dir}/versions/{version}/bin/{SERVER_BINARY}",
-        "-H",
-        host.rpc_host or host.address,
-        "-p",
-        str(int(host.rpc_port)),
-    ]
-    if host.rpc_devices:
-        argv += ["-d", ",".join(host.rpc_devices)]
-    if host.rpc_threads is not None:
-        argv += ["-t", str(int(host.rpc_threads))]
-    if host.rpc_cache:
-        argv.append("-c")
-    return argv
 
 
 def launch_script(host: Host, install_dir: str, version: str) -> str:
@@ -71,9 +59,7 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
     """
     q = shlex.quote
     port = int(host.rpc_port)
-    env = [f"LLAMA_CACHE={install_dir}/{CACHE_DIR}"]
-    if host.rpc_debug:
-        env.append("GGML_RPC_DEBUG=1")
+    env = [f"{key}={value}" for key, value in launch_env(host, install_dir).items()]
     command = " ".join(q(a) for a in ["env", *env, "stdbuf", "-oL", *server_argv(host, install_dir, version)])
     log = f'"$D/{LOG_FILE}"'
     return "\n".join(
@@ -102,54 +88,163 @@ def _taken_check(port: int) -> str:
 
 
 def unit_text(host: Host, state: NodeState) -> str | None:
-    """The systemd unit the inventory asks for the installed version (None: not supervised by systemd)."""
+    """The systemd unit the inventory asks for the installed version (None: not supervised by systemd):
+    the process supervisor's launch line and environment, as a unit."""
     version, unit = state.install.current, state.unit
     if state.supervisor != "systemd" or unit is None or version is None:
         return None
     install_dir = state.install.install_dir
-    return render_unit(host, install_dir, server_argv(host, install_dir, version), user=unit.user)
+    argv, env = server_argv(host, install_dir, version), launch_env(host, install_dir)
+    return render_unit(host, install_dir, argv, env, user=unit.user)
 
 
-def supervisor_drift(host: Host, state: NodeState) -> str:
-    """Why the running server's supervision differs from the inventory's ("" when it does not)."""
+def supervisor_drift(host: Host, state: NodeState) -> tuple[str, ...]:
+    """How the running server's supervision differs from the inventory's: the unit's text, enabled."""
     text, unit = unit_text(host, state), state.unit
-    if text is None or unit is None:
-        return ""
+    if text is None or unit is None or not state.service.ours:
+        return ()
     if unit.text != text:
-        return f"unit {unit.name} differs from the inventory's"
-    return "" if unit.enabled else f"unit {unit.name} is not enabled"
+        return (f"unit {unit.name} differs from the inventory's",)
+    return () if unit.enabled else (f"unit {unit.name} is not enabled",)
 
 
-def stop_script(install_dir: str, grace: float = STOP_GRACE) -> str:
-    """SIGTERM, wait, SIGKILL; only a pid whose /proc/PID/cmdline is our install's server is signalled."""
-    q = shlex.quote
-    steps = max(1, int(grace * 10))
+def launch_drift(host: Host, state: NodeState) -> tuple[str, ...]:
+    """How the running server differs from the inventory's launch: its command line and environment
+    (process supervisor), its unit (systemd). The version is compared elsewhere."""
+    svc, current = state.service, state.install.current
+    if not svc.ours or current is None or svc.running_version != current:
+        return ()
+    if svc.launch is None:
+        return supervisor_drift(host, state)
+    return launch_diff(desired_launch(host, state.install.install_dir, current), svc.launch)
+
+
+@dataclass(frozen=True)
+class UnitControl:
+    """The systemd unit a stop must stop too: this install's, whatever the supervisor. `disable`: the
+    inventory says process now, so the unit must not start it again at boot."""
+
+    name: str
+    user: bool
+    disable: bool = False
+
+
+def unit_control(state: NodeState) -> UnitControl | None:
+    unit = state.unit
+    if unit is None or not unit.installed:
+        return None
+    return UnitControl(unit.name, unit.user, disable=state.supervisor != "systemd")
+
+
+class BusyServerError(ServiceError):
+    """A client is connected to the server: stopping it would kill that client's model mid-inference."""
+
+
+def busy_script(port: int, busy_grace: float = BUSY_GRACE) -> str:
+    """Shell lines that print `@busy <peers>` and exit when a client holds the server: a connection to
+    `port` seen in every sample for `busy_grace` seconds (samples every 0.1 s).
+
+    A model holds one connection, same peer port, for its whole life; probes come and go with new
+    ports, so a stream of them (a monitor probing every 20 ms) never makes a server busy. Sampling ends
+    at once when nothing is connected, and after `3 * busy_grace` of probes only.
+    """
+    port = int(port)
+    steps = max(1, round(busy_grace * 10))
+    peers = f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | awk '{{print $4}}'"
+    # `seen` holds "peer count" lines: how many consecutive samples each peer has been connected.
+    count = (
+        'awk -v s="$seen" \'BEGIN{n=split(s,a,"\\n"); for(k=1;k<=n;k++){split(a[k],f," "); c[f[1]]=f[2]}} '
+        "{print $1, c[$1]+1}'"
+    )
     return "\n".join(
         [
-            f"D={q(install_dir)}",
-            f'pf="$D/{PID_FILE}"',
-            'if [ ! -f "$pf" ]; then echo "@none"; exit 0; fi',
-            READ_PID,
-            f'{PID_IS_NUMBER} || {{ rm -f "$pf"; echo "@none"; exit 0; }}',
-            "alive() {",
-            f'  s=$({PS_STAT}) || return 1; case "$s" in Z*) return 1;; esac',
-            "}",
-            "ours() {",
-            f"  a=$({PROC_ARGV0})",
-            f'  case "$a" in "$D"/versions/*/bin/{SERVER_BINARY}) return 0;; esac; return 1',
-            "}",
-            'if ! alive || ! ours; then rm -f "$pf"; echo "@gone $pid"; exit 0; fi',
-            'kill -TERM "$pid" 2>/dev/null',
-            f"i=0; while alive && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done",
-            "if alive; then",
-            '  kill -KILL "$pid" 2>/dev/null; echo "@killed $pid"',
-            "  i=0; while alive && [ $i -lt 30 ]; do sleep 0.1; i=$((i+1)); done",
-            "fi",
-            'if alive; then echo "@stuck $pid"; exit 0; fi',
-            'rm -f "$pf"',
-            'echo "@stopped $pid"',
+            'seen=""; i=0',
+            f'while now=$({peers}); [ -n "$now" ]; do',
+            f'  seen=$(printf "%s\\n" "$now" | {count})',
+            f'  held=$(printf "%s\\n" "$seen" | awk \'$2 >= {steps} {{printf "%s ", $1}}\')',
+            '  if [ -n "$held" ]; then echo "@busy $held"; exit 0; fi',
+            f"  [ $i -ge {3 * steps} ] && break",
+            "  sleep 0.1; i=$((i+1))",
+            "done",
         ]
     )
+
+
+def stop_script(
+    install_dir: str,
+    port: int,
+    *,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
+    grace: float = STOP_GRACE,
+    unit: UnitControl | None = None,
+) -> str:
+    """Stop our server, and any orphan of this install listening on its port, in one step on the node.
+
+    With `unit` the server is systemd's: its MainPID is the tracked one and `systemctl stop` (or
+    `disable --now`) stops it after the same busy check, so systemd does not start it again; a server of
+    the other supervisor (a pid file's, while the inventory says systemd) is stopped as an orphan.
+
+    Only processes whose /proc/PID/cmdline is this install's server binary are signalled. Unless `force`,
+    a server with a client connected is refused (`@busy`, see `busy_script`), and the check and the kill
+    are one step on the node: no second round trip lets a client seen by the check slip through.
+    """
+    q = shlex.quote
+    port = int(port)
+    steps = max(1, int(grace * 10))
+    listening = f"ss -Hltnp 'sport = :{port}' 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u"
+    lines = [
+        f"D={q(install_dir)}",
+        f'pf="$D/{PID_FILE}"',
+        "alive() {",
+        f'  s=$({PS_STAT}) || return 1; case "$s" in Z*) return 1;; esac',
+        "}",
+        "ours() {",
+        f"  a=$({PROC_ARGV0})",
+        f'  case "$a" in "$D"/versions/*/bin/{SERVER_BINARY}) return 0;; esac; return 1',
+        "}",
+        'targets=""',
+    ]
+    unit_stop = ""
+    if unit is not None:
+        ctl, name = systemctl(unit.user), q(unit.name)
+        unit_stop = f"{ctl} disable --now --quiet {name}" if unit.disable else f"{ctl} stop {name}"
+        lines += [
+            USER_ENV if unit.user else ":",
+            f"pid=$({ctl} show -p MainPID --value {name} 2>/dev/null)",
+            f'if {PID_IS_NUMBER} && [ "$pid" != 0 ] && alive && ours; then targets="$pid"; fi',
+        ]
+    lines += [
+        'if [ -f "$pf" ]; then',
+        f"  {READ_PID}",
+        f'  if {PID_IS_NUMBER} && alive && ours; then targets="$targets $pid"; else echo "@gone $pid"; fi',
+        "fi",
+        # Orphans: this install's servers that hold the port without being the tracked one.
+        f"for pid in $({listening}); do",
+        '  case " $targets " in *" $pid "*) continue;; esac',
+        '  if alive && ours; then targets="$targets $pid"; echo "@orphan $pid $(' + PROC_ARGV0 + ')"; fi',
+        "done",
+        # Nothing runs: a unit between automatic restarts (or failed) is stopped all the same.
+        f'if [ -z "$targets" ]; then {unit_stop + " 2>/dev/null; " if unit_stop else ""}rm -f "$pf"; '
+        'echo "@none"; exit 0; fi',
+    ]
+    if not force:
+        lines.append(busy_script(port, busy_grace))  # the check and the stop: one step on the node
+    if unit_stop:
+        lines.append(f'{unit_stop} || echo "@unit_stop_failed"')
+    lines += [
+        "kill -TERM $targets 2>/dev/null",
+        "left() { for pid in $targets; do if alive; then echo $pid; fi; done; }",
+        f'i=0; while [ -n "$(left)" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done',
+        'if [ -n "$(left)" ]; then',
+        '  kill -KILL $(left) 2>/dev/null; echo "@killed $targets"',
+        '  i=0; while [ -n "$(left)" ] && [ $i -lt 30 ]; do sleep 0.1; i=$((i+1)); done',
+        "fi",
+        'if [ -n "$(left)" ]; then echo "@stuck $(left)"; exit 0; fi',
+        'rm -f "$pf"',
+        'echo "@stopped $targets"',
+    ]
+    return "\n".join(lines)
 
 
 async def _sh(conn: Connection, script: str, limit_s: float) -> str:
@@ -173,25 +268,67 @@ def _keys(stdout: str) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class StopResult:
+    """What stopping did: "stopped", "killed" (needed SIGKILL) or "none" (nothing of ours was running)."""
+
+    outcome: str
+    pids: tuple[int, ...] = ()
+    orphans: tuple[str, ...] = ()  # "pid path" of orphans that were stopped too
+
+
 async def stop_server(
-    conn: Connection, host: Host, install_dir: str, *, state: NodeState | None = None
-) -> str:
-    """Stop our server; returns what happened ("stopped", "killed", "gone", "none")."""
-    if state is not None and state.supervisor == "systemd" and state.unit is not None:
-        if not state.unit.installed:
-            return "none"
-        await _sh(conn, control_script(state.unit.name, "stop", user=state.unit.user), STOP_GRACE + 15)
-        return "stopped"
+    conn: Connection,
+    host: Host,
+    state: NodeState,
+    *,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
+    action: str = "stop",
+) -> StopResult:
+    """Stop our server (and this install's orphans on its port, and its systemd unit); refuse a busy one
+    unless `force`."""
+    script = stop_script(
+        state.install.install_dir, host.rpc_port, force=force, busy_grace=busy_grace, unit=unit_control(state)
+    )
     try:
-        out = _keys(await _sh(conn, stop_script(install_dir), STOP_GRACE + 15))
+        stdout = await _sh(conn, script, STOP_GRACE + 15)
     except CommandTimeoutError as exc:
         raise ServiceError("stopping the rpc-server did not finish", host=host.name) from exc
+    out = _keys(stdout)
+    orphans = tuple(line[len("@orphan ") :] for line in stdout.splitlines() if line.startswith("@orphan "))
+    if "busy" in out:
+        raise _busy_error(host, action, out["busy"])
     if "stuck" in out:
         raise ServiceError(f"the rpc-server (pid {out['stuck']}) survived SIGKILL", host=host.name)
-    for key in ("killed", "stopped", "gone", "none"):
+    if "unit_stop_failed" in out:
+        raise ServiceError("systemctl could not stop the server's unit", host=host.name, stderr=stdout)
+    for key in ("killed", "stopped"):
         if key in out:
-            return key
-    raise ServiceError(f"unexpected answer from the stop script: {tail(str(out))}", host=host.name)
+            pids = tuple(int(p) for p in out[key].split() if p.isdigit())
+            return StopResult(key, pids, orphans)
+    if "none" in out:
+        return StopResult("none")
+    raise ServiceError(f"unexpected answer from the stop script: {tail(stdout)}", host=host.name)
+
+
+def _busy_error(host: Host, action: str, peers: str) -> BusyServerError:
+    return BusyServerError(
+        f"refusing to {action} a busy server (clients: {peers.strip()}): its client would be killed "
+        "mid-inference",
+        host=host.name,
+        hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
+    )
+
+
+async def refuse_if_busy(
+    conn: Connection, host: Host, action: str, *, busy_grace: float = BUSY_GRACE
+) -> None:
+    """Raise BusyServerError when a client holds the server (the node-side rule of `busy_script`), for a
+    change that must not begin on a busy server (a deploy's version switch, a --check)."""
+    out = _keys(await _sh(conn, busy_script(host.rpc_port, busy_grace), busy_grace * 3 + 15))
+    if "busy" in out:
+        raise _busy_error(host, action, out["busy"])
 
 
 async def _log_tail(
@@ -210,6 +347,17 @@ async def _log_tail(
     except Exception:
         return ""
     return fact.parse(result.stdout, result.stderr, result.exit_status) or ""
+
+
+def taken_hint(listener: Listener | None, install_dir: str) -> str:
+    """What to do about a taken port. Another rpc-server there is not the one rpcfleet supervises in
+    `install_dir` (that one has no running pid, or start would not be here): say so, with its pid."""
+    if listener is not None and listener.pid is not None and "rpc-server" in (listener.process or ""):
+        return (
+            f"it is another rpc-server (pid {listener.pid}), not the one rpcfleet runs from {install_dir}: "
+            f"stop it (`kill {listener.pid}` on the node) or choose another rpc_port"
+        )
+    return "stop that process or choose another rpc_port"
 
 
 async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
@@ -236,7 +384,7 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         raise ServiceError(
             f"port {host.rpc_port} is already taken: {who}",
             host=host.name,
-            hint="stop that process or choose another rpc_port",
+            hint=taken_hint(listener, state.install.install_dir),
         )
     started = out.get("started") or out.get("pid", "")
     if not started.isdigit() or started == "0":

@@ -6,8 +6,8 @@ needs, built from the service module's own functions (`read_node_state`, `classi
 `start_server`, `wait_ready`):
 
 1. Read the node. A *busy* server (a client is connected: killing it would kill an inference mid-way)
-   is refused unless `force`. Monitoring probes connect for milliseconds, a model holds its connection
-   for its whole life, so "busy" means a client still connected after `busy_grace` seconds.
+   is refused unless `force`; the stop checks again on the node, in the same step as the kill
+   (`operations.process.stop_script`: a connection lasting `BUSY_GRACE` is a model, not a probe).
 2. Baseline: the server's free device memory before the stop (an RPC probe of every device).
 3. Stop, start, wait until HELLO answers (`service.wait_ready`), then until every device's free memory
    is back to its baseline within a tolerance. CPU servers report a constant (physical RAM), so for them
@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.units import format_size
-from orchestrator.engine.executor import HostContext, StepOutcome
+from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
-from orchestrator.operations.process import start_server, stop_server, wait_ready
+from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
+from orchestrator.operations.process import refuse_if_busy, start_server, stop_server, wait_ready
 from orchestrator.operations.server import (
     READY_TIMEOUT,
     ServerStatus,
@@ -48,14 +50,7 @@ DEFAULT_MEMORY_TOLERANCE_MIN = 256 * 1024 * 1024  # bytes: free memory moves a l
 DEFAULT_MEMORY_TIMEOUT = 30.0
 
 
-DEFAULT_BUSY_GRACE = 1.0
-
-
 _MEMORY_PROBE_TIMEOUT = 2.0
-
-
-class BusyServerError(ServiceError):
-    """The server has a client connected: a restart would kill it mid-inference."""
 
 
 class MemoryNotBackError(ServiceError):
@@ -140,45 +135,39 @@ async def _device_memory(host: Host) -> tuple[DeviceMemory, ...] | None:
 
 
 def make_rolling_restart_step(
+    options: OperationOptions = DEFAULT_OPTIONS,
     *,
-    force: bool = False,
-    check: bool = False,
     ready_timeout: float = READY_TIMEOUT,
-    busy_grace: float = DEFAULT_BUSY_GRACE,
     memory_tolerance: float = DEFAULT_MEMORY_TOLERANCE,
     memory_tolerance_min: int = DEFAULT_MEMORY_TOLERANCE_MIN,
     memory_timeout: float = DEFAULT_MEMORY_TIMEOUT,
-) -> Callable[[HostContext], Awaitable[StepOutcome[RestartReport]]]:
+) -> Step[RestartReport]:
     """The executor step restarting one node (see the module docstring). Run it with `serial`."""
 
-    async def restart(ctx: HostContext) -> StepOutcome[RestartReport]:
+    async def restart(ctx: HostContext, conn: Connection) -> StepOutcome[RestartReport]:
         host = ctx.host
-        conn = await ctx.connection()
         warning = bind_policy(host)  # a bad bind is refused before anything is stopped
         state = await read_node_state(conn, host)
         status = classify(host, state, await probe_server(host, state))
-        deadline = time.monotonic() + busy_grace
-        while status.state == "busy" and not force and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)  # a probe passing by leaves within milliseconds; a model stays
-            state = await read_node_state(conn, host)
-            status = classify(host, state, await probe_server(host, state))
-        if status.state == "busy" and not force:
-            raise BusyServerError(
-                f"refusing to restart a busy server ({status.message}): its client would be killed "
-                "mid-inference",
-                host=host.name,
-                hint="wait until it is idle, or force it (--force; in a playbook, force: true)",
-            )
         running = _has_process(status)
         warnings = (warning,) if warning else ()
-        if check:
+        if options.check:
+            if status.pid is not None and not options.force:
+                await refuse_if_busy(conn, host, "restart", busy_grace=options.busy_grace)
             action = "would restart" if running else "would start"
             report = RestartReport(host.name, action, status.pid, None, status.state, warnings=warnings)
             return StepOutcome(report, True, report.describe())
         baseline = await _device_memory(host) if status.state == "running" else None
         started = time.monotonic()
-        if status.pid is not None:
-            await stop_server(conn, host, state.install.install_dir)
+        # The stop re-checks for clients on the node, in the same step as the kill (operations.process).
+        await stop_server(
+            conn,
+            host,
+            state,
+            force=options.force,
+            busy_grace=options.busy_grace,
+            action="restart",
+        )
         stopped = time.monotonic()
         pid = await start_server(conn, host, state)
         launched = time.monotonic()
@@ -201,8 +190,7 @@ def make_rolling_restart_step(
         ctx.log.info("rolling_restart_node", **report.to_json())
         return StepOutcome(report, True, report.describe())
 
-    restart.__name__ = "restart"
-    return restart
+    return node_operation("restart", restart, options)
 
 
 def _has_process(status: ServerStatus) -> bool:

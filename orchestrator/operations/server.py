@@ -26,9 +26,13 @@ from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import ServiceError
 from orchestrator.facts.base import Fact, gather
 from orchestrator.facts.server import (
+    Launch,
+    LaunchFact,
     Listener,
     ListenersFact,
     LogMatchFact,
+    PortOwner,
+    PortOwnersFact,
     ProcessState,
     RpcClientsFact,
     ServerProcessFact,
@@ -44,7 +48,7 @@ from orchestrator.operations.systemd import Supervision, choose_supervisor, unit
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
-ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy"]
+ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy", "orphan"]
 
 
 SERVER_BINARY = "ggml-rpc-server"
@@ -123,6 +127,23 @@ class ServiceState:
     listeners: tuple[Listener, ...] = ()
     clients: tuple[str, ...] = ()  # peers of established connections to the port
     log_failed_bind: bool = False  # the log since the last start says the bind failed
+    launch: Launch | None = None  # the tracked process's command line and environment
+    port_owners: tuple[PortOwner, ...] = ()  # processes listening on the port, with argv0
+
+    def is_our_binary(self, argv0: str | None) -> bool:
+        prefix = f"{self.install_dir}/versions/"
+        return argv0 is not None and argv0.startswith(prefix) and argv0.endswith(f"/bin/{SERVER_BINARY}")
+
+    def version_of(self, argv0: str | None) -> str | None:
+        if not self.is_our_binary(argv0) or argv0 is None:
+            return None
+        return argv0[len(f"{self.install_dir}/versions/") :].split("/", 1)[0]
+
+    def orphans(self) -> tuple[PortOwner, ...]:
+        """This install's servers holding the port without being the tracked one (a lost pid file, or
+        a start that raced another)."""
+        mine = self.pid if self.ours else None
+        return tuple(o for o in self.port_owners if o.pid != mine and self.is_our_binary(o.argv0))
 
     @property
     def alive(self) -> bool:
@@ -131,24 +152,17 @@ class ServiceState:
     @property
     def ours(self) -> bool:
         """The pid file's process is alive and is our server binary (never a recycled pid)."""
-        prefix = f"{self.install_dir}/versions/"
-        return (
-            self.alive
-            and self.argv0 is not None
-            and self.argv0.startswith(prefix)
-            and self.argv0.endswith(f"/bin/{SERVER_BINARY}")
-        )
+        return self.alive and self.is_our_binary(self.argv0)
 
     @property
     def running_version(self) -> str | None:
-        if not self.ours or self.argv0 is None:
-            return None
-        return self.argv0[len(f"{self.install_dir}/versions/") :].split("/", 1)[0]
+        return self.version_of(self.argv0) if self.ours else None
 
     def foreign_listeners(self) -> tuple[Listener, ...]:
         """Listeners on the port that are not our server (the port is taken)."""
-        mine = self.pid if self.ours else None
-        return tuple(lst for lst in self.listeners if lst.pid is None or lst.pid != mine)
+        mine = {self.pid} if self.ours else set()
+        ours = mine | {o.pid for o in self.orphans()}
+        return tuple(lst for lst in self.listeners if lst.pid is None or lst.pid not in ours)
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,16 @@ class NodeState:
     supervisor: Supervision = "process"
     unit: UnitState | None = None  # this install's systemd unit, read whatever the supervisor
     systemd: SystemdInfo | None = None
+    pid_file_pid: int | None = None  # the pid file's live process, whatever the supervisor
+
+    def foreign_supervisor(self, pid: int) -> str:
+        """Which other supervisor runs our server `pid` ("" when none): under systemd the process
+        supervisor's pid file names it; under process this install's unit has it as MainPID."""
+        if self.supervisor == "systemd" and pid == self.pid_file_pid:
+            return "process"
+        if self.supervisor == "process" and self.unit is not None and self.unit.main_pid == pid:
+            return f"systemd ({self.unit.name})"
+        return ""
 
 
 def _node_path(install_dir: str, relative: str) -> str:
@@ -172,6 +196,8 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
         ListenersFact(port),
         RpcClientsFact(port),
+        LaunchFact(_node_path(host.install_dir, PID_FILE)),
+        PortOwnersFact(port),
         LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
         SystemdFact(),
         UnitFact(unit_name(host.install_dir), BIND_FAILED),
@@ -186,7 +212,9 @@ def node_state_from_facts(host: str, values: Mapping[str, Any], supervisor: str 
     unit: UnitState | None = values.get(UnitFact.name)
     chosen = choose_supervisor(supervisor, info, host=host)
     process: ProcessState = values.get(ServerProcessFact.name) or ProcessState(None)
-    if chosen == "systemd" and unit is not None:
+    pid_file_pid = process.pid if process.stat and not process.stat.startswith("Z") else None
+    systemd = chosen == "systemd" and unit is not None
+    if systemd and unit is not None:
         pid = unit.main_pid
         process = ProcessState(pid, unit.stat if pid else None, unit.argv0 if pid else None)
     service = ServiceState(
@@ -197,9 +225,11 @@ def node_state_from_facts(host: str, values: Mapping[str, Any], supervisor: str 
         process.argv0,
         values.get(ListenersFact.name) or (),
         values.get(RpcClientsFact.name) or (),
-        unit.failed_bind if chosen == "systemd" and unit is not None else bool(values.get(LogMatchFact.name)),
+        unit.failed_bind if systemd and unit is not None else bool(values.get(LogMatchFact.name)),
+        None if systemd else values.get(LaunchFact.name),  # under systemd, drift is the unit's text
+        values.get(PortOwnersFact.name) or (),
     )
-    return NodeState(install, service, chosen, unit, info)
+    return NodeState(install, service, chosen, unit, info, pid_file_pid)
 
 
 async def read_node_state(conn: Connection, host: Host) -> NodeState:
@@ -253,7 +283,23 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     protocol = inst.protocol
     pid = svc.pid
     server: ServerState
-    if not svc.ours:
+    orphans = svc.orphans()
+    if not svc.ours and orphans:
+        first = orphans[0]
+        other = state.foreign_supervisor(first.pid)
+        why = (
+            f"run by the {other} supervisor, the inventory says {state.supervisor}"
+            if other
+            else "this install's server holds the port untracked"
+        )
+        server, message = (
+            "orphan",
+            (
+                f"orphan (pid {first.pid}, version {svc.version_of(first.argv0)}, path {first.argv0}): "
+                f"{why}; `rpcfleet stop` or `deploy` replaces it"
+            ),
+        )
+    elif not svc.ours:
         taken = svc.foreign_listeners()
         note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
         failure = _unit_failure(state)

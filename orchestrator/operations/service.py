@@ -9,11 +9,12 @@ from typing import Literal
 
 from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import ServiceError
-from orchestrator.engine.executor import HostContext, StepOutcome
+from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.facts.server import (
     LogTailFact,
 )
 from orchestrator.inventory.model import Host
+from orchestrator.operations import BUSY_GRACE
 from orchestrator.operations.install import (
     ArtifactChooser,
     BuildLogFactory,
@@ -26,7 +27,14 @@ from orchestrator.operations.install_plan import (
     plan_rollback,
     read_install_state,
 )
-from orchestrator.operations.process import start_server, stop_server, supervisor_drift, wait_ready
+from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
+from orchestrator.operations.process import (
+    launch_drift,
+    refuse_if_busy,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from orchestrator.operations.server import (
     LOG_FILE,
     NodeState,
@@ -41,67 +49,101 @@ from orchestrator.operations.server import (
 from orchestrator.operations.systemd import journal_command, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
+Want = Literal["running", "stopped", "restarted"]
+_PAST = {"start": "started", "restart": "restarted", "stop": "stopped"}
 
 
 @dataclass(frozen=True)
 class ServiceChange:
+    """What an operation did to one server: the action, why, and the status before and after it."""
+
     host: str
     action: ServiceAction
     reason: str = ""
     status: ServerStatus | None = None  # before the change
     warnings: tuple[str, ...] = ()
+    after: ServerStatus | None = None  # after the change (None: nothing changed, or --check)
+    check: bool = False
 
     @property
     def changed(self) -> bool:
         return self.action != "none"
 
     def describe(self) -> str:
+        """The result, not the previous state: `started: running pid 1234, version X (stopped)`."""
         if self.action == "none":
             return self.reason or "nothing to do"
-        return f"{self.action}: {self.reason}" if self.reason else self.action
+        if self.check or self.after is None:
+            return f"would {self.action}: {self.reason}" if self.reason else f"would {self.action}"
+        return f"{_PAST[self.action]}: {describe_status(self.after)}" + (
+            f" ({self.reason})" if self.reason else ""
+        )
 
     def to_json(self) -> dict[str, object]:
-        return {"action": self.action, "reason": self.reason, "warnings": list(self.warnings)}
+        return {
+            "action": self.action,
+            "reason": self.reason,
+            "warnings": list(self.warnings),
+            "check": self.check,
+            "after": self.after.to_json() if self.after else None,
+        }
+
+
+def describe_status(status: ServerStatus) -> str:
+    """`running pid 1234, version X` / `stopped` / `busy pid 1234, version X`."""
+    if status.state in ("stopped", "crashed", "orphan") or status.pid is None:
+        return f"{status.state}" + (
+            f": {status.message}" if status.message and status.state != "stopped" else ""
+        )
+    version = status.running_version or status.version
+    return f"{status.state} pid {status.pid}" + (f", version {version}" if version else "")
 
 
 def plan_service(
-    status: ServerStatus,
-    want: Literal["running", "stopped", "restarted"],
-    *,
-    current: str | None,
-    drift: str = "",
+    status: ServerStatus, want: Want, *, current: str | None, drift: tuple[str, ...] = ()
 ) -> ServiceChange:
-    """Pure: what brings the server to `want`, given its status and the installed version `current`."""
+    """Pure: what brings the server to `want`, given its status, the installed version `current` and how
+    its launch line differs from the inventory's (`drift`)."""
     host = status.host
     if want == "stopped":
         if status.state == "stopped":
-            return ServiceChange(host, "none", "already stopped", status)
+            return ServiceChange(host, "none", "stopped", status)
         if status.state == "crashed":
             return ServiceChange(host, "stop", "remove the stale pid file of a crashed server", status)
-        return ServiceChange(host, "stop", f"{status.state} (pid {status.pid})", status)
+        if status.state == "orphan":
+            return ServiceChange(host, "stop", status.message, status)
+        return ServiceChange(host, "stop", f"was {status.state} pid {status.pid}", status)
     if want == "restarted":
-        return ServiceChange(host, "restart" if status.pid else "start", "restart requested", status)
+        running = status.pid is not None and status.state not in ("stopped", "crashed")
+        if status.state == "orphan":
+            return ServiceChange(host, "restart", "replace the orphan", status)
+        return ServiceChange(host, "restart" if running else "start", "restart requested", status)
     if status.state in ("stopped", "crashed"):
-        return ServiceChange(host, "start", status.state, status)
+        return ServiceChange(host, "start", f"was {status.state}", status)
+    if status.state == "orphan":
+        return ServiceChange(host, "restart", status.message, status)
     if status.running_version != current:
-        reason = f"running {status.running_version}, installed {current}"
+        reason = f"was running {status.running_version}, installed {current}"
         return ServiceChange(host, "restart", reason, status)
-    if status.state == "unhealthy":
-        return ServiceChange(host, "restart", f"unhealthy: {status.message}", status)
     if drift:
-        return ServiceChange(host, "restart", drift, status)
-    return ServiceChange(host, "none", f"{status.state} (pid {status.pid})", status)
+        return ServiceChange(host, "restart", f"launch line: {', '.join(drift)}", status)
+    if status.state == "unhealthy":
+        return ServiceChange(host, "restart", f"was unhealthy: {status.message}", status)
+    return ServiceChange(host, "none", describe_status(status), status)
 
 
 async def ensure_state(
     conn: Connection,
     host: Host,
-    want: Literal["running", "stopped", "restarted"],
+    want: Want,
     *,
     check: bool = False,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
     state: NodeState | None = None,
 ) -> ServiceChange:
-    """Read (unless given), plan, and (unless `check`) apply: start, stop or restart the server."""
+    """Read (unless given), plan, and (unless `check`) apply: start, stop or restart the server, then read
+    the state it left. A busy server is never stopped without `force` (checked again on the node)."""
     warnings: list[str] = []
     if want != "stopped":
         warning = bind_policy(host)
@@ -109,55 +151,32 @@ async def ensure_state(
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
     status = classify(host, state, await probe_server(host, state))
-    change = plan_service(status, want, current=state.install.current, drift=supervisor_drift(host, state))
-    change = ServiceChange(change.host, change.action, change.reason, status, tuple(warnings))
+    change = plan_service(status, want, current=state.install.current, drift=launch_drift(host, state))
+    change = dataclasses.replace(change, warnings=tuple(warnings), check=check)
+    stops = change.action in ("stop", "restart") and status.pid is not None
+    if check and stops and not force:
+        await refuse_if_busy(conn, host, change.action, busy_grace=busy_grace)  # what the stop would say
     if not change.changed or check:
         return change
-    install_dir = state.install.install_dir
     if change.action in ("stop", "restart"):
-        await stop_server(conn, host, install_dir, state=state)
+        await stop_server(conn, host, state, force=force, busy_grace=busy_grace, action=change.action)
     if change.action in ("start", "restart"):
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
-    return change
+    return dataclasses.replace(change, after=await server_status(conn, host))
 
 
-async def ensure_running(
-    conn: Connection, host: Host, *, check: bool = False, state: NodeState | None = None
-) -> ServiceChange:
-    return await ensure_state(conn, host, "running", check=check, state=state)
+def make_service_step(want: Want, options: OperationOptions) -> Step[ServiceChange]:
+    """`rpcfleet start | stop | restart` on one host, through the operations layer."""
 
-
-async def ensure_stopped(
-    conn: Connection, host: Host, *, check: bool = False, state: NodeState | None = None
-) -> ServiceChange:
-    return await ensure_state(conn, host, "stopped", check=check, state=state)
-
-
-def _service_step(
-    want: Literal["running", "stopped", "restarted"], check: bool
-) -> Callable[[HostContext], Awaitable[StepOutcome[ServiceChange]]]:
-    async def step(ctx: HostContext) -> StepOutcome[ServiceChange]:
-        conn = await ctx.connection()
-        change = await ensure_state(conn, ctx.host, want, check=check)
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[ServiceChange]:
+        change = await ensure_state(
+            conn, ctx.host, want, check=options.check, force=options.force, busy_grace=options.busy_grace
+        )
         return StepOutcome(change, change.changed, change.describe())
 
-    step.__name__ = {"running": "start", "stopped": "stop", "restarted": "restart"}[want]
-    return step
-
-
-def make_start_step(*, check: bool = False) -> Callable[[HostContext], Awaitable[StepOutcome[ServiceChange]]]:
-    return _service_step("running", check)
-
-
-def make_stop_step(*, check: bool = False) -> Callable[[HostContext], Awaitable[StepOutcome[ServiceChange]]]:
-    return _service_step("stopped", check)
-
-
-def make_restart_step(
-    *, check: bool = False
-) -> Callable[[HostContext], Awaitable[StepOutcome[ServiceChange]]]:
-    return _service_step("restarted", check)
+    name = {"running": "start", "stopped": "stop", "restarted": "restart"}[want]
+    return node_operation(name, body, options)
 
 
 def make_status_step() -> Callable[[HostContext], Awaitable[StepOutcome[ServerStatus]]]:
@@ -190,27 +209,34 @@ def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOut
     return logs
 
 
-async def remove_unit(conn: Connection, host: Host, *, check: bool = False) -> str:
-    """Stop the server and remove its systemd unit (and, with the last one, the dedicated user).
-    Nothing to do where the install has no unit. Returns what was (or would be) done."""
+async def remove_unit(
+    conn: Connection, host: Host, *, check: bool = False, force: bool = False, busy_grace: float = BUSY_GRACE
+) -> str:
+    """Stop the server (a busy one only with `force`) and remove its systemd unit (and, with the last one,
+    the dedicated user). Nothing to do where the install has no unit. Returns what was (or would be) done."""
     state = await read_node_state(conn, host)
     unit = state.unit
     if unit is None or not unit.installed:
         return "no unit"
     if check:
+        if state.service.ours and not force:
+            await refuse_if_busy(conn, host, "stop", busy_grace=busy_grace)
         return f"would stop and remove {unit.name}"
-    await ensure_state(conn, host, "stopped", state=state)
+    await ensure_state(conn, host, "stopped", force=force, busy_grace=busy_grace, state=state)
     out = (await conn.run(remove_unit_script(unit.name, user=unit.user), timeout=60)).stdout
     return f"removed {unit.name}" + (", and user rpcfleet" if "@userdel" in out else "")
 
 
-def make_remove_unit_step(*, check: bool = False) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
-    async def remove_unit_step(ctx: HostContext) -> StepOutcome[str]:
-        done = await remove_unit(await ctx.connection(), ctx.host, check=check)
+def make_remove_unit_step(options: OperationOptions = DEFAULT_OPTIONS) -> Step[str]:
+    """The teardown's `remove_unit`, through the operations layer (lock, busy check, check mode)."""
+
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[str]:
+        done = await remove_unit(
+            conn, ctx.host, check=options.check, force=options.force, busy_grace=options.busy_grace
+        )
         return StepOutcome(done, done.startswith("removed"), done)
 
-    remove_unit_step.__name__ = "remove_unit"
-    return remove_unit_step
+    return node_operation("remove_unit", body, options)
 
 
 @dataclass(frozen=True)
@@ -230,9 +256,9 @@ class DeployResult:
         parts = []
         if self.install.changed:
             parts.append(self.install.describe())
-        if self.service.changed:
+        if self.service.changed or not self.install.changed:
             parts.append(self.service.describe())
-        return "; ".join(parts) or f"{self.install.version} {self.service.describe()}"
+        return "; ".join(parts)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -249,23 +275,36 @@ async def deploy(
     *,
     check: bool = False,
     force: bool = False,
+    reinstall: bool = False,
     progress: ProgressFactory | None = None,
     build_log: BuildLogFactory | None = None,
 ) -> DeployResult:
-    """Install the pinned artifact and have it serve: one state read, then only the needed changes.
+    """Install the pinned artifact and have it serve with the inventory's launch line: one state read,
+    then only the needed changes.
 
     A failed install (or on-node build) raises before the server is touched: the running version keeps
-    serving.
+    serving. A busy server is refused (unless `force`) before anything is installed.
     """
     warning = bind_policy(host)  # refuse a bad bind before changing anything
     state = await read_node_state(conn, host)
+    if state.service.clients and state.service.ours and not force:
+        # Refuse before switching versions: a switch that cannot be followed by a restart is half a deploy.
+        source = await choose(host, state.install)
+        would = plan_service(
+            classify(host, state, None),
+            "running",
+            current=source.id,
+            drift=launch_drift(host, state),
+        )
+        if would.changed:
+            await refuse_if_busy(conn, host, "deploy to")
     change = await ensure_installed(
         conn,
         host,
         choose,
         state=state.install,
         check=check,
-        force=force,
+        force=reinstall,
         progress=progress,
         build_log=build_log,
     )
@@ -280,51 +319,57 @@ async def deploy(
             state.install, current=change.version, versions=tuple(installed), manifest=manifest, problems=()
         )
         state = dataclasses.replace(state, install=install)
-    service = await ensure_state(conn, host, "running", check=check, state=state)
+    service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
     warnings = (warning,) if warning else ()
-    return DeployResult(change, service, service.status, warnings)
+    return DeployResult(change, service, service.after or service.status, warnings)
 
 
 def make_deploy_step(
     choose: ArtifactChooser,
+    options: OperationOptions = DEFAULT_OPTIONS,
     *,
-    check: bool = False,
-    force: bool = False,
+    reinstall: bool = False,
     progress: ProgressFactory | None = None,
     build_log: BuildLogFactory | None = None,
-) -> Callable[[HostContext], Awaitable[StepOutcome[DeployResult]]]:
-    async def deploy_step(ctx: HostContext) -> StepOutcome[DeployResult]:
-        conn = await ctx.connection()
+) -> Step[DeployResult]:
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[DeployResult]:
         result = await deploy(
-            conn, ctx.host, choose, check=check, force=force, progress=progress, build_log=build_log
+            conn,
+            ctx.host,
+            choose,
+            check=options.check,
+            force=options.force,
+            reinstall=reinstall,
+            progress=progress,
+            build_log=build_log,
         )
         return StepOutcome(result, result.changed, result.describe())
 
-    deploy_step.__name__ = "deploy"
-    return deploy_step
+    return node_operation("deploy", body, options)
 
 
 async def rollback(
-    conn: Connection, host: Host, *, to: str | None = None, check: bool = False
+    conn: Connection, host: Host, *, to: str | None = None, check: bool = False, force: bool = False
 ) -> DeployResult:
     """Switch `current` back to the previous version (or `to`) and have that version serve."""
     state = await read_node_state(conn, host)
     change = plan_rollback(state.install, to=to)
+    if change.changed and state.service.clients and state.service.ours and not force:
+        await refuse_if_busy(conn, host, "roll back")
     if change.changed and not check:
         await apply_install(conn, change)
         state = await read_node_state(conn, host)
     elif change.changed:
         state = dataclasses.replace(state, install=dataclasses.replace(state.install, current=change.version))
-    service = await ensure_state(conn, host, "running", check=check, state=state)
-    return DeployResult(change, service, service.status)
+    service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
+    return DeployResult(change, service, service.after or service.status)
 
 
 def make_rollback_step(
-    *, to: str | None = None, check: bool = False
-) -> Callable[[HostContext], Awaitable[StepOutcome[DeployResult]]]:
-    async def rollback_step(ctx: HostContext) -> StepOutcome[DeployResult]:
-        result = await rollback(await ctx.connection(), ctx.host, to=to, check=check)
+    options: OperationOptions = DEFAULT_OPTIONS, *, to: str | None = None
+) -> Step[DeployResult]:
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[DeployResult]:
+        result = await rollback(conn, ctx.host, to=to, check=options.check, force=options.force)
         return StepOutcome(result, result.changed, result.describe())
 
-    rollback_step.__name__ = "rollback"
-    return rollback_step
+    return node_operation("rollback", body, options)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,11 +79,13 @@ def _env_quote(assignment: str) -> str:
     return _exec_quote(assignment)
 
 
-def render_unit(host: Host, install_dir: str, argv: list[str], *, user: bool) -> str:
-    """Pure: the unit's text for the server started by `argv` (process.server_argv) from `install_dir`
-    (absolute, as the node expanded it). `user`: a user unit (no User=, wanted by default.target)."""
+def render_unit(
+    host: Host, install_dir: str, argv: Sequence[str], env: Mapping[str, str], *, user: bool
+) -> str:
+    """Pure: the unit's text for the server started by `argv` with `env` (launch.server_argv and
+    launch_env: the process supervisor's line) from `install_dir` (absolute, as the node expanded it).
+    `user`: a user unit (no User=, wanted by default.target)."""
     cache = f"{install_dir}/cache"
-    env = [f"LLAMA_CACHE={cache}"] + (["GGML_RPC_DEBUG=1"] if host.rpc_debug else [])
     lines = [
         "# Written by rpcfleet: changes here are replaced by the next deploy.",
         "[Unit]",
@@ -95,7 +98,7 @@ def render_unit(host: Host, install_dir: str, argv: list[str], *, user: bool) ->
         "[Service]",
         "Type=exec",
         *([] if user else [f"User={SERVICE_USER}", f"Group={SERVICE_USER}"]),
-        *(f"Environment={_env_quote(item)}" for item in env),
+        *(f"Environment={_env_quote(f'{key}={value}')}" for key, value in sorted(env.items())),
         # Line-buffered stdout, as the process supervisor's log: the journal gets each line at once.
         "ExecStart=" + " ".join(_exec_quote(a) for a in ["stdbuf", "-oL", *argv]),
         "Restart=on-failure",
@@ -153,7 +156,7 @@ def plan_unit(state: UnitState, text: str, info: SystemdInfo) -> UnitChange:
     )
 
 
-def _systemctl(user: bool) -> str:
+def systemctl(user: bool) -> str:
     return "systemctl --user" if user else "systemctl"
 
 
@@ -163,7 +166,7 @@ def install_unit_script(name: str, install_dir: str, text: str, *, user: bool) -
     q = shlex.quote
     path = f"{USER_UNITS if user else SYSTEM_UNITS}/{q(name)}"
     cache = q(f"{install_dir}/cache")
-    ctl = _systemctl(user)
+    ctl = systemctl(user)
     owner = [] if user else [f"chown {SERVICE_USER}:{SERVICE_USER} {cache} || exit 1"]
     account = (
         [
@@ -207,7 +210,7 @@ def remove_unit_script(name: str, *, user: bool) -> str:
     """Stop, disable and delete the unit; the dedicated user goes with the last rpcfleet unit.
     Prints `@removed` when there was a unit, `@userdel` when the user went too."""
     q = shlex.quote
-    ctl = _systemctl(user)
+    ctl = systemctl(user)
     userdel = (
         []
         if user
@@ -238,7 +241,7 @@ def control_script(name: str, action: Literal["start", "stop", "restart"], *, us
     """`systemctl start|stop|restart` of the unit (stop waits for the exit; TimeoutStopSec, then SIGKILL);
     a start clears an earlier `failed` (start limit) first. Prints the new MainPID as `@pid N`."""
     name = shlex.quote(name)
-    ctl = _systemctl(user)
+    ctl = systemctl(user)
     return "\n".join(
         [
             USER_ENV if user else ":",

@@ -15,15 +15,24 @@ def to_plan_devices(
 ) -> list[PlanDevice]:
     """The planner's devices: all devices of each endpoint, endpoints in inventory order, each once.
 
-    A node that is not ok: `raise` (ProbeError naming them), `skip` (left out), or `flag`: one placeholder
-    device with `ok=False` and the node's state, which `planner.validate` refuses with the host named.
+    A node that is not ok, or whose memory was not measured (`NodeProbe.untrusted`: a CPU server whose
+    host facts could not be read reports its total RAM as free): `raise` (ProbeError naming them and
+    why), `skip` (left out), or `flag`: one placeholder device with `ok=False` and the node's state
+    (`unmeasured` for the latter), which `planner.validate` refuses with the host named.
     """
-    bad = fleet.failed
+    bad = [n for n in fleet.nodes if not n.ok or n.untrusted]
     if bad and failed == "raise":
-        listed = ", ".join(f"{n.host} ({n.endpoint}: {n.state})" for n in bad)
+        listed = ", ".join(f"{n.host} ({n.endpoint}: {n.state if not n.ok else n.untrusted})" for n in bad)
+        unmeasured = any(n.ok for n in bad)
         raise ProbeError(
             f"{len(bad)} node(s) not ok: {listed}",
-            hint="fix them, or leave them out with --limit",
+            hint="fix them, or leave them out with --limit"
+            + (
+                "; a node whose host facts cannot be read (SSH) may be planned on the server's own figure "
+                "(total RAM) with --trust-rpc-memory"
+                if unmeasured
+                else ""
+            ),
         )
     out: list[PlanDevice] = []
     seen: set[str] = set()
@@ -31,7 +40,7 @@ def to_plan_devices(
         if node.endpoint in seen:
             continue
         seen.add(node.endpoint)
-        if node.ok:
+        if node.ok and not node.untrusted:
             out += [
                 PlanDevice(
                     endpoint=d.endpoint,
@@ -54,9 +63,9 @@ def to_plan_devices(
                     endpoint=node.endpoint,
                     index=0,
                     name=f"{node.endpoint}#0",
-                    description=node.rpc.message,
+                    description=node.untrusted or node.rpc.message,
                     ok=False,
-                    state=node.state,
+                    state=node.state if not node.ok else "unmeasured",
                     host=node.host,
                 )
             )

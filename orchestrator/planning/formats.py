@@ -67,14 +67,19 @@ def llama_cli_args(plan: Plan, model_path: str | Path | None = None) -> list[str
 
 
 def python_snippet(
-    plan: Plan, model_path: str | Path | None = None, plan_path: str | Path = "plan.json"
+    plan: Plan, model_path: str | Path | None = None, plan_path: str | Path | None = None
 ) -> str:
-    """A Python program that loads this plan (saved in `plan_path`) through rpcfleet's loader."""
+    """A Python program that loads this plan through rpcfleet's loader: from `plan_path` when the plan
+    was saved there, otherwise from the plan's JSON written into the program itself."""
     path = str(model_path or plan.model_path)
+    if plan_path is not None:
+        load = f"plan = orchestrator.Plan.from_path({str(plan_path)!r})\n"
+    else:
+        load = f"PLAN = {plan.to_json()!r}\nplan = orchestrator.Plan.from_json(PLAN)\n"
     return (
         "import orchestrator\n"
         "\n"
-        f"plan = orchestrator.Plan.from_path({str(plan_path)!r})\n"
+        f"{load}"
         f"llm = orchestrator.load_llama(plan, {path!r})\n"
         "try:\n"
         "    out = llm('The capital of France is', max_tokens=16)\n"

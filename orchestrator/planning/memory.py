@@ -12,9 +12,9 @@ from orchestrator.planning.plan import (
     MAX_DEVICES,
     MAX_RPC_DEVICES,
     SCHED_MAX_COPIES,
-    DeviceMemory,
     HostMemory,
     PlanDevice,
+    PlannedMemory,
     PlanOptions,
 )
 from orchestrator.planning.profile import KV_CACHE_TYPES, ModelProfile, row_bytes
@@ -101,7 +101,7 @@ def _host_compute(
 
 @dataclass(frozen=True)
 class _Prediction:
-    memories: tuple[DeviceMemory, ...]
+    memories: tuple[PlannedMemory, ...]
     host: HostMemory
     pipeline_parallel: bool
 
@@ -127,7 +127,7 @@ def _predict(
             weights += profile.output_layer_bytes_aligned(dev.alignment)
         kv = sum(kv_layer_bytes(profile, il, n_ctx_pad, opts, dev.alignment) for il in layers if il < n_all)
         compute = estimate_compute(profile, layers, n_ctx_pad, opts, pipeline_parallel=pipeline_parallel)
-        memories.append(DeviceMemory(weights, kv, compute, dev.usable, opts.margin))
+        memories.append(PlannedMemory(weights, kv, compute, dev.usable, opts.margin))
     host_weights = profile.token_embd_bytes + profile.other_bytes - profile.rope_freqs_bytes
     host_weights += sum(profile.layer_bytes_aligned(il) for il in cpu_layers if il < n_all)
     if n_all in cpu_layers:

@@ -37,6 +37,7 @@ MAX_RPC_DEVICES = 15  # the scheduler takes 16 backends including the CPU
 
 
 CTX_PAD = 256  # llama-context.cpp: cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)
+MAX_CTX = 1 << 24  # where the search for the largest context that fits stops (16M tokens)
 
 
 SCHED_MAX_COPIES = 4  # GGML_SCHED_MAX_COPIES: input copies with pipeline parallelism
@@ -99,22 +100,29 @@ class PlanOptions:
     split_mode: str = "layer"
     main_gpu: int = 0
     tensor_split: tuple[float, ...] | None = None  # user-given split: overrides the strategy
-    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default n_ctx_train)
+    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default: none)
 
 
 @dataclass(frozen=True)
-class DeviceMemory:
-    """Predicted bytes on one device against what it may use."""
+class MemoryBytes:
+    """Bytes one device holds for a model: weights, KV cache, compute buffer."""
 
     weights: int
     kv: int
     compute: int
-    usable: int
-    margin: int
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute
+
+
+@dataclass(frozen=True)
+class PlannedMemory(MemoryBytes):
+    """The plan's prediction for one device against what it may use; what a server reports is
+    `rpc.protocol.DeviceMemory`, what a load allocated `llama.placement.DevicePlacement.actual`."""
+
+    usable: int
+    margin: int
 
     @property
     def headroom(self) -> int:
@@ -143,7 +151,7 @@ class PlannedDevice:
     name: str
     description: str
     layers: tuple[int, ...]  # model layers; index n_layer is the output layer
-    memory: DeviceMemory
+    memory: PlannedMemory
     has_output: bool = False  # holds the output layer (output + output_norm, or token_embd's copy)
 
     @property
@@ -153,6 +161,11 @@ class PlannedDevice:
     @property
     def label(self) -> str:
         return f"{self.endpoint}#{self.index}" if self.endpoint is not None else self.name
+
+    @property
+    def layers_label(self) -> str:
+        """`5`, or `4 + output` when the output layer is among this device's layers (counted in n_layers)."""
+        return f"{self.n_layers - 1} + output" if self.has_output else str(self.n_layers)
 
 
 @dataclass(frozen=True)
@@ -243,7 +256,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
             name=x["name"],
             description=x["description"],
             layers=tuple(int(i) for i in x["layers"]),
-            memory=DeviceMemory(**x["memory"]),
+            memory=PlannedMemory(**x["memory"]),
             has_output=bool(x["has_output"]),
         )
         for x in d["devices"]

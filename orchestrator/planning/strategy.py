@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
+from orchestrator.core.search import first_true
 from orchestrator.planning.memory import _predict, estimate_compute, kv_layer_bytes, validate
 from orchestrator.planning.placement import (
     largest_remainder,
@@ -15,6 +16,7 @@ from orchestrator.planning.placement import (
 )
 from orchestrator.planning.plan import (
     CTX_PAD,
+    MAX_CTX,
     SCHEMA_VERSION,
     Fit,
     Plan,
@@ -159,25 +161,31 @@ def _largest_ctx(
     assignment: Sequence[int | None],
     opts: PlanOptions,
     ngl: int,
-    cap: int,
+    start: int,
 ) -> int:
-    def fits(n_ctx_pad: int) -> bool:
-        pred = _predict(profile, devices, assignment, n_ctx_pad, opts, ngl)
+    """The largest context (a multiple of CTX_PAD) that fits with this placement, 0 when none does.
+    Up to `opts.n_ctx_cap` when set; otherwise the real largest, past the training context too:
+    doubling from `start` until it no longer fits (at most MAX_CTX), then bisecting."""
+
+    def fits(units: int) -> bool:
+        pred = _predict(profile, devices, assignment, units * CTX_PAD, opts, ngl)
         return all(m.headroom >= 0 for m in pred.memories)
 
-    lo, hi = 0, cap // CTX_PAD  # in units of 256; lo fits (0 = nothing), hi may not
-    if hi == 0 or not fits(CTX_PAD):
+    if not fits(1):
         return 0
-    lo = 1
-    if fits(hi * CTX_PAD):
-        return hi * CTX_PAD
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * CTX_PAD):
-            lo = mid
-        else:
-            hi = mid
-    return lo * CTX_PAD
+    lo, limit = 1, MAX_CTX // CTX_PAD  # in units of CTX_PAD: lo fits, hi does not
+    hi = max((opts.n_ctx_cap or start) // CTX_PAD, 1)
+    if fits(hi):
+        if opts.n_ctx_cap is not None:
+            return hi * CTX_PAD
+        while True:
+            lo = hi
+            if hi >= limit:
+                return hi * CTX_PAD
+            hi = min(hi * 2, limit)
+            if not fits(hi):
+                break
+    return (first_true(lambda units: not fits(units), lo, hi) - 1) * CTX_PAD
 
 
 def make_plan(
@@ -262,9 +270,13 @@ def make_plan(
         shortfall = max(0, -planned[binding].memory.headroom)
     else:
         binding, shortfall = None, 0
-    # Up to the training context, or the asked one when larger: never report less than what fits.
-    cap = opts.n_ctx_cap or max(profile.n_ctx_train, n_ctx, CTX_PAD)
-    largest = _largest_ctx(profile, devices, assignment, opts, ngl, cap) if devices else cap
+    start = max(profile.n_ctx_train, n_ctx, CTX_PAD)
+    largest = _largest_ctx(profile, devices, assignment, opts, ngl, start) if devices else start
+    if opts.n_ctx > profile.n_ctx_train > 0:
+        notes.append(
+            f"n_ctx {opts.n_ctx} exceeds the model's training context ({profile.n_ctx_train}): "
+            "output past it may degrade"
+        )
     if ngl < n_all + 1:
         notes.append(f"{n_all + 1 - ngl} of {n_all + 1} layers stay on the CPU")
     fit = Fit(fits=shortfall == 0, binding_device=binding, shortfall=shortfall, largest_n_ctx=largest)

@@ -105,6 +105,7 @@ class _Play:
     check: bool
     state: PlayState
     step: PlaybookStep
+    wait_lock: float = 0.0  # seconds to wait for another operator's host lock
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,38 @@ class PlaybookResult:
             and all(s.run.ok for s in self.steps)
             and len(self.steps) == len(self.playbook.steps)
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole run as JSON: each step's result per host, and the recap."""
+
+        def value(result: HostResult[Any]) -> Any:
+            to_json = getattr(result.value, "to_json", None)
+            return to_json() if callable(to_json) else None
+
+        return {
+            "playbook": self.playbook.name,
+            "check": self.check,
+            "ok": self.ok,
+            "aborted": self.aborted,
+            "interrupted": any(s.run.interrupted for s in self.steps),
+            "steps": [
+                {
+                    "step": s.step.label,
+                    "results": [
+                        {
+                            "host": r.host.name,
+                            "status": r.status,
+                            "message": r.message,
+                            "result": value(r),
+                            "error": str(r.error) if r.error else None,
+                        }
+                        for r in s.run.results
+                    ],
+                }
+                for s in self.steps
+            ],
+            "recap": self.recap.to_json(),
+        }
 
     def by_host(self) -> dict[str, list[HostResult[Any]]]:
         """Every result of each host, step by step."""

@@ -4,41 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any
 
+from orchestrator.core import fields
 from orchestrator.core.errors import (
     LoaderError,
     PlanError,
     ProbeError,
-    RpcfleetError,
 )
 from orchestrator.core.files import write_atomic
 from orchestrator.engine.executor import (
     HostContext,
     StepOutcome,
 )
+from orchestrator.engine.shared import SharedCall
+from orchestrator.operations import BUSY_GRACE
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
+    from orchestrator.operations.layer import OperationOptions
     from orchestrator.planning.plan import Plan, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
-from orchestrator.playbooks.args import (
-    Arg,
-    _bool,
-    _choice,
-    _context,
-    _fraction,
-    _list_of,
-    _optional_text,
-    _seconds,
-    _size,
-    _text,
-)
+from orchestrator.playbooks.args import Arg
 from orchestrator.playbooks.load_check import _LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
-from orchestrator.playbooks.model import Document, Scope, Step, T, _Play
+from orchestrator.playbooks.model import Document, Scope, Step, _Play
 
 
 @dataclass(frozen=True)
@@ -53,77 +45,62 @@ class Op:
         return next((a for a in self.args if a.name == name), None)
 
 
-class _Shared(Generic[T]):
-    """A fleet computation made once, awaited by every host's step."""
-
-    def __init__(self, make: Callable[[], Awaitable[T]]) -> None:
-        self._make = make
-        self._task: asyncio.Future[T] | None = None
-
-    async def get(self) -> T:
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._make())
-        try:
-            return await asyncio.shield(self._task)
-        except RpcfleetError as exc:
-            # A fresh error per host (the executor stamps the host on it), of the same type: an
-            # UnreachableError must still count as unreachable.
-            raise _clone_error(exc) from exc
-
-
-def _clone_error(exc: RpcfleetError) -> RpcfleetError:
-    """A shallow copy of `exc`, made without calling its `__init__` (some take other arguments than
-    `args`, such as PlaybookErrors' list)."""
-    clone = type(exc).__new__(type(exc), *exc.args)
-    clone.__dict__.update(exc.__dict__)
-    return clone
-
-
 def _named(step: Step, name: str) -> Step:
     step.__name__ = name
     return step
+
+
+def _options(args: Mapping[str, Any], play: _Play) -> OperationOptions:
+    from orchestrator.operations.layer import OperationOptions
+
+    return OperationOptions(
+        check=play.check,
+        force=bool(args.get("force", False)),
+        wait_lock=play.wait_lock,
+        busy_grace=float(args.get("busy_grace", BUSY_GRACE)),
+    )
 
 
 def _install(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.install import ArtifactChooser, make_install_step
 
     chooser = ArtifactChooser(args["artifact"])
-    return make_install_step(chooser, check=play.check, force=args["force"])
+    return make_install_step(chooser, _options(args, play), reinstall=args["reinstall"])
 
 
 def _deploy(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.install import ArtifactChooser
     from orchestrator.operations.service import make_deploy_step
 
-    return make_deploy_step(ArtifactChooser(args["artifact"]), check=play.check, force=args["force"])
+    return make_deploy_step(
+        ArtifactChooser(args["artifact"]), _options(args, play), reinstall=args["reinstall"]
+    )
 
 
 def _start(args: Mapping[str, Any], play: _Play) -> Step:
-    from orchestrator.operations.service import make_start_step
+    from orchestrator.operations.service import make_service_step
 
-    return make_start_step(check=play.check)
+    return make_service_step("running", _options(args, play))
 
 
 def _stop(args: Mapping[str, Any], play: _Play) -> Step:
-    from orchestrator.operations.service import make_stop_step
+    from orchestrator.operations.service import make_service_step
 
-    return make_stop_step(check=play.check)
+    return make_service_step("stopped", _options(args, play))
 
 
 def _remove_unit(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.service import make_remove_unit_step
 
-    return make_remove_unit_step(check=play.check)
+    return make_remove_unit_step(_options(args, play))
 
 
 def _restart(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.rolling import make_rolling_restart_step
 
     return make_rolling_restart_step(
-        force=args["force"],
-        check=play.check,
+        _options(args, play),
         ready_timeout=args["timeout"],
-        busy_grace=args["busy_grace"],
         memory_tolerance=args["memory_tolerance"],
         memory_tolerance_min=args["memory_tolerance_min"],
         memory_timeout=args["memory_timeout"],
@@ -152,7 +129,7 @@ def _wait_ready(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(wait, "wait_ready")
 
 
-def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[FleetProbe]:
+def _probe_of(play: _Play, args: Mapping[str, Any]) -> SharedCall[FleetProbe]:
     from orchestrator.probe.fleet import probe_fleet
 
     async def make() -> FleetProbe:
@@ -162,7 +139,7 @@ def _probe_of(play: _Play, args: Mapping[str, Any]) -> _Shared[FleetProbe]:
         play.state.probe = fleet
         return fleet
 
-    return _Shared(make)
+    return SharedCall(make)
 
 
 def _probe(args: Mapping[str, Any], play: _Play) -> Step:
@@ -181,7 +158,7 @@ def _probe(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(probe, "probe")
 
 
-def _latest_probe(play: _Play) -> _Shared[FleetProbe]:
+def _latest_probe(play: _Play) -> SharedCall[FleetProbe]:
     """The play's latest probe, restricted to the hosts still in play; a fresh probe when there is none."""
     from orchestrator.probe.fleet import FleetProbe
 
@@ -196,7 +173,7 @@ def _latest_probe(play: _Play) -> _Shared[FleetProbe]:
             nodes, protocol=previous.protocol, timeout=previous.timeout, facts=previous.facts
         )
 
-    return _Shared(reuse)
+    return SharedCall(reuse)
 
 
 def _plan_options(args: Mapping[str, Any]) -> PlanOptions:
@@ -239,7 +216,7 @@ def _plan(args: Mapping[str, Any], play: _Play) -> Step:
             )
         return plan
 
-    shared = _Shared(make)
+    shared = SharedCall(make)
 
     async def plan_step(ctx: HostContext) -> StepOutcome[Any]:
         plan = await shared.get()
@@ -267,7 +244,7 @@ def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
         model = args["model"] or plan.model_path
         return await load_check(plan, model, limit_s=args["timeout"])
 
-    shared = _Shared(make)
+    shared = SharedCall(make)
 
     async def check_step(ctx: HostContext) -> StepOutcome[Any]:
         if play.check:
@@ -315,7 +292,7 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
         )
         return fleet
 
-    shared = _Shared(make)
+    shared = SharedCall(make)
 
     async def report_step(ctx: HostContext) -> StepOutcome[Any]:
         fleet = await shared.get()
@@ -327,21 +304,27 @@ def _report(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(report_step, "report")
 
 
-_FORCE = Arg("force", _bool, False, help="install: upload even when installed; restart: even a busy server")
+_FORCE = Arg("force", fields.boolean, False, help="stop a server even while a client is connected (kills it)")
+_REINSTALL = Arg("reinstall", fields.boolean, False, help="upload and unpack even when installed")
 
 
-_ARTIFACT = Arg("artifact", _optional_text, None, help="artifact id or spec (default: the host's)")
+_ARTIFACT = Arg(
+    "artifact", fields.optional(fields.text), None, help="artifact id or spec (default: the host's)"
+)
 
 
-_TIMEOUT_PROBE = Arg("timeout", _seconds, 3.0, help="probe timeout per host, seconds")
+_TIMEOUT_PROBE = Arg("timeout", fields.seconds, 3.0, help="probe timeout per host, seconds")
+
+
+_KV_TYPE = fields.choice(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"))
 
 
 _PLAN_ARGS = (
-    Arg("type_k", _choice("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"), "f16"),
-    Arg("type_v", _choice("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"), "f16"),
-    Arg("flash_attn", _bool, False),
-    Arg("margin", _size, None, help="headroom kept free per device (default 256MiB)"),
-    Arg("strategy", _choice("proportional", "fewest"), "proportional"),
+    Arg("type_k", _KV_TYPE, "f16"),
+    Arg("type_v", _KV_TYPE, "f16"),
+    Arg("flash_attn", fields.boolean, False),
+    Arg("margin", fields.optional(fields.size), None, help="headroom kept free per device (default 256MiB)"),
+    Arg("strategy", fields.choice(("proportional", "fewest")), "proportional"),
 )
 
 
@@ -349,16 +332,18 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
     {
         op.name: op
         for op in (
-            Op("install", "host", "install the pinned rpc-server artifact", (_ARTIFACT, _FORCE), _install),
+            Op(
+                "install", "host", "install the pinned rpc-server artifact", (_ARTIFACT, _REINSTALL), _install
+            ),
             Op(
                 "deploy",
                 "host",
-                "install, then start (or restart on the new version)",
-                (_ARTIFACT, _FORCE),
+                "install, then start (or restart on the new version or launch line)",
+                (_ARTIFACT, _REINSTALL, _FORCE),
                 _deploy,
             ),
             Op("start", "host", "start the rpc-server where it is not running", (), _start),
-            Op("stop", "host", "stop the rpc-server", (), _stop),
+            Op("stop", "host", "stop the rpc-server (refused while a client is connected)", (_FORCE,), _stop),
             Op(
                 "remove_unit",
                 "host",
@@ -372,11 +357,16 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "restart one node: refuse a busy one, stop, start, wait for HELLO and the memory baseline",
                 (
                     _FORCE,
-                    Arg("timeout", _seconds, 15.0, help="seconds until HELLO must answer"),
-                    Arg("busy_grace", _seconds, 1.0, help="a client connected this long makes a node busy"),
-                    Arg("memory_tolerance", _fraction, 0.05, help="of each device's total (5%)"),
-                    Arg("memory_tolerance_min", _size, 256 * 1024 * 1024),
-                    Arg("memory_timeout", _seconds, 30.0, help="seconds for the memory to come back"),
+                    Arg("timeout", fields.seconds, 15.0, help="seconds until HELLO must answer"),
+                    Arg(
+                        "busy_grace",
+                        fields.seconds,
+                        BUSY_GRACE,
+                        help="a client connected this long makes a node busy",
+                    ),
+                    Arg("memory_tolerance", fields.fraction, 0.05, help="of each device's total (5%)"),
+                    Arg("memory_tolerance_min", fields.size, 256 * 1024 * 1024),
+                    Arg("memory_timeout", fields.seconds, 30.0, help="seconds for the memory to come back"),
                 ),
                 _restart,
             ),
@@ -384,14 +374,14 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "wait_ready",
                 "host",
                 "wait until the running rpc-server answers HELLO",
-                (Arg("timeout", _seconds, 15.0),),
+                (Arg("timeout", fields.seconds, 15.0),),
                 _wait_ready,
             ),
             Op(
                 "probe",
                 "fleet",
                 "probe every server (RPC and host facts)",
-                (_TIMEOUT_PROBE, Arg("facts", _bool, True)),
+                (_TIMEOUT_PROBE, Arg("facts", fields.boolean, True)),
                 _probe,
             ),
             Op(
@@ -399,9 +389,14 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "fleet",
                 "plan a model's placement on the probed devices (fails when it does not fit)",
                 (
-                    Arg("model", _text, required=True, help="the GGUF model"),
-                    Arg("ctx", _context, 4096),
-                    Arg("output", _optional_text, None, help="also write the plan (JSON) to this file"),
+                    Arg("model", fields.text, required=True, help="the GGUF model"),
+                    Arg("ctx", fields.context, 4096),
+                    Arg(
+                        "output",
+                        fields.optional(fields.text),
+                        None,
+                        help="also write the plan (JSON) to this file",
+                    ),
                     *_PLAN_ARGS,
                 ),
                 _plan,
@@ -411,8 +406,8 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "fleet",
                 "load the planned model over RPC in a child process and compare the placement",
                 (
-                    Arg("model", _optional_text, None, help="default: the plan's model"),
-                    Arg("timeout", _seconds, _LOAD_CHECK_TIMEOUT),
+                    Arg("model", fields.optional(fields.text), None, help="default: the plan's model"),
+                    Arg("timeout", fields.seconds, _LOAD_CHECK_TIMEOUT),
                 ),
                 _load_check,
             ),
@@ -421,10 +416,15 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "fleet",
                 "a capacity report of the probed fleet for the given models and contexts",
                 (
-                    Arg("model", _list_of(_text), (), help="GGUF models (a list, or comma-separated)"),
-                    Arg("ctx", _list_of(_context), (4096,)),
-                    Arg("format", _choice("text", "md", "json", "html"), "text"),
-                    Arg("output", _optional_text, None, help="write the report to this file"),
+                    Arg(
+                        "model",
+                        fields.list_of(fields.text),
+                        (),
+                        help="GGUF models (a list, or comma-separated)",
+                    ),
+                    Arg("ctx", fields.list_of(fields.context), (4096,)),
+                    Arg("format", fields.choice(("text", "md", "json", "html")), "text"),
+                    Arg("output", fields.optional(fields.text), None, help="write the report to this file"),
                     *_PLAN_ARGS,
                 ),
                 _report,

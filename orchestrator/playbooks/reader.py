@@ -29,13 +29,14 @@ errors of a file are reported together (`PlaybookErrors`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import yaml
 
+from orchestrator.core import fields
 from orchestrator.core.errors import (
     PlaybookError,
     SourceLocation,
@@ -48,16 +49,14 @@ from orchestrator.core.yamlsource import (
     is_null,
     node_kind,
     node_value,
+    type_name,
 )
-from orchestrator.engine.executor import (
-    batch_sizes,
-)
-
-if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
-    pass
-from orchestrator.playbooks.args import _text
+from orchestrator.engine.executor import batch_sizes
 from orchestrator.playbooks.model import Playbook, PlaybookErrors, PlaybookStep, Serial
 from orchestrator.playbooks.ops import REGISTRY
+
+T = TypeVar("T")
+
 
 _TEMPLATE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
@@ -125,52 +124,30 @@ def parse_extra_vars(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _serial(reader: _Reader, node: yaml.Node) -> Serial:
-    raw = node_value(node) if not isinstance(node, yaml.MappingNode) else None
+def _top_value(reader: _Reader, node: yaml.Node, key: str, parse: Callable[[Any], T]) -> T | None:
+    """A top-level value, its templates filled, parsed; an error is recorded against `key` (None)."""
     try:
-        raw = reader.render(raw, node, "serial")
+        return parse(reader.render(node_value(node), node, key))
     except ValueError as exc:
-        reader.error(f"serial: {exc}", node)
+        reader.error(f"{key}: {exc}", node)
         return None
+
+
+def _serial(raw: Any) -> Serial:
+    """Ansible's `serial`: a number, a percentage or a list of them (also given as -e serial=[1,50%])."""
     if isinstance(raw, str) and raw.strip().startswith("["):
-        raw = yaml.safe_load(raw)  # a list given with -e serial=[1,50%]
-    if raw is None or isinstance(raw, bool | float) or not isinstance(raw, int | str | list):
-        reader.error(
-            f"serial: expected a number, a percentage or a list of them, got {node_kind(node)}", node
-        )
-        return None
-    values = tuple(raw) if isinstance(raw, list) else raw
+        raw = yaml.safe_load(raw)
+    if isinstance(raw, list) and all(isinstance(v, int | str) and not isinstance(v, bool) for v in raw):
+        values: Serial = tuple(raw)
+    elif isinstance(raw, int | str) and not isinstance(raw, bool):
+        values = raw
+    else:
+        raise ValueError(f"expected a number, a percentage or a list of them, got {type_name(raw)} {raw!r}")
     try:
-        batch_sizes(100, values if not isinstance(values, tuple) else list(values))
+        batch_sizes(100, list(values) if isinstance(values, tuple) else values)
     except UsageError as exc:
-        reader.error(exc.message, node)
-        return None
-    if isinstance(values, tuple) and any(isinstance(v, bool) or not isinstance(v, int | str) for v in values):
-        reader.error(f"serial: a list of numbers and percentages, got {raw!r}", node)
-        return None
+        raise ValueError(exc.message.removeprefix("serial: ")) from None
     return values
-
-
-def _max_fail(reader: _Reader, node: yaml.Node) -> float | None:
-    raw = node_value(node) if isinstance(node, yaml.ScalarNode) else None
-    try:
-        raw = reader.render(raw, node, "max_fail_percentage")
-    except ValueError as exc:
-        reader.error(f"max_fail_percentage: {exc}", node)
-        return None
-    if isinstance(raw, str) and raw.strip().endswith("%"):
-        raw = raw.strip()[:-1]
-    try:
-        if isinstance(raw, bool) or raw is None:
-            raise ValueError
-        value = float(raw)
-    except ValueError:
-        reader.error(f"max_fail_percentage: expected a number from 0 to 100, got {node_kind(node)}", node)
-        return None
-    if not 0 <= value <= 100:
-        reader.error(f"max_fail_percentage: expected a number from 0 to 100, got {value:g}", node)
-        return None
-    return value
 
 
 def _step(reader: _Reader, node: yaml.Node, index: int) -> PlaybookStep | None:
@@ -298,13 +275,17 @@ def load_playbook_text(
         node = found["hosts"][1]
         raw_hosts = node_value(node) if isinstance(node, yaml.ScalarNode) else None
         try:
-            hosts = _text(reader.render(raw_hosts, node, "hosts")).strip()
+            hosts = fields.text(reader.render(raw_hosts, node, "hosts")).strip()
             if not hosts:
                 raise ValueError("an empty pattern")
         except ValueError as exc:
             reader.error(f"hosts: expected a host pattern such as all or gpu:!gpu03 ({exc})", node)
-    serial = _serial(reader, found["serial"][1]) if "serial" in found else None
-    max_fail = _max_fail(reader, found["max_fail_percentage"][1]) if "max_fail_percentage" in found else None
+    serial = _top_value(reader, found["serial"][1], "serial", _serial) if "serial" in found else None
+    max_fail = (
+        _top_value(reader, found["max_fail_percentage"][1], "max_fail_percentage", fields.percentage)
+        if "max_fail_percentage" in found
+        else None
+    )
     steps: list[PlaybookStep] = []
     if "steps" not in found:
         reader.error("missing required key 'steps' (a list of operations)", root)

@@ -37,6 +37,7 @@ async def run_playbook(
     *,
     session: Session,
     check: bool = False,
+    wait_lock: float = 0.0,
     on_step: Callable[[StepRun], None] | None = None,
     on_result: Callable[[HostResult[Any]], None] | None = None,
 ) -> PlaybookResult:
@@ -50,7 +51,7 @@ async def run_playbook(
         if not in_play:
             break
         op = REGISTRY[step.op]
-        play = _Play(session, in_play, check, state, step)
+        play = _Play(session, in_play, check, state, step, wait_lock)
         run = await session.run(
             in_play,
             op.factory(step.args, play),

@@ -54,6 +54,11 @@ class DeviceCapacity:
     usable: int
     source_of_free: SourceOfFree
     warnings: tuple[str, ...] = ()
+    # False for a CPU device whose free memory could not be read on the host (no facts, no MemAvailable):
+    # its server reports total RAM, which is not free memory.
+    measured: bool = True
+    # Why `usable` is 0 although the server reported memory: it was not measured and not trusted.
+    untrusted: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +74,8 @@ class DeviceCapacity:
             "usable": self.usable,
             "source_of_free": self.source_of_free,
             "warnings": list(self.warnings),
+            "measured": self.measured,
+            "untrusted": self.untrusted,
         }
 
 
@@ -125,13 +132,22 @@ def _looks_like_cpu(free: int, total: int, facts: HostFacts | None) -> bool:
 
 
 def compute_capacity(
-    host: Host, rpc_result: ProbeResult, facts: HostFacts | None, *, cpu_share: int = 1
+    host: Host,
+    rpc_result: ProbeResult,
+    facts: HostFacts | None,
+    *,
+    cpu_share: int = 1,
+    trust_rpc_memory: bool = False,
 ) -> tuple[DeviceCapacity, ...]:
     """Capacity of every device the server reported (none unless the probe is ok). Pure.
 
     `cpu_share`: how many CPU devices of the fleet run on this host's machine (`cpu_shares`); each
     gets that fraction of MemAvailable, since each of them would otherwise claim all of it. Reserve
     and limit still apply per host, to the share.
+
+    Memory that was not measured is not trusted: a CPU device whose MemAvailable could not be read (no
+    facts: SSH down, facts failed or not asked for) has `usable` 0 and says why in `untrusted`, since
+    its server's figure is the total RAM. `trust_rpc_memory` uses that figure anyway (with a warning).
     """
     if cpu_share < 1:
         raise ValueError(f"cpu_share must be at least 1, got {cpu_share}")
@@ -152,14 +168,13 @@ def compute_capacity(
         free = dev.free
         source: SourceOfFree = "rpc"
         description = ""
+        unmeasured: str | None = None
         if kind == "cpu":
             description = (facts.cpu_model if facts else None) or "CPU"
             if facts is None:
-                warnings.append("CPU memory: no host facts, so free is the server's figure (total RAM)")
+                unmeasured = "no host facts"
             elif facts.memory is None or facts.memory.available is None:
-                warnings.append(
-                    "CPU memory: MemAvailable unreadable, so free is the server's figure (total RAM)"
-                )
+                unmeasured = "MemAvailable unreadable"
             else:
                 free = min(facts.memory.available // cpu_share, dev.total)
                 source = "meminfo"
@@ -190,6 +205,20 @@ def compute_capacity(
                 warnings.append(f"{tool} lists no GPU {gpu_index}")
         if not description:
             description = f"{host.backend} device {dev.index}"
+        usable = usable_bytes(free, host.memory_reserve, host.memory_limit)
+        untrusted = None
+        if unmeasured is not None and trust_rpc_memory:
+            warnings.append(
+                f"CPU memory not measured ({unmeasured}): the server's figure (total RAM) is used as free "
+                "(--trust-rpc-memory)"
+            )
+        elif unmeasured is not None:
+            untrusted = f"CPU memory not measured ({unmeasured})"
+            warnings.append(
+                f"{untrusted}: the server's figure ({format_size(free)}, total RAM) is not used, usable 0 "
+                "(--trust-rpc-memory uses it)"
+            )
+            usable = 0
         devices.append(
             DeviceCapacity(
                 host=host.name,
@@ -203,9 +232,11 @@ def compute_capacity(
                 free=free,
                 reserve=host.memory_reserve,
                 limit=host.memory_limit,
-                usable=usable_bytes(free, host.memory_reserve, host.memory_limit),
+                usable=usable,
                 source_of_free=source,
                 warnings=tuple(warnings),
+                measured=unmeasured is None,
+                untrusted=untrusted,
             )
         )
     return tuple(devices)
@@ -253,7 +284,7 @@ def cpu_shares(
 
 
 def fleet_capacity(
-    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]],
+    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]], *, trust_rpc_memory: bool = False
 ) -> list[tuple[DeviceCapacity, ...]]:
     """`compute_capacity` of every (host, RPC result, facts), the CPU devices of one machine sharing
     its MemAvailable (`cpu_shares`). Pure."""
@@ -262,5 +293,5 @@ def fleet_capacity(
     for host, result, facts in probed:
         machine = facts.machine_id if facts is not None else None
         share = shares.get(machine, 1) if machine is not None else 1
-        out.append(compute_capacity(host, result, facts, cpu_share=share))
+        out.append(compute_capacity(host, result, facts, cpu_share=share, trust_rpc_memory=trust_rpc_memory))
     return out

@@ -1,6 +1,6 @@
 """The fleet probe: RPC from the controller plus host facts over SSH -> capacity per device.
 
-Every selected host is probed at once, two ways, both bounded by one timeout per host:
+Every selected host is probed, up to `forks` at once, two ways, both bounded by one timeout per host:
 
 * RPC, from this controller straight to the endpoint (`orchestrator.rpc`): HELLO, device count and each
   device's free/total memory. Each distinct endpoint is probed once (two probes of one server at once
@@ -13,7 +13,9 @@ Every selected host is probed at once, two ways, both bounded by one timeout per
 
 * usable = max(0, min(free - memory_reserve, memory_limit)); reserve and limit are per device.
 * CPU devices report free == total == physical RAM (a constant), so their free is `MemAvailable`
-  (`source_of_free="meminfo"`); without facts the RPC number is kept, with a warning. Several CPU
+  (`source_of_free="meminfo"`). Without facts (SSH down, facts failed or `facts=False`) that memory is
+  not measured: the device's `usable` is 0 and `untrusted` says why (`to_plan_devices` refuses the
+  node), unless `trust_rpc_memory`, which keeps the RPC number with a warning. Several CPU
   devices on one machine (same machine identity: lab nodes share one kernel, a machine may run several
   servers) split its MemAvailable evenly, with a warning on each: otherwise each would claim all of it.
 * GPU devices keep the RPC numbers (the driver's, as the server sees them), cross-checked against
@@ -37,6 +39,7 @@ added)::
                 "clients": [str] | null,                            # from ss; null without facts
                 "duplicate_of": str | null,                         # host probed for the same endpoint
                 "warnings": [str], "facts_error": str | null,
+                "untrusted": str | null,                            # why its memory is not used
                 "facts": {"mem_total": int | null, "mem_available": int | null,
                           "cpu_model": str | null, "cpu_count": int | null,
                           "gpus": [{"vendor", "index", "name", "total", "free"}],
@@ -45,7 +48,7 @@ added)::
                 "devices": [{"index": int, "name": str, "description": str, "backend": str,
                              "kind": "cpu" | "gpu", "total": int, "free": int, "reserve": int,
                              "limit": int | null, "usable": int, "source_of_free": "rpc" | "meminfo",
-                             "warnings": [str]}]}]}
+                             "warnings": [str], "measured": bool, "untrusted": str | null}]}]}
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from orchestrator.artifacts.protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity, without_own_connection
 from orchestrator.probe.host import DEFAULT_TIMEOUT, HostFacts, read_facts
@@ -122,6 +125,14 @@ class NodeProbe:
         return self.state == "ok"
 
     @property
+    def untrusted(self) -> str | None:
+        """Why this node's memory is not used (not measured, not trusted), or None."""
+        why = next((d.untrusted for d in self.devices if d.untrusted), None)
+        if why is not None and self.facts_error:
+            why += f": {self.facts_error}"
+        return why
+
+    @property
     def clients(self) -> tuple[str, ...] | None:
         return self.facts.rpc_clients if self.facts is not None else None
 
@@ -139,6 +150,7 @@ class NodeProbe:
             "duplicate_of": self.duplicate_of,
             "warnings": list(self.warnings),
             "facts_error": self.facts_error,
+            "untrusted": self.untrusted,
             "facts": self.facts.to_json() if self.facts is not None else None,
             "devices": [d.to_json() for d in self.devices],
         }
@@ -293,19 +305,25 @@ async def probe_fleet(
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (per host, not for the whole call)
     facts: bool = True,
     session: Session | None = None,
-    forks: int = 64,
+    forks: int | None = None,
     expected: ProtocolVersion | None = None,
+    trust_rpc_memory: bool = False,
 ) -> FleetProbe:
-    """Probe every host at once: RPC from here and (when `facts`) host facts through the executor.
+    """Probe up to `forks` hosts at once: RPC from here and (when `facts`) host facts through the executor.
 
     Each host's RPC probe and facts are bounded by `timeout`; the whole call takes about the slowest
-    host's time, never more than about `timeout`. Never raises for a host's failure: it is in its
-    `NodeProbe`. `session`: reuse its connections (otherwise one is opened and closed here, with
-    `timeout` as the connect timeout).
+    host's time when `forks` covers the fleet, never more than about `timeout` per round of `forks`
+    hosts. Never raises for a host's failure: it is in its `NodeProbe`. `session`: reuse its
+    connections (otherwise one is opened and closed here, with `timeout` as the connect timeout).
+    `forks` (default: the session's, else `DEFAULT_FORKS`) bounds the RPC probes and the facts alike.
+    `trust_rpc_memory`: see `compute_capacity`.
     """
     hosts = list(hosts)
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    forks = forks if forks is not None else session.forks if session is not None else DEFAULT_FORKS
+    if forks < 1:
+        raise ValueError(f"forks must be at least 1, got {forks}")
     started = time.monotonic()
     client = expected or cached_local_protocol_version()
 
@@ -314,9 +332,15 @@ async def probe_fleet(
     for host in hosts:
         first_host.setdefault(host.endpoint, host)
 
+    slots = asyncio.Semaphore(forks)
+
+    async def rpc_one(host: Host) -> ProbeResult:
+        async with slots:
+            return await _probe_rpc(host, timeout, client)
+
     async def rpc_all() -> dict[str, ProbeResult]:
         endpoints = list(first_host)
-        results = await asyncio.gather(*(_probe_rpc(first_host[e], timeout, client) for e in endpoints))
+        results = await asyncio.gather(*(rpc_one(first_host[e]) for e in endpoints))
         return dict(zip(endpoints, results, strict=True))
 
     async def facts_step(ctx: HostContext) -> StepOutcome[HostFacts]:
@@ -338,7 +362,8 @@ async def probe_fleet(
 
     rpc_results, fact_results = await asyncio.gather(rpc_all(), facts_all())
     capacities = fleet_capacity(
-        [(h, rpc_results[h.endpoint], fact_results.get(h.name, (None, None))[0]) for h in hosts]
+        [(h, rpc_results[h.endpoint], fact_results.get(h.name, (None, None))[0]) for h in hosts],
+        trust_rpc_memory=trust_rpc_memory,
     )
     nodes: list[NodeProbe] = []
     for host, devices in zip(hosts, capacities, strict=True):

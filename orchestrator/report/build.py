@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core.errors import PlanError
+from orchestrator.core.search import first_true
 from orchestrator.core.units import format_size
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import (
@@ -149,13 +150,7 @@ def smallest_addition(
             return None
         lo = hi
         hi = min(hi * 2, max_units)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid * resolution):
-            hi = mid
-        else:
-            lo = mid
-    return hi * resolution
+    return first_true(lambda units: fits(units * resolution), lo, hi) * resolution
 
 
 def _plan_fits(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOptions) -> bool:
@@ -230,8 +225,14 @@ def build_report(
         )
     devices = tuple(to_plan_devices(fleet, failed="skip"))
     notes: list[str] = []
-    for node in fleet.failed:
-        notes.append(f"{node.host} ({node.endpoint}) is {node.state}: its devices are not in the plans")
+    for node in fleet.nodes:
+        if not node.ok:
+            notes.append(f"{node.host} ({node.endpoint}) is {node.state}: its devices are not in the plans")
+        elif node.untrusted:
+            notes.append(
+                f"{node.host} ({node.endpoint}): {node.untrusted}: its devices are not in the plans "
+                "(--trust-rpc-memory plans on the server's figure, total RAM)"
+            )
     cases: list[Case] = []
     for path, profile in models:
         for n_ctx in contexts:

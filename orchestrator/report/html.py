@@ -185,6 +185,8 @@ def render_html(report: Report) -> str:
             if case.plan is not None and case.plan.devices:
                 b.append(_svg_chart(report, case.plan))
                 b.append(_html_table(DEVICE_HEADERS, _device_rows(report, case.plan), numeric_from=2))
+            if case.plan is not None:
+                b += [f'<p class="meta">note: {_e(n)}</p>' for n in case.plan.notes]
             if case.recommendation is not None:
                 b += [
                     f'<p class="rec">{_e(line)}</p>'

@@ -87,7 +87,7 @@ def _device_rows(report: Report, plan: Plan) -> list[list[str]]:
             [
                 d.label,
                 report.host_of(d.endpoint) or "-",
-                str(d.n_layers) + (" +out" if d.has_output else ""),
+                d.layers_label,
                 _size(m.weights),
                 _size(m.kv),
                 _size(m.compute),
@@ -96,6 +96,8 @@ def _device_rows(report: Report, plan: Plan) -> list[list[str]]:
                 _size(m.headroom),
             ]
         )
+    h = plan.host  # what stays on this machine's CPU, as `rpcfleet plan` shows it
+    rows.append(["host (CPU)", "-", "", *(_size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", ""])
     return rows
 
 

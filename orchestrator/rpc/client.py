@@ -1,8 +1,9 @@
 """A pure-Python client for the ggml RPC protocol: enough to probe a `ggml-rpc-server`.
 
-It speaks HELLO, DEVICE_COUNT and GET_DEVICE_MEMORY (wire format in `docs/llama-rpc.md` §2) and turns
-every network outcome into a typed `ProbeResult`. No native code runs, so an unreachable or mismatched
-server can never abort the process the way the native client does.
+It speaks HELLO, DEVICE_COUNT and GET_DEVICE_MEMORY (wire format: §2 of `../shared/docs/llama-rpc.md`,
+relative to the repository root) and turns every network outcome into a typed `ProbeResult`. No native
+code runs, so an unreachable or mismatched server can never abort the process the way the native client
+does.
 
 Being gentle with the server matters as much as the answer:
 
@@ -34,6 +35,7 @@ import struct
 import time
 from collections.abc import Iterable, Sequence
 
+from orchestrator.rpc.errors import error_for
 from orchestrator.rpc.protocol import (
     CLIENT_PROTOCOL,
     AggregateMemory,
@@ -44,7 +46,6 @@ from orchestrator.rpc.protocol import (
     ProbeResult,
     ProtocolVersion,
     check_version,
-    error_for,
     log,
     parse_endpoint,
 )
@@ -52,25 +53,29 @@ from orchestrator.rpc.wire import (
     DEVICE_COUNT_REPLY_SIZE,
     DEVICE_MEMORY_REPLY_SIZE,
     HELLO_REPLY_SIZE,
+    LEGACY_HELLO_REPLY_SIZE,
     SIZE_HEADER,
     ReplyError,
     check_reply_header,
     decode_device_count,
     decode_device_memory,
     decode_hello,
+    decode_legacy_hello,
     device_count_request,
     device_memory_request,
     hello_request,
+    legacy_hello_request,
 )
 
 
 class _Stop(Exception):
-    """Ends a conversation early with an outcome (internal)."""
+    """Ends a conversation early with an outcome (internal); `empty`: no byte of the reply came."""
 
-    def __init__(self, outcome: Outcome, message: str) -> None:
+    def __init__(self, outcome: Outcome, message: str, *, empty: bool = False) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
+        self.empty = empty
 
 
 class _Conversation:
@@ -111,9 +116,9 @@ class _Conversation:
                 Outcome.TIMEOUT, f"{what} reply incomplete after {waited} ({len(received)} bytes received)"
             ) from None
         except ReplyError as exc:
-            raise _Stop(exc.outcome, str(exc)) from None
+            raise _Stop(exc.outcome, str(exc), empty=not received) from None
         except (ConnectionError, OSError) as exc:
-            raise _Stop(Outcome.CLOSED, f"connection lost during {what}: {exc}") from None
+            raise _Stop(Outcome.CLOSED, f"connection lost during {what}: {exc}", empty=not received) from None
         return bytes(received)
 
     async def _read_into(self, buf: bytearray, size: int, what: str) -> None:
@@ -158,6 +163,28 @@ def _format_address(sockname: object) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+async def _legacy_hello(
+    endpoint: Endpoint, read_timeout: float, deadline_at: float
+) -> ProtocolVersion | None:
+    """The version of a server older than protocol 3, which closes the connection on the current HELLO:
+    one more connection with the empty HELLO those servers expect. None when that fails too."""
+    loop = asyncio.get_running_loop()
+    try:
+        reader, writer = await _connect(endpoint, max(0.0, min(read_timeout, deadline_at - loop.time())))
+    except (OSError, TimeoutError):
+        return None
+    talk = _Conversation(reader, writer, read_timeout, deadline_at)
+    try:
+        reply = await talk.exchange(legacy_hello_request(), LEGACY_HELLO_REPLY_SIZE, "legacy HELLO")
+        version = decode_legacy_hello(reply)
+    except (_Stop, ReplyError):
+        _abort(writer)
+        await asyncio.sleep(0)
+        return None
+    await _close(writer)
+    return version
+
+
 async def probe_endpoint(
     endpoint: str,
     *,
@@ -170,7 +197,10 @@ async def probe_endpoint(
     """Probe one server: HELLO, then (unless `hello_only`) DEVICE_COUNT and each device's memory.
 
     Never raises for a network outcome; the outcome is in the result. Raises EndpointError for a
-    malformed endpoint. `expected` is the client's protocol (default: `CLIENT_PROTOCOL`).
+    malformed endpoint. `expected` is the client's protocol (default: `CLIENT_PROTOCOL`). A server that
+    closes the connection on HELLO without a byte is asked once more, on a new connection, with the
+    empty HELLO of servers older than protocol 3: one that answers is a `version_mismatch` naming its
+    version.
     `read_timeout` bounds each reply, `deadline` the whole probe, connect included.
     """
     parsed = parse_endpoint(endpoint)
@@ -207,6 +237,7 @@ async def probe_endpoint(
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     talk = _Conversation(reader, writer, read_timeout, deadline_at)
     graceful = False
+    closed_on_hello: _Stop | None = None
     try:
         reply = await talk.exchange(hello_request(), HELLO_REPLY_SIZE, "HELLO", first=True)
         version = decode_hello(reply)
@@ -230,7 +261,10 @@ async def probe_endpoint(
             return result(Outcome.OK, f"protocol {version}, the server reports no devices")
         return result(Outcome.OK, f"protocol {version}, {len(devices)} device(s)")
     except _Stop as stop:
-        return result(stop.outcome, stop.message)
+        if stop.outcome is Outcome.CLOSED and stop.empty and version is None:
+            closed_on_hello = stop
+        else:
+            return result(stop.outcome, stop.message)
     except ReplyError as exc:
         return result(exc.outcome, str(exc))
     finally:
@@ -239,6 +273,11 @@ async def probe_endpoint(
         else:
             _abort(writer)
             await asyncio.sleep(0)  # let the transport close the socket before we return
+    version = await _legacy_hello(parsed, read_timeout, deadline_at)
+    if version is None:
+        return result(closed_on_hello.outcome, closed_on_hello.message)
+    why = check_version(version, client) or f"the server answers only the empty HELLO of protocol {version}"
+    return result(Outcome.VERSION_MISMATCH, why)
 
 
 async def probe_endpoint_or_raise(
@@ -250,7 +289,7 @@ async def probe_endpoint_or_raise(
     deadline: float = 5.0,
     hello_only: bool = False,
 ) -> ProbeResult:
-    """Like `probe_endpoint`, but a non-ok outcome raises its `ProbeOutcomeError` subclass."""
+    """Like `probe_endpoint`, but a non-ok outcome raises its `EndpointProbeError` subclass."""
     res = await probe_endpoint(
         endpoint,
         expected=expected,

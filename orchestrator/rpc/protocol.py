@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar
 
 from orchestrator.core.errors import ProbeError
 from orchestrator.core.log import get_logger
@@ -69,9 +67,24 @@ class ProtocolVersion:
 
 @dataclass(frozen=True)
 class DeviceMemory:
+    """What a server reports for one device (GET_DEVICE_MEMORY); the planner's view is `PlannedMemory`."""
+
     index: int
     free: int
     total: int
+
+    # The names of the Java binding's RpcDeviceMemory (freeBytes, totalBytes, usedBytes()).
+    @property
+    def free_bytes(self) -> int:
+        return self.free
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total
+
+    @property
+    def used_bytes(self) -> int:
+        return max(0, self.total - self.free)
 
 
 @dataclass(frozen=True)
@@ -119,56 +132,23 @@ class AggregateMemory:
     server_count: int
     device_count: int
 
+    # The names of the Java binding's RpcMemoryInfo (freeBytes, totalBytes, serverCount).
+    @property
+    def free_bytes(self) -> int:
+        return self.free
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total
+
+
+# The seed API's names (`orchestrator.query_rpc_memory`, `orchestrator.query_all`) for the same records.
+RpcDeviceMemory = DeviceMemory
+RpcMemoryInfo = AggregateMemory
+
 
 class EndpointError(ProbeError):
     """An endpoint string is not `host:port` (not a network outcome: raised by both APIs)."""
-
-
-class ProbeOutcomeError(ProbeError):
-    """A probe ended with a non-ok outcome; `result` holds everything the probe learned."""
-
-    outcome: ClassVar[Outcome]
-
-    def __init__(self, result: ProbeResult) -> None:
-        super().__init__(result.message, host=result.endpoint)
-        self.result = result
-
-
-class RefusedError(ProbeOutcomeError):
-    outcome = Outcome.REFUSED
-
-
-class ProbeTimeoutError(ProbeOutcomeError):
-    outcome = Outcome.TIMEOUT
-
-
-class BusyError(ProbeOutcomeError):
-    outcome = Outcome.BUSY
-
-
-class ClosedError(ProbeOutcomeError):
-    outcome = Outcome.CLOSED
-
-
-class VersionMismatchError(ProbeOutcomeError):
-    outcome = Outcome.VERSION_MISMATCH
-
-
-class ProtocolError(ProbeOutcomeError):
-    outcome = Outcome.PROTOCOL_ERROR
-
-
-ERROR_FOR_OUTCOME: Mapping[Outcome, type[ProbeOutcomeError]] = {
-    cls.outcome: cls
-    for cls in (RefusedError, ProbeTimeoutError, BusyError, ClosedError, VersionMismatchError, ProtocolError)
-}
-
-
-def error_for(result: ProbeResult) -> ProbeOutcomeError:
-    """The typed error for a non-ok result."""
-    if result.ok:
-        raise ValueError("an ok probe result has no error")
-    return ERROR_FOR_OUTCOME[result.outcome](result)
 
 
 def parse_endpoint(text: str, *, default_port: int | None = None) -> Endpoint:
@@ -210,17 +190,18 @@ def parse_endpoint(text: str, *, default_port: int | None = None) -> Endpoint:
     return Endpoint(host.lower(), port)
 
 
+def needed_version(client: ProtocolVersion) -> str:
+    """The servers `client` accepts, for messages: `7.0.x`, or `7.x (minor <= 2)`."""
+    return f"{client.major}.0.x" if client.minor == 0 else f"{client.major}.x (minor <= {client.minor})"
+
+
 def check_version(server: ProtocolVersion, expected: ProtocolVersion) -> str | None:
     """None when `expected` (the client) can use `server`, else why not, naming both versions."""
     if expected.accepts(server):
         return None
-    if server.major != expected.major:
-        why = "the major versions differ"
-    else:
-        why = "the server's minor version is newer than the client's"
     return (
-        f"RPC protocol mismatch: server {server}, client {expected} ({why}; the client needs "
-        f"{expected.major}.x with minor <= {expected.minor}): install a server built from the same llama.cpp"
+        f"the server speaks {server}, this client needs {needed_version(expected)}: "
+        "deploy the pinned artifact (rpcfleet deploy)"
     )
 
 

@@ -24,6 +24,11 @@ HELLO_REQUEST_SIZE = CONN_CAPS_SIZE
 HELLO_REPLY_SIZE = 4 + CONN_CAPS_SIZE  # major, minor, patch, pad, conn_caps
 
 
+# Servers before the transport capabilities (protocol < 3) take an empty HELLO and answer 3 bytes; they
+# close the connection on the current one.
+LEGACY_HELLO_REPLY_SIZE = 3
+
+
 DEVICE_COUNT_REPLY_SIZE = 4
 
 
@@ -55,6 +60,10 @@ def encode_request(cmd: int, payload: bytes = b"") -> bytes:
 
 def hello_request() -> bytes:
     return encode_request(CMD_HELLO, bytes(HELLO_REQUEST_SIZE))  # all-zero caps: plain TCP
+
+
+def legacy_hello_request() -> bytes:
+    return encode_request(CMD_HELLO)
 
 
 def device_count_request() -> bytes:
@@ -93,6 +102,12 @@ def _payload(reply: bytes, expected: int, what: str) -> bytes:
 def decode_hello(reply: bytes) -> ProtocolVersion:
     """A whole HELLO reply (size header + 28 bytes) -> the server's protocol version."""
     payload = _payload(reply, HELLO_REPLY_SIZE, "HELLO")
+    return ProtocolVersion(payload[0], payload[1], payload[2])
+
+
+def decode_legacy_hello(reply: bytes) -> ProtocolVersion:
+    """A whole legacy HELLO reply (size header + major, minor, patch) -> the server's protocol version."""
+    payload = _payload(reply, LEGACY_HELLO_REPLY_SIZE, "HELLO")
     return ProtocolVersion(payload[0], payload[1], payload[2])
 
 

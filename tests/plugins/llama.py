@@ -1,7 +1,7 @@
 """Fixtures for real llama.cpp loads over RPC (marker `llama`).
 
 Native RPC registrations last for the life of the process and a process may register at most
-`loader.MAX_ENDPOINTS` distinct endpoints, so real loads share one set of session-scoped servers: three
+`preflight.MAX_ENDPOINTS` distinct endpoints, so real loads share one set of session-scoped servers: three
 real `ggml-rpc-server`s on loopback, started with `GGML_RPC_DEBUG=1` so their logs record every buffer
 allocation to the byte. Each load runs in the test process (no subprocess): the loader preflights every
 endpoint before native code, so a refused server cannot abort pytest, and tests can check the process's

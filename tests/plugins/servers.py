@@ -119,3 +119,25 @@ def write_local_inventory(path: Path, hosts: dict[str, dict[str, object]]) -> Pa
     }
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+# The llama-cpp-python release whose vendored rpc-server speaks protocol 2.0.0 (before the transport
+# capabilities): it closes the connection on the current HELLO and answers only the empty one.
+OLD_LLAMA_CPP_PYTHON = "0.3.16"
+
+
+@pytest.fixture(scope="session")
+def old_rpc_server_binary() -> Path:
+    """The rpc-server of llama-cpp-python 0.3.16 (protocol 2.0.0), built once through the same artifact
+    code as the current one (`make setup` builds it; else about 3 minutes here, then cached)."""
+    path = local_server_binary(OLD_LLAMA_CPP_PYTHON)
+    assert path.exists(), f"no old rpc-server at {path}"
+    return path
+
+
+@pytest.fixture
+def old_rpc_server(old_rpc_server_binary: Path, tmp_path: Path) -> Iterator[LocalServer]:
+    """A real protocol-2.0.0 server on 127.0.0.1 and a free port; stopped at teardown."""
+    server = launch_rpc_server(old_rpc_server_binary, tmp_path, log_prefix="rpc-old")
+    yield server
+    server.stop()

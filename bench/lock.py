@@ -1,0 +1,126 @@
+"""The cost of the host lock: one deploy of 8 lab nodes with and without it, in the same run.
+
+With: `make_deploy_step` (the operations layer: lock, busy check, interrupt safety). Without: the same
+`deploy()` body called from a plain executor step, which is what a deploy cost before the layer existed.
+Each is timed as a no-op deploy (everything current, the common case) and as a real one (a launch-line
+change restarts every server), alternating, so both see the same machine load.
+
+    python bench/lock.py [--nodes 8] [--repeat 5] [--write BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from time import monotonic
+from typing import Any
+
+from _common import arg_parser, load_average, median, ms, stamp, write_section
+
+from orchestrator.artifacts.build import default_artifact
+from orchestrator.connectors.base import ConnectOptions
+from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import Host
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.netns import privileged
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.service import deploy, make_deploy_step
+
+SECTION = "lock"
+LAB_NAME = "benchlock"
+
+
+async def timed(hosts: list[Host], step: Any) -> float:
+    started = monotonic()
+    async with Session(forks=16, options=ConnectOptions(connect_timeout=10)) as session:
+        run = await session.run(hosts, step, name="deploy")
+    if not run.ok:
+        raise SystemExit(f"deploy failed: {[str(r.error) for r in run.failed]}")
+    return monotonic() - started
+
+
+def unlocked_step(chooser: ArtifactChooser) -> Any:
+    async def step(ctx: HostContext) -> StepOutcome[Any]:
+        result = await deploy(await ctx.connection(), ctx.host, chooser)
+        return StepOutcome(result, result.changed, result.describe())
+
+    return step
+
+
+async def measure(hosts: list[Host], repeat: int) -> dict[str, list[float]]:
+    chooser = ArtifactChooser(default_artifact("cpu").id)
+    await timed(hosts, make_deploy_step(chooser))  # install everywhere first
+    times: dict[str, list[float]] = {
+        k: [] for k in ("noop-locked", "noop-unlocked", "real-locked", "real-unlocked")
+    }
+    threads = 1
+    for _ in range(repeat):
+        times["noop-locked"].append(await timed(hosts, make_deploy_step(chooser)))
+        times["noop-unlocked"].append(await timed(hosts, unlocked_step(chooser)))
+        for mode in ("locked", "unlocked"):
+            threads = 3 - threads  # 1 <-> 2: a launch-line change, so every server restarts
+            changed = [dataclasses.replace(h, rpc_threads=threads) for h in hosts]
+            step = make_deploy_step(chooser) if mode == "locked" else unlocked_step(chooser)
+            times[f"real-{mode}"].append(await timed(changed, step))
+    return times
+
+
+def render(nodes: int, repeat: int, times: dict[str, list[float]], load: float) -> str:
+    def row(kind: str) -> str:
+        locked, unlocked = median(times[f"{kind}-locked"]), median(times[f"{kind}-unlocked"])
+        return (
+            f"| {kind} deploy | {ms(unlocked)} | {ms(locked)} | {ms(locked - unlocked)} "
+            f"({(locked / unlocked - 1) * 100:+.0f}%) |"
+        )
+
+    return "\n".join(
+        [
+            f"## {SECTION}",
+            "",
+            f"{stamp()}; load before: {load:.2f}. "
+            f"`python bench/lock.py --nodes {nodes} --repeat {repeat}`: one "
+            f"deploy of {nodes} lab nodes (real sshd in network namespaces) through the operations layer "
+            "(host lock, busy check, interrupt safety) and the same deploy body without it, alternating; "
+            "medians. A real deploy changes the launch line, so every server restarts.",
+            "",
+            "| | without the lock | with the lock | cost |",
+            "|---|---|---|---|",
+            row("noop"),
+            row("real"),
+            "",
+            "The lock is one more SSH channel per host (a shell that takes a `flock` and holds it while the "
+            "channel lives), opened on the connection the deploy already has: no new TCP or SSH handshake.",
+            "",
+        ]
+    )
+
+
+def main() -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if not privileged():
+        print("bench/lock.py needs root (network namespaces)", file=sys.stderr)
+        return 2
+    reap_stale()
+    load = load_average()
+    lab = lab_up(args.nodes, name=LAB_NAME, owner_pid=os.getpid())
+    try:
+        hosts = list(load_inventory(Path(lab.inventory)).hosts)
+        times = asyncio.run(measure(hosts, args.repeat))
+    finally:
+        lab_down(LAB_NAME)
+    section = render(args.nodes, args.repeat, times, load)
+    print(section)
+    if args.write is not None:
+        write_section(args.write, SECTION, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

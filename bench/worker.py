@@ -1,0 +1,206 @@
+"""Benchmark: the cost of running the model in a worker process instead of in-process.
+
+    .venv/bin/python bench/worker.py                # print the results table
+    .venv/bin/python bench/worker.py --write        # and replace the "worker" section of BENCHMARKS.md
+
+Two real `ggml-rpc-server`s on loopback, a generated llama model (8 layers, n_embd 1024, about 200 MiB),
+one plan. Alternating rounds (in-process, worker, in-process, worker, ...; `--rounds` of each):
+  (A) in-process: a fresh Python process imports llama_cpp and rpcfleet (not timed), then times
+      `load_llama(plan, model)` and a streamed completion of `--tokens` tokens at temperature 0;
+  (B) worker: this process times `Worker.start(plan, model)` (the child's interpreter start, its imports
+      and the same load) and the same completion read from the worker's pipe.
+Decoding speed is measured by the reader of the stream (wall clock from the first piece of text to the last,
+over the tokens after the first), and also as llama.cpp counts it (tokens evaluated / eval time).
+Both generate the same text (checked).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, arg_parser, load_average, median, ms, servers, stamp, write_section
+
+from orchestrator.core.log import configure_logging
+
+configure_logging("text", "WARNING")
+
+from orchestrator.llama.worker import Done, Worker
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.planning.synth import write_tiny_llama
+
+SECTION = "worker"
+GiB = 1 << 30
+PROMPT = "The quick brown fox"
+
+IN_PROCESS = textwrap.dedent(
+    """
+    import json, sys, time
+    import llama_cpp
+    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native import generation_timings
+    from orchestrator.planning.plan import Plan
+    plan, model, prompt, n = Plan.from_json(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    started = time.monotonic()
+    llm = load_llama(plan, model, seed=0)
+    load = time.monotonic() - started
+    text, finish = [], None
+    started = time.monotonic()
+    for chunk in llm(prompt, max_tokens=n, temperature=0.0, seed=0, stream=True):
+        text.append(chunk["choices"][0]["text"])
+        finish = chunk["choices"][0]["finish_reason"] or finish
+    generate = time.monotonic() - started
+    t = generation_timings(llm)
+    llm.close()
+    print(json.dumps({"load": load, "generate": generate, "text": "".join(text), "finish": finish,
+                      "perf": t.tokens_per_second}))
+    """
+)
+
+
+def in_process(plan: Plan, model: Path, tokens: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS, plan.to_json(), str(model), PROMPT, str(tokens)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "GGML_NO_BACKTRACE": "1"},
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def in_worker(plan: Plan, model: Path, tokens: int, log: Path, *, prespawned: bool) -> dict[str, Any]:
+    """(B) cold: the clock starts before the child; (C) pre-spawned: the child has done its imports
+    (as in `rpcfleet run`, which spawns it before probing and planning)."""
+    started = time.monotonic()
+    with Worker.spawn(log) as worker:
+        if prespawned:
+            worker.wait_ready()
+            started = time.monotonic()
+        placement = worker.load(plan, model, {"seed": 0})
+        load = time.monotonic() - started
+        done: Done | None = None
+        started = time.monotonic()
+        for event in worker.complete(PROMPT, max_tokens=tokens, temperature=0.0, seed=0):
+            if isinstance(event, Done):
+                done = event
+        generate = time.monotonic() - started
+    assert done is not None and done.completion_tokens == tokens
+    return {
+        "load": load,
+        "inner": placement.load_seconds,
+        "generate": generate,
+        "text": done.text,
+        "finish": done.finish_reason,
+        "perf": done.tokens_per_second,
+    }
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each (default 3)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per completion (default 256)")
+    args = parser.parse_args()
+    load_before = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        model = write_tiny_llama(folder / "bench.gguf", n_layer=8, n_embd=1024, n_head=8, n_ff=2816)
+        size = model.stat().st_size
+        with servers(2, folder) as ports:
+            devices = [
+                PlanDevice(f"127.0.0.1:{p}", 0, "CPU", total=8 * GiB, free=8 * GiB, usable=8 * GiB)
+                for p in ports
+            ]
+            plan = make_plan(devices, profile_model(model), PlanOptions(n_ctx=2048))
+            a: list[dict[str, Any]] = []
+            b: list[dict[str, Any]] = []
+            c: list[dict[str, Any]] = []
+            log = folder / "worker.log"
+            for _ in range(args.rounds):
+                a.append(in_process(plan, model, args.tokens))
+                b.append(in_worker(plan, model, args.tokens, log, prespawned=False))
+                c.append(in_worker(plan, model, args.tokens, log, prespawned=True))
+    runs = a + b + c
+    assert len({r["text"] for r in runs}) == 1, "the worker and the in-process load generated different text"
+    assert {r["finish"] for r in runs} == {"length"}  # every run generated exactly --tokens tokens
+
+    def med(rs: list[dict[str, Any]], key: str) -> float:
+        return median([r[key] for r in rs])
+
+    load_a = med(a, "load")
+    wall = {name: args.tokens / med(rs, "generate") for name, rs in (("a", a), ("b", b), ("c", c))}
+    perf = {name: med(rs, "perf") for name, rs in (("a", a), ("b", b), ("c", c))}
+
+    def pct(x: float, y: float) -> str:
+        return f"{(x / y - 1) * 100:+.1f} %"
+
+    rows = [
+        ("load: call to loaded model", ms(load_a), ms(med(b, "load")), ms(med(c, "load"))),
+        (
+            "  difference",
+            "",
+            f"{(med(b, 'load') - load_a) * 1000:+.0f} ms",
+            f"{(med(c, 'load') - load_a) * 1000:+.0f} ms",
+        ),
+        ("  llama.cpp's load inside the worker", "", ms(med(b, "inner")), ms(med(c, "inner"))),
+        (
+            f"generate {args.tokens} tokens (request to last token, tok/s)",
+            f"{wall['a']:.1f}",
+            f"{wall['b']:.1f} ({pct(wall['b'], wall['a'])})",
+            f"{wall['c']:.1f} ({pct(wall['c'], wall['a'])})",
+        ),
+        (
+            "decode, llama.cpp's count (tok/s)",
+            f"{perf['a']:.1f}",
+            f"{perf['b']:.1f} ({pct(perf['b'], perf['a'])})",
+            f"{perf['c']:.1f} ({pct(perf['c'], perf['a'])})",
+        ),
+    ]
+    body = "\n".join(
+        [
+            f"## {SECTION}",
+            "",
+            f"{stamp()}; load average {load_before:.2f} at the start. `bench/worker.py` "
+            f"(`--rounds {args.rounds} --tokens {args.tokens}`): two `ggml-rpc-server`s on loopback, a "
+            f"generated 8-layer llama (n_embd 1024, {size / 2**20:.0f} MiB), n_ctx 2048, temperature 0; "
+            "medians of alternating rounds. In-process: `load_llama` and a streamed completion in a fresh "
+            "process (imports not timed). Worker: `Worker.spawn` + `load` and the same completion read "
+            "from the worker's pipe; cold: the clock starts before the child, pre-spawned: once its "
+            "imports are done. Same text in every run.",
+            "",
+            "| | in-process | worker, cold | worker, pre-spawned |",
+            "|---|---:|---:|---:|",
+            *[f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows],
+            "",
+            "Cold, the load's extra time is the child's start: a Python interpreter importing llama_cpp, "
+            "numpy and the loader. `rpcfleet run` spawns the worker before it probes and plans, so that "
+            "time overlaps with the probe (the pre-spawned column: the child's imports are done when the "
+            "clock starts); what remains is the plan and the placement crossing the pipe. Generation "
+            "pays one JSON line per token on a pipe."
+            + (
+                f" The machine was busy (load average {load_before:.1f} on {os.cpu_count()} cores, other "
+                "test runs): differences of 10-20 % between columns are within the noise of one round."
+                if load_before > (os.cpu_count() or 1)
+                else ""
+            ),
+        ]
+    )
+    print(body)
+    if args.write is not None:
+        write_section(args.write, SECTION, body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Progress on a terminal: rich bars and status lines fed by the callbacks the stages report through.
+
+Nothing here is shown when the output is not a terminal (or with --json): a log or a pipe gets the
+tables and the recap only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TransferSpeedColumn
+from rich.text import Text
+
+from orchestrator.cli import _common
+from orchestrator.connectors.base import Progress as ProgressCallback
+from orchestrator.inventory.model import Host
+from orchestrator.operations.install_plan import InstallChange
+
+
+class _TransferColumn(DownloadColumn):
+    """Bytes done/total for an upload; the latest build log line for an on-node build."""
+
+    def render(self, task: Task) -> Text:
+        if "line" in task.fields:
+            return Text(str(task.fields["line"])[:80], style="dim")
+        return super().render(task)
+
+
+class Uploads:
+    """Rich progress bars for uploads, one per host, fed by `Connection.put`'s callback; for an on-node
+    build, one status line per host showing the build log's latest line."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            _TransferColumn(),
+            TransferSpeedColumn(),
+            console=_common.err_console,
+            transient=True,
+            disable=not enabled,
+        )
+
+    def __call__(self, host: Host, change: InstallChange) -> ProgressCallback:
+        what = f"the source of {change.version}" if change.build is not None else change.version
+        task = self.progress.add_task(f"{host.name}: upload {what}", total=None)
+
+        def update(done: int, total: int) -> None:
+            self.progress.update(task, completed=done, total=total)
+
+        return update
+
+    def build_log(self, host: Host, change: InstallChange) -> Callable[[str], None]:
+        task = self.progress.add_task(f"{host.name}: build {change.version}", total=None, line="starting")
+
+        def update(line: str) -> None:
+            self.progress.update(task, line=line)
+
+        return update

@@ -1,0 +1,175 @@
+"""`rpcfleet model synth|info`: make a small llama GGUF to try everything without a download, and show
+what the planner reads from any GGUF (layers, tensors, bytes per layer, KV per token, training context)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.cli import _common, _planning
+from orchestrator.core import fields
+
+if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering stays cheap
+    from orchestrator.planning.profile import ModelProfile
+
+WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/test_cli.py checks)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("model", help="make a small test model, or show what a GGUF holds")
+    commands = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+
+    synth = commands.add_parser(
+        "synth",
+        help="write a small llama GGUF with random weights (no download needed)",
+        description="Write a llama-architecture GGUF with random weights that llama.cpp loads and runs: "
+        "for trying plan, run and report on a fleet without downloading a model. "
+        "The same arguments give the same bytes.",
+    )
+    synth.add_argument("output", type=Path, metavar="OUT.gguf", help="the file to write")
+    size = _common.flag(fields.integer(minimum=1))
+    synth.add_argument("--layers", type=size, default=8, help="transformer blocks (default: 8)")
+    synth.add_argument("--embd", type=size, default=512, help="embedding width (default: 512)")
+    synth.add_argument("--heads", type=size, default=8, help="attention heads (default: 8)")
+    synth.add_argument("--kv-heads", type=size, default=4, help="KV heads, divides --heads (default: 4)")
+    synth.add_argument("--ff", type=size, default=1408, help="feed-forward width (default: 1408)")
+    synth.add_argument("--vocab", type=size, default=300, help="vocabulary size (default: 300)")
+    synth.add_argument(
+        "--ctx-train",
+        type=_common.flag(fields.context),
+        default=4096,
+        help="training context recorded in the model: 4096, 32k (default: 4096)",
+    )
+    synth.add_argument("--type", choices=WEIGHT_TYPES, default="f16", help="weight type (default: f16)")
+    synth.add_argument("--tied", action="store_true", help="no output.weight: reuse token_embd")
+    synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    synth.add_argument("--force", action="store_true", help="overwrite OUT.gguf when it exists")
+    _common.add_json_arg(synth)
+    synth.set_defaults(handler=handle_synth)
+
+    info = commands.add_parser(
+        "info",
+        help="layers, tensors, bytes per layer, KV per token and training context of a GGUF",
+        description="Read a GGUF's metadata and tensor table (never its weights) as the planner does.",
+    )
+    info.add_argument("model", type=Path, metavar="M.gguf", help="the model (first shard of a split one)")
+    info.add_argument(
+        "--ctx",
+        type=_common.flag(fields.context),
+        default=None,
+        help="also show the KV cache at this context",
+    )
+    _planning.add_kv_type_args(info)
+    _common.add_json_arg(info)
+    info.set_defaults(handler=handle_info)
+
+
+def handle_synth(args: argparse.Namespace) -> int:
+    from orchestrator.core.errors import ModelError, UsageError
+    from orchestrator.core.units import format_size
+    from orchestrator.planning.synth import write_tiny_llama
+
+    out: Path = args.output
+    if out.exists() and not args.force:
+        raise UsageError(f"{out} exists", hint="pass --force to overwrite it")
+    try:
+        path = write_tiny_llama(
+            out,
+            n_layer=args.layers,
+            n_embd=args.embd,
+            n_head=args.heads,
+            n_head_kv=args.kv_heads,
+            n_ff=args.ff,
+            n_vocab=args.vocab,
+            n_ctx_train=args.ctx_train,
+            weight_type=args.type,
+            tied_output=args.tied,
+            seed=args.seed,
+        )
+    except ModelError as exc:  # dimensions that do not make a model are bad flags
+        raise UsageError(exc.message) from None
+    except BaseException:
+        out.unlink(missing_ok=True)  # never leave half a model behind (Ctrl-C included)
+        raise
+    size = path.stat().st_size
+    if args.json:
+        _common.print_json({"path": str(path), "bytes": size})
+        return 0
+    _common.console.print(f"wrote {path} ({format_size(size)})", highlight=False, markup=False)
+    _common.console.print(
+        f"next: rpcfleet model info {path}; rpcfleet plan -m {path}", highlight=False, markup=False
+    )
+    return 0
+
+
+def handle_info(args: argparse.Namespace) -> int:
+    from orchestrator.core.errors import UsageError
+    from orchestrator.planning.profile import profile_model
+
+    if not args.model.is_file():
+        raise UsageError(f"model {args.model} does not exist")
+    profile = profile_model(args.model)
+    data = model_info(profile, args.ctx, args.type_k, args.type_v)
+    if args.json:
+        _common.print_json(data)
+    else:
+        _print_info(data)
+    return 0
+
+
+def model_info(profile: ModelProfile, n_ctx: int | None, type_k: str, type_v: str) -> dict[str, Any]:
+    """What `model info` shows, as plain data (the JSON output)."""
+    kv_per_token = [profile.kv_bytes_per_token(il, type_k, type_v) for il in range(profile.n_layer)]
+    data: dict[str, Any] = {
+        "path": str(profile.path),
+        "shards": len(profile.paths),
+        "architecture": profile.architecture,
+        "name": profile.name,
+        "layers": profile.n_layer,
+        "tensors": len(profile.tensors),
+        "embd": profile.n_embd,
+        "heads": max(profile.n_head),
+        "kv_heads": max(profile.n_head_kv),
+        "vocab": profile.n_vocab,
+        "training_context": profile.n_ctx_train,
+        "file_bytes": profile.file_size,
+        "tensor_bytes": profile.total_bytes,
+        "bytes_per_layer": list(profile.layer_bytes),
+        "token_embd_bytes": profile.token_embd_bytes,
+        "output_layer_bytes": profile.output_layer_bytes,
+        "output_tied": profile.output_tied,
+        "kv_bytes_per_token": sum(kv_per_token),
+        "kv_type": f"{type_k}/{type_v}",
+    }
+    if n_ctx is not None:
+        data["context"] = n_ctx or profile.n_ctx_train
+        data["kv_bytes"] = sum(kv_per_token) * data["context"]
+    return data
+
+
+def _print_info(data: dict[str, Any]) -> None:
+    from orchestrator.core.units import format_size
+
+    per_layer = data["bytes_per_layer"]
+    if len(set(per_layer)) == 1:
+        layers = f"{format_size(per_layer[0])} each"
+    else:
+        layers = f"{format_size(min(per_layer))} to {format_size(max(per_layer))}"
+    tied = " (tied: a copy of token_embd)" if data["output_tied"] else ""
+    rows = [
+        ("model", f"{data['name'] or '-'} ({data['architecture']})"),
+        ("file", f"{data['path']} ({data['shards']} shard(s), {format_size(data['file_bytes'])})"),
+        ("layers", f"{data['layers']}, {layers}, {format_size(sum(per_layer))} in all"),
+        ("tensors", f"{data['tensors']}, {format_size(data['tensor_bytes'])}"),
+        ("token_embd", format_size(data["token_embd_bytes"])),
+        ("output layer", format_size(data["output_layer_bytes"]) + tied),
+        ("dimensions", f"embd {data['embd']}, heads {data['heads']}, KV heads {data['kv_heads']}"),
+        ("vocabulary", str(data["vocab"])),
+        ("training context", str(data["training_context"])),
+        ("KV per token", f"{format_size(data['kv_bytes_per_token'])} ({data['kv_type']}, all layers)"),
+    ]
+    if "context" in data:
+        rows.append(("KV cache", f"{format_size(data['kv_bytes'])} at context {data['context']}"))
+    for name, value in rows:
+        _common.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)

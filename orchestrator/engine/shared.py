@@ -1,0 +1,75 @@
+"""One shared attempt per key: the helper behind every "compute this once for everyone" in a run
+(a host's connection, a fleet step's probe or plan, an artifact chosen for many hosts).
+
+The failure rule, the same for every user:
+
+* Callers of one key share one attempt, started by the first; a caller that is cancelled leaves the
+  attempt running for the others.
+* The outcome is kept for the life of the `Shared`: a value, or an error. A failed attempt is not
+  retried by later callers: in one run, what failed for one host fails alike for the next instead of
+  being tried again (a fleet probe or a plan is not repeated per batch of hosts, a download that
+  timed out does not time out once per host).
+* Each caller gets its own copy of the error (same type and attributes), so that stamping a host on
+  it for one caller does not change it for another.
+* Only an attempt that was itself cancelled (by `clear`) is forgotten: the next caller starts anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
+class Shared(Generic[K, T]):
+    """`await shared.get(key, make)`: `make()` runs once per key; every caller awaits its outcome."""
+
+    def __init__(self) -> None:
+        self._attempts: dict[K, asyncio.Future[T]] = {}
+
+    async def get(self, key: K, make: Callable[[], Awaitable[T]]) -> T:
+        attempt = self._attempts.get(key)
+        if attempt is None or attempt.cancelled():
+            attempt = asyncio.ensure_future(make())
+            self._attempts[key] = attempt
+        try:
+            return await asyncio.shield(attempt)
+        except Exception as exc:
+            raise copy_error(exc) from exc
+
+    async def clear(self) -> list[T]:
+        """Forget every key: cancel the attempts still running, wait for them, and return the values of
+        those that succeeded (for the owner to release, e.g. connections to close)."""
+        attempts = list(self._attempts.values())
+        self._attempts.clear()
+        for attempt in attempts:
+            attempt.cancel()
+        values = []
+        for attempt in attempts:
+            try:
+                values.append(await attempt)
+            except (Exception, asyncio.CancelledError):  # a failed attempt has nothing to release
+                continue
+        return values
+
+
+class SharedCall(Generic[T]):
+    """`Shared` for one computation without a key: `await call.get()`."""
+
+    def __init__(self, make: Callable[[], Awaitable[T]]) -> None:
+        self._make = make
+        self._shared: Shared[None, T] = Shared()
+
+    async def get(self) -> T:
+        return await self._shared.get(None, self._make)
+
+
+def copy_error(exc: Exception) -> Exception:
+    """A shallow copy of `exc`, made without calling its `__init__` (some take other arguments than
+    `args`, such as PlaybookErrors' list of errors)."""
+    clone = type(exc).__new__(type(exc), *exc.args)
+    clone.__dict__.update(exc.__dict__)
+    return clone

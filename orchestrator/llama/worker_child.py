@@ -1,0 +1,252 @@
+"""The worker process: loads one model through `load_llama` and serves requests until told to close.
+
+Run as `python -m orchestrator.llama.worker_child` by `orchestrator.llama.worker.Worker` (see there for
+why). The first line on stdin is the load request; every later line is a request (`worker_wire`). Its
+answers go to the protocol pipe: the original stdout, kept as a private descriptor, while fd 1 is pointed
+at stderr (the log), so a stray native `printf` can never corrupt the protocol.
+
+The child never outlives its parent: a watchdog thread reads stdin and exits the process at end of file
+(the parent's end closes when it dies, however it dies) or when the process is re-parented. Not
+PR_SET_PDEATHSIG: that fires when the *thread* that spawned the child exits, and a parent may start a
+worker from a short-lived thread. Core dumps are off: a native abort (a lost node) is expected here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import resource
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from orchestrator.llama.worker_wire import decode, encode, placement_to_json
+
+PARENT_ENV = "RPCFLEET_WORKER_PARENT"
+_WATCH_INTERVAL = 0.5  # seconds between re-parenting checks of the watchdog
+
+
+class _Channel:
+    """Requests from stdin (a watchdog thread) and answers to the protocol pipe."""
+
+    def __init__(self, out: IO[bytes], parent: int) -> None:
+        self._out = out
+        self._parent = parent
+        self.requests: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.cancel = threading.Event()
+        threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
+
+    def send(self, **message: Any) -> None:
+        self._out.write(encode(message))
+
+    def _watch(self) -> None:
+        stdin = sys.stdin.buffer
+        pending = b""
+        while True:
+            if os.getppid() != self._parent:
+                os._exit(0)  # the parent died and we were re-parented
+            ready, _, _ = select.select([stdin], [], [], _WATCH_INTERVAL)
+            if not ready:
+                continue
+            chunk = os.read(stdin.fileno(), 65536)
+            if not chunk:
+                os._exit(0)  # the parent closed our stdin (or died): nothing may outlive it
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                try:
+                    message = decode(line)
+                except ValueError as exc:
+                    self.send(event="error", type="WorkerError", message=f"bad request: {exc}")
+                    continue
+                if message.get("op") == "cancel":
+                    self.cancel.set()
+                else:
+                    self.requests.put(message)
+
+
+def tune_sockets(endpoints: list[tuple[str, int]], link_timeout: float) -> int:
+    """Bound how long a dead link can stall the native client: on every TCP connection of this process to
+    one of `endpoints`, keepalive probes and TCP_USER_TIMEOUT (data unacknowledged for `link_timeout`
+    seconds aborts the connection; ggml-rpc then aborts the process, and the parent reports the node).
+    Returns the number of connections tuned."""
+    wanted = set(endpoints)
+    tuned = 0
+    idle = max(1, int(link_timeout / 2))
+    interval = max(1, int(link_timeout / 5))
+    for name in os.listdir("/proc/self/fd"):  # noqa: PTH208 (names, not paths)
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # not a socket (or gone)
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.getpeername()[:2] not in wanted:
+                    continue
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(link_timeout * 1000))
+                tuned += 1
+            except OSError:
+                continue
+    return tuned
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    from orchestrator.core.errors import RpcfleetError
+
+    if isinstance(exc, RpcfleetError):
+        fields = {
+            "type": type(exc).__name__,
+            "message": exc.message,
+            "hint": exc.hint,
+            "host": exc.host,
+            "stderr": exc.stderr_tail,
+        }
+        outcome = getattr(exc, "outcome", None)  # a preflight refusal: the probe's outcome names the case
+        if outcome is not None:
+            fields["outcome"] = str(outcome)
+        return fields
+    return {"type": type(exc).__name__, "message": str(exc) or type(exc).__name__}
+
+
+def _counting(llm: Any, counts: dict[str, Any]) -> Callable[..., Iterator[int]]:
+    """`llm.generate`, counting the prompt and every token it yields (llama-cpp-python's stream has no
+    usage, and its chunks hold back tokens that end inside a UTF-8 character)."""
+    generate = llm.generate
+
+    def counted(tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
+        counts["prompt"] = len(tokens)
+        gen = generate(tokens, *args, **kwargs)
+        sent = None
+        while True:
+            try:
+                token = gen.send(sent)
+            except StopIteration:
+                return
+            counts["tokens"] += 1
+            counts["last"] = token
+            sent = yield token
+
+    return counted
+
+
+def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
+    import llama_cpp.llama_cpp as lc
+
+    from orchestrator.llama.native import generation_timings
+
+    counts: dict[str, Any] = {"prompt": 0, "tokens": 0, "last": None}
+    llm.generate = _counting(llm, counts)
+    common = {
+        "max_tokens": request.get("max_tokens", 16),
+        "temperature": request.get("temperature", 0.0),
+        "seed": request.get("seed"),
+        "stream": True,
+    }
+    if request["op"] == "chat":
+        chunks = llm.create_chat_completion(request["messages"], **common)
+    else:
+        chunks = llm.create_completion(request["prompt"], **common)
+    channel.cancel.clear()
+    pieces: list[str] = []
+    finish = None
+    started = time.monotonic()
+    first: float | None = None
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        piece = choice.get("text") if request["op"] != "chat" else choice.get("delta", {}).get("content")
+        finish = choice.get("finish_reason") or finish
+        if piece:
+            first = first if first is not None else time.monotonic() - started
+            pieces.append(piece)
+            if request.get("stream", True):
+                channel.send(event="token", text=piece)
+        if channel.cancel.is_set():
+            chunks.close()
+            finish = "cancelled"
+            break
+    del llm.generate
+    generated = counts["tokens"]
+    if counts["last"] is not None and lc.llama_vocab_is_eog(llm._model.vocab, counts["last"]):
+        generated -= 1  # the end-of-generation token is sampled, not part of the completion
+    timings = generation_timings(llm)
+    channel.send(
+        event="done",
+        text="".join(pieces),
+        finish_reason=finish,
+        prompt_tokens=counts["prompt"],
+        completion_tokens=generated,
+        prompt_seconds=round(timings.prompt_seconds, 6),
+        decode_seconds=round(timings.generate_seconds, 6),
+        decode_tokens=timings.generated_tokens,
+        first_token_seconds=round(first if first is not None else 0.0, 6),
+        seconds=round(time.monotonic() - started, 6),
+    )
+
+
+def serve(channel: _Channel) -> int:
+    from orchestrator.core.errors import RpcfleetError
+    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.placement import placement_of
+    from orchestrator.planning.plan import Plan
+    from orchestrator.rpc.protocol import parse_endpoint
+
+    with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort
+        import llama_cpp  # noqa: F401
+    channel.send(event="ready")  # the imports are done: the parent may have planned meanwhile
+    load = channel.requests.get()
+    try:
+        plan = Plan.from_json(load["plan"])
+        llm = load_llama(
+            plan, load["model"], verbose=bool(load.get("verbose")), **load.get("llama_kwargs", {})
+        )
+    except (RpcfleetError, ValueError, TypeError, KeyError) as exc:
+        channel.send(event="error", **_error_fields(exc))
+        return 1
+    endpoints = [(ep.host, ep.port) for ep in map(parse_endpoint, plan.endpoints)]
+    link_timeout = float(load.get("link_timeout", 10.0))
+    tuned = tune_sockets(endpoints, link_timeout)
+    channel.send(
+        event="loaded", pid=os.getpid(), placement=placement_to_json(placement_of(llm)), sockets=tuned
+    )
+    while True:
+        request = channel.requests.get()
+        op = request.get("op")
+        if op == "close":
+            llm.close()
+            return 0
+        if op not in ("complete", "chat"):
+            channel.send(event="error", type="WorkerError", message=f"unknown op {op!r}")
+            continue
+        tune_sockets(endpoints, link_timeout)  # connections a server re-opened since the last request
+        try:
+            _generate(llm, request, channel)
+        except Exception as exc:  # a bad request (too long a prompt...): answer it and keep serving
+            with contextlib.suppress(AttributeError):
+                del llm.generate
+            channel.send(event="error", **_error_fields(exc))
+
+
+def main() -> None:
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    parent = int(os.environ.get(PARENT_ENV, "0")) or os.getppid()
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # fd 1 is now the log: native prints cannot reach the protocol pipe
+    sys.stdout = sys.stderr
+    channel = _Channel(out, parent)
+    code = serve(channel)
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: native threads (RPC dispatchers) may still hold the GIL
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""The command line itself: start-up cost, options where users put them, usage errors, interrupts, and
+the pure pieces behind the messages (placement table, token count, hints, log lines)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import _common, _planning, main, parse_args
+from orchestrator.cli.run import generated_tokens
+from orchestrator.core import fields
+from orchestrator.core.errors import ServiceError
+from orchestrator.core.log import render_text
+from orchestrator.facts.server import Listener
+from orchestrator.llama.placement import DevicePlacement, HostPlacement, MemoryBytes, Placement
+from orchestrator.operations.process import taken_hint
+
+ROOT = Path(__file__).resolve().parent.parent
+FLEET = str(ROOT / "tests" / "data" / "inventory" / "fleet_ansible.yml")
+MiB = 1 << 20
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, " ".join(err.split())
+
+
+# --- start-up: each command imports only what it needs ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "absent"),
+    [
+        (["--version"], ["asyncssh", "numpy", "gguf", "structlog", "rich", "asyncio", "yaml"]),
+        (["--help"], ["asyncssh", "numpy", "gguf", "structlog", "rich", "asyncio", "yaml"]),
+        (["inventory", "list", "-i", FLEET], ["asyncssh", "numpy", "gguf", "structlog", "asyncio"]),
+        (["probe", "--help"], ["asyncssh", "numpy", "gguf", "structlog", "asyncio"]),
+    ],
+)
+def test_commands_import_only_what_they_need(argv: list[str], absent: list[str]) -> None:
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['rpcfleet', *{argv!r}]\n"
+        "try:\n    runpy.run_module('orchestrator', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules}), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_child_env(), capture_output=True, text=True, timeout=60
+    )
+    loaded = ast.literal_eval(done.stderr.strip().splitlines()[-1])
+    assert [m for m in absent if m in loaded] == []
+
+
+# --- options before or after the command, usage errors -----------------------------------------------------
+
+
+def test_options_before_and_after_the_command_are_the_same() -> None:
+    before = parse_args(["-i", FLEET, "-l", "gpu", "--json", "-f", "3", "-v", "inventory", "list"])
+    after = parse_args(["inventory", "list", "-i", FLEET, "-l", "gpu", "--json", "-f", "3", "-v"])
+    for name in ("inventory", "limit", "json", "forks", "verbose", "log_format"):
+        assert getattr(before, name) == getattr(after, name), name
+    assert str(before.inventory) == FLEET and before.verbose == 1
+    # after the command wins; -v counts on both sides
+    both = parse_args(["-i", "first.yml", "-v", "ping", "-i", "second.yml", "-vv"])
+    assert str(both.inventory) == "second.yml" and both.verbose == 3
+
+
+def test_rpcfleet_i_inventory_ping_style(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "-i", FLEET, "--json", "inventory", "list", "-l", "mi*")
+    assert status == 0 and [h["name"] for h in json.loads(out)] == ["mia", "mib"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "message"),
+    [
+        (["pign"], "usage: rpcfleet [-h]", "unknown command 'pign'; did you mean 'ping'?"),
+        (["inventory", "lsit"], "usage: rpcfleet inventory", "did you mean 'list'?"),
+        (["probe", "--jsn"], "usage: rpcfleet probe", "unrecognized arguments: --jsn (did you mean --json?)"),
+        (["-i", FLEET, "lab", "up"], "usage: rpcfleet lab up", "-i does not apply to `rpcfleet lab up`"),
+        (["plan", "-m", "x.gguf", "--format", "tabel"], "usage: rpcfleet plan", "did you mean 'table'?"),
+        (
+            ["plan", "-m", "x.gguf", "--ctx", "lots"],
+            "usage: rpcfleet plan",
+            "context size such as 4096 or 32k",
+        ),
+        (["ping", "--forks", "0"], "usage: rpcfleet ping", "expected an integer >= 1, got 0"),
+        (
+            ["probe", "--timeout", "0"],
+            "usage: rpcfleet probe",
+            "expected a positive number of seconds, got '0'",
+        ),
+        (["plan", "-m", "x.gguf", "--type-k", "q9"], "usage: rpcfleet plan", "unknown choice 'q9'"),
+        (["model", "synth"], "usage: rpcfleet model synth", "required: OUT.gguf"),
+    ],
+)
+def test_bad_input_prints_the_commands_usage_and_exits_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str, message: str
+) -> None:
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith(usage) and message in err
+    assert "Traceback" not in err and "[red]" not in err
+
+
+def test_ctx_takes_k_and_m_on_every_command_that_has_it() -> None:
+    assert fields.context("8k") == 8192 and fields.context(" 128K ") == 131072
+    assert fields.context("1m") == 1 << 20 and fields.context("4096") == 4096
+    for argv in (["plan", "-m", "m.gguf"], ["run", "-m", "m.gguf", "-p", "x"], ["model", "info", "m.gguf"]):
+        assert parse_args([*argv, "--ctx", "8k"]).ctx == 8192
+    assert parse_args(["model", "synth", "o.gguf", "--ctx-train", "32k"]).ctx_train == 32768
+    from orchestrator.cli.report import parse_contexts
+
+    assert parse_contexts(["8k,32k"]) == [8192, 32768]
+
+
+def test_choices_copied_into_the_cli_match_their_source() -> None:
+    """The CLI lists some choices itself (importing their modules would slow every command down)."""
+    from typing import get_args
+
+    from orchestrator.cli import lab, model, probe, report
+    from orchestrator.lab.model import DEFAULT_LAB
+    from orchestrator.planning.profile import KV_CACHE_TYPES
+    from orchestrator.planning.synth import WeightType
+    from orchestrator.probe.fleet import FAIL_ON
+    from orchestrator.probe.host import DEFAULT_TIMEOUT
+    from orchestrator.report.render import FORMATS
+
+    assert probe.FAIL_ON == FAIL_ON and report.FORMATS == FORMATS and lab.DEFAULT_LAB == DEFAULT_LAB
+    assert tuple(KV_CACHE_TYPES) == _planning.KV_TYPES and get_args(WeightType) == model.WEIGHT_TYPES
+    args = parse_args(["probe"])
+    assert args.timeout is None and _common.probe_timeout(args) == DEFAULT_TIMEOUT
+    assert f"(default: {DEFAULT_TIMEOUT:g})" in " ".join(
+        a.help or "" for a in args._parser._actions if a.dest == "timeout"
+    )
+
+
+# --- Ctrl-C and SIGTERM at any moment of start-up -------------------------------------------------------
+
+
+def test_a_signal_at_any_moment_of_start_up_says_interrupted_and_exits_130() -> None:
+    """20 rounds: the signal lands at a random moment after the package is imported (the interpreter's
+    own start before that runs no rpcfleet code): during the imports, the parsing, the command."""
+    rng = random.Random(15)
+    interrupted = 0
+    for round_no in range(20):
+        sig = signal.SIGINT if round_no % 2 else signal.SIGTERM
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "orchestrator", "inventory", "list", "-i", FLEET],
+            env=_child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # import lines until the package itself is imported
+            lines.append(line)
+            if line.rstrip().endswith("| orchestrator"):
+                break
+        delay = rng.uniform(0.002, 0.1)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        rest = proc.stderr.read()
+        status = proc.wait(30)
+        messages = [line for line in rest.splitlines() if not line.startswith("import time:")]
+        assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+        if status == 130:
+            interrupted += 1
+            assert messages == ["interrupted"], messages
+        else:
+            assert status == 0 and messages == [], (round_no, sig, delay, status, rest[-3000:])
+    assert interrupted >= 10
+
+
+# --- model synth / model info -------------------------------------------------------------------------------
+
+
+def test_model_synth_then_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_path = tmp_path / "m.gguf"
+    argv = ["model", "synth", str(out_path), "--layers", "3", "--embd", "64", "--heads", "4"]
+    status, out, _ = run(capsys, *argv, "--kv-heads", "2", "--ff", "128", "--ctx-train", "2k")
+    assert status == 0 and f"wrote {out_path}" in out
+    assert run(capsys, *argv)[0] == 2  # exists: not overwritten without --force
+    status, out, _ = run(capsys, "model", "info", str(out_path), "--ctx", "8k", "--json")
+    info = json.loads(out)
+    assert status == 0
+    assert (info["layers"], info["embd"], info["heads"], info["kv_heads"]) == (3, 64, 4, 2)
+    assert info["training_context"] == 2048 and len(info["bytes_per_layer"]) == 3
+    assert info["tensors"] == 2 + 1 + 9 * 3  # token_embd, output_norm, output + 9 per layer
+    # K and V of 2 heads x 16 dims, f16, in each of 3 layers; at 8192 tokens
+    assert info["kv_bytes_per_token"] == 3 * 2 * (2 * 16) * 2 and info["kv_bytes"] == 8192 * 384
+    status, out, _ = run(capsys, "model", "info", str(out_path))
+    assert "layers:           3," in out and "training context: 2048" in out
+    status, _, err = run(capsys, "model", "synth", str(tmp_path / "bad.gguf"), "--embd", "30", "--heads", "4")
+    assert status == 2 and "multiple of n_head" in err and not (tmp_path / "bad.gguf").exists()
+
+
+# --- the pure pieces behind messages ------------------------------------------------------------------------
+
+
+def _placement() -> Placement:
+    device = DevicePlacement(
+        label="10.0.0.1:50052#0",
+        name="RPC0",
+        endpoint="10.0.0.1:50052",
+        index=0,
+        planned_layers=(0, 1, 2),
+        actual_layers=(0, 1, 2),
+        predicted=MemoryBytes(30 * MiB, 4 * MiB, 15 * MiB),
+        actual=MemoryBytes(30 * MiB, 4 * MiB, 14 * MiB),
+    )
+    host = HostPlacement(MiB, 0, 5 * MiB, 0, MiB, 0, 4 * MiB, 0)
+    return Placement((device,), host, (("RPC0", "x"),), 0.2, ())
+
+
+def test_placement_prints_as_a_table() -> None:
+    text = str(_placement())
+    lines = text.splitlines()
+    assert lines[0] == "placement (MiB)"
+    assert lines[1].split() == ["device", "name", "layers", "weights", "KV", "compute", "total"]
+    assert lines[2].split() == ["10.0.0.1:50052#0", "RPC0", "0-2", "plan", "30.00", "4.00", "15.00", "49.00"]
+    assert lines[3].split() == ["0-2", "actual", "30.00", "4.00", "14.00", "48.00"]
+    assert lines[4].split() == ["host", "CPU", "plan", "1.00", "0.00", "5.00", "6.00"]
+    assert "Placement(" not in text
+
+
+@pytest.mark.parametrize(
+    ("n_eval", "reason", "max_tokens", "text", "expected"),
+    [
+        (1, "length", 1, True, 1),  # llama.cpp reports max(1, n_eval): -n 1 evaluated nothing
+        (3, "length", 4, True, 4),  # the last token is sampled, never evaluated
+        (5, "stop", 32, True, 5),  # end of text after 5 tokens
+        (1, "stop", 32, False, 0),  # end of text at once: nothing generated
+    ],
+)
+def test_generated_tokens(n_eval: int, reason: str, max_tokens: int, text: bool, expected: int) -> None:
+    assert generated_tokens(n_eval, reason, max_tokens, text) == expected
+
+
+def test_a_host_is_named_once() -> None:
+    error = ServiceError("the rpc-server exited", host="node1", hint="see `rpcfleet logs`")
+    assert str(error).startswith("node1: the rpc-server exited")
+    assert error.describe(with_host=False).startswith("the rpc-server exited")
+    assert "node1" not in error.describe(with_host=False)
+
+
+def test_a_port_taken_by_another_rpc_server_is_not_called_a_stranger() -> None:
+    server = Listener("0.0.0.0:50052", "ggml-rpc-server", 4242)
+    hint = taken_hint(server, "~/.rpcfleet")
+    assert "another rpc-server (pid 4242)" in hint and "not the one rpcfleet runs from ~/.rpcfleet" in hint
+    assert taken_hint(Listener("0.0.0.0:50052", "nginx", 7), "~/.rpcfleet") == (
+        "stop that process or choose another rpc_port"
+    )
+
+
+def test_every_log_line_has_a_timestamp() -> None:
+    event = {
+        "event": "command_failed",
+        "level": "warning",
+        "timestamp": "2026-12-01T07:00:00.000000Z",
+        "host": "node1",
+        "stderr": "line one\nline two",
+        "exception": "Traceback (most recent call last):\n  File x\nValueError: boom",
+    }
+    lines = render_text(None, "warning", dict(event)).splitlines()
+    assert len(lines) == 4
+    assert all(line.startswith("2026-12-01T07:00:00.000000Z warning ") for line in lines)
+    assert "command_failed host=node1 stderr='line one\\nline two'" in lines[0]
+    assert lines[-1].endswith("ValueError: boom")

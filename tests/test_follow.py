@@ -1,0 +1,56 @@
+"""`rpcfleet logs --follow`: new lines as they come, across a rotation, without the connection noise."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.model import Host
+from orchestrator.operations.follow import CONNECTION_NOISE, is_noise, make_follow_step, parse_chunk
+
+
+async def _wait_for(seen: list[str], n: int) -> None:
+    for _ in range(200):
+        if len(seen) >= n:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_follow_prints_new_complete_lines_without_noise(tmp_path: Path) -> None:
+    log = tmp_path / "log" / "rpc-server.log"
+    log.parent.mkdir()
+    log.write_text("old line, already shown by the tail\n")
+    host = Host(name="node1", address="127.0.0.1", connection="local", install_dir=str(tmp_path))
+    seen: list[str] = []
+    stop = asyncio.Event()
+
+    def on_lines(name: str, lines: list[str]) -> None:
+        assert name == "node1"
+        seen.extend(lines)
+
+    async with Session(forks=1) as session:
+        task = asyncio.create_task(
+            session.run([host], make_follow_step(on_lines, interval=0.05, stop=stop), name="follow")
+        )
+        await asyncio.sleep(0.2)
+        with log.open("a") as f:
+            f.write("Accepted client connection\nStarting RPC server v7.0.0\nClient connection closed\nhalf")
+        await _wait_for(seen, 1)
+        with log.open("a") as f:
+            f.write(" a line\n")
+        await _wait_for(seen, 2)
+        log.write_text("after rotation\n")  # smaller than before: read from its start
+        await _wait_for(seen, 3)
+        stop.set()
+        run = await asyncio.wait_for(task, 5)
+    assert run.ok
+    assert seen == ["Starting RPC server v7.0.0", "half a line", "after rotation"]
+
+
+def test_noise_lines_are_the_servers_connection_lines() -> None:
+    # ggml-rpc-server 7.0.0, one probe: these two lines (see bench/probe.py's server logs)
+    assert all(is_noise(line) for line in CONNECTION_NOISE)
+    assert not is_noise("Starting RPC server v7.0.0") and not is_noise("Accepted client connection from x")
+    assert parse_chunk("12\nabc", 20) is not None and parse_chunk("12\nabc", 20).rotated  # type: ignore[union-attr]
+    assert parse_chunk("", 0) is None

@@ -1,0 +1,366 @@
+"""Tier 2: the operations layer under the conditions that break orchestrators (issue 13).
+
+Real OpenSSH nodes in network namespaces, real servers, a real model generating through them. Each race
+is looped, not sampled: concurrent version switches, interrupts at random moments, restarts against a
+busy fleet. After every round the truth is read from outside rpcfleet (the node's sockets and /proc):
+exactly one server per host, the tracked one, running the version `current` names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.cli import main
+from orchestrator.engine.executor import RunResult, Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.layer import OperationOptions
+from orchestrator.operations.lock import HostLockedError
+from orchestrator.operations.server import ServerStatus
+from orchestrator.operations.service import DeployResult, make_deploy_step, make_status_step
+from tests.plugins.playbooks import PLAYBOOKS, NodeView
+
+pytestmark = pytest.mark.lab
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 20
+
+
+class _Fixed(ArtifactChooser):
+    """Always this artifact (a variant of the real one under another id stands for another version)."""
+
+    def __init__(self, artifact: Artifact) -> None:
+        super().__init__()
+        self.artifact = artifact
+
+    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+        return self.artifact
+
+
+@pytest.fixture
+def versions(cpu_artifact: Artifact) -> tuple[Artifact, Artifact]:
+    return (
+        dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-one"),
+        dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-two"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Truth:
+    """A node as the kernel sees it: the pid file, who listens on the port and from which version."""
+
+    tracked: int | None
+    listeners: tuple[tuple[int, str | None], ...]  # (pid, version of its binary)
+    current: str | None
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+
+def truth(lab: Lab, host: Host, port: int | None = None) -> Truth:
+    view = NodeView(lab, host)
+    out = lab.node_exec(host.name, ["ss", "-Hltnp", f"sport = :{port or host.rpc_port}"]).stdout
+    pids = sorted({int(p.split("=")[1]) for p in out.split() for p in p.split(",") if p.startswith("pid=")})
+    listeners = []
+    for pid in pids:
+        binary = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        parts = binary.split("/versions/")
+        listeners.append((pid, parts[1].split("/")[0] if len(parts) == 2 else None))
+    link = view.root / "current"
+    current = str(link.readlink()).rstrip("/").split("/")[-1] if link.is_symlink() else None
+    tracked = view.pid()
+    argv: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    if tracked and Path(f"/proc/{tracked}/cmdline").exists():
+        argv = tuple(a.decode() for a in Path(f"/proc/{tracked}/cmdline").read_bytes().split(b"\0") if a)
+        for item in Path(f"/proc/{tracked}/environ").read_bytes().split(b"\0"):
+            key, _, value = item.decode(errors="replace").partition("=")
+            if key in ("LLAMA_CACHE", "GGML_RPC_DEBUG"):
+                env[key] = value
+    return Truth(tracked, tuple(listeners), current, argv, env)
+
+
+def assert_one_true_server(lab: Lab, hosts: list[Host], statuses: dict[str, ServerStatus]) -> None:
+    for host in hosts:
+        seen = truth(lab, host)
+        assert len(seen.listeners) == 1, f"{host.name}: listeners {seen.listeners}"
+        pid, version = seen.listeners[0]
+        assert pid == seen.tracked, f"{host.name}: {pid} listens, the pid file says {seen.tracked}"
+        assert version == seen.current, f"{host.name}: running {version}, current {seen.current}"
+        status = statuses[host.name]
+        assert status.state == "running" and status.pid == pid and status.running_version == version
+
+
+async def statuses_of(hosts: list[Host]) -> dict[str, ServerStatus]:
+    async with Session() as session:
+        run = await session.run(hosts, make_status_step(), name="status")
+    assert run.ok, [str(r.error) for r in run.failed]
+    return {r.host.name: r.value for r in run.results if isinstance(r.value, ServerStatus)}
+
+
+@pytest.fixture
+def fleet(deployed: list[Host]) -> list[Host]:
+    return deployed
+
+
+def _inventory_with(lab: Lab, path: Path, **variables: Any) -> Path:
+    doc = yaml.safe_load(lab.inventory.read_text())
+    doc["vars"].update(variables)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# --- two operators at once ---------------------------------------------------------------------------------
+
+
+async def test_concurrent_version_switching_deploys_leave_one_true_server(
+    lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact]
+) -> None:
+    async def operator(artifact: Artifact, wait: float) -> RunResult[Any]:
+        async with Session() as session:
+            step = make_deploy_step(_Fixed(artifact), OperationOptions(wait_lock=wait))
+            return await session.run(fleet, step, name="deploy")
+
+    for round_no in range(ROUNDS):
+        one, two = versions if round_no % 2 == 0 else versions[::-1]
+        wait = 60.0 if round_no % 4 < 2 else 0.0  # half the rounds wait for the lock, half fail fast
+        first, second = await asyncio.gather(operator(one, wait), operator(two, wait))
+        for result in (*first.results, *second.results):
+            # Fail fast: the loser of a host's lock is told who has it; nothing else may fail.
+            assert result.succeeded or isinstance(result.error, HostLockedError), result.error
+            if result.error is not None:
+                assert "is being changed by" in str(result.error) and "deploy" in str(result.error)
+        assert_one_true_server(lab, fleet, await statuses_of(fleet))
+
+
+# --- interrupts ---------------------------------------------------------------------------------------------
+
+
+async def test_interrupts_at_random_moments_leave_every_host_old_or_new_never_stopped(
+    lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact]
+) -> None:
+    rng = random.Random(13)
+    for round_no in range(ROUNDS):
+        target = versions[round_no % 2]
+        before = {h.name: truth(lab, h).current for h in fleet}
+        async with Session(forks=1) as session:  # one host at a time: an interrupt falls between hosts too
+            step = make_deploy_step(_Fixed(target), OperationOptions())
+            asyncio.get_running_loop().call_later(rng.uniform(0.0, 1.2), session.interrupt, "SIGINT")
+            run = await session.run(fleet, step, name="deploy")
+        statuses = await statuses_of(fleet)
+        assert_one_true_server(lab, fleet, statuses)  # every host serves, old or new
+        for result in run.results:
+            now = truth(lab, result.host).current
+            if result.status == "changed":
+                assert now == target.id
+            elif result.status == "ok":  # already on the target (an earlier round was interrupted first)
+                assert now == before[result.host.name] == target.id
+            elif result.status == "skipped":
+                assert "not started: SIGINT" in result.message and now == before[result.host.name]
+            else:
+                pytest.fail(f"{result.host.name}: {result.status} {result.error}")
+
+
+def test_sigint_to_the_cli_during_a_deploy_prints_the_recap_and_the_finishing_command(
+    lab: Lab, fleet: list[Host], tmp_path: Path
+) -> None:
+    """The real signal path: Ctrl-C to `rpcfleet deploy`, three times at different moments."""
+    rng = random.Random(7)
+    for round_no in range(3):
+        threads = 1 + round_no % 2 + 1  # each round changes the launch line: every host is restarted
+        inventory = _inventory_with(lab, tmp_path / f"inv{round_no}.yml", rpc_threads=threads)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "deploy", "-i", str(inventory), "--forks", "1"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        # Wait until the first host is being changed (its lock file gets the deploy's owner), then interrupt.
+        info = NodeView(lab, fleet[0]).root / "run/lock.info"
+        while time.monotonic() < deadline and (not info.exists() or str(child.pid) not in info.read_text()):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.4))
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+        assert "Traceback" not in out + err
+        statuses = asyncio.run(statuses_of(fleet))
+        assert_one_true_server(lab, fleet, statuses)
+        changed = [h.name for h in fleet if f"-t {threads}" in " ".join(truth(lab, h).argv)]
+        if child.returncode == 130:
+            pending = [h.name for h in fleet if h.name not in changed]
+            assert "interrupted" in err and "finish with: rpcfleet deploy" in err, err
+            assert f"-l {','.join(pending)}" in err, err
+            assert changed, "the host in flight when Ctrl-C came must have finished"
+        else:
+            assert child.returncode == 0, err
+            assert len(changed) == len(fleet)
+
+
+# --- a model generating through the fleet -------------------------------------------------------------------
+
+_CLIENT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    import orchestrator as rf
+
+    inventory, model, stop = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    hosts = list(rf.load_inventory(inventory).hosts)
+    fleet = asyncio.run(rf.probe_fleet(hosts))
+    plan = rf.make_plan(rf.to_plan_devices(fleet), rf.profile_model(model), rf.PlanOptions(n_ctx=256))
+    llm = rf.load_llama(plan, model, verbose=False)
+    print("loaded", flush=True)
+    tokens = 0
+    while not stop.exists():
+        out = llm("Once upon a time", max_tokens=16, temperature=0.0)
+        tokens += out["usage"]["completion_tokens"]
+    llm.close()
+    print("tokens", tokens, flush=True)
+    """
+)
+
+
+@pytest.fixture
+def generating(lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -> Iterator[Path]:
+    """A model loaded across the lab's three servers, generating until the yielded stop file exists."""
+    stop = tmp_path / "stop"
+    client = subprocess.Popen(
+        [sys.executable, "-c", _CLIENT, str(lab.inventory), str(tiny_model), str(stop)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert client.stdout is not None
+    line = client.stdout.readline()
+    assert line.strip() == "loaded", client.stderr.read() if client.stderr else ""
+    yield stop
+    stop.touch()
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == 0, err[-2000:]
+    assert int(out.split()[-1]) > 0  # it generated, and finished its generation
+
+
+def test_restarts_against_a_generating_fleet_are_all_refused(
+    lab: Lab, fleet: list[Host], generating: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    views = [NodeView(lab, h) for h in fleet]
+    pids, starts = [v.pid() for v in views], [v.starts() for v in views]
+    inv = str(lab.inventory)
+    changed = str(_inventory_with(lab, tmp_path / "threads.yml", rpc_threads=2))
+    attempts = [
+        ["restart", "-i", inv],
+        ["restart", "--rolling", "-i", inv],
+        ["run-playbook", str(PLAYBOOKS / "rolling-restart.yml"), "-i", inv],
+        ["stop", "-i", inv],
+        ["deploy", "-i", changed],  # a launch-line change would restart: refused while busy
+    ]
+    for attempt in range(ROUNDS):
+        argv = attempts[attempt % len(attempts)]
+        assert main(argv) == 1, argv
+        out = capsys.readouterr()
+        assert "busy" in out.out + out.err, argv
+        assert [v.pid() for v in views] == pids and [v.starts() for v in views] == starts, argv
+    assert all(v.server_alive() for v in views)
+
+
+# --- desired state includes the launch line -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variables", "flag", "expect"),
+    [
+        (
+            {"rpc_threads": 2},
+            "-t 2 added",
+            lambda t: "-t" in t.argv and t.argv[t.argv.index("-t") + 1] == "2",
+        ),
+        ({"rpc_cache": True}, "-c added", lambda t: "-c" in t.argv),
+        ({"rpc_debug": True}, "GGML_RPC_DEBUG=1 added", lambda t: t.env.get("GGML_RPC_DEBUG") == "1"),
+        ({"rpc_devices": ["CPU"]}, "-d CPU added", lambda t: "-d" in t.argv and "CPU" in t.argv),
+        ({"rpc_port": 50062}, "-p 50052 -> 50062", lambda t: t.argv[t.argv.index("-p") + 1] == "50062"),
+    ],
+    ids=["threads", "cache", "debug", "devices", "port"],
+)
+def test_each_launch_line_variable_is_applied_by_the_next_deploy(
+    lab: Lab,
+    fleet: list[Host],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    variables: dict[str, Any],
+    flag: str,
+    expect: Any,
+) -> None:
+    inventory = str(_inventory_with(lab, tmp_path / "changed.yml", **variables))
+    before = [truth(lab, h) for h in fleet]
+    assert main(["deploy", "-i", inventory, "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"launch line: {flag}") == len(fleet), out
+    assert [truth(lab, h).tracked for h in fleet] == [t.tracked for t in before]  # --check changed nothing
+
+    assert main(["deploy", "-i", inventory, "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    for result in results:
+        assert result["status"] == "changed" and flag in result["message"]
+        assert result["message"].startswith("restarted: running pid")
+    port = variables.get("rpc_port")
+    for host in fleet:
+        seen = truth(lab, host, port)
+        assert expect(seen), seen.argv
+        assert len(seen.listeners) == 1 and seen.listeners[0][0] == seen.tracked
+
+    assert main(["deploy", "-i", inventory, "--json"]) == 0  # applied: the same inventory changes nothing
+    assert [r["status"] for r in json.loads(capsys.readouterr().out)] == ["ok"] * len(fleet)
+    assert main(["deploy", "-i", str(lab.inventory)]) == 0  # and back
+    capsys.readouterr()
+    assert all(len(truth(lab, h).listeners) == 1 for h in fleet)
+
+
+# --- orphans ---------------------------------------------------------------------------------------------
+
+
+async def test_an_orphan_is_reported_then_replaced_by_deploy(
+    lab: Lab, fleet: list[Host], cpu_artifact: Artifact
+) -> None:
+    host = fleet[0]
+    view = NodeView(lab, host)
+    orphan = view.pid()
+    (view.root / "run/rpc-server.pid").unlink()  # the pid file is lost: the server runs untracked
+    status = (await statuses_of([host]))[host.name]
+    assert status.state == "orphan" and f"pid {orphan}" in status.message
+    assert f"version {cpu_artifact.id}" in status.message and "/versions/" in status.message
+
+    async with Session() as session:
+        run = await session.run([host], make_deploy_step(_Fixed(cpu_artifact)), name="deploy")
+    result = run.results[0]
+    assert result.status == "changed", result.error
+    assert isinstance(result.value, DeployResult) and result.value.service.action == "restart"
+    seen = truth(lab, host)
+    assert len(seen.listeners) == 1 and seen.listeners[0][0] == seen.tracked != orphan
+    assert not _is_server(orphan)
+
+
+def _is_server(pid: int | None) -> bool:
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    return cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes()
