@@ -339,7 +339,9 @@ def inventory_document(lab: Lab) -> dict[str, Any]:
         for node in lab.nodes:
             hosts[node.name] = {"address": node.address}
     else:
-        common = {"connection": "local", "rpc_port": NODE_RPC_PORT}
+        # Local nodes are this machine: under `auto`, a CI host with systemd as PID 1 (and rpcfleet as
+        # root) would get system units installed on itself. The process supervisor keeps them in HOME.
+        common = {"connection": "local", "rpc_port": NODE_RPC_PORT, "supervisor": "process"}
         for node in lab.nodes:
             # `home`: the node's HOME for its local connection; install_dir is absolute either way.
             hosts[node.name] = {

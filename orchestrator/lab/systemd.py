@@ -328,9 +328,31 @@ def shutdown(nodes: Sequence[LabNode], timeout: float = STOP_TIMEOUT) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _wait_gone(pids)
+        _empty_cgroups(machine(node))
         for path in ("stopping", "nspawn.pid", "holder.pid"):
             (node.dir / path).unlink(missing_ok=True)
         _remove_cgroups(machine(node))
+
+
+def _cgroup_members(name: str) -> list[int]:
+    """Live processes in the node's cgroups (its container's, wherever its namespaces went)."""
+    pids: set[int] = set()
+    for root in _cgroup_roots():
+        for procs in (root / name).rglob("cgroup.procs"):
+            with contextlib.suppress(OSError, ValueError):
+                pids |= {int(line) for line in procs.read_text().split()}
+    return [pid for pid in sorted(pids) if _proc_alive(pid)]
+
+
+def _empty_cgroups(name: str, timeout: float = 5.0) -> None:
+    """Kill what is still in the node's cgroups (a process that left its network namespace) and wait for
+    it: a cgroup with a process in it cannot be removed."""
+    deadline = time.monotonic() + timeout
+    while (pids := _cgroup_members(name)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _wait_gone(pids: Sequence[int], timeout: float = 5.0) -> None:

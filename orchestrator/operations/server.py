@@ -302,7 +302,7 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     elif not svc.ours:
         taken = svc.foreign_listeners()
         note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
-        failure = _unit_failure(state)
+        failure = _unit_failure(state, taken=bool(taken))
         if svc.pid is None and failure:
             server, message = "crashed", "; ".join(filter(None, [failure, note]))
         elif svc.pid is None:
@@ -340,14 +340,19 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     )
 
 
-def _unit_failure(state: NodeState) -> str:
-    """Why a systemd unit that should run does not ("" when it was stopped, or is not systemd's)."""
+def _unit_failure(state: NodeState, *, taken: bool = False) -> str:
+    """Why a systemd unit that should run does not ("" when it was stopped, or is not systemd's).
+
+    The server exits with status 0 only after a failed bind: exited on its own (not killed by a stop)
+    with another program on the port is that, even when journald lost the line of a process that died
+    at once (its stream's unit is looked up after the fact)."""
     unit = state.unit
     if state.supervisor != "systemd" or unit is None or not unit.installed:
         return ""
-    if unit.failed_bind:
+    exited = unit.active in ("inactive", "failed") and unit.properties.get("ExecMainCode") == "1"
+    if unit.failed_bind or (exited and taken):
         return "failed: could not bind its port (see `rpcfleet logs`)"
-    if unit.active == "failed":
+    if unit.active == "failed" or exited:
         return f"failed: {unit.last_exit()}"
     return ""
 
