@@ -215,6 +215,17 @@ def test_under_systemd_the_tracked_server_is_the_units_main_pid() -> None:
     assert launch_drift(threads, state) == ("unit rpcfleet-home-lab-i.service differs from the inventory's",)
 
 
+def test_after_an_automatic_restart_the_last_exit_is_the_journals() -> None:
+    note = "Main process exited, code=killed, status=9/KILL"
+    running = _host_unit("x", {**_props("active", 812), "ExecMainCode": "0"}, "Ssl")
+    assert dataclasses.replace(running, exit_note=note).last_exit() == "code=killed, status=9/KILL"
+    assert running.last_exit() == "success"  # no journal line: what systemd's properties say
+    stopped = dataclasses.replace(_host_unit("x", _props("inactive", code="2", status="15")), exit_note=note)
+    assert (
+        stopped.last_exit() == "success, killed by signal 15"
+    )  # not restarted: the properties are the last run
+
+
 def test_the_process_supervisors_server_is_an_orphan_under_systemd() -> None:
     state = _state(
         _host_unit(None, _props("inactive")),

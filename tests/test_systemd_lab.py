@@ -164,6 +164,7 @@ async def test_kill_9_comes_back_counted_and_a_reboot_starts_it_again(
     after = await _states(hosts)
     for host in hosts:
         assert after[host.name].state == "running" and after[host.name].restarts == 1
+        assert after[host.name].last_exit == "code=killed, status=9/KILL", after[host.name]
         assert after[host.name].pid != before[host.name].pid
     sd_lab.reboot(hosts[1].name)  # no rpcfleet command afterwards: the enabled unit starts at boot
     await _until_hello(hosts[1], 10.0)

@@ -124,6 +124,7 @@ class UnitState:
     stat: str | None = None  # ps STAT of MainPID ("" when it is gone), as ServerProcessFact
     argv0: str | None = None
     failed_bind: bool = False  # the journal of the current (or last) run says the bind failed
+    exit_note: str = ""  # systemd's last "Main process exited, code=..., status=..." in the journal
 
     @property
     def installed(self) -> bool:
@@ -148,8 +149,11 @@ class UnitState:
         return int(count) if count.isdigit() else 0
 
     def last_exit(self) -> str:
-        """The last exit as systemd recorded it: `Result`, and how the main process ended."""
+        """The last exit as systemd recorded it: `Result`, and how the main process ended (after an
+        automatic restart, the journal's line about the run that ended: `code=killed, status=9/KILL`)."""
         result = self.properties.get("Result", "")
+        if self.restarts and self.main_pid and self.exit_note:
+            return self.exit_note.removeprefix("Main process exited, ").rstrip(".")
         code, status = self.properties.get("ExecMainCode", ""), self.properties.get("ExecMainStatus", "")
         how = {"1": "exited", "2": "killed", "3": "dumped core"}.get(code)
         if how is None:
@@ -189,6 +193,9 @@ class UnitFact(Fact[UnitState]):
                 f'  journalctl {scope} -q -o cat _SYSTEMD_INVOCATION_ID="$inv" 2>/dev/null'
                 f" | grep -qF {q(self.bind_failed)} && echo 'failed_bind yes'",
                 "fi",
+                # How the previous run ended (ExecMain* describe the current one after a restart).
+                f"journalctl {scope} -u {q(self.unit)} -q -o cat -n 100 --no-pager 2>/dev/null"
+                " | grep -o 'Main process exited, .*' | tail -n 1 | sed 's/^/exit_note /'",
                 f'if [ -f "$f" ]; then echo {_FILE_MARK}; cat "$f"; fi',
                 "exit 0",
             ]
@@ -205,4 +212,5 @@ class UnitFact(Fact[UnitState]):
             stat=values.get("stat"),
             argv0=values.get("argv0") or None,
             failed_bind=values.get("failed_bind") == "yes",
+            exit_note=values.get("exit_note", ""),
         )
