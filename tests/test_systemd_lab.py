@@ -112,6 +112,10 @@ async def _until_hello(host: Host, limit_s: float) -> float:
 async def test_deploy_installs_an_enabled_unit_and_a_second_deploy_changes_nothing(
     hosts: list[Host], sd_lab: Lab, chooser: ArtifactChooser
 ) -> None:
+    checked = await _run(hosts, make_deploy_step(chooser, OperationOptions(check=True)), "deploy")
+    for result, host in zip(checked.results, hosts, strict=True):  # --check shows the unit, writes nothing
+        unit = unit_name(host.install_dir)
+        assert f"write {unit}, enable {unit}" in result.message and _unit_files(sd_lab, host) == [], result
     first = await _run(hosts, make_deploy_step(chooser), "deploy")
     assert first.ok, [str(r.error) for r in first.failed]
     for host in hosts:

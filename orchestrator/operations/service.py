@@ -33,6 +33,7 @@ from orchestrator.operations.process import (
     refuse_if_busy,
     start_server,
     stop_server,
+    unit_text,
     wait_ready,
 )
 from orchestrator.operations.server import (
@@ -46,7 +47,7 @@ from orchestrator.operations.server import (
     read_node_state,
     server_status,
 )
-from orchestrator.operations.systemd import journal_command, remove_unit_script
+from orchestrator.operations.systemd import journal_command, plan_unit, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
 Want = Literal["running", "stopped", "restarted"]
@@ -156,6 +157,10 @@ async def ensure_state(
     stops = change.action in ("stop", "restart") and status.pid is not None
     if check and stops and not force:
         await refuse_if_busy(conn, host, change.action, busy_grace=busy_grace)  # what the stop would say
+    if check and change.action in ("start", "restart"):
+        change = dataclasses.replace(
+            change, reason="; ".join(filter(None, [change.reason, _unit_plan(host, state)]))
+        )
     if not change.changed or check:
         return change
     if change.action in ("stop", "restart"):
@@ -164,6 +169,15 @@ async def ensure_state(
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
+
+
+def _unit_plan(host: Host, state: NodeState) -> str:
+    """What starting under systemd would do to the unit (`--check` shows it; "" when nothing)."""
+    text = unit_text(host, state)
+    if text is None or state.unit is None or state.systemd is None:
+        return ""
+    plan = plan_unit(state.unit, text, state.systemd)
+    return plan.describe() if plan.changed else ""
 
 
 def make_service_step(want: Want, options: OperationOptions) -> Step[ServiceChange]:
