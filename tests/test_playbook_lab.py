@@ -110,3 +110,32 @@ async def test_preload_ends_with_a_model_placed_as_planned(
     # The check ran in a child process: the servers are free again.
     for host in deployed:
         assert (await probe_endpoint(host.endpoint, hello_only=True)).outcome is Outcome.OK
+
+
+def test_a_rolling_restart_shows_its_progress_on_a_terminal(
+    lab: Lab, deployed: list[Host], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.cli import _common, _progress
+
+    screen = io.StringIO()
+    monkeypatch.setattr(
+        _common, "err_console", Console(file=screen, force_terminal=True, width=120), raising=False
+    )
+    seen: list[int] = []
+
+    class Recording(_progress.PlayProgress):
+        def host_done(self, result: object) -> None:
+            super().host_done(result)
+            self.progress.refresh()
+            seen.append(int(self.progress.tasks[1].completed))
+
+    monkeypatch.setattr(_progress, "PlayProgress", Recording)
+    assert main(["restart", "--rolling", "-i", str(lab.inventory)]) == 0
+    assert seen == [1, 2, 3]  # host by host, as each batch of one finishes
+    shown = screen.getvalue()
+    assert "rolling restart: steps" in shown and "1/3" in shown and "3/3" in shown
+    capsys.readouterr()

@@ -76,9 +76,10 @@ class ServiceChange:
             return self.reason or "nothing to do"
         if self.check or self.after is None:
             return f"would {self.action}: {self.reason}" if self.reason else f"would {self.action}"
-        return f"{_PAST[self.action]}: {describe_status(self.after)}" + (
-            f" ({self.reason})" if self.reason else ""
-        )
+        why = f" ({self.reason})" if self.reason else ""
+        if self.after.state == "stopped" and self.action == "stop":
+            return f"stopped{why}"  # "stopped: stopped" says nothing more
+        return f"{_PAST[self.action]}: {describe_status(self.after)}{why}"
 
     def to_json(self) -> dict[str, object]:
         return {
