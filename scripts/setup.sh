@@ -32,6 +32,7 @@ need iptables iptables
 need ip iproute2
 need ss iproute2
 need setsid util-linux
+need systemd-nspawn systemd-container
 need stdbuf coreutils
 need chromium chromium
 if [ ${#missing[@]} -gt 0 ]; then

@@ -352,6 +352,7 @@ async def test_local_lab_gives_each_node_its_own_home_and_address(make_lab: Make
     made = make_lab(3, local=True)
     hosts = lab_hosts_of(made)
     assert [h.connection for h in hosts] == ["local"] * 3
+    assert [h.supervisor for h in hosts] == ["process"] * 3  # never units on the machine running the lab
     assert [h.address for h in hosts] == [f"127.0.{made.slot}.{11 + i}" for i in range(3)]
     assert [h.rpc_host for h in hosts] == [h.address for h in hosts]
     for host, node in zip(hosts, made.nodes, strict=True):

@@ -27,7 +27,8 @@ from orchestrator.facts.system import OsInfo
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_plan import InstallState
-from orchestrator.operations.process import launch_script, server_argv
+from orchestrator.operations.launch import server_argv
+from orchestrator.operations.process import launch_script
 from orchestrator.operations.server import (
     LOG_MARKER,
     NodeState,

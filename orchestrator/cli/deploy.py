@@ -232,22 +232,26 @@ def handle_status(args: argparse.Namespace) -> int:
         _print_json(run)
         return 0 if run.ok else 1
     table = Table(box=box.SIMPLE_HEAD)
-    for column in ("host", "endpoint", "state", "pid", "version", "protocol", "detail"):
+    for column in ("host", "endpoint", "state", "supervisor", "pid", "version", "protocol", "detail"):
         table.add_column(column)
     for r in run.results:
         s = r.value if isinstance(r.value, ServerStatus) else None
         if s is None:
             detail = r.error.message if r.error else r.message
-            table.add_row(r.host.name, r.host.endpoint, f"[red]{r.status}[/red]", "-", "-", "-", detail)
+            table.add_row(r.host.name, r.host.endpoint, f"[red]{r.status}[/red]", "-", "-", "-", "-", detail)
             continue
         style = _STATE_STYLE[s.state]
         version = s.version or "-"
         if s.running_version and s.running_version != s.version:
             version += f" (running {s.running_version})"
+        supervisor: str = s.supervisor
+        if s.restarts is not None:
+            supervisor += f" ({s.restarts} restarts" + (f", last: {s.last_exit}" if s.last_exit else "") + ")"
         table.add_row(
             s.host,
             s.endpoint,
             f"[{style}]{s.state}[/{style}]",
+            supervisor,
             str(s.pid or "-"),
             version,
             s.protocol or "-",

@@ -30,6 +30,12 @@ def register(subparsers: Any) -> None:
     up.add_argument(
         "--local", action="store_true", help="local-connection nodes on 127.0.x.y (no root, no sshd)"
     )
+    up.add_argument(
+        "--init",
+        choices=("none", "systemd"),
+        default="none",
+        help="systemd: every node boots systemd as PID 1 (systemd-nspawn), sshd runs as its service",
+    )
     up.add_argument("-o", "--output", type=Path, default=None, help="also write the inventory to this file")
     _common.add_json_arg(up)
     up.set_defaults(handler=handle_up)
@@ -61,7 +67,7 @@ def handle_up(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     reaped = reap_stale()
-    made = lab_up(args.nodes, name=args.name, local=args.local, output=args.output)
+    made = lab_up(args.nodes, name=args.name, local=args.local, output=args.output, init=args.init)
     seconds = time.monotonic() - started
     if args.json:
         _common.print_json({**lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})
@@ -69,6 +75,8 @@ def handle_up(args: argparse.Namespace) -> int:
     if reaped:
         _common.err_console.print(f"reaped {len(reaped)} leftovers of dead labs", highlight=False)
     kind = "network namespaces with OpenSSH" if made.kind == "netns" else "local connections"
+    if args.init == "systemd":
+        kind = "network namespaces booting systemd, OpenSSH as a service"
     _common.console.print(
         f"lab [bold]{made.name}[/bold]: {len(made.nodes)} nodes ({kind}) up in {seconds:.2f} s",
         highlight=False,
@@ -132,12 +140,13 @@ def handle_status(args: argparse.Namespace) -> int:
         highlight=False,
     )
     table = Table(box=box.SIMPLE_HEAD)
-    for column in ("node", "address", "namespace", "sshd", ":22", "home"):
+    for column in ("node", "address", "init", "namespace", "sshd", ":22", "home"):
         table.add_column(column)
     for node in status.nodes:
         table.add_row(
             node.name,
             node.address,
+            node.init,
             _mark(node.namespace_present, node.namespace or "-"),
             _mark(
                 node.sshd_alive if status.kind == "netns" else None,

@@ -24,6 +24,7 @@ from orchestrator.facts.server import (
     VersionsFact,
 )
 from orchestrator.facts.system import CpuCountFact, FreeSpaceFact, MachineIdFact, MemoryFact, OsFact
+from orchestrator.facts.systemd import SystemdFact, UnitFact
 
 FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
     cls.name: cls
@@ -47,5 +48,7 @@ FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
         LogTailFact,
         LaunchFact,
         PortOwnersFact,
+        SystemdFact,
+        UnitFact,
     )
 }

@@ -18,6 +18,7 @@ from orchestrator.inventory.variables import (
     VARIABLES_BY_NAME,
     Backend,
     ConnectionKind,
+    Supervisor,
     _did_you_mean,
 )
 
@@ -52,6 +53,7 @@ class Host:
     rpc_debug: bool = False
     keep_versions: int = 3  # installed versions kept on the host (>= 1)
     rpc_cmake_args: tuple[str, ...] = ()  # extra cmake args for `build: on_node` artifacts
+    supervisor: Supervisor = "auto"  # systemd unit, detached process, or auto (systemd where usable)
     groups: tuple[str, ...] = ()  # every group the host belongs to (not `all`), shallowest first
     vars: Mapping[str, Any] = field(default_factory=dict, hash=False)  # all merged variables, unknown too
     location: SourceLocation | None = field(default=None, compare=False)  # where the host is declared

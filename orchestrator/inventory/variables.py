@@ -32,6 +32,12 @@ BACKENDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "vulkan", "metal")
 CONNECTIONS: tuple[str, ...] = ("ssh", "local")
 
 
+Supervisor = Literal["auto", "systemd", "process"]
+
+
+SUPERVISORS: tuple[str, ...] = ("auto", "systemd", "process")
+
+
 _DEVICES = fields.list_of(fields.matching(r"[A-Za-z0-9_.\-]+", "a device name such as CUDA0, Vulkan1 or CPU"))
 
 
@@ -126,6 +132,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("rpc_debug", (), fields.boolean, False, "rpc-server debug output"),
     Variable("keep_versions", (), fields.integer(minimum=1), 3, "installed versions kept"),
     Variable("rpc_cmake_args", (), fields.arguments, (), "extra cmake args for on-node builds"),
+    Variable(
+        "supervisor", (), fields.choice(SUPERVISORS), "auto", "systemd, process or auto (systemd if usable)"
+    ),
 )
 
 

@@ -58,6 +58,7 @@ from orchestrator.lab.model import (
     LabKind,
     LabNode,
     LabStatus,
+    NodeInit,
     NodeStatus,
     Owner,
     check_name,
@@ -85,17 +86,21 @@ def lab_up(
     local: bool = False,
     output: Path | None = None,
     owner_pid: int | None = None,
+    init: NodeInit = "none",
 ) -> Lab:
     """Bring a lab of `nodes` nodes up, write its key, known_hosts and inventory, and return it.
 
     `owner_pid`: the lab counts as stale (reaped by `reap_stale`) once that process is gone.
+    `init="systemd"`: every node boots systemd as PID 1 (systemd-nspawn; lab/systemd.py).
     """
     check_name(name)
     if not 1 <= nodes <= MAX_NODES:
         raise LabError(f"--nodes must be between 1 and {MAX_NODES}, not {nodes}")
     kind: LabKind = "local" if local else "netns"
+    if local and init != "none":
+        raise LabError("--init systemd needs a network-namespace lab, not --local")
     if kind == "netns":
-        _check_netns_prerequisites()
+        _check_netns_prerequisites(init)
     owner = Owner.of(owner_pid) if owner_pid is not None else None
     started = time.monotonic()
     with _lock():
@@ -108,7 +113,7 @@ def lab_up(
         if existing is not None or lab_dir(name).exists():
             _teardown(existing, lab_dir(name))
         slot = _free_slot(name, kind)
-        lab = _plan(name, kind, slot, nodes, owner)
+        lab = _plan(name, kind, slot, nodes, owner, init)
         lab.dir.mkdir(parents=True, mode=0o700)
         lab.save()
     try:
@@ -123,7 +128,7 @@ def lab_up(
         _teardown(lab, lab.dir)
         raise
     get_logger().info(
-        "lab_up", lab=name, kind=kind, nodes=nodes, seconds=round(time.monotonic() - started, 3)
+        "lab_up", lab=name, kind=kind, init=init, nodes=nodes, seconds=round(time.monotonic() - started, 3)
     )
     return lab
 
@@ -191,6 +196,7 @@ def lab_status(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> LabSta
             sshd_pid=node.sshd_pid(),
             reachable=_tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge),
             home=node.home,
+            init=node.init,
         )
 
     with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
@@ -261,7 +267,7 @@ def reap_stale() -> list[str]:
     return removed
 
 
-def _plan(name: str, kind: LabKind, slot: int, count: int, owner: Owner | None) -> Lab:
+def _plan(name: str, kind: LabKind, slot: int, count: int, owner: Owner | None, init: NodeInit) -> Lab:
     directory = lab_dir(name)
     nodes = []
     for index in range(1, count + 1):
@@ -276,6 +282,7 @@ def _plan(name: str, kind: LabKind, slot: int, count: int, owner: Owner | None) 
                     directory / "nodes" / node,
                     namespace=f"{PREFIX}{slot}-{node}",
                     veth=f"{PREFIX}{slot}v{index}",
+                    init=init,
                 )
             )
         else:
@@ -332,7 +339,9 @@ def inventory_document(lab: Lab) -> dict[str, Any]:
         for node in lab.nodes:
             hosts[node.name] = {"address": node.address}
     else:
-        common = {"connection": "local", "rpc_port": NODE_RPC_PORT}
+        # Local nodes are this machine: under `auto`, a CI host with systemd as PID 1 (and rpcfleet as
+        # root) would get system units installed on itself. The process supervisor keeps them in HOME.
+        common = {"connection": "local", "rpc_port": NODE_RPC_PORT, "supervisor": "process"}
         for node in lab.nodes:
             # `home`: the node's HOME for its local connection; install_dir is absolute either way.
             hosts[node.name] = {

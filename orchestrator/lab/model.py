@@ -19,6 +19,7 @@ from orchestrator.core.errors import LabError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.core.poll import poll
+from orchestrator.lab import systemd
 from orchestrator.lab.procs import (
     _KILL_TIMEOUT,
     _PATH,
@@ -89,6 +90,9 @@ _UP_TIMEOUT = 15.0
 LabKind = Literal["netns", "local"]
 
 
+NodeInit = Literal["none", "systemd"]  # none: sshd under unshare; systemd: systemd-nspawn boots systemd
+
+
 def labs_root() -> Path:
     return rpcfleet_home() / "lab"
 
@@ -117,6 +121,7 @@ class LabNode:
     dir: Path
     namespace: str | None = None
     veth: str | None = None
+    init: NodeInit = "none"
 
     @property
     def home(self) -> Path:
@@ -149,6 +154,8 @@ class LabNode:
 
     def sshd_pid(self) -> int | None:
         """The listening sshd's pid, when it runs."""
+        if self.init == "systemd":
+            return systemd.sshd_pid(self)
         pid = _read_pid(self.sshd_pid_file)
         return pid if pid is not None and _is_sshd(pid, self.sshd_config) else None
 
@@ -253,6 +260,7 @@ class Lab:
                         dir=Path(n["dir"]),
                         namespace=n.get("namespace"),
                         veth=n.get("veth"),
+                        init=n.get("init", "none"),
                     )
                     for n in data["nodes"]
                 ),
@@ -313,6 +321,9 @@ class Lab:
     def kill_sshd(self, node: str | int | LabNode) -> None:
         """Kill the node's listening sshd: new connects are refused, open sessions keep working."""
         found = self._netns(node)
+        if found.init == "systemd":  # ssh.service would restart a killed sshd: stop the service
+            self.node_exec(found, ["systemctl", "stop", "ssh.service"])
+            return
         pid = found.sshd_pid()
         if pid is None:
             return
@@ -327,6 +338,10 @@ class Lab:
         existing = found.sshd_pid()
         if existing is not None:
             return existing
+        if found.init == "systemd":
+            self.node_exec(found, ["systemctl", "start", "ssh.service"])
+            systemd.wait_booted(self, [found])
+            return found.sshd_pid() or 0
         holder = found.holder_pid()
         if holder is None:
             raise LabError(f"node {found.name} is gone (no holder process)", hint="recreate the lab")
@@ -343,12 +358,24 @@ class Lab:
     ) -> subprocess.CompletedProcess[str]:
         """Run argv as root inside the node's network, mount and UTS namespaces (a mount is the node's)."""
         found = self._netns(node)
+        if found.init == "systemd":  # every namespace of the node's systemd: its mounts, pids, cgroups
+            leader = systemd.leader(found)
+            if leader is None:
+                raise LabError(f"node {found.name} is not running (no systemd in its namespace)")
+            return _run(["nsenter", "-t", str(leader), "-a", "--", *argv], check=check, timeout=timeout)
         holder = found.holder_pid()
         if holder is None:
             raise LabError(f"node {found.name} is gone (no holder process)")
         return _run(
             ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *argv], check=check, timeout=timeout
         )
+
+    def reboot(self, node: str | int | LabNode) -> None:
+        """Stop a systemd node's container and boot it again; returns once its sshd accepts connections."""
+        found = self._netns(node)
+        if found.init != "systemd":
+            raise LabError(f"node {found.name} does not boot systemd (lab up --init systemd)")
+        systemd.reboot(self, found)
 
     def node_pids(self, node: str | int | LabNode) -> list[int]:
         """Every live process of the node: holder, sshd, sessions, whatever they started."""
@@ -376,6 +403,7 @@ class NodeStatus:
     sshd_pid: int | None
     reachable: bool | None  # TCP connect to :22 within the probe timeout; None: no sshd in a local lab
     home: Path
+    init: NodeInit = "none"
 
     @property
     def sshd_alive(self) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
+from orchestrator.lab import systemd
 from orchestrator.lab.model import (
     _CAP_NET_ADMIN,
     _CAP_SYS_ADMIN,
@@ -44,7 +45,7 @@ def privileged() -> bool:
     return bool(caps & (1 << _CAP_NET_ADMIN)) and bool(caps & (1 << _CAP_SYS_ADMIN))
 
 
-def _check_netns_prerequisites() -> None:
+def _check_netns_prerequisites(init: str = "none") -> None:
     if not privileged():
         raise LabError(
             "an emulated lab with network namespaces and sshd needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)",
@@ -58,6 +59,8 @@ def _check_netns_prerequisites() -> None:
             f"the lab needs {', '.join(missing)}",
             hint="apt-get install openssh-server iptables iproute2 (or `make setup`)",
         )
+    if init == "systemd":
+        systemd.check_prerequisites()
 
 
 def _create_local(lab: Lab) -> None:
@@ -81,7 +84,9 @@ def _create_netns(lab: Lab) -> None:
     for node in lab.nodes:
         batch += [
             f"netns add {node.namespace}",
-            f"link add {node.veth} type veth peer name eth0 netns {node.namespace}",
+            f"link add {node.veth} type veth peer name eth0 netns {node.namespace}"
+            # systemd nodes reboot: a fixed MAC keeps the host's ARP entry right across it
+            + (f" address {systemd.mac_of(node.address)}" if node.init == "systemd" else ""),
             f"link set {node.veth} master {lab.bridge} up",
         ]
     _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
@@ -130,9 +135,15 @@ def _create_netns(lab: Lab) -> None:
             os.chown(path, uid, gid)
         node.sshd_config.write_text(_sshd_config(lab, node, extra))
     # Nodes: a holder owns the node's mount and UTS namespaces and starts sshd inside them.
+    booting = [node for node in lab.nodes if node.init == "systemd"]
+    for node in booting:
+        systemd.prepare(lab, node, client_pub, uid, gid, extra)
+        systemd.boot(lab, node)
     for node in lab.nodes:
-        _start_node(lab, node)
-    _wait_ready(lab.nodes, _UP_TIMEOUT, lab.bridge)
+        if node.init == "none":
+            _start_node(lab, node)
+    _wait_ready([node for node in lab.nodes if node.init == "none"], _UP_TIMEOUT, lab.bridge)
+    systemd.wait_booted(lab, booting)
     lines = []
     for node in lab.nodes:
         key_type, key = node.host_key.with_suffix(".pub").read_text().split()[:2]
@@ -166,11 +177,13 @@ def _teardown(lab: Lab | None, directory: Path) -> list[str]:
     """Remove a lab: its processes, kernel objects, user and state dir. Idempotent."""
     removed: list[str] = []
     if lab is not None and lab.kind == "netns":
+        systemd.shutdown([node for node in lab.nodes if node.init == "systemd"])
         removed += _teardown_slot(lab.slot, lab)
     pids = _pids_under(directory)
     if pids:
         _kill(pids)
         removed.append(f"{len(pids)} processes of {directory}")
+    removed += systemd.unmount_under(directory)  # systemd nodes' roots: before their files go
     if directory.exists():
         shutil.rmtree(directory, ignore_errors=True)
         removed.append(f"state dir {directory}")
@@ -205,6 +218,7 @@ def _teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
     # A veth whose peer namespace lives on (a process we could not kill) is deleted here.
     if veths and not poll(veths_gone, timeout=2.0, interval=0.005):
         _run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
+    removed += systemd.release_slot(f"{PREFIX}{slot}-")
     user = f"{PREFIX}{slot}"
     if user in _lab_users():
         _run(["userdel", user], check=False)

@@ -14,14 +14,15 @@ from orchestrator.facts.server import (
     PROC_ARGV0,
     PS_STAT,
     READ_PID,
-    Launch,
     Listener,
     ListenersFact,
     LogTailFact,
     parse_listener,
 )
+from orchestrator.facts.systemd import USER_ENV
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
+from orchestrator.operations.launch import desired_launch, launch_diff, launch_env, server_argv
 from orchestrator.operations.server import (
     BIND_FAILED,
     CACHE_DIR,
@@ -37,76 +38,15 @@ from orchestrator.operations.server import (
     _expected,
     read_node_state,
 )
+from orchestrator.operations.systemd import (
+    control_script,
+    install_unit_script,
+    journal_command,
+    render_unit,
+    systemctl,
+)
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult
-
-
-def server_argv(host: Host, install_dir: str, version: str) -> list[str]:
-    """The server's command line, from the inventory."""
-    argv = [
-        f"{install_dir}/versions/{version}/bin/{SERVER_BINARY}",
-        "-H",
-        host.rpc_host or host.address,
-        "-p",
-        str(int(host.rpc_port)),
-    ]
-    if host.rpc_devices:
-        argv += ["-d", ",".join(host.rpc_devices)]
-    if host.rpc_threads is not None:
-        argv += ["-t", str(int(host.rpc_threads))]
-    if host.rpc_cache:
-        argv.append("-c")
-    return argv
-
-
-def launch_env(host: Host, install_dir: str) -> dict[str, str]:
-    """The environment the launch line sets (the cache folder, the debug log when asked)."""
-    env = {"LLAMA_CACHE": f"{install_dir}/{CACHE_DIR}"}
-    if host.rpc_debug:
-        env["GGML_RPC_DEBUG"] = "1"
-    return env
-
-
-def desired_launch(host: Host, install_dir: str, version: str) -> Launch:
-    """What the inventory says the running server's command line and environment should be."""
-    return Launch(
-        tuple(server_argv(host, install_dir, version)), tuple(sorted(launch_env(host, install_dir).items()))
-    )
-
-
-_VALUED_FLAGS = ("-H", "-p", "-d", "-t")
-
-
-def _flags(argv: tuple[str, ...]) -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    args = list(argv[1:])
-    while args:
-        arg = args.pop(0)
-        found[arg] = args.pop(0) if arg in _VALUED_FLAGS and args else None
-    return found
-
-
-def launch_diff(desired: Launch, actual: Launch) -> tuple[str, ...]:
-    """Pure: how the running server's launch differs from the inventory's, as short phrases
-    ("-c added", "-t 4 -> 2", "GGML_RPC_DEBUG=1 removed"). The binary (the version) is compared elsewhere."""
-    changes: list[str] = []
-    want, have = _flags(desired.argv), _flags(actual.argv)
-    for flag in [*want, *(f for f in have if f not in want)]:
-        if flag not in have:
-            changes.append(f"{flag} {want[flag]} added" if want[flag] is not None else f"{flag} added")
-        elif flag not in want:
-            changes.append(f"{flag} {have[flag]} removed" if have[flag] is not None else f"{flag} removed")
-        elif want[flag] != have[flag]:
-            changes.append(f"{flag} {have[flag]} -> {want[flag]}")
-    want_env, have_env = dict(desired.env), dict(actual.env)
-    for key in sorted({*want_env, *have_env}):
-        if key not in have_env:
-            changes.append(f"{key}={want_env[key]} added")
-        elif key not in want_env:
-            changes.append(f"{key}={have_env[key]} removed")
-        elif want_env[key] != have_env[key]:
-            changes.append(f"{key} {have_env[key]} -> {want_env[key]}")
-    return tuple(changes)
 
 
 def launch_script(host: Host, install_dir: str, version: str) -> str:
@@ -126,8 +66,7 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
         [
             f"D={q(install_dir)}",
             f'mkdir -p "$D/run" "$D/log" "$D/{CACHE_DIR}" || exit 1',
-            f"taken=$({{ {ListenersFact(port).command()}; }} 2>/dev/null)",
-            'if [ -n "$taken" ]; then echo "@taken $taken"; exit 0; fi',
+            _taken_check(port),
             f'if [ -f {log} ] && [ "$(wc -c < {log})" -gt {LOG_ROTATE_BYTES} ]; then mv -f {log} {log}.1; fi',
             f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
             "cd ~ || cd /",
@@ -138,6 +77,63 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
             'echo "@started $pid"',
         ]
     )
+
+
+def _taken_check(port: int) -> str:
+    """Shell: print `@taken <listener>` and exit when something listens on the port already."""
+    listeners = ListenersFact(port).command()
+    return (
+        f'taken=$({{ {listeners}; }} 2>/dev/null)\nif [ -n "$taken" ]; then echo "@taken $taken"; exit 0; fi'
+    )
+
+
+def unit_text(host: Host, state: NodeState) -> str | None:
+    """The systemd unit the inventory asks for the installed version (None: not supervised by systemd):
+    the process supervisor's launch line and environment, as a unit."""
+    version, unit = state.install.current, state.unit
+    if state.supervisor != "systemd" or unit is None or version is None:
+        return None
+    install_dir = state.install.install_dir
+    argv, env = server_argv(host, install_dir, version), launch_env(host, install_dir)
+    return render_unit(host, install_dir, argv, env, user=unit.user)
+
+
+def supervisor_drift(host: Host, state: NodeState) -> tuple[str, ...]:
+    """How the running server's supervision differs from the inventory's: the unit's text, enabled."""
+    text, unit = unit_text(host, state), state.unit
+    if text is None or unit is None or not state.service.ours:
+        return ()
+    if unit.text != text:
+        return (f"unit {unit.name} differs from the inventory's",)
+    return () if unit.enabled else (f"unit {unit.name} is not enabled",)
+
+
+def launch_drift(host: Host, state: NodeState) -> tuple[str, ...]:
+    """How the running server differs from the inventory's launch: its command line and environment
+    (process supervisor), its unit (systemd). The version is compared elsewhere."""
+    svc, current = state.service, state.install.current
+    if not svc.ours or current is None or svc.running_version != current:
+        return ()
+    if svc.launch is None:
+        return supervisor_drift(host, state)
+    return launch_diff(desired_launch(host, state.install.install_dir, current), svc.launch)
+
+
+@dataclass(frozen=True)
+class UnitControl:
+    """The systemd unit a stop must stop too: this install's, whatever the supervisor. `disable`: the
+    inventory says process now, so the unit must not start it again at boot."""
+
+    name: str
+    user: bool
+    disable: bool = False
+
+
+def unit_control(state: NodeState) -> UnitControl | None:
+    unit = state.unit
+    if unit is None or not unit.installed:
+        return None
+    return UnitControl(unit.name, unit.user, disable=state.supervisor != "systemd")
 
 
 class BusyServerError(ServiceError):
@@ -181,8 +177,13 @@ def stop_script(
     force: bool = False,
     busy_grace: float = BUSY_GRACE,
     grace: float = STOP_GRACE,
+    unit: UnitControl | None = None,
 ) -> str:
     """Stop our server, and any orphan of this install listening on its port, in one step on the node.
+
+    With `unit` the server is systemd's: its MainPID is the tracked one and `systemctl stop` (or
+    `disable --now`) stops it after the same busy check, so systemd does not start it again; a server of
+    the other supervisor (a pid file's, while the inventory says systemd) is stopped as an orphan.
 
     Only processes whose /proc/PID/cmdline is this install's server binary are signalled. Unless `force`,
     a server with a client connected is refused (`@busy`, see `busy_script`), and the check and the kill
@@ -203,19 +204,34 @@ def stop_script(
         f'  case "$a" in "$D"/versions/*/bin/{SERVER_BINARY}) return 0;; esac; return 1',
         "}",
         'targets=""',
+    ]
+    unit_stop = ""
+    if unit is not None:
+        ctl, name = systemctl(unit.user), q(unit.name)
+        unit_stop = f"{ctl} disable --now --quiet {name}" if unit.disable else f"{ctl} stop {name}"
+        lines += [
+            USER_ENV if unit.user else ":",
+            f"pid=$({ctl} show -p MainPID --value {name} 2>/dev/null)",
+            f'if {PID_IS_NUMBER} && [ "$pid" != 0 ] && alive && ours; then targets="$pid"; fi',
+        ]
+    lines += [
         'if [ -f "$pf" ]; then',
         f"  {READ_PID}",
-        f'  if {PID_IS_NUMBER} && alive && ours; then targets="$pid"; else echo "@gone $pid"; fi',
+        f'  if {PID_IS_NUMBER} && alive && ours; then targets="$targets $pid"; else echo "@gone $pid"; fi',
         "fi",
         # Orphans: this install's servers that hold the port without being the tracked one.
         f"for pid in $({listening}); do",
         '  case " $targets " in *" $pid "*) continue;; esac',
         '  if alive && ours; then targets="$targets $pid"; echo "@orphan $pid $(' + PROC_ARGV0 + ')"; fi',
         "done",
-        'if [ -z "$targets" ]; then rm -f "$pf"; echo "@none"; exit 0; fi',
+        # Nothing runs: a unit between automatic restarts (or failed) is stopped all the same.
+        f'if [ -z "$targets" ]; then {unit_stop + " 2>/dev/null; " if unit_stop else ""}rm -f "$pf"; '
+        'echo "@none"; exit 0; fi',
     ]
     if not force:
         lines.append(busy_script(port, busy_grace))  # the check and the stop: one step on the node
+    if unit_stop:
+        lines.append(f'{unit_stop} || echo "@unit_stop_failed"')
     lines += [
         "kill -TERM $targets 2>/dev/null",
         "left() { for pid in $targets; do if alive; then echo $pid; fi; done; }",
@@ -264,17 +280,19 @@ class StopResult:
 async def stop_server(
     conn: Connection,
     host: Host,
-    install_dir: str,
+    state: NodeState,
     *,
     force: bool = False,
     busy_grace: float = BUSY_GRACE,
     action: str = "stop",
 ) -> StopResult:
-    """Stop our server (and this install's orphans on its port); refuse a busy one unless `force`."""
+    """Stop our server (and this install's orphans on its port, and its systemd unit); refuse a busy one
+    unless `force`."""
+    script = stop_script(
+        state.install.install_dir, host.rpc_port, force=force, busy_grace=busy_grace, unit=unit_control(state)
+    )
     try:
-        stdout = await _sh(
-            conn, stop_script(install_dir, host.rpc_port, force=force, busy_grace=busy_grace), STOP_GRACE + 15
-        )
+        stdout = await _sh(conn, script, STOP_GRACE + 15)
     except CommandTimeoutError as exc:
         raise ServiceError("stopping the rpc-server did not finish", host=host.name) from exc
     out = _keys(stdout)
@@ -283,6 +301,8 @@ async def stop_server(
         raise _busy_error(host, action, out["busy"])
     if "stuck" in out:
         raise ServiceError(f"the rpc-server (pid {out['stuck']}) survived SIGKILL", host=host.name)
+    if "unit_stop_failed" in out:
+        raise ServiceError("systemctl could not stop the server's unit", host=host.name, stderr=stdout)
     for key in ("killed", "stopped"):
         if key in out:
             pids = tuple(int(p) for p in out[key].split() if p.isdigit())
@@ -311,7 +331,16 @@ async def refuse_if_busy(
         raise _busy_error(host, action, out["busy"])
 
 
-async def _log_tail(conn: Connection, install_dir: str, lines: int = 8) -> str:
+async def _log_tail(
+    conn: Connection, install_dir: str, lines: int = 8, *, state: NodeState | None = None
+) -> str:
+    """The server's last log lines: its log file, or its unit's journal under systemd."""
+    if state is not None and state.supervisor == "systemd" and state.unit is not None:
+        command = journal_command(state.unit.name, lines, user=state.unit.user)
+        try:
+            return (await conn.run(command, timeout=10)).stdout
+        except Exception:
+            return ""
     fact = LogTailFact(f"{install_dir}/{LOG_FILE}", lines)
     try:
         result = await conn.run(fact.command(), timeout=10)
@@ -336,7 +365,19 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
     version = state.install.current
     if version is None or not state.install.installed:
         raise ServiceError("no rpc-server is installed (run `rpcfleet deploy`)", host=host.name)
-    out = _keys(await _sh(conn, launch_script(host, state.install.install_dir, version), START_TIMEOUT))
+    text = unit_text(host, state)
+    if text is not None and state.unit is not None:  # systemd: install (idempotent), enable, start
+        name, user = state.unit.name, state.unit.user
+        script = "\n".join(
+            [
+                _taken_check(int(host.rpc_port)),
+                install_unit_script(name, state.install.install_dir, text, user=user),
+                control_script(name, "start", user=user),
+            ]
+        )
+    else:
+        script = launch_script(host, state.install.install_dir, version)
+    out = _keys(await _sh(conn, script, START_TIMEOUT))
     if "taken" in out:
         listener = parse_listener(out["taken"])
         who = listener.describe() if listener else out["taken"]
@@ -345,9 +386,14 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
             host=host.name,
             hint=taken_hint(listener, state.install.install_dir),
         )
-    if not out.get("started", "").isdigit():
-        raise ServiceError("the launch script did not report a pid", host=host.name, stderr=str(out))
-    return int(out["started"])
+    started = out.get("started") or out.get("pid", "")
+    if not started.isdigit() or started == "0":
+        raise ServiceError(
+            "the rpc-server did not start" if "pid" in out else "the launch script did not report a pid",
+            host=host.name,
+            stderr=await _log_tail(conn, state.install.install_dir, state=state) or str(out),
+        )
+    return int(started)
 
 
 async def wait_ready(
@@ -384,7 +430,7 @@ async def wait_ready(
             # Until the exec chain (setsid, nohup, env, stdbuf) reaches the server, argv0 is theirs.
             launching = svc.pid == pid and svc.alive and now < deadline - limit_s + 3.0
             if (svc.pid != pid or not svc.ours) and not launching:
-                log = await _log_tail(conn, install_dir)
+                log = await _log_tail(conn, install_dir, state=state)
                 if BIND_FAILED in log or svc.log_failed_bind:
                     taken = svc.foreign_listeners()
                     who = f": {taken[0].describe()}" if taken else ""
@@ -401,6 +447,6 @@ async def wait_ready(
             raise ServiceError(
                 f"the rpc-server did not answer HELLO within {limit_s:g} s ({why})",
                 host=host.name,
-                stderr=await _log_tail(conn, install_dir),
+                stderr=await _log_tail(conn, install_dir, state=state),
             )
         await asyncio.sleep(0.02)

@@ -163,7 +163,7 @@ def make_rolling_restart_step(
         await stop_server(
             conn,
             host,
-            state.install.install_dir,
+            state,
             force=options.force,
             busy_grace=options.busy_grace,
             action="restart",

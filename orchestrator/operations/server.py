@@ -37,12 +37,14 @@ from orchestrator.facts.server import (
     RpcClientsFact,
     ServerProcessFact,
 )
+from orchestrator.facts.systemd import SystemdFact, SystemdInfo, UnitFact, UnitState
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install_plan import (
     InstallState,
     install_facts,
     install_state_from_facts,
 )
+from orchestrator.operations.systemd import Supervision, choose_supervisor, unit_name
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
@@ -166,7 +168,20 @@ class ServiceState:
 @dataclass(frozen=True)
 class NodeState:
     install: InstallState
-    service: ServiceState
+    service: ServiceState  # the supervised server: from the pid file, or from the unit's MainPID
+    supervisor: Supervision = "process"
+    unit: UnitState | None = None  # this install's systemd unit, read whatever the supervisor
+    systemd: SystemdInfo | None = None
+    pid_file_pid: int | None = None  # the pid file's live process, whatever the supervisor
+
+    def foreign_supervisor(self, pid: int) -> str:
+        """Which other supervisor runs our server `pid` ("" when none): under systemd the process
+        supervisor's pid file names it; under process this install's unit has it as MainPID."""
+        if self.supervisor == "systemd" and pid == self.pid_file_pid:
+            return "process"
+        if self.supervisor == "process" and self.unit is not None and self.unit.main_pid == pid:
+            return f"systemd ({self.unit.name})"
+        return ""
 
 
 def _node_path(install_dir: str, relative: str) -> str:
@@ -184,13 +199,24 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         LaunchFact(_node_path(host.install_dir, PID_FILE)),
         PortOwnersFact(port),
         LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+        SystemdFact(),
+        UnitFact(unit_name(host.install_dir), BIND_FAILED),
     ]
 
 
-def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
-    """Pure: the values of `node_facts` (as `parse_gathered` returns them) -> `NodeState`."""
+def node_state_from_facts(host: str, values: Mapping[str, Any], supervisor: str = "process") -> NodeState:
+    """Pure: the values of `node_facts` (as `parse_gathered` returns them) -> `NodeState`, supervised as
+    the inventory's `supervisor` asks (`auto`: systemd where rpcfleet may manage units)."""
     install = install_state_from_facts(host, values)
+    info: SystemdInfo | None = values.get(SystemdFact.name)
+    unit: UnitState | None = values.get(UnitFact.name)
+    chosen = choose_supervisor(supervisor, info, host=host)
     process: ProcessState = values.get(ServerProcessFact.name) or ProcessState(None)
+    pid_file_pid = process.pid if process.stat and not process.stat.startswith("Z") else None
+    systemd = chosen == "systemd" and unit is not None
+    if systemd and unit is not None:
+        pid = unit.main_pid
+        process = ProcessState(pid, unit.stat if pid else None, unit.argv0 if pid else None)
     service = ServiceState(
         host,
         install.install_dir,
@@ -199,17 +225,17 @@ def node_state_from_facts(host: str, values: Mapping[str, Any]) -> NodeState:
         process.argv0,
         values.get(ListenersFact.name) or (),
         values.get(RpcClientsFact.name) or (),
-        bool(values.get(LogMatchFact.name)),
-        values.get(LaunchFact.name),
+        unit.failed_bind if systemd and unit is not None else bool(values.get(LogMatchFact.name)),
+        None if systemd else values.get(LaunchFact.name),  # under systemd, drift is the unit's text
         values.get(PortOwnersFact.name) or (),
     )
-    return NodeState(install, service)
+    return NodeState(install, service, chosen, unit, info, pid_file_pid)
 
 
 async def read_node_state(conn: Connection, host: Host) -> NodeState:
     """Install state and server state in one round trip."""
     values = await gather(conn, node_facts(host), timeout=STATE_TIMEOUT)
-    return node_state_from_facts(host.name, values)
+    return node_state_from_facts(host.name, values, host.supervisor)
 
 
 @dataclass(frozen=True)
@@ -225,6 +251,9 @@ class ServerStatus:
     protocol: str | None  # of the installed version (or the HELLO's when answered)
     clients: tuple[str, ...] = ()
     message: str = ""
+    supervisor: Supervision = "process"
+    restarts: int | None = None  # systemd's NRestarts (automatic restarts since the unit started)
+    last_exit: str = ""  # systemd's Result and how the main process last ended
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -237,6 +266,9 @@ class ServerStatus:
             "protocol": self.protocol,
             "clients": list(self.clients),
             "message": self.message,
+            "supervisor": self.supervisor,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
         }
 
 
@@ -254,17 +286,26 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     orphans = svc.orphans()
     if not svc.ours and orphans:
         first = orphans[0]
+        other = state.foreign_supervisor(first.pid)
+        why = (
+            f"run by the {other} supervisor, the inventory says {state.supervisor}"
+            if other
+            else "this install's server holds the port untracked"
+        )
         server, message = (
             "orphan",
             (
                 f"orphan (pid {first.pid}, version {svc.version_of(first.argv0)}, path {first.argv0}): "
-                "this install's server holds the port untracked; `rpcfleet stop` or `deploy` replaces it"
+                f"{why}; `rpcfleet stop` or `deploy` replaces it"
             ),
         )
     elif not svc.ours:
         taken = svc.foreign_listeners()
         note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
-        if svc.pid is None:
+        failure = _unit_failure(state, taken=bool(taken))
+        if svc.pid is None and failure:
+            server, message = "crashed", "; ".join(filter(None, [failure, note]))
+        elif svc.pid is None:
             server, message = "stopped", note
         else:
             why = "exited (pid file left)" if not svc.alive else "its pid now belongs to another program"
@@ -282,6 +323,7 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
         server, message = "busy", probe.message
     else:
         server, message = "unhealthy", f"{probe.outcome}: {probe.message}"
+    systemd = state.supervisor == "systemd" and state.unit is not None
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
@@ -292,7 +334,27 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
         protocol=protocol,
         clients=svc.clients,
         message=message,
+        supervisor=state.supervisor,
+        restarts=state.unit.restarts if systemd and state.unit else None,
+        last_exit=state.unit.last_exit() if systemd and state.unit else "",
     )
+
+
+def _unit_failure(state: NodeState, *, taken: bool = False) -> str:
+    """Why a systemd unit that should run does not ("" when it was stopped, or is not systemd's).
+
+    The server exits with status 0 only after a failed bind: exited on its own (not killed by a stop)
+    with another program on the port is that, even when journald lost the line of a process that died
+    at once (its stream's unit is looked up after the fact)."""
+    unit = state.unit
+    if state.supervisor != "systemd" or unit is None or not unit.installed:
+        return ""
+    exited = unit.active in ("inactive", "failed") and unit.properties.get("ExecMainCode") == "1"
+    if unit.failed_bind or (exited and taken):
+        return "failed: could not bind its port (see `rpcfleet logs`)"
+    if unit.active == "failed" or exited:
+        return f"failed: {unit.last_exit()}"
+    return ""
 
 
 def _expected(state: InstallState) -> ProtocolVersion | None:

@@ -29,11 +29,11 @@ from orchestrator.operations.install_plan import (
 )
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
 from orchestrator.operations.process import (
-    desired_launch,
-    launch_diff,
+    launch_drift,
     refuse_if_busy,
     start_server,
     stop_server,
+    unit_text,
     wait_ready,
 )
 from orchestrator.operations.server import (
@@ -47,6 +47,7 @@ from orchestrator.operations.server import (
     read_node_state,
     server_status,
 )
+from orchestrator.operations.systemd import journal_command, plan_unit, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
 Want = Literal["running", "stopped", "restarted"]
@@ -133,13 +134,6 @@ def plan_service(
     return ServiceChange(host, "none", describe_status(status), status)
 
 
-def _drift(host: Host, state: NodeState) -> tuple[str, ...]:
-    svc, current = state.service, state.install.current
-    if not svc.ours or svc.launch is None or current is None or svc.running_version != current:
-        return ()
-    return launch_diff(desired_launch(host, state.install.install_dir, current), svc.launch)
-
-
 async def ensure_state(
     conn: Connection,
     host: Host,
@@ -159,21 +153,32 @@ async def ensure_state(
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
     status = classify(host, state, await probe_server(host, state))
-    change = plan_service(status, want, current=state.install.current, drift=_drift(host, state))
+    change = plan_service(status, want, current=state.install.current, drift=launch_drift(host, state))
     change = dataclasses.replace(change, warnings=tuple(warnings), check=check)
     stops = change.action in ("stop", "restart") and status.pid is not None
     if check and stops and not force:
         await refuse_if_busy(conn, host, change.action, busy_grace=busy_grace)  # what the stop would say
+    if check and change.action in ("start", "restart"):
+        change = dataclasses.replace(
+            change, reason="; ".join(filter(None, [change.reason, _unit_plan(host, state)]))
+        )
     if not change.changed or check:
         return change
     if change.action in ("stop", "restart"):
-        await stop_server(
-            conn, host, state.install.install_dir, force=force, busy_grace=busy_grace, action=change.action
-        )
+        await stop_server(conn, host, state, force=force, busy_grace=busy_grace, action=change.action)
     if change.action in ("start", "restart"):
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
+
+
+def _unit_plan(host: Host, state: NodeState) -> str:
+    """What starting under systemd would do to the unit (`--check` shows it; "" when nothing)."""
+    text = unit_text(host, state)
+    if text is None or state.unit is None or state.systemd is None:
+        return ""
+    plan = plan_unit(state.unit, text, state.systemd)
+    return plan.describe() if plan.changed else ""
 
 
 def make_service_step(want: Want, options: OperationOptions) -> Step[ServiceChange]:
@@ -202,6 +207,13 @@ def make_status_step() -> Callable[[HostContext], Awaitable[StepOutcome[ServerSt
 def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
     async def logs(ctx: HostContext) -> StepOutcome[str]:
         conn = await ctx.connection()
+        state = await read_node_state(conn, ctx.host)
+        if state.supervisor == "systemd" and state.unit is not None:
+            command = journal_command(state.unit.name, lines, user=state.unit.user)
+            journal = (await conn.run(command, timeout=15)).stdout
+            return StepOutcome(
+                journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
+            )
         fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
@@ -210,6 +222,36 @@ def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOut
         return StepOutcome(text, False, f"{len(text.splitlines())} lines")
 
     return logs
+
+
+async def remove_unit(
+    conn: Connection, host: Host, *, check: bool = False, force: bool = False, busy_grace: float = BUSY_GRACE
+) -> str:
+    """Stop the server (a busy one only with `force`) and remove its systemd unit (and, with the last one,
+    the dedicated user). Nothing to do where the install has no unit. Returns what was (or would be) done."""
+    state = await read_node_state(conn, host)
+    unit = state.unit
+    if unit is None or not unit.installed:
+        return "no unit"
+    if check:
+        if state.service.ours and not force:
+            await refuse_if_busy(conn, host, "stop", busy_grace=busy_grace)
+        return f"would stop and remove {unit.name}"
+    await ensure_state(conn, host, "stopped", force=force, busy_grace=busy_grace, state=state)
+    out = (await conn.run(remove_unit_script(unit.name, user=unit.user), timeout=60)).stdout
+    return f"removed {unit.name}" + (", and user rpcfleet" if "@userdel" in out else "")
+
+
+def make_remove_unit_step(options: OperationOptions = DEFAULT_OPTIONS) -> Step[str]:
+    """The teardown's `remove_unit`, through the operations layer (lock, busy check, check mode)."""
+
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[str]:
+        done = await remove_unit(
+            conn, ctx.host, check=options.check, force=options.force, busy_grace=options.busy_grace
+        )
+        return StepOutcome(done, done.startswith("removed"), done)
+
+    return node_operation("remove_unit", body, options)
 
 
 @dataclass(frozen=True)
@@ -267,7 +309,7 @@ async def deploy(
             classify(host, state, None),
             "running",
             current=source.id,
-            drift=_drift(host, state),
+            drift=launch_drift(host, state),
         )
         if would.changed:
             await refuse_if_busy(conn, host, "deploy to")
@@ -283,7 +325,7 @@ async def deploy(
     )
     if change.changed and change.manifest is None and not check:
         # A switch to a version built on the node: only the node has its manifest.
-        state = NodeState(await read_install_state(conn, host), state.service)
+        state = dataclasses.replace(state, install=await read_install_state(conn, host))
     elif change.changed:
         # What the install made (or, with --check, would make) current: no second read needed.
         installed = sorted({*state.install.versions, change.version} - set(change.prune))
@@ -291,7 +333,7 @@ async def deploy(
         install = dataclasses.replace(
             state.install, current=change.version, versions=tuple(installed), manifest=manifest, problems=()
         )
-        state = NodeState(install, state.service)
+        state = dataclasses.replace(state, install=install)
     service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
     warnings = (warning,) if warning else ()
     return DeployResult(change, service, service.after or service.status, warnings)
@@ -352,7 +394,7 @@ async def rollback(
         await apply_install(conn, change)
         state = await read_node_state(conn, host)
     elif change.changed:
-        state = NodeState(dataclasses.replace(state.install, current=change.version), state.service)
+        state = dataclasses.replace(state, install=dataclasses.replace(state.install, current=change.version))
     service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
     return DeployResult(change, service, service.after or service.status)
 

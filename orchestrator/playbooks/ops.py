@@ -89,6 +89,12 @@ def _stop(args: Mapping[str, Any], play: _Play) -> Step:
     return make_service_step("stopped", _options(args, play))
 
 
+def _remove_unit(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.operations.service import make_remove_unit_step
+
+    return make_remove_unit_step(_options(args, play))
+
+
 def _restart(args: Mapping[str, Any], play: _Play) -> Step:
     from orchestrator.operations.rolling import make_rolling_restart_step
 
@@ -369,6 +375,13 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
             ),
             Op("start", "host", "start the rpc-server where it is not running", (), _start),
             Op("stop", "host", "stop the rpc-server (refused while a client is connected)", (_FORCE,), _stop),
+            Op(
+                "remove_unit",
+                "host",
+                "stop the rpc-server and remove its systemd unit (the user rpcfleet with the last one)",
+                (),
+                _remove_unit,
+            ),
             Op(
                 "restart",
                 "host",

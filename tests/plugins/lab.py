@@ -21,7 +21,7 @@ import pytest
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
-from orchestrator.lab.model import Lab
+from orchestrator.lab.model import Lab, NodeInit
 from orchestrator.lab.netns import privileged
 
 _counter = itertools.count(1)
@@ -48,11 +48,11 @@ def lab_hosts_of(lab: Lab) -> list[Host]:
 
 
 @contextlib.contextmanager
-def own_lab(nodes: int, suffix: str = "") -> Iterator[Lab]:
+def own_lab(nodes: int, suffix: str = "", *, init: NodeInit = "none") -> Iterator[Lab]:
     """A namespaced lab owned by this test session (reaped if the session dies), down on exit."""
     require_lab_privileges()
     name = session_lab_name(suffix)
-    made = lab_up(nodes, name=name, owner_pid=os.getpid())
+    made = lab_up(nodes, name=name, owner_pid=os.getpid(), init=init)
     try:
         yield made
     finally:

@@ -1,0 +1,261 @@
+"""The systemd supervisor: the unit (a pure generator), its install/remove scripts, the choice of supervisor.
+
+One unit per server instance, named after the install dir (`unit_name`): a system unit in
+/etc/systemd/system running as the dedicated user `rpcfleet` when rpcfleet connects as root, else a user
+unit in ~/.config/systemd/user of the login user, with lingering enabled so it runs without a session and
+starts at boot. The unit runs the same launch line and environment as the process supervisor
+(`server_argv`, `LLAMA_CACHE`, `GGML_RPC_DEBUG`; SIGPIPE ignored: systemd's `IgnoreSIGPIPE=yes`, said
+explicitly), hardened, restarted on failure within a start limit.
+
+The server exits 0 after a failed bind: `Restart=on-failure` does not loop on a taken port, and readiness
+is a HELLO (process.wait_ready), never `systemctl is-active`.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from orchestrator.core.errors import ServiceError
+from orchestrator.facts.systemd import (
+    SERVICE_USER,
+    SYSTEM_UNITS,
+    USER_ENV,
+    USER_UNITS,
+    SystemdInfo,
+    UnitState,
+)
+from orchestrator.inventory.model import Host
+
+UNIT_PREFIX = "rpcfleet-"
+
+
+RESTART_SEC = 1  # kill -9 -> serving again within about a second (+ the server's start)
+
+
+START_LIMIT_BURST = 5  # failures within START_LIMIT_INTERVAL and systemd gives up: `failed`
+
+
+START_LIMIT_INTERVAL = 60
+
+
+Supervision = Literal["systemd", "process"]
+
+
+def unit_name(install_dir: str) -> str:
+    """`rpcfleet-<install dir as words>.service`, from the inventory's install_dir (`~` is `home`):
+    `~/rpcfleet` -> `rpcfleet-home-rpcfleet.service`, `/opt/rpc` -> `rpcfleet-opt-rpc.service`."""
+    parts = [p for p in install_dir.replace("~", "home", 1).split("/") if p not in ("", ".")]
+    words = [re.sub(r"[^A-Za-z0-9_.]", "_", p).lstrip(".") or "_" for p in parts]
+    return f"{UNIT_PREFIX}{'-'.join(words) or 'root'}.service"
+
+
+def choose_supervisor(wanted: str, info: SystemdInfo | None, *, host: str) -> Supervision:
+    """Pure: `auto` is systemd where rpcfleet may manage units, else process; `systemd` there or an error."""
+    why_not = info.unusable() if info is not None else "systemd was not read"
+    if wanted == "process" or (wanted == "auto" and why_not):
+        return "process"
+    if why_not:
+        raise ServiceError(
+            f"supervisor: systemd is not possible here: {why_not}",
+            host=host,
+            hint="use supervisor: process (or auto) for this host",
+        )
+    return "systemd"
+
+
+def _exec_quote(arg: str) -> str:
+    """One ExecStart= argument: systemd's own quoting (specifiers `%` and variables `$` doubled)."""
+    text = arg.replace("%", "%%").replace("$", "$$")
+    if re.fullmatch(r"[A-Za-z0-9_@%+=:,./-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _env_quote(assignment: str) -> str:
+    return _exec_quote(assignment)
+
+
+def render_unit(
+    host: Host, install_dir: str, argv: Sequence[str], env: Mapping[str, str], *, user: bool
+) -> str:
+    """Pure: the unit's text for the server started by `argv` with `env` (launch.server_argv and
+    launch_env: the process supervisor's line) from `install_dir` (absolute, as the node expanded it).
+    `user`: a user unit (no User=, wanted by default.target)."""
+    cache = f"{install_dir}/cache"
+    lines = [
+        "# Written by rpcfleet: changes here are replaced by the next deploy.",
+        "[Unit]",
+        f"Description=ggml-rpc-server on {host.rpc_host or host.address}:{int(host.rpc_port)} (rpcfleet)",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        f"StartLimitIntervalSec={START_LIMIT_INTERVAL}",
+        f"StartLimitBurst={START_LIMIT_BURST}",
+        "",
+        "[Service]",
+        "Type=exec",
+        *([] if user else [f"User={SERVICE_USER}", f"Group={SERVICE_USER}"]),
+        *(f"Environment={_env_quote(f'{key}={value}')}" for key, value in sorted(env.items())),
+        # Line-buffered stdout, as the process supervisor's log: the journal gets each line at once.
+        "ExecStart=" + " ".join(_exec_quote(a) for a in ["stdbuf", "-oL", *argv]),
+        "Restart=on-failure",
+        f"RestartSec={RESTART_SEC}",
+        "TimeoutStopSec=5",
+        "IgnoreSIGPIPE=yes",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        # Homes become an empty tmpfs with only the install dir in it (read-only) and its cache writable:
+        # reachable even below a 0700 home, for the dedicated user too.
+        "ProtectHome=tmpfs",
+        f"BindReadOnlyPaths={_exec_quote(install_dir)}",
+        f"BindPaths={_exec_quote(cache)}",
+        f"ReadWritePaths={_exec_quote(cache)}",
+        "PrivateTmp=yes",
+        "",
+        "[Install]",
+        f"WantedBy={'default.target' if user else 'multi-user.target'}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class UnitChange:
+    """What installing the unit changes (`--check` shows it; a second deploy changes nothing)."""
+
+    unit: str
+    write: bool  # the file is new or differs: written, then daemon-reload
+    enable: bool
+    linger: bool = False  # a user unit's user gets lingering
+    create_user: bool = False  # the dedicated user is made (system units)
+
+    @property
+    def changed(self) -> bool:
+        return self.write or self.enable or self.linger or self.create_user
+
+    def describe(self) -> str:
+        parts = [
+            *(["create user " + SERVICE_USER] if self.create_user else []),
+            *(["enable lingering"] if self.linger else []),
+            *([f"write {self.unit}"] if self.write else []),
+            *([f"enable {self.unit}"] if self.enable else []),
+        ]
+        return ", ".join(parts) or f"{self.unit} up to date"
+
+
+def plan_unit(state: UnitState, text: str, info: SystemdInfo) -> UnitChange:
+    """Pure: the steps that make the installed unit `text` and enabled."""
+    return UnitChange(
+        unit=state.name,
+        write=state.text != text,
+        enable=not state.enabled,
+        linger=not info.root and not info.linger,
+        create_user=info.root and not info.service_user,
+    )
+
+
+def systemctl(user: bool) -> str:
+    return "systemctl --user" if user else "systemctl"
+
+
+def install_unit_script(name: str, install_dir: str, text: str, *, user: bool) -> str:
+    """Idempotent on the node: the user (or lingering), the cache dir, the file (daemon-reload only when it
+    changed), enabled. Prints `@created`, `@linger`, `@written`, `@enabled` for what it did."""
+    q = shlex.quote
+    path = f"{USER_UNITS if user else SYSTEM_UNITS}/{q(name)}"
+    cache = q(f"{install_dir}/cache")
+    ctl = systemctl(user)
+    owner = [] if user else [f"chown {SERVICE_USER}:{SERVICE_USER} {cache} || exit 1"]
+    account = (
+        [
+            USER_ENV,
+            'if [ "$(loginctl show-user "$(id -un)" -p Linger --value 2>/dev/null)" != yes ]; then',
+            '  loginctl enable-linger "$(id -un)" || { echo "@error cannot enable lingering"; exit 1; }',
+            "  echo @linger",
+            "fi",
+        ]
+        if user
+        else [
+            f"if ! id -u {SERVICE_USER} >/dev/null 2>&1; then",
+            f"  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "
+            f"--comment 'rpcfleet rpc-server' {SERVICE_USER} || exit 1",
+            "  echo @created",
+            "fi",
+        ]
+    )
+    return "\n".join(
+        [
+            *account,
+            f"mkdir -p {cache} || exit 1",
+            *owner,
+            f"f={path}",
+            'mkdir -p "$(dirname "$f")" || exit 1',
+            f"new={q(text)}",
+            'if [ ! -f "$f" ] || [ "$(cat "$f")" != "$(printf %s "$new")" ]; then',
+            '  printf %s "$new" > "$f.tmp" && mv -f "$f.tmp" "$f" || exit 1',
+            f"  {ctl} daemon-reload || exit 1",
+            "  echo @written",
+            "fi",
+            f"if ! {ctl} is-enabled --quiet {q(name)} 2>/dev/null; then",
+            f"  {ctl} enable --quiet {q(name)} || exit 1",
+            "  echo @enabled",
+            "fi",
+        ]
+    )
+
+
+def remove_unit_script(name: str, *, user: bool) -> str:
+    """Stop, disable and delete the unit; the dedicated user goes with the last rpcfleet unit.
+    Prints `@removed` when there was a unit, `@userdel` when the user went too."""
+    q = shlex.quote
+    ctl = systemctl(user)
+    userdel = (
+        []
+        if user
+        else [
+            f"if ! ls /etc/systemd/system/{UNIT_PREFIX}*.service >/dev/null 2>&1 "
+            f"&& id -u {SERVICE_USER} >/dev/null 2>&1; then",
+            f"  userdel {SERVICE_USER} && echo @userdel",
+            "fi",
+        ]
+    )
+    return "\n".join(
+        [
+            USER_ENV if user else ":",
+            f"f={USER_UNITS if user else SYSTEM_UNITS}/{q(name)}",
+            'if [ -f "$f" ]; then',
+            f"  {ctl} disable --now --quiet {q(name)} 2>/dev/null",
+            '  rm -f "$f"',
+            f"  {ctl} daemon-reload; {ctl} reset-failed {q(name)} 2>/dev/null",
+            "  echo @removed",
+            "fi",
+            *userdel,
+            "exit 0",
+        ]
+    )
+
+
+def control_script(name: str, action: Literal["start", "stop", "restart"], *, user: bool) -> str:
+    """`systemctl start|stop|restart` of the unit (stop waits for the exit; TimeoutStopSec, then SIGKILL);
+    a start clears an earlier `failed` (start limit) first. Prints the new MainPID as `@pid N`."""
+    name = shlex.quote(name)
+    ctl = systemctl(user)
+    return "\n".join(
+        [
+            USER_ENV if user else ":",
+            *([f"{ctl} reset-failed {name} 2>/dev/null"] if action != "stop" else []),
+            f"{ctl} {action} {name} || exit 1",
+            f'echo "@pid $({ctl} show -p MainPID --value {name})"',
+        ]
+    )
+
+
+def journal_command(name: str, lines: int, *, user: bool) -> str:
+    """The unit's journal, last `lines` lines (`rpcfleet logs`)."""
+    scope = "--user" if user else "--system"
+    name = shlex.quote(name)
+    return (
+        f"{USER_ENV if user else ':'}; journalctl {scope} -u {name} -n {int(lines)} --no-pager -o short-iso"
+    )
