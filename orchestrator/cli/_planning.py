@@ -92,6 +92,23 @@ def local_device_selection(args: argparse.Namespace) -> list[str] | None:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, str]:
+    """Plan endpoint -> the endpoint to dial, for the inventory's `rpc_transport: ssh` hosts among
+    `endpoints` (their SSH forwards, opened now or reused from the probe); empty without an inventory."""
+    from orchestrator.connectors.tunnel import default_tunnels
+    from orchestrator.core.errors import InputError
+
+    if getattr(args, "endpoint", None):
+        return {}
+    hosts = getattr(args, "selected_hosts", None)
+    if hosts is None:  # a saved plan (--plan): its hosts are the inventory's, when there is one
+        try:
+            _, hosts = _common.load_hosts(args)
+        except InputError:
+            return {}
+    return default_tunnels().mapping(h for h in hosts if h.endpoint in endpoints)
+
+
 def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> list[PlanDevice]:
     """Probe the selected hosts and order their devices for the planner: every RPC device of each
     endpoint in inventory order, then the selected local GPUs of this machine."""
@@ -102,6 +119,7 @@ def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> 
 
     if hosts is None:
         _, hosts = _common.load_hosts(args)
+        args.selected_hosts = hosts
     if not hosts:
         raise UsageError("no hosts selected")
     fleet = _common.run_async(

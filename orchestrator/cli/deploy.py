@@ -246,7 +246,7 @@ def handle_status(args: argparse.Namespace) -> int:
             version += f" (running {s.running_version})"
         table.add_row(
             s.host,
-            s.endpoint,
+            f"{s.endpoint} ({s.transport})",
             f"[{style}]{s.state}[/{style}]",
             str(s.pid or "-"),
             version,

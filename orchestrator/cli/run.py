@@ -137,7 +137,8 @@ def handle(args: argparse.Namespace) -> int:
                 f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
                 highlight=False,
             )
-        placement = worker.load(plan, args.model, {"seed": args.seed})
+        dial = _planning.dial_map(args, plan.endpoints)
+        placement = worker.load(plan, args.model, {"seed": args.seed}, dial=dial)
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
         _common.print_json(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import queue
 import re
@@ -84,6 +85,31 @@ LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
 _TELLING = re.compile(r"error|fail|abort|crash|ggml-rpc|Traceback|Killed", re.IGNORECASE)
 
 
+def with_endpoints(plan: Plan, dial: Mapping[str, str]) -> Plan:
+    """`plan` with its RPC endpoints replaced as `dial` says (the others kept)."""
+    if not dial:
+        return plan
+    devices = tuple(
+        dataclasses.replace(d, endpoint=dial.get(d.endpoint, d.endpoint)) if d.endpoint is not None else d
+        for d in plan.devices
+    )
+    return dataclasses.replace(plan, devices=devices)
+
+
+def placement_with_endpoints(placement: Placement, names: Mapping[str, str]) -> Placement:
+    """`placement` with the endpoints (and labels) the child dialed named back as the plan names them."""
+    if not names:
+        return placement
+    devices = []
+    for d in placement.devices:
+        real = names.get(d.endpoint, d.endpoint) if d.endpoint is not None else None
+        label = (
+            d.label.replace(d.endpoint, real, 1) if d.endpoint is not None and real is not None else d.label
+        )
+        devices.append(dataclasses.replace(d, endpoint=real, label=label))
+    return dataclasses.replace(placement, devices=tuple(devices))
+
+
 def default_log_path() -> Path:
     """A fresh log under `$RPCFLEET_HOME/logs`; beyond the newest `KEEP_LOGS`, those untouched for an
     hour are removed (a younger one may belong to a worker still running)."""
@@ -134,6 +160,7 @@ class Worker:
     ) -> None:
         self._process = process
         self.plan: Plan | None = None
+        self.dial: dict[str, str] = {}
         self.log_path = log_path
         self.event_timeout = event_timeout
         self.link_timeout = link_timeout
@@ -217,6 +244,7 @@ class Worker:
         *,
         verbose: bool = True,
         timeout: float = LOAD_TIMEOUT,
+        dial: Mapping[str, str] | None = None,
     ) -> Placement:
         """Load `model_path` (default: the plan's) through `plan` in the child (once per worker); returns
         the placement. `llama_kwargs` go to `load_llama` and must be JSON (seed, n_threads...);
@@ -225,13 +253,17 @@ class Worker:
         Raises the loader's errors (a refused endpoint keeps its type), `WorkerTimeoutError` past
         `timeout` (start-up included), `NodeLostError` when a node dies during the load; the child is
         killed on any error.
+
+        `dial` maps a plan endpoint to the one the child connects to (`Tunnels.mapping`: an SSH forward
+        for `rpc_transport: ssh`); the placement and every error keep the plan's names.
         """
         if self.plan is not None:
             raise WorkerError("this worker has loaded a model already: start another")
         self.plan = plan
+        self.dial = dict(dial or {})
         request = {
             "op": "load",
-            "plan": plan.to_json(),
+            "plan": with_endpoints(plan, self.dial).to_json(),
             "model": str(model_path if model_path is not None else plan.model_path),
             "llama_kwargs": dict(llama_kwargs or {}),
             "verbose": verbose,
@@ -246,7 +278,9 @@ class Worker:
             if answer.get("event") != "loaded":
                 self.kill()
                 raise self._record(self._unexpected(answer))
-            self.placement = placement_from_json(answer.get("placement"))
+            self.placement = placement_with_endpoints(
+                placement_from_json(answer.get("placement")), {v: k for k, v in self.dial.items()}
+            )
         except ValueError as exc:
             self.kill()
             raise self._record(
@@ -417,7 +451,9 @@ class Worker:
         t, endpoints = self.probe_timeout, self.plan.endpoints if self.plan else ()
         if not endpoints:
             return []
-        return list(_run_sync(probe_endpoints(endpoints, connect_timeout=t, read_timeout=t, deadline=t + 1)))
+        dialed = [self.dial.get(ep, ep) for ep in endpoints]
+        found = _run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
+        return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
 
     def _log_tail(self) -> str | None:
         """The lines of the log's end that say what went wrong (llama.cpp's abort, a failed send)."""

@@ -15,6 +15,7 @@ from orchestrator.facts.server import (
 )
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
+from orchestrator.operations.firewall import apply_firewall
 from orchestrator.operations.install import (
     ArtifactChooser,
     BuildLogFactory,
@@ -163,13 +164,17 @@ async def ensure_state(
     stops = change.action in ("stop", "restart") and status.pid is not None
     if check and stops and not force:
         await refuse_if_busy(conn, host, change.action, busy_grace=busy_grace)  # what the stop would say
+    install_dir = state.install.install_dir
     if not change.changed or check:
+        if not check:  # rpc_allow_from follows the inventory even when the server is left as it is
+            await apply_firewall(conn, host, install_dir, install=want != "stopped")
         return change
     if change.action in ("stop", "restart"):
-        await stop_server(
-            conn, host, state.install.install_dir, force=force, busy_grace=busy_grace, action=change.action
-        )
+        await stop_server(conn, host, install_dir, force=force, busy_grace=busy_grace, action=change.action)
+        if change.action == "stop":  # the rules go with the server
+            await apply_firewall(conn, host, install_dir, install=False)
     if change.action in ("start", "restart"):
+        await apply_firewall(conn, host, install_dir, install=True)  # before it listens
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
