@@ -1,0 +1,164 @@
+"""Tier 2: `rpc_transport: ssh` and `rpc_allow_from` on a lab of this module (namespaces, real sshd).
+
+With ssh transport the deployed servers listen on their node's loopback only, the controller reaches
+them through one SSH forward per node (OpenSSH, host keys verified), `run` generates text through them,
+and a forward killed during a load is a clean error naming the node's real endpoint. With
+`rpc_allow_from: [controller]` (deployed over a root SSH connection to a node) the controller connects
+and another lab node is refused; stopping the server removes the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.cli import main
+from orchestrator.lab.lifecycle import inventory_document
+from orchestrator.lab.model import Lab, LabNode
+from tests.plugins.lab import own_lab
+
+pytestmark = [pytest.mark.lab, pytest.mark.llama]
+
+RPC_PORT = 50052
+
+
+@pytest.fixture(scope="module")
+def transport_lab() -> Iterator[Lab]:
+    with own_lab(3, "tr") as made:
+        yield made
+
+
+def _write_inventory(lab: Lab, path: Path, **common: Any) -> Path:
+    doc = inventory_document(lab)
+    doc["vars"].update(common)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _connect_from_controller(address: str, port: int) -> str:
+    with socket.socket() as sock:
+        sock.settimeout(3)
+        try:
+            sock.connect((address, port))
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+    return "connected"
+
+
+_CONNECT = (
+    "import socket,sys\ns=socket.socket();s.settimeout(3)\n"
+    "try:\n s.connect((sys.argv[1],int(sys.argv[2])));print('connected')\n"
+    "except ConnectionRefusedError: print('refused')\nexcept TimeoutError: print('timeout')\n"
+)
+
+
+def _connect_from_node(lab: Lab, node: LabNode, address: str, port: int) -> str:
+    out = lab.node_exec(node, [sys.executable, "-c", _CONNECT, address, str(port)])
+    return out.stdout.strip()
+
+
+def _forwarders(pid: int) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if cmd[:2] == ["ssh", "-M"] and "-L" in cmd:
+            found.append(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ssh_inventory(
+    transport_lab: Lab, cpu_artifact: Artifact, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    path = _write_inventory(
+        transport_lab, tmp_path_factory.mktemp("transport") / "ssh.yml", rpc_transport="ssh"
+    )
+    assert main(["-i", str(path), "deploy"]) == 0
+    return path
+
+
+def test_ssh_transport_deploys_on_loopback_only_and_run_generates_through_the_forwards(
+    transport_lab: Lab, ssh_inventory: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes = transport_lab.nodes
+    for i, node in enumerate(nodes):
+        lines = transport_lab.node_exec(node, ["ss", "-Htln", f"sport = :{RPC_PORT}"]).stdout.splitlines()
+        listening = [line.split()[3] for line in lines]  # the local address of each listener
+        assert listening == [f"127.0.0.1:{RPC_PORT}"], lines
+        # Nothing answers on the node's address: neither here nor from another lab node.
+        assert _connect_from_controller(node.address, RPC_PORT) == "refused"
+        other = (i + 1) % len(nodes)
+        assert _connect_from_node(transport_lab, nodes[other], node.address, RPC_PORT) == "refused"
+    capsys.readouterr()
+    assert main(["-i", str(ssh_inventory), "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    text = json.dumps(status)
+    assert text.count('"transport": "ssh"') == len(nodes), text
+    assert text.count('"state": "running"') == len(nodes), text
+    argv = ["-i", str(ssh_inventory), "run", "-m", str(tiny_model), "-p", "hello", "-n", "8"]
+    assert main([*argv, "--ctx", "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].strip()
+    endpoints = {d["endpoint"] for d in out["placement"]["devices"]}
+    # Plans and placements name the real hosts, never the forwards.
+    assert endpoints == {f"{n.address}:{RPC_PORT}" for n in nodes}, endpoints
+    assert not _forwarders(os.getpid())  # the forwards lived as long as the command
+
+
+def test_a_forward_killed_during_a_load_is_a_clean_error_naming_the_node(
+    transport_lab: Lab, ssh_inventory: Path, tiny_model_factory: Any, tmp_path: Path
+) -> None:
+    model = tiny_model_factory(n_layer=6, n_embd=1024, n_head=8, n_head_kv=8, n_ff=2816)  # about 130 MB
+    victim = transport_lab.nodes[1]
+    assert victim.veth is not None
+    shape = ["tc", "qdisc", "replace", "dev", victim.veth, "root", "tbf", "rate", "80mbit"]
+    subprocess.run([*shape, "burst", "64kb", "latency", "100ms"], check=True)
+    try:
+        argv = [sys.executable, "-m", "orchestrator", "-i", str(ssh_inventory), "run", "-m", str(model)]
+        env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "COLUMNS": "200"}
+        run = subprocess.Popen(
+            [*argv, "-p", "hi", "-n", "4", "--ctx", "512"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        killed = None
+        deadline = time.monotonic() + 60
+        while killed is None and time.monotonic() < deadline and run.poll() is None:
+            # The load is under way when the victim's server holds an established connection.
+            held = transport_lab.node_exec(
+                victim, ["ss", "-Htn", "state", "established", f"sport = :{RPC_PORT}"]
+            )
+            mine = [p for p in _forwarders(run.pid) if victim.address in " ".join(p.cmdline())]
+            if held.stdout.strip() and mine:
+                mine[0].kill()
+                killed = time.monotonic()
+            time.sleep(0.1)
+        assert killed is not None, run.communicate(timeout=30)
+        _, err_bytes = run.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", victim.veth, "root"], check=False)
+    err = err_bytes.decode()
+    assert run.returncode == 1, err
+    assert f"lost {victim.address}:{RPC_PORT}" in err, err
+    assert "127.0.0.1" not in err.split("hint")[0], err  # the real host, not the forward
+    assert "Traceback" not in err
+    assert took < 30, took
