@@ -162,3 +162,110 @@ def test_a_forward_killed_during_a_load_is_a_clean_error_naming_the_node(
     assert "127.0.0.1" not in err.split("hint")[0], err  # the real host, not the forward
     assert "Traceback" not in err
     assert took < 30, took
+
+
+def _tagged_rules(lab: Lab, node: LabNode) -> list[str]:
+    rules = lab.node_exec(node, ["iptables", "-w", "-S", "INPUT"]).stdout.splitlines()
+    return [rule for rule in rules if '"rpcfleet ' in rule]
+
+
+@pytest.fixture
+def root_node(transport_lab: Lab, tmp_path: Path) -> Iterator[tuple[LabNode, Path]]:
+    """Node 2 with a second sshd that lets root in (key auth, its own known_hosts entry): the lab's
+    user is not root, and changing a node's firewall takes root."""
+    node = transport_lab.nodes[1]
+    pub = transport_lab.client_key.with_name(transport_lab.client_key.name + ".pub")
+    (tmp_path / "authorized_keys").write_text(pub.read_text())
+    host_pub = node.host_key.with_name(node.host_key.name + ".pub").read_text().split()
+    (tmp_path / "known_hosts").write_text(f"[{node.address}]:2222 {host_pub[0]} {host_pub[1]}\n")
+    config = tmp_path / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"ListenAddress {node.address}",
+                "Port 2222",
+                f'HostKey "{node.host_key}"',
+                f'PidFile "{tmp_path / "sshd.pid"}"',
+                f'AuthorizedKeysFile "{tmp_path / "authorized_keys"}"',
+                "AllowUsers root",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "Subsystem sftp internal-sftp",
+            ]
+        )
+        + "\n"
+    )
+    transport_lab.node_exec(node, ["/usr/sbin/sshd", "-f", str(config), "-E", str(tmp_path / "sshd.log")])
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "sshd.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int((tmp_path / "sshd.pid").read_text())
+    inventory = {
+        "hosts": {
+            "rootnode": {
+                "address": node.address,
+                "ssh_user": "root",
+                "ssh_port": 2222,
+                "ssh_key": str(transport_lab.client_key),
+                "ssh_known_hosts": str(tmp_path / "known_hosts"),
+                "install_dir": str(tmp_path / "install"),
+                "rpc_port": 50053,
+                "rpc_allow_from": ["controller"],
+            }
+        }
+    }
+    path = tmp_path / "root.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    try:
+        yield node, path
+    finally:
+        os.kill(pid, 15)
+        for rule in _tagged_rules(transport_lab, node):  # a failed test leaves no rule behind
+            transport_lab.node_exec(node, ["sh", "-c", f"iptables -w {rule.replace('-A', '-D', 1)}"])
+
+
+def test_rpc_allow_from_admits_the_controller_only_and_goes_with_the_server(
+    transport_lab: Lab,
+    cpu_artifact: Artifact,
+    root_node: tuple[LabNode, Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node, inventory = root_node
+    other = transport_lab.nodes[2]
+    assert main(["-i", str(inventory), "deploy"]) == 0, capsys.readouterr()
+    rules = _tagged_rules(transport_lab, node)
+    controller = node.address.rsplit(".", 1)[0] + ".1"  # the bridge: the controller as the node sees it
+    assert len(rules) == 2, rules
+    assert f"-s {controller}/32" in rules[0], rules
+    assert "-j ACCEPT" in rules[0] and "--dport 50053" in rules[0] and "-j REJECT" in rules[1], rules
+    assert _connect_from_controller(node.address, 50053) == "connected"
+    assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"
+    assert _connect_from_node(transport_lab, other, node.address, 22) == "connected"  # only the RPC port
+    # Idempotent: a second deploy leaves the same rules.
+    assert main(["-i", str(inventory), "deploy"]) == 0
+    assert _tagged_rules(transport_lab, node) == rules
+    # The rule goes with the server.
+    assert main(["-i", str(inventory), "stop"]) == 0
+    assert _tagged_rules(transport_lab, node) == []
+    assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"  # nothing listens
+
+
+def test_rpc_allow_from_without_root_is_a_clear_error(
+    transport_lab: Lab, cpu_artifact: Artifact, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write_inventory(
+        transport_lab, tmp_path / "allow.yml", rpc_allow_from=["controller"], rpc_port=50054
+    )
+    node = transport_lab.nodes[2]
+    capsys.readouterr()
+    assert main(["-i", str(path), "-l", node.name, "deploy"]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "rpc_allow_from needs root on the node" in text and "is not root" in text, text
+    assert "Traceback" not in text
+    assert _tagged_rules(transport_lab, node) == []
+    lines = transport_lab.node_exec(node, ["ss", "-Htln", "sport = :50054"]).stdout
+    assert not lines.strip()  # refused before the server started
