@@ -37,10 +37,10 @@ from orchestrator.core.errors import HostKeyError, RpcfleetError, UnreachableErr
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
 
-Forwarder = Literal["openssh", "asyncssh"]
+Forwarder = Literal["openssh", "openssh-n", "asyncssh"]
 
 
-FORWARDERS: tuple[str, ...] = ("openssh", "asyncssh")
+FORWARDERS: tuple[str, ...] = ("openssh", "openssh-n", "asyncssh")  # openssh-n: `-N`, no pty (bench)
 
 
 DEFAULT_FORWARDER: Forwarder = "openssh"
@@ -48,6 +48,9 @@ DEFAULT_FORWARDER: Forwarder = "openssh"
 
 KEEPALIVE_INTERVAL = 5  # seconds; ServerAliveInterval / keepalive_interval
 KEEPALIVE_COUNT = 3
+
+
+HOLD_COMMAND = "exec sleep 2147483647"  # the session that keeps a forward's connection interactive
 
 
 class Tunnel(Protocol):
@@ -75,9 +78,14 @@ def _known_hosts(host: Host) -> Path:
     return Path.home() / ".ssh" / "known_hosts"
 
 
-def openssh_argv(host: Host, control: Path, local_port: int, timeout: float) -> list[str]:
+def openssh_argv(
+    host: Host, control: Path, local_port: int, timeout: float, *, interactive: bool = True
+) -> list[str]:
     """The OpenSSH master that holds one forward: 127.0.0.1:local_port -> rpc_host:rpc_port on the node."""
-    argv = ["ssh", "-M", "-S", str(control), "-N", "-T", "-o", "BatchMode=yes"]
+    # A session with a pty (-tt) that only sleeps: OpenSSH sets TCP_NODELAY on both ends of the SSH
+    # connection only for interactive (pty) sessions; without it (-N) Nagle's algorithm and delayed ACKs
+    # stall RPC's small writes (llama.cpp's decode ran at a third of tcp's speed: BENCHMARKS.md).
+    argv = ["ssh", "-M", "-S", str(control), "-tt" if interactive else "-N", "-o", "BatchMode=yes"]
     argv += ["-o", f"ConnectTimeout={max(1, round(timeout))}", "-o", "ExitOnForwardFailure=yes"]
     argv += [
         "-o",
@@ -86,6 +94,8 @@ def openssh_argv(host: Host, control: Path, local_port: int, timeout: float) -> 
         f"ServerAliveCountMax={KEEPALIVE_COUNT}",
     ]
     argv += ["-o", "ControlPersist=no", "-o", "LogLevel=ERROR"]
+    # AES-GCM first (AES-NI makes it the cheapest on x86 and arm64); the rest of the default list after it
+    argv += ["-o", "Ciphers=^aes128-gcm@openssh.com"]
     if host.ssh_host_key_checking:
         argv += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={_known_hosts(host)}"]
     else:
@@ -96,7 +106,7 @@ def openssh_argv(host: Host, control: Path, local_port: int, timeout: float) -> 
         argv += ["-l", host.ssh_user]
     argv += ["-p", str(host.ssh_port)]
     argv += ["-L", f"127.0.0.1:{local_port}:{host.rpc_host}:{host.rpc_port}", "--", host.address]
-    return argv
+    return [*argv, HOLD_COMMAND] if interactive else argv
 
 
 def _ssh_error(host: Host, stderr: str) -> RpcfleetError:
@@ -123,7 +133,7 @@ class OpenSSHTunnel:
     _dir: Path = field(repr=False)
 
     @classmethod
-    def open(cls, host: Host, timeout: float) -> OpenSSHTunnel:
+    def open(cls, host: Host, timeout: float, *, interactive: bool = True) -> OpenSSHTunnel:
         if shutil.which("ssh") is None:
             raise UnreachableError(
                 "rpc_transport: ssh needs the OpenSSH client (ssh) on this machine",
@@ -136,7 +146,7 @@ class OpenSSHTunnel:
             port = _free_port()
             errlog = (folder / "stderr").open("w+b")
             process = subprocess.Popen(
-                openssh_argv(host, control, port, timeout),
+                openssh_argv(host, control, port, timeout, interactive=interactive),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=errlog,
@@ -227,6 +237,8 @@ class AsyncsshTunnel:
             wrapped = await SSHConnection.open(host, options)
             conn = wrapped._conn
             listener = await conn.forward_local_port("127.0.0.1", 0, host.rpc_host, host.rpc_port)
+            # A pty session makes sshd set TCP_NODELAY on its end (see openssh_argv)
+            await conn.create_process(HOLD_COMMAND, term_type="dumb")
             return conn, listener
 
         conn, listener = loop.call(start(), timeout + 5.0)
@@ -282,8 +294,8 @@ class Tunnels:
                 del self._open[key]
             timeout = self.connect_timeout if self.connect_timeout is not None else host.ssh_connect_timeout
             made: Tunnel
-            if self.forwarder == "openssh":
-                made = OpenSSHTunnel.open(host, timeout)
+            if self.forwarder in ("openssh", "openssh-n"):
+                made = OpenSSHTunnel.open(host, timeout, interactive=self.forwarder == "openssh")
             else:
                 if self._loop is None:
                     self._loop = _Loop()
