@@ -85,31 +85,6 @@ LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
 _TELLING = re.compile(r"error|fail|abort|crash|ggml-rpc|Traceback|Killed", re.IGNORECASE)
 
 
-def with_endpoints(plan: Plan, dial: Mapping[str, str]) -> Plan:
-    """`plan` with its RPC endpoints replaced as `dial` says (the others kept)."""
-    if not dial:
-        return plan
-    devices = tuple(
-        dataclasses.replace(d, endpoint=dial.get(d.endpoint, d.endpoint)) if d.endpoint is not None else d
-        for d in plan.devices
-    )
-    return dataclasses.replace(plan, devices=devices)
-
-
-def placement_with_endpoints(placement: Placement, names: Mapping[str, str]) -> Placement:
-    """`placement` with the endpoints (and labels) the child dialed named back as the plan names them."""
-    if not names:
-        return placement
-    devices = []
-    for d in placement.devices:
-        real = names.get(d.endpoint, d.endpoint) if d.endpoint is not None else None
-        label = (
-            d.label.replace(d.endpoint, real, 1) if d.endpoint is not None and real is not None else d.label
-        )
-        devices.append(dataclasses.replace(d, endpoint=real, label=label))
-    return dataclasses.replace(placement, devices=tuple(devices))
-
-
 def default_log_path() -> Path:
     """A fresh log under `$RPCFLEET_HOME/logs`; beyond the newest `KEEP_LOGS`, those untouched for an
     hour are removed (a younger one may belong to a worker still running)."""
@@ -263,7 +238,7 @@ class Worker:
         self.dial = dict(dial or {})
         request = {
             "op": "load",
-            "plan": with_endpoints(plan, self.dial).to_json(),
+            "plan": plan.with_endpoints(self.dial).to_json(),
             "model": str(model_path if model_path is not None else plan.model_path),
             "llama_kwargs": dict(llama_kwargs or {}),
             "verbose": verbose,
@@ -278,9 +253,8 @@ class Worker:
             if answer.get("event") != "loaded":
                 self.kill()
                 raise self._record(self._unexpected(answer))
-            self.placement = placement_with_endpoints(
-                placement_from_json(answer.get("placement")), {v: k for k, v in self.dial.items()}
-            )
+            reverse = {dialed: real for real, dialed in self.dial.items()}
+            self.placement = placement_from_json(answer.get("placement")).with_endpoints(reverse)
         except ValueError as exc:
             self.kill()
             raise self._record(
