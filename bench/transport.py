@@ -29,21 +29,21 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator.connectors.tunnel import Tunnels  # noqa: E402
-from orchestrator.engine.executor import Session  # noqa: E402
-from orchestrator.inventory.load import load_inventory  # noqa: E402
-from orchestrator.inventory.model import Host  # noqa: E402
-from orchestrator.lab.lifecycle import lab_down, lab_up  # noqa: E402
-from orchestrator.lab.model import Lab  # noqa: E402
-from orchestrator.llama.worker import Done, Worker  # noqa: E402
-from orchestrator.operations.install import ArtifactChooser  # noqa: E402
-from orchestrator.operations.service import make_deploy_step  # noqa: E402
-from orchestrator.planning.devices import to_plan_devices  # noqa: E402
-from orchestrator.planning.plan import Plan, PlanOptions  # noqa: E402
-from orchestrator.planning.profile import profile_model  # noqa: E402
-from orchestrator.planning.strategy import make_plan  # noqa: E402
-from orchestrator.planning.synth import write_tiny_llama  # noqa: E402
-from orchestrator.probe.fleet import probe_fleet  # noqa: E402
+from orchestrator.connectors.tunnel import Tunnels
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import Host
+from orchestrator.lab.lifecycle import lab_down, lab_up
+from orchestrator.lab.model import Lab
+from orchestrator.llama.worker import Done, Worker
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.service import make_deploy_step
+from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.planning.synth import write_tiny_llama
+from orchestrator.probe.fleet import probe_fleet
 
 SECTION = "transport"
 PROMPT = "The quick brown fox"

@@ -96,7 +96,7 @@ def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, 
     """Plan endpoint -> the endpoint to dial, for the inventory's `rpc_transport: ssh` hosts among
     `endpoints` (their SSH forwards, opened now or reused from the probe); empty without an inventory."""
     from orchestrator.connectors.tunnel import default_tunnels
-    from orchestrator.core.errors import InputError
+    from orchestrator.core.errors import RpcfleetError
 
     if getattr(args, "endpoint", None):
         return {}
@@ -104,7 +104,7 @@ def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, 
     if hosts is None:  # a saved plan (--plan): its hosts are the inventory's, when there is one
         try:
             _, hosts = _common.load_hosts(args)
-        except InputError:
+        except RpcfleetError:  # none (or none readable): a saved plan runs as before, on its endpoints
             return {}
     return default_tunnels().mapping(h for h in hosts if h.endpoint in endpoints)
 
