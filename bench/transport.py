@@ -124,22 +124,26 @@ def main() -> None:
     base_tps = median([r["tps"] for r in results["tcp"]])
     rows = []
     for mode in MODES:
-        load = median([r["load"] for r in results[mode]])
-        tps = median([r["tps"] for r in results[mode]])
+        loads = [r["load"] for r in results[mode]]
+        tps = [r["tps"] for r in results[mode]]
+        load, speed = median(loads), median(tps)
         rows.append(
-            f"| {mode} | {load:.2f} s | {size / load / 1e6:.0f} MB/s | {load / base_load - 1:+.1%} | "
-            f"{tps:.1f} | {tps / base_tps - 1:+.1%} |"
+            f"| {mode} | {load:.2f} s ({min(loads):.2f}-{max(loads):.2f}) | {size / load / 1e6:.0f} MB/s | "
+            f"{load / base_load - 1:+.1%} | {speed:.1f} ({min(tps):.1f}-{max(tps):.1f}) | "
+            f"{speed / base_tps - 1:+.1%} |"
         )
     body = "\n".join(
         [
             f"## {SECTION}",
             "",
-            f"{stamp()}; load average {load_avg:.1f} at the start. `bench/transport.py --rounds {args.rounds} "
-            f"--tokens {args.tokens}`: 3 lab nodes, each link shaped to {args.rate} (tbf, both ends), a "
+            f"{stamp()}; load average {load_avg:.1f} at the start. "
+            f"`bench/transport.py --rounds {args.rounds} --tokens {args.tokens}`: 3 lab nodes, "
+            f"each link shaped to {args.rate} (tbf, both ends), a "
             f"{size / 2**20:.0f} MiB model (8 layers, n_embd 1024, f16) over all 3, medians of "
             f"{args.rounds} rounds. Same text in every round: {len(texts) == 1}.",
             "",
-            "| transport | load | load MB/s | load vs tcp | decode tok/s | decode vs tcp |",
+            "| transport/forwarder | load, median (min-max) | load MB/s | load vs tcp | decode tok/s, median "
+            "(min-max) | decode vs tcp |",
             "|---|---|---|---|---|---|",
             *rows,
             "",
