@@ -120,6 +120,20 @@ def test_ssh_transport_deploys_on_loopback_only_and_run_generates_through_the_fo
     # Plans and placements name the real hosts, never the forwards.
     assert endpoints == {f"{n.address}:{RPC_PORT}" for n in nodes}, endpoints
     assert not _forwarders(os.getpid())  # the forwards lived as long as the command
+    # A playbook too: restart (readiness through the forward), probe, plan, load_check.
+    preload = Path(__file__).resolve().parents[1] / "playbooks" / "preload.yml"
+    argv = [
+        "-i",
+        str(ssh_inventory),
+        "run-playbook",
+        str(preload),
+        "-e",
+        f"model={tiny_model}",
+        "-e",
+        "ctx=512",
+    ]
+    assert main(argv) == 0, capsys.readouterr()
+    assert not _forwarders(os.getpid())
 
 
 def test_a_forward_killed_during_a_load_is_a_clean_error_naming_the_node(
