@@ -25,8 +25,12 @@ import yaml
 
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
+from orchestrator.connectors.tunnel import OpenSSHTunnel, Tunnels
+from orchestrator.inventory.load import load_inventory
 from orchestrator.lab.lifecycle import inventory_document
 from orchestrator.lab.model import Lab, LabNode
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
 from tests.plugins.lab import own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
@@ -283,3 +287,22 @@ def test_rpc_allow_from_without_root_is_a_clear_error(
     assert _tagged_rules(transport_lab, node) == []
     lines = transport_lab.node_exec(node, ["ss", "-Htln", "sport = :50054"]).stdout
     assert not lines.strip()  # refused before the server started
+
+
+async def test_a_dead_forward_is_opened_again_on_the_next_dial(
+    transport_lab: Lab, ssh_inventory: Path
+) -> None:
+    host = load_inventory(ssh_inventory).hosts[0]
+    with Tunnels() as tunnels:
+        first = tunnels.dial(host)
+        assert tunnels.dial(host) == first  # reused
+        assert (await probe_endpoint(first)).outcome is Outcome.OK
+        tunnel = tunnels.tunnel(host)
+        assert isinstance(tunnel, OpenSSHTunnel)
+        tunnel.process.kill()
+        tunnel.process.wait(timeout=5)
+        assert (await probe_endpoint(first, connect_timeout=2, deadline=3)).outcome is Outcome.REFUSED
+        again = tunnels.dial(host)
+        assert again != first
+        assert (await probe_endpoint(again)).outcome is Outcome.OK
+    assert not _forwarders(os.getpid())
