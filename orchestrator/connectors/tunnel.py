@@ -19,6 +19,7 @@ that goes away closes its connections: llama.cpp sees the node as lost, like a d
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -273,6 +274,7 @@ class Tunnels:
         self.connect_timeout = connect_timeout
         self._lock = threading.Lock()
         self._open: dict[tuple[object, ...], Tunnel] = {}
+        self._host_locks: dict[tuple[object, ...], threading.Lock] = {}
         self._loop: _Loop | None = None
 
     def dial(self, host: Host) -> str:
@@ -284,14 +286,17 @@ class Tunnels:
     def tunnel(self, host: Host) -> Tunnel:
         """The live forward of `host` (opened now when there is none or it died)."""
         key = _key(host)
-        with self._lock:
+        with self._lock:  # one opener per host; different hosts open at the same time
+            host_lock = self._host_locks.setdefault(key, threading.Lock())
+        with host_lock:
             found = self._open.get(key)
             if found is not None and found.alive():
                 return found
             if found is not None:
                 get_logger(host=host.name).info("ssh_forward_reopen", forwarder=self.forwarder)
                 found.close()
-                del self._open[key]
+                with self._lock:
+                    self._open.pop(key, None)
             timeout = self.connect_timeout if self.connect_timeout is not None else host.ssh_connect_timeout
             made: Tunnel
             if self.forwarder in ("openssh", "openssh-n"):
@@ -300,12 +305,18 @@ class Tunnels:
                 if self._loop is None:
                     self._loop = _Loop()
                 made = AsyncsshTunnel.open(host, timeout, self._loop)
-            self._open[key] = made
+            with self._lock:
+                self._open[key] = made
             return made
 
     def mapping(self, hosts: Iterable[Host]) -> dict[str, str]:
-        """Real endpoint -> dialed endpoint for the hosts that are tunneled (what a worker load takes)."""
-        return {h.endpoint: self.dial(h) for h in hosts if h.tunneled}
+        """Real endpoint -> dialed endpoint for the hosts that are tunneled (what a worker load takes);
+        the forwards that are missing are opened in parallel."""
+        tunneled = [h for h in hosts if h.tunneled]
+        if len(tunneled) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(8, len(tunneled))) as pool:
+                return dict(zip((h.endpoint for h in tunneled), pool.map(self.dial, tunneled), strict=True))
+        return {h.endpoint: self.dial(h) for h in tunneled}
 
     async def dial_async(self, host: Host) -> str:
         if not host.tunneled:
