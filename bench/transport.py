@@ -29,7 +29,7 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator.connectors.tunnel import Tunnels
+from orchestrator.connectors.tunnel import Tunnels, close_default_tunnels
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
@@ -111,6 +111,7 @@ def main() -> None:
         tcp, ssh = lab_hosts(lab)
         asyncio.run(deploy(tcp + ssh))
         plans = {"tcp": plan_for(tcp, model), "ssh": plan_for(ssh, model)}
+        close_default_tunnels()  # the probe's forwards: each round opens its own
         for _ in range(args.rounds):
             for mode in MODES:
                 transport, _, forwarder = mode.partition("/")
