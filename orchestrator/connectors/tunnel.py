@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from orchestrator.core.errors import HostKeyError, RpcfleetError, UnreachableError
+from orchestrator.core.errors import HostKeyError, InputError, RpcfleetError, UnreachableError
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
 
@@ -344,11 +344,15 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_tunnels() -> Tunnels:
-    """This process's tunnels (what commands use); closed by `close_default_tunnels` at their end."""
+    """This process's tunnels (what commands use); closed by `close_default_tunnels` at their end.
+    `RPCFLEET_FORWARDER` picks the forwarder (default openssh; the others are for bench/transport.py)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
-            _DEFAULT = Tunnels(os.environ.get("RPCFLEET_FORWARDER", DEFAULT_FORWARDER))  # type: ignore[arg-type]
+            name = os.environ.get("RPCFLEET_FORWARDER", DEFAULT_FORWARDER)
+            if name not in FORWARDERS:
+                raise InputError(f"RPCFLEET_FORWARDER={name!r}: expected one of {', '.join(FORWARDERS)}")
+            _DEFAULT = Tunnels(name)  # type: ignore[arg-type]
         return _DEFAULT
 
 
