@@ -57,15 +57,16 @@ async def measure(hosts: list[Host], repeat: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {
         k: [] for k in ("noop-locked", "noop-unlocked", "real-locked", "real-unlocked")
     }
-    threads = 1
-    for _ in range(repeat):
+    two_threads = [dataclasses.replace(h, rpc_threads=2) for h in hosts]
+    for round_no in range(repeat):
         times["noop-locked"].append(await timed(hosts, make_deploy_step(chooser)))
         times["noop-unlocked"].append(await timed(hosts, unlocked_step(chooser)))
-        for mode in ("locked", "unlocked"):
-            threads = 3 - threads  # 1 <-> 2: a launch-line change, so every server restarts
-            changed = [dataclasses.replace(h, rpc_threads=threads) for h in hosts]
+        # A launch-line change (-t 2 added, then removed again), so every server restarts; which mode
+        # goes first alternates. The fleet ends each round as it began, so the no-op deploys stay no-ops.
+        modes = ("locked", "unlocked") if round_no % 2 == 0 else ("unlocked", "locked")
+        for mode, target in zip(modes, (two_threads, hosts), strict=True):
             step = make_deploy_step(chooser) if mode == "locked" else unlocked_step(chooser)
-            times[f"real-{mode}"].append(await timed(changed, step))
+            times[f"real-{mode}"].append(await timed(target, step))
     return times
 
 

@@ -83,7 +83,9 @@ _API: dict[str, str] = {
     "order_devices": "orchestrator.planning.placement",
     "to_plan_devices": "orchestrator.planning.devices",
     "write_tiny_llama": "orchestrator.planning.synth",
+    "write_tiny_mmproj": "orchestrator.planning.synth_mm",
     "Llama": "orchestrator.llama.seed",
+    "MultimodalError": "orchestrator.llama.multimodal",
     "load_llama": "orchestrator.llama.loader",
     "preflight": "orchestrator.llama.preflight",
     "supports_rpc": "orchestrator.llama.registry",
@@ -97,6 +99,9 @@ _API: dict[str, str] = {
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
     "Worker": "orchestrator.llama.worker",
+    "plan_cache": "orchestrator.llama.cache_plan",
+    "CacheTensor": "orchestrator.llama.cache_plan",
+    "hash_file_range": "orchestrator.core.fnv",
     "WorkerError": "orchestrator.llama.worker",
     "NodeLostError": "orchestrator.llama.worker",
     "build_report": "orchestrator.report.build",
@@ -141,6 +146,7 @@ if TYPE_CHECKING:
     from orchestrator.core.errors import TransferError as TransferError
     from orchestrator.core.errors import UnreachableError as UnreachableError
     from orchestrator.core.errors import UsageError as UsageError
+    from orchestrator.core.fnv import hash_file_range as hash_file_range
     from orchestrator.engine.executor import HostResult as HostResult
     from orchestrator.engine.executor import Recap as Recap
     from orchestrator.engine.executor import RunResult as RunResult
@@ -151,6 +157,8 @@ if TYPE_CHECKING:
     from orchestrator.inventory.model import select_hosts as select_hosts
     from orchestrator.lab.lifecycle import lab_down as lab_down
     from orchestrator.lab.lifecycle import lab_up as lab_up
+    from orchestrator.llama.cache_plan import CacheTensor as CacheTensor
+    from orchestrator.llama.cache_plan import plan_cache as plan_cache
     from orchestrator.llama.loader import load_llama as load_llama
     from orchestrator.llama.placement import Placement as Placement
     from orchestrator.llama.placement import placement_of as placement_of

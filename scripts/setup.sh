@@ -113,4 +113,9 @@ fi
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   quiet "$PY" -c 'from orchestrator.artifacts.build import build_artifact; build_artifact("cpu", version="0.3.16")'
 fi
+# ---- 6. the FNV-1a helper of the tensor cache (a library here, a static tool for nodes; cached) ----------
+if "$PY" -c 'import orchestrator.core.fnv' 2>/dev/null; then
+  "$PY" -c 'from orchestrator.core.fnv import helper_binary, library_path; library_path(); helper_binary()' \
+    || say "warning: could not build the FNV-1a helper (needs cc); rpcfleet cache will try again when used"
+fi
 say "ready: $ROOT/.venv (this checkout's code, the packages of $VENV)"

@@ -97,11 +97,12 @@ async def test_preload_ends_with_a_model_placed_as_planned(
     pids = [v.pid() for v in views]
     result = await play("preload", deployed, model=str(model), ctx=512)
     assert result.ok, {h: [str(r.error) for r in rs if r.error] for h, rs in result.by_host().items()}
-    assert [s.step.op for s in result.steps] == ["restart", "probe", "plan", "load_check"]
+    assert [s.step.op for s in result.steps] == ["restart", "probe", "plan", "cache_warm", "load_check"]
+    assert {r.message for r in result.steps[3].run.results} == {"rpc_cache is off here: nothing to warm"}
     assert all(v.pid() != p for v, p in zip(views, pids, strict=True))  # restarted first
     plan = Plan.from_json(next(d.text for d in result.documents if d.kind == "plan"))
     assert set(plan.endpoints) == {h.endpoint for h in deployed}  # all three nodes hold layers
-    placement = result.steps[3].run.results[0].value
+    placement = result.steps[4].run.results[0].value
     assert isinstance(placement, LoadCheckResult) and placement.layers_as_planned is True
     planned = {d.endpoint: list(d.layers) for d in plan.devices}
     actual = {d.endpoint: list(d.actual_layers) for d in placement.devices}
@@ -110,3 +111,32 @@ async def test_preload_ends_with_a_model_placed_as_planned(
     # The check ran in a child process: the servers are free again.
     for host in deployed:
         assert (await probe_endpoint(host.endpoint, hello_only=True)).outcome is Outcome.OK
+
+
+def test_a_rolling_restart_shows_its_progress_on_a_terminal(
+    lab: Lab, deployed: list[Host], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.cli import _common, _progress
+
+    screen = io.StringIO()
+    monkeypatch.setattr(
+        _common, "err_console", Console(file=screen, force_terminal=True, width=120), raising=False
+    )
+    seen: list[int] = []
+
+    class Recording(_progress.PlayProgress):
+        def host_done(self, result: object) -> None:
+            super().host_done(result)
+            self.progress.refresh()
+            seen.append(int(self.progress.tasks[1].completed))
+
+    monkeypatch.setattr(_progress, "PlayProgress", Recording)
+    assert main(["restart", "--rolling", "-i", str(lab.inventory)]) == 0
+    assert seen == [1, 2, 3]  # host by host, as each batch of one finishes
+    shown = screen.getvalue()
+    assert "rolling restart: steps" in shown and "1/3" in shown and "3/3" in shown
+    capsys.readouterr()

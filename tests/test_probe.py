@@ -843,7 +843,7 @@ async def test_remote_host_with_loopback_bind_is_not_probed_here(start_rpc_serve
 
 
 class _Gauge:
-    """Connections open at once across several fake servers (each on its own thread)."""
+    """Probes waiting for their answer at once, across several fake servers (each on its own thread)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -858,10 +858,12 @@ class _Gauge:
                 self.peak = max(self.peak, self.open)
             try:
                 await asyncio.sleep(hold)  # the answer comes late: overlapping probes overlap here
-                await serve(conn)
             finally:
+                # Counted off before answering: once answered, the client may start its next probe
+                # before this thread gets to run again, which is not an overlap.
                 with self.lock:
                     self.open -= 1
+            await serve(conn)
 
         return handle
 

@@ -364,3 +364,39 @@ async def test_an_orphan_is_reported_then_replaced_by_deploy(
 def _is_server(pid: int | None) -> bool:
     cmdline = Path(f"/proc/{pid}/cmdline")
     return cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes()
+
+
+async def test_a_locked_host_makes_the_cli_exit_3_naming_the_holder(
+    lab: Lab, fleet: list[Host], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.connectors.connect import connect
+    from orchestrator.operations.lock import acquire
+
+    async with await connect(fleet[0]) as conn:
+        lock = await acquire(conn, fleet[0], "deploy")
+        try:
+            status = await asyncio.to_thread(main, ["restart", "-i", str(lab.inventory), "-l", fleet[0].name])
+        finally:
+            await lock.release()
+    out = capsys.readouterr()
+    assert status == 3
+    assert f"{fleet[0].name} is being changed by" in out.out + out.err and "--wait-lock" in out.out + out.err
+
+
+def test_results_state_what_is_true_after_the_change(
+    lab: Lab, fleet: list[Host], cpu_artifact: Artifact, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv, host = str(lab.inventory), fleet[0].name
+    pid = NodeView(lab, fleet[0]).pid()
+    assert main(["stop", "-i", inv, "-l", host, "--json"]) == 0
+    (stopped,) = json.loads(capsys.readouterr().out)
+    assert stopped["message"] == f"stopped (was running pid {pid})"
+    assert main(["start", "-i", inv, "-l", host, "--json"]) == 0
+    (started,) = json.loads(capsys.readouterr().out)
+    new_pid = NodeView(lab, fleet[0]).pid()
+    assert started["message"] == f"started: running pid {new_pid}, version {cpu_artifact.id} (was stopped)"
+    assert started["result"]["after"]["state"] == "running"
+    assert main(["restart", "--rolling", "-i", inv, "--json"]) == 0
+    rolled = json.loads(capsys.readouterr().out)  # JSON, not tables
+    assert rolled["ok"] and [r["status"] for r in rolled["steps"][0]["results"]] == ["changed"] * len(fleet)
+    assert all(r["result"]["action"] == "restarted" for r in rolled["steps"][0]["results"])

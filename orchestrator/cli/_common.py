@@ -276,6 +276,10 @@ def add_operation_args(parser: argparse.ArgumentParser, *, force_help: str | Non
         action="store_true",
         help=force_help or "stop a server even while a client is connected (its model is cut off)",
     )
+    add_wait_lock_arg(parser)
+
+
+def add_wait_lock_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wait-lock",
         type=float,

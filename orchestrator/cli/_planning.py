@@ -12,6 +12,7 @@ from orchestrator.core.errors import UsageError
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanDevice, PlanOptions
+    from orchestrator.probe.fleet import FleetProbe
 
 
 # orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
@@ -109,12 +110,8 @@ def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, 
     return default_tunnels().mapping(h for h in hosts if h.endpoint in endpoints)
 
 
-def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> list[PlanDevice]:
-    """Probe the selected hosts and order their devices for the planner: every RPC device of each
-    endpoint in inventory order, then the selected local GPUs of this machine."""
-    from orchestrator.llama.native import local_gpus
-    from orchestrator.planning.devices import to_plan_devices
-    from orchestrator.planning.placement import order_devices
+def probe(args: argparse.Namespace, hosts: list[Host] | None = None) -> FleetProbe:
+    """Probe the selected hosts (or `hosts`) with the planning flags (timeout, facts, forks, trust)."""
     from orchestrator.probe.fleet import probe_fleet
 
     if hosts is None:
@@ -122,7 +119,7 @@ def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> 
         args.selected_hosts = hosts
     if not hosts:
         raise UsageError("no hosts selected")
-    fleet = _common.run_async(
+    return _common.run_async(
         probe_fleet(
             hosts,
             timeout=_common.probe_timeout(args),
@@ -131,4 +128,14 @@ def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> 
             trust_rpc_memory=args.trust_rpc_memory,
         )
     )
+
+
+def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> list[PlanDevice]:
+    """Probe the selected hosts and order their devices for the planner: every RPC device of each
+    endpoint in inventory order, then the selected local GPUs of this machine."""
+    from orchestrator.llama.native import local_gpus
+    from orchestrator.planning.devices import to_plan_devices
+    from orchestrator.planning.placement import order_devices
+
+    fleet = probe(args, hosts)
     return list(order_devices(to_plan_devices(fleet), local_gpus(), local_device_selection(args)))

@@ -57,3 +57,28 @@ class Uploads:
             self.progress.update(task, line=line)
 
         return update
+
+
+class PlayProgress:
+    """On a terminal: the play's steps done of all, and the hosts done in the current step (for a rolling
+    restart, batch by batch), fed by the runner's `on_result` and `on_step` callbacks."""
+
+    def __init__(self, name: str, steps: int, hosts: int, *, enabled: bool) -> None:
+        self.hosts = hosts
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            console=_common.err_console,
+            transient=True,
+            disable=not enabled,
+        )
+        self.steps = self.progress.add_task(f"{name}: steps", total=steps)
+        self.current = self.progress.add_task("hosts", total=hosts)
+
+    def host_done(self, result: object) -> None:
+        self.progress.advance(self.current)
+
+    def step_done(self, label: str) -> None:
+        self.progress.advance(self.steps)
+        self.progress.reset(self.current, total=self.hosts, description=f"after {label}: hosts")

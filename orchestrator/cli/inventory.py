@@ -11,7 +11,7 @@ from orchestrator.cli._common import escape
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
     from orchestrator.inventory.model import Host, Inventory
 
-_SIZE_VARS = frozenset({"memory_reserve", "memory_limit"})
+_SIZE_VARS = frozenset({"memory_reserve", "memory_limit", "rpc_cache_max"})
 
 
 def register(subparsers: Any) -> None:

@@ -39,13 +39,7 @@ def register(subparsers: Any) -> None:
         help="set a playbook variable (repeatable; wins over the playbook's vars)",
     )
     _common.add_json_arg(parser)
-    parser.add_argument(
-        "--wait-lock",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="wait this long for another operator's lock on a host (default: fail at once, exit 3)",
-    )
+    _common.add_wait_lock_arg(parser)
     parser.set_defaults(handler=handle_run_playbook)
 
 
@@ -90,6 +84,20 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
     wait_lock = _common.operation_options(args).wait_lock
     as_json = bool(getattr(args, "json", False))
 
+    from orchestrator.cli._progress import PlayProgress
+
+    shown = PlayProgress(
+        playbook.name,
+        len(playbook.steps),
+        len(hosts),
+        enabled=not as_json and _common.err_console.is_terminal,
+    )
+
+    def step_done(step_run: StepRun) -> None:
+        shown.step_done(step_run.step.label)
+        if not as_json:
+            _print_step(step_run)
+
     async def go() -> PlaybookResult:
         async with _common.fleet_session(args) as session:
             return await run_playbook(
@@ -98,10 +106,12 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
                 session=session,
                 check=check,
                 wait_lock=wait_lock,
-                on_step=None if as_json else _print_step,
+                on_step=step_done,
+                on_result=shown.host_done,
             )
 
-    result = _common.run_async(go())
+    with shown.progress:
+        result = _common.run_async(go())
     runs = [step_run.run for step_run in result.steps]
     if as_json:
         _common.print_json(result.to_json())

@@ -57,7 +57,6 @@ def register(subparsers: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.planning.profile import profile_model
-    from orchestrator.probe.fleet import probe_fleet
     from orchestrator.report.build import ReportOptions, build_report
     from orchestrator.report.render import render
 
@@ -65,15 +64,7 @@ def handle(args: argparse.Namespace) -> int:
     plan_options = _planning.plan_options(args, n_ctx=contexts[0])
     models = [(str(m), profile_model(m)) for m in args.model]  # read before probing: fail fast on a typo
     _, hosts = _common.load_hosts(args)
-    fleet = _common.run_async(
-        probe_fleet(
-            hosts,
-            timeout=_common.probe_timeout(args),
-            facts=not args.no_facts,
-            forks=args.forks,
-            trust_rpc_memory=args.trust_rpc_memory,
-        )
-    )
+    fleet = _planning.probe(args, hosts)
     options = ReportOptions(
         plan=plan_options,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,11 @@ def register(subparsers: Any) -> None:
         "--force",
         action="store_true",
         help="load even when the plan does not fit (a CPU server may then be killed for lack of memory)",
+    )
+    parser.add_argument(
+        "--verify-cache",
+        action="store_true",
+        help="re-hash on each node the cache files the load will read (default: their sizes are checked)",
     )
     _common.add_inventory_args(parser)
     _common.add_json_arg(parser)
@@ -128,9 +134,22 @@ def handle(args: argparse.Namespace) -> int:
     # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
     # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
     # overlap with the probe and the plan.
+    phases: dict[str, float] = {}
     with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
+        started = time.monotonic()
         plan = make_run_plan(args)
+        phases["probe+plan"] = time.monotonic() - started
         check_fit(plan, force=args.force, json=args.json)
+        started = time.monotonic()
+        cache = check_cache(args, plan)
+        if cache is not None:
+            phases["cache check"] = time.monotonic() - started
+            if not args.json:
+                _common.err_console.print(
+                    f"[dim]tensor cache: {cache['hits']} hits, {cache['misses']} misses "
+                    f"({format_size(cache['miss_bytes'])} to send)[/dim]",
+                    highlight=False,
+                )
         if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
             where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
             _common.err_console.print(
@@ -138,7 +157,9 @@ def handle(args: argparse.Namespace) -> int:
                 highlight=False,
             )
         dial = _planning.dial_map(args, plan.endpoints)
+        started = time.monotonic()
         placement = worker.load(plan, args.model, {"seed": args.seed}, dial=dial)
+        phases["load"] = time.monotonic() - started
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
         _common.print_json(
@@ -148,6 +169,8 @@ def handle(args: argparse.Namespace) -> int:
                 "placement": _placement_json(placement),
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
                 "log": str(worker.log_path) if worker.log_path else None,
+                "phases": {k: round(v, 3) for k, v in phases.items()},
+                "cache": cache,
             }
         )
         return 0
@@ -160,11 +183,60 @@ def handle(args: argparse.Namespace) -> int:
         else " (from the prompt's evaluation: no decoding step)"
     )
     _common.console.print(
+        " · ".join(f"{k} {v:.2f} s" for k, v in phases.items()) + " · ready", highlight=False
+    )
+    _common.console.print(
         f"load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
         f"{stats['prompt_seconds']:.3f} s · {n} token{'s' if n != 1 else ''} generated{speed}",
         highlight=False,
     )
     return 0
+
+
+def check_cache(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:
+    """Before a load through the inventory's `rpc_cache` hosts: count each node's hits and misses, and
+    refuse (LoaderError) when a file the load would read back is truncated (or, with --verify-cache,
+    corrupt): llama.cpp would load it as weights without a check."""
+    from orchestrator.core.errors import InputError, LabError, LoaderError
+    from orchestrator.engine.executor import Session
+    from orchestrator.llama.cache_plan import plan_cache
+    from orchestrator.operations.cache import CacheCheck, check_step
+    from orchestrator.planning.profile import profile_model
+
+    if args.endpoint:
+        return None
+    try:
+        _, hosts = _common.load_hosts(args)
+    except (InputError, LabError):
+        if args.plan is not None:  # a saved plan needs no inventory: nothing to check against
+            return None
+        raise
+    cached = [h for h in hosts if h.rpc_cache and h.endpoint in plan.endpoints]
+    if not cached:
+        return None
+    per_endpoint = plan_cache(plan, profile_model(args.model).paths)
+    expected = {h.name: {c.file: c.tensor.size for c in per_endpoint.get(h.endpoint, [])} for h in cached}
+
+    async def go() -> Any:
+        async with Session(forks=args.forks) as session:
+            return await session.run(cached, check_step(expected, full=args.verify_cache), name="cache-check")
+
+    run = _common.run_async(go())
+    hits = misses = miss_bytes = 0
+    for r in run.results:
+        if not isinstance(r.value, CacheCheck):
+            raise LoaderError(f"cannot read the tensor cache: {r.error}", host=r.host.name)
+        if r.value.bad:
+            raise LoaderError(
+                f"the tensor cache holds {len(r.value.bad)} truncated or corrupt file(s) this load "
+                f"would read ({', '.join(r.value.bad[:3])})",
+                host=r.host.name,
+                hint=f"run `rpcfleet cache verify -l {r.host.name}` (it removes them), then load again",
+            )
+        hits += len(r.value.hits)
+        misses += len(r.value.misses)
+        miss_bytes += sum(expected[r.host.name][n] for n in r.value.misses)
+    return {"hits": hits, "misses": misses, "miss_bytes": miss_bytes}
 
 
 def generate(

@@ -42,6 +42,7 @@ class Host:
     rpc_devices: tuple[str, ...] = ()
     rpc_threads: int | None = None
     rpc_cache: bool = False
+    rpc_cache_max: int | None = None  # bytes; None: no quota (LRU eviction above it)
     backend: Backend = "cpu"
     install_dir: str = DEFAULT_INSTALL_DIR
     memory_reserve: int = 0  # bytes

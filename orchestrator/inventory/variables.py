@@ -145,6 +145,9 @@ VARIABLES: tuple[Variable, ...] = (
         "rpc_threads", (), fields.optional(fields.integer(minimum=1)), None, "rpc-server CPU threads (-t)"
     ),
     Variable("rpc_cache", (), fields.boolean, False, "rpc-server tensor cache (-c)"),
+    Variable(
+        "rpc_cache_max", (), fields.optional(fields.size), None, "most bytes the tensor cache keeps (LRU)"
+    ),
     Variable("backend", (), fields.choice(BACKENDS), "cpu", "ggml backend of the artifact"),
     Variable("install_dir", (), fields.text, DEFAULT_INSTALL_DIR, "where artifacts are installed"),
     Variable("memory_reserve", (), fields.size, 0, "memory kept free per device"),

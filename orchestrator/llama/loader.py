@@ -34,6 +34,7 @@ from orchestrator.core.errors import LoaderError, RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
+from orchestrator.llama.multimodal import mtmd_handler
 from orchestrator.llama.native import (
     _LIVE,
     _LOCK,
@@ -145,34 +146,6 @@ def _check_model(plan: Plan, model_path: Path) -> None:
         )
 
 
-def _mtmd_handler(mmproj: str | Path, verbose: bool, use_gpu: bool, handler_kwargs: Mapping[str, Any]) -> Any:
-    """MTMD's chat handler for `mmproj`, taking the seed's `chat_handler_kwargs`: `use_gpu`, `verbose`
-    and `extra_template_arguments` (given to the chat template on every request). Any other key is an
-    error naming those."""
-    from llama_cpp.llama_chat_format import MTMDChatHandler
-
-    class SeedMTMDChatHandler(MTMDChatHandler):
-        def __init__(self, extra_template_arguments: Mapping[str, Any] | None = None, **kw: Any) -> None:
-            super().__init__(**kw)
-            self.extra_template_arguments = dict(extra_template_arguments or {})
-
-        def __call__(self, **kw: Any) -> Any:
-            return super().__call__(**{**self.extra_template_arguments, **kw})
-
-    known = {"use_gpu", "verbose", "extra_template_arguments"}
-    unknown = sorted(set(handler_kwargs) - known)
-    if unknown:
-        raise LoaderError(
-            f"chat_handler_kwargs: unknown key(s) {', '.join(unknown)} "
-            f"(the multimodal handler takes {', '.join(sorted(known))})"
-        )
-    options = {"use_gpu": use_gpu, "verbose": verbose, **handler_kwargs}
-    try:
-        return SeedMTMDChatHandler(clip_model_path=str(mmproj), **options)
-    except ValueError as exc:  # the projector file does not exist
-        raise LoaderError(f"mmproj: {exc}") from None
-
-
 def _multimodal(
     kwargs: dict[str, Any],
     mmproj: str | Path | None,
@@ -190,7 +163,7 @@ def _multimodal(
     if mmproj is not None and handler is not None:
         raise LoaderError("pass either a chat_handler or an mmproj, not both")
     if mmproj is not None:
-        kwargs["chat_handler"] = _mtmd_handler(mmproj, verbose, has_local_gpu, handler_kwargs or {})
+        kwargs["chat_handler"] = mtmd_handler(mmproj, verbose, has_local_gpu, handler_kwargs or {})
     elif handler is not None and not has_local_gpu:
         if hasattr(handler, "use_gpu"):
             handler.use_gpu = False

@@ -390,8 +390,17 @@ class Worker:
 
     def _unexpected(self, answer: Mapping[str, Any]) -> RpcfleetError:
         if answer.get("event") == "error":
-            return error_from_child(answer, self.log_path)
+            return self._real_names(error_from_child(answer, self.log_path))
         return self._attach(WorkerError(f"the worker answered {answer.get('event')!r} unexpectedly"))
+
+    def _real_names(self, err: RpcfleetError) -> RpcfleetError:
+        """`err` naming the plan's endpoints where the child named the forwards it dialed."""
+        for real, dialed in self.dial.items():
+            if dialed in err.message or err.host == dialed:
+                err.message = err.message.replace(dialed, real)
+                err.args = (err.message,)
+                err.host = real if err.host == dialed else err.host
+        return err
 
     # -- death and diagnosis
     def _fail(self, doing: str, timed_out: float | None) -> RpcfleetError:

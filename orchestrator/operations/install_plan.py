@@ -254,6 +254,17 @@ def prune_plan(
     return tuple(sorted(v for v in versions if v not in kept))
 
 
+def _require_space(state: InstallState, needed: int, what: str) -> None:
+    """Refuse a change the install folder has no room for, before anything is written."""
+    if state.free_bytes is not None and state.free_bytes < needed:
+        kept = f"{state.current} stays installed" if state.current else "nothing was changed"
+        raise InstallError(
+            f"not enough disk space in {state.install_dir}: {format_size(state.free_bytes)} free, "
+            f"about {format_size(needed)} needed to {what}; {kept}",
+            host=state.host,
+        )
+
+
 def plan_install(
     state: InstallState, artifact: Artifact, *, keep_versions: int = 3, force: bool = False
 ) -> InstallChange:
@@ -280,14 +291,7 @@ def plan_install(
         return InstallChange(
             state.host, "switch", artifact.id, artifact, state.install_dir, state.current, prune, reason
         )
-    needed = artifact.size + _unpacked_size(artifact) + SPACE_MARGIN
-    if state.free_bytes is not None and state.free_bytes < needed:
-        kept = f"{state.current} stays installed" if state.current else "nothing was changed"
-        raise InstallError(
-            f"not enough disk space in {state.install_dir}: {format_size(state.free_bytes)} free, "
-            f"{format_size(needed)} needed to install {artifact.id}; {kept}",
-            host=state.host,
-        )
+    _require_space(state, artifact.size + _unpacked_size(artifact) + SPACE_MARGIN, f"install {artifact.id}")
     reason = "not installed" if state.current is None else f"current is {state.current}"
     return InstallChange(
         state.host, "install", artifact.id, artifact, state.install_dir, state.current, prune, reason
@@ -317,14 +321,7 @@ def plan_node_build(
             state.host, "switch", build.id, None, state.install_dir, state.current, prune,
             "already built in versions/", build=build,
         )  # fmt: skip
-    needed = build.info.size * BUILD_SPACE_FACTOR + BUILD_SPACE_EXTRA
-    if state.free_bytes is not None and state.free_bytes < needed:
-        kept = f"{state.current} stays installed" if state.current else "nothing was changed"
-        raise InstallError(
-            f"not enough disk space in {state.install_dir} to build on the node: "
-            f"{format_size(state.free_bytes)} free, about {format_size(needed)} needed; {kept}",
-            host=state.host,
-        )
+    _require_space(state, build.info.size * BUILD_SPACE_FACTOR + BUILD_SPACE_EXTRA, "build on the node")
     reason = "not installed" if state.current is None else f"current is {state.current}"
     return InstallChange(
         state.host, "install", build.id, None, state.install_dir, state.current, prune, reason, build=build

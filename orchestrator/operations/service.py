@@ -76,9 +76,10 @@ class ServiceChange:
             return self.reason or "nothing to do"
         if self.check or self.after is None:
             return f"would {self.action}: {self.reason}" if self.reason else f"would {self.action}"
-        return f"{_PAST[self.action]}: {describe_status(self.after)}" + (
-            f" ({self.reason})" if self.reason else ""
-        )
+        why = f" ({self.reason})" if self.reason else ""
+        if self.after.state == "stopped" and self.action == "stop":
+            return f"stopped{why}"  # "stopped: stopped" says nothing more
+        return f"{_PAST[self.action]}: {describe_status(self.after)}{why}"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -320,9 +321,28 @@ def make_deploy_step(
             progress=progress,
             build_log=build_log,
         )
+        if ctx.host.rpc_cache and not options.check:
+            result = await _verify_cache(conn, ctx.host, result)
         return StepOutcome(result, result.changed, result.describe())
 
     return node_operation("deploy", body, options)
+
+
+async def _verify_cache(conn: Connection, host: Host, result: DeployResult) -> DeployResult:
+    """On deploy, the tensor cache is re-hashed and truncated or corrupt files removed (they would be loaded
+    as weights unchecked), then pruned to `rpc_cache_max`; what was removed becomes a warning."""
+    from orchestrator.operations.cache import prune, verify
+
+    checked = await verify(conn, host)
+    pruned = await prune(conn, host)
+    notes = []
+    if checked.corrupt:
+        notes.append(f"tensor cache: removed {len(checked.corrupt)} truncated or corrupt file(s)")
+    if pruned.removed:
+        notes.append(
+            f"tensor cache: pruned {len(pruned.removed)} least recently used file(s) (rpc_cache_max)"
+        )
+    return dataclasses.replace(result, warnings=(*result.warnings, *notes)) if notes else result
 
 
 async def rollback(

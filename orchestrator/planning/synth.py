@@ -126,13 +126,15 @@ def write_tiny_llama(
     tied_output: bool = False,
     seed: int = 0,
     split_max_tensors: int = 0,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a small llama model with random weights; returns the path (the first shard when split).
 
     Matrices use `weight_type` (f16, f32 or q8_0, quantised with gguf.quants), norms are f32. With
     `tied_output` there is no `output.weight` (llama.cpp then reuses token_embd). With
     `split_max_tensors` > 0 the model is written as shards `<stem>-0000i-of-0000n.gguf` of at most that
-    many tensors each. The same arguments give the same bytes.
+    many tensors each. `chat_template` (Jinja) becomes `tokenizer.chat_template`. The same arguments
+    give the same bytes.
     """
     _check_dims(n_layer, n_embd, n_head, n_head_kv, n_ff)
     if weight_type not in _WEIGHT_TYPES:
@@ -159,6 +161,8 @@ def write_tiny_llama(
         file_type=_FILE_TYPES[weight_type],
     )
     _add_tokenizer(writer, n_vocab)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         # Small weights keep activations finite through the random network.

@@ -260,6 +260,37 @@ def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(check_step, "load_check")
 
 
+def _cache_warm(args: Mapping[str, Any], play: _Play) -> Step:
+    """Put each node's share of the planned model into its tensor cache (all nodes at once)."""
+    from orchestrator.operations.cache import WarmItem, warm_step
+
+    async def make() -> dict[str, list[WarmItem]]:
+        from orchestrator.llama.cache_plan import plan_cache
+        from orchestrator.planning.profile import profile_model
+
+        plan = play.state.plan
+        if plan is None:
+            raise PlanError("cache_warm needs a plan: put a `plan` step before it")
+        paths = (await asyncio.to_thread(profile_model, plan.model_path)).paths
+        per = await asyncio.to_thread(plan_cache, plan, paths)
+        return {
+            ep: [WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in cs]
+            for ep, cs in per.items()
+        }
+
+    shared = SharedCall(make)
+
+    async def warm_host(ctx: HostContext) -> StepOutcome[Any]:
+        items = (await shared.get()).get(ctx.host.endpoint, [])
+        if not ctx.host.rpc_cache:
+            return StepOutcome(None, False, "rpc_cache is off here: nothing to warm")
+        if not items:
+            return StepOutcome(None, False, "no cached tensors planned here")
+        return await warm_step({ctx.host.name: items}, _options(args, play))(ctx)
+
+    return _named(warm_host, "cache_warm")
+
+
 def _report(args: Mapping[str, Any], play: _Play) -> Step:
     from datetime import UTC, datetime
 
@@ -397,6 +428,13 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                     Arg("timeout", fields.seconds, _LOAD_CHECK_TIMEOUT),
                 ),
                 _load_check,
+            ),
+            Op(
+                "cache_warm",
+                "fleet",
+                "put each node's share of the planned model into its tensor cache (rpc_cache hosts)",
+                (),
+                _cache_warm,
             ),
             Op(
                 "report",

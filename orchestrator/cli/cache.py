@@ -1,0 +1,208 @@
+"""`rpcfleet cache status|verify|prune|clear|warm`: the servers' tensor cache (`rpc_cache: true`).
+
+`status` only reads. The others change nodes through the operations layer (the host lock, `--check`):
+`verify` re-hashes every file on the node and removes truncated or corrupt ones; `prune` evicts the least
+recently used files above `rpc_cache_max`; `clear` removes every file; `warm -m MODEL` plans as `run` does and
+puts into each node's cache exactly the tensors the plan gives it, all nodes in parallel, so the first load is
+a warm load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
+from orchestrator.core.errors import UsageError
+from orchestrator.core.units import format_size
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from orchestrator.engine.executor import RunResult
+    from orchestrator.inventory.model import Host
+    from orchestrator.operations.cache import WarmItem
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "cache", help="the servers' tensor cache: status, verify, prune, clear, warm"
+    )
+    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    for action, text in (
+        ("status", "size, files and quota of each node's cache (read-only)"),
+        ("verify", "re-hash every cache file on the node, remove truncated or corrupt ones"),
+        ("prune", "remove the least recently used files above rpc_cache_max"),
+        ("clear", "remove every cache file"),
+        ("warm", "plan MODEL, then put each node's share of its tensors into that node's cache"),
+    ):
+        p = sub.add_parser(action, help=text, description=text)
+        _common.add_inventory_args(p)
+        _common.add_json_arg(p)
+        if action != "status":
+            p.add_argument("--check", action="store_true", help="print what would change, change nothing")
+            _common.add_operation_args(p)
+        if action == "warm":
+            p.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
+            _planning.add_plan_option_args(p)
+        if action == "prune":
+            p.add_argument(
+                "--model",
+                "-m",
+                type=Path,
+                default=None,
+                help="keep every file this model's plan needs, even over the quota",
+            )
+            _planning.add_plan_option_args(p)
+        p.set_defaults(handler=handle, cache_action=action)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.operations.cache import cache_step, status_step
+
+    _, hosts = _common.load_hosts(args)
+    if not hosts:
+        raise UsageError("no hosts selected")
+    action = args.cache_action
+    if action == "warm":
+        return _warm(args, hosts)
+    keep: dict[str, list[str]] = {}
+    if action == "prune" and args.model is not None:
+        keep = {h: [i.name for i in items] for h, items in _warm_items(args, hosts, {}).items()}
+    step = (
+        status_step if action == "status" else cache_step(action, _common.operation_options(args), keep=keep)
+    )
+    run = _session_run(args, hosts, step, f"cache-{action}")
+    _report(args, run, action)
+    return _common.exit_status([run])
+
+
+def _session_run(args: argparse.Namespace, hosts: list[Host], step: Any, name: str) -> RunResult[Any]:
+    async def go() -> RunResult[Any]:
+        async with _common.fleet_session(args) as session:
+            return await session.run(hosts, step, name=name)
+
+    return _common.run_async(go())
+
+
+def _warm_items(
+    args: argparse.Namespace, hosts: list[Host], phases: dict[str, float]
+) -> dict[str, Sequence[WarmItem]]:
+    """Plan the model on the selected hosts; per host name, the cache files its share needs."""
+    from orchestrator.llama.cache_plan import plan_cache
+    from orchestrator.operations.cache import WarmItem
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
+
+    if not args.model.exists():
+        raise UsageError(f"model {args.model} does not exist")
+    t = time.monotonic()
+    profile = profile_model(args.model)
+    plan = make_plan(_planning.probe_devices(args, hosts), profile, _planning.plan_options(args))
+    phases["probe+plan"] = time.monotonic() - t
+    t = time.monotonic()
+    per_endpoint = plan_cache(plan, profile.paths)
+    phases["hash"] = time.monotonic() - t
+    by_endpoint = {h.endpoint: h for h in hosts}
+    items: dict[str, Sequence[WarmItem]] = {}
+    for endpoint, tensors in per_endpoint.items():
+        host = by_endpoint.get(endpoint)
+        if host is not None:
+            items[host.name] = [
+                WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in tensors
+            ]
+    return items
+
+
+def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
+    from orchestrator.operations.cache import warm_step
+
+    if not any(h.rpc_cache for h in hosts):
+        raise UsageError(
+            "no selected host has rpc_cache: true (its server would not read the cache)",
+            hint="set rpc_cache: true in the inventory, then deploy",
+        )
+    phases: dict[str, float] = {}
+    items = _warm_items(args, hosts, phases)
+    chosen = [h for h in hosts if h.name in items and h.rpc_cache]
+    t = time.monotonic()
+    run = _session_run(args, chosen, warm_step(items, _common.operation_options(args)), "cache-warm")
+    phases["upload"] = time.monotonic() - t
+    _report(args, run, "warm", phases=phases)
+    return _common.exit_status([run])
+
+
+def _report(
+    args: argparse.Namespace, run: RunResult[Any], action: str, phases: dict[str, float] | None = None
+) -> None:
+    from orchestrator.operations.cache import CacheChange, CacheState
+
+    rows = []
+    for r in run.results:
+        value = r.value
+        state = (
+            value
+            if isinstance(value, CacheState)
+            else value.after
+            if isinstance(value, CacheChange)
+            else None
+        )
+        row: dict[str, Any] = {
+            "host": r.host.name,
+            "status": r.status,
+            "error": str(r.error) if r.error else None,
+        }
+        if state is not None:
+            row |= {"files": len(state.files), "bytes": state.size, "max_bytes": state.max_bytes}
+            row |= {"hits_since_start": state.hits} if action == "status" else {}
+        if isinstance(value, CacheChange):
+            row |= {
+                "removed": list(value.removed),
+                "corrupt": list(value.corrupt),
+                "added": list(value.added),
+                "hits": list(value.hits),
+                "bytes_sent": value.bytes_sent,
+                "seconds": round(value.seconds, 3),
+                "kept_over_quota": value.kept_over_quota,
+            }
+        rows.append(row)
+    if args.json:
+        _common.print_json({"action": action, "hosts": rows, "phases": phases or {}})
+        return
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("host", "status", "files", "size", "quota", "what"):
+        table.add_column(column)
+    for row in rows:
+        if row["error"]:
+            what = row["error"]
+        elif action == "warm":
+            mbps = row["bytes_sent"] / row["seconds"] / 1e6 if row.get("seconds") else 0.0
+            sent = format_size(row["bytes_sent"])
+            what = f"{len(row['added'])} added ({sent}, {mbps:.0f} MB/s), {len(row['hits'])} hits"
+        elif action == "status":
+            hits = row.get("hits_since_start")
+            what = f"{hits} hits since the server started" if hits is not None else ""
+        else:
+            what = f"{len(row.get('removed', []))} removed" + (
+                f" ({len(row['corrupt'])} corrupt)" if row.get("corrupt") else ""
+            )
+        if row.get("kept_over_quota"):
+            what += f"; {format_size(row['kept_over_quota'])} over quota kept (the plan needs it)"
+        table.add_row(
+            escape(row["host"]),
+            row["status"],
+            str(row.get("files", "-")),
+            format_size(row["bytes"]) if "bytes" in row else "-",
+            format_size(row["max_bytes"]) if row.get("max_bytes") else "-",
+            escape(what),
+        )
+    _common.console.print(table, highlight=False)
+    if phases:
+        _common.console.print(" · ".join(f"{k} {v:.2f} s" for k, v in phases.items()), highlight=False)
+    _common.print_interrupted([run])

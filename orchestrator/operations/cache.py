@@ -1,0 +1,407 @@
+"""The servers' tensor cache on each node: status, verify, prune (LRU under `rpc_cache_max`), clear, warm.
+
+The cache folder is `<install_dir>/cache/rpc` (`LLAMA_CACHE=<install_dir>/cache`, and `ggml-rpc-server -c`
+adds `rpc/`), outside `versions/`, so upgrades and rollbacks keep it. A file is named by the FNV-1a-64 of its
+bytes (`core.fnv`), so a file whose hash is not its name is truncated or corrupt: llama.cpp would read it back
+as weights with no check, so `verify` removes it. "Last use" is the newer of a file's mtime and atime; warming
+and loads through rpcfleet touch the files they use, so LRU order does not depend on the mount's atime policy.
+Files are only ever created under a temporary name (`.warm-*`) and renamed once complete; leftovers of an
+interrupted warm are removed by the next operation on the cache.
+
+Every change runs as `operations.layer.node_operation` (the host lock, check mode); `status` only reads.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.connectors.base import Connection, shell_path
+from orchestrator.core.errors import CommandError, HostError
+from orchestrator.core.fnv import helper_binary, tools_dir
+from orchestrator.engine.executor import HostContext, Step, StepOutcome
+from orchestrator.inventory.model import Host
+from orchestrator.operations.layer import OperationOptions, node_operation
+from orchestrator.operations.server import CACHE_DIR, LOG_FILE, LOG_MARKER
+
+NAME = re.compile(r"^[0-9a-f]{16}$")
+TEMP_PREFIX = ".warm-"
+
+
+@dataclass(frozen=True)
+class CacheFile:
+    name: str
+    size: int
+    last_use: float  # epoch seconds: max(mtime, atime)
+
+
+@dataclass(frozen=True)
+class CacheState:
+    files: tuple[CacheFile, ...]
+    max_bytes: int | None
+    hits: int | None = None  # cache hits since the server started (its log, with rpc_debug); None: unknown
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class CacheChange:
+    """What an operation did on one node's cache (names of files), and the state after it."""
+
+    removed: tuple[str, ...] = ()
+    corrupt: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    hits: tuple[str, ...] = ()
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    kept_over_quota: int = 0  # bytes over rpc_cache_max kept because the current plan needs them
+    after: CacheState | None = field(default=None)
+
+
+def cache_path(host: Host) -> str:
+    """The node's cache folder as a shell word."""
+    return f"{shell_path(host.install_dir)}/{CACHE_DIR}/rpc"
+
+
+def helper_path(host: Host) -> str:
+    return f"{shell_path(host.install_dir)}/tools/{tools_dir().name}/fnv1a"
+
+
+def list_script(host: Host) -> str:
+    return (
+        f'D={cache_path(host)}; mkdir -p "$D" && cd "$D" && '
+        "find . -maxdepth 1 -type f -printf '%f\\t%s\\t%T@\\t%A@\\n'"
+    )
+
+
+def parse_listing(text: str) -> tuple[list[CacheFile], list[str]]:
+    """Pure: cache files and other names (temporaries, strays) from `list_script`'s output."""
+    files: list[CacheFile] = []
+    others: list[str] = []
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) != 4:
+            continue
+        name, size, mtime, atime = parts
+        if NAME.match(name):
+            files.append(CacheFile(name, int(size), max(float(mtime), float(atime))))
+        else:
+            others.append(name)
+    return files, others
+
+
+def choose_evictions(
+    files: Sequence[CacheFile], max_bytes: int | None, keep: Iterable[str] = ()
+) -> tuple[list[CacheFile], int]:
+    """Pure LRU: the least recently used files to remove until the cache fits `max_bytes`, never one in
+    `keep` (what the current plan needs). Returns (to remove, bytes still over the quota)."""
+    if max_bytes is None:
+        return [], 0
+    kept = set(keep)
+    total = sum(f.size for f in files)
+    out: list[CacheFile] = []
+    for f in sorted(files, key=lambda f: (f.last_use, f.name)):
+        if total <= max_bytes:
+            break
+        if f.name in kept:
+            continue
+        out.append(f)
+        total -= f.size
+    return out, max(0, total - max_bytes)
+
+
+async def read_cache(conn: Connection, host: Host) -> tuple[list[CacheFile], list[str]]:
+    done = await conn.run(list_script(host), timeout=60)
+    if not done.ok:
+        raise CommandError(
+            "cannot list the tensor cache",
+            host=host.name,
+            command="find",
+            exit_status=done.exit_status,
+            stderr=done.stderr,
+        )
+    return parse_listing(done.stdout)
+
+
+async def _remove(conn: Connection, host: Host, names: Iterable[str]) -> None:
+    names = list(names)
+    for i in range(0, len(names), 200):
+        chunk = " ".join(shlex.quote(n) for n in names[i : i + 200])
+        done = await conn.run(f"cd {cache_path(host)} && rm -f -- {chunk}", timeout=60)
+        if not done.ok:
+            raise CommandError(
+                "cannot remove cache files", host=host.name, exit_status=done.exit_status, stderr=done.stderr
+            )
+
+
+async def ensure_helper(conn: Connection, host: Host) -> str:
+    """Upload the static `fnv1a` tool to the node once (per helper version); its path there."""
+    remote = helper_path(host)
+    done = await conn.run(f"test -x {remote}", timeout=30)
+    if done.ok:
+        return remote
+    local = helper_binary()
+    folder = remote.rsplit("/", 1)[0]
+    await conn.run(f"mkdir -p {folder}", timeout=30, check=True)
+    tmp_rel = f"{host.install_dir.rstrip('/')}/tools/{tools_dir().name}/.fnv1a.tmp"
+    await conn.put(local, tmp_rel)
+    await conn.run(
+        f"chmod 755 {folder}/.fnv1a.tmp && mv -f {folder}/.fnv1a.tmp {remote}", timeout=30, check=True
+    )
+    return remote
+
+
+async def hash_on_node(conn: Connection, host: Host, names: Sequence[str]) -> dict[str, str | None]:
+    """The FNV-1a hash of each named cache file, computed on the node (None: unreadable)."""
+    if not names:
+        return {}
+    helper = await ensure_helper(conn, host)
+    out: dict[str, str | None] = {}
+    for i in range(0, len(names), 200):
+        chunk = " ".join(shlex.quote(n) for n in names[i : i + 200])
+        done = await conn.run(f"cd {cache_path(host)} && {helper} {chunk}", timeout=3600)
+        for line in done.stdout.splitlines():
+            parts = line.split(" ", 2)
+            if len(parts) == 3:
+                out[parts[2]] = None if parts[0] == "-" else parts[0]
+        if done.exit_status not in (0, 1) or any(n not in out for n in names[i : i + 200]):
+            # A helper that cannot run there (another architecture, noexec) proves nothing: never
+            # treat its silence as corruption, or every file would be removed.
+            raise HostError(
+                "the FNV-1a helper did not hash the cache files on this node",
+                host=host.name,
+                command=helper,
+                exit_status=done.exit_status,
+                stderr=done.stderr,
+                hint="the helper is built for this machine's architecture; verify needs the same on the node",
+            )
+    return out
+
+
+async def verify(
+    conn: Connection, host: Host, *, names: Sequence[str] | None = None, check: bool = False
+) -> CacheChange:
+    """Re-hash every file (or `names`), remove those whose hash is not their name and any temporaries."""
+    files, others = await read_cache(conn, host)
+    chosen = (
+        [f.name for f in files] if names is None else [n for n in names if any(f.name == n for f in files)]
+    )
+    hashes = await hash_on_node(conn, host, chosen)
+    corrupt = tuple(n for n in chosen if hashes.get(n) != n)
+    strays = tuple(o for o in others if o.startswith(TEMP_PREFIX))
+    if not check:
+        await _remove(conn, host, [*corrupt, *strays])
+    after_files, _ = await read_cache(conn, host) if not check else (files, others)
+    return CacheChange(
+        removed=(*corrupt, *strays), corrupt=corrupt, after=CacheState(tuple(after_files), host.rpc_cache_max)
+    )
+
+
+async def prune(
+    conn: Connection, host: Host, *, keep: Iterable[str] = (), check: bool = False
+) -> CacheChange:
+    files, others = await read_cache(conn, host)
+    evict, over = choose_evictions(files, host.rpc_cache_max, keep)
+    strays = [o for o in others if o.startswith(TEMP_PREFIX)]
+    names = [f.name for f in evict]
+    if not check:
+        await _remove(conn, host, [*names, *strays])
+    gone = set(names)
+    left = tuple(f for f in files if f.name not in gone)
+    return CacheChange(removed=tuple(names), kept_over_quota=over, after=CacheState(left, host.rpc_cache_max))
+
+
+async def clear(conn: Connection, host: Host, *, check: bool = False) -> CacheChange:
+    files, others = await read_cache(conn, host)
+    names = [f.name for f in files] + [o for o in others if o.startswith(TEMP_PREFIX)]
+    if not check:
+        await _remove(conn, host, names)
+    return CacheChange(removed=tuple(names), after=CacheState((), host.rpc_cache_max))
+
+
+def upload_script(host: Host, name: str, size: int) -> str:
+    """Write stdin to a temporary name, check its size, rename: the cache never holds a partial file."""
+    tmp = f'"$D"/{TEMP_PREFIX}{name}.$$'
+    return "\n".join(
+        [
+            f"D={cache_path(host)}",
+            'mkdir -p "$D" || exit 1',
+            f"trap 'rm -f {tmp}' HUP INT TERM",
+            f'if cat > {tmp} && [ "$(wc -c < {tmp})" -eq {int(size)} ]; then mv -f {tmp} "$D"/{name}; '
+            f'else rc=$?; rm -f {tmp}; df -k "$D" >&2; exit 1; fi',
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class WarmItem:
+    """One file to put into a node's cache: its name (hash) and where its bytes are on this machine."""
+
+    name: str
+    path: Path
+    offset: int
+    size: int
+
+
+async def warm(
+    conn: Connection,
+    host: Host,
+    items: Sequence[WarmItem],
+    *,
+    ctx: HostContext | None = None,
+    check: bool = False,
+) -> CacheChange:
+    """Upload the items the node's cache lacks (streamed `cat` over the connection, temp name + rename),
+    touch those it has (their last use), then prune to `rpc_cache_max` keeping every item."""
+    import time
+
+    started = time.monotonic()
+    files, others = await read_cache(conn, host)
+    have = {f.name for f in files}
+    strays = [o for o in others if o.startswith(TEMP_PREFIX)]
+    wanted: dict[str, WarmItem] = {}
+    for item in items:
+        wanted.setdefault(item.name, item)
+    hits = tuple(n for n in wanted if n in have)
+    missing = [item for n, item in wanted.items() if n not in have]
+    if check:
+        return CacheChange(added=tuple(i.name for i in missing), hits=hits)
+    if strays:
+        await _remove(conn, host, strays)
+    if hits:
+        await conn.run(f"cd {cache_path(host)} && touch -c -- {' '.join(hits)}", timeout=60)
+    added: list[str] = []
+    sent = 0
+    for item in missing:
+        if ctx is not None and ctx.session.interrupted is not None:
+            break
+        with item.path.open("rb") as fh:
+            fh.seek(item.offset)
+            data = fh.read(item.size)
+        done = await conn.run(upload_script(host, item.name, item.size), input=data, timeout=3600)
+        if not done.ok:
+            full = "No space left" in done.stderr
+            raise HostError(
+                f"warming the tensor cache failed at {item.name} ({item.size} bytes): "
+                + ("the node's disk is full" if full else f"exit status {done.exit_status}"),
+                host=host.name,
+                stderr=done.stderr,
+                hint="free space, lower rpc_cache_max or run `rpcfleet cache prune`" if full else None,
+            )
+        added.append(item.name)
+        sent += item.size
+        if ctx is not None:  # structured progress: one event per file, bytes so far and the rate
+            elapsed = time.monotonic() - started
+            ctx.log.info(
+                "cache_warm_progress",
+                file=item.name,
+                done=len(added),
+                of=len(missing),
+                bytes=sent,
+                mb_per_s=round(sent / elapsed / 1e6, 1) if elapsed > 0 else None,
+            )
+    pruned = await prune(conn, host, keep=wanted)
+    return CacheChange(
+        added=tuple(added),
+        hits=hits,
+        removed=pruned.removed,
+        bytes_sent=sent,
+        seconds=time.monotonic() - started,
+        kept_over_quota=pruned.kept_over_quota,
+        after=pruned.after,
+    )
+
+
+def cache_step(action: str, options: OperationOptions, **kwargs: object) -> Step[CacheChange]:
+    """An executor step for `verify`, `prune`, `clear` (changes: under the operations layer)."""
+
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[CacheChange]:
+        host = ctx.host
+        if action == "verify":
+            change = await verify(conn, host, check=options.check)
+        elif action == "prune":
+            keep = kwargs.get("keep", {})
+            change = await prune(
+                conn,
+                host,
+                keep=keep.get(host.name, ()) if isinstance(keep, dict) else (),
+                check=options.check,
+            )
+        elif action == "clear":
+            change = await clear(conn, host, check=options.check)
+        else:
+            raise ValueError(action)
+        n = len(change.removed)
+        return StepOutcome(change, changed=bool(n) and not options.check, message=f"{n} file(s) removed")
+
+    return node_operation(f"cache-{action}", body, options)
+
+
+def warm_step(items: dict[str, Sequence[WarmItem]], options: OperationOptions) -> Step[CacheChange]:
+    """Warm each host's cache with `items[host.name]` (hosts run in parallel in the executor)."""
+
+    async def body(ctx: HostContext, conn: Connection) -> StepOutcome[CacheChange]:
+        change = await warm(conn, ctx.host, items.get(ctx.host.name, ()), ctx=ctx, check=options.check)
+        return StepOutcome(
+            change,
+            changed=bool(change.added or change.removed),
+            message=f"{len(change.added)} added, {len(change.hits)} already there",
+        )
+
+    return node_operation("cache-warm", body, options)
+
+
+def hits_script(host: Host) -> str:
+    """Count `[set_tensor_hash]` lines (logged on a hit with GGML_RPC_DEBUG) since the last start marker."""
+    log = f"{shell_path(host.install_dir)}/{LOG_FILE}"
+    marker = shlex.quote(LOG_MARKER)
+    return f"test -f {log} && tac {log} | sed '/^'{marker}'/q' | grep -c '\\[set_tensor_hash\\]'; true"
+
+
+async def status_step(ctx: HostContext) -> StepOutcome[CacheState]:
+    """Read-only: the node's cache files and quota, and its hits since start when the log says so."""
+    conn = await ctx.connection()
+    files, _ = await read_cache(conn, ctx.host)
+    hits = None
+    if ctx.host.rpc_debug:
+        done = await conn.run(hits_script(ctx.host), timeout=60)
+        text = done.stdout.strip()
+        hits = int(text) if text.isdigit() else None
+    return StepOutcome(CacheState(tuple(files), ctx.host.rpc_cache_max, hits))
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """A node's cache against what a load will ask it for: hits, misses, and files that would be read
+    back wrong (wrong size, or with `full` a hash that is not their name)."""
+
+    hits: tuple[str, ...]
+    misses: tuple[str, ...]
+    bad: tuple[str, ...]
+
+
+def check_step(expected: dict[str, dict[str, int]], *, full: bool = False) -> Step[CacheCheck]:
+    """Read-only: for each host, its cache against `expected[host.name]` (file name -> size). A file of
+    the wrong size is truncated; `full` also re-hashes the hits on the node (as `verify` does)."""
+
+    async def step(ctx: HostContext) -> StepOutcome[CacheCheck]:
+        conn = await ctx.connection()
+        want = expected.get(ctx.host.name, {})
+        files, _ = await read_cache(conn, ctx.host)
+        have = {f.name: f.size for f in files}
+        hits = tuple(n for n in want if n in have)
+        bad = [n for n in hits if have[n] != want[n]]
+        if full:
+            hashes = await hash_on_node(conn, ctx.host, [n for n in hits if n not in bad])
+            bad += [n for n, h in hashes.items() if h != n]
+        misses = tuple(n for n in want if n not in have)
+        return StepOutcome(
+            CacheCheck(hits, misses, tuple(bad)), message=f"{len(hits)} hits, {len(misses)} misses"
+        )
+
+    return step
