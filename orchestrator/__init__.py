@@ -48,6 +48,7 @@ _API: dict[str, str] = {
     "Connection": "orchestrator.connectors.base",
     "CommandResult": "orchestrator.connectors.base",
     "connect": "orchestrator.connectors.connect",
+    "Tunnels": "orchestrator.connectors.tunnel",
     "Session": "orchestrator.engine.executor",
     "Recap": "orchestrator.engine.executor",
     "RunResult": "orchestrator.engine.executor",
@@ -124,6 +125,7 @@ if TYPE_CHECKING:
     from orchestrator.connectors.base import Connection as Connection
     from orchestrator.connectors.base import ConnectOptions as ConnectOptions
     from orchestrator.connectors.connect import connect as connect
+    from orchestrator.connectors.tunnel import Tunnels as Tunnels
     from orchestrator.core.errors import ArtifactError as ArtifactError
     from orchestrator.core.errors import AuthenticationError as AuthenticationError
     from orchestrator.core.errors import CommandError as CommandError

@@ -493,6 +493,7 @@ GOLDEN: dict[str, Any] = {
         {
             "host": "a",
             "endpoint": "10.0.0.1:50052",
+            "transport": "tcp",
             "state": "ok",
             "ok": True,
             "outcome": "ok",
@@ -536,6 +537,7 @@ GOLDEN: dict[str, Any] = {
         {
             "host": "b",
             "endpoint": "10.0.0.2:50052",
+            "transport": "tcp",
             "state": "ok",
             "ok": True,
             "outcome": "ok",
@@ -583,6 +585,7 @@ GOLDEN: dict[str, Any] = {
         {
             "host": "c",
             "endpoint": "10.0.0.3:50052",
+            "transport": "tcp",
             "state": "timeout",
             "ok": False,
             "outcome": "timeout",
@@ -600,6 +603,7 @@ GOLDEN: dict[str, Any] = {
         {
             "host": "a2",
             "endpoint": "10.0.0.1:50052",
+            "transport": "tcp",
             "state": "ok",
             "ok": True,
             "outcome": "ok",

@@ -105,6 +105,11 @@ def _main(argv: Sequence[str] | None) -> int:
     except RpcfleetError as exc:
         _common.print_error(exc)
         return 1
+    finally:
+        # SSH forwards (rpc_transport: ssh) live as long as the command; imported only if one was used
+        tunnels = sys.modules.get("orchestrator.connectors.tunnel")
+        if tunnels is not None:
+            tunnels.close_default_tunnels()
 
 
 def _terminate(_signum: int, _frame: FrameType | None) -> None:

@@ -93,12 +93,30 @@ def local_device_selection(args: argparse.Namespace) -> list[str] | None:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, str]:
+    """Plan endpoint -> the endpoint to dial, for the inventory's `rpc_transport: ssh` hosts among
+    `endpoints` (their SSH forwards, opened now or reused from the probe); empty without an inventory."""
+    from orchestrator.connectors.tunnel import default_tunnels
+    from orchestrator.core.errors import RpcfleetError
+
+    if getattr(args, "endpoint", None):
+        return {}
+    hosts = getattr(args, "selected_hosts", None)
+    if hosts is None:  # a saved plan (--plan): its hosts are the inventory's, when there is one
+        try:
+            _, hosts = _common.load_hosts(args)
+        except RpcfleetError:  # none (or none readable): a saved plan runs as before, on its endpoints
+            return {}
+    return default_tunnels().mapping(h for h in hosts if h.endpoint in endpoints)
+
+
 def probe(args: argparse.Namespace, hosts: list[Host] | None = None) -> FleetProbe:
     """Probe the selected hosts (or `hosts`) with the planning flags (timeout, facts, forks, trust)."""
     from orchestrator.probe.fleet import probe_fleet
 
     if hosts is None:
         _, hosts = _common.load_hosts(args)
+        args.selected_hosts = hosts
     if not hosts:
         raise UsageError("no hosts selected")
     return _common.run_async(

@@ -249,7 +249,7 @@ def handle_status(args: argparse.Namespace) -> int:
             supervisor += f" ({s.restarts} restarts" + (f", last: {s.last_exit}" if s.last_exit else "") + ")"
         table.add_row(
             s.host,
-            s.endpoint,
+            f"{s.endpoint} ({s.transport})",
             f"[{style}]{s.state}[/{style}]",
             supervisor,
             str(s.pid or "-"),

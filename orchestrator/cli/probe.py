@@ -77,12 +77,21 @@ def _print_table(fleet: FleetProbe) -> None:
         protocol = str(node.rpc.version) if node.rpc.version is not None else "-"
         state = _state_cell(node.state, node.clients)
         if not node.devices:
-            table.add_row(escape(node.host), escape(node.endpoint), protocol, "-", "-", "-", "-", state)
+            table.add_row(
+                escape(node.host),
+                escape(f"{node.endpoint} ({node.transport})"),
+                protocol,
+                "-",
+                "-",
+                "-",
+                "-",
+                state,
+            )
         for device in node.devices:
             free = format_size(device.free) + ("" if device.source_of_free == "rpc" else "*")
             table.add_row(
                 escape(node.host),
-                escape(node.endpoint),
+                escape(f"{node.endpoint} ({node.transport})"),
                 protocol,
                 escape(f"#{device.index} {device.description}"),
                 format_size(device.total),

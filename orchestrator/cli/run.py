@@ -156,8 +156,9 @@ def handle(args: argparse.Namespace) -> int:
                 f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
                 highlight=False,
             )
+        dial = _planning.dial_map(args, plan.endpoints)
         started = time.monotonic()
-        placement = worker.load(plan, args.model, {"seed": args.seed})
+        placement = worker.load(plan, args.model, {"seed": args.seed}, dial=dial)
         phases["load"] = time.monotonic() - started
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:

@@ -229,6 +229,8 @@ class Session:
         """`work`'s result, or NotStartedError if the run is interrupted first (`work` is cancelled):
         for waits that change nothing, such as waiting for another operator's lock."""
         if self.interrupted is not None:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started: nothing to wait for, and no "never awaited" warning
             raise NotStartedError(f"not started: {self.interrupted}")
         if self._interrupted_event is None:
             self._interrupted_event = asyncio.Event()

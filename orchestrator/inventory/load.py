@@ -207,7 +207,10 @@ def _resolve_host(
                 builder.error(f"host {raw.name!r}: {exc}; set address (ansible_host) for it", raw.location)
                 return None
         sources["address"] = "default"
-    if values["rpc_host"] == "":
+    if values["rpc_host"] == "" and values["rpc_transport"] == "ssh":
+        values["rpc_host"] = LOCAL_ADDRESS  # nothing listens on the node's network address
+        sources["rpc_host"] = "default (rpc_transport: ssh)"
+    elif values["rpc_host"] == "":
         # the bind address defaults to the address when that is an IPv4 literal; otherwise the service
         # layer resolves the name on the node (the server binds only IPv4 literals)
         values["rpc_host"] = values["address"]

@@ -18,6 +18,7 @@ from orchestrator.inventory.variables import (
     VARIABLES_BY_NAME,
     Backend,
     ConnectionKind,
+    RpcTransport,
     Supervisor,
     _did_you_mean,
 )
@@ -37,6 +38,8 @@ class Host:
     connection: ConnectionKind = "ssh"
     rpc_host: str = ""  # bind address of the rpc-server; "" is resolved to `address` while loading
     rpc_port: int = DEFAULT_RPC_PORT
+    rpc_transport: RpcTransport = "tcp"  # ssh: bound to the node's loopback, dialed through a forward
+    rpc_allow_from: tuple[str, ...] | None = None  # tcp: firewall allowlist (None: no rule)
     rpc_devices: tuple[str, ...] = ()
     rpc_threads: int | None = None
     rpc_cache: bool = False
@@ -62,8 +65,12 @@ class Host:
 
     @property
     def endpoint(self) -> str:
-        """The rpc endpoint clients connect to, "host:port" (a wildcard bind is reached at `address`)."""
-        target = self.address if self.rpc_host in _WILDCARD_BINDS else self.rpc_host
+        """The rpc endpoint clients connect to, "host:port" (a wildcard bind is reached at `address`).
+
+        With `rpc_transport: ssh` it is the node's address and port, the name plans and reports use;
+        the controller dials a local forward instead (`orchestrator.connectors.tunnel.dial_endpoint`)."""
+        wildcard = self.rpc_host in _WILDCARD_BINDS or self.tunneled
+        target = self.address if wildcard else self.rpc_host
         if ":" in target:
             return f"[{target}]:{self.rpc_port}"
         return f"{target}:{self.rpc_port}"
@@ -72,7 +79,17 @@ class Host:
     def binds_own_loopback(self) -> bool:
         """Whether the server binds a remote node's loopback: reachable only from that node, so the
         controller must not probe the address (it would reach its own loopback instead)."""
-        return self.connection == "ssh" and not is_loopback(self.address) and is_loopback(self.rpc_host)
+        return (
+            self.connection == "ssh"
+            and not self.tunneled
+            and not is_loopback(self.address)
+            and is_loopback(self.rpc_host)
+        )
+
+    @property
+    def tunneled(self) -> bool:
+        """Whether the controller reaches the server through an SSH local forward."""
+        return self.rpc_transport == "ssh" and self.connection == "ssh"
 
 
 def is_loopback(address: str) -> bool:

@@ -36,6 +36,13 @@ Supervisor = Literal["auto", "systemd", "process"]
 
 
 SUPERVISORS: tuple[str, ...] = ("auto", "systemd", "process")
+RpcTransport = Literal["tcp", "ssh"]
+
+
+RPC_TRANSPORTS: tuple[str, ...] = ("tcp", "ssh")
+
+
+CONTROLLER = "controller"  # rpc_allow_from: the controller's address as the node sees it
 
 
 _DEVICES = fields.list_of(fields.matching(r"[A-Za-z0-9_.\-]+", "a device name such as CUDA0, Vulkan1 or CPU"))
@@ -77,6 +84,19 @@ def _parse_bind(value: Any) -> str:
     return text
 
 
+def _parse_source(value: Any) -> str:
+    """One `rpc_allow_from` entry: an IPv4/IPv6 address or network (CIDR), or `controller`."""
+    text = fields.text(value).strip()
+    if text == CONTROLLER:
+        return text
+    try:
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not an address or a network such as 10.0.0.0/24 (or `{CONTROLLER}`)"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Variable:
     """A variable rpcfleet understands: its `Host` field, Ansible aliases, parser and default."""
@@ -110,6 +130,20 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable("rpc_host", (), _parse_bind, "", "rpc-server bind address (default: address)"),
     Variable("rpc_port", (), fields.port, DEFAULT_RPC_PORT, "rpc-server port"),
+    Variable(
+        "rpc_transport",
+        (),
+        fields.choice(RPC_TRANSPORTS),
+        "tcp",
+        "tcp, or ssh: the server binds the node's loopback, reached through an SSH forward",
+    ),
+    Variable(
+        "rpc_allow_from",
+        (),
+        fields.optional(fields.list_of(_parse_source)),
+        None,
+        "tcp transport: firewall the RPC port to these addresses/CIDRs (`controller`: this machine)",
+    ),
     Variable("rpc_devices", (), _DEVICES, (), "rpc-server devices (-d)"),
     Variable(
         "rpc_threads", (), fields.optional(fields.integer(minimum=1)), None, "rpc-server CPU threads (-t)"

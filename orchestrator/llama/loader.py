@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.core.errors import LoaderError
+from orchestrator.core.errors import LoaderError, RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
@@ -253,6 +253,7 @@ def load_llama(
     verbose: bool = False,
     connect_timeout: float = 2.0,
     read_timeout: float = 2.0,
+    dial: Mapping[str, str] | None = None,
     **llama_kwargs: Any,
 ) -> Any:
     """Load `model_path` (default: the plan's) on the plan's devices; returns a `llama_cpp.Llama` with
@@ -263,7 +264,32 @@ def load_llama(
     `Llama` (e.g. `seed`, `n_threads`, `chat_format`, `chat_handler`), except what the plan decides
     (`PLAN_CONTROLLED`). `mmproj`: a multimodal projector, run on the CPU unless the plan selects a local
     GPU. The llama.cpp log is always captured and shown only when `verbose`.
+
+    `dial` maps a plan endpoint to the one to connect to: `Tunnels(...).mapping(hosts)` for hosts with
+    `rpc_transport: ssh` (keep the `Tunnels` open as long as the model); the placement and
+    `llm.rpcfleet_plan` keep the plan's names.
     """
+    if dial:
+        names = {dialed: real for real, dialed in dial.items()}
+        try:
+            llm = load_llama(
+                plan.with_endpoints(dial),
+                model_path if model_path is not None else plan.model_path,
+                mmproj=mmproj,
+                verbose=verbose,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                **llama_kwargs,
+            )
+        except RpcfleetError as exc:  # name the real host, not its forward
+            if exc.host in names:
+                exc.message = exc.message.replace(exc.host, names[exc.host])
+                exc.args = (exc.message,)
+                exc.host = names[exc.host]
+            raise
+        llm.rpcfleet_placement = llm.rpcfleet_placement.with_endpoints(names)
+        llm.rpcfleet_plan = plan
+        return llm
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     _check_kwargs(llama_kwargs)
     path = Path(model_path) if model_path is not None else Path(plan.model_path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import queue
 import re
@@ -134,6 +135,7 @@ class Worker:
     ) -> None:
         self._process = process
         self.plan: Plan | None = None
+        self.dial: dict[str, str] = {}
         self.log_path = log_path
         self.event_timeout = event_timeout
         self.link_timeout = link_timeout
@@ -217,6 +219,7 @@ class Worker:
         *,
         verbose: bool = True,
         timeout: float = LOAD_TIMEOUT,
+        dial: Mapping[str, str] | None = None,
     ) -> Placement:
         """Load `model_path` (default: the plan's) through `plan` in the child (once per worker); returns
         the placement. `llama_kwargs` go to `load_llama` and must be JSON (seed, n_threads...);
@@ -225,13 +228,17 @@ class Worker:
         Raises the loader's errors (a refused endpoint keeps its type), `WorkerTimeoutError` past
         `timeout` (start-up included), `NodeLostError` when a node dies during the load; the child is
         killed on any error.
+
+        `dial` maps a plan endpoint to the one the child connects to (`Tunnels.mapping`: an SSH forward
+        for `rpc_transport: ssh`); the placement and every error keep the plan's names.
         """
         if self.plan is not None:
             raise WorkerError("this worker has loaded a model already: start another")
         self.plan = plan
+        self.dial = dict(dial or {})
         request = {
             "op": "load",
-            "plan": plan.to_json(),
+            "plan": plan.with_endpoints(self.dial).to_json(),
             "model": str(model_path if model_path is not None else plan.model_path),
             "llama_kwargs": dict(llama_kwargs or {}),
             "verbose": verbose,
@@ -246,7 +253,8 @@ class Worker:
             if answer.get("event") != "loaded":
                 self.kill()
                 raise self._record(self._unexpected(answer))
-            self.placement = placement_from_json(answer.get("placement"))
+            reverse = {dialed: real for real, dialed in self.dial.items()}
+            self.placement = placement_from_json(answer.get("placement")).with_endpoints(reverse)
         except ValueError as exc:
             self.kill()
             raise self._record(
@@ -382,8 +390,17 @@ class Worker:
 
     def _unexpected(self, answer: Mapping[str, Any]) -> RpcfleetError:
         if answer.get("event") == "error":
-            return error_from_child(answer, self.log_path)
+            return self._real_names(error_from_child(answer, self.log_path))
         return self._attach(WorkerError(f"the worker answered {answer.get('event')!r} unexpectedly"))
+
+    def _real_names(self, err: RpcfleetError) -> RpcfleetError:
+        """`err` naming the plan's endpoints where the child named the forwards it dialed."""
+        for real, dialed in self.dial.items():
+            if dialed in err.message or err.host == dialed:
+                err.message = err.message.replace(dialed, real)
+                err.args = (err.message,)
+                err.host = real if err.host == dialed else err.host
+        return err
 
     # -- death and diagnosis
     def _fail(self, doing: str, timed_out: float | None) -> RpcfleetError:
@@ -417,7 +434,9 @@ class Worker:
         t, endpoints = self.probe_timeout, self.plan.endpoints if self.plan else ()
         if not endpoints:
             return []
-        return list(_run_sync(probe_endpoints(endpoints, connect_timeout=t, read_timeout=t, deadline=t + 1)))
+        dialed = [self.dial.get(ep, ep) for ep in endpoints]
+        found = _run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
+        return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
 
     def _log_tail(self) -> str | None:
         """The lines of the log's end that say what went wrong (llama.cpp's abort, a failed send)."""

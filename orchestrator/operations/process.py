@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
+from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import CommandTimeoutError, ServiceError, tail
 from orchestrator.facts.server import (
     PID_IS_NUMBER,
@@ -410,7 +411,7 @@ async def wait_ready(
     while True:
         if target is not None:
             last = await probe_endpoint(
-                target,
+                await dial_endpoint(host),
                 expected=expected,
                 connect_timeout=1.0,
                 read_timeout=2.0,

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from orchestrator.connectors.base import Connection
-from orchestrator.core.errors import ServiceError
+from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.core.errors import RpcfleetError, ServiceError
 from orchestrator.facts.base import Fact, gather
 from orchestrator.facts.server import (
     Launch,
@@ -100,6 +101,13 @@ def bind_policy(host: Host) -> str | None:
         ) from None
     if address.version != 4:
         raise ServiceError(f"rpc_host {bind} is IPv6; ggml-rpc-server binds only IPv4", host=host.name)
+    if host.rpc_transport == "ssh" and not address.is_loopback:
+        raise ServiceError(
+            f"rpc_transport: ssh with rpc_host {bind}: the server would listen on the node's network "
+            "while clients are meant to reach it only through SSH",
+            host=host.name,
+            hint="remove rpc_host (ssh transport binds 127.0.0.1) or use rpc_transport: tcp",
+        )
     public = address.is_unspecified or not (
         address.is_private or address.is_loopback or address.is_link_local
     )
@@ -254,11 +262,13 @@ class ServerStatus:
     supervisor: Supervision = "process"
     restarts: int | None = None  # systemd's NRestarts (automatic restarts since the unit started)
     last_exit: str = ""  # systemd's Result and how the main process last ended
+    transport: str = "tcp"  # rpc_transport: how the controller reaches the server
 
     def to_json(self) -> dict[str, object]:
         return {
             "host": self.host,
             "endpoint": self.endpoint,
+            "transport": self.transport,
             "state": self.state,
             "pid": self.pid,
             "version": self.version,
@@ -327,6 +337,7 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
+        transport=host.rpc_transport,
         state=server,
         pid=pid,
         version=inst.current,
@@ -370,7 +381,11 @@ async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_T
     target = None if host.binds_own_loopback else host.endpoint
     if target is None or not needs_probe(state):
         return None
-    return await probe_endpoint(
+    try:
+        target = await dial_endpoint(host)
+    except RpcfleetError as exc:
+        return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0)
+    result = await probe_endpoint(
         target,
         expected=_expected(state.install),
         connect_timeout=limit_s,
@@ -378,6 +393,7 @@ async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_T
         deadline=limit_s * 1.5,
         hello_only=True,
     )
+    return replace(result, endpoint=host.endpoint)
 
 
 async def server_status(conn: Connection, host: Host) -> ServerStatus:

@@ -15,6 +15,7 @@ from orchestrator.facts.server import (
 )
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
+from orchestrator.operations.firewall import apply_firewall
 from orchestrator.operations.install import (
     ArtifactChooser,
     BuildLogFactory,
@@ -162,11 +163,17 @@ async def ensure_state(
         change = dataclasses.replace(
             change, reason="; ".join(filter(None, [change.reason, _unit_plan(host, state)]))
         )
+    install_dir = state.install.install_dir
     if not change.changed or check:
+        if not check:  # rpc_allow_from follows the inventory even when the server is left as it is
+            await apply_firewall(conn, host, install_dir, install=want != "stopped")
         return change
     if change.action in ("stop", "restart"):
         await stop_server(conn, host, state, force=force, busy_grace=busy_grace, action=change.action)
+        if change.action == "stop":  # the rules go with the server
+            await apply_firewall(conn, host, install_dir, install=False)
     if change.action in ("start", "restart"):
+        await apply_firewall(conn, host, install_dir, install=True)  # before it listens
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))

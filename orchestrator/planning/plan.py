@@ -21,7 +21,8 @@ buffer, the output layer on the last device), re-split until the counts settle (
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -206,6 +207,17 @@ class Plan:
             if d.endpoint is not None and d.endpoint not in seen:
                 seen.append(d.endpoint)
         return tuple(seen)
+
+    def with_endpoints(self, dial: Mapping[str, str]) -> Plan:
+        """This plan with its RPC endpoints replaced as `dial` says (real endpoint -> the one to dial,
+        e.g. an SSH forward); endpoints not in `dial` are kept."""
+        if not dial:
+            return self
+        devices = tuple(
+            replace(d, endpoint=dial.get(d.endpoint, d.endpoint)) if d.endpoint is not None else d
+            for d in self.devices
+        )
+        return replace(self, devices=devices)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
+    from orchestrator.inventory.model import Host
     from orchestrator.llama.placement import Placement
     from orchestrator.planning.plan import MemoryBytes, Plan
 
@@ -56,7 +58,11 @@ class LoadCheckResult:
 
 
 async def load_check(
-    plan: Plan, model: str | Path, *, limit_s: float = _LOAD_CHECK_TIMEOUT
+    plan: Plan,
+    model: str | Path,
+    *,
+    limit_s: float = _LOAD_CHECK_TIMEOUT,
+    hosts: Sequence[Host] = (),
 ) -> LoadCheckResult:
     """Load `model` through `plan` in a worker process (`orchestrator.llama.worker`), unload it, and
     return where its layers went.
@@ -65,12 +71,21 @@ async def load_check(
     client per server) and the native client aborts its process when a server misbehaves. The worker
     never outlives this call: on a timeout (a `LoaderError` subclass), a cancellation (Ctrl-C, an outer
     timeout) or any other error it is killed and reaped, so the servers are free again.
+
+    `hosts`: the inventory hosts of the plan's endpoints; those with `rpc_transport: ssh` are loaded
+    through their SSH forwards (this process's `default_tunnels`).
     """
+    from orchestrator.connectors.tunnel import default_tunnels
     from orchestrator.llama.worker import Worker
+
+    wanted = [h for h in hosts if h.endpoint in plan.endpoints]
+    dial = await asyncio.to_thread(default_tunnels().mapping, wanted) if wanted else {}
 
     worker = Worker.spawn()
     try:
-        placement = await asyncio.to_thread(worker.load, plan, model, verbose=False, timeout=limit_s)
+        placement = await asyncio.to_thread(
+            worker.load, plan, model, verbose=False, timeout=limit_s, dial=dial
+        )
     except BaseException:
         worker.kill()  # a cancellation leaves the waiting thread behind: the kill ends its wait
         raise

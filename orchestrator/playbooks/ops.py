@@ -242,7 +242,7 @@ def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
         if plan is None:
             raise PlanError("load_check needs a plan: put a `plan` step before it")
         model = args["model"] or plan.model_path
-        return await load_check(plan, model, limit_s=args["timeout"])
+        return await load_check(plan, model, limit_s=args["timeout"], hosts=play.hosts)
 
     shared = SharedCall(make)
 

@@ -57,11 +57,12 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from orchestrator.artifacts.protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
+from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
@@ -119,6 +120,7 @@ class NodeProbe:
     facts_error: str | None = None  # why facts are missing although they were asked for
     duplicate_of: str | None = None  # the earlier host with the same endpoint (counted once in totals)
     warnings: tuple[str, ...] = ()
+    transport: str = "tcp"  # rpc_transport: how the controller reached the server
 
     @property
     def ok(self) -> bool:
@@ -140,6 +142,7 @@ class NodeProbe:
         return {
             "host": self.host,
             "endpoint": self.endpoint,
+            "transport": self.transport,
             "state": self.state,
             "ok": self.ok,
             "outcome": self.rpc.outcome.value,
@@ -294,9 +297,14 @@ async def _probe_rpc(host: Host, timeout: float, expected: ProtocolVersion | Non
     why = _unreachable_endpoint(host)
     if why is not None:
         return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), why, 0.0)
-    return await probe_endpoint(
-        host.endpoint, expected=expected, connect_timeout=timeout, read_timeout=timeout, deadline=timeout
+    try:
+        target = await dial_endpoint(host)
+    except RpcfleetError as exc:  # the SSH forward could not be opened: the server is unreachable
+        return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0)
+    result = await probe_endpoint(
+        target, expected=expected, connect_timeout=timeout, read_timeout=timeout, deadline=timeout
     )
+    return replace(result, endpoint=host.endpoint)  # plans and reports name the real host
 
 
 async def probe_fleet(
@@ -392,6 +400,7 @@ async def probe_fleet(
                 facts_error=facts_error,
                 duplicate_of=duplicate_of,
                 warnings=tuple(warnings),
+                transport=host.rpc_transport,
             )
         )
     fleet = FleetProbe.of(

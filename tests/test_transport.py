@@ -1,0 +1,94 @@
+"""Tier 0: `rpc_transport` and `rpc_allow_from` as the inventory reads them, the bind policy, the
+OpenSSH forwarder's command line, and the endpoint renaming between a plan and its forwards."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from orchestrator.connectors.tunnel import Tunnels, openssh_argv
+from orchestrator.core.errors import InventoryError, ServiceError
+from orchestrator.inventory.load import load_inventory_text
+from orchestrator.operations.firewall import firewall_script
+from orchestrator.operations.process import server_argv
+from orchestrator.operations.server import bind_policy
+
+INVENTORY = """\
+vars:
+  rpc_transport: ssh
+hosts:
+  a: {address: 10.0.0.5}
+  b: {address: 10.0.0.6, rpc_transport: tcp, rpc_allow_from: [controller, 10.0.0.0/24, 192.168.1.7]}
+  c: {address: 10.0.0.7, rpc_host: 10.0.0.7}
+"""
+
+
+def test_ssh_transport_binds_loopback_and_keeps_the_real_endpoint() -> None:
+    hosts = {h.name: h for h in load_inventory_text(INVENTORY, Path("inv.yml")).hosts}
+    a, b, c = hosts["a"], hosts["b"], hosts["c"]
+    assert a.rpc_transport == "ssh" and a.rpc_host == "127.0.0.1" and a.tunneled
+    assert a.endpoint == "10.0.0.5:50052"  # what plans and reports name
+    assert not a.binds_own_loopback  # probed through its forward, not refused
+    assert server_argv(a, "/i", "v")[1:3] == ["-H", "127.0.0.1"]
+    assert a.var_sources["rpc_host"] == "default (rpc_transport: ssh)"
+    assert b.rpc_transport == "tcp" and not b.tunneled and b.endpoint == "10.0.0.6:50052"
+    assert b.rpc_allow_from == ("controller", "10.0.0.0/24", "192.168.1.7/32")
+    assert a.rpc_allow_from is None
+    assert bind_policy(a) is None
+    with pytest.raises(ServiceError, match=r"rpc_transport: ssh with rpc_host 10\.0\.0\.7") as info:
+        bind_policy(c)  # deploy refuses the contradiction before changing anything
+    assert "remove rpc_host" in (info.value.hint or "")
+    public = dataclasses.replace(c, rpc_host="8.8.8.8", allow_public_bind=True)
+    with pytest.raises(ServiceError, match="rpc_transport: ssh"):
+        bind_policy(public)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("rpc_transport: udp", "inv.yml:4:20: rpc_transport: expected one of tcp, ssh, got 'udp'"),
+        (
+            "rpc_allow_from: [10.0.0.300]",
+            "inv.yml:4:21: rpc_allow_from: '10.0.0.300' is not an address or a network such as 10.0.0.0/24",
+        ),
+    ],
+)
+def test_bad_values_name_the_file_and_line(line: str, message: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        load_inventory_text(f"hosts:\n  x:\n    address: 10.0.0.5\n    {line}\n", Path("inv.yml"))
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_openssh_forward_verifies_host_keys_and_keeps_alive(tmp_path: Path) -> None:
+    host = load_inventory_text(INVENTORY, Path("inv.yml")).host("a")
+    host = dataclasses.replace(host, ssh_user="lab", ssh_key="/k", ssh_known_hosts=str(tmp_path / "kh"))
+    argv = openssh_argv(host, tmp_path / "ctl", 40000, 10.0)
+    joined = " ".join(argv)
+    assert "StrictHostKeyChecking=yes" in joined and f"UserKnownHostsFile={tmp_path / 'kh'}" in joined
+    assert "ServerAliveInterval=5" in joined and "ExitOnForwardFailure=yes" in joined
+    assert "-L 127.0.0.1:40000:127.0.0.1:50052" in joined and "-tt" in argv
+    unchecked = openssh_argv(dataclasses.replace(host, ssh_host_key_checking=False), tmp_path, 1, 1)
+    assert "StrictHostKeyChecking=no" in " ".join(unchecked)
+
+
+def test_a_tcp_host_is_dialed_at_its_own_endpoint_without_a_forward() -> None:
+    host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")
+    with Tunnels() as tunnels:
+        assert tunnels.dial(host) == host.endpoint
+        assert tunnels.mapping([host]) == {}
+    with pytest.raises(ValueError, match="forwarder"):
+        Tunnels("socat")  # type: ignore[arg-type]
+
+
+def test_firewall_script_tags_its_rules_and_resolves_the_controller() -> None:
+    host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")
+    script = firewall_script(host, "~/rpcfleet", install=True)
+    assert "TAG='rpcfleet ~/rpcfleet 50052'" in script
+    assert "${SSH_CONNECTION%% *}" in script
+    assert "-s 10.0.0.0/24 --dport 50052 -j ACCEPT" in script
+    assert "--dport 50052 -j REJECT --reject-with tcp-reset" in script
+    assert "@noright" in script and "@notool" in script
+    removal = firewall_script(host, "~/rpcfleet", install=False)
+    assert "ACCEPT" not in removal and "-D INPUT" in removal

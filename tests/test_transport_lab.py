@@ -1,0 +1,312 @@
+"""Tier 2: `rpc_transport: ssh` and `rpc_allow_from` on a lab of this module (namespaces, real sshd).
+
+With ssh transport the deployed servers listen on their node's loopback only, the controller reaches
+them through one SSH forward per node (OpenSSH, host keys verified), `run` generates text through them,
+and a forward killed during a load is a clean error naming the node's real endpoint. With
+`rpc_allow_from: [controller]` (deployed over a root SSH connection to a node) the controller connects
+and another lab node is refused; stopping the server removes the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.cli import main
+from orchestrator.connectors.tunnel import OpenSSHTunnel, Tunnels
+from orchestrator.inventory.load import load_inventory
+from orchestrator.lab.lifecycle import inventory_document
+from orchestrator.lab.model import Lab, LabNode
+from orchestrator.rpc.client import probe_endpoint
+from orchestrator.rpc.protocol import Outcome
+from tests.plugins.lab import own_lab
+
+pytestmark = [pytest.mark.lab, pytest.mark.llama]
+
+RPC_PORT = 50052
+
+
+@pytest.fixture(scope="module")
+def transport_lab() -> Iterator[Lab]:
+    with own_lab(3, "tr") as made:
+        yield made
+
+
+def _write_inventory(lab: Lab, path: Path, **common: Any) -> Path:
+    doc = inventory_document(lab)
+    doc["vars"].update(common)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _connect_from_controller(address: str, port: int) -> str:
+    with socket.socket() as sock:
+        sock.settimeout(3)
+        try:
+            sock.connect((address, port))
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+    return "connected"
+
+
+_CONNECT = (
+    "import socket,sys\ns=socket.socket();s.settimeout(3)\n"
+    "try:\n s.connect((sys.argv[1],int(sys.argv[2])));print('connected')\n"
+    "except ConnectionRefusedError: print('refused')\nexcept TimeoutError: print('timeout')\n"
+)
+
+
+def _connect_from_node(lab: Lab, node: LabNode, address: str, port: int) -> str:
+    out = lab.node_exec(node, [sys.executable, "-c", _CONNECT, address, str(port)])
+    return out.stdout.strip()
+
+
+def _forwarders(pid: int) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if cmd[:2] == ["ssh", "-M"] and "-L" in cmd:
+            found.append(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ssh_inventory(
+    transport_lab: Lab, cpu_artifact: Artifact, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    path = _write_inventory(
+        transport_lab, tmp_path_factory.mktemp("transport") / "ssh.yml", rpc_transport="ssh"
+    )
+    assert main(["-i", str(path), "deploy"]) == 0
+    return path
+
+
+def test_ssh_transport_deploys_on_loopback_only_and_run_generates_through_the_forwards(
+    transport_lab: Lab, ssh_inventory: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes = transport_lab.nodes
+    for i, node in enumerate(nodes):
+        lines = transport_lab.node_exec(node, ["ss", "-Htln", f"sport = :{RPC_PORT}"]).stdout.splitlines()
+        listening = [line.split()[3] for line in lines]  # the local address of each listener
+        assert listening == [f"127.0.0.1:{RPC_PORT}"], lines
+        # Nothing answers on the node's address: neither here nor from another lab node.
+        assert _connect_from_controller(node.address, RPC_PORT) == "refused"
+        other = (i + 1) % len(nodes)
+        assert _connect_from_node(transport_lab, nodes[other], node.address, RPC_PORT) == "refused"
+    capsys.readouterr()
+    assert main(["-i", str(ssh_inventory), "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    text = json.dumps(status)
+    assert text.count('"transport": "ssh"') == len(nodes), text
+    assert text.count('"state": "running"') == len(nodes), text
+    argv = ["-i", str(ssh_inventory), "run", "-m", str(tiny_model), "-p", "hello", "-n", "8"]
+    assert main([*argv, "--ctx", "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].strip()
+    endpoints = {d["endpoint"] for d in out["placement"]["devices"]}
+    # Plans and placements name the real hosts, never the forwards.
+    assert endpoints == {f"{n.address}:{RPC_PORT}" for n in nodes}, endpoints
+    assert not _forwarders(os.getpid())  # the forwards lived as long as the command
+    # A playbook too: restart (readiness through the forward), probe, plan, load_check.
+    preload = Path(__file__).resolve().parents[1] / "playbooks" / "preload.yml"
+    argv = [
+        "-i",
+        str(ssh_inventory),
+        "run-playbook",
+        str(preload),
+        "-e",
+        f"model={tiny_model}",
+        "-e",
+        "ctx=512",
+    ]
+    assert main(argv) == 0, capsys.readouterr()
+    assert not _forwarders(os.getpid())
+
+
+def test_a_forward_killed_during_a_load_is_a_clean_error_naming_the_node(
+    transport_lab: Lab, ssh_inventory: Path, tiny_model_factory: Any, tmp_path: Path
+) -> None:
+    model = tiny_model_factory(n_layer=6, n_embd=1024, n_head=8, n_head_kv=8, n_ff=2816)  # about 130 MB
+    victim = transport_lab.nodes[1]
+    assert victim.veth is not None
+    shape = ["tc", "qdisc", "replace", "dev", victim.veth, "root", "tbf", "rate", "80mbit"]
+    subprocess.run([*shape, "burst", "64kb", "latency", "100ms"], check=True)
+    try:
+        argv = [sys.executable, "-m", "orchestrator", "-i", str(ssh_inventory), "run", "-m", str(model)]
+        env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "COLUMNS": "200"}
+        run = subprocess.Popen(
+            [*argv, "-p", "hi", "-n", "4", "--ctx", "512"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        killed = None
+        seen: set[str] = set()
+        deadline = time.monotonic() + 60
+        while killed is None and time.monotonic() < deadline and run.poll() is None:
+            # The load is under way when the victim's server holds a connection that lasts (the same
+            # peer in two polls 0.3 s apart): the probe's connections come and go.
+            held = transport_lab.node_exec(
+                victim, ["ss", "-Htn", "state", "established", f"sport = :{RPC_PORT}"]
+            )
+            peers = {line.split()[-1] for line in held.stdout.splitlines() if line.strip()}
+            mine = [p for p in _forwarders(run.pid) if victim.address in " ".join(p.cmdline())]
+            if peers & seen and mine:
+                mine[0].kill()
+                killed = time.monotonic()
+            seen = peers
+            time.sleep(0.3)
+        assert killed is not None, run.communicate(timeout=30)
+        _, err_bytes = run.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", victim.veth, "root"], check=False)
+    err = err_bytes.decode()
+    assert run.returncode == 1, err
+    assert f"lost {victim.address}:{RPC_PORT} (refused) while loading the model" in err, err
+    assert "127.0.0.1" not in err.split("hint")[0], err  # the real host, not the forward
+    assert "Traceback" not in err
+    assert took < 30, took
+
+
+def _tagged_rules(lab: Lab, node: LabNode) -> list[str]:
+    rules = lab.node_exec(node, ["iptables", "-w", "-S", "INPUT"]).stdout.splitlines()
+    return [rule for rule in rules if '"rpcfleet ' in rule]
+
+
+@pytest.fixture
+def root_node(transport_lab: Lab, tmp_path: Path) -> Iterator[tuple[LabNode, Path]]:
+    """Node 2 with a second sshd that lets root in (key auth, its own known_hosts entry): the lab's
+    user is not root, and changing a node's firewall takes root."""
+    node = transport_lab.nodes[1]
+    pub = transport_lab.client_key.with_name(transport_lab.client_key.name + ".pub")
+    (tmp_path / "authorized_keys").write_text(pub.read_text())
+    host_pub = node.host_key.with_name(node.host_key.name + ".pub").read_text().split()
+    (tmp_path / "known_hosts").write_text(f"[{node.address}]:2222 {host_pub[0]} {host_pub[1]}\n")
+    config = tmp_path / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"ListenAddress {node.address}",
+                "Port 2222",
+                f'HostKey "{node.host_key}"',
+                f'PidFile "{tmp_path / "sshd.pid"}"',
+                f'AuthorizedKeysFile "{tmp_path / "authorized_keys"}"',
+                "AllowUsers root",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "Subsystem sftp internal-sftp",
+            ]
+        )
+        + "\n"
+    )
+    transport_lab.node_exec(node, ["/usr/sbin/sshd", "-f", str(config), "-E", str(tmp_path / "sshd.log")])
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "sshd.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int((tmp_path / "sshd.pid").read_text())
+    inventory = {
+        "hosts": {
+            "rootnode": {
+                "address": node.address,
+                "ssh_user": "root",
+                "ssh_port": 2222,
+                "ssh_key": str(transport_lab.client_key),
+                "ssh_known_hosts": str(tmp_path / "known_hosts"),
+                "install_dir": str(tmp_path / "install"),
+                "rpc_port": 50053,
+                "rpc_allow_from": ["controller"],
+            }
+        }
+    }
+    path = tmp_path / "root.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    try:
+        yield node, path
+    finally:
+        os.kill(pid, 15)
+        for rule in _tagged_rules(transport_lab, node):  # a failed test leaves no rule behind
+            transport_lab.node_exec(node, ["sh", "-c", f"iptables -w {rule.replace('-A', '-D', 1)}"])
+
+
+def test_rpc_allow_from_admits_the_controller_only_and_goes_with_the_server(
+    transport_lab: Lab,
+    cpu_artifact: Artifact,
+    root_node: tuple[LabNode, Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node, inventory = root_node
+    other = transport_lab.nodes[2]
+    assert main(["-i", str(inventory), "deploy"]) == 0, capsys.readouterr()
+    rules = _tagged_rules(transport_lab, node)
+    controller = node.address.rsplit(".", 1)[0] + ".1"  # the bridge: the controller as the node sees it
+    assert len(rules) == 2, rules
+    assert f"-s {controller}/32" in rules[0], rules
+    assert "-j ACCEPT" in rules[0] and "--dport 50053" in rules[0] and "-j REJECT" in rules[1], rules
+    assert _connect_from_controller(node.address, 50053) == "connected"
+    assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"
+    assert _connect_from_node(transport_lab, other, node.address, 22) == "connected"  # only the RPC port
+    # Idempotent: a second deploy leaves the same rules.
+    assert main(["-i", str(inventory), "deploy"]) == 0
+    assert _tagged_rules(transport_lab, node) == rules
+    # The rule goes with the server.
+    assert main(["-i", str(inventory), "stop"]) == 0
+    assert _tagged_rules(transport_lab, node) == []
+    assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"  # nothing listens
+
+
+def test_rpc_allow_from_without_root_is_a_clear_error(
+    transport_lab: Lab, cpu_artifact: Artifact, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write_inventory(
+        transport_lab, tmp_path / "allow.yml", rpc_allow_from=["controller"], rpc_port=50054
+    )
+    node = transport_lab.nodes[2]
+    capsys.readouterr()
+    assert main(["-i", str(path), "-l", node.name, "deploy"]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "rpc_allow_from needs root on the node" in text and "is not root" in text, text
+    assert "Traceback" not in text
+    assert _tagged_rules(transport_lab, node) == []
+    lines = transport_lab.node_exec(node, ["ss", "-Htln", "sport = :50054"]).stdout
+    assert not lines.strip()  # refused before the server started
+
+
+async def test_a_dead_forward_is_opened_again_on_the_next_dial(
+    transport_lab: Lab, ssh_inventory: Path
+) -> None:
+    host = load_inventory(ssh_inventory).hosts[0]
+    with Tunnels() as tunnels:
+        first = tunnels.dial(host)
+        assert tunnels.dial(host) == first  # reused
+        assert (await probe_endpoint(first)).outcome is Outcome.OK
+        tunnel = tunnels.tunnel(host)
+        assert isinstance(tunnel, OpenSSHTunnel)
+        tunnel.process.kill()
+        tunnel.process.wait(timeout=5)
+        assert (await probe_endpoint(first, connect_timeout=2, deadline=3)).outcome is Outcome.REFUSED
+        again = tunnels.dial(host)
+        assert again != first
+        assert (await probe_endpoint(again)).outcome is Outcome.OK
+    assert not _forwarders(os.getpid())
