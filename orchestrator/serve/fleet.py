@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.core.errors import PlanError, ProbeError
-from orchestrator.engine.executor import Session
+from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.inventory.model import Host
 from orchestrator.llama.native import local_gpus
 from orchestrator.planning.devices import to_plan_devices
@@ -108,7 +108,7 @@ class ServeFleet:
 
         async def go() -> list[str]:
             playbook = rolling_restart_playbook(serial=serial, max_fail_percentage=0.0, force=force)
-            async with Session(**({} if self.forks is None else {"forks": self.forks})) as session:
+            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
                 result = await run_playbook(playbook, list(self.hosts), session=session)
             failed = []
             for step_run in result.steps:
