@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from orchestrator.artifacts.manifest import Artifact
+from orchestrator.cli import main
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
@@ -280,7 +281,7 @@ def test_a_cut_link_during_a_stream_is_bounded_by_the_link_timeout(
 
 
 def test_a_reload_with_a_rolling_restart_lets_the_streaming_request_finish_first(
-    serve_lab: Lab, fleet: list[Host], serve: Any
+    serve_lab: Lab, fleet: list[Host], serve: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     served: Served = serve()
     servers_before = {h.name: _server_pid(serve_lab, h) for h in fleet}
@@ -304,10 +305,21 @@ def test_a_reload_with_a_rolling_restart_lets_the_streaming_request_finish_first
         .choices[0]
         .text
     )
-    # SIGHUP reloads too (without the rolling restart by default)
+    # The playbook does the same through the API (reload 2, with the rolling restart)
+    key_file = tmp_path / "serve.key"
+    key_file.write_text(f"{KEY}\n")
+    play = ["run-playbook", "playbooks/serve-reload.yml", "-i", str(serve_lab.inventory), "--json"]
+    play += ["-e", f"url={served.base}", "-e", f"api_key_file={key_file}"]
+    assert main(play) == 0, capsys.readouterr()
+    result = json.loads(capsys.readouterr().out)
+    assert served.health()["reloads"] == 2 and served.health()["status"] == "ready", result
+    servers_after_play = {h.name: _server_pid(serve_lab, h) for h in fleet}
+    assert all(servers_after_play[n] != servers_after[n] for n in servers_after)
+    servers_after = servers_after_play
+    # SIGHUP reloads too (reload 3, without the rolling restart by default)
     served.process.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 60
-    while served.health()["reloads"] < 2 or served.health()["status"] != "ready":
+    while served.health()["reloads"] < 3 or served.health()["status"] != "ready":
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert {h.name: _server_pid(serve_lab, h) for h in fleet} == servers_after
