@@ -90,8 +90,8 @@ if [ ! -f "$VENV/.rpcfleet-ready" ]; then
   quiet "$PYTHON" -m venv "$VENV"
   quiet "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
   quiet "$VENV/bin/pip" install -q "$WHEEL"
-  # The dependencies of rpcfleet[llama,dev], then rpcfleet itself out again: each checkout adds its own.
-  quiet "$VENV/bin/pip" install -q -e "$ROOT[llama,dev]"
+  # The dependencies of rpcfleet[llama,serve,dev], then rpcfleet itself out again: each checkout adds its own.
+  quiet "$VENV/bin/pip" install -q -e "$ROOT[llama,serve,dev]"
   quiet "$VENV/bin/pip" uninstall -q -y rpcfleet
   touch "$VENV/.rpcfleet-ready"
 fi

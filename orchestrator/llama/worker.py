@@ -328,7 +328,11 @@ class Worker:
                 answer = self._next(self.event_timeout, "generating")
                 kind = answer.get("event")
                 if kind == "token":
-                    yield Token(str(answer.get("text", "")))
+                    text = str(answer.get("text", ""))
+                    if (
+                        text
+                    ):  # an empty one is the child's heartbeat (text held back): it only resets the wait
+                        yield Token(text)
                 elif kind == "done":
                     finished = True
                     yield done_from_json(answer)

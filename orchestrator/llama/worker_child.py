@@ -117,9 +117,14 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
     return {"type": type(exc).__name__, "message": str(exc) or type(exc).__name__}
 
 
-def _counting(llm: Any, counts: dict[str, Any]) -> Callable[..., Iterator[int]]:
+_TICK = 1.0  # seconds: a generation that shows no text (held back) still answers this often
+
+
+def _counting(llm: Any, counts: dict[str, Any], tick: Callable[[], None]) -> Callable[..., Iterator[int]]:
     """`llm.generate`, counting the prompt and every token it yields (llama-cpp-python's stream has no
-    usage, and its chunks hold back tokens that end inside a UTF-8 character)."""
+    usage, and its chunks hold back tokens that end inside a UTF-8 character). `tick` is called at most
+    every `_TICK` seconds while tokens come but no text does, so that the parent's wait between two
+    answers bounds a stall, not a long run of held-back text (a random model sampled hot)."""
     generate = llm.generate
 
     def counted(tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
@@ -133,6 +138,9 @@ def _counting(llm: Any, counts: dict[str, Any]) -> Callable[..., Iterator[int]]:
                 return
             counts["tokens"] += 1
             counts["last"] = token
+            if time.monotonic() - counts["answered"] >= _TICK:
+                counts["answered"] = time.monotonic()
+                tick()
             sent = yield token
 
     return counted
@@ -143,8 +151,8 @@ def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
 
     from orchestrator.llama.native import generation_timings
 
-    counts: dict[str, Any] = {"prompt": 0, "tokens": 0, "last": None}
-    llm.generate = _counting(llm, counts)
+    counts: dict[str, Any] = {"prompt": 0, "tokens": 0, "last": None, "answered": time.monotonic()}
+    llm.generate = _counting(llm, counts, lambda: channel.send(event="token", text=""))
     common = {
         "max_tokens": request.get("max_tokens", 16),
         "temperature": request.get("temperature", 0.0),
@@ -169,6 +177,7 @@ def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
             pieces.append(piece)
             if request.get("stream", True):
                 channel.send(event="token", text=piece)
+                counts["answered"] = time.monotonic()
         if channel.cancel.is_set():
             chunks.close()
             finish = "cancelled"

@@ -297,6 +297,30 @@ def _cache_warm(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(warm_host, "cache_warm")
 
 
+def _serve_reload(args: Mapping[str, Any], play: _Play) -> Step:
+    from orchestrator.playbooks.serve_reload import read_key, serve_reload_async
+
+    url, rolling = args["url"], args["rolling_restart"]
+    shared = SharedCall(
+        lambda: serve_reload_async(
+            url, read_key(args["api_key_file"]), rolling_restart=rolling, limit=args["timeout"]
+        )
+    )
+
+    async def reload_step(ctx: HostContext) -> StepOutcome[Any]:
+        if play.check:
+            return StepOutcome(
+                None, False, f"would reload serve at {url}" + (" with a rolling restart" if rolling else "")
+            )
+        health = await shared.get()
+        serving = ctx.host.endpoint in (health.get("plan") or {}).get("endpoints", ())
+        return StepOutcome(
+            health, rolling, f"serve reloaded ({health['status']}): {'serving' if serving else 'not used'}"
+        )
+
+    return _named(reload_step, "serve_reload")
+
+
 def _report(args: Mapping[str, Any], play: _Play) -> Step:
     from datetime import UTC, datetime
 
@@ -448,6 +472,20 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "put each node's share of the planned model into its tensor cache (rpc_cache hosts)",
                 (),
                 _cache_warm,
+            ),
+            Op(
+                "serve_reload",
+                "fleet",
+                "reload a running `rpcfleet serve`: drain, unload, [rolling restart], plan, load",
+                (
+                    Arg("url", fields.text, "http://127.0.0.1:8080", help="serve's base URL"),
+                    Arg(
+                        "api_key_file", fields.optional(fields.text), None, help="a file holding the API key"
+                    ),
+                    Arg("rolling_restart", fields.boolean, True),
+                    Arg("timeout", fields.seconds, 600.0, help="seconds until serve must serve again"),
+                ),
+                _serve_reload,
             ),
             Op(
                 "report",

@@ -1,0 +1,175 @@
+"""`rpcfleet serve`: an OpenAI-compatible endpoint on the fleet that survives losing a node.
+
+Probe, plan, load the model in a worker process (`orchestrator.llama.worker`), serve `/v1/completions`,
+`/v1/chat/completions` (streaming), `/v1/models`, `/health` and `/metrics` (`orchestrator.serve`).
+SIGHUP or `POST /admin/reload` reloads: drain, unload, optionally a rolling restart of the fleet (the
+step of `restart --rolling`), re-plan, load. Binds loopback by default; any other address needs an API key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli import _common, _planning
+from orchestrator.cli._common import escape
+from orchestrator.core import fields
+from orchestrator.core.errors import UsageError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over the fleet: OpenAI API, /health, /metrics; survives a lost node",
+        description=(
+            "Probe the selected servers, plan the model, load it in a worker process and serve the OpenAI "
+            "API (completions, chat, streaming, models) with /health and /metrics. A lost node ends the "
+            "request in flight with 503 naming it; the model is re-planned on the nodes that answer. "
+            "SIGHUP or POST /admin/reload reloads (drain, unload, [rolling restart], plan, load)."
+        ),
+    )
+    parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
+    _planning.add_plan_option_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=_common.flag(fields.port), default=8080, help="port (default: 8080)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="the key clients send as `Authorization: Bearer KEY`")
+    key.add_argument("--api-key-file", type=Path, default=None, help="a file whose first line is the key")
+    parser.add_argument(
+        "--model-name", default=None, help="the model's id in the API (default: the file's stem)"
+    )
+    parser.add_argument(
+        "--queue",
+        type=_common.flag(fields.integer(minimum=0)),
+        default=8,
+        help="requests that may wait for the one being served; more get 429 (default: 8)",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=_common.flag(fields.seconds),
+        default=120.0,
+        metavar="S",
+        help="seconds a request may wait in the queue (default: 120)",
+    )
+    parser.add_argument(
+        "--recover-timeout",
+        type=_common.flag(fields.seconds),
+        default=600.0,
+        metavar="S",
+        help="seconds to get serving again after a lost node before exiting with status 1 (default: 600)",
+    )
+    parser.add_argument(
+        "--link-timeout",
+        type=_common.flag(fields.seconds),
+        default=10.0,
+        metavar="S",
+        help="seconds a cut link may stall the worker before it is declared lost (default: 10)",
+    )
+    parser.add_argument(
+        "--reload-rolling",
+        action="store_true",
+        help="a SIGHUP reload also restarts the fleet's servers one at a time (restart --rolling)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="default sampling seed (default: 0)")
+    _common.add_inventory_args(parser)
+    parser.set_defaults(handler=handle)
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as exc:
+            raise UsageError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise UsageError(f"--api-key-file {args.api_key_file}:1: the first line is empty")
+        return key
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")
+    return args.api_key.strip() if args.api_key else None
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.inventory.model import is_loopback
+
+    if not args.model.exists():
+        raise UsageError(f"model {args.model} does not exist")
+    api_key = api_key_of(args)
+    if api_key is None and not is_loopback(args.host):
+        raise UsageError(
+            f"--host {args.host} is not a loopback address: serving it without an API key is refused",
+            hint="add --api-key or --api-key-file, or bind 127.0.0.1",
+        )
+    import uvicorn
+
+    from orchestrator.serve.app import create_app
+    from orchestrator.serve.backend import Backend, ServeConfig
+    from orchestrator.serve.fleet import ServeFleet
+
+    _, hosts = _common.load_hosts(args)
+    if not hosts:
+        raise UsageError("no hosts selected")
+    fleet = ServeFleet(
+        hosts,
+        str(args.model),
+        _planning.plan_options(args),
+        probe_timeout=_common.probe_timeout(args),
+        facts=not args.no_facts,
+        trust_rpc_memory=args.trust_rpc_memory,
+        forks=args.forks,
+        local_devices=_planning.local_device_selection(args),
+    )
+    config = ServeConfig(
+        queue_size=args.queue,
+        queue_timeout=args.queue_timeout,
+        recover_timeout=args.recover_timeout,
+        link_timeout=args.link_timeout,
+        seed=args.seed,
+    )
+    first = fleet.plan_round()  # a model that does not fit at start is an error, not a wait
+    if first.plan is None:
+        from orchestrator.core.errors import PlanError
+
+        states = ", ".join(f"{ep} {state}" for ep, state in first.states.items())
+        raise PlanError(
+            f"cannot serve {args.model}: {first.reason} ({states})", hint="rpcfleet plan shows why"
+        )
+    backend = Backend(fleet, config)
+    app = create_app(backend, api_key=api_key, model_name=args.model_name or args.model.stem)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    failed = False
+
+    def on_failed() -> None:
+        nonlocal failed
+        failed = True
+        server.should_exit = True
+
+    backend.on_failed = on_failed
+    signal.signal(signal.SIGHUP, lambda *_: backend.reload(rolling_restart=args.reload_rolling))
+    backend.start(first.plan)
+    _common.err_console.print(
+        f"serving {escape(str(args.model))} on http://{escape(args.host)}:{args.port}/v1 "
+        f"({len(first.plan.endpoints)} node(s), loading...)",
+        highlight=False,
+    )
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        backend.stop()
+    if failed:
+        _common.err_console.print(f"[red]error:[/red] {escape(backend.reason)}", highlight=False)
+        return 1
+    return 0

@@ -1,0 +1,127 @@
+"""The fleet as `serve` sees it: hosts → endpoints, probe and plan on the nodes that answer, and the
+rolling restart of `restart --rolling` (the same playbook step, through the operations layer).
+
+`endpoint_of` is the one place that turns a host into the endpoint the worker connects to: a transport
+that forwards endpoints (an SSH tunnel) replaces that function and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.connectors.tunnel import default_tunnels
+from orchestrator.core.errors import PlanError, ProbeError
+from orchestrator.engine.executor import DEFAULT_FORKS, Session
+from orchestrator.inventory.model import Host
+from orchestrator.llama.native import local_gpus
+from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.placement import order_devices
+from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.profile import ModelProfile, profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.playbooks.reader import rolling_restart_playbook
+from orchestrator.playbooks.runner import run_playbook
+from orchestrator.probe.fleet import FleetProbe, probe_fleet
+
+
+def endpoint_of(host: Host) -> str:
+    """The endpoint that names `host` in plans, health and errors (the only host → endpoint mapping of
+    serve); with `rpc_transport: ssh` the worker dials a forward instead (`ServeFleet.dial_map`)."""
+    return host.endpoint
+
+
+@dataclass(frozen=True)
+class PlanRound:
+    """One probe and plan: the plan (None: nothing fits), the nodes by state, and its timings."""
+
+    plan: Plan | None
+    states: dict[str, str]  # endpoint -> probe state ("ok", "refused", "timeout", ...)
+    probe_seconds: float
+    plan_seconds: float
+    reason: str = ""  # why there is no plan
+
+
+@dataclass
+class ServeFleet:
+    """The selected hosts and how to probe and plan them. Every probe is bounded by `probe_timeout`."""
+
+    hosts: Sequence[Host]
+    model_path: str
+    options: PlanOptions
+    probe_timeout: float = 3.0
+    facts: bool = True
+    trust_rpc_memory: bool = False
+    forks: int | None = None
+    local_devices: list[str] | None = field(default_factory=list)
+    _profile: ModelProfile | None = None
+
+    def dial_map(self) -> dict[str, str]:
+        """Plan endpoint -> the endpoint the worker dials: SSH forwards for `rpc_transport: ssh` hosts,
+        opened (or reopened, after a dropped tunnel) here; empty when every host is plain tcp."""
+        return default_tunnels().mapping(self.hosts)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(endpoint_of(h) for h in self.hosts))
+
+    def profile(self) -> ModelProfile:
+        if self._profile is None:
+            self._profile = profile_model(self.model_path)
+        return self._profile
+
+    def probe(self) -> FleetProbe:
+        return asyncio.run(
+            probe_fleet(
+                self.hosts,
+                timeout=self.probe_timeout,
+                facts=self.facts,
+                forks=self.forks,
+                trust_rpc_memory=self.trust_rpc_memory,
+            )
+        )
+
+    def plan_round(self) -> PlanRound:
+        """Probe every host; plan on those that answer `ok`. No plan when none answer or it does not fit."""
+        started = time.monotonic()
+        fleet = self.probe()
+        probed = time.monotonic()
+        states = {n.endpoint: ("unmeasured" if n.ok and n.untrusted else n.state) for n in fleet.nodes}
+        devices = to_plan_devices(fleet, failed="skip")
+        if not devices:
+            return PlanRound(None, states, probed - started, 0.0, "no node answers")
+        try:
+            plan = make_plan(
+                order_devices(devices, local_gpus(), self.local_devices), self.profile(), self.options
+            )
+        except (PlanError, ProbeError) as exc:
+            return PlanRound(None, states, probed - started, time.monotonic() - probed, exc.message)
+        planned = time.monotonic() - probed
+        if not plan.fit.fits:
+            return PlanRound(
+                None,
+                states,
+                probed - started,
+                planned,
+                f"the model does not fit on {len(plan.endpoints)} node(s)",
+            )
+        return PlanRound(plan, states, probed - started, planned)
+
+    def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
+        """`restart --rolling` on the selected hosts; returns the failures (host: message), empty when
+        every node restarted."""
+
+        async def go() -> list[str]:
+            playbook = rolling_restart_playbook(serial=serial, max_fail_percentage=0.0, force=force)
+            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
+                result = await run_playbook(playbook, list(self.hosts), session=session)
+            failed = []
+            for step_run in result.steps:
+                failed += [
+                    f"{r.host.name}: {r.message}" for r in step_run.run.results if r.status == "failed"
+                ]
+            return failed
+
+        return asyncio.run(go())

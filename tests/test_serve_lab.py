@@ -1,0 +1,325 @@
+"""Tier 2: `rpcfleet serve` on a deployed lab of 3 nodes (namespaces, real sshd, real rpc-servers, real
+loads), driven by the official `openai` client: the API, errors, the queue, a node killed or cut during
+a stream, and a reload with a rolling restart while a request streams."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+
+from orchestrator.artifacts.manifest import Artifact
+from orchestrator.cli import main
+from orchestrator.engine.executor import Session
+from orchestrator.inventory.model import Host
+from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.service import make_deploy_step
+from tests.plugins.lab import lab_hosts_of, own_lab
+from tests.plugins.servers import free_port
+
+pytestmark = [pytest.mark.lab, pytest.mark.llama]
+
+KEY = "s3cret"
+LONG = 3000  # tokens: a stream that lasts (greedy on the tiny model: text all along)
+
+
+def deploy(lab: Lab, artifact: Artifact) -> list[Host]:
+    hosts = lab_hosts_of(lab)
+
+    async def go() -> None:
+        async with Session() as session:
+            run = await session.run(hosts, make_deploy_step(ArtifactChooser(artifact.id)), name="deploy")
+            assert run.ok, [str(r.error) for r in run.failed]
+
+    asyncio.run(go())
+    return hosts
+
+
+@pytest.fixture(scope="module")
+def serve_lab() -> Iterator[Lab]:
+    with own_lab(3, "sv") as made:
+        yield made
+
+
+@pytest.fixture
+def fleet(serve_lab: Lab, cpu_artifact: Artifact) -> Iterator[list[Host]]:
+    serve_lab.heal()
+    yield deploy(serve_lab, cpu_artifact)  # starts a server killed by an earlier test
+    serve_lab.heal()
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[bytes]
+    base: str
+    log: Path
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def get(self, path: str, key: str | None = KEY) -> tuple[int, str]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return _http(urllib.request.Request(self.base + path, headers=headers))
+
+    def post(self, path: str, body: bytes) -> tuple[int, str]:
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        return _http(urllib.request.Request(self.base + path, data=body, headers=headers, method="POST"))
+
+    def health(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.get("/health", None)[1])
+        return data
+
+    def wait(self, states: set[str], limit: float) -> tuple[dict[str, Any], list[str], float]:
+        """Poll /health until its status is in `states`; returns it, the statuses seen, the time taken."""
+        started, seen = time.monotonic(), []
+        while time.monotonic() - started < limit:
+            health = self.health()
+            if not seen or seen[-1] != health["status"]:
+                seen.append(health["status"])
+            if health["status"] in states:
+                return health, seen, time.monotonic() - started
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            time.sleep(0.05)
+        raise AssertionError(f"/health never reached {states} in {limit} s: {seen}")
+
+
+def _http(request: urllib.request.Request) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.fixture
+def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -> Iterator[Any]:
+    started: list[Served] = []
+
+    def start(*extra: str) -> Served:
+        port = free_port()
+        log = tmp_path / f"serve-{port}.log"
+        argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(serve_lab.inventory)]
+        argv += ["-m", str(tiny_model), "--ctx", "4096", "--port", str(port), "--api-key", KEY]
+        argv += ["--model-name", "tiny", *extra]
+        env = {**os.environ, "RPCFLEET_HOME": str(tmp_path)}
+        with log.open("wb") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        served = Served(process, f"http://127.0.0.1:{port}", log)
+        started.append(served)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with_health = None
+            try:
+                with_health = served.health()
+            except (urllib.error.URLError, ConnectionError):
+                assert process.poll() is None, log.read_text()
+                time.sleep(0.1)
+                continue
+            if with_health["status"] == "ready":
+                return served
+            time.sleep(0.1)
+        raise AssertionError(f"serve not ready within 60 s: {log.read_text()}")
+
+    yield start
+    for served in started:
+        if served.process.poll() is None:
+            served.process.send_signal(signal.SIGINT)
+            try:
+                served.process.wait(20)
+            except subprocess.TimeoutExpired:
+                served.process.kill()
+                served.process.wait()
+
+
+def _server_pid(lab: Lab, host: Host) -> int:
+    for pid in lab.node_pids(host.name):
+        try:
+            if "rpc-server" in psutil.Process(pid).name():
+                return pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no rpc-server on {host.name}")
+
+
+def _stream(served: Served, tokens: int = LONG) -> Any:
+    return served.client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=tokens, temperature=0, stream=True
+    )
+
+
+def test_the_openai_client_gets_completions_chat_streams_models_and_errors(serve: Any) -> None:
+    served: Served = serve("--queue", "4")
+    client = served.client
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    whole = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+    assert whole.choices[0].text and whole.usage is not None and whole.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in _stream(served, 8))
+    assert streamed == whole.choices[0].text  # greedy: the same text, whole or streamed
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    pieces = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == chat.choices[0].message.content
+
+    wrong = openai.OpenAI(base_url=f"{served.base}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert served.get("/v1/models", key=None)[0] == 401
+    code, text = served.post("/v1/completions", b"{not json")
+    assert code == 400 and "JSON" in text, text
+    code, text = served.post("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "many"}).encode())
+    assert code == 400 and "max_tokens" in text, text
+    assert (
+        client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+        == whole.choices[0].text
+    )  # still serving, the same answer
+
+    # 16 at once on a queue of 4: every one is answered (200) or refused (429), none lost.
+    def one(i: int) -> str:
+        try:
+            answer = client.completions.create(
+                model="tiny", prompt=f"hello {i}", max_tokens=24, temperature=0
+            )
+            return "ok" if answer.choices[0].text else "empty"
+        except openai.RateLimitError:
+            return "429"
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert set(results) <= {"ok", "429"} and results.count("ok") >= 5, results
+    assert "429" in results, results  # 16 > 1 + 4: some were refused
+    assert served.process.poll() is None and served.health()["status"] == "ready"
+    code, metrics = served.get("/metrics")
+    assert code == 200
+    assert 'rpcfleet_requests_total{route="/v1/completions",code="429"}' in metrics
+    assert 'rpcfleet_requests_total{route="/v1/completions",code="400"} 2' in metrics
+    assert "rpcfleet_time_to_first_token_seconds_count" in metrics
+    assert metrics.count("rpcfleet_endpoint_up{") == 3 and "} 0\n" not in metrics.split("rpcfleet_state")[0]
+
+
+def _lose_a_node_during_a_stream(served: Served, lose: Any, limit: float) -> dict[str, Any]:
+    pid = served.process.pid
+    before = served.health()
+    assert len(before["plan"]["endpoints"]) == 3
+    stream = _stream(served)
+    got = 0
+    lost_at = None
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            got += len(chunk.choices[0].text)
+            if got >= 8 and lost_at is None:
+                lose()
+                lost_at = time.monotonic()
+    assert lost_at is not None
+    health, seen, _ = served.wait({"degraded", "ready"}, limit)
+    assert seen[0] == "recovering", seen  # the error reached the client after the state changed
+    return {"error": str(caught.value), "health": health, "took": time.monotonic() - lost_at, "pid": pid}
+
+
+def test_a_node_killed_during_a_stream_is_named_and_serving_resumes_on_the_other_two(
+    serve_lab: Lab, fleet: list[Host], serve: Any
+) -> None:
+    served: Served = serve()
+    victim = fleet[1]
+    load = served.health()["load_seconds"]
+    out = _lose_a_node_during_a_stream(
+        served, lambda: os.kill(_server_pid(serve_lab, victim), signal.SIGKILL), 30
+    )
+    assert victim.endpoint in out["error"], out["error"]
+    health = out["health"]
+    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet if h is not victim]
+    assert health["lost"] == [victim.endpoint] and health["status"] == "degraded"
+    assert out["took"] < load + 5, (out["took"], load)
+    recovery = health["last_recovery"]
+    assert recovery["lost"] == [victim.endpoint] and recovery["detection"] < 1.0, recovery
+    answer = served.client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+    assert answer.choices[0].text
+    assert served.process.poll() is None and health["pid"] == served.process.pid == out["pid"]
+    _, metrics = served.get("/metrics")
+    assert f'rpcfleet_endpoint_up{{endpoint="{victim.endpoint}"}} 0' in metrics
+    assert "rpcfleet_recoveries_total 1" in metrics
+
+
+def test_a_cut_link_during_a_stream_is_bounded_by_the_link_timeout(
+    serve_lab: Lab, fleet: list[Host], serve: Any
+) -> None:
+    served: Served = serve("--link-timeout", "4", "--timeout", "2")
+    victim = fleet[2]
+    started = time.monotonic()
+    out = _lose_a_node_during_a_stream(served, lambda: serve_lab.cut_link(victim.name), 40)
+    assert victim.endpoint in out["error"] and "timeout" in out["error"], out["error"]
+    assert out["health"]["plan"]["endpoints"] == [h.endpoint for h in fleet[:2]]
+    assert time.monotonic() - started < 30  # link timeout 4 s, the probe 2 s, a load: not TCP's minutes
+    assert (
+        served.client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
+    assert served.process.poll() is None and out["health"]["pid"] == served.process.pid
+
+
+def test_a_reload_with_a_rolling_restart_lets_the_streaming_request_finish_first(
+    serve_lab: Lab, fleet: list[Host], serve: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served: Served = serve()
+    servers_before = {h.name: _server_pid(serve_lab, h) for h in fleet}
+    stream = _stream(served, 400)
+    first = next(iter(stream))
+    code, text = served.post("/admin/reload", json.dumps({"rolling_restart": True}).encode())
+    assert code == 202, text
+    assert served.health()["status"] == "draining"
+    with pytest.raises(openai.APIStatusError) as refused:  # a new request while draining: 503
+        served.client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+    assert refused.value.status_code == 503 and refused.value.response.headers.get("retry-after")
+    chunks = [first, *stream]
+    assert chunks[-1].choices[0].finish_reason == "length"  # the request in flight finished
+    health, seen, _ = served.wait({"ready"}, 120)
+    assert seen[0] in ("draining", "recovering"), seen
+    assert health["reloads"] == 1 and len(health["plan"]["endpoints"]) == 3
+    servers_after = {h.name: _server_pid(serve_lab, h) for h in fleet}
+    assert all(servers_after[n] != servers_before[n] for n in servers_before)  # every server restarted
+    assert (
+        served.client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
+    # The playbook does the same through the API (reload 2, with the rolling restart)
+    key_file = tmp_path / "serve.key"
+    key_file.write_text(f"{KEY}\n")
+    play = ["run-playbook", "playbooks/serve-reload.yml", "-i", str(serve_lab.inventory), "--json"]
+    play += ["-e", f"url={served.base}", "-e", f"api_key_file={key_file}"]
+    assert main(play) == 0, capsys.readouterr()
+    result = json.loads(capsys.readouterr().out)
+    assert served.health()["reloads"] == 2 and served.health()["status"] == "ready", result
+    servers_after_play = {h.name: _server_pid(serve_lab, h) for h in fleet}
+    assert all(servers_after_play[n] != servers_after[n] for n in servers_after)
+    servers_after = servers_after_play
+    # SIGHUP reloads too (reload 3, without the rolling restart by default)
+    served.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 60
+    while served.health()["reloads"] < 3 or served.health()["status"] != "ready":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert {h.name: _server_pid(serve_lab, h) for h in fleet} == servers_after
