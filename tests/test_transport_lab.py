@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -310,3 +311,45 @@ async def test_a_dead_forward_is_opened_again_on_the_next_dial(
         assert again != first
         assert (await probe_endpoint(again)).outcome is Outcome.OK
     assert not _forwarders(os.getpid())
+
+
+def test_serve_generates_through_the_forwards(
+    transport_lab: Lab, ssh_inventory: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`rpcfleet serve` over rpc_transport: ssh: its worker dials the forwards, /health names real hosts."""
+    import urllib.request
+
+    import openai
+
+    from tests.plugins.servers import free_port
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(ssh_inventory), "-m", str(tiny_model)]
+    argv += ["--ctx", "512", "--port", str(port), "--api-key", "k", "--model-name", "tiny"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline, health = time.monotonic() + 90, {}
+        while time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+                    health = json.loads(answer.read())
+            except OSError:
+                health = {}
+            if health.get("status") == "ready":
+                break
+            time.sleep(0.2)
+        assert health.get("status") == "ready", (health, log.read_text()[-3000:])
+        assert set(health["plan"]["endpoints"]) == {f"{n.address}:{RPC_PORT}" for n in transport_lab.nodes}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0)
+        assert reply.choices[0].text.strip()
+        forwards = _forwarders(process.pid)
+        assert forwards  # its worker's connections go through serve's own forwards
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
+    _gone, alive = psutil.wait_procs(forwards, timeout=10)
+    assert not alive  # the forwards lived as long as serve
