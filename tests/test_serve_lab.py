@@ -29,7 +29,8 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
 from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.layer import OperationOptions
+from orchestrator.operations.service import make_deploy_step, make_service_step, make_status_step
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.plugins.servers import free_port
 
@@ -46,6 +47,14 @@ def deploy(lab: Lab, artifact: Artifact) -> list[Host]:
         async with Session() as session:
             run = await session.run(hosts, make_deploy_step(ArtifactChooser(artifact.id)), name="deploy")
             assert run.ok, [str(r.error) for r in run.failed]
+            # A server whose client's link was cut still holds that dead connection (the server sets no
+            # keepalive) and serves nobody else: restart it, as an operator would, before the next test.
+            status = await session.run(hosts, make_status_step(), name="status")
+            stuck = [r.host for r in status.results if getattr(r.value, "state", None) == "busy"]
+            if stuck:
+                step = make_service_step("restarted", OperationOptions(force=True))
+                run = await session.run(stuck, step, name="restart")
+                assert run.ok, [str(r.error) for r in run.failed]
 
     asyncio.run(go())
     return hosts

@@ -158,7 +158,9 @@ def make_rolling_restart_step(
             action = "would restart" if running else "would start"
             report = RestartReport(host.name, action, status.pid, None, status.state, warnings=warnings)
             return StepOutcome(report, True, report.describe())
-        baseline = await _device_memory(host) if status.state == "running" else None
+        # One `ss` sample may catch a probe passing by ("busy"); a server that really serves a client
+        # does not answer this probe either, and then there is simply no baseline.
+        baseline = await _device_memory(host) if status.state in ("running", "busy") else None
         started = time.monotonic()
         # The stop re-checks for clients on the node, in the same step as the kill (operations.process).
         await stop_server(
