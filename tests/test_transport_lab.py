@@ -323,6 +323,9 @@ def test_serve_generates_through_the_forwards(
 
     from tests.plugins.servers import free_port
 
+    # Earlier tests of this module stop a server (the firewall one) or leave one holding a cut forward's
+    # dead connection: every server fresh, through the forwards, before serve plans on them.
+    assert main(["-i", str(ssh_inventory), "restart", "--force"]) == 0
     port = free_port()
     log = tmp_path / "serve.log"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(ssh_inventory), "-m", str(tiny_model)]
