@@ -73,7 +73,13 @@ def test_warm_run_verify_deploy_prune_clear(
     mtimes = {p.name: p.stat().st_mtime_ns for i in range(2) for p in _folder(cache_lab, i).iterdir()}
     run = ["run", *inv, "-m", str(model), "-p", "Once upon", "-n", "6", "--ctx", "256", "--json"]
     first = _json(capsys, run)
-    assert first["cache"] == {"hits": 6, "misses": 0, "miss_bytes": 0}
+    assert {k: first["cache"][k] for k in ("hits", "misses", "miss_bytes")} == {
+        "hits": 6,
+        "misses": 0,
+        "miss_bytes": 0,
+    }
+    sizes = {h["host"]: h["bytes"] for h in again["hosts"]}
+    assert sorted(first["cache"]["hit_bytes"].values()) == sorted(sizes.values())  # per endpoint
     assert set(first["phases"]) == {"probe+plan", "cache check", "load"}
     after = {p.name: p.stat().st_mtime_ns for i in range(2) for p in _folder(cache_lab, i).iterdir()}
     assert after == mtimes  # the first load after warming wrote nothing: all hits
@@ -120,6 +126,18 @@ def test_warm_run_verify_deploy_prune_clear(
     preload = ["run-playbook", str(PLAYBOOKS / "preload.yml"), *inv, "-e", f"model={model}", "-e", "ctx=256"]
     assert main(preload) == 0, capsys.readouterr()
     capsys.readouterr()
+    assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
+
+    # `run` on empty caches of both nodes warms them first (in parallel, over SSH); its load is warm.
+    _json(capsys, ["cache", "clear", *inv, "--json"])
+    warmed = _json(capsys, run)
+    assert set(warmed["phases"]) == {"probe+plan", "cache check", "warm", "load"}
+    assert {k: warmed["cache"][k] for k in ("hits", "misses")} == {"hits": 6, "misses": 0}
+    assert warmed["text"] == first["text"]
+    assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
+    _json(capsys, ["cache", "clear", *inv, "--json"])
+    cold = _json(capsys, [*run, "--warm", "never"])  # the load writes the files itself
+    assert "warm" not in cold["phases"] and cold["cache"]["misses"] == 6 and cold["text"] == first["text"]
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
 
     # A quota of 1 byte: prune with the model keeps what its plan needs (over the quota, said so);

@@ -6,14 +6,24 @@ tables and the recap only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    Task,
+    TaskID,
+    TextColumn,
+    TransferSpeedColumn,
+)
 from rich.text import Text
 
 from orchestrator.cli import _common
 from orchestrator.connectors.base import Progress as ProgressCallback
+from orchestrator.core.units import format_size
 from orchestrator.inventory.model import Host
+from orchestrator.llama.load_progress import LoadProgress
 from orchestrator.operations.install_plan import InstallChange
 
 
@@ -82,3 +92,53 @@ class PlayProgress:
     def step_done(self, label: str) -> None:
         self.progress.advance(self.steps)
         self.progress.reset(self.current, total=self.hosts, description=f"after {label}: hosts")
+
+
+class LoadBars:
+    """On a terminal, while a model loads over RPC: one bar for the load (llama.cpp's own fraction, with
+    the ETA) and one per node (bytes its server acknowledged of those it has to receive, and the rate),
+    fed by `Worker.load`'s `on_progress`. `skipped`: per endpoint, bytes of cache hits (never sent)."""
+
+    def __init__(self, enabled: bool, *, names: Mapping[str, str], skipped: Mapping[str, int]) -> None:
+        self.names = names
+        self.skipped = skipped
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[what]}"),
+            console=_common.err_console,
+            transient=True,
+            disable=not enabled,
+        )
+        self._load: TaskID | None = None
+        self._nodes: dict[str, TaskID] = {}
+
+    def __enter__(self) -> LoadBars:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def __call__(self, update: LoadProgress) -> None:
+        if self._load is None:
+            self._load = self.progress.add_task("load", total=1.0, what="")
+            for node in update.nodes:
+                label = self.names.get(node.endpoint, node.endpoint)
+                self._nodes[node.endpoint] = self.progress.add_task(f"  {label}", total=None, what="")
+        eta = update.eta_seconds
+        self.progress.update(
+            self._load,
+            completed=update.fraction,
+            what=f"{100 * update.fraction:.0f}%  {update.seconds:.1f} s"
+            + (f", ETA {eta:.0f} s" if eta is not None and update.fraction < 1.0 else ""),
+        )
+        for node in update.nodes:
+            to_send = max(0, node.planned - self.skipped.get(node.endpoint, 0))
+            self.progress.update(
+                self._nodes[node.endpoint],
+                completed=min(node.sent, to_send),
+                total=max(to_send, 1),
+                what=f"{format_size(node.sent)} of {format_size(to_send)}, "
+                f"{format_size(int(node.bytes_per_second))}/s",
+            )

@@ -93,7 +93,7 @@ def _warm_items(
 ) -> dict[str, Sequence[WarmItem]]:
     """Plan the model on the selected hosts; per host name, the cache files its share needs."""
     from orchestrator.llama.cache_plan import plan_cache
-    from orchestrator.operations.cache import WarmItem
+    from orchestrator.llama.cache_prep import warm_items
     from orchestrator.planning.profile import profile_model
     from orchestrator.planning.strategy import make_plan
 
@@ -106,15 +106,7 @@ def _warm_items(
     t = time.monotonic()
     per_endpoint = plan_cache(plan, profile.paths)
     phases["hash"] = time.monotonic() - t
-    by_endpoint = {h.endpoint: h for h in hosts}
-    items: dict[str, Sequence[WarmItem]] = {}
-    for endpoint, tensors in per_endpoint.items():
-        host = by_endpoint.get(endpoint)
-        if host is not None:
-            items[host.name] = [
-                WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in tensors
-            ]
-    return items
+    return dict(warm_items(per_endpoint, hosts))
 
 
 def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:

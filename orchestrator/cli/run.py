@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
-from orchestrator.core.errors import UsageError
+from orchestrator.core.errors import RpcfleetError, UsageError
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
     from orchestrator.inventory.model import Host
+    from orchestrator.llama.cache_prep import CachePrep
     from orchestrator.llama.placement import Placement
     from orchestrator.planning.plan import Plan
 
@@ -60,6 +61,13 @@ def register(subparsers: Any) -> None:
         "--force",
         action="store_true",
         help="load even when the plan does not fit (a CPU server may then be killed for lack of memory)",
+    )
+    parser.add_argument(
+        "--warm",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="put the tensors the nodes' caches lack into them over SSH first, all nodes in parallel "
+        "(rpc_cache hosts; auto: when two nodes or more lack some)",
     )
     parser.add_argument(
         "--verify-cache",
@@ -124,7 +132,19 @@ def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
         _common.err_console.print(f"[yellow]warning:[/yellow] {escape(message)} (--force)", highlight=False)
 
 
+def _host_names(args: argparse.Namespace, plan: Plan) -> dict[str, str]:
+    """The inventory's name of each endpoint of the plan, where the inventory has one."""
+    if args.endpoint:
+        return {}
+    try:
+        _, hosts = _common.load_hosts(args)
+    except RpcfleetError:
+        return {}
+    return {h.endpoint: h.name for h in hosts if h.endpoint in plan.endpoints}
+
+
 def handle(args: argparse.Namespace) -> int:
+    from orchestrator.cli._progress import LoadBars
     from orchestrator.llama.worker import Worker
 
     if args.n_predict < 1:
@@ -140,16 +160,8 @@ def handle(args: argparse.Namespace) -> int:
         plan = make_run_plan(args)
         phases["probe+plan"] = time.monotonic() - started
         check_fit(plan, force=args.force, json=args.json)
-        started = time.monotonic()
-        cache = check_cache(args, plan)
-        if cache is not None:
-            phases["cache check"] = time.monotonic() - started
-            if not args.json:
-                _common.err_console.print(
-                    f"[dim]tensor cache: {cache['hits']} hits, {cache['misses']} misses "
-                    f"({format_size(cache['miss_bytes'])} to send)[/dim]",
-                    highlight=False,
-                )
+        cache, cache_phases = prepare_cache(args, plan)
+        phases |= cache_phases
         if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
             where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
             _common.err_console.print(
@@ -158,7 +170,13 @@ def handle(args: argparse.Namespace) -> int:
             )
         dial = _planning.dial_map(args, plan.endpoints)
         started = time.monotonic()
-        placement = worker.load(plan, args.model, {"seed": args.seed}, dial=dial)
+        bars = LoadBars(
+            _common.err_console.is_terminal and not args.json,
+            names=_host_names(args, plan),
+            skipped=cache.hit_bytes if cache is not None else {},
+        )
+        with bars:
+            placement = worker.load(plan, args.model, {"seed": args.seed}, dial=dial, on_progress=bars)
         phases["load"] = time.monotonic() - started
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
@@ -170,7 +188,7 @@ def handle(args: argparse.Namespace) -> int:
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
                 "log": str(worker.log_path) if worker.log_path else None,
                 "phases": {k: round(v, 3) for k, v in phases.items()},
-                "cache": cache,
+                "cache": cache.as_json() if cache is not None else None,
             }
         )
         return 0
@@ -193,50 +211,70 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_cache(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:
-    """Before a load through the inventory's `rpc_cache` hosts: count each node's hits and misses, and
-    refuse (LoaderError) when a file the load would read back is truncated (or, with --verify-cache,
-    corrupt): llama.cpp would load it as weights without a check."""
-    from orchestrator.core.errors import InputError, LabError, LoaderError
-    from orchestrator.engine.executor import Session
+def prepare_cache(args: argparse.Namespace, plan: Plan) -> tuple[CachePrep | None, dict[str, float]]:
+    """Before a load through the inventory's `rpc_cache` hosts: count each node's hits and misses, refuse
+    (LoaderError) when a file the load would read back is truncated (or, with --verify-cache, corrupt),
+    and warm the misses first when `--warm` says so (all nodes in parallel). Returns what the load will
+    find and the phases' times."""
+    from orchestrator.core.errors import InputError, LabError
     from orchestrator.llama.cache_plan import plan_cache
-    from orchestrator.operations.cache import CacheCheck, check_step
+    from orchestrator.llama.cache_prep import check_caches, warm_misses
     from orchestrator.planning.profile import profile_model
 
+    phases: dict[str, float] = {}
     if args.endpoint:
-        return None
+        return None, phases
     try:
         _, hosts = _common.load_hosts(args)
     except (InputError, LabError):
         if args.plan is not None:  # a saved plan needs no inventory: nothing to check against
-            return None
+            return None, phases
         raise
     cached = [h for h in hosts if h.rpc_cache and h.endpoint in plan.endpoints]
     if not cached:
-        return None
+        return None, phases
+    started = time.monotonic()
     per_endpoint = plan_cache(plan, profile_model(args.model).paths)
-    expected = {h.name: {c.file: c.tensor.size for c in per_endpoint.get(h.endpoint, [])} for h in cached}
 
-    async def go() -> Any:
-        async with Session(forks=args.forks) as session:
-            return await session.run(cached, check_step(expected, full=args.verify_cache), name="cache-check")
+    async def check() -> CachePrep:
+        async with _common.fleet_session(args) as session:
+            return await check_caches(session, cached, per_endpoint, full=args.verify_cache)
 
-    run = _common.run_async(go())
-    hits = misses = miss_bytes = 0
+    prep = _common.run_async(check())
+    phases["cache check"] = time.monotonic() - started
+    if not args.json:
+        _common.err_console.print(
+            f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
+            f"({format_size(prep.miss_bytes)} to send)[/dim]",
+            highlight=False,
+        )
+    if not prep.worth_warming(args.warm):
+        return prep, phases
+    started = time.monotonic()
+
+    async def warm() -> tuple[Any, CachePrep]:
+        async with _common.fleet_session(args) as session:
+            return await warm_misses(session, prep)
+
+    run, prep = _common.run_async(warm())
+    phases["warm"] = time.monotonic() - started
+    if run.interrupted:
+        _common.print_interrupted([run])
+        raise SystemExit(_common.INTERRUPTED_EXIT)
     for r in run.results:
-        if not isinstance(r.value, CacheCheck):
-            raise LoaderError(f"cannot read the tensor cache: {r.error}", host=r.host.name)
-        if r.value.bad:
-            raise LoaderError(
-                f"the tensor cache holds {len(r.value.bad)} truncated or corrupt file(s) this load "
-                f"would read ({', '.join(r.value.bad[:3])})",
-                host=r.host.name,
-                hint=f"run `rpcfleet cache verify -l {r.host.name}` (it removes them), then load again",
+        if not r.succeeded and not args.json:
+            _common.err_console.print(
+                f"[yellow]warning:[/yellow] {escape(r.host.name)}: warming failed ({escape(str(r.error))}); "
+                "the load sends its tensors itself",
+                highlight=False,
             )
-        hits += len(r.value.hits)
-        misses += len(r.value.misses)
-        miss_bytes += sum(expected[r.host.name][n] for n in r.value.misses)
-    return {"hits": hits, "misses": misses, "miss_bytes": miss_bytes}
+    if not args.json:
+        _common.err_console.print(
+            f"[dim]warmed {len(run.results)} node(s) in parallel in {phases['warm']:.2f} s; "
+            f"{prep.misses} misses left[/dim]",
+            highlight=False,
+        )
+    return prep, phases
 
 
 def generate(

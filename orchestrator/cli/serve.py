@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,8 @@ def handle(args: argparse.Namespace) -> int:
         )
     import uvicorn
 
+    from orchestrator.cli._progress import LoadBars
+    from orchestrator.planning.plan import Plan
     from orchestrator.serve.app import create_app
     from orchestrator.serve.backend import Backend, ServeConfig
     from orchestrator.serve.fleet import ServeFleet
@@ -129,7 +132,9 @@ def handle(args: argparse.Namespace) -> int:
         link_timeout=args.link_timeout,
         seed=args.seed,
     )
+    started = time.monotonic()
     first = fleet.plan_round()  # a model that does not fit at start is an error, not a wait
+    planned_in = time.monotonic() - started
     if first.plan is None:
         from orchestrator.core.errors import PlanError
 
@@ -157,16 +162,37 @@ def handle(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     backend.on_failed = on_failed
+    bars = LoadBars(
+        _common.err_console.is_terminal,
+        names={h.endpoint: h.name for h in hosts if h.endpoint in first.plan.endpoints},
+        skipped={},
+    )
+
+    loads = 0
+
+    def on_loaded(plan: Plan, seconds: float) -> None:
+        nonlocal loads
+        bars.progress.stop()
+        phases = f"probe+plan {planned_in:.2f} s · " if loads == 0 else ""
+        loads += 1
+        _common.err_console.print(
+            f"{backend.state} on {len(plan.endpoints)} node(s): {phases}load {seconds:.2f} s", highlight=False
+        )
+
+    backend.on_progress = bars
+    backend.on_loaded = on_loaded
     signal.signal(signal.SIGHUP, lambda *_: backend.reload(rolling_restart=args.reload_rolling))
-    backend.start(first.plan)
     _common.err_console.print(
         f"serving {escape(str(args.model))} on http://{escape(args.host)}:{args.port}/v1 "
         f"({len(first.plan.endpoints)} node(s), loading...)",
         highlight=False,
     )
+    bars.progress.start()
+    backend.start(first.plan)
     try:
         server.run()
     finally:
+        bars.progress.stop()
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         backend.stop()
     if failed:

@@ -78,14 +78,30 @@ PLAN_CONTROLLED = frozenset(
 
 
 @contextlib.contextmanager
-def _explicit_devices(lc: Any, devices: Any) -> Iterator[None]:
+def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | None) -> Iterator[None]:
     """`Llama.__init__` takes its model params from `llama_model_default_params()` and offers no way to
-    set `devices`: wrap that function for the construction only (under `_LOCK`)."""
+    set `devices` or a progress callback: wrap that function for the construction only (under `_LOCK`).
+
+    `on_progress(fraction)` is llama.cpp's own progress (bytes of tensors loaded, before each tensor);
+    it may not raise into native code, so an exception from it is logged and the load goes on."""
     original = lc.llama_model_default_params
+    callback = None
+    if on_progress is not None:
+
+        def report(fraction: float, _user_data: Any) -> bool:
+            try:
+                on_progress(fraction)
+            except Exception as exc:  # never unwind through llama.cpp's loader
+                get_logger().warning("load_progress_failed", error=str(exc))
+            return True
+
+        callback = lc.llama_progress_callback(report)
 
     def with_devices() -> Any:
         params = original()
         params.devices = ctypes.addressof(devices)
+        if callback is not None:
+            params.progress_callback = callback
         return params
 
     lc.llama_model_default_params = with_devices
@@ -188,10 +204,12 @@ def load_registered(
     mmproj: str | Path | None = None,
     handler_kwargs: Mapping[str, Any] | None = None,
     split_mode: int = LLAMA_SPLIT_MODE_LAYER,
+    on_progress: Callable[[float], None] | None = None,
 ) -> Any:
     """Construct the model (`construct(model_path, **params)` returns it) on the plan's devices, whose
     endpoints are registered already: explicit device list, the plan's split, the load log captured,
-    the `Placement` attached. Call under `_LOCK`."""
+    the `Placement` attached; `on_progress(fraction)` during the load (llama.cpp's own). Call under
+    `_LOCK`."""
     lc = _llama_cpp()
     native = _native()
     handles, names = _resolve_devices(plan, native)
@@ -202,7 +220,7 @@ def load_registered(
     records: list[tuple[int, str]] = []
     started = time.monotonic()
     try:
-        with _capture_log(lc, records, verbose), _explicit_devices(lc, devices):
+        with _capture_log(lc, records, verbose), _model_params(lc, devices, on_progress):
             llm: Any = construct(
                 str(path),
                 n_gpu_layers=plan.n_gpu_layers,
@@ -254,6 +272,7 @@ def load_llama(
     connect_timeout: float = 2.0,
     read_timeout: float = 2.0,
     dial: Mapping[str, str] | None = None,
+    on_progress: Callable[[float], None] | None = None,
     **llama_kwargs: Any,
 ) -> Any:
     """Load `model_path` (default: the plan's) on the plan's devices; returns a `llama_cpp.Llama` with
@@ -267,7 +286,8 @@ def load_llama(
 
     `dial` maps a plan endpoint to the one to connect to: `Tunnels(...).mapping(hosts)` for hosts with
     `rpc_transport: ssh` (keep the `Tunnels` open as long as the model); the placement and
-    `llm.rpcfleet_plan` keep the plan's names.
+    `llm.rpcfleet_plan` keep the plan's names. `on_progress(fraction)` is called during the load with
+    llama.cpp's own progress (0..1, bytes of tensors loaded).
     """
     if dial:
         names = {dialed: real for real, dialed in dial.items()}
@@ -279,6 +299,7 @@ def load_llama(
                 verbose=verbose,
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
+                on_progress=on_progress,
                 **llama_kwargs,
             )
         except RpcfleetError as exc:  # name the real host, not its forward
@@ -303,4 +324,12 @@ def load_llama(
         from llama_cpp import Llama
 
         register_endpoints(counts)
-        return load_registered(plan, path, Llama, verbose=verbose, llama_kwargs=llama_kwargs, mmproj=mmproj)
+        return load_registered(
+            plan,
+            path,
+            Llama,
+            verbose=verbose,
+            llama_kwargs=llama_kwargs,
+            mmproj=mmproj,
+            on_progress=on_progress,
+        )

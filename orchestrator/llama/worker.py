@@ -30,13 +30,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes, progress_sample
 from orchestrator.llama.placement import Placement
 from orchestrator.llama.worker_child import PARENT_ENV
 from orchestrator.llama.worker_wire import (
@@ -60,6 +61,7 @@ from orchestrator.rpc.protocol import Outcome, ProbeResult
 __all__ = [
     "Done",
     "Event",
+    "LoadProgress",
     "NodeLostError",
     "Token",
     "Worker",
@@ -76,6 +78,7 @@ EVENT_TIMEOUT = 300.0  # seconds between two answers of a request (the first tok
 LINK_TIMEOUT = 10.0  # seconds a connection to a server may leave data unacknowledged (the child's sockets)
 PROBE_TIMEOUT = 2.0  # seconds per endpoint for the probe that finds the lost node
 KEEP_LOGS = 20  # worker logs kept under $RPCFLEET_HOME/logs
+PROGRESS_LOG_INTERVAL = 1.0  # seconds between two `load_progress` log events
 
 # Outcomes of a probe that mean the node is gone: nothing listens, the connect never completes (a cut
 # link, a dead host), or the server hangs up. `busy` and `ok` answer: the node is alive.
@@ -159,13 +162,16 @@ class Worker:
         *,
         verbose: bool = True,
         load_timeout: float = LOAD_TIMEOUT,
+        on_progress: Callable[[LoadProgress], None] | None = None,
         **options: Any,
     ) -> Worker:
         """Start a worker (`spawn`, for the options) and `load` the model: returns once it is loaded
         (`worker.placement` holds the placement and the load time)."""
         worker = cls.spawn(log_path, **options)
         try:
-            worker.load(plan, model_path, llama_kwargs, verbose=verbose, timeout=load_timeout)
+            worker.load(
+                plan, model_path, llama_kwargs, verbose=verbose, timeout=load_timeout, on_progress=on_progress
+            )
         except BaseException:
             worker.kill()
             raise
@@ -220,6 +226,7 @@ class Worker:
         verbose: bool = True,
         timeout: float = LOAD_TIMEOUT,
         dial: Mapping[str, str] | None = None,
+        on_progress: Callable[[LoadProgress], None] | None = None,
     ) -> Placement:
         """Load `model_path` (default: the plan's) through `plan` in the child (once per worker); returns
         the placement. `llama_kwargs` go to `load_llama` and must be JSON (seed, n_threads...);
@@ -231,6 +238,9 @@ class Worker:
 
         `dial` maps a plan endpoint to the one the child connects to (`Tunnels.mapping`: an SSH forward
         for `rpc_transport: ssh`); the placement and every error keep the plan's names.
+
+        `on_progress` gets a `LoadProgress` a few times a second while the weights travel (bytes per
+        node, rates, ETA); the same goes to the log as `load_progress` events, one a second.
         """
         if self.plan is not None:
             raise WorkerError("this worker has loaded a model already: start another")
@@ -248,7 +258,21 @@ class Worker:
         try:
             self._send(request)
             answer = self._next(timeout, "starting") if not self._ready else {"event": "ready"}
-            if answer.get("event") == "ready":  # the child's imports are done
+            tracker = ProgressTracker(planned_bytes(plan), {d: r for r, d in self.dial.items()})
+            logged = 0.0
+            while answer.get("event") in ("ready", "progress"):  # imports done, then the load's samples
+                if answer.get("event") == "progress":
+                    try:
+                        progress = tracker.update(*progress_sample(answer))
+                    except ValueError as exc:
+                        raise self._record(
+                            self._attach(WorkerError(f"the worker sent a malformed progress event: {exc}"))
+                        ) from None
+                    if progress.seconds - logged >= PROGRESS_LOG_INTERVAL or progress.fraction >= 1.0:
+                        logged = progress.seconds
+                        get_logger().info("load_progress", pid=self.pid, **progress.as_log())
+                    if on_progress is not None:
+                        on_progress(progress)
                 answer = self._next(max(0.0, deadline - time.monotonic()), "loading the model")
             if answer.get("event") != "loaded":
                 self.kill()

@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from orchestrator.llama.worker_wire import decode, encode, placement_to_json
@@ -39,10 +39,12 @@ class _Channel:
         self._parent = parent
         self.requests: queue.Queue[dict[str, Any]] = queue.Queue()
         self.cancel = threading.Event()
+        self._lock = threading.Lock()  # the load meter's thread and the main thread both send
         threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
 
     def send(self, **message: Any) -> None:
-        self._out.write(encode(message))
+        with self._lock:
+            self._out.write(encode(message))
 
     def _watch(self) -> None:
         stdin = sys.stdin.buffer
@@ -70,33 +72,121 @@ class _Channel:
                     self.requests.put(message)
 
 
+def _endpoint_sockets(wanted: set[tuple[str, int]]) -> Iterator[tuple[tuple[str, int], socket.socket]]:
+    """This process's TCP connections to one of `wanted` (host, port), each with its peer: duplicates of
+    the native client's descriptors, closed after the caller's turn."""
+    for name in os.listdir("/proc/self/fd"):  # noqa: PTH208 (names, not paths)
+        try:
+            fd = os.dup(int(name))
+        except OSError:
+            continue  # gone since the listing
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # not a socket: the duplicate is ours to close
+            continue
+        with sock:
+            try:
+                peer = sock.getpeername()[:2] if sock.type == socket.SOCK_STREAM else None
+            except OSError:
+                continue
+            if peer in wanted:
+                yield peer, sock
+
+
 def tune_sockets(endpoints: list[tuple[str, int]], link_timeout: float) -> int:
     """Bound how long a dead link can stall the native client: on every TCP connection of this process to
     one of `endpoints`, keepalive probes and TCP_USER_TIMEOUT (data unacknowledged for `link_timeout`
     seconds aborts the connection; ggml-rpc then aborts the process, and the parent reports the node).
     Returns the number of connections tuned."""
-    wanted = set(endpoints)
     tuned = 0
     idle = max(1, int(link_timeout / 2))
     interval = max(1, int(link_timeout / 5))
-    for name in os.listdir("/proc/self/fd"):  # noqa: PTH208 (names, not paths)
+    for _, sock in _endpoint_sockets(set(endpoints)):
         try:
-            sock = socket.socket(fileno=os.dup(int(name)))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(link_timeout * 1000))
+            tuned += 1
         except OSError:
-            continue  # not a socket (or gone)
-        with sock:
-            try:
-                if sock.type != socket.SOCK_STREAM or sock.getpeername()[:2] not in wanted:
-                    continue
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(link_timeout * 1000))
-                tuned += 1
-            except OSError:
-                continue
+            continue
     return tuned
+
+
+_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info (since 4.1)
+
+
+def bytes_acked(endpoints: Mapping[tuple[str, int], str]) -> dict[str, int]:
+    """Per endpoint, the bytes its server has acknowledged on this process's connections to it."""
+    sent = dict.fromkeys(endpoints.values(), 0)
+    for peer, sock in _endpoint_sockets(set(endpoints)):
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:
+            continue
+        if len(info) >= _BYTES_ACKED + 8:
+            sent[endpoints[peer]] += int.from_bytes(info[_BYTES_ACKED : _BYTES_ACKED + 8], "little")
+    return sent
+
+
+PROGRESS_INTERVAL = 0.25  # seconds between two `progress` events during a load
+
+
+class _LoadMeter:
+    """During a load, a thread that sends `progress` events: llama.cpp's fraction (set by its progress
+    callback, `report`) and the bytes acknowledged per endpoint. A thread rather than the callback alone:
+    the callback runs between tensors only, and one large tensor may take seconds on the wire."""
+
+    def __init__(self, channel: _Channel, endpoints: Mapping[tuple[str, int], str]) -> None:
+        self._channel = channel
+        self._endpoints = dict(endpoints)
+        self._fraction = 0.0
+        self._started = time.monotonic()
+        self._baseline = bytes_acked(self._endpoints)  # connections left from before (none in a worker)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-load-meter", daemon=True)
+
+    def report(self, fraction: float) -> None:
+        self._fraction = fraction
+
+    def _send(self) -> None:
+        acked = bytes_acked(self._endpoints)
+        sent = {ep: max(0, n - self._baseline.get(ep, 0)) for ep, n in acked.items()}
+        seconds = round(time.monotonic() - self._started, 3)
+        self._channel.send(event="progress", fraction=round(self._fraction, 5), seconds=seconds, sent=sent)
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL):
+            self._send()
+
+    def __enter__(self) -> _LoadMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc[0] is None:
+            self._send()  # the last sample: every byte of the load
+
+
+def endpoint_peers(endpoints: Sequence[str]) -> dict[tuple[str, int], str]:
+    """The (address, port) pairs a connection to each endpoint has as its peer (names resolved)."""
+    from orchestrator.rpc.protocol import parse_endpoint
+
+    peers: dict[tuple[str, int], str] = {}
+    for text in endpoints:
+        ep = parse_endpoint(text)
+        try:
+            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        for info in infos:
+            peers[(str(info[4][0]), int(info[4][1]))] = text
+        peers.setdefault((ep.host, ep.port), text)
+    return peers
 
 
 def _error_fields(exc: BaseException) -> dict[str, Any]:
@@ -206,7 +296,6 @@ def serve(channel: _Channel) -> int:
     from orchestrator.llama.loader import load_llama
     from orchestrator.llama.placement import placement_of
     from orchestrator.planning.plan import Plan
-    from orchestrator.rpc.protocol import parse_endpoint
 
     with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort
         import llama_cpp  # noqa: F401
@@ -214,13 +303,18 @@ def serve(channel: _Channel) -> int:
     load = channel.requests.get()
     try:
         plan = Plan.from_json(load["plan"])
-        llm = load_llama(
-            plan, load["model"], verbose=bool(load.get("verbose")), **load.get("llama_kwargs", {})
-        )
+        with _LoadMeter(channel, endpoint_peers(plan.endpoints)) as meter:
+            llm = load_llama(
+                plan,
+                load["model"],
+                verbose=bool(load.get("verbose")),
+                on_progress=meter.report,
+                **load.get("llama_kwargs", {}),
+            )
     except (RpcfleetError, ValueError, TypeError, KeyError) as exc:
         channel.send(event="error", **_error_fields(exc))
         return 1
-    endpoints = [(ep.host, ep.port) for ep in map(parse_endpoint, plan.endpoints)]
+    endpoints = list(endpoint_peers(plan.endpoints))
     link_timeout = float(load.get("link_timeout", 10.0))
     tuned = tune_sockets(endpoints, link_timeout)
     channel.send(

@@ -30,6 +30,7 @@ from typing import Any
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
+from orchestrator.llama.load_progress import LoadProgress
 from orchestrator.llama.worker import (
     Done,
     Event,
@@ -119,6 +120,9 @@ class Backend:
         self.lost: tuple[str, ...] = ()
         self.load_seconds: float | None = None  # the last load's, in the worker
         self.on_failed: Callable[[], None] | None = None  # called when recovery gives up
+        self.on_progress: Callable[[LoadProgress], None] | None = None  # during each load
+        self.on_loaded: Callable[[Plan, float], None] | None = None  # after each load: its plan, seconds
+        self.load_progress: LoadProgress | None = None  # the load under way, if any
         self._worker: Worker | None = None
         self._gate = threading.Lock()  # the worker serves one request at a time
         self._cond = threading.Condition()
@@ -155,6 +159,7 @@ class Backend:
             "pid": os.getpid(),
             "worker_pid": self.worker_pid,
             "load_seconds": self.load_seconds,
+            "loading": None if self.load_progress is None else self.load_progress.as_log(),
             "queue": {"admitted": self._admitted, "size": self.config.queue_size},
             "plan": None
             if plan is None
@@ -325,6 +330,7 @@ class Backend:
             event_timeout=self.config.event_timeout,
             link_timeout=self.config.link_timeout,
         )
+        started = time.monotonic()
         try:
             worker.load(
                 plan,
@@ -332,12 +338,15 @@ class Backend:
                 {"seed": self.config.seed},
                 timeout=self.config.load_timeout,
                 dial=self.fleet.dial_map(),
+                on_progress=self._progress,
             )
         except RpcfleetError as exc:
             worker.kill()
             self.reason = f"loading failed: {exc.message}"
             get_logger().warning("serve_load_failed", error=exc.message)
             return False
+        finally:
+            self.load_progress = None
         with self._cond:
             self._worker = worker
             self.plan = plan
@@ -348,7 +357,14 @@ class Backend:
             self.state = "degraded" if self.lost else "ready"
             self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
         get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=worker.pid)
+        if self.on_loaded is not None:
+            self.on_loaded(plan, time.monotonic() - started)
         return True
+
+    def _progress(self, progress: LoadProgress) -> None:
+        self.load_progress = progress
+        if self.on_progress is not None:
+            self.on_progress(progress)
 
     def reload(self, *, rolling_restart: bool = False, wait: bool = False) -> threading.Thread:
         """Drain (admitted requests finish, new ones get 503), unload, optionally restart every node one

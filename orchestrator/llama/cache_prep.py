@@ -1,0 +1,122 @@
+"""Before a load on `rpc_cache` hosts: the cache files it will hit and miss, and warming the misses first.
+
+llama.cpp sends tensors one at a time, one node after the other, so a cold load uses one link at a time
+and makes each server hash and write its files on the way. Warming the misses over SSH (`cache warm`'s
+operation, every node in parallel) first uses all the links at once; the load is then a warm one. A hit
+that is truncated (or, with `full`, corrupt) is refused before any load: llama.cpp would read it back as
+weights without a check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from orchestrator.core.errors import LoaderError
+from orchestrator.engine.executor import RunResult, Session
+from orchestrator.inventory.model import Host
+from orchestrator.llama.cache_plan import CacheTensor
+from orchestrator.operations.cache import CacheChange, CacheCheck, WarmItem, check_step, warm_step
+from orchestrator.operations.layer import OperationOptions
+
+WarmChoice = Literal["auto", "always", "never"]
+WARM_CHOICES: tuple[WarmChoice, ...] = ("auto", "always", "never")
+
+
+def warm_items(
+    per_endpoint: Mapping[str, Sequence[CacheTensor]], hosts: Iterable[Host]
+) -> dict[str, list[WarmItem]]:
+    """Per host name, the cache files its share of the plan needs (`plan_cache`'s answer by endpoint)."""
+    by_endpoint = {h.endpoint: h for h in hosts}
+    return {
+        by_endpoint[ep].name: [
+            WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in tensors
+        ]
+        for ep, tensors in per_endpoint.items()
+        if ep in by_endpoint
+    }
+
+
+@dataclass(frozen=True)
+class CachePrep:
+    """What a load will find in the caches of `hosts` (the plan's `rpc_cache` hosts)."""
+
+    hosts: tuple[Host, ...]
+    hit_bytes: dict[str, int]  # per endpoint: bytes of tensors the load will not send
+    missing: dict[str, tuple[WarmItem, ...]]  # per host name: files its cache lacks
+    hits: int
+
+    @property
+    def misses(self) -> int:
+        return sum(len(items) for items in self.missing.values())
+
+    @property
+    def miss_bytes(self) -> int:
+        return sum(i.size for items in self.missing.values() for i in items)
+
+    def worth_warming(self, choice: WarmChoice) -> bool:
+        """`auto`: when the misses are on two nodes or more (their links then carry them in parallel)."""
+        nodes = sum(1 for items in self.missing.values() if items)
+        return nodes > 0 and (choice == "always" or (choice == "auto" and nodes >= 2))
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "miss_bytes": self.miss_bytes,
+            "hit_bytes": dict(self.hit_bytes),
+        }
+
+
+async def check_caches(
+    session: Session, hosts: Sequence[Host], per_endpoint: Mapping[str, Sequence[CacheTensor]], *, full: bool
+) -> CachePrep:
+    """Read each host's cache against the files `per_endpoint` says its share needs; raise LoaderError
+    naming the host when one the load would read is truncated (or, with `full`, corrupt)."""
+    items = warm_items(per_endpoint, hosts)
+    expected = {name: {i.name: i.size for i in host_items} for name, host_items in items.items()}
+    run = await session.run(list(hosts), check_step(expected, full=full), name="cache-check")
+    hit_bytes: dict[str, int] = {}
+    missing: dict[str, tuple[WarmItem, ...]] = {}
+    hits = 0
+    for r in run.results:
+        if not isinstance(r.value, CacheCheck):
+            raise LoaderError(f"cannot read the tensor cache: {r.error}", host=r.host.name)
+        if r.value.bad:
+            raise LoaderError(
+                f"the tensor cache holds {len(r.value.bad)} truncated or corrupt file(s) this load "
+                f"would read ({', '.join(r.value.bad[:3])})",
+                host=r.host.name,
+                hint=f"run `rpcfleet cache verify -l {r.host.name}` (it removes them), then load again",
+            )
+        absent = set(r.value.misses)
+        host_items = items.get(r.host.name, [])
+        hit_bytes[r.host.endpoint] = sum(i.size for i in host_items if i.name not in absent)
+        missing[r.host.name] = tuple(i for i in host_items if i.name in absent)
+        hits += len(r.value.hits)
+    return CachePrep(tuple(hosts), hit_bytes, missing, hits)
+
+
+async def warm_misses(
+    session: Session, prep: CachePrep, options: OperationOptions | None = None
+) -> tuple[RunResult[CacheChange], CachePrep]:
+    """Warm every host's missing files, all hosts in parallel (the operations layer's `cache-warm`);
+    returns the run and the prep as the load will now find the caches (what a host could not warm stays
+    a miss: the load sends those tensors itself)."""
+    chosen = [h for h in prep.hosts if prep.missing.get(h.name)]
+    run = await session.run(
+        chosen, warm_step(dict(prep.missing), options or OperationOptions()), name="cache-warm"
+    )
+    hit_bytes = dict(prep.hit_bytes)
+    missing = dict(prep.missing)
+    hits = prep.hits
+    for r in run.results:
+        if not r.succeeded or not isinstance(r.value, CacheChange):
+            continue
+        there = set(r.value.added) | set(r.value.hits)
+        now_hits = [i for i in missing[r.host.name] if i.name in there]
+        hit_bytes[r.host.endpoint] += sum(i.size for i in now_hits)
+        hits += len(now_hits)
+        missing[r.host.name] = tuple(i for i in missing[r.host.name] if i.name not in there)
+    return run, CachePrep(prep.hosts, hit_bytes, missing, hits)
