@@ -79,22 +79,12 @@ def _known_hosts(host: Host) -> Path:
     return Path.home() / ".ssh" / "known_hosts"
 
 
-def openssh_argv(
-    host: Host, control: Path, local_port: int, timeout: float, *, interactive: bool = True
-) -> list[str]:
-    """The OpenSSH master that holds one forward: 127.0.0.1:local_port -> rpc_host:rpc_port on the node."""
-    # A session with a pty (-tt) that only sleeps: OpenSSH sets TCP_NODELAY on both ends of the SSH
-    # connection only for interactive (pty) sessions; without it (-N) Nagle's algorithm and delayed ACKs
-    # stall RPC's small writes (llama.cpp's decode ran at a third of tcp's speed: BENCHMARKS.md).
-    argv = ["ssh", "-M", "-S", str(control), "-tt" if interactive else "-N", "-o", "BatchMode=yes"]
-    argv += ["-o", f"ConnectTimeout={max(1, round(timeout))}", "-o", "ExitOnForwardFailure=yes"]
-    argv += [
-        "-o",
-        f"ServerAliveInterval={KEEPALIVE_INTERVAL}",
-        "-o",
-        f"ServerAliveCountMax={KEEPALIVE_COUNT}",
-    ]
-    argv += ["-o", "ControlPersist=no", "-o", "LogLevel=ERROR"]
+def ssh_options(host: Host, timeout: float) -> list[str]:
+    """OpenSSH client options for `host`: batch mode, keepalives, AES-GCM first, its host key checking,
+    key, user and port (what the asyncssh connection uses, for the `ssh` binary)."""
+    argv = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}"]
+    argv += ["-o", f"ServerAliveInterval={KEEPALIVE_INTERVAL}", "-o", "LogLevel=ERROR"]
+    argv += ["-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
     # AES-GCM first (AES-NI makes it the cheapest on x86 and arm64); the rest of the default list after it
     argv += ["-o", "Ciphers=^aes128-gcm@openssh.com"]
     if host.ssh_host_key_checking:
@@ -105,7 +95,18 @@ def openssh_argv(
         argv += ["-i", str(Path(host.ssh_key).expanduser()), "-o", "IdentitiesOnly=yes"]
     if host.ssh_user:
         argv += ["-l", host.ssh_user]
-    argv += ["-p", str(host.ssh_port)]
+    return [*argv, "-p", str(host.ssh_port)]
+
+
+def openssh_argv(
+    host: Host, control: Path, local_port: int, timeout: float, *, interactive: bool = True
+) -> list[str]:
+    """The OpenSSH master that holds one forward: 127.0.0.1:local_port -> rpc_host:rpc_port on the node."""
+    # A session with a pty (-tt) that only sleeps: OpenSSH sets TCP_NODELAY on both ends of the SSH
+    # connection only for interactive (pty) sessions; without it (-N) Nagle's algorithm and delayed ACKs
+    # stall RPC's small writes (llama.cpp's decode ran at a third of tcp's speed: BENCHMARKS.md).
+    argv = ["ssh", "-M", "-S", str(control), "-tt" if interactive else "-N", "-o", "ExitOnForwardFailure=yes"]
+    argv += ["-o", "ControlPersist=no", *ssh_options(host, timeout)]
     argv += ["-L", f"127.0.0.1:{local_port}:{host.rpc_host}:{host.rpc_port}", "--", host.address]
     return [*argv, HOLD_COMMAND] if interactive else argv
 

@@ -105,9 +105,7 @@ async def warm_misses(
     returns the run and the prep as the load will now find the caches (what a host could not warm stays
     a miss: the load sends those tensors itself)."""
     chosen = [h for h in prep.hosts if prep.missing.get(h.name)]
-    run = await session.run(
-        chosen, warm_step(dict(prep.missing), options or OperationOptions()), name="cache-warm"
-    )
+    run = await session.run(chosen, warm_step(prep.missing, options or OperationOptions()), name="cache-warm")
     hit_bytes = dict(prep.hit_bytes)
     missing = dict(prep.missing)
     hits = prep.hits

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,11 +24,11 @@ from orchestrator.core.errors import CommandError, HostError
 from orchestrator.core.fnv import helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
+from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_items, usable
 from orchestrator.operations.layer import OperationOptions, node_operation
 from orchestrator.operations.server import CACHE_DIR, LOG_FILE, LOG_MARKER
 
 NAME = re.compile(r"^[0-9a-f]{16}$")
-TEMP_PREFIX = ".warm-"
 
 
 @dataclass(frozen=True)
@@ -256,8 +256,9 @@ async def warm(
     ctx: HostContext | None = None,
     check: bool = False,
 ) -> CacheChange:
-    """Upload the items the node's cache lacks (streamed `cat` over the connection, temp name + rename),
-    touch those it has (their last use), then prune to `rpc_cache_max` keeping every item."""
+    """Upload the items the node's cache lacks (an SSH host: one OpenSSH session for all, `cache_stream`;
+    otherwise a `cat` per file over the connection; always a temp name, then a rename), touch those it
+    has (their last use), then prune to `rpc_cache_max` keeping every item."""
     import time
 
     started = time.monotonic()
@@ -276,9 +277,28 @@ async def warm(
     if hits:
         await conn.run(f"cd {cache_path(host)} && touch -c -- {' '.join(hits)}", timeout=60)
     added: list[str] = []
-    sent = 0
-    for item in missing:
-        if ctx is not None and ctx.session.interrupted is not None:
+
+    def uploaded(item: WarmItem) -> None:  # structured progress: one event per file, bytes so far, rate
+        added.append(item.name)
+        if ctx is not None:
+            elapsed = time.monotonic() - started
+            sent = sum(wanted[n].size for n in added)
+            ctx.log.info(
+                "cache_warm_progress",
+                file=item.name,
+                done=len(added),
+                of=len(missing),
+                bytes=sent,
+                mb_per_s=round(sent / elapsed / 1e6, 1) if elapsed > 0 else None,
+            )
+
+    def stopping() -> bool:
+        return ctx is not None and ctx.session.interrupted is not None
+
+    if usable(host) and missing:  # one OpenSSH session, its own process: the link's speed
+        await stream_items(host, cache_path(host), missing, stopping=stopping, on_file=uploaded)
+    for item in missing if not usable(host) else ():
+        if stopping():
             break
         with item.path.open("rb") as fh:
             fh.seek(item.offset)
@@ -293,18 +313,8 @@ async def warm(
                 stderr=done.stderr,
                 hint="free space, lower rpc_cache_max or run `rpcfleet cache prune`" if full else None,
             )
-        added.append(item.name)
-        sent += item.size
-        if ctx is not None:  # structured progress: one event per file, bytes so far and the rate
-            elapsed = time.monotonic() - started
-            ctx.log.info(
-                "cache_warm_progress",
-                file=item.name,
-                done=len(added),
-                of=len(missing),
-                bytes=sent,
-                mb_per_s=round(sent / elapsed / 1e6, 1) if elapsed > 0 else None,
-            )
+        uploaded(item)
+    sent = sum(wanted[n].size for n in added)
     pruned = await prune(conn, host, keep=wanted)
     return CacheChange(
         added=tuple(added),
@@ -342,7 +352,7 @@ def cache_step(action: str, options: OperationOptions, **kwargs: object) -> Step
     return node_operation(f"cache-{action}", body, options)
 
 
-def warm_step(items: dict[str, Sequence[WarmItem]], options: OperationOptions) -> Step[CacheChange]:
+def warm_step(items: Mapping[str, Sequence[WarmItem]], options: OperationOptions) -> Step[CacheChange]:
     """Warm each host's cache with `items[host.name]` (hosts run in parallel in the executor)."""
 
     async def body(ctx: HostContext, conn: Connection) -> StepOutcome[CacheChange]:

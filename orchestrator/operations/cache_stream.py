@@ -1,0 +1,134 @@
+"""Warm a node's cache over one OpenSSH session: every missing file streamed back to back, at wire speed.
+
+asyncssh encrypts in this process, on one event loop for every node (about 170 MB/s in all on 2 cores,
+BENCHMARKS.md); the `ssh` binary encrypts in its own process, one per node, so the nodes' links fill in
+parallel. One session per node carries all its files: the remote script takes exactly each file's size from
+stdin (`dd iflag=fullblock`, whole blocks and then the remainder, never reading past the file), writes it
+under a temporary name, checks its size, renames it and says `ok NAME`. A file is never visible under its
+hash name before it is whole; a session cut mid-file leaves only a temporary name (removed by its trap, or
+as a stray by the next warm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import shutil
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from orchestrator.connectors.tunnel import ssh_options
+from orchestrator.core.errors import HostError
+from orchestrator.inventory.model import Host
+
+if TYPE_CHECKING:
+    from orchestrator.operations.cache import WarmItem
+
+BLOCK = 1 << 20  # bytes per dd block and per write into the session
+TEMP_PREFIX = ".warm-"
+
+
+def usable(host: Host) -> bool:
+    """Stream through OpenSSH: an SSH host, with the `ssh` binary here."""
+    return host.connection == "ssh" and shutil.which("ssh") is not None
+
+
+def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
+    """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word)."""
+    lines = [
+        f"D={folder}",
+        'mkdir -p "$D" || exit 1',
+        "tmp=",
+        """trap '[ -z "$tmp" ] || rm -f "$tmp"' EXIT""",
+        "trap 'exit 1' HUP INT TERM PIPE",
+        "take() {",
+        f'  tmp="$D/{TEMP_PREFIX}$1.$$"; n=$(($2 / {BLOCK})); r=$(($2 % {BLOCK}))',
+        f'  ( [ "$n" -eq 0 ] || dd bs={BLOCK} count="$n" iflag=fullblock status=none || exit 1',
+        '    [ "$r" -eq 0 ] || dd bs="$r" count=1 iflag=fullblock status=none ) > "$tmp" \\',
+        '    || { df -k "$D" >&2; exit 1; }',
+        '  [ "$(wc -c < "$tmp")" -eq "$2" ] || { echo "short input for $1" >&2; exit 1; }',
+        '  mv -f "$tmp" "$D/$1" && tmp= && echo "ok $1"',
+        "}",
+    ]
+    lines += [f"take {shlex.quote(i.name)} {int(i.size)}" for i in items]
+    return "\n".join(lines)
+
+
+async def stream_items(
+    host: Host,
+    folder: str,
+    items: Sequence[WarmItem],
+    *,
+    stopping: Callable[[], bool],
+    on_file: Callable[[WarmItem], None],
+) -> list[str]:
+    """Send `items` to the node's cache in one session; returns the names now there (in order). Between
+    files, `stopping()` ends the stream early (the files done stay). A failure is a HostError naming the
+    file (a full disk says so); cancelling kills the session (no partial file keeps a hash name)."""
+    argv = ["ssh", *ssh_options(host, host.ssh_connect_timeout), "--", host.address]
+    argv.append("exec sh -c " + shlex.quote(stream_script(folder, items)))
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+    by_name = {i.name: i for i in items}
+    done: list[str] = []
+    sent: list[WarmItem] = []
+    stopped = False
+
+    async def feed() -> None:
+        nonlocal stopped
+        assert process.stdin is not None
+        try:
+            for item in items:
+                if stopping():
+                    stopped = True  # the remote side then finds stdin ended: not a failure
+                    break
+                with item.path.open("rb") as fh:
+                    fh.seek(item.offset)
+                    left = item.size
+                    while left > 0:
+                        chunk = fh.read(min(BLOCK, left))
+                        if not chunk:
+                            raise HostError(f"{item.path} ends inside tensor {item.name}", host=host.name)
+                        process.stdin.write(chunk)
+                        await process.stdin.drain()
+                        left -= len(chunk)
+                sent.append(item)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the remote side stopped: its exit status and stderr say why
+        finally:
+            process.stdin.close()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                await process.stdin.wait_closed()
+
+    async def collect() -> None:
+        assert process.stdout is not None
+        async for line in process.stdout:
+            word, _, name = line.decode(errors="replace").strip().partition(" ")
+            if word == "ok" and name in by_name:
+                done.append(name)
+                on_file(by_name[name])
+
+    try:
+        stderr_task = asyncio.ensure_future(process.stderr.read())
+        await asyncio.gather(feed(), collect())
+        status = await process.wait()
+        stderr = (await stderr_task).decode(errors="replace")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        raise
+    if status != 0 and not (stopped and len(done) == len(sent)):
+        failed = next((i for i in items if i.name not in done), items[-1])
+        full = "No space left" in stderr
+        raise HostError(
+            f"warming the tensor cache failed at {failed.name} ({failed.size} bytes): "
+            + ("the node's disk is full" if full else f"ssh exit status {status}"),
+            host=host.name,
+            stderr=stderr,
+            hint="free space, lower rpc_cache_max or run `rpcfleet cache prune`" if full else None,
+        )
+    return done
