@@ -8,6 +8,7 @@ operations over a local connection (the same shell scripts an SSH node runs).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -138,13 +139,22 @@ def test_lru_eviction_under_a_quota() -> None:
 
 
 def test_server_names_equal_plan_hashes_verify_and_warm(
-    nodes: list[Node], big_model: Path, tmp_path: Path
+    nodes: list[Node], big_model: Path, tmp_path: Path, rpc_server_binary: Path
 ) -> None:
+    # The reference: the same plan on servers without a cache.
+    plain = [launch_rpc_server(rpc_server_binary, tmp_path, log_prefix=f"plain{i}") for i in range(2)]
+    try:
+        devices = plan_devices([s.endpoint for s in plain])
+        reference = _generate(make_plan(devices, profile_model(big_model), PlanOptions(n_ctx=256)), big_model)
+    finally:
+        for server in plain:
+            server.stop()
     plan = _plan(nodes, big_model)
     wanted = plan_cache(plan, [big_model])
     assert all(len(v) == 3 for v in wanted.values()), wanted  # the 3 FFN matrices of each node's layer
     assert all(c.tensor.size > HASH_THRESHOLD for v in wanted.values() for c in v)
     text = _generate(plan, big_model)  # cold: the servers write their cache files
+    assert text == reference
     for node in nodes:
         assert node.server is not None
         assert set(_cache_files(node.install)) == {c.file for c in wanted[node.server.endpoint]}
@@ -287,3 +297,37 @@ def test_a_helper_that_cannot_run_removes_nothing(big_model: Path, tmp_path: Pat
     with pytest.raises(HostError, match="did not hash"):
         _run(_with(host, verify))
     assert set(_cache_files(tmp_path / "x")) == {i.name for i in items}
+
+
+def test_warm_replaces_a_truncated_file_under_its_name(big_model: Path, tmp_path: Path) -> None:
+    """llama.cpp writes its cache files in place: a crash leaves a short one under the right name."""
+    items = _items(big_model)[:2]
+    host = _host("t", tmp_path / "t")
+    _run(_with(host, warm, items))
+    short = tmp_path / "t" / "cache" / "rpc" / items[0].name
+    short.write_bytes(short.read_bytes()[:4096])
+    checked = _run(_with(host, warm, items, check=True))
+    assert checked.corrupt == (items[0].name,) and checked.added == (items[0].name,)
+    change = _run(_with(host, warm, items))
+    assert change.corrupt == (items[0].name,) and change.hits == (items[1].name,)
+    assert fnv.hash_file_range(short, 0, items[0].size) == int(items[0].name, 16)
+
+
+def test_a_playbook_load_check_refuses_a_truncated_file(nodes: list[Node], big_model: Path) -> None:
+    from orchestrator.core.errors import LoaderError
+    from orchestrator.playbooks.load_check import load_check
+
+    plan = _plan(nodes, big_model)
+    _generate(plan, big_model)  # the servers write their cache files
+    assert nodes[0].server is not None
+    hosts = [
+        dataclasses.replace(n.host, rpc_host="127.0.0.1", rpc_port=n.server.port, rpc_cache=True)
+        for n in nodes
+        if n.server is not None
+    ]
+    assert asyncio.run(load_check(plan, big_model, hosts=hosts)).layers_as_planned
+    victim = sorted((nodes[0].install / "cache" / "rpc").iterdir())[0]
+    victim.write_bytes(victim.read_bytes()[:4096])
+    with pytest.raises(LoaderError, match="truncated or corrupt") as caught:
+        asyncio.run(load_check(plan, big_model, hosts=hosts))
+    assert caught.value.host == nodes[0].name

@@ -129,15 +129,22 @@ def test_warm_run_verify_deploy_prune_clear(
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
 
     # `run` on empty caches of both nodes warms them first (in parallel, over SSH); its load is warm.
+    def hits_so_far() -> int:  # the servers' own count of cache hits (their debug log)
+        return sum(h["hits_since_start"] for h in _json(capsys, ["cache", "status", *inv, "--json"])["hosts"])
+
     _json(capsys, ["cache", "clear", *inv, "--json"])
+    before = hits_so_far()
     warmed = _json(capsys, run)
     assert set(warmed["phases"]) == {"probe+plan", "cache check", "warm", "load"}
     assert {k: warmed["cache"][k] for k in ("hits", "misses")} == {"hits": 6, "misses": 0}
     assert warmed["text"] == first["text"]
+    assert hits_so_far() - before == 6  # every cached tensor of the load was a hit on its server
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
     _json(capsys, ["cache", "clear", *inv, "--json"])
+    before = hits_so_far()
     cold = _json(capsys, [*run, "--warm", "never"])  # the load writes the files itself
     assert "warm" not in cold["phases"] and cold["cache"]["misses"] == 6 and cold["text"] == first["text"]
+    assert hits_so_far() == before
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
 
     # A quota of 1 byte: prune with the model keeps what its plan needs (over the quota, said so);

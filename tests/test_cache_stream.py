@@ -161,7 +161,13 @@ def test_an_interrupted_stream_leaves_no_partial_file(
                 break
             time.sleep(0.05)
         _whole(folder)
-    # The next warm completes the set.
+    # The next warm completes the set, and replaces a file truncated under its own name.
     change = asyncio.run(_warm(host, items))
     assert set(change.added) | set(change.hits) == {i.name for i in items}
     _whole(folder)
+    short = folder / items[1].name
+    short.write_bytes(short.read_bytes()[:1000])
+    change = asyncio.run(_warm(host, items))
+    assert change.corrupt == (items[1].name,) and set(change.added) == {items[1].name}
+    _whole(folder)
+    assert short.stat().st_size == items[1].size

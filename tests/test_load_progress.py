@@ -39,6 +39,40 @@ def test_rates_eta_and_names() -> None:
     assert json.dumps(log)  # a log event's fields are JSON
 
 
+def test_the_log_gets_one_sample_a_second_and_the_last() -> None:
+    tracker = ProgressTracker({"a:1": 10})
+    due = [
+        tracker.due_for_log(tracker.update(f, t, {"a:1": 1}))
+        for f, t in ((0.0, 0.0), (0.1, 0.5), (0.3, 1.0), (0.6, 1.5), (1.0, 1.7), (1.0, 1.9), (1.0, 2.8))
+    ]
+    assert due == [True, False, True, False, True, False, True]
+
+
+def test_the_bars_follow_a_second_load_with_other_nodes() -> None:
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.cli import _common, _progress
+    from orchestrator.llama.load_progress import NodeProgress
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=120)
+    original, _common.err_console = _common.err_console, console
+    try:
+        bars = _progress.LoadBars(True, names={"a:1": "alpha"}, skipped={"a:1": 40})
+    finally:
+        _common.err_console = original
+    bars(LoadProgress(0.5, 2.0, (NodeProgress("a:1", 30, 100, 15.0),)))
+    task = bars.progress.tasks[1]
+    assert (task.description.strip(), task.completed, task.total) == ("alpha", 30, 60)  # 100 - 40 hits
+    # serve loads again after a loss, on other nodes: the clock starts over, the bars too
+    bars(LoadProgress(0.1, 0.3, (NodeProgress("b:2", 5, 50, 1.0), NodeProgress("c:3", 0, 50, 0.0))))
+    assert [t.description.strip() for t in bars.progress.tasks] == ["load", "b:2", "c:3"]
+    bars.finish()
+    assert bars.progress.tasks == []
+
+
 def test_a_malformed_sample_is_named() -> None:
     assert progress_sample({"fraction": 1, "seconds": 0.5, "sent": {"a:1": 3}}) == (1.0, 0.5, {"a:1": 3})
     for bad, field in (
@@ -162,7 +196,7 @@ def test_run_shows_the_load_per_node_on_a_terminal(
 
 
 @pytest.mark.llama
-def test_serve_reports_its_load_in_health_while_it_loads(
+def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_file(
     nodes: list[Node],  # noqa: F811
     big_model: Path,  # noqa: F811
 ) -> None:
@@ -172,18 +206,27 @@ def test_serve_reports_its_load_in_health_while_it_loads(
     from orchestrator.serve.fleet import ServeFleet
 
     hosts = [
-        Host(name=n.name, address="127.0.0.1", connection="local", rpc_host="127.0.0.1", rpc_port=s.port)
+        Host(
+            name=n.name,
+            address="127.0.0.1",
+            connection="local",
+            install_dir=str(n.install),
+            rpc_host="127.0.0.1",
+            rpc_port=s.port,
+            rpc_cache=True,
+        )
         for n in nodes
         if (s := n.server) is not None
     ]
     fleet = ServeFleet(hosts, str(big_model), PlanOptions(n_ctx=256))
     backend = Backend(fleet, ServeConfig())
     during: list[dict] = []  # type: ignore[type-arg]
-    loaded: list[float] = []
+    loaded: list[dict[str, float]] = []
     backend.on_progress = lambda _progress: during.append(backend.health())
-    backend.on_loaded = lambda _plan, seconds: loaded.append(seconds)
+    backend.on_loaded = lambda _plan, phases: loaded.append(phases)
     first = fleet.plan_round()
     assert first.plan is not None
+    cached = plan_cache(first.plan, [big_model])
     backend.start(first.plan)
     try:
         deadline = time.monotonic() + 120
@@ -193,10 +236,19 @@ def test_serve_reports_its_load_in_health_while_it_loads(
         assert during and all(h["status"] == "loading" for h in during)
         last = during[-1]["loading"]
         assert last["percent"] == 100.0 and set(last["nodes"]) == {h.endpoint for h in hosts}
-        assert len(loaded) == 1 and loaded[0] > 0
+        assert len(loaded) == 1 and set(loaded[0]) == {"cache", "load"} and loaded[0]["load"] > 0
         assert backend.health()["loading"] is None  # only while a load is under way
+        # The empty caches of both nodes were warmed before the load: every cached tensor was a hit.
+        assert backend.skipped == {ep: sum(c.tensor.size for c in cs) for ep, cs in cached.items()}
+        for endpoint, node in last["nodes"].items():
+            assert node["sent"] <= node["planned"] - backend.skipped[endpoint] + (2 << 20)
     finally:
         backend.stop()
+    # A file truncated under its own name: the next load is refused before llama.cpp reads it.
+    victim = nodes[0].install / "cache" / "rpc" / cached[hosts[0].endpoint][0].file
+    victim.write_bytes(victim.read_bytes()[:4096])
+    assert backend._load(first.plan) is False
+    assert "truncated or corrupt" in backend.reason and nodes[0].name in backend.reason
 
 
 def test_reading_the_sockets_leaks_no_descriptor() -> None:

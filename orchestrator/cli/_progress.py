@@ -97,7 +97,8 @@ class PlayProgress:
 class LoadBars:
     """On a terminal, while a model loads over RPC: one bar for the load (llama.cpp's own fraction, with
     the ETA) and one per node (bytes its server acknowledged of those it has to receive, and the rate),
-    fed by `Worker.load`'s `on_progress`. `skipped`: per endpoint, bytes of cache hits (never sent)."""
+    fed by `Worker.load`'s `on_progress`. `skipped`: per endpoint, bytes of cache hits (never sent).
+    A sample whose clock went back starts the bars of a new load (serve loads again after a loss)."""
 
     def __init__(self, enabled: bool, *, names: Mapping[str, str], skipped: Mapping[str, int]) -> None:
         self.names = names
@@ -112,6 +113,7 @@ class LoadBars:
         )
         self._load: TaskID | None = None
         self._nodes: dict[str, TaskID] = {}
+        self._seconds = 0.0
 
     def __enter__(self) -> LoadBars:
         self.progress.start()
@@ -120,12 +122,18 @@ class LoadBars:
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
+    def finish(self) -> None:
+        """The load is over: its bars go (the display stays, for the next load)."""
+        for task in [*self._nodes.values(), *([self._load] if self._load is not None else [])]:
+            self.progress.remove_task(task)
+        self._load, self._nodes = None, {}
+
     def __call__(self, update: LoadProgress) -> None:
+        if update.seconds < self._seconds:
+            self.finish()
+        self._seconds = update.seconds
         if self._load is None:
             self._load = self.progress.add_task("load", total=1.0, what="")
-            for node in update.nodes:
-                label = self.names.get(node.endpoint, node.endpoint)
-                self._nodes[node.endpoint] = self.progress.add_task(f"  {label}", total=None, what="")
         eta = update.eta_seconds
         self.progress.update(
             self._load,
@@ -134,6 +142,9 @@ class LoadBars:
             + (f", ETA {eta:.0f} s" if eta is not None and update.fraction < 1.0 else ""),
         )
         for node in update.nodes:
+            if node.endpoint not in self._nodes:
+                label = self.names.get(node.endpoint, node.endpoint)
+                self._nodes[node.endpoint] = self.progress.add_task(f"  {label}", total=None, what="")
             to_send = max(0, node.planned - self.skipped.get(node.endpoint, 0))
             self.progress.update(
                 self._nodes[node.endpoint],

@@ -22,6 +22,7 @@ from orchestrator.core.errors import RpcfleetError, UsageError
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
+    from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host
     from orchestrator.llama.cache_prep import CachePrep
     from orchestrator.llama.placement import Placement
@@ -64,7 +65,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--warm",
-        choices=["auto", "always", "never"],
+        choices=["auto", "always", "never"],  # cache_prep.WarmChoice (not imported: start-up time)
         default="auto",
         help="put the tensors the nodes' caches lack into them over SSH first, all nodes in parallel "
         "(rpc_cache hosts; auto: when two nodes or more lack some)",
@@ -217,9 +218,7 @@ def prepare_cache(args: argparse.Namespace, plan: Plan) -> tuple[CachePrep | Non
     and warm the misses first when `--warm` says so (all nodes in parallel). Returns what the load will
     find and the phases' times."""
     from orchestrator.core.errors import InputError, LabError
-    from orchestrator.llama.cache_plan import plan_cache
-    from orchestrator.llama.cache_prep import check_caches, warm_misses
-    from orchestrator.planning.profile import profile_model
+    from orchestrator.llama.cache_prep import prepare_caches
 
     phases: dict[str, float] = {}
     if args.endpoint:
@@ -230,45 +229,39 @@ def prepare_cache(args: argparse.Namespace, plan: Plan) -> tuple[CachePrep | Non
         if args.plan is not None:  # a saved plan needs no inventory: nothing to check against
             return None, phases
         raise
-    cached = [h for h in hosts if h.rpc_cache and h.endpoint in plan.endpoints]
-    if not cached:
-        return None, phases
-    started = time.monotonic()
-    per_endpoint = plan_cache(plan, profile_model(args.model).paths)
-
-    async def check() -> CachePrep:
-        async with _common.fleet_session(args) as session:
-            return await check_caches(session, cached, per_endpoint, full=args.verify_cache)
-
-    prep = _common.run_async(check())
-    phases["cache check"] = time.monotonic() - started
-    if not args.json:
-        _common.err_console.print(
-            f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
-            f"({format_size(prep.miss_bytes)} to send)[/dim]",
-            highlight=False,
-        )
-    if not prep.worth_warming(args.warm):
-        return prep, phases
     started = time.monotonic()
 
-    async def warm() -> tuple[Any, CachePrep]:
-        async with _common.fleet_session(args) as session:
-            return await warm_misses(session, prep)
-
-    run, prep = _common.run_async(warm())
-    phases["warm"] = time.monotonic() - started
-    if run.interrupted:
-        _common.print_interrupted([run])
-        raise SystemExit(_common.INTERRUPTED_EXIT)
-    for r in run.results:
-        if not r.succeeded and not args.json:
+    def checked(prep: CachePrep) -> None:
+        phases["cache check"] = time.monotonic() - started
+        if not args.json:
             _common.err_console.print(
-                f"[yellow]warning:[/yellow] {escape(r.host.name)}: warming failed ({escape(str(r.error))}); "
-                "the load sends its tensors itself",
+                f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
+                f"({format_size(prep.miss_bytes)} to send)[/dim]",
                 highlight=False,
             )
-    if not args.json:
+
+    async def go() -> tuple[CachePrep | None, RunResult[Any] | None, bool]:
+        async with _common.fleet_session(args) as session:  # one session: one connection per node
+            prep, run = await prepare_caches(
+                session, hosts, plan, args.model, full=args.verify_cache, warm=args.warm, on_checked=checked
+            )
+            return prep, run, session.interrupted is not None
+
+    prep, run, interrupted = _common.run_async(go())
+    if run is not None:
+        phases["warm"] = time.monotonic() - started - phases["cache check"]
+        for r in run.results:
+            if not r.succeeded:  # to stderr even with --json: the load goes on, sending those tensors
+                _common.err_console.print(
+                    f"[yellow]warning:[/yellow] {escape(r.host.name)}: warming failed "
+                    f"({escape(str(r.error))}); the load sends its tensors itself",
+                    highlight=False,
+                )
+        if run.interrupted:
+            _common.print_interrupted([run])
+    if interrupted:  # Ctrl-C during the check or the warm: no load
+        raise SystemExit(_common.INTERRUPTED_EXIT)
+    if run is not None and prep is not None and not args.json:
         _common.err_console.print(
             f"[dim]warmed {len(run.results)} node(s) in parallel in {phases['warm']:.2f} s; "
             f"{prep.misses} misses left[/dim]",

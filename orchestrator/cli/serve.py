@@ -18,6 +18,7 @@ from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
+from orchestrator.core.units import format_size
 
 
 def register(subparsers: Any) -> None:
@@ -164,19 +165,24 @@ def handle(args: argparse.Namespace) -> int:
     backend.on_failed = on_failed
     bars = LoadBars(
         _common.err_console.is_terminal,
-        names={h.endpoint: h.name for h in hosts if h.endpoint in first.plan.endpoints},
-        skipped={},
+        names={h.endpoint: h.name for h in hosts},
+        skipped=backend.skipped,
     )
 
     loads = 0
 
-    def on_loaded(plan: Plan, seconds: float) -> None:
+    def on_loaded(plan: Plan, phases: dict[str, float]) -> None:
         nonlocal loads
-        bars.progress.stop()
-        phases = f"probe+plan {planned_in:.2f} s · " if loads == 0 else ""
+        bars.finish()
+        times = {"probe+plan": planned_in} if loads == 0 else {}
         loads += 1
+        hits = sum(backend.skipped.values())
+        cache = f" ({format_size(hits)} from the nodes' caches)" if hits else ""
         _common.err_console.print(
-            f"{backend.state} on {len(plan.endpoints)} node(s): {phases}load {seconds:.2f} s", highlight=False
+            f"{backend.state} on {len(plan.endpoints)} node(s): "
+            + " · ".join(f"{k} {v:.2f} s" for k, v in {**times, **phases}.items())
+            + cache,
+            highlight=False,
         )
 
     backend.on_progress = bars
@@ -187,12 +193,11 @@ def handle(args: argparse.Namespace) -> int:
         f"({len(first.plan.endpoints)} node(s), loading...)",
         highlight=False,
     )
-    bars.progress.start()
     backend.start(first.plan)
     try:
-        server.run()
+        with bars:
+            server.run()
     finally:
-        bars.progress.stop()
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         backend.stop()
     if failed:

@@ -9,19 +9,26 @@ weights without a check.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import asyncio
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import LoaderError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache_plan import CacheTensor
+from orchestrator.llama.cache_plan import CacheTensor, plan_cache
 from orchestrator.operations.cache import CacheChange, CacheCheck, WarmItem, check_step, warm_step
 from orchestrator.operations.layer import OperationOptions
+from orchestrator.planning.plan import Plan
 
 WarmChoice = Literal["auto", "always", "never"]
-WARM_CHOICES: tuple[WarmChoice, ...] = ("auto", "always", "never")
+
+
+def warm_item(tensor: CacheTensor) -> WarmItem:
+    """The cache file of a planned tensor, as `cache warm` uploads it."""
+    return WarmItem(tensor.file, tensor.tensor.path, tensor.tensor.offset, tensor.tensor.size)
 
 
 def warm_items(
@@ -30,9 +37,7 @@ def warm_items(
     """Per host name, the cache files its share of the plan needs (`plan_cache`'s answer by endpoint)."""
     by_endpoint = {h.endpoint: h for h in hosts}
     return {
-        by_endpoint[ep].name: [
-            WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in tensors
-        ]
+        by_endpoint[ep].name: [warm_item(c) for c in tensors]
         for ep, tensors in per_endpoint.items()
         if ep in by_endpoint
     }
@@ -81,6 +86,8 @@ async def check_caches(
     missing: dict[str, tuple[WarmItem, ...]] = {}
     hits = 0
     for r in run.results:
+        if r.status == "skipped":  # an interrupt stopped the check first: the caller sees session.interrupted
+            continue
         if not isinstance(r.value, CacheCheck):
             raise LoaderError(f"cannot read the tensor cache: {r.error}", host=r.host.name)
         if r.value.bad:
@@ -118,3 +125,33 @@ async def warm_misses(
         hits += len(now_hits)
         missing[r.host.name] = tuple(i for i in missing[r.host.name] if i.name not in there)
     return run, CachePrep(prep.hosts, hit_bytes, missing, hits)
+
+
+async def prepare_caches(
+    session: Session,
+    hosts: Sequence[Host],
+    plan: Plan,
+    model: str | Path | None = None,
+    *,
+    full: bool = False,
+    warm: WarmChoice = "auto",
+    on_checked: Callable[[CachePrep], None] | None = None,
+) -> tuple[CachePrep | None, RunResult[CacheChange] | None]:
+    """Before a load of `plan`: check the caches of its `rpc_cache` hosts among `hosts` (LoaderError on a
+    file the load would read that is truncated, or with `full` corrupt), then warm the misses when `warm`
+    says so. `model`: the file the load reads (default: the plan's). Returns what the load will find (None:
+    no cached host) and the warm's run (None: none)."""
+    from orchestrator.planning.profile import profile_model
+
+    cached = [h for h in hosts if h.rpc_cache and h.endpoint in plan.endpoints]
+    if not cached:
+        return None, None
+    paths = (await asyncio.to_thread(profile_model, model or plan.model_path)).paths
+    per_endpoint = await asyncio.to_thread(plan_cache, plan, paths)
+    prep = await check_caches(session, cached, per_endpoint, full=full)
+    if on_checked is not None:
+        on_checked(prep)
+    if session.interrupted is not None or not prep.worth_warming(warm):
+        return prep, None
+    run, prep = await warm_misses(session, prep)
+    return prep, run

@@ -3,9 +3,10 @@
 The worker child reports, a few times a second, llama.cpp's own fraction (bytes of tensors loaded, from
 its progress callback) and, per endpoint, the bytes the servers have acknowledged on the child's TCP
 connections to them (`TCP_INFO`'s `tcpi_bytes_acked`): bytes that really crossed the link, so a cache
-hit (a hash instead of the tensor) shows as no bytes. The parent turns those samples into
-`LoadProgress` records: per node the bytes sent, the share of the plan's weights it holds, and the
-current rate; for the load, the ETA from the fraction.
+hit (a hash instead of the tensor) shows as no bytes. With `rpc_transport: ssh` the child's connection
+ends at the local SSH forward, so the count runs ahead of the link by what ssh buffers (its window).
+The parent turns those samples into `LoadProgress` records: per node the bytes sent, the share of the
+plan's weights it holds, and the current rate; for the load, the ETA from the fraction.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from orchestrator.planning.plan import Plan
 
 RATE_WINDOW = 2.0  # seconds of samples behind a node's current rate
+LOG_INTERVAL = 1.0  # seconds between two `load_progress` log events
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,20 @@ class ProgressTracker:
     planned: Mapping[str, int]
     names: Mapping[str, str] = field(default_factory=dict)
     _history: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    _logged: LoadProgress | None = None
+
+    def due_for_log(self, progress: LoadProgress) -> bool:
+        """Whether `progress` goes to the log: the first, then one per LOG_INTERVAL, and the one that
+        reaches 100%."""
+        last = self._logged
+        if (
+            last is None
+            or progress.seconds - last.seconds >= LOG_INTERVAL
+            or progress.fraction >= 1.0 > last.fraction
+        ):
+            self._logged = progress
+            return True
+        return False
 
     def update(self, fraction: float, seconds: float, sent: Mapping[str, int]) -> LoadProgress:
         by_name = {self.names.get(ep, ep): n for ep, n in sent.items()}

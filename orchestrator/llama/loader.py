@@ -78,12 +78,13 @@ PLAN_CONTROLLED = frozenset(
 
 
 @contextlib.contextmanager
-def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | None) -> Iterator[None]:
+def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | None) -> Iterator[Any]:
     """`Llama.__init__` takes its model params from `llama_model_default_params()` and offers no way to
     set `devices` or a progress callback: wrap that function for the construction only (under `_LOCK`).
 
     `on_progress(fraction)` is llama.cpp's own progress (bytes of tensors loaded, before each tensor);
-    it may not raise into native code, so an exception from it is logged and the load goes on."""
+    it may not raise into native code, so an exception from it is logged and the load goes on. Yields the
+    ctypes callback: the model's params keep its address, so it must live as long as the model."""
     original = lc.llama_model_default_params
     callback = None
     if on_progress is not None:
@@ -106,7 +107,7 @@ def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | 
 
     lc.llama_model_default_params = with_devices
     try:
-        yield
+        yield callback
     finally:
         lc.llama_model_default_params = original
 
@@ -220,7 +221,7 @@ def load_registered(
     records: list[tuple[int, str]] = []
     started = time.monotonic()
     try:
-        with _capture_log(lc, records, verbose), _model_params(lc, devices, on_progress):
+        with _capture_log(lc, records, verbose), _model_params(lc, devices, on_progress) as callback:
             llm: Any = construct(
                 str(path),
                 n_gpu_layers=plan.n_gpu_layers,
@@ -252,8 +253,9 @@ def load_registered(
                 _LIVE[ep] = max(0, _LIVE.get(ep, 0) - 1)
 
     llm._stack.callback(release)  # runs on close() and on garbage collection (Llama.__del__ closes)
-    # The device array must outlive the model: llama keeps the pointer.
+    # The device array and the progress callback must outlive the model: llama keeps the pointers.
     llm._rpcfleet_devices = devices
+    llm._rpcfleet_progress = callback
     llm.rpcfleet_placement = build_placement(plan, names, join_log_records(records), elapsed)
     llm.rpcfleet_plan = plan
     llm.rpcfleet_notes = tuple(notes)

@@ -78,7 +78,6 @@ EVENT_TIMEOUT = 300.0  # seconds between two answers of a request (the first tok
 LINK_TIMEOUT = 10.0  # seconds a connection to a server may leave data unacknowledged (the child's sockets)
 PROBE_TIMEOUT = 2.0  # seconds per endpoint for the probe that finds the lost node
 KEEP_LOGS = 20  # worker logs kept under $RPCFLEET_HOME/logs
-PROGRESS_LOG_INTERVAL = 1.0  # seconds between two `load_progress` log events
 
 # Outcomes of a probe that mean the node is gone: nothing listens, the connect never completes (a cut
 # link, a dead host), or the server hangs up. `busy` and `ok` answer: the node is alive.
@@ -259,20 +258,9 @@ class Worker:
             self._send(request)
             answer = self._next(timeout, "starting") if not self._ready else {"event": "ready"}
             tracker = ProgressTracker(planned_bytes(plan), {d: r for r, d in self.dial.items()})
-            logged = 0.0
             while answer.get("event") in ("ready", "progress"):  # imports done, then the load's samples
                 if answer.get("event") == "progress":
-                    try:
-                        progress = tracker.update(*progress_sample(answer))
-                    except ValueError as exc:
-                        raise self._record(
-                            self._attach(WorkerError(f"the worker sent a malformed progress event: {exc}"))
-                        ) from None
-                    if progress.seconds - logged >= PROGRESS_LOG_INTERVAL or progress.fraction >= 1.0:
-                        logged = progress.seconds
-                        get_logger().info("load_progress", pid=self.pid, **progress.as_log())
-                    if on_progress is not None:
-                        on_progress(progress)
+                    self._on_sample(answer, tracker, on_progress)
                 answer = self._next(max(0.0, deadline - time.monotonic()), "loading the model")
             if answer.get("event") != "loaded":
                 self.kill()
@@ -291,6 +279,24 @@ class Worker:
             "worker_loaded", pid=self.pid, log=str(self.log_path), seconds=self.placement.load_seconds
         )
         return self.placement
+
+    def _on_sample(
+        self,
+        answer: Mapping[str, Any],
+        tracker: ProgressTracker,
+        on_progress: Callable[[LoadProgress], None] | None,
+    ) -> None:
+        """One `progress` sample: to `on_progress`, and to the log once a second and once when done."""
+        try:
+            progress = tracker.update(*progress_sample(answer))
+        except ValueError as exc:
+            raise self._record(
+                self._attach(WorkerError(f"the worker sent a malformed progress event: {exc}"))
+            ) from None
+        if tracker.due_for_log(progress):
+            get_logger().info("load_progress", pid=self.pid, **progress.as_log())
+        if on_progress is not None:
+            on_progress(progress)
 
     def wait_ready(self, timeout: float = LOAD_TIMEOUT) -> None:
         """Wait until the spawned child has done its imports (optional: `load` waits anyway)."""

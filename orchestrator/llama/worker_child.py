@@ -121,7 +121,7 @@ _BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_inf
 def bytes_acked(endpoints: Mapping[tuple[str, int], str]) -> dict[str, int]:
     """Per endpoint, the bytes its server has acknowledged on this process's connections to it."""
     sent = dict.fromkeys(endpoints.values(), 0)
-    for peer, sock in _endpoint_sockets(set(endpoints)):
+    for peer, sock in _endpoint_sockets(set(endpoints)) if endpoints else ():
         try:
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
         except OSError:

@@ -233,7 +233,7 @@ def upload_script(host: Host, name: str, size: int) -> str:
             'mkdir -p "$D" || exit 1',
             f"trap 'rm -f {tmp}' HUP INT TERM",
             f'if cat > {tmp} && [ "$(wc -c < {tmp})" -eq {int(size)} ]; then mv -f {tmp} "$D"/{name}; '
-            f'else rc=$?; rm -f {tmp}; df -k "$D" >&2; exit 1; fi',
+            f'else rm -f {tmp}; df -k "$D" >&2; exit 1; fi',
         ]
     )
 
@@ -263,15 +263,18 @@ async def warm(
 
     started = time.monotonic()
     files, others = await read_cache(conn, host)
-    have = {f.name for f in files}
+    have = {f.name: f.size for f in files}
     strays = [o for o in others if o.startswith(TEMP_PREFIX)]
     wanted: dict[str, WarmItem] = {}
     for item in items:
         wanted.setdefault(item.name, item)
-    hits = tuple(n for n in wanted if n in have)
-    missing = [item for n, item in wanted.items() if n not in have]
+    hits = tuple(n for n, i in wanted.items() if have.get(n) == i.size)
+    # A file of the wrong size (llama.cpp writes its files in place: a crash truncates one) is uploaded
+    # again: the rename replaces it.
+    truncated = tuple(n for n, i in wanted.items() if n in have and have[n] != i.size)
+    missing = [item for n, item in wanted.items() if n not in hits]
     if check:
-        return CacheChange(added=tuple(i.name for i in missing), hits=hits)
+        return CacheChange(added=tuple(i.name for i in missing), hits=hits, corrupt=truncated)
     if strays:
         await _remove(conn, host, strays)
     if hits:
@@ -319,6 +322,7 @@ async def warm(
     return CacheChange(
         added=tuple(added),
         hits=hits,
+        corrupt=truncated,
         removed=pruned.removed,
         bytes_sent=sent,
         seconds=time.monotonic() - started,

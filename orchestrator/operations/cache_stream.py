@@ -16,7 +16,7 @@ import contextlib
 import shlex
 import shutil
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.connectors.tunnel import ssh_options
 from orchestrator.core.errors import HostError
@@ -111,16 +111,26 @@ async def stream_items(
                 done.append(name)
                 on_file(by_name[name])
 
+    errors = asyncio.ensure_future(process.stderr.read())
+    tasks: list[asyncio.Future[Any]] = [
+        asyncio.ensure_future(feed()),
+        asyncio.ensure_future(collect()),
+        errors,
+    ]
     try:
-        stderr_task = asyncio.ensure_future(process.stderr.read())
-        await asyncio.gather(feed(), collect())
+        await asyncio.gather(*tasks)
         status = await process.wait()
-        stderr = (await stderr_task).decode(errors="replace")
-    except BaseException:
+    except BaseException as exc:
+        for task in tasks:
+            task.cancel()
         with contextlib.suppress(ProcessLookupError):
             process.kill()
         await process.wait()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(exc, OSError):  # the model file here could not be read
+            raise HostError(f"cannot read the tensors to warm: {exc}", host=host.name) from None
         raise
+    stderr = errors.result().decode(errors="replace")
     if status != 0 and not (stopped and len(done) == len(sent)):
         failed = next((i for i in items if i.name not in done), items[-1])
         full = "No space left" in stderr

@@ -73,12 +73,18 @@ async def load_check(
     timeout) or any other error it is killed and reaped, so the servers are free again.
 
     `hosts`: the inventory hosts of the plan's endpoints; those with `rpc_transport: ssh` are loaded
-    through their SSH forwards (this process's `default_tunnels`).
+    through their SSH forwards (this process's `default_tunnels`); on those with `rpc_cache`, a cache
+    file the load would read that is truncated is refused first (`LoaderError` naming the host).
     """
     from orchestrator.connectors.tunnel import default_tunnels
+    from orchestrator.engine.executor import Session
+    from orchestrator.llama.cache_prep import prepare_caches
     from orchestrator.llama.worker import Worker
 
     wanted = [h for h in hosts if h.endpoint in plan.endpoints]
+    if any(h.rpc_cache for h in wanted):  # refuse a truncated cache file before llama.cpp reads it
+        async with Session() as session:
+            await prepare_caches(session, wanted, plan, model, warm="never")
     dial = await asyncio.to_thread(default_tunnels().mapping, wanted) if wanted else {}
 
     worker = Worker.spawn()

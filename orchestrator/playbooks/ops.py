@@ -272,6 +272,7 @@ def _cache_warm(args: Mapping[str, Any], play: _Play) -> Step:
 
     async def make() -> dict[str, list[WarmItem]]:
         from orchestrator.llama.cache_plan import plan_cache
+        from orchestrator.llama.cache_prep import warm_item
         from orchestrator.planning.profile import profile_model
 
         plan = play.state.plan
@@ -279,10 +280,7 @@ def _cache_warm(args: Mapping[str, Any], play: _Play) -> Step:
             raise PlanError("cache_warm needs a plan: put a `plan` step before it")
         paths = (await asyncio.to_thread(profile_model, plan.model_path)).paths
         per = await asyncio.to_thread(plan_cache, plan, paths)
-        return {
-            ep: [WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in cs]
-            for ep, cs in per.items()
-        }
+        return {ep: [warm_item(c) for c in cs] for ep, cs in per.items()}
 
     shared = SharedCall(make)
 

@@ -121,8 +121,10 @@ class Backend:
         self.load_seconds: float | None = None  # the last load's, in the worker
         self.on_failed: Callable[[], None] | None = None  # called when recovery gives up
         self.on_progress: Callable[[LoadProgress], None] | None = None  # during each load
-        self.on_loaded: Callable[[Plan, float], None] | None = None  # after each load: its plan, seconds
+        # after each load: its plan and the phases' seconds (cache: the check and warm; load)
+        self.on_loaded: Callable[[Plan, dict[str, float]], None] | None = None
         self.load_progress: LoadProgress | None = None  # the load under way, if any
+        self.skipped: dict[str, int] = {}  # per endpoint, bytes of cache hits of the load under way
         self._worker: Worker | None = None
         self._gate = threading.Lock()  # the worker serves one request at a time
         self._cond = threading.Condition()
@@ -325,6 +327,16 @@ class Backend:
         return result
 
     def _load(self, plan: Plan) -> bool:
+        started = time.monotonic()
+        try:
+            prep = self.fleet.prepare_cache(plan)
+        except RpcfleetError as exc:  # a truncated cache file: refused before llama.cpp reads it
+            self.reason = f"loading failed: {exc}"
+            get_logger().warning("serve_load_failed", error=str(exc))
+            return False
+        self.skipped.clear()  # in place: a display may hold this mapping
+        self.skipped.update(prep.hit_bytes if prep is not None else {})
+        phases = {"cache": time.monotonic() - started} if prep is not None else {}
         worker = Worker.spawn(
             self.config.log_dir / f"worker-{int(time.time() * 1000)}.log" if self.config.log_dir else None,
             event_timeout=self.config.event_timeout,
@@ -358,13 +370,16 @@ class Backend:
             self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
         get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=worker.pid)
         if self.on_loaded is not None:
-            self.on_loaded(plan, time.monotonic() - started)
+            self.on_loaded(plan, {**phases, "load": time.monotonic() - started})
         return True
 
     def _progress(self, progress: LoadProgress) -> None:
         self.load_progress = progress
         if self.on_progress is not None:
-            self.on_progress(progress)
+            try:
+                self.on_progress(progress)
+            except Exception as exc:  # a display's bug must not stop the load (nor leave us recovering)
+                get_logger().warning("serve_progress_failed", error=repr(exc))
 
     def reload(self, *, rolling_restart: bool = False, wait: bool = False) -> threading.Thread:
         """Drain (admitted requests finish, new ones get 503), unload, optionally restart every node one

@@ -16,6 +16,7 @@ from orchestrator.connectors.tunnel import default_tunnels
 from orchestrator.core.errors import PlanError, ProbeError
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.inventory.model import Host
+from orchestrator.llama.cache_prep import CachePrep, prepare_caches
 from orchestrator.llama.native import local_gpus
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.placement import order_devices
@@ -108,6 +109,17 @@ class ServeFleet:
                 f"the model does not fit on {len(plan.endpoints)} node(s)",
             )
         return PlanRound(plan, states, probed - started, planned)
+
+    def prepare_cache(self, plan: Plan) -> CachePrep | None:
+        """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the
+        host) and warm the misses of the `rpc_cache` hosts when two nodes or more lack files."""
+
+        async def go() -> CachePrep | None:
+            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
+                prep, _ = await prepare_caches(session, self.hosts, plan, self.model_path)
+                return prep
+
+        return asyncio.run(go())
 
     def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
         """`restart --rolling` on the selected hosts; returns the failures (host: message), empty when
