@@ -258,3 +258,25 @@ def test_reading_the_sockets_leaks_no_descriptor() -> None:
         for _ in range(200):
             bytes_acked({("127.0.0.1", 9): "127.0.0.1:9"})
         assert len(list(fds.iterdir())) == before + 1
+
+
+@pytest.mark.llama
+def test_twenty_loads_each_report_to_the_end_before_loaded(
+    debug_rpc_servers: list,  # type: ignore[type-arg]
+    tiny_model: Path,
+) -> None:
+    """The meter's thread and the loader both write to the worker's pipe: 20 loads, each of whose
+    samples parse, run forward, and end at 100% before the worker says it is loaded."""
+    from orchestrator.planning.plan import PlanOptions
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
+    from tests.plugins.llama import plan_devices
+
+    endpoints = [s.endpoint for s in debug_rpc_servers]
+    plan = make_plan(plan_devices(endpoints), profile_model(tiny_model), PlanOptions(n_ctx=256))
+    for _ in range(20):
+        seen = _load(plan, tiny_model)
+        assert seen and seen[-1].fraction == 1.0, seen
+        assert [p.seconds for p in seen] == sorted(p.seconds for p in seen)
+        assert {n.endpoint for n in seen[-1].nodes} == set(endpoints)
+        assert all(n.sent >= n.planned for n in seen[-1].nodes)
