@@ -356,3 +356,33 @@ def test_serve_generates_through_the_forwards(
         process.wait(30)
     _gone, alive = psutil.wait_procs(forwards, timeout=10)
     assert not alive  # the forwards lived as long as serve
+
+
+_HOLD_A_FORWARD = """
+import sys
+from orchestrator.connectors.tunnel import Tunnels
+from orchestrator.inventory.load import load_inventory
+host = load_inventory(sys.argv[1]).hosts[0]
+tunnels = Tunnels()
+print(tunnels.dial(host), tunnels.tunnel(host).process.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_controller_killed_with_sigkill_leaves_no_forward(ssh_inventory: Path) -> None:
+    controller = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_FORWARD, str(ssh_inventory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert controller.stdout is not None
+    dialed, pid = controller.stdout.readline().split()
+    forward = psutil.Process(int(pid))
+    assert forward.cmdline()[:2] == ["ssh", "-M"] and forward.is_running()
+    controller.kill()
+    controller.wait(5)
+    forward.wait(10)  # psutil.TimeoutExpired if the forward outlived its controller
+    host, port = dialed.rsplit(":", 1)
+    assert _connect_from_controller(host, int(port)) == "refused"

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 from orchestrator.core.errors import HostKeyError, InputError, RpcfleetError, UnreachableError
 from orchestrator.core.log import get_logger
@@ -124,6 +124,26 @@ def _ssh_error(host: Host, stderr: str) -> RpcfleetError:
     return UnreachableError(f"cannot open the SSH forward to {where}: {text}", host=host.name, stderr=stderr)
 
 
+# Linux sends the parent-death signal when the *thread* that forked the child ends, so forwards are
+# started from one thread that lives as long as this process (its executor is never shut down early).
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rpcfleet-forward-spawner")
+
+
+def spawn_bound(argv: list[str], *, stderr: IO[bytes]) -> subprocess.Popen[bytes]:
+    """Start `argv` (no stdin or stdout) so that it gets SIGTERM when this process dies, however it dies
+    (`setpriv --pdeathsig`, util-linux): a controller killed with SIGKILL leaves no forward behind. Its
+    own session: a Ctrl-C at the terminal reaches rpcfleet, which closes it."""
+    if shutil.which("setpriv") is not None:
+        argv = ["setpriv", "--pdeathsig", "TERM", "--", *argv]
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+        )
+
+    return _SPAWNER.submit(start).result()
+
+
 @dataclass
 class OpenSSHTunnel:
     """An OpenSSH master process holding one local forward."""
@@ -147,12 +167,8 @@ class OpenSSHTunnel:
         for _attempt in range(3):  # the free port may be taken between choosing and binding it
             port = _free_port()
             errlog = (folder / "stderr").open("w+b")
-            process = subprocess.Popen(
-                openssh_argv(host, control, port, timeout, interactive=interactive),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=errlog,
-                start_new_session=True,  # a Ctrl-C at the terminal reaches rpcfleet, which closes it
+            process = spawn_bound(
+                openssh_argv(host, control, port, timeout, interactive=interactive), stderr=errlog
             )
             tunnel = cls(host, port, process, control, folder)
             deadline = time.monotonic() + timeout + 2.0
