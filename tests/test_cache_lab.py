@@ -80,7 +80,7 @@ def test_warm_run_verify_deploy_prune_clear(
     }
     sizes = {h["host"]: h["bytes"] for h in again["hosts"]}
     assert sorted(first["cache"]["hit_bytes"].values()) == sorted(sizes.values())  # per endpoint
-    assert set(first["phases"]) == {"probe+plan", "cache check", "load"}
+    assert set(first["phases"]) == {"probe", "plan", "cache check", "load"}
     after = {p.name: p.stat().st_mtime_ns for i in range(2) for p in _folder(cache_lab, i).iterdir()}
     assert after == mtimes  # the first load after warming wrote nothing: all hits
 
@@ -135,7 +135,7 @@ def test_warm_run_verify_deploy_prune_clear(
     _json(capsys, ["cache", "clear", *inv, "--json"])
     before = hits_so_far()
     warmed = _json(capsys, run)
-    assert set(warmed["phases"]) == {"probe+plan", "cache check", "warm", "load"}
+    assert set(warmed["phases"]) == {"probe", "plan", "cache check", "warm", "load"}
     assert {k: warmed["cache"][k] for k in ("hits", "misses")} == {"hits": 6, "misses": 0}
     assert warmed["text"] == first["text"]
     assert hits_so_far() - before == 6  # every cached tensor of the load was a hit on its server

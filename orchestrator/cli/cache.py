@@ -101,8 +101,11 @@ def _warm_items(
         raise UsageError(f"model {args.model} does not exist")
     t = time.monotonic()
     profile = profile_model(args.model)
-    plan = make_plan(_planning.probe_devices(args, hosts), profile, _planning.plan_options(args))
-    phases["probe+plan"] = time.monotonic() - t
+    devices = _planning.probe_devices(args, hosts)
+    phases["probe"] = time.monotonic() - t
+    t = time.monotonic()
+    plan = make_plan(devices, profile, _planning.plan_options(args))
+    phases["plan"] = time.monotonic() - t
     t = time.monotonic()
     per_endpoint = plan_cache(plan, profile.paths)
     phases["hash"] = time.monotonic() - t

@@ -95,22 +95,32 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     return hosts
 
 
-def make_run_plan(args: argparse.Namespace) -> Plan:
+def make_run_plan(args: argparse.Namespace, phases: dict[str, float] | None = None) -> Plan:
+    """The plan of this run (probed and planned, or `--plan`'s); `phases` gets the probe's and the
+    plan's seconds."""
     from orchestrator.inventory.model import is_loopback
     from orchestrator.planning.plan import Plan
     from orchestrator.planning.profile import profile_model
     from orchestrator.planning.strategy import make_plan
 
+    times = phases if phases is not None else {}
+    started = time.monotonic()
     if args.plan is not None:
-        return Plan.from_path(args.plan)
+        plan = Plan.from_path(args.plan)
+        times["plan"] = time.monotonic() - started
+        return plan
     options = _planning.plan_options(args)
-    profile = profile_model(args.model)
     hosts = None
     if args.endpoint:
         hosts = endpoint_hosts(args.endpoint)
         # Facts are read on this machine for loopback servers; others are probed over RPC only.
         args.no_facts = args.no_facts or any(not is_loopback(h.address) for h in hosts)
-    return make_plan(_planning.probe_devices(args, hosts), profile, options)
+    devices = _planning.probe_devices(args, hosts)
+    times["probe"] = time.monotonic() - started
+    started = time.monotonic()
+    plan = make_plan(devices, profile_model(args.model), options)
+    times["plan"] = time.monotonic() - started
+    return plan
 
 
 def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
@@ -157,9 +167,7 @@ def handle(args: argparse.Namespace) -> int:
     # overlap with the probe and the plan.
     phases: dict[str, float] = {}
     with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
-        started = time.monotonic()
-        plan = make_run_plan(args)
-        phases["probe+plan"] = time.monotonic() - started
+        plan = make_run_plan(args, phases)
         check_fit(plan, force=args.force, json=args.json)
         cache, cache_phases = prepare_cache(args, plan)
         phases |= cache_phases
