@@ -20,7 +20,7 @@ from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
 from orchestrator.operations.cache import WarmItem, warm
-from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, stream_script, usable
+from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, stream_command, stream_script
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.test_cache import _items, big_model  # noqa: F401 (fixture)
 
@@ -71,9 +71,45 @@ def test_a_stream_that_ends_early_leaves_only_whole_files(tmp_path: Path) -> Non
     assert [p.name for p in folder.iterdir()] == [items[0].name]
 
 
-def test_only_ssh_hosts_stream() -> None:
-    assert not usable(Host(name="l", address="127.0.0.1", connection="local"))
-    assert usable(Host(name="s", address="10.0.0.1")) is (subprocess.run(["which", "ssh"]).returncode == 0)
+def test_the_stream_runs_over_ssh_or_a_local_shell_else_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.connectors.local import LocalConnection
+    from orchestrator.connectors.ssh import SSHConnection
+    from orchestrator.operations import cache_stream
+
+    local = Host(name="l", address="127.0.0.1", connection="local")
+    command = stream_command(local, LocalConnection(local, home=tmp_path), "echo hi")
+    assert command is not None and command.argv == ("/bin/bash", "-c", "echo hi") and command.cwd == tmp_path
+    assert command.env is not None and command.env["HOME"] == str(tmp_path)
+    remote = Host(name="s", address="10.0.0.1", ssh_port=2222, ssh_user="u")
+    conn = SSHConnection.__new__(SSHConnection)  # never connected: only its type matters
+    monkeypatch.setattr(cache_stream.shutil, "which", lambda name: f"/usr/bin/{name}")
+    command = stream_command(remote, conn, "echo hi")
+    assert command is not None and command.argv[0] == "ssh" and command.argv[-2] == "10.0.0.1"
+    assert command.argv[-1] == "exec sh -c 'echo hi'" and "2222" in command.argv and "u" in command.argv
+    monkeypatch.setattr(cache_stream.shutil, "which", lambda name: None)
+    assert stream_command(remote, conn, "echo hi") is None  # asyncssh's `cat` per file then
+
+
+def test_warm_without_the_ssh_binary_sends_a_file_at_a_time(
+    big_model: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from orchestrator.operations import cache
+
+    monkeypatch.setattr(cache, "stream_command", lambda *args: None)
+    items = _items(big_model)
+    host = Host(name="f", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "f"))
+
+    async def go() -> object:
+        async with await connect(host) as conn:
+            return await warm(conn, host, items)
+
+    change = asyncio.run(go())
+    assert set(change.added) == {i.name for i in items}  # type: ignore[attr-defined]
+    _whole(tmp_path / "f" / "cache" / "rpc")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from orchestrator.core.errors import CommandError, HostError
 from orchestrator.core.fnv import helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
-from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_items, usable
+from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_command, stream_items, stream_script
 from orchestrator.operations.layer import OperationOptions, node_operation
 from orchestrator.operations.server import CACHE_DIR, LOG_FILE, LOG_MARKER
 
@@ -256,9 +256,10 @@ async def warm(
     ctx: HostContext | None = None,
     check: bool = False,
 ) -> CacheChange:
-    """Upload the items the node's cache lacks (an SSH host: one OpenSSH session for all, `cache_stream`;
-    otherwise a `cat` per file over the connection; always a temp name, then a rename), touch those it
-    has (their last use), then prune to `rpc_cache_max` keeping every item."""
+    """Upload the items the node's cache lacks (one stream for all, `cache_stream`: an OpenSSH session,
+    or a local shell; without the `ssh` binary, a `cat` per file over the connection; always a temp
+    name, then a rename), touch those it has (their last use), then prune to `rpc_cache_max` keeping
+    every item."""
     import time
 
     started = time.monotonic()
@@ -298,9 +299,10 @@ async def warm(
     def stopping() -> bool:
         return ctx is not None and ctx.session.interrupted is not None
 
-    if usable(host) and missing:  # one OpenSSH session, its own process: the link's speed
-        await stream_items(host, cache_path(host), missing, stopping=stopping, on_file=uploaded)
-    for item in missing if not usable(host) else ():
+    command = stream_command(host, conn, stream_script(cache_path(host), missing)) if missing else None
+    if command is not None:  # one stream for all (an ssh process of its own: the link's speed)
+        await stream_items(host, command, missing, stopping=stopping, on_file=uploaded)
+    for item in missing if command is None else ():  # asyncssh only: a `cat` per file
         if stopping():
             break
         with item.path.open("rb") as fh:

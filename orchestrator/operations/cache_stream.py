@@ -1,4 +1,4 @@
-"""Warm a node's cache over one OpenSSH session: every missing file streamed back to back, at wire speed.
+"""Warm a node's cache in one stream: every missing file back to back through one OpenSSH session.
 
 asyncssh encrypts in this process, on one event loop for every node (about 170 MB/s in all on 2 cores,
 BENCHMARKS.md); the `ssh` binary encrypts in its own process, one per node, so the nodes' links fill in
@@ -6,18 +6,23 @@ parallel. One session per node carries all its files: the remote script takes ex
 stdin (`dd iflag=fullblock`, whole blocks and then the remainder, never reading past the file), writes it
 under a temporary name, checks its size, renames it and says `ok NAME`. A file is never visible under its
 hash name before it is whole; a session cut mid-file leaves only a temporary name (removed by its trap, or
-as a stray by the next warm).
+as a stray by the next warm). A `connection: local` host runs the same script in a local shell.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.connectors.base import Connection
+from orchestrator.connectors.local import LocalConnection
 from orchestrator.connectors.tunnel import ssh_options
 from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
@@ -29,9 +34,25 @@ BLOCK = 1 << 20  # bytes per dd block and per write into the session
 TEMP_PREFIX = ".warm-"
 
 
-def usable(host: Host) -> bool:
-    """Stream through OpenSSH: an SSH host, with the `ssh` binary here."""
-    return host.connection == "ssh" and shutil.which("ssh") is not None
+@dataclass(frozen=True)
+class StreamCommand:
+    """How to run the remote script so that this process feeds its stdin: an `ssh` client of its own
+    (an SSH host), or a local shell in the connection's home (a `connection: local` host)."""
+
+    argv: tuple[str, ...]
+    cwd: Path | None = None
+    env: dict[str, str] | None = None
+
+
+def stream_command(host: Host, conn: Connection, script: str) -> StreamCommand | None:
+    """The command for `script` on `conn`'s host; None for an SSH host without the `ssh` binary here."""
+    if isinstance(conn, LocalConnection):
+        env = None if conn.home == Path.home() else {**os.environ, "HOME": str(conn.home)}
+        return StreamCommand(("/bin/bash", "-c", script), conn.home, env)
+    if host.connection == "ssh" and shutil.which("ssh") is not None:
+        argv = ["ssh", *ssh_options(host, host.ssh_connect_timeout), "--", host.address]
+        return StreamCommand((*argv, "exec sh -c " + shlex.quote(script)))
+    return None
 
 
 def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
@@ -57,19 +78,24 @@ def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
 
 async def stream_items(
     host: Host,
-    folder: str,
+    command: StreamCommand,
     items: Sequence[WarmItem],
     *,
     stopping: Callable[[], bool],
     on_file: Callable[[WarmItem], None],
 ) -> list[str]:
-    """Send `items` to the node's cache in one session; returns the names now there (in order). Between
-    files, `stopping()` ends the stream early (the files done stay). A failure is a HostError naming the
-    file (a full disk says so); cancelling kills the session (no partial file keeps a hash name)."""
-    argv = ["ssh", *ssh_options(host, host.ssh_connect_timeout), "--", host.address]
-    argv.append("exec sh -c " + shlex.quote(stream_script(folder, items)))
+    """Send `items` to the node's cache through `command` (running `stream_script` for them); returns
+    the names now there (in order). Between files, `stopping()` ends the stream early (the files done
+    stay). A failure is a HostError naming the file (a full disk says so); cancelling kills the session
+    (no partial file keeps a hash name). The bytes go through in blocks: no tensor is held in memory."""
     process = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *command.argv,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=command.cwd,
+        env=command.env,
+        start_new_session=True,  # a Ctrl-C at the terminal reaches rpcfleet, which stops between files
     )
     assert process.stdin is not None and process.stdout is not None and process.stderr is not None
     by_name = {i.name: i for i in items}
