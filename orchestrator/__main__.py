@@ -3,16 +3,15 @@
 import signal
 import sys
 
-
-def _terminate(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
+from orchestrator.core import signals
 
 # Set before anything else is imported: a signal during the imports below ends the run cleanly too.
-signal.signal(signal.SIGTERM, _terminate)
+signals.install()
 try:
     from orchestrator.cli import run
-except KeyboardInterrupt:
+except (KeyboardInterrupt, RuntimeError) as exc:
+    if not signals.interrupted_by(exc):
+        raise
     sys.stderr.write("interrupted\n")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exec("None")  # see orchestrator.cli.run: otherwise `python -m` may end by SIGINT, not 130

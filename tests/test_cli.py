@@ -284,3 +284,26 @@ def test_every_log_line_has_a_timestamp() -> None:
     assert all(line.startswith("2026-12-01T07:00:00.000000Z warning ") for line in lines)
     assert "command_failed host=node1 stderr='line one\\nline two'" in lines[0]
     assert lines[-1].endswith("ValueError: boom")
+
+
+def test_a_signal_inside_the_import_machinery_is_handled_again_later_not_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception raised in a module lock's weakref callback is printed and dropped by CPython."""
+    import types
+
+    from orchestrator.core import signals
+
+    armed: list[float] = []
+    monkeypatch.setattr(signals.signal, "setitimer", lambda which, seconds: armed.append(seconds))
+    monkeypatch.setattr(signals.signal, "signal", lambda sig, handler: None)
+    inside = types.SimpleNamespace(f_code=compile("pass", "<frozen importlib._bootstrap>", "exec"))
+    signals.interrupt(signal.SIGTERM, inside)  # type: ignore[arg-type]
+    assert armed == [signals._RETRY] and signals._deferred == [signal.SIGTERM]
+    signals._again(signal.SIGALRM, inside)  # type: ignore[arg-type]  # still inside: again later
+    assert len(armed) == 2
+    with pytest.raises(KeyboardInterrupt):  # outside: the interrupt
+        signals._again(signal.SIGALRM, sys._getframe())
+    error = RuntimeError("Error calling __set_name__")
+    error.__cause__ = KeyboardInterrupt()
+    assert signals.interrupted_by(error) and not signals.interrupted_by(RuntimeError("other"))

@@ -15,10 +15,11 @@ import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
+from orchestrator.core import signals
+
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
-    from types import FrameType
 
 INTERRUPTED = 130
 
@@ -80,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command line; returns its exit status (0 ok, 1 failed, 2 bad input, 130 interrupted)."""
     try:
         return _main(argv)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as exc:
+        if not signals.interrupted_by(exc):
+            raise
         sys.stderr.write("interrupted\n")
         return INTERRUPTED
 
@@ -112,15 +115,11 @@ def _main(argv: Sequence[str] | None) -> int:
             tunnels.close_default_tunnels()
 
 
-def _terminate(_signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the run as Ctrl-C does
-
-
 def run() -> NoReturn:
     """The `rpcfleet` program: `main()` with SIGTERM treated as Ctrl-C, and no signal heard while the
     process exits (a late one would otherwise print a traceback from the interpreter's shutdown)."""
     try:
-        signal.signal(signal.SIGTERM, _terminate)
+        signals.install()  # SIGTERM ends the run as Ctrl-C does
         status = main()
     except KeyboardInterrupt:  # a second signal while the first was being reported
         status = INTERRUPTED

@@ -1,0 +1,51 @@
+"""SIGINT and SIGTERM as KeyboardInterrupt, never inside the import machinery's own callbacks.
+
+CPython runs a Python signal handler between two bytecodes of whatever runs, including a module lock's
+weakref callback in `importlib._bootstrap`; an exception raised there is printed ("Exception ignored
+in ...", a traceback) and dropped, so the signal would be lost and the user would see a traceback. A
+signal that lands inside the import machinery is handled again a moment later, outside it.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+_IMPORT_MACHINERY = "<frozen importlib"
+_RETRY = 0.002  # seconds until a deferred signal is handled again
+_deferred: list[int] = []
+
+
+def interrupt(signum: int, frame: FrameType | None) -> None:
+    """The handler: KeyboardInterrupt, unless `frame` is the import machinery's: then the signal is
+    handled again `_RETRY` seconds later (SIGALRM), by when that callback is over. Not by sending the
+    signal again at once: its handler would run inside this one, still within the callback."""
+    if frame is not None and frame.f_code.co_filename.startswith(_IMPORT_MACHINERY):
+        _deferred[:] = [signum]
+        signal.signal(signal.SIGALRM, _again)
+        signal.setitimer(signal.ITIMER_REAL, _RETRY)
+        return
+    raise KeyboardInterrupt
+
+
+def _again(_signum: int, frame: FrameType | None) -> None:
+    interrupt(_deferred[0] if _deferred else signal.SIGINT, frame)
+
+
+def install() -> None:
+    """`interrupt` for SIGINT and SIGTERM (the main thread only, as Python's handlers are)."""
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def interrupted_by(exc: BaseException) -> bool:
+    """Whether `exc` is the interrupt, or wraps it: Python 3.11 turns an exception raised while a class
+    is created (a descriptor's `__set_name__`, e.g. functools.cached_property) into a RuntimeError."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__
+    return False
