@@ -549,3 +549,23 @@ def test_python_snippet(tiny_model: Path) -> None:
     code = python_snippet(plan, "/models/x.gguf")
     ast.parse(code)
     assert "orchestrator.load_llama(plan, '/models/x.gguf')" in code
+
+
+def test_free_memory_that_moves_a_little_between_probes_keeps_the_split() -> None:
+    """Three CPU servers sharing one machine: each probe reads MemAvailable at a slightly different
+    moment. A few MiB of difference must not move a layer (nor the tensors each node's cache holds)."""
+    import random
+
+    profile = synthetic_profile(6, n_embd=2560, n_head=20, n_head_kv=20, n_ff=6912, n_vocab=32000)
+    rng = random.Random(3)
+    splits = set()
+    for _ in range(50):
+        devices = [
+            rpc(f"10.0.0.{i}:50052", usable=int(7.69 * GiB) + rng.randint(-3 * MiB, 3 * MiB))
+            for i in range(1, 4)
+        ]
+        splits.add(make_plan(devices, profile, PlanOptions(n_ctx=512)).layer_counts)
+    assert len(splits) == 1, splits
+    eight = 8.0 * GiB
+    assert largest_remainder(7, [eight, eight + 3 * MiB, eight - 2 * MiB]) == [3, 2, 2]  # a tie: the first
+    assert largest_remainder(7, [eight, eight + 64 * MiB, eight - 2 * MiB]) == [2, 3, 2]  # a real lead

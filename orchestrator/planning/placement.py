@@ -66,16 +66,28 @@ def _pad(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment if alignment > 1 else n
 
 
+WEIGHT_TIE = 8 << 20  # bytes, at most 0.1% of the mean weight: what free memory moves between probes
+
+
 def largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
-    """Split `total` whole units proportionally to `weights` (Hamilton's method; ties go to the first)."""
+    """Split `total` whole units proportionally to `weights` (bytes; Hamilton's method). Remainders
+    closer than what WEIGHT_TIE bytes of weight make (at most 0.1% of the mean weight) are a tie, which
+    goes to the first devices: devices whose free memory differs only by what moves between two probes
+    always get the same split."""
     wsum = float(sum(weights))
     if total == 0 or wsum <= 0:
         return [0] * len(weights)
     quotas = [total * w / wsum for w in weights]
     counts = [math.floor(q) for q in quotas]
     rest = total - sum(counts)
-    order = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - counts[i]), i))
-    for i in order[:rest]:
+    if rest == 0:
+        return counts
+    tie = min(WEIGHT_TIE, wsum / len(weights) / 1000) * total / wsum
+    remainders = [q - c for q, c in zip(quotas, counts, strict=True)]
+    cut = sorted(remainders, reverse=True)[rest - 1]
+    sure = [i for i, r in enumerate(remainders) if r > cut + tie]
+    tied = [i for i, r in enumerate(remainders) if abs(r - cut) <= tie]
+    for i in sure + tied[: rest - len(sure)]:
         counts[i] += 1
     return counts
 
