@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import _common, _planning, main, parse_args
-from orchestrator.cli.run import generated_tokens
 from orchestrator.core import fields
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.log import render_text
@@ -239,19 +238,6 @@ def test_placement_prints_as_a_table() -> None:
     assert lines[3].split() == ["0-2", "actual", "30.00", "4.00", "14.00", "48.00"]
     assert lines[4].split() == ["host", "CPU", "plan", "1.00", "0.00", "5.00", "6.00"]
     assert "Placement(" not in text
-
-
-@pytest.mark.parametrize(
-    ("n_eval", "reason", "max_tokens", "text", "expected"),
-    [
-        (1, "length", 1, True, 1),  # llama.cpp reports max(1, n_eval): -n 1 evaluated nothing
-        (3, "length", 4, True, 4),  # the last token is sampled, never evaluated
-        (5, "stop", 32, True, 5),  # end of text after 5 tokens
-        (1, "stop", 32, False, 0),  # end of text at once: nothing generated
-    ],
-)
-def test_generated_tokens(n_eval: int, reason: str, max_tokens: int, text: bool, expected: int) -> None:
-    assert generated_tokens(n_eval, reason, max_tokens, text) == expected
 
 
 def test_a_host_is_named_once() -> None:

@@ -20,22 +20,33 @@ from orchestrator.llama.worker_child import bytes_acked, endpoint_peers
 from tests.test_cache import Node, _plan, big_model, nodes  # noqa: F401 (fixtures)
 
 
-def test_rates_eta_and_names() -> None:
-    tracker = ProgressTracker({"10.0.0.1:50052": 100_000_000}, names={"127.0.0.1:4000": "10.0.0.1:50052"})
+def test_rates_eta_names_and_what_is_left_to_send() -> None:
+    tracker = ProgressTracker(
+        {"10.0.0.1:50052": 100_000_000},
+        names={"127.0.0.1:4000": "10.0.0.1:50052"},
+        skipped={"10.0.0.1:50052": 40_000_000},
+    )
     first = tracker.update(0.0, 0.0, {"127.0.0.1:4000": 0})
     assert first.eta_seconds is None and first.nodes[0].bytes_per_second == 0.0
-    tracker.update(0.2, 1.0, {"127.0.0.1:4000": 20_000_000})
+    early = tracker.update(0.1, 0.5, {"127.0.0.1:4000": 10_000_000})
+    assert early.nodes[0].bytes_per_second == pytest.approx(20e6)  # from the load's start
+    tracker.update(0.3, 1.0, {"127.0.0.1:4000": 20_000_000})
     later = tracker.update(0.5, 2.0, {"127.0.0.1:4000": 50_000_000})
     node = later.nodes[0]
-    assert node.endpoint == "10.0.0.1:50052" and node.sent == 50_000_000 and node.planned == 100_000_000
-    assert node.bytes_per_second == pytest.approx(25e6)  # 50 MB over the last 2 s
+    assert (node.endpoint, node.sent, node.planned, node.to_send) == (
+        "10.0.0.1:50052",
+        50_000_000,
+        100_000_000,
+        60_000_000,  # the cache hits are not sent
+    )
+    assert node.bytes_per_second == pytest.approx(30e6)  # 30 MB over the last second
     assert later.eta_seconds == pytest.approx(2.0)  # half done in 2 s
-    # Samples older than the window no longer count: the rate follows the current pace.
-    tracker.update(0.6, 3.0, {"127.0.0.1:4000": 51_000_000})
-    slow = tracker.update(0.7, 4.0, {"127.0.0.1:4000": 52_000_000})
-    assert slow.nodes[0].bytes_per_second == pytest.approx(1e6)
-    log = slow.as_log()
-    assert log["percent"] == 70.0 and log["nodes"]["10.0.0.1:50052"]["mb_per_s"] == 1.0
+    # A node that is done: its rate falls to 0 within the window.
+    tracker.update(1.0, 2.5, {"127.0.0.1:4000": 60_000_000})
+    done = tracker.update(1.0, 3.6, {"127.0.0.1:4000": 60_000_000})
+    assert done.nodes[0].bytes_per_second == 0.0
+    log = done.as_log()
+    assert log["percent"] == 100.0 and log["nodes"]["10.0.0.1:50052"]["to_send"] == 60_000_000
     assert json.dumps(log)  # a log event's fields are JSON
 
 
@@ -60,14 +71,14 @@ def test_the_bars_follow_a_second_load_with_other_nodes() -> None:
     console = Console(file=screen, force_terminal=True, width=120)
     original, _common.err_console = _common.err_console, console
     try:
-        bars = _progress.LoadBars(True, names={"a:1": "alpha"}, skipped={"a:1": 40})
+        bars = _progress.LoadBars(True, names={"a:1": "alpha"})
     finally:
         _common.err_console = original
-    bars(LoadProgress(0.5, 2.0, (NodeProgress("a:1", 30, 100, 15.0),)))
+    bars(LoadProgress(0.5, 2.0, (NodeProgress("a:1", 30, 100, 60, 15.0),)))
     task = bars.progress.tasks[1]
     assert (task.description.strip(), task.completed, task.total) == ("alpha", 30, 60)  # 100 - 40 hits
     # serve loads again after a loss, on other nodes: the clock starts over, the bars too
-    bars(LoadProgress(0.1, 0.3, (NodeProgress("b:2", 5, 50, 1.0), NodeProgress("c:3", 0, 50, 0.0))))
+    bars(LoadProgress(0.1, 0.3, (NodeProgress("b:2", 5, 50, 50, 1.0), NodeProgress("c:3", 0, 50, 50, 0.0))))
     assert [t.description.strip() for t in bars.progress.tasks] == ["load", "b:2", "c:3"]
     bars.finish()
     assert bars.progress.tasks == []

@@ -97,12 +97,11 @@ class PlayProgress:
 class LoadBars:
     """On a terminal, while a model loads over RPC: one bar for the load (llama.cpp's own fraction, with
     the ETA) and one per node (bytes its server acknowledged of those it has to receive, and the rate),
-    fed by `Worker.load`'s `on_progress`. `skipped`: per endpoint, bytes of cache hits (never sent).
-    A sample whose clock went back starts the bars of a new load (serve loads again after a loss)."""
+    fed by `Worker.load`'s `on_progress`. A sample whose clock went back starts the bars of a new load
+    (serve loads again after a loss)."""
 
-    def __init__(self, enabled: bool, *, names: Mapping[str, str], skipped: Mapping[str, int]) -> None:
+    def __init__(self, enabled: bool, *, names: Mapping[str, str]) -> None:
         self.names = names
-        self.skipped = skipped
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -145,11 +144,10 @@ class LoadBars:
             if node.endpoint not in self._nodes:
                 label = self.names.get(node.endpoint, node.endpoint)
                 self._nodes[node.endpoint] = self.progress.add_task(f"  {label}", total=None, what="")
-            to_send = max(0, node.planned - self.skipped.get(node.endpoint, 0))
             self.progress.update(
                 self._nodes[node.endpoint],
-                completed=min(node.sent, to_send),
-                total=max(to_send, 1),
-                what=f"{format_size(node.sent)} of {format_size(to_send)}, "
+                completed=min(node.sent, node.to_send),
+                total=max(node.to_send, 1),
+                what=f"{format_size(node.sent)} of {format_size(node.to_send)}, "
                 f"{format_size(int(node.bytes_per_second))}/s",
             )

@@ -179,13 +179,16 @@ def handle(args: argparse.Namespace) -> int:
             )
         dial = _planning.dial_map(args, plan.endpoints)
         started = time.monotonic()
-        bars = LoadBars(
-            _common.err_console.is_terminal and not args.json,
-            names=_host_names(args, plan),
-            skipped=cache.hit_bytes if cache is not None else {},
-        )
+        bars = LoadBars(_common.err_console.is_terminal and not args.json, names=_host_names(args, plan))
         with bars:
-            placement = worker.load(plan, args.model, {"seed": args.seed}, dial=dial, on_progress=bars)
+            placement = worker.load(
+                plan,
+                args.model,
+                {"seed": args.seed},
+                dial=dial,
+                on_progress=bars,
+                cache_hits=cache.hit_bytes if cache is not None else None,
+            )
         phases["load"] = time.monotonic() - started
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
@@ -306,15 +309,6 @@ def generate(
         "decode_seconds": round(done.decode_seconds, 4),
         "tokens_per_second": round(done.tokens_per_second, 2),
     }
-
-
-def generated_tokens(n_eval: int, finish_reason: str | None, max_tokens: int, any_text: bool) -> int:
-    """Tokens generated, from llama.cpp's evaluation counter. Every generated token is evaluated for the
-    next one, except the last when max_tokens ends the run; and llama.cpp reports at least 1 evaluation
-    (`max(1, n_eval)`), so -n 1 would read 2 and an immediate end of text 1 without these corrections."""
-    if finish_reason != "length":
-        return n_eval if any_text else 0
-    return min(n_eval + 1, max_tokens)
 
 
 def _print_placement(placement: Placement) -> None:

@@ -163,7 +163,6 @@ def handle(args: argparse.Namespace) -> int:
     bars = LoadBars(
         _common.err_console.is_terminal,
         names={h.endpoint: h.name for h in hosts},
-        skipped=backend.skipped,
     )
 
     loads = 0

@@ -61,6 +61,10 @@ def render_text(_logger: Any, _name: str, event: dict[str, Any]) -> str:
 
 
 def _value(value: Any) -> str:
+    if isinstance(value, dict | list):  # structured fields stay machine-readable
+        import json
+
+        return json.dumps(value, separators=(",", ":"), default=str)
     text = value if isinstance(value, str) else repr(value)
     return text if text and " " not in text and "=" not in text else repr(text)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator.planning.plan import Plan
 
-RATE_WINDOW = 2.0  # seconds of samples behind a node's current rate
+RATE_WINDOW = 1.0  # seconds of samples behind a node's current rate
 LOG_INTERVAL = 1.0  # seconds between two `load_progress` log events
 
 
@@ -26,11 +26,13 @@ class NodeProgress:
     endpoint: str
     sent: int  # bytes acknowledged by the server since the load began
     planned: int  # bytes of weights the plan puts on this endpoint's devices
+    to_send: int  # of those, the bytes that cross the link: all but the cache hits
     bytes_per_second: float  # over the last RATE_WINDOW seconds
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "sent": self.sent,
+            "to_send": self.to_send,
             "planned": self.planned,
             "mb_per_s": round(self.bytes_per_second / 1e6, 1),
         }
@@ -78,10 +80,12 @@ def planned_bytes(plan: Plan) -> dict[str, int]:
 class ProgressTracker:
     """Turns the worker's samples into `LoadProgress`, keeping a short history per node for its rate.
 
-    `names` maps an endpoint the worker dialed (an SSH forward) to the plan's name for it."""
+    `names` maps an endpoint the worker dialed (an SSH forward) to the plan's name for it; `skipped`
+    gives per endpoint the bytes of cache hits (sent as hashes only)."""
 
     planned: Mapping[str, int]
     names: Mapping[str, str] = field(default_factory=dict)
+    skipped: Mapping[str, int] = field(default_factory=dict)
     _history: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     _logged: LoadProgress | None = None
 
@@ -103,13 +107,14 @@ class ProgressTracker:
         nodes = []
         for endpoint, planned in self.planned.items():
             now = by_name.get(endpoint, 0)
-            history = self._history.setdefault(endpoint, [])
+            history = self._history.setdefault(endpoint, [(0.0, 0)])  # the load's start
             history.append((seconds, now))
             while len(history) > 2 and seconds - history[1][0] >= RATE_WINDOW:
                 history.pop(0)
             then, before = history[0]
             rate = (now - before) / (seconds - then) if seconds > then else 0.0
-            nodes.append(NodeProgress(endpoint, now, planned, max(0.0, rate)))
+            to_send = max(0, planned - self.skipped.get(endpoint, 0))
+            nodes.append(NodeProgress(endpoint, now, planned, to_send, max(0.0, rate)))
         return LoadProgress(min(1.0, max(0.0, fraction)), seconds, tuple(nodes))
 
 

@@ -226,6 +226,7 @@ class Worker:
         timeout: float = LOAD_TIMEOUT,
         dial: Mapping[str, str] | None = None,
         on_progress: Callable[[LoadProgress], None] | None = None,
+        cache_hits: Mapping[str, int] | None = None,
     ) -> Placement:
         """Load `model_path` (default: the plan's) through `plan` in the child (once per worker); returns
         the placement. `llama_kwargs` go to `load_llama` and must be JSON (seed, n_threads...);
@@ -240,6 +241,7 @@ class Worker:
 
         `on_progress` gets a `LoadProgress` a few times a second while the weights travel (bytes per
         node, rates, ETA); the same goes to the log as `load_progress` events, one a second.
+        `cache_hits`: per plan endpoint, bytes of tensors its cache holds (they are not sent).
         """
         if self.plan is not None:
             raise WorkerError("this worker has loaded a model already: start another")
@@ -257,7 +259,8 @@ class Worker:
         try:
             self._send(request)
             answer = self._next(timeout, "starting") if not self._ready else {"event": "ready"}
-            tracker = ProgressTracker(planned_bytes(plan), {d: r for r, d in self.dial.items()})
+            names = {d: r for r, d in self.dial.items()}
+            tracker = ProgressTracker(planned_bytes(plan), names, dict(cache_hits or {}))
             while answer.get("event") in ("ready", "progress"):  # imports done, then the load's samples
                 if answer.get("event") == "progress":
                     self._on_sample(answer, tracker, on_progress)
@@ -275,9 +278,8 @@ class Worker:
         except BaseException:
             self.kill()
             raise
-        get_logger().info(
-            "worker_loaded", pid=self.pid, log=str(self.log_path), seconds=self.placement.load_seconds
-        )
+        seconds = round(self.placement.load_seconds, 3)
+        get_logger().info("worker_loaded", pid=self.pid, log=str(self.log_path), seconds=seconds)
         return self.placement
 
     def _on_sample(

@@ -334,8 +334,7 @@ class Backend:
             self.reason = f"loading failed: {exc}"
             get_logger().warning("serve_load_failed", error=str(exc))
             return False
-        self.skipped.clear()  # in place: a display may hold this mapping
-        self.skipped.update(prep.hit_bytes if prep is not None else {})
+        self.skipped = dict(prep.hit_bytes) if prep is not None else {}
         phases = {"cache": time.monotonic() - started} if prep is not None else {}
         worker = Worker.spawn(
             self.config.log_dir / f"worker-{int(time.time() * 1000)}.log" if self.config.log_dir else None,
@@ -351,6 +350,7 @@ class Backend:
                 timeout=self.config.load_timeout,
                 dial=self.fleet.dial_map(),
                 on_progress=self._progress,
+                cache_hits=self.skipped,
             )
         except RpcfleetError as exc:
             worker.kill()
@@ -362,7 +362,7 @@ class Backend:
         with self._cond:
             self._worker = worker
             self.plan = plan
-            self.load_seconds = worker.placement.load_seconds if worker.placement else None
+            self.load_seconds = round(worker.placement.load_seconds, 3) if worker.placement else None
             for ep in plan.endpoints:
                 self.nodes[ep] = "serving"
             self.lost = tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
