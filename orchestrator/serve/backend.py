@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -292,19 +293,12 @@ class Backend:
                 result = self._plan_round()
                 if result.plan is not None:
                     replan += time.monotonic() - round_started
-                    load_started = time.monotonic()
-                    if self._load(result.plan):
-                        if lost is not None:
-                            self.metrics.record_recovery(
-                                Recovery(
-                                    lost=lost[0],
-                                    detection=round(lost[1], 6),
-                                    replan=round(replan, 6),
-                                    reload=round(time.monotonic() - load_started, 6),
-                                    total=round(time.monotonic() - started, 6),
-                                    detected_at=lost[2],
-                                )
-                            )
+                    record = None
+                    if lost is not None:
+                        record = functools.partial(
+                            self._record_recovery, lost, replan, time.monotonic(), started
+                        )
+                    if self._load(result.plan, before_serving=record):
                         return
                 else:
                     replan += time.monotonic() - round_started
@@ -318,6 +312,21 @@ class Backend:
                     return
                 self._stopping.wait(self.config.retry_interval)
 
+    def _record_recovery(
+        self, lost: tuple[tuple[str, ...], float, float], replan: float, load_started: float, started: float
+    ) -> None:
+        now = time.monotonic()
+        self.metrics.record_recovery(
+            Recovery(
+                lost=lost[0],
+                detection=round(lost[1], 6),
+                replan=round(replan, 6),
+                reload=round(now - load_started, 6),
+                total=round(now - started, 6),
+                detected_at=lost[2],
+            )
+        )
+
     def _plan_round(self) -> PlanRound:
         try:
             result = self.fleet.plan_round()
@@ -326,7 +335,9 @@ class Backend:
         self.nodes = {ep: result.states.get(ep, "unknown") for ep in self.fleet.endpoints}
         return result
 
-    def _load(self, plan: Plan) -> bool:
+    def _load(self, plan: Plan, before_serving: Callable[[], None] | None = None) -> bool:
+        """Check the caches, load `plan` in a new worker and serve it; `before_serving` runs just before
+        the new state shows (a recovery's record, so that /health never shows one without the other)."""
         started = time.monotonic()
         try:
             prep = self.fleet.prepare_cache(plan)
@@ -360,6 +371,8 @@ class Backend:
         finally:
             self.load_progress = None
         with self._cond:
+            if before_serving is not None:
+                before_serving()
             self._worker = worker
             self.plan = plan
             self.load_seconds = round(worker.placement.load_seconds, 3) if worker.placement else None
