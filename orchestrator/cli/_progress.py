@@ -12,6 +12,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
     Task,
     TaskID,
     TextColumn,
@@ -25,6 +26,18 @@ from orchestrator.core.units import format_size
 from orchestrator.inventory.model import Host
 from orchestrator.llama.load_progress import LoadProgress
 from orchestrator.operations.install_plan import InstallChange
+
+
+def _bars(enabled: bool, *columns: ProgressColumn) -> Progress:
+    """Rich bars on stderr, a description and a bar, then `columns`; gone once done; off unless `enabled`."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        *columns,
+        console=_common.err_console,
+        transient=True,
+        disable=not enabled,
+    )
 
 
 class _TransferColumn(DownloadColumn):
@@ -41,15 +54,7 @@ class Uploads:
     build, one status line per host showing the build log's latest line."""
 
     def __init__(self, enabled: bool) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            _TransferColumn(),
-            TransferSpeedColumn(),
-            console=_common.err_console,
-            transient=True,
-            disable=not enabled,
-        )
+        self.progress = _bars(enabled, _TransferColumn(), TransferSpeedColumn())
 
     def __call__(self, host: Host, change: InstallChange) -> ProgressCallback:
         what = f"the source of {change.version}" if change.build is not None else change.version
@@ -75,14 +80,7 @@ class PlayProgress:
 
     def __init__(self, name: str, steps: int, hosts: int, *, enabled: bool) -> None:
         self.hosts = hosts
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            console=_common.err_console,
-            transient=True,
-            disable=not enabled,
-        )
+        self.progress = _bars(enabled, TextColumn("{task.completed}/{task.total}"))
         self.steps = self.progress.add_task(f"{name}: steps", total=steps)
         self.current = self.progress.add_task("hosts", total=hosts)
 
@@ -102,14 +100,7 @@ class LoadBars:
 
     def __init__(self, enabled: bool, *, names: Mapping[str, str]) -> None:
         self.names = names
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.fields[what]}"),
-            console=_common.err_console,
-            transient=True,
-            disable=not enabled,
-        )
+        self.progress = _bars(enabled, TextColumn("{task.fields[what]}"))
         self._load: TaskID | None = None
         self._nodes: dict[str, TaskID] = {}
         self._seconds = 0.0
