@@ -28,12 +28,15 @@ need g++ g++
 need make make
 need /usr/sbin/sshd openssh-server
 need ssh-keygen openssh-client
+need ssh openssh-client
 need iptables iptables
 need ip iproute2
 need ss iproute2
 need setsid util-linux
+need setpriv util-linux
 need systemd-nspawn systemd-container
 need stdbuf coreutils
+need systemd-analyze systemd
 need chromium chromium
 if [ ${#missing[@]} -gt 0 ]; then
   # shellcheck disable=SC2207

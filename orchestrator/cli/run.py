@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
-from orchestrator.core.errors import RpcfleetError, UsageError
+from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
@@ -143,15 +143,20 @@ def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
         _common.err_console.print(f"[yellow]warning:[/yellow] {escape(message)} (--force)", highlight=False)
 
 
-def _host_names(args: argparse.Namespace, plan: Plan) -> dict[str, str]:
-    """The inventory's name of each endpoint of the plan, where the inventory has one."""
+def inventory_hosts(args: argparse.Namespace) -> list[Host]:
+    """The selected inventory hosts (their caches, their names); none with --endpoint, or with a saved
+    --plan and no inventory (nothing to check against)."""
+    from orchestrator.core.errors import InputError, LabError
+
     if args.endpoint:
-        return {}
+        return []
     try:
         _, hosts = _common.load_hosts(args)
-    except RpcfleetError:
-        return {}
-    return {h.endpoint: h.name for h in hosts if h.endpoint in plan.endpoints}
+    except (InputError, LabError):
+        if args.plan is not None:
+            return []
+        raise
+    return list(hosts)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -169,7 +174,8 @@ def handle(args: argparse.Namespace) -> int:
     with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
         plan = make_run_plan(args, phases)
         check_fit(plan, force=args.force, json=args.json)
-        cache, cache_phases = prepare_cache(args, plan)
+        hosts = inventory_hosts(args)
+        cache, cache_phases = prepare_cache(args, plan, hosts)
         phases |= cache_phases
         if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
             where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
@@ -179,7 +185,8 @@ def handle(args: argparse.Namespace) -> int:
             )
         dial = _planning.dial_map(args, plan.endpoints)
         started = time.monotonic()
-        bars = LoadBars(_common.err_console.is_terminal and not args.json, names=_host_names(args, plan))
+        names = {h.endpoint: h.name for h in hosts if h.endpoint in plan.endpoints}
+        bars = LoadBars(_common.err_console.is_terminal and not args.json, names=names)
         with bars:
             placement = worker.load(
                 plan,
@@ -223,23 +230,18 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_cache(args: argparse.Namespace, plan: Plan) -> tuple[CachePrep | None, dict[str, float]]:
+def prepare_cache(
+    args: argparse.Namespace, plan: Plan, hosts: list[Host]
+) -> tuple[CachePrep | None, dict[str, float]]:
     """Before a load through the inventory's `rpc_cache` hosts: count each node's hits and misses, refuse
     (LoaderError) when a file the load would read back is truncated (or, with --verify-cache, corrupt),
     and warm the misses first when `--warm` says so (all nodes in parallel). Returns what the load will
     find and the phases' times."""
-    from orchestrator.core.errors import InputError, LabError
     from orchestrator.llama.cache_prep import prepare_caches
 
     phases: dict[str, float] = {}
-    if args.endpoint:
+    if not hosts:
         return None, phases
-    try:
-        _, hosts = _common.load_hosts(args)
-    except (InputError, LabError):
-        if args.plan is not None:  # a saved plan needs no inventory: nothing to check against
-            return None, phases
-        raise
     started = time.monotonic()
 
     def checked(prep: CachePrep) -> None:

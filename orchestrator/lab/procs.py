@@ -27,6 +27,18 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 _KILL_TIMEOUT = 5.0
 
+# Every lab sshd (a plain node's and a systemd node's): keys only, no delays, room for parallel sessions.
+SSHD_COMMON = (
+    "PasswordAuthentication no",
+    "KbdInteractiveAuthentication no",
+    "StrictModes no",
+    "PrintMotd no",
+    "PrintLastLog no",
+    "UseDNS no",
+    "MaxStartups 100",
+    "MaxSessions 64",
+)
+
 
 def _kill(pids: Iterable[int]) -> None:
     unique = [pid for pid in set(pids) if pid not in _protected_pids()]

@@ -35,7 +35,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import LabError
-from orchestrator.lab.procs import _cmdline, _env, _netns_pids, _proc_alive, _read_pid, _run, _tail, _tcp_open
+from orchestrator.lab.procs import (
+    SSHD_COMMON,
+    _cmdline,
+    _env,
+    _netns_pids,
+    _proc_alive,
+    _read_pid,
+    _run,
+    _tail,
+    _tcp_open,
+)
 
 if TYPE_CHECKING:
     from orchestrator.lab.model import Lab, LabNode
@@ -153,14 +163,7 @@ def _sshd_dropin(lab: Lab, node: LabNode, extra: list[str]) -> str:
         "HostKey /etc/ssh/ssh_host_ed25519_key",
         f"AllowUsers {lab.user} root",
         "PermitRootLogin prohibit-password",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "StrictModes no",
-        "PrintMotd no",
-        "PrintLastLog no",
-        "UseDNS no",
-        "MaxStartups 100",
-        "MaxSessions 64",
+        *SSHD_COMMON,
         *extra,
     ]
     return "\n".join(lines) + "\n"

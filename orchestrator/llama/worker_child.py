@@ -303,7 +303,8 @@ def serve(channel: _Channel) -> int:
     load = channel.requests.get()
     try:
         plan = Plan.from_json(load["plan"])
-        with _LoadMeter(channel, endpoint_peers(plan.endpoints)) as meter:
+        peers = endpoint_peers(plan.endpoints)
+        with _LoadMeter(channel, peers) as meter:
             llm = load_llama(
                 plan,
                 load["model"],
@@ -314,7 +315,7 @@ def serve(channel: _Channel) -> int:
     except (RpcfleetError, ValueError, TypeError, KeyError) as exc:
         channel.send(event="error", **_error_fields(exc))
         return 1
-    endpoints = list(endpoint_peers(plan.endpoints))
+    endpoints = list(peers)
     link_timeout = float(load.get("link_timeout", 10.0))
     tuned = tune_sockets(endpoints, link_timeout)
     channel.send(
