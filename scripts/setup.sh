@@ -6,8 +6,13 @@
 #     small .venv per checkout on top of it that runs that checkout's code (scripts/checkout-venv.sh)
 #  4. the CPU rpc-server artifact built from the same llama.cpp source (cached)
 #  5. an old (protocol 2.0.0) rpc-server for the version-skew tests (cached)
-# A second run only checks the stamps and takes seconds.
+#  7. `rpcfleet` on PATH (scripts/install-shim.sh)
+# A second run only checks the stamps and takes seconds. Every run appends its time and what it built to
+# $RPCFLEET_HOME/timings/setup.jsonl (bench/firsthour.py prints the README's figures from it).
 set -euo pipefail
+SETUP_STARTED=$(date +%s.%N)
+LOAD_AT_START=$(cut -d' ' -f1 /proc/loadavg)
+built=()
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 RPCFLEET_HOME=${RPCFLEET_HOME:-$HOME/.cache/rpcfleet}
@@ -46,6 +51,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    apt_installed=("${missing[@]}")
   else
     die "missing system packages: ${missing[*]}. Install them with: sudo apt-get install -y ${missing[*]}"
   fi
@@ -77,6 +83,7 @@ if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
     "$PYTHON" -m pip wheel -q --no-deps "$SDIST" -w "$stage" >"$RPCFLEET_HOME/llama-wheel-build.log" 2>&1 \
     || die "building llama-cpp-python failed; see $RPCFLEET_HOME/llama-wheel-build.log"
   rm -rf "$WHEEL_DIR"; mv "$stage" "$WHEEL_DIR"
+  built+=(llama-cpp-python)
 fi
 WHEEL=$(compgen -G "$WHEEL_DIR/*.whl" | head -n1)
 
@@ -97,6 +104,7 @@ if [ ! -f "$VENV/.rpcfleet-ready" ]; then
   quiet "$VENV/bin/pip" install -q -e "$ROOT[llama,serve,dev]"
   quiet "$VENV/bin/pip" uninstall -q -y rpcfleet
   touch "$VENV/.rpcfleet-ready"
+  built+=(venv)
 fi
 bash "$ROOT/scripts/checkout-venv.sh" "$VENV" "$ROOT" || die "making $ROOT/.venv failed"
 PY="$ROOT/.venv/bin/python"
@@ -107,6 +115,8 @@ import llama_cpp.llama_cpp as ll
 sys.exit(0 if ll.llama_supports_rpc() else 1)
 PY
 
+# Builds that steps 4 and 5 make show as new entries of the artifact store (for the record).
+artifacts_before=$(find "$RPCFLEET_HOME/artifacts" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
 # ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   "$PY" -m orchestrator artifact build --backend cpu --quiet-if-cached \
@@ -117,9 +127,39 @@ fi
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   quiet "$PY" -c 'from orchestrator.artifacts.build import build_artifact; build_artifact("cpu", version="0.3.16")'
 fi
+artifacts_after=$(find "$RPCFLEET_HOME/artifacts" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+if [ "$artifacts_after" -gt "$artifacts_before" ]; then built+=(rpc-server); fi
 # ---- 6. the FNV-1a helper of the tensor cache (a library here, a static tool for nodes; cached) ----------
 if "$PY" -c 'import orchestrator.core.fnv' 2>/dev/null; then
   "$PY" -c 'from orchestrator.core.fnv import helper_binary, library_path; library_path(); helper_binary()' \
     || say "warning: could not build the FNV-1a helper (needs cc); rpcfleet cache will try again when used"
 fi
+# ---- 7. `rpcfleet` on PATH: a shim that runs the checkout you are in, else this one ----------
+if [ "$(id -u)" = 0 ]; then SHIM_DIR=/usr/local/bin; else SHIM_DIR=$HOME/.local/bin; fi
+say "$(bash "$ROOT/scripts/install-shim.sh" "$SHIM_DIR" "$ROOT")"
+case ":$PATH:" in
+  *":$SHIM_DIR:"*) ;;
+  *) say "$SHIM_DIR is not on PATH in this shell: open a new login shell, or run \`. $ROOT/.venv/bin/activate\`" ;;
+esac
+
+# ---- the record of this run (bench/firsthour.py) ----------
+"$PY" - "$RPCFLEET_HOME/timings/setup.jsonl" "$SETUP_STARTED" "$LOAD_AT_START" "$ROOT" \
+  "${built[*]:-}" "${apt_installed[*]:-}" <<'PY' || say "warning: could not record this set-up's time"
+import datetime, json, os, platform, subprocess, sys, time
+path, started, load, root, built, apt = sys.argv[1:]
+model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+record = {
+    "date": datetime.date.today().isoformat(),
+    "seconds": round(time.time() - float(started), 1),
+    "built": built.split(),
+    "apt": apt.split(),
+    "commit": sha.stdout.strip() or "unknown",
+    "machine": f"{os.cpu_count()} cores ({model or platform.machine()}), {platform.system()} {platform.release()}",
+    "load1": float(load),
+}
+os.makedirs(os.path.dirname(path), exist_ok=True)
+with open(path, "a") as sink:
+    sink.write(json.dumps(record) + "\n")
+PY
 say "ready: $ROOT/.venv (this checkout's code, the packages of $VENV)"

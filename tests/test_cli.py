@@ -133,15 +133,14 @@ def test_choices_copied_into_the_cli_match_their_source() -> None:
     """The CLI lists some choices itself (importing their modules would slow every command down)."""
     from typing import get_args
 
-    from orchestrator.cli import lab, model, probe, report
-    from orchestrator.lab.model import DEFAULT_LAB
+    from orchestrator.cli import model, probe, report
     from orchestrator.planning.profile import KV_CACHE_TYPES
     from orchestrator.planning.synth import WeightType
     from orchestrator.probe.fleet import FAIL_ON
     from orchestrator.probe.host import DEFAULT_TIMEOUT
     from orchestrator.report.render import FORMATS
 
-    assert probe.FAIL_ON == FAIL_ON and report.FORMATS == FORMATS and lab.DEFAULT_LAB == DEFAULT_LAB
+    assert probe.FAIL_ON == FAIL_ON and report.FORMATS == FORMATS
     assert tuple(KV_CACHE_TYPES) == _planning.KV_TYPES and get_args(WeightType) == model.WEIGHT_TYPES
     args = parse_args(["probe"])
     assert args.timeout is None and _common.probe_timeout(args) == DEFAULT_TIMEOUT

@@ -82,7 +82,8 @@ def test_memory_rules_without_an_inventory() -> None:
         "10.0.0.5:50052": _result("10.0.0.5:50052", (20 * GiB, 24 * GiB)),  # a remote GPU
         "10.0.0.6:50052": _result("10.0.0.6:50052", (128 * GiB, 128 * GiB)),  # a remote CPU
     }
-    measured = measured_devices(results, facts, alignments={("10.0.0.5:50052", 0): 128})
+    local = {"127.0.0.1:1": facts, "127.0.0.1:2": facts}
+    measured = measured_devices(results, local, alignments={("10.0.0.5:50052", 0): 128})
     usable = {d.label: d.usable for d in measured.devices}
     # Loopback CPU servers share this machine's MemAvailable; the remote GPU keeps its own figure.
     assert usable["127.0.0.1:1#0"] == usable["127.0.0.1:2#0"] == 20 * GiB
@@ -90,16 +91,20 @@ def test_memory_rules_without_an_inventory() -> None:
     assert measured.devices[2].alignment == 128
     # The remote CPU server's figure (its total RAM) was not measured: never used silently.
     assert measured.unmeasured == ("10.0.0.6:50052#0",)
-    trusted = measured_devices(results, facts, alignments={}, trust_rpc_memory=True)
+    trusted = measured_devices(results, local, alignments={}, trust_rpc_memory=True)
     assert trusted.unmeasured == () and trusted.devices[3].usable == 128 * GiB
-    explicit = measured_devices(results, facts, alignments={}, rpc_memory={"10.0.0.6:50052": 16 * GiB})
+    explicit = measured_devices(results, local, alignments={}, rpc_memory={"10.0.0.6:50052": 16 * GiB})
     assert explicit.unmeasured == () and explicit.devices[3].usable == 16 * GiB
     # Without this machine's facts, loopback CPU servers are unmeasured too.
-    assert measured_devices(results, None, alignments={}).unmeasured == (
+    assert measured_devices(results, {}, alignments={}).unmeasured == (
         "127.0.0.1:1#0",
         "127.0.0.1:2#0",
         "10.0.0.6:50052#0",
     )
+    # The remote CPU server measured through its inventory host's facts (another machine).
+    remote = HostFacts(memory=MemInfo(total=128 * GiB, available=100 * GiB), machine_id="node-6")
+    inventoried = measured_devices(results, {**local, "10.0.0.6:50052": remote}, alignments={})
+    assert inventoried.unmeasured == () and inventoried.devices[3].usable == 100 * GiB
 
 
 def test_importing_orchestrator_imports_no_llama_cpp() -> None:

@@ -64,6 +64,36 @@ def test_a_node_whose_memory_cannot_be_measured_is_refused_unless_trusted(
     assert blind.endpoint not in json.dumps(json.loads(text)["cases"])
 
 
+def test_the_seed_example_plans_remote_cpu_servers_with_the_inventorys_facts(
+    worker_lab: Lab,
+    deployed: list[Host],
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README's Python example, with the lab's endpoints: the inventory rpcfleet's commands would
+    use measures the nodes, as `rpcfleet plan` does; without one they are refused as not measured."""
+    from orchestrator.core.errors import PlanError
+    from orchestrator.llama.seed import Llama
+
+    monkeypatch.chdir(tmp_path)  # no ./inventory.yml here
+    monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path / "home"))  # and no default lab
+    monkeypatch.delenv("RPCFLEET_INVENTORY", raising=False)
+    endpoints = [h.endpoint for h in deployed]
+    with pytest.raises(PlanError, match="was not measured"):
+        Llama(model_path=str(tiny_model), rpc_servers=endpoints, n_gpu_layers=-1, n_ctx=256, verbose=False)
+    monkeypatch.setenv("RPCFLEET_INVENTORY", str(worker_lab.inventory))
+    llm = Llama(model_path=str(tiny_model), rpc_servers=endpoints, n_gpu_layers=-1, n_ctx=256, verbose=False)
+    try:
+        usable = [d.memory.usable for d in llm.rpcfleet_plan.devices]
+        available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+        # Three CPU servers of one machine share its MemAvailable (each about a third), not its RAM each.
+        assert all(abs(u - available / 3) < available / 10 for u in usable), (usable, available)
+        assert llm("Hello", max_tokens=4)["choices"][0]["text"] is not None
+    finally:
+        llm.close()
+
+
 def test_a_cut_link_during_run_is_a_bounded_clean_error_naming_the_node(
     worker_lab: Lab, deployed: list[Host], tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common
-
-DEFAULT_LAB = "lab"  # orchestrator.lab.model.DEFAULT_LAB (tests/test_cli.py checks they agree)
+from orchestrator.core.errors import UsageError
+from orchestrator.core.paths import DEFAULT_LAB
 
 
 def register(subparsers: Any) -> None:
@@ -37,6 +37,13 @@ def register(subparsers: Any) -> None:
         help="systemd: every node boots systemd as PID 1 (systemd-nspawn), sshd runs as its service",
     )
     up.add_argument("-o", "--output", type=Path, default=None, help="also write the inventory to this file")
+    up.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an inventory variable for every node, e.g. rpc_cache=true or supervisor=systemd (repeatable)",
+    )
     _common.add_json_arg(up)
     up.set_defaults(handler=handle_up)
 
@@ -59,6 +66,24 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _variables(items: list[str]) -> dict[str, Any]:
+    """`--var KEY=VALUE` items; each value read as YAML (`true`, `8GiB`, `[CPU]`), as in an inventory."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--var {item!r}: expected KEY=VALUE, e.g. --var rpc_cache=true")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as exc:
+            raise UsageError(
+                f"--var {item!r}: the value is not valid YAML ({exc.__class__.__name__})"
+            ) from None
+    return out
+
+
 def handle_up(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
@@ -67,7 +92,14 @@ def handle_up(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     reaped = reap_stale()
-    made = lab_up(args.nodes, name=args.name, local=args.local, output=args.output, init=args.init)
+    made = lab_up(
+        args.nodes,
+        name=args.name,
+        local=args.local,
+        output=args.output,
+        init=args.init,
+        variables=_variables(args.var),
+    )
     seconds = time.monotonic() - started
     if args.json:
         _common.print_json({**lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})

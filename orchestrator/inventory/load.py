@@ -35,6 +35,7 @@ give a warning (``Inventory.warnings``), never an error.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ from typing import Any, Literal
 import yaml
 
 from orchestrator.core.errors import InventoryError
+from orchestrator.core.paths import default_lab_inventory_file
 from orchestrator.inventory.model import Group, Host, Inventory
 from orchestrator.inventory.readers import _SECTION, _Builder, _parse_ini, _parse_yaml, _RawHost, _RawVar
 from orchestrator.inventory.variables import LOCAL_ADDRESS, VARIABLES, VARIABLES_BY_NAME, _parse_address
@@ -304,3 +306,17 @@ def load_inventory(path: Path) -> Inventory:
     except (OSError, UnicodeDecodeError) as exc:
         raise InventoryError(f"cannot read inventory {path}: {exc}") from None
     return load_inventory_text(text, Path(path))
+
+
+INVENTORY_ENV = "RPCFLEET_INVENTORY"
+
+
+def default_inventory_path() -> Path | None:
+    """The inventory a command uses when none is given: `$RPCFLEET_INVENTORY`, then `./inventory.yml`,
+    then the running default lab's; None when there is none."""
+    if os.environ.get(INVENTORY_ENV):
+        return Path(os.environ[INVENTORY_ENV])
+    if Path("inventory.yml").exists():
+        return Path("inventory.yml")
+    lab = default_lab_inventory_file()
+    return lab if lab.exists() else None

@@ -32,7 +32,7 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -40,14 +40,15 @@ from typing import Any
 
 import yaml
 
-from orchestrator.core.errors import LabError
+from orchestrator.core.errors import InventoryError, LabError
 from orchestrator.core.log import get_logger
+from orchestrator.core.paths import DEFAULT_LAB, labs_root
+from orchestrator.inventory.load import load_inventory_text
 from orchestrator.lab.model import (
     _LINK_RE,
     _NAME_RE,
     _NS_RE,
     _USER_RE,
-    DEFAULT_LAB,
     LAB_GROUP,
     MAX_NODES,
     NODE_INSTALL_DIR,
@@ -63,7 +64,6 @@ from orchestrator.lab.model import (
     Owner,
     check_name,
     lab_dir,
-    labs_root,
 )
 from orchestrator.lab.netns import (
     _check_netns_prerequisites,
@@ -87,13 +87,17 @@ def lab_up(
     output: Path | None = None,
     owner_pid: int | None = None,
     init: NodeInit = "none",
+    variables: Mapping[str, Any] | None = None,
 ) -> Lab:
     """Bring a lab of `nodes` nodes up, write its key, known_hosts and inventory, and return it.
 
     `owner_pid`: the lab counts as stale (reaped by `reap_stale`) once that process is gone.
     `init="systemd"`: every node boots systemd as PID 1 (systemd-nspawn; lab/systemd.py).
+    `variables`: inventory variables for every node (`--var rpc_cache=true`), checked before anything
+    is made.
     """
     check_name(name)
+    extra = check_variables(variables or {})
     if not 1 <= nodes <= MAX_NODES:
         raise LabError(f"--nodes must be between 1 and {MAX_NODES}, not {nodes}")
     kind: LabKind = "local" if local else "netns"
@@ -121,7 +125,7 @@ def lab_up(
             _create_netns(lab)
         else:
             _create_local(lab)
-        written = _write_inventory(lab, output)
+        written = _write_inventory(lab, output, extra)
         lab = replace(lab, state="up", outputs=written)
         lab.save()
     except BaseException:
@@ -323,8 +327,21 @@ def _free_slot(name: str, kind: LabKind) -> int:
     raise LabError("all 256 lab slots are in use", hint="`rpcfleet lab down --all`")
 
 
-def inventory_document(lab: Lab) -> dict[str, Any]:
-    """The lab's inventory in rpcfleet's native YAML form: common vars, one entry per node, group `lab`."""
+def check_variables(variables: Mapping[str, Any]) -> dict[str, Any]:
+    """Inventory variables for every lab node, checked as an inventory's would be (unknown names with
+    the closest one, bad values): an `InventoryError` naming `--var`."""
+    if not variables:
+        return {}
+    document = {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}}
+    checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
+    if checked.warnings:  # a typo here would silently do nothing on every node
+        raise InventoryError("; ".join(checked.warnings))
+    return dict(variables)
+
+
+def inventory_document(lab: Lab, variables: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The lab's inventory in rpcfleet's native YAML form: common vars (then `variables`), one entry per
+    node, group `lab`."""
     hosts: dict[str, dict[str, Any]] = {}
     if lab.kind == "netns":
         common: dict[str, Any] = {
@@ -350,16 +367,20 @@ def inventory_document(lab: Lab) -> dict[str, Any]:
                 "home": str(node.home),
                 "install_dir": str(node.home / "rpcfleet"),
             }
-    return {"vars": common, "hosts": hosts, "groups": {LAB_GROUP: {"hosts": list(hosts)}}}
+    return {
+        "vars": {**common, **(variables or {})},
+        "hosts": hosts,
+        "groups": {LAB_GROUP: {"hosts": list(hosts)}},
+    }
 
 
-def _write_inventory(lab: Lab, output: Path | None) -> tuple[str, ...]:
+def _write_inventory(lab: Lab, output: Path | None, variables: Mapping[str, Any]) -> tuple[str, ...]:
     kind = "network namespaces with OpenSSH" if lab.kind == "netns" else "local connections"
     header = (
         f"# rpcfleet lab {lab.name!r}: {len(lab.nodes)} nodes ({kind}), written by `rpcfleet lab up`.\n"
         f"# Gone with `rpcfleet lab down --name {lab.name}`.\n"
     )
-    text = header + yaml.safe_dump(inventory_document(lab), sort_keys=False)
+    text = header + yaml.safe_dump(inventory_document(lab, variables), sort_keys=False)
     lab.inventory.write_text(text)
     if output is None:
         return ()

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.files import write_atomic
-from orchestrator.core.paths import rpcfleet_home
+from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.core.poll import poll
 from orchestrator.lab import systemd
 from orchestrator.lab.procs import (
@@ -36,9 +36,6 @@ from orchestrator.lab.procs import (
     _tcp_open,
     _wait_dead,
 )
-
-DEFAULT_LAB = "lab"
-
 
 PREFIX = "rfl"
 
@@ -92,10 +89,6 @@ LabKind = Literal["netns", "local"]
 
 
 NodeInit = Literal["none", "systemd"]  # none: sshd under unshare; systemd: systemd-nspawn boots systemd
-
-
-def labs_root() -> Path:
-    return rpcfleet_home() / "lab"
 
 
 def lab_dir(name: str = DEFAULT_LAB) -> Path:

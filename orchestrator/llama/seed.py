@@ -37,7 +37,6 @@ import llama_cpp
 
 # isort: split
 from orchestrator.core.errors import LoaderError, ModelError, PlanError
-from orchestrator.inventory.model import is_loopback
 from orchestrator.inventory.variables import _did_you_mean
 from orchestrator.llama.errors import UnknownArgumentError
 from orchestrator.llama.loader import (
@@ -49,10 +48,10 @@ from orchestrator.llama.loader import (
 )
 from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load
 from orchestrator.llama.seed_plan import (
+    endpoint_facts,
     measured_devices,
     parse_rpc_memory,
     parse_rpc_servers,
-    read_local_facts,
     refuse_misfit,
     refuse_unmeasured,
 )
@@ -60,7 +59,6 @@ from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import KV_CACHE_TYPES, profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.rpc.protocol import parse_endpoint
 
 # Every keyword the stock constructor names; anything else would vanish into its **kwargs.
 STOCK_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "kwargs"}
@@ -226,10 +224,9 @@ class Llama(llama_cpp.Llama):
                 for ep in endpoints
                 for i, dev in enumerate(registered[ep].devices)
             }
-            loopback = any(is_loopback(parse_endpoint(ep).host) for ep in endpoints)
             measured = measured_devices(
                 results,
-                read_local_facts() if loopback else None,
+                endpoint_facts(endpoints),
                 alignments=alignments,
                 rpc_memory=memory,
                 trust_rpc_memory=trust_rpc_memory,

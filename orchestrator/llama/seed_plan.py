@@ -8,7 +8,10 @@ Usable memory without an inventory follows the probe's rules (`probe.capacity`) 
 * Loopback endpoints run on this machine, so this machine's facts apply: a CPU device gets
   `MemAvailable`, split evenly among the CPU servers of this machine (otherwise each would claim all
   of it). GPU devices keep the free memory they report.
-* Remote endpoints have no host facts. GPU devices keep the free memory they report (the driver's
+* Remote endpoints that a host of the inventory rpcfleet's commands use serves (`$RPCFLEET_INVENTORY`,
+  `./inventory.yml`, the running lab's) get that host's facts, read over its connection, as `rpcfleet
+  plan` would: so `rpc_servers=["10.77.0.11:50052"]` after `rpcfleet lab up` plans on MemAvailable.
+* Other remote endpoints have no host facts. GPU devices keep the free memory they report (the driver's
   figure). A CPU device's figure is not a measurement, so it is not trusted ("memory that was not
   measured is not trusted"): planning refuses it with a `PlanError`, unless `rpc_memory` gives its
   usable bytes or `trust_rpc_memory=True` accepts the server's figure.
@@ -17,13 +20,17 @@ Usable memory without an inventory follows the probe's rules (`probe.capacity`) 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from orchestrator.connectors.local import LocalConnection
-from orchestrator.core.errors import PlanError
+from orchestrator.connectors.base import ConnectOptions
+from orchestrator.connectors.connect import connect
+from orchestrator.core.errors import PlanError, RpcfleetError
+from orchestrator.core.log import get_logger
 from orchestrator.core.units import format_size, parse_size
 from orchestrator.facts.base import gather
+from orchestrator.inventory.load import default_inventory_path, load_inventory
 from orchestrator.inventory.model import Host, is_loopback
 from orchestrator.planning.plan import Plan, PlanDevice
 from orchestrator.probe.capacity import fleet_capacity
@@ -83,9 +90,27 @@ def _host_for(endpoint: str, result: ProbeResult) -> Host:
     )
 
 
-async def _gather_local() -> HostFacts:
-    host = Host(name="localhost", address="127.0.0.1", connection="local")
-    conn = LocalConnection(host)
+LOCAL_HOST = Host(name="localhost", address="127.0.0.1", connection="local")
+
+
+def inventory_hosts(endpoints: Iterable[str]) -> dict[str, Host]:
+    """{endpoint: the inventory host serving it} for the endpoints a default inventory knows (see the
+    module's doc); {} without one. A broken inventory is named in the log, never fatal: the endpoints
+    then plan as if there were none."""
+    path = default_inventory_path()
+    if path is None:
+        return {}
+    try:
+        hosts = load_inventory(path).hosts
+    except RpcfleetError as exc:
+        get_logger().warning("inventory_unreadable", path=str(path), error=str(exc))
+        return {}
+    wanted = set(endpoints)
+    return {host.endpoint: host for host in hosts if host.endpoint in wanted}
+
+
+async def _gather(host: Host) -> HostFacts:
+    conn = await connect(host, ConnectOptions(connect_timeout=FACTS_TIMEOUT_S))
     try:
         values = await gather(conn, probe_facts(host), timeout=FACTS_TIMEOUT_S, check=False)
     finally:
@@ -93,16 +118,38 @@ async def _gather_local() -> HostFacts:
     return HostFacts.from_values(values)
 
 
-def read_local_facts() -> HostFacts | None:
-    """This machine's facts (MemAvailable, machine identity...) for its loopback servers; None when
-    they cannot be read (then loopback CPU servers count as unmeasured)."""
+def read_facts(hosts: Mapping[str, Host]) -> dict[str, HostFacts | None]:
+    """Each host's facts (MemAvailable, machine identity...), read at once; None for a host whose facts
+    cannot be read (its CPU servers then count as unmeasured), with the cause in the log."""
     from orchestrator.llama.preflight import _run_sync
 
-    try:
-        facts: HostFacts = _run_sync(_gather_local())
-    except Exception:
-        return None
-    return facts
+    async def all_facts() -> list[HostFacts | BaseException]:
+        return await asyncio.gather(*(_gather(h) for h in hosts.values()), return_exceptions=True)
+
+    out: dict[str, HostFacts | None] = {}
+    for (key, host), facts in zip(hosts.items(), _run_sync(all_facts()), strict=True):
+        if isinstance(facts, BaseException):
+            if not isinstance(facts, Exception):
+                raise facts
+            get_logger().warning("facts_unreadable", host=host.name, error=str(facts) or type(facts).__name__)
+            out[key] = None
+        else:
+            out[key] = facts
+    return out
+
+
+def endpoint_facts(endpoints: Sequence[str]) -> dict[str, HostFacts | None]:
+    """The facts that measure each endpoint's memory: this machine's for loopback endpoints, the
+    inventory host's for the endpoints a default inventory serves; the others are absent."""
+    sources = dict(inventory_hosts(ep for ep in endpoints if not is_loopback(parse_endpoint(ep).host)))
+    if any(is_loopback(parse_endpoint(ep).host) for ep in endpoints):
+        sources["local"] = LOCAL_HOST
+    facts = read_facts(sources) if sources else {}
+    return {
+        ep: facts.get("local" if is_loopback(parse_endpoint(ep).host) else ep)
+        for ep in endpoints
+        if is_loopback(parse_endpoint(ep).host) or ep in facts
+    }
 
 
 @dataclass(frozen=True)
@@ -115,19 +162,17 @@ class Measured:
 
 def measured_devices(
     results: Mapping[str, ProbeResult],
-    local_facts: HostFacts | None,
+    facts: Mapping[str, HostFacts | None],
     *,
     alignments: Mapping[tuple[str, int], int],
     rpc_memory: Mapping[str, int] | None = None,
     trust_rpc_memory: bool = False,
 ) -> Measured:
     """Each endpoint's devices (endpoints in the given order) with usable memory by the rules above.
-    `alignments`: each device's buffer alignment (from its registration). Pure."""
+    `facts`: {endpoint: its host's facts} (`endpoint_facts`); `alignments`: each device's buffer
+    alignment (from its registration). Pure."""
     explicit = rpc_memory or {}
-    probed = [
-        (_host_for(ep, r), r, local_facts if is_loopback(parse_endpoint(ep).host) else None)
-        for ep, r in results.items()
-    ]
+    probed = [(_host_for(ep, r), r, facts.get(ep)) for ep, r in results.items()]
     devices: list[PlanDevice] = []
     unmeasured: list[str] = []
     capacities_of = fleet_capacity(probed, trust_rpc_memory=trust_rpc_memory)

@@ -1,0 +1,116 @@
+"""The figures of the README's first lines, as measured: the set-up time of a fresh machine (`make setup`
+records every run of scripts/setup.sh), the whole suite's time (the test session records every full run),
+and `rpcfleet demo` once set up (timed here, alternating nothing: it is the only thing measured).
+
+The set-up figure is the newest record of a run that built llama-cpp-python from an empty cache; the suite
+figure is the newest record of a whole-suite run (`make test` / `.ci/run`). Each says its date, commit,
+machine and the 1-minute load average at its start. `--write` replaces the block between the README's
+`<!-- bench/firsthour.py -->` markers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from _common import ROOT, arg_parser, commit, load_average, machine, median
+
+from orchestrator.core.paths import rpcfleet_home
+
+BEGIN = "<!-- bench/firsthour.py: generated, do not edit -->"
+END = "<!-- end bench/firsthour.py -->"
+
+
+def records(name: str) -> list[dict[str, Any]]:
+    path = rpcfleet_home() / "timings" / name
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a record cut by a killed run
+    return out
+
+
+def minutes(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+def time_demo(runs: int) -> tuple[list[float], float]:
+    load = load_average()
+    times = []
+    for _ in range(runs):
+        started = time.monotonic()
+        subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "rpcfleet"), "demo", "--lab-name", f"fh{os.getpid()}"],
+            check=True,
+            capture_output=True,
+        )
+        times.append(time.monotonic() - started)
+    return times, load
+
+
+def section(runs: int) -> str:
+    lines = [BEGIN]
+    cold = [r for r in records("setup.jsonl") if "llama-cpp-python" in r.get("built", [])]
+    if cold:
+        r = cold[-1]
+        built = ", ".join(r["built"])
+        apt = f"; Debian packages installed first: {', '.join(r['apt'])}" if r.get("apt") else ""
+        lines.append(
+            f"- Set-up on a fresh machine (`make setup` from an empty cache): **{minutes(r['seconds'])}**, "
+            f"building {built}{apt}. Measured {r['date']}, commit `{r['commit']}`, {r['machine']}, "
+            f"load average {r['load1']:.1f} at its start."
+        )
+    else:
+        lines.append("- Set-up on a fresh machine: no record yet of a `make setup` from an empty cache here.")
+    warm = [r for r in records("setup.jsonl") if not r.get("built")]
+    if warm:
+        lines.append(f"- `make setup` with everything cached: {warm[-1]['seconds']:.1f} s.")
+    suites = records("suite.jsonl")
+    if suites:
+        r = suites[-1]
+        lines.append(
+            f"- The whole suite (`make test`): **{minutes(r['seconds'])}**, {r['passed']} passed, "
+            f"{r['failed']} failed, {r['skipped']} skipped. Measured {r['date']}, commit `{r['commit']}`, "
+            f"{r['machine']}, load average {r['load1']:.1f} at its start."
+        )
+    else:
+        lines.append("- The whole suite: no record yet of a full `make test` run here.")
+    if runs:
+        times, load = time_demo(runs)
+        lines.append(
+            f"- `rpcfleet demo` once set up: **{median(times):.1f} s** (median of {runs}; "
+            f"min {min(times):.1f} s, max {max(times):.1f} s). Measured "
+            f"{time.strftime('%Y-%m-%d')}, commit `{commit()}`, {machine()}, load average {load:.1f} at "
+            "its start."
+        )
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--demo-runs", type=int, default=3, help="times to run `rpcfleet demo` (default 3)")
+    args = parser.parse_args()
+    text = section(args.demo_runs)
+    print(text)
+    if args.write is not None:
+        target = ROOT / "README.md" if args.write.name == "BENCHMARKS.md" else args.write
+        readme = target.read_text()
+        pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n", re.S)
+        if not pattern.search(readme):
+            sys.exit(f"{target}: no {BEGIN!r} block to replace")
+        target.write_text(pattern.sub(lambda _: text, readme, count=1))
+
+
+if __name__ == "__main__":
+    main()
