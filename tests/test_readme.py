@@ -172,7 +172,11 @@ def run_until_ready(line: str, ready: str, status: int, cwd: Path, env: dict[str
     ],
 )
 def test_lab_up_var_checks_the_variable_before_making_anything(
-    var: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    var: str,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from orchestrator.cli import main
 
