@@ -221,8 +221,10 @@ class SSHConnection(_BaseConnection):
             ) from None
         except (asyncssh.Error, OSError) as exc:
             raise self._lost("while running the command", exc) from None
-        except BaseException:  # cancelled by the caller: do not leave the command's channel open
+        except BaseException:  # cancelled by the caller: neither the command nor its channel lives on
             if process is not None:
+                with contextlib.suppress(Exception):
+                    process.kill()  # sshd would otherwise let it run on after the channel closes
                 process.close()
             raise
 
