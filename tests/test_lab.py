@@ -476,16 +476,17 @@ def _server_pid(node_home: Path) -> int | None:
 def _listeners(made: Lab, index: int) -> list[int]:
     """Listening sshds of node `index` (found in its namespace by their title, not by the pid file)."""
     config = f"-f {made.node(index).sshd_config} "
-    found = []
+    titled = {}
     for pid in made.node_pids(index):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        # a connection's child carries the same command line until it renames itself: not a listener
         if title.startswith("sshd: ") and config in title and "[listener]" in title and alive(pid):
-            found.append(pid)
-    return found
+            titled[pid] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    # a connection's child is a fork of the listener, with its title until it execs: not a listener
+    return sorted(pid for pid, parent in titled.items() if parent not in titled)
 
 
 @pytest.mark.lab
