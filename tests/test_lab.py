@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,14 @@ from orchestrator.connectors.local import LocalConnection
 from orchestrator.core.errors import AuthenticationError, HostKeyError, LabError, UnreachableError
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
-from orchestrator.lab.lifecycle import default_lab_inventory, lab_down, lab_status, lab_up, reap_stale
+from orchestrator.lab.lifecycle import (
+    default_lab_inventory,
+    lab_down,
+    lab_repair,
+    lab_status,
+    lab_up,
+    reap_stale,
+)
 from orchestrator.lab.model import Lab
 from orchestrator.lab.procs import _run_all
 from tests.plugins.lab import lab_hosts_of
@@ -451,3 +459,193 @@ def test_run_all_reaps_what_it_started_when_a_command_cannot_start(monkeypatch: 
     assert sleeper.returncode is not None  # killed and reaped, not left running
     with pytest.raises(ProcessLookupError):
         os.kill(sleeper.pid, 0)
+
+
+# ------------------------------------------------------------------------------------------ repair
+
+
+def _server_pid(node_home: Path) -> int | None:
+    """The node's rpc-server pid (deployed to ~/rpcfleet), when it runs."""
+    try:
+        pid = int((node_home / "rpcfleet" / "run" / "rpc-server.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if alive(pid) else None
+
+
+def _listeners(made: Lab, index: int) -> list[int]:
+    """Listening sshds of node `index` (found in its namespace by their title, not by the pid file)."""
+    config = f"-f {made.node(index).sshd_config} "
+    titled = {}
+    for pid in made.node_pids(index):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if title.startswith("sshd: ") and config in title and "[listener]" in title and alive(pid):
+            titled[pid] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    # a connection's child is a fork of the listener, with its title until it execs: not a listener
+    return sorted(pid for pid, parent in titled.items() if parent not in titled)
+
+
+@pytest.mark.lab
+def test_repair_brings_a_killed_sshd_back_and_leaves_the_other_nodes_alone(
+    make_lab: MakeLab, cpu_artifact: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made = make_lab(3)
+    inv = ["-i", str(made.inventory)]
+    name = ["--name", made.name]
+    assert main(["deploy", *inv]) == 0, capsys.readouterr().err
+    servers = [_server_pid(n.home) for n in made.nodes]
+    assert all(servers), servers
+    sshds = [n.sshd_pid() for n in made.nodes]
+    assert all(sshds)
+    victim = sshds[1]
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)  # as a user (or the OOM killer) would: the pid file stays
+    assert poll_until(lambda: not alive(victim))
+    capsys.readouterr()
+
+    assert main(["lab", "status", *name]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith(made.nodes[1].name))
+    assert "dead" in row and "closed" in row
+    assert f"rpcfleet lab repair --name {made.name}" in out
+    # `lab up` on it says what is broken and what repairs it, and changes nothing
+    assert main(["lab", "up", "--nodes", "3", *name]) == 1
+    err = capsys.readouterr().err
+    assert "already up" in err and f"{made.nodes[1].name} sshd dead" in err and "lab repair" in err
+
+    assert main(["lab", "repair", *name]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"{made.nodes[1].name}\s+sshd dead\s+sshd started \(pid \d+\)", out), out
+    assert "1 of 1 broken nodes repaired" in out and "2 healthy left alone" in out
+    after = [n.sshd_pid() for n in made.nodes]
+    assert after[0] == sshds[0] and after[2] == sshds[2]
+    assert after[1] is not None and after[1] != sshds[1]
+    assert [_server_pid(n.home) for n in made.nodes] == servers  # no server restarted, node 2's either
+    assert main(["ping", *inv, "--json"]) == 0
+    pinged = json.loads(capsys.readouterr().out)
+    assert sorted(h["host"] for h in pinged if h["status"] == "ok") == [n.name for n in made.nodes], pinged
+    assert lab_status(made.name).healthy
+
+    # a healthy lab: nothing changes, and the output says so
+    assert main(["lab", "repair", *name]) == 0
+    assert capsys.readouterr().out.strip() == f"lab {made.name}: all 3 nodes healthy, nothing to repair"
+    assert [n.sshd_pid() for n in made.nodes] == after
+    assert [_server_pid(n.home) for n in made.nodes] == servers
+    assert main(["lab", "repair", *name, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["repaired"] == [] and data["failed"] == [] and {n["fault"] for n in data["nodes"]} == {None}
+
+
+def poll_until(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.lab
+async def test_repair_starts_a_node_whose_processes_all_died_with_its_keys_and_home(
+    make_lab: MakeLab,
+) -> None:
+    made = make_lab(3)
+    hosts = lab_hosts_of(made)
+    sleeper = await start_sleeper(hosts[1])  # stands for its servers: a power cut takes them too
+    (made.nodes[1].home / "kept").write_text("on disk\n")
+    sshds = [n.sshd_pid() for n in made.nodes]
+    holders = [n.holder_pid() for n in made.nodes]
+    made.kill_node(2)
+    assert made.node_pids(2) == [] and not alive(sleeper)
+    assert not lab_status(made.name, probe_timeout=0.3).healthy
+
+    results = lab_repair(made.name)
+    assert [(r.fault, r.action, r.ok) for r in results] == [
+        (None, None, True),
+        ("down", "node started", True),
+        (None, None, True),
+    ]
+    assert [n.sshd_pid() for n in made.nodes][::2] == sshds[::2]  # the others: same sshd, same holder
+    assert [n.holder_pid() for n in made.nodes][::2] == holders[::2]
+    assert results[1].sshd_pid == made.nodes[1].sshd_pid() != sshds[1]
+    # the same host key (known_hosts unchanged), hostname, user and home
+    async with await connect(hosts[1], FAST) as conn:
+        result = await conn.run("hostname; id -un; cat ~/kept", timeout=10, check=True)
+    assert result.stdout.split("\n")[:3] == [made.nodes[1].name, made.user, "on disk"]
+    made.node_exec(2, ["true"])  # its holder is back: faults and tests can enter the node
+
+    # a dead holder under a live sshd: a new holder in that sshd's namespaces, the sshd kept
+    holder = made.nodes[0].holder_pid()
+    assert holder is not None and holder == holders[0]
+    os.kill(holder, signal.SIGKILL)
+    assert poll_until(lambda: made.nodes[0].holder_pid() is None)
+    results = lab_repair(made.name)
+    assert [(r.fault, r.action) for r in results] == [("holder dead", "holder started")] + [(None, None)] * 2
+    assert made.nodes[0].sshd_pid() == sshds[0]
+    assert made.node_exec(1, ["hostname"]).stdout.strip() == made.nodes[0].name  # the node's namespaces
+
+    # a pulled cable is put back; several faults on one node are fixed one after the other
+    made.cut_link(3)
+    made.kill_sshd(3)
+    results = lab_repair(made.name, probe_timeout=0.3)
+    assert results[2].fault == "link down" and results[2].ok
+    assert re.fullmatch(r"link up; sshd started \(pid \d+\)", results[2].action or ""), results[2]
+    assert lab_status(made.name).healthy
+    assert all(r.fault is None for r in lab_repair(made.name))
+
+
+@pytest.mark.lab
+def test_concurrent_repairs_start_one_sshd(make_lab: MakeLab) -> None:
+    made = make_lab(1)
+    for _ in range(20):
+        made.kill_sshd(1)
+        with ThreadPoolExecutor(2) as pool:
+            results = [f.result() for f in [pool.submit(lab_repair, made.name) for _ in range(2)]]
+        faults = sorted((r[0].fault or "") for r in results)
+        assert faults == ["", "sshd dead"]  # one repaired it, the other found it healthy
+        assert _listeners(made, 1) == [made.nodes[0].sshd_pid()]
+
+
+@pytest.mark.lab
+def test_repair_says_what_it_cannot_fix(make_lab: MakeLab, capsys: pytest.CaptureFixture[str]) -> None:
+    made = make_lab(2)
+    made.firewall_reject(1)
+    assert main(["lab", "repair", "--name", made.name]) == 1
+    captured = capsys.readouterr()
+    assert "does not answer" in captured.err and "iptables" in captured.err
+    assert "0 of 1 broken nodes repaired" in captured.out
+    made.firewall_clear(1)
+    assert lab_status(made.name).healthy
+
+
+def test_repair_of_a_local_lab_makes_a_lost_home_again(make_lab: MakeLab) -> None:
+    made = make_lab(2, local=True)
+    (made.nodes[0].home / "mark").write_text("x")
+    shutil.rmtree(made.nodes[1].home)
+    assert not lab_status(made.name).healthy
+    results = lab_repair(made.name)
+    assert [(r.fault, r.action) for r in results] == [(None, None), ("home missing", "home created (empty)")]
+    assert lab_status(made.name).healthy and (made.nodes[0].home / "mark").read_text() == "x"
+
+
+def test_repair_without_a_lab_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "COLUMNS": "300"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "orchestrator", *args]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+
+    for args, message in [
+        ((), "no lab named 'lab' is up"),
+        (("--name", "other"), "no lab named 'other' is up"),
+        (("--name", "Bad_Name"), "invalid lab name 'Bad_Name'"),
+    ]:
+        result = cli("lab", "repair", *args)
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr and "Traceback" not in result.stderr
+    assert "rpcfleet lab up" in cli("lab", "repair").stderr
+    assert not (tmp_path / "lab" / "lab").exists()  # nothing made

@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from orchestrator.artifacts.manifest import Artifact
+from orchestrator.connectors.base import ConnectOptions
+from orchestrator.connectors.connect import connect
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.lifecycle import lab_down
+from orchestrator.lab import systemd
+from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_status
 from orchestrator.lab.model import Lab
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_plan import InstallState
@@ -357,6 +360,33 @@ def _systemd_leftovers(lab: Lab) -> list[str]:
         except OSError:
             continue
     return found
+
+
+async def test_repair_starts_a_stopped_sshd_and_boots_a_node_that_lost_power(sd_lab: Lab) -> None:
+    user_host = lab_hosts_of(sd_lab)[1]
+    first = sd_lab.nodes[0]
+    kept = (first.sshd_pid(), systemd.leader(first))
+    sd_lab.kill_sshd(2)  # ssh.service stopped: systemd would restart a killed one by itself
+    results = lab_repair(sd_lab.name)
+    assert (results[0].fault, results[1].fault) == (None, "sshd dead")
+    assert results[1].ok and (results[1].action or "").startswith("sshd started (pid ")
+    assert sd_lab.nodes[1].sshd_pid() is not None
+
+    old_leader = systemd.leader(sd_lab.nodes[1])
+    sd_lab.kill_node(2)
+    assert sd_lab.node_pids(2) == [] and not lab_status(sd_lab.name, probe_timeout=0.3).healthy
+    results = lab_repair(sd_lab.name)
+    assert [(r.fault, r.action, r.error) for r in results] == [
+        (None, None, None),
+        ("down", "node booted", None),
+    ]
+    assert systemd.leader(sd_lab.nodes[1]) not in (None, old_leader)
+    async with await connect(user_host, ConnectOptions(connect_timeout=2.0)) as conn:
+        result = await conn.run("hostname; systemctl is-system-running", timeout=20)
+    assert result.stdout.split()[0] == sd_lab.nodes[1].name
+    assert result.stdout.split()[1] in ("running", "degraded")
+    assert (first.sshd_pid(), systemd.leader(first)) == kept  # the healthy node was not touched
+    assert lab_status(sd_lab.name).healthy
 
 
 def test_zz_lab_down_of_a_systemd_lab_leaves_nothing(sd_lab: Lab) -> None:

@@ -1,8 +1,9 @@
-"""`rpcfleet lab up|down|status`: an emulated fleet on this machine, for demos, benchmarks and tests."""
+"""`rpcfleet lab up|down|status|repair`: an emulated fleet on this machine (demos, benchmarks, tests)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ def register(subparsers: Any) -> None:
     _add_name(status)
     _common.add_json_arg(status)
     status.set_defaults(handler=handle_status)
+
+    repair = commands.add_parser(
+        "repair", help="bring dead nodes back (sshd, the whole node), leave healthy ones alone"
+    )
+    _add_name(repair)
+    _common.add_json_arg(repair)
+    repair.set_defaults(handler=handle_repair)
 
 
 def _add_name(parser: argparse.ArgumentParser) -> None:
@@ -189,7 +197,67 @@ def handle_status(args: argparse.Namespace) -> int:
         )
     _common.console.print(table)
     _common.console.print(f"inventory: {status.inventory}", highlight=False)
+    if not status.healthy:
+        _common.console.print(f"repair: rpcfleet lab repair{_flag(status.name)}", highlight=False)
     return 0 if status.healthy else 1
+
+
+def handle_repair(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+
+    from orchestrator.core.errors import LabError, UsageError
+    from orchestrator.lab.lifecycle import lab_repair, load_lab
+
+    started = time.monotonic()
+    try:
+        load_lab(args.name)
+    except LabError as exc:  # nothing to repair: the user named the wrong lab, or none is up
+        raise UsageError(exc.message, hint=exc.hint) from None
+    results = lab_repair(args.name)
+    seconds = time.monotonic() - started
+    broken = [r for r in results if r.fault is not None]
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        _common.print_json(
+            {
+                "name": args.name,
+                "repaired": [r.name for r in broken if r.ok],
+                "failed": [r.name for r in failed],
+                "nodes": [dataclasses.asdict(r) for r in results],
+                "seconds": round(seconds, 3),
+            }
+        )
+        return 1 if failed else 0
+    if not broken:
+        _common.console.print(
+            f"lab {args.name}: all {len(results)} nodes healthy, nothing to repair", highlight=False
+        )
+        return 0
+    table = Table(box=box.SIMPLE_HEAD)
+    for column in ("node", "was", "done", "sshd"):
+        table.add_column(column)
+    for r in broken:
+        table.add_row(
+            r.name,
+            r.fault,
+            _mark(r.ok, r.action or "nothing"),
+            f"pid {r.sshd_pid}" if r.sshd_pid else "-",
+        )
+    _common.console.print(table)
+    for r in failed:
+        _common.err_console.print(f"{r.name}: {r.error}", highlight=False)
+    left = len(results) - len(broken)
+    _common.console.print(
+        f"lab {args.name}: {len(broken) - len(failed)} of {len(broken)} broken nodes repaired in "
+        f"{seconds:.2f} s; {left} healthy left alone",
+        highlight=False,
+    )
+    return 1 if failed else 0
+
+
+def _flag(name: str) -> str:
+    return "" if name == DEFAULT_LAB else f" --name {name}"
 
 
 def _mark(ok: bool | None, text: str) -> str:

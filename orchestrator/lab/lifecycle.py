@@ -18,7 +18,9 @@ State lives in `$RPCFLEET_HOME/lab/<name>/` (lab.json, keys, known_hosts, invent
 per node with its sshd_config, host key, pid files, logs and home). A node is anchored by a holder
 process (`sleep`, renamed `<node dir>/holder`) that owns the node's mount and UTS namespaces inside
 its network namespace; sshd runs beside it, so killing sshd leaves the node up and `start_sshd`
-brings it back. Namespaces have no default route; ip_forward and NAT are never touched.
+brings it back. `lab_repair` does that for every broken node of a lab, and starts again a node none of
+whose processes is left (a power cut), touching no healthy node. Namespaces have no default route;
+ip_forward and NAT are never touched.
 
 This is lab plumbing run with local subprocesses, not the product's remote path; it is synchronous
 and parallelises per-node steps by starting all processes before waiting for any.
@@ -44,6 +46,7 @@ from orchestrator.core.errors import InventoryError, LabError
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.inventory.load import load_inventory_text
+from orchestrator.lab import systemd
 from orchestrator.lab.model import (
     _LINK_RE,
     _NAME_RE,
@@ -60,6 +63,7 @@ from orchestrator.lab.model import (
     LabNode,
     LabStatus,
     NodeInit,
+    NodeRepair,
     NodeStatus,
     Owner,
     check_name,
@@ -74,7 +78,10 @@ from orchestrator.lab.netns import (
     _list_namespaces,
     _teardown,
     _teardown_slot,
+    link_is_down,
     privileged,
+    restart_node,
+    restore_holder,
 )
 from orchestrator.lab.procs import _tcp_open
 
@@ -110,6 +117,14 @@ def lab_up(
     with _lock():
         existing = _load(lab_dir(name))
         if existing is not None and existing.live():
+            faults = _lab_faults(existing, probe_timeout=0.5)
+            if faults:
+                broken = ", ".join(f"{node} {fault}" for node, fault in faults.items())
+                raise LabError(
+                    f"lab {name!r} is already up ({len(existing.nodes)} nodes; {broken})",
+                    hint=f"`rpcfleet lab repair --name {name}` brings {', '.join(faults)} back and leaves "
+                    f"the other nodes as they are; or `rpcfleet lab down --name {name}` first",
+                )
             raise LabError(
                 f"lab {name!r} is already up ({len(existing.nodes)} nodes)",
                 hint=f"`rpcfleet lab down --name {name}` first, or choose another --name",
@@ -214,6 +229,124 @@ def lab_status(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> LabSta
         user=lab.user,
         owner_pid=lab.owner.pid if lab.owner else None,
         nodes=statuses,
+    )
+
+
+def lab_repair(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> tuple[NodeRepair, ...]:
+    """Bring a lab's broken nodes back with their own addresses, host keys and homes: a dead sshd is
+    started again inside the node's namespaces, a dead holder replaced, a node with no process left (a
+    power cut) started as `lab up` did, a pulled cable put back. Healthy nodes are not touched (their
+    sshd and servers keep their pids). One record per node, in node order; LabError when no lab is up.
+    """
+    check_name(name)
+    started = time.monotonic()
+    with _lock():  # one repair at a time: two would each start an sshd for the same node
+        lab = load_lab(name)
+        if not lab.live():
+            flag = "" if name == DEFAULT_LAB else f" --name {name}"
+            raise LabError(
+                f"lab {name!r} is stale: its network is gone, or the process that owned it exited",
+                hint=f"`rpcfleet lab down{flag}`, then `rpcfleet lab up{flag}`",
+            )
+        namespaces = set(_list_namespaces()) if lab.kind == "netns" else set()
+        with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
+            results = tuple(pool.map(lambda n: _repair_node(lab, n, namespaces, probe_timeout), lab.nodes))
+    get_logger().info(
+        "lab_repair",
+        lab=name,
+        repaired=[r.name for r in results if r.fault is not None and r.ok],
+        failed=[r.name for r in results if not r.ok],
+        seconds=round(time.monotonic() - started, 3),
+    )
+    return results
+
+
+def _node_fault(lab: Lab, node: LabNode, namespaces: set[str], probe_timeout: float) -> str | None:
+    """What is wrong with a node of a live lab, or None when it is healthy."""
+    if lab.kind == "local":
+        return None if node.home.is_dir() else "home missing"
+    if node.namespace not in namespaces:
+        return "namespace gone"
+    if link_is_down(node):  # first: a started sshd is waited for through the link
+        return "link down"
+    sshd = node.sshd_pid()
+    if node.init == "systemd":
+        if systemd.leader(node) is None:
+            return "down"
+    elif sshd is None and node.holder_pid() is None:
+        return "down"
+    elif sshd is not None and node.holder_pid() is None:
+        return "holder dead"
+    if sshd is None:
+        return "sshd dead"
+    if _tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge):
+        return None
+    return "unreachable"
+
+
+def _lab_faults(lab: Lab, *, probe_timeout: float) -> dict[str, str]:
+    """Broken nodes of a live lab -> what is wrong with each."""
+    namespaces = set(_list_namespaces()) if lab.kind == "netns" else set()
+    with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
+        faults = list(pool.map(lambda n: _node_fault(lab, n, namespaces, probe_timeout), lab.nodes))
+    return {node.name: fault for node, fault in zip(lab.nodes, faults, strict=True) if fault is not None}
+
+
+def _repair_node(lab: Lab, node: LabNode, namespaces: set[str], probe_timeout: float) -> NodeRepair:
+    first = fault = _node_fault(lab, node, namespaces, probe_timeout)
+    if first is None:
+        return NodeRepair(node.name, None, sshd_pid=node.sshd_pid() if lab.kind == "netns" else None)
+    actions: list[str] = []
+    error = None
+    try:
+        # A node may have several faults (a dead holder and a pulled cable): fixed one at a time.
+        while fault is not None and len(actions) < 4:
+            actions.append(_fix(lab, node, fault))
+            previous, fault = fault, _node_fault(lab, node, namespaces, probe_timeout)
+            if fault == previous:
+                error = f"still {fault} after: {actions[-1]}"
+                break
+        if fault is not None and error is None:
+            error = f"still {fault} after: {'; '.join(actions)}"
+    except LabError as exc:
+        error = exc.describe()
+    return NodeRepair(
+        node.name,
+        first,
+        "; ".join(actions) or None,
+        node.sshd_pid() if lab.kind == "netns" else None,
+        error,
+    )
+
+
+def _fix(lab: Lab, node: LabNode, fault: str) -> str:
+    """Repair one fault of a node; what was done. LabError for what repair cannot fix."""
+    if fault == "home missing":
+        node.home.mkdir(parents=True, exist_ok=True)
+        return "home created (empty)"
+    if fault == "down":
+        restart_node(lab, node)
+        return "node started" if node.init == "none" else "node booted"
+    if fault == "holder dead":
+        sshd = node.sshd_pid()
+        if sshd is None:
+            return "nothing (its sshd died meanwhile)"
+        restore_holder(node, sshd)
+        return "holder started"
+    if fault == "sshd dead":
+        return f"sshd started (pid {lab.start_sshd(node)})"
+    if fault == "link down":
+        lab.restore_link(node)
+        return "link up"
+    flag = "" if lab.name == DEFAULT_LAB else f" --name {lab.name}"
+    if fault == "namespace gone":
+        raise LabError(
+            f"the network namespace {node.namespace} was removed: lab repair does not make it again",
+            hint=f"`rpcfleet lab down{flag}`, then `rpcfleet lab up{flag}`",
+        )
+    raise LabError(
+        f"sshd runs but {node.address}:{SSH_PORT} does not answer (a firewall in the node?)",
+        hint=f"`ip netns exec {node.namespace} iptables -L INPUT` shows its rules",
     )
 
 

@@ -26,6 +26,7 @@ from orchestrator.lab.procs import (
     SSHD,
     SSHD_COMMON,
     _is_sshd,
+    _kill,
     _netns_pids,
     _pids_under,
     _proc_alive,
@@ -333,6 +334,8 @@ class Lab:
         if existing is not None:
             return existing
         if found.init == "systemd":
+            # A unit that failed too often in a row is refused until its counter is reset.
+            self.node_exec(found, ["systemctl", "reset-failed", "ssh.service"], check=False)
             self.node_exec(found, ["systemctl", "start", "ssh.service"])
             systemd.wait_booted(self, [found])
             return found.sshd_pid() or 0
@@ -371,6 +374,16 @@ class Lab:
             raise LabError(f"node {found.name} does not boot systemd (lab up --init systemd)")
         systemd.reboot(self, found)
 
+    def kill_node(self, node: str | int | LabNode) -> None:
+        """A power cut: every process of the node is killed at once (its servers too); its namespace,
+        link and files stay. `lab repair` (lifecycle.lab_repair) starts it again."""
+        found = self._netns(node)
+        if found.init == "systemd":
+            systemd.power_cut(found)
+            return
+        holder = found.holder_pid()
+        _kill([*self.node_pids(found), *([holder] if holder is not None else [])])
+
     def node_pids(self, node: str | int | LabNode) -> list[int]:
         """Every live process of the node: holder, sshd, sessions, whatever they started."""
         found = self.node(node)
@@ -402,6 +415,21 @@ class NodeStatus:
     @property
     def sshd_alive(self) -> bool:
         return self.sshd_pid is not None
+
+
+@dataclass(frozen=True)
+class NodeRepair:
+    """What `lab repair` found on a node and did about it."""
+
+    name: str
+    fault: str | None  # None: the node was healthy and was left alone
+    action: str | None = None  # what was done (None: nothing)
+    sshd_pid: int | None = None  # the listening sshd afterwards
+    error: str | None = None  # why the node could not be repaired
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 @dataclass(frozen=True)

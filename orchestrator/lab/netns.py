@@ -29,7 +29,17 @@ from orchestrator.lab.model import (
     _sshd_extra_options,
     _wait_ready,
 )
-from orchestrator.lab.procs import SSHD, _env, _kill, _netns_pids, _pids_under, _run, _run_all, _which
+from orchestrator.lab.procs import (
+    SSHD,
+    _env,
+    _kill,
+    _netns_pids,
+    _pids_under,
+    _run,
+    _run_all,
+    _tail,
+    _which,
+)
 
 
 def privileged() -> bool:
@@ -171,6 +181,43 @@ def _start_node(lab: Lab, node: LabNode) -> None:
         subprocess.run(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_env(), check=True, timeout=10
         )
+
+
+def restart_node(lab: Lab, node: LabNode) -> None:
+    """Start a node none of whose processes is left (a power cut) as `lab up` did: new mount and UTS
+    namespaces in its network namespace, its home bound, its hostname, sshd with its own host key."""
+    if node.init == "systemd":
+        systemd.restart(lab, node)
+        return
+    # Stale pid files would read as a node that failed at once.
+    node.holder_pid_file.unlink(missing_ok=True)
+    node.sshd_pid_file.unlink(missing_ok=True)
+    _start_node(lab, node)
+    _wait_ready([node], _UP_TIMEOUT, lab.bridge)
+
+
+def restore_holder(node: LabNode, sshd: int) -> None:
+    """A new holder for a node whose holder died while its sshd runs, in that sshd's namespaces (the
+    node's mounts and hostname): `node_exec` enters the holder's."""
+    q = shlex.quote
+    node.holder_pid_file.unlink(missing_ok=True)
+    script = f"echo $$ > {q(str(node.holder_pid_file))}; exec -a {q(str(node.dir / 'holder'))} sleep infinity"
+    argv = ["setsid", "-f", "nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
+    with node.log.open("ab") as out:
+        subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_env(), check=False, timeout=10
+        )
+    if not poll(lambda: node.holder_pid() is not None or None, timeout=5.0, interval=0.01):
+        raise LabError(f"the holder of node {node.name} did not start", stderr=_tail(node.log))
+
+
+def link_is_down(node: LabNode) -> bool:
+    """Whether the host side of the node's veth is administratively down (a pulled cable)."""
+    try:
+        flags = int(Path("/sys/class/net", node.veth or "", "flags").read_text(), 16)
+    except (OSError, ValueError):
+        return False
+    return not flags & 0x1  # IFF_UP
 
 
 def _teardown(lab: Lab | None, directory: Path) -> list[str]:

@@ -371,6 +371,42 @@ def reboot(lab: Lab, node: LabNode) -> None:
     wait_booted(lab, [node])
 
 
+def power_cut(node: LabNode) -> None:
+    """Kill every process of the node at once (boot loop, nspawn, the container): no shutdown runs."""
+    pids = []
+    for name, pid in (
+        ("boot", _read_pid(node.holder_pid_file)),
+        ("nspawn", _read_pid(node.dir / "nspawn.pid")),
+    ):
+        if pid is not None and _ours(pid, node, name):
+            pids.append(pid)
+    pids += _netns_pids([node.namespace or ""]) + _cgroup_members(machine(node))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _wait_gone(pids)
+
+
+def restart(lab: Lab, node: LabNode) -> None:
+    """Boot again a node whose container died (a power cut, a crash) on its root, which stays mounted
+    while the node is down; returns once its sshd accepts connections."""
+    if not (root_dir(node) / "etc/machine-id").is_file():
+        raise LabError(f"node {node.name} has lost its root file system ({root_dir(node)})")
+    shutdown([node])  # a boot loop that still runs is stopped in order; pid files and cgroups go
+    # A boot loop that is gone leaves shutdown nothing to find: what its container left is killed here.
+    pids = _netns_pids([node.namespace or ""]) + _cgroup_members(machine(node))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _wait_gone(pids)
+    _empty_cgroups(machine(node))
+    for path in ("stopping", "nspawn.pid", "holder.pid"):  # stale ones would read as a failed boot
+        (node.dir / path).unlink(missing_ok=True)
+    _remove_cgroups(machine(node))  # the dead container's: the new boot makes its own, as a reboot does
+    boot(lab, node)
+    wait_booted(lab, [node])
+
+
 def _remove_cgroups(name: str) -> list[str]:
     removed = []
     for root in _cgroup_roots():
