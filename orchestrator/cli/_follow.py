@@ -22,12 +22,6 @@ def add_follow_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def filter_tail(text: str, noise: bool) -> str:
-    from orchestrator.operations.follow import without_noise
-
-    return text if noise else "\n".join(without_noise(text.split("\n")))
-
-
 def follow(args: argparse.Namespace, hosts: list[Host]) -> int:
     """Follow every host's log: each new line as `HH:MM:SS host | line` (the time it was read here)."""
     from orchestrator.engine.executor import Session

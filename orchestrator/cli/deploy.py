@@ -269,12 +269,11 @@ def handle_logs(args: argparse.Namespace) -> int:
     from orchestrator.operations.service import make_logs_step
 
     _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_logs_step(args.lines), "logs")
+    run = _run(args, hosts, make_logs_step(args.lines, noise=args.noise), "logs")
     for r in run.results:
         _common.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):
-            text = _follow.filter_tail(r.value.rstrip("\n"), args.noise)
-            _common.console.print(text, highlight=False, markup=False)
+            _common.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
         elif r.error is not None:
             _common.err_console.print(str(r.error), highlight=False, markup=False)
     if args.follow:
