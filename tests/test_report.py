@@ -639,4 +639,7 @@ def test_cli_end_to_end(
     assert one["cases"][0]["devices"][0]["usable"] == 120 * MiB
 
     assert main(["report", "-i", str(inventory), "--ctx", "4k,x"]) == 2
-    assert main(["report", "-i", str(inventory), "--model", str(tmp_path / "nope.gguf")]) == 1
+    capsys.readouterr()
+    # a missing model is bad input, said as plan, run and serve say it
+    assert main(["report", "-i", str(inventory), "--model", str(tmp_path / "nope.gguf")]) == 2
+    assert f"error: model {tmp_path / 'nope.gguf'} does not exist" in capsys.readouterr().err

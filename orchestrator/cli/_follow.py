@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def add_follow_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-F", "--follow", action="store_true", help="then print new lines as they come, until Ctrl-C"
+        "-f", "--follow", action="store_true", help="then print new lines as they come, until Ctrl-C"
     )
     parser.add_argument(
         "--noise", action="store_true", help="keep the server's 'Accepted/closed client connection' lines"
