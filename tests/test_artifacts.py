@@ -540,7 +540,7 @@ def test_cli_list_show_verify(cpu_artifact: Artifact, capsys: pytest.CaptureFixt
     assert main(["artifact", "verify", cpu_artifact.id]) == 0
     assert f"ok     {cpu_artifact.id}" in capsys.readouterr().out
 
-    assert main(["artifact", "show", "rpc-server-0.0.0-nope"]) == 1
+    assert main(["artifact", "show", "rpc-server-0.0.0-nope"]) == 2  # an id that names nothing: bad input
     assert "no artifact" in capsys.readouterr().err
 
 

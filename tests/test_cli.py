@@ -71,8 +71,8 @@ def test_commands_import_only_what_they_need(argv: list[str], absent: list[str])
 
 
 def test_options_before_and_after_the_command_are_the_same() -> None:
-    before = parse_args(["-i", FLEET, "-l", "gpu", "--json", "-f", "3", "-v", "inventory", "list"])
-    after = parse_args(["inventory", "list", "-i", FLEET, "-l", "gpu", "--json", "-f", "3", "-v"])
+    before = parse_args(["-i", FLEET, "-l", "gpu", "--json", "-f", "3", "-v", "ping"])
+    after = parse_args(["ping", "-i", FLEET, "-l", "gpu", "--json", "-f", "3", "-v"])
     for name in ("inventory", "limit", "json", "forks", "verbose", "log_format"):
         assert getattr(before, name) == getattr(after, name), name
     assert str(before.inventory) == FLEET and before.verbose == 1
@@ -91,7 +91,29 @@ def test_rpcfleet_i_inventory_ping_style(capsys: pytest.CaptureFixture[str]) -> 
     [
         (["pign"], "usage: rpcfleet [-h]", "unknown command 'pign'; did you mean 'ping'?"),
         (["inventory", "lsit"], "usage: rpcfleet inventory", "did you mean 'list'?"),
-        (["probe", "--jsn"], "usage: rpcfleet probe", "unrecognized arguments: --jsn (did you mean --json?)"),
+        (["probe", "--jsn"], "usage: rpcfleet probe", "unrecognized arguments: --jsn; did you mean --json?"),
+        # the fewest typos win (difflib's ratio alone ties --forks with --force and picks --forks)
+        (
+            ["deploy", "--forse"],
+            "usage: rpcfleet deploy",
+            "unrecognized arguments: --forse; did you mean --force?",
+        ),
+        # the hint after the arguments, not between a flag and its value
+        (
+            ["plan", "-m", "x.gguf", "--context", "8k"],
+            "usage: rpcfleet plan",
+            "error: unrecognized arguments: --context 8k; did you mean --ctx?",
+        ),
+        (
+            ["probe", "--jsn", "--timout", "3"],
+            "usage: rpcfleet probe",
+            "unrecognized arguments: --jsn --timout 3; "
+            "did you mean --json for --jsn, --timeout for --timout?",
+        ),
+        (["ping", "-n", "3"], "usage: rpcfleet ping", "unrecognized arguments: -n 3"),
+        (["logs", "-n", "0"], "usage: rpcfleet logs", "expected an integer >= 1, got 0"),
+        (["status", "--serial", "1"], "usage: rpcfleet status", "unrecognized arguments: --serial 1"),
+        (["inventory", "list", "-f", "3"], "usage: rpcfleet inventory list", "unrecognized arguments: -f 3"),
         (["-i", FLEET, "lab", "up"], "usage: rpcfleet lab up", "-i does not apply to `rpcfleet lab up`"),
         (["plan", "-m", "x.gguf", "--format", "tabel"], "usage: rpcfleet plan", "did you mean 'table'?"),
         (
@@ -116,6 +138,144 @@ def test_bad_input_prints_the_commands_usage_and_exits_2(
     assert status == 2 and out == ""
     assert err.startswith(usage) and message in err
     assert "Traceback" not in err and "[red]" not in err
+
+
+# --- bad input: one rule for every command -----------------------------------------------------------------
+
+# (command, argv, what the message must say). {tmp} is the test's folder, where not.gguf is a file that is
+# not a GGUF, `file` a plain file (no folder can be made under it), and nothing else exists; no lab is up.
+BAD_INPUT: list[tuple[str, list[str], str]] = [
+    *(
+        (name, [*name.split(), "-i", "{tmp}/missing.yml", *extra], "{tmp}/missing.yml")
+        for name, extra in [
+            ("ping", []),
+            ("deploy", []),
+            ("start", []),
+            ("stop", []),
+            ("restart", []),
+            ("status", []),
+            ("logs", []),
+            ("rollback", []),
+            ("probe", []),
+            ("inventory list", []),
+            ("inventory graph", []),
+            ("inventory show", ["h1"]),
+            ("cache status", []),
+            ("cache verify", []),
+            ("cache prune", []),
+            ("cache clear", []),
+            ("cache warm", ["-m", "{tmp}/not.gguf"]),
+        ]
+    ),
+    ("run-playbook", ["run-playbook", "{tmp}/not.gguf"], "{tmp}/not.gguf:1:1: missing required key 'name'"),
+    ("ping", ["ping"], "no inventory given and no lab is up"),
+    ("status", ["status", "-l", "h1"], "no inventory given and no lab is up"),
+    *(
+        (name, [*argv, "-m", "{tmp}/not.gguf"], "{tmp}/not.gguf: not a GGUF file")
+        for name, argv in [
+            ("plan", ["plan", "-i", "{tmp}/missing.yml"]),
+            ("run", ["run", "-i", "{tmp}/missing.yml", "-p", "x"]),
+            ("report", ["report", "-i", "{tmp}/missing.yml"]),
+            ("serve", ["serve", "-i", "{tmp}/missing.yml"]),
+            ("demo", ["demo"]),
+        ]
+    ),
+    ("model info", ["model", "info", "{tmp}/not.gguf"], "{tmp}/not.gguf: not a GGUF file"),
+    # a missing model: one message from every command that reads one
+    *(
+        (name, [*argv, "-m", "{tmp}/missing.gguf"], "error: model {tmp}/missing.gguf does not exist")
+        for name, argv in [
+            ("plan", ["plan", "-i", "{tmp}/missing.yml"]),
+            ("run", ["run", "-i", "{tmp}/missing.yml", "-p", "x"]),
+            ("report", ["report", "-i", "{tmp}/missing.yml"]),
+            ("serve", ["serve", "-i", "{tmp}/missing.yml"]),
+            ("demo", ["demo"]),
+        ]
+    ),
+    ("model info", ["model", "info", "{tmp}/missing.gguf"], "error: model {tmp}/missing.gguf does not exist"),
+    (
+        "run",
+        ["run", "-m", "{tmp}/not.gguf", "-p", "x", "--plan", "{tmp}/file"],
+        "{tmp}/file: plan is not valid JSON",
+    ),
+    ("run", ["run", "-m", "m.gguf", "-p", "x", "--endpoint", "nonsense"], "invalid endpoint 'nonsense'"),
+    ("run", ["run", "-m", "m.gguf", "-p", "x", "--endpoint", "h:99999"], "invalid endpoint 'h:99999'"),
+    ("model synth", ["model", "synth", "{tmp}/file/x.gguf"], "cannot write {tmp}/file/x.gguf"),
+    ("lab up", ["lab", "up", "--nodes", "0"], "--nodes: expected an integer >= 1, got 0"),
+    ("lab up", ["lab", "up", "--local", "--init", "systemd"], "--init systemd needs a network-namespace lab"),
+    ("lab down", ["lab", "down", "--name", "Bad_Name"], "invalid lab name 'Bad_Name'"),
+    ("lab status", ["lab", "status", "--name", "nosuch"], "no lab named 'nosuch' is up"),
+    ("artifact build", ["artifact", "build", "--backend", "tpu"], "unknown backend 'tpu'"),
+    ("artifact list", ["artifact", "list", "--jsn"], "--jsn; did you mean --json?"),
+    ("artifact show", ["artifact", "show", "nosuch"], "no artifact 'nosuch'"),
+    ("artifact verify", ["artifact", "verify", "nosuch"], "no artifact 'nosuch'"),
+    ("artifact add", ["artifact", "add", "{tmp}/missing-spec.yml"], "{tmp}/missing-spec.yml"),
+]
+
+
+def test_every_command_has_a_bad_input_case() -> None:
+    from orchestrator.cli import build_parser, command_parsers
+
+    commands = {p.prog.removeprefix("rpcfleet ") for p in command_parsers(build_parser())}
+    assert commands == {name for name, _, _ in BAD_INPUT}
+
+
+@pytest.mark.parametrize(("command", "argv", "message"), BAD_INPUT, ids=[" ".join(c[1]) for c in BAD_INPUT])
+def test_bad_input_exits_2_naming_it_without_a_traceback(
+    command: str,
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no ./inventory.yml
+    monkeypatch.delenv("RPCFLEET_INVENTORY", raising=False)
+    monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path / "home"))  # no lab, no artifacts
+    (tmp_path / "not.gguf").write_text("hosts: {}\n")
+    (tmp_path / "file").write_text("")
+    before = sorted(tmp_path.rglob("*"))
+    # in-process: an exception that escaped would fail this test, as a traceback would show
+    status, out, err = run(capsys, *(arg.format(tmp=tmp_path) for arg in argv))
+    assert status == 2 and out == "", err
+    assert message.format(tmp=tmp_path) in err
+    assert "Traceback" not in err and "[red]" not in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing half made
+
+
+# --- help --------------------------------------------------------------------------------------------------
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(_common.UsageExit):
+        parse_args([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def test_every_command_has_a_description(capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.cli import build_parser, command_parsers
+
+    for parser in command_parsers(build_parser()):
+        assert parser.description, parser.prog
+        argv = parser.prog.split()[1:]
+        # the line between the usage and the options
+        assert _help(capsys, *argv).split("\n\n")[1].strip().startswith(parser.description.split()[0]), argv
+
+
+def test_flags_say_what_they_do_where_they_are(capsys: pytest.CaptureFixture[str]) -> None:
+    start = " ".join(_help(capsys, "start").split())
+    assert "--force restart a server that must be restarted" in start and "--force stop" not in start
+    assert "--force stop a server even while a client is connected" in " ".join(_help(capsys, "stop").split())
+    status = _help(capsys, "status")
+    assert "--serial" not in status and "--max-fail-percentage" not in status and "--check" not in status
+    assert "--serial" in _help(capsys, "restart")
+    # -f: --follow on logs (as tail -f), --forks elsewhere; the inventory commands fork nothing
+    logs = parse_args(["logs", "-f", "--forks", "3"])
+    assert logs.follow and logs.forks == 3
+    assert parse_args(["logs", "--follow"]).follow and not parse_args(["logs"]).follow
+    assert parse_args(["ping", "-f", "3"]).forks == 3 and parse_args(["-f", "3", "logs"]).forks == 3
+    for argv in (["inventory", "list"], ["inventory", "graph"], ["inventory", "show", "h1"]):
+        assert "--forks" not in _help(capsys, *argv), argv
 
 
 def test_ctx_takes_k_and_m_on_every_command_that_has_it() -> None:
@@ -208,6 +368,38 @@ def test_model_synth_then_info(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "layers:           3," in out and "training context: 2048" in out
     status, _, err = run(capsys, "model", "synth", str(tmp_path / "bad.gguf"), "--embd", "30", "--heads", "4")
     assert status == 2 and "multiple of n_head" in err and not (tmp_path / "bad.gguf").exists()
+
+
+def test_model_synth_force_keeps_the_old_file_when_the_write_fails(tmp_path: Path) -> None:
+    """A write that fails halfway (here: the file size limit, EFBIG, as a full disk would) leaves the old
+    model as it was and no temporary file, and says why with exit status 2."""
+    import resource
+
+    old = tmp_path / "m.gguf"
+    old.write_bytes(b"the user's old model" * 1000)
+    before = old.read_bytes()
+
+    def limit() -> None:  # in the child: writes beyond 64 KiB fail with EFBIG instead of a signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "model", "synth", str(old), "--force", "--layers", "4"],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+        cwd=ROOT,
+    )
+    err = " ".join(done.stderr.split())
+    assert done.returncode == 2, done.stderr
+    assert f"error: cannot write {old}: " in err and "Traceback" not in err
+    assert old.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    # without the limit, --force replaces it
+    assert main(["model", "synth", str(old), "--force", "--layers", "4"]) == 0
+    assert old.read_bytes() != before and old.read_bytes()[:4] == b"GGUF"
 
 
 # --- the pure pieces behind messages ------------------------------------------------------------------------

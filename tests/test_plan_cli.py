@@ -159,6 +159,6 @@ def test_run_reports_a_bad_plan_file_by_name(
     path = tmp_path / "bad.json"
     if content is not None:
         path.write_bytes(content)
-    assert main(["run", "-m", str(tiny_model), "-p", "x", "--plan", str(path)]) == 1
+    assert main(["run", "-m", str(tiny_model), "-p", "x", "--plan", str(path)]) == 2  # bad input
     err = capsys.readouterr().err
     assert str(path) in err and message in err and "Traceback" not in err

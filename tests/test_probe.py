@@ -452,6 +452,34 @@ def test_cpu_devices_of_one_machine_share_its_mem_available(case: str) -> None:
             assert bool(sharing) == (d.kind == "cpu" and d.free < 20 * GiB), d
 
 
+def test_a_machines_ram_counts_once_in_the_total_and_the_footnote_says_free_is_a_share() -> None:
+    """Three CPU servers on one 32 GiB machine (the lab's shape) and one on another: each shows a third
+    of the first machine's MemAvailable, and the total row counts each machine's RAM once."""
+    from orchestrator.cli.probe import free_footnote
+
+    hosts = [host(n, address="10.0.0.1", rpc_port=50052 + i) for i, n in enumerate(["a", "b", "c"])]
+    hosts.append(host("d", address="10.0.0.2"))
+    machines = ["m1", "m1", "m1", "m2"]
+    probed = [
+        (h, ok_result(h.endpoint, (RAM, RAM)), dataclasses.replace(CPU_FACTS, machine_id=m))
+        for h, m in zip(hosts, machines, strict=True)
+    ]
+    nodes = [
+        NodeProbe(h.name, r.endpoint, r, f, devices, "ok")
+        for (h, r, f), devices in zip(probed, fleet_capacity(probed), strict=True)
+    ]
+    fleet = FleetProbe.of(nodes, protocol="7.0.0", timeout=3.0)
+    assert [d.free for d in fleet.devices] == [20 * GiB // 3] * 3 + [20 * GiB]
+    assert fleet.totals.total == 2 * RAM  # not 4 x 32 GiB
+    assert fleet.totals.free == 3 * (20 * GiB // 3) + 20 * GiB
+    note = free_footnote(fleet)
+    assert note.startswith("* free = MemAvailable on the host (CPU devices), divided evenly among")
+    assert "(a, b, c on one machine)" in note and "counts each machine's RAM once" in note
+    alone = FleetProbe.of(nodes[3:], protocol="7.0.0", timeout=3.0)
+    assert free_footnote(alone) == "* free = MemAvailable on the host (CPU devices)"
+    assert alone.totals.total == RAM
+
+
 @pytest.mark.parametrize(
     ("states", "fail_on", "failed"),
     [

@@ -513,6 +513,20 @@ def test_html_is_self_contained(report_70b: Report) -> None:
         assert colour in page
 
 
+def test_every_format_prints_the_fleets_warnings(tiny_profile: ModelProfile) -> None:
+    """The warnings under the fleet table (memory shared among the CPU servers of one machine, a node's
+    own) are in the HTML and Markdown reports as in the text one."""
+    shared = "MemAvailable (20.00 GiB) is shared among the 2 CPU servers of this machine: 10.00 GiB each"
+    a = ok_node("a", "10.0.0.1:50052", [8 * GiB])
+    a = replace(a, devices=(replace(a.devices[0], warnings=(shared,)),), warnings=("facts were slow",))
+    report = build_report(fleet_of(a, down_node("c", "10.0.0.3:50052")), [("m.gguf", tiny_profile)], [4096])
+    lines = [f"a #0: warning: {shared}", "a: warning: facts were slow", "c: refused: connection refused"]
+    for fmt in ("text", "md", "html"):
+        page = render(report, fmt)
+        assert all(line in page for line in lines), fmt
+    assert f'<p class="meta">a #0: warning: {shared}</p>' in render_html(report)
+
+
 def test_html_chart_in_chromium(report_70b: Report, profile_70b: ModelProfile, tmp_path: Path) -> None:
     """The stacked bars, as Chromium draws them, have the widths the data gives (within 2 px)."""
     fleet = fleet_of(
@@ -625,4 +639,7 @@ def test_cli_end_to_end(
     assert one["cases"][0]["devices"][0]["usable"] == 120 * MiB
 
     assert main(["report", "-i", str(inventory), "--ctx", "4k,x"]) == 2
-    assert main(["report", "-i", str(inventory), "--model", str(tmp_path / "nope.gguf")]) == 1
+    capsys.readouterr()
+    # a missing model is bad input, said as plan, run and serve say it
+    assert main(["report", "-i", str(inventory), "--model", str(tmp_path / "nope.gguf")]) == 2
+    assert f"error: model {tmp_path / 'nope.gguf'} does not exist" in capsys.readouterr().err

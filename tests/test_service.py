@@ -144,6 +144,8 @@ def test_classify() -> None:
     running = _node(clients=())
     assert classify(H, running, _probe(Outcome.OK)).state == "running"
     assert classify(H, running, _probe(Outcome.OK)).protocol == "7.0.0"
+    # the protocol has its own column in `status`: the detail does not say it again
+    assert classify(H, running, _probe(Outcome.OK, "protocol 7.0.0, 1 device(s)")).message == "1 device(s)"
     assert classify(H, running, _probe(Outcome.BUSY)).state == "busy"
     unhealthy = classify(H, running, _probe(Outcome.TIMEOUT, "no reply"))
     assert unhealthy.state == "unhealthy" and "no reply" in unhealthy.message

@@ -177,6 +177,13 @@ async def test_kill_9_comes_back_counted_and_a_reboot_starts_it_again(
     await _until_hello(hosts[1], 10.0)
     logs = await _run([hosts[1]], make_logs_step(200), "logs")
     assert logs.ok and "Started rpcfleet-" in str(logs.results[0].value)
+    for _ in range(30):  # 60 connection lines in the journal: left out before the last lines are taken
+        assert (await probe_endpoint(hosts[1].endpoint, hello_only=True)).ok
+    logs = await _run([hosts[1]], make_logs_step(20), "logs")
+    text = str(logs.results[0].value)
+    assert logs.ok and "Started rpcfleet-" in text and "client connection" not in text.lower(), text
+    noisy = await _run([hosts[1]], make_logs_step(20, noise=True), "logs")
+    assert str(noisy.results[0].value).lower().count("client connection") == 20
 
 
 def _main_pid(lab: Lab, host: Host) -> int:

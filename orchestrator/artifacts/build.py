@@ -21,6 +21,7 @@ from orchestrator.artifacts.manifest import (
     BACKENDS,
     SERVER_NAME,
     Artifact,
+    ArtifactChoiceError,
     ArtifactSpec,
     Manifest,
     _scan_files,
@@ -80,7 +81,7 @@ def effective_cmake_args(backend: str, cmake_args: Sequence[str] = ()) -> tuple[
     """The full cmake configure arguments: base defines + backend defines + the user's, in a canonical
     order (defines sorted by name, later ones overriding earlier; other arguments after, as given)."""
     if backend not in BACKENDS:
-        raise ArtifactError(f"unknown backend {backend!r}", hint=f"one of: {', '.join(BACKENDS)}")
+        raise ArtifactChoiceError(f"unknown backend {backend!r}", hint=f"one of: {', '.join(BACKENDS)}")
     defines = {**BASE_DEFINES, **BACKEND_DEFINES[backend]}
     others: list[str] = []
     for arg in cmake_args:

@@ -53,6 +53,10 @@ class ArtifactSpecError(InputError, ArtifactError):
     """An artifact spec file is invalid; the message names the file and line."""
 
 
+class ArtifactChoiceError(InputError, ArtifactError):
+    """An artifact id or a backend that names nothing rpcfleet has (the user's to correct)."""
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of an artifact: a regular file (sha256, size, mode) or a symlink (link target)."""

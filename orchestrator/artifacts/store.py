@@ -39,6 +39,7 @@ from orchestrator.artifacts.manifest import (
     _ID_RE,
     MANIFEST_NAME,
     Artifact,
+    ArtifactChoiceError,
     FileEntry,
     Manifest,
     _sha256_file,
@@ -123,11 +124,11 @@ def _recall(key: str) -> Artifact | None:
 def load_artifact(artifact_id: str) -> Artifact:
     """The cached artifact `artifact_id` (reads its sidecar; does not re-hash, see `verify_artifact`)."""
     if not _ID_RE.match(artifact_id):
-        raise ArtifactError(f"invalid artifact id {artifact_id!r}")
+        raise ArtifactChoiceError(f"invalid artifact id {artifact_id!r}")
     cache = artifacts_dir()
     sidecar, archive = cache / f"{artifact_id}.json", cache / f"{artifact_id}.tar.gz"
     if not sidecar.is_file() or not archive.is_file():
-        raise ArtifactError(
+        raise ArtifactChoiceError(
             f"no artifact {artifact_id!r} in {cache}", hint="`rpcfleet artifact list` shows the cached ones"
         )
     try:

@@ -45,12 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         module.register(subparsers)
-    for command in _commands(parser):
+    for command in command_parsers(parser):
         _common.add_every_command_options(command)
     return parser
 
 
-def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+def command_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """Every parser of the tree that runs a command (the leaves: they set a handler)."""
     import argparse
 
@@ -58,7 +58,7 @@ def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
-                found += _commands(sub)
+                found += command_parsers(sub)
     if parser.get_default("handler") is not None:
         found.append(parser)
     return found

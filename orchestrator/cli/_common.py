@@ -66,10 +66,25 @@ class UsageExit(Exception):
         self.status = status
 
 
+class _SubParsers(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommands whose `--help` always has a description line: their one-line help, as a sentence,
+    where the command gives no longer one."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        help_text = kwargs.get("help")
+        if kwargs.get("description") is None and isinstance(help_text, str) and help_text:
+            kwargs["description"] = help_text[0].upper() + help_text[1:] + "."
+        return super().add_parser(name, **kwargs)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports usage errors as exit status 2 without a traceback, through one path; an
     unknown command or choice gets a "did you mean"; the parser that parsed the command is recorded
     (`args._parser`) so that errors found later print that command's usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _SubParsers)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -93,7 +108,7 @@ class ArgumentParser(argparse.ArgumentParser):
         choices = action.choices
         if choices is not None and isinstance(value, str) and value not in choices:
             names = [str(c) for c in choices]
-            close = difflib.get_close_matches(value, names, n=2)
+            close = closest(value, names, n=2)
             what = "command" if isinstance(action, argparse._SubParsersAction) else "choice"
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
             raise argparse.ArgumentError(
@@ -102,14 +117,48 @@ class ArgumentParser(argparse.ArgumentParser):
         super()._check_value(action, value)
 
     def unknown_arguments(self, extra: list[str]) -> NoReturn:
-        """Arguments nothing took: this parser's usage, and the closest option for a mistyped flag."""
+        """Arguments nothing took: this parser's usage, then the closest option to each mistyped flag,
+        after the arguments (never between a flag and its value)."""
         known = [o for action in self._actions for o in action.option_strings]
-        words = []
+        hints: dict[str, str] = {}
         for arg in extra:
             flag = arg.split("=", 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("-") else []
-            words.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
-        self.error(f"unrecognized arguments: {' '.join(words)}")
+            close = closest(flag, known, n=1) if flag.startswith("-") else []
+            if close:
+                hints[flag] = close[0]
+        message = f"unrecognized arguments: {' '.join(extra)}"
+        if len(hints) == 1:
+            message += f"; did you mean {next(iter(hints.values()))}?"
+        elif hints:
+            message += "; did you mean " + ", ".join(f"{c} for {f}" for f, c in hints.items()) + "?"
+        self.error(message)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and swaps of two
+    neighbours each cost 1 (the typos people make: `--forse`, `--josn`)."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(previous[j] + 1, row[j - 1] + 1, previous[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, previous2[j - 2] + 1)
+            row.append(cost)
+        previous2, previous = previous, row
+    return previous[-1]
+
+
+def closest(word: str, candidates: Sequence[str], n: int = 1) -> list[str]:
+    """Up to `n` candidates close to `word`, the fewest typos first. difflib decides what is close
+    enough; its ratio alone ranks `--forks` above `--force` for `--forse` (a tie it breaks by name)."""
+    close = difflib.get_close_matches(word, candidates, n=len(candidates) or 1)
+    ranked = sorted(
+        close,
+        key=lambda c: (edit_distance(word, c), -difflib.SequenceMatcher(None, word, c).ratio(), c),
+    )
+    return ranked[:n]
 
 
 def flag(parse: Callable[[Any], T]) -> Callable[[str], T]:
@@ -194,7 +243,11 @@ def print_error(exc: RpcfleetError) -> None:
     _console("err_console").print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
 
 
-def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -> None:
+def add_inventory_args(
+    parser: argparse.ArgumentParser, *, limit: bool = True, forks: bool = True, forks_short: bool = True
+) -> None:
+    """-i, -l (unless `limit` is false) and -f/--forks (for commands that work on hosts at once; only
+    --forks where `-f` means something else: `logs -f` follows, as `tail -f` does)."""
     parser.add_argument(
         "-i",
         "--inventory",
@@ -206,9 +259,10 @@ def add_inventory_args(parser: argparse.ArgumentParser, *, limit: bool = True) -
         parser.add_argument(
             "-l", "--limit", default=None, help="host pattern: names, groups, globs, !exclude, &intersect"
         )
+    if not forks:
+        return
     parser.add_argument(
-        "-f",
-        "--forks",
+        *(("-f", "--forks") if forks_short else ("--forks",)),
         type=flag(fields.integer(minimum=1)),
         default=16,
         help="hosts worked on at once (default: 16)",
@@ -253,9 +307,32 @@ def inventory_path(args: argparse.Namespace) -> Path:
         return Path(os.environ[DEFAULT_INVENTORY_ENV])
     if Path("inventory.yml").exists():
         return Path("inventory.yml")
+    from orchestrator.core.errors import LabError
     from orchestrator.lab.lifecycle import default_lab_inventory
 
-    path: Path = default_lab_inventory()
+    try:
+        path: Path = default_lab_inventory()
+    except LabError as exc:  # no inventory named and none found: the user's to give (exit status 2)
+        raise UsageError(exc.message, hint=exc.hint) from None
+    return path
+
+
+def write_output(path: Path, data: str) -> None:
+    """Write an -o file atomically; a path that cannot be written is the user's to fix (exit status 2)."""
+    from orchestrator.core.files import write_atomic
+
+    try:
+        write_atomic(path, data)
+    except RpcfleetError as exc:
+        raise UsageError(exc.message) from None
+
+
+def require_model(path: Path) -> Path:
+    """`path` when it is a file; else the usage error every command that reads a model gives."""
+    if not path.exists():
+        raise UsageError(f"model {path} does not exist")
+    if not path.is_file():
+        raise UsageError(f"model {path} is not a file")
     return path
 
 

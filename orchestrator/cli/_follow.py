@@ -15,17 +15,11 @@ if TYPE_CHECKING:
 
 def add_follow_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-F", "--follow", action="store_true", help="then print new lines as they come, until Ctrl-C"
+        "-f", "--follow", action="store_true", help="then print new lines as they come, until Ctrl-C"
     )
     parser.add_argument(
         "--noise", action="store_true", help="keep the server's 'Accepted/closed client connection' lines"
     )
-
-
-def filter_tail(text: str, noise: bool) -> str:
-    from orchestrator.operations.follow import without_noise
-
-    return text if noise else "\n".join(without_noise(text.split("\n")))
 
 
 def follow(args: argparse.Namespace, hosts: list[Host]) -> int:

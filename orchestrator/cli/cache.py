@@ -97,8 +97,7 @@ def _warm_items(
     from orchestrator.planning.profile import profile_model
     from orchestrator.planning.strategy import make_plan
 
-    if not args.model.exists():
-        raise UsageError(f"model {args.model} does not exist")
+    _common.require_model(args.model)
     t = time.monotonic()
     profile = profile_model(args.model)
     devices = _planning.probe_devices(args, hosts)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common
+from orchestrator.cli.lab import lab_name, lab_nodes
 
 DEMO_LAB = "demo"
 PROMPT = "The capital of France is the city of"  # Gemma 3 270M, greedy: " Paris. It is the most visited..."
@@ -24,9 +25,11 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo", help="run the whole pipeline on an emulated lab on this machine (make demo)"
     )
-    parser.add_argument("--nodes", type=int, default=3, help="lab nodes (default: 3)")
+    parser.add_argument("--nodes", type=lab_nodes, default=3, help="lab nodes (default: 3)")
     parser.add_argument("--keep", action="store_true", help="leave the lab and its servers running")
-    parser.add_argument("--lab-name", default=DEMO_LAB, help=f"name of the lab (default: {DEMO_LAB})")
+    parser.add_argument(
+        "--lab-name", type=lab_name, default=DEMO_LAB, help=f"name of the lab (default: {DEMO_LAB})"
+    )
     parser.add_argument(
         "--model", "-m", type=Path, default=None, help="GGUF model (default: Gemma 3 270M, fetched once)"
     )
@@ -52,6 +55,10 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.lab.lifecycle import lab_down, lab_up
 
     local = os.geteuid() != 0
+    if args.model is not None:  # a model that cannot be planned fails here, not after the lab is up
+        from orchestrator.planning.profile import profile_model
+
+        profile_model(_common.require_model(args.model))
     model = args.model or demo_model()
     kind = "local-connection (not root)" if local else "network-namespace"
     _common.console.rule(f"lab up: {args.nodes} {kind} nodes")

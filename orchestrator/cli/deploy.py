@@ -23,6 +23,9 @@ def register(subparsers: Any) -> None:
         "deploy",
         help="install the pinned rpc-server on every host, start it (or restart it when its version or "
         "launch line changed) and wait until it answers",
+        description="Install the pinned rpc-server on every selected host (uploaded once, checked on the "
+        "node, switched in atomically), start it, or restart it when its version or launch line changed, "
+        "and wait until it answers HELLO. An unchanged host is left alone; --check prints what would change.",
     )
     _add_run_args(deploy, check=True)
     deploy.add_argument(
@@ -32,14 +35,35 @@ def register(subparsers: Any) -> None:
     _common.add_operation_args(deploy)
     deploy.set_defaults(handler=handle_deploy)
 
-    for name, help_text in (
-        ("start", "start the installed rpc-server where it is not running"),
-        ("stop", "stop the rpc-server (refused while a client is connected, unless --force)"),
-        ("restart", "restart the rpc-server, waiting for HELLO (--rolling: one batch at a time)"),
+    for name, help_text, description, force_help in (
+        (
+            "start",
+            "start the installed rpc-server where it is not running",
+            "Start the installed rpc-server on every selected host where it is not running, and wait "
+            "until it answers HELLO. A server running another version or launch line than the "
+            "inventory's, or an orphan holding the port, is restarted.",
+            "restart a server that must be restarted (new version, changed launch line, orphan) even "
+            "while a client is connected (its model is cut off)",
+        ),
+        (
+            "stop",
+            "stop the rpc-server (refused while a client is connected, unless --force)",
+            "Stop the rpc-server on every selected host. A server with a client connected (a loaded "
+            "model) is refused unless --force.",
+            None,
+        ),
+        (
+            "restart",
+            "restart the rpc-server, waiting for HELLO (--rolling: one batch at a time)",
+            "Restart the rpc-server on every selected host and wait until it answers HELLO; --rolling "
+            "restarts one batch at a time and stops at the first failure. Busy servers are refused "
+            "unless --force.",
+            None,
+        ),
     ):
-        parser = subparsers.add_parser(name, help=help_text)
+        parser = subparsers.add_parser(name, help=help_text, description=description)
         _add_run_args(parser, check=True)
-        _common.add_operation_args(parser)
+        _common.add_operation_args(parser, force_help=force_help)
         if name == "restart":
             parser.add_argument(
                 "--rolling",
@@ -48,13 +72,30 @@ def register(subparsers: Any) -> None:
             )
         parser.set_defaults(handler=handle_service, action=name)
 
-    status = subparsers.add_parser("status", help="state of every rpc-server: running, busy, crashed...")
-    _add_run_args(status, check=False)
+    status = subparsers.add_parser(
+        "status",
+        help="state of every rpc-server: running, busy, crashed...",
+        description="Show each selected host's rpc-server: running, busy, stopped, crashed, unhealthy or "
+        "orphan, its supervisor, pid, version and protocol. Read-only: no lock, nothing changed.",
+    )
+    _add_run_args(status, check=False, batches=False)
     status.set_defaults(handler=handle_status)
 
-    logs = subparsers.add_parser("logs", help="the end of each rpc-server's log")
-    _common.add_inventory_args(logs)
-    logs.add_argument("-n", "--lines", type=int, default=40, help="lines per host (default: 40)")
+    logs = subparsers.add_parser(
+        "logs",
+        help="the end of each rpc-server's log",
+        description="Print the last lines of each selected host's rpc-server log (its journal under "
+        "systemd), without the lines every probe's connection writes (--noise keeps them); "
+        "-f/--follow then prints new lines as they come.",
+    )
+    _common.add_inventory_args(logs, forks_short=False)  # -f is --follow here, as in tail and journalctl
+    logs.add_argument(
+        "-n",
+        "--lines",
+        type=_common.flag(fields.integer(minimum=1)),
+        default=40,
+        help="lines per host, after leaving out probe connections (default: 40)",
+    )
     _follow.add_follow_args(logs)
     logs.set_defaults(handler=handle_logs)
 
@@ -67,11 +108,13 @@ def register(subparsers: Any) -> None:
     rollback.set_defaults(handler=handle_rollback)
 
 
-def _add_run_args(parser: argparse.ArgumentParser, *, check: bool) -> None:
+def _add_run_args(parser: argparse.ArgumentParser, *, check: bool, batches: bool = True) -> None:
     _common.add_inventory_args(parser)
     _common.add_json_arg(parser)
     if check:
         parser.add_argument("--check", action="store_true", help="print what would change, change nothing")
+    if not batches:  # batches limit the harm of a change; a read-only command has none
+        return
     parser.add_argument("--serial", default=None, help="hosts per batch: a number or a percentage")
     parser.add_argument(
         "--max-fail-percentage",
@@ -269,12 +312,11 @@ def handle_logs(args: argparse.Namespace) -> int:
     from orchestrator.operations.service import make_logs_step
 
     _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_logs_step(args.lines), "logs")
+    run = _run(args, hosts, make_logs_step(args.lines, noise=args.noise), "logs")
     for r in run.results:
         _common.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):
-            text = _follow.filter_tail(r.value.rstrip("\n"), args.noise)
-            _common.console.print(text, highlight=False, markup=False)
+            _common.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
         elif r.error is not None:
             _common.err_console.print(str(r.error), highlight=False, markup=False)
     if args.follow:

@@ -19,18 +19,18 @@ def register(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="inventory_command", metavar="ACTION", required=True)
 
     listing = commands.add_parser("list", help="one line per host: address, connection, endpoint, groups")
-    _common.add_inventory_args(listing)
+    _common.add_inventory_args(listing, forks=False)  # reads the inventory only: nothing to fork
     _common.add_json_arg(listing)
     listing.set_defaults(handler=handle_list)
 
     graph = commands.add_parser("graph", help="the group tree, like ansible-inventory --graph")
-    _common.add_inventory_args(graph, limit=False)
+    _common.add_inventory_args(graph, limit=False, forks=False)
     _common.add_json_arg(graph)
     graph.add_argument("group", nargs="?", default="all", help="the group to start from (default: all)")
     graph.set_defaults(handler=handle_graph)
 
     show = commands.add_parser("show", help="every resolved variable of one host and where it comes from")
-    _common.add_inventory_args(show, limit=False)
+    _common.add_inventory_args(show, limit=False, forks=False)
     _common.add_json_arg(show)
     show.add_argument("host", help="host name")
     show.set_defaults(handler=handle_show)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _common
+from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.paths import DEFAULT_LAB
 
@@ -26,7 +27,7 @@ def register(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="lab_command", metavar="ACTION", required=True)
 
     up = commands.add_parser("up", help="bring a lab up and write its inventory")
-    up.add_argument("-n", "--nodes", type=int, default=3, help="number of nodes (default: 3)")
+    up.add_argument("-n", "--nodes", type=lab_nodes, default=3, help="number of nodes (default: 3)")
     _add_name(up)
     up.add_argument(
         "--local", action="store_true", help="local-connection nodes on 127.0.x.y (no root, no sshd)"
@@ -66,9 +67,28 @@ def register(subparsers: Any) -> None:
     repair.set_defaults(handler=handle_repair)
 
 
+def lab_nodes(text: str) -> int:
+    """--nodes, checked as it is parsed (a usage error, exit status 2)."""
+    from orchestrator.lab.model import MAX_NODES
+
+    return _common.flag(fields.integer(minimum=1, maximum=MAX_NODES))(text)
+
+
+def lab_name(text: str) -> str:
+    """--name, checked as it is parsed (a usage error, exit status 2)."""
+    from orchestrator.core.errors import LabError
+    from orchestrator.lab.model import check_name
+
+    try:
+        return check_name(text)
+    except LabError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.message} ({exc.hint})") from None
+
+
 def _add_name(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--name",
+        type=lab_name,
         default=DEFAULT_LAB,
         help=f"lab name, for several labs at once (default: {DEFAULT_LAB})",
     )
@@ -98,6 +118,8 @@ def handle_up(args: argparse.Namespace) -> int:
 
     from orchestrator.lab.lifecycle import lab_status, lab_up, reap_stale
 
+    if args.local and args.init != "none":
+        raise UsageError("--init systemd needs a network-namespace lab, not --local")
     started = time.monotonic()
     reaped = reap_stale()
     made = lab_up(
@@ -167,8 +189,13 @@ def handle_status(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
-    from orchestrator.lab.lifecycle import lab_status
+    from orchestrator.core.errors import LabError, UsageError
+    from orchestrator.lab.lifecycle import lab_status, load_lab
 
+    try:
+        load_lab(args.name)
+    except LabError as exc:  # a lab name that names no lab that is up
+        raise UsageError(exc.message, hint=exc.hint) from None
     status = lab_status(args.name)
     if args.json:
         _common.print_json(status.to_dict())

@@ -97,6 +97,7 @@ def register(subparsers: Any) -> None:
 
 def handle_synth(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import ModelError, UsageError
+    from orchestrator.core.files import atomic_path
     from orchestrator.core.units import format_size
     from orchestrator.planning.synth import write_tiny_llama
 
@@ -104,24 +105,27 @@ def handle_synth(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists", hint="pass --force to overwrite it")
     try:
-        path = write_tiny_llama(
-            out,
-            n_layer=args.layers,
-            n_embd=args.embd,
-            n_head=args.heads,
-            n_head_kv=args.kv_heads,
-            n_ff=args.ff,
-            n_vocab=args.vocab,
-            n_ctx_train=args.ctx_train,
-            weight_type=args.type,
-            tied_output=args.tied,
-            seed=args.seed,
-        )
+        # Written beside OUT and renamed over it when whole: a failed or interrupted write (Ctrl-C
+        # included) leaves no half a model, and with --force the old file stays as it was.
+        with atomic_path(out, parents=True) as tmp:
+            write_tiny_llama(
+                tmp,
+                n_layer=args.layers,
+                n_embd=args.embd,
+                n_head=args.heads,
+                n_head_kv=args.kv_heads,
+                n_ff=args.ff,
+                n_vocab=args.vocab,
+                n_ctx_train=args.ctx_train,
+                weight_type=args.type,
+                tied_output=args.tied,
+                seed=args.seed,
+            )
     except ModelError as exc:  # dimensions that do not make a model are bad flags
         raise UsageError(exc.message) from None
-    except BaseException:
-        out.unlink(missing_ok=True)  # never leave half a model behind (Ctrl-C included)
-        raise
+    except OSError as exc:  # a folder that cannot be made or written, a full disk: the path given
+        raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None
+    path = out
     size = path.stat().st_size
     if args.json:
         _common.print_json({"path": str(path), "bytes": size})
@@ -134,12 +138,9 @@ def handle_synth(args: argparse.Namespace) -> int:
 
 
 def handle_info(args: argparse.Namespace) -> int:
-    from orchestrator.core.errors import UsageError
     from orchestrator.planning.profile import profile_model
 
-    if not args.model.is_file():
-        raise UsageError(f"model {args.model} does not exist")
-    profile = profile_model(args.model)
+    profile = profile_model(_common.require_model(args.model))
     data = model_info(profile, args.ctx, args.type_k, args.type_v)
     if args.json:
         _common.print_json(data)

@@ -13,7 +13,12 @@ if TYPE_CHECKING:  # imported by the handler: registering stays cheap
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("ping", help="connect to every selected host and report what it is")
+    parser = subparsers.add_parser(
+        "ping",
+        help="connect to every selected host and report what it is",
+        description="Connect to every selected host over its connection (SSH or local) and report its OS, "
+        "architecture, distribution, user, connect time and round-trip latency. Changes nothing.",
+    )
     _common.add_inventory_args(parser)
     _common.add_json_arg(parser)
     parser.set_defaults(handler=handle)

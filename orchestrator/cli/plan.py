@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
-from orchestrator.core.errors import UsageError
-from orchestrator.core.files import write_atomic
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:
@@ -48,14 +46,13 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.planning.strategy import make_plan
 
     fmt = "json" if args.json else args.format
-    if not args.model.is_file():
-        raise UsageError(f"model {args.model} does not exist")
+    _common.require_model(args.model)
     options = _planning.plan_options(args)
     profile = profile_model(args.model)  # before probing: a bad model fails fast
     devices = _planning.probe_devices(args)
     plan = make_plan(devices, profile, options)
     if args.output is not None:
-        write_atomic(args.output, plan.to_json())
+        _common.write_output(args.output, plan.to_json())
     if fmt == "json":
         sys.stdout.write(plan.to_json() + "\n")
     elif fmt == "llama-cli":

@@ -118,7 +118,31 @@ def _print_table(fleet: FleetProbe) -> None:
     # Piped output has no terminal width to fit: print the table whole rather than folded into 80 columns.
     out = _common.console if _common.console.is_terminal else Console(width=_PIPE_WIDTH)
     out.print(table)
-    if any(d.source_of_free == "meminfo" for n in fleet.nodes for d in n.devices):
-        out.print("* free = MemAvailable on the host (CPU devices)", highlight=False)
+    footnote = free_footnote(fleet)
+    if footnote:
+        out.print(footnote, highlight=False, markup=False)
     for note in notes:
         _common.err_console.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False)
+
+
+def free_footnote(fleet: FleetProbe) -> str:
+    """What the starred free figures are: MemAvailable, and where one machine runs several CPU servers,
+    the share of it each one shows (the total row counts that machine's RAM once)."""
+    machines: dict[str, list[str]] = {}
+    meminfo = False
+    for node in fleet.nodes:
+        if node.duplicate_of is not None or not any(d.source_of_free == "meminfo" for d in node.devices):
+            continue
+        meminfo = True
+        if node.facts is not None and node.facts.machine_id is not None:
+            machines.setdefault(node.facts.machine_id, []).append(node.host)
+    if not meminfo:
+        return ""
+    shared = [hosts for hosts in machines.values() if len(hosts) > 1]
+    if not shared:
+        return "* free = MemAvailable on the host (CPU devices)"
+    groups = "; ".join(f"{', '.join(hosts)} on one machine" for hosts in shared)
+    return (
+        "* free = MemAvailable on the host (CPU devices), divided evenly among the CPU servers of one "
+        f"machine ({groups}); the total counts each machine's RAM once"
+    )

@@ -16,7 +16,6 @@ from typing import Any
 from orchestrator.cli import _common, _planning
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
-from orchestrator.core.files import write_atomic
 
 
 def parse_contexts(values: list[str] | None) -> list[int]:
@@ -38,6 +37,9 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "report",
         help="capacity report: the fleet's memory and, per model and context, whether and where it fits",
+        description="Probe the selected servers, then plan each model (-m, repeatable) at each context "
+        "(--ctx 4k,32k): the fleet's memory per device, and per case whether it fits, where each layer "
+        "goes and what to change when it does not. Text, Markdown, JSON or a self-contained HTML page.",
     )
     _common.add_inventory_args(parser)
     parser.add_argument(
@@ -62,7 +64,8 @@ def handle(args: argparse.Namespace) -> int:
 
     contexts = parse_contexts(args.ctx)
     plan_options = _planning.plan_options(args, n_ctx=contexts[0])
-    models = [(str(m), profile_model(m)) for m in args.model]  # read before probing: fail fast on a typo
+    # read before probing: fail fast on a typo
+    models = [(str(m), profile_model(_common.require_model(Path(m)))) for m in args.model]
     _, hosts = _common.load_hosts(args)
     fleet = _planning.probe(args, hosts)
     options = ReportOptions(
@@ -73,7 +76,7 @@ def handle(args: argparse.Namespace) -> int:
     report = build_report(fleet, models, contexts, options)
     text = render(report, args.format)
     if args.output is not None:
-        write_atomic(args.output, text)
+        _common.write_output(args.output, text)
         _common.err_console.print(f"report written to {args.output}", highlight=False)
     else:
         sys.stdout.write(text)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in 
     from orchestrator.llama.cache_prep import CachePrep
     from orchestrator.llama.placement import Placement
     from orchestrator.planning.plan import Plan
+    from orchestrator.planning.profile import ModelProfile
 
 
 def register(subparsers: Any) -> None:
@@ -47,6 +48,7 @@ def register(subparsers: Any) -> None:
         "--endpoint",
         action="append",
         default=[],
+        type=_endpoint,
         metavar="HOST:PORT",
         help="a server to use (repeatable); without it, the inventory's hosts",
     )
@@ -80,6 +82,17 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
+def _endpoint(text: str) -> str:
+    """--endpoint's value, checked as it is parsed (a bad one is a usage error naming it)."""
+    from orchestrator.rpc.protocol import EndpointError, parse_endpoint
+
+    try:
+        parse_endpoint(text)
+    except EndpointError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
+
+
 def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     """Inventory-less hosts for `--endpoint` values. Loopback servers run on this machine, so they get
     a local connection (facts such as MemAvailable are read here); others are probed over RPC only."""
@@ -95,18 +108,22 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     return hosts
 
 
-def make_run_plan(args: argparse.Namespace, phases: dict[str, float] | None = None) -> Plan:
+def make_run_plan(
+    args: argparse.Namespace,
+    phases: dict[str, float] | None = None,
+    read: ModelProfile | Plan | None = None,
+) -> Plan:
     """The plan of this run (probed and planned, or `--plan`'s); `phases` gets the probe's and the
-    plan's seconds."""
+    plan's seconds. `read`: the model's profile, or the saved plan, when it was already read."""
     from orchestrator.inventory.model import is_loopback
     from orchestrator.planning.plan import Plan
-    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.profile import ModelProfile, profile_model
     from orchestrator.planning.strategy import make_plan
 
     times = phases if phases is not None else {}
     started = time.monotonic()
     if args.plan is not None:
-        plan = Plan.from_path(args.plan)
+        plan = read if isinstance(read, Plan) else Plan.from_path(args.plan)
         times["plan"] = time.monotonic() - started
         return plan
     options = _planning.plan_options(args)
@@ -118,7 +135,8 @@ def make_run_plan(args: argparse.Namespace, phases: dict[str, float] | None = No
     devices = _planning.probe_devices(args, hosts)
     times["probe"] = time.monotonic() - started
     started = time.monotonic()
-    plan = make_plan(devices, profile_model(args.model), options)
+    profile = read if isinstance(read, ModelProfile) else profile_model(args.model)
+    plan = make_plan(devices, profile, options)
     times["plan"] = time.monotonic() - started
     return plan
 
@@ -165,14 +183,18 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
-    if not args.model.exists():
-        raise UsageError(f"model {args.model} does not exist")
+    _common.require_model(args.model)
+    # a file that is no model, or no plan, fails before the worker starts and the fleet is probed
+    from orchestrator.planning.plan import Plan
+    from orchestrator.planning.profile import profile_model
+
+    read = profile_model(args.model) if args.plan is None else Plan.from_path(args.plan)
     # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
     # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
     # overlap with the probe and the plan.
     phases: dict[str, float] = {}
     with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
-        plan = make_run_plan(args, phases)
+        plan = make_run_plan(args, phases, read)
         check_fit(plan, force=args.force, json=args.json)
         hosts = inventory_hosts(args)
         cache, cache_phases = prepare_cache(args, plan, hosts)

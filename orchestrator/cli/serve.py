@@ -95,9 +95,9 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.inventory.model import is_loopback
+    from orchestrator.planning.profile import profile_model
 
-    if not args.model.exists():
-        raise UsageError(f"model {args.model} does not exist")
+    profile_model(_common.require_model(args.model))  # a file that is no model fails before the probe
     api_key = api_key_of(args)
     if api_key is None and not is_loopback(args.host):
         raise UsageError(

@@ -152,12 +152,22 @@ class ProbeError(RpcfleetError):
     """Probing an endpoint failed (raised only by the raising API of the RPC client)."""
 
 
-class ModelError(RpcfleetError):
-    """A GGUF model cannot be read or profiled."""
+class ModelError(InputError):
+    """A GGUF model cannot be read or profiled: the file a user named is not a model rpcfleet can use
+    (or the dimensions asked of a generated one do not make a model)."""
+
+
+class FetchError(RpcfleetError):
+    """A catalogued model could not be fetched into the cache (download failed, wrong size or sha256):
+    not the user's input, so exit status 1."""
 
 
 class PlanError(RpcfleetError):
     """A plan is invalid or cannot be made."""
+
+
+class PlanFileError(InputError, PlanError):
+    """A saved plan a user named (`run --plan`) cannot be read or is not a valid plan."""
 
 
 class LoaderError(RpcfleetError):

@@ -285,14 +285,19 @@ class LogMatchFact(Fact[bool]):
 
 @dataclass(frozen=True)
 class LogTailFact(Fact[str | None]):
-    """The last `lines` lines of the log `path` (None: no readable log)."""
+    """The last `lines` lines of the log `path` (None: no readable log), after leaving out the lines
+    that match the extended regex `drop` (when given): filtered first, so that `lines` are all kept."""
 
     path: str
     lines: int = 8
+    drop: str = ""
     name: ClassVar[str] = "log_tail"
 
     def command(self) -> str:
-        return f"tail -n {int(self.lines)} {shell_path(self.path)}"
+        f = shell_path(self.path)
+        if not self.drop:
+            return f"tail -n {int(self.lines)} {f}"
+        return f"[ -r {f} ] || exit 1; grep -v -E -e {shlex.quote(self.drop)} {f} | tail -n {int(self.lines)}"
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> str | None:
         return stdout if exit_status == 0 else None

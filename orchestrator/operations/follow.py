@@ -31,6 +31,11 @@ def without_noise(lines: Sequence[str]) -> list[str]:
     return [line for line in lines if not is_noise(line)]
 
 
+# `is_noise` for grep -E on the node: a log's tail is filtered there before its last lines are taken
+# (a server probed every few seconds writes nothing else, so filtering the tail would leave nothing).
+NOISE_PATTERN = "^[[:space:]]*(" + "|".join(CONNECTION_NOISE) + ")[[:space:]]*$"
+
+
 @dataclass(frozen=True)
 class Chunk:
     """What was new in one read: the log's size now, the new text, and whether the log was rotated."""

@@ -327,7 +327,9 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
     elif probe is None:
         server, message = "running", "not probed (bound to the node's loopback)"
     elif probe.outcome is Outcome.OK:
-        server, message = "running", probe.message
+        # The protocol has a field of its own; the detail says what else the HELLO told.
+        count = len(probe.devices)
+        server, message = "running", f"{count} device(s)" if count else "the server reports no devices"
         protocol = str(probe.version) if probe.version else protocol
     elif probe.outcome is Outcome.BUSY:
         server, message = "busy", probe.message

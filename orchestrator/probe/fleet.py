@@ -34,6 +34,7 @@ added)::
     {"schema_version": 1, "ok": bool, "protocol": "7.0.0", "timeout": 3.0, "elapsed": 0.01,
      "totals": {"endpoints": int, "ok_endpoints": int, "devices": int,
                 "total": int, "free": int, "usable": int},          # ok endpoints, each counted once
+                                                                    # (total: a machine's RAM once)
      "nodes": [{"host": str, "endpoint": str, "state": str, "ok": bool,
                 "outcome": str, "protocol": str | null, "message": str, "elapsed": float,
                 "clients": [str] | null,                            # from ss; null without facts
@@ -161,7 +162,8 @@ class NodeProbe:
 
 @dataclass(frozen=True)
 class FleetTotals:
-    """Sums over the ok endpoints, each endpoint counted once."""
+    """Sums over the ok endpoints, each endpoint counted once; the RAM of a machine that runs several
+    CPU servers counted once in `total` (their free and usable are shares of it: they add up)."""
 
     endpoints: int  # distinct endpoints probed
     ok_endpoints: int
@@ -188,11 +190,20 @@ def fleet_totals(nodes: Sequence[NodeProbe]) -> FleetTotals:
         first.setdefault(node.endpoint, node)
     ok = [n for n in first.values() if n.ok]
     devices = [d for n in ok for d in n.devices]
+    total, machines = 0, set[str]()
+    for node in ok:
+        machine = node.facts.machine_id if node.facts is not None else None
+        for d in node.devices:
+            if d.kind == "cpu" and machine is not None:
+                if machine in machines:  # the same RAM, seen by another server of this machine
+                    continue
+                machines.add(machine)
+            total += d.total
     return FleetTotals(
         endpoints=len(first),
         ok_endpoints=len(ok),
         devices=len(devices),
-        total=sum(d.total for d in devices),
+        total=total,
         free=sum(d.free for d in devices),
         usable=sum(d.usable for d in devices),
     )

@@ -22,6 +22,7 @@ from orchestrator.report.text import (
     _size,
     _totals_row,
     _verdict,
+    fleet_lines,
 )
 
 BAR_WIDTH = 720  # CSS pixels of the longest bar in a chart
@@ -159,10 +160,8 @@ def render_html(report: Report) -> str:
     ]
     rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
     b.append(_html_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)], numeric_from=6))
-    for node in report.fleet.nodes:
-        if not node.ok:
-            b.append(f'<p class="meta nofit">{_e(node.host)}: {_e(node.state)}: {_e(node.rpc.message)}</p>')
-    b += [f'<p class="meta">note: {_e(n)}</p>' for n in report.notes]
+    for kind, text in fleet_lines(report):  # the same lines as the text report's
+        b.append(f'<p class="meta{" nofit" if kind == "failed" else ""}">{_e(text)}</p>')
     legend = "".join(
         f'<span><i style="background:{colour}"></i>{_e(kind)}</span>'
         for kind, colour in SEGMENT_COLOURS.items()

@@ -176,17 +176,27 @@ def _text_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: s
     return [line(headers), indent + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
+def fleet_lines(report: Report) -> list[tuple[str, str]]:
+    """What every format prints under the fleet table, as (kind, text), kind "failed", "warning" or
+    "note": the nodes that are not ok, the warnings of nodes and devices (memory shared among the
+    servers of one machine, GPU figures that disagree...), the report's notes."""
+    out: list[tuple[str, str]] = []
+    for node in report.fleet.nodes:
+        if not node.ok:
+            out.append(("failed", f"{node.host}: {node.state}: {node.rpc.message}"))
+        out += [("warning", f"{node.host}: warning: {w}") for w in node.warnings]
+        out += [
+            ("warning", f"{node.host} #{d.index}: warning: {w}") for d in node.devices for w in d.warnings
+        ]
+    out += [("note", f"note: {note}") for note in report.notes]
+    return out
+
+
 def render_text(report: Report) -> str:
     out = ["rpcfleet capacity report", *_header_lines(report), "", "Fleet"]
     rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
     out += _text_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)], "  ")
-    for node in report.fleet.nodes:
-        if not node.ok:
-            out.append(f"  {node.host}: {node.state}: {node.rpc.message}")
-        out += [f"  {node.host}: warning: {w}" for w in node.warnings]
-        out += [f"  {node.host} #{d.index}: warning: {w}" for d in node.devices for w in d.warnings]
-    for note in report.notes:
-        out.append(f"  note: {note}")
+    out += [f"  {text}" for _, text in fleet_lines(report)]
     for model in report.models:
         p = model.profile
         out += [
@@ -224,8 +234,7 @@ def render_markdown(report: Report) -> str:
     out += ["", "## Fleet", ""]
     rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
     out += _md_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)])
-    extra = [f"- {node.host}: {node.state}: {node.rpc.message}" for node in report.fleet.nodes if not node.ok]
-    extra += [f"- note: {n}" for n in report.notes]
+    extra = [f"- {text}" for _, text in fleet_lines(report)]
     if extra:
         out += ["", *(_md_cell(e) for e in extra)]
     for model in report.models:

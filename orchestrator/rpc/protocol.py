@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from orchestrator.core.errors import ProbeError
+from orchestrator.core.errors import InputError, ProbeError
 from orchestrator.core.log import get_logger
 
 log = get_logger()
@@ -147,8 +147,9 @@ RpcDeviceMemory = DeviceMemory
 RpcMemoryInfo = AggregateMemory
 
 
-class EndpointError(ProbeError):
-    """An endpoint string is not `host:port` (not a network outcome: raised by both APIs)."""
+class EndpointError(InputError, ProbeError):
+    """An endpoint string is not `host:port` (not a network outcome: raised by both APIs); bad input
+    wherever it came from (a flag, an inventory, a plan)."""
 
 
 def parse_endpoint(text: str, *, default_port: int | None = None) -> Endpoint:
