@@ -387,6 +387,38 @@ def _is_server(pid: int | None) -> bool:
     return cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes()
 
 
+def test_two_cli_restarts_at_once_one_restarts_every_host_the_other_exits_3(
+    lab: Lab, fleet: list[Host]
+) -> None:
+    """The race of the deploy test above, end to end through two `rpcfleet restart` processes (a few
+    rounds: the race itself is looped there): exit 0 and every host restarted, exit 3 and none; with
+    --wait-lock both restart every host."""
+    views = [NodeView(lab, h) for h in fleet]
+    for round_no in range(4):
+        wait = ["--wait-lock", "60"] if round_no % 2 else []
+        starts = [v.starts() for v in views]
+        argv = [sys.executable, "-m", "orchestrator", "restart", "-i", str(lab.inventory), *wait]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        children = [
+            subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
+        outs = [child.communicate(timeout=120) for child in children]
+        codes = sorted(child.returncode for child in children)
+        restarts = [v.starts() - before for v, before in zip(views, starts, strict=True)]
+        if wait:
+            assert codes == [0, 0], outs
+            assert restarts == [2] * len(fleet)
+        else:
+            assert codes == [0, 3], outs
+            assert restarts == [1] * len(fleet)  # the loser restarted nothing
+            loser = outs[[c.returncode for c in children].index(3)]
+            assert "is being changed by" in loser[0] + loser[1] and "Traceback" not in loser[1], loser
+        assert all(v.server_alive() for v in views)
+
+
 async def test_a_locked_host_makes_the_cli_exit_3_naming_the_holder(
     lab: Lab, fleet: list[Host], capsys: pytest.CaptureFixture[str]
 ) -> None:
