@@ -156,13 +156,14 @@ class NodeOperation(Generic[T]):
     """The executor step running `body` on one host under the operations layer's rules."""
 
     def __init__(self, name: str, body: Body[T], options: OperationOptions) -> None:
-        self.__name__ = name
+        self.__name__ = name  # the step's name in results (a playbook renames it to its label)
+        self.operation = name  # what the lock file says is going on
         self.body = body
         self.options = options
 
     def run_gate(self) -> HostLocks | None:
         """Every run of a change takes its hosts' locks first (check mode takes none)."""
-        return None if self.options.check else HostLocks(self.__name__, self.options)
+        return None if self.options.check else HostLocks(self.operation, self.options)
 
     async def __call__(self, ctx: HostContext) -> StepOutcome[T]:
         conn = await ctx.connection()
@@ -181,7 +182,7 @@ class NodeOperation(Generic[T]):
                 ctx.log.warning("host_lock_waiting", holder=holder, wait_s=options.wait_lock)
 
         lock = await ctx.session.unless_interrupted(
-            acquire(conn, ctx.host, self.__name__, wait_s=options.wait_lock, on_wait=waiting)
+            acquire(conn, ctx.host, self.operation, wait_s=options.wait_lock, on_wait=waiting)
         )
         try:
             if ctx.session.interrupted is not None:

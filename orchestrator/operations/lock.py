@@ -72,14 +72,17 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
         [
             f"D={directory}",
             'mkdir -p "$D/run" || { echo "@error cannot create $D/run"; exit 1; }',
-            "for c in flock timeout head; do command -v $c >/dev/null 2>&1 ||",
-            '  { echo "@error $c (util-linux, coreutils) is not installed"; exit 1; }; done',
+            "for c in flock/util-linux timeout/coreutils head/coreutils; do",
+            '  command -v "${c%/*}" >/dev/null 2>&1 ||',
+            '    { echo "@error ${c%/*} (${c#*/}) is not installed"; exit 1; }',
+            "done",
             # Owner-only, also a file an older version made with the default umask.
             f'(umask 077 && : >>"$D/{LOCK_FILE}") && chmod 600 "$D/{LOCK_FILE}" ||',
             f'  {{ echo "@error cannot make $D/{LOCK_FILE} owner-only"; exit 1; }}',
             f'exec 9>>"$D/{LOCK_FILE}" || {{ echo "@error cannot open $D/{LOCK_FILE}"; exit 1; }}',
             # The watchdog: a heartbeat byte keeps it reading; end of file or silence ends the command's
-            # whole process group (this shell, a waiting flock). sh gives a background job /dev/null as
+            # whole process group (this shell, a waiting flock): `hold` starts it in a group of its own
+            # (sshd's session, LocalConnection's new session). sh gives a background job /dev/null as
             # its stdin unless told otherwise: hence fd 3. It must not hold the lock's fd 9.
             "exec 3<&0",
             "( while b=$(timeout " + f"{silence_s:g}" + ' head -c 1 2>/dev/null) && [ -n "$b" ]; do :; done',
