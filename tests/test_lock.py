@@ -1,32 +1,52 @@
 """The host lock protocol (operations/lock.py) on tier 1: in-process SSH hosts and local connections.
 
 The lock is a flock held by a shell that an SSH channel keeps alive: it must exclude a second holder, say
-who holds it, wait when asked, and be released by release(), by a closed connection and by a connection
-that dies under it, never outliving its holder.
+who holds it, wait when asked, and be released by release(), by a closed connection and by a controller
+that falls silent, never outliving its holder. A run takes its hosts' locks in one order before changing
+any, so two runs at once never split the hosts.
+
+What only a real sshd can show (a killed controller, a cut link, a waiter given up) is in
+test_safe_ops_lab.py: the fake hosts kill a dropped command's process group, which sshd does not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.connectors.local import LocalConnection
-from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.core.errors import NotStartedError
+from orchestrator.engine.executor import HostContext, RunResult, Session, StepOutcome
 from orchestrator.inventory.model import Host
-from orchestrator.operations.layer import OperationOptions, node_operation, run_to_completion
+from orchestrator.operations.layer import Body, OperationOptions, node_operation, run_to_completion
 from orchestrator.operations.lock import HostLockedError, LockOwner, acquire, lock_script
 from tests.plugins.fakehosts import FakeHost
 
 FakeHosts = Callable[..., list[FakeHost]]
 FAST = ConnectOptions(connect_timeout=5.0, command_timeout=10.0)
+ROUNDS = 20
+
+
+async def until(check: Callable[[], bool], limit: float = 5.0) -> None:
+    """Wait until `check()` holds (the condition, not a guessed delay); fail after `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, f"not true within {limit:g} s"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -63,7 +83,7 @@ async def test_waiting_for_the_lock_gets_it_when_the_holder_lets_go(ssh_host: Fa
         waiter = asyncio.ensure_future(
             acquire(second, host, "restart", wait_s=10.0, on_wait=lambda _h, who: seen.append(who))
         )
-        await asyncio.sleep(0.5)
+        await until(lambda: bool(seen))  # it was told who holds it, and waits
         assert not waiter.done()
         await lock.release()
         second_lock = await asyncio.wait_for(waiter, 5.0)
@@ -82,26 +102,71 @@ async def test_waiting_gives_up_after_wait_lock(ssh_host: FakeHost) -> None:
         await lock.release()
 
 
-async def test_a_closed_connection_releases_the_lock(ssh_host: FakeHost) -> None:
-    host = _with_dir(ssh_host.host, "~/rf")
-    first = await connect(host, FAST)
-    await acquire(first, host, "deploy")  # never released explicitly
-    await first.close()
-    async with await connect(host, FAST) as second:
-        lock = await acquire(second, host, "restart", wait_s=5.0)
-        await lock.release()
+async def test_a_silent_controller_loses_the_lock(tmp_path: Path) -> None:
+    """No heartbeat for `silence_s` (a controller whose link was cut): the holder gives the lock up by
+    itself, although its stdin is still open."""
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    first, second = LocalConnection(host), LocalConnection(host)
+    silent = await acquire(first, host, "deploy", heartbeat_s=3600.0, silence_s=1.0)  # one beat only
+    started = time.monotonic()
+    again = await acquire(second, host, "restart", wait_s=10.0)
+    assert 0.5 < time.monotonic() - started < 5.0
+    await again.release()
+    await silent.release()
 
 
-async def test_a_dead_connection_releases_the_lock(ssh_host: FakeHost) -> None:
-    """The controller is killed: its TCP connection drops, the lock's shell sees end of file."""
-    host = _with_dir(ssh_host.host, "~/rf")
-    first = await connect(host, FAST)
-    await acquire(first, host, "deploy")
-    ssh_host.abort_connections()
-    async with await connect(host, FAST) as second:
-        lock = await acquire(second, host, "restart", wait_s=5.0)
+async def test_heartbeats_keep_the_lock_past_the_silence_limit(tmp_path: Path) -> None:
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    first, second = LocalConnection(host), LocalConnection(host)
+    lock = await acquire(first, host, "deploy", heartbeat_s=0.2, silence_s=1.0)
+    await asyncio.sleep(2.5)  # the property itself: held for more than twice the silence limit
+    with pytest.raises(HostLockedError):
+        await acquire(second, host, "restart")
+    await lock.release()
+    again = await acquire(second, host, "restart")
+    await again.release()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every local user can reach (pytest's tmp_path is owner-only)."""
+    made = Path(tempfile.mkdtemp(prefix="rf-lock-"))
+    made.chmod(0o755)
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+def _someone_else_can_flock(path: Path) -> bool:
+    """Whether user nobody can take a flock on `path` (as any local user of a node could)."""
+    result = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "flock", "-n", str(path), "true"],
+        capture_output=True,
+        check=False,
+        timeout=10,
+    )
+    return result.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another local user (setpriv)")
+async def test_the_lock_file_is_owner_only_so_no_other_user_can_block_changes(open_dir: Path) -> None:
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(open_dir / "rf"))
+    old_umask = os.umask(0o022)  # the usual one: a plain `>>` makes the file world-readable
+    try:
+        lock = await acquire(LocalConnection(host), host, "deploy")
         await lock.release()
-    await first.close()
+        made = open_dir / "rf" / "run" / "lock"
+        assert stat.S_IMODE(made.stat().st_mode) == 0o600
+        assert not _someone_else_can_flock(made)
+
+        # A lock file left world-readable (by an older rpcfleet) is made owner-only by the next lock.
+        made.chmod(0o644)
+        assert _someone_else_can_flock(made)  # the check itself can tell
+        lock = await acquire(LocalConnection(host), host, "deploy")
+        assert stat.S_IMODE(made.stat().st_mode) == 0o600
+        await lock.release()
+        assert not _someone_else_can_flock(made)
+    finally:
+        os.umask(old_umask)
 
 
 async def test_locks_of_different_installs_do_not_exclude_each_other(ssh_host: FakeHost) -> None:
@@ -138,6 +203,7 @@ async def test_the_lock_records_an_odd_owner_and_folder_verbatim(tmp_path: Path)
 
 
 # --- the layer: check mode takes no lock, an interrupted caller lets the host step finish ----------------
+# --- and a run takes all its hosts' locks, in one order, before it changes any -----------------------------
 
 
 async def test_check_mode_takes_no_lock(ssh_host: FakeHost) -> None:
@@ -158,16 +224,17 @@ async def test_check_mode_takes_no_lock(ssh_host: FakeHost) -> None:
 
 
 async def test_a_cancelled_caller_waits_for_the_host_step_to_finish() -> None:
-    finished = asyncio.Event()
+    begun, finished = asyncio.Event(), asyncio.Event()
 
     async def two_commands() -> str:
+        begun.set()
         await asyncio.sleep(0.3)  # "switch the version"
         await asyncio.sleep(0.3)  # "start it"
         finished.set()
         return "done"
 
     caller = asyncio.ensure_future(run_to_completion(two_commands()))
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(begun.wait(), 5.0)
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
@@ -193,16 +260,105 @@ async def test_an_interrupt_starts_no_new_host_and_ends_a_lock_wait(fake_hosts: 
     assert run.interrupted and not run.ok
     assert all("not started: SIGINT" in r.message for r in run.results[1:])
 
-    # A host waiting for another operator's lock stops waiting at the interrupt: nothing was changed.
+    # A run waiting for another operator's lock stops waiting at the interrupt: nothing was changed, and
+    # the locks it had taken already are given back.
     async with await connect(hosts[1], FAST) as other:
         lock = await acquire(other, hosts[1], "deploy")
-        async with Session(options=FAST) as session:
-            step = node_operation("deploy", body, OperationOptions(wait_lock=30.0))
-            task = asyncio.ensure_future(session.run([hosts[1]], step))
-            await asyncio.sleep(0.5)
-            began = time.monotonic()
-            session.interrupt("SIGTERM")
-            run = await asyncio.wait_for(task, 5.0)
+        with capture_logs() as logs:
+            async with Session(options=FAST) as session:
+                step = node_operation("deploy", body, OperationOptions(wait_lock=30.0))
+                task = asyncio.ensure_future(session.run(hosts, step))
+                await until(lambda: any(e["event"] == "host_lock_waiting" for e in logs))
+                began = time.monotonic()
+                session.interrupt("SIGTERM")
+                run = await asyncio.wait_for(task, 5.0)
         assert time.monotonic() - began < 3.0
-        assert run.results[0].status == "skipped" and "SIGTERM" in run.results[0].message
+        assert [r.status for r in run.results] == ["skipped"] * 3 and run.interrupted
+        assert all("SIGTERM" in r.message for r in run.results)
+        assert started == [hosts[0].name]  # from the first run only
         await lock.release()
+    for host in hosts:
+        async with await connect(host, FAST) as conn:
+            free = await acquire(conn, host, "check")
+            await free.release()
+
+
+def _recording(changed: list[tuple[str, str]], who: str) -> Body[str]:
+    async def body(ctx: HostContext, conn: object) -> StepOutcome[str]:
+        changed.append((who, ctx.host.name))
+        await asyncio.sleep(0)  # another task may run between hosts
+        return StepOutcome(who, True, f"changed by {who}")
+
+    return body
+
+
+async def _operator(
+    hosts: list[Host], changed: list[tuple[str, str]], who: str, options: OperationOptions
+) -> RunResult[str]:
+    async with Session(options=FAST) as session:
+        return await session.run(hosts, node_operation("deploy", _recording(changed, who), options))
+
+
+async def test_two_runs_at_once_never_split_the_hosts(fake_hosts: FakeHosts) -> None:
+    """Failing fast, one run gets every host and the other changes nothing (exit 3); waiting, the second
+    runs after the first on every host: never some hosts each."""
+    from orchestrator.cli._common import LOCKED_EXIT, exit_status
+
+    hosts = [_with_dir(f.host, "~/rf") for f in fake_hosts(3)]
+    names = {h.name for h in hosts}
+    for round_no in range(ROUNDS):
+        wait = 30.0 if round_no % 2 else 0.0
+        changed: list[tuple[str, str]] = []
+
+        options = OperationOptions(wait_lock=wait)
+        both = await asyncio.gather(*(_operator(hosts, changed, who, options) for who in "ab"))
+        runs = dict(zip("ab", both, strict=True))
+        first = changed[0][0]
+        assert [h for w, h in changed if w == first] and {h for w, h in changed if w == first} == names
+        assert all(r.status == "changed" for r in runs[first].results)
+        second = "b" if first == "a" else "a"
+        if wait:
+            assert all(r.status == "changed" for r in runs[second].results)
+            assert [w for w, _ in changed] == [first] * 3 + [second] * 3, changed
+        else:
+            assert [w for w, _ in changed] == [first] * 3, changed  # the other changed nothing
+            statuses = sorted(r.status for r in runs[second].results)
+            assert statuses == ["failed", "skipped", "skipped"], runs[second].results
+            for result in runs[second].results:
+                assert isinstance(result.error, HostLockedError | NotStartedError)
+                assert "is being changed by" in result.message and "deploy" in result.message
+            assert exit_status([runs[second]]) == LOCKED_EXIT and exit_status([runs[first]]) == 0
+
+
+async def test_an_unreachable_host_fails_alone(fake_hosts: FakeHosts) -> None:
+    fakes = fake_hosts(3)
+    hosts = [_with_dir(f.host, "~/rf") for f in fakes]
+    fakes[1].stop_listening()
+    changed: list[tuple[str, str]] = []
+    async with Session(options=FAST) as session:
+        run = await session.run(hosts, node_operation("deploy", _recording(changed, "a"), OperationOptions()))
+    assert [r.status for r in run.results] == ["changed", "unreachable", "changed"]
+    assert sorted(h for _, h in changed) == sorted([hosts[0].name, hosts[2].name])
+
+
+async def test_a_step_run_inside_another_still_takes_its_hosts_lock(ssh_host: FakeHost) -> None:
+    """Without the executor's gate (the step wrapped in another), the host's own lock is still taken."""
+    host = _with_dir(ssh_host.host, "~/rf")
+    changed: list[tuple[str, str]] = []
+    inner = node_operation("deploy", _recording(changed, "a"), OperationOptions())
+
+    async def wrapper(ctx: HostContext) -> StepOutcome[str]:
+        return await inner(ctx)
+
+    async with await connect(host, FAST) as other:
+        lock = await acquire(other, host, "deploy")
+        async with Session(options=FAST) as session:
+            run = await session.run([host], wrapper)
+        assert isinstance(run.results[0].error, HostLockedError) and not changed
+        await lock.release()
+    async with Session(options=FAST) as session:
+        run = await session.run([host], wrapper)
+    assert run.results[0].status == "changed" and changed == [("a", host.name)]
+    async with await connect(host, FAST) as conn:  # and it let go
+        free = await acquire(conn, host, "check")
+        await free.release()

@@ -9,6 +9,7 @@ exactly one server per host, the tracked one, running the version `current` name
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,13 +28,13 @@ import yaml
 
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
+from orchestrator.core.poll import poll
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_plan import InstallState
 from orchestrator.operations.layer import OperationOptions
-from orchestrator.operations.lock import HostLockedError
 from orchestrator.operations.server import ServerStatus
 from orchestrator.operations.service import DeployResult, make_deploy_step, make_status_step
 from tests.plugins.playbooks import PLAYBOOKS, NodeView
@@ -133,20 +134,37 @@ def _inventory_with(lab: Lab, path: Path, **variables: Any) -> Path:
 async def test_concurrent_version_switching_deploys_leave_one_true_server(
     lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact]
 ) -> None:
+    """Two deploys at the same instant: one gets every host; the other fails at once having changed
+    nothing (exit 3), or waits and deploys every host after it. Never some hosts each (issue 21)."""
+    from orchestrator.cli._common import LOCKED_EXIT, exit_status
+
     async def operator(artifact: Artifact, wait: float) -> RunResult[Any]:
         async with Session() as session:
             step = make_deploy_step(_Fixed(artifact), OperationOptions(wait_lock=wait))
             return await session.run(fleet, step, name="deploy")
 
+    views = [NodeView(lab, h) for h in fleet]
     for round_no in range(ROUNDS):
         one, two = versions if round_no % 2 == 0 else versions[::-1]
         wait = 60.0 if round_no % 4 < 2 else 0.0  # half the rounds wait for the lock, half fail fast
+        before = [truth(lab, h).current for h in fleet]
+        starts = [v.starts() for v in views]
         first, second = await asyncio.gather(operator(one, wait), operator(two, wait))
-        for result in (*first.results, *second.results):
-            # Fail fast: the loser of a host's lock is told who has it; nothing else may fail.
-            assert result.succeeded or isinstance(result.error, HostLockedError), result.error
-            if result.error is not None:
-                assert "is being changed by" in str(result.error) and "deploy" in str(result.error)
+        now = [truth(lab, h).current for h in fleet]
+        assert len(set(now)) == 1, f"round {round_no}: the hosts were split: {now}"
+        if wait:
+            assert first.ok and second.ok, [str(r.error) for r in (*first.failed, *second.failed)]
+        else:
+            winner, loser = (first, second) if first.ok else (second, first)
+            assert winner.ok, [str(r.error) for r in winner.failed]
+            assert exit_status([loser]) == LOCKED_EXIT, [str(r.error) for r in loser.results]
+            assert not loser.succeeded  # it changed nothing: no host started
+            assert all("is being changed by" in r.message for r in loser.results), loser.results
+            won = one.id if winner is first else two.id
+            assert now == [won] * len(fleet)
+            # Only the winner restarted servers: at most once per host (not at all where it was current).
+            for view, was, count in zip(views, before, starts, strict=True):
+                assert view.starts() == count + (0 if was == won else 1), (view.host.name, was, won)
         assert_one_true_server(lab, fleet, await statuses_of(fleet))
 
 
@@ -195,9 +213,12 @@ def test_sigint_to_the_cli_during_a_deploy_prints_the_recap_and_the_finishing_co
             text=True,
         )
         deadline = time.monotonic() + 30
-        # Wait until the first host is being changed (its lock file gets the deploy's owner), then interrupt.
-        info = NodeView(lab, fleet[0]).root / "run/lock.info"
-        while time.monotonic() < deadline and (not info.exists() or str(child.pid) not in info.read_text()):
+        # Wait until the deploy holds every host's lock (each lock file names it; it takes them all before
+        # changing any): the first host is being changed. Then interrupt.
+        infos = [NodeView(lab, h).root / "run/lock.info" for h in fleet]
+        while time.monotonic() < deadline and not all(
+            info.exists() and str(child.pid) in info.read_text() for info in infos
+        ):
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.4))
         child.send_signal(signal.SIGINT)
@@ -366,6 +387,38 @@ def _is_server(pid: int | None) -> bool:
     return cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes()
 
 
+def test_two_cli_restarts_at_once_one_restarts_every_host_the_other_exits_3(
+    lab: Lab, fleet: list[Host]
+) -> None:
+    """The race of the deploy test above, end to end through two `rpcfleet restart` processes (a few
+    rounds: the race itself is looped there): exit 0 and every host restarted, exit 3 and none; with
+    --wait-lock both restart every host."""
+    views = [NodeView(lab, h) for h in fleet]
+    for round_no in range(4):
+        wait = ["--wait-lock", "60"] if round_no % 2 else []
+        starts = [v.starts() for v in views]
+        argv = [sys.executable, "-m", "orchestrator", "restart", "-i", str(lab.inventory), *wait]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        children = [
+            subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
+        outs = [child.communicate(timeout=120) for child in children]
+        codes = sorted(child.returncode for child in children)
+        restarts = [v.starts() - before for v, before in zip(views, starts, strict=True)]
+        if wait:
+            assert codes == [0, 0], outs
+            assert restarts == [2] * len(fleet)
+        else:
+            assert codes == [0, 3], outs
+            assert restarts == [1] * len(fleet)  # the loser restarted nothing
+            loser = outs[[c.returncode for c in children].index(3)]
+            assert "is being changed by" in loser[0] + loser[1] and "Traceback" not in loser[1], loser
+        assert all(v.server_alive() for v in views)
+
+
 async def test_a_locked_host_makes_the_cli_exit_3_naming_the_holder(
     lab: Lab, fleet: list[Host], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -400,3 +453,163 @@ def test_results_state_what_is_true_after_the_change(
     rolled = json.loads(capsys.readouterr().out)  # JSON, not tables
     assert rolled["ok"] and [r["status"] for r in rolled["steps"][0]["results"]] == ["changed"] * len(fleet)
     assert all(r["result"]["action"] == "restarted" for r in rolled["steps"][0]["results"])
+
+
+# --- the host lock on a real sshd (what the fake hosts of test_lock.py cannot show) ------------------------
+
+_HOLDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from orchestrator.connectors.connect import connect
+    from orchestrator.inventory.load import load_inventory
+    from orchestrator.operations.lock import acquire
+
+    async def hold() -> None:
+        host = next(h for h in load_inventory(Path(sys.argv[1])).hosts if h.name == sys.argv[2])
+        conn = await connect(host)
+
+        def told(*_: object) -> None:
+            print("waiting", flush=True)
+
+        await acquire(conn, host, "deploy", wait_s=float(sys.argv[3]), on_wait=told)
+        print("locked", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(hold())
+    """
+)
+
+
+def _holder(lab: Lab, host: Host, *, wait_s: float = 0.0, expect: str = "locked") -> subprocess.Popen[str]:
+    """Another controller, in its own process, holding `host`'s lock (as a deploy does) until killed;
+    with `expect="waiting"`, returned once it waits for someone else's."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(lab.inventory), host.name, str(wait_s)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.strip() == expect, child.stderr.read() if child.stderr else ""
+    return child
+
+
+def _held_on_node(lab: Lab, host: Host) -> bool:
+    """Whether someone holds the lock, asked of the kernel (a flock of its own, not rpcfleet's answer)."""
+    path = NodeView(lab, host).root / "run/lock"
+    return subprocess.run(["flock", "-n", str(path), "true"], check=False, timeout=10).returncode != 0
+
+
+def _ssh_port_of(pid: int, host: Host) -> tuple[str, int]:
+    """The controller side (address, port) of `pid`'s SSH connection to `host`."""
+    sockets = subprocess.run(["ss", "-Htnp"], capture_output=True, text=True, check=True).stdout
+    for line in sockets.splitlines():
+        fields = line.split()
+        if f"pid={pid}," in line and fields[4] == f"{host.address}:22":
+            address, _, port = fields[3].rpartition(":")
+            return address, int(port)
+    raise AssertionError(f"no SSH connection of pid {pid} to {host.address}")
+
+
+async def test_a_controller_cut_off_loses_its_lock_within_the_silence_limit(
+    lab: Lab, fresh_nodes: list[Host]
+) -> None:
+    """Issue 20: the controller's link is cut and the controller dies; the node never hears of it (sshd
+    keeps the session, with no ClientAlive). The holder notices the missing heartbeats, and a second
+    operator gets the lock within 30 s."""
+    from orchestrator.connectors.connect import connect
+    from orchestrator.operations.lock import SILENCE_S, acquire
+
+    host = fresh_nodes[0]
+    child = _holder(lab, host)
+    address, port = _ssh_port_of(child.pid, host)
+    # Cut that one connection inside the node, both ways: it stays cut, like a machine that is gone (a
+    # healed link would let the dead controller's kernel retransmit its FIN). Other connections pass.
+    rules = [
+        ["INPUT", "-p", "tcp", "-s", address, "--sport", str(port), "-j", "DROP"],
+        ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"],
+    ]
+    for rule in rules:
+        lab.node_exec(host.name, ["iptables", "-w", "-I", *rule])
+    try:
+        child.kill()
+        child.wait(10)
+        cut = time.monotonic()
+        # The cut landed: the node did not hear of the death (a connection that closes releases at once).
+        await asyncio.sleep(1.0)
+        assert _held_on_node(lab, host), "the lock was released: the cut did not land"
+        async with await connect(host) as conn:
+            lock = await acquire(conn, host, "second", wait_s=30.0)
+            took = time.monotonic() - cut
+            await lock.release()
+        assert took < SILENCE_S + 5.0, took
+        # The node's lock file is owner-only (issue 20): no other local user can block changes with it.
+        assert ((NodeView(lab, host).root / "run/lock").stat().st_mode & 0o777) == 0o600
+    finally:
+        for rule in rules:
+            lab.node_exec(host.name, ["iptables", "-w", "-D", *rule], check=False)
+        if child.poll() is None:
+            child.kill()
+
+
+async def test_a_killed_controller_and_a_closed_connection_release_at_once(
+    lab: Lab, fresh_nodes: list[Host]
+) -> None:
+    """Through a real sshd: the channel closes, the holder's stdin reaches end of file, the lock goes."""
+    from orchestrator.connectors.connect import connect
+    from orchestrator.operations.lock import acquire
+
+    host = fresh_nodes[0]
+    child = _holder(lab, host)
+    assert _held_on_node(lab, host)
+    child.kill()
+    child.wait(10)
+    async with await connect(host) as conn:
+        started = time.monotonic()
+        lock = await acquire(conn, host, "second", wait_s=10.0)
+        assert time.monotonic() - started < 3.0
+        # ... and a connection closed without releasing the lock.
+        await conn.close()
+    async with await connect(host) as conn:
+        started = time.monotonic()
+        again = await acquire(conn, host, "third", wait_s=10.0)
+        assert time.monotonic() - started < 3.0
+        await again.release()
+    await lock.release()
+
+
+def _waiting_flocks(lab: Lab, host: Host) -> list[int]:
+    """The node's processes still waiting for a lock (`flock -w`)."""
+    waiting = []
+    for pid in lab.node_pids(host.name):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"flock\0-w"):
+                waiting.append(pid)
+    return waiting
+
+
+async def test_a_waiter_whose_controller_dies_leaves_nothing_waiting_on_the_node(
+    lab: Lab, fresh_nodes: list[Host]
+) -> None:
+    """A controller killed while it waits for another operator's lock: sshd sends its command no signal
+    and the waiting `flock -w` does not read its stdin, so without the holder's watchdog it would wait on
+    and later take the lock for a controller that is gone."""
+    from orchestrator.connectors.connect import connect
+    from orchestrator.operations.lock import acquire
+
+    host = fresh_nodes[0]
+    async with await connect(host) as conn:
+        lock = await acquire(conn, host, "deploy")
+        child = _holder(lab, host, wait_s=60.0, expect="waiting")
+        assert _waiting_flocks(lab, host)  # the check sees a waiter while there is one
+        child.kill()
+        child.wait(10)
+        assert poll(lambda: not _waiting_flocks(lab, host) or None, timeout=5.0, interval=0.05)
+        await lock.release()
+        third = await acquire(conn, host, "third")  # at once: no leftover waiter took it
+        assert "third" in (NodeView(lab, host).root / "run/lock.info").read_text()
+        await third.release()

@@ -362,7 +362,8 @@ def add_wait_lock_arg(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="wait this long for another operator's lock on a host (default: fail at once, exit 3)",
+        help="wait this long (in all) for other operators' locks on the hosts (default: fail at once, "
+        "exit 3)",
     )
 
 

@@ -84,6 +84,11 @@ class HeldCommand(Protocol):
         """The next line of its stdout without the newline; None at end of file (it exited)."""
         ...
 
+    async def send(self, data: str) -> bool:
+        """Write `data` to its stdin; False once it can no longer be written (the command or the
+        connection is gone)."""
+        ...
+
     async def release(self) -> None:
         """Close its stdin and let it exit (killed if it does not within a few seconds)."""
         ...

@@ -134,6 +134,17 @@ class _HeldLocalCommand:
             raise self._conn._timed_out("(held command)", timeout, b"", b"") from None
         return line.decode("utf-8", errors="replace").rstrip("\n") if line else None
 
+    async def send(self, data: str) -> bool:
+        stdin = self._process.stdin
+        if stdin is None or stdin.is_closing() or self._process.returncode is not None:
+            return False
+        try:
+            stdin.write(data.encode())
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
     async def release(self) -> None:
         if self._process.stdin is not None:
             with contextlib.suppress(OSError):

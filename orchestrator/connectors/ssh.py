@@ -346,6 +346,15 @@ class _HeldSSHCommand:
             raise self._conn._lost("while holding a command", exc) from None
         return line.rstrip("\n") if line else None
 
+    async def send(self, data: str) -> bool:
+        if self._process.is_closing():
+            return False
+        try:
+            self._process.stdin.write(data)
+        except (asyncssh.Error, OSError):
+            return False
+        return True
+
     async def release(self) -> None:
         with contextlib.suppress(Exception):
             self._process.stdin.write_eof()

@@ -9,6 +9,10 @@ Partial failure is data: every host gets a `HostResult`; one bad host never hide
 Interrupts: `Session.interrupt()` (SIGINT/SIGTERM when the session is `interruptible`) lets the hosts in
 flight finish and starts no new one; those are reported `skipped` ("not started: interrupted") and the
 run result says `interrupted`.
+
+Run gates: a step may offer `run_gate()`, returning a `RunGate` that is entered with all the run's hosts
+before any of them starts and left as each host ends (the operations layer's host locks, which must be
+taken in one order over the whole run so that two runs never split a fleet between them).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from orchestrator.connectors.base import Connection, ConnectOptions
 from orchestrator.connectors.connect import connect
@@ -157,12 +161,29 @@ def _one_batch_size(value: int | str, n_hosts: int) -> int:
         raise UsageError(f"serial: expected a number or a percentage such as 25%, got {value!r}") from None
 
 
-class HostContext:
-    """What a step sees for one host: the host, its (cached) connection, a bound logger."""
+class RunGate(Protocol):
+    """What a step needs on every host of a run before any host starts (see the module docstring)."""
 
-    def __init__(self, host: Host, session: Session) -> None:
+    async def enter(self, session: Session, hosts: Sequence[Host]) -> Mapping[str, RpcfleetError]:
+        """Take it for `hosts`; the errors of the hosts that must not start (each one's result)."""
+        ...
+
+    async def leave(self, host: Host) -> None:
+        """`host`'s step ended: give back what `enter` took for it."""
+        ...
+
+    async def close(self) -> None:
+        """The run ended: give back whatever is still held (hosts that never started)."""
+        ...
+
+
+class HostContext:
+    """What a step sees for one host: the host, its (cached) connection, a bound logger, the run's gate."""
+
+    def __init__(self, host: Host, session: Session, gate: RunGate | None = None) -> None:
         self.host = host
         self.session = session
+        self.gate = gate
         self.log = get_logger(host=host.name, run_id=session.run_id)
 
     async def connection(self) -> Connection:
@@ -170,6 +191,13 @@ class HostContext:
 
 
 Step = Callable[[HostContext], Awaitable[StepOutcome[T]]]
+
+
+def run_gate_of(step: Step[Any]) -> RunGate | None:
+    """A new gate for one run of `step`, if the step has one."""
+    make = getattr(step, "run_gate", None)
+    gate: RunGate | None = make() if callable(make) else None
+    return gate
 
 
 class Session:
@@ -269,6 +297,48 @@ class Session:
         """Run `step` on every host; return a result per host, in the order given."""
         hosts = list(hosts)
         step_name: str = name or str(getattr(step, "__name__", "step"))
+        gate = run_gate_of(step)
+        try:
+            refused = dict(await gate.enter(self, hosts)) if gate is not None and hosts else {}
+            if hosts and all(h.name in refused for h in hosts):
+                # Refused as a whole (another operator's lock, an interrupt): no batch, no threshold.
+                return self._refused_run(hosts, step_name, refused, on_result)
+            return await self._run_batches(
+                hosts, step, step_name, gate, refused, serial, max_fail_percentage, on_result
+            )
+        finally:
+            if gate is not None:
+                await gate.close()
+
+    def _refused_run(
+        self,
+        hosts: list[Host],
+        step_name: str,
+        refused: Mapping[str, RpcfleetError],
+        on_result: Callable[[HostResult[T]], None] | None,
+    ) -> RunResult[T]:
+        results: list[HostResult[T]] = []
+        for host in hosts:
+            error = refused[host.name]
+            error.host = error.host or host.name
+            result: HostResult[T] = HostResult(host, _status_of(error), error=error, message=error.message)
+            results.append(result)
+            if on_result:
+                on_result(result)
+        interrupted = self.interrupted is not None and any(r.status == "skipped" for r in results)
+        return RunResult(step_name, tuple(results), False, interrupted)
+
+    async def _run_batches(
+        self,
+        hosts: list[Host],
+        step: Step[T],
+        step_name: str,
+        gate: RunGate | None,
+        refused: Mapping[str, RpcfleetError],
+        serial: int | str | Sequence[int | str] | None,
+        max_fail_percentage: float | None,
+        on_result: Callable[[HostResult[T]], None] | None,
+    ) -> RunResult[T]:
         limiter = asyncio.Semaphore(self.forks)
         results: dict[str, HostResult[T]] = {}
         aborted = False
@@ -279,7 +349,10 @@ class Session:
             batch = hosts[offset : offset + size]
             offset += size
             batch_results = await asyncio.gather(
-                *(self._run_one(host, step, step_name, limiter, on_result) for host in batch)
+                *(
+                    self._run_one(host, step, step_name, limiter, on_result, gate, refused.get(host.name))
+                    for host in batch
+                )
             )
             results.update((r.host.name, r) for r in batch_results)
             n_failed = sum(not r.succeeded for r in batch_results)
@@ -302,28 +375,32 @@ class Session:
         step_name: str,
         limiter: asyncio.Semaphore,
         on_result: Callable[[HostResult[T]], None] | None,
+        gate: RunGate | None = None,
+        refused: RpcfleetError | None = None,
     ) -> HostResult[T]:
-        context = HostContext(host, self)
+        context = HostContext(host, self, gate)
         async with limiter:
             started = time.monotonic()
             status: Status
             value: T | None = None
             error: RpcfleetError | None = None
             try:
+                if refused is not None:
+                    raise refused
                 if self.interrupted is not None:
                     raise NotStartedError(f"not started: {self.interrupted}")
-                outcome = await step(context)
+                try:
+                    outcome = await step(context)
+                finally:
+                    if gate is not None:
+                        await gate.leave(host)
                 status, value, message = (
                     ("changed" if outcome.changed else "ok"),
                     outcome.value,
                     outcome.message,
                 )
-            except NotStartedError as exc:
-                status, error = "skipped", exc
-            except UnreachableError as exc:
-                status, error = "unreachable", exc
             except RpcfleetError as exc:
-                status, error = "failed", exc
+                status, error = _status_of(exc), exc
             except Exception as exc:  # a bug on one host must not hide the others' results
                 context.log.exception("step_crashed", step=step_name)
                 status, error = "failed", RpcfleetError(f"{step_name} crashed: {type(exc).__name__}: {exc}")
@@ -335,6 +412,14 @@ class Session:
         if on_result:
             on_result(result)
         return result
+
+
+def _status_of(error: RpcfleetError) -> Status:
+    if isinstance(error, NotStartedError):
+        return "skipped"
+    if isinstance(error, UnreachableError):
+        return "unreachable"
+    return "failed"
 
 
 def _threshold_passed(n_failed: int, batch: int, max_fail_percentage: float | None) -> bool:

@@ -3,7 +3,10 @@
 The CLI, the playbooks and the Python API build their executor steps here, so each change gets the same
 four guarantees:
 1. the host lock (`operations.lock`) for the whole change, released when it ends or the controller dies;
-   a second operator waits (`wait_lock`) or fails with `HostLockedError`;
+   a second operator waits (`wait_lock`) or fails with `HostLockedError`. A run takes the locks of all
+   its hosts before it changes any (`HostLocks`, the executor's run gate), one after the other in one
+   order: of two runs started at once over the same hosts one gets every host and the other waits, or
+   changes nothing and fails (exit 3), instead of each getting some;
 2. busy protection: a server with a client connected is never stopped without `force` (the stop itself
    re-checks on the node, `operations.process.stop_script`);
 3. check mode: the node is read and the change computed, nothing is locked or changed;
@@ -16,16 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from orchestrator.connectors.base import Connection
-from orchestrator.core.errors import NotStartedError
-from orchestrator.engine.executor import HostContext, Step, StepOutcome
+from orchestrator.core.errors import NotStartedError, RpcfleetError
+from orchestrator.core.log import get_logger
+from orchestrator.engine.executor import HostContext, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
-from orchestrator.operations.lock import acquire
+from orchestrator.operations.lock import HostLock, HostLockedError, acquire
 
 T = TypeVar("T")
 
@@ -61,28 +66,132 @@ async def run_to_completion(work: Awaitable[T]) -> T:
         raise
 
 
-def node_operation(name: str, body: Body[T], options: OperationOptions) -> Step[T]:
+def lock_order(host: Host) -> tuple[str, int, str, str]:
+    """The one order every run takes host locks in: the node, then the install (a lock's identity)."""
+    return (host.address, host.ssh_port, host.install_dir, host.name)
+
+
+class HostLocks:
+    """A run's host locks (the executor's `RunGate`): taken before any host starts, released as each
+    host's change ends.
+
+    One after the other in `lock_order`, so two runs never split the hosts between them: both ask for
+    the first host first, and the one refused stops there, giving back what it took. A refusal (another
+    operator) fails that host with `HostLockedError` and leaves the run's other hosts not started; a host
+    that cannot be reached or locked for another reason fails alone. `wait_lock` bounds the whole wait.
+    """
+
+    def __init__(self, name: str, options: OperationOptions) -> None:
+        self.name = name
+        self.options = options
+        self._locks: dict[str, HostLock] = {}
+
+    def holds(self, host: Host) -> bool:
+        return host.name in self._locks
+
+    async def enter(self, session: Session, hosts: Sequence[Host]) -> dict[str, RpcfleetError]:
+        ordered = sorted(hosts, key=lock_order)
+        limiter = asyncio.Semaphore(session.forks)
+
+        async def reach(host: Host) -> Connection | None:
+            async with limiter:
+                try:
+                    return await session.connection(host)
+                except RpcfleetError:
+                    return None  # the session keeps the failure: the host's step reports it
+
+        # Connecting is the slow part and takes no lock: all at once; then one lock after the other.
+        connections = await asyncio.gather(*(reach(h) for h in ordered))
+        wait = self.options.wait_lock
+        deadline = time.monotonic() + wait
+        errors: dict[str, RpcfleetError] = {}
+
+        def waiting(host: Host, holder: str) -> None:
+            if wait > 0:
+                log = get_logger(host=host.name, run_id=session.run_id)
+                log.warning("host_lock_waiting", holder=holder, wait_s=wait)
+
+        for host, conn in zip(ordered, connections, strict=True):
+            if conn is None:
+                continue
+            try:
+                # Waiting for another operator's lock changes nothing: an interrupt ends the wait.
+                lock = await session.unless_interrupted(
+                    acquire(
+                        conn,
+                        host,
+                        self.name,
+                        wait_s=max(0.0, deadline - time.monotonic()) if wait > 0 else 0.0,
+                        on_wait=waiting,
+                        asked_wait_s=wait,
+                    )
+                )
+            except (HostLockedError, NotStartedError) as exc:
+                await self.close()
+                return {h.name: exc if h is host else _not_started(h, exc) for h in hosts}
+            except RpcfleetError as exc:
+                errors[host.name] = exc
+                continue
+            self._locks[host.name] = lock
+        return errors
+
+    async def leave(self, host: Host) -> None:
+        lock = self._locks.pop(host.name, None)
+        if lock is not None:
+            await lock.release()
+
+    async def close(self) -> None:
+        locks, self._locks = list(self._locks.values()), {}
+        for lock in locks:
+            await lock.release()
+
+
+def _not_started(host: Host, why: RpcfleetError) -> NotStartedError:
+    if isinstance(why, NotStartedError):
+        return NotStartedError(why.message, host=host.name)
+    return NotStartedError(f"not started: {why.message}", host=host.name)
+
+
+class NodeOperation(Generic[T]):
     """The executor step running `body` on one host under the operations layer's rules."""
 
-    async def step(ctx: HostContext) -> StepOutcome[T]:
+    def __init__(self, name: str, body: Body[T], options: OperationOptions) -> None:
+        self.__name__ = name  # the step's name in results (a playbook renames it to its label)
+        self.operation = name  # what the lock file says is going on
+        self.body = body
+        self.options = options
+
+    def run_gate(self) -> HostLocks | None:
+        """Every run of a change takes its hosts' locks first (check mode takes none)."""
+        return None if self.options.check else HostLocks(self.operation, self.options)
+
+    async def __call__(self, ctx: HostContext) -> StepOutcome[T]:
         conn = await ctx.connection()
-        if options.check:
-            return await body(ctx, conn)
+        if self.options.check:
+            return await self.body(ctx, conn)
+        if isinstance(ctx.gate, HostLocks) and ctx.gate.holds(ctx.host):
+            # The run holds this host's lock (the executor gives it back when this returns).
+            if ctx.session.interrupted is not None:
+                raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
+            return await run_to_completion(self.body(ctx, conn))
+        # Run without the gate (called directly): this host's lock alone, for this change.
+        options = self.options
 
         def waiting(host: Host, holder: str) -> None:
             if options.wait_lock > 0:
                 ctx.log.warning("host_lock_waiting", holder=holder, wait_s=options.wait_lock)
 
-        # Waiting for another operator's lock changes nothing: an interrupt ends the wait.
         lock = await ctx.session.unless_interrupted(
-            acquire(conn, ctx.host, name, wait_s=options.wait_lock, on_wait=waiting)
+            acquire(conn, ctx.host, self.operation, wait_s=options.wait_lock, on_wait=waiting)
         )
         try:
             if ctx.session.interrupted is not None:
                 raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
-            return await run_to_completion(body(ctx, conn))
+            return await run_to_completion(self.body(ctx, conn))
         finally:
             await lock.release()
 
-    step.__name__ = name
-    return step
+
+def node_operation(name: str, body: Body[T], options: OperationOptions) -> NodeOperation[T]:
+    """The executor step running `body` on one host under the operations layer's rules."""
+    return NodeOperation(name, body, options)

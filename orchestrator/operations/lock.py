@@ -1,16 +1,22 @@
 """The host lock: one operator changes an install at a time.
 
 The lock is a `flock` on `<install_dir>/run/lock`, taken by a shell that an SSH channel keeps alive
-(`Connection.hold`): when the controller exits, is killed or loses its connection, the channel closes, the
-shell's stdin reaches end of file, the shell exits and the kernel drops the lock. A lock file that outlives
-a killed controller cannot happen. Who holds it is written to `run/lock.info` after taking it, so a second
-operator learns "changed by root@ctl (pid 4242, deploy, since 12:01:03)".
+(`Connection.hold`). A watchdog in that shell reads the channel: the controller writes a heartbeat byte
+every `HEARTBEAT_S`; end of file (released, or the connection closed) or `SILENCE_S` without a byte (the
+controller's link was cut, and sshd would keep the session until TCP gives up, for hours) ends the whole
+command, a `flock` still waiting included, and the kernel drops the lock. A lock that outlives its
+controller by more than `SILENCE_S` cannot happen, whatever the node's sshd keepalive settings.
+
+The lock file is owner-only: whoever can open it can `flock` it and block every change. Who holds it is
+written to `run/lock.info` after taking it, so a second operator learns "changed by root@ctl (pid 4242,
+deploy, since 12:01:03)".
 
 Read-only commands never take it; every change to a node takes it through `operations.layer`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import os
 import shlex
@@ -27,6 +33,9 @@ LOCK_FILE = "run/lock"
 LOCK_INFO = "run/lock.info"
 LOCKED_EXIT = 3  # the CLI's exit status when a host is locked by someone else
 _ANSWER_SLACK = 10.0  # beyond the wait: connecting the channel and the node's shell starting
+HEARTBEAT = "."  # not a newline: the watchdog's `$(...)` would strip it
+HEARTBEAT_S = 2.0  # the controller writes a heartbeat this often
+SILENCE_S = 15.0  # the holder gives up after this long without one (the SSH keepalive's 5 s x 3 alike)
 
 
 class HostLockedError(ServiceError):
@@ -52,9 +61,10 @@ class LockOwner:
         return f"{self.user}@{self.controller} (pid {self.pid}, {self.operation}, since {since})"
 
 
-def lock_script(install_dir: str, owner: LockOwner, wait_s: float) -> str:
-    """Take the lock (waiting up to `wait_s`), record the owner, say `@locked`, then hold it until stdin
-    closes. `@held <owner>` is printed first when someone else has it; `@timeout` when waiting ran out."""
+def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s: float = SILENCE_S) -> str:
+    """Take the lock (waiting up to `wait_s`), record the owner, say `@locked`, then hold it while the
+    controller's heartbeats arrive (see the module docstring). `@held <owner>` is printed first when
+    someone else has it; `@timeout` when waiting ran out."""
     directory = shell_path(install_dir)
     info = shlex.quote(owner.describe())
     wait = max(0.0, float(wait_s))
@@ -62,9 +72,23 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float) -> str:
         [
             f"D={directory}",
             'mkdir -p "$D/run" || { echo "@error cannot create $D/run"; exit 1; }',
-            "command -v flock >/dev/null 2>&1 ||",
-            '  { echo "@error flock (util-linux) is not installed"; exit 1; }',
+            "for c in flock/util-linux timeout/coreutils head/coreutils; do",
+            '  command -v "${c%/*}" >/dev/null 2>&1 ||',
+            '    { echo "@error ${c%/*} (${c#*/}) is not installed"; exit 1; }',
+            "done",
+            # Owner-only, also a file an older version made with the default umask.
+            f'(umask 077 && : >>"$D/{LOCK_FILE}") && chmod 600 "$D/{LOCK_FILE}" ||',
+            f'  {{ echo "@error cannot make $D/{LOCK_FILE} owner-only"; exit 1; }}',
             f'exec 9>>"$D/{LOCK_FILE}" || {{ echo "@error cannot open $D/{LOCK_FILE}"; exit 1; }}',
+            # The watchdog: a heartbeat byte keeps it reading; end of file or silence ends the command's
+            # whole process group (this shell, a waiting flock): `hold` starts it in a group of its own
+            # (sshd's session, LocalConnection's new session). sh gives a background job /dev/null as
+            # its stdin unless told otherwise: hence fd 3. It must not hold the lock's fd 9.
+            "exec 3<&0",
+            "( while b=$(timeout " + f"{silence_s:g}" + ' head -c 1 2>/dev/null) && [ -n "$b" ]; do :; done',
+            "  kill -TERM 0 ) <&3 >/dev/null 2>&1 9>&- &",
+            "w=$!",
+            "trap 'kill $w 2>/dev/null' EXIT",
             # The holder writes "<its shell's pid> <owner>" just after taking the lock: an info file whose
             # shell is gone is the previous holder's, so wait a moment for the new one to write its own.
             "who() {",
@@ -82,23 +106,40 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float) -> str:
             "fi",
             f'printf "%s %s\\n" "$$" {info} > "$D/{LOCK_INFO}"',
             'echo "@locked"',
-            "cat >/dev/null",  # hold: until the controller closes stdin, or its connection dies
+            'wait "$w"',  # hold: until the watchdog ends it all
         ]
     )
+
+
+async def _heartbeat(held: HeldCommand, every_s: float) -> None:
+    """Tell the holder this controller is alive, until the command can no longer be written to."""
+    while True:
+        if not await held.send(HEARTBEAT):
+            return
+        await asyncio.sleep(every_s)
 
 
 class HostLock:
     """A held lock; `release()` (idempotent) lets the next operator in."""
 
-    def __init__(self, host: Host, held: HeldCommand, owner: LockOwner) -> None:
+    def __init__(
+        self, host: Host, held: HeldCommand, owner: LockOwner, heartbeat: asyncio.Future[None]
+    ) -> None:
         self.host = host
         self.owner = owner
         self._held: HeldCommand | None = held
+        self._heartbeat = heartbeat
 
     async def release(self) -> None:
         held, self._held = self._held, None
         if held is not None:
+            await _stop(self._heartbeat)
             await held.release()
+
+
+async def _stop(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    await asyncio.wait([task])  # its cancellation is not this caller's: nothing is raised
 
 
 async def acquire(
@@ -108,10 +149,17 @@ async def acquire(
     *,
     wait_s: float = 0.0,
     on_wait: Callable[[Host, str], None] | None = None,
+    asked_wait_s: float | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+    silence_s: float = SILENCE_S,
 ) -> HostLock:
-    """Take `host`'s lock for `operation`, or raise HostLockedError naming who has it."""
+    """Take `host`'s lock for `operation`, or raise HostLockedError naming who has it. `asked_wait_s`:
+    the wait the operator asked for, when `wait_s` is what is left of it (the message names it)."""
     owner = LockOwner.here(operation)
-    held = await conn.hold(f"sh -c {shlex.quote(lock_script(host.install_dir, owner, wait_s))}")
+    script = lock_script(host.install_dir, owner, wait_s, silence_s=silence_s)
+    held = await conn.hold(f"sh -c {shlex.quote(script)}")
+    # From the start: the watchdog reads heartbeats while this waits for another operator, too.
+    heartbeat = asyncio.ensure_future(_heartbeat(held, heartbeat_s))
     holder = "another operator"
     deadline = time.monotonic() + wait_s + _ANSWER_SLACK
     try:
@@ -126,13 +174,14 @@ async def acquire(
                 raise ServiceError("the lock command ended without taking the lock", host=host.name)
             key, _, value = line.partition(" ")
             if key == "@locked":
-                return HostLock(host, held, owner)
+                return HostLock(host, held, owner, heartbeat)
             if key == "@held":
                 holder = value.strip() or holder
                 if on_wait is not None:
                     on_wait(host, holder)
             elif key == "@timeout":
-                waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
+                asked = wait_s if asked_wait_s is None else asked_wait_s
+                waited = f" after waiting {asked:g} s" if asked > 0 else ""
                 raise HostLockedError(
                     f"{host.name} is being changed by {holder}{waited}",
                     host=host.name,
@@ -141,5 +190,6 @@ async def acquire(
             elif key == "@error":
                 raise ServiceError(f"cannot take the host lock: {value}", host=host.name)
     except BaseException:
+        await _stop(heartbeat)
         await held.release()
         raise
