@@ -49,6 +49,7 @@ from orchestrator.llama.loader import (
 )
 from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load
 from orchestrator.llama.seed_plan import (
+    LocalFacts,
     measured_devices,
     parse_rpc_memory,
     parse_rpc_servers,
@@ -132,7 +133,11 @@ def _select_devices(
 
 
 def make_seed_plan(
-    devices: Sequence[PlanDevice], unmeasured: Iterable[str], model: Path, options: PlanOptions
+    devices: Sequence[PlanDevice],
+    unmeasured: Iterable[str],
+    model: Path,
+    options: PlanOptions,
+    local_error: str | None = None,
 ) -> Plan:
     """The plan for the selected `devices`: the given tensor_split as is, else rpcfleet's split, which
     must rest on measured memory and fit."""
@@ -150,7 +155,7 @@ def make_seed_plan(
     if not devices:
         options = replace(options, n_gpu_layers=0)  # nothing selected: every layer stays on the CPU
     if options.tensor_split is None:
-        refuse_unmeasured([label for label in unmeasured if label in labels])
+        refuse_unmeasured([label for label in unmeasured if label in labels], local_error)
     plan = make_plan(devices, profile, options)
     if options.tensor_split is None:
         refuse_misfit(plan)
@@ -227,9 +232,10 @@ class Llama(llama_cpp.Llama):
                 for i, dev in enumerate(registered[ep].devices)
             }
             loopback = any(is_loopback(parse_endpoint(ep).host) for ep in endpoints)
+            local = read_local_facts() if loopback else LocalFacts(None)
             measured = measured_devices(
                 results,
-                read_local_facts() if loopback else None,
+                local.facts,
                 alignments=alignments,
                 rpc_memory=memory,
                 trust_rpc_memory=trust_rpc_memory,
@@ -237,7 +243,7 @@ class Llama(llama_cpp.Llama):
             selected = _select_devices(measured.devices, rpc_local_devices, split_mode, main_gpu)
             if split_mode == LLAMA_SPLIT_MODE_NONE:
                 options = replace(options, main_gpu=0)  # the one device left
-            plan = make_seed_plan(selected, measured.unmeasured, Path(model_path), options)
+            plan = make_seed_plan(selected, measured.unmeasured, Path(model_path), options, local.error)
             load_registered(
                 plan,
                 Path(model_path),

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from orchestrator.connectors.local import LocalConnection
-from orchestrator.core.errors import PlanError
+from orchestrator.core.errors import PlanError, RpcfleetError
+from orchestrator.core.log import get_logger
 from orchestrator.core.units import format_size, parse_size
 from orchestrator.facts.base import gather
 from orchestrator.inventory.model import Host, is_loopback
@@ -93,16 +94,31 @@ async def _gather_local() -> HostFacts:
     return HostFacts.from_values(values)
 
 
-def read_local_facts() -> HostFacts | None:
-    """This machine's facts (MemAvailable, machine identity...) for its loopback servers; None when
-    they cannot be read (then loopback CPU servers count as unmeasured)."""
+@dataclass(frozen=True)
+class LocalFacts:
+    """This machine's facts, or why they could not be read (`error`)."""
+
+    facts: HostFacts | None
+    error: str | None = None
+
+
+def read_local_facts() -> LocalFacts:
+    """This machine's facts (MemAvailable, machine identity...) for its loopback servers. When they (or
+    MemAvailable) cannot be read, loopback CPU servers count as unmeasured: the cause is logged as a
+    warning and kept in `error`, for the refusal to name it."""
     from orchestrator.llama.preflight import _run_sync
 
     try:
         facts: HostFacts = _run_sync(_gather_local())
-    except Exception:
-        return None
-    return facts
+    except Exception as exc:
+        error = exc.message if isinstance(exc, RpcfleetError) else f"{type(exc).__name__}: {exc}"
+        get_logger().warning("local_facts_failed", error=error)
+        return LocalFacts(None, error)
+    if facts.memory is None:
+        error = "MemAvailable (/proc/meminfo) could not be read"
+        get_logger().warning("local_facts_failed", error=error)
+        return LocalFacts(facts, error)
+    return LocalFacts(facts)
 
 
 @dataclass(frozen=True)
@@ -155,11 +171,14 @@ def measured_devices(
     return Measured(tuple(devices), tuple(unmeasured))
 
 
-def refuse_unmeasured(labels: Sequence[str]) -> None:
+def refuse_unmeasured(labels: Sequence[str], local_error: str | None = None) -> None:
+    """A PlanError for CPU devices whose memory was not measured; `local_error`: why this machine's
+    facts (for its loopback servers) could not be read."""
     if labels:
+        why = f" (this machine's facts could not be read: {local_error})" if local_error else ""
         raise PlanError(
             f"the free memory of {', '.join(labels)} was not measured: a CPU server reports its total RAM "
-            "as free, and a remote one has no host facts here",
+            f"as free, and a remote one has no host facts here{why}",
             hint="pass rpc_memory={'host:port': '16GiB'} (usable bytes per device), trust_rpc_memory=True, "
             "or tensor_split; or plan with an inventory (rpcfleet plan), which reads MemAvailable",
         )
