@@ -436,9 +436,9 @@ def test_a_cached_sdist_that_does_not_match_its_pin_is_not_used(artifact_home: P
     with pytest.raises(ArtifactError) as refused:
         ensure_sdist("0.3.36", lambda _line: None)
     message = str(refused.value)
-    assert f"has sha256 {actual}, but {SDIST_SHA256['0.3.36']} is pinned: it is not used" in message
+    assert f"has sha256 {actual}, but rpcfleet pins {SDIST_SHA256['0.3.36']}: it is not used" in message
     assert f"delete {sdist}" in message
-    with pytest.raises(ArtifactError, match="is pinned: it is not used"):
+    with pytest.raises(ArtifactError, match=r"rpcfleet pins [0-9a-f]{64}: it is not used"):
         build_artifact("cpu", version="0.3.36")
     assert not list((artifact_home / "build").glob("*/src/*"))  # nothing was extracted, nothing built
     assert sdist.read_bytes() == b"other bytes under the pinned name"  # kept for a look, unused
@@ -482,7 +482,8 @@ def test_a_download_that_does_not_match_its_pin_is_deleted(
     assert lines == ["downloading the llama-cpp-python 0.3.36 source with pip"]
     message = str(refused.value)
     assert f"the downloaded file has sha256 {sha256_of(served.read_bytes())}" in message, message
-    assert "is pinned: it is not used" in message and "it was deleted" in message
+    assert f"but rpcfleet pins {SDIST_SHA256['0.3.36']}: it is not used" in message
+    assert "it was deleted" in message
     cache = sdist_path("0.3.36").parent
     assert list(cache.iterdir()) == []  # neither the file nor its download folder is left
     # The same bytes under a pin that matches them are taken (the check passes what it should).

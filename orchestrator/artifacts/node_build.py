@@ -146,13 +146,8 @@ def node_build(
     want_backend = spec.backend or backend
     user_args = (*spec.cmake_args, *extra_cmake_args)
     args = effective_cmake_args(want_backend, user_args)
-    sdist = ensure_sdist(version, lambda _line: None, sha256=spec.sha256)
-    info = read_sdist_info(sdist)
-    if spec.sha256 is not None and spec.sha256 != info.sha256:
-        raise ArtifactError(
-            f"{sdist}: sha256 is {info.sha256}, the spec pins {spec.sha256}",
-            hint="put the pinned llama-cpp-python sdist into the cache, or fix the spec's sha256",
-        )
+    sdist = ensure_sdist(version, lambda _line: None, sha256=spec.sha256, pinned_by="the spec")
+    info = read_sdist_info(sdist)  # its sha256 is the spec's pin, else rpcfleet's (ensure_sdist)
     key = hashlib.sha256(
         json.dumps(["node-build", info.sha256, version, want_backend, list(args), os_name, arch]).encode()
     ).hexdigest()[:16]

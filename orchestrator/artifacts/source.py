@@ -85,11 +85,13 @@ def _commit_of(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None) -> Path:
+def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None, pinned_by: str = "") -> Path:
     """The llama-cpp-python `version` sdist in the cache, downloaded with pip when missing, and checked
-    against its pinned sha256 (`sha256`, else `SDIST_SHA256`) before it is used. A download that does
-    not match is deleted; a cached file that does not match is left for inspection, unused."""
+    against its pinned sha256 (`sha256`, pinned by `pinned_by` such as "the spec"; else `SDIST_SHA256`)
+    before it is used. A download that does not match is deleted; a cached file that does not match is
+    left for inspection, unused."""
     expected = sha256 or SDIST_SHA256.get(version)
+    by = pinned_by if sha256 and pinned_by else "rpcfleet"
     if expected is None:
         raise ArtifactError(
             f"llama-cpp-python {version}: no pinned sha256 for its sdist, so it is not downloaded or built",
@@ -98,7 +100,7 @@ def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None) -> P
         )
     sdist = sdist_path(version)
     if sdist.is_file():
-        _check_sdist(sdist, expected, downloaded=False)
+        _check_sdist(sdist, expected, by, downloaded=False)
         return sdist
     sdist.parent.mkdir(parents=True, exist_ok=True)
     say(f"downloading the llama-cpp-python {version} source with pip")
@@ -121,7 +123,7 @@ def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None) -> P
                 stderr=done.stderr,
                 hint=f"put llama_cpp_python-{version}.tar.gz into {sdist.parent}",
             )
-        _check_sdist(fetched, expected, downloaded=True)
+        _check_sdist(fetched, expected, by, downloaded=True)
         fetched.replace(sdist)
     return sdist
 
@@ -129,19 +131,21 @@ def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None) -> P
 _VERIFIED: set[tuple[str, int, int, str]] = set()  # files checked in this process (path, size, mtime)
 
 
-def _check_sdist(path: Path, expected: str, *, downloaded: bool) -> None:
+def _check_sdist(path: Path, expected: str, by: str, *, downloaded: bool) -> None:
     st = path.stat()
     memo = (str(path), st.st_size, st.st_mtime_ns, expected)
     if memo in _VERIFIED:
         return
     actual = _sha256_file(path)
     if actual != expected.lower():
-        where = "the downloaded file" if downloaded else str(path)
+        if downloaded:
+            where, hint = "the downloaded file", "the registry served other bytes (it was deleted)"
+        elif by == "rpcfleet":
+            where, hint = str(path), f"delete {path} to download it again"
+        else:
+            where, hint = str(path), "put the pinned llama-cpp-python sdist into the cache, or fix the sha256"
         raise ArtifactError(
-            f"{path.name}: {where} has sha256 {actual}, but {expected} is pinned: it is not used",
-            hint="the registry served other bytes (it was deleted)"
-            if downloaded
-            else f"delete {path} to download it again",
+            f"{path.name}: {where} has sha256 {actual}, but {by} pins {expected}: it is not used", hint=hint
         )
     _VERIFIED.add(memo)
 
