@@ -35,9 +35,8 @@ from orchestrator.inventory.variables import DEFAULT_INSTALL_DIR
 UNIT_PREFIX = "rpcfleet-"
 
 
-SERVICE_USER_MARK = (
-    "rpcfleet rpc-server"  # the comment (GECOS) of the user rpcfleet creates: only it is removed
-)
+# The comment (GECOS) of the user rpcfleet creates: the teardown removes only an account that has it.
+SERVICE_USER_MARK = "rpcfleet rpc-server"
 
 
 RESTART_SEC = 1  # kill -9 -> serving again within about a second (+ the server's start)
