@@ -19,6 +19,9 @@ built=()
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 RPCFLEET_HOME=${RPCFLEET_HOME:-$HOME/.cache/rpcfleet}
 LLAMA_VERSION=0.3.36
+# sha256 of llama_cpp_python-$LLAMA_VERSION.tar.gz, the source of the binding and of every node's server:
+# other bytes from the registry are refused (orchestrator/artifacts/source.py pins the same; tested)
+SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_CMAKE_ARGS="-DGGML_RPC=ON -DGGML_NATIVE=OFF"
 PYTHON=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -72,12 +75,23 @@ flock 9   # two concurrent setups (a test run and a demo) must not build twice
 flags_key=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)
 WHEEL_DIR="$RPCFLEET_HOME/wheels/llama-cpp-python-$LLAMA_VERSION-$flags_key"
 SDIST="$RPCFLEET_HOME/src/llama_cpp_python-$LLAMA_VERSION.tar.gz"
+# verify_sdist FILE WHAT: its sha256 is the pinned one, or setup stops without using it.
+verify_sdist() {
+  local actual
+  actual=$(sha256sum "$1" | cut -c1-64)
+  [ "$actual" = "$SDIST_SHA256" ] \
+    || die "$1 ($2) has sha256 $actual, but $SDIST_SHA256 is pinned: it is not used${3:+; $3}"
+}
 if [ ! -f "$SDIST" ]; then
   say "downloading the llama-cpp-python $LLAMA_VERSION source (also used to build the matching rpc-server)"
   mkdir -p "$RPCFLEET_HOME/src"
-  quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$RPCFLEET_HOME/src"
+  staging=$(mktemp -d "$RPCFLEET_HOME/src/.download-XXXXXX")
+  quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$staging"
+  (verify_sdist "$staging/${SDIST##*/}" "the download" "it was deleted") || { rm -rf "$staging"; exit 1; }
+  mv -f "$staging/${SDIST##*/}" "$SDIST"; rm -rf "$staging"
 fi
 if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
+  verify_sdist "$SDIST" "cached" "delete it to download it again"
   say "building llama-cpp-python $LLAMA_VERSION with $LLAMA_CMAKE_ARGS (about 10 minutes on 2 cores, once)"
   stage="$WHEEL_DIR.partial"
   rm -rf "$stage"; mkdir -p "$stage"

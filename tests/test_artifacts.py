@@ -40,7 +40,7 @@ from orchestrator.artifacts.manifest import (
     llama_cpp_python_version,
 )
 from orchestrator.artifacts.node_build import on_node_build_script
-from orchestrator.artifacts.source import read_protocol_version, sdist_path
+from orchestrator.artifacts.source import SDIST_SHA256, ensure_sdist, read_protocol_version, sdist_path
 from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
 from orchestrator.artifacts.store import (
     artifacts_dir,
@@ -397,6 +397,98 @@ def test_resolve_by_id_checks_the_platform(cpu_artifact: Artifact) -> None:
         resolve_artifact(cpu_artifact.id, arch="riscv64")
     with pytest.raises(ArtifactError, match="neither a cached artifact id nor a spec file"):
         resolve_artifact("rpc-server-0.0.0-cpu-linux-x86_64-deadbeef")
+
+
+# ---------------------------------------------------------------- the pinned llama-cpp-python sdists
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_sdists_are_pinned_and_setup_pins_the_same(tmp_path: Path) -> None:
+    """Setup and the artifact builder pin the same bytes, and the files setup downloaded match them."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert re.findall(r"^SDIST_SHA256=([0-9a-f]{64})\b", setup, re.MULTILINE) == [SDIST_SHA256["0.3.36"]]
+    assert re.search(r'verify_sdist "\$SDIST"', setup)  # checked before the wheel is built from it
+    # setup's own check, run: the pinned file passes, other bytes stop setup with the reason.
+    check = (
+        'source <(sed -n "/^say()/p;/^die()/p;/^SDIST_SHA256=/p;/^verify_sdist()/,/^}/p" "$0"); '
+        'verify_sdist "$1" cached "delete it"'
+    )
+    ok = subprocess.run(["bash", "-c", check, ROOT / "scripts" / "setup.sh", sdist_path("0.3.36")],
+                        capture_output=True, text=True, check=False)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    other = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+    other.write_bytes(b"other bytes")
+    bad = subprocess.run(["bash", "-c", check, ROOT / "scripts" / "setup.sh", other],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert bad.returncode == 1
+    assert f"has sha256 {sha256_of(b'other bytes')}, but {SDIST_SHA256['0.3.36']} is pinned" in bad.stderr
+    assert "it is not used; delete it" in bad.stderr
+    for version in ("0.3.36", "0.3.16"):
+        assert sha256_of(sdist_path(version).read_bytes()) == SDIST_SHA256[version], version
+
+
+def test_a_cached_sdist_that_does_not_match_its_pin_is_not_used(artifact_home: Path) -> None:
+    sdist = sdist_path("0.3.36")
+    sdist.parent.mkdir(parents=True)
+    sdist.write_bytes(b"other bytes under the pinned name")
+    actual = sha256_of(sdist.read_bytes())
+    with pytest.raises(ArtifactError) as refused:
+        ensure_sdist("0.3.36", lambda _line: None)
+    message = str(refused.value)
+    assert f"has sha256 {actual}, but rpcfleet pins {SDIST_SHA256['0.3.36']}: it is not used" in message
+    assert f"delete {sdist}" in message
+    with pytest.raises(ArtifactError, match=r"rpcfleet pins [0-9a-f]{64}: it is not used"):
+        build_artifact("cpu", version="0.3.36")
+    assert not list((artifact_home / "build").glob("*/src/*"))  # nothing was extracted, nothing built
+    assert sdist.read_bytes() == b"other bytes under the pinned name"  # kept for a look, unused
+    # A version without a pin is neither downloaded nor built.
+    with pytest.raises(ArtifactError, match=r"llama-cpp-python 0\.3\.1: no pinned sha256"):
+        ensure_sdist("0.3.1", lambda _line: None)
+
+
+def _fake_sdist(folder: Path, version: str) -> Path:
+    """A small installable sdist named like llama-cpp-python's: what a registry could serve instead."""
+    root = f"llama_cpp_python-{version}"
+    files = {
+        "pyproject.toml": '[build-system]\nrequires = ["setuptools"]\n'
+        'build-backend = "setuptools.build_meta"\n'
+        f'[project]\nname = "llama_cpp_python"\nversion = "{version}"\n',
+        "PKG-INFO": f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n",
+    }
+    path = folder / f"{root}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{root}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_download_that_does_not_match_its_pin_is_deleted(
+    artifact_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip downloads from a local index (no network) a file whose bytes differ from the pin."""
+    index = tmp_path / "index"
+    index.mkdir()
+    served = _fake_sdist(index, "0.3.36")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # pip's inverted switch: no isolation (offline)
+    lines: list[str] = []
+    with pytest.raises(ArtifactError) as refused:
+        ensure_sdist("0.3.36", lines.append)
+    assert lines == ["downloading the llama-cpp-python 0.3.36 source with pip"]
+    message = str(refused.value)
+    assert f"the downloaded file has sha256 {sha256_of(served.read_bytes())}" in message, message
+    assert f"but rpcfleet pins {SDIST_SHA256['0.3.36']}: it is not used" in message
+    assert "it was deleted" in message
+    cache = sdist_path("0.3.36").parent
+    assert list(cache.iterdir()) == []  # neither the file nor its download folder is left
+    # The same bytes under a pin that matches them are taken (the check passes what it should).
+    assert ensure_sdist("0.3.36", lines.append, sha256=sha256_of(served.read_bytes())) == sdist_path("0.3.36")
+    assert sdist_path("0.3.36").read_bytes() == served.read_bytes()
 
 
 # ---------------------------------------------------------------- spec files

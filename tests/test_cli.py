@@ -350,6 +350,39 @@ def test_a_signal_at_any_moment_of_start_up_says_interrupted_and_exits_130() -> 
     assert interrupted >= 10
 
 
+_INTERRUPT_IN_A_TASK = """\
+import asyncio, gc, sys
+from orchestrator.cli._common import run_async
+
+async def victim() -> None:
+    await asyncio.sleep(0)
+    raise KeyboardInterrupt  # where the signal's handler raises it when the signal lands in this task
+
+async def main() -> None:
+    await asyncio.gather(victim(), asyncio.sleep(5))
+
+try:
+    run_async(main())
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+gc.collect()  # a task that still holds the interrupt is collected: asyncio would report it here
+"""
+
+
+def test_an_interrupt_that_lands_inside_a_task_is_reported_once() -> None:
+    """A signal during a probe raises inside one of its tasks: `interrupted`, never also asyncio's "Task
+    exception was never retrieved" and a traceback (tests/test_interrupts_lab.py: the probe phase)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_IN_A_TASK],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (0, "interrupted\n")
+
+
 # --- model synth / model info -------------------------------------------------------------------------------
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 
@@ -135,3 +138,34 @@ async def test_threshold_not_passed_goes_on() -> None:
 def test_forks_must_be_positive() -> None:
     with pytest.raises(UsageError):
         Session(forks=0)
+
+
+def test_an_interruptible_session_gives_the_signals_back_to_the_handlers_it_found() -> None:
+    """Two sessions in a row, as `run` has (the cache check, then the load): after each, SIGTERM and
+    SIGINT reach the handler from before (rpcfleet's interrupt), never the default action (death by
+    SIGTERM, status 143). The signal is really sent, each time."""
+    heard: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        heard.append(signum)
+
+    async def one_session() -> None:
+        async with Session(interruptible=True) as session:
+            assert signal.getsignal(signal.SIGTERM) is not handler  # the session's own, meanwhile
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            assert session.interrupted == "SIGTERM"
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for _ in range(2):
+            asyncio.run(one_session())
+            assert signal.getsignal(signal.SIGTERM) is handler
+            assert signal.getsignal(signal.SIGINT) is handler
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), sig)
+                time.sleep(0.01)  # a moment for the handler to run
+        assert heard == [signal.SIGTERM, signal.SIGINT] * 2
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)

@@ -184,3 +184,69 @@ def test_limit_matching_nothing_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     status, out, err = run(capsys, "inventory", "list", "-i", FLEET, "-l", "gpu,tpu")
     assert (status, out) == (2, "")
     assert "host pattern 'tpu' matches no host or group" in err
+
+
+# --- secrets are never printed in clear -----------------------------------------------------------------
+
+_SECRETS_INI = """\
+[nodes]
+n1 ansible_host=10.0.0.5 ansible_password=hunter2 ansible_become_pass=s3cr3t-become ansible_ssh_pass=p4ss
+n1b ansible_host=10.0.0.6 ansible_ssh_private_key_file=/keys/id_ed25519
+
+[nodes:vars]
+vault_token=tok-123456
+api_key=k-abcdef
+ssh_public_key=ssh-ed25519-AAAAC3public
+host_key_file=/etc/ssh/ssh_host_ed25519_key.pub
+datacenter=east
+"""
+_SECRET_VALUES = ("hunter2", "s3cr3t-become", "p4ss", "tok-123456", "k-abcdef")
+
+
+def test_list_json_and_show_mask_secrets(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    path.write_text(_SECRETS_INI)
+    status, out, _ = run(capsys, "inventory", "list", "-i", str(path), "--json")
+    assert status == 0
+    assert not [value for value in _SECRET_VALUES if value in out], out
+    extra = json.loads(out)[0]["extra_vars"]
+    masked = ("ansible_password", "ansible_become_pass", "ansible_ssh_pass", "vault_token", "api_key")
+    assert {key: extra[key] for key in masked} == dict.fromkeys(masked, "********")
+    # Paths to keys, public keys and ordinary variables are shown as they are.
+    assert extra["ssh_public_key"] == "ssh-ed25519-AAAAC3public"
+    assert extra["host_key_file"] == "/etc/ssh/ssh_host_ed25519_key.pub"
+    assert extra["datacenter"] == "east"
+    b = json.loads(out)[1]
+    assert b["ssh_key"] == "/keys/id_ed25519"
+    for argv in (["show", "n1"], ["show", "n1", "--json"]):
+        status, out, _ = run(capsys, "inventory", *argv, "-i", str(path))
+        assert status == 0
+        assert not [value for value in _SECRET_VALUES if value in out], out
+        assert "********" in out and "ssh-ed25519-AAAAC3public" in out and "east" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("ansible_password", True),
+        ("ansible_become_password", True),
+        ("ansible_become_pass", True),
+        ("ansible_ssh_pass", True),
+        ("vault_token", True),
+        ("apiKey", True),
+        ("db-secret", True),
+        ("ssh_private_key", True),
+        ("ansible_ssh_private_key_file", False),  # a path to the key, not the key
+        ("host_key_file", False),
+        ("ssh_public_key", False),
+        ("ssh_host_key_checking", False),
+        ("ssh_key", False),  # rpcfleet's own: a file's path
+        ("monkey", False),  # words, not substrings
+        ("passenger", False),
+        ("datacenter", False),
+    ],
+)
+def test_which_variables_are_secrets(name: str, secret: bool) -> None:
+    from orchestrator.inventory.variables import is_secret
+
+    assert is_secret(name) is secret

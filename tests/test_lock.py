@@ -29,8 +29,8 @@ from structlog.testing import capture_logs
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.connectors.local import LocalConnection
-from orchestrator.core.errors import NotStartedError
-from orchestrator.engine.executor import HostContext, RunResult, Session, StepOutcome
+from orchestrator.core.errors import NotStartedError, ServiceError
+from orchestrator.engine.executor import HostContext, HostResult, Recap, RunResult, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import Body, OperationOptions, node_operation, run_to_completion
 from orchestrator.operations.lock import HostLockedError, LockOwner, acquire, lock_script
@@ -239,6 +239,49 @@ async def test_a_cancelled_caller_waits_for_the_host_step_to_finish() -> None:
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert finished.is_set()
+
+
+async def test_a_host_step_that_fails_after_its_caller_was_cancelled_is_recorded_as_failed(
+    ssh_host: FakeHost,
+) -> None:
+    """The start fails after the version switch while the caller is being cancelled: the failure is what
+    the host's result says (not swallowed), and the lock is released."""
+    host = _with_dir(ssh_host.host, "~/rf")
+    switched = asyncio.Event()
+
+    async def body(ctx: HostContext, conn: object) -> StepOutcome[str]:
+        switched.set()  # "switched the version"
+        await asyncio.sleep(0.3)
+        raise ServiceError("the server did not start: exited with status 1")
+
+    seen: list[HostResult[str]] = []
+    async with Session(options=FAST) as session:
+        task = asyncio.ensure_future(
+            session.run([host], node_operation("deploy", body, OperationOptions()), on_result=seen.append)
+        )
+        await asyncio.wait_for(switched.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    ((result,),) = (seen,)
+    assert result.status == "failed" and result.error is not None, result
+    assert "the server did not start" in result.error.message
+    assert (
+        "deploy: the server did not start" in Recap().add(RunResult("deploy", (result,))).errors[host.name][0]
+    )
+    async with await connect(host, FAST) as other:  # released: the next operator gets it at once
+        await (await acquire(other, host, "deploy")).release()
+
+    # run_to_completion itself: the body's error, not the cancellation.
+    async def fails_later() -> str:
+        await asyncio.sleep(0.2)
+        raise ServiceError("start failed")
+
+    caller = asyncio.ensure_future(run_to_completion(fails_later()))
+    await asyncio.sleep(0.05)
+    caller.cancel()
+    with pytest.raises(ServiceError, match="start failed"):
+        await caller
 
 
 async def test_an_interrupt_starts_no_new_host_and_ends_a_lock_wait(fake_hosts: FakeHosts) -> None:

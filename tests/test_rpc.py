@@ -6,18 +6,20 @@ import asyncio
 import json
 import socket
 import struct
+import tarfile
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.artifacts.manifest import Artifact
+from orchestrator.artifacts.manifest import Artifact, llama_cpp_python_version
 from orchestrator.artifacts.protocol import _version_from_manifest, local_protocol_version
+from orchestrator.artifacts.source import sdist_path
 from orchestrator.core.errors import ProbeError
 from orchestrator.rpc.client import probe_endpoint, probe_endpoint_or_raise, probe_endpoints, query_memory
 from orchestrator.rpc.errors import (
@@ -142,9 +144,15 @@ def test_local_protocol_version(tmp_path: Path) -> None:
 
 
 def test_local_protocol_version_matches_the_vendored_header() -> None:
-    header = Path("/tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml/include/ggml-rpc.h")
-    if header.exists():  # the source tree is a dev-machine convenience; the constant is what ships
-        assert parse_header_version(header.read_text()) == local_protocol_version()
+    """The header of the sdist that setup built the binding and the servers from (always in the cache once
+    set up: the tests never run without it), read independently of the manifest."""
+    sdist = sdist_path(llama_cpp_python_version())
+    name = f"llama_cpp_python-{llama_cpp_python_version()}/vendor/llama.cpp/ggml/include/ggml-rpc.h"
+    with tarfile.open(sdist) as tar:
+        member = tar.extractfile(name)
+        assert member is not None, f"{sdist} has no {name}"
+        header = member.read().decode()
+    assert parse_header_version(header) == local_protocol_version()
     assert str(local_protocol_version()) == LLAMA_CPP_PYTHON_0_3_36_PROTOCOL
 
 
@@ -450,6 +458,23 @@ async def test_query_memory(fake: MakeFake) -> None:
     assert await query_memory([], **FAST) == AggregateMemory(0, 0, 0, 0)
 
 
+async def test_query_memory_never_raises_whatever_it_is_given(fake: MakeFake) -> None:
+    """query_all's rule (the seed's queryAll returns null on any failure): None, never an exception."""
+    a = fake(protocol(devices=[(1 * GiB, 2 * GiB)]))
+    b = fake(protocol(devices=[(5 * GiB, 6 * GiB)]))
+    both = AggregateMemory(free=6 * GiB, total=8 * GiB, server_count=2, device_count=2)
+    assert await query_memory(f"{a.endpoint},{b.endpoint}", **FAST) == both  # a bare string: a list
+
+    def exploding() -> Iterator[str]:
+        yield a.endpoint
+        raise RuntimeError("boom")
+
+    odd: list[Any] = [None, [None], "", "garbage", 5, b"x", object(), [a.endpoint, 7], exploding()]
+    odd += [[["nested"]], "[::1", float("nan"), {a.endpoint: None, 3: None}]
+    for value in odd:
+        assert await query_memory(value, **FAST) is None, value
+
+
 # --- property: any reply bytes, the client stays within its deadline and raises only its own errors ------
 
 
@@ -499,8 +524,15 @@ def test_any_reply_bytes(shared_fake: FakeRpcServer, data: bytes, then: str, rai
         assert raising
         result = exc.result
     assert time.monotonic() - started < deadline + 0.5
-    assert result.outcome in Outcome
-    if result.ok:
+    # What the bytes allow, not just "some outcome": the fake listens (never refused); no byte of a reply
+    # is busy while the server holds the connection, closed once it closes it; any byte is not busy.
+    assert result.outcome is not Outcome.REFUSED
+    if not data:
+        assert result.outcome is (Outcome.BUSY if then == "wait" else Outcome.CLOSED), result
+    else:
+        assert result.outcome is not Outcome.BUSY, result
+    if result.ok:  # only a well-framed HELLO reply of protocol 7 (28 bytes) can be ok
+        assert struct.unpack_from("<Q", data)[0] == 28 and data[8] == 7, data
         assert result.version is not None and V7.accepts(result.version)
 
 

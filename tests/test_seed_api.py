@@ -15,11 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import orchestrator
 from orchestrator.core.errors import LoaderError, PlanError
 from orchestrator.facts.system import MemInfo
+from orchestrator.llama import seed_plan
 from orchestrator.llama.errors import EndpointUnreachableError, UnknownArgumentError
 from orchestrator.llama.native import registered_endpoints
 from orchestrator.llama.seed_plan import measured_devices, parse_rpc_servers
@@ -160,7 +162,21 @@ def test_device_order_split_modes_and_tensor_split(
         assert placement.layers_as_planned and sum(llm.rpcfleet_plan.layer_counts) == 8
         for server, offset, dev in zip((b, a), offsets, llm.rpcfleet_plan.devices, strict=True):
             assert dev.memory.weights in _received_weights(server, offset), dev.label
-        assert len(llm("hello", max_tokens=2)["choices"][0]["text"]) >= 0
+        # Text came out of the layers on the servers: the completion's first token is the greedy choice
+        # of the logits that a plain evaluation through the same servers computes.
+        out = llm("hello", max_tokens=2, temperature=0.0)
+        prompt = llm.tokenize(b"hello")
+        assert out["usage"]["prompt_tokens"] == len(prompt)
+        assert out["usage"]["completion_tokens"] == 2 and out["choices"][0]["finish_reason"] == "length"
+        llm.reset()
+        llm.eval(prompt)
+        import llama_cpp
+
+        raw = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # the last position's, as llama.cpp computed
+        logits = np.ctypeslib.as_array(raw, shape=(llm.n_vocab(),)).copy()
+        assert np.isfinite(logits).all() and logits.std() > 0
+        greedy = llm.detokenize([int(np.argmax(logits))], prev_tokens=prompt).decode(errors="replace")
+        assert greedy and out["choices"][0]["text"].startswith(greedy), (out, greedy)
     finally:
         llm.close()
     # An explicit tensor_split: one value per device, layers exactly so.
@@ -213,6 +229,34 @@ def test_refusals_before_any_native_call(debug_rpc_servers: list[DebugServer], t
         orchestrator.Llama(str(tiny_model), rpc_memory={ep: "300MiB"}, n_ctx=4096, **base)
     with pytest.raises(LoaderError, match=r"chat_handler_kwargs.*mmproj_path"):
         orchestrator.Llama(str(tiny_model), chat_handler_kwargs={"use_gpu": False}, **base)
+
+
+@pytest.mark.llama
+def test_unreadable_local_facts_refuse_loopback_cpu_servers_and_say_why(
+    debug_rpc_servers: list[DebugServer],
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """This machine's facts time out (a deadline no command can meet): the loopback CPU server is refused
+    as not measured, and the refusal and a warning name the cause instead of saying nothing."""
+    from orchestrator.core.log import configure_logging
+
+    ep = debug_rpc_servers[0].endpoint
+    configure_logging("text", "WARNING")
+    monkeypatch.setattr(seed_plan, "FACTS_TIMEOUT_S", 1e-6)
+    local = seed_plan.read_local_facts()
+    assert local.facts is None and local.error is not None and "time" in local.error.lower(), local
+    with pytest.raises(PlanError) as refused:
+        orchestrator.Llama(str(tiny_model), rpc_servers=[ep], rpc_local_devices=[], n_gpu_layers=-1)
+    message = str(refused.value)
+    assert f"the free memory of {ep}#0 was not measured" in message, message
+    assert f"this machine's facts could not be read: {local.error}" in message, message
+    assert "facts_failed" in capsys.readouterr().err
+    # With the facts readable, the same server is measured and planned.
+    monkeypatch.undo()
+    measured = seed_plan.read_local_facts()
+    assert measured.error is None and measured.facts is not None and measured.facts.memory is not None
 
 
 @pytest.mark.llama

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -36,14 +38,24 @@ def _lines(text: str, key: str) -> list[str]:
     return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(f"{key}=")]
 
 
+def _sha(path: str) -> str:
+    return hashlib.sha256(path.encode()).hexdigest()[:10]
+
+
 @pytest.mark.parametrize(
     ("install_dir", "name"),
     [
         ("~/rpcfleet", "rpcfleet-home-rpcfleet.service"),
         ("~/.local/lib/rpcfleet", "rpcfleet-home-local-lib-rpcfleet.service"),
         ("/opt/rpc", "rpcfleet-opt-rpc.service"),
-        ("/opt/rpc b;x", "rpcfleet-opt-rpc_b_x.service"),
-        ("/", "rpcfleet-root.service"),
+        ("/opt/rpc/", "rpcfleet-opt-rpc.service"),
+        ("/opt//./rpc", "rpcfleet-opt-rpc.service"),
+        ("/root", "rpcfleet-root.service"),
+        ("/opt/rpc b;x", f"rpcfleet-opt-rpc_b_x--{_sha('/opt/rpc b;x')}.service"),
+        ("/opt/a-b", f"rpcfleet-opt-a_b--{_sha('/opt/a-b')}.service"),
+        ("/home/rpcfleet", f"rpcfleet-home-rpcfleet--{_sha('/home/rpcfleet')}.service"),
+        ("~/local/lib/rpcfleet", f"rpcfleet-home-local-lib-rpcfleet--{_sha('~/local/lib/rpcfleet')}.service"),
+        ("/", f"rpcfleet-root--{_sha('/')}.service"),
     ],
 )
 def test_unit_names_come_from_the_install_dir(install_dir: str, name: str) -> None:
@@ -51,7 +63,26 @@ def test_unit_names_come_from_the_install_dir(install_dir: str, name: str) -> No
 
 
 def test_two_installs_on_one_host_get_two_units() -> None:
+    """Names are injective: paths whose words agree (`-` vs `_`, `~` vs /home, a dot, `/` vs /root) get
+    two units; one directory written two ways (a trailing slash, `//`, `.`) gets one."""
     assert unit_name("/opt/a") != unit_name("/opt/b")
+    clashes = [
+        ("/opt/a-b", "/opt/a_b", "/opt/a/b", "/opt/a.b", "/opt/a b"),
+        ("~/rpcfleet", "/home/rpcfleet", "home/rpcfleet", "~"),
+        (
+            "~/.local/lib/rpcfleet",
+            "~/local/lib/rpcfleet",
+            "/home/local/lib/rpcfleet",
+            "~/.local/.lib/rpcfleet",
+        ),
+        ("/", "/root", "root"),
+        ("~/.rf", "~/rf", "~/_rf"),
+    ]
+    for paths in clashes:
+        names = [unit_name(p) for p in paths]
+        assert len(set(names)) == len(paths), dict(zip(paths, names, strict=True))
+        assert all(re.fullmatch(r"rpcfleet-[A-Za-z0-9_.-]+\.service", n) for n in names), names
+    assert unit_name("/opt/a-b/") == unit_name("/opt/a-b") == unit_name("/opt//a-b/.")
 
 
 def test_the_unit_runs_the_process_supervisors_launch_line() -> None:

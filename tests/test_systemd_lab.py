@@ -36,7 +36,7 @@ from orchestrator.operations.service import (
     make_service_step,
     make_status_step,
 )
-from orchestrator.operations.systemd import unit_name
+from orchestrator.operations.systemd import SERVICE_USER_MARK, unit_name
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
@@ -238,6 +238,58 @@ async def test_teardown_leaves_no_unit_user_or_file(
     assert sd_lab.node_exec(sd_hosts[1].name, ["id", "rpcfleet"], check=False).returncode != 0
     again = await _run(sd_hosts, make_remove_unit_step(), "remove_unit")
     assert [r.status for r in again.results] == ["ok", "ok"]
+
+
+def _comment_of_user(lab: Lab, host: Host) -> str | None:
+    found = lab.node_exec(host.name, ["getent", "passwd", "rpcfleet"], check=False)
+    return found.stdout.strip().split(":")[4] if found.returncode == 0 else None
+
+
+async def test_teardown_removes_only_the_user_rpcfleet_created(
+    sd_lab: Lab, sd_hosts: list[Host], chooser: ArtifactChooser
+) -> None:
+    root = sd_hosts[1]
+    # An account of that name made by someone else: used, and left alone by the teardown.
+    sd_lab.node_exec(root.name, ["useradd", "--system", "--no-create-home", "--comment", "ops", "rpcfleet"])
+    try:
+        assert (await _run([root], make_deploy_step(chooser), "deploy")).ok
+        removed = await _run([root], make_remove_unit_step(), "remove_unit")
+        assert removed.results[0].status == "changed", removed.results[0].error
+        assert "user" not in removed.results[0].message and _unit_files(sd_lab, root) == []
+        assert _comment_of_user(sd_lab, root) == "ops"
+    finally:
+        sd_lab.node_exec(root.name, ["userdel", "rpcfleet"], check=False)
+    # The account rpcfleet creates carries its mark, and goes with the last unit.
+    assert (await _run([root], make_deploy_step(chooser), "deploy")).ok
+    assert _comment_of_user(sd_lab, root) == SERVICE_USER_MARK
+    removed = await _run([root], make_remove_unit_step(), "remove_unit")
+    assert "and user rpcfleet" in removed.results[0].message
+    assert _comment_of_user(sd_lab, root) is None
+
+
+async def test_a_failed_disable_keeps_the_unit_file(
+    sd_lab: Lab, sd_hosts: list[Host], chooser: ArtifactChooser
+) -> None:
+    """`systemctl disable --now` fails (the wants folder is read-only: systemd cannot unlink the unit's
+    link there): the teardown fails with that reason and the unit file stays, still enabled."""
+    root = sd_hosts[1]
+    unit = unit_name(root.install_dir)
+    wants = "/etc/systemd/system/multi-user.target.wants"
+    assert (await _run([root], make_deploy_step(chooser), "deploy")).ok
+    sd_lab.node_exec(root.name, ["mount", "--bind", "-o", "bind,ro", wants, wants])
+    try:
+        removed = await _run([root], make_remove_unit_step(), "remove_unit")
+        (result,) = removed.results
+        assert result.status == "failed" and result.error is not None
+        assert f"could not remove {unit}: systemctl disable --now failed" in result.error.message
+        assert "Read-only file system" in str(result.error), str(result.error)
+        assert _unit_files(sd_lab, root) == [unit]
+        enabled = sd_lab.node_exec(root.name, ["systemctl", "is-enabled", unit], check=False)
+        assert enabled.stdout.strip() == "enabled"
+    finally:
+        sd_lab.node_exec(root.name, ["umount", wants])
+    removed = await _run([root], make_remove_unit_step(), "remove_unit")
+    assert removed.results[0].status == "changed" and _unit_files(sd_lab, root) == []
 
 
 async def test_auto_picks_systemd_on_systemd_nodes_and_process_on_plain_ones(

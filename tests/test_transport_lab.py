@@ -9,6 +9,8 @@ and another lab node is refused; stopping the server removes the rule.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -26,10 +28,13 @@ import yaml
 
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
+from orchestrator.connectors.connect import connect
 from orchestrator.connectors.tunnel import OpenSSHTunnel, Tunnels
 from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import inventory_document
 from orchestrator.lab.model import Lab, LabNode
+from orchestrator.operations.firewall import apply_firewall
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
 from tests.plugins.lab import own_lab
@@ -246,8 +251,11 @@ def root_node(transport_lab: Lab, tmp_path: Path) -> Iterator[tuple[LabNode, Pat
         yield node, path
     finally:
         os.kill(pid, 15)
-        for rule in _tagged_rules(transport_lab, node):  # a failed test leaves no rule behind
-            transport_lab.node_exec(node, ["sh", "-c", f"iptables -w {rule.replace('-A', '-D', 1)}"])
+        # A failed test leaves no rule behind: deleted by number, as their text may hold shell syntax.
+        while _tagged_rules(transport_lab, node):
+            rules = transport_lab.node_exec(node, ["iptables", "-w", "-S", "INPUT"]).stdout.splitlines()
+            number = [r for r in rules if r.startswith("-A ")].index(_tagged_rules(transport_lab, node)[0])
+            transport_lab.node_exec(node, ["iptables", "-w", "-D", "INPUT", str(number + 1)])
 
 
 def test_rpc_allow_from_admits_the_controller_only_and_goes_with_the_server(
@@ -274,6 +282,58 @@ def test_rpc_allow_from_admits_the_controller_only_and_goes_with_the_server(
     assert main(["-i", str(inventory), "stop"]) == 0
     assert _tagged_rules(transport_lab, node) == []
     assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"  # nothing listens
+
+
+def _comment_of(rule: str) -> str:
+    """The comment of an `iptables -S` line, unescaped as libxtables escaped it (`\\"`, `\\\\`, `\\'`)."""
+    rest = rule.split('--comment "', 1)[1]
+    out, escaped = [], False
+    for char in rest:
+        if escaped:
+            out.append(char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return "".join(out)
+        else:
+            out.append(char)
+    raise AssertionError(f"unterminated comment in {rule!r}")
+
+
+def test_a_hostile_install_dir_runs_nothing_and_its_rules_stay_right(
+    transport_lab: Lab, root_node: tuple[LabNode, Path], tmp_path: Path
+) -> None:
+    """install_dir is in the rules' comment, which the firewall script reads back from `iptables -S`:
+    shell syntax in it must never run (as root), and quotes in it must not lose track of the rules."""
+    node, inventory = root_node
+    host = load_inventory(inventory).hosts[0]
+    pwned = tmp_path / "pwned"
+    hostile = [
+        f"/opt/rf$(touch {pwned})`touch {pwned}`",  # no quote: the listing shows it as is
+        f"/opt/rf \"$(touch {pwned})\" 'x' \\ $HOME;touch {pwned}",  # quotes and backslashes, escaped
+    ]
+    wider = dataclasses.replace(host, rpc_allow_from=("controller", "10.77.0.0/16"))
+
+    async def apply(which: Host, install_dir: str, *, install: bool) -> str:
+        async with await connect(which) as conn:
+            return (await apply_firewall(conn, which, install_dir, install=install)).outcome
+
+    for install_dir in hostile:
+        tag = f"rpcfleet {install_dir} 50053"
+
+        def ours(tag: str = tag) -> list[str]:
+            return [r for r in _tagged_rules(transport_lab, node) if _comment_of(r) == tag]
+
+        assert asyncio.run(apply(host, install_dir, install=True)) == "installed"
+        assert len(ours()) == 2 and "-j ACCEPT" in ours()[0] and "-j REJECT" in ours()[1], ours()
+        assert asyncio.run(apply(host, install_dir, install=True)) == "unchanged"  # found again
+        assert asyncio.run(apply(wider, install_dir, install=True)) == "installed"  # replaced: read back
+        assert len(ours()) == 3 and "-s 10.77.0.0/16" in ours()[1], ours()
+        assert asyncio.run(apply(host, install_dir, install=False)) == "removed"
+        assert ours() == [] and _tagged_rules(transport_lab, node) == []
+        assert not pwned.exists()
+        assert transport_lab.node_exec(node, ["test", "-e", str(pwned)], check=False).returncode == 1
 
 
 def test_rpc_allow_from_without_root_is_a_clear_error(

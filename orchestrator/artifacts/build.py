@@ -29,8 +29,8 @@ from orchestrator.artifacts.manifest import (
     llama_cpp_python_version,
 )
 from orchestrator.artifacts.source import (
-    _ensure_sdist,
     _extract_source,
+    ensure_sdist,
     read_ggml_version,
     read_llama_cpp_commit,
     read_protocol_version,
@@ -194,7 +194,7 @@ def build_artifact(
         cached = _recall(key)  # another process may have built it while we waited
         if cached is not None:
             return cached
-        sdist = _ensure_sdist(version, say)
+        sdist = ensure_sdist(version, say)
         source = _extract_source(sdist, workdir / "src", say)
         llama = source / "vendor" / "llama.cpp"
         protocol = read_protocol_version(llama / "ggml" / "include" / "ggml-rpc.h")

@@ -17,7 +17,7 @@ from orchestrator.artifacts.manifest import (
     Manifest,
     llama_cpp_python_version,
 )
-from orchestrator.artifacts.source import SdistInfo, _ensure_sdist, read_sdist_info
+from orchestrator.artifacts.source import SdistInfo, ensure_sdist, read_sdist_info
 from orchestrator.core.errors import ArtifactError
 
 NODE_BUILD_TIMEOUT_S = 1800.0  # an on-node build without `build_timeout:` in its spec
@@ -146,13 +146,8 @@ def node_build(
     want_backend = spec.backend or backend
     user_args = (*spec.cmake_args, *extra_cmake_args)
     args = effective_cmake_args(want_backend, user_args)
-    sdist = _ensure_sdist(version, lambda _line: None)
-    info = read_sdist_info(sdist)
-    if spec.sha256 is not None and spec.sha256 != info.sha256:
-        raise ArtifactError(
-            f"{sdist}: sha256 is {info.sha256}, the spec pins {spec.sha256}",
-            hint="put the pinned llama-cpp-python sdist into the cache, or fix the spec's sha256",
-        )
+    sdist = ensure_sdist(version, lambda _line: None, sha256=spec.sha256, pinned_by="the spec")
+    info = read_sdist_info(sdist)  # its sha256 is the spec's pin, else rpcfleet's (ensure_sdist)
     key = hashlib.sha256(
         json.dumps(["node-build", info.sha256, version, want_backend, list(args), os_name, arch]).encode()
     ).hexdigest()[:16]

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,14 @@ from orchestrator.core.errors import ArtifactError
 from orchestrator.core.paths import rpcfleet_home
 
 PIP_TIMEOUT_S = 600.0
+
+# The sha256 of each llama-cpp-python sdist rpcfleet builds from (the server every node runs comes from
+# it): a file the registry serves later with other bytes is refused, never built. scripts/setup.sh pins
+# 0.3.36 too (tests/test_artifacts.py checks that they agree).
+SDIST_SHA256 = {
+    "0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    "0.3.16": "34ed0f9bd9431af045bb63d9324ae620ad0536653740e9bb163a2e1fcb973be6",
+}
 
 
 def sdist_path(version: str) -> Path:
@@ -76,29 +85,69 @@ def _commit_of(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _ensure_sdist(version: str, say: Progress) -> Path:
+def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None, pinned_by: str = "") -> Path:
+    """The llama-cpp-python `version` sdist in the cache, downloaded with pip when missing, and checked
+    against its pinned sha256 (`sha256`, pinned by `pinned_by` such as "the spec"; else `SDIST_SHA256`)
+    before it is used. A download that does not match is deleted; a cached file that does not match is
+    left for inspection, unused."""
+    expected = sha256 or SDIST_SHA256.get(version)
+    by = pinned_by if sha256 and pinned_by else "rpcfleet"
+    if expected is None:
+        raise ArtifactError(
+            f"llama-cpp-python {version}: no pinned sha256 for its sdist, so it is not downloaded or built",
+            hint=f"pinned versions: {', '.join(sorted(SDIST_SHA256))}; an on-node build spec can pin "
+            "another version's sdist with sha256",
+        )
     sdist = sdist_path(version)
     if sdist.is_file():
+        _check_sdist(sdist, expected, by, downloaded=False)
         return sdist
     sdist.parent.mkdir(parents=True, exist_ok=True)
     say(f"downloading the llama-cpp-python {version} source with pip")
-    command = [
-        sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-        f"llama-cpp-python=={version}", "-d", str(sdist.parent),
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise ArtifactError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s") from exc
-    if done.returncode != 0 or not sdist.is_file():
-        raise ArtifactError(
-            f"could not download the llama-cpp-python {version} sdist",
-            command=shlex.join(command),
-            exit_status=done.returncode,
-            stderr=done.stderr,
-            hint=f"put llama_cpp_python-{version}.tar.gz into {sdist.parent}",
-        )
+    # Into a folder of its own, moved into the cache only once its sha256 is right.
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=sdist.parent) as staging:
+        command = [
+            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+            f"llama-cpp-python=={version}", "-d", staging,
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise ArtifactError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s") from exc
+        fetched = Path(staging) / sdist.name
+        if done.returncode != 0 or not fetched.is_file():
+            raise ArtifactError(
+                f"could not download the llama-cpp-python {version} sdist",
+                command=shlex.join(command),
+                exit_status=done.returncode,
+                stderr=done.stderr,
+                hint=f"put llama_cpp_python-{version}.tar.gz into {sdist.parent}",
+            )
+        _check_sdist(fetched, expected, by, downloaded=True)
+        fetched.replace(sdist)
     return sdist
+
+
+_VERIFIED: set[tuple[str, int, int, str]] = set()  # files checked in this process (path, size, mtime)
+
+
+def _check_sdist(path: Path, expected: str, by: str, *, downloaded: bool) -> None:
+    st = path.stat()
+    memo = (str(path), st.st_size, st.st_mtime_ns, expected)
+    if memo in _VERIFIED:
+        return
+    actual = _sha256_file(path)
+    if actual != expected.lower():
+        if downloaded:
+            where, hint = "the downloaded file", "the registry served other bytes (it was deleted)"
+        elif by == "rpcfleet":
+            where, hint = str(path), f"delete {path} to download it again"
+        else:
+            where, hint = str(path), "put the pinned llama-cpp-python sdist into the cache, or fix the sha256"
+        raise ArtifactError(
+            f"{path.name}: {where} has sha256 {actual}, but {by} pins {expected}: it is not used", hint=hint
+        )
+    _VERIFIED.add(memo)
 
 
 def _extract_source(sdist: Path, dest: Path, say: Progress) -> Path:

@@ -21,6 +21,8 @@ from orchestrator.core import fields
 from orchestrator.core.errors import RpcfleetError, UsageError
 
 if TYPE_CHECKING:  # imported lazily below: each command pays only for what it uses
+    from asyncio import AbstractEventLoop
+
     from rich.console import Console
 
     from orchestrator.engine.executor import Recap, RunResult, Session
@@ -339,7 +341,17 @@ def require_model(path: Path) -> Path:
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     import asyncio  # 40 ms: only the commands that run a loop pay for it
 
-    return asyncio.run(coro)
+    with asyncio.Runner() as runner:  # asyncio.run, with the interrupt reported once
+        runner.get_loop().set_exception_handler(_quiet_interrupts)
+        return runner.run(coro)
+
+
+def _quiet_interrupts(loop: AbstractEventLoop, context: dict[str, Any]) -> None:
+    """A signal that lands inside a task raises its KeyboardInterrupt there: asyncio ends the run with it
+    (reported once, as `interrupted`) but also keeps it as the task's exception, and would print "Task
+    exception was never retrieved" and a traceback when the task is collected. Not for the interrupt."""
+    if not isinstance(context.get("exception"), KeyboardInterrupt):
+        loop.default_exception_handler(context)
 
 
 INTERRUPTED_EXIT = 130

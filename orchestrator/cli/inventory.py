@@ -121,11 +121,11 @@ def handle_show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from orchestrator.inventory.model import host_to_dict
-    from orchestrator.inventory.variables import VARIABLES, VARIABLES_BY_NAME
+    from orchestrator.inventory.variables import VARIABLES, VARIABLES_BY_NAME, mask_secrets
 
     inventory, _ = _load(args)
     host = inventory.host(args.host)
-    extra = {key: value for key, value in host.vars.items() if key not in VARIABLES_BY_NAME}
+    extra = mask_secrets({key: value for key, value in host.vars.items() if key not in VARIABLES_BY_NAME})
     if args.json:
         data = host_to_dict(host)
         data["sources"] = dict(host.var_sources)

@@ -225,20 +225,25 @@ class Session:
         self.interrupted: str | None = None  # what interrupted the run ("SIGINT", ...), once it happened
         self._interrupt_count = 0
         self._interrupted_event: asyncio.Event | None = None
-        self._installed: list[signal.Signals] = []
+        self._installed: list[tuple[signal.Signals, Any]] = []  # (signal, the handler it had before)
 
     async def __aenter__(self) -> Session:
         if self.interruptible and threading.current_thread() is threading.main_thread():
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
+                previous = signal.getsignal(sig)
                 loop.add_signal_handler(sig, self.interrupt, sig.name)
-                self._installed.append(sig)
+                self._installed.append((sig, previous))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         loop = asyncio.get_running_loop()
-        for sig in self._installed:
+        for sig, previous in self._installed:
             loop.remove_signal_handler(sig)
+            # asyncio leaves SIGTERM at its default action (the process dies, status 143) and SIGINT at
+            # Python's: the handler from before this session (the CLI's interrupt) must hear the next one.
+            if previous is not None:
+                signal.signal(sig, previous)
         self._installed.clear()
         await self.close()
 

@@ -21,6 +21,7 @@ from orchestrator.inventory.variables import (
     RpcTransport,
     Supervisor,
     _did_you_mean,
+    mask_secrets,
 )
 
 _WILDCARD_BINDS = frozenset({"", "0.0.0.0"})
@@ -223,12 +224,13 @@ def select_hosts(inventory: Inventory, pattern: str | None) -> list[Host]:
 
 
 def host_to_dict(host: Host) -> dict[str, Any]:
-    """A host as plain JSON-able data: name, every known variable, groups, endpoint, extra variables."""
+    """A host as plain JSON-able data: name, every known variable, groups, endpoint, extra variables
+    (those named like a secret masked: `is_secret`)."""
     data: dict[str, Any] = {"name": host.name}
     for variable in VARIABLES:
         value = getattr(host, variable.name)
         data[variable.name] = list(value) if isinstance(value, tuple) else value
     data["endpoint"] = host.endpoint
     data["groups"] = list(host.groups)
-    data["extra_vars"] = {key: value for key, value in host.vars.items() if key not in VARIABLES_BY_NAME}
+    data["extra_vars"] = mask_secrets({k: v for k, v in host.vars.items() if k not in VARIABLES_BY_NAME})
     return data

@@ -200,3 +200,42 @@ _ANSIBLE_VARS = frozenset(
 
 def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return did_you_mean(word, candidates, cutoff=0.75)  # variable and group names: only near misses
+
+
+# Secrets in variables rpcfleet does not know (Ansible's connection passwords, a vault token...): shown
+# masked by `inventory list --json` and `inventory show`. A name is a secret when one of its words (split
+# at `_`, `-`, `.` and case changes) is a secret word, unless its last word says it names a file, a path
+# or a setting (`ansible_ssh_private_key_file`, `host_key_checking`) or a word says it is public
+# (`ssh_public_key`). rpcfleet's own variables hold no secret: `ssh_key` is a file's path.
+SECRET_WORDS = frozenset(
+    {"password", "passwd", "pass", "passphrase", "pwd", "secret", "token", "key", "apikey", "credential",
+     "credentials", "private"}
+)  # fmt: skip
+_NOT_SECRET_LAST_WORDS = frozenset({"file", "path", "dir", "checking", "name", "type", "user"})
+_PUBLIC_WORDS = frozenset({"public", "pub"})
+SECRET_MASK = "********"  # the same for every value: not even the length shows
+
+
+def is_secret(name: str) -> bool:
+    """Whether a variable named `name` holds a secret (the rule above)."""
+    if name in VARIABLES_BY_NAME:
+        return False
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    words = [word for word in re.split(r"[_\-.\s]+", spaced.lower()) if word]
+    if not words or words[-1] in _NOT_SECRET_LAST_WORDS or _PUBLIC_WORDS.intersection(words):
+        return False
+    return bool(SECRET_WORDS.intersection(words))
+
+
+def mask_secrets(value: Any) -> Any:
+    """`value` with the value of every key named like a secret masked, through nested maps and lists."""
+    if isinstance(value, Mapping):
+        return {
+            key: SECRET_MASK
+            if isinstance(key, str) and is_secret(key) and item is not None
+            else mask_secrets(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [mask_secrets(item) for item in value]
+    return value

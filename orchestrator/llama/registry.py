@@ -20,7 +20,6 @@ device list).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -30,7 +29,7 @@ from orchestrator.core.units import format_size
 from orchestrator.llama.native import _LOCK, _llama_cpp, _native, live_endpoints, registered_endpoints
 from orchestrator.llama.preflight import _run_sync, check_endpoint_limit, probe_for_load
 from orchestrator.llama.seed_plan import parse_rpc_servers
-from orchestrator.rpc.client import probe_endpoint, query_memory
+from orchestrator.rpc.client import endpoint_list, probe_endpoint, query_memory
 from orchestrator.rpc.errors import error_for
 from orchestrator.rpc.protocol import RpcDeviceMemory, RpcMemoryInfo, parse_endpoint
 
@@ -104,7 +103,7 @@ def query_all(endpoints: Any, *, timeout: float = 5.0) -> RpcMemoryInfo | None:
     """Free/total memory summed over the distinct endpoints, or None on any failure, whatever it is
     given (None, [None], a bare string is read as "h1:p,h2:p"). Never raises; registration-free."""
     try:
-        items = _endpoint_list(endpoints)
+        items = endpoint_list(endpoints)
         if items is None:
             return None
         info: RpcMemoryInfo | None = _run_sync(
@@ -114,17 +113,6 @@ def query_all(endpoints: Any, *, timeout: float = 5.0) -> RpcMemoryInfo | None:
     except Exception as exc:
         get_logger().debug("rpc_query_all_failed", error=repr(exc))
         return None
-
-
-def _endpoint_list(value: Any) -> list[str] | None:
-    if isinstance(value, str):
-        value = value.split(",")
-    if value is None or isinstance(value, bytes | bytearray) or not isinstance(value, Iterable):
-        return None
-    items = list(value)
-    if not all(isinstance(item, str) for item in items):
-        return None
-    return items
 
 
 def summary() -> str:

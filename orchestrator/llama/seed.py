@@ -54,6 +54,7 @@ from orchestrator.llama.seed_plan import (
     parse_rpc_servers,
     refuse_misfit,
     refuse_unmeasured,
+    unmeasured_causes,
 )
 from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
@@ -130,7 +131,11 @@ def _select_devices(
 
 
 def make_seed_plan(
-    devices: Sequence[PlanDevice], unmeasured: Iterable[str], model: Path, options: PlanOptions
+    devices: Sequence[PlanDevice],
+    unmeasured: Iterable[str],
+    model: Path,
+    options: PlanOptions,
+    causes: Sequence[str] = (),
 ) -> Plan:
     """The plan for the selected `devices`: the given tensor_split as is, else rpcfleet's split, which
     must rest on measured memory and fit."""
@@ -148,7 +153,7 @@ def make_seed_plan(
     if not devices:
         options = replace(options, n_gpu_layers=0)  # nothing selected: every layer stays on the CPU
     if options.tensor_split is None:
-        refuse_unmeasured([label for label in unmeasured if label in labels])
+        refuse_unmeasured([label for label in unmeasured if label in labels], causes)
     plan = make_plan(devices, profile, options)
     if options.tensor_split is None:
         refuse_misfit(plan)
@@ -224,9 +229,10 @@ class Llama(llama_cpp.Llama):
                 for ep in endpoints
                 for i, dev in enumerate(registered[ep].devices)
             }
+            reads = endpoint_facts(endpoints)
             measured = measured_devices(
                 results,
-                endpoint_facts(endpoints),
+                {ep: read.facts for ep, read in reads.items()},
                 alignments=alignments,
                 rpc_memory=memory,
                 trust_rpc_memory=trust_rpc_memory,
@@ -234,7 +240,9 @@ class Llama(llama_cpp.Llama):
             selected = _select_devices(measured.devices, rpc_local_devices, split_mode, main_gpu)
             if split_mode == LLAMA_SPLIT_MODE_NONE:
                 options = replace(options, main_gpu=0)  # the one device left
-            plan = make_seed_plan(selected, measured.unmeasured, Path(model_path), options)
+            plan = make_seed_plan(
+                selected, measured.unmeasured, Path(model_path), options, unmeasured_causes(reads)
+            )
             load_registered(
                 plan,
                 Path(model_path),

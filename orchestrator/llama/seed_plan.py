@@ -118,38 +118,77 @@ async def _gather(host: Host) -> HostFacts:
     return HostFacts.from_values(values)
 
 
-def read_facts(hosts: Mapping[str, Host]) -> dict[str, HostFacts | None]:
-    """Each host's facts (MemAvailable, machine identity...), read at once; None for a host whose facts
-    cannot be read (its CPU servers then count as unmeasured), with the cause in the log."""
+@dataclass(frozen=True)
+class FactsRead:
+    """A host's facts, or why they could not be read (`error`, for the refusal to name it)."""
+
+    facts: HostFacts | None
+    error: str | None = None
+
+
+def _facts_read(host: Host, result: HostFacts | BaseException) -> FactsRead:
+    if isinstance(result, BaseException):
+        if not isinstance(result, Exception):
+            raise result
+        error = result.message if isinstance(result, RpcfleetError) else f"{type(result).__name__}: {result}"
+        get_logger().warning("facts_failed", host=host.name, error=error)
+        return FactsRead(None, error)
+    if result.memory is None:
+        error = "MemAvailable (/proc/meminfo) could not be read"
+        get_logger().warning("facts_failed", host=host.name, error=error)
+        return FactsRead(result, error)
+    return FactsRead(result)
+
+
+def read_facts(hosts: Mapping[str, Host]) -> dict[str, FactsRead]:
+    """Each host's facts (MemAvailable, machine identity...), read at once. A host whose facts (or
+    MemAvailable) cannot be read has its CPU servers count as unmeasured; the cause is logged as a
+    warning and kept in `error`."""
     from orchestrator.llama.preflight import _run_sync
 
     async def all_facts() -> list[HostFacts | BaseException]:
         return await asyncio.gather(*(_gather(h) for h in hosts.values()), return_exceptions=True)
 
-    out: dict[str, HostFacts | None] = {}
-    for (key, host), facts in zip(hosts.items(), _run_sync(all_facts()), strict=True):
-        if isinstance(facts, BaseException):
-            if not isinstance(facts, Exception):
-                raise facts
-            get_logger().warning("facts_unreadable", host=host.name, error=str(facts) or type(facts).__name__)
-            out[key] = None
-        else:
-            out[key] = facts
-    return out
+    results = _run_sync(all_facts())
+    return {key: _facts_read(host, r) for (key, host), r in zip(hosts.items(), results, strict=True)}
 
 
-def endpoint_facts(endpoints: Sequence[str]) -> dict[str, HostFacts | None]:
+def read_local_facts() -> FactsRead:
+    """This machine's facts, for its loopback servers."""
+    return read_facts({"local": LOCAL_HOST})["local"]
+
+
+def endpoint_facts(endpoints: Sequence[str]) -> dict[str, FactsRead]:
     """The facts that measure each endpoint's memory: this machine's for loopback endpoints, the
     inventory host's for the endpoints a default inventory serves; the others are absent."""
-    sources = dict(inventory_hosts(ep for ep in endpoints if not is_loopback(parse_endpoint(ep).host)))
+    sources: dict[str, Host] = dict(
+        inventory_hosts(ep for ep in endpoints if not is_loopback(parse_endpoint(ep).host))
+    )
     if any(is_loopback(parse_endpoint(ep).host) for ep in endpoints):
         sources["local"] = LOCAL_HOST
-    facts = read_facts(sources) if sources else {}
+    reads = read_facts(sources) if sources else {}
     return {
-        ep: facts.get("local" if is_loopback(parse_endpoint(ep).host) else ep)
+        ep: reads["local" if is_loopback(parse_endpoint(ep).host) else ep]
         for ep in endpoints
-        if is_loopback(parse_endpoint(ep).host) or ep in facts
+        if is_loopback(parse_endpoint(ep).host) or ep in reads
     }
+
+
+def unmeasured_causes(reads: Mapping[str, FactsRead]) -> tuple[str, ...]:
+    """Why facts could not be read, once per host, for `refuse_unmeasured`."""
+    causes: list[str] = []
+    for endpoint, read in reads.items():
+        if read.error is None:
+            continue
+        whose = (
+            "this machine's facts"
+            if is_loopback(parse_endpoint(endpoint).host)
+            else f"{endpoint}'s host facts"
+        )
+        cause = f"{whose} could not be read: {read.error}"
+        if cause not in causes:
+            causes.append(cause)
+    return tuple(causes)
 
 
 @dataclass(frozen=True)
@@ -200,11 +239,14 @@ def measured_devices(
     return Measured(tuple(devices), tuple(unmeasured))
 
 
-def refuse_unmeasured(labels: Sequence[str]) -> None:
+def refuse_unmeasured(labels: Sequence[str], causes: Sequence[str] = ()) -> None:
+    """A PlanError for CPU devices whose memory was not measured; `causes`: why the facts that would
+    have measured them could not be read (`unmeasured_causes`)."""
     if labels:
+        why = f" ({'; '.join(causes)})" if causes else ""
         raise PlanError(
             f"the free memory of {', '.join(labels)} was not measured: a CPU server reports its total RAM "
-            "as free, and a remote one has no host facts here",
+            f"as free, and a remote one has no host facts here{why}",
             hint="pass rpc_memory={'host:port': '16GiB'} (usable bytes per device), trust_rpc_memory=True, "
             "or tensor_split; or plan with an inventory (rpcfleet plan), which reads MemAvailable",
         )

@@ -35,6 +35,15 @@ def rule_tag(host: Host, install_dir: str) -> str:
     return f"rpcfleet {install_dir} {host.rpc_port}"
 
 
+def listed_comment(tag: str) -> str:
+    """`--comment TAG` as `iptables -S` prints it (libxtables' save_string): in double quotes, with `"`,
+    `\\` and `'` escaped by a backslash, unless it holds only letters, digits, `_` and `-`."""
+    if tag and all(c.isascii() and (c.isalnum() or c in "_-") for c in tag):
+        return f"--comment {tag}"
+    escaped = "".join("\\" + c if c in "\"\\'" else c for c in tag)
+    return f'--comment "{escaped}"'
+
+
 def wanted(host: Host) -> bool:
     return host.rpc_transport == "tcp" and host.rpc_allow_from is not None
 
@@ -53,8 +62,10 @@ def firewall_script(host: Host, install_dir: str, *, install: bool) -> str:
         'if [ -z "$IPT" ]; then echo @notool; exit 0; fi',
         'if [ "$(id -u)" != 0 ]; then echo "@noright $(id -un)"; exit 0; fi',
         f"TAG={shlex.quote(tag)}",
-        # our rules as `iptables -S` prints them, in order
-        'CURRENT=$("$IPT" -w -S INPUT | grep -F -- "--comment \\"$TAG\\"" || true)',
+        f"LISTED={shlex.quote(listed_comment(tag))}",
+        # our rules as `iptables -S` prints them, numbered as in the chain (a space closes the comment)
+        'ours() { "$IPT" -w -S INPUT | grep -e "^-A " | sed "s/\\$/ /" | grep -n -F -e "$LISTED " || true; }',
+        "CURRENT=$(ours)",
     ]
     if install:
         resolved = []
@@ -78,9 +89,10 @@ def firewall_script(host: Host, install_dir: str, *, install: bool) -> str:
             f'if [ "$N" = {count} ] && [ "$WANT" = {"y" * count} ]; then echo @unchanged; exit 0; fi',
         ]
     lines += [
-        # delete our rules (by their own spec, from the -S listing), whatever they are
-        'printf "%s\\n" "$CURRENT" | while IFS= read -r rule; do [ -n "$rule" ] || continue; '
-        'eval "set -- $rule"; shift 2; "$IPT" -w -D INPUT "$@" || exit 1; done || exit 1',
+        # Delete our rules, whatever they are, by their number in the chain (the first of ours in a fresh
+        # listing each time): the listed text, which holds install_dir, is never run as shell code.
+        'while :; do N=$(ours | head -n 1 | cut -d: -f1); [ -n "$N" ] || break; '
+        '"$IPT" -w -D INPUT "$N" || exit 1; done',
     ]
     if install:
         for position, spec in enumerate(specs, start=1):

@@ -18,7 +18,6 @@ four guarantees:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Generic, TypeVar
 
 from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import NotStartedError, RpcfleetError
-from orchestrator.core.log import get_logger
+from orchestrator.core.log import Logger, get_logger
 from orchestrator.engine.executor import HostContext, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
@@ -51,18 +50,25 @@ class OperationOptions:
 DEFAULT_OPTIONS = OperationOptions()
 
 
-async def run_to_completion(work: Awaitable[T]) -> T:
+async def run_to_completion(work: Awaitable[T], log: Logger | None = None) -> T:
     """Await `work`; if the caller is cancelled meanwhile, let `work` finish first, then re-raise.
 
     A host step changes a node in several commands (switch the version, start it): cutting it between two
-    of them would leave the node neither old nor new.
+    of them would leave the node neither old nor new. When the step fails meanwhile (a start that failed
+    after the version switch), its error is raised in place of the cancellation: the executor records
+    the host as failed with that error, so the recap shows what state the node was left in.
     """
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        with contextlib.suppress(BaseException):
+        try:
             await task
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            (log or get_logger()).warning("host_step_failed_after_cancel", error=str(exc))
+            raise
         raise
 
 
@@ -187,7 +193,7 @@ class NodeOperation(Generic[T]):
         try:
             if ctx.session.interrupted is not None:
                 raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
-            return await run_to_completion(self.body(ctx, conn))
+            return await run_to_completion(self.body(ctx, conn), ctx.log)
         finally:
             await lock.release()
 

@@ -253,8 +253,16 @@ async def remove_unit(
             await refuse_if_busy(conn, host, "stop", busy_grace=busy_grace)
         return f"would stop and remove {unit.name}"
     await ensure_state(conn, host, "stopped", force=force, busy_grace=busy_grace, state=state)
-    out = (await conn.run(remove_unit_script(unit.name, user=unit.user), timeout=60)).stdout
-    return f"removed {unit.name}" + (", and user rpcfleet" if "@userdel" in out else "")
+    result = await conn.run(remove_unit_script(unit.name, user=unit.user), timeout=60)
+    if not result.ok:  # the unit file stays: the unit may still be enabled or running
+        raise ServiceError(
+            f"could not remove {unit.name}: {result.stdout.strip().removeprefix('@error ') or 'failed'}",
+            host=host.name,
+            exit_status=result.exit_status,
+            stderr=result.stderr,
+            hint="the unit file was kept; see systemctl's message, fix it and remove the unit again",
+        )
+    return f"removed {unit.name}" + (", and user rpcfleet" if "@userdel" in result.stdout else "")
 
 
 def make_remove_unit_step(options: OperationOptions = DEFAULT_OPTIONS) -> Step[str]:

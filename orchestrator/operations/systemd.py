@@ -13,6 +13,7 @@ is a HELLO (process.wait_ready), never `systemctl is-active`.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -29,8 +30,13 @@ from orchestrator.facts.systemd import (
     UnitState,
 )
 from orchestrator.inventory.model import Host
+from orchestrator.inventory.variables import DEFAULT_INSTALL_DIR
 
 UNIT_PREFIX = "rpcfleet-"
+
+
+# The comment (GECOS) of the user rpcfleet creates: the teardown removes only an account that has it.
+SERVICE_USER_MARK = "rpcfleet rpc-server"
 
 
 RESTART_SEC = 1  # kill -9 -> serving again within about a second (+ the server's start)
@@ -45,12 +51,35 @@ START_LIMIT_INTERVAL = 60
 Supervision = Literal["systemd", "process"]
 
 
+_PLAIN_PART = re.compile(r"[A-Za-z0-9_]+")
+
+
 def unit_name(install_dir: str) -> str:
     """`rpcfleet-<install dir as words>.service`, from the inventory's install_dir (`~` is `home`):
-    `~/rpcfleet` -> `rpcfleet-home-rpcfleet.service`, `/opt/rpc` -> `rpcfleet-opt-rpc.service`."""
-    parts = [p for p in install_dir.replace("~", "home", 1).split("/") if p not in ("", ".")]
+    `~/rpcfleet` -> `rpcfleet-home-rpcfleet.service`, `/opt/rpc` -> `rpcfleet-opt-rpc.service`.
+
+    Injective: two install dirs never share a unit. The words alone name a plain path (`~` or an absolute
+    path outside /home, every part letters, digits and `_`) and the default install dir (its name from
+    before); any other path gets `--` and a hash of the path: `/opt/a-b` -> `rpcfleet-opt-a_b--<hash>`
+    apart from `/opt/a_b`, `/home/rpcfleet` apart from `~/rpcfleet`. The path is normalised first
+    (`//`, `.`, a trailing `/`), so one directory written two ways is one unit."""
+    home = install_dir == "~" or install_dir.startswith("~/")
+    parts = [p for p in (install_dir[1:] if home else install_dir).split("/") if p not in ("", ".")]
     words = [re.sub(r"[^A-Za-z0-9_.]", "_", p).lstrip(".") or "_" for p in parts]
-    return f"{UNIT_PREFIX}{'-'.join(words) or 'root'}.service"
+    readable = "-".join(["home", *words] if home else words) or "root"
+    normalised = ("~/" if home else "/" if install_dir.startswith("/") else "") + "/".join(parts)
+    plain = bool(
+        (home or (install_dir.startswith("/") and parts and parts[0] != "home"))
+        and all(_PLAIN_PART.fullmatch(p) for p in parts)
+        and readable != _DEFAULT_READABLE  # the default's words belong to the default
+    )
+    if plain or normalised == DEFAULT_INSTALL_DIR:
+        return f"{UNIT_PREFIX}{readable}.service"
+    digest = hashlib.sha256(normalised.encode()).hexdigest()[:10]
+    return f"{UNIT_PREFIX}{readable}--{digest}.service"
+
+
+_DEFAULT_READABLE = "home-local-lib-rpcfleet"  # unit_name(DEFAULT_INSTALL_DIR) without the prefix
 
 
 def choose_supervisor(wanted: str, info: SystemdInfo | None, *, host: str) -> Supervision:
@@ -180,7 +209,7 @@ def install_unit_script(name: str, install_dir: str, text: str, *, user: bool) -
         else [
             f"if ! id -u {SERVICE_USER} >/dev/null 2>&1; then",
             f"  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "
-            f"--comment 'rpcfleet rpc-server' {SERVICE_USER} || exit 1",
+            f"--comment {shlex.quote(SERVICE_USER_MARK)} {SERVICE_USER} || exit 1",
             "  echo @created",
             "fi",
         ]
@@ -207,8 +236,10 @@ def install_unit_script(name: str, install_dir: str, text: str, *, user: bool) -
 
 
 def remove_unit_script(name: str, *, user: bool) -> str:
-    """Stop, disable and delete the unit; the dedicated user goes with the last rpcfleet unit.
-    Prints `@removed` when there was a unit, `@userdel` when the user went too."""
+    """Stop, disable and delete the unit; the dedicated user goes with the last rpcfleet unit, if rpcfleet
+    created it (its comment is `SERVICE_USER_MARK`: an account of that name made by someone else stays).
+    Prints `@removed` when there was a unit, `@userdel` when the user went too; a failed stop or disable
+    prints `@error ...`, exits 1 and leaves the unit file (the unit may still run)."""
     q = shlex.quote
     ctl = systemctl(user)
     userdel = (
@@ -216,7 +247,7 @@ def remove_unit_script(name: str, *, user: bool) -> str:
         if user
         else [
             f"if ! ls /etc/systemd/system/{UNIT_PREFIX}*.service >/dev/null 2>&1 "
-            f"&& id -u {SERVICE_USER} >/dev/null 2>&1; then",
+            f'&& [ "$(getent passwd {SERVICE_USER} | cut -d: -f5)" = {q(SERVICE_USER_MARK)} ]; then',
             f"  userdel {SERVICE_USER} && echo @userdel",
             "fi",
         ]
@@ -226,7 +257,8 @@ def remove_unit_script(name: str, *, user: bool) -> str:
             USER_ENV if user else ":",
             f"f={USER_UNITS if user else SYSTEM_UNITS}/{q(name)}",
             'if [ -f "$f" ]; then',
-            f"  {ctl} disable --now --quiet {q(name)} 2>/dev/null",
+            f"  {ctl} disable --now --quiet {q(name)} || "
+            "{ echo '@error systemctl disable --now failed'; exit 1; }",
             '  rm -f "$f"',
             f"  {ctl} daemon-reload; {ctl} reset-failed {q(name)} 2>/dev/null",
             "  echo @removed",

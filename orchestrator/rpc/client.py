@@ -41,7 +41,6 @@ from orchestrator.rpc.protocol import (
     AggregateMemory,
     DeviceMemory,
     Endpoint,
-    EndpointError,
     Outcome,
     ProbeResult,
     ProtocolVersion,
@@ -354,6 +353,19 @@ def aggregate(results: Sequence[ProbeResult]) -> AggregateMemory | None:
     )
 
 
+def endpoint_list(value: object) -> list[str] | None:
+    """`value` as a list of endpoint strings (a bare string is read as "h1:p,h2:p"), or None when it is
+    not one: None, bytes, a non-iterable, or an item that is not a string. Iterating may raise."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if value is None or isinstance(value, bytes | bytearray) or not isinstance(value, Iterable):
+        return None
+    items = list(value)
+    if not all(isinstance(item, str) for item in items):
+        return None
+    return items
+
+
 async def query_memory(
     endpoints: Iterable[str],
     *,
@@ -364,16 +376,21 @@ async def query_memory(
 ) -> AggregateMemory | None:
     """Free/total memory summed over distinct servers, or None if any endpoint fails or is malformed.
 
-    Never raises (llamaj.cpp's `RpcMemoryQuery.queryAll`). No endpoints: zeros and a server count of 0.
+    Never raises, whatever it is given (llamaj.cpp's `RpcMemoryQuery.queryAll` returns null on any
+    failure): None, [None], a bare string read as "h1:p,h2:p", an iterable that raises. No endpoints:
+    zeros and a server count of 0.
     """
     try:
+        items = endpoint_list(endpoints)
+        if items is None:
+            return None
         results = await probe_endpoints(
-            endpoints,
+            items,
             expected=expected,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             deadline=deadline,
         )
-    except EndpointError:
+    except Exception:  # the promise: None on any failure (a bad endpoint, an iterable that raises, ...)
         return None
     return aggregate(results)
