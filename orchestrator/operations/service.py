@@ -48,6 +48,7 @@ from orchestrator.operations.server import (
     read_node_state,
     server_status,
 )
+from orchestrator.operations.stale import release_stale
 from orchestrator.operations.systemd import journal_command, plan_unit, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
@@ -153,6 +154,9 @@ async def ensure_state(
         if warning:
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
+    if not check:
+        state, closed = await without_stale_clients(conn, host, state)
+        warnings += closed
     status = classify(host, state, await probe_server(host, state))
     change = plan_service(status, want, current=state.install.current, drift=launch_drift(host, state))
     change = dataclasses.replace(change, warnings=tuple(warnings), check=check)
@@ -177,6 +181,20 @@ async def ensure_state(
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
+
+
+async def without_stale_clients(
+    conn: Connection, host: Host, state: NodeState
+) -> tuple[NodeState, tuple[str, ...]]:
+    """Close the server's connections whose client is proven gone (`operations.stale`; only those, so
+    the server is idle again) and read the state anew; returns it and what was closed, said."""
+    if not (state.service.clients and state.service.ours):
+        return state, ()
+    closed = await release_stale(conn, host)
+    if not closed.closed:
+        return state, ()
+    said = f"closed the stale connection of {', '.join(closed.closed)} (its client is gone)"
+    return await read_node_state(conn, host), (said,)
 
 
 def _unit_plan(host: Host, state: NodeState) -> str:
@@ -309,6 +327,8 @@ async def deploy(
     """
     warning = bind_policy(host)  # refuse a bad bind before changing anything
     state = await read_node_state(conn, host)
+    if not check:  # a dead client's connection is no reason to refuse the deploy
+        state, _ = await without_stale_clients(conn, host, state)
     if state.service.clients and state.service.ours and not force:
         # Refuse before switching versions: a switch that cannot be followed by a restart is half a deploy.
         source = await choose(host, state.install)
