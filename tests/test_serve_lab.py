@@ -418,6 +418,25 @@ def test_a_client_gone_behind_a_dropped_port_is_stale_and_the_node_serves_again(
     assert health["plan"]["endpoints"] == [h.endpoint for h in fleet], health
 
 
+def test_a_new_load_uses_a_node_whose_client_is_gone(
+    serve_lab: Lab, fleet: list[Host], serve: Any, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served: Served = serve("--link-timeout", "4", "--timeout", "2")
+    victim = fleet[2]
+    dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
+    served.process.send_signal(signal.SIGINT)  # the other two servers are free for the load
+    served.process.wait(30)
+    status = _status(serve_lab, victim, capsys)
+    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
+    started = time.monotonic()
+    argv = ["-i", str(serve_lab.inventory), "run", "-m", str(tiny_model), "-p", "hi", "-n", "4"]
+    assert main([*argv, "--ctx", "512", "--timeout", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] and victim.endpoint in {d["endpoint"] for d in out["placement"]["devices"]}, out
+    assert time.monotonic() - started < 60
+    assert dead not in _peers(serve_lab, victim)
+
+
 def test_a_live_client_is_never_taken_for_a_stale_one(
     serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -426,15 +445,19 @@ def test_a_live_client_is_never_taken_for_a_stale_one(
     held = {h.name: _peers(serve_lab, h) for h in fleet}
     pids = {h.name: _server_pid(serve_lab, h) for h in fleet}
     assert all(len(peers) == 1 for peers in held.values()), held
-    for round_ in range(20):
-        host = fleet[round_ % len(fleet)]
-        status = _status(serve_lab, host, capsys)
-        assert status["state"] == "busy" and "serving" in status["message"], (round_, status)
-        code = main(["-i", str(serve_lab.inventory), "restart", "-l", host.name])
-        out = capsys.readouterr()
-        assert code != 0 and "refusing to restart a busy server" in out.out + out.err, (round_, out)
-        assert "stale" not in out.out + out.err
-        assert _peers(serve_lab, host) == held[host.name], round_  # the same connection, untouched
+    inventory = str(serve_lab.inventory)
+    for round_ in range(20):  # every round: status, then restart, of the three nodes at once
+        capsys.readouterr()
+        assert main(["-i", inventory, "status", "--json"]) == 0
+        states = [r["result"] for r in json.loads(capsys.readouterr().out)]
+        assert all(s["state"] == "busy" and "serving" in s["message"] for s in states), (round_, states)
+        code = main(["-i", inventory, "restart", "--json"])
+        results = json.loads(capsys.readouterr().out)
+        assert code != 0, (round_, results)
+        for r in results:
+            assert r["status"] == "failed" and "refusing to restart a busy server" in r["error"], (round_, r)
+            assert "stale" not in json.dumps(r)
+        assert {h.name: _peers(serve_lab, h) for h in fleet} == held, round_  # the same connections
     assert {h.name: _server_pid(serve_lab, h) for h in fleet} == pids
     health = served.health()
     assert health["status"] == "ready" and health["worker_pid"] == worker and not health["last_recovery"]

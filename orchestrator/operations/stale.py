@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from orchestrator.connectors.base import Connection
-from orchestrator.engine.executor import HostContext, StepOutcome
+from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
 from orchestrator.facts.base import NOT_FOUND, Fact
 from orchestrator.inventory.model import Host
 
@@ -360,3 +360,11 @@ async def release_stale_step(ctx: HostContext) -> StepOutcome[Closed]:
     if closed.left:
         summary += f"; still held: {', '.join(closed.left)} ({'; '.join(closed.problems)})"
     return StepOutcome(closed, bool(closed.closed), summary)
+
+
+async def release_stale_on(hosts: Sequence[Host], *, forks: int | None = None) -> list[str]:
+    """`release_stale` on every host (an unreachable one is skipped: nothing is proven there); returns
+    `host peer` for each connection closed."""
+    async with Session(forks=forks or DEFAULT_FORKS) as session:
+        run = await session.run(hosts, release_stale_step, name="release_stale")
+    return [f"{r.host.name} {peer}" for r in run.results if r.value is not None for peer in r.value.closed]

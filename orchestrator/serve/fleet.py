@@ -19,7 +19,7 @@ from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.inventory.model import Host
 from orchestrator.llama.cache_prep import CachePrep, prepare_caches
 from orchestrator.llama.native import local_gpus
-from orchestrator.operations.stale import release_stale_step
+from orchestrator.operations.stale import release_stale_on
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanOptions
@@ -118,18 +118,10 @@ class ServeFleet:
     def release_stale(self, hosts: Sequence[Host]) -> list[str]:
         """Close the connections of `hosts`' servers whose client is proven gone (a worker of this
         controller that died while a cut link hid its reset, `operations.stale`); returns the closed."""
-
-        async def go() -> list[str]:
-            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
-                run = await session.run(hosts, release_stale_step, name="release_stale")
-            closed = [
-                f"{r.host.name} {p}" for r in run.results if r.value is not None for p in r.value.closed
-            ]
-            if closed:
-                get_logger().info("serve_stale_closed", closed=closed)
-            return closed
-
-        return asyncio.run(go())
+        closed = asyncio.run(release_stale_on(hosts, forks=self.forks))
+        if closed:
+            get_logger().info("serve_stale_closed", closed=closed)
+        return closed
 
     def prepare_cache(self, plan: Plan) -> CachePrep | None:
         """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the
