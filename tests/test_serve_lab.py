@@ -9,12 +9,13 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -435,6 +436,44 @@ def test_a_new_load_uses_a_node_whose_client_is_gone(
     assert out["text"] and victim.endpoint in {d["endpoint"] for d in out["placement"]["devices"]}, out
     assert time.monotonic() - started < 60
     assert dead not in _peers(serve_lab, victim)
+
+
+def test_a_stale_connection_that_cannot_be_closed_does_not_make_a_restart_refuse(
+    serve_lab: Lab,
+    fleet: list[Host],
+    hold_server: Callable[[str], socket.socket],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The node never answers the reset's SYN (its challenge ACK to the dead port is dropped) and the
+    lab's SSH user may not `ss -K`: the connection stays, proven stale, and `restart` (no --force)
+    restarts the server without counting it as a client."""
+    victim = fleet[0]
+    namespace = serve_lab.node(victim.name).namespace
+    assert namespace is not None
+    held = hold_server(victim.endpoint)  # a client, which then dies behind a dropped port
+    address, port = held.getsockname()[:2]
+    _rpc_drop(serve_lab, victim, "-A")
+    gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
+    subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)
+    _rpc_drop(serve_lab, victim, "-D")
+    peer = f"{address}:{port}"
+    assert _peers(serve_lab, victim) == [peer]
+    assert _status(serve_lab, victim, capsys)["state"] == "stale"
+    block = ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"]
+    iptables = ["ip", "netns", "exec", namespace, "iptables", "-w"]
+    subprocess.run([*iptables, "-A", *block], check=True)
+    try:
+        server_pid = _server_pid(serve_lab, victim)
+        capsys.readouterr()
+        code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
+        restarted = json.loads(capsys.readouterr().out)[0]
+    finally:
+        subprocess.run([*iptables, "-D", *block], check=True)
+    assert code == 0 and restarted["status"] == "changed", restarted
+    said = " ".join(restarted["result"]["warnings"])
+    assert f"could not close the stale connection of {peer}" in said and "ss -K" in said, restarted
+    assert _server_pid(serve_lab, victim) != server_pid and _peers(serve_lab, victim) == []
+    assert _status(serve_lab, victim, capsys)["state"] == "running"
 
 
 def test_a_live_client_is_never_taken_for_a_stale_one(

@@ -151,8 +151,9 @@ def make_rolling_restart_step(
         warning = bind_policy(host)  # a bad bind is refused before anything is stopped
         state = await read_node_state(conn, host)
         closed: tuple[str, ...] = ()
+        stale: tuple[str, ...] = ()
         if not options.check:  # a connection whose client is proven gone is closed, not refused
-            state, closed = await without_stale_clients(conn, host, state)
+            state, closed, stale = await without_stale_clients(conn, host, state)
         status = classify(host, state, await probe_server(host, state))
         running = _has_process(status)
         warnings = ((warning,) if warning else ()) + closed
@@ -174,6 +175,7 @@ def make_rolling_restart_step(
             force=options.force,
             busy_grace=options.busy_grace,
             action="restart",
+            stale=stale,
         )
         stopped = time.monotonic()
         pid = await start_server(conn, host, state)
