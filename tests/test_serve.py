@@ -186,3 +186,5 @@ def test_an_empty_key_in_the_environment_is_refused(tiny_model: Path, tmp_path: 
     )
     assert done.returncode == 2 and "RPCFLEET_API_KEY is set but empty" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+    done = _serve("-m", str(tiny_model), "--api-key", " ", home=tmp_path)
+    assert done.returncode == 2 and "--api-key is empty" in done.stderr, done.stderr

@@ -39,7 +39,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -50,7 +50,7 @@ from orchestrator.inventory.model import Host
 
 _CONNTRACK = Path("/proc/net/nf_conntrack")
 _CONNTRACK_MODULE = Path("/sys/module/nf_conntrack")
-_RESET_WAIT = 0.5  # seconds for the challenge ACK and our reset to cross (closed before the SYN retries)
+_RESET_WAIT = 0.5  # seconds for the SYN, the challenge ACK and our reset to cross
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,7 @@ class LocalView:
     addresses: frozenset[str]  # every address of this network namespace, loopback excluded
     sockets: frozenset[tuple[str, int]] | None  # (address, port) of every TCP socket here (None: unreadable)
     translated: frozenset[tuple[str, int]] | None  # (address, port) replies of NAT entries (None: unknown)
-    why_unknown: str = ""  # why `ports` or `translated` could not be read
-    notes: tuple[str, ...] = field(default=())
+    why_unknown: str = ""  # why `sockets` or `translated` could not be read
 
     def proof(self, connection: ServerConnection) -> str | None:
         """None when the client of `connection` is proven gone, else why it is not (the proof's rule)."""
@@ -287,7 +286,9 @@ def _reset_from_here(connection: ServerConnection, target: tuple[str, int]) -> s
     except OSError as exc:
         return f"{address}:{port}: {exc.strerror}"
     finally:
-        sock.close()  # SYN_SENT: nothing is sent; connected (the SYN retried): reset, as probes do
+        # The kernel retries the SYN at once after its reset, so the server (free again) may have
+        # accepted us: SO_LINGER 0 resets that connection too, as abandoned probes are.
+        sock.close()
 
 
 def _still_there_script(port: int, connections: Sequence[ServerConnection], kill: bool) -> str:
