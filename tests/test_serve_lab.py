@@ -9,12 +9,13 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
 from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.layer import OperationOptions
-from orchestrator.operations.service import make_deploy_step, make_service_step, make_status_step
+from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.stale import ServerConnection, read_local_view
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.plugins.servers import free_port
 
@@ -41,20 +42,14 @@ LONG = 3000  # tokens: a stream that lasts (greedy on the tiny model: text all a
 
 
 def deploy(lab: Lab, artifact: Artifact) -> list[Host]:
+    """Deploy (a server still holding the dead connection of an earlier test's serve is no concern:
+    that client is proven gone, and the deploy or serve's own probe closes its connection)."""
     hosts = lab_hosts_of(lab)
 
     async def go() -> None:
         async with Session() as session:
             run = await session.run(hosts, make_deploy_step(ArtifactChooser(artifact.id)), name="deploy")
             assert run.ok, [str(r.error) for r in run.failed]
-            # A server whose client's link was cut still holds that dead connection (the server sets no
-            # keepalive) and serves nobody else: restart it, as an operator would, before the next test.
-            status = await session.run(hosts, make_status_step(), name="status")
-            stuck = [r.host for r in status.results if getattr(r.value, "state", None) == "busy"]
-            if stuck:
-                step = make_service_step("restarted", OperationOptions(force=True))
-                run = await session.run(stuck, step, name="restart")
-                assert run.ok, [str(r.error) for r in run.failed]
 
     asyncio.run(go())
     return hosts
@@ -92,7 +87,7 @@ class Served:
         return _http(urllib.request.Request(self.base + path, data=body, headers=headers, method="POST"))
 
     def health(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.get("/health", None)[1])
+        data: dict[str, Any] = json.loads(self.get("/health")[1])
         return data
 
     def wait(self, states: set[str], limit: float) -> tuple[dict[str, Any], list[str], float]:
@@ -125,9 +120,9 @@ def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -
         port = free_port()
         log = tmp_path / f"serve-{port}.log"
         argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(serve_lab.inventory)]
-        argv += ["-m", str(tiny_model), "--ctx", "4096", "--port", str(port), "--api-key", KEY]
+        argv += ["-m", str(tiny_model), "--ctx", "4096", "--port", str(port)]
         argv += ["--model-name", "tiny", *extra]
-        env = {**os.environ, "RPCFLEET_HOME": str(tmp_path)}
+        env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "RPCFLEET_API_KEY": KEY}
         with log.open("wb") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         served = Served(process, f"http://127.0.0.1:{port}", log)
@@ -332,3 +327,177 @@ def test_a_reload_with_a_rolling_restart_lets_the_streaming_request_finish_first
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert {h.name: _server_pid(serve_lab, h) for h in fleet} == servers_after
+
+
+def _rpc_drop(lab: Lab, host: Host, action: str) -> None:
+    """The user's rule: the node drops the TCP packets to its RPC port (`-A`), or no longer (`-D`)."""
+    namespace = lab.node(host.name).namespace
+    assert namespace is not None
+    rule = ["INPUT", "-p", "tcp", "--dport", str(host.rpc_port), "-j", "DROP"]
+    subprocess.run(["ip", "netns", "exec", namespace, "iptables", "-w", action, *rule], check=True)
+
+
+def _status(lab: Lab, host: Host, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(["-i", str(lab.inventory), "status", "--json", "-l", host.name]) == 0
+    result: dict[str, Any] = json.loads(capsys.readouterr().out)[0]["result"]
+    return result
+
+
+def _peers(lab: Lab, host: Host) -> list[str]:
+    """The peers of the connections the node's server holds, read on the node itself."""
+    lines = lab.node_exec(host.name, ["ss", "-Htn", "state", "established", f"sport = :{host.rpc_port}"])
+    return sorted(line.split()[3] for line in lines.stdout.splitlines() if line.strip())
+
+
+def _why_not_stale(host: Host, peer: str) -> str | None:
+    """What this controller's view says of `peer` (None: gone), for a failure's message."""
+    return read_local_view().proof(ServerConnection(f"{host.address}:{host.rpc_port}", peer))
+
+
+def _lose_the_client_behind_a_drop(lab: Lab, served: Served, victim: Host) -> str:
+    """The user's steps: DROP the victim's RPC port (serve idle, its worker holding every server), a
+    stream gets its error event once the link timeout kills the worker, serve goes on without the victim,
+    the rule is deleted. Returns the dead client that the victim's server still holds."""
+    held = _peers(lab, victim)
+    assert len(held) == 1, held  # serve's worker, the only client
+    _rpc_drop(lab, victim, "-A")
+    with pytest.raises(openai.APIError) as caught:
+        for _ in _stream(served):
+            pass
+    assert victim.endpoint in str(caught.value), str(caught.value)
+    health, _, _ = served.wait({"degraded"}, 60)
+    assert victim.endpoint not in health["plan"]["endpoints"], health
+    # The killed worker's socket may linger as an orphan retrying its FIN (dropped) for a minute or two
+    # (tcp_orphan_retries): end it as that timeout would, before the rule goes, so the client is gone.
+    port = held[0].rsplit(":", 1)[1]
+    gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
+    subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)
+    _rpc_drop(lab, victim, "-D")
+    assert _peers(lab, victim) == held  # the server holds the dead client's connection
+    return held[0]
+
+
+def test_a_client_gone_behind_a_dropped_port_is_stale_and_the_node_serves_again(
+    serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served: Served = serve("--link-timeout", "4", "--timeout", "2")
+    victim = fleet[1]
+    server_pid = _server_pid(serve_lab, victim)
+
+    # 1. Stale, then serve's next recovery (a reload) closes that connection and plans on 3 nodes again.
+    dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
+    status = _status(serve_lab, victim, capsys)
+    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
+    assert f"stale client {dead}" in status["message"], status
+    assert _status(serve_lab, victim, capsys)["state"] == "stale"  # status only reads: still held
+    started = time.monotonic()
+    assert served.post("/admin/reload", b"{}")[0] == 202
+    health, _, took = served.wait({"ready"}, 60)
+    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet], health
+    assert time.monotonic() - started < 30, took
+    assert _server_pid(serve_lab, victim) == server_pid  # the connection was closed, not the server
+    assert dead not in _peers(serve_lab, victim)
+    assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
+
+    # 2. Stale again; `restart` without --force closes it and restarts, within a bounded time.
+    dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
+    status = _status(serve_lab, victim, capsys)
+    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
+    started = time.monotonic()
+    capsys.readouterr()
+    code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
+    restarted = json.loads(capsys.readouterr().out)[0]
+    assert code == 0 and restarted["status"] == "changed", restarted
+    assert f"closed the stale connection of {dead}" in restarted["result"]["warnings"][0], restarted
+    assert time.monotonic() - started < 20
+    assert _status(serve_lab, victim, capsys)["state"] == "running"
+    assert _server_pid(serve_lab, victim) != server_pid and dead not in _peers(serve_lab, victim)
+    # a new load (serve's reload) uses the node
+    assert served.post("/admin/reload", b"{}")[0] == 202
+    health, _, _ = served.wait({"ready"}, 60)
+    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet], health
+
+
+def test_a_new_load_uses_a_node_whose_client_is_gone(
+    serve_lab: Lab, fleet: list[Host], serve: Any, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served: Served = serve("--link-timeout", "4", "--timeout", "2")
+    victim = fleet[2]
+    dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
+    served.process.send_signal(signal.SIGINT)  # the other two servers are free for the load
+    served.process.wait(30)
+    status = _status(serve_lab, victim, capsys)
+    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
+    started = time.monotonic()
+    argv = ["-i", str(serve_lab.inventory), "run", "-m", str(tiny_model), "-p", "hi", "-n", "4"]
+    assert main([*argv, "--ctx", "512", "--timeout", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] and victim.endpoint in {d["endpoint"] for d in out["placement"]["devices"]}, out
+    assert time.monotonic() - started < 60
+    assert dead not in _peers(serve_lab, victim)
+
+
+def test_a_stale_connection_that_cannot_be_closed_does_not_make_a_restart_refuse(
+    serve_lab: Lab,
+    fleet: list[Host],
+    hold_server: Callable[[str], socket.socket],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The node never answers the reset's SYN (its challenge ACK to the dead port is dropped) and the
+    lab's SSH user may not `ss -K`: the connection stays, proven stale, and `restart` (no --force)
+    restarts the server without counting it as a client."""
+    victim = fleet[0]
+    namespace = serve_lab.node(victim.name).namespace
+    assert namespace is not None
+    held = hold_server(victim.endpoint)  # a client, which then dies behind a dropped port
+    address, port = held.getsockname()[:2]
+    _rpc_drop(serve_lab, victim, "-A")
+    gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
+    subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)
+    _rpc_drop(serve_lab, victim, "-D")
+    peer = f"{address}:{port}"
+    assert _peers(serve_lab, victim) == [peer]
+    assert _status(serve_lab, victim, capsys)["state"] == "stale"
+    block = ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"]
+    iptables = ["ip", "netns", "exec", namespace, "iptables", "-w"]
+    subprocess.run([*iptables, "-A", *block], check=True)
+    try:
+        server_pid = _server_pid(serve_lab, victim)
+        capsys.readouterr()
+        code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
+        restarted = json.loads(capsys.readouterr().out)[0]
+    finally:
+        subprocess.run([*iptables, "-D", *block], check=True)
+    assert code == 0 and restarted["status"] == "changed", restarted
+    said = " ".join(restarted["result"]["warnings"])
+    assert f"could not close the stale connection of {peer}" in said and "ss -K" in said, restarted
+    assert _server_pid(serve_lab, victim) != server_pid and _peers(serve_lab, victim) == []
+    assert _status(serve_lab, victim, capsys)["state"] == "running"
+
+
+def test_a_live_client_is_never_taken_for_a_stale_one(
+    serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served: Served = serve()
+    worker = served.health()["worker_pid"]
+    held = {h.name: _peers(serve_lab, h) for h in fleet}
+    pids = {h.name: _server_pid(serve_lab, h) for h in fleet}
+    assert all(len(peers) == 1 for peers in held.values()), held
+    inventory = str(serve_lab.inventory)
+    for round_ in range(20):  # every round: status, then restart, of the three nodes at once
+        capsys.readouterr()
+        assert main(["-i", inventory, "status", "--json"]) == 0
+        states = [r["result"] for r in json.loads(capsys.readouterr().out)]
+        assert all(s["state"] == "busy" and "serving" in s["message"] for s in states), (round_, states)
+        code = main(["-i", inventory, "restart", "--json"])
+        results = json.loads(capsys.readouterr().out)
+        assert code != 0, (round_, results)
+        for r in results:
+            assert r["status"] == "failed" and "refusing to restart a busy server" in r["error"], (round_, r)
+            assert "stale" not in json.dumps(r)
+        assert {h.name: _peers(serve_lab, h) for h in fleet} == held, round_  # the same connections
+    assert {h.name: _server_pid(serve_lab, h) for h in fleet} == pids
+    health = served.health()
+    assert health["status"] == "ready" and health["worker_pid"] == worker and not health["last_recovery"]
+    assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text

@@ -383,21 +383,24 @@ def test_serve_generates_through_the_forwards(
 
     from tests.plugins.servers import free_port
 
-    # Earlier tests of this module stop a server (the firewall one) or leave one holding a cut forward's
-    # dead connection: every server fresh, through the forwards, before serve plans on them.
-    assert main(["-i", str(ssh_inventory), "restart", "--force"]) == 0
+    # An earlier test of this module may leave a server stopped: every server started, before serve plans.
+    assert main(["-i", str(ssh_inventory), "start"]) == 0
     port = free_port()
     log = tmp_path / "serve.log"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(ssh_inventory), "-m", str(tiny_model)]
-    argv += ["--ctx", "512", "--port", str(port), "--api-key", "k", "--model-name", "tiny"]
+    argv += ["--ctx", "512", "--port", str(port), "--model-name", "tiny"]
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        env = {**os.environ, "RPCFLEET_API_KEY": "k"}
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline, health = time.monotonic() + 90, {}
         while time.monotonic() < deadline:
             assert process.poll() is None, log.read_text()[-3000:]
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer k"}
+                )
+                with urllib.request.urlopen(request, timeout=5) as answer:
                     health = json.loads(answer.read())
             except OSError:
                 health = {}

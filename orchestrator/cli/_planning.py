@@ -110,8 +110,10 @@ def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, 
     return default_tunnels().mapping(h for h in hosts if h.endpoint in endpoints)
 
 
-def probe(args: argparse.Namespace, hosts: list[Host] | None = None) -> FleetProbe:
-    """Probe the selected hosts (or `hosts`) with the planning flags (timeout, facts, forks, trust)."""
+def probe(args: argparse.Namespace, hosts: list[Host] | None = None, *, release: bool = False) -> FleetProbe:
+    """Probe the selected hosts (or `hosts`) with the planning flags (timeout, facts, forks, trust);
+    `release`: a busy server whose client is proven gone is let go (`operations.stale`), then probed
+    again (for a load, not for the read-only commands)."""
     from orchestrator.probe.fleet import probe_fleet
 
     if hosts is None:
@@ -119,23 +121,37 @@ def probe(args: argparse.Namespace, hosts: list[Host] | None = None) -> FleetPro
         args.selected_hosts = hosts
     if not hosts:
         raise UsageError("no hosts selected")
-    return _common.run_async(
-        probe_fleet(
-            hosts,
-            timeout=_common.probe_timeout(args),
-            facts=not args.no_facts,
-            forks=args.forks,
-            trust_rpc_memory=args.trust_rpc_memory,
+    selected = hosts
+
+    def go() -> FleetProbe:
+        return _common.run_async(
+            probe_fleet(
+                selected,
+                timeout=_common.probe_timeout(args),
+                facts=not args.no_facts,
+                forks=args.forks,
+                trust_rpc_memory=args.trust_rpc_memory,
+            )
         )
-    )
+
+    fleet = go()
+    busy = [h for h in hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
+    if release and busy:
+        from orchestrator.operations.stale import release_stale_on
+
+        if _common.run_async(release_stale_on(busy, forks=args.forks)):
+            fleet = go()
+    return fleet
 
 
-def probe_devices(args: argparse.Namespace, hosts: list[Host] | None = None) -> list[PlanDevice]:
+def probe_devices(
+    args: argparse.Namespace, hosts: list[Host] | None = None, *, release: bool = False
+) -> list[PlanDevice]:
     """Probe the selected hosts and order their devices for the planner: every RPC device of each
-    endpoint in inventory order, then the selected local GPUs of this machine."""
+    endpoint in inventory order, then the selected local GPUs of this machine (`release`: see `probe`)."""
     from orchestrator.llama.native import local_gpus
     from orchestrator.planning.devices import to_plan_devices
     from orchestrator.planning.placement import order_devices
 
-    fleet = probe(args, hosts)
+    fleet = probe(args, hosts, release=release)
     return list(order_devices(to_plan_devices(fleet), local_gpus(), local_device_selection(args)))

@@ -255,6 +255,7 @@ def handle_rollback(args: argparse.Namespace) -> int:
 _STATE_STYLE = {
     "running": "green",
     "busy": "cyan",
+    "stale": "yellow",
     "stopped": "yellow",
     "crashed": "red",
     "unhealthy": "red",

@@ -132,7 +132,8 @@ def make_run_plan(
         hosts = endpoint_hosts(args.endpoint)
         # Facts are read on this machine for loopback servers; others are probed over RPC only.
         args.no_facts = args.no_facts or any(not is_loopback(h.address) for h in hosts)
-    devices = _planning.probe_devices(args, hosts)
+    # A load lets go of an inventory server held by a client proven gone (never an --endpoint's).
+    devices = _planning.probe_devices(args, hosts, release=hosts is None)
     times["probe"] = time.monotonic() - started
     started = time.monotonic()
     profile = read if isinstance(read, ModelProfile) else profile_model(args.model)

@@ -4,11 +4,13 @@ Probe, plan, load the model in a worker process (`orchestrator.llama.worker`), s
 `/v1/chat/completions` (streaming), `/v1/models`, `/health` and `/metrics` (`orchestrator.serve`).
 SIGHUP or `POST /admin/reload` reloads: drain, unload, optionally a rolling restart of the fleet (the
 step of `restart --rolling`), re-plan, load. Binds loopback by default; any other address needs an API key.
+The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or `--api-key` (which `ps` shows to every user).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from orchestrator.cli._common import escape
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
+
+KEY_ENV = "RPCFLEET_API_KEY"  # the key from the environment: argv is world-readable (`ps`), this is not
 
 
 def register(subparsers: Any) -> None:
@@ -36,8 +40,18 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=_common.flag(fields.port), default=8080, help="port (default: 8080)")
     key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, help="the key clients send as `Authorization: Bearer KEY`")
-    key.add_argument("--api-key-file", type=Path, default=None, help="a file whose first line is the key")
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the key clients send as `Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file "
+        f"or {KEY_ENV})",
+    )
+    key.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"a file whose first line is the key (or set {KEY_ENV})",
+    )
     parser.add_argument(
         "--model-name", default=None, help="the model's id in the API (default: the file's stem)"
     )
@@ -79,6 +93,7 @@ def register(subparsers: Any) -> None:
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or RPCFLEET_API_KEY, in that order (None: no key)."""
     if args.api_key_file is not None:
         try:
             lines = args.api_key_file.read_text().splitlines()
@@ -90,7 +105,12 @@ def api_key_of(args: argparse.Namespace) -> str | None:
         return key
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
-    return args.api_key.strip() if args.api_key else None
+    if args.api_key:
+        return str(args.api_key).strip()
+    from_env = os.environ.get(KEY_ENV)
+    if from_env is not None and not from_env.strip():
+        raise UsageError(f"{KEY_ENV} is set but empty")
+    return from_env.strip() if from_env else None
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -102,7 +122,7 @@ def handle(args: argparse.Namespace) -> int:
     if api_key is None and not is_loopback(args.host):
         raise UsageError(
             f"--host {args.host} is not a loopback address: serving it without an API key is refused",
-            hint="add --api-key or --api-key-file, or bind 127.0.0.1",
+            hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
         )
     import uvicorn
 

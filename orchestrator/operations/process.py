@@ -141,17 +141,20 @@ class BusyServerError(ServiceError):
     """A client is connected to the server: stopping it would kill that client's model mid-inference."""
 
 
-def busy_script(port: int, busy_grace: float = BUSY_GRACE) -> str:
+def busy_script(port: int, busy_grace: float = BUSY_GRACE, stale: tuple[str, ...] = ()) -> str:
     """Shell lines that print `@busy <peers>` and exit when a client holds the server: a connection to
     `port` seen in every sample for `busy_grace` seconds (samples every 0.1 s).
 
     A model holds one connection, same peer port, for its whole life; probes come and go with new
     ports, so a stream of them (a monitor probing every 20 ms) never makes a server busy. Sampling ends
-    at once when nothing is connected, and after `3 * busy_grace` of probes only.
+    at once when nothing is connected, and after `3 * busy_grace` of probes only. `stale`: peers proven
+    gone (`operations.stale`), not counted.
     """
     port = int(port)
     steps = max(1, round(busy_grace * 10))
     peers = f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | awk '{{print $4}}'"
+    if stale:
+        peers += " | grep -v -x -F" + "".join(f" -e {shlex.quote(p)}" for p in stale)
     # `seen` holds "peer count" lines: how many consecutive samples each peer has been connected.
     count = (
         'awk -v s="$seen" \'BEGIN{n=split(s,a,"\\n"); for(k=1;k<=n;k++){split(a[k],f," "); c[f[1]]=f[2]}} '
@@ -179,6 +182,7 @@ def stop_script(
     busy_grace: float = BUSY_GRACE,
     grace: float = STOP_GRACE,
     unit: UnitControl | None = None,
+    stale: tuple[str, ...] = (),
 ) -> str:
     """Stop our server, and any orphan of this install listening on its port, in one step on the node.
 
@@ -230,7 +234,7 @@ def stop_script(
         'echo "@none"; exit 0; fi',
     ]
     if not force:
-        lines.append(busy_script(port, busy_grace))  # the check and the stop: one step on the node
+        lines.append(busy_script(port, busy_grace, stale))  # the check and the stop: one step on the node
     if unit_stop:
         lines.append(f'{unit_stop} || echo "@unit_stop_failed"')
     lines += [
@@ -286,11 +290,17 @@ async def stop_server(
     force: bool = False,
     busy_grace: float = BUSY_GRACE,
     action: str = "stop",
+    stale: tuple[str, ...] = (),
 ) -> StopResult:
     """Stop our server (and this install's orphans on its port, and its systemd unit); refuse a busy one
-    unless `force`."""
+    unless `force` (`stale`: clients proven gone, which do not make it busy)."""
     script = stop_script(
-        state.install.install_dir, host.rpc_port, force=force, busy_grace=busy_grace, unit=unit_control(state)
+        state.install.install_dir,
+        host.rpc_port,
+        force=force,
+        busy_grace=busy_grace,
+        unit=unit_control(state),
+        stale=stale,
     )
     try:
         stdout = await _sh(conn, script, STOP_GRACE + 15)

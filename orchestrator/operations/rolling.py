@@ -39,6 +39,7 @@ from orchestrator.operations.server import (
     probe_server,
     read_node_state,
 )
+from orchestrator.operations.service import without_stale_clients
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import DeviceMemory
 
@@ -149,9 +150,13 @@ def make_rolling_restart_step(
         host = ctx.host
         warning = bind_policy(host)  # a bad bind is refused before anything is stopped
         state = await read_node_state(conn, host)
+        closed: tuple[str, ...] = ()
+        stale: tuple[str, ...] = ()
+        if not options.check:  # a connection whose client is proven gone is closed, not refused
+            state, closed, stale = await without_stale_clients(conn, host, state)
         status = classify(host, state, await probe_server(host, state))
         running = _has_process(status)
-        warnings = (warning,) if warning else ()
+        warnings = ((warning,) if warning else ()) + closed
         if options.check:
             if status.pid is not None and not options.force:
                 await refuse_if_busy(conn, host, "restart", busy_grace=options.busy_grace)
@@ -170,6 +175,7 @@ def make_rolling_restart_step(
             force=options.force,
             busy_grace=options.busy_grace,
             action="restart",
+            stale=stale,
         )
         stopped = time.monotonic()
         pid = await start_server(conn, host, state)

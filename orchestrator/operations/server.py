@@ -45,11 +45,13 @@ from orchestrator.operations.install_plan import (
     install_facts,
     install_state_from_facts,
 )
+from orchestrator.operations.stale import find_stale
 from orchestrator.operations.systemd import Supervision, choose_supervisor, unit_name
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
-ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy", "orphan"]
+# stale: every client it holds is proven gone (`operations.stale`); the next restart or load closes it.
+ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy", "stale", "orphan"]
 
 
 SERVER_BINARY = "ggml-rpc-server"
@@ -287,8 +289,11 @@ def needs_probe(state: NodeState) -> bool:
     return state.service.ours and not state.service.clients
 
 
-def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerStatus:
-    """Pure: the server's state from the node's state and (when the process runs) a HELLO probe."""
+def classify(
+    host: Host, state: NodeState, probe: ProbeResult | None, stale: tuple[str, ...] = ()
+) -> ServerStatus:
+    """Pure: the server's state from the node's state and (when the process runs) a HELLO probe;
+    `stale`: the clients proven gone (`operations.stale`), when every client is one of them."""
     svc, inst = state.service, state.install
     protocol = inst.protocol
     pid = svc.pid
@@ -322,6 +327,12 @@ def classify(host: Host, state: NodeState, probe: ProbeResult | None) -> ServerS
             if svc.log_failed_bind:
                 why = "could not bind its port (see `rpcfleet logs`)"
             server, message = "crashed", "; ".join(filter(None, [why, note]))
+    elif svc.clients and set(svc.clients) <= set(stale):
+        server = "stale"
+        message = (
+            f"stale client {', '.join(svc.clients)}: its socket on this controller is gone "
+            "(`restart` or the next load closes the connection)"
+        )
     elif svc.clients:
         server, message = "busy", f"serving {', '.join(svc.clients)}"
     elif probe is None:
@@ -400,4 +411,7 @@ async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_T
 
 async def server_status(conn: Connection, host: Host) -> ServerStatus:
     state = await read_node_state(conn, host)
-    return classify(host, state, await probe_server(host, state))
+    stale: tuple[str, ...] = ()
+    if state.service.ours and state.service.clients:  # busy, unless every client is proven gone
+        stale = tuple(c.peer for c in await find_stale(conn, host))
+    return classify(host, state, await probe_server(host, state), stale)

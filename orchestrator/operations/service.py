@@ -49,6 +49,7 @@ from orchestrator.operations.server import (
     read_node_state,
     server_status,
 )
+from orchestrator.operations.stale import release_stale
 from orchestrator.operations.systemd import journal_command, plan_unit, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
@@ -154,6 +155,10 @@ async def ensure_state(
         if warning:
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
+    stale: tuple[str, ...] = ()
+    if not check:
+        state, closed, stale = await without_stale_clients(conn, host, state)
+        warnings += closed
     status = classify(host, state, await probe_server(host, state))
     change = plan_service(status, want, current=state.install.current, drift=launch_drift(host, state))
     change = dataclasses.replace(change, warnings=tuple(warnings), check=check)
@@ -170,7 +175,9 @@ async def ensure_state(
             await apply_firewall(conn, host, install_dir, install=want != "stopped")
         return change
     if change.action in ("stop", "restart"):
-        await stop_server(conn, host, state, force=force, busy_grace=busy_grace, action=change.action)
+        await stop_server(
+            conn, host, state, force=force, busy_grace=busy_grace, action=change.action, stale=stale
+        )
         if change.action == "stop":  # the rules go with the server
             await apply_firewall(conn, host, install_dir, install=False)
     if change.action in ("start", "restart"):
@@ -178,6 +185,28 @@ async def ensure_state(
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
+
+
+async def without_stale_clients(
+    conn: Connection, host: Host, state: NodeState
+) -> tuple[NodeState, tuple[str, ...], tuple[str, ...]]:
+    """Close the server's connections whose client is proven gone (`operations.stale`; only those, so
+    the server is idle again) and read the state anew. Returns it, what was done (said), and the peers
+    proven gone whose connection stayed open: a stop does not count them as clients (`stop_server`)."""
+    if not (state.service.clients and state.service.ours):
+        return state, (), ()
+    closed = await release_stale(conn, host)
+    said = []
+    if closed.closed:
+        said.append(f"closed the stale connection of {', '.join(closed.closed)} (its client is gone)")
+        state = await read_node_state(conn, host)
+    if closed.left:
+        why = "; ".join(closed.problems)
+        said.append(
+            f"could not close the stale connection of {', '.join(closed.left)} ({why}): a stop does not "
+            "count it as a client"
+        )
+    return state, tuple(said), closed.left
 
 
 def _unit_plan(host: Host, state: NodeState) -> str:
@@ -325,6 +354,8 @@ async def deploy(
     """
     warning = bind_policy(host)  # refuse a bad bind before changing anything
     state = await read_node_state(conn, host)
+    if not check:  # a dead client's connection is no reason to refuse the deploy
+        state, _, _ = await without_stale_clients(conn, host, state)
     if state.service.clients and state.service.ours and not force:
         # Refuse before switching versions: a switch that cannot be followed by a restart is half a deploy.
         source = await choose(host, state.install)

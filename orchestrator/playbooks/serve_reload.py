@@ -1,8 +1,9 @@
 """The `serve_reload` step: ask a running `rpcfleet serve` to reload, and wait until it serves again.
 
-`POST {url}/admin/reload` (with the API key when given) drains the requests in flight, unloads, restarts
-every node one at a time when `rolling_restart` (the `restart` step of `restart --rolling`, run by serve
-itself: it holds the nodes, so only it can restart them without killing a request), re-plans and loads.
+`POST {url}/admin/reload` with the API key (`api_key_file`, else `RPCFLEET_API_KEY`: serve refuses its
+admin routes without one) drains the requests in flight, unloads, restarts every node one at a time
+when `rolling_restart` (the `restart` step of `restart --rolling`, run by serve itself: it holds the
+nodes, so only it can restart them without killing a request), re-plans and loads.
 Then `/health` is polled until it reports the new reload serving again, within `timeout`.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -39,8 +41,9 @@ def _http(url: str, key: str | None, body: bytes | None = None, timeout: float =
 
 
 def read_key(path: str | None) -> str | None:
+    """The first line of `path`; without a path, RPCFLEET_API_KEY (serve's own variable), or None."""
     if not path:
-        return None
+        return os.environ.get("RPCFLEET_API_KEY", "").strip() or None
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
@@ -54,7 +57,7 @@ def serve_reload(url: str, key: str | None, *, rolling_restart: bool, timeout: f
     """Reload serve at `url`; returns its /health once it serves again (ServiceError past `timeout`)."""
     base = url.rstrip("/")
     started = time.monotonic()
-    _, before = _http(f"{base}/health", None)
+    _, before = _http(f"{base}/health", key)  # without the key, /health has no reload count
     reloads = int(before.get("reloads", 0)) if isinstance(before, dict) else 0
     code, answer = _http(
         f"{base}/admin/reload", key, json.dumps({"rolling_restart": rolling_restart}).encode()
@@ -64,7 +67,7 @@ def serve_reload(url: str, key: str | None, *, rolling_restart: bool, timeout: f
         raise ServiceError(f"serve at {url} refused the reload: HTTP {code} {message or ''}".rstrip())
     health: Any = None
     while time.monotonic() - started < timeout:
-        _, health = _http(f"{base}/health", None)
+        _, health = _http(f"{base}/health", key)
         if isinstance(health, dict):
             if health.get("status") == "failed":
                 raise ServiceError(f"serve at {url} failed to reload: {health.get('reason')}")

@@ -4,9 +4,13 @@ Requests are validated with llama-cpp-python's own server models (`llama_cpp.ser
 have the OpenAI shapes (`text_completion`, `chat.completion`, their `.chunk` streams as server-sent
 events). llama.cpp never runs in this process: `Backend` holds the worker.
 
-Errors are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 401 (API key), 400 (bad
-JSON or fields), 429 (queue full), 503 with Retry-After (loading, recovering, draining, a lost node,
-named). A stream that loses its node ends with one error event.
+Errors are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 401 (API key), 403 (an
+admin route on a server started without a key), 400 (bad JSON or fields), 429 (queue full), 503 with
+Retry-After (loading, recovering, draining, a lost node, named). A stream that loses its node ends with
+one error event.
+
+`/health` answers anyone with its state only; the model path, pids, plan and endpoints need the key (when
+one is set). `/admin/*` always needs one: a server started without a key refuses them (SIGHUP reloads).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from orchestrator.serve.backend import Backend, Failure, Job, Rejected
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_api_key",
+    403: "permission_denied",
     404: "not_found",
     429: "rate_limit_exceeded",
 }
@@ -54,13 +59,26 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
     app = FastAPI(title="rpcfleet serve", version="0.1.0", docs_url=None, redoc_url=None)
     metrics = backend.metrics
 
-    def authorize(request: Request) -> None:
+    def has_key(request: Request) -> bool:
+        """The request carries the configured key (always true when none is configured)."""
         if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+    def authorize(request: Request) -> None:
+        if not has_key(request):
             raise HTTPException(401, "invalid API key")
+
+    def authorize_admin(request: Request) -> None:
+        # Without a key anyone who reaches the port could drain and reload the fleet: refused outright.
+        if api_key is None:
+            raise HTTPException(
+                403,
+                "the admin routes need an API key: start serve with --api-key-file or RPCFLEET_API_KEY "
+                "(without one, reload with SIGHUP)",
+            )
+        authorize(request)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -77,9 +95,12 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
         return _error(400, f"invalid request: {problems}")
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         data = backend.health()
-        return JSONResponse(data, status_code=200 if data["status"] in ("ready", "degraded") else 503)
+        code = 200 if data["status"] in ("ready", "degraded") else 503
+        if not has_key(request):  # the model path, pids and endpoints are for the key's holders
+            return JSONResponse({"status": data["status"]}, status_code=code)
+        return JSONResponse(data, status_code=code)
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus() -> PlainTextResponse:
@@ -94,7 +115,7 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
             "data": [{"id": model_name, "object": "model", "owned_by": "rpcfleet", "permissions": []}],
         }
 
-    @app.post("/admin/reload", dependencies=[Depends(authorize)])
+    @app.post("/admin/reload", dependencies=[Depends(authorize_admin)])
     async def reload(request: Request) -> JSONResponse:
         body = await request.body()
         try:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from orchestrator.connectors.tunnel import default_tunnels
 from orchestrator.core.errors import PlanError, ProbeError
+from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.inventory.model import Host
 from orchestrator.llama.cache_prep import CachePrep, prepare_caches
 from orchestrator.llama.native import local_gpus
+from orchestrator.operations.stale import release_stale_on
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanOptions
@@ -88,6 +90,9 @@ class ServeFleet:
         """Probe every host; plan on those that answer `ok`. No plan when none answer or it does not fit."""
         started = time.monotonic()
         fleet = self.probe()
+        busy = [h for h in self.hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
+        if busy and self.release_stale(busy):  # a node held by a dead client of ours: usable again
+            fleet = self.probe()
         probed = time.monotonic()
         states = {n.endpoint: ("unmeasured" if n.ok and n.untrusted else n.state) for n in fleet.nodes}
         devices = to_plan_devices(fleet, failed="skip")
@@ -109,6 +114,14 @@ class ServeFleet:
                 f"the model does not fit on {len(plan.endpoints)} node(s)",
             )
         return PlanRound(plan, states, probed - started, planned)
+
+    def release_stale(self, hosts: Sequence[Host]) -> list[str]:
+        """Close the connections of `hosts`' servers whose client is proven gone (a worker of this
+        controller that died while a cut link hid its reset, `operations.stale`); returns the closed."""
+        closed = asyncio.run(release_stale_on(hosts, forks=self.forks))
+        if closed:
+            get_logger().info("serve_stale_closed", closed=closed)
+        return closed
 
     def prepare_cache(self, plan: Plan) -> CachePrep | None:
         """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the
