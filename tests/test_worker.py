@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -24,7 +23,7 @@ from orchestrator.llama.worker_wire import decode, encode, placement_from_json, 
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from tests.plugins.llama import DebugServer, plan_devices
+from tests.plugins.llama import DebugServer, completion_bytes, plan_devices
 from tests.plugins.servers import LocalServer
 from tests.procs import wait_gone
 
@@ -139,22 +138,6 @@ LONG = 2000  # tokens: llama-cpp-python's own streaming took hours on these (cub
 BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here; before the fix, hours)
 
 
-def _completion_bytes(llm: Any, n: int, temperature: float, seed: int) -> bytes:
-    """The bytes of the first `n` tokens llama-cpp-python's completion of PROMPT samples, detokenized at
-    once (its prompt: BOS and the text's tokens; its sampler's settings are `generate`'s defaults)."""
-    import llama_cpp.llama_cpp as lc
-
-    llm.set_seed(seed)
-    prompt = [llm.token_bos(), *llm.tokenize(PROMPT.encode(), False, True)]
-    tokens: list[int] = []
-    for token in llm.generate(prompt, temp=temperature):
-        if lc.llama_vocab_is_eog(llm._model.vocab, token) or len(tokens) == n:
-            break
-        tokens.append(token)
-    data: bytes = llm.detokenize(tokens)
-    return data
-
-
 @pytest.mark.llama
 def test_a_random_model_streams_thousands_of_tokens_in_bounded_time_and_the_whole_text(
     debug_rpc_servers: list[DebugServer], tiny_model: Path
@@ -172,7 +155,7 @@ def test_a_random_model_streams_thousands_of_tokens_in_bounded_time_and_the_whol
     ]
     llm = load_llama(plan, tiny_model, seed=0)
     try:
-        expected = [_completion_bytes(llm, n, temperature, seed) for n, temperature, seed, _ in runs]
+        expected = [completion_bytes(llm, PROMPT, n, temperature, seed) for n, temperature, seed, _ in runs]
     finally:
         llm.close()
     for raw in expected:  # the random model's bytes are far from UTF-8: the case that was cubic
