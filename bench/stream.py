@@ -55,7 +55,7 @@ def one(worker: Worker, n: int, stream: bool) -> dict[str, Any]:
     return {
         "rate": n / wall,
         "perf": done.tokens_per_second,
-        "kept": n / wall / done.tokens_per_second,  # the caller's rate over llama.cpp's own
+        "kept": n / wall / done.tokens_per_second if done.tokens_per_second else 0.0,
         "first": done.first_token_seconds,
         "pieces": len(pieces),
         "chars": len(done.text),
