@@ -1,6 +1,6 @@
-"""Tier 1 for `rpcfleet serve`: the Prometheus text, the refusals made before anything is served, and
-the API key (from a file or the environment) guarding /health's details and the admin routes, on a real
-serve over a real local rpc-server."""
+"""Tier 1 for `rpcfleet serve`: the Prometheus text, the refusals made before anything is served, the
+API key (from a file or the environment) guarding /health's details and the admin routes, on a real
+serve over a real local rpc-server, and a long stream of a random model on a local server."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +19,11 @@ from typing import Any
 
 import pytest
 
+from orchestrator.planning.plan import PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.metrics import Metrics, Recovery
+from tests.plugins.llama import DebugServer, completion_bytes, plan_devices
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 KEY = "k3y-from-elsewhere"
@@ -188,3 +193,83 @@ def test_an_empty_key_in_the_environment_is_refused(tiny_model: Path, tmp_path: 
     assert "Traceback" not in done.stderr
     done = _serve("-m", str(tiny_model), "--api-key", " ", home=tmp_path)
     assert done.returncode == 2 and "--api-key is empty" in done.stderr, done.stderr
+
+
+KEY = "s3cret"
+LONG = 2000  # tokens of a random model: mostly bytes that are no UTF-8 (llama-cpp-python's stream: hours)
+BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here)
+
+
+def _post(base: str, path: str, body: dict[str, Any], started: float) -> tuple[str, str | None, Any]:
+    """POST `body`; for a stream, read its events as they come (past BOUND seconds from `started`: fail;
+    a stalled stream still gets serve's ping every 10 s). Returns the text, the finish reason, the usage."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    request = urllib.request.Request(base + path, json.dumps(body).encode(), headers, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        if not body.get("stream"):
+            whole = json.loads(answer.read())
+            choice = whole["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            return text, choice["finish_reason"], whole["usage"]
+        pieces, finish = [], None
+        for line in answer:
+            assert time.monotonic() - started < BOUND, f"the stream took over {BOUND:g} s"
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            choice = json.loads(line[len(b"data: ") :])["choices"][0]
+            piece = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
+            pieces.append(piece)
+            finish = choice["finish_reason"] or finish
+        assert len([p for p in pieces if p]) > 20  # it streamed, not one piece at the end
+        return "".join(pieces), finish, None
+
+
+@pytest.mark.llama
+def test_a_random_models_long_stream_is_its_whole_answer_in_bounded_time(
+    debug_rpc_servers: list[DebugServer], tiny_model: Path, tmp_path: Path
+) -> None:
+    from orchestrator.llama.loader import load_llama
+
+    node = debug_rpc_servers[0]
+    # The expected texts: llama-cpp-python's, of the same tokens on the same server, for the same two
+    # requests in the same order (the second reuses the first's prompt cache: other batches, other floats).
+    plan = make_plan(plan_devices([node]), profile_model(tiny_model), PlanOptions(n_ctx=4096))
+    llm = load_llama(plan, tiny_model, seed=0)
+    try:
+        expected = [completion_bytes(llm, "hello world", LONG, 0.0, 0) for _ in range(2)]
+    finally:
+        llm.close()
+    for raw in expected:  # far from UTF-8: the case that was cubic
+        assert len(raw.decode("utf-8", "ignore").encode()) < 0.9 * len(raw)
+    inventory = write_local_inventory(tmp_path / "inv.yml", {"node": {"rpc_port": node.port}})
+    port = free_port()
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
+    argv += ["--ctx", "4096", "--port", str(port), "--api-key", KEY]
+    env = {**os.environ, "RPCFLEET_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    ready, lines = threading.Event(), []
+
+    def drain() -> None:  # serve's stderr: the line that says it serves, and the pipe kept empty
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line.decode(errors="replace"))
+            if line.startswith(b"ready on"):
+                ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        # Loaded after uvicorn bound its port (the worker's start alone takes longer than the bind).
+        assert ready.wait(120), "".join(lines)
+        body = {"prompt": "hello world", "max_tokens": LONG, "temperature": 0, "seed": 0}
+        started = time.monotonic()
+        streamed, finish, _ = _post(base, "/v1/completions", {**body, "stream": True}, started)
+        took = time.monotonic() - started
+        assert streamed == expected[0].decode("utf-8", "ignore") and finish == "length"
+        whole, finish, usage = _post(base, "/v1/completions", body, time.monotonic())
+        assert whole == expected[1].decode("utf-8", "ignore") and finish == "length"
+        assert usage["completion_tokens"] == LONG  # not one more
+        print(f"{LONG} tokens streamed in {took:.1f} s")
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,12 +17,13 @@ import psutil
 import pytest
 
 from orchestrator.llama.placement import build_placement
+from orchestrator.llama.text_stream import TextStream
 from orchestrator.llama.worker import Done, NodeLostError, Token, Worker, WorkerError
 from orchestrator.llama.worker_wire import decode, encode, placement_from_json, placement_to_json
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from tests.plugins.llama import DebugServer, plan_devices
+from tests.plugins.llama import DebugServer, completion_bytes, plan_devices
 from tests.plugins.servers import LocalServer
 from tests.procs import wait_gone
 
@@ -49,6 +52,43 @@ def test_the_parent_side_imports_no_llama_cpp() -> None:
     code = "import sys, orchestrator.llama.worker; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_text_stream_decodes_each_byte_once_as_the_whole_text_decodes() -> None:
+    # A character split across tokens waits for its last byte; then it goes at once.
+    text = TextStream()
+    assert [text.feed(b) for b in (b"a\xe2", b"\x82", b"\xac!")] == ["a", "", "€!"]
+    # Tokens of random bytes (a random-weight model): what streams is, at every step, the beginning of
+    # the whole text decoded at once (invalid bytes dropped), and at the end all of it.
+    rng = random.Random(0)
+    alphabet = [bytes([b]) for b in range(256)] + [c.encode() for c in "é€𝄞 ab"]
+    for _ in range(200):
+        pieces = [b"".join(rng.choices(alphabet, k=rng.randint(0, 3))) for _ in range(rng.randint(0, 40))]
+        text = TextStream()
+        streamed = ""
+        for i, piece in enumerate(pieces):
+            streamed += text.feed(piece)
+            assert b"".join(pieces[: i + 1]).decode("utf-8", "ignore").startswith(streamed)
+        streamed += text.finish()
+        assert streamed == text.sent == b"".join(pieces).decode("utf-8", "ignore")
+    # After a BOS (an empty prompt) llama-cpp-python drops the text's first space, once.
+    text = TextStream(strip_leading_space=True)
+    assert [text.feed(b) for b in (b"", b" a", b" b")] == ["", "a", " b"]
+
+
+def test_the_text_stream_never_sends_a_stop_sequence_nor_what_follows() -> None:
+    text = TextStream(["<|end|>", "STOP"])
+    out = [text.feed(p.encode()) for p in ("Hel", "lo <", "|e", "nd|> more", "x")]
+    assert out == ["Hel", "lo ", "", "", ""] and text.stopped and text.finish() == ""
+    assert text.sent == "Hello "
+    # Text that only began like a stop sequence goes once it is clear it is not one, or at the end.
+    text = TextStream(["<|end|>"])
+    assert [text.feed(p) for p in (b"a <|", b"x", b" <|en")] == ["a ", "<|x", " "]
+    assert text.finish() == "<|en" and text.sent == "a <|x <|en" and not text.stopped
+    # The earliest stop cuts, whichever the order of the list; a chat template's stops come later.
+    text = TextStream()
+    text.set_stops(["zz", "b"])
+    assert text.feed(b"abczz") == "a" and text.stopped
 
 
 @pytest.mark.llama
@@ -92,6 +132,64 @@ def test_the_worker_generates_what_an_in_process_load_generates(
     wait_gone(pid)
     # The servers are free again: an in-process load gets them at once.
     load_llama(plan, tiny_model).close()
+
+
+LONG = 2000  # tokens: llama-cpp-python's own streaming took hours on these (cubic in held-back tokens)
+BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here; before the fix, hours)
+
+
+@pytest.mark.llama
+def test_a_random_model_streams_thousands_of_tokens_in_bounded_time_and_the_whole_text(
+    debug_rpc_servers: list[DebugServer], tiny_model: Path
+) -> None:
+    from orchestrator.llama.loader import load_llama
+
+    plan = _plan(debug_rpc_servers[:2], tiny_model, n_ctx=4096)
+    # Greedy, then sampled with a seed; each streamed, then not. The same requests in-process give the
+    # expected bytes: a request after another reuses its prompt's cache (other batches: other floats), so
+    # only the same sequence of requests samples the same tokens.
+    runs = [
+        (n, temperature, seed, stream)
+        for n, temperature, seed in ((LONG, 0.0, 0), (300, 1.0, 7))
+        for stream in (True, False)
+    ]
+    llm = load_llama(plan, tiny_model, seed=0)
+    try:
+        expected = [completion_bytes(llm, PROMPT, n, temperature, seed) for n, temperature, seed, _ in runs]
+    finally:
+        llm.close()
+    for raw in expected:  # the random model's bytes are far from UTF-8: the case that was cubic
+        assert len(raw.decode("utf-8", "ignore").encode()) < 0.9 * len(raw)
+    texts = []
+    with Worker.start(plan, tiny_model, {"seed": 0}) as worker:
+        for (n, temperature, seed, stream), raw in zip(runs, expected, strict=True):
+            # Past the bound the worker is killed: the request ends with an error at once.
+            killer = threading.Timer(BOUND, worker.kill)
+            killer.start()
+            started = time.monotonic()
+            try:
+                events = list(worker.complete(PROMPT, n, temperature, seed, stream=stream))
+            except WorkerError as exc:
+                raise AssertionError(f"{n} tokens took over {BOUND:g} s ({exc})") from None
+            finally:
+                killer.cancel()
+            took = time.monotonic() - started
+            done, tokens = events[-1], [e.text for e in events[:-1] if isinstance(e, Token)]
+            assert isinstance(done, Done)
+            assert (done.completion_tokens, done.finish_reason) == (n, "length")  # not one token more
+            # The text of the completion's tokens decoded at once (llama-cpp-python's non-streamed
+            # text), streamed as it came.
+            assert done.text == raw.decode("utf-8", "ignore"), (n, temperature, stream)
+            if stream:
+                assert "".join(tokens) == done.text and len(tokens) > n / 100
+                assert done.first_token_seconds < took / 4
+            else:
+                assert tokens == []
+            texts.append(done.text)
+            print(f"{n} tokens, temperature {temperature}, stream {stream}: {took:.1f} s")
+    # The same request streamed or not, from the same cache state (both follow a request with the same
+    # prompt): the same text.
+    assert texts[2] == texts[3]
 
 
 @pytest.mark.llama

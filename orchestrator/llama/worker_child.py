@@ -22,9 +22,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from orchestrator.llama.text_stream import TextStream
 from orchestrator.llama.worker_wire import decode, encode, placement_to_json
 
 PARENT_ENV = "RPCFLEET_WORKER_PARENT"
@@ -210,84 +211,161 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
 _TICK = 1.0  # seconds: a generation that shows no text (held back) still answers this often
 
 
-def _counting(llm: Any, counts: dict[str, Any], tick: Callable[[], None]) -> Callable[..., Iterator[int]]:
-    """`llm.generate`, counting the prompt and every token it yields (llama-cpp-python's stream has no
-    usage, and its chunks hold back tokens that end inside a UTF-8 character). `tick` is called at most
-    every `_TICK` seconds while tokens come but no text does, so that the parent's wait between two
-    answers bounds a stall, not a long run of held-back text (a random model sampled hot)."""
-    generate = llm.generate
+class _Cancelled(Exception):
+    """The parent cancelled the request: raised inside llama-cpp-python's loop to end it there."""
 
-    def counted(tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
-        counts["prompt"] = len(tokens)
-        gen = generate(tokens, *args, **kwargs)
+
+class _Generation:
+    """One request: llama-cpp-python's non-streamed completion (its streaming path re-detokenizes every
+    growing run of tokens that is not valid UTF-8 yet, once per token: cubic in the tokens), with three
+    methods of the model replaced on the instance while it runs (`close` restores them):
+
+    - `generate`, its token loop: counts the tokens, feeds each token's bytes once to a `TextStream`,
+      whose ready text goes to `on_text` at once, and ends the loop at `max_tokens` or at a stop sequence
+      (llama-cpp-python keeps sampling past both while the text ends inside a UTF-8 character: a random
+      model's bytes can run to thousands of tokens) or when the parent cancels. While tokens come but no
+      text does, an empty `token` answers at most every `_TICK` seconds, so that the parent's wait
+      between two answers bounds a stall, not a long run of held-back text;
+    - `detokenize`: llama-cpp-python decodes the completion so far after every token (quadratic: 8 s of
+      2,000 tokens here); the same bytes, extended by the new tokens' pieces;
+    - `create_completion`: tells the `TextStream` the request's stop sequences (a chat template adds its
+      own when it calls this).
+
+    The text is the `TextStream`'s, all of it streamed (`finish` sends the rest): the completion's tokens
+    decoded at once, as llama-cpp-python's non-streamed text is."""
+
+    def __init__(self, llm: Any, request: Mapping[str, Any], channel: _Channel, stream: bool) -> None:
+        from llama_cpp.llama_tokenizer import LlamaTokenizer
+
+        self.llm = llm
+        self.channel = channel
+        self.stream = stream
+        after_bos = request["op"] == "complete" and request.get("prompt") == ""  # an empty prompt
+        self.text = TextStream(strip_leading_space=after_bos)
+        limit = request.get("max_tokens", 16)
+        self.limit: int | None = limit if isinstance(limit, int) and limit > 0 else None
+        self.prompt_tokens = 0
+        self.tokens = 0  # generated, the end-of-generation token not counted (it is not text)
+        self.ended: str | None = None  # why this loop ended the generation (else llama-cpp-python did)
+        self.started = time.monotonic()
+        self.first: float | None = None  # seconds to the first text
+        self.answered = self.started
+        self._generate = llm.generate
+        self._detokenize = llm.detokenize
+        self._create = llm.create_completion
+        self._memo: tuple[list[int], int, bytes] | None = None  # a list detokenized, its length, its bytes
+        llm.generate = self.generate
+        llm.create_completion = self.create_completion
+        if isinstance(llm.tokenizer_, LlamaTokenizer):  # another joins pieces otherwise: left as it is
+            llm.detokenize = self.detokenize
+
+    def close(self) -> None:
+        for name in ("generate", "detokenize", "create_completion"):
+            with contextlib.suppress(AttributeError):
+                delattr(self.llm, name)  # back to the class's methods
+
+    def on_text(self, piece: str) -> None:
+        if self.first is None:
+            self.first = time.monotonic() - self.started
+        if self.stream:
+            self.channel.send(event="token", text=piece)
+            self.answered = time.monotonic()
+
+    def finish(self) -> str:
+        """The whole text, once llama-cpp-python returned; its end goes out as the last token."""
+        rest = self.text.finish()
+        if rest:
+            self.on_text(rest)
+        return self.text.sent
+
+    def create_completion(self, *args: Any, **kwargs: Any) -> Any:
+        stop = kwargs.get("stop")
+        self.text.set_stops([stop] if isinstance(stop, str) else stop or [])
+        return self._create(*args, **kwargs)
+
+    def detokenize(self, tokens: list[int], prev_tokens: Any = None, special: bool = False) -> bytes:
+        memo = self._memo
+        if special or not tokens:
+            return bytes(self._detokenize(tokens, prev_tokens=prev_tokens, special=special))
+        if memo is not None and memo[0] is tokens and len(tokens) >= memo[1]:
+            raw = memo[2]  # the same list, appended to since (llama-cpp-python's completion_tokens)
+        else:
+            raw, memo = b"", (tokens, 0, b"")
+        raw += b"".join(self._detokenize([t]) for t in tokens[memo[1] :])
+        self._memo = (tokens, len(tokens), raw)
+        # LlamaModel.detokenize's rule: a text that starts with a BOS loses its first space
+        bos = tokens[0] == self.llm.token_bos() and raw[:1] == b" "
+        return raw[1:] if bos else raw
+
+    def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
+        import llama_cpp.llama_cpp as lc
+
+        vocab = self.llm._model.vocab
+        self.prompt_tokens = len(tokens)
+        room = self.llm.n_ctx() - len(tokens)
+        limit = room if self.limit is None else min(self.limit, room)
+        seen = list(tokens)  # prev_tokens: a tokenizer that needs the context gets it (GGUF's does not)
+        gen = self._generate(tokens, *args, **kwargs)
         sent = None
-        while True:
-            try:
-                token = gen.send(sent)
-            except StopIteration:
-                return
-            counts["tokens"] += 1
-            counts["last"] = token
-            if time.monotonic() - counts["answered"] >= _TICK:
-                counts["answered"] = time.monotonic()
-                tick()
-            sent = yield token
-
-    return counted
+        try:
+            while True:
+                if self.channel.cancel.is_set():
+                    raise _Cancelled
+                if self.tokens >= limit or self.text.stopped:
+                    self.ended = "stop" if self.text.stopped else "length"
+                    return
+                try:
+                    token = gen.send(sent)
+                except StopIteration:
+                    return
+                if not lc.llama_vocab_is_eog(vocab, token):  # sampled, but not part of the completion
+                    self.tokens += 1
+                    ready = self.text.feed(self._detokenize([token], prev_tokens=seen))
+                    seen.append(token)
+                    if ready:
+                        self.on_text(ready)
+                if time.monotonic() - self.answered >= _TICK:
+                    self.answered = time.monotonic()
+                    self.channel.send(event="token", text="")
+                sent = yield token
+        finally:
+            gen.close()
 
 
 def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
-    import llama_cpp.llama_cpp as lc
-
     from orchestrator.llama.native import generation_timings
 
-    counts: dict[str, Any] = {"prompt": 0, "tokens": 0, "last": None, "answered": time.monotonic()}
-    llm.generate = _counting(llm, counts, lambda: channel.send(event="token", text=""))
     common = {
         "max_tokens": request.get("max_tokens", 16),
         "temperature": request.get("temperature", 0.0),
         "seed": request.get("seed"),
-        "stream": True,
+        "stream": False,
     }
-    if request["op"] == "chat":
-        chunks = llm.create_chat_completion(request["messages"], **common)
-    else:
-        chunks = llm.create_completion(request["prompt"], **common)
     channel.cancel.clear()
-    pieces: list[str] = []
-    finish = None
-    started = time.monotonic()
-    first: float | None = None
-    for chunk in chunks:
-        choice = chunk["choices"][0]
-        piece = choice.get("text") if request["op"] != "chat" else choice.get("delta", {}).get("content")
-        finish = choice.get("finish_reason") or finish
-        if piece:
-            first = first if first is not None else time.monotonic() - started
-            pieces.append(piece)
-            if request.get("stream", True):
-                channel.send(event="token", text=piece)
-                counts["answered"] = time.monotonic()
-        if channel.cancel.is_set():
-            chunks.close()
-            finish = "cancelled"
-            break
-    del llm.generate
-    generated = counts["tokens"]
-    if counts["last"] is not None and lc.llama_vocab_is_eog(llm._model.vocab, counts["last"]):
-        generated -= 1  # the end-of-generation token is sampled, not part of the completion
+    run = _Generation(llm, request, channel, bool(request.get("stream", True)))
+    try:
+        if request["op"] == "chat":
+            choice = llm.create_chat_completion(request["messages"], **common)["choices"][0]
+        else:
+            choice = llm.create_completion(request["prompt"], **common)["choices"][0]
+        finish = run.ended or choice.get("finish_reason")
+        text = run.finish()
+    except _Cancelled:
+        finish, text = "cancelled", run.text.sent
+    finally:
+        run.close()
     timings = generation_timings(llm)
     channel.send(
         event="done",
-        text="".join(pieces),
+        text=text,
         finish_reason=finish,
-        prompt_tokens=counts["prompt"],
-        completion_tokens=generated,
+        prompt_tokens=run.prompt_tokens,
+        completion_tokens=run.tokens,
         prompt_seconds=round(timings.prompt_seconds, 6),
         decode_seconds=round(timings.generate_seconds, 6),
         decode_tokens=timings.generated_tokens,
-        first_token_seconds=round(first if first is not None else 0.0, 6),
-        seconds=round(time.monotonic() - started, 6),
+        first_token_seconds=round(run.first or 0.0, 6),
+        seconds=round(time.monotonic() - run.started, 6),
     )
 
 
@@ -334,8 +412,6 @@ def serve(channel: _Channel) -> int:
         try:
             _generate(llm, request, channel)
         except Exception as exc:  # a bad request (too long a prompt...): answer it and keep serving
-            with contextlib.suppress(AttributeError):
-                del llm.generate
             channel.send(event="error", **_error_fields(exc))
 
 

@@ -14,6 +14,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +113,21 @@ def hold_server() -> Iterator[Callable[[str], socket.socket]]:
     yield hold
     for sock in held:
         sock.close()
+
+
+def completion_bytes(llm: Any, prompt: str, n: int, temperature: float, seed: int) -> bytes:
+    """The bytes of the first `n` tokens (or up to the end of generation) that llama-cpp-python's
+    completion of `prompt` samples, detokenized at once: its non-streamed text before the UTF-8 decode
+    (its prompt: BOS and the text's tokens; its sampler's settings are `generate`'s defaults)."""
+    import llama_cpp.llama_cpp as lc
+
+    llm.set_seed(seed)
+    tokens: list[int] = []
+    for token in llm.generate(
+        [llm.token_bos(), *llm.tokenize(prompt.encode(), False, True)], temp=temperature
+    ):
+        if lc.llama_vocab_is_eog(llm._model.vocab, token) or len(tokens) == n:
+            break
+        tokens.append(token)
+    data: bytes = llm.detokenize(tokens)
+    return data
