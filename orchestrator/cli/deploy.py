@@ -214,6 +214,7 @@ _STATE_STYLE = {
     "busy": "cyan",
     "stopped": "yellow",
     "crashed": "red",
+    "crash-looping": "red",
     "unhealthy": "red",
     "orphan": "red",
 }
