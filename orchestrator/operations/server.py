@@ -218,11 +218,13 @@ def node_facts(host: Host) -> list[Fact[Any]]:
     port = int(host.rpc_port)
     return [
         *install_facts(host.install_dir),
-        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
+        # The port before the pid file: a server the process supervisor restarts between the two reads
+        # is then the tracked one, not listening yet, never an orphan of the old pid.
         ListenersFact(port),
         RpcClientsFact(port),
-        LaunchFact(_node_path(host.install_dir, PID_FILE)),
         PortOwnersFact(port),
+        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
+        LaunchFact(_node_path(host.install_dir, PID_FILE)),
         LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
         SupervisorFact(
             _node_path(host.install_dir, SUPERVISOR_PID_FILE),
