@@ -251,7 +251,9 @@ def stop_script(
     lines += [
         # The loop goes before the server, so it restarts nothing; then what it may have started since.
         *stop_loop_lines(),
-        'for pid in $loopkids; do if alive; then targets="$targets $pid"; fi; done',
+        "for pid in $loopkids; do",
+        '  case " $targets " in *" $pid "*) ;; *) if alive; then targets="$targets $pid"; fi;; esac',
+        "done",
         "collect",
         # Nothing runs: a unit between automatic restarts (or failed) is stopped all the same.
         f'if [ -z "$targets" ]; then {unit_stop + " 2>/dev/null; " if unit_stop else ""}rm -f "$pf"; '
