@@ -9,7 +9,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from orchestrator.operations.service import (
 )
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
-from tests.procs import wait_gone
+from tests.procs import kill_supervised, wait_gone
 
 pytestmark = pytest.mark.lab
 
@@ -94,12 +94,7 @@ def _clean(lab: Lab, hosts: list[Host]) -> None:
     """Kill our servers (by pid file) and remove every install folder this module uses."""
     for host in hosts:
         for install in INSTALL_DIRS:
-            pid = _server_pid(lab, host, install)
-            if pid:
-                cmdline = Path(f"/proc/{pid}/cmdline")
-                if cmdline.exists() and b"ggml-rpc-server" in cmdline.read_bytes():
-                    os.kill(pid, signal.SIGKILL)
-                    wait_gone(pid)
+            kill_supervised(lambda relative: _node_read(lab, host, f"{install}/{relative}"))  # noqa: B023
             if install == "fulldisk":
                 lab.node_exec(host.name, ["umount", "-l", f"/home/{lab.user}/fulldisk"], check=False)
             shutil.rmtree(_node_file(lab, host, install), ignore_errors=True)
@@ -157,23 +152,128 @@ async def test_deploy_noop_restart_stop(
         assert refused.outcome is Outcome.REFUSED
 
 
-async def test_a_killed_server_is_crashed_and_deploy_brings_it_back(
-    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
+async def test_a_killed_server_is_back_within_5_s_without_rpcfleet(
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser, hold_server: Callable[[str], socket.socket]
 ) -> None:
     assert (await _run(nodes, make_deploy_step(chooser), "deploy")).ok
     victim = nodes[1]
+    # A stop refused by the busy check leaves the supervisor in place.
+    held = hold_server(victim.endpoint)
+    refused = (await _run([victim], make_service_step("stopped", OperationOptions()), "stop")).results[0]
+    assert refused.status == "failed" and "busy" in str(refused.error), refused.error
+    held.close()
+
     pid = _server_pid(lab, victim)
     os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
     wait_gone(pid)
+    while not (await probe_endpoint(victim.endpoint, hello_only=True, connect_timeout=0.5, deadline=1)).ok:
+        assert time.monotonic() - killed_at < 5.0, "the killed server did not answer HELLO within 5 s"
+        await asyncio.sleep(0.05)
+    back = _server_pid(lab, victim)
+    assert back != pid
     states = await _states(nodes)
-    assert states[victim.name].state == "crashed" and states[victim.name].pid == pid
-    assert {states[h.name].state for h in nodes if h != victim} == {"running"}
+    status = states[victim.name]
+    assert (status.state, status.pid, status.restarts, status.last_exit) == (
+        "running", back, 1, "killed by signal 9",
+    )  # fmt: skip
+    assert {states[h.name].restarts for h in nodes if h != victim} == {0}
     again = await _run(nodes, make_deploy_step(chooser), "deploy")
-    assert {r.host.name: r.status for r in again.results} == {
-        nodes[0].name: "ok", victim.name: "changed", nodes[2].name: "ok",
-    }  # fmt: skip
-    assert _service_action(again.by_host()[victim.name].value) == "start"
-    assert (await _states(nodes))[victim.name].state == "running"
+    assert [r.status for r in again.results] == ["ok"] * 3  # it serves as the inventory says: nothing to do
+
+
+def _loop_pid(lab: Lab, host: Host) -> int:
+    return int(_node_read(lab, host, "rpcfleet/run/rpc-supervisor.pid") or "0")
+
+
+async def test_a_server_failing_at_every_start_is_crash_looping_with_its_last_log_lines(
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
+) -> None:
+    host = dataclasses.replace(nodes[0], rpc_devices=("NOPE0",))  # the server exits 1 at once
+    started = time.monotonic()
+    failed = (await _run([host], make_deploy_step(chooser), "deploy")).results[0]
+    assert failed.status == "failed" and "exited right after starting" in str(failed.error), failed.error
+    loop = _loop_pid(lab, host)
+    # Restarted after 1, 2, 4 and 8 s, then given up at the 5th failure within 60 s.
+    while (status := (await _states([host]))[host.name]).state != "crash-looping":
+        assert status.state == "crashed", status
+        assert time.monotonic() - started < 30, status
+        await asyncio.sleep(0.5)
+    assert time.monotonic() - started > 14
+    assert "5 failures within 60 s, the last: exited with status 1" in status.message, status.message
+    assert "last log lines:" in status.message and "NOPE0" in status.message, status.message
+    assert (status.restarts, status.last_exit) == (4, "exited with status 1")
+    wait_gone(loop)
+    log = _node_read(lab, host, "rpcfleet/log/rpc-server.log")
+    assert log.count("(restart ") == 4 and "not restarted (crash-looping)" in log
+    await asyncio.sleep(2.5)  # gave up: nothing restarts it any more
+    assert _node_read(lab, host, "rpcfleet/log/rpc-server.log").count("(restart ") == 4
+
+    fixed = (await _run([nodes[0]], make_deploy_step(chooser), "deploy")).results[0]
+    assert fixed.status == "changed" and _service_action(fixed.value) == "start", fixed.error
+    status = (await _states([nodes[0]]))[nodes[0].name]
+    assert (status.state, status.restarts) == ("running", 0)
+
+
+def _squat(lab: Lab, host: Host) -> int:
+    """Another program listens on the host's rpc port (until killed); returns its pid."""
+    code = (
+        "import socket,time; s=socket.socket(); "
+        f"s.bind(('{host.rpc_host or host.address}', {host.rpc_port})); s.listen(); time.sleep(300)"
+    )
+    out = lab.node_exec(
+        host.name, ["sh", "-c", f'setsid nohup python3 -c "{code}" </dev/null >/dev/null 2>&1 & echo $!']
+    )
+    return int(out.stdout.split()[-1])
+
+
+async def test_a_port_taken_after_a_crash_is_a_reason_not_a_loop(
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
+) -> None:
+    host = nodes[2]
+    assert (await _run([host], make_deploy_step(chooser), "deploy")).ok
+    pid, loop = _server_pid(lab, host), _loop_pid(lab, host)
+    os.kill(pid, signal.SIGKILL)
+    squatter = _squat(lab, host)  # before the supervisor's restart, 1 s after the kill
+    try:
+        wait_gone(loop, limit=5)  # one restart, a failed bind (exit status 0): the loop ends
+        status = (await _states([host]))[host.name]
+        assert status.state == "crashed" and "could not bind its port" in status.message, status
+        assert f"port {host.rpc_port} is taken" in status.message  # by root's squatter, unseen by the user
+        assert (status.restarts, status.last_exit) == (1, "exited with status 0")
+        log = _node_read(lab, host, "rpcfleet/log/rpc-server.log")
+        assert log.count("(restart ") == 1 and "Failed to create server socket" in log
+        assert "exited with status 0: not restarted" in log
+    finally:
+        lab.node_exec(host.name, ["kill", str(squatter)], check=False)
+    back = (await _run([host], make_deploy_step(chooser), "deploy")).results[0]
+    assert back.status == "changed" and _service_action(back.value) == "start", back.error
+
+
+async def test_a_stop_racing_a_restart_leaves_nothing_running(
+    nodes: list[Host], lab: Lab, chooser: ArtifactChooser
+) -> None:
+    """The server is killed, then stopped before, while and after the supervisor restarts it (1 s): the
+    stop wins every time, and nothing starts again. 21 rounds, 7 per node."""
+    assert (await _run(nodes, make_deploy_step(chooser), "deploy")).ok
+    stop, start = (make_service_step(want, OperationOptions()) for want in ("stopped", "running"))
+
+    async def rounds(index: int, host: Host) -> None:
+        async with Session() as session:  # one SSH connection per node for all its rounds
+            for i in range(7):
+                pid, loop = _server_pid(lab, host), _loop_pid(lab, host)
+                os.kill(pid, signal.SIGKILL)
+                await asyncio.sleep(1.3 * (3 * i + index) / 20)
+                stopped = (await session.run([host], stop, name="stop")).results[0]
+                assert stopped.status == "changed", stopped.error
+                await asyncio.to_thread(wait_gone, loop)
+                await asyncio.sleep(1.2)  # past the supervisor's restart (1 s after the kill)
+                listening = lab.node_exec(host.name, ["ss", "-Hltn", f"sport = :{host.rpc_port}"]).stdout
+                assert listening.strip() == "", f"round {i}: {listening}"
+                started = (await session.run([host], start, name="start")).results[0]
+                assert started.status == "changed", started.error
+
+    await asyncio.gather(*(rounds(i, h) for i, h in enumerate(nodes)))
 
 
 async def test_a_corrupted_archive_is_refused_and_the_old_version_keeps_serving(

@@ -22,7 +22,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.connectors.connect import connect
 from orchestrator.core.errors import ServiceError
-from orchestrator.facts.server import Listener, ProcessState
+from orchestrator.facts.server import Listener, ProcessState, SupervisorLoop
 from orchestrator.facts.system import OsInfo
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ArtifactChooser
@@ -42,7 +42,7 @@ from orchestrator.operations.service import deploy, ensure_state, plan_service, 
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import free_port
-from tests.procs import wait_gone
+from tests.procs import file_reader, kill_supervised, wait_gone
 
 # ---------------------------------------------------------------- pure
 
@@ -81,8 +81,9 @@ def test_server_argv_and_launch_line() -> None:
     ]
     script = launch_script(host, "/home/lab/i", "v1")
     assert "trap '' PIPE" in script
-    assert "setsid nohup env LLAMA_CACHE=/home/lab/i/cache GGML_RPC_DEBUG=1 stdbuf -oL " in script
-    assert '</dev/null >>"$D/log/rpc-server.log" 2>&1 &\npid=$!' in script  # never `&& ... &`
+    loop = 'setsid nohup sh "$D/run/rpc-supervise.sh" "$D" v1 '  # the supervisor's loop runs the line
+    assert loop + "env LLAMA_CACHE=/home/lab/i/cache GGML_RPC_DEBUG=1 stdbuf -oL " in script
+    assert '</dev/null >>"$D/log/rpc-server.log" 2>&1 &\ni=0' in script  # never `&& ... &`
     assert "GGML_RPC_DEBUG" not in launch_script(H, "/i", "v1")
     assert "-d" not in server_argv(H, "/i", "v1") and "-c" not in server_argv(H, "/i", "v1")
 
@@ -97,6 +98,7 @@ def _node(
     clients: tuple[str, ...] | None = ("10.77.0.1:38366",),
     bind_failed: bool = False,
     current: str | None = "v1",
+    loop: SupervisorLoop | None = None,
 ) -> NodeState:
     """A NodeState built from parsed facts, as `read_node_state` builds it."""
     values = {
@@ -111,8 +113,26 @@ def _node(
         "listeners": listeners,
         "rpc_clients": clients,
         "log_match": bind_failed,
+        "supervisor_loop": loop,
     }
     return node_state_from_facts("n1", values)
+
+
+def test_the_process_supervisors_loop_in_status_and_plans() -> None:
+    dead = ProcessState(4242, "", None)
+    gave_up = SupervisorLoop(None, "crash-looping", 4, "exited with status 1", 5, 0, "error: NOPE0\nKilled")
+    status = classify(H, _node(dead, (), (), loop=gave_up), None)
+    assert (status.state, status.restarts, status.last_exit) == ("crash-looping", 4, "exited with status 1")
+    assert status.message.startswith("5 failures within 60 s, the last: exited with status 1")
+    assert status.message.endswith("last log lines:\nerror: NOPE0\nKilled")
+    assert plan_service(status, "running", current="v1").action == "start"
+    assert plan_service(status, "stopped", current="v1").action == "stop"
+    waiting = SupervisorLoop(77, "restarting", 0, "killed by signal 9", delay=2)
+    status = classify(H, _node(dead, (), (), loop=waiting), None)
+    assert status.state == "crashed" and "restarts it in 2 s" in status.message
+    ok = ProbeResult(H.endpoint, Outcome.OK, ProtocolVersion(7, 0, 0), (), "ok", 0.001)
+    running = classify(H, _node(clients=(), loop=SupervisorLoop(77, "running", 1, "killed by signal 9")), ok)
+    assert (running.state, running.restarts, running.last_exit) == ("running", 1, "killed by signal 9")
 
 
 def test_node_state_from_facts() -> None:
@@ -204,12 +224,7 @@ def local_host(tmp_path: Path) -> Iterator[Host]:
 
 
 def _kill_from_pid_file(host: Host) -> None:
-    pid_file = Path(host.install_dir) / "run" / "rpc-server.pid"
-    if pid_file.exists():
-        pid = int(pid_file.read_text())
-        cmdline = Path(f"/proc/{pid}/cmdline")
-        if cmdline.exists() and host.install_dir.encode() in cmdline.read_bytes():
-            os.kill(pid, signal.SIGKILL)
+    kill_supervised(file_reader(Path(host.install_dir)))
 
 
 def _pid(host: Host) -> int:
@@ -286,11 +301,16 @@ async def test_deploy_lifecycle_on_a_local_host(
 
     os.kill(pid, signal.SIGKILL)
     wait_gone(pid)
-    crashed = await server_status(conn, host)
-    assert crashed.state == "crashed" and crashed.pid == pid
-    back = await deploy(conn, host, chooser)
-    assert back.service.action == "start" and not back.install.changed
-    assert (await server_status(conn, host)).state == "running" and _pid(host) != pid
+    crashed = await server_status(conn, host)  # the process supervisor restarts it in 1 s
+    assert crashed.state == "crashed" and crashed.pid == pid, crashed
+    assert "killed by signal 9: the process supervisor restarts it in 1 s" in crashed.message
+    deadline = asyncio.get_running_loop().time() + 5
+    while (back := await server_status(conn, host)).state != "running":
+        assert asyncio.get_running_loop().time() < deadline, back
+        await asyncio.sleep(0.1)
+    assert back.pid == _pid(host) != pid and (back.restarts, back.last_exit) == (1, "killed by signal 9")
+    assert _sigpipe_ignored(back.pid) and b"GGML_RPC_DEBUG=1" in _environ(back.pid)  # the same launch line
+    assert not (await deploy(conn, host, chooser)).changed
 
     restarted = await ensure_state(conn, host, "restarted")
     assert restarted.action == "restart"

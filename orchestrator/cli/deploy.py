@@ -258,6 +258,7 @@ _STATE_STYLE = {
     "stale": "yellow",
     "stopped": "yellow",
     "crashed": "red",
+    "crash-looping": "red",
     "unhealthy": "red",
     "orphan": "red",
 }

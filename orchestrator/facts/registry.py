@@ -21,6 +21,7 @@ from orchestrator.facts.server import (
     PortOwnersFact,
     RpcClientsFact,
     ServerProcessFact,
+    SupervisorFact,
     VersionsFact,
 )
 from orchestrator.facts.system import CpuCountFact, FreeSpaceFact, MachineIdFact, MemoryFact, OsFact
@@ -48,6 +49,7 @@ FACT_TYPES: Mapping[str, type[Fact[Any]]] = {
         LogTailFact,
         LaunchFact,
         PortOwnersFact,
+        SupervisorFact,
         SystemdFact,
         UnitFact,
     )

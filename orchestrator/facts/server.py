@@ -214,6 +214,9 @@ PS_STAT = 'ps -o stat= -p "$pid" 2>/dev/null'
 PROC_ARGV0 = "tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null | head -n 1"
 
 
+SUPERVISOR_SCRIPT_ARG = "tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null | sed -n 2p"  # `sh SCRIPT ...`
+
+
 @dataclass(frozen=True)
 class ProcessState:
     """The process a pid file names. `stat` is None without a usable pid, "" when no such process
@@ -381,3 +384,83 @@ class PortOwnersFact(Fact[tuple[PortOwner, ...]]):
             if pid.isdigit():
                 owners.append(PortOwner(int(pid), argv0.strip() or None))
         return tuple(owners)
+
+
+@dataclass(frozen=True)
+class SupervisorLoop:
+    """The process supervisor's loop (operations/supervise.py) as its files say.
+
+    `pid` is set only while the loop runs (alive, and its script is this install's). `state` is the
+    loop's last word: running, restarting, crash-looping, exited ("" without a state file)."""
+
+    pid: int | None = None
+    state: str = ""
+    restarts: int = 0  # automatic restarts since rpcfleet started it
+    last: str = ""  # how the server last ended ("killed by signal 9")
+    failures: int = 0  # failures within the start-limit window when it gave up
+    delay: int = 0  # seconds until the next restart (restarting)
+    log: str = ""  # the server's last log lines, when the loop gave up
+
+
+@dataclass(frozen=True)
+class SupervisorFact(Fact[SupervisorLoop]):
+    """The loop's pid file (checked against /proc: alive, running `script`), its state file and, once it
+    gave up, the server's last log lines (the supervisor's own `=== rpcfleet` lines left out)."""
+
+    pid_file: str
+    state_file: str
+    script: str
+    log_file: str
+    lines: int = 5
+    name: ClassVar[str] = "supervisor_loop"
+
+    def command(self) -> str:
+        st = shell_path(self.state_file)
+        return "\n".join(
+            [
+                f"pf={shell_path(self.pid_file)}",
+                'if [ -f "$pf" ]; then',
+                f"  {READ_PID}",
+                f"  if {PID_IS_NUMBER}; then",
+                "    printf '@pid %s\\n' \"$pid\"",
+                f"    printf '@stat %s\\n' \"$({PS_STAT})\"",
+                f'    [ "$({SUPERVISOR_SCRIPT_ARG})" = {shell_path(self.script)} ] && echo @ours',
+                "  fi",
+                "fi",
+                f"[ -f {st} ] || exit 0",
+                f"sed 's/^/@/' {st}",
+                f"if grep -qx 'state crash-looping' {st}; then",
+                "  echo @log",
+                f"  grep -v '^=== rpcfleet' {shell_path(self.log_file)} 2>/dev/null "
+                f"| tail -n {int(self.lines)}",
+                "fi",
+            ]
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> SupervisorLoop:
+        values: dict[str, str] = {}
+        lines = stdout.splitlines()
+        log: list[str] = []
+        for i, line in enumerate(lines):
+            if line == "@log":
+                log = lines[i + 1 :]
+                break
+            if line.startswith("@"):
+                key, _, value = line[1:].partition(" ")
+                values.setdefault(key, value.strip())
+        stat, pid = values.get("stat", ""), values.get("pid", "")
+        alive = bool(stat) and not stat.startswith("Z") and "ours" in values
+
+        def number(key: str) -> int:
+            text = values.get(key, "")
+            return int(text) if text.isdigit() else 0
+
+        return SupervisorLoop(
+            int(pid) if alive and pid.isdigit() else None,
+            values.get("state", ""),
+            number("restarts"),
+            values.get("last", ""),
+            number("failures"),
+            number("delay"),
+            "\n".join(log),
+        )

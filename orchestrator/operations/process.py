@@ -35,10 +35,12 @@ from orchestrator.operations.server import (
     SERVER_BINARY,
     START_TIMEOUT,
     STOP_GRACE,
+    SUPERVISOR_SCRIPT,
     NodeState,
     _expected,
     read_node_state,
 )
+from orchestrator.operations.supervise import stop_loop_lines, supervise_sh
 from orchestrator.operations.systemd import (
     control_script,
     install_unit_script,
@@ -51,33 +53,43 @@ from orchestrator.rpc.protocol import Outcome, ProbeResult
 
 
 def launch_script(host: Host, install_dir: str, version: str) -> str:
-    """The node-side script that starts the server detached and records its pid.
+    """The node-side script that starts the process supervisor's loop (supervise.py) detached, the loop
+    the server; prints the server's pid once the loop recorded it.
 
     `trap '' PIPE` before the launch: an ignored signal stays ignored across fork and exec, so a
     client that hangs up early costs a `send failed` line, not the server. `setsid nohup` with every
-    stream redirected detaches it from the SSH session; `; ... & echo $!` (never `&&` before the `&`)
-    keeps the SSH command from waiting on it. `stdbuf -oL` makes its stdout reach the log at once.
+    stream redirected detaches the loop from the SSH session; `; ... &` (never `&&` before the `&`)
+    keeps the SSH command from waiting on it. `stdbuf -oL` makes the server's stdout reach the log at once.
     """
     q = shlex.quote
     port = int(host.rpc_port)
     env = [f"{key}={value}" for key, value in launch_env(host, install_dir).items()]
     command = " ".join(q(a) for a in ["env", *env, "stdbuf", "-oL", *server_argv(host, install_dir, version)])
-    log = f'"$D/{LOG_FILE}"'
+    log, pid_file, script = f'"$D/{LOG_FILE}"', f'"$D/{PID_FILE}"', f'"$D/{SUPERVISOR_SCRIPT}"'
     return "\n".join(
         [
             f"D={q(install_dir)}",
             f'mkdir -p "$D/run" "$D/log" "$D/{CACHE_DIR}" || exit 1',
+            *_retire_loop(),
             _taken_check(port),
             f'if [ -f {log} ] && [ "$(wc -c < {log})" -gt {LOG_ROTATE_BYTES} ]; then mv -f {log} {log}.1; fi',
             f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
+            f"printf '%s' {q(supervise_sh())} > {script}.tmp && mv -f {script}.tmp {script} || exit 1",
+            f"rm -f {pid_file}",
             "cd ~ || cd /",
             "trap '' PIPE",
-            f"setsid nohup {command} </dev/null >>{log} 2>&1 &",
-            "pid=$!",
-            f'echo "$pid" > "$D/{PID_FILE}"',
-            'echo "@started $pid"',
+            f'setsid nohup sh {script} "$D" {q(version)} {command} </dev/null >>{log} 2>&1 &',
+            f"i=0; while [ ! -s {pid_file} ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done",
+            f"pid=$(head -n 1 {pid_file} 2>/dev/null)",
+            'if [ -n "$pid" ]; then echo "@started $pid"; else echo "@pid 0"; fi',
         ]
     )
+
+
+def _retire_loop() -> list[str]:
+    """Shell ($D set): a loop still waiting to restart a crashed server must not start a second one (nor
+    race a systemd unit for the port): stop it, and kill what it started since the state was read."""
+    return [*stop_loop_lines(), 'if [ -n "$loopkids" ]; then kill -KILL $loopkids 2>/dev/null; fi']
 
 
 def _taken_check(port: int) -> str:
@@ -190,6 +202,9 @@ def stop_script(
     `disable --now`) stops it after the same busy check, so systemd does not start it again; a server of
     the other supervisor (a pid file's, while the inventory says systemd) is stopped as an orphan.
 
+    The process supervisor's loop is stopped after the busy check and before the server, so it restarts
+    nothing (supervise.py); a server it started meanwhile is stopped too.
+
     Only processes whose /proc/PID/cmdline is this install's server binary are signalled. Unless `force`,
     a server with a client connected is refused (`@busy`, see `busy_script`), and the check and the kill
     are one step on the node: no second round trip lets a client seen by the check slip through.
@@ -220,21 +235,34 @@ def stop_script(
             f'if {PID_IS_NUMBER} && [ "$pid" != 0 ] && alive && ours; then targets="$pid"; fi',
         ]
     lines += [
-        'if [ -f "$pf" ]; then',
-        f"  {READ_PID}",
-        f'  if {PID_IS_NUMBER} && alive && ours; then targets="$targets $pid"; else echo "@gone $pid"; fi',
-        "fi",
+        "collect() {",
+        '  if [ -f "$pf" ]; then',
+        f"    {READ_PID}",
+        f"    if {PID_IS_NUMBER} && alive && ours; then",
+        '      case " $targets " in *" $pid "*) ;; *) targets="$targets $pid";; esac',
+        '    else echo "@gone $pid"; fi',
+        "  fi",
         # Orphans: this install's servers that hold the port without being the tracked one.
-        f"for pid in $({listening}); do",
-        '  case " $targets " in *" $pid "*) continue;; esac',
-        '  if alive && ours; then targets="$targets $pid"; echo "@orphan $pid $(' + PROC_ARGV0 + ')"; fi',
+        f"  for pid in $({listening}); do",
+        '    case " $targets " in *" $pid "*) continue;; esac',
+        '    if alive && ours; then targets="$targets $pid"; echo "@orphan $pid $(' + PROC_ARGV0 + ')"; fi',
+        "  done",
+        "}",
+        "collect",
+    ]
+    if not force:  # the check and the stop: one step on the node
+        lines += ['if [ -n "$targets" ]; then', busy_script(port, busy_grace, stale), "fi"]
+    lines += [
+        # The loop goes before the server, so it restarts nothing; then what it may have started since.
+        *stop_loop_lines(),
+        "for pid in $loopkids; do",
+        '  case " $targets " in *" $pid "*) ;; *) if alive; then targets="$targets $pid"; fi;; esac',
         "done",
+        "collect",
         # Nothing runs: a unit between automatic restarts (or failed) is stopped all the same.
         f'if [ -z "$targets" ]; then {unit_stop + " 2>/dev/null; " if unit_stop else ""}rm -f "$pf"; '
         'echo "@none"; exit 0; fi',
     ]
-    if not force:
-        lines.append(busy_script(port, busy_grace, stale))  # the check and the stop: one step on the node
     if unit_stop:
         lines.append(f'{unit_stop} || echo "@unit_stop_failed"')
     lines += [
@@ -381,6 +409,8 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         name, user = state.unit.name, state.unit.user
         script = "\n".join(
             [
+                f"D={shlex.quote(state.install.install_dir)}",
+                *_retire_loop(),
                 _taken_check(int(host.rpc_port)),
                 install_unit_script(name, state.install.install_dir, text, user=user),
                 control_script(name, "start", user=user),

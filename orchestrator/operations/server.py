@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from orchestrator.connectors.base import Connection
@@ -37,6 +37,8 @@ from orchestrator.facts.server import (
     ProcessState,
     RpcClientsFact,
     ServerProcessFact,
+    SupervisorFact,
+    SupervisorLoop,
 )
 from orchestrator.facts.systemd import SystemdFact, SystemdInfo, UnitFact, UnitState
 from orchestrator.inventory.model import Host
@@ -46,18 +48,34 @@ from orchestrator.operations.install_plan import (
     install_state_from_facts,
 )
 from orchestrator.operations.stale import find_stale
-from orchestrator.operations.systemd import Supervision, choose_supervisor, unit_name
+from orchestrator.operations.systemd import (
+    START_LIMIT_INTERVAL,
+    Supervision,
+    choose_supervisor,
+    unit_name,
+)
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
 # stale: every client it holds is proven gone (`operations.stale`); the next restart or load closes it.
-ServerState = Literal["running", "stopped", "crashed", "unhealthy", "busy", "stale", "orphan"]
+ServerState = Literal[
+    "running", "stopped", "crashed", "crash-looping", "unhealthy", "busy", "stale", "orphan"
+]
 
 
 SERVER_BINARY = "ggml-rpc-server"
 
 
 PID_FILE = "run/rpc-server.pid"
+
+
+SUPERVISOR_PID_FILE = "run/rpc-supervisor.pid"  # the process supervisor's loop (supervise.py)
+
+
+SUPERVISOR_STATE_FILE = "run/rpc-supervisor.state"
+
+
+SUPERVISOR_SCRIPT = "run/rpc-supervise.sh"
 
 
 LOG_FILE = "log/rpc-server.log"
@@ -139,6 +157,7 @@ class ServiceState:
     log_failed_bind: bool = False  # the log since the last start says the bind failed
     launch: Launch | None = None  # the tracked process's command line and environment
     port_owners: tuple[PortOwner, ...] = ()  # processes listening on the port, with argv0
+    loop: SupervisorLoop = field(default_factory=SupervisorLoop)  # the process supervisor's (supervise.py)
 
     def is_our_binary(self, argv0: str | None) -> bool:
         prefix = f"{self.install_dir}/versions/"
@@ -203,12 +222,20 @@ def node_facts(host: Host) -> list[Fact[Any]]:
     port = int(host.rpc_port)
     return [
         *install_facts(host.install_dir),
-        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
+        # The port before the pid file: a server the process supervisor restarts between the two reads
+        # is then the tracked one, not listening yet, never an orphan of the old pid.
         ListenersFact(port),
         RpcClientsFact(port),
-        LaunchFact(_node_path(host.install_dir, PID_FILE)),
         PortOwnersFact(port),
+        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
+        LaunchFact(_node_path(host.install_dir, PID_FILE)),
         LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+        SupervisorFact(
+            _node_path(host.install_dir, SUPERVISOR_PID_FILE),
+            _node_path(host.install_dir, SUPERVISOR_STATE_FILE),
+            _node_path(host.install_dir, SUPERVISOR_SCRIPT),
+            _node_path(host.install_dir, LOG_FILE),
+        ),
         SystemdFact(),
         UnitFact(unit_name(host.install_dir), BIND_FAILED),
     ]
@@ -238,6 +265,7 @@ def node_state_from_facts(host: str, values: Mapping[str, Any], supervisor: str 
         unit.failed_bind if systemd and unit is not None else bool(values.get(LogMatchFact.name)),
         None if systemd else values.get(LaunchFact.name),  # under systemd, drift is the unit's text
         values.get(PortOwnersFact.name) or (),
+        values.get(SupervisorFact.name) or SupervisorLoop(),
     )
     return NodeState(install, service, chosen, unit, info, pid_file_pid)
 
@@ -262,8 +290,8 @@ class ServerStatus:
     clients: tuple[str, ...] = ()
     message: str = ""
     supervisor: Supervision = "process"
-    restarts: int | None = None  # systemd's NRestarts (automatic restarts since the unit started)
-    last_exit: str = ""  # systemd's Result and how the main process last ended
+    restarts: int | None = None  # automatic restarts since the last start: systemd's NRestarts, the loop's
+    last_exit: str = ""  # how the server last ended (systemd: with the unit's Result)
     transport: str = "tcp"  # rpc_transport: how the controller reaches the server
 
     def to_json(self) -> dict[str, object]:
@@ -318,7 +346,10 @@ def classify(
         taken = svc.foreign_listeners()
         note = f"port {host.rpc_port} is taken: {taken[0].describe()}" if taken else ""
         failure = _unit_failure(state, taken=bool(taken))
-        if svc.pid is None and failure:
+        loop = svc.loop if state.supervisor == "process" else SupervisorLoop()
+        if loop.state == "crash-looping" and loop.pid is None:
+            server, message = "crash-looping", _crash_loop_message(loop, note)
+        elif svc.pid is None and failure:
             server, message = "crashed", "; ".join(filter(None, [failure, note]))
         elif svc.pid is None:
             server, message = "stopped", note
@@ -326,6 +357,10 @@ def classify(
             why = "exited (pid file left)" if not svc.alive else "its pid now belongs to another program"
             if svc.log_failed_bind:
                 why = "could not bind its port (see `rpcfleet logs`)"
+            elif loop.pid is not None and loop.state == "restarting":
+                why = f"{loop.last}: the process supervisor restarts it in {loop.delay} s"
+            elif loop.state == "exited" and not svc.alive:
+                why = f"{loop.last}, not restarted (a clean exit)"
             server, message = "crashed", "; ".join(filter(None, [why, note]))
     elif svc.clients and set(svc.clients) <= set(stale):
         server = "stale"
@@ -347,6 +382,11 @@ def classify(
     else:
         server, message = "unhealthy", f"{probe.outcome}: {probe.message}"
     systemd = state.supervisor == "systemd" and state.unit is not None
+    restarts, last_exit = None, ""
+    if systemd and state.unit is not None:
+        restarts, last_exit = state.unit.restarts, state.unit.last_exit()
+    elif state.supervisor == "process" and svc.loop.state:
+        restarts, last_exit = svc.loop.restarts, svc.loop.last
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
@@ -359,9 +399,19 @@ def classify(
         clients=svc.clients,
         message=message,
         supervisor=state.supervisor,
-        restarts=state.unit.restarts if systemd and state.unit else None,
-        last_exit=state.unit.last_exit() if systemd and state.unit else "",
+        restarts=restarts,
+        last_exit=last_exit,
     )
+
+
+def _crash_loop_message(loop: SupervisorLoop, note: str) -> str:
+    """Why the process supervisor gave up, what to do, and the server's last log lines."""
+    message = (
+        f"{loop.failures} failures within {START_LIMIT_INTERVAL} s, the last: {loop.last}; the process "
+        "supervisor stopped restarting it (`rpcfleet start` or `deploy` tries again)"
+    )
+    message = "; ".join(filter(None, [message, note]))
+    return f"{message}\nlast log lines:\n{loop.log}" if loop.log.strip() else message
 
 
 def _unit_failure(state: NodeState, *, taken: bool = False) -> str:

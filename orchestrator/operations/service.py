@@ -96,7 +96,7 @@ class ServiceChange:
 
 def describe_status(status: ServerStatus) -> str:
     """`running pid 1234, version X` / `stopped` / `busy pid 1234, version X`."""
-    if status.state in ("stopped", "crashed", "orphan") or status.pid is None:
+    if status.state in ("stopped", "crashed", "crash-looping", "orphan") or status.pid is None:
         return f"{status.state}" + (
             f": {status.message}" if status.message and status.state != "stopped" else ""
         )
@@ -113,17 +113,19 @@ def plan_service(
     if want == "stopped":
         if status.state == "stopped":
             return ServiceChange(host, "none", "stopped", status)
-        if status.state == "crashed":
-            return ServiceChange(host, "stop", "remove the stale pid file of a crashed server", status)
+        if status.state in ("crashed", "crash-looping"):
+            return ServiceChange(
+                host, "stop", f"remove the stale pid file of a {status.state} server", status
+            )
         if status.state == "orphan":
             return ServiceChange(host, "stop", status.message, status)
         return ServiceChange(host, "stop", f"was {status.state} pid {status.pid}", status)
     if want == "restarted":
-        running = status.pid is not None and status.state not in ("stopped", "crashed")
+        running = status.pid is not None and status.state not in ("stopped", "crashed", "crash-looping")
         if status.state == "orphan":
             return ServiceChange(host, "restart", "replace the orphan", status)
         return ServiceChange(host, "restart" if running else "start", "restart requested", status)
-    if status.state in ("stopped", "crashed"):
+    if status.state in ("stopped", "crashed", "crash-looping"):
         return ServiceChange(host, "start", f"was {status.state}", status)
     if status.state == "orphan":
         return ServiceChange(host, "restart", status.message, status)

@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from orchestrator.lab.model import Lab
 from orchestrator.playbooks.model import PlaybookResult
 from orchestrator.playbooks.reader import load_playbook
 from orchestrator.playbooks.runner import run_playbook
-from tests.procs import wait_gone
+from tests.procs import file_reader, kill_supervised
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 INSTALL = "rpcfleet"  # the lab inventory's install_dir, under the node's home
@@ -68,10 +66,8 @@ class NodeView:
         return sorted(self.root.glob("versions/*/bin/ggml-rpc-server"))
 
     def kill(self) -> None:
-        pid = self.pid()
-        if pid is not None and self.server_alive():
-            os.kill(pid, signal.SIGKILL)
-            wait_gone(pid)
+        """Kill the server and its process supervisor loop (which would restart it)."""
+        kill_supervised(file_reader(self.root))
 
 
 def _clean(lab: Lab, hosts: list[Host]) -> None:
