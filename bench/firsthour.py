@@ -1,11 +1,13 @@
 """The figures of the README's first lines, as measured: the set-up time of a fresh machine (`make setup`
 records every run of scripts/setup.sh), the whole suite's time (the test session records every full run),
-and `rpcfleet demo` once set up (timed here, alternating nothing: it is the only thing measured).
+and `rpcfleet demo` once set up (timed here).
 
-The set-up figure is the newest record of a run that built llama-cpp-python from an empty cache; the suite
-figure is the newest record of a whole-suite run (`make test` / `.ci/run`). Each says its date, commit,
-machine and the 1-minute load average at its start. `--write` replaces the block between the README's
-`<!-- bench/firsthour.py -->` markers.
+The set-up figure is the newest record of a run that built llama-cpp-python from an empty cache;
+`--cold-setup` makes one now: a clone of this checkout runs scripts/setup.sh with an empty
+`$RPCFLEET_HOME` (every build, the venv and the model download; Debian packages are already there), and
+its record joins this machine's. The suite figure is the newest record of a whole-suite run (`make test` /
+`.ci/run`). Each says its date, commit, machine and the 1-minute load average at its start. `--write`
+replaces the block between the README's `<!-- bench/firsthour.py -->` markers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from _common import ROOT, arg_parser, commit, load_average, machine, median
@@ -42,6 +46,22 @@ def records(name: str) -> list[dict[str, Any]]:
 def minutes(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     return f"{m} min {s} s" if m else f"{s} s"
+
+
+def cold_setup() -> None:
+    """Run set-up from an empty cache in a clone (so this checkout's .venv stays as it is), keep its record,
+    then put the `rpcfleet` shim back on this checkout."""
+    with tempfile.TemporaryDirectory(prefix="rpcfleet-cold-") as tmp:
+        clone, home = Path(tmp) / "clone", Path(tmp) / "home"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        env = {**os.environ, "RPCFLEET_HOME": str(home)}
+        subprocess.run(["bash", str(clone / "scripts" / "setup.sh")], check=True, env=env)
+        record = (home / "timings" / "setup.jsonl").read_text()
+    target = rpcfleet_home() / "timings" / "setup.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as sink:
+        sink.write(record)
+    subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], check=True, capture_output=True)
 
 
 def time_demo(runs: int) -> tuple[list[float], float]:
@@ -100,7 +120,12 @@ def section(runs: int) -> str:
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--demo-runs", type=int, default=3, help="times to run `rpcfleet demo` (default 3)")
+    parser.add_argument(
+        "--cold-setup", action="store_true", help="first measure a set-up from an empty cache (minutes)"
+    )
     args = parser.parse_args()
+    if args.cold_setup:
+        cold_setup()
     text = section(args.demo_runs)
     print(text)
     if args.write is not None:

@@ -27,7 +27,6 @@ from orchestrator.artifacts.manifest import (
     ArtifactSpec,
     Manifest,
     _scan_files,
-    _sha256_file,
     host_platform,
 )
 from orchestrator.artifacts.store import (
@@ -38,7 +37,7 @@ from orchestrator.artifacts.store import (
     verify_artifact,
 )
 from orchestrator.core.errors import ArtifactError
-from orchestrator.core.files import atomic_path, write_atomic
+from orchestrator.core.files import atomic_path, sha256_file, write_atomic
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.core.poll import poll
 from orchestrator.rpc.client import probe_endpoint
@@ -105,7 +104,7 @@ def import_artifact(
         source = Path(spec.value).expanduser()
         if not source.exists():
             raise ArtifactError(f"{source}: no such file or folder")
-        actual = _sha256_file(source) if source.is_file() else spec.sha256
+        actual = sha256_file(source) if source.is_file() else spec.sha256
         if actual != spec.sha256:
             raise ArtifactError(f"{source}: sha256 is {actual}, expected {spec.sha256}")
     with tempfile.TemporaryDirectory(prefix="rpcfleet-import-") as tmp:
@@ -120,9 +119,9 @@ def import_artifact(
                 _remember(key, existing)
                 return existing
         server_dir, server_name = _find_server(unpacked, spec.subdir)
-        if source.is_dir() and _sha256_file(server_dir / server_name) != spec.sha256:
+        if source.is_dir() and sha256_file(server_dir / server_name) != spec.sha256:
             raise ArtifactError(
-                f"{server_dir / server_name}: sha256 is {_sha256_file(server_dir / server_name)}, "
+                f"{server_dir / server_name}: sha256 is {sha256_file(server_dir / server_name)}, "
                 f"expected {spec.sha256} (for a folder, the sha256 of its {SERVER_NAME})"
             )
         stage = work / "stage"
@@ -185,7 +184,7 @@ def _adopt_if_artifact(archive: Path, unpacked: Path) -> Artifact | None:
     if not manifest_path.is_file() or not (unpacked / "bin" / SERVER_NAME).exists():
         return None
     manifest = Manifest.from_dict(json.loads(manifest_path.read_text()))
-    sha = _sha256_file(archive)
+    sha = sha256_file(archive)
     artifact_id = f"rpc-server-{manifest.protocol}-{manifest.backend}-{manifest.os}-{manifest.arch}-{sha[:8]}"
     candidate = Artifact(artifact_id, archive, manifest, sha)
     verify_artifact(candidate)

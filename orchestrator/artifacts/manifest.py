@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import ArtifactError, InputError, SourceLocation
+from orchestrator.core.files import sha256_file
 
 Backend = Literal["cpu", "cuda", "rocm", "vulkan", "metal"]
 
@@ -237,14 +237,6 @@ def llama_cpp_python_version() -> str:
         return DEFAULT_LLAMA_CPP_PYTHON_VERSION
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _scan_files(root: Path) -> tuple[FileEntry, ...]:
     """Entries for every file and symlink under `root` (relative paths, sorted)."""
     entries = []
@@ -255,7 +247,7 @@ def _scan_files(root: Path) -> tuple[FileEntry, ...]:
             entries.append(FileEntry(rel, None, 0, 0o777, target))
         else:
             mode = 0o755 if path.stat().st_mode & stat.S_IXUSR else 0o644
-            entries.append(FileEntry(rel, _sha256_file(path), path.stat().st_size, mode))
+            entries.append(FileEntry(rel, sha256_file(path), path.stat().st_size, mode))
     return tuple(entries)
 
 

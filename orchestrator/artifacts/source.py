@@ -12,9 +12,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.artifacts.manifest import _sha256_file
 from orchestrator.artifacts.store import Progress
 from orchestrator.core.errors import ArtifactError
+from orchestrator.core.files import sha256_file
 from orchestrator.core.paths import rpcfleet_home
 
 PIP_TIMEOUT_S = 600.0
@@ -136,7 +136,7 @@ def _check_sdist(path: Path, expected: str, by: str, *, downloaded: bool) -> Non
     memo = (str(path), st.st_size, st.st_mtime_ns, expected)
     if memo in _VERIFIED:
         return
-    actual = _sha256_file(path)
+    actual = sha256_file(path)
     if actual != expected.lower():
         if downloaded:
             where, hint = "the downloaded file", "the registry served other bytes (it was deleted)"
@@ -153,7 +153,7 @@ def _check_sdist(path: Path, expected: str, by: str, *, downloaded: bool) -> Non
 def _extract_source(sdist: Path, dest: Path, say: Progress) -> Path:
     """Extract the sdist once (a stamp holds its sha256) so cmake's build tree stays incremental."""
     stamp = dest / ".extracted"
-    sha = _sha256_file(sdist)
+    sha = sha256_file(sdist)
     if stamp.is_file() and stamp.read_text().strip() == sha:
         return _single_child(dest)
     say(f"extracting {sdist.name}")
@@ -226,7 +226,7 @@ def read_sdist_info(sdist: Path) -> SdistInfo:
             f"{sdist} holds no vendor/llama.cpp/ggml/include/ggml-rpc.h: not a llama-cpp-python sdist"
         )
     info = SdistInfo(
-        sha256=_sha256_file(sdist),
+        sha256=sha256_file(sdist),
         size=st.st_size,
         protocol=_protocol_of(texts["header"], f"{sdist.name}: ggml-rpc.h"),
         llama_cpp_commit=_commit_of(texts.get("changelog", "")),

@@ -42,10 +42,9 @@ from orchestrator.artifacts.manifest import (
     ArtifactChoiceError,
     FileEntry,
     Manifest,
-    _sha256_file,
 )
 from orchestrator.core.errors import ArtifactError
-from orchestrator.core.files import write_atomic
+from orchestrator.core.files import sha256_file, write_atomic
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
 
@@ -94,7 +93,7 @@ def _store(root: Path, manifest: Manifest) -> Artifact:
     try:
         with os.fdopen(fd, "wb") as fh:
             pack_artifact(root, manifest, fh)
-        sha = _sha256_file(tmp)
+        sha = sha256_file(tmp)
         artifact_id = (
             f"rpc-server-{manifest.protocol}-{manifest.backend}-{manifest.os}-{manifest.arch}-{sha[:8]}"
         )
@@ -156,7 +155,7 @@ def verify_artifact(artifact: Artifact) -> None:
     """Re-hash the archive and every member against the manifest; `ArtifactError` names what differs."""
     if not artifact.archive.is_file():
         raise ArtifactError(f"{artifact.id}: archive {artifact.archive} is missing")
-    actual = _sha256_file(artifact.archive)
+    actual = sha256_file(artifact.archive)
     if actual != artifact.archive_sha256:
         raise ArtifactError(
             f"{artifact.id}: archive {artifact.archive.name} has sha256 {actual}, "

