@@ -13,7 +13,7 @@ def gone(pid: int) -> bool:
     """The process has exited (a zombie counts: it no longer runs)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited between the open and the read
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
