@@ -605,7 +605,8 @@ async def test_a_waiter_whose_controller_dies_leaves_nothing_waiting_on_the_node
     async with await connect(host) as conn:
         lock = await acquire(conn, host, "deploy")
         child = _holder(lab, host, wait_s=60.0, expect="waiting")
-        assert _waiting_flocks(lab, host)  # the check sees a waiter while there is one
+        # The check sees a waiter while there is one (told "@held" just before its `flock -w` starts).
+        assert poll(lambda: _waiting_flocks(lab, host) or None, timeout=10.0, interval=0.05)
         child.kill()
         child.wait(10)
         assert poll(lambda: not _waiting_flocks(lab, host) or None, timeout=5.0, interval=0.05)
