@@ -139,7 +139,7 @@ def test_build_returns_the_cached_artifact_fast(cpu_artifact: Artifact) -> None:
     again = build_artifact("cpu")
     elapsed = time.perf_counter() - start
     assert again == cpu_artifact
-    assert elapsed < 0.5, f"a cached build took {elapsed:.2f} s"
+    assert elapsed < 10, f"a cached build took {elapsed:.2f} s"  # not rebuilt (minutes); headroom for load
     # The same request spelled differently (an explicit default, other order) hits the same cache entry.
     assert cached_build("cpu", ["-DGGML_NATIVE=OFF", "-DGGML_RPC=ON"]) == cpu_artifact
     assert cached_build("cpu", ["-DGGML_NATIVE=ON"]) != cpu_artifact
@@ -270,9 +270,10 @@ def test_local_server_binary_is_the_unpacked_default(cpu_artifact: Artifact) -> 
     assert binary == artifacts_dir() / cpu_artifact.id / SERVER
     assert os.access(binary, os.X_OK)
     assert sha256_of(binary.read_bytes()) == cpu_artifact.manifest.file(SERVER).sha256
-    start = time.perf_counter()
+    unpacked = binary.stat()
     assert local_server_binary() == binary
-    assert time.perf_counter() - start < 0.5
+    again = binary.stat()
+    assert (again.st_ino, again.st_ctime_ns) == (unpacked.st_ino, unpacked.st_ctime_ns)  # not unpacked again
 
 
 # ---------------------------------------------------------------- other sources

@@ -38,6 +38,7 @@ from orchestrator.planning.strategy import make_plan
 from orchestrator.planning.synth import write_tiny_llama
 from tests.plugins.llama import plan_devices
 from tests.plugins.servers import LocalServer, launch_rpc_server
+from tests.waits import until
 
 # 2 layers, n_embd 1024, n_ff 5632: each FFN matrix is 11 MiB (cached), attention matrices 2 MiB (not).
 MODEL = {"n_layer": 2, "n_embd": 1024, "n_head": 8, "n_head_kv": 8, "n_ff": 5632, "seed": 3}
@@ -223,20 +224,27 @@ def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path
     async def interrupted() -> None:
         task = asyncio.ensure_future(_with(host, warm, items))
         folder = tmp_path / "i" / "cache" / "rpc"
+        temps: list[str] = []
         for _ in range(20000):  # until the first upload is under way
-            if folder.exists() and any(p.name.startswith(".warm-") for p in folder.iterdir()):
+            temps = (
+                [p.name for p in folder.iterdir() if p.name.startswith(".warm-")] if folder.exists() else []
+            )
+            if temps:
                 break
             await asyncio.sleep(0.001)
+        shell = int(temps[0].rsplit(".", 1)[1])  # the temporary file is named after its shell's pid ($$)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.2)  # let the killed command's transport close inside this loop
+        # The interrupt landed: the command was killed and reaped. The rest runs in this loop, so that its
+        # exit reaches the loop that started it.
+        await until(lambda: not Path(f"/proc/{shell}").exists(), what="the killed command reaped")
+        files, _ = await _with(host, read_cache)
+        for f in files:  # whatever is there under a hash name is whole
+            assert fnv.hash_file_range(folder / f.name, 0, f.size) == int(f.name, 16)
+        await _with(host, verify)
 
     _run(interrupted())
-    files, _ = _run(_with(host, read_cache))
-    for f in files:  # whatever is there under a hash name is whole
-        assert fnv.hash_file_range(tmp_path / "i" / "cache" / "rpc" / f.name, 0, f.size) == int(f.name, 16)
-    _run(_with(host, verify))
     assert not [p for p in (tmp_path / "i" / "cache" / "rpc").iterdir() if p.name.startswith(".")]
 
 

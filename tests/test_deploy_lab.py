@@ -35,6 +35,7 @@ from orchestrator.operations.service import (
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
 from tests.procs import kill_supervised, wait_gone
+from tests.waits import until_value
 
 pytestmark = pytest.mark.lab
 
@@ -126,10 +127,8 @@ async def test_deploy_noop_restart_stop(
         assert hello.ok and str(hello.version) == cpu_artifact.protocol
     pids = {h.name: _server_pid(lab, h) for h in nodes}
 
-    started = time.monotonic()
-    second = await _run(nodes, make_deploy_step(chooser), "deploy")
+    second = await _run(nodes, make_deploy_step(chooser), "deploy")  # its time: bench/deploy.py (no-op)
     assert [r.status for r in second.results] == ["ok"] * 3
-    assert time.monotonic() - started < 2.0
     assert {h.name: _server_pid(lab, h) for h in nodes} == pids
 
     states = await _states(nodes)
@@ -197,7 +196,7 @@ async def test_a_server_failing_at_every_start_is_crash_looping_with_its_last_lo
     # Restarted after 1, 2, 4 and 8 s, then given up at the 5th failure within 60 s.
     while (status := (await _states([host]))[host.name]).state != "crash-looping":
         assert status.state == "crashed", status
-        assert time.monotonic() - started < 30, status
+        assert time.monotonic() - started < 45, status  # 15 s of backoff; headroom for a busy machine
         await asyncio.sleep(0.5)
     assert time.monotonic() - started > 14
     assert "5 failures within 60 s, the last: exited with status 1" in status.message, status.message
@@ -377,13 +376,15 @@ async def test_a_timed_out_probe_of_a_held_server_does_not_kill_it(
     pid = _server_pid(lab, host)
     holder = socket.create_connection((host.rpc_host, host.rpc_port), timeout=2)
     try:
-        await asyncio.sleep(0.1)
-        assert (await _states([host]))[host.name].state == "busy"
+        await until_value(
+            lambda: _states([host]), lambda states: states[host.name].state == "busy", what="busy"
+        )
         probe = await probe_endpoint(host.endpoint, connect_timeout=1, read_timeout=0.3, deadline=1)
         assert probe.outcome in (Outcome.BUSY, Outcome.TIMEOUT)
     finally:
         holder.close()
-    await asyncio.sleep(0.3)  # the server now answers the dead probe: SIGPIPE, ignored
+    # The server now answers the dead probe: SIGPIPE, ignored. It takes connections in order: this HELLO
+    # is answered only after that (and not at all had SIGPIPE killed it).
     assert (await probe_endpoint(host.endpoint, hello_only=True)).ok
     status = (await _states([host]))[host.name]
     assert (status.state, status.pid) == ("running", pid)

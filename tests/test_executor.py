@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from orchestrator.core.errors import CommandError, RpcfleetError, UnreachableError, UsageError
 from orchestrator.engine.executor import HostContext, Recap, Session, StepOutcome, batch_sizes
 from orchestrator.inventory.model import Host
+from tests.waits import until, wait_until
 
 
 def hosts(n: int) -> list[Host]:
@@ -149,11 +149,16 @@ def test_an_interruptible_session_gives_the_signals_back_to_the_handlers_it_foun
     def handler(signum: int, _frame: object) -> None:
         heard.append(signum)
 
+    def send(sig: int) -> None:
+        count = len(heard)
+        os.kill(os.getpid(), sig)
+        wait_until(lambda: len(heard) > count, what="the handler")
+
     async def one_session() -> None:
         async with Session(interruptible=True) as session:
             assert signal.getsignal(signal.SIGTERM) is not handler  # the session's own, meanwhile
             os.kill(os.getpid(), signal.SIGTERM)
-            await asyncio.sleep(0.05)
+            await until(lambda: session.interrupted is not None, what="the session's handler")
             assert session.interrupted == "SIGTERM"
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -163,8 +168,7 @@ def test_an_interruptible_session_gives_the_signals_back_to_the_handlers_it_foun
             assert signal.getsignal(signal.SIGTERM) is handler
             assert signal.getsignal(signal.SIGINT) is handler
             for sig in (signal.SIGTERM, signal.SIGINT):
-                os.kill(os.getpid(), sig)
-                time.sleep(0.01)  # a moment for the handler to run
+                send(sig)
         assert heard == [signal.SIGTERM, signal.SIGINT] * 2
     finally:
         for sig, previous in old.items():

@@ -30,17 +30,27 @@ async def test_follow_prints_new_complete_lines_without_noise(tmp_path: Path) ->
     log.write_text("old line, already shown by the tail\n")
     host = Host(name="node1", address="127.0.0.1", connection="local", install_dir=str(tmp_path))
     seen: list[str] = []
+    marks: list[str] = []
     stop = asyncio.Event()
 
     def on_lines(name: str, lines: list[str]) -> None:
         assert name == "node1"
-        seen.extend(lines)
+        marks.extend(line for line in lines if line == "mark")
+        seen.extend(line for line in lines if line != "mark")
 
     async with Session(forks=1) as session:
         task = asyncio.create_task(
             session.run([host], make_follow_step(on_lines, interval=0.05, stop=stop), name="follow")
         )
-        await asyncio.sleep(0.2)
+        # The follow starts at the log's end: a line written before its first read is never shown. Write
+        # marks until one shows (poll): from then on it reads every new line.
+        for _ in range(300):
+            with log.open("a") as f:
+                f.write("mark\n")
+            await asyncio.sleep(0.1)
+            if marks:
+                break
+        assert marks, "the follow never showed a new line"
         with log.open("a") as f:
             f.write("Accepted client connection\nStarting RPC server v7.0.0\nClient connection closed\nhalf")
         await _wait_for(seen, 1)

@@ -208,7 +208,7 @@ def test_huge_host_ranges_are_refused_before_expanding() -> None:
         expand_host_range("node[0:99999999]")
     with pytest.raises(ValueError, match="names 100000 hosts"):
         expand_host_range("r[0:99]n[0:999]")  # several ranges multiply
-    assert time.monotonic() - started < 1.0  # counted, never built
+    assert time.monotonic() - started < 5.0  # counted, never built (that takes minutes); headroom for load
     assert len(expand_host_range("n[1:10000]")) == MAX_RANGE_HOSTS  # the limit itself is fine
     with pytest.raises(InventoryError) as info:
         load("hosts:\n  ok: {}\n  node[0:99999999]:\n")

@@ -168,7 +168,7 @@ async def test_pulled_cable_is_unreachable_within_the_connect_timeout_others_fin
     results = await asyncio.gather(*(attempt(h) for h in lab_hosts))
     assert results[0][0] == lab_hosts[0].name and results[2][0] == lab_hosts[2].name
     assert results[1][0] == "unreachable: UnreachableError"
-    assert 0.9 <= results[1][1] < 3.0  # the connect timeout, not minutes
+    assert 0.9 <= results[1][1] < 6.0  # the 1 s connect timeout (headroom for load), not minutes
     status = lab_status(healthy_lab.name, probe_timeout=0.3)
     assert [n.reachable for n in status.nodes] == [True, False, True]
     healthy_lab.restore_link(2)
@@ -196,8 +196,8 @@ async def test_firewall_drop_times_out_reject_refuses_at_once(
     healthy_lab.firewall_reject(3)
     started = time.monotonic()
     with pytest.raises(UnreachableError):
-        await connect(lab_hosts[2], FAST)
-    assert time.monotonic() - started < 0.5  # a reset, answered in milliseconds
+        await connect(lab_hosts[2], ConnectOptions(connect_timeout=10.0))
+    assert time.monotonic() - started < 3.0  # a reset, answered in milliseconds, not the 10 s timeout
     healthy_lab.firewall_clear(3)
     healthy_lab.firewall_drop(3)
     started = time.monotonic()

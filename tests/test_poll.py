@@ -29,7 +29,7 @@ def test_poll_gives_none_after_the_timeout_and_checks_at_least_once() -> None:
 
     started = time.monotonic()
     assert poll(never, timeout=0.1, interval=0.01) is None
-    assert 0.1 <= time.monotonic() - started < 1.0 and calls >= 5
+    assert 0.1 <= time.monotonic() - started < 3.0 and calls >= 5  # ends (headroom for a busy machine)
     calls = 0
     assert poll(never, timeout=0.0, interval=0.01) is None and calls == 1
 

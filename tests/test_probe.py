@@ -781,7 +781,7 @@ async def test_ok_node_uses_mem_available_and_stopped_node_is_refused(start_rpc_
     stopped_port = free_port()
     down = local_host("down", stopped_port)
     before = mem_available()
-    fleet = await probe_fleet([ok, small, down], timeout=2.0)
+    fleet = await probe_fleet([ok, small, down], timeout=10.0)
     after = mem_available()
     up, lim, gone = fleet.nodes
     assert (up.state, lim.state, gone.state) == ("ok", "ok", "refused")
@@ -800,7 +800,7 @@ async def test_ok_node_uses_mem_available_and_stopped_node_is_refused(start_rpc_
     assert gone.facts is not None  # the host itself is fine: only its server is not running
     assert fleet.totals.ok_endpoints == 2 and not fleet.ok
     assert fleet_failed(fleet, "any") and not fleet_failed(fleet, "all")
-    assert fleet.elapsed < 2.0
+    assert fleet.elapsed < 5.0  # no node waited for its timeout (10 s); headroom for a busy machine
     assert server.alive() and limited.alive()
     no_facts = await probe_fleet([ok], timeout=2.0, facts=False)
     (raw,) = no_facts.nodes[0].devices
@@ -826,7 +826,7 @@ async def test_busy_node_is_reported_and_keeps_serving(start_rpc_server: StartSe
         assert held.state == "busy" and held.devices == ()
         assert held.clients is not None and client in held.clients  # ss saw the holder
         assert fine.state == "ok"
-        assert elapsed < 1.5  # bounded by the timeout, the free server answered at once
+        assert elapsed < 3.0  # bounded by the 0.5 s timeout (headroom for load); the holder: forever
         assert fleet_failed(fleet, "any") and not fleet_failed(fleet, "none")
     assert server.alive()
     for _ in range(40):  # the server takes the next client once it noticed the holder left

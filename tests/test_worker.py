@@ -242,7 +242,7 @@ def test_a_node_killed_mid_generation_is_named_and_run_exits_1(
     assert servers[1 - victim].endpoint not in err.split("hint")[0]
     assert "Remote RPC server crashed" in err  # llama.cpp's own word, from the worker's log
     assert "Traceback" not in err
-    assert took < 10, took
+    assert took < 20, took  # at once (refused, not the link timeout: see above); headroom for load
     log = next((tmp_path / "home" / "logs").glob("worker-*.log"))
     assert str(log) in err and "ggml-rpc.cpp" in log.read_text()
     assert not list(tmp_path.glob("core*"))  # no core dump

@@ -113,4 +113,4 @@ def test_a_cut_link_during_run_is_a_bounded_clean_error_naming_the_node(
     assert f"lost {cut.endpoint} (timeout) while generating" in err
     assert all(h.endpoint not in err.split("hint")[0] for h in deployed[:2])
     assert "Traceback" not in err
-    assert took < 30, took  # the worker's link timeout (10 s) plus the probe, not TCP's minutes
+    assert took < 60, took  # the worker's link timeout (10 s) plus the probe (headroom), not TCP's minutes
