@@ -33,6 +33,7 @@ from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, nod
 from orchestrator.operations.process import (
     launch_drift,
     refuse_if_busy,
+    run_as_warning,
     start_server,
     stop_server,
     unit_text,
@@ -101,7 +102,8 @@ def describe_status(status: ServerStatus) -> str:
             f": {status.message}" if status.message and status.state != "stopped" else ""
         )
     version = status.running_version or status.version
-    return f"{status.state} pid {status.pid}" + (f", version {version}" if version else "")
+    user = f", as {status.user}" if status.user else ""
+    return f"{status.state} pid {status.pid}" + (f", version {version}" if version else "") + user
 
 
 def plan_service(
@@ -157,6 +159,9 @@ async def ensure_state(
         if warning:
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
+    root = run_as_warning(host, state) if want != "stopped" else None
+    if root:
+        warnings.append(root)
     stale: tuple[str, ...] = ()
     if not check:
         state, closed, stale = await without_stale_clients(conn, host, state)
@@ -391,7 +396,8 @@ async def deploy(
         )
         state = dataclasses.replace(state, install=install)
     service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
-    warnings = (warning,) if warning else ()
+    # The server's warnings (root, closed stale clients) too; the bind's only once.
+    warnings = tuple(dict.fromkeys([*((warning,) if warning else ()), *service.warnings]))
     return DeployResult(change, service, service.after or service.status, warnings)
 
 
