@@ -102,8 +102,7 @@ def describe_status(status: ServerStatus) -> str:
             f": {status.message}" if status.message and status.state != "stopped" else ""
         )
     version = status.running_version or status.version
-    user = f", as {status.user}" if status.user else ""
-    return f"{status.state} pid {status.pid}" + (f", version {version}" if version else "") + user
+    return f"{status.state} pid {status.pid}" + (f", version {version}" if version else "")
 
 
 def plan_service(
