@@ -625,6 +625,15 @@ def test_all_errors_are_collected_once_each() -> None:
     assert info.value.location == info.value.errors[0].location
 
 
+def test_rpc_run_as_is_a_user_name() -> None:
+    assert load("hosts:\n  a: {rpc_run_as: root}\n").hosts[0].rpc_run_as == "root"
+    assert load("hosts:\n  a:\n").hosts[0].rpc_run_as is None
+    with pytest.raises(InventoryError) as info:
+        load("hosts:\n  a: {rpc_run_as: 'root; reboot'}\n")
+    assert str(info.value).startswith("inv.yml:2:19: rpc_run_as: "), str(info.value)
+    assert "a user name" in str(info.value)
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InventoryError, match=r"inventory file not found: .*nope\.yml"):
         load_inventory(tmp_path / "nope.yml")

@@ -24,10 +24,11 @@ from orchestrator.connectors.connect import connect
 from orchestrator.core.errors import ServiceError
 from orchestrator.facts.server import Listener, ProcessState, SupervisorLoop
 from orchestrator.facts.system import OsInfo
+from orchestrator.facts.systemd import SystemdInfo
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.install_plan import InstallState
-from orchestrator.operations.launch import server_argv
+from orchestrator.operations.launch import desired_launch, launch_diff, run_as_user, server_argv
 from orchestrator.operations.process import launch_script
 from orchestrator.operations.server import (
     LOG_MARKER,
@@ -82,11 +83,33 @@ def test_server_argv_and_launch_line() -> None:
     ]
     script = launch_script(host, "/home/lab/i", "v1")
     assert "trap '' PIPE" in script
-    loop = 'setsid nohup sh "$D/run/rpc-supervise.sh" "$D" v1 '  # the supervisor's loop runs the line
+    loop = 'setsid nohup $as sh "$D/run/rpc-supervise.sh" "$D" v1 '  # the loop (as $as) runs the line
     assert loop + "env LLAMA_CACHE=/home/lab/i/cache GGML_RPC_DEBUG=1 stdbuf -oL " in script
     assert '</dev/null >>"$D/log/rpc-server.log" 2>&1 &\ni=0' in script  # never `&& ... &`
     assert "GGML_RPC_DEBUG" not in launch_script(H, "/i", "v1")
     assert "-d" not in server_argv(H, "/i", "v1") and "-c" not in server_argv(H, "/i", "v1")
+
+
+def test_the_user_the_process_supervisor_runs_the_server_as() -> None:
+    root = SystemdInfo(pid1=None, uid=0, login="root")
+    lab = SystemdInfo(pid1=None, uid=1000, login="lab")
+    assert run_as_user(H, root) == "rpcfleet"  # never root over SSH unless the inventory says so
+    assert run_as_user(H, lab) == "lab"  # already unprivileged
+    assert run_as_user(dataclasses.replace(H, rpc_run_as="root"), root) == "root"
+    assert run_as_user(dataclasses.replace(H, rpc_run_as="svc"), lab) == "svc"
+    assert run_as_user(dataclasses.replace(H, connection="local"), root) == "root"  # the controller's user
+    assert run_as_user(H, None) is None
+    # The same user: nothing to switch; root keeps the dirs; another user: made, given the dirs, switched.
+    assert "setpriv" not in launch_script(H, "/i", "v1", user="lab", login="lab")
+    as_root = launch_script(H, "/i", "v1", user="root", login="root")
+    assert 'chown -R 0:0 "$D/run" "$D/log" "$D/cache"' in as_root and "setpriv" not in as_root
+    switched = launch_script(H, "/i", "v1", user="rpcfleet", login="root")
+    assert "useradd --system" in switched and "--comment 'rpcfleet rpc-server' rpcfleet" in switched
+    assert 'as="setpriv --reuid=$U' in switched and 'as="runuser -u $U --"' in switched
+    # A change of user is drift, said as such; an unknown user (an old reading) is none.
+    want = desired_launch(H, "/i", "v1", "rpcfleet")
+    assert launch_diff(want, dataclasses.replace(want, user="root")) == ("runs as root -> rpcfleet",)
+    assert launch_diff(want, dataclasses.replace(want, user=None)) == ()
 
 
 OURS = Listener("10.77.0.11:50052", "ggml-rpc-server", 4242)

@@ -242,6 +242,8 @@ def root_node(transport_lab: Lab, tmp_path: Path) -> Iterator[tuple[LabNode, Pat
                 "install_dir": str(tmp_path / "install"),
                 "rpc_port": 50053,
                 "rpc_allow_from": ["controller"],
+                # This node shares the machine's accounts, and tmp_path is 0700: no dedicated user here.
+                "rpc_run_as": "root",
             }
         }
     }

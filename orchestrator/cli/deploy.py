@@ -289,7 +289,7 @@ def handle_status(args: argparse.Namespace) -> int:
         version = s.version or "-"
         if s.running_version and s.running_version != s.version:
             version += f" (running {s.running_version})"
-        supervisor: str = s.supervisor
+        supervisor: str = s.supervisor + (f" as {s.user}" if s.user else "")
         if s.restarts is not None:
             supervisor += f" ({s.restarts} restarts" + (f", last: {s.last_exit}" if s.last_exit else "") + ")"
         table.add_row(

@@ -312,6 +312,7 @@ class Launch:
 
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()  # (name, value), sorted by name
+    user: str | None = None  # the user it runs as (None: not known)
 
 
 LAUNCH_ENV = ("LLAMA_CACHE", "GGML_RPC_DEBUG")  # the variables a launch line sets
@@ -335,6 +336,8 @@ class LaunchFact(Fact[Launch | None]):
                 f"{PID_IS_NUMBER} || exit 0",
                 "[ -r /proc/$pid/cmdline ] || exit 0",
                 "echo @argv; tr '\\0' '\\n' < /proc/$pid/cmdline 2>/dev/null",
+                # The owner of /proc/PID is the process's effective user.
+                'echo "@user $(stat -c %U /proc/$pid 2>/dev/null)"',
                 f"echo @env; tr '\\0' '\\n' < /proc/$pid/environ 2>/dev/null | grep -E '^({keys})=' || true",
             ]
         )
@@ -343,15 +346,19 @@ class LaunchFact(Fact[Launch | None]):
         argv: list[str] = []
         env: list[tuple[str, str]] = []
         section = None
+        user: str | None = None
         for line in stdout.splitlines():
-            if line in ("@argv", "@env"):
+            if line.startswith("@user ") and section == "@argv":
+                user = line[len("@user ") :].strip() or None
+                section = None
+            elif line in ("@argv", "@env"):
                 section = line
             elif section == "@argv":
                 argv.append(line)
             elif section == "@env" and "=" in line:
                 key, _, value = line.partition("=")
                 env.append((key, value))
-        return Launch(tuple(argv), tuple(sorted(env))) if argv else None
+        return Launch(tuple(argv), tuple(sorted(env)), user) if argv else None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class SystemdInfo:
     linger: bool | None = None  # logind's Linger for this user (None: logind does not know the user)
     logind: bool = False  # logind answers (it can enable lingering for the user itself)
     service_user: bool = False  # the dedicated user of system units exists (root only)
+    login: str | None = None  # the name of the user rpcfleet connects as (`id -un`)
 
     @property
     def root(self) -> bool:
@@ -70,6 +71,7 @@ class SystemdFact(Fact[SystemdInfo]):
             [
                 "printf 'pid1 %s\\n' \"$(cat /proc/1/comm 2>/dev/null)\"",
                 "printf 'uid %s\\n' \"$(id -u)\"",
+                "printf 'login %s\\n' \"$(id -un)\"",
                 'if [ "$(id -u)" = 0 ]; then',
                 f'  id -u {SERVICE_USER} >/dev/null 2>&1 && echo "service_user yes"; exit 0',
                 "fi",
@@ -93,6 +95,7 @@ class SystemdFact(Fact[SystemdInfo]):
             linger={"yes": True, "no": False}.get(linger or ""),
             logind=values.get("logind") == "yes",
             service_user=values.get("service_user") == "yes",
+            login=values.get("login") or None,
         )
 
 

@@ -58,6 +58,7 @@ class Host:
     keep_versions: int = 3  # installed versions kept on the host (>= 1)
     rpc_cmake_args: tuple[str, ...] = ()  # extra cmake args for `build: on_node` artifacts
     supervisor: Supervisor = "auto"  # systemd unit, detached process, or auto (systemd where usable)
+    rpc_run_as: str | None = None  # process supervisor's server user; None: `launch.run_as_user` decides
     groups: tuple[str, ...] = ()  # every group the host belongs to (not `all`), shallowest first
     vars: Mapping[str, Any] = field(default_factory=dict, hash=False)  # all merged variables, unknown too
     location: SourceLocation | None = field(default=None, compare=False)  # where the host is declared

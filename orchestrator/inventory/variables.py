@@ -169,6 +169,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "supervisor", (), fields.choice(SUPERVISORS), "auto", "systemd, process or auto (systemd if usable)"
     ),
+    Variable(
+        "rpc_run_as",
+        (),
+        fields.optional(fields.matching(r"[a-z_][a-z0-9_-]{0,31}", "a user name such as rpcfleet or root")),
+        None,
+        "process supervisor: the user the server runs as (default: rpcfleet as root, else the login user)",
+    ),
 )
 
 

@@ -4,6 +4,7 @@ unit's ExecStart are the same line."""
 from __future__ import annotations
 
 from orchestrator.facts.server import Launch
+from orchestrator.facts.systemd import SERVICE_USER, SystemdInfo
 from orchestrator.inventory.model import Host
 from orchestrator.operations.server import CACHE_DIR, SERVER_BINARY
 
@@ -34,10 +35,26 @@ def launch_env(host: Host, install_dir: str) -> dict[str, str]:
     return env
 
 
-def desired_launch(host: Host, install_dir: str, version: str) -> Launch:
-    """What the inventory says the running server's command line and environment should be."""
+def run_as_user(host: Host, info: SystemdInfo | None) -> str | None:
+    """The user the process supervisor runs the server as (None: unknown, the login user's).
+
+    `rpc_run_as` when the inventory says; else, connected as root over SSH, the dedicated unprivileged user
+    (as the systemd supervisor's system units): the RPC protocol has no authentication. Otherwise the
+    login user: already unprivileged, or (`connection: local`) the user the controller itself runs as."""
+    if host.rpc_run_as:
+        return host.rpc_run_as
+    login = info.login if info is not None else None
+    if host.connection == "ssh" and info is not None and info.root:
+        return SERVICE_USER
+    return login
+
+
+def desired_launch(host: Host, install_dir: str, version: str, user: str | None = None) -> Launch:
+    """What the inventory says the running server's command line, environment and user should be."""
     return Launch(
-        tuple(server_argv(host, install_dir, version)), tuple(sorted(launch_env(host, install_dir).items()))
+        tuple(server_argv(host, install_dir, version)),
+        tuple(sorted(launch_env(host, install_dir).items())),
+        user,
     )
 
 
@@ -73,4 +90,6 @@ def launch_diff(desired: Launch, actual: Launch) -> tuple[str, ...]:
             changes.append(f"{key}={have_env[key]} removed")
         elif want_env[key] != have_env[key]:
             changes.append(f"{key} {have_env[key]} -> {want_env[key]}")
+    if desired.user and actual.user and desired.user != actual.user:
+        changes.append(f"runs as {actual.user} -> {desired.user}")
     return tuple(changes)

@@ -20,10 +20,16 @@ from orchestrator.facts.server import (
     LogTailFact,
     parse_listener,
 )
-from orchestrator.facts.systemd import USER_ENV
+from orchestrator.facts.systemd import SERVICE_USER, USER_ENV
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
-from orchestrator.operations.launch import desired_launch, launch_diff, launch_env, server_argv
+from orchestrator.operations.launch import (
+    desired_launch,
+    launch_diff,
+    launch_env,
+    run_as_user,
+    server_argv,
+)
 from orchestrator.operations.server import (
     BIND_FAILED,
     CACHE_DIR,
@@ -42,6 +48,7 @@ from orchestrator.operations.server import (
 )
 from orchestrator.operations.supervise import stop_loop_lines, supervise_sh
 from orchestrator.operations.systemd import (
+    SERVICE_USER_MARK,
     control_script,
     install_unit_script,
     journal_command,
@@ -52,9 +59,14 @@ from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult
 
 
-def launch_script(host: Host, install_dir: str, version: str) -> str:
+def launch_script(
+    host: Host, install_dir: str, version: str, *, user: str | None = None, login: str | None = None
+) -> str:
     """The node-side script that starts the process supervisor's loop (supervise.py) detached, the loop
     the server; prints the server's pid once the loop recorded it.
+
+    `user` (`launch.run_as_user`) other than `login` (who rpcfleet connects as): the loop and the server
+    run as that user (`as_user_lines`).
 
     `trap '' PIPE` before the launch: an ignored signal stays ignored across fork and exec, so a
     client that hangs up early costs a `send failed` line, not the server. `setsid nohup` with every
@@ -76,14 +88,48 @@ def launch_script(host: Host, install_dir: str, version: str) -> str:
             f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
             f"printf '%s' {q(supervise_sh())} > {script}.tmp && mv -f {script}.tmp {script} || exit 1",
             f"rm -f {pid_file}",
-            "cd ~ || cd /",
+            *as_user_lines(user, login, f"{install_dir}/versions/{version}/bin/{SERVER_BINARY}"),
+            'if [ -n "$as" ]; then cd /; else cd ~ || cd /; fi',  # another user may not enter this HOME
             "trap '' PIPE",
-            f'setsid nohup sh {script} "$D" {q(version)} {command} </dev/null >>{log} 2>&1 &',
+            f'setsid nohup $as sh {script} "$D" {q(version)} {command} </dev/null >>{log} 2>&1 &',
             f"i=0; while [ ! -s {pid_file} ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done",
             f"pid=$(head -n 1 {pid_file} 2>/dev/null)",
             'if [ -n "$pid" ]; then echo "@started $pid"; else echo "@pid 0"; fi',
         ]
     )
+
+
+def as_user_lines(user: str | None, login: str | None, binary: str) -> list[str]:
+    """Shell ($D set): set `$as` to the command prefix that runs the loop as `user` ("" when it is the
+    login user), making the dedicated user when it is missing and the run, log and cache dirs its own.
+    Prints `@error <why>` and exits when that cannot be done: not root, no such user, no setpriv or
+    runuser, the install dir out of the user's reach."""
+    q = shlex.quote
+    dirs = '"$D/run" "$D/log" "$D/' + CACHE_DIR + '"'
+    if user is None or user == login:
+        # Root again after another user: the dirs root runs the loop's script from are root's again.
+        return ['as=""', *([f"chown -R 0:0 {dirs}"] if login == "root" else [])]
+    fail = 'echo "@error $1"; exit 0'
+    return [
+        f"U={q(user)}",
+        f"fail() {{ {fail}; }}",
+        '[ "$(id -u)" = 0 ] || fail "rpc_run_as: $U needs rpcfleet to connect as root (it is $(id -un))"',
+        'if ! id -u "$U" >/dev/null 2>&1; then',
+        f'  [ "$U" = {SERVICE_USER} ] || fail "rpc_run_as: there is no user $U on this node"',
+        f"  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "
+        f'--comment {q(SERVICE_USER_MARK)} {SERVICE_USER} 2>&1 || fail "cannot create the user $U"',
+        '  echo "@created $U"',
+        "fi",
+        # setpriv (util-linux) execs with no session and no PAM; runuser (util-linux too) otherwise.
+        "if command -v setpriv >/dev/null 2>&1; then",
+        '  as="setpriv --reuid=$U --regid=$(id -g "$U") --init-groups"',
+        'elif command -v runuser >/dev/null 2>&1; then as="runuser -u $U --"',
+        'else fail "neither setpriv nor runuser is installed (package util-linux): cannot run as $U"; fi',
+        f'chown -R "$U:$(id -g "$U")" {dirs} || fail "cannot give $U the run, log and cache dirs of $D"',
+        f"B={q(binary)}",
+        '$as test -x "$B" || fail "$U cannot reach $B (a folder above it is closed to that user, such as a '
+        '0700 home): choose an install_dir that user can reach, or set rpc_run_as"',
+    ]
 
 
 def _retire_loop() -> list[str]:
@@ -129,7 +175,17 @@ def launch_drift(host: Host, state: NodeState) -> tuple[str, ...]:
         return ()
     if svc.launch is None:
         return supervisor_drift(host, state)
-    return launch_diff(desired_launch(host, state.install.install_dir, current), svc.launch)
+    user = run_as_user(host, state.systemd)
+    return launch_diff(desired_launch(host, state.install.install_dir, current, user), svc.launch)
+
+
+def run_as_warning(host: Host, state: NodeState) -> str | None:
+    """A warning when the process supervisor runs the server as root (only when the inventory says so,
+    or the controller itself runs as root on a `connection: local` host)."""
+    if state.supervisor != "process" or run_as_user(host, state.systemd) != "root":
+        return None
+    why = "rpc_run_as: root" if host.rpc_run_as else "connection: local as root; set rpc_run_as to change it"
+    return f"the rpc-server runs as root ({why}): anyone who reaches its port drives a root process"
 
 
 @dataclass(frozen=True)
@@ -417,8 +473,12 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
             ]
         )
     else:
-        script = launch_script(host, state.install.install_dir, version)
+        login = state.systemd.login if state.systemd is not None else None
+        run_as = run_as_user(host, state.systemd)
+        script = launch_script(host, state.install.install_dir, version, user=run_as, login=login)
     out = _keys(await _sh(conn, script, START_TIMEOUT))
+    if "error" in out:
+        raise ServiceError(f"cannot start the rpc-server: {out['error']}", host=host.name)
     if "taken" in out:
         listener = parse_listener(out["taken"])
         who = listener.describe() if listener else out["taken"]

@@ -30,7 +30,13 @@ from orchestrator.core.units import format_size
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
-from orchestrator.operations.process import refuse_if_busy, start_server, stop_server, wait_ready
+from orchestrator.operations.process import (
+    refuse_if_busy,
+    run_as_warning,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from orchestrator.operations.server import (
     READY_TIMEOUT,
     ServerStatus,
@@ -156,7 +162,8 @@ def make_rolling_restart_step(
             state, closed, stale = await without_stale_clients(conn, host, state)
         status = classify(host, state, await probe_server(host, state))
         running = _has_process(status)
-        warnings = ((warning,) if warning else ()) + closed
+        root = run_as_warning(host, state)
+        warnings = ((warning,) if warning else ()) + ((root,) if root else ()) + closed
         if options.check:
             if status.pid is not None and not options.force:
                 await refuse_if_busy(conn, host, "restart", busy_grace=options.busy_grace)

@@ -40,7 +40,7 @@ from orchestrator.facts.server import (
     SupervisorFact,
     SupervisorLoop,
 )
-from orchestrator.facts.systemd import SystemdFact, SystemdInfo, UnitFact, UnitState
+from orchestrator.facts.systemd import SERVICE_USER, SystemdFact, SystemdInfo, UnitFact, UnitState
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install_plan import (
     InstallState,
@@ -293,6 +293,7 @@ class ServerStatus:
     restarts: int | None = None  # automatic restarts since the last start: systemd's NRestarts, the loop's
     last_exit: str = ""  # how the server last ended (systemd: with the unit's Result)
     transport: str = "tcp"  # rpc_transport: how the controller reaches the server
+    user: str | None = None  # the user the running server runs as (None: not running, or unknown)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -309,6 +310,7 @@ class ServerStatus:
             "supervisor": self.supervisor,
             "restarts": self.restarts,
             "last_exit": self.last_exit,
+            "user": self.user,
         }
 
 
@@ -387,6 +389,11 @@ def classify(
         restarts, last_exit = state.unit.restarts, state.unit.last_exit()
     elif state.supervisor == "process" and svc.loop.state:
         restarts, last_exit = svc.loop.restarts, svc.loop.last
+    user = None
+    if svc.ours and systemd and state.unit is not None:
+        user = (state.systemd.login if state.systemd else None) if state.unit.user else SERVICE_USER
+    elif svc.ours and svc.launch is not None:
+        user = svc.launch.user
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
@@ -401,6 +408,7 @@ def classify(
         supervisor=state.supervisor,
         restarts=restarts,
         last_exit=last_exit,
+        user=user,
     )
 
 

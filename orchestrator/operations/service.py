@@ -33,6 +33,7 @@ from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, nod
 from orchestrator.operations.process import (
     launch_drift,
     refuse_if_busy,
+    run_as_warning,
     start_server,
     stop_server,
     unit_text,
@@ -157,6 +158,9 @@ async def ensure_state(
         if warning:
             warnings.append(warning)
     state = state or await read_node_state(conn, host)
+    root = run_as_warning(host, state) if want != "stopped" else None
+    if root:
+        warnings.append(root)
     stale: tuple[str, ...] = ()
     if not check:
         state, closed, stale = await without_stale_clients(conn, host, state)
@@ -391,7 +395,8 @@ async def deploy(
         )
         state = dataclasses.replace(state, install=install)
     service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
-    warnings = (warning,) if warning else ()
+    # The server's warnings (root, closed stale clients) too; the bind's only once.
+    warnings = tuple(dict.fromkeys([*((warning,) if warning else ()), *service.warnings]))
     return DeployResult(change, service, service.after or service.status, warnings)
 
 

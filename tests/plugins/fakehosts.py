@@ -290,6 +290,9 @@ def fake_hosts(
         port = server.get_port()
         known_hosts = workdir / "known_hosts"
         known_hosts.write_text(known_hosts_line(address, port, host_key))
+        # The host is this machine, its accounts this machine's: the server runs as the test user, and no
+        # dedicated user is made here (tier 2 covers that, on nodes with their own accounts).
+        host_fields.setdefault("rpc_run_as", getpass.getuser())
         host = Host(
             name=name,
             address=address,
