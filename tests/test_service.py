@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,9 @@ def test_classify() -> None:
     assert classify(H, running, _probe(Outcome.OK)).protocol == "7.0.0"
     # the protocol has its own column in `status`: the detail does not say it again
     assert classify(H, running, _probe(Outcome.OK, "protocol 7.0.0, 1 device(s)")).message == "1 device(s)"
+    # what `status` really has: a HELLO-only probe, which lists no devices (not "no devices")
+    hello_only = replace(_probe(Outcome.OK, "protocol 7.0.0"), devices=())
+    assert classify(H, running, hello_only).message == "answers HELLO"
     assert classify(H, running, _probe(Outcome.BUSY)).state == "busy"
     unhealthy = classify(H, running, _probe(Outcome.TIMEOUT, "no reply"))
     assert unhealthy.state == "unhealthy" and "no reply" in unhealthy.message

@@ -375,9 +375,10 @@ def classify(
     elif probe is None:
         server, message = "running", "not probed (bound to the node's loopback)"
     elif probe.outcome is Outcome.OK:
-        # The protocol has a field of its own; the detail says what else the HELLO told.
+        # The protocol has a field of its own. `status` sends HELLO only (`probe_server`): no device
+        # count to tell unless a fuller probe was made.
         count = len(probe.devices)
-        server, message = "running", f"{count} device(s)" if count else "the server reports no devices"
+        server, message = "running", f"{count} device(s)" if count else "answers HELLO"
         protocol = str(probe.version) if probe.version else protocol
     elif probe.outcome is Outcome.BUSY:
         server, message = "busy", probe.message
