@@ -649,3 +649,23 @@ def test_repair_without_a_lab_is_a_usage_error(tmp_path: Path) -> None:
         assert message in result.stderr and "Traceback" not in result.stderr
     assert "rpcfleet lab up" in cli("lab", "repair").stderr
     assert not (tmp_path / "lab" / "lab").exists()  # nothing made
+
+
+@pytest.mark.lab
+def test_an_sshd_listening_without_its_pid_file_is_the_nodes_not_a_second_one(
+    make_lab: MakeLab, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sshd writes its pid file a moment after it listens: a check in between (a repair right after a
+    power cut) once started a second sshd, which failed to bind, and left the node unrepairable. The
+    listener is the node's own sshd: it is adopted, never doubled."""
+    made = make_lab(2)
+    for round_no in range(20):
+        index = round_no % 2 + 1
+        node = made.node(index)
+        pid = node.sshd_pid()
+        assert pid is not None
+        node.sshd_pid_file.unlink()  # as between sshd's listen and its pid file
+        assert main(["lab", "repair", "--name", made.name]) == 0, capsys.readouterr().err
+        assert "nothing to repair" in capsys.readouterr().out
+        assert node.sshd_pid() == pid and node.sshd_pid_file.read_text().strip() == str(pid)
+        assert _listeners(made, index) == [pid]

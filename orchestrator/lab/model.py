@@ -152,7 +152,28 @@ class LabNode:
         if self.init == "systemd":
             return systemd.sshd_pid(self)
         pid = _read_pid(self.sshd_pid_file)
-        return pid if pid is not None and _is_sshd(pid, self.sshd_config) else None
+        if pid is not None and _is_sshd(pid, self.sshd_config):
+            return pid
+        return self._adopt_listening_sshd()
+
+    def _adopt_listening_sshd(self) -> int | None:
+        """The node's own sshd listening on :22 without a valid pid file: it writes that file a moment
+        after it listens (a check in between would start a second one), or the file was lost. Its pid
+        is written back."""
+        if self.namespace is None:
+            return None
+        listening = subprocess.run(
+            ["ip", "netns", "exec", self.namespace, "ss", "-Hltnp", f"sport = :{SSH_PORT}"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        ).stdout
+        for pid in sorted({int(found) for found in re.findall(r"pid=(\d+)", listening)}):
+            if _is_sshd(pid, self.sshd_config):
+                write_atomic(self.sshd_pid_file, f"{pid}\n")
+                return pid
+        return None
 
     def holder_pid(self) -> int | None:
         pid = _read_pid(self.holder_pid_file)
