@@ -23,6 +23,7 @@ from orchestrator.core.files import write_atomic
 from orchestrator.core.fnv import cache_name, hash_file_range
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.planning.plan import Plan
+from orchestrator.planning.profile import read_tensors
 
 HASH_THRESHOLD = 10 * 1024 * 1024  # ggml-rpc.cpp: tensors strictly larger than this use the cache
 
@@ -49,12 +50,9 @@ class CacheTensor:
 
 def gguf_tensors(paths: Iterable[Path]) -> list[TensorSlice]:
     """Every tensor of the model's shards with its absolute data offset."""
-    import gguf
-
     out: list[TensorSlice] = []
     for path in paths:
-        reader = gguf.GGUFReader(str(path), "r")
-        out += [TensorSlice(t.name, Path(path), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+        out += [TensorSlice(t.name, Path(path), t.data_offset, t.n_bytes) for t in read_tensors(Path(path))]
     return out
 
 

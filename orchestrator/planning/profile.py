@@ -94,6 +94,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     n_bytes: int
     shard: int = 0
+    data_offset: int = 0  # where its data starts in its shard's file (absolute)
 
 
 @dataclass(frozen=True)
@@ -326,8 +327,14 @@ def _parse(buf: mmap.mmap, path: Path, shard: int, size: int) -> _Header:
                 f"{path}: truncated: tensor {name} ends at byte {data_start + offset + n_bytes}, "
                 f"file has {size}"
             )
-        tensors.append(TensorInfo(name, type_name, shape, n_bytes, shard))
+        tensors.append(TensorInfo(name, type_name, shape, n_bytes, shard, data_start + offset))
     return _Header(path, metadata, tensors, size)
+
+
+def read_tensors(path: Path) -> list[TensorInfo]:
+    """The tensors of one GGUF file with their data offsets, from its header alone (fast: gguf-py's
+    reader would turn every vocabulary entry into Python objects first)."""
+    return _read_header(path, 0).tensors
 
 
 def shard_paths(path: Path) -> tuple[Path, ...]:
