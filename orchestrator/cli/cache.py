@@ -126,6 +126,14 @@ def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
     run = _session_run(args, chosen, warm_step(items, _common.operation_options(args)), "cache-warm")
     phases["upload"] = time.monotonic() - t
     _report(args, run, "warm", phases=phases)
+    if not args.json and not any(items.values()):
+        from orchestrator.llama.cache_plan import HASH_THRESHOLD
+
+        _common.err_console.print(
+            f"nothing to warm: no tensor of {escape(str(args.model))} planned for these nodes is larger than "
+            f"{format_size(HASH_THRESHOLD)}, and llama.cpp sends smaller ones as they are (never cached)",
+            highlight=False,
+        )
     return _common.exit_status([run])
 
 
