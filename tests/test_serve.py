@@ -195,6 +195,61 @@ def test_an_empty_key_in_the_environment_is_refused(tiny_model: Path, tmp_path: 
     assert done.returncode == 2 and "--api-key is empty" in done.stderr, done.stderr
 
 
+def _stream_events(base: str, key: str, tokens: int, first: threading.Event) -> list[dict[str, Any]]:
+    """A streamed completion's events, as they come (`first` set at the first one)."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    body = {"prompt": "hello", "max_tokens": tokens, "temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), headers, method="POST"
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        for line in answer:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                events.append(json.loads(line[len(b"data: ") :]))
+                first.set()
+    return events
+
+
+def test_a_reload_serves_the_queued_requests_it_waits_for(
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    """The drain waits for every admitted request: one streaming and two queued behind it; the queued two
+    are served when their turn comes during the drain, not ended with a 503."""
+    key = "drain-key"
+    _, base = local_serve("--queue", "4", env={"RPCFLEET_API_KEY": key})
+    results: list[list[dict[str, Any]]] = []
+    firsts = [threading.Event() for _ in range(3)]
+
+    def one(i: int) -> None:
+        results.append(_stream_events(base, key, 300 if i == 0 else 8, firsts[i]))
+
+    threads = [threading.Thread(target=one, args=(0,))]
+    threads[0].start()
+    assert firsts[0].wait(30)
+    threads += [threading.Thread(target=one, args=(i,)) for i in (1, 2)]
+    for thread in threads[1:]:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while _http(f"{base}/health", key)[1]["queue"]["admitted"] < 3:
+        assert time.monotonic() < deadline, "the two requests were not queued"
+        time.sleep(0.01)
+    code, answer = _http(f"{base}/admin/reload", key, b"{}")
+    assert code == 202, answer
+    health = _http(f"{base}/health", key)[1]
+    assert health["status"] == "draining" and health["queue"]["admitted"] >= 2, health  # they still wait
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 3
+    for events in results:
+        assert "error" not in events[-1], events[-1]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    deadline = time.monotonic() + 60
+    while (health := _http(f"{base}/health", key)[1])["reloads"] != 1 or health["status"] != "ready":
+        assert time.monotonic() < deadline, health
+        time.sleep(0.1)
+
+
 KEY = "s3cret"
 LONG = 2000  # tokens of a random model: mostly bytes that are no UTF-8 (llama-cpp-python's stream: hours)
 BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here)

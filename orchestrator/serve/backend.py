@@ -226,7 +226,8 @@ class Backend:
         self, job: Job, op: str, payload: Any, max_tokens: int, temperature: float, seed: int | None
     ) -> None:
         worker = self._worker
-        if worker is None or self.state not in SERVING:
+        # A drain waits for the requests it admitted, those queued behind the gate too: they are served.
+        if worker is None or self.state not in (*SERVING, "draining"):
             job.put(Failure(503, self._unavailable(), "unavailable", retry_after=self.config.retry_after))
             return
         seed = self.config.seed if seed is None else seed
