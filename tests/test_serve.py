@@ -328,3 +328,99 @@ def test_a_random_models_long_stream_is_its_whole_answer_in_bounded_time(
     finally:
         process.terminate()
         process.wait(30)
+
+
+def _wait_status(
+    base: str, process: subprocess.Popen[bytes], log: Path, states: set[str], limit: float
+) -> Any:
+    """Poll /health until its status is in `states` (serve still running); returns it."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            health = _http(f"{base}/health")[1]
+        except (urllib.error.URLError, ConnectionError):
+            health = {"status": None}
+        if health["status"] in states:
+            return health
+        time.sleep(0.1)
+    raise AssertionError(f"/health never reached {states} in {limit} s: {log.read_text()[-3000:]}")
+
+
+def _status(base: str) -> str:
+    return str(_http(f"{base}/health")[1]["status"])
+
+
+def _up(base: str) -> dict[str, int]:
+    """rpcfleet_endpoint_up of /metrics: endpoint -> 0 or 1."""
+    request = urllib.request.Request(f"{base}/metrics")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        text = answer.read().decode()
+    up = {}
+    for line in text.splitlines():
+        if line.startswith("rpcfleet_endpoint_up{"):
+            up[line.split('"')[1]] = int(line.rsplit(" ", 1)[1])
+    return up
+
+
+def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
+    start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two real local servers, the second not started yet: serve is degraded on one; once the second
+    server answers, the watch takes it back without an operator (no reload)."""
+    first = start_rpc_server()
+    later = free_port()
+    hosts = {"n1": {"rpc_port": first.port}, "n2": {"rpc_port": later}}
+    inventory = write_local_inventory(tmp_path / "inv.yml", hosts)
+    port, log = free_port(), tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
+    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1"]
+    environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=environment | {"RPCFLEET_HOME": str(tmp_path)}
+        )
+    base, missing = f"http://127.0.0.1:{port}", f"127.0.0.1:{later}"
+    try:
+        health = _wait_status(base, process, log, {"degraded", "ready"}, 90)
+        assert health["status"] == "degraded" and health["plan"]["endpoints"] == [first.endpoint], health
+        assert health["lost"] == [missing] and {"endpoint": missing, "state": "refused"} in health["nodes"]
+        assert _up(base) == {first.endpoint: 1, missing: 0}
+        time.sleep(2.5)  # two watch rounds find nothing: still degraded, nothing reloaded
+        health = _http(f"{base}/health")[1]
+        assert health["status"] == "degraded" and health["last_rejoin"] is None, health
+        # Requests one after the other, with short gaps (the idle moments the rejoin takes) throughout:
+        # each one is served, before, during (waiting in the queue) or after the rejoin, none cut.
+        done, answers = threading.Event(), []
+
+        def ask() -> None:
+            while not done.is_set() or len(answers) < 20:
+                body = {"prompt": "hello", "max_tokens": 2}
+                answers.append((_post(base, "/v1/completions", body, time.monotonic()), _status(base)))
+                time.sleep(0.05)
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        start_rpc_server(port=later)
+        started = time.monotonic()
+        health = _wait_status(base, process, log, {"ready"}, 60)
+        took = time.monotonic() - started
+        done.set()
+        asking.join(120)
+        assert not asking.is_alive() and len(answers) >= 20, answers
+        assert all(text and finish == "length" for (text, finish, _), _ in answers), answers
+        assert {status for _, status in answers} == {"degraded", "ready"}, answers  # asked all along
+        assert health["plan"]["endpoints"] == [first.endpoint, missing] and health["lost"] == [], health
+        assert all(n["state"] == "serving" for n in health["nodes"]), health
+        assert health["last_rejoin"]["back"] == [missing] and health["reloads"] == 0, health
+        assert _up(base) == {first.endpoint: 1, missing: 1}
+        text, finish, _ = _post(base, "/v1/completions", {"prompt": "hello", "max_tokens": 4}, started)
+        assert text and finish == "length", text  # served on both nodes
+        assert took < 30, took
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -116,7 +116,7 @@ def _http(request: urllib.request.Request) -> tuple[int, str]:
 def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[Served] = []
 
-    def start(*extra: str) -> Served:
+    def start(*extra: str, until: frozenset[str] = frozenset({"ready"})) -> Served:
         port = free_port()
         log = tmp_path / f"serve-{port}.log"
         argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(serve_lab.inventory)]
@@ -136,10 +136,10 @@ def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -
                 assert process.poll() is None, log.read_text()
                 time.sleep(0.1)
                 continue
-            if with_health["status"] == "ready":
+            if with_health["status"] in until:
                 return served
             time.sleep(0.1)
-        raise AssertionError(f"serve not ready within 60 s: {log.read_text()}")
+        raise AssertionError(f"serve not {set(until)} within 60 s: {log.read_text()}")
 
     yield start
     for served in started:
@@ -245,7 +245,7 @@ def _lose_a_node_during_a_stream(served: Served, lose: Any, limit: float) -> dic
 def test_a_node_killed_during_a_stream_is_named_and_serving_resumes_on_the_other_two(
     serve_lab: Lab, fleet: list[Host], serve: Any
 ) -> None:
-    served: Served = serve()
+    served: Served = serve("--rejoin-interval", "0")  # the supervisor brings the server back: no rejoin
     victim = fleet[1]
     load = served.health()["load_seconds"]
     out = _lose_a_node_during_a_stream(
@@ -381,7 +381,8 @@ def _lose_the_client_behind_a_drop(lab: Lab, served: Served, victim: Host) -> st
 def test_a_client_gone_behind_a_dropped_port_is_stale_and_the_node_serves_again(
     serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    served: Served = serve("--link-timeout", "4", "--timeout", "2")
+    # no watch: its probes of the stale node would be among the peers that the test reads
+    served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "0")
     victim = fleet[1]
     server_pid = _server_pid(serve_lab, victim)
 
@@ -422,7 +423,7 @@ def test_a_client_gone_behind_a_dropped_port_is_stale_and_the_node_serves_again(
 def test_a_new_load_uses_a_node_whose_client_is_gone(
     serve_lab: Lab, fleet: list[Host], serve: Any, tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    served: Served = serve("--link-timeout", "4", "--timeout", "2")
+    served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "0")
     victim = fleet[2]
     dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
     served.process.send_signal(signal.SIGINT)  # the other two servers are free for the load
@@ -501,3 +502,112 @@ def test_a_live_client_is_never_taken_for_a_stale_one(
     health = served.health()
     assert health["status"] == "ready" and health["worker_pid"] == worker and not health["last_recovery"]
     assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
+
+
+def _up(served: Served) -> dict[str, int]:
+    """rpcfleet_endpoint_up of /metrics: endpoint -> 0 or 1."""
+    code, text = served.get("/metrics")
+    assert code == 200, text
+    lines = [line for line in text.splitlines() if line.startswith("rpcfleet_endpoint_up{")]
+    return {line.split('"')[1]: int(line.rsplit(" ", 1)[1]) for line in lines}
+
+
+def _node_state(health: dict[str, Any], endpoint: str) -> str:
+    return next(str(n["state"]) for n in health["nodes"] if n["endpoint"] == endpoint)
+
+
+def _wait_rejoining(served: Served, phase: str, limit: float) -> dict[str, Any]:
+    """Poll /health until a rejoin is in `phase`; returns that health."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        health = served.health()
+        if (health["rejoining"] or {}).get("phase") == phase:
+            return health
+        assert served.process.poll() is None, served.log.read_text()[-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"no rejoin {phase!r} within {limit} s: {served.health()}")
+
+
+def test_a_killed_server_that_its_supervisor_restarts_is_taken_back_without_an_operator(
+    serve_lab: Lab, fleet: list[Host], serve: Any
+) -> None:
+    served: Served = serve("--rejoin-interval", "2")
+    victim = fleet[1]
+    others = [h.endpoint for h in fleet if h is not victim]
+    server = psutil.Process(_server_pid(serve_lab, victim))
+    loop = server.parent()
+    assert loop is not None and "rpc-supervise" in " ".join(loop.cmdline()), loop
+    # The supervisor restarts a killed server within a second: it is held meanwhile, so that the request
+    # below finds the node gone and serve goes on with two.
+    loop.suspend()
+    try:
+        server.kill()  # serve is idle: no request in flight
+        deadline = time.monotonic() + 10
+        while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(openai.APIStatusError) as caught:
+            served.client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert caught.value.status_code == 503 and victim.endpoint in str(caught.value), caught.value
+        health, _, _ = served.wait({"degraded"}, 60)
+        assert health["plan"]["endpoints"] == others and health["lost"] == [victim.endpoint], health
+        time.sleep(5)  # watch rounds find the node down: still degraded, no rejoin
+        health = served.health()
+        assert health["status"] == "degraded" and health["last_rejoin"] is None, health
+        assert _node_state(health, victim.endpoint) == "refused", health
+        assert _up(served)[victim.endpoint] == 0
+    finally:
+        loop.resume()
+    resumed = time.monotonic()
+    health, seen, _ = served.wait({"ready"}, 60)  # the supervisor restarts it; serve takes it back
+    took = time.monotonic() - resumed
+    assert _server_pid(serve_lab, victim) != server.pid  # a new server, started by the supervisor
+    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet] and health["lost"] == [], health
+    assert all(n["state"] == "serving" for n in health["nodes"]), health
+    assert health["last_rejoin"]["back"] == [victim.endpoint] and health["reloads"] == 0, health
+    assert health["pid"] == served.process.pid and not health["rejoining"], health
+    answer = served.client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+    assert answer.choices[0].text and answer.usage is not None and answer.usage.completion_tokens == 8
+    assert _up(served) == {h.endpoint: 1 for h in fleet}
+    _, metrics = served.get("/metrics")
+    assert "rpcfleet_rejoins_total 1" in metrics and 'rpcfleet_state{state="ready"} 1' in metrics
+    assert took < 60, (took, seen)
+
+
+def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_flight(
+    serve_lab: Lab, fleet: list[Host], serve: Any
+) -> None:
+    victim = fleet[2]
+    others = [h.endpoint for h in fleet if h is not victim]
+    inventory = str(serve_lab.inventory)
+    assert main(["-i", inventory, "stop", "-l", victim.name]) == 0
+    served: Served = serve("--rejoin-interval", "2", until=frozenset({"degraded"}))
+    health = served.wait({"degraded"}, 60)[0]
+    assert health["plan"]["endpoints"] == others and health["lost"] == [victim.endpoint], health
+    assert _node_state(health, victim.endpoint) == "refused", health
+    assert _up(served)[victim.endpoint] == 0
+
+    stream = _stream(served)
+    chunks = [next(iter(stream))]
+    assert main(["-i", inventory, "start", "-l", victim.name]) == 0
+    # The watch sees the node answer while the stream runs: the rejoin waits for it to end.
+    waiting = _wait_rejoining(served, "waiting for idle", 30)
+    assert waiting["status"] == "degraded" and waiting["plan"]["endpoints"] == others, waiting
+    assert waiting["rejoining"]["back"] == [victim.endpoint], waiting
+    assert _node_state(waiting, victim.endpoint) == "ok" and _up(served)[victim.endpoint] == 1
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"  # the request in flight was not cut
+    assert sum(len(c.choices[0].text) for c in chunks) > 100
+    # A request that arrives while the model is loaded again waits in the queue, then gets its answer.
+    loading = _wait_rejoining(served, "loading", 30)
+    assert loading["status"] == "degraded", loading
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(
+            served.client.completions.create, model="tiny", prompt="hi", max_tokens=4, temperature=0
+        )
+        assert queued.result(120).choices[0].text
+    health = served.health()
+    assert health["status"] == "ready" and health["plan"]["endpoints"] == [h.endpoint for h in fleet]
+    assert health["last_rejoin"]["back"] == [victim.endpoint] and health["reloads"] == 0, health
+    assert health["last_rejoin"]["idle_wait"] > 0, health
+    assert _up(served) == {h.endpoint: 1 for h in fleet}

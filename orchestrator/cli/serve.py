@@ -83,6 +83,14 @@ def register(subparsers: Any) -> None:
         help="seconds a cut link may stall the worker before it is declared lost (default: 10)",
     )
     parser.add_argument(
+        "--rejoin-interval",
+        type=_common.flag(seconds_or_zero),
+        default=5.0,
+        metavar="S",
+        help="while degraded, seconds between two probes of the nodes left out; one that answers again "
+        "is taken back at the next idle moment (re-plan and load, as a reload); 0: never (default: 5)",
+    )
+    parser.add_argument(
         "--reload-rolling",
         action="store_true",
         help="a SIGHUP reload also restarts the fleet's servers one at a time (restart --rolling)",
@@ -90,6 +98,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="default sampling seed (default: 0)")
     _common.add_inventory_args(parser)
     parser.set_defaults(handler=handle)
+
+
+def seconds_or_zero(value: str) -> float:
+    """A number of seconds, or 0 (off)."""
+    try:
+        if float(value) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return fields.seconds(value)
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:
@@ -150,6 +168,7 @@ def handle(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
         recover_timeout=args.recover_timeout,
         link_timeout=args.link_timeout,
+        rejoin_interval=args.rejoin_interval,
         seed=args.seed,
     )
     first = fleet.plan_round()  # a model that does not fit at start is an error, not a wait
@@ -161,6 +180,7 @@ def handle(args: argparse.Namespace) -> int:
             f"cannot serve {args.model}: {first.reason} ({states})", hint="rpcfleet plan shows why"
         )
     backend = Backend(fleet, config)
+    backend.nodes.update(first.states)  # a node down at start shows why until the watch probes it
     app = create_app(backend, api_key=api_key, model_name=args.model_name or args.model.stem)
     server = uvicorn.Server(
         uvicorn.Config(

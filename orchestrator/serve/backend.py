@@ -14,6 +14,13 @@ endpoints; the backend then re-probes the fleet and loads a new plan on the node
 the model fits there (so either on the remaining nodes, or once the lost node is back). Every wait is
 bounded: probes by the fleet's probe timeout, loads by `load_timeout`, the whole recovery by
 `recover_timeout`.
+
+Rejoin: while `degraded`, a watch probes the selected nodes that the plan leaves out (only those: the
+serving ones are held by the worker) every `rejoin_interval` seconds with the fleet probe's rules (a
+server with a client is `busy` and left alone). When one answers `ok`, the backend waits for an idle
+moment (nothing admitted), takes the worker's gate so that requests admitted from then on wait in the
+queue, unloads, re-plans on every node that answers and loads, as a reload does. A node that this
+re-plan leaves out anyway is not tried again until it has stopped answering once.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from orchestrator.llama.worker import (
 )
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.fleet import PlanRound, ServeFleet
-from orchestrator.serve.metrics import Metrics, Recovery
+from orchestrator.serve.metrics import Metrics, Recovery, Rejoin
 
 SERVING = frozenset({"ready", "degraded"})
 
@@ -60,6 +67,7 @@ class ServeConfig:
     retry_interval: float = 1.0  # seconds between two recovery rounds
     drain_timeout: float = 300.0  # seconds a reload waits for admitted requests
     retry_after: int = 2  # the Retry-After of a 503 (seconds)
+    rejoin_interval: float = 5.0  # seconds between two probes of the nodes left out (0: no watch)
     seed: int = 0
     log_dir: Path | None = None
 
@@ -132,6 +140,8 @@ class Backend:
         self._admitted = 0
         self._control = threading.Lock()  # one load, recovery or reload at a time
         self._stopping = threading.Event()
+        self.rejoining: dict[str, Any] | None = None  # the rejoin under way: endpoints, phase
+        self._declined: set[str] = set()  # answered, yet a rejoin's plan left them out
         self._last_answer = time.monotonic()
 
     # -- life
@@ -140,6 +150,8 @@ class Backend:
         the thread goes on as a recovery does. It ends serving, or `failed`."""
         thread = threading.Thread(target=self._first_load, args=(plan,), name="serve-load", daemon=True)
         thread.start()
+        if self.config.rejoin_interval > 0:
+            threading.Thread(target=self._watch, name="serve-watch", daemon=True).start()
         return thread
 
     def stop(self) -> None:
@@ -155,6 +167,7 @@ class Backend:
     def health(self) -> dict[str, Any]:
         plan = self.plan
         last = self.metrics.recoveries[-1] if self.metrics.recoveries else None
+        rejoin = self.metrics.rejoins[-1] if self.metrics.rejoins else None
         return {
             "status": self.state,
             "reason": self.reason or None,
@@ -176,6 +189,8 @@ class Backend:
             "lost": list(self.lost),
             "reloads": self.metrics.reloads,
             "last_recovery": None if last is None else last.__dict__ | {"lost": list(last.lost)},
+            "rejoining": self.rejoining,
+            "last_rejoin": None if rejoin is None else rejoin.__dict__ | {"back": list(rejoin.back)},
         }
 
     def endpoint_up(self) -> dict[str, bool]:
@@ -386,6 +401,91 @@ class Backend:
         if self.on_loaded is not None:
             self.on_loaded(plan, {**phases, "load": time.monotonic() - started})
         return True
+
+    # -- the watch of the nodes left out, and their rejoin
+    def _watch(self) -> None:
+        """Every `rejoin_interval` seconds until stopped: one watch round (bounded by the probe's
+        timeout), and a rejoin when a node left out answers."""
+        while not self._stopping.wait(self.config.rejoin_interval):
+            try:
+                self._watch_round()
+            except Exception as exc:  # one failed round must not end the watch
+                get_logger().warning("serve_watch_failed", error=repr(exc))
+
+    def _left_out(self) -> tuple[str, ...]:
+        plan = self.plan
+        if self.state != "degraded" or plan is None:
+            return ()
+        return tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
+
+    def _watch_round(self) -> None:
+        left_out = self._left_out()
+        if not left_out:
+            return
+        try:
+            states = self.fleet.watch(left_out)
+        except RpcfleetError as exc:
+            get_logger().warning("serve_watch_failed", error=exc.message)
+            return
+        with self._cond:
+            if self._left_out() != left_out:  # a recovery or reload ran meanwhile: its states are newer
+                return
+            for ep in left_out:
+                self.nodes[ep] = states.get(ep, "unknown")
+        answering = {ep for ep in left_out if states.get(ep) == "ok"}
+        self._declined &= answering  # one that stopped answering is tried again when it is back
+        back = tuple(ep for ep in left_out if ep in answering and ep not in self._declined)
+        if back:
+            self._rejoin(back)
+
+    def _rejoin(self, back: tuple[str, ...]) -> None:
+        """At the next idle moment: unload, re-plan on every node that answers and load (as a reload, with
+        requests admitted meanwhile waiting in the queue). A failed load goes on as a recovery."""
+        started = time.monotonic()
+        get_logger().info("serve_rejoin_waiting", back=list(back))
+        with self._cond:
+            self.rejoining = {"back": list(back), "phase": "waiting for idle"}
+            while self._admitted and self.state == "degraded" and not self._stopping.is_set():
+                self._cond.wait(0.5)
+            # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
+            if self.state != "degraded" or self._stopping.is_set() or not self._control.acquire(False):
+                self.rejoining = None
+                return
+            self._gate.acquire()  # free: nothing is admitted; requests admitted from now on wait for it
+            worker, self._worker = self._worker, None
+            self.rejoining = {"back": list(back), "phase": "loading"}
+        idle = time.monotonic() - started
+        loaded = False
+        try:
+            if worker is not None:
+                worker.close()
+            result = self._plan_round()
+            record = functools.partial(self._record_rejoin, back, idle, time.monotonic())
+            loaded = result.plan is not None and self._load(result.plan, before_serving=record)
+            if loaded and result.plan is not None:
+                self._declined |= {ep for ep in back if ep not in result.plan.endpoints}
+            elif result.plan is None:
+                self.reason = f"waiting for the fleet: {result.reason}"
+        finally:
+            with self._cond:
+                self.rejoining = None
+                if not loaded:
+                    self.state = "recovering"  # the requests waiting at the gate get 503
+            self._gate.release()
+            self._control.release()
+        if not loaded:
+            get_logger().warning("serve_rejoin_failed", back=list(back), reason=self.reason)
+            self._recover(None)
+
+    def _record_rejoin(self, back: tuple[str, ...], idle: float, load_started: float) -> None:
+        self.metrics.record_rejoin(
+            Rejoin(
+                back=back,
+                idle_wait=round(idle, 6),
+                reload=round(time.monotonic() - load_started, 6),
+                at=time.time(),
+            )
+        )
 
     def _progress(self, progress: LoadProgress) -> None:
         self.load_progress = progress

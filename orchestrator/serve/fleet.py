@@ -36,6 +36,11 @@ def endpoint_of(host: Host) -> str:
     return host.endpoint
 
 
+def states_of(fleet: FleetProbe) -> dict[str, str]:
+    """Endpoint -> probe state; an answering node whose memory is not measured is `unmeasured`."""
+    return {n.endpoint: ("unmeasured" if n.ok and n.untrusted else n.state) for n in fleet.nodes}
+
+
 @dataclass(frozen=True)
 class PlanRound:
     """One probe and plan: the plan (None: nothing fits), the nodes by state, and its timings."""
@@ -75,10 +80,12 @@ class ServeFleet:
             self._profile = profile_model(self.model_path)
         return self._profile
 
-    def probe(self) -> FleetProbe:
+    def probe(self, hosts: Sequence[Host] | None = None) -> FleetProbe:
+        """Probe `hosts` (default: every selected host) with the probe's own rules: bounded by the
+        timeout, a server with a client is `busy` and is left alone."""
         return asyncio.run(
             probe_fleet(
-                self.hosts,
+                self.hosts if hosts is None else hosts,
                 timeout=self.probe_timeout,
                 facts=self.facts,
                 forks=self.forks,
@@ -94,7 +101,7 @@ class ServeFleet:
         if busy and self.release_stale(busy):  # a node held by a dead client of ours: usable again
             fleet = self.probe()
         probed = time.monotonic()
-        states = {n.endpoint: ("unmeasured" if n.ok and n.untrusted else n.state) for n in fleet.nodes}
+        states = states_of(fleet)
         devices = to_plan_devices(fleet, failed="skip")
         if not devices:
             return PlanRound(None, states, probed - started, 0.0, "no node answers")
@@ -114,6 +121,11 @@ class ServeFleet:
                 f"the model does not fit on {len(plan.endpoints)} node(s)",
             )
         return PlanRound(plan, states, probed - started, planned)
+
+    def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
+        """The probe states of `endpoints` only (serve's watch of the nodes it does not use)."""
+        hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
+        return states_of(self.probe(hosts)) if hosts else {}
 
     def release_stale(self, hosts: Sequence[Host]) -> list[str]:
         """Close the connections of `hosts`' servers whose client is proven gone (a worker of this

@@ -24,6 +24,16 @@ class Recovery:
     detected_at: float  # wall clock (time.time()) of the error
 
 
+@dataclass(frozen=True)
+class Rejoin:
+    """One return to more nodes (seconds): the wait for an idle moment, then unload, re-plan and load."""
+
+    back: tuple[str, ...]  # the nodes that answered again
+    idle_wait: float
+    reload: float
+    at: float  # wall clock (time.time()) when serving again
+
+
 @dataclass
 class Metrics:
     """Thread-safe counters. `record_*` are called by the backend and the routes."""
@@ -36,6 +46,7 @@ class Metrics:
     ttft_count: int = 0
     reloads: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
+    rejoins: list[Rejoin] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_request(self, route: str, code: int) -> None:
@@ -59,6 +70,10 @@ class Metrics:
     def record_recovery(self, recovery: Recovery) -> None:
         with self._lock:
             self.recoveries.append(recovery)
+
+    def record_rejoin(self, rejoin: Rejoin) -> None:
+        with self._lock:
+            self.rejoins.append(rejoin)
 
     def render(self, endpoints: Mapping[str, bool], state: str) -> str:
         """The Prometheus text: `endpoints` maps every endpoint of the fleet to up (True) or down."""
@@ -99,6 +114,9 @@ class Metrics:
                 "# HELP rpcfleet_recoveries_total Recoveries after a lost node or a dead worker.",
                 "# TYPE rpcfleet_recoveries_total counter",
                 f"rpcfleet_recoveries_total {len(self.recoveries)}",
+                "# HELP rpcfleet_rejoins_total Returns to more nodes once nodes left out answered again.",
+                "# TYPE rpcfleet_rejoins_total counter",
+                f"rpcfleet_rejoins_total {len(self.rejoins)}",
                 "# HELP rpcfleet_recovery_seconds The last recovery, by phase.",
                 "# TYPE rpcfleet_recovery_seconds gauge",
             ]

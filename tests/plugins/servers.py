@@ -54,11 +54,13 @@ def launch_rpc_server(
     env: Mapping[str, str] | None = None,
     wrapper: Sequence[str] = (),
     log_prefix: str = "rpc",
+    port: int | None = None,
 ) -> LocalServer:
     """Start `binary` (under `wrapper`, e.g. stdbuf) on `host` and a free port, SIGPIPE ignored unless
     told otherwise; wait until it accepts a connection (connect and close without a byte: harmless to
-    the server, unlike an unread HELLO). Its stdout and stderr go to `<log_dir>/<log_prefix>-<port>.log`."""
-    port = free_port(host)
+    the server, unlike an unread HELLO). `port`: that one (default: a free one). Its stdout and stderr go
+    to `<log_dir>/<log_prefix>-<port>.log`."""
+    port = free_port(host) if port is None else port
     log = log_dir / f"{log_prefix}-{port}.log"
     argv = [*wrapper, str(binary), "-H", host, "-p", str(port), *extra]
     line = " ".join(shlex.quote(a) for a in argv)
@@ -94,9 +96,11 @@ def start_rpc_server(rpc_server_binary: Path, tmp_path: Path) -> Iterator[Callab
     """Factory: start a real server on 127.0.0.1 and a free port, SIGPIPE ignored; stopped at teardown."""
     started: list[LocalServer] = []
 
-    def start(*extra: str, host: str = "127.0.0.1", sigpipe_guard: bool = True) -> LocalServer:
+    def start(
+        *extra: str, host: str = "127.0.0.1", sigpipe_guard: bool = True, port: int | None = None
+    ) -> LocalServer:
         server = launch_rpc_server(
-            rpc_server_binary, tmp_path, *extra, host=host, sigpipe_guard=sigpipe_guard
+            rpc_server_binary, tmp_path, *extra, host=host, sigpipe_guard=sigpipe_guard, port=port
         )
         started.append(server)
         return server
