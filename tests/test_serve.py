@@ -424,3 +424,58 @@ def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_a_node_back_is_taken_back_under_continuous_load(
+    start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Three clients asking back to back (always one served and two queued: never an idle moment): once
+    the missing server answers, serve takes it back between two requests, and every request is served."""
+    first = start_rpc_server()
+    later = free_port()
+    inventory = write_local_inventory(
+        tmp_path / "inv.yml", {"n1": {"rpc_port": first.port}, "n2": {"rpc_port": later}}
+    )
+    port, log = free_port(), tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
+    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1"]
+    environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=environment | {"RPCFLEET_HOME": str(tmp_path)}
+        )
+    base = f"http://127.0.0.1:{port}"
+    done, answers, busy = threading.Event(), [], []
+    try:
+        assert _wait_status(base, process, log, {"degraded", "ready"}, 90)["status"] == "degraded"
+
+        def ask() -> None:
+            while not done.is_set():
+                body = {"prompt": "hello", "max_tokens": 32}
+                answers.append(_post(base, "/v1/completions", body, time.monotonic()))
+
+        clients = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
+        for client in clients:
+            client.start()
+        while len(answers) < 3:
+            time.sleep(0.05)
+        while len(busy) < 20:  # the load is continuous: requests admitted at every look
+            busy.append(_http(f"{base}/health")[1]["queue"]["admitted"])
+            time.sleep(0.05)
+        assert min(busy) >= 1, busy
+        start_rpc_server(port=later)
+        health = _wait_status(base, process, log, {"ready"}, 30)
+        assert health["plan"]["endpoints"] == [first.endpoint, f"127.0.0.1:{later}"], health
+        assert health["last_rejoin"]["back"] == [f"127.0.0.1:{later}"] and health["reloads"] == 0, health
+        done.set()
+        for client in clients:
+            client.join(60)
+        assert len(answers) >= 10 and all(text and finish == "length" for text, finish, _ in answers), answers
+    finally:
+        done.set()
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
