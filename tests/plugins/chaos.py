@@ -334,7 +334,10 @@ class Chaos:
         endpoint = self.host(node).endpoint if kind in ("kill9", "cut", "reboot") else None
         record = Fault(kind, node if kind not in ("rolling", "deploy") else None, endpoint, time.monotonic())
         self.say(f"fault {kind}" + (f" on {node}" if record.node else ""))
-        getattr(self, f"_{kind}")(record, node)
+        try:
+            getattr(self, f"_{kind}")(record, node)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # the heal failed: on to the check
+            self.violation(f"{kind}: the fault or its heal failed: {exc}")
         record.healed = time.monotonic()
         record.window_end = max(record.window_end, record.healed)
         record.whole_after = self.wait_whole(self.whole_limit)
