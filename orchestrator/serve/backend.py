@@ -17,10 +17,11 @@ bounded: probes by the fleet's probe timeout, loads by `load_timeout`, the whole
 
 Rejoin: while `degraded`, a watch probes the selected nodes that the plan leaves out (only those: the
 serving ones are held by the worker) every `rejoin_interval` seconds with the fleet probe's rules (a
-server with a client is `busy` and left alone). When one answers `ok`, the backend takes the worker's
-gate after the request being served (in turn with the queued ones, which then wait for the new worker;
-continuous load leaves no idle moment to wait for), unloads, re-plans on every node that answers and loads, as a reload does. A node that this
-re-plan leaves out anyway is not tried again until it has stopped answering once.
+server with a client is `busy` and left alone; one held by a dead worker of ours is released first).
+When one answers `ok`, the backend takes the worker's gate after the request being served (in turn with
+the queued ones, which then wait for the new worker; continuous load leaves no idle moment to wait for),
+unloads, re-plans on every node that answers and loads, as a reload does. A node that this re-plan
+leaves out anyway is not tried again until it has stopped answering once.
 """
 
 from __future__ import annotations
@@ -444,7 +445,7 @@ class Backend:
         started = time.monotonic()
         get_logger().info("serve_rejoin_waiting", back=list(back))
         with self._cond:
-            self.rejoining = {"back": list(back), "phase": "waiting for the request being served"}
+            self.rejoining = {"back": list(back), "phase": "waiting for the worker"}
         # The worker's gate, in turn with the queued requests: continuous load never leaves an idle
         # moment to wait for. One blocking wait (a timed-out one would go back to the queue's end).
         if not self._gate.acquire(timeout=self.config.queue_timeout):
