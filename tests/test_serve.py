@@ -70,6 +70,16 @@ def test_a_public_bind_without_a_key_is_refused(tiny_model: Path, tmp_path: Path
     assert "Traceback" not in done.stderr
 
 
+def test_a_rejoin_interval_that_is_no_number_of_seconds_is_refused(tmp_path: Path) -> None:
+    for bad in ("-1", "soon", "nan"):
+        done = _serve("-m", "model.gguf", "--rejoin-interval", bad, home=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert f"--rejoin-interval: expected 0 (never) or a positive number of seconds, got '{bad}'" in (
+            done.stderr
+        )
+        assert "Traceback" not in done.stderr
+
+
 def test_a_fleet_that_cannot_hold_the_model_is_an_error_at_start(tiny_model: Path, tmp_path: Path) -> None:
     inventory = write_local_inventory(tmp_path / "inv.yml", {"gone": {"rpc_port": free_port()}})
     done = _serve("-i", str(inventory), "-m", str(tiny_model), "--port", str(free_port()), home=tmp_path)

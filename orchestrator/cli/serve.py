@@ -103,11 +103,9 @@ def register(subparsers: Any) -> None:
 def seconds_or_zero(value: str) -> float:
     """A number of seconds, or 0 (off)."""
     try:
-        if float(value) == 0:
-            return 0.0
+        return 0.0 if float(value) == 0 else fields.seconds(value)
     except ValueError:
-        pass
-    return fields.seconds(value)
+        raise ValueError(f"expected 0 (never) or a positive number of seconds, got {value!r}") from None
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:

@@ -166,6 +166,10 @@ class Backend:
         return self._worker.pid if self._worker is not None else None
 
     def health(self) -> dict[str, Any]:
+        with self._cond:  # one snapshot: a state change (under `_cond`) shows whole or not at all
+            return self._health()
+
+    def _health(self) -> dict[str, Any]:
         plan = self.plan
         last = self.metrics.recoveries[-1] if self.metrics.recoveries else None
         rejoin = self.metrics.rejoins[-1] if self.metrics.rejoins else None
@@ -483,6 +487,9 @@ class Backend:
             self._recover(None)
 
     def _record_rejoin(self, back: tuple[str, ...], idle: float, load_started: float) -> None:
+        """Just before the new state shows (under `_cond`): the rejoin is over and recorded, so /health
+        never shows the new plan with the rejoin still under way."""
+        self.rejoining = None
         self.metrics.record_rejoin(
             Rejoin(
                 back=back,
