@@ -205,6 +205,61 @@ def test_an_empty_key_in_the_environment_is_refused(tiny_model: Path, tmp_path: 
     assert done.returncode == 2 and "--api-key is empty" in done.stderr, done.stderr
 
 
+def _stream_events(base: str, key: str, tokens: int, first: threading.Event) -> list[dict[str, Any]]:
+    """A streamed completion's events, as they come (`first` set at the first one)."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    body = {"prompt": "hello", "max_tokens": tokens, "temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), headers, method="POST"
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        for line in answer:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                events.append(json.loads(line[len(b"data: ") :]))
+                first.set()
+    return events
+
+
+def test_a_reload_serves_the_queued_requests_it_waits_for(
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    """The drain waits for every admitted request: one streaming and two queued behind it; the queued two
+    are served when their turn comes during the drain, not ended with a 503."""
+    key = "drain-key"
+    _, base = local_serve("--queue", "4", env={"RPCFLEET_API_KEY": key})
+    results: list[list[dict[str, Any]]] = []
+    firsts = [threading.Event() for _ in range(3)]
+
+    def one(i: int) -> None:
+        results.append(_stream_events(base, key, 300 if i == 0 else 8, firsts[i]))
+
+    threads = [threading.Thread(target=one, args=(0,))]
+    threads[0].start()
+    assert firsts[0].wait(30)
+    threads += [threading.Thread(target=one, args=(i,)) for i in (1, 2)]
+    for thread in threads[1:]:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while _http(f"{base}/health", key)[1]["queue"]["admitted"] < 3:
+        assert time.monotonic() < deadline, "the two requests were not queued"
+        time.sleep(0.01)
+    code, answer = _http(f"{base}/admin/reload", key, b"{}")
+    assert code == 202, answer
+    health = _http(f"{base}/health", key)[1]
+    assert health["status"] == "draining" and health["queue"]["admitted"] >= 2, health  # they still wait
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 3
+    for events in results:
+        assert "error" not in events[-1], events[-1]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    deadline = time.monotonic() + 60
+    while (health := _http(f"{base}/health", key)[1])["reloads"] != 1 or health["status"] != "ready":
+        assert time.monotonic() < deadline, health
+        time.sleep(0.1)
+
+
 KEY = "s3cret"
 LONG = 2000  # tokens of a random model: mostly bytes that are no UTF-8 (llama-cpp-python's stream: hours)
 BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here)
@@ -373,6 +428,61 @@ def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
         assert text and finish == "length", text  # served on both nodes
         assert took < 30, took
     finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_a_node_back_is_taken_back_under_continuous_load(
+    start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Three clients asking back to back (always one served and two queued: never an idle moment): once
+    the missing server answers, serve takes it back between two requests, and every request is served."""
+    first = start_rpc_server()
+    later = free_port()
+    inventory = write_local_inventory(
+        tmp_path / "inv.yml", {"n1": {"rpc_port": first.port}, "n2": {"rpc_port": later}}
+    )
+    port, log = free_port(), tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
+    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1"]
+    environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=environment | {"RPCFLEET_HOME": str(tmp_path)}
+        )
+    base = f"http://127.0.0.1:{port}"
+    done, answers, busy = threading.Event(), [], []
+    try:
+        assert _wait_status(base, process, log, {"degraded", "ready"}, 90)["status"] == "degraded"
+
+        def ask() -> None:
+            while not done.is_set():
+                body = {"prompt": "hello", "max_tokens": 32}
+                answers.append(_post(base, "/v1/completions", body, time.monotonic()))
+
+        clients = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
+        for client in clients:
+            client.start()
+        while len(answers) < 3:
+            time.sleep(0.05)
+        while len(busy) < 20:  # the load is continuous: requests admitted at every look
+            busy.append(_http(f"{base}/health")[1]["queue"]["admitted"])
+            time.sleep(0.05)
+        assert min(busy) >= 1, busy
+        start_rpc_server(port=later)
+        health = _wait_status(base, process, log, {"ready"}, 30)
+        assert health["plan"]["endpoints"] == [first.endpoint, f"127.0.0.1:{later}"], health
+        assert health["last_rejoin"]["back"] == [f"127.0.0.1:{later}"] and health["reloads"] == 0, health
+        done.set()
+        for client in clients:
+            client.join(60)
+        assert len(answers) >= 10 and all(text and finish == "length" for text, finish, _ in answers), answers
+    finally:
+        done.set()
         process.send_signal(signal.SIGINT)
         try:
             process.wait(20)

@@ -591,7 +591,7 @@ def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_
     chunks = [next(iter(stream))]
     assert main(["-i", inventory, "start", "-l", victim.name]) == 0
     # The watch sees the node answer while the stream runs: the rejoin waits for it to end.
-    waiting = _wait_rejoining(served, "waiting for idle", 30)
+    waiting = _wait_rejoining(served, "waiting for the worker", 30)
     assert waiting["status"] == "degraded" and waiting["plan"]["endpoints"] == others, waiting
     assert waiting["rejoining"]["back"] == [victim.endpoint], waiting
     assert _node_state(waiting, victim.endpoint) == "ok" and _up(served)[victim.endpoint] == 1
@@ -611,3 +611,25 @@ def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_
     assert health["last_rejoin"]["back"] == [victim.endpoint] and health["reloads"] == 0, health
     assert health["last_rejoin"]["idle_wait"] > 0, health
     assert _up(served) == {h.endpoint: 1 for h in fleet}
+
+
+def test_a_node_behind_a_cut_link_is_taken_back_once_the_link_is_up_again(
+    serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cut hides the killed worker's reset: the node's server still holds that dead client once the
+    link is back (stale, `busy` to a probe). The watch closes it, as a recovery does, and takes the node
+    back without an operator."""
+    served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "1")
+    victim = fleet[2]
+    server_pid = _server_pid(serve_lab, victim)
+    out = _lose_a_node_during_a_stream(served, lambda: serve_lab.cut_link(victim.name), 40)
+    assert victim.endpoint in out["error"] and out["health"]["status"] == "degraded", out
+    serve_lab.restore_link(victim.name)
+    restored = time.monotonic()
+    health, seen, _ = served.wait({"ready"}, 45)
+    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet] and health["reloads"] == 0, health
+    assert health["last_rejoin"]["back"] == [victim.endpoint], health
+    assert time.monotonic() - restored < 45, seen
+    assert _server_pid(serve_lab, victim) == server_pid  # its connection was closed, not the server
+    assert _status(serve_lab, victim, capsys)["state"] == "busy"  # serve's new worker holds it
+    assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text

@@ -88,7 +88,7 @@ def register(subparsers: Any) -> None:
         default=5.0,
         metavar="S",
         help="while degraded, seconds between two probes of the nodes left out; one that answers again "
-        "is taken back at the next idle moment (re-plan and load, as a reload); 0: never (default: 5)",
+        "is taken back after the request being served (re-plan and load, as a reload); 0: never (default: 5)",
     )
     parser.add_argument(
         "--reload-rolling",

@@ -17,10 +17,11 @@ bounded: probes by the fleet's probe timeout, loads by `load_timeout`, the whole
 
 Rejoin: while `degraded`, a watch probes the selected nodes that the plan leaves out (only those: the
 serving ones are held by the worker) every `rejoin_interval` seconds with the fleet probe's rules (a
-server with a client is `busy` and left alone). When one answers `ok`, the backend waits for an idle
-moment (nothing admitted), takes the worker's gate so that requests admitted from then on wait in the
-queue, unloads, re-plans on every node that answers and loads, as a reload does. A node that this
-re-plan leaves out anyway is not tried again until it has stopped answering once.
+server with a client is `busy` and left alone; one held by a dead worker of ours is released first).
+When one answers `ok`, the backend takes the worker's gate after the request being served (in turn with
+the queued ones, which then wait for the new worker; continuous load leaves no idle moment to wait for),
+unloads, re-plans on every node that answers and loads, as a reload does. A node that this re-plan
+leaves out anyway is not tried again until it has stopped answering once.
 """
 
 from __future__ import annotations
@@ -245,7 +246,8 @@ class Backend:
         self, job: Job, op: str, payload: Any, max_tokens: int, temperature: float, seed: int | None
     ) -> None:
         worker = self._worker
-        if worker is None or self.state not in SERVING:
+        # A drain waits for the requests it admitted, those queued behind the gate too: they are served.
+        if worker is None or self.state not in (*SERVING, "draining"):
             job.put(Failure(503, self._unavailable(), "unavailable", retry_after=self.config.retry_after))
             return
         seed = self.config.seed if seed is None else seed
@@ -442,19 +444,23 @@ class Backend:
             self._rejoin(back)
 
     def _rejoin(self, back: tuple[str, ...]) -> None:
-        """At the next idle moment: unload, re-plan on every node that answers and load (as a reload, with
-        requests admitted meanwhile waiting in the queue). A failed load goes on as a recovery."""
+        """Between two requests: unload, re-plan on every node that answers and load (as a reload, with
+        the requests queued meanwhile waiting for the new worker). A failed load goes on as a recovery."""
         started = time.monotonic()
         get_logger().info("serve_rejoin_waiting", back=list(back))
         with self._cond:
-            self.rejoining = {"back": list(back), "phase": "waiting for idle"}
-            while self._admitted and self.state == "degraded" and not self._stopping.is_set():
-                self._cond.wait(0.5)
+            self.rejoining = {"back": list(back), "phase": "waiting for the worker"}
+        # The worker's gate, in turn with the queued requests: continuous load never leaves an idle
+        # moment to wait for. One blocking wait (a timed-out one would go back to the queue's end).
+        if not self._gate.acquire(timeout=self.config.queue_timeout):
+            self.rejoining = None
+            return
+        with self._cond:
             # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
             if self.state != "degraded" or self._stopping.is_set() or not self._control.acquire(False):
                 self.rejoining = None
+                self._gate.release()
                 return
-            self._gate.acquire()  # free: nothing is admitted; requests admitted from now on wait for it
             worker, self._worker = self._worker, None
             self.rejoining = {"back": list(back), "phase": "loading"}
         idle = time.monotonic() - started

@@ -123,9 +123,17 @@ class ServeFleet:
         return PlanRound(plan, states, probed - started, planned)
 
     def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
-        """The probe states of `endpoints` only (serve's watch of the nodes it does not use)."""
+        """The probe states of `endpoints` only (serve's watch of the nodes it does not use). A busy one
+        held by a dead worker of ours (a cut link hid its reset) is released first, as `plan_round` does:
+        nothing else would ever free it."""
         hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
-        return states_of(self.probe(hosts)) if hosts else {}
+        if not hosts:
+            return {}
+        fleet = self.probe(hosts)
+        busy = [h for h in hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
+        if busy and self.release_stale(busy):
+            fleet = self.probe(hosts)
+        return states_of(fleet)
 
     def release_stale(self, hosts: Sequence[Host]) -> list[str]:
         """Close the connections of `hosts`' servers whose client is proven gone (a worker of this

@@ -26,7 +26,8 @@ class Recovery:
 
 @dataclass(frozen=True)
 class Rejoin:
-    """One return to more nodes (seconds): the wait for an idle moment, then unload, re-plan and load."""
+    """One return to more nodes (seconds): the wait for the worker (the request being served ends), then
+    unload, re-plan and load."""
 
     back: tuple[str, ...]  # the nodes that answered again
     idle_wait: float

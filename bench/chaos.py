@@ -1,0 +1,142 @@
+"""Benchmark: a chaos soak of `rpcfleet serve` on a 3-node lab (needs root).
+
+    .venv/bin/python bench/chaos.py                      # 10 minutes, seed 0: print the section
+    .venv/bin/python bench/chaos.py --minutes 3 --seed 7 # shorter, another schedule
+    .venv/bin/python bench/chaos.py --write              # and replace its section of BENCHMARKS.md
+
+Brings up a lab of 3 network-namespace nodes with real OpenSSH, deploys the pinned CPU artifact (the
+process supervisor runs each server), starts `rpcfleet serve` with the real Gemma 3 270M in its own
+process, and lets 4 clients (the official `openai` client) stream completions without a pause. Every 20
+to 40 s (seeded) a random fault, healed before the next: a server killed with SIGKILL (the supervisor
+restarts it), a cut link for `--cut-seconds` (veth down, then up), sshd killed (`rpcfleet lab repair`), a
+power cut of a node (`lab repair`, then `rpcfleet start` for it), a rolling restart through serve
+(`POST /admin/reload`), a second operator's `rpcfleet deploy` from another process. The harness and its
+checks are tests/plugins/chaos.py (tests/test_chaos_lab.py runs each fault once).
+
+Pass: nothing hangs past its timeout, every request ends (answered, refused with 503 + Retry-After, or
+failed with a 503 naming the faulted node while in flight at its fault), the fleet is whole (ready on 3
+nodes) after each heal, serve keeps its pid and its descriptors, no server is left an orphan. Exit status
+0 on a pass, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import arg_parser, load_average, stamp, write_section
+
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.netns import privileged
+from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
+from tests.plugins.chaos import FAULTS, Chaos, Result
+
+SECTION = "chaos soak"
+LAB_NAME = "bchaos"
+
+
+def yes(flag: bool) -> str:
+    return "yes" if flag else "**no**"
+
+
+def render(result: Result, args: argparse.Namespace, load: float, clients: int, tokens: int) -> str:
+    minutes, seed, cut = args.minutes, args.seed, args.cut_seconds
+    rows = [
+        f"| requests sent | {len(result.requests)} |",
+        f"| answered | {result.count('answered')} |",
+        f"| refused at admission (503 + Retry-After while recovering or draining; the client retries) "
+        f"| {result.count('refused')} |",
+        f"| failed (in flight at a fault: 503 naming the node) | {result.count('failed')} |",
+        f"| lost (hung past the client's timeout, or cut without its end) | {result.count('lost')} |",
+        f"| longest wait for an answer (first chunk, refusal or error) | {result.longest_wait:.1f} s |",
+        f"| serve's pid unchanged | {yes(result.pid_kept)} |",
+        f"| serve's descriptors, start -> end (settled) | {result.fds[0]} -> {result.fds[1]} |",
+        f"| orphan servers at the end (`rpcfleet status`) | {', '.join(result.orphans) or 'none'} |",
+    ]
+    started = min((r.sent for r in result.requests), default=0.0)
+    faults = []
+    for i, fault in enumerate(result.faults, 1):
+        back = "**not whole**" if fault.whole_after is None else f"{fault.whole_after:.1f} s"
+        faults.append(
+            f"| {i} | {fault.injected - started:.0f} s | {fault.kind} | {fault.node or 'fleet'} | "
+            f"{fault.failed} | {fault.healed - fault.injected:.1f} s | {back} |"
+        )
+    verdict = "**pass**" if result.passed else "**fail**"
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"`bench/chaos.py --minutes {minutes:g} --seed {seed}`: `rpcfleet serve` with Gemma 3 270M Q4_K_M "
+        "on a lab of 3 network-namespace nodes (real OpenSSH, CPU `ggml-rpc-server`s under the process "
+        f"supervisor), {clients} clients streaming {tokens}-token completions without a pause (the official "
+        f"`openai` client), a random fault every 20-40 s (cut link: {cut:g} s), each healed before the next. "
+        f"{stamp()}; 1-min load average {load:.1f} at the start; {result.seconds / 60:.1f} minutes of load.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *rows,
+        "",
+        "| # | at | fault | node | requests failed | fault + heal | whole fleet back after the heal |",
+        "|---|---|---|---|---|---|---|",
+        *faults,
+        "",
+        f"Result: {verdict}, {len(result.violations)} violation(s)."
+        + "".join(f"\n- {v}" for v in result.violations[:20]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--minutes", type=float, default=10.0, help="minutes of load (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="the faults' schedule (default 0)")
+    parser.add_argument("--cut-seconds", type=float, default=20.0, help="a cut link lasts (default 20 s)")
+    args = parser.parse_args()
+    if not privileged():
+        print("bench/chaos.py needs root (network namespaces)", file=sys.stderr)
+        return 2
+    model = cached_path(GEMMA3_270M)
+    if not model.is_file():
+        print(f"Gemma 3 270M is not cached: run `rpcfleet model fetch {GEMMA3_270M.name}`", file=sys.stderr)
+        return 2
+    rng = random.Random(args.seed)
+    reap_stale()
+    load = load_average()
+    started = time.monotonic()
+
+    def say(line: str) -> None:
+        print(f"{time.monotonic() - started:7.1f} s  {line}", file=sys.stderr, flush=True)
+
+    lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid())
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            chaos = Chaos(lab, model, Path(scratch), cut_seconds=args.cut_seconds, say=say)
+            try:
+                chaos.start()
+                deadline = time.monotonic() + args.minutes * 60
+                while True:
+                    gap = rng.uniform(20, 40)
+                    if time.monotonic() + gap > deadline:
+                        chaos.pause(max(0.0, deadline - time.monotonic()))
+                        break
+                    chaos.pause(gap)
+                    chaos.fault(rng.choice(FAULTS), rng.choice(lab.nodes).name)
+                result = chaos.finish()
+            finally:
+                chaos.close()
+    finally:
+        lab_down(LAB_NAME)
+    section = render(result, args, load, chaos.clients, chaos.max_tokens)
+    print(section)
+    if args.write is not None:
+        write_section(args.write, SECTION, section)
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
