@@ -93,6 +93,8 @@ def _main(argv: Sequence[str] | None) -> int:
     from orchestrator.core.errors import InputError, RpcfleetError
     from orchestrator.core.log import configure_logging
 
+    signals.forget()
+
     try:
         args = parse_args(argv)
     except _common.UsageExit as exc:

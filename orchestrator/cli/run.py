@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
+from orchestrator.core import signals
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
@@ -200,6 +201,7 @@ def handle(args: argparse.Namespace) -> int:
         hosts = inventory_hosts(args)
         cache, cache_phases = prepare_cache(args, plan, hosts)
         phases |= cache_phases
+        signals.raise_if_interrupted()  # one swallowed during the probe or the plan: no load follows
         if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
             where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
             _common.err_console.print(
@@ -316,6 +318,7 @@ def generate(
     done: Done | None = None
     try:
         for event in worker.complete(prompt, max_tokens=n, temperature=temp, seed=seed):
+            signals.raise_if_interrupted()
             if isinstance(event, Done):
                 done = event
             elif echo:

@@ -14,6 +14,7 @@ from types import FrameType
 _IMPORT_MACHINERY = "<frozen importlib"
 _RETRY = 0.002  # seconds until a deferred signal is handled again
 _deferred: list[int] = []
+_received: list[int] = []  # the signals this handler turned into KeyboardInterrupt, this command
 
 
 def interrupt(signum: int, frame: FrameType | None) -> None:
@@ -25,7 +26,21 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGALRM, _again)
         signal.setitimer(signal.ITIMER_REAL, _RETRY)
         return
+    _received.append(signum)
     raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt again when a signal came and the command still runs: code that catches
+    BaseException to clean up and carries on (a library, a thread's join) can swallow the first one, and
+    the command must not run on past the next phase boundary."""
+    if _received:
+        raise KeyboardInterrupt
+
+
+def forget() -> None:
+    """A new command starts (the CLI calls `main` once per command line, tests many times)."""
+    _received.clear()
 
 
 def _again(_signum: int, frame: FrameType | None) -> None:
