@@ -337,7 +337,7 @@ def internet_checksum(data: bytes) -> int:
     """RFC 1071: the ones' complement of the ones' complement sum of the 16-bit words."""
     if len(data) % 2:
         data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    total: int = sum(struct.unpack(f"!{len(data) // 2}H", data))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF
