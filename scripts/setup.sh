@@ -131,7 +131,9 @@ import llama_cpp.llama_cpp as ll
 sys.exit(0 if ll.llama_supports_rpc() else 1)
 PY
 
-# Builds that steps 4 and 5 make show as new entries of the artifact store (for the record).
+# Builds that steps 4 and 5 make show as new entries of the artifact store (for the record). The store
+# exists first: under pipefail, a find of a missing folder would end set-up on a fresh machine.
+mkdir -p "$RPCFLEET_HOME/artifacts"
 artifacts_before=$(find "$RPCFLEET_HOME/artifacts" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
 # ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
