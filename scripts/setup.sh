@@ -29,6 +29,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 LOG="$RPCFLEET_HOME/setup.log"
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+# Any other failing command names itself rather than ending set-up in silence.
+trap 'die "scripts/setup.sh line $LINENO: \"$BASH_COMMAND\" failed"' ERR
 
 # ---- 1. system packages -------------------------------------------------------
 missing=()
