@@ -1,0 +1,149 @@
+"""Plans of every model family against what real servers allocate (tiny `model synth --arch` models).
+
+Each family is loaded over the session's three GGML_RPC_DEBUG servers (loopback), with flash attention
+off and on, and every device's allocations are compared with the plan: weights, KV cache and recurrent
+state to the byte, the compute buffer within 10 %. The models are a few MB, so a load takes well under
+a second. One sequence only: this branch's planner has no --parallel yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.llama.loader import load_llama
+from orchestrator.llama.placement import placement_of
+from orchestrator.planning.architectures import VERIFIED
+from orchestrator.planning.plan import PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.planning.strategy import make_plan
+from orchestrator.planning.synth_arch import ARCHES, write_arch_model
+from tests.plugins.llama import DebugServer, plan_devices
+
+COMPUTE_TOLERANCE = 0.10
+
+# Where the compute estimate misses by more than the tolerance (measured, llama.cpp 0.3.36, n_ctx 1024):
+# dense families keep the generic estimate (calibrated on larger llamas): +24 % with flash attention on
+# these tiny models, and +560 % on a device holding only the output layer (no mask is copied there);
+# recurrent layers are planned with an upper bound of their scan buffers (+24 % to +93 %).
+_COMPUTE_GAPS = {
+    "llama": "generic dense estimate: the output-only device is over-predicted (+293 % / +560 %)",
+    "qwen3": "generic dense estimate: the output-only device is over-predicted (+293 % / +560 %)",
+    "gemma3": "generic dense estimate: +24 % with flash attention; swa engineer calibrates gemma",
+    "granitehybrid": "recurrent layers: upper bound of the Mamba-2 scan buffers (+68 % to +93 %)",
+    "mamba2": "recurrent layers: upper bound of the Mamba-2 scan buffers (+24 %)",
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("families")
+    return {arch: write_arch_model(folder / f"{arch}.gguf", arch) for arch in ARCHES}
+
+
+def _load_and_compare(
+    servers: list[DebugServer], model: Path, flash_attn: bool
+) -> list[tuple[str, int, int, str]]:
+    """Load `model` as planned, decode a few tokens, and return per device (label, predicted compute,
+    allocated compute, diagnostics) after asserting weights and KV + state to the byte."""
+    profile = profile_model(model)
+    plan = make_plan(plan_devices(servers), profile, PlanOptions(n_ctx=1024, flash_attn=flash_attn))
+    offsets = [s.log_offset() for s in servers]
+    llm = load_llama(plan, model)
+    try:
+        allocations = [s.allocations_since(o).get(0, []) for s, o in zip(servers, offsets, strict=True)]
+        tokens = []
+        for token in llm.generate(llm.tokenize(b"hello world"), top_k=1, temp=0.0):
+            tokens.append(token)
+            if len(tokens) == 3:
+                break
+        assert len(tokens) == 3  # it decodes
+        placement = placement_of(llm)
+    finally:
+        llm.close()
+    assert placement.layers_as_planned
+    out = []
+    for dev, pdev, sizes in zip(plan.devices, placement.devices, allocations, strict=True):
+        # A server allocates in order: weights, then the KV cache and/or the recurrent state (RS)
+        # buffers, then the compute buffer.
+        weights, *cache, compute = sizes
+        m = dev.memory
+        label = f"{dev.label} layers {dev.layers}"
+        assert weights == m.weights, (label, weights, m.weights)
+        assert sum(cache) == m.kv, (label, cache, m.kv)
+        # The load log's KV + RS lines (0.01 MiB) agree with the servers.
+        assert abs(pdev.actual.kv - m.kv) <= 0.01 * (1 << 20) * max(1, len(cache)), (label, pdev.actual)
+        out.append((label, m.compute, compute, f"{sizes}"))
+    return out
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["fa-off", "fa-on"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_family_weights_kv_and_state_are_predicted_to_the_byte(
+    debug_rpc_servers: list[DebugServer], family_models: dict[str, Path], arch: str, flash_attn: bool
+) -> None:
+    _load_and_compare(debug_rpc_servers, family_models[arch], flash_attn)
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["fa-off", "fa-on"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        pytest.param(a, marks=pytest.mark.xfail(raises=AssertionError, strict=True, reason=_COMPUTE_GAPS[a]))
+        if a in _COMPUTE_GAPS
+        else a
+        for a in ARCHES
+    ],
+)
+def test_family_compute_is_predicted_within_the_tolerance(
+    debug_rpc_servers: list[DebugServer], family_models: dict[str, Path], arch: str, flash_attn: bool
+) -> None:
+    for label, predicted, allocated, sizes in _load_and_compare(debug_rpc_servers, family_models[arch], flash_attn):
+        error = (predicted - allocated) / allocated
+        assert abs(error) <= COMPUTE_TOLERANCE, (label, predicted, allocated, f"{error:+.1%}", sizes)
+
+
+def test_every_synthetic_family_is_verified_and_classified(tmp_path: Path) -> None:
+    families = {}
+    for arch in ARCHES:
+        rules = profile_model(write_arch_model(tmp_path / f"{arch}.gguf", arch)).rules
+        assert rules.verified and arch in VERIFIED
+        families[arch] = rules.family
+    assert families == {
+        "llama": "dense",
+        "qwen3": "dense",
+        "qwen3moe": "MoE",
+        "gemma3": "dense",
+        "gpt-oss": "MoE",
+        "deepseek2": "MLA + MoE",
+        "granitehybrid": "hybrid (recurrent + attention)",
+        "mamba2": "recurrent",
+    }
+
+
+def test_mla_caches_k_only_and_recurrent_layers_hold_state_not_kv(tmp_path: Path) -> None:
+    ds = profile_model(write_arch_model(tmp_path / "ds.gguf", "deepseek2"))
+    # K row: kv_lora_rank 64 + rope 32 = 96 f16 values; no V row.
+    assert ds.rules.mla and ds.kv_bytes_per_token(0) == 96 * 2
+    mamba = profile_model(write_arch_model(tmp_path / "m.gguf", "mamba2"))
+    assert mamba.n_head == (0,) * 4 and mamba.kv_bytes_per_token(0) == 0
+    # r: (d_conv - 1) x (d_inner + 2 groups x d_state) = 3 x 288; s: d_state x d_inner = 16 x 256; f32.
+    assert mamba.rules.state_bytes_per_seq(0) == (3 * 288 + 16 * 256) * 4
+    granite = profile_model(write_arch_model(tmp_path / "g.gguf", "granitehybrid"))
+    assert [granite.rules.is_recurrent(il) for il in range(4)] == [True, True, False, True]
+    assert [granite.kv_bytes_per_token(il) for il in range(4)] == [0, 0, 2 * 64 * 2, 0]
+
+
+def test_an_unknown_architecture_is_planned_and_marked_unverified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = write_arch_model(tmp_path / "x.gguf", "llama", architecture="frobnicator")
+    profile = profile_model(model)
+    assert profile.architecture == "frobnicator" and not profile.rules.verified
+    assert main(["model", "info", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "unverified" in out and "frobnicator" in out
