@@ -102,7 +102,9 @@ def test_family_weights_kv_and_state_are_predicted_to_the_byte(
 def test_family_compute_is_predicted_within_the_tolerance(
     debug_rpc_servers: list[DebugServer], family_models: dict[str, Path], arch: str, flash_attn: bool
 ) -> None:
-    for label, predicted, allocated, sizes in _load_and_compare(debug_rpc_servers, family_models[arch], flash_attn):
+    for label, predicted, allocated, sizes in _load_and_compare(
+        debug_rpc_servers, family_models[arch], flash_attn
+    ):
         error = (predicted - allocated) / allocated
         assert abs(error) <= COMPUTE_TOLERANCE, (label, predicted, allocated, f"{error:+.1%}", sizes)
 
@@ -146,4 +148,25 @@ def test_an_unknown_architecture_is_planned_and_marked_unverified(
     assert profile.architecture == "frobnicator" and not profile.rules.verified
     assert main(["model", "info", str(model)]) == 0
     out = capsys.readouterr().out
-    assert "unverified" in out and "frobnicator" in out
+    assert "family:           dense (unverified)" in out
+    assert "unverified: architecture 'frobnicator' is planned with the generic rules" in out
+    plan = make_plan(plan_devices(["127.0.0.1:1", "127.0.0.1:2"]), profile, PlanOptions(n_ctx=1024))
+    assert plan.notes[0].startswith("unverified: architecture 'frobnicator'")
+    assert "unverified: architecture 'frobnicator'" in plan.to_json()  # the JSON carries the note
+    known = make_plan(
+        plan_devices(["127.0.0.1:1"]), profile_model(write_arch_model(tmp_path / "l.gguf", "llama"))
+    )
+    assert not any("unverified" in n for n in known.notes)
+
+
+def test_model_synth_arch_writes_each_family(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.cli.model import SYNTH_ARCHES
+
+    assert SYNTH_ARCHES == ARCHES
+    for arch in ("mamba2", "deepseek2"):
+        out = tmp_path / f"{arch}.gguf"
+        assert main(["model", "synth", "--arch", arch, "-o", str(out)]) == 0
+        assert profile_model(out).architecture == arch and out.stat().st_size < 4 << 20
+    assert main(["model", "synth", str(tmp_path / "a.gguf"), "-o", str(tmp_path / "b.gguf")]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()

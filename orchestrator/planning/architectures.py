@@ -24,7 +24,9 @@ if TYPE_CHECKING:  # profile.py imports this module
     from orchestrator.planning.profile import ModelProfile
 
 # Families whose plans were compared with real allocations (tests/test_families.py, tests/test_gemma.py).
-VERIFIED = frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2"})
+VERIFIED = frozenset(
+    {"llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2"}
+)
 
 # llama-arch.cpp llm_arch_is_recurrent: every layer recurrent, no attention.
 RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
@@ -210,8 +212,10 @@ def _swa_layers(meta: Mapping[str, Any], arch: str, n_layer: int) -> tuple[bool,
 def _ssm_in(meta: Mapping[str, Any], arch: str, n_head_kv: tuple[int, ...]) -> int:
     a = arch + "."
     d_inner = _int(meta, a + "ssm.inner_size")
-    return 2 * d_inner + 2 * _int(meta, a + "ssm.group_count") * _int(meta, a + "ssm.state_size") + _int(
-        meta, a + "ssm.time_step_rank"
+    return (
+        2 * d_inner
+        + 2 * _int(meta, a + "ssm.group_count") * _int(meta, a + "ssm.state_size")
+        + _int(meta, a + "ssm.time_step_rank")
     )
 
 

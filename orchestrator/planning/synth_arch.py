@@ -316,7 +316,11 @@ _BUILDERS: dict[str, Callable[[], _Spec]] = {
 def _f32(name: str, ne: tuple[int, ...]) -> bool:
     # Norms, biases, SSM parameters and the convolution run as f32 in llama.cpp's graphs.
     base = name.split(".", 2)[-1]
-    return len(ne) == 1 or name.endswith(".bias") or base.startswith(("ssm_a", "ssm_d", "ssm_conv1d", "ssm_norm"))
+    return (
+        len(ne) == 1
+        or name.endswith(".bias")
+        or base.startswith(("ssm_a", "ssm_d", "ssm_conv1d", "ssm_norm"))
+    )
 
 
 def _data(name: str, ne: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
