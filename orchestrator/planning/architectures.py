@@ -265,7 +265,7 @@ def family_compute(
       sliding-window: two masks on gpt-oss's alternating layers; none on a device with no attention
       layer, e.g. only recurrent layers or only the output layer), f32, f16 with flash attention;
     - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 8
-      hidden-state rows; with flash attention about 5 rows;
+      hidden-state rows; with flash attention about 6 rows;
     - dense FFN: 4 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 4 rows + the router's
       logits + gate and up of the experts used for every token (n_expert_used × expert width) + the
       shared experts';
@@ -289,7 +289,7 @@ def family_compute(
     peak = 0
     if attn:
         if opts.flash_attn:
-            peak = 5 * row
+            peak = 6 * row
         else:
             peak = max(profile.n_head[il] for il in attn) * n_ctx_pad * n_tok * f32 + 8 * row
     for il in repeating:

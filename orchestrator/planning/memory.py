@@ -62,7 +62,9 @@ def estimate_compute(
     """
     if not layers:
         return 0
-    if profile.rules.special:  # experts, MLA, recurrent layers: planning/architectures.py
+    if profile.rules.verified and profile.architecture != "llama":
+        # The families compared with llama.cpp's allocations (planning/architectures.py). llama keeps the
+        # estimate below, which its plans and tests were calibrated on.
         copies = SCHED_MAX_COPIES if pipeline_parallel else 1
         return family_compute(profile, layers, n_ctx_pad, opts, copies=copies)
     n_tok = min(n_ctx_pad, opts.n_ubatch)
