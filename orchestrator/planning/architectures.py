@@ -75,6 +75,7 @@ class ArchRules:
     n_embd_s: int = 0  # recurrent SSM/WKV state per sequence, elements
     swa: tuple[bool, ...] = ()  # per layer: sliding-window attention (empty: none)
     ssm_in: int = 0  # width of a recurrent layer's input projection (ssm_in), elements
+    ssm_inner: int = 0  # d_inner of a Mamba-style recurrent layer
 
     @property
     def special(self) -> bool:
@@ -177,6 +178,7 @@ def arch_rules(
     return ArchRules(
         swa=_swa_layers(meta, arch, n_layer),
         ssm_in=_ssm_in(meta, arch, n_head_kv) if recurrent else 0,
+        ssm_inner=_int(meta, a + "ssm.inner_size") if recurrent else 0,
         architecture=arch,
         verified=arch in VERIFIED,
         n_expert=n_expert,
@@ -261,16 +263,19 @@ def family_compute(
 
     inputs × `copies` (GGML_SCHED_MAX_COPIES with pipeline parallelism) plus the largest live set, as
     ggml-alloc reuses memory between them:
-    - inputs: the hidden state coming in, and one KQ mask per kind of attention on the device (full and
-      sliding-window: two masks on gpt-oss's alternating layers; none on a device with no attention
-      layer, e.g. only recurrent layers or only the output layer), f32, f16 with flash attention;
-    - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 8
+    - inputs: the hidden state coming in, and per kind of attention on the device (full and
+      sliding-window: two on gpt-oss's alternating layers; none on a device with no attention layer,
+      e.g. only recurrent layers or only the output layer) a KQ mask (f32, f16 with flash attention)
+      and the K and V cell indices;
+    - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 5
       hidden-state rows; with flash attention about 6 rows;
     - dense FFN: 4 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 4 rows + the router's
       logits + gate and up of the experts used for every token (n_expert_used × expert width) + the
       shared experts';
-    - recurrent (Mamba-2) layers: the input projection, convolution and scan rows: at most 7 × ssm_in
-      (measured 3.2 to 6.8: an upper bound, so the plan over-predicts rather than runs out);
+    - recurrent (Mamba-2) layers: the input projection, convolution and scan rows, 2.5 × ssm_in with one
+      recurrent layer on the device, 3 × with more. Where two recurrent layers meet at a device
+      boundary, ggml's scheduler runs part of the earlier layer on the later device (GGML_SCHED_DEBUG
+      shows the splits): 2 × d_inner rows more come in there, d_inner rows go back, each `copies` times;
     - the output layer: the logits (n_vocab × n_tokens f32) and one row.
     Calibrated against llama.cpp 0.3.36's allocations over loopback RPC (tests/test_families.py).
     """
@@ -285,13 +290,27 @@ def family_compute(
     attn = [il for il in repeating if profile.n_head_kv[il] > 0 and rules.has_kv(il)]
     kinds = {bool(rules.swa) and rules.swa[il] for il in attn}
     mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
-    inputs = (len(kinds) * mask + hidden) * copies
+    # The cells each token's K and V rows go to (int64): without flash attention V is stored transposed,
+    # an index per element (llama-kv-cache.cpp build_input_v_idxs).
+    v_width = 1 if opts.flash_attn else max((profile.n_embd_v_gqa(il) for il in attn), default=0)
+    idxs = n_tok * 8 * (1 + v_width)
+    inputs = (len(kinds) * (mask + idxs) + hidden) * copies
     peak = 0
+    recurrent = [il for il in repeating if rules.is_recurrent(il)]
+    if recurrent:
+        first, last = min(repeating), max(repeating)
+        spill = 0
+        if rules.is_recurrent(first) and first > 0 and rules.is_recurrent(first - 1):
+            spill += 2 * rules.ssm_inner * n_tok * f32
+        if rules.is_recurrent(last) and last + 1 < profile.n_layer and rules.is_recurrent(last + 1):
+            spill += rules.ssm_inner * n_tok * f32
+        inputs += spill * copies
+        peak = (5 if len(recurrent) == 1 else 6) * rules.ssm_in * n_tok * f32 // 2
     if attn:
         if opts.flash_attn:
-            peak = 6 * row
+            peak = max(peak, 6 * row)
         else:
-            peak = max(profile.n_head[il] for il in attn) * n_ctx_pad * n_tok * f32 + 8 * row
+            peak = max(peak, max(profile.n_head[il] for il in attn) * n_ctx_pad * n_tok * f32 + 5 * row)
     for il in repeating:
         dense, expert, shared = _ffn_widths(profile, il)
         ffn = 4 * hidden
@@ -301,8 +320,6 @@ def family_compute(
             ffn += rules.n_expert * n_tok * f32 + 2 * rules.n_expert_used * expert * n_tok * f32
             ffn += 2 * shared * n_tok * f32
         peak = max(peak, ffn)
-        if rules.is_recurrent(il):
-            peak = max(peak, 7 * rules.ssm_in * n_tok * f32)
     if profile.n_layer in layers:
         peak = max(peak, profile.n_vocab * n_tok * f32 + hidden)
     return inputs + peak
