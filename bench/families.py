@@ -63,7 +63,7 @@ def _start(log_dir: Path) -> tuple[list[subprocess.Popen[bytes]], list[int], lis
 
 
 def _measure(
-    model: Path, n_ctx: int, flash_attn: bool, ports: list[int], logs: list[Path]
+    model: Path, n_ctx: int, flash_attn: bool, ports: list[int], logs: list[Path], label: str
 ) -> list[dict[str, Any]]:
     devices = [
         PlanDevice(f"127.0.0.1:{p}", 0, "CPU", total=8 * GiB, free=8 * GiB, usable=8 * GiB) for p in ports
@@ -87,7 +87,8 @@ def _measure(
         m = dev.memory
         rows.append(
             {
-                "family": profile.rules.architecture,
+                "model": label,
+                "n_ctx": n_ctx,
                 "kind": profile.rules.family,
                 "fa": flash_attn,
                 "layers": dev.layers_label,
@@ -101,9 +102,9 @@ def _measure(
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| family | flash attn | device layers | weights: plan / allocated (KiB) | KV + state: plan / allocated "
-        "(KiB) | compute: plan / allocated (KiB) | compute error |",
-        "|---|---|---|---|---|---|---|",
+        "| model (family) | n_ctx | flash attn | device layers | weights: plan / allocated (KiB) "
+        "| KV + state: plan / allocated (KiB) | compute: plan / allocated (KiB) | compute error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = []
@@ -113,8 +114,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
         p, a = r["compute"]
         err = f"{(p - a) / a:+.1%}" if a else "-"
         out.append(
-            f"| {r['family']} ({r['kind']}) | {'on' if r['fa'] else 'off'} | {r['layers']} | {cells[0]} | "
-            f"{cells[1]} | {_kib(p)} / {_kib(a)} | {err} |"
+            f"| {r['model']} ({r['kind']}) | {r['n_ctx']} | {'on' if r['fa'] else 'off'} | {r['layers']} "
+            f"| {cells[0]} | {cells[1]} | {_kib(p)} / {_kib(a)} | {err} |"
         )
     return out
 
@@ -123,6 +124,7 @@ def main() -> None:
     args = arg_parser(__doc__).parse_args()
     load = load_average()
     rows: list[dict[str, Any]] = []
+    with_gemma = False
     with tempfile.TemporaryDirectory(prefix="bench-families-") as tmp:
         folder = Path(tmp)
         procs, ports, logs = _start(folder)
@@ -130,11 +132,12 @@ def main() -> None:
             for arch in ARCHES:
                 model = write_arch_model(folder / f"{arch}.gguf", arch)
                 for fa in (False, True):
-                    rows += _measure(model, N_CTX, fa, ports, logs)
+                    rows += _measure(model, N_CTX, fa, ports, logs, f"synth {arch}")
             gemma = CATALOGUE["gemma3-270m"]
-            if is_fetched(gemma):
+            with_gemma = is_fetched(gemma)
+            if with_gemma:
                 for fa in (False, True):
-                    rows += _measure(cached_path(gemma), N_CTX_GEMMA, fa, ports, logs)
+                    rows += _measure(cached_path(gemma), N_CTX_GEMMA, fa, ports, logs, "Gemma 3 270M Q4_K_M")
         finally:
             for proc in procs:
                 proc.terminate()
