@@ -210,3 +210,48 @@ def test_gemma_compute_is_predicted_within_the_tolerance_at_8k(
     for dev, sizes in zip(plan.devices, allocations, strict=True):
         error = (dev.memory.compute - sizes[-1]) / sizes[-1]
         assert abs(error) <= COMPUTE_TOLERANCE, (dev.label, dev.memory.compute, sizes[-1], f"{error:+.1%}")
+
+
+def test_the_report_marks_an_unknown_architecture_unverified(tmp_path: Path) -> None:
+    from orchestrator.report.build import build_report
+    from orchestrator.report.data import render_json
+    from orchestrator.report.text import render_text
+    from tests.test_report import fleet_of, ok_node
+
+    model = write_arch_model(tmp_path / "x.gguf", "qwen3", architecture="frobnicator")
+    fleet = fleet_of(ok_node("a", "10.0.0.1:50052", [8 << 30]), ok_node("b", "10.0.0.2:50052", [8 << 30]))
+    report = build_report(fleet, [("x.gguf", profile_model(model))], [4096])
+    note = "unverified: architecture 'frobnicator' is planned with the generic rules"
+    assert note in render_text(report) and note in render_json(report)
+
+
+def test_rs_buffer_lines_count_as_the_devices_kv_and_state() -> None:
+    from orchestrator.llama.logs import parse_load_log
+
+    log = parse_load_log(
+        [
+            "llama_kv_cache:   RPC0[127.0.0.1:5000] KV buffer size =     0.25 MiB",
+            "llama_memory_recurrent:   RPC0[127.0.0.1:5000] RS buffer size =     0.02 MiB",
+        ]
+    )
+    assert [(b.kind, b.endpoint, b.mib) for b in log.buffers] == [
+        ("kv", "127.0.0.1:5000", 0.25),
+        ("kv", "127.0.0.1:5000", 0.02),
+    ]
+
+
+def test_shared_kv_layers_and_sequences() -> None:
+    from orchestrator.planning.architectures import arch_rules
+
+    # gemma3n: layers from 20 on reuse earlier layers' cache (models/gemma3n.cpp).
+    rules = arch_rules({}, "gemma3n", 30, 2048, 8, (2,) * 30)
+    assert [rules.has_kv(il) for il in (0, 19, 20, 29)] == [True, True, False, False]
+    rules = arch_rules({"gemma4.attention.shared_kv_layers": 4}, "gemma4", 10, 2048, 8, (2,) * 10)
+    assert [rules.has_kv(il) for il in range(10)] == [True] * 6 + [False] * 4
+    # Recurrent state: max(1, n_seq) rows of r and s, each tensor padded to the buffer's alignment.
+    meta = {"mamba2.ssm.conv_kernel": 4, "mamba2.ssm.inner_size": 256, "mamba2.ssm.state_size": 16}
+    meta |= {"mamba2.ssm.group_count": 1, "mamba2.ssm.time_step_rank": 4}
+    rules = arch_rules(meta, "mamba2", 4, 128, 0, (0,) * 4)
+    assert rules.state_bytes(0, 1, 32) == 3 * 288 * 4 + 16 * 256 * 4
+    assert rules.state_bytes(0, 4, 32) == 4 * rules.state_bytes(0, 1, 32)
+    assert rules.state_bytes(0, 0, 32) == rules.state_bytes(0, 1, 32)
