@@ -269,7 +269,7 @@ def family_compute(
       and the K and V cell indices;
     - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 5
       hidden-state rows; with flash attention about 6 rows;
-    - dense FFN: 4 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 4 rows + the router's
+    - dense FFN: 6 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 4 rows + the router's
       logits + gate and up of the experts used for every token (n_expert_used × expert width) + the
       shared experts';
     - recurrent (Mamba-2) layers: the input projection, convolution and scan rows, 2.5 × ssm_in with one
@@ -315,7 +315,7 @@ def family_compute(
         dense, expert, shared = _ffn_widths(profile, il)
         ffn = 4 * hidden
         if dense:
-            ffn += 2 * dense * n_tok * f32
+            ffn += 2 * hidden + 2 * dense * n_tok * f32
         if expert:
             ffn += rules.n_expert * n_tok * f32 + 2 * rules.n_expert_used * expert * n_tok * f32
             ffn += 2 * shared * n_tok * f32

@@ -46,6 +46,9 @@ def estimate_compute(
 ) -> int:
     """Estimated compute buffer of a device holding `layers` (llama.cpp's worst-case pp graph).
 
+    Verified families use `architectures.family_compute`; what follows is the generic estimate an
+    architecture the planner does not know gets (its plans say `unverified`).
+
     The graph is reserved for n_tokens = min(n_ctx, n_ubatch) tokens against a full KV cache (n_kv =
     n_ctx_pad). ggml-alloc reuses memory, so the buffer is about the inputs plus the largest live set:
     - inputs copied onto the device: the KQ mask (n_kv × n_tokens, f32; f16 with flash attention) and
@@ -62,9 +65,7 @@ def estimate_compute(
     """
     if not layers:
         return 0
-    if profile.rules.verified and profile.architecture != "llama":
-        # The families compared with llama.cpp's allocations (planning/architectures.py). llama keeps the
-        # estimate below, which its plans and tests were calibrated on.
+    if profile.rules.verified:  # the families compared with llama.cpp: planning/architectures.py
         copies = SCHED_MAX_COPIES if pipeline_parallel else 1
         return family_compute(profile, layers, n_ctx_pad, opts, copies=copies)
     n_tok = min(n_ctx_pad, opts.n_ubatch)
