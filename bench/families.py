@@ -152,7 +152,7 @@ def main() -> None:
         f"loopback (GGML_RPC_DEBUG allocation logs), the tiny `model synth --arch` models at n_ctx {N_CTX}"
         + (
             f" and Gemma 3 270M (Q4_K_M) at n_ctx {N_CTX_GEMMA}"
-            if any(r["family"] == "gemma3" and r["kv"][1] > 8 << 20 for r in rows)
+            if with_gemma
             else ""
         )
         + ", one sequence, planned on 8 GiB per device and loaded as planned.",
