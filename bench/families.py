@@ -150,11 +150,7 @@ def main() -> None:
         "",
         f"{stamp()}; load average {load:.2f} at the start. `bench/families.py`: 3 `ggml-rpc-server`s on "
         f"loopback (GGML_RPC_DEBUG allocation logs), the tiny `model synth --arch` models at n_ctx {N_CTX}"
-        + (
-            f" and Gemma 3 270M (Q4_K_M) at n_ctx {N_CTX_GEMMA}"
-            if with_gemma
-            else ""
-        )
+        + (f" and Gemma 3 270M (Q4_K_M) at n_ctx {N_CTX_GEMMA}" if with_gemma else "")
         + ", one sequence, planned on 8 GiB per device and loaded as planned.",
         "",
         f"Weights and KV + recurrent state equal to the byte in {exact} of {2 * len(rows)} cells; compute "

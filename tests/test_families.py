@@ -25,7 +25,6 @@ from tests.plugins.llama import DebugServer, plan_devices
 COMPUTE_TOLERANCE = 0.10
 
 
-
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("families")
