@@ -240,3 +240,26 @@ def test_shared_kv_layers_and_sequences() -> None:
     assert rules.state_bytes(0, 1, 32) == 3 * 288 * 4 + 16 * 256 * 4
     assert rules.state_bytes(0, 4, 32) == 4 * rules.state_bytes(0, 1, 32)
     assert rules.state_bytes(0, 0, 32) == rules.state_bytes(0, 1, 32)
+
+
+def test_model_info_shows_experts_and_recurrent_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    moe = write_arch_model(tmp_path / "moe.gguf", "qwen3moe")
+    assert main(["model", "info", str(moe), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["family"], data["experts"], data["experts_used"], data["expert_ff"]) == ("MoE", 8, 2, 64)
+    assert data["verified"] and data["unverified_note"] is None and data["recurrent_layers"] == []
+    ssm = write_arch_model(tmp_path / "ssm.gguf", "granitehybrid")
+    assert main(["model", "info", str(ssm), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recurrent_layers"] == [0, 1, 3]
+    assert data["state_bytes_per_sequence"] == 3 * (3 * 288 + 16 * 256) * 4
+    assert main(["model", "info", str(ssm)]) == 0
+    out = capsys.readouterr().out
+    assert "recurrent state:  58.12 KiB per sequence (3 recurrent layers, f32)" in out
+    ds = write_arch_model(tmp_path / "ds.gguf", "deepseek2")
+    assert main(["model", "info", str(ds)]) == 0
+    assert "MLA: a K cache only (kv_lora_rank + rope wide), no V" in capsys.readouterr().out
