@@ -8,6 +8,7 @@ a second. One sequence only: this branch's planner has no --parallel yet.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,12 @@ from orchestrator.cli import main
 from orchestrator.llama.loader import load_llama
 from orchestrator.llama.placement import placement_of
 from orchestrator.planning.architectures import VERIFIED
-from orchestrator.planning.plan import PlanOptions
+from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.planning.synth_arch import ARCHES, write_arch_model
 from tests.plugins.llama import DebugServer, plan_devices
+from tests.plugins.servers import LocalServer, write_local_inventory
 
 COMPUTE_TOLERANCE = 0.10
 
@@ -263,3 +265,22 @@ def test_model_info_shows_experts_and_recurrent_state(
     ds = write_arch_model(tmp_path / "ds.gguf", "deepseek2")
     assert main(["model", "info", str(ds)]) == 0
     assert "MLA: a K cache only (kv_lora_rank + rope wide), no V" in capsys.readouterr().out
+
+
+def test_plan_cli_plans_a_pure_recurrent_model_and_notes_an_unknown_architecture(
+    start_rpc_server: Callable[..., LocalServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servers = [start_rpc_server(), start_rpc_server()]
+    hosts = {f"node{i}": {"rpc_port": s.port, "memory_limit": "1000MiB"} for i, s in enumerate(servers)}
+    inventory = write_local_inventory(tmp_path / "inventory.yml", hosts)
+    mamba = write_arch_model(tmp_path / "mamba.gguf", "mamba2")
+    # A pure recurrent model has no attention.head_count: planned (it was refused), state in the KV column.
+    assert main(["plan", "-i", str(inventory), "-m", str(mamba), "--ctx", "1024", "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.fit.fits and sum(d.memory.kv for d in plan.devices) == 4 * (3 * 288 + 16 * 256) * 4
+    assert plan.notes == ()
+    unknown = write_arch_model(tmp_path / "x.gguf", "qwen3", architecture="frobnicator")
+    assert main(["plan", "-i", str(inventory), "-m", str(unknown), "--ctx", "1024"]) == 0
+    captured = capsys.readouterr()
+    assert "fits" in captured.out
+    assert "note: unverified: architecture 'frobnicator' is planned with the generic rules" in captured.err
