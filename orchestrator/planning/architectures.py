@@ -269,9 +269,10 @@ def family_compute(
       and the K and V cell indices;
     - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 5
       hidden-state rows; with flash attention about 6 rows;
-    - dense FFN: 6 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 4 rows + the router's
-      logits + gate and up of the experts used for every token (n_expert_used × expert width) + the
-      shared experts';
+    - dense FFN: 6 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 2 rows + the router's
+      logits and probabilities + for the experts used by every token either gate, up and their product
+      (3 × n_expert_used × expert width) or the product and the experts' outputs (n_expert_used ×
+      (expert width + n_embd)), whichever is larger, + the shared experts' gate and up;
     - recurrent (Mamba-2) layers: the input projection, convolution and scan rows, 2.5 × ssm_in with one
       recurrent layer on the device, 3 × with more. Where two recurrent layers meet at a device
       boundary, ggml's scheduler runs part of the earlier layer on the later device (GGML_SCHED_DEBUG
@@ -313,13 +314,14 @@ def family_compute(
             peak = max(peak, max(profile.n_head[il] for il in attn) * n_ctx_pad * n_tok * f32 + 5 * row)
     for il in repeating:
         dense, expert, shared = _ffn_widths(profile, il)
-        ffn = 4 * hidden
         if dense:
-            ffn += 2 * hidden + 2 * dense * n_tok * f32
+            peak = max(peak, 6 * hidden + 2 * dense * n_tok * f32)
         if expert:
-            ffn += rules.n_expert * n_tok * f32 + 2 * rules.n_expert_used * expert * n_tok * f32
-            ffn += 2 * shared * n_tok * f32
-        peak = max(peak, ffn)
+            k = rules.n_expert_used
+            # gate, up and their product per expert used, or the product and the experts' outputs
+            routed = max(3 * k * expert, k * expert + k * profile.n_embd) * n_tok * f32
+            router = 2 * rules.n_expert * n_tok * f32  # logits and probabilities
+            peak = max(peak, 2 * hidden + router + routed + 2 * shared * n_tok * f32)
     if profile.n_layer in layers:
         peak = max(peak, profile.n_vocab * n_tok * f32 + hidden)
     return inputs + peak
