@@ -128,7 +128,11 @@ def test_rpcfleet_i_inventory_ping_style(capsys: pytest.CaptureFixture[str]) -> 
             "expected a positive number of seconds, got '0'",
         ),
         (["plan", "-m", "x.gguf", "--type-k", "q9"], "usage: rpcfleet plan", "unknown choice 'q9'"),
-        (["model", "synth"], "usage: rpcfleet model synth", "required: OUT.gguf"),
+        (
+            ["model", "synth"],
+            "usage: rpcfleet model synth",
+            "one of the arguments OUT.gguf -o/--output is required",
+        ),
     ],
 )
 def test_bad_input_prints_the_commands_usage_and_exits_2(
