@@ -241,8 +241,10 @@ class Collector:
             known = self._last_ok.get(host.endpoint)
             fresh = probes.get(host.endpoint)
             use = fresh if fresh is not None and fresh.outcome is Outcome.OK else None
-            if use is None and known is not None and read is not None and read.state.service.ours:
-                use = known  # busy (or not probed): the last reading, CPU memory refreshed from the host
+            if use is None and known is not None:
+                # Busy, down or unreachable: the device is still there. Its last reading (its age in
+                # `measured_at`), the CPU memory refreshed from the host's MemAvailable when read.
+                use = known
             empty = ProbeResult(host.endpoint, Outcome.REFUSED, None, (), "not probed", 0.0)
             rows.append((host, use or empty, read.facts if read is not None else None))
         capacities = fleet_capacity(rows, trust_rpc_memory=self.trust_rpc_memory)
