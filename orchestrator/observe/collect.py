@@ -1,14 +1,15 @@
 """The exporter's probe loop: one round every `interval` seconds, in a thread of its own.
 
 A round reads each node over its SSH connection (kept open from round to round; a round with an
-unreachable host opens fresh ones next time): the server's state as `rpcfleet status` reads it
-(`operations.server`: pid file, supervisor, unit, listeners, clients, restarts; the stale-client proof of
-`operations.stale` when a client holds it), the probe's host facts (MemAvailable, GPUs) and the tensor
-cache's listing. Then an RPC probe (HELLO, devices, memory) of the servers that run with no client,
-and only those: the probe's rule, a server serving a client is never connected to (its one client at a
-time would make the probe wait, or the client), and neither are the nodes a formation holds. A busy
-server keeps its last RPC reading, its CPU memory refreshed from the host's MemAvailable
-(`probe.capacity`). Each round ends by replacing the snapshot whole: readers never wait for a round.
+unreachable host opens fresh ones next time), in one round trip: the server's state as `rpcfleet status`
+reads it (`operations.server`: pid file, supervisor, unit, listeners, clients, restarts), the probe's
+host facts (MemAvailable, GPUs) and the tensor cache's usage; then the stale-client proof of
+`operations.stale` when a client holds the server. Then an RPC probe (HELLO, devices, memory) of the
+servers that run with no client, and only those: the probe's rule, a server serving a client is never
+connected to (its one client at a time would make the probe wait, or the client), and neither are the
+nodes a formation holds. A server not probed keeps its last RPC reading (its age in `measured_at`), its
+CPU memory refreshed from the host's MemAvailable (`probe.capacity`). Each round ends by replacing the
+snapshot whole: readers never wait for a round.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from orchestrator.artifacts.protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
@@ -27,6 +29,7 @@ from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
+from orchestrator.facts.base import Fact, gather
 from orchestrator.inventory.model import Host
 from orchestrator.observe.snapshot import (
     CacheView,
@@ -39,11 +42,18 @@ from orchestrator.observe.snapshot import (
     changes,
     formation_changes,
 )
-from orchestrator.operations.cache import read_cache
-from orchestrator.operations.server import NodeState, classify, needs_probe, read_node_state
+from orchestrator.operations.cache import cache_path
+from orchestrator.operations.server import (
+    STATE_TIMEOUT,
+    NodeState,
+    classify,
+    needs_probe,
+    node_facts,
+    node_state_from_facts,
+)
 from orchestrator.operations.stale import find_stale
 from orchestrator.probe.capacity import fleet_capacity
-from orchestrator.probe.host import HostFacts, read_facts
+from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
 
@@ -51,6 +61,26 @@ DEFAULT_INTERVAL = 15.0
 HISTORY_SECONDS = 600.0  # the page's requests and tokens/s go back this far
 MAX_EVENTS = 50
 HOLDING = frozenset({"loading", "ready", "degraded", "draining"})  # a formation's nodes hold its worker
+
+
+@dataclass(frozen=True)
+class CacheUsageFact(Fact[CacheView | None]):
+    """Bytes and files in the node's tensor cache, counted on the node (None: no cache folder)."""
+
+    path: str  # a shell word (`operations.cache.cache_path`)
+    name = "cache_usage"
+
+    def command(self) -> str:
+        return (
+            f'D={self.path}; [ -d "$D" ] || exit 3; '
+            "find \"$D\" -maxdepth 1 -type f -printf '%s\\n' | awk '{n++; s+=$1} END {print n+0, s+0}'"
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> CacheView | None:
+        words = stdout.split()
+        if exit_status != 0 or len(words) != 2 or not all(w.isdigit() for w in words):
+            return None
+        return CacheView(bytes=int(words[1]), files=int(words[0]))
 
 
 @dataclass(frozen=True)
@@ -127,8 +157,13 @@ class Collector:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), max(0.0, delay))
         finally:
-            if self._session is not None:
-                await self._session.close()
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the SSH connections the rounds keep open (the loop does it when stopped)."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     # -- one round
     async def round(self) -> Snapshot:
@@ -173,22 +208,21 @@ class Collector:
         return self.snapshot
 
     async def _read_step(self, ctx: HostContext) -> StepOutcome[NodeRead]:
+        """The server's state (as `status` reads it), the probe's host facts and the cache's usage, in
+        one round trip; the stale-client proof when a client holds the server."""
         conn = await ctx.connection()
         host = ctx.host
-        state = await read_node_state(conn, host)
+        facts: dict[str, Fact[Any]] = {f.name: f for f in node_facts(host)}
+        facts |= {f.name: f for f in probe_facts(host) if f.name not in facts}  # `ss` clients: once
+        if self.cache:
+            facts[CacheUsageFact.name] = CacheUsageFact(cache_path(host))
+        values = await gather(conn, list(facts.values()), timeout=min(STATE_TIMEOUT, self.timeout * 2))
+        state = node_state_from_facts(host.name, values, host.supervisor)
         stale: tuple[str, ...] = ()
         if state.service.ours and state.service.clients:  # busy, unless every client is proven gone
             stale = tuple(c.peer for c in await find_stale(conn, host))
-        try:
-            facts: HostFacts | None = await read_facts(ctx, timeout=self.timeout)
-        except RpcfleetError:
-            facts = None
-        cache = None
-        if self.cache:
-            with contextlib.suppress(RpcfleetError):
-                files, _ = await read_cache(conn, host)
-                cache = CacheView(sum(f.size for f in files), len(files))
-        return StepOutcome(NodeRead(state, facts, stale, cache), message="read")
+        read = NodeRead(state, HostFacts.from_values(values), stale, values.get(CacheUsageFact.name))
+        return StepOutcome(read, message="read")
 
     async def _rpc_round(
         self, reads: dict[str, NodeRead | None], held: set[str], client: ProtocolVersion
