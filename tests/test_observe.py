@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from orchestrator.inventory.model import Host
-from orchestrator.observe.collect import Collector
+from orchestrator.observe.collect import CacheUsageFact, Collector
 from orchestrator.observe.prometheus import TTFT_BUCKETS, Histogram, render
 from orchestrator.observe.snapshot import (
     CacheView,
@@ -268,3 +268,11 @@ def test_the_page_and_its_json_follow_the_key_rules(
     answer = conn.getresponse()
     assert answer.status == 303 and page_token(KEY) in (answer.getheader("set-cookie") or "")
     conn.close()
+
+
+def test_the_cache_usage_fact_reads_counts_and_an_absent_folder() -> None:
+    fact = CacheUsageFact("/x")
+    assert fact.parse("3 1024\n", "", 0) == CacheView(1024, 3)
+    assert fact.parse("", "", 3) == CacheView(0, 0)  # never used: empty
+    assert fact.parse("", "find: permission denied", 1) is None
+    assert fact.parse("garbage", "", 0) is None

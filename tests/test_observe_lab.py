@@ -33,6 +33,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
+from orchestrator.observe.web import COOKIE, page_token
 from orchestrator.operations.install import ArtifactChooser
 from orchestrator.operations.service import make_deploy_step
 from tests.plugins.browser import chromium
@@ -270,6 +271,15 @@ def test_the_page_shows_every_node_and_device_as_probe_does(observed: Observed) 
         held = [int(r["held"]) for r in rows if r["device"].startswith(endpoint + "#")]
         assert held and all(h > 0 for h in held), rows
     assert states == {h.name: ["busy", "1"] for h in observed.hosts}, states
+    # the page's cookie opens the page's JSON, never the API
+    cookie = {"Cookie": f"{COOKIE}={page_token(KEY)}"}
+    with urllib.request.urlopen(
+        urllib.request.Request(observed.base + "/fleet.json", headers=cookie)
+    ) as answer:
+        assert answer.status == 200
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(observed.base + "/v1/models", headers=cookie))
+    assert refused.value.code == 401
 
 
 def test_prometheus_and_the_page_see_a_killed_server_and_a_restart(observed: Observed) -> None:

@@ -65,7 +65,7 @@ HOLDING = frozenset({"loading", "ready", "degraded", "draining"})  # a formation
 
 @dataclass(frozen=True)
 class CacheUsageFact(Fact[CacheView | None]):
-    """Bytes and files in the node's tensor cache, counted on the node (None: no cache folder)."""
+    """Bytes and files in the node's tensor cache, counted on the node (None: unreadable)."""
 
     path: str  # a shell word (`operations.cache.cache_path`)
     name = "cache_usage"
@@ -77,6 +77,8 @@ class CacheUsageFact(Fact[CacheView | None]):
         )
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> CacheView | None:
+        if exit_status == 3:  # no cache folder (no server ever ran with `-c`): an empty cache
+            return CacheView(bytes=0, files=0)
         words = stdout.split()
         if exit_status != 0 or len(words) != 2 or not all(w.isdigit() for w in words):
             return None
