@@ -229,6 +229,19 @@ def _procs(lab: Lab, host: Host, word: str) -> list[psutil.Process]:
     return out
 
 
+def _accepted(lab: Lab) -> dict[str, int]:
+    """TCP connections each node has accepted (`PassiveOpens` of its namespace)."""
+    out = {}
+    for node in lab.nodes:
+        assert node.namespace is not None
+        snmp = subprocess.run(
+            ["ip", "netns", "exec", node.namespace, "cat", "/proc/net/snmp"], capture_output=True, text=True
+        ).stdout
+        tcp = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")]
+        out[node.name] = int(tcp[1][tcp[0].index("PassiveOpens")])
+    return out
+
+
 def test_the_page_shows_every_node_and_device_as_probe_does(observed: Observed) -> None:
     for _ in range(3):
         observed.complete()
@@ -271,6 +284,11 @@ def test_the_page_shows_every_node_and_device_as_probe_does(observed: Observed) 
         held = [int(r["held"]) for r in rows if r["device"].startswith(endpoint + "#")]
         assert held and all(h > 0 for h in held), rows
     assert states == {h.name: ["busy", "1"] for h in observed.hosts}, states
+    # the exporter's rounds after the load connect to no node: serve's nodes see serve's probes only
+    before, rounds = _accepted(observed.lab), observed.get("/fleet.json")["rounds"]
+    time.sleep(3 * INTERVAL + 1)
+    assert observed.get("/fleet.json")["rounds"] >= rounds + 2
+    assert _accepted(observed.lab) == before
     # the page's cookie opens the page's JSON, never the API
     cookie = {"Cookie": f"{COOKIE}={page_token(KEY)}"}
     with urllib.request.urlopen(
@@ -327,6 +345,18 @@ def test_prometheus_and_the_page_see_a_killed_server_and_a_restart(observed: Obs
         found = observed.until(f"rpcfleet_device_{metric}_bytes", lambda r: len(r) == len(devices), 30)
         assert sorted(s["metric"]["device"] for s in found) == devices
     observed.until(f'ALERTS{{alertname="RpcfleetNodeDown",host="{third.name}"}}', lambda r: len(r) == 1, 30)
+
+    # the left-out node started again: serve would probe it itself (rejoin), so the exporter does not
+    subprocess.run(
+        [sys.executable, "-m", "orchestrator", "start", "-i", str(lab.inventory), "-l", third.name],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "RPCFLEET_HOME": str(observed.tmp)},
+    )
+    observed.until(f'rpcfleet_node_up{{host="{third.name}"}}', lambda r: r and r[0]["value"][1] == "1", 30)
+    before = _accepted(lab)[third.name]
+    time.sleep(3 * INTERVAL + 1)
+    assert _accepted(lab)[third.name] == before
 
     # every panel of the Grafana dashboard has data
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "rpcfleet.json").read_text())

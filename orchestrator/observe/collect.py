@@ -7,9 +7,9 @@ host facts (MemAvailable, GPUs) and the tensor cache's usage; then the stale-cli
 `operations.stale` when a client holds the server. Then an RPC probe (HELLO, devices, memory) of the
 servers that run with no client, and only those: the probe's rule, a server serving a client is never
 connected to (its one client at a time would make the probe wait, or the client), and neither are the
-nodes a formation holds. A server not probed keeps its last RPC reading (its age in `measured_at`), its
-CPU memory refreshed from the host's MemAvailable (`probe.capacity`). Each round ends by replacing the
-snapshot whole: readers never wait for a round.
+nodes a formation holds or probes itself (serve's plans, recoveries and rejoins). A server not probed
+keeps its last RPC reading (its age in `measured_at`), its CPU memory refreshed from the host's
+MemAvailable (`probe.capacity`). Each round ends by replacing the snapshot whole: readers never wait.
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ class Collector:
         began = time.monotonic()
         formations = tuple(self.formations())
         held = {ep for f in formations if f.state in HOLDING for ep in f.nodes}
+        held |= {ep for f in formations for ep in f.probes_itself}
         if self._session is None:
             self._session = Session(forks=self.forks, options=ConnectOptions(connect_timeout=self.timeout))
         session = self._session
@@ -310,7 +311,7 @@ class Collector:
                 status = classify(host, read.state, fresh, read.stale)
                 state, message = status.state, status.message
                 if state == "running" and fresh is None and not host.binds_own_loopback:
-                    message = "not probed: a formation holds it"
+                    message = "not probed over RPC: a formation holds it or probes it itself"
                 version, protocol = status.running_version or status.version, status.protocol
                 restarts, pid = status.restarts, status.pid if read.state.service.ours else None
             nodes.append(

@@ -144,6 +144,9 @@ class Formation:
     rejoins: int = 0
     reason: str = ""
     devices: tuple[FormationDevice, ...] = ()
+    # Endpoints whose RPC probes the formation makes itself (serve: its plans, recoveries, rejoins):
+    # a probe of the exporter's at the same moment would make one of them see the server busy.
+    probes_itself: tuple[str, ...] = ()
 
     @property
     def request_count(self) -> int:

@@ -1,7 +1,8 @@
 """Serve as a formation of the fleet exporter (`orchestrator.observe`): its state, plan and counters.
 
-Today's serve is one formation, named after its model's API id; the exporter probes the serve's hosts
-on its own interval, leaving the nodes the loaded plan holds alone.
+Today's serve is one formation, named after its model's API id. The exporter reads the serve's hosts
+over SSH on its own interval; over RPC only in its first round, before the load: after it, serve's own
+probes (recoveries, rejoins) are the only ones its nodes see.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from orchestrator.observe.web import Exporter
 from orchestrator.serve.backend import Backend
 
 
-def formation_of(backend: Backend, name: str) -> Formation:
-    """The serve's formation now (reads counters only: never waits on the worker or the fleet)."""
+def formation_of(backend: Backend, name: str, *, probes_itself: bool = True) -> Formation:
+    """The serve's formation now (reads counters only: never waits on the worker or the fleet).
+    `probes_itself`: the exporter leaves every endpoint of the serve to serve's own probes."""
     metrics, plan = backend.metrics, backend.plan
     admitted = int(backend.health()["queue"]["admitted"])
     devices: tuple[FormationDevice, ...] = ()
@@ -38,6 +40,7 @@ def formation_of(backend: Backend, name: str) -> Formation:
         rejoins=len(metrics.rejoins),
         reason=backend.reason,
         devices=devices,
+        probes_itself=backend.fleet.endpoints if probes_itself else (),
     )
 
 
@@ -48,7 +51,9 @@ def observe(backend: Backend, name: str, *, interval: float, timeout: float, for
         interval=interval,
         timeout=timeout,
         forks=forks,
-        formations=lambda: (formation_of(backend, name),),
+        # The first round (before the load) reads every node's devices over RPC; later rounds read the
+        # nodes over SSH only: serve's own probes (re-plans, rejoins) must never meet one of the exporter's.
+        formations=lambda: (formation_of(backend, name, probes_itself=collector.first_round.is_set()),),
         trust_rpc_memory=backend.fleet.trust_rpc_memory,
     )
     exporter = Exporter(collector, collector.formations)
