@@ -289,6 +289,13 @@ def test_the_page_shows_every_node_and_device_as_probe_does(observed: Observed) 
     time.sleep(3 * INTERVAL + 1)
     assert observed.get("/fleet.json")["rounds"] >= rounds + 2
     assert _accepted(observed.lab) == before
+    # serve's whole /metrics (its own series, then the fleet's) passes promtool
+    request = urllib.request.Request(observed.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request) as answer:
+        text = answer.read().decode()
+    assert "rpcfleet_node_up{" in text and "rpcfleet_formation_state{" in text
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
     # the page's cookie opens the page's JSON, never the API
     cookie = {"Cookie": f"{COOKIE}={page_token(KEY)}"}
     with urllib.request.urlopen(
@@ -368,3 +375,45 @@ def test_prometheus_and_the_page_see_a_killed_server_and_a_restart(observed: Obs
             except AssertionError:
                 empty.append(f"{panel['title']}: {target['expr']}")
     assert not empty, empty
+
+
+def test_rpcfleet_exporter_alone_reads_the_fleet_beside_serve(observed: Observed) -> None:
+    """The command for fleets that do not serve: its text passes promtool, it sees serve's nodes busy
+    (and leaves them alone) and an idle server running with its devices."""
+    port = free_port()
+    log = observed.tmp / "exporter.log"
+    argv = [sys.executable, "-m", "orchestrator", "exporter", "-i", str(observed.lab.inventory)]
+    argv += ["--port", str(port), "--interval", "1"]
+    env = {**os.environ, "RPCFLEET_HOME": str(observed.tmp), "RPCFLEET_API_KEY": KEY}
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(
+                    urllib.request.Request(base + "/fleet.json", headers=auth)
+                ) as answer:
+                    data = json.loads(answer.read())
+                if data["rounds"] >= 2:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        states = {n["host"]: n["state"] for n in data["nodes"]}
+        plan = observed.get("/health")["plan"]["endpoints"]
+        for node in data["nodes"]:
+            busy = node["endpoint"] in plan
+            assert node["state"] == ("busy" if busy else "running"), states
+            # a server busy since before the exporter started was never probed over RPC: no devices yet
+            assert bool(node["devices"]) is not busy, node
+        with urllib.request.urlopen(urllib.request.Request(base + "/metrics", headers=auth)) as answer:
+            text = answer.read().decode()
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert "rpcfleet_formation_state{" not in text  # no formation: nothing is served by this process
+    finally:
+        _stop(process)
