@@ -216,7 +216,7 @@ def test_a_scrape_never_waits_on_the_fleet(
 ) -> None:
     """A host whose SSH accepts and never speaks holds the round for its whole timeout; 20 scrapes and
     page reads during it each answer at once, from the snapshot as it was."""
-    collector = Collector([silent_host()], interval=60.0, timeout=4.0, cache=False)
+    collector = Collector([silent_host()], interval=60.0, timeout=8.0, cache=False)
     port = exporter_http(Exporter(collector), None)
     collector.start()
     try:
@@ -226,10 +226,10 @@ def test_a_scrape_never_waits_on_the_fleet(
                 started = time.monotonic()
                 code, _, body = _get(port, path)
                 took = time.monotonic() - started
-                assert code == 200 and took < 0.5, (path, took)
+                assert code == 200 and took < 1.0, (path, took)  # the round holds for 8 s
             assert "rpcfleet_exporter_rounds_total 0" in _get(port, "/metrics")[2]
         assert not collector.first_round.is_set()  # every scrape above happened while the round ran
-        assert collector.first_round.wait(15)
+        assert collector.first_round.wait(30)
         code, _, body = _get(port, "/fleet.json")
         node = json.loads(body)["nodes"][0]
         assert (node["ssh"], node["up"], node["state"]) == (False, False, "unknown"), node

@@ -188,9 +188,9 @@ def handle(args: argparse.Namespace) -> int:
     backend = Backend(fleet, config)
     backend.nodes.update(first.states)  # a node down at start shows why until the watch probes it
     exporter = None
-    if (
-        args.observe_interval
-    ):  # the fleet exporter: its first round reads the nodes before the load holds them
+    # The fleet exporter (the page at /, the fleet's series on /metrics): its first round reads the nodes
+    # before the load holds them.
+    if args.observe_interval:
         from orchestrator.serve.observed import observe
 
         exporter = observe(
