@@ -50,6 +50,8 @@ need systemd-nspawn systemd-container
 need stdbuf coreutils
 need systemd-analyze systemd
 need chromium chromium
+need prometheus prometheus  # the exporter's tests run their own `prometheus` and `promtool`
+need promtool prometheus
 if [ ${#missing[@]} -gt 0 ]; then
   # shellcheck disable=SC2207
   missing=($(printf '%s\n' "${missing[@]}" | sort -u))
@@ -57,7 +59,17 @@ if [ ${#missing[@]} -gt 0 ]; then
     say "installing Debian packages: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
+    # No package's service may start on this machine (Debian's prometheus would listen on :9090): a
+    # policy-rc.d that refuses every start, unless one is already there, for the install only.
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && policy=yes
+    fi
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    [ -z "$policy" ] || rm -f /usr/sbin/policy-rc.d
+    if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus >/dev/null 2>&1 || true  # enabled by the package: not ours
+    fi
     apt_installed=("${missing[@]}")
   else
     die "missing system packages: ${missing[*]}. Install them with: sudo apt-get install -y ${missing[*]}"

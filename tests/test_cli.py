@@ -185,6 +185,9 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
         ]
     ),
     ("model info", ["model", "info", "{tmp}/not.gguf"], "{tmp}/not.gguf: not a GGUF file"),
+    ("exporter", ["exporter", "--host", "10.1.2.3"], "--host 10.1.2.3 is not a loopback address"),
+    ("exporter", ["exporter", "-i", "{tmp}/missing.yml"], "{tmp}/missing.yml"),
+    ("exporter", ["exporter", "--api-key-file", "{tmp}/missing-key"], "--api-key-file {tmp}/missing-key"),
     # a missing model: one message from every command that reads one
     *(
         (name, [*argv, "-m", "{tmp}/missing.gguf"], "error: model {tmp}/missing.gguf does not exist")
