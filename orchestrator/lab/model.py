@@ -220,6 +220,7 @@ class Lab:
     owner: Owner | None = None  # the lab is stale once its owner is gone (test sessions)
     outputs: tuple[str, ...] = ()  # extra inventory copies (-o); left in place by `down`
     created: float = field(default_factory=time.time)
+    cpus: float | None = None  # each node's CPU share (`--cpus`, lab/cgroups.py); None: no quota
 
     # -- files
     @property
@@ -288,6 +289,7 @@ class Lab:
                 owner=Owner(**data["owner"]) if data.get("owner") else None,
                 outputs=tuple(data.get("outputs", ())),
                 created=float(data.get("created", 0.0)),
+                cpus=float(data["cpus"]) if data.get("cpus") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise LabError(f"unreadable lab state: {exc!r}") from exc

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
-from orchestrator.lab import systemd
+from orchestrator.lab import cgroups, systemd
 from orchestrator.lab.model import (
     _CAP_NET_ADMIN,
     _CAP_SYS_ADMIN,
@@ -174,8 +174,14 @@ def _start_node(lab: Lab, node: LabNode) -> None:
             f"exec -a {q(str(node.dir / 'holder'))} sleep infinity",
         ]
     )
-    argv = ["setsid", "-f", "ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
+    argv = ["ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
     argv += ["--propagation", "private", "bash", "-c", script]
+    if lab.cpus is not None:
+        # The node's CPU share first, from the root namespaces (`ip netns exec` mounts a /sys without
+        # the cgroup trees): sshd and all it starts inherit it.
+        share = "; ".join(["set -e", *cgroups.join_lines(node.namespace, lab.cpus), 'exec "$@"'])
+        argv = ["sh", "-c", share, "node", *argv]
+    argv = ["setsid", "-f", *argv]
     with node.log.open("ab") as out:
         # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
         subprocess.run(
@@ -266,6 +272,7 @@ def _teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
     if veths and not poll(veths_gone, timeout=2.0, interval=0.005):
         _run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
     removed += systemd.release_slot(f"{PREFIX}{slot}-")
+    removed += cgroups.remove(f"{PREFIX}{slot}-")  # the nodes' CPU shares (--cpus)
     user = f"{PREFIX}{slot}"
     if user in _lab_users():
         _run(["userdel", user], check=False)

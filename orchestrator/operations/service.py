@@ -40,7 +40,6 @@ from orchestrator.operations.process import (
     wait_ready,
 )
 from orchestrator.operations.server import (
-    LOG_FILE,
     NodeState,
     ServerStatus,
     _node_path,
@@ -48,6 +47,7 @@ from orchestrator.operations.server import (
     classify,
     probe_server,
     read_node_state,
+    server_files,
     server_status,
 )
 from orchestrator.operations.stale import release_stale
@@ -264,7 +264,7 @@ def make_logs_step(
             return StepOutcome(
                 journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
             )
-        fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines, drop)
+        fact = LogTailFact(_node_path(ctx.host.install_dir, server_files(ctx.host.server).log), lines, drop)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
         if text is None:
@@ -379,7 +379,8 @@ async def deploy(
         choose,
         state=state.install,
         check=check,
-        force=reinstall,
+        # One install serves every server of a host: only its first reinstalls, the others find it done.
+        force=reinstall and host.first_server,
         progress=progress,
         build_log=build_log,
     )
@@ -448,6 +449,13 @@ async def rollback(
 ) -> DeployResult:
     """Switch `current` back to the previous version (or `to`) and have that version serve."""
     state = await read_node_state(conn, host)
+    svc = state.service
+    if host.server and svc.ours and svc.running_version not in (None, state.install.current):
+        # Another server of this install switched it back already (one install, several servers): this
+        # one only has to run the version that is current now.
+        service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
+        unchanged = plan_rollback(state.install, to=state.install.current)
+        return DeployResult(unchanged, service, service.after or service.status)
     change = plan_rollback(state.install, to=to)
     if change.changed and state.service.clients and state.service.ours and not force:
         await refuse_if_busy(conn, host, "roll back")

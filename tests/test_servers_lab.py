@@ -1,0 +1,214 @@
+"""Tier 2: several rpc-servers on one host (`rpc_servers`), with real sshd, real servers and a real load.
+
+One 2-node lab for the module: node 1 runs two servers (ports 50052 and 50053, the second named `b`),
+node 2 one. Every stage treats each server as its own endpoint: deploy (one install, two supervised
+servers with their own pid files and logs), status, probe, run across three endpoints of two machines,
+restart and stop of one server that leave the other running, and the install lock shared by both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.connectors.base import ConnectOptions
+from orchestrator.connectors.connect import connect
+from orchestrator.inventory.load import load_inventory
+from orchestrator.inventory.model import server_hosts
+from orchestrator.lab.lifecycle import lab_down, lab_up
+from orchestrator.lab.model import Lab
+from orchestrator.operations.lock import acquire
+from tests.plugins.lab import require_lab_privileges, session_lab_name
+from tests.test_lab import leftovers
+
+pytestmark = pytest.mark.lab
+
+SERVERS = "[50052, {port: 50053, name: b}]"
+
+
+def cli(lab: Lab, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args, "-i", str(lab.inventory)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+    )
+
+
+def cli_json(lab: Lab, *args: str) -> Any:
+    done = cli(lab, *args, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def states(lab: Lab) -> dict[str, dict[str, Any]]:
+    return {row["host"]: row["result"] for row in cli_json(lab, "status")}
+
+
+@pytest.fixture(scope="module")
+def two_server_lab() -> Iterator[Lab]:
+    require_lab_privileges()
+    name = session_lab_name("srv")
+    made = lab_up(2, name=name, owner_pid=os.getpid(), node_variables={"1": {"rpc_servers": SERVERS}})
+    try:
+        yield made
+    finally:
+        lab_down(name)
+        assert leftovers(made) == []
+
+
+@pytest.fixture(scope="module")
+def deployed(two_server_lab: Lab) -> Lab:
+    lab = two_server_lab
+    done = cli(lab, "deploy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return lab
+
+
+def test_the_lab_declares_two_servers_on_node_one(two_server_lab: Lab) -> None:
+    listed = cli_json(two_server_lab, "inventory", "list")
+    one, two = (f"{node.name}" for node in two_server_lab.nodes)
+    by_name = {host["name"]: host for host in listed}
+    address = two_server_lab.nodes[0].address
+    assert by_name[one]["endpoints"] == [f"{address}:50052", f"{address}:50053"]
+    assert [s["name"] for s in by_name[one]["rpc_servers"]] == ["50052", "b"]
+    assert by_name[two]["endpoints"] == [f"{two_server_lab.nodes[1].address}:50052"]
+    graph = cli(two_server_lab, "inventory", "graph")
+    assert f"|  |  |--{address}:50053 ({one}/b)" in graph.stdout, graph.stdout
+
+
+def test_deploy_installs_once_and_supervises_each_server(deployed: Lab) -> None:
+    one, two = (node.name for node in deployed.nodes)
+    status = states(deployed)
+    assert set(status) == {f"{one}/50052", f"{one}/b", two}
+    assert all(s["state"] == "running" and s["supervisor"] == "process" for s in status.values())
+    assert status[f"{one}/50052"]["endpoint"].endswith(":50052")
+    assert status[f"{one}/b"]["endpoint"].endswith(":50053")
+    assert status[f"{one}/50052"]["pid"] != status[f"{one}/b"]["pid"]
+    install = deployed.nodes[0].home / "rpcfleet"
+    assert len(list((install / "versions").iterdir())) == 1  # one install for both
+    pids = {p.name: p.read_text().strip() for p in (install / "run").glob("rpc-server-*.pid")}
+    assert pids == {
+        "rpc-server-50052.pid": str(status[f"{one}/50052"]["pid"]),
+        "rpc-server-b.pid": str(status[f"{one}/b"]["pid"]),
+    }
+    assert sorted(p.name for p in (install / "log").iterdir()) == ["rpc-server-50052.log", "rpc-server-b.log"]
+    # A second deploy changes nothing on any server.
+    again = cli_json(deployed, "deploy")
+    assert [row["status"] for row in again] == ["ok", "ok", "ok"], again
+
+
+def test_probe_sees_each_endpoint_with_its_own_device(deployed: Lab) -> None:
+    one = deployed.nodes[0]
+    probed = cli_json(deployed, "probe")
+    nodes = {row["host"]: row for row in probed["nodes"]}
+    assert nodes[f"{one.name}/50052"]["endpoint"] == f"{one.address}:50052"
+    assert nodes[f"{one.name}/b"]["endpoint"] == f"{one.address}:50053"
+    for name in (f"{one.name}/50052", f"{one.name}/b"):
+        assert nodes[name]["ok"], nodes[name]
+        assert len(nodes[name]["devices"]) == 1
+    # Three CPU servers on two machines sharing one boot id: each gets its share, not all of the RAM.
+    first = nodes[f"{one.name}/50052"]["devices"][0]
+    assert first["free"] < first["total"] / 2
+
+
+def test_run_loads_a_model_across_both_servers_of_a_host_and_another_node(
+    deployed: Lab, gemma_model: Path
+) -> None:
+    one, two = deployed.nodes
+    result = cli_json(
+        deployed, "run", "-m", str(gemma_model), "-p", "The capital of France is the city of", "-n", "6"
+    )
+    devices = result["placement"]["devices"]
+    endpoints = [device["endpoint"] for device in devices if device.get("endpoint")]
+    assert endpoints == [f"{one.address}:50052", f"{one.address}:50053", f"{two.address}:50052"]
+    assert all(device["actual_layers"] for device in devices if device.get("endpoint"))
+    assert "Paris" in result["text"]
+
+
+def test_restart_of_one_server_leaves_the_other_running(deployed: Lab) -> None:
+    one = deployed.nodes[0].name
+    before = states(deployed)
+    done = cli(deployed, "restart", "-l", f"{one}/b")
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = states(deployed)
+    assert after[f"{one}/b"]["state"] == "running"
+    assert after[f"{one}/b"]["pid"] != before[f"{one}/b"]["pid"]
+    assert after[f"{one}/50052"]["pid"] == before[f"{one}/50052"]["pid"]  # untouched
+    # Stop one, the other answers; start brings it back.
+    assert cli(deployed, "stop", "-l", f"{one}/50052").returncode == 0
+    after = states(deployed)
+    assert after[f"{one}/50052"]["state"] == "stopped"
+    assert (
+        after[f"{one}/b"]["state"] == "running"
+        and after[f"{one}/b"]["pid"] == states(deployed)[f"{one}/b"]["pid"]
+    )
+    assert cli(deployed, "start", "-l", one).returncode == 0
+    assert {s["state"] for s in states(deployed).values()} == {"running"}
+
+
+def test_two_operators_on_two_servers_of_one_host_share_its_install_lock(deployed: Lab) -> None:
+    """The servers of one host share their install and so its lock: two restarts started at once on its
+    two servers never run together (one waits with --wait-lock), and both end with their server
+    restarted. Without --wait-lock the second is refused with exit status 3, having changed nothing."""
+    one = deployed.nodes[0].name
+    for _ in range(3):
+        before = states(deployed)
+        results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+        def restart(server: str, results: dict[str, subprocess.CompletedProcess[str]] = results) -> None:
+            results[server] = cli(deployed, "restart", "-l", f"{one}/{server}", "--wait-lock", "60")
+
+        threads = [threading.Thread(target=restart, args=(s,)) for s in ("50052", "b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert all(r.returncode == 0 for r in results.values()), {k: r.stderr for k, r in results.items()}
+        after = states(deployed)
+        for server in ("50052", "b"):
+            assert after[f"{one}/{server}"]["pid"] != before[f"{one}/{server}"]["pid"]
+            assert after[f"{one}/{server}"]["state"] == "running"
+
+
+def test_a_lock_held_for_one_server_refuses_a_change_of_the_other(deployed: Lab) -> None:
+    """One lock per install: held for server 50052 (another operator's change), a stop of server b is
+    refused with exit status 3 naming the holder, and changes nothing; free again, the stop goes on."""
+    one = deployed.nodes[0].name
+    hosts = {host.name: host for host in server_hosts(load_inventory(deployed.inventory).hosts)}
+    holds = threading.Event()
+    release = threading.Event()
+
+    async def hold() -> None:
+        host = hosts[f"{one}/50052"]
+        async with await connect(host, ConnectOptions(connect_timeout=5.0, command_timeout=10.0)) as conn:
+            lock = await acquire(conn, host, "deploy")
+            holds.set()
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 60)
+            await lock.release()
+
+    holder = threading.Thread(target=asyncio.run, args=(hold(),))
+    holder.start()
+    try:
+        assert holds.wait(30)
+        refused = cli(deployed, "stop", "-l", f"{one}/b")
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        assert "is being changed by" in refused.stderr and "deploy" in refused.stderr
+        assert states(deployed)[f"{one}/b"]["state"] == "running"  # nothing changed
+    finally:
+        release.set()
+        holder.join()
+    assert cli(deployed, "stop", "-l", f"{one}/b").returncode == 0
+    assert states(deployed)[f"{one}/b"]["state"] == "stopped"
+    assert cli(deployed, "start").returncode == 0
