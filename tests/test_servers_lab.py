@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import server_hosts
+from orchestrator.lab import cgroups
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.model import Lab
 from orchestrator.operations.lock import acquire
+from orchestrator.operations.systemd import unit_name
 from tests.plugins.lab import require_lab_privileges, session_lab_name
 from tests.test_lab import leftovers
 
@@ -212,3 +215,75 @@ def test_a_lock_held_for_one_server_refuses_a_change_of_the_other(deployed: Lab)
     assert cli(deployed, "stop", "-l", f"{one}/b").returncode == 0
     assert states(deployed)[f"{one}/b"]["state"] == "stopped"
     assert cli(deployed, "start").returncode == 0
+
+
+# --- systemd: one unit per server -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def systemd_lab() -> Iterator[Lab]:
+    """One node booting systemd, reached as root (system units), two servers, in a CPU share."""
+    require_lab_privileges()
+    name = session_lab_name("srvsd")
+    made = lab_up(
+        1,
+        name=name,
+        owner_pid=os.getpid(),
+        init="systemd",
+        variables={"supervisor": "systemd"},
+        node_variables={"1": {"rpc_servers": SERVERS, "ssh_user": "root"}},
+        cpus=0.8,
+    )
+    try:
+        yield made
+    finally:
+        lab_down(name)
+        assert leftovers(made) == []
+
+
+def _group_pids(name: str) -> set[int]:
+    """Every process in a node's CPU group, its sub-groups (the container's own) included."""
+    top = cgroups.node_groups(name).limit
+    return {int(pid) for procs in top.rglob("cgroup.procs") for pid in procs.read_text().split()}
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_systemd_runs_one_unit_per_server_and_restarts_each_alone(systemd_lab: Lab) -> None:
+    lab = systemd_lab
+    node = lab.nodes[0].name
+    done = cli(lab, "deploy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = states(lab)
+    assert set(status) == {f"{node}/50052", f"{node}/b"}
+    assert all(s["state"] == "running" and s["supervisor"] == "systemd" for s in status.values()), status
+    units = lab.node_exec(1, ["sh", "-c", "ls /etc/systemd/system | grep '^rpcfleet-'"]).stdout.split()
+    assert units == sorted([unit_name("~/rpcfleet", "50052"), unit_name("~/rpcfleet", "b")])
+    assert units[0].endswith("--server-50052.service"), units
+    # Both servers run inside the node's CPU share (the boot loop joined it, systemd's units inherit it).
+    names = [_comm(pid) for pid in _group_pids(lab.nodes[0].namespace or "")]
+    assert names.count("ggml-rpc-server") == 2, names
+    # kill -9 of one server: its unit brings it back; the other server keeps its pid.
+    lab.node_exec(1, ["kill", "-9", str(status[f"{node}/b"]["pid"])])
+
+    def restarted() -> bool:
+        now = states(lab)[f"{node}/b"]
+        return now["state"] == "running" and now["pid"] != status[f"{node}/b"]["pid"]
+
+    deadline = time.monotonic() + 30
+    while not restarted():
+        assert time.monotonic() < deadline, states(lab)
+        time.sleep(0.3)
+    after = states(lab)
+    assert after[f"{node}/b"]["restarts"] == 1
+    assert after[f"{node}/50052"]["pid"] == status[f"{node}/50052"]["pid"]
+    # restart of the first server alone
+    assert cli(lab, "restart", "-l", f"{node}/50052").returncode == 0
+    final = states(lab)
+    assert final[f"{node}/50052"]["pid"] != after[f"{node}/50052"]["pid"]
+    assert final[f"{node}/b"]["pid"] == after[f"{node}/b"]["pid"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -303,6 +304,19 @@ _ANSIBLE_VARS = frozenset(
 
 def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return did_you_mean(word, candidates, cutoff=0.75)  # variable and group names: only near misses
+
+
+def variable_hint(word: str) -> str:
+    """The near miss of an unknown variable, unless a word of it is another word altogether: `ntp_server`
+    is no typo of `rpc_servers` (ntp/rpc), `rcp_port` is one of `rpc_port`."""
+    hint = _did_you_mean(word, _CANONICAL)
+    close = hint.partition("'")[2].rpartition("'")[0]
+    words, others = word.split("_"), close.split("_")
+    if len(words) == len(others) and any(
+        difflib.SequenceMatcher(None, a, b).ratio() < 0.5 for a, b in zip(words, others, strict=True)
+    ):
+        return ""
+    return hint
 
 
 # Secrets in variables rpcfleet does not know (Ansible's connection passwords, a vault token...): shown

@@ -111,6 +111,15 @@ def join_lines(name: str, cpus: float, root: Path = CGROUP_ROOT) -> list[str]:
     ]
 
 
+def in_share(name: str, cpus: float | None, argv: list[str]) -> list[str]:
+    """`argv` run inside the node's CPU share (no share: `argv` as it is). It joins from the root
+    namespaces: `ip netns exec` mounts a /sys without the cgroup trees, and `nsenter` keeps the caller's
+    cgroup, so whatever a repair starts in a node (its sshd, a new holder) joins here first."""
+    if cpus is None:
+        return argv
+    return ["sh", "-c", "; ".join(["set -e", *join_lines(name, cpus), 'exec "$@"']), "node", *argv]
+
+
 def usage_us(name: str, root: Path = CGROUP_ROOT) -> int:
     """CPU time the node's processes used so far, in microseconds (the group's `cpu.stat`)."""
     groups = node_groups(name, root)

@@ -341,7 +341,7 @@ def _fix(lab: Lab, node: LabNode, fault: str) -> str:
         sshd = node.sshd_pid()
         if sshd is None:
             return "nothing (its sshd died meanwhile)"
-        restore_holder(node, sshd)
+        restore_holder(node, sshd, lab.cpus)
         return "holder started"
     if fault == "sshd dead":
         return f"sshd started (pid {lab.start_sshd(node)})"

@@ -176,12 +176,8 @@ def _start_node(lab: Lab, node: LabNode) -> None:
     )
     argv = ["ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
     argv += ["--propagation", "private", "bash", "-c", script]
-    if lab.cpus is not None:
-        # The node's CPU share first, from the root namespaces (`ip netns exec` mounts a /sys without
-        # the cgroup trees): sshd and all it starts inherit it.
-        share = "; ".join(["set -e", *cgroups.join_lines(node.namespace, lab.cpus), 'exec "$@"'])
-        argv = ["sh", "-c", share, "node", *argv]
-    argv = ["setsid", "-f", *argv]
+    # The node's CPU share first (--cpus): sshd and all it starts inherit it.
+    argv = ["setsid", "-f", *cgroups.in_share(node.namespace, lab.cpus, argv)]
     with node.log.open("ab") as out:
         # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
         subprocess.run(
@@ -202,13 +198,14 @@ def restart_node(lab: Lab, node: LabNode) -> None:
     _wait_ready([node], _UP_TIMEOUT, lab.bridge)
 
 
-def restore_holder(node: LabNode, sshd: int) -> None:
+def restore_holder(node: LabNode, sshd: int, cpus: float | None = None) -> None:
     """A new holder for a node whose holder died while its sshd runs, in that sshd's namespaces (the
     node's mounts and hostname): `node_exec` enters the holder's."""
     q = shlex.quote
     node.holder_pid_file.unlink(missing_ok=True)
     script = f"echo $$ > {q(str(node.holder_pid_file))}; exec -a {q(str(node.dir / 'holder'))} sleep infinity"
-    argv = ["setsid", "-f", "nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
+    argv = ["nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
+    argv = ["setsid", "-f", *cgroups.in_share(node.namespace or "", cpus, argv)]
     with node.log.open("ab") as out:
         subprocess.run(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_env(), check=False, timeout=10

@@ -1,0 +1,118 @@
+"""Tier 2: a CPU share per lab node (`lab up --cpus`): a cgroup quota that every process of the node
+inherits, measured from the group's own CPU accounting (cpu.stat), never from timings alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.connectors.base import ConnectOptions
+from orchestrator.connectors.connect import connect
+from orchestrator.lab import cgroups
+from orchestrator.lab.cgroups import PERIOD_US, join_lines, quota_us
+from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up
+from orchestrator.lab.model import PREFIX, Lab
+from tests.plugins.lab import lab_hosts_of, require_lab_privileges, session_lab_name
+from tests.test_lab import leftovers
+
+FAST = ConnectOptions(connect_timeout=5.0, command_timeout=30.0)
+
+BUSY_S = 5.0
+
+
+def test_the_quota_lines_for_v1_and_v2(tmp_path: Path) -> None:
+    """Pure: v2 writes cpu.max in the unified root; v1 the cfs quota in `cpu` and joins the accounting
+    group (unified, where v2's cpu.stat counts usage) too."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    lines = "\n".join(join_lines("rfl3-n1", 0.6, v2))
+    assert f"echo '60000 {PERIOD_US}' > {v2}/rfl3-n1/cpu.max" in lines
+    assert f"echo $$ > {v2}/rfl3-n1/cgroup.procs" in lines
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "unified").mkdir()
+    (v1 / "unified" / "cgroup.procs").write_text("")
+    lines = "\n".join(join_lines("rfl3-n1", 0.3, v1))
+    assert f"echo 30000 > {v1}/cpu/rfl3-n1/cpu.cfs_quota_us" in lines
+    assert f"echo $$ > {v1}/unified/rfl3-n1/cgroup.procs" in lines
+    assert quota_us(0.001) == 1000  # the kernel's least
+
+
+def test_cpus_is_checked_as_it_is_parsed() -> None:
+    for bad in ("0", "abc", "-1"):
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "lab", "up", "--cpus", bad, "--name", "never"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "--cpus" in done.stderr and "Traceback" not in done.stderr
+
+
+async def _busy(lab: Lab, index: int, seconds: float) -> tuple[float, float]:
+    """Spin one CPU-bound loop on node `index` (1-based) over SSH; the node's CPU seconds used and the
+    wall seconds, from the node's cgroup."""
+    host = lab_hosts_of(lab)[index - 1]
+    name = lab.nodes[index - 1].namespace or ""
+    async with await connect(host, FAST) as conn:
+        before, started = cgroups.usage_us(name), time.monotonic()
+        await conn.run(f"timeout {seconds} sh -c 'while :; do :; done'; true", timeout=seconds + 20)
+        used, wall = cgroups.usage_us(name) - before, time.monotonic() - started
+    return used / 1e6, wall
+
+
+@pytest.mark.lab
+async def test_a_node_with_cpus_gets_its_share_and_down_removes_the_groups() -> None:
+    require_lab_privileges()
+    name = session_lab_name("cpu")
+    made = lab_up(2, name=name, owner_pid=os.getpid(), cpus=0.3)
+    prefix = f"{PREFIX}{made.slot}-"
+    try:
+        one, two = made.nodes
+        assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3)
+        assert one.sshd_pid() in cgroups.members(one.namespace or "")
+
+        used, wall = await _busy(made, 1, BUSY_S)
+        share = used / wall
+        # a loop alone would take a whole core: the quota holds it near 0.3 (a little under: connecting)
+        assert 0.2 <= share <= 0.34, (used, wall)
+        idle_before = cgroups.usage_us(two.namespace or "")
+        await asyncio.sleep(0.5)
+        assert cgroups.usage_us(two.namespace or "") - idle_before < 50_000  # the other node's own group
+
+        # A power cut and a dead sshd: what repair starts joins the node's share again.
+        made.kill_node(1)
+        assert [r.ok for r in lab_repair(made.name)] == [True, True]
+        assert one.sshd_pid() in cgroups.members(one.namespace or "")
+        assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3)
+        made.kill_sshd(2)
+        assert [r.ok for r in lab_repair(made.name)] == [True, True]
+        assert two.sshd_pid() in cgroups.members(two.namespace or "")
+        used, wall = await _busy(made, 2, 3.0)
+        assert used / wall <= 0.34, (used, wall)
+    finally:
+        lab_down(name)
+    assert cgroups.existing(prefix) == []
+    assert leftovers(made) == []
+
+
+@pytest.mark.lab
+def test_a_lab_without_cpus_makes_no_cpu_group() -> None:
+    require_lab_privileges()
+    name = session_lab_name("nocpu")
+    made = lab_up(1, name=name, owner_pid=os.getpid())
+    try:
+        assert cgroups.quota_of(made.nodes[0].namespace or "") is None
+        assert cgroups.existing(f"{PREFIX}{made.slot}-") == []
+    finally:
+        lab_down(name)
