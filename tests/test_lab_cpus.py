@@ -59,16 +59,31 @@ def test_cpus_is_checked_as_it_is_parsed() -> None:
         assert "--cpus" in done.stderr and "Traceback" not in done.stderr
 
 
-async def _busy(lab: Lab, index: int, seconds: float) -> tuple[float, float]:
-    """Spin one CPU-bound loop on node `index` (1-based) over SSH; the node's CPU seconds used and the
-    wall seconds, from the node's cgroup."""
+async def _busy(lab: Lab, index: int, seconds: float) -> tuple[float, float, int]:
+    """Spin one CPU-bound loop on node `index` (1-based) over SSH: the node's CPU seconds used, the wall
+    seconds, and the periods its quota held it back, from the node's cgroup."""
     host = lab_hosts_of(lab)[index - 1]
     name = lab.nodes[index - 1].namespace or ""
     async with await connect(host, FAST) as conn:
-        before, started = cgroups.usage_us(name), time.monotonic()
+        before, held, started = cgroups.usage_us(name), cgroups.throttled(name), time.monotonic()
         await conn.run(f"timeout {seconds} sh -c 'while :; do :; done'; true", timeout=seconds + 20)
         used, wall = cgroups.usage_us(name) - before, time.monotonic() - started
-    return used / 1e6, wall
+        held = cgroups.throttled(name) - held
+    return used / 1e6, wall, held
+
+
+async def _share(lab: Lab, index: int, seconds: float) -> tuple[float, int]:
+    """The loop's CPU share and throttled periods; on a busy machine (other work takes the cores) the
+    loop may get less than its quota: the best of four tries, never above the quota."""
+    best, best_held = 0.0, 0
+    for _ in range(4):
+        used, wall, held = await _busy(lab, index, seconds)
+        assert used / wall <= 0.34, (used, wall)  # a loop alone takes a whole core: the quota holds it
+        if used / wall > best:
+            best, best_held = used / wall, held
+        if best >= 0.25:
+            break
+    return best, best_held
 
 
 @pytest.mark.lab
@@ -82,10 +97,9 @@ async def test_a_node_with_cpus_gets_its_share_and_down_removes_the_groups() -> 
         assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3)
         assert one.sshd_pid() in cgroups.members(one.namespace or "")
 
-        used, wall = await _busy(made, 1, BUSY_S)
-        share = used / wall
-        # a loop alone would take a whole core: the quota holds it near 0.3 (a little under: connecting)
-        assert 0.2 <= share <= 0.34, (used, wall)
+        share, held = await _share(made, 1, BUSY_S)
+        # near 0.3 (a little under: connecting), and held back by the quota (throttled periods)
+        assert share >= 0.2 and held > 0, (share, held)
         idle_before = cgroups.usage_us(two.namespace or "")
         await asyncio.sleep(0.5)
         assert cgroups.usage_us(two.namespace or "") - idle_before < 50_000  # the other node's own group
@@ -98,8 +112,7 @@ async def test_a_node_with_cpus_gets_its_share_and_down_removes_the_groups() -> 
         made.kill_sshd(2)
         assert [r.ok for r in lab_repair(made.name)] == [True, True]
         assert two.sshd_pid() in cgroups.members(two.namespace or "")
-        used, wall = await _busy(made, 2, 3.0)
-        assert used / wall <= 0.34, (used, wall)
+        share, _ = await _share(made, 2, 2.0)  # never above the quota (each try checks it)
     finally:
         lab_down(name)
     assert cgroups.existing(prefix) == []

@@ -9,6 +9,7 @@ restart and stop of one server that leave the other running, and the install loc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,14 +22,19 @@ from typing import Any
 
 import pytest
 
+from orchestrator.artifacts.manifest import Artifact
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
+from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.load import load_inventory
-from orchestrator.inventory.model import server_hosts
+from orchestrator.inventory.model import Host, server_hosts
 from orchestrator.lab import cgroups
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.model import Lab
+from orchestrator.operations.install import ArtifactChooser
+from orchestrator.operations.install_plan import InstallState
 from orchestrator.operations.lock import acquire
+from orchestrator.operations.service import make_deploy_step, make_rollback_step
 from orchestrator.operations.systemd import unit_name
 from tests.plugins.lab import require_lab_privileges, session_lab_name
 from tests.test_lab import leftovers
@@ -215,6 +221,44 @@ def test_a_lock_held_for_one_server_refuses_a_change_of_the_other(deployed: Lab)
     assert cli(deployed, "stop", "-l", f"{one}/b").returncode == 0
     assert states(deployed)[f"{one}/b"]["state"] == "stopped"
     assert cli(deployed, "start").returncode == 0
+
+
+class _Fixed(ArtifactChooser):
+    def __init__(self, artifact: Artifact) -> None:
+        super().__init__()
+        self.artifact = artifact
+
+    async def __call__(self, host: Host, state: InstallState) -> Artifact:
+        return self.artifact
+
+
+async def _run(hosts: list[Host], step: Any) -> RunResult[Any]:
+    async with Session(forks=8) as session:
+        return await session.run(hosts, step, name="step")
+
+
+async def test_an_upgrade_and_a_rollback_switch_the_install_once_for_both_servers(
+    deployed: Lab, cpu_artifact: Artifact
+) -> None:
+    """The run's first server of an install switches it; the other restarts on what is current. A
+    rollback per server would switch back twice: with two versions, back to the new one."""
+    one = deployed.nodes[0].name
+    servers = [s for s in server_hosts(load_inventory(deployed.inventory).hosts) if s.node_name == one]
+    v2 = dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-v2")
+    up = await _run(servers, make_deploy_step(_Fixed(v2)))
+    assert up.ok, [str(r.error) for r in up.failed]
+    assert [r.value.install.action for r in up.results] == ["install", "none"]
+    assert {r.value.service.action for r in up.results} == {"restart"}
+    back = await _run(servers, make_rollback_step())
+    assert back.ok, [str(r.error) for r in back.failed]
+    assert [r.value.install.action for r in back.results] == ["switch", "none"]
+    status = states(deployed)
+    for server in servers:
+        assert status[server.name]["version"] == status[server.name]["running_version"] == cpu_artifact.id
+    # --reinstall: uploaded and unpacked once, for the first server of the run
+    again = await _run(servers, make_deploy_step(_Fixed(cpu_artifact), reinstall=True))
+    assert again.ok and [r.value.install.action for r in again.results][1] == "none"
+    assert again.results[0].value.install.action != "none"
 
 
 # --- systemd: one unit per server -------------------------------------------------------------------------

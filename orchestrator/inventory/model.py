@@ -93,11 +93,6 @@ class Host:
         return (self.address, self.ssh_port, self.install_dir)
 
     @property
-    def first_server(self) -> bool:
-        """Whether this is its install's first (or only) server: the one that switches versions."""
-        return not self.server or not self.rpc_servers or self.rpc_servers[0].name == self.server
-
-    @property
     def binds_own_loopback(self) -> bool:
         """Whether the server binds a remote node's loopback: reachable only from that node, so the
         controller must not probe the address (it would reach its own loopback instead)."""

@@ -132,6 +132,15 @@ def usage_us(name: str, root: Path = CGROUP_ROOT) -> int:
     return int((groups.account / "cpuacct.usage").read_text()) // 1000
 
 
+def throttled(name: str, root: Path = CGROUP_ROOT) -> int:
+    """Periods in which the node used up its quota and waited (`nr_throttled` of its `cpu.stat`)."""
+    for line in (node_groups(name, root).limit / "cpu.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "nr_throttled":
+            return int(value)
+    return 0
+
+
 def quota_of(name: str, root: Path = CGROUP_ROOT) -> float | None:
     """The node's CPU share as its group says (None: no group, or no limit)."""
     groups = node_groups(name, root)

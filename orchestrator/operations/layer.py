@@ -101,6 +101,7 @@ class HostLocks:
         self._locks: dict[InstallKey, HostLock] = {}
         self._members: dict[InstallKey, set[str]] = {}
         self._serial: dict[InstallKey, asyncio.Lock] = {}
+        self._claimed: set[InstallKey] = set()
 
     def holds(self, host: Host) -> bool:
         return host.name in self._members.get(host.install_key, ())
@@ -108,6 +109,14 @@ class HostLocks:
     def serial(self, host: Host) -> asyncio.Lock:
         """Held while one server of an install is changed: its other servers wait their turn."""
         return self._serial.setdefault(host.install_key, asyncio.Lock())
+
+    def first_of_install(self, host: Host) -> bool:
+        """Whether `host` is the first server of its install this run changes: the one that changes
+        the install itself (`deploy --reinstall`, `rollback`'s switch), once for all its servers."""
+        if host.install_key in self._claimed:
+            return False
+        self._claimed.add(host.install_key)
+        return True
 
     async def enter(self, session: Session, hosts: Sequence[Host]) -> dict[str, RpcfleetError]:
         installs: dict[InstallKey, list[Host]] = {}
@@ -225,6 +234,11 @@ class NodeOperation(Generic[T]):
             return await run_to_completion(self.body(ctx, conn), ctx.log)
         finally:
             await lock.release()
+
+
+def first_of_install(ctx: HostContext) -> bool:
+    """Whether this step is the first of its run on its host's install (True outside a gated run)."""
+    return not isinstance(ctx.gate, HostLocks) or ctx.gate.first_of_install(ctx.host)
 
 
 def node_operation(name: str, body: Body[T], options: OperationOptions) -> NodeOperation[T]:

@@ -29,7 +29,7 @@ from orchestrator.operations.install_plan import (
     plan_rollback,
     read_install_state,
 )
-from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
+from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, first_of_install, node_operation
 from orchestrator.operations.process import (
     launch_drift,
     refuse_if_busy,
@@ -379,8 +379,7 @@ async def deploy(
         choose,
         state=state.install,
         check=check,
-        # One install serves every server of a host: only its first reinstalls, the others find it done.
-        force=reinstall and host.first_server,
+        force=reinstall,
         progress=progress,
         build_log=build_log,
     )
@@ -416,7 +415,8 @@ def make_deploy_step(
             choose,
             check=options.check,
             force=options.force,
-            reinstall=reinstall,
+            # One install serves every server of a host: the run's first reinstalls, the others find it.
+            reinstall=reinstall and first_of_install(ctx),
             progress=progress,
             build_log=build_log,
         )
@@ -445,18 +445,20 @@ async def _verify_cache(conn: Connection, host: Host, result: DeployResult) -> D
 
 
 async def rollback(
-    conn: Connection, host: Host, *, to: str | None = None, check: bool = False, force: bool = False
+    conn: Connection,
+    host: Host,
+    *,
+    to: str | None = None,
+    check: bool = False,
+    force: bool = False,
+    switch: bool = True,
 ) -> DeployResult:
-    """Switch `current` back to the previous version (or `to`) and have that version serve."""
+    """Switch `current` back to the previous version (or `to`) and have that version serve.
+
+    `switch=False`: another server of this install switched it back in this run (one install, several
+    servers): this one only has to run the version that is current now."""
     state = await read_node_state(conn, host)
-    svc = state.service
-    if host.server and svc.ours and svc.running_version not in (None, state.install.current):
-        # Another server of this install switched it back already (one install, several servers): this
-        # one only has to run the version that is current now.
-        service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
-        unchanged = plan_rollback(state.install, to=state.install.current)
-        return DeployResult(unchanged, service, service.after or service.status)
-    change = plan_rollback(state.install, to=to)
+    change = plan_rollback(state.install, to=to if switch else state.install.current)
     if change.changed and state.service.clients and state.service.ours and not force:
         await refuse_if_busy(conn, host, "roll back")
     if change.changed and not check:
@@ -472,7 +474,9 @@ def make_rollback_step(
     options: OperationOptions = DEFAULT_OPTIONS, *, to: str | None = None
 ) -> Step[DeployResult]:
     async def body(ctx: HostContext, conn: Connection) -> StepOutcome[DeployResult]:
-        result = await rollback(conn, ctx.host, to=to, check=options.check, force=options.force)
+        result = await rollback(
+            conn, ctx.host, to=to, check=options.check, force=options.force, switch=first_of_install(ctx)
+        )
         return StepOutcome(result, result.changed, result.describe())
 
     return node_operation("rollback", body, options)
