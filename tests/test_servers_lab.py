@@ -12,11 +12,12 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,28 @@ async def test_an_upgrade_and_a_rollback_switch_the_install_once_for_both_server
     again = await _run(servers, make_deploy_step(_Fixed(cpu_artifact), reinstall=True))
     assert again.ok and [r.value.install.action for r in again.results][1] == "none"
     assert again.results[0].value.install.action != "none"
+
+
+async def test_a_busy_server_refuses_a_new_version_for_its_whole_install(
+    deployed: Lab, cpu_artifact: Artifact, hold_server: Callable[[str], socket.socket]
+) -> None:
+    """Both servers of a host run from one install: a client on server b refuses the switch that a
+    deploy of server 50052 alone would make (b would have to restart on it), before anything changes."""
+    one = deployed.nodes[0].name
+    servers = {s.name: s for s in server_hosts(load_inventory(deployed.inventory).hosts)}
+    before = states(deployed)
+    sock = hold_server(servers[f"{one}/b"].endpoint)
+    try:
+        v3 = dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-v3")
+        refused = await _run([servers[f"{one}/50052"]], make_deploy_step(_Fixed(v3)))
+        (result,) = refused.results
+        assert result.status == "failed" and "busy" in str(result.error), result
+        assert result.error is not None and result.error.host == f"{one}/b"
+        after = states(deployed)
+        assert {after[n]["version"] for n in (f"{one}/50052", f"{one}/b")} == {cpu_artifact.id}
+        assert after[f"{one}/50052"]["pid"] == before[f"{one}/50052"]["pid"]
+    finally:
+        sock.close()
 
 
 # --- systemd: one unit per server -------------------------------------------------------------------------

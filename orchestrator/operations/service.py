@@ -26,6 +26,7 @@ from orchestrator.operations.install import (
 from orchestrator.operations.install_apply import apply_install
 from orchestrator.operations.install_plan import (
     InstallChange,
+    InstallState,
     plan_rollback,
     read_install_state,
 )
@@ -373,6 +374,8 @@ async def deploy(
         )
         if would.changed:
             await refuse_if_busy(conn, host, "deploy to")
+    if host.server and not force and not check:
+        await _refuse_busy_siblings(conn, host, choose, state.install)
     change = await ensure_installed(
         conn,
         host,
@@ -398,6 +401,21 @@ async def deploy(
     # The server's warnings (root, closed stale clients) too; the bind's only once.
     warnings = tuple(dict.fromkeys([*((warning,) if warning else ()), *service.warnings]))
     return DeployResult(change, service, service.after or service.status, warnings)
+
+
+async def _refuse_busy_siblings(
+    conn: Connection, host: Host, choose: ArtifactChooser, install: InstallState
+) -> None:
+    """One of several servers (`rpc_servers`): a new version switched in for this one is the version
+    every server of the install restarts on, so a busy one among them refuses the switch before it is
+    made, as this server's own client would."""
+    source = await choose(host, install)
+    if source.id == install.current:
+        return
+    for server in host.rpc_servers:
+        if server.name != host.server:
+            sibling = dataclasses.replace(host, rpc_port=server.port, name=f"{host.node_name}/{server.name}")
+            await refuse_if_busy(conn, sibling, f"switch the install of {host.node_name} under")
 
 
 def make_deploy_step(
