@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
+from orchestrator.core.paths import rpcfleet_home
 from orchestrator.lab import cgroups
 from orchestrator.lab.cgroups import PERIOD_US, join_lines, quota_us
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up
@@ -46,17 +47,29 @@ def test_the_quota_lines_for_v1_and_v2(tmp_path: Path) -> None:
     assert quota_us(0.001) == 1000  # the kernel's least
 
 
-def test_cpus_is_checked_as_it_is_parsed() -> None:
-    for bad in ("0", "abc", "-1"):
-        done = subprocess.run(
-            [sys.executable, "-m", "orchestrator", "lab", "up", "--cpus", bad, "--name", "never"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 2, done.stderr
-        assert "--cpus" in done.stderr and "Traceback" not in done.stderr
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cpus", "0"], "--cpus"),
+        (["--cpus", "abc"], "--cpus"),
+        (["--cpus", "-1"], "--cpus"),
+        (["--cpus", "0.5", "--local"], "--cpus needs a network-namespace lab"),
+        (["--nodes", "2", "--var", "3:rpc_port=50060"], "no node 3"),
+        (["--var", "x:rpc_port=1"], "N:KEY=VALUE"),
+        (["--var", "1:rpc_servers=[50052, 50052]"], "both use port 50052"),
+    ],
+)
+def test_lab_up_flags_are_checked_before_anything_is_made(argv: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "lab", "up", *argv, "--name", "never"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in " ".join(done.stderr.split()) and "Traceback" not in done.stderr
+    assert not (rpcfleet_home() / "lab" / "never").exists()
 
 
 async def _busy(lab: Lab, index: int, seconds: float) -> tuple[float, float, int]:

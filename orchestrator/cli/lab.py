@@ -150,6 +150,8 @@ def handle_up(args: argparse.Namespace) -> int:
 
     if args.local and args.init != "none":
         raise UsageError("--init systemd needs a network-namespace lab, not --local")
+    if args.local and args.cpus is not None:
+        raise UsageError("--cpus needs a network-namespace lab, not --local (its nodes are this machine)")
     variables, node_variables = _variables(args.var)
     started = time.monotonic()
     reaped = reap_stale()
