@@ -17,7 +17,7 @@ from orchestrator.connectors.connect import connect
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.lab import cgroups
 from orchestrator.lab.cgroups import PERIOD_US, join_lines, quota_us
-from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up
+from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up, reap_stale
 from orchestrator.lab.model import PREFIX, Lab
 from tests.plugins.lab import lab_hosts_of, require_lab_privileges, session_lab_name
 from tests.test_lab import leftovers
@@ -140,5 +140,25 @@ def test_a_lab_without_cpus_makes_no_cpu_group() -> None:
     try:
         assert cgroups.quota_of(made.nodes[0].namespace or "") is None
         assert cgroups.existing(f"{PREFIX}{made.slot}-") == []
+    finally:
+        lab_down(name)
+
+
+@pytest.mark.lab
+def test_the_groups_of_a_dead_sessions_lab_are_reaped() -> None:
+    """A lab whose owner died (a killed test session) is reaped by the next `lab up`/`reap_stale`: its
+    nodes' CPU groups go with its namespaces."""
+    require_lab_privileges()
+    owner = subprocess.Popen(["sleep", "60"])
+    name = session_lab_name("cpudead")
+    made = lab_up(1, name=name, owner_pid=owner.pid, cpus=0.5)
+    prefix = f"{PREFIX}{made.slot}-"
+    try:
+        assert cgroups.existing(prefix)  # the quota's group (and on cgroup v1 the accounting one)
+        owner.kill()
+        owner.wait()
+        assert any(name in reaped for reaped in reap_stale())
+        assert cgroups.existing(prefix) == []
+        assert leftovers(made) == []
     finally:
         lab_down(name)
