@@ -22,7 +22,13 @@ from orchestrator.core.yamlsource import (
     node_value,
 )
 from orchestrator.inventory.ranges import expand_host_range
-from orchestrator.inventory.variables import _ANSIBLE_VARS, _CANONICAL, VARIABLES_BY_NAME, _did_you_mean
+from orchestrator.inventory.variables import (
+    _ANSIBLE_VARS,
+    _CANONICAL,
+    VARIABLES_BY_NAME,
+    _did_you_mean,
+    variable_hint,
+)
 
 
 @dataclass
@@ -114,7 +120,7 @@ class _Builder:
             self.error(f"{key!r} and {previous.key!r} both set {canonical!r} here; keep one", location)
             return
         if canonical == key and key not in VARIABLES_BY_NAME and key not in _ANSIBLE_VARS:
-            hint = _did_you_mean(key, _CANONICAL)
+            hint = variable_hint(key)
             if hint:
                 self.warn(f"unknown variable {key!r} is kept as is{hint}", location)
         scope[canonical] = _RawVar(key, value, location)
