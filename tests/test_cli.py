@@ -527,3 +527,34 @@ def test_a_signal_inside_the_import_machinery_is_handled_again_later_not_raised(
     error = RuntimeError("Error calling __set_name__")
     error.__cause__ = KeyboardInterrupt()
     assert signals.interrupted_by(error) and not signals.interrupted_by(RuntimeError("other"))
+
+
+def test_a_signal_inside_a_finalizer_is_not_lost() -> None:
+    """A SIGTERM that lands in an object's `__del__` (CPython prints and drops what it raises) still
+    interrupts the command, a moment later, outside it: 20 rounds, the real signal and handler."""
+    import os
+    import time
+
+    from orchestrator.core import signals
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, in here
+            for _ in range(1000):
+                pass
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    signals.install()
+    try:
+        for round_ in range(20):
+            signals.forget()
+            with pytest.raises(KeyboardInterrupt):
+                Finalized()  # collected at once: __del__ runs here
+                deadline = time.monotonic() + 2
+                while time.monotonic() < deadline:
+                    time.sleep(0.001)
+                raise AssertionError(f"round {round_}: the signal was lost")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signals.forget()

@@ -1,9 +1,10 @@
-"""SIGINT and SIGTERM as KeyboardInterrupt, never inside the import machinery's own callbacks.
+"""SIGINT and SIGTERM as KeyboardInterrupt, never inside a finalizer or the import machinery's callbacks.
 
 CPython runs a Python signal handler between two bytecodes of whatever runs, including a module lock's
-weakref callback in `importlib._bootstrap`; an exception raised there is printed ("Exception ignored
-in ...", a traceback) and dropped, so the signal would be lost and the user would see a traceback. A
-signal that lands inside the import machinery is handled again a moment later, outside it.
+weakref callback in `importlib._bootstrap` and an object's `__del__` (a socket, a transport, a process
+collected by the garbage collector); an exception raised there is printed ("Exception ignored in ...",
+a traceback) and dropped, so the signal would be lost and the user would see a traceback. A signal that
+lands inside one of them is handled again a moment later, outside it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import FrameType
 
 _IMPORT_MACHINERY = "<frozen importlib"
 _RETRY = 0.002  # seconds until a deferred signal is handled again
+_STACK_DEPTH = 64  # frames looked at for a finalizer (one runs from deep inside any code)
 _deferred: list[int] = []
 _received: list[int] = []  # the signals this handler turned into KeyboardInterrupt, this command
 
@@ -21,13 +23,25 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
     """The handler: KeyboardInterrupt, unless `frame` is the import machinery's: then the signal is
     handled again `_RETRY` seconds later (SIGALRM), by when that callback is over. Not by sending the
     signal again at once: its handler would run inside this one, still within the callback."""
-    if frame is not None and frame.f_code.co_filename.startswith(_IMPORT_MACHINERY):
+    if _in_a_callback_that_drops_exceptions(frame):
         _deferred[:] = [signum]
         signal.signal(signal.SIGALRM, _again)
         signal.setitimer(signal.ITIMER_REAL, _RETRY)
         return
     _received.append(signum)
     raise KeyboardInterrupt
+
+
+def _in_a_callback_that_drops_exceptions(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside an object's `__del__` or the import machinery, at any depth."""
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.startswith(_IMPORT_MACHINERY):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def raise_if_interrupted() -> None:
