@@ -34,7 +34,7 @@ from orchestrator.llama.logs import (
     parse_load_log,
     parse_server_log,
 )
-from orchestrator.llama.native import _register, live_endpoints, registered_endpoints
+from orchestrator.llama.native import live_endpoints, register, registered_endpoints
 from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
 from orchestrator.llama.preflight import check_plan_devices, preflight
 from orchestrator.planning.placement import order_devices
@@ -546,7 +546,7 @@ def test_a_server_whose_devices_changed_since_registration_is_refused(tiny_model
     with fake_rpc_server(protocol(devices=((8 * GiB, 8 * GiB),))) as server:
         preflight_counts = preflight(_single_plan(server.endpoint, tiny_model))
         assert preflight_counts == {server.endpoint: 1}
-        registered = _register(server.endpoint, 1)
+        registered = register(server.endpoint, 1)
         assert (len(registered.devices), registered.descriptions) == (1, (server.endpoint,))
         server.handler = protocol(devices=((8 * GiB, 8 * GiB), (8 * GiB, 8 * GiB)))
         with pytest.raises(DeviceMismatchError, match=r"2 device.*1 are registered"):

@@ -107,9 +107,9 @@ def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 @pytest.mark.llama
 def test_local_gpus_are_only_gpus() -> None:
-    from orchestrator.llama.native import _native, local_gpus
+    from orchestrator.llama.native import get_native, local_gpus
 
-    native = _native()
+    native = get_native()
     kinds = [native.dev_type(native.dev_get(i)) for i in range(native.dev_count())]
     gpus = local_gpus()
     assert len(gpus) == sum(k in (1, 2) for k in kinds) or (1 in kinds and 2 in kinds)

@@ -37,7 +37,7 @@ MANIFEST_NAME = "manifest.json"
 SCHEMA = 1
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -46,7 +46,7 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _PROTO_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
 
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 
 class ArtifactSpecError(InputError, ArtifactError):
@@ -237,7 +237,7 @@ def llama_cpp_python_version() -> str:
         return DEFAULT_LLAMA_CPP_PYTHON_VERSION
 
 
-def _scan_files(root: Path) -> tuple[FileEntry, ...]:
+def scan_files(root: Path) -> tuple[FileEntry, ...]:
     """Entries for every file and symlink under `root` (relative paths, sorted)."""
     entries = []
     for path in sorted(p for p in root.rglob("*") if p.is_symlink() or p.is_file()):

@@ -37,7 +37,7 @@ NOT_FOUND = 127  # the shell's "command not found"
 TOOL_TIMEOUT_S = 15
 
 
-def _with_tool(tool: str, args: str) -> str:
+def with_tool(tool: str, args: str) -> str:
     """Run `tool args` under `timeout` when available; exit 127 when the tool is absent."""
     return (
         f"command -v {tool} >/dev/null 2>&1 || exit {NOT_FOUND}; "
@@ -46,7 +46,7 @@ def _with_tool(tool: str, args: str) -> str:
     )
 
 
-def _tail(text: str, lines: int = 3) -> str:
+def tail(text: str, lines: int = 3) -> str:
     kept = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return " | ".join(kept[-lines:])
 

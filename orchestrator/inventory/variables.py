@@ -59,7 +59,7 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-def _parse_address(value: Any) -> str:
+def parse_address(value: Any) -> str:
     text = fields.text(value).strip()
     if _is_ip(text):
         return text
@@ -109,7 +109,7 @@ class Variable:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("address", ("ansible_host", "ansible_ssh_host"), _parse_address, None, "address to reach"),
+    Variable("address", ("ansible_host", "ansible_ssh_host"), parse_address, None, "address to reach"),
     Variable(
         "ssh_user", ("ansible_user", "ansible_ssh_user"), fields.optional(fields.text), None, "SSH login"
     ),
@@ -182,11 +182,11 @@ VARIABLES: tuple[Variable, ...] = (
 VARIABLES_BY_NAME: Mapping[str, Variable] = {var.name: var for var in VARIABLES}
 
 
-_CANONICAL: Mapping[str, str] = {alias: var.name for var in VARIABLES for alias in (var.name, *var.aliases)}
+CANONICAL: Mapping[str, str] = {alias: var.name for var in VARIABLES for alias in (var.name, *var.aliases)}
 
 
 # Ansible's own variables that look like ours: never flagged as typos.
-_ANSIBLE_VARS = frozenset(
+ANSIBLE_VARS = frozenset(
     {
         "ansible_password",
         "ansible_ssh_pass",
@@ -205,7 +205,7 @@ _ANSIBLE_VARS = frozenset(
 )
 
 
-def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+def near_miss(word: str, candidates: Iterable[str]) -> str:
     return did_you_mean(word, candidates, cutoff=0.75)  # variable and group names: only near misses
 
 

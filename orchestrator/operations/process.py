@@ -43,7 +43,7 @@ from orchestrator.operations.server import (
     STOP_GRACE,
     SUPERVISOR_SCRIPT,
     NodeState,
-    _expected,
+    expected_protocol,
     read_node_state,
 )
 from orchestrator.operations.supervise import stop_loop_lines, supervise_sh
@@ -503,7 +503,7 @@ async def wait_ready(
     """Until HELLO answers with the expected protocol: the exit code proves nothing. Meanwhile, every
     half second, make sure the process still lives and read its log for a failed bind."""
     target = None if host.binds_own_loopback else host.endpoint
-    expected = _expected(state.install)
+    expected = expected_protocol(state.install)
     install_dir = state.install.install_dir
     deadline = time.monotonic() + limit_s
     next_check = time.monotonic() + 0.3

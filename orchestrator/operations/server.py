@@ -213,7 +213,7 @@ class NodeState:
         return ""
 
 
-def _node_path(install_dir: str, relative: str) -> str:
+def node_path(install_dir: str, relative: str) -> str:
     return f"{install_dir.rstrip('/')}/{relative}"
 
 
@@ -227,14 +227,14 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ListenersFact(port),
         RpcClientsFact(port),
         PortOwnersFact(port),
-        ServerProcessFact(_node_path(host.install_dir, PID_FILE)),
-        LaunchFact(_node_path(host.install_dir, PID_FILE)),
-        LogMatchFact(_node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+        ServerProcessFact(node_path(host.install_dir, PID_FILE)),
+        LaunchFact(node_path(host.install_dir, PID_FILE)),
+        LogMatchFact(node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
         SupervisorFact(
-            _node_path(host.install_dir, SUPERVISOR_PID_FILE),
-            _node_path(host.install_dir, SUPERVISOR_STATE_FILE),
-            _node_path(host.install_dir, SUPERVISOR_SCRIPT),
-            _node_path(host.install_dir, LOG_FILE),
+            node_path(host.install_dir, SUPERVISOR_PID_FILE),
+            node_path(host.install_dir, SUPERVISOR_STATE_FILE),
+            node_path(host.install_dir, SUPERVISOR_SCRIPT),
+            node_path(host.install_dir, LOG_FILE),
         ),
         SystemdFact(),
         UnitFact(unit_name(host.install_dir), BIND_FAILED),
@@ -440,7 +440,7 @@ def _unit_failure(state: NodeState, *, taken: bool = False) -> str:
     return ""
 
 
-def _expected(state: InstallState) -> ProtocolVersion | None:
+def expected_protocol(state: InstallState) -> ProtocolVersion | None:
     if state.protocol is None:
         return None
     try:
@@ -459,7 +459,7 @@ async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_T
         return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0)
     result = await probe_endpoint(
         target,
-        expected=_expected(state.install),
+        expected=expected_protocol(state.install),
         connect_timeout=limit_s,
         read_timeout=limit_s,
         deadline=limit_s * 1.5,

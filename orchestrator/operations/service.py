@@ -43,9 +43,9 @@ from orchestrator.operations.server import (
     LOG_FILE,
     NodeState,
     ServerStatus,
-    _node_path,
     bind_policy,
     classify,
+    node_path,
     probe_server,
     read_node_state,
     server_status,
@@ -264,7 +264,7 @@ def make_logs_step(
             return StepOutcome(
                 journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
             )
-        fact = LogTailFact(_node_path(ctx.host.install_dir, LOG_FILE), lines, drop)
+        fact = LogTailFact(node_path(ctx.host.install_dir, LOG_FILE), lines, drop)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
         if text is None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.core.errors import PlanError
-from orchestrator.planning.placement import _pad
+from orchestrator.planning.placement import pad
 from orchestrator.planning.plan import (
     MAX_DEVICES,
     MAX_RPC_DEVICES,
@@ -27,7 +27,7 @@ def kv_layer_bytes(profile: ModelProfile, il: int, n_ctx_pad: int, opts: PlanOpt
     n_v = profile.n_embd_v_gqa_max() if not opts.flash_attn else profile.n_embd_v_gqa(il)
     k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * n_ctx_pad
     v = row_bytes(opts.type_v, n_v) * n_ctx_pad
-    return _pad(k, alignment) + _pad(v, alignment)
+    return pad(k, alignment) + pad(v, alignment)
 
 
 def estimate_compute(
@@ -106,7 +106,7 @@ class _Prediction:
     pipeline_parallel: bool
 
 
-def _predict(
+def predict(
     profile: ModelProfile,
     devices: Sequence[PlanDevice],
     assignment: Sequence[int | None],
