@@ -293,7 +293,7 @@ def part2(tmp: Path, reps: int, profile: bool) -> dict[str, Any]:
         ]
         plan: Plan = make_plan(devices, mprofile, PlanOptions(n_ctx=N_CTX_TINY))
         plan_path = tmp / "plan.json"
-        plan_path.write_text(plan.to_json())
+        plan_path.write_text(plan.to_text())
         base = {
             "root": str(ROOT),
             "plan": str(plan_path),

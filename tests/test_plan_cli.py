@@ -43,8 +43,8 @@ def test_plan_json_round_trips_and_follows_the_limits(
     )
     out = capsys.readouterr().out
     assert status == 0
-    plan = Plan.from_json(out)
-    assert Plan.from_json(saved.read_text()) == plan
+    plan = Plan.from_text(out)
+    assert Plan.from_text(saved.read_text()) == plan
     assert plan.endpoints == tuple(s.endpoint for s in two_servers)
     # 9 offloadable layers (8 + output) split 1:3 on usable memory less the 256 MiB margin: 744:2744.
     assert plan.layer_counts == (2, 7) and plan.tensor_split == (2.0, 7.0)
@@ -85,7 +85,7 @@ def test_plan_that_does_not_fit_names_the_short_device(
     inventory = _inventory(tmp_path, two_servers, ["300MiB", "290MiB"])
     base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096"]
     assert main([*base, "--json"]) == 1
-    plan = Plan.from_json(capsys.readouterr().out)
+    plan = Plan.from_text(capsys.readouterr().out)
     assert not plan.fit.fits and plan.fit.shortfall > 0 and plan.fit.binding_device is not None
     short = plan.devices[plan.fit.binding_device]
     assert short.memory.headroom == -plan.fit.shortfall

@@ -141,7 +141,7 @@ class Manifest:
             "files": [entry.to_dict() for entry in self.files],
         }
 
-    def to_json(self) -> bytes:
+    def to_bytes(self) -> bytes:
         # Stable bytes: the manifest is inside the archive, whose sha256 must not depend on dict order.
         return (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
 

@@ -73,7 +73,7 @@ def pack_artifact(root: Path, manifest: Manifest, dest: BinaryIO) -> None:
         gzip.GzipFile(filename="", mode="wb", fileobj=dest, mtime=0, compresslevel=9) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar,
     ):
-        data = manifest.to_json()
+        data = manifest.to_bytes()
         tar.addfile(_tarinfo(MANIFEST_NAME, size=len(data)), io.BytesIO(data))
         for entry in sorted(manifest.files, key=lambda e: e.path):
             if entry.link is not None:

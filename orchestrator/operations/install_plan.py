@@ -240,7 +240,7 @@ class InstallChange:
 
 
 def _unpacked_size(artifact: Artifact) -> int:
-    return sum(entry.size for entry in artifact.manifest.files) + len(artifact.manifest.to_json())
+    return sum(entry.size for entry in artifact.manifest.files) + len(artifact.manifest.to_bytes())
 
 
 def prune_plan(

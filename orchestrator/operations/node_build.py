@@ -133,7 +133,7 @@ def node_install_script(change: InstallChange, manifest: Manifest, nonce: str) -
         f'S="$D/tmp/$ID.{nonce}.d"',
         'mkdir -p "$S" || fail copy "cannot create $S"',
         'cp -P -R "$W/out/bin" "$S/bin" || fail copy "cannot copy the build output"',
-        f'printf "%s" {q(manifest.to_json().decode())} > "$S/manifest.json" '
+        f'printf "%s" {q(manifest.to_bytes().decode())} > "$S/manifest.json" '
         '|| fail copy "cannot write the manifest"',
         *verify_lines(manifest, '"$S"'),
         f'if [ -e "$D/versions/$ID" ]; then mv -T "$D/versions/$ID" {old} || fail move "cannot move"; fi',

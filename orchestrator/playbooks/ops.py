@@ -202,7 +202,7 @@ def _plan(args: Mapping[str, Any], play: Play) -> Step:
         profile = await asyncio.to_thread(profile_model, args["model"])
         plan = make_plan(to_plan_devices(fleet, failed="skip"), profile, _plan_options(args))
         play.state.plan = plan
-        text = plan.to_json()
+        text = plan.to_text()
         path = args["output"]
         if path is not None and not play.check:
             await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
