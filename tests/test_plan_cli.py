@@ -162,3 +162,22 @@ def test_run_reports_a_bad_plan_file_by_name(
     assert main(["run", "-m", str(tiny_model), "-p", "x", "--plan", str(path)]) == 2  # bad input
     err = capsys.readouterr().err
     assert str(path) in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", ["nonsense", "h:x", "h:99999", "[::1"])
+def test_a_saved_plan_with_a_bad_endpoint_is_an_input_error_naming_the_file(
+    bad: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once a worker's load failure (exit 1, "EndpointError: ..."); now refused as the plan is read."""
+    from orchestrator.planning.plan import PlanOptions
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
+    from tests.plugins.llama import plan_devices
+
+    plan = make_plan(plan_devices(["127.0.0.1:1"]), profile_model(tiny_model), PlanOptions(n_ctx=256))
+    saved = tmp_path / "plan.json"
+    saved.write_text(plan.to_text().replace('"127.0.0.1:1"', f'"{bad}"'))
+    status = main(["run", "--plan", str(saved), "-m", str(tiny_model), "-p", "x"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert f"{saved}: device 0: invalid endpoint '{bad}'" in err and "Traceback" not in err

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import PlanError, PlanFileError
+from orchestrator.rpc.protocol import EndpointError, parse_endpoint
 
 SCHEMA_VERSION = 1
 
@@ -263,9 +264,16 @@ class Plan:
                 hint="re-create the plan with this version of rpcfleet",
             )
         try:
-            return _plan_from_dict(data)
+            plan = _plan_from_dict(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"plan JSON is malformed: {exc!r}") from exc
+        for i, device in enumerate(plan.devices):
+            if device.endpoint is not None:
+                try:  # a bad host:port is the file's fault, named here, not a failure of the load later
+                    parse_endpoint(device.endpoint)
+                except EndpointError as exc:
+                    raise PlanError(f"device {i}: {exc.message}") from None
+        return plan
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
