@@ -1,4 +1,4 @@
-"""install.py: the install state built from facts and the plans (pure), then the node-side scripts
+"""operations/install*.py: the install state built from facts and the plans (pure), then the node-side scripts
 run for real (local shell)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""orchestrator.loader: pure log parsers and plan checks, then real loads on real servers (marker llama).
+"""orchestrator.llama.loader: pure log parsers and plan checks, then real loads on real servers
+(marker llama).
 
 The real loads run in this process against three session-scoped `ggml-rpc-server`s started with
 GGML_RPC_DEBUG=1 (tests/plugins/llama.py): their logs give every allocation to the byte, which the

@@ -17,8 +17,9 @@ Cache layout (`$RPCFLEET_HOME`, default `~/.cache/rpcfleet`):
     downloads/<sha256>        a fetched URL, kept once its sha256 matched
 
 Sources: a local build from the llama-cpp-python sdist (`build_artifact`), a URL or a local archive or
-folder pinned by sha256 (`import_artifact`), or a build on the node itself (`on_node_build_script`; the
-SSH part lives in install.py). `resolve_artifact` turns an inventory's `rpc_artifact` value into one.
+folder pinned by sha256 (`import_artifact`), or a build on the node itself (`on_node_build_script`;
+the SSH part lives in operations/node_build.py). `resolve_artifact` turns an inventory's `rpc_artifact`
+value into one.
 """
 
 from __future__ import annotations

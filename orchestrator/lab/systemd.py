@@ -15,7 +15,7 @@ The veth peer gets a fixed MAC derived from the address, so the host's ARP entry
 
 Stop = SIGTERM to nspawn (an orderly poweroff of the node's systemd), then whatever is left in the
 namespace is killed. The root stays mounted while a node is down (a reboot); `lab down` unmounts it.
-Findings behind each step: /tmp/research/nspawn/NOTES.md (kept in docs/lab.md).
+The findings behind each step: docs/lab.md.
 """
 
 from __future__ import annotations
