@@ -13,7 +13,7 @@ Part 2 (two real `ggml-rpc-server`s on loopback, a tiny llama model of about 200
 before the call to the returned `Llama`, for
   (A) `load_llama(plan, model)`: model check, pure-Python preflight probe of every endpoint, native
       registration, explicit device list, log capture, placement report;
-  (B) hand-written registration (§5 of `../shared/docs/llama-rpc.md`, relative to the repository root):
+  (B) hand-written registration (§5 of docs/llama-rpc.md):
       `ggml_backend_reg_by_name("RPC")`, `ggml_backend_rpc_add_server` per endpoint, device handles, a
       NULL-terminated device list through a wrapper of `llama_model_default_params`, then `Llama(...)`
       with the same split, layers and context.
@@ -120,7 +120,7 @@ CHILD = textwrap.dedent(
         L.llama_log_set(callback, ctypes.c_void_p(0))
         opts = plan.options
         started = time.perf_counter()
-        # --- hand-written registration (../shared/docs/llama-rpc.md §5) ---
+        # --- hand-written registration (docs/llama-rpc.md §5) ---
         lib = L._lib
         vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
         lib.ggml_backend_reg_by_name.argtypes, lib.ggml_backend_reg_by_name.restype = [cp], vp

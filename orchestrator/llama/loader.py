@@ -1,8 +1,8 @@
-"""`Plan` → `llama_cpp.Llama` on stock llama-cpp-python 0.3.36 (the only module importing llama_cpp).
+"""`Plan` → `llama_cpp.Llama` on stock llama-cpp-python 0.3.36 (llama_cpp itself through `llama.native`).
 
 0.3.36 has no `rpc_servers` argument (it is swallowed by `**kwargs`), and its native RPC client aborts the
 whole process on an unreachable or mismatched server. So, in this order (facts: §4-§6 of
-`../shared/docs/llama-rpc.md`, relative to the repository root):
+docs/llama-rpc.md):
 
 1. Preflight every endpoint of the plan with the pure-Python client (`llama.preflight`) and refuse,
    with a typed error, anything unreachable, busy, of another protocol, or whose devices do not

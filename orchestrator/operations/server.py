@@ -4,7 +4,7 @@ Files on the node, under the install folder (see install.py): `run/rpc-server.pi
 server we started), `log/rpc-server.log` (everything it prints, line-buffered, a marker line per
 start) and `cache/` (its LLAMA_CACHE).
 
-Facts the code relies on (§3 of `../shared/docs/llama-rpc.md`): the exit code of the server says nothing (0
+Facts the code relies on (§3 of docs/llama-rpc.md): the exit code of the server says nothing (0
 after a failed bind), so ready means a HELLO answered with the expected protocol; SIGPIPE kills it unless
 ignored; it serves one client at a time, so a connected client makes it *busy*, not broken; it must be
 detached with every stream redirected or the SSH command never returns.
