@@ -381,8 +381,7 @@ def render(r1: dict[str, Any], r2: dict[str, Any], runs: int, reps: int) -> str:
         f"Target: within {TARGET * 100:.0f} % — **{verdict}**. Where A's extra time goes (medians inside A's "
         f"process): model check (`profile_model` of the file) {ms(median(stages['check_model']))}, "
         f"preflight {ms(median(stages['preflight']))} (of which `expected_protocol()`, the llama-cpp-python "
-        f"version read from the module, {ms(meta)}; it took 22.7 ms through `importlib.metadata` before "
-        f"commit `b75dac3`; the probes of {N_SERVERS} endpoints the rest), native "
+        f"version read from the module, {ms(meta)}; the probes of {N_SERVERS} endpoints the rest), native "
         f"registration {ms(median(stages['register']))}, placement report (log parsing) "
         f"{ms(median(stages['placement']))}; `Llama(...)` itself {ms(median(stages['llama']))}.",
     ]
