@@ -73,6 +73,7 @@ CHILD = textwrap.dedent(
     configure_logging("text", "WARNING")
     from orchestrator.llama import loader
     from orchestrator.llama import preflight as preflight_module
+    from orchestrator.llama.placement import placement_of
     from pathlib import Path
     from orchestrator.planning.plan import Plan
 
@@ -101,7 +102,7 @@ CHILD = textwrap.dedent(
         started = time.perf_counter()
         llm = loader.load_llama(plan, model)
         elapsed = time.perf_counter() - started
-        placement = loader.placement_of(llm)
+        placement = placement_of(llm)
         stages["llama"] = placement.load_seconds
         out["around"] = elapsed - placement.load_seconds
         out["stages"] = stages
