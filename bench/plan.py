@@ -73,6 +73,7 @@ CHILD = textwrap.dedent(
     configure_logging("text", "WARNING")
     from orchestrator.llama import loader
     from orchestrator.llama import preflight as preflight_module
+    from orchestrator.llama.logs import join_log_records, parse_load_log
     from orchestrator.llama.placement import placement_of
     from pathlib import Path
     from orchestrator.planning.plan import Plan
@@ -166,7 +167,7 @@ CHILD = textwrap.dedent(
             L.llama_model_default_params = original
         elapsed = time.perf_counter() - started
         # Check (outside the clock) that B really put the layers where the plan says.
-        parsed = loader.parse_load_log(loader.join_log_records(records))
+        parsed = parse_load_log(join_log_records(records))
         names = [lib.ggml_backend_dev_name(h).decode() for h in handles]
         out["layers"] = {
             d.label: sorted(il for il, n in parsed.layers.items() if n == name)
