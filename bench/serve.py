@@ -254,8 +254,8 @@ def main() -> None:
             body += [
                 "",
                 f"{path.capitalize()}, the first text came after {waited * 100:.0f} % of the time to the "
-                "last: the text arrived in bursts near the end, so that column's client's-clock rate measures the "
-                "bursts, not decoding; llama.cpp's own rate is the comparable figure.",
+                "last: the text arrived in bursts near the end, so that column's client's-clock rate "
+                "measures the bursts, not decoding; llama.cpp's own rate is the comparable figure.",
             ]
     text = "\n".join(body) + "\n"
     print(text)
