@@ -29,6 +29,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 LOG="$RPCFLEET_HOME/setup.log"
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+# Any other failing command names itself rather than ending set-up in silence.
+trap 'die "scripts/setup.sh line $LINENO: \"$BASH_COMMAND\" failed"' ERR
 
 # ---- 1. system packages -------------------------------------------------------
 missing=()
@@ -48,6 +50,8 @@ need systemd-nspawn systemd-container
 need stdbuf coreutils
 need systemd-analyze systemd
 need chromium chromium
+need prometheus prometheus  # the exporter's tests run their own `prometheus` and `promtool`
+need promtool prometheus
 if [ ${#missing[@]} -gt 0 ]; then
   # shellcheck disable=SC2207
   missing=($(printf '%s\n' "${missing[@]}" | sort -u))
@@ -55,7 +59,17 @@ if [ ${#missing[@]} -gt 0 ]; then
     say "installing Debian packages: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
+    # No package's service may start on this machine (Debian's prometheus would listen on :9090): a
+    # policy-rc.d that refuses every start, unless one is already there, for the install only.
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && policy=yes
+    fi
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    [ -z "$policy" ] || rm -f /usr/sbin/policy-rc.d
+    if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus >/dev/null 2>&1 || true  # enabled by the package: not ours
+    fi
     apt_installed=("${missing[@]}")
   else
     die "missing system packages: ${missing[*]}. Install them with: sudo apt-get install -y ${missing[*]}"
@@ -131,7 +145,9 @@ import llama_cpp.llama_cpp as ll
 sys.exit(0 if ll.llama_supports_rpc() else 1)
 PY
 
-# Builds that steps 4 and 5 make show as new entries of the artifact store (for the record).
+# Builds that steps 4 and 5 make show as new entries of the artifact store (for the record). The store
+# exists first: under pipefail, a find of a missing folder would end set-up on a fresh machine.
+mkdir -p "$RPCFLEET_HOME/artifacts"
 artifacts_before=$(find "$RPCFLEET_HOME/artifacts" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
 # ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then

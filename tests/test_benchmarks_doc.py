@@ -37,7 +37,7 @@ def test_every_block_names_a_script_that_writes_it() -> None:
     for script, _ in blocks:
         source = ROOT / script
         assert source.is_file(), f"{script} does not exist"
-        assert "write_section(" in source.read_text(), f"{script} does not write its block"
+        assert "write_section" in source.read_text(), f"{script} does not write its block"
 
 
 def test_every_block_says_when_at_which_commit_and_under_what_load() -> None:

@@ -128,7 +128,11 @@ def test_rpcfleet_i_inventory_ping_style(capsys: pytest.CaptureFixture[str]) -> 
             "expected a positive number of seconds, got '0'",
         ),
         (["plan", "-m", "x.gguf", "--type-k", "q9"], "usage: rpcfleet plan", "unknown choice 'q9'"),
-        (["model", "synth"], "usage: rpcfleet model synth", "required: OUT.gguf"),
+        (
+            ["model", "synth"],
+            "usage: rpcfleet model synth",
+            "one of the arguments OUT.gguf -o/--output is required",
+        ),
     ],
 )
 def test_bad_input_prints_the_commands_usage_and_exits_2(
@@ -181,6 +185,9 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
         ]
     ),
     ("model info", ["model", "info", "{tmp}/not.gguf"], "{tmp}/not.gguf: not a GGUF file"),
+    ("exporter", ["exporter", "--host", "10.1.2.3"], "--host 10.1.2.3 is not a loopback address"),
+    ("exporter", ["exporter", "-i", "{tmp}/missing.yml"], "{tmp}/missing.yml"),
+    ("exporter", ["exporter", "--api-key-file", "{tmp}/missing-key"], "--api-key-file {tmp}/missing-key"),
     # a missing model: one message from every command that reads one
     *(
         (name, [*argv, "-m", "{tmp}/missing.gguf"], "error: model {tmp}/missing.gguf does not exist")

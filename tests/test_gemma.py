@@ -2,8 +2,8 @@
 
 Gemma 3 is a sliding-window (iSWA) model: llama.cpp gives each device two KV buffers (the global layers'
 and the sliding-window layers'), both full size with `swa_full` (llama-cpp-python's default), which
-the planner predicts. Its compute buffers are larger than the planner's estimate (measured below);
-that gap is recorded by a strict xfail, so the day the estimate covers it the test says so.
+the planner predicts, and its compute buffers within 10 % (tests/test_families.py checks more contexts,
+with flash attention on and off).
 """
 
 from __future__ import annotations
@@ -80,16 +80,12 @@ def test_gemma_weights_and_kv_are_predicted_to_the_byte(gemma_load: GemmaLoad) -
 
 
 @pytest.mark.llama
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="the planner's compute estimate is short for Gemma 3 (iSWA): 17.8 MiB per device at n_ctx 2048, "
-    "plus 6 MiB per 1024 more tokens of context (measured, llama.cpp 0.3.36)",
-)
 def test_gemma_compute_buffers_are_predicted_within_the_tolerance(gemma_load: GemmaLoad) -> None:
+    # The family compute model (planning/architectures.py): one KQ mask per kind of attention on a
+    # device (Gemma's full and sliding-window layers), 4 input copies. It was 17.8 MiB (26 %) short.
     for dev, sizes in zip(gemma_load.placement.devices, gemma_load.allocations, strict=True):
         compute = sizes[-1]
-        assert abs(compute - dev.predicted.compute) / compute <= COMPUTE_TOLERANCE, (
+        assert abs(compute - dev.predicted.compute) / compute <= 0.10, (
             dev.label,
             compute,
             dev.predicted.compute,

@@ -339,7 +339,7 @@ def test_variable_table_matches_host_fields() -> None:
         if variable.name != "address":
             assert host_fields[variable.name].default == variable.default, variable.name
     extra = set(host_fields) - {v.name for v in VARIABLES}
-    assert extra == {"name", "groups", "vars", "location", "var_sources"}
+    assert extra == {"name", "groups", "vars", "location", "var_sources", "server"}
 
 
 ALL_VARIABLES_TEXT = """\

@@ -66,6 +66,8 @@ def leftovers(lab: Lab) -> list[str]:
             found.append(f"process {entry.name}: {cmdline.strip()}")
     if lab.dir.exists():
         found.append(f"state dir {lab.dir}")
+    cgroup = Path("/sys/fs/cgroup")  # a node's own cgroups (systemd nodes, --cpus), in every hierarchy
+    found += [f"cgroup {p}" for p in [*cgroup.glob(f"rfl{lab.slot}-*"), *cgroup.glob(f"*/rfl{lab.slot}-*")]]
     return found
 
 

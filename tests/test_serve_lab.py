@@ -477,6 +477,46 @@ def test_a_stale_connection_that_cannot_be_closed_does_not_make_a_restart_refuse
     assert _status(serve_lab, victim, capsys)["state"] == "running"
 
 
+def test_a_stale_client_whose_port_another_connection_left_in_time_wait_is_closed(
+    serve_lab: Lab,
+    fleet: list[Host],
+    hold_server: Callable[[str], socket.socket],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A busy controller's short connections leave TIME_WAIT sockets on any port: one on the dead
+    client's port (to another destination) is no live client, and the reset still goes out (the bind
+    refuses that port, so the SYN is sent raw). CI once saw this collision by chance."""
+    victim = fleet[1]
+    held = hold_server(victim.endpoint)
+    address, port = held.getsockname()[:2]
+    _rpc_drop(serve_lab, victim, "-A")
+    gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
+    subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)
+    _rpc_drop(serve_lab, victim, "-D")
+    peer = f"{address}:{port}"
+    assert _peers(serve_lab, victim) == [peer]
+    with socket.socket() as listener:  # another connection from the same address and port, closed first
+        listener.bind((address, 0))
+        listener.listen()
+        other = socket.socket()
+        other.bind((address, port))
+        other.connect(listener.getsockname())
+        accepted, _ = listener.accept()
+        other.close()
+        accepted.close()
+    waiting = subprocess.run(["ss", "-Htn", "state", "time-wait", f"sport = :{port}"], capture_output=True)
+    assert peer in waiting.stdout.decode(), waiting.stdout
+    status = _status(serve_lab, victim, capsys)
+    assert status["state"] == "stale" and f"stale client {peer}" in status["message"], status
+    server_pid = _server_pid(serve_lab, victim)
+    capsys.readouterr()
+    code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
+    restarted = json.loads(capsys.readouterr().out)[0]
+    assert code == 0 and restarted["status"] == "changed", restarted
+    assert f"closed the stale connection of {peer}" in restarted["result"]["warnings"][0], restarted
+    assert _server_pid(serve_lab, victim) != server_pid and _peers(serve_lab, victim) == []
+
+
 def test_a_live_client_is_never_taken_for_a_stale_one(
     serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

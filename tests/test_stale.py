@@ -5,11 +5,14 @@ read from this machine's real sockets, and the parsers of `ss -e` and `nf_conntr
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 from orchestrator.operations.stale import (
     LocalView,
     ServerConnection,
+    internet_checksum,
     parse_connections,
     parse_conntrack,
     read_local_view,
@@ -110,6 +113,33 @@ def test_this_machines_view_holds_its_real_sockets(tmp_path: Path) -> None:
     module.mkdir()
     hidden = read_local_view(tmp_path / "no-table", module)  # conntrack in the kernel, its table hidden
     assert hidden.translated is None and "not readable" in hidden.why_unknown
+
+
+def test_a_time_wait_socket_is_no_client(tmp_path: Path) -> None:
+    """Closed both ways: whatever its destination, it proves nothing about the port's old client."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        mine = client.getsockname()
+        client.close()  # the active close: this end waits in TIME_WAIT
+        accepted.close()
+        deadline = time.monotonic() + 5
+        waiting = ""
+        while f"{mine[0]}:{mine[1]}" not in waiting and time.monotonic() < deadline:
+            ss = ["ss", "-Htn", "state", "time-wait"]
+            waiting = subprocess.run(ss, capture_output=True, text=True).stdout
+        assert f"{mine[0]}:{mine[1]}" in waiting
+        sockets = read_local_view(tmp_path / "no-table", tmp_path / "no-module").sockets or frozenset()
+        assert mine not in sockets and listener.getsockname() in sockets
+
+
+def test_the_reset_checksum_is_rfc_1071s() -> None:
+    # RFC 1071's example words 0001 f203 f4f5 f6f7: sum ddf2 (folded), checksum 220d
+    assert internet_checksum(bytes.fromhex("0001f203f4f5f6f7")) == 0x220D
+    assert internet_checksum(bytes.fromhex("0001f203f4f5f6f7") + b"\x22\x0d") == 0
+    assert internet_checksum(b"\x01") == 0xFEFF  # odd length: padded with a zero byte
 
 
 def test_an_unreadable_conntrack_table_proves_nothing(tmp_path: Path) -> None:

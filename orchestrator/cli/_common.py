@@ -464,12 +464,16 @@ def load_inventory(args: argparse.Namespace) -> Inventory:
     return inventory
 
 
-def load_hosts(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
-    """The inventory named by the flags and the hosts selected by --limit (all when absent)."""
-    from orchestrator.inventory.model import select_hosts
+def load_hosts(args: argparse.Namespace, *, servers: bool = True) -> tuple[Inventory, list[Host]]:
+    """The inventory named by the flags and what --limit selects (all when absent): every rpc-server
+    as a host of its own (a host with `rpc_servers` is one per server, `HOST/SERVER`), or with
+    `servers=False` the machines."""
+    from orchestrator.inventory.model import select_hosts, select_servers
 
     inventory = load_inventory(args)
     pattern = getattr(args, "limit", None)
+    if servers:
+        return inventory, select_servers(inventory, pattern)
     hosts = select_hosts(inventory, pattern) if pattern else list(inventory.hosts)
     return inventory, hosts
 

@@ -37,14 +37,14 @@ def register(subparsers: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
-    return _common.load_hosts(args)
+    return _common.load_hosts(args, servers=False)  # machines; each shows its servers
 
 
 def handle_list(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
-    from orchestrator.inventory.model import host_to_dict
+    from orchestrator.inventory.model import host_to_dict, servers_of
 
     _, hosts = _load(args)
     if args.json:
@@ -61,7 +61,7 @@ def handle_list(args: argparse.Namespace) -> int:
                     host.name,
                     host.address,
                     host.connection,
-                    host.endpoint,
+                    ", ".join(server_label(server) for server in servers_of(host)),
                     host.backend,
                     ", ".join(host.groups),
                 )
@@ -71,24 +71,48 @@ def handle_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_label(server: Host) -> str:
+    """One endpoint as `inventory list` shows it: `10.0.0.1:50053 (h1/gpu1: CUDA1)` for one of several
+    servers, the endpoint alone for a host's only server."""
+    if not server.server:
+        return server.endpoint
+    devices = ",".join(server.rpc_devices)
+    return f"{server.endpoint} ({server.name}{': ' + devices if devices else ''})"
+
+
 def graph_tree(inventory: Inventory, group: str) -> dict[str, Any]:
-    """{"name", "hosts", "children"} of `group`, recursively; sorted by name, as ansible-inventory does."""
+    """{"name", "hosts", "children"} of `group`, recursively; sorted by name, as ansible-inventory does.
+    A host with several rpc-servers has them under "servers" (host -> endpoints)."""
+    from orchestrator.inventory.model import servers_of
+
     node = inventory.groups[group]
-    return {
+    tree: dict[str, Any] = {
         "name": group,
         "hosts": sorted(node.hosts),
         "children": [graph_tree(inventory, child) for child in sorted(node.children)],
     }
+    servers = {
+        name: [server_label(server) for server in servers_of(inventory.host(name))]
+        for name in node.hosts
+        if inventory.host(name).rpc_servers
+    }
+    if servers:
+        tree["servers"] = servers
+    return tree
 
 
 def graph_lines(tree: dict[str, Any], depth: int = 0) -> list[str]:
-    """The tree as ansible-inventory --graph prints it (``@group:`` and ``|--`` rungs)."""
+    """The tree as ansible-inventory --graph prints it (``@group:`` and ``|--`` rungs); a host's several
+    rpc-servers one rung below it."""
     indent = "  " + "|  " * (depth - 1) + "|--" if depth else ""
     lines = [f"{indent}@{tree['name']}:"]
     rung = "  " + "|  " * depth + "|--"
     for child in tree["children"]:
         lines.extend(graph_lines(child, depth + 1))
-    lines.extend(f"{rung}{host}" for host in tree["hosts"])
+    servers = tree.get("servers", {})
+    for host in tree["hosts"]:
+        lines.append(f"{rung}{host}")
+        lines.extend(f"  {'|  ' * (depth + 1)}|--{label}" for label in servers.get(host, ()))
     return lines
 
 
@@ -112,15 +136,25 @@ def _display(name: str, value: Any) -> str:
     if name in _SIZE_VARS and isinstance(value, int):
         return f"{format_size(value)} ({value} B)"
     if isinstance(value, tuple | list):
-        return ",".join(str(item) for item in value) or "-"
+        return ",".join(_item(item) for item in value) or "-"
     return "-" if value is None else str(value)
+
+
+def _item(item: Any) -> str:
+    from orchestrator.inventory.variables import RpcServer
+
+    if not isinstance(item, RpcServer):
+        return str(item)
+    devices = ",".join(item.devices) if item.devices is not None else "host's"
+    threads = f" -t {item.threads}" if item.threads is not None else ""
+    return f"[{item.name}: port {item.port}, devices {devices}{threads}]"
 
 
 def handle_show(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
-    from orchestrator.inventory.model import host_to_dict
+    from orchestrator.inventory.model import host_to_dict, servers_of
     from orchestrator.inventory.variables import VARIABLES, VARIABLES_BY_NAME, mask_secrets
 
     inventory, _ = _load(args)
@@ -134,7 +168,12 @@ def handle_show(args: argparse.Namespace) -> int:
         return 0
     where = f" ({host.location})" if host.location else ""
     _common.console.print(
-        f"{host.name}{where}  groups: {', '.join(host.groups) or '-'}  endpoint: {host.endpoint}",
+        f"{host.name}{where}  groups: {', '.join(host.groups) or '-'}  "
+        + (
+            f"endpoints: {', '.join(server_label(server) for server in servers_of(host))}"
+            if host.rpc_servers
+            else f"endpoint: {host.endpoint}"
+        ),
         highlight=False,
         markup=False,
         soft_wrap=True,

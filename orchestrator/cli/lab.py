@@ -43,8 +43,17 @@ def register(subparsers: Any) -> None:
         "--var",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="an inventory variable for every node, e.g. rpc_cache=true or supervisor=systemd (repeatable)",
+        metavar="[N:]KEY=VALUE",
+        help="an inventory variable for every node, e.g. rpc_cache=true or supervisor=systemd, or for node N "
+        "alone, e.g. 2:rpc_servers=[50052,50053] (repeatable)",
+    )
+    up.add_argument(
+        "--cpus",
+        type=_common.flag(_cpus),
+        default=None,
+        metavar="CPUS",
+        help="each node's CPU share, a cgroup quota (cpu.max): 0.6 is 60 ms of every 100 ms for all the "
+        "node's processes (sshd, the servers)",
     )
     _common.add_json_arg(up)
     up.set_defaults(handler=handle_up)
@@ -94,22 +103,43 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _variables(items: list[str]) -> dict[str, Any]:
-    """`--var KEY=VALUE` items; each value read as YAML (`true`, `8GiB`, `[CPU]`), as in an inventory."""
+def _cpus(value: Any) -> float:
+    """--cpus: a number of CPUs, 0.01 or more (a quota under 1 ms per 100 ms is refused by the kernel)."""
+    try:
+        cpus = float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"expected a number of CPUs such as 0.6, got {value!r}") from None
+    if not 0.01 <= cpus <= 4096:
+        raise ValueError(f"expected a number of CPUs from 0.01 to 4096, got {value!r}")
+    return cpus
+
+
+def _variables(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """`--var [N:]KEY=VALUE` items, every node's and node N's; each value read as YAML (`true`, `8GiB`,
+    `[CPU]`), as in an inventory."""
     import yaml
 
     out: dict[str, Any] = {}
+    per_node: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        node, colon, name = key.strip().partition(":")
+        target = out
+        if colon:
+            if not node.isdigit() or not name.strip():
+                raise UsageError(
+                    f"--var {item!r}: expected N:KEY=VALUE with N a node number, e.g. 2:rpc_port=50060"
+                )
+            target, key = per_node.setdefault(node, {}), name
         if not sep or not key.strip():
             raise UsageError(f"--var {item!r}: expected KEY=VALUE, e.g. --var rpc_cache=true")
         try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+            target[key.strip()] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as exc:
             raise UsageError(
                 f"--var {item!r}: the value is not valid YAML ({exc.__class__.__name__})"
             ) from None
-    return out
+    return out, per_node
 
 
 def handle_up(args: argparse.Namespace) -> int:
@@ -120,6 +150,9 @@ def handle_up(args: argparse.Namespace) -> int:
 
     if args.local and args.init != "none":
         raise UsageError("--init systemd needs a network-namespace lab, not --local")
+    if args.local and args.cpus is not None:
+        raise UsageError("--cpus needs a network-namespace lab, not --local (its nodes are this machine)")
+    variables, node_variables = _variables(args.var)
     started = time.monotonic()
     reaped = reap_stale()
     made = lab_up(
@@ -128,7 +161,9 @@ def handle_up(args: argparse.Namespace) -> int:
         local=args.local,
         output=args.output,
         init=args.init,
-        variables=_variables(args.var),
+        variables=variables,
+        node_variables=node_variables,
+        cpus=args.cpus,
     )
     seconds = time.monotonic() - started
     if args.json:
@@ -140,7 +175,9 @@ def handle_up(args: argparse.Namespace) -> int:
     if args.init == "systemd":
         kind = "network namespaces booting systemd, OpenSSH as a service"
     _common.console.print(
-        f"lab [bold]{made.name}[/bold]: {len(made.nodes)} nodes ({kind}) up in {seconds:.2f} s",
+        f"lab [bold]{made.name}[/bold]: {len(made.nodes)} nodes ({kind})"
+        + (f", {made.cpus:g} CPU each" if made.cpus is not None else "")
+        + f" up in {seconds:.2f} s",
         highlight=False,
     )
     table = Table(box=box.SIMPLE_HEAD)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering st
 
 _PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
 WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/test_cli.py checks)
+# orchestrator.planning.synth_arch.ARCHES (tests/test_families.py checks)
+SYNTH_ARCHES = ("llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2")
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +33,16 @@ def register(subparsers: Any) -> None:
         "for trying plan, run and report on a fleet without downloading a model. "
         "The same arguments give the same bytes.",
     )
-    synth.add_argument("output", type=Path, metavar="OUT.gguf", help="the file to write")
+    where = synth.add_mutually_exclusive_group(required=True)
+    where.add_argument("output", type=Path, nargs="?", metavar="OUT.gguf", help="the file to write")
+    where.add_argument("-o", "--output", dest="output_opt", type=Path, metavar="OUT.gguf", help="the same")
+    synth.add_argument(
+        "--arch",
+        choices=SYNTH_ARCHES,
+        default=None,
+        help="a tiny model of this family (its own fixed shapes; only --seed applies): "
+        + ", ".join(SYNTH_ARCHES),
+    )
     size = _common.flag(fields.integer(minimum=1))
     synth.add_argument("--layers", type=size, default=8, help="transformer blocks (default: 8)")
     synth.add_argument("--embd", type=size, default=512, help="embedding width (default: 512)")
@@ -98,34 +109,42 @@ def register(subparsers: Any) -> None:
 def handle_synth(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import ModelError, UsageError
     from orchestrator.core.files import atomic_path
-    from orchestrator.core.units import format_size
     from orchestrator.planning.synth import write_tiny_llama
+    from orchestrator.planning.synth_arch import write_arch_model
 
-    out: Path = args.output
+    out: Path = args.output or args.output_opt
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists", hint="pass --force to overwrite it")
     try:
         # Written beside OUT and renamed over it when whole: a failed or interrupted write (Ctrl-C
         # included) leaves no half a model, and with --force the old file stays as it was.
         with atomic_path(out, parents=True) as tmp:
-            write_tiny_llama(
-                tmp,
-                n_layer=args.layers,
-                n_embd=args.embd,
-                n_head=args.heads,
-                n_head_kv=args.kv_heads,
-                n_ff=args.ff,
-                n_vocab=args.vocab,
-                n_ctx_train=args.ctx_train,
-                weight_type=args.type,
-                tied_output=args.tied,
-                seed=args.seed,
-            )
+            if args.arch is not None:
+                write_arch_model(tmp, args.arch, seed=args.seed)
+            else:
+                write_tiny_llama(
+                    tmp,
+                    n_layer=args.layers,
+                    n_embd=args.embd,
+                    n_head=args.heads,
+                    n_head_kv=args.kv_heads,
+                    n_ff=args.ff,
+                    n_vocab=args.vocab,
+                    n_ctx_train=args.ctx_train,
+                    weight_type=args.type,
+                    tied_output=args.tied,
+                    seed=args.seed,
+                )
     except ModelError as exc:  # dimensions that do not make a model are bad flags
         raise UsageError(exc.message) from None
     except OSError as exc:  # a folder that cannot be made or written, a full disk: the path given
         raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None
-    path = out
+    return _synth_written(args, out)
+
+
+def _synth_written(args: argparse.Namespace, path: Path) -> int:
+    from orchestrator.core.units import format_size
+
     size = path.stat().st_size
     if args.json:
         _common.print_json({"path": str(path), "bytes": size})
@@ -172,11 +191,55 @@ def model_info(profile: ModelProfile, n_ctx: int | None, type_k: str, type_v: st
         "output_tied": profile.output_tied,
         "kv_bytes_per_token": sum(kv_per_token),
         "kv_type": f"{type_k}/{type_v}",
+        **_architecture_info(profile),
     }
     if n_ctx is not None:
         data["context"] = n_ctx or profile.n_ctx_train
         data["kv_bytes"] = sum(kv_per_token) * data["context"]
     return data
+
+
+def _architecture_info(profile: ModelProfile) -> dict[str, Any]:
+    """The family's rules as the planner applies them (planning/architectures.py)."""
+    from orchestrator.planning.architectures import unverified_note
+
+    rules = profile.rules
+    recurrent = [il for il in range(profile.n_layer) if rules.is_recurrent(il)]
+    return {
+        "family": rules.family,
+        "verified": rules.verified,
+        "unverified_note": unverified_note(rules),
+        "mla": rules.mla,
+        "experts": rules.n_expert,
+        "experts_used": rules.n_expert_used,
+        "expert_ff": rules.n_ff_exp,
+        "recurrent_layers": recurrent,
+        "state_bytes_per_sequence": sum(rules.state_bytes_per_seq(il) for il in recurrent),
+    }
+
+
+def _architecture_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
+    from orchestrator.core.units import format_size
+
+    family = data["family"]
+    rows = [("family", family if data["verified"] else f"{family} (unverified)")]
+    if data["mla"]:
+        rows.append(("attention", "MLA: a K cache only (kv_lora_rank + rope wide), no V"))
+    if data["experts"]:
+        rows.append(
+            ("experts", f"{data['experts']}, {data['experts_used']} used per token, {data['expert_ff']} wide")
+        )
+    if data["recurrent_layers"]:
+        n = len(data["recurrent_layers"])
+        rows.append(
+            (
+                "recurrent state",
+                f"{format_size(data['state_bytes_per_sequence'])} per sequence ({n} recurrent layers, f32)",
+            )
+        )
+    if data["unverified_note"]:
+        rows.append(("note", data["unverified_note"]))
+    return rows
 
 
 def _print_info(data: dict[str, Any]) -> None:
@@ -202,6 +265,7 @@ def _print_info(data: dict[str, Any]) -> None:
     ]
     if "context" in data:
         rows.append(("KV cache", f"{format_size(data['kv_bytes'])} at context {data['context']}"))
+    rows += _architecture_rows(data)
     for name, value in rows:
         _common.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
 

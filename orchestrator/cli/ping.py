@@ -31,7 +31,7 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.engine.executor import Recap, Session
     from orchestrator.probe.ping import PingResult, ping_step
 
-    _, hosts = _common.load_hosts(args)
+    _, hosts = _common.load_hosts(args, servers=False)  # a machine answers once, whatever it serves
 
     async def go() -> Any:
         async with Session(forks=args.forks) as session:

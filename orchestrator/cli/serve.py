@@ -96,6 +96,14 @@ def register(subparsers: Any) -> None:
         help="a SIGHUP reload also restarts the fleet's servers one at a time (restart --rolling)",
     )
     parser.add_argument("--seed", type=int, default=0, help="default sampling seed (default: 0)")
+    parser.add_argument(
+        "--observe-interval",
+        type=_common.flag(seconds_or_zero),
+        default=15.0,
+        metavar="S",
+        help="seconds between two probe rounds of the fleet exporter (the page at /, the fleet's series on "
+        "/metrics); 0: off (default: 15)",
+    )
     _common.add_inventory_args(parser)
     parser.set_defaults(handler=handle)
 
@@ -179,7 +187,24 @@ def handle(args: argparse.Namespace) -> int:
         )
     backend = Backend(fleet, config)
     backend.nodes.update(first.states)  # a node down at start shows why until the watch probes it
-    app = create_app(backend, api_key=api_key, model_name=args.model_name or args.model.stem)
+    exporter = None
+    # The fleet exporter (the page at /, the fleet's series on /metrics): its first round reads the nodes
+    # before the load holds them.
+    if args.observe_interval:
+        from orchestrator.serve.observed import observe
+
+        exporter = observe(
+            backend,
+            args.model_name or args.model.stem,
+            interval=args.observe_interval,
+            timeout=_common.probe_timeout(args),
+            forks=args.forks,
+        )
+        exporter.collector.start()
+        exporter.collector.first_round.wait(_common.probe_timeout(args) * 4 + 5)
+    app = create_app(
+        backend, api_key=api_key, model_name=args.model_name or args.model.stem, exporter=exporter
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -233,6 +258,8 @@ def handle(args: argparse.Namespace) -> int:
             server.run()
     finally:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        if exporter is not None:
+            exporter.collector.stop()
         backend.stop()
     if failed:
         _common.err_console.print(f"[red]error:[/red] {escape(backend.reason)}", highlight=False)

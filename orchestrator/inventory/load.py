@@ -45,7 +45,7 @@ import yaml
 
 from orchestrator.core.errors import InventoryError
 from orchestrator.core.paths import default_lab_inventory_file
-from orchestrator.inventory.model import Group, Host, Inventory
+from orchestrator.inventory.model import Group, Host, Inventory, server_hosts
 from orchestrator.inventory.readers import SECTION, Builder, RawHost, RawVar, parse_ini, parse_yaml
 from orchestrator.inventory.variables import LOCAL_ADDRESS, VARIABLES, VARIABLES_BY_NAME, parse_address
 
@@ -231,12 +231,21 @@ def _resolve_host(
 
 
 def _check_endpoints(builder: Builder, hosts: Sequence[Host]) -> None:
-    owners: dict[str, Host] = {}
     for host in hosts:
+        inheriting = [server.name for server in host.rpc_servers if server.devices is None]
+        if host.rpc_devices and len(inheriting) > 1:
+            builder.error(
+                f"host {host.name!r}: servers {', '.join(inheriting)} would all use rpc_devices "
+                f"{','.join(host.rpc_devices)} (a device belongs to one server: give each its devices)",
+                host.location,
+            )
+    owners: dict[str, Host] = {}
+    for host in server_hosts(hosts):  # each server of a host is an endpoint of its own
         first = owners.setdefault(host.endpoint, host)
         if first is not host:
+            what = "servers" if host.server or first.server else "hosts"
             builder.error(
-                f"hosts {first.name!r} and {host.name!r} share the rpc endpoint {host.endpoint}"
+                f"{what} {first.name!r} and {host.name!r} share the rpc endpoint {host.endpoint}"
                 " (give one another rpc_port or address)",
                 host.location,
             )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from orchestrator.inventory.variables import (
     VARIABLES_BY_NAME,
     Backend,
     ConnectionKind,
+    RpcServer,
     RpcTransport,
     Supervisor,
     mask_secrets,
@@ -42,6 +43,10 @@ class Host:
     rpc_transport: RpcTransport = "tcp"  # ssh: bound to the node's loopback, dialed through a forward
     rpc_allow_from: tuple[str, ...] | None = None  # tcp: firewall allowlist (None: no rule)
     rpc_devices: tuple[str, ...] = ()
+    rpc_servers: tuple[RpcServer, ...] = ()  # several servers on this host; `servers_of` gives each
+    # A server of several (`rpc_servers`): its name; the host is then that server's view (its own port,
+    # devices, files and unit on the node), named `HOST/SERVER`. "": the host's only server.
+    server: str = ""
     rpc_threads: int | None = None
     rpc_cache: bool = False
     rpc_cache_max: int | None = None  # bytes; None: no quota (LRU eviction above it)
@@ -78,6 +83,16 @@ class Host:
         return f"{target}:{self.rpc_port}"
 
     @property
+    def node_name(self) -> str:
+        """The inventory's name of the machine (a server's view is named `HOST/SERVER`)."""
+        return self.name[: -len(self.server) - 1] if self.server else self.name
+
+    @property
+    def install_key(self) -> tuple[str, int, str]:
+        """What identifies the install on its node, shared by every server of a host: its lock, its files."""
+        return (self.address, self.ssh_port, self.install_dir)
+
+    @property
     def binds_own_loopback(self) -> bool:
         """Whether the server binds a remote node's loopback: reachable only from that node, so the
         controller must not probe the address (it would reach its own loopback instead)."""
@@ -92,6 +107,63 @@ class Host:
     def tunneled(self) -> bool:
         """Whether the controller reaches the server through an SSH local forward."""
         return self.rpc_transport == "ssh" and self.connection == "ssh"
+
+
+SERVER_SEPARATOR = "/"
+
+
+def servers_of(host: Host) -> tuple[Host, ...]:
+    """Each rpc-server of a host as a host of its own (an endpoint every stage treats alone): its port,
+    devices and threads (the host's when the server sets none), named `HOST/SERVER`. A host without
+    `rpc_servers` is its only server."""
+    if not host.rpc_servers or host.server:
+        return (host,)
+    return tuple(
+        replace(
+            host,
+            name=f"{host.name}{SERVER_SEPARATOR}{server.name}",
+            server=server.name,
+            rpc_port=server.port,
+            rpc_devices=host.rpc_devices if server.devices is None else server.devices,
+            rpc_threads=host.rpc_threads if server.threads is None else server.threads,
+        )
+        for server in host.rpc_servers
+    )
+
+
+def server_hosts(hosts: Iterable[Host]) -> list[Host]:
+    """Every server of `hosts`, in order (`servers_of`)."""
+    return [server for host in hosts for server in servers_of(host)]
+
+
+def select_servers(inventory: Inventory, pattern: str | None) -> list[Host]:
+    """The servers a pattern selects: a host, group, glob... selects every server of its hosts
+    (`select_hosts`); a term `HOST/SERVER` selects that server alone, `!HOST/SERVER` leaves it out."""
+    everyone = server_hosts(inventory.hosts)
+    if pattern is None or not pattern.strip():
+        return everyone
+    names = {server.name for server in everyone if server.server}
+    terms = _split_pattern(pattern)
+    server_terms = [term for term in terms if term.lstrip("!&").strip() in names]
+    if not server_terms:
+        return server_hosts(select_hosts(inventory, pattern))
+    if any(term.startswith("&") for term in server_terms):
+        raise HostPatternError(f"host pattern {pattern!r}: `&` takes a host or a group, not a server")
+    named = {term for term in server_terms if not term.startswith("!")}
+    excluded = {term[1:].strip() for term in server_terms if term.startswith("!")}
+    host_terms = [term for term in terms if term not in server_terms]
+    plus = [term for term in host_terms if term[0] not in "!&"]
+    minus = [term for term in host_terms if term[0] in "!&"]
+    hosts = {host.name for host in select_hosts(inventory, ",".join(plus))} if plus else set()
+    # `!h1/a` alone: every server but that one, as `!h1` is every host but h1
+    picked = [s for s in everyone if s.node_name in hosts or s.name in named] if plus or named else everyone
+    if minus:
+        allowed = {host.name for host in select_hosts(inventory, ",".join(minus))}
+        picked = [s for s in picked if s.node_name in allowed]
+    picked = [s for s in picked if s.name not in excluded]
+    if not picked:
+        raise HostPatternError(f"host pattern {pattern!r} selects no server")
+    return picked
 
 
 def is_loopback(address: str) -> bool:
@@ -231,7 +303,9 @@ def host_to_dict(host: Host) -> dict[str, Any]:
     for variable in VARIABLES:
         value = getattr(host, variable.name)
         data[variable.name] = list(value) if isinstance(value, tuple) else value
+    data["rpc_servers"] = [server.to_dict() for server in host.rpc_servers]
     data["endpoint"] = host.endpoint
+    data["endpoints"] = [server.endpoint for server in servers_of(host)]
     data["groups"] = list(host.groups)
     data["extra_vars"] = mask_secrets({k: v for k, v in host.vars.items() if k not in VARIABLES_BY_NAME})
     return data

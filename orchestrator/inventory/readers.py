@@ -22,7 +22,13 @@ from orchestrator.core.yamlsource import (
     node_value,
 )
 from orchestrator.inventory.ranges import expand_host_range
-from orchestrator.inventory.variables import ANSIBLE_VARS, CANONICAL, VARIABLES_BY_NAME, near_miss
+from orchestrator.inventory.variables import (
+    ANSIBLE_VARS,
+    CANONICAL,
+    VARIABLES_BY_NAME,
+    near_miss,
+    variable_hint,
+)
 
 
 @dataclass
@@ -114,7 +120,7 @@ class Builder:
             self.error(f"{key!r} and {previous.key!r} both set {canonical!r} here; keep one", location)
             return
         if canonical == key and key not in VARIABLES_BY_NAME and key not in ANSIBLE_VARS:
-            hint = near_miss(key, CANONICAL)
+            hint = variable_hint(key)
             if hint:
                 self.warn(f"unknown variable {key!r} is kept as is{hint}", location)
         scope[canonical] = RawVar(key, value, location)

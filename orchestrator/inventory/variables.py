@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -84,6 +85,95 @@ def _parse_bind(value: Any) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class RpcServer:
+    """One of several rpc-servers of a host (`rpc_servers`): its own port, devices and threads.
+
+    `name` names its files and unit on the node and its endpoint in results (`h1/gpu0`); the port by
+    default. Unset devices or threads fall back to the host's `rpc_devices`/`rpc_threads`."""
+
+    port: int
+    name: str
+    devices: tuple[str, ...] | None = None
+    threads: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "port": self.port}
+        if self.devices is not None:
+            data["devices"] = list(self.devices)
+        if self.threads is not None:
+            data["threads"] = self.threads
+        return data
+
+
+_SERVER_KEYS = ("port", "devices", "threads", "name")
+
+
+_SERVER_NAME = fields.matching(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,31}", "a name of letters, digits, _ . -")
+
+
+def _parse_server(item: Any, index: int) -> RpcServer:
+    where = f"server {index + 1}"
+    if (isinstance(item, int) and not isinstance(item, bool)) or (isinstance(item, str) and item.isdigit()):
+        item = {"port": item}  # `rpc_servers: [50052, 50053]`: ports alone
+    if not isinstance(item, Mapping):
+        raise ValueError(
+            f"{where}: expected a mapping such as {{port: 50052, devices: [CUDA0]}}, got {item!r}"
+        )
+    unknown = [str(key) for key in item if key not in _SERVER_KEYS]
+    if unknown:
+        hint = did_you_mean(unknown[0], _SERVER_KEYS, cutoff=0.6)
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}{hint} (known: {', '.join(_SERVER_KEYS)})")
+    if item.get("port") is None:
+        raise ValueError(f"{where}: port is missing")
+    try:
+        port = fields.port(item["port"])
+        devices = _DEVICES(item["devices"]) if item.get("devices") not in (None, "") else None
+        threads = fields.integer(minimum=1)(item["threads"]) if item.get("threads") is not None else None
+        name = _SERVER_NAME(item["name"]) if item.get("name") is not None else str(port)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return RpcServer(port, name, devices, threads)
+
+
+def parse_servers(value: Any) -> tuple[RpcServer, ...]:
+    """`rpc_servers`: a list of servers (mappings, or ports alone), or that list as YAML/JSON text (an
+    INI inventory). Ports, names and devices must differ between the servers of one host."""
+    if isinstance(value, str):
+        import yaml  # only for INI text: the CLI starts without yaml
+
+        try:
+            value = yaml.safe_load(value) if value.strip() else []
+        except yaml.YAMLError:
+            raise ValueError(
+                f"{value!r} is not a YAML list such as [{{port: 50052}}, {{port: 50053}}]"
+            ) from None
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise ValueError(
+            f"expected a list of servers such as [{{port: 50052}}, {{port: 50053}}], got {value!r}"
+        )
+    servers = tuple(_parse_server(item, index) for index, item in enumerate(value))
+    seen_ports: dict[int, int] = {}
+    seen_names: dict[str, int] = {}
+    seen_devices: dict[str, int] = {}
+    for index, server in enumerate(servers, start=1):
+        if server.port in seen_ports:
+            raise ValueError(f"servers {seen_ports[server.port]} and {index} both use port {server.port}")
+        if server.name in seen_names:
+            raise ValueError(f"servers {seen_names[server.name]} and {index} are both named {server.name!r}")
+        seen_ports[server.port] = seen_names[server.name] = index
+        for device in server.devices or ():
+            if device.upper() in seen_devices:
+                raise ValueError(
+                    f"servers {seen_devices[device.upper()]} and {index} both use device {device} "
+                    "(a device belongs to one server)"
+                )
+            seen_devices[device.upper()] = index
+    return servers
+
+
 def _parse_source(value: Any) -> str:
     """One `rpc_allow_from` entry: an IPv4/IPv6 address or network (CIDR), or `controller`."""
     text = fields.text(value).strip()
@@ -146,6 +236,13 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable("rpc_devices", (), _DEVICES, (), "rpc-server devices (-d)"),
     Variable(
+        "rpc_servers",
+        (),
+        parse_servers,
+        (),
+        "several rpc-servers on this host: [{port, devices, threads, name}], each its own endpoint",
+    ),
+    Variable(
         "rpc_threads", (), fields.optional(fields.integer(minimum=1)), None, "rpc-server CPU threads (-t)"
     ),
     Variable("rpc_cache", (), fields.boolean, False, "rpc-server tensor cache (-c)"),
@@ -207,6 +304,19 @@ ANSIBLE_VARS = frozenset(
 
 def near_miss(word: str, candidates: Iterable[str]) -> str:
     return did_you_mean(word, candidates, cutoff=0.75)  # variable and group names: only near misses
+
+
+def variable_hint(word: str) -> str:
+    """The near miss of an unknown variable, unless a word of it is another word altogether: `ntp_server`
+    is no typo of `rpc_servers` (ntp/rpc), `rcp_port` is one of `rpc_port`."""
+    hint = near_miss(word, CANONICAL)
+    close = hint.partition("'")[2].rpartition("'")[0]
+    words, others = word.split("_"), close.split("_")
+    if len(words) == len(others) and any(
+        difflib.SequenceMatcher(None, a, b).ratio() < 0.5 for a, b in zip(words, others, strict=True)
+    ):
+        return ""
+    return hint
 
 
 # Secrets in variables rpcfleet does not know (Ansible's connection passwords, a vault token...): shown

@@ -46,6 +46,7 @@ from orchestrator.core.errors import InventoryError, LabError
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.inventory.load import load_inventory_text
+from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab import systemd
 from orchestrator.lab.model import (
     LAB_GROUP,
@@ -95,18 +96,27 @@ def lab_up(
     owner_pid: int | None = None,
     init: NodeInit = "none",
     variables: Mapping[str, Any] | None = None,
+    node_variables: Mapping[str, Mapping[str, Any]] | None = None,
+    cpus: float | None = None,
 ) -> Lab:
     """Bring a lab of `nodes` nodes up, write its key, known_hosts and inventory, and return it.
 
     `owner_pid`: the lab counts as stale (reaped by `reap_stale`) once that process is gone.
     `init="systemd"`: every node boots systemd as PID 1 (systemd-nspawn; lab/systemd.py).
     `variables`: inventory variables for every node (`--var rpc_cache=true`), checked before anything
-    is made.
+    is made; `node_variables`: a node's own, by its number (`--var 2:rpc_servers=[50052, 50053]`).
+    `cpus`: each node's CPU share, a cgroup quota (lab/cgroups.py; network-namespace labs).
     """
     check_name(name)
     extra = check_variables(variables or {})
     if not 1 <= nodes <= MAX_NODES:
         raise LabError(f"--nodes must be between 1 and {MAX_NODES}, not {nodes}")
+    per_node = check_node_variables(node_variables or {}, nodes, extra)
+    if cpus is not None:
+        if local:
+            raise LabError("--cpus needs a network-namespace lab, not --local (its nodes are this machine)")
+        cpu_groups.check_cpus(cpus)
+        cpu_groups.node_groups(f"{PREFIX}check")  # no cpu controller: said before anything is made
     kind: LabKind = "local" if local else "netns"
     if local and init != "none":
         raise LabError("--init systemd needs a network-namespace lab, not --local")
@@ -132,7 +142,7 @@ def lab_up(
         if existing is not None or lab_dir(name).exists():
             teardown(existing, lab_dir(name))
         slot = _free_slot(name, kind)
-        lab = _plan(name, kind, slot, nodes, owner, init)
+        lab = replace(_plan(name, kind, slot, nodes, owner, init), cpus=cpus)
         lab.dir.mkdir(parents=True, mode=0o700)
         lab.save()
     try:
@@ -140,7 +150,7 @@ def lab_up(
             create_netns(lab)
         else:
             create_local(lab)
-        written = _write_inventory(lab, output, extra)
+        written = _write_inventory(lab, output, extra, per_node)
         lab = replace(lab, state="up", outputs=written)
         lab.save()
     except BaseException:
@@ -331,7 +341,7 @@ def _fix(lab: Lab, node: LabNode, fault: str) -> str:
         sshd = node.sshd_pid()
         if sshd is None:
             return "nothing (its sshd died meanwhile)"
-        restore_holder(node, sshd)
+        restore_holder(node, sshd, lab.cpus)
         return "holder started"
     if fault == "sshd dead":
         return f"sshd started (pid {lab.start_sshd(node)})"
@@ -472,9 +482,30 @@ def check_variables(variables: Mapping[str, Any]) -> dict[str, Any]:
     return dict(variables)
 
 
-def inventory_document(lab: Lab, variables: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def check_node_variables(
+    node_variables: Mapping[str, Mapping[str, Any]], nodes: int, common: Mapping[str, Any]
+) -> dict[int, dict[str, Any]]:
+    """Per-node variables (`--var N:KEY=VALUE`, N the node's number): N in range, each node's variables
+    checked as an inventory's would be, over the common ones."""
+    out: dict[int, dict[str, Any]] = {}
+    for key, variables in node_variables.items():
+        index = int(key) if str(key).isdigit() else 0
+        if not 1 <= index <= nodes:
+            raise InventoryError(
+                f"--var {key}:...: no node {key} in a lab of {nodes} (nodes are 1 to {nodes})"
+            )
+        check_variables({**common, **variables})
+        out[index] = dict(variables)
+    return out
+
+
+def inventory_document(
+    lab: Lab,
+    variables: Mapping[str, Any] | None = None,
+    node_variables: Mapping[int, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The lab's inventory in rpcfleet's native YAML form: common vars (then `variables`), one entry per
-    node, group `lab`."""
+    node (then its `node_variables`, by node number), group `lab`."""
     hosts: dict[str, dict[str, Any]] = {}
     if lab.kind == "netns":
         common: dict[str, Any] = {
@@ -500,6 +531,8 @@ def inventory_document(lab: Lab, variables: Mapping[str, Any] | None = None) -> 
                 "home": str(node.home),
                 "install_dir": str(node.home / "rpcfleet"),
             }
+    for node in lab.nodes:
+        hosts[node.name].update((node_variables or {}).get(node.index, {}))
     return {
         "vars": {**common, **(variables or {})},
         "hosts": hosts,
@@ -507,13 +540,18 @@ def inventory_document(lab: Lab, variables: Mapping[str, Any] | None = None) -> 
     }
 
 
-def _write_inventory(lab: Lab, output: Path | None, variables: Mapping[str, Any]) -> tuple[str, ...]:
+def _write_inventory(
+    lab: Lab,
+    output: Path | None,
+    variables: Mapping[str, Any],
+    node_variables: Mapping[int, Mapping[str, Any]] | None = None,
+) -> tuple[str, ...]:
     kind = "network namespaces with OpenSSH" if lab.kind == "netns" else "local connections"
     header = (
         f"# rpcfleet lab {lab.name!r}: {len(lab.nodes)} nodes ({kind}), written by `rpcfleet lab up`.\n"
         f"# Gone with `rpcfleet lab down --name {lab.name}`.\n"
     )
-    text = header + yaml.safe_dump(inventory_document(lab, variables), sort_keys=False)
+    text = header + yaml.safe_dump(inventory_document(lab, variables, node_variables), sort_keys=False)
     lab.inventory.write_text(text)
     if output is None:
         return ()

@@ -19,7 +19,7 @@ from orchestrator.core.errors import LabError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.core.poll import poll
-from orchestrator.lab import systemd
+from orchestrator.lab import cgroups, systemd
 from orchestrator.lab.procs import (
     KILL_TIMEOUT,
     PATH,
@@ -220,6 +220,7 @@ class Lab:
     owner: Owner | None = None  # the lab is stale once its owner is gone (test sessions)
     outputs: tuple[str, ...] = ()  # extra inventory copies (-o); left in place by `down`
     created: float = field(default_factory=time.time)
+    cpus: float | None = None  # each node's CPU share (`--cpus`, lab/cgroups.py); None: no quota
 
     # -- files
     @property
@@ -288,6 +289,7 @@ class Lab:
                 owner=Owner(**data["owner"]) if data.get("owner") else None,
                 outputs=tuple(data.get("outputs", ())),
                 created=float(data.get("created", 0.0)),
+                cpus=float(data["cpus"]) if data.get("cpus") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise LabError(f"unreadable lab state: {exc!r}") from exc
@@ -364,7 +366,8 @@ class Lab:
         if holder is None:
             raise LabError(f"node {found.name} is gone (no holder process)", hint="recreate the lab")
         found.sshd_pid_file.unlink(missing_ok=True)
-        run(["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *sshd_argv(found)])
+        argv = ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *sshd_argv(found)]
+        run(cgroups.in_share(found.namespace or "", self.cpus, argv))  # back in the node's CPU share
         wait_ready([found], UP_TIMEOUT, self.bridge)
         pid = found.sshd_pid()
         if pid is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
-from orchestrator.lab import systemd
+from orchestrator.lab import cgroups, systemd
 from orchestrator.lab.model import (
     CAP_NET_ADMIN,
     CAP_SYS_ADMIN,
@@ -174,8 +174,10 @@ def _start_node(lab: Lab, node: LabNode) -> None:
             f"exec -a {q(str(node.dir / 'holder'))} sleep infinity",
         ]
     )
-    argv = ["setsid", "-f", "ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
+    argv = ["ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
     argv += ["--propagation", "private", "bash", "-c", script]
+    # The node's CPU share first (--cpus): sshd and all it starts inherit it.
+    argv = ["setsid", "-f", *cgroups.in_share(node.namespace, lab.cpus, argv)]
     with node.log.open("ab") as out:
         # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
         subprocess.run(
@@ -196,13 +198,14 @@ def restart_node(lab: Lab, node: LabNode) -> None:
     wait_ready([node], UP_TIMEOUT, lab.bridge)
 
 
-def restore_holder(node: LabNode, sshd: int) -> None:
+def restore_holder(node: LabNode, sshd: int, cpus: float | None = None) -> None:
     """A new holder for a node whose holder died while its sshd runs, in that sshd's namespaces (the
     node's mounts and hostname): `node_exec` enters the holder's."""
     q = shlex.quote
     node.holder_pid_file.unlink(missing_ok=True)
     script = f"echo $$ > {q(str(node.holder_pid_file))}; exec -a {q(str(node.dir / 'holder'))} sleep infinity"
-    argv = ["setsid", "-f", "nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
+    argv = ["nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
+    argv = ["setsid", "-f", *cgroups.in_share(node.namespace or "", cpus, argv)]
     with node.log.open("ab") as out:
         subprocess.run(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=child_env(), check=False, timeout=10
@@ -266,6 +269,7 @@ def teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
     if veths and not poll(veths_gone, timeout=2.0, interval=0.005):
         run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
     removed += systemd.release_slot(f"{PREFIX}{slot}-")
+    removed += cgroups.remove(f"{PREFIX}{slot}-")  # the nodes' CPU shares (--cpus)
     user = f"{PREFIX}{slot}"
     if user in lab_users():
         run(["userdel", user], check=False)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import LabError
+from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab.procs import (
     SSHD_COMMON,
     child_env,
@@ -210,6 +211,8 @@ def _boot_script(lab: Lab, node: LabNode) -> str:
             f"D={d}",
             'echo $$ > "$D/holder.pid"',
             f'for c in {cgroups}; do mkdir -p "$c" && echo $$ > "$c/cgroup.procs" || exit 1; done',
+            # the node's CPU share (--cpus): the boot loop, so nspawn and the whole container, inherit it
+            *(cpu_groups.join_lines(machine(node), lab.cpus) if lab.cpus is not None else []),
             "while :; do",
             '  echo "=== $(date +%T.%N) boot"',
             f'  ( exec -a "$D/nspawn" {shlex.join(nspawn)} ) &',

@@ -11,9 +11,10 @@ MiB = 1024 * 1024
 
 
 # llama-model.cpp: "%s: %12s model buffer size = %8.2f MiB"; llama-kv-cache.cpp: "%s: %10s KV buffer
-# size = ..."; llama-context.cpp: "%s: %10s compute buffer size = ..." and "%s: %10s  output buffer size".
+# size = ..."; llama-memory-recurrent.cpp: "%s: %10s RS buffer size = ..." (recurrent state);
+# llama-context.cpp: "%s: %10s compute buffer size = ..." and "%s: %10s  output buffer size".
 _BUFFER_RE = re.compile(
-    r"^(?P<func>\w+):\s+(?P<buffer>\S+)\s+(?P<kind>model|KV|compute|output) buffer size =\s*"
+    r"^(?P<func>\w+):\s+(?P<buffer>\S+)\s+(?P<kind>model|KV|RS|compute|output) buffer size =\s*"
     r"(?P<mib>[0-9]+(?:\.[0-9]+)?) MiB\s*$"
 )
 
@@ -32,7 +33,9 @@ _USING_RE = re.compile(
 _LAYER_RE = re.compile(r"^\w+: layer\s+(?P<il>\d+) assigned to device (?P<device>[^,\s]+)")
 
 
-_KINDS = {"model": "weights", "KV": "kv", "compute": "compute", "output": "output"}
+# The recurrent state counts with the KV cache: both are the model's memory per sequence, planned per
+# layer on the layer's device (the plan's `kv` column holds both).
+_KINDS = {"model": "weights", "KV": "kv", "RS": "kv", "compute": "compute", "output": "output"}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_command, stream_items, stream_script
 from orchestrator.operations.layer import OperationOptions, node_operation
-from orchestrator.operations.server import CACHE_DIR, LOG_FILE, LOG_MARKER
+from orchestrator.operations.server import CACHE_DIR, LOG_MARKER, server_files
 
 NAME = re.compile(r"^[0-9a-f]{16}$")
 
@@ -374,7 +374,7 @@ def warm_step(items: Mapping[str, Sequence[WarmItem]], options: OperationOptions
 
 def hits_script(host: Host) -> str:
     """Count `[set_tensor_hash]` lines (logged on a hit with GGML_RPC_DEBUG) since the last start marker."""
-    log = f"{shell_path(host.install_dir)}/{LOG_FILE}"
+    log = f"{shell_path(host.install_dir)}/{server_files(host.server).log}"
     marker = shlex.quote(LOG_MARKER)
     return f"test -f {log} && tac {log} | sed '/^'{marker}'/q' | grep -c '\\[set_tensor_hash\\]'; true"
 

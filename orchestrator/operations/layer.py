@@ -74,7 +74,10 @@ async def run_to_completion(work: Awaitable[T], log: Logger | None = None) -> T:
 
 def lock_order(host: Host) -> tuple[str, int, str, str]:
     """The one order every run takes host locks in: the node, then the install (a lock's identity)."""
-    return (host.address, host.ssh_port, host.install_dir, host.name)
+    return (*host.install_key, host.name)
+
+
+InstallKey = tuple[str, int, str]
 
 
 class HostLocks:
@@ -85,18 +88,41 @@ class HostLocks:
     the first host first, and the one refused stops there, giving back what it took. A refusal (another
     operator) fails that host with `HostLockedError` and leaves the run's other hosts not started; a host
     that cannot be reached or locked for another reason fails alone. `wait_lock` bounds the whole wait.
+
+    The several servers of one host (`rpc_servers`) share their install, so they share its lock: taken
+    once, given back when the last of them ends, and their changes run one after the other (`serial`):
+    the first switches a new version in, the next find it there. Two operators changing two servers of
+    one host are two changes of one install: one waits (or exits 3), as for one server.
     """
 
     def __init__(self, name: str, options: OperationOptions) -> None:
         self.name = name
         self.options = options
-        self._locks: dict[str, HostLock] = {}
+        self._locks: dict[InstallKey, HostLock] = {}
+        self._members: dict[InstallKey, set[str]] = {}
+        self._serial: dict[InstallKey, asyncio.Lock] = {}
+        self._claimed: set[InstallKey] = set()
 
     def holds(self, host: Host) -> bool:
-        return host.name in self._locks
+        return host.name in self._members.get(host.install_key, ())
+
+    def serial(self, host: Host) -> asyncio.Lock:
+        """Held while one server of an install is changed: its other servers wait their turn."""
+        return self._serial.setdefault(host.install_key, asyncio.Lock())
+
+    def first_of_install(self, host: Host) -> bool:
+        """Whether `host` is the first server of its install this run changes: the one that changes
+        the install itself (`deploy --reinstall`, `rollback`'s switch), once for all its servers."""
+        if host.install_key in self._claimed:
+            return False
+        self._claimed.add(host.install_key)
+        return True
 
     async def enter(self, session: Session, hosts: Sequence[Host]) -> dict[str, RpcfleetError]:
-        ordered = sorted(hosts, key=lock_order)
+        installs: dict[InstallKey, list[Host]] = {}
+        for host in sorted(hosts, key=lock_order):
+            installs.setdefault(host.install_key, []).append(host)
+        ordered = [servers[0] for servers in installs.values()]  # one lock per install
         limiter = asyncio.Semaphore(session.forks)
 
         async def reach(host: Host) -> Connection | None:
@@ -134,19 +160,30 @@ class HostLocks:
                 )
             except (HostLockedError, NotStartedError) as exc:
                 await self.close()
-                return {h.name: exc if h is host else _not_started(h, exc) for h in hosts}
+                return {
+                    h.name: exc if h.install_key == host.install_key else _not_started(h, exc) for h in hosts
+                }
             except RpcfleetError as exc:
-                errors[host.name] = exc
+                errors.update((server.name, exc) for server in installs[host.install_key])
                 continue
-            self._locks[host.name] = lock
+            self._locks[host.install_key] = lock
+            self._members[host.install_key] = {server.name for server in installs[host.install_key]}
         return errors
 
     async def leave(self, host: Host) -> None:
-        lock = self._locks.pop(host.name, None)
+        members = self._members.get(host.install_key)
+        if members is None or host.name not in members:
+            return
+        members.discard(host.name)
+        if members:  # another server of this install is still to be changed
+            return
+        del self._members[host.install_key]
+        lock = self._locks.pop(host.install_key, None)
         if lock is not None:
             await lock.release()
 
     async def close(self) -> None:
+        self._members = {}
         locks, self._locks = list(self._locks.values()), {}
         for lock in locks:
             await lock.release()
@@ -177,9 +214,10 @@ class NodeOperation(Generic[T]):
             return await self.body(ctx, conn)
         if isinstance(ctx.gate, HostLocks) and ctx.gate.holds(ctx.host):
             # The run holds this host's lock (the executor gives it back when this returns).
-            if ctx.session.interrupted is not None:
-                raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
-            return await run_to_completion(self.body(ctx, conn))
+            async with ctx.gate.serial(ctx.host):
+                if ctx.session.interrupted is not None:
+                    raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
+                return await run_to_completion(self.body(ctx, conn))
         # Run without the gate (called directly): this host's lock alone, for this change.
         options = self.options
 
@@ -196,6 +234,11 @@ class NodeOperation(Generic[T]):
             return await run_to_completion(self.body(ctx, conn), ctx.log)
         finally:
             await lock.release()
+
+
+def first_of_install(ctx: HostContext) -> bool:
+    """Whether this step is the first of its run on its host's install (True outside a gated run)."""
+    return not isinstance(ctx.gate, HostLocks) or ctx.gate.first_of_install(ctx.host)
 
 
 def node_operation(name: str, body: Body[T], options: OperationOptions) -> NodeOperation[T]:

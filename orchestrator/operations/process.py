@@ -36,15 +36,15 @@ from orchestrator.operations.server import (
     LOG_FILE,
     LOG_MARKER,
     LOG_ROTATE_BYTES,
-    PID_FILE,
     READY_TIMEOUT,
     SERVER_BINARY,
     START_TIMEOUT,
     STOP_GRACE,
-    SUPERVISOR_SCRIPT,
     NodeState,
+    ServerFiles,
     expected_protocol,
     read_node_state,
+    server_files,
 )
 from orchestrator.operations.supervise import stop_loop_lines, supervise_sh
 from orchestrator.operations.systemd import (
@@ -77,16 +77,17 @@ def launch_script(
     port = int(host.rpc_port)
     env = [f"{key}={value}" for key, value in launch_env(host, install_dir).items()]
     command = " ".join(q(a) for a in ["env", *env, "stdbuf", "-oL", *server_argv(host, install_dir, version)])
-    log, pid_file, script = f'"$D/{LOG_FILE}"', f'"$D/{PID_FILE}"', f'"$D/{SUPERVISOR_SCRIPT}"'
+    files = server_files(host.server)
+    log, pid_file, script = f'"$D/{files.log}"', f'"$D/{files.pid}"', f'"$D/{files.supervisor_script}"'
     return "\n".join(
         [
             f"D={q(install_dir)}",
             f'mkdir -p "$D/run" "$D/log" "$D/{CACHE_DIR}" || exit 1',
-            *_retire_loop(),
+            *_retire_loop(files),
             _taken_check(port),
             f'if [ -f {log} ] && [ "$(wc -c < {log})" -gt {LOG_ROTATE_BYTES} ]; then mv -f {log} {log}.1; fi',
             f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
-            f"printf '%s' {q(supervise_sh())} > {script}.tmp && mv -f {script}.tmp {script} || exit 1",
+            f"printf '%s' {q(supervise_sh(files))} > {script}.tmp && mv -f {script}.tmp {script} || exit 1",
             f"rm -f {pid_file}",
             *as_user_lines(user, login, f"{install_dir}/versions/{version}/bin/{SERVER_BINARY}"),
             'if [ -n "$as" ]; then cd /; else cd ~ || cd /; fi',  # another user may not enter this HOME
@@ -132,10 +133,10 @@ def as_user_lines(user: str | None, login: str | None, binary: str) -> list[str]
     ]
 
 
-def _retire_loop() -> list[str]:
+def _retire_loop(files: ServerFiles) -> list[str]:
     """Shell ($D set): a loop still waiting to restart a crashed server must not start a second one (nor
     race a systemd unit for the port): stop it, and kill what it started since the state was read."""
-    return [*stop_loop_lines(), 'if [ -n "$loopkids" ]; then kill -KILL $loopkids 2>/dev/null; fi']
+    return [*stop_loop_lines(files), 'if [ -n "$loopkids" ]; then kill -KILL $loopkids 2>/dev/null; fi']
 
 
 def _taken_check(port: int) -> str:
@@ -251,6 +252,7 @@ def stop_script(
     grace: float = STOP_GRACE,
     unit: UnitControl | None = None,
     stale: tuple[str, ...] = (),
+    server: str = "",
 ) -> str:
     """Stop our server, and any orphan of this install listening on its port, in one step on the node.
 
@@ -264,14 +266,17 @@ def stop_script(
     Only processes whose /proc/PID/cmdline is this install's server binary are signalled. Unless `force`,
     a server with a client connected is refused (`@busy`, see `busy_script`), and the check and the kill
     are one step on the node: no second round trip lets a client seen by the check slip through.
+
+    `server`: which of the install's servers (`rpc_servers`): its own pid file and loop.
     """
     q = shlex.quote
+    files = server_files(server)
     port = int(port)
     steps = max(1, int(grace * 10))
     listening = f"ss -Hltnp 'sport = :{port}' 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u"
     lines = [
         f"D={q(install_dir)}",
-        f'pf="$D/{PID_FILE}"',
+        f'pf="$D/{files.pid}"',
         "alive() {",
         f'  s=$({PS_STAT}) || return 1; case "$s" in Z*) return 1;; esac',
         "}",
@@ -310,7 +315,7 @@ def stop_script(
         lines += ['if [ -n "$targets" ]; then', busy_script(port, busy_grace, stale), "fi"]
     lines += [
         # The loop goes before the server, so it restarts nothing; then what it may have started since.
-        *stop_loop_lines(),
+        *stop_loop_lines(files),
         "for pid in $loopkids; do",
         '  case " $targets " in *" $pid "*) ;; *) if alive; then targets="$targets $pid"; fi;; esac',
         "done",
@@ -385,6 +390,7 @@ async def stop_server(
         busy_grace=busy_grace,
         unit=unit_control(state),
         stale=stale,
+        server=host.server,
     )
     try:
         stdout = await _sh(conn, script, STOP_GRACE + 15)
@@ -427,7 +433,12 @@ async def refuse_if_busy(
 
 
 async def _log_tail(
-    conn: Connection, install_dir: str, lines: int = 8, *, state: NodeState | None = None
+    conn: Connection,
+    install_dir: str,
+    lines: int = 8,
+    *,
+    state: NodeState | None = None,
+    log_file: str = LOG_FILE,
 ) -> str:
     """The server's last log lines: its log file, or its unit's journal under systemd."""
     if state is not None and state.supervisor == "systemd" and state.unit is not None:
@@ -436,7 +447,7 @@ async def _log_tail(
             return (await conn.run(command, timeout=10)).stdout
         except Exception:
             return ""
-    fact = LogTailFact(f"{install_dir}/{LOG_FILE}", lines)
+    fact = LogTailFact(f"{install_dir}/{log_file}", lines)
     try:
         result = await conn.run(fact.command(), timeout=10)
     except Exception:
@@ -466,7 +477,7 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         script = "\n".join(
             [
                 f"D={shlex.quote(state.install.install_dir)}",
-                *_retire_loop(),
+                *_retire_loop(server_files(host.server)),
                 _taken_check(int(host.rpc_port)),
                 install_unit_script(name, state.install.install_dir, text, user=user),
                 control_script(name, "start", user=user),
@@ -477,6 +488,7 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         run_as = run_as_user(host, state.systemd)
         script = launch_script(host, state.install.install_dir, version, user=run_as, login=login)
     out = _keys(await _sh(conn, script, START_TIMEOUT))
+    log_file = server_files(host.server).log
     if "error" in out:
         raise ServiceError(f"cannot start the rpc-server: {out['error']}", host=host.name)
     if "taken" in out:
@@ -492,7 +504,8 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         raise ServiceError(
             "the rpc-server did not start" if "pid" in out else "the launch script did not report a pid",
             host=host.name,
-            stderr=await _log_tail(conn, state.install.install_dir, state=state) or str(out),
+            stderr=await _log_tail(conn, state.install.install_dir, state=state, log_file=log_file)
+            or str(out),
         )
     return int(started)
 
@@ -505,6 +518,7 @@ async def wait_ready(
     target = None if host.binds_own_loopback else host.endpoint
     expected = expected_protocol(state.install)
     install_dir = state.install.install_dir
+    log_file = server_files(host.server).log
     deadline = time.monotonic() + limit_s
     next_check = time.monotonic() + 0.3
     last: ProbeResult | None = None
@@ -531,7 +545,7 @@ async def wait_ready(
             # Until the exec chain (setsid, nohup, env, stdbuf) reaches the server, argv0 is theirs.
             launching = svc.pid == pid and svc.alive and now < deadline - limit_s + 3.0
             if (svc.pid != pid or not svc.ours) and not launching:
-                log = await _log_tail(conn, install_dir, state=state)
+                log = await _log_tail(conn, install_dir, state=state, log_file=log_file)
                 if BIND_FAILED in log or svc.log_failed_bind:
                     taken = svc.foreign_listeners()
                     who = f": {taken[0].describe()}" if taken else ""
@@ -548,6 +562,6 @@ async def wait_ready(
             raise ServiceError(
                 f"the rpc-server did not answer HELLO within {limit_s:g} s ({why})",
                 host=host.name,
-                stderr=await _log_tail(conn, install_dir, state=state),
+                stderr=await _log_tail(conn, install_dir, state=state, log_file=log_file),
             )
         await asyncio.sleep(0.02)

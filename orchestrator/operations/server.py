@@ -84,6 +84,31 @@ LOG_FILE = "log/rpc-server.log"
 CACHE_DIR = "cache"
 
 
+@dataclass(frozen=True)
+class ServerFiles:
+    """One server's files on the node, relative to the install dir: the constants above for a host's
+    only server, `-<name>` before the extension for each of several (`rpc_servers`), so the servers of
+    one install never share a pid file, a supervisor loop or a log."""
+
+    pid: str
+    supervisor_pid: str
+    supervisor_state: str
+    supervisor_script: str
+    log: str
+
+
+def server_files(server: str = "") -> ServerFiles:
+    if not server:
+        return ServerFiles(PID_FILE, SUPERVISOR_PID_FILE, SUPERVISOR_STATE_FILE, SUPERVISOR_SCRIPT, LOG_FILE)
+    return ServerFiles(
+        f"run/rpc-server-{server}.pid",
+        f"run/rpc-supervisor-{server}.pid",
+        f"run/rpc-supervisor-{server}.state",
+        f"run/rpc-supervise-{server}.sh",
+        f"log/rpc-server-{server}.log",
+    )
+
+
 LOG_MARKER = "=== rpcfleet: starting"
 
 
@@ -220,6 +245,7 @@ def node_path(install_dir: str, relative: str) -> str:
 def node_facts(host: Host) -> list[Fact[Any]]:
     """The facts a `NodeState` is made of: the install state's, then the server's (one round trip)."""
     port = int(host.rpc_port)
+    files = server_files(host.server)
     return [
         *install_facts(host.install_dir),
         # The port before the pid file: a server the process supervisor restarts between the two reads
@@ -227,17 +253,17 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ListenersFact(port),
         RpcClientsFact(port),
         PortOwnersFact(port),
-        ServerProcessFact(node_path(host.install_dir, PID_FILE)),
-        LaunchFact(node_path(host.install_dir, PID_FILE)),
-        LogMatchFact(node_path(host.install_dir, LOG_FILE), LOG_MARKER, BIND_FAILED),
+        ServerProcessFact(node_path(host.install_dir, files.pid)),
+        LaunchFact(node_path(host.install_dir, files.pid)),
+        LogMatchFact(node_path(host.install_dir, files.log), LOG_MARKER, BIND_FAILED),
         SupervisorFact(
-            node_path(host.install_dir, SUPERVISOR_PID_FILE),
-            node_path(host.install_dir, SUPERVISOR_STATE_FILE),
-            node_path(host.install_dir, SUPERVISOR_SCRIPT),
-            node_path(host.install_dir, LOG_FILE),
+            node_path(host.install_dir, files.supervisor_pid),
+            node_path(host.install_dir, files.supervisor_state),
+            node_path(host.install_dir, files.supervisor_script),
+            node_path(host.install_dir, files.log),
         ),
         SystemdFact(),
-        UnitFact(unit_name(host.install_dir), BIND_FAILED),
+        UnitFact(unit_name(host.install_dir, host.server), BIND_FAILED),
     ]
 
 

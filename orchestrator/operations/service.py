@@ -26,10 +26,11 @@ from orchestrator.operations.install import (
 from orchestrator.operations.install_apply import apply_install
 from orchestrator.operations.install_plan import (
     InstallChange,
+    InstallState,
     plan_rollback,
     read_install_state,
 )
-from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
+from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, first_of_install, node_operation
 from orchestrator.operations.process import (
     launch_drift,
     refuse_if_busy,
@@ -40,7 +41,6 @@ from orchestrator.operations.process import (
     wait_ready,
 )
 from orchestrator.operations.server import (
-    LOG_FILE,
     NodeState,
     ServerStatus,
     bind_policy,
@@ -48,6 +48,7 @@ from orchestrator.operations.server import (
     node_path,
     probe_server,
     read_node_state,
+    server_files,
     server_status,
 )
 from orchestrator.operations.stale import release_stale
@@ -264,7 +265,7 @@ def make_logs_step(
             return StepOutcome(
                 journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
             )
-        fact = LogTailFact(node_path(ctx.host.install_dir, LOG_FILE), lines, drop)
+        fact = LogTailFact(node_path(ctx.host.install_dir, server_files(ctx.host.server).log), lines, drop)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
         if text is None:
@@ -373,6 +374,8 @@ async def deploy(
         )
         if would.changed:
             await refuse_if_busy(conn, host, "deploy to")
+    if host.server and not force and not check:
+        await _refuse_busy_siblings(conn, host, choose, state.install)
     change = await ensure_installed(
         conn,
         host,
@@ -400,6 +403,21 @@ async def deploy(
     return DeployResult(change, service, service.after or service.status, warnings)
 
 
+async def _refuse_busy_siblings(
+    conn: Connection, host: Host, choose: ArtifactChooser, install: InstallState
+) -> None:
+    """One of several servers (`rpc_servers`): a new version switched in for this one is the version
+    every server of the install restarts on, so a busy one among them refuses the switch before it is
+    made, as this server's own client would."""
+    source = await choose(host, install)
+    if source.id == install.current:
+        return
+    for server in host.rpc_servers:
+        if server.name != host.server:
+            sibling = dataclasses.replace(host, rpc_port=server.port, name=f"{host.node_name}/{server.name}")
+            await refuse_if_busy(conn, sibling, f"switch the install of {host.node_name} under")
+
+
 def make_deploy_step(
     choose: ArtifactChooser,
     options: OperationOptions = DEFAULT_OPTIONS,
@@ -415,7 +433,8 @@ def make_deploy_step(
             choose,
             check=options.check,
             force=options.force,
-            reinstall=reinstall,
+            # One install serves every server of a host: the run's first reinstalls, the others find it.
+            reinstall=reinstall and first_of_install(ctx),
             progress=progress,
             build_log=build_log,
         )
@@ -444,11 +463,20 @@ async def _verify_cache(conn: Connection, host: Host, result: DeployResult) -> D
 
 
 async def rollback(
-    conn: Connection, host: Host, *, to: str | None = None, check: bool = False, force: bool = False
+    conn: Connection,
+    host: Host,
+    *,
+    to: str | None = None,
+    check: bool = False,
+    force: bool = False,
+    switch: bool = True,
 ) -> DeployResult:
-    """Switch `current` back to the previous version (or `to`) and have that version serve."""
+    """Switch `current` back to the previous version (or `to`) and have that version serve.
+
+    `switch=False`: another server of this install switched it back in this run (one install, several
+    servers): this one only has to run the version that is current now."""
     state = await read_node_state(conn, host)
-    change = plan_rollback(state.install, to=to)
+    change = plan_rollback(state.install, to=to if switch else state.install.current)
     if change.changed and state.service.clients and state.service.ours and not force:
         await refuse_if_busy(conn, host, "roll back")
     if change.changed and not check:
@@ -464,7 +492,9 @@ def make_rollback_step(
     options: OperationOptions = DEFAULT_OPTIONS, *, to: str | None = None
 ) -> Step[DeployResult]:
     async def body(ctx: HostContext, conn: Connection) -> StepOutcome[DeployResult]:
-        result = await rollback(conn, ctx.host, to=to, check=options.check, force=options.force)
+        result = await rollback(
+            conn, ctx.host, to=to, check=options.check, force=options.force, switch=first_of_install(ctx)
+        )
         return StepOutcome(result, result.changed, result.describe())
 
     return node_operation("rollback", body, options)

@@ -9,9 +9,10 @@ sees its connection and until it closes):
 
 1. the peer address is one of this controller's own addresses (in its network namespace), not loopback
    (a loopback peer is a process on the node, or sshd's forward of `rpc_transport: ssh`);
-2. no TCP socket of this controller has the peer address and port as its own, in any state
-   (`/proc/net/tcp`, `tcp6`; one bound to the wildcard address with that port counts too): a socket
-   there, whatever its state or destination, counts as a live client;
+2. no TCP socket of this controller has the peer address and port as its own (`/proc/net/tcp`, `tcp6`;
+   one bound to the wildcard address with that port counts too): a socket there, whatever its
+   destination, counts as a live client, except in TIME_WAIT, which has closed both ways (a busy
+   controller's many short connections leave those on any port, to any destination);
 3. no address translation could hide the client behind this machine: conntrack is not in the kernel, or
    its table is readable and has no translated entry whose reply goes to that address and port (a
    container behind this machine's NAT connects from its own namespace, invisible to 2).
@@ -22,7 +23,10 @@ Closing it (`close_stale`) needs no rights on the node: a SYN from the same addr
 server hits its established connection, which answers with a challenge ACK (RFC 5961); this
 controller, having no socket for that ACK, answers with a reset carrying exactly the sequence number the
 node expects, and the node drops the connection: the server's read fails and it serves the next client.
-The bind itself is a last guard: it fails if any socket took that port since the proof. Should the node
+The bind itself is a last guard: it fails if any socket took that port since the proof. A TIME_WAIT
+socket of another connection on that port makes it fail too: then the same SYN goes out through a raw
+socket (root), and the kernel answers the challenge ACK with the reset as before (a live socket with the
+connection's own 4-tuple would take that ACK instead, so a live client is never reset). Should the node
 keep the connection (a middlebox eats the SYN), `ss -K` on the node for that 4-tuple and inode (root and
 CONFIG_INET_DIAG_DESTROY) is tried. Either way, the node is read again to say what was closed.
 """
@@ -145,11 +149,16 @@ class LocalView:
             return f"{address} is not an address of this controller"
         if self.sockets is None or self.translated is None:
             return self.why_unknown or "this controller's sockets could not be read"
-        if {(address, port), ("0.0.0.0", port), ("::", port)} & self.sockets:
+        if holds_port(self.sockets, address, port):
             return f"{address}:{port} is in use on this controller"
         if (address, port) in self.translated:
             return f"{address}:{port} is translated (NAT) for another client"
         return None
+
+
+def holds_port(sockets: frozenset[tuple[str, int]], address: str, port: int) -> bool:
+    """Whether one of `sockets` has `address` and `port`, or that port on the wildcard address."""
+    return bool({(address, port), ("0.0.0.0", port), ("::", port)} & sockets)
 
 
 def _local_addresses() -> frozenset[str]:
@@ -176,8 +185,12 @@ def _proc_address(text: str) -> str:
     return str(address)
 
 
+_TIME_WAIT = "06"  # the `st` column of /proc/net/tcp (include/net/tcp_states.h)
+
+
 def _local_sockets(proc: Path = Path("/proc/net")) -> frozenset[tuple[str, int]]:
-    """(address, port) of every TCP socket of this network namespace (v4 and v6, any state, any user)."""
+    """(address, port) of every TCP socket of this network namespace that may still be a client (v4 and
+    v6, any user, any state but TIME_WAIT)."""
     found = set()
     for name in ("tcp", "tcp6"):
         path = proc / name
@@ -185,7 +198,7 @@ def _local_sockets(proc: Path = Path("/proc/net")) -> frozenset[tuple[str, int]]
             continue
         for line in path.read_text().splitlines()[1:]:
             fields = line.split()
-            if len(fields) > 2:
+            if len(fields) > 3 and fields[3] != _TIME_WAIT:
                 address, port = fields[1].rsplit(":", 1)
                 found.add((_proc_address(address), int(port, 16)))
     return frozenset(found)
@@ -276,7 +289,12 @@ def _reset_from_here(connection: ServerConnection, target: tuple[str, int]) -> s
     try:
         # No SO_REUSEADDR: the bind fails if any socket of this machine took the port since the proof.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.bind((address, port))
+        try:
+            sock.bind((address, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or holds_port(_local_sockets(), address, port):
+                raise
+            return _raw_syn((address, port), target)  # only a TIME_WAIT socket holds the port
         sock.setblocking(False)
         code = sock.connect_ex(target)
         if code not in (0, errno.EINPROGRESS):
@@ -289,6 +307,40 @@ def _reset_from_here(connection: ServerConnection, target: tuple[str, int]) -> s
         # The kernel retries the SYN at once after its reset, so the server (free again) may have
         # accepted us: SO_LINGER 0 resets that connection too, as abandoned probes are.
         sock.close()
+
+
+def _raw_syn(source: tuple[str, int], target: tuple[str, int]) -> str:
+    """`_reset_from_here`'s SYN built by hand and sent through a raw socket (needs CAP_NET_RAW)."""
+    (address, port), (server, server_port) = source, target
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    seq = int.from_bytes(os.urandom(4), "big")
+    # TCP header: ports, seq, ack 0, data offset 5 words, SYN, window, checksum (filled below), urgent 0
+    segment = struct.pack("!HHIIBBHHH", port, server_port, seq, 0, 5 << 4, 0x02, 64240, 0, 0)
+    ends = socket.inet_pton(family, address) + socket.inet_pton(family, server)
+    pseudo = (
+        ends + struct.pack("!BBH", 0, socket.IPPROTO_TCP, len(segment))
+        if family == socket.AF_INET
+        else ends + struct.pack("!I3xB", len(segment), socket.IPPROTO_TCP)
+    )
+    segment = segment[:16] + struct.pack("!H", internet_checksum(pseudo + segment)) + segment[18:]
+    try:
+        with socket.socket(family, socket.SOCK_RAW, socket.IPPROTO_TCP) as raw:
+            raw.bind((address, 0))  # the IP header's source: the stale connection's address
+            raw.sendto(segment, (server, 0))
+    except OSError as exc:
+        return f"{address}:{port}: a TIME_WAIT socket holds the port and a raw SYN failed: {exc.strerror}"
+    time.sleep(_RESET_WAIT)
+    return ""
+
+
+def internet_checksum(data: bytes) -> int:
+    """RFC 1071: the ones' complement of the ones' complement sum of the 16-bit words."""
+    if len(data) % 2:
+        data += b"\0"
+    total: int = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
 
 
 def _still_there_script(port: int, connections: Sequence[ServerConnection], kill: bool) -> str:

@@ -15,14 +15,7 @@ server, so nothing restarts a server that was stopped on purpose (`stop_loop_lin
 from __future__ import annotations
 
 from orchestrator.facts.server import PID_IS_NUMBER, SUPERVISOR_SCRIPT_ARG
-from orchestrator.operations.server import (
-    LOG_FILE,
-    LOG_MARKER,
-    PID_FILE,
-    SUPERVISOR_PID_FILE,
-    SUPERVISOR_SCRIPT,
-    SUPERVISOR_STATE_FILE,
-)
+from orchestrator.operations.server import LOG_MARKER, ServerFiles, server_files
 from orchestrator.operations.systemd import RESTART_SEC, START_LIMIT_BURST, START_LIMIT_INTERVAL
 
 MAX_DELAY = 30  # seconds: the backoff's cap
@@ -31,14 +24,16 @@ MAX_DELAY = 30  # seconds: the backoff's cap
 STEADY_RUN = 10  # seconds: a run at least this long starts the backoff over
 
 
-def supervise_sh() -> str:
-    """The loop's script. Arguments: INSTALL_DIR VERSION COMMAND... (the launch line)."""
+def supervise_sh(files: ServerFiles | None = None) -> str:
+    """The loop's script for one server (`files`: its own, `server_files`). Arguments: INSTALL_DIR
+    VERSION COMMAND... (the launch line)."""
+    f = files or server_files()
     return f"""# rpcfleet's process supervisor (rewritten at each start): runs the rpc-server, restarts it
 # when it fails.
-# Usage: sh {SUPERVISOR_SCRIPT} INSTALL_DIR VERSION COMMAND...
+# Usage: sh {f.supervisor_script} INSTALL_DIR VERSION COMMAND...
 D=$1 V=$2
 shift 2
-pf="$D/{PID_FILE}" sp="$D/{SUPERVISOR_PID_FILE}" st="$D/{SUPERVISOR_STATE_FILE}" log="$D/{LOG_FILE}"
+pf="$D/{f.pid}" sp="$D/{f.supervisor_pid}" st="$D/{f.supervisor_state}" log="$D/{f.log}"
 echo $$ > "$sp"
 # Not the recorded loop any more (stopped, or replaced by a newer start): restart nothing.
 mine() {{ [ "$(head -n 1 "$sp" 2>/dev/null)" = "$$" ]; }}
@@ -83,18 +78,19 @@ done
 """
 
 
-def stop_loop_lines() -> list[str]:
+def stop_loop_lines(files: ServerFiles | None = None) -> list[str]:
     """Shell ($D set): stop this install's loop so that it restarts nothing, and leave in `$loopkids` the
     server it may have forked but not yet recorded (a restart racing this stop).
 
     The pid file goes first: a loop that wakes finds it is no longer the recorded one and exits. The loop
     is frozen (SIGSTOP) while its children are read, its backoff `sleep` killed, then it is killed."""
+    f = files or server_files()
     return [
-        f'sp="$D/{SUPERVISOR_PID_FILE}"',
+        f'sp="$D/{f.supervisor_pid}"',
         'loopkids=""',
         'if [ -f "$sp" ]; then',
         '  pid=$(head -n 1 "$sp"); rm -f "$sp"',
-        f'  if {PID_IS_NUMBER} && [ "$({SUPERVISOR_SCRIPT_ARG})" = "$D/{SUPERVISOR_SCRIPT}" ]; then',
+        f'  if {PID_IS_NUMBER} && [ "$({SUPERVISOR_SCRIPT_ARG})" = "$D/{f.supervisor_script}" ]; then',
         '    loop=$pid; kill -STOP "$loop" 2>/dev/null',
         '    for kid in $(pgrep -P "$loop" 2>/dev/null); do',
         '      if [ "$(cat /proc/$kid/comm 2>/dev/null)" = sleep ]; then kill -KILL "$kid" 2>/dev/null; '
@@ -107,5 +103,5 @@ def stop_loop_lines() -> list[str]:
         '    echo "@loop_stopped $loop"',
         "  fi",
         "fi",
-        f'rm -f "$D/{SUPERVISOR_STATE_FILE}"',
+        f'rm -f "$D/{f.supervisor_state}"',
     ]

@@ -54,7 +54,7 @@ Supervision = Literal["systemd", "process"]
 _PLAIN_PART = re.compile(r"[A-Za-z0-9_]+")
 
 
-def unit_name(install_dir: str) -> str:
+def unit_name(install_dir: str, server: str = "") -> str:
     """`rpcfleet-<install dir as words>.service`, from the inventory's install_dir (`~` is `home`):
     `~/rpcfleet` -> `rpcfleet-home-rpcfleet.service`, `/opt/rpc` -> `rpcfleet-opt-rpc.service`.
 
@@ -62,7 +62,11 @@ def unit_name(install_dir: str) -> str:
     path outside /home, every part letters, digits and `_`) and the default install dir (its name from
     before); any other path gets `--` and a hash of the path: `/opt/a-b` -> `rpcfleet-opt-a_b--<hash>`
     apart from `/opt/a_b`, `/home/rpcfleet` apart from `~/rpcfleet`. The path is normalised first
-    (`//`, `.`, a trailing `/`), so one directory written two ways is one unit."""
+    (`//`, `.`, a trailing `/`), so one directory written two ways is one unit.
+
+    `server`: one of the install's several servers (`rpc_servers`), `...--server-<name>.service`; the
+    words never hold `--`, so no install's unit is another's server's."""
+    suffix = f"--server-{server}" if server else ""
     home = install_dir == "~" or install_dir.startswith("~/")
     parts = [p for p in (install_dir[1:] if home else install_dir).split("/") if p not in ("", ".")]
     words = [re.sub(r"[^A-Za-z0-9_.]", "_", p).lstrip(".") or "_" for p in parts]
@@ -74,9 +78,9 @@ def unit_name(install_dir: str) -> str:
         and readable != _DEFAULT_READABLE  # the default's words belong to the default
     )
     if plain or normalised == DEFAULT_INSTALL_DIR:
-        return f"{UNIT_PREFIX}{readable}.service"
+        return f"{UNIT_PREFIX}{readable}{suffix}.service"
     digest = hashlib.sha256(normalised.encode()).hexdigest()[:10]
-    return f"{UNIT_PREFIX}{readable}--{digest}.service"
+    return f"{UNIT_PREFIX}{readable}--{digest}{suffix}.service"
 
 
 _DEFAULT_READABLE = "home-local-lib-rpcfleet"  # unit_name(DEFAULT_INSTALL_DIR) without the prefix

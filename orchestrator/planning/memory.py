@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.core.errors import PlanError
+from orchestrator.planning.architectures import family_compute
 from orchestrator.planning.placement import pad
 from orchestrator.planning.plan import (
     MAX_DEVICES,
@@ -20,14 +21,19 @@ from orchestrator.planning.plan import (
 from orchestrator.planning.profile import KV_CACHE_TYPES, ModelProfile, row_bytes
 
 
-def kv_layer_bytes(profile: ModelProfile, il: int, n_ctx_pad: int, opts: PlanOptions, alignment: int) -> int:
-    """K and V cache tensors of layer `il` (each padded to the buffer alignment)."""
-    if profile.n_head_kv[il] == 0:
-        return 0
+def kv_layer_bytes(
+    profile: ModelProfile, il: int, n_ctx_pad: int, opts: PlanOptions, alignment: int, n_seq: int = 1
+) -> int:
+    """K and V cache tensors of layer `il` (each padded to the buffer alignment), plus its recurrent
+    state for `n_seq` sequences (planning/architectures.py: MLA has no V, recurrent layers no KV)."""
+    rules = profile.rules
+    state = rules.state_bytes(il, n_seq, alignment)
+    if profile.n_head_kv[il] == 0 or not rules.has_kv(il):
+        return state
     n_v = profile.n_embd_v_gqa_max() if not opts.flash_attn else profile.n_embd_v_gqa(il)
     k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * n_ctx_pad
-    v = row_bytes(opts.type_v, n_v) * n_ctx_pad
-    return pad(k, alignment) + pad(v, alignment)
+    v = 0 if rules.mla else row_bytes(opts.type_v, n_v) * n_ctx_pad
+    return pad(k, alignment) + pad(v, alignment) + state
 
 
 def estimate_compute(
@@ -39,6 +45,9 @@ def estimate_compute(
     pipeline_parallel: bool,
 ) -> int:
     """Estimated compute buffer of a device holding `layers` (llama.cpp's worst-case pp graph).
+
+    Verified families use `architectures.family_compute`; what follows is the generic estimate an
+    architecture the planner does not know gets (its plans say `unverified`).
 
     The graph is reserved for n_tokens = min(n_ctx, n_ubatch) tokens against a full KV cache (n_kv =
     n_ctx_pad). ggml-alloc reuses memory, so the buffer is about the inputs plus the largest live set:
@@ -56,6 +65,9 @@ def estimate_compute(
     """
     if not layers:
         return 0
+    if profile.rules.verified:  # the families compared with llama.cpp: planning/architectures.py
+        copies = SCHED_MAX_COPIES if pipeline_parallel else 1
+        return family_compute(profile, layers, n_ctx_pad, opts, copies=copies)
     n_tok = min(n_ctx_pad, opts.n_ubatch)
     f32 = 4
     mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)

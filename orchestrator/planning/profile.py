@@ -22,6 +22,7 @@ from typing import Any
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from orchestrator.core.errors import ModelError
+from orchestrator.planning.architectures import GENERIC, RECURRENT, ArchRules, arch_rules
 
 GGUF_MAGIC = b"GGUF"
 
@@ -122,6 +123,7 @@ class ModelProfile:
     total_bytes: int  # sum of all tensors
     file_size: int  # all shards together
     tensors: tuple[TensorInfo, ...]
+    rules: ArchRules = GENERIC  # per-architecture memory rules (planning/architectures.py)
 
     @property
     def path(self) -> Path:
@@ -149,12 +151,13 @@ class ModelProfile:
         """K + V cache bytes of one token (one cell) in `layer`.
 
         With `v_trans` (no flash attention) llama.cpp sizes every V row to the largest layer's width.
-        Layers without KV heads hold no cache.
+        Layers without KV heads hold no cache, nor do recurrent or shared-KV layers; MLA caches K only.
         """
-        if self.n_head_kv[layer] == 0:
+        if self.n_head_kv[layer] == 0 or not self.rules.has_kv(layer):
             return 0
         n_v = self.n_embd_v_gqa_max() if v_trans else self.n_embd_v_gqa(layer)
-        return row_bytes(type_k, self.n_embd_k_gqa(layer)) + row_bytes(type_v, n_v)
+        v = 0 if self.rules.mla else row_bytes(type_v, n_v)
+        return row_bytes(type_k, self.n_embd_k_gqa(layer)) + v
 
     @cached_property
     def _layer_tensors(self) -> tuple[tuple[TensorInfo, ...], ...]:
@@ -397,15 +400,22 @@ def profile_model(path: str | Path) -> ModelProfile:
     n_ctx_train = _int(meta, f"{arch}.context_length", p0)
     if n_layer <= 0 or n_embd <= 0:
         raise ModelError(f"{p0}: block_count and embedding_length must be positive")
-    n_head = _per_layer(_required(meta, f"{arch}.attention.head_count", p0), n_layer, "head_count", p0)
+    # Pure recurrent models have no attention heads (llama-model.cpp: "non-transformer models do not
+    # have attention heads"): head_count may be absent, and their head sizes are 0.
+    recurrent = arch in RECURRENT
+    head_count = meta.get(f"{arch}.attention.head_count", 0) if recurrent else None
+    if head_count is None:
+        head_count = _required(meta, f"{arch}.attention.head_count", p0)
+    n_head = _per_layer(head_count, n_layer, "head_count", p0)
     n_head_kv = _per_layer(
         meta.get(f"{arch}.attention.head_count_kv", list(n_head)), n_layer, "head_count_kv", p0
     )
-    if n_head[0] <= 0:
+    if n_head[0] <= 0 and not recurrent:
         raise ModelError(f"{p0}: attention.head_count must be positive")
     # llama.cpp: n_embd_head_k = n_embd / n_head(0) unless key_length says otherwise (likewise v).
-    head_dim_k = _int(meta, f"{arch}.attention.key_length", p0, default=n_embd // n_head[0])
-    head_dim_v = _int(meta, f"{arch}.attention.value_length", p0, default=n_embd // n_head[0])
+    per_head = n_embd // n_head[0] if n_head[0] > 0 else 0
+    head_dim_k = _int(meta, f"{arch}.attention.key_length", p0, default=per_head) if per_head else 0
+    head_dim_v = _int(meta, f"{arch}.attention.value_length", p0, default=per_head) if per_head else 0
 
     tensors = tuple(t for h in headers for t in h.tensors)
     names = [t.name for t in tensors]
@@ -464,6 +474,7 @@ def profile_model(path: str | Path) -> ModelProfile:
         total_bytes=sum(t.n_bytes for t in tensors),
         file_size=sum(h.file_size for h in headers),
         tensors=tensors,
+        rules=arch_rules(meta, arch, n_layer, n_embd, n_head[0], n_head_kv),
     )
 
 

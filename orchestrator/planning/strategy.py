@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
 from orchestrator.core.search import first_true
+from orchestrator.planning.architectures import unverified_note
 from orchestrator.planning.memory import estimate_compute, kv_layer_bytes, predict, validate
 from orchestrator.planning.placement import (
     largest_remainder,
@@ -206,7 +207,7 @@ def make_plan(
     n_all = profile.n_layer
     ngl = resolve_n_gpu_layers(opts.n_gpu_layers, n_all) if devices else 0
     n_ctx = pad_ctx(opts.n_ctx or profile.n_ctx_train)
-    notes: list[str] = []
+    notes: list[str] = [n for n in (unverified_note(profile.rules),) if n]  # never silently
 
     if opts.tensor_split is not None:
         split = tuple(float(x) for x in opts.tensor_split)

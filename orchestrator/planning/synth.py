@@ -92,7 +92,7 @@ def _add_llama_hparams(
     writer.add_file_type(file_type)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, n_vocab: int) -> None:
+def add_spm_tokenizer(writer: gguf.GGUFWriter, n_vocab: int) -> None:
     tokens, scores, types = _vocab(n_vocab)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -160,7 +160,7 @@ def write_tiny_llama(
         n_ctx_train=n_ctx_train,
         file_type=_FILE_TYPES[weight_type],
     )
-    _add_tokenizer(writer, n_vocab)
+    add_spm_tokenizer(writer, n_vocab)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
 
@@ -250,7 +250,7 @@ def write_sparse_70b_header(
         file_type=15 if weight_type == "q4_K" else 1,
     )
     if with_vocab:
-        _add_tokenizer(writer, h["n_vocab"])
+        add_spm_tokenizer(writer, h["n_vocab"])
 
     infos: list[tuple[str, tuple[int, ...], QType]] = []
     n_embd, n_ff, head_dim = h["n_embd"], h["n_ff"], h["n_embd"] // h["n_head"]

@@ -12,7 +12,7 @@ from orchestrator.engine.executor import (
     HostResult,
     Session,
 )
-from orchestrator.inventory.model import Host, Inventory, select_hosts
+from orchestrator.inventory.model import Host, Inventory, select_servers
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     pass
@@ -22,9 +22,9 @@ from orchestrator.playbooks.ops import REGISTRY
 
 def play_hosts(playbook: Playbook, inventory: Inventory, limit: str | None = None) -> list[Host]:
     """The play's hosts: its `hosts` pattern, narrowed by --limit (both Ansible patterns)."""
-    hosts = select_hosts(inventory, playbook.hosts)
+    hosts = select_servers(inventory, playbook.hosts)  # each rpc-server of a host is a host of the play
     if limit:
-        allowed = {h.name for h in select_hosts(inventory, limit)}
+        allowed = {h.name for h in select_servers(inventory, limit)}
         hosts = [h for h in hosts if h.name in allowed]
         if not hosts:
             raise UsageError(f"--limit {limit!r} leaves none of the play's hosts ({playbook.hosts!r})")

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from sse_starlette.sse import EventSourceResponse
 
 from orchestrator.llama.worker import Done, Token
+from orchestrator.observe.web import Exporter, RequestTimer, mount
 from orchestrator.serve.backend import Backend, Failure, Job, Rejected
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
 
@@ -55,7 +56,9 @@ def _error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> FastAPI:
+def create_app(
+    backend: Backend, *, api_key: str | None, model_name: str, exporter: Exporter | None = None
+) -> FastAPI:
     app = FastAPI(title="rpcfleet serve", version="0.1.0", docs_url=None, redoc_url=None)
     metrics = backend.metrics
 
@@ -105,6 +108,8 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus() -> PlainTextResponse:
         text = metrics.render(backend.endpoint_up(), backend.state)
+        if exporter is not None:  # the fleet's metrics after serve's own (orchestrator.observe)
+            text += exporter.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -245,6 +250,9 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
             "choices": [choice],
         }
 
+    if exporter is not None:  # the live fleet page at `/`, behind the same key rules
+        mount(app, exporter, api_key=api_key, has_key=has_key)
+        app.add_middleware(RequestTimer, histogram=exporter.histogram(model_name, "latency"))
     return app
 
 

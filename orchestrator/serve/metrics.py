@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -48,6 +48,7 @@ class Metrics:
     reloads: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
     rejoins: list[Rejoin] = field(default_factory=list)
+    on_ttft: Callable[[float], None] | None = None  # each time to first token (the exporter's histogram)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_request(self, route: str, code: int) -> None:
@@ -63,6 +64,8 @@ class Metrics:
             if ttft is not None:
                 self.ttft_sum += ttft
                 self.ttft_count += 1
+                if self.on_ttft is not None:
+                    self.on_ttft(ttft)
 
     def record_reload(self) -> None:
         with self._lock:

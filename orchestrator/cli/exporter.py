@@ -1,0 +1,112 @@
+"""`rpcfleet exporter`: the fleet's Prometheus metrics and live page, for fleets that do not serve.
+
+Probes the selected hosts every --interval seconds (the probe's rules: a server serving a client is
+never connected to) and answers `/metrics` (Prometheus text), `/` (the live fleet page) and
+`/fleet.json` from the last round: a scrape never waits on the fleet. `serve` gives the same routes.
+Binds loopback by default; any other address needs an API key (serve's rules and flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli import _common
+from orchestrator.cli._common import escape
+from orchestrator.cli.serve import KEY_ENV, api_key_of
+from orchestrator.core import fields
+from orchestrator.core.errors import UsageError
+
+DEFAULT_PORT = 9464  # the port Prometheus' registry of default ports lists for exporters of this kind
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "exporter",
+        help="Prometheus metrics and a live page of the fleet: nodes, servers, memory, caches",
+        description=(
+            "Probe the selected hosts on a fixed interval and serve the last round as Prometheus text "
+            "(/metrics), a live fleet page (/) and its JSON (/fleet.json). Servers serving a client are "
+            "never probed over RPC; a scrape never waits on the fleet."
+        ),
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=_common.flag(fields.port), default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+    )
+    parser.add_argument(
+        "--interval",
+        type=_common.flag(fields.seconds),
+        default=15.0,
+        metavar="S",
+        help="seconds between two probe rounds (default: 15)",
+    )
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the key for /metrics, / and /fleet.json (visible in `ps`: prefer {KEY_ENV})",
+    )
+    key.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"a file whose first line is the key (or set {KEY_ENV})",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="do not list the nodes' tensor caches each round"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_common.flag(fields.seconds),
+        default=None,
+        metavar="S",
+        help="seconds per host for the RPC probe and the SSH reads (default: 3)",
+    )
+    _common.add_inventory_args(parser)
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator.inventory.model import is_loopback
+
+    api_key = api_key_of(args)
+    if api_key is None and not is_loopback(args.host):
+        raise UsageError(
+            f"--host {args.host} is not a loopback address: serving the fleet's metrics without an API key "
+            "is refused",
+            hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
+        )
+    _, hosts = _common.load_hosts(args)
+    if not hosts:
+        raise UsageError("no hosts selected")
+    import uvicorn
+    from fastapi import FastAPI
+
+    from orchestrator.observe.collect import Collector
+    from orchestrator.observe.web import Exporter, mount
+
+    collector = Collector(
+        hosts,
+        interval=args.interval,
+        timeout=_common.probe_timeout(args),
+        forks=args.forks,
+        cache=not args.no_cache,
+    )
+    app = FastAPI(title="rpcfleet exporter", docs_url=None, redoc_url=None, openapi_url=None)
+    mount(app, Exporter(collector), api_key=api_key, metrics=True)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    )
+    _common.err_console.print(
+        f"exporter on http://{escape(args.host)}:{args.port}/ "
+        f"({len(hosts)} host(s), every {args.interval:g} s)",
+        highlight=False,
+    )
+    collector.start()
+    try:
+        server.run()
+    finally:
+        collector.stop()
+    return 0

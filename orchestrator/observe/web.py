@@ -1,0 +1,160 @@
+"""The exporter's HTTP side: the live fleet page at `/`, its JSON, its login, and (alone) `/metrics`.
+
+Key rules (serve's): without a configured key everything is open (the listener is then on loopback);
+with one, `/fleet.json` and `/metrics` need `Authorization: Bearer KEY` or the page's cookie, and `/`
+shows a login form until the browser has that cookie. The form posts the key to `/login`; `/?key=KEY`
+does the same in one step (for a bookmark or a link: the answer redirects to `/`, so the key leaves
+the address bar). The cookie (`rpcfleet_page`, HttpOnly, SameSite=Strict) holds an HMAC of the key,
+not the key: it opens the page and its JSON, never the API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+
+from orchestrator.observe.collect import Collector
+from orchestrator.observe.prometheus import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram, render
+from orchestrator.observe.snapshot import Formation, Snapshot, with_held
+
+COOKIE = "rpcfleet_page"
+
+
+class Exporter:
+    """A collector, the formations of whoever serves, and their request histograms."""
+
+    def __init__(self, collector: Collector, formations: Callable[[], Sequence[Formation]] = tuple) -> None:
+        self.collector = collector
+        self.formations = formations
+        self.histograms: dict[tuple[str, str], Histogram] = {}
+
+    def histogram(self, formation: str, metric: str) -> Histogram:
+        """`ttft` or `latency` of `formation` (made on first use)."""
+        key = (formation, metric)
+        if key not in self.histograms:
+            self.histograms[key] = Histogram(TTFT_BUCKETS if metric == "ttft" else LATENCY_BUCKETS)
+        return self.histograms[key]
+
+    def snapshot(self) -> Snapshot:
+        """The last round's nodes with the formations as they are now: never waits on the fleet."""
+        snap = self.collector.snapshot
+        formations = tuple(self.formations())
+        return replace(snap, nodes=with_held(snap.nodes, formations), formations=formations)
+
+    def metrics(self) -> str:
+        snap = self.snapshot()
+        return render(snap, snap.formations, self.histograms)
+
+
+def page_token(api_key: str) -> str:
+    return hmac.new(api_key.encode(), b"rpcfleet fleet page", hashlib.sha256).hexdigest()
+
+
+def page_html() -> str:
+    return resources.files("orchestrator.observe").joinpath("page.html").read_text(encoding="utf-8")
+
+
+_LOGIN = """<!doctype html><html><head><meta charset="utf-8"><title>rpcfleet: sign in</title>
+<style>body{font-family:system-ui,sans-serif;margin:24px;color:#222}input{font-size:14px;padding:4px}
+.nofit{color:#b00020}</style></head><body><h1>rpcfleet fleet</h1>%s
+<form method="post" action="login"><label>API key <input type="password" name="key" autofocus></label>
+<button type="submit">Open</button></form></body></html>"""
+
+
+def mount(
+    app: FastAPI,
+    exporter: Exporter,
+    *,
+    api_key: str | None,
+    has_key: Callable[[Request], bool] | None = None,
+    metrics: bool = False,
+) -> None:
+    """Add `/`, `/login`, `/fleet.json` (and `/metrics` when `metrics`) to `app`. `has_key`: the app's
+    own check of a request's key (default: `Authorization: Bearer` against `api_key`)."""
+    token = page_token(api_key) if api_key is not None else None
+
+    def bearer(request: Request) -> bool:
+        if api_key is None:
+            return True
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), api_key.encode())
+
+    check = has_key or bearer
+
+    def allowed(request: Request) -> bool:
+        if token is None or check(request):
+            return True
+        cookie = request.cookies.get(COOKIE, "")
+        return hmac.compare_digest(cookie.encode(), token.encode())
+
+    def signed_in(target: str) -> Response:
+        response = RedirectResponse(target, status_code=303)
+        if token is not None:
+            response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
+        return response
+
+    def login(message: str = "", status: int = 401) -> HTMLResponse:
+        note = f'<p class="nofit">{message}</p>' if message else ""
+        return HTMLResponse(_LOGIN % note, status_code=status)
+
+    @app.get("/", response_model=None)
+    async def page(request: Request) -> Response:
+        key = request.query_params.get("key")
+        if key is not None and api_key is not None:
+            if hmac.compare_digest(key.encode(), api_key.encode()):
+                return signed_in(str(request.url.remove_query_params("key")))
+            return login("wrong key")
+        if not allowed(request):
+            return login()
+        return HTMLResponse(page_html(), headers={"Cache-Control": "no-store"})
+
+    @app.post("/login", response_model=None)
+    async def post_login(request: Request) -> Response:
+        form = urllib.parse.parse_qs((await request.body()).decode(errors="replace"))
+        key = (form.get("key") or [""])[0]
+        if api_key is None or hmac.compare_digest(key.encode(), api_key.encode()):
+            return signed_in("./")
+        return login("wrong key")
+
+    @app.get("/fleet.json")
+    async def fleet_json(request: Request) -> JSONResponse:
+        if not allowed(request):
+            return JSONResponse({"error": {"message": "invalid API key", "code": 401}}, status_code=401)
+        data: dict[str, Any] = exporter.snapshot().to_json()
+        data["now"] = round(time.time(), 3)
+        return JSONResponse(data, headers={"Cache-Control": "no-store"})
+
+    if metrics:
+
+        @app.get("/metrics")
+        async def prometheus(request: Request) -> Response:
+            if not allowed(request):
+                return JSONResponse({"error": {"message": "invalid API key", "code": 401}}, status_code=401)
+            return PlainTextResponse(exporter.metrics(), media_type="text/plain; version=0.0.4")
+
+
+class RequestTimer:
+    """ASGI middleware: observes every `prefix` request's duration, from its arrival to its last byte
+    (a stream's included)."""
+
+    def __init__(self, app: Any, histogram: Histogram, prefix: str = "/v1/") -> None:
+        self.app, self.histogram, self.prefix = app, histogram, prefix
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.histogram.observe(time.monotonic() - started)

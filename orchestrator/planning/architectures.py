@@ -1,0 +1,327 @@
+"""Per-architecture memory rules, as llama.cpp 0.3.36 allocates them (pure; read from GGUF metadata).
+
+What differs between families and changes the bytes a device holds:
+- MLA (DeepSeek-V2/V3, Kimi K2): the KV cache holds K only, `kv_lora_rank + rope` wide; no V
+  (llama-kv-cache.cpp: `has_v = !is_mla`, with `is_mla()` = both `*_length_mla` keys set).
+- Recurrent and hybrid (Mamba, RWKV, Granite 4 H, Jamba...): per recurrent layer and sequence an r and an
+  s state of f32 rows (llama-memory-recurrent.cpp: `n_embd_r()` and `n_embd_s()` by
+  `max(1, n_seq_max)` rows, each tensor in an "RS buffer"); attention KV only on the other layers.
+- Shared KV (gemma3n, gemma4): the layers from `n_layer_kv_from_start` on reuse earlier layers' cache
+  (llama-hparams.cpp `has_kv`).
+- MoE: the expert FFN's compute (experts used, expert width).
+
+Architectures outside `VERIFIED` are planned with the generic rules and reported `unverified`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # profile.py imports this module
+    from orchestrator.planning.plan import PlanOptions
+    from orchestrator.planning.profile import ModelProfile
+
+# Families whose plans were compared with real allocations (tests/test_families.py, tests/test_gemma.py).
+VERIFIED = frozenset(
+    {"llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2"}
+)
+
+# llama-arch.cpp llm_arch_is_recurrent: every layer recurrent, no attention.
+RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+
+# llm_arch_is_hybrid: recurrent and attention layers.
+HYBRID = frozenset(
+    {
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "kimi-linear",
+        "bailingmoe3",
+        "kimi-k3",
+        "glm5-next",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "deepseek4",
+        "minimax-01",
+    }
+)
+
+STATE_TYPE_BYTES = 4  # recurrent r and s states are GGML_TYPE_F32 (llama-model.cpp create_memory)
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What the planner needs to know beyond a llama: experts, MLA, recurrent state, shared KV."""
+
+    architecture: str = "llama"
+    verified: bool = True
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0  # one expert's FFN width
+    n_expert_shared: int = 0
+    mla: bool = False  # K-only cache
+    recurrent: tuple[bool, ...] = ()  # per layer (empty: none)
+    attention: tuple[bool, ...] = ()  # per layer: holds an attention KV cache (empty: all)
+    n_embd_r: int = 0  # recurrent conv/shift state per sequence, elements
+    n_embd_s: int = 0  # recurrent SSM/WKV state per sequence, elements
+    swa: tuple[bool, ...] = ()  # per layer: sliding-window attention (empty: none)
+    ssm_in: int = 0  # width of a recurrent layer's input projection (ssm_in), elements
+    ssm_inner: int = 0  # d_inner of a Mamba-style recurrent layer
+
+    @property
+    def special(self) -> bool:
+        """Whether the family's compute differs from a dense transformer's (experts, MLA, recurrence)."""
+        return bool(self.n_expert or self.mla or any(self.recurrent))
+
+    @property
+    def family(self) -> str:
+        """A short description: `dense`, `MoE`, `MLA + MoE`, `recurrent`, `hybrid` ..."""
+        parts = []
+        if any(self.recurrent):
+            parts.append("recurrent" if all(self.recurrent) else "hybrid (recurrent + attention)")
+        if self.mla:
+            parts.append("MLA")
+        if self.n_expert:
+            parts.append("MoE")
+        return " + ".join(parts) or "dense"
+
+    def is_recurrent(self, il: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[il]
+
+    def has_kv(self, il: int) -> bool:
+        """Whether layer `il` has an attention KV cache of its own."""
+        return not self.attention or self.attention[il]
+
+    def state_bytes_per_seq(self, il: int) -> int:
+        """Recurrent r + s state of layer `il` for one sequence (0 on attention layers)."""
+        if not self.is_recurrent(il):
+            return 0
+        return (self.n_embd_r + self.n_embd_s) * STATE_TYPE_BYTES
+
+    def state_bytes(self, il: int, n_seq: int, alignment: int) -> int:
+        """The r and s tensors of layer `il` in its RS buffer: `max(1, n_seq)` rows each
+        (llama-memory-recurrent.cpp; n_rs_seq is 0 by default), each tensor padded to the alignment."""
+        if not self.is_recurrent(il):
+            return 0
+        rows = max(1, n_seq)
+        r = self.n_embd_r * STATE_TYPE_BYTES * rows
+        s = self.n_embd_s * STATE_TYPE_BYTES * rows
+        return _pad(r, alignment) + _pad(s, alignment)
+
+
+GENERIC = ArchRules()
+
+
+def _pad(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment if alignment > 1 else n
+
+
+def _int(meta: Mapping[str, Any], key: str, default: int = 0) -> int:
+    value = meta.get(key, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _max_int(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key, 0)
+    if isinstance(value, list):
+        return max((int(v) for v in value), default=0)
+    return _int(meta, key)
+
+
+def _state_sizes(meta: Mapping[str, Any], arch: str, n_embd: int, n_head: int) -> tuple[int, int]:
+    """llama-hparams.cpp n_embd_r() and n_embd_s(): RWKV, LFM2 short convolutions, Mamba (1 and 2)."""
+    a = arch + "."
+    wkv = _int(meta, a + "wkv.head_size")
+    if wkv:
+        return _int(meta, a + "token_shift_count", 2) * n_embd, n_embd * wkv
+    l_cache = _int(meta, a + "shortconv.l_cache")
+    d_conv = _int(meta, a + "ssm.conv_kernel")
+    d_inner = _int(meta, a + "ssm.inner_size")
+    d_state = _int(meta, a + "ssm.state_size")
+    n_group = _int(meta, a + "ssm.group_count")
+    r = n_embd * (l_cache - 1) if l_cache else max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    return r, d_state * d_inner
+
+
+def arch_rules(
+    meta: Mapping[str, Any], arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: tuple[int, ...]
+) -> ArchRules:
+    """The rules of `arch` from a GGUF's metadata (n_head and n_head_kv as the profile read them)."""
+    a = arch + "."
+    recurrent: tuple[bool, ...] = ()
+    attention: tuple[bool, ...] = ()
+    if arch in RECURRENT:
+        recurrent = (True,) * n_layer
+        attention = (False,) * n_layer
+    elif arch == "falcon-h1":  # every layer has both (llama-model.cpp create_memory's filters)
+        recurrent = (True,) * n_layer
+    elif arch in HYBRID:
+        # granite-hybrid.cpp, jamba.cpp, nemotron-h.cpp: a layer is recurrent iff its n_head_kv is 0.
+        recurrent = tuple(kv == 0 for kv in n_head_kv)
+        attention = tuple(not r for r in recurrent)
+    if arch == "gemma3n":  # models/gemma3n.cpp: n_layer_kv_from_start = 20
+        attention = tuple(il < 20 for il in range(n_layer))
+    elif arch == "gemma4" or _int(meta, a + "attention.shared_kv_layers"):
+        start = n_layer - _int(meta, a + "attention.shared_kv_layers")
+        attention = tuple(il < start for il in range(n_layer))
+    n_embd_r, n_embd_s = _state_sizes(meta, arch, n_embd, n_head) if recurrent else (0, 0)
+    n_expert = _int(meta, a + "expert_count")
+    return ArchRules(
+        swa=_swa_layers(meta, arch, n_layer),
+        ssm_in=_ssm_in(meta, arch, n_head_kv) if recurrent else 0,
+        ssm_inner=_int(meta, a + "ssm.inner_size") if recurrent else 0,
+        architecture=arch,
+        verified=arch in VERIFIED,
+        n_expert=n_expert,
+        n_expert_used=_max_int(meta, a + "expert_used_count") if n_expert else 0,
+        n_ff_exp=_max_int(meta, a + "expert_feed_forward_length") if n_expert else 0,
+        n_expert_shared=_int(meta, a + "expert_shared_count") if n_expert else 0,
+        # llama-hparams.cpp is_mla(): both per-head MLA sizes given.
+        mla=bool(_int(meta, a + "attention.key_length_mla") and _int(meta, a + "attention.value_length_mla")),
+        recurrent=recurrent,
+        attention=attention,
+        n_embd_r=n_embd_r,
+        n_embd_s=n_embd_s,
+    )
+
+
+# Architectures whose default sliding-window pattern applies when the GGUF has a sliding window and no
+# pattern key (models/<arch>.cpp load_swa_pattern(ml, n)).
+_SWA_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gpt-oss": 2, "cohere2": 4}
+
+
+def _swa_layers(meta: Mapping[str, Any], arch: str, n_layer: int) -> tuple[bool, ...]:
+    """llama-hparams.cpp set_swa_pattern: layer il slides iff il % n < n - 1 (an array key lists them)."""
+    a = arch + "."
+    if not _int(meta, a + "attention.sliding_window") or arch not in _SWA_DEFAULT_PATTERN:
+        return ()
+    pattern = meta.get(a + "attention.sliding_window_pattern", _SWA_DEFAULT_PATTERN[arch])
+    if isinstance(pattern, list) and len(pattern) == n_layer:
+        return tuple(bool(x) for x in pattern)
+    n = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else _SWA_DEFAULT_PATTERN[arch]
+    return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
+
+
+def _ssm_in(meta: Mapping[str, Any], arch: str, n_head_kv: tuple[int, ...]) -> int:
+    a = arch + "."
+    d_inner = _int(meta, a + "ssm.inner_size")
+    return (
+        2 * d_inner
+        + 2 * _int(meta, a + "ssm.group_count") * _int(meta, a + "ssm.state_size")
+        + _int(meta, a + "ssm.time_step_rank")
+    )
+
+
+def unverified_note(rules: ArchRules) -> str | None:
+    """The note a plan, report or `model info` carries for an architecture the planner does not know."""
+    if rules.verified:
+        return None
+    return (
+        f"unverified: architecture {rules.architecture!r} is planned with the generic rules "
+        "(its KV, state and compute were never compared with llama.cpp's allocations)"
+    )
+
+
+def _ffn_widths(profile: ModelProfile, il: int) -> tuple[int, int, int]:
+    """(dense n_ff, one expert's n_ff, shared experts' n_ff) of layer `il`, from its tensors."""
+    dense = expert = shared = 0
+    prefix = f"blk.{il}."
+    for t in profile.tensors:
+        if not t.name.startswith(prefix) or len(t.shape) < 2:
+            continue
+        base = t.name[len(prefix) :]
+        if base == "ffn_up.weight":
+            dense = t.shape[1]
+        elif base in ("ffn_up_exps.weight", "ffn_gate_exps.weight"):
+            expert = t.shape[1]
+        elif base == "ffn_gate_up_exps.weight":
+            expert = t.shape[1] // 2
+        elif base == "ffn_up_shexp.weight":
+            shared = t.shape[1]
+    return dense, expert, shared
+
+
+def family_compute(
+    profile: ModelProfile,
+    layers: Sequence[int],
+    n_ctx_pad: int,
+    opts: PlanOptions,
+    *,
+    copies: int,
+) -> int:
+    """Compute buffer of a device holding `layers` (index n_layer: the output layer) for families with
+    experts, MLA or recurrent layers: the worst-case graph llama.cpp reserves (n_tokens = n_ubatch).
+
+    inputs × `copies` (GGML_SCHED_MAX_COPIES with pipeline parallelism) plus the largest live set, as
+    ggml-alloc reuses memory between them:
+    - inputs: the hidden state coming in, and per kind of attention on the device (full and
+      sliding-window: two on gpt-oss's alternating layers; none on a device with no attention layer,
+      e.g. only recurrent layers or only the output layer) a KQ mask (f32, f16 with flash attention)
+      and the K and V cell indices;
+    - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 5
+      hidden-state rows; with flash attention about 6 rows;
+    - dense FFN: 6 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 2 rows + the router's
+      logits and probabilities + for the experts used by every token either gate, up and their product
+      (3 × n_expert_used × expert width) or the product and the experts' outputs (n_expert_used ×
+      (expert width + n_embd)), whichever is larger, + the shared experts' gate and up;
+    - recurrent (Mamba-2) layers: the input projection, convolution and scan rows, 2.5 × ssm_in with one
+      recurrent layer on the device, 3 × with more. Where two recurrent layers meet at a device
+      boundary, ggml's scheduler runs part of the earlier layer on the later device (GGML_SCHED_DEBUG
+      shows the splits): 2 × d_inner rows more come in there, d_inner rows go back, each `copies` times;
+    - the output layer: the logits (n_vocab × n_tokens f32) and one row.
+    Calibrated against llama.cpp 0.3.36's allocations over loopback RPC (tests/test_families.py).
+    """
+    if not layers:
+        return 0
+    n_tok = min(n_ctx_pad, opts.n_ubatch)
+    f32 = 4
+    rules = profile.rules
+    row = max(profile.n_embd, max(profile.n_head) * profile.head_dim_v) * n_tok * f32
+    hidden = profile.n_embd * n_tok * f32
+    repeating = [il for il in layers if il < profile.n_layer]
+    attn = [il for il in repeating if profile.n_head_kv[il] > 0 and rules.has_kv(il)]
+    kinds = {bool(rules.swa) and rules.swa[il] for il in attn}
+    mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
+    # The cells each token's K and V rows go to (int64): without flash attention V is stored transposed,
+    # an index per element (llama-kv-cache.cpp build_input_v_idxs).
+    v_width = 1 if opts.flash_attn else max((profile.n_embd_v_gqa(il) for il in attn), default=0)
+    idxs = n_tok * 8 * (1 + v_width)
+    inputs = (len(kinds) * (mask + idxs) + hidden) * copies
+    peak = 0
+    recurrent = [il for il in repeating if rules.is_recurrent(il)]
+    if recurrent:
+        first, last = min(repeating), max(repeating)
+        spill = 0
+        if rules.is_recurrent(first) and first > 0 and rules.is_recurrent(first - 1):
+            spill += 2 * rules.ssm_inner * n_tok * f32
+        if rules.is_recurrent(last) and last + 1 < profile.n_layer and rules.is_recurrent(last + 1):
+            spill += rules.ssm_inner * n_tok * f32
+        inputs += spill * copies
+        peak = (5 if len(recurrent) == 1 else 6) * rules.ssm_in * n_tok * f32 // 2
+    if attn:
+        if opts.flash_attn:
+            peak = max(peak, 6 * row)
+        else:
+            peak = max(peak, max(profile.n_head[il] for il in attn) * n_ctx_pad * n_tok * f32 + 5 * row)
+    for il in repeating:
+        dense, expert, shared = _ffn_widths(profile, il)
+        if dense:
+            peak = max(peak, 6 * hidden + 2 * dense * n_tok * f32)
+        if expert:
+            k = rules.n_expert_used
+            # gate, up and their product per expert used, or the product and the experts' outputs
+            routed = max(3 * k * expert, k * expert + k * profile.n_embd) * n_tok * f32
+            router = 2 * rules.n_expert * n_tok * f32  # logits and probabilities
+            peak = max(peak, 2 * hidden + router + routed + 2 * shared * n_tok * f32)
+    if profile.n_layer in layers:
+        peak = max(peak, profile.n_vocab * n_tok * f32 + hidden)
+    return inputs + peak

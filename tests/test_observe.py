@@ -1,0 +1,278 @@
+"""Tier 1: the fleet exporter's text (promtool), its alerting rules (promtool), the page's key rules and
+a scrape that never waits on the fleet (a host whose SSH never answers)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from orchestrator.inventory.model import Host
+from orchestrator.observe.collect import CacheUsageFact, Collector
+from orchestrator.observe.prometheus import TTFT_BUCKETS, Histogram, render
+from orchestrator.observe.snapshot import (
+    CacheView,
+    DeviceView,
+    Formation,
+    FormationDevice,
+    NodeView,
+    Snapshot,
+    changes,
+    formation_changes,
+    with_held,
+)
+from orchestrator.observe.web import COOKIE, Exporter, mount, page_token
+from orchestrator.serve.metrics import Metrics, Recovery
+from tests.plugins.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "deploy" / "prometheus"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian prometheus) not installed")
+KEY = "k3y"
+
+
+def _nodes() -> tuple[NodeView, ...]:
+    gib = 1 << 30
+    return (
+        NodeView(
+            host="n1",
+            endpoint="10.0.0.1:50052",
+            ssh=True,
+            state="busy",
+            probe="skipped",
+            message='serving 10.0.0.9:4242 "quoted"',
+            version="rpc-server-7.0.0-cpu",
+            protocol="7.0.0",
+            restarts=2,
+            pid=42,
+            devices=(DeviceView(0, "10.0.0.1:50052#0", "cpu", "cpu", 8 * gib, 5 * gib, 4 * gib, 0, 1.5e9),),
+            cache=CacheView(3 * gib, 12),
+            probed_at=1.7e9,
+        ),
+        NodeView(host="n2", endpoint="10.0.0.2:50052", ssh=False, state="unknown", probe="refused"),
+    )
+
+
+def _formation(state: str = "ready", recoveries: tuple[float, ...] = (4.2,), reloads: int = 1) -> Formation:
+    return Formation(
+        name="tiny",
+        model="tiny",
+        state=state,
+        nodes=("10.0.0.1:50052",),
+        slots_busy=1,
+        requests={("/v1/completions", 200): 7, ("/v1/completions", 503): 1},
+        prompt_tokens=30,
+        completion_tokens=90,
+        recoveries=recoveries,
+        reloads=reloads,
+        devices=(FormationDevice("10.0.0.1:50052", 0, 13, "12 + output", 1 << 30),),
+    )
+
+
+def _text() -> str:
+    ttft = Histogram(TTFT_BUCKETS)
+    for v in (0.01, 0.3, 7.0, 100.0):
+        ttft.observe(v)
+    formations = (_formation(),)
+    snap = Snapshot(1.7e9, 15.0, nodes=with_held(_nodes(), formations), formations=formations, rounds=3)
+    return render(snap, formations, {("tiny", "ttft"): ttft})
+
+
+def test_the_text_has_every_family_with_prometheus_names_and_the_held_bytes() -> None:
+    text = _text()
+    assert 'rpcfleet_node_up{host="n1",endpoint="10.0.0.1:50052"} 1' in text
+    assert 'rpcfleet_node_up{host="n2",endpoint="10.0.0.2:50052"} 0' in text  # no SSH, RPC refused
+    assert 'rpcfleet_node_server_state{host="n1",endpoint="10.0.0.1:50052",state="busy"} 1' in text
+    assert 'rpcfleet_node_restarts_total{host="n1",endpoint="10.0.0.1:50052"} 2' in text
+    held = (
+        'rpcfleet_device_held_bytes{host="n1",endpoint="10.0.0.1:50052",device="10.0.0.1:50052#0",kind="cpu"}'
+    )
+    assert f"{held} {1 << 30}" in text
+    assert 'rpcfleet_cache_files{host="n1",endpoint="10.0.0.1:50052"} 12' in text
+    assert 'rpcfleet_formation_state{formation="tiny",model="tiny",state="ready"} 1' in text
+    bucket = 'rpcfleet_formation_time_to_first_token_seconds_bucket{formation="tiny",model="tiny",le='
+    assert f'{bucket}"0.05"}} 1' in text and f'{bucket}"10"}} 3' in text and f'{bucket}"+Inf"}} 4' in text
+    assert (
+        'rpcfleet_formation_recovery_duration_seconds_bucket{formation="tiny",model="tiny",le="5"} 1' in text
+    )
+    assert "rpcfleet_exporter_last_round_timestamp_seconds 1700000000" in text
+
+
+@needs_promtool
+def test_promtool_accepts_the_exporter_text_and_serve_s_whole_metrics() -> None:
+    assert PROMTOOL is not None
+    serve = Metrics()
+    serve.record_request("/v1/completions", 200)
+    serve.record_done(3, 9, 12.5, 0.2)
+    serve.record_recovery(Recovery(("10.0.0.2:50052",), 0.1, 1.0, 2.0, 3.1, 1.7e9))
+    for text in (_text(), serve.render({"10.0.0.1:50052": True}, "ready") + _text()):
+        done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    # promtool does fail on a broken name: the check above can fail
+    bad = "# HELP x_bytes_total a\n# TYPE x_bytes_total gauge\nx_bytes_total 1\n"
+    done = subprocess.run([PROMTOOL, "check", "metrics"], input=bad, capture_output=True, text=True)
+    assert done.returncode != 0
+
+
+@needs_promtool
+def test_promtool_checks_the_rules_and_their_cases() -> None:
+    assert PROMTOOL is not None
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", str(RULES / "rules.yml")], capture_output=True, text=True
+    )
+    assert check.returncode == 0 and "6 rules found" in check.stdout, check.stdout + check.stderr
+    cases = subprocess.run(
+        [PROMTOOL, "test", "rules", str(RULES / "rules_test.yml")], capture_output=True, text=True, cwd=RULES
+    )
+    assert cases.returncode == 0, cases.stdout + cases.stderr
+
+
+@needs_promtool
+def test_promtool_rule_cases_fail_when_a_rule_is_wrong(tmp_path: Path) -> None:
+    """The cases can fail: node down alerting after 5 min instead of 1 breaks them."""
+    assert PROMTOOL is not None
+    rules = (
+        (RULES / "rules.yml")
+        .read_text()
+        .replace(
+            "for: 1m\n        labels:\n          severity: critical\n"
+            '        annotations:\n          summary: "rpc-server on',
+            "for: 5m\n        labels:\n          severity: critical\n"
+            '        annotations:\n          summary: "rpc-server on',
+            1,
+        )
+    )
+    assert "for: 5m" in rules
+    (tmp_path / "rules.yml").write_text(rules)
+    shutil.copy(RULES / "rules_test.yml", tmp_path / "rules_test.yml")
+    cases = subprocess.run(
+        [PROMTOOL, "test", "rules", "rules_test.yml"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert cases.returncode != 0 and "RpcfleetNodeDown" in cases.stdout + cases.stderr
+
+
+def test_events_name_downs_restarts_recoveries_and_reloads() -> None:
+    before = _nodes()
+    n1 = before[0]
+    after = (
+        NodeView(**{**n1.__dict__, "state": "crashed", "restarts": 3, "pid": None}),
+        NodeView(**{**before[1].__dict__, "probe": "ok"}),
+    )
+    kinds = [(e.kind, e.host) for e in changes(before, after, 1.0)]
+    assert kinds == [("down", "n1"), ("restart", "n1"), ("up", "n2")]
+    f0, f1 = _formation(), _formation("degraded", (4.2, 1.0), 2)
+    assert [e.kind for e in formation_changes([f0], [f1], 2.0)] == ["recovery", "reload", "state"]
+
+
+# -- the HTTP side: a real uvicorn on loopback
+
+
+@pytest.fixture
+def exporter_http() -> Iterator[Callable[[Exporter, str | None], int]]:
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(exporter: Exporter, api_key: str | None) -> int:
+        app = FastAPI()
+        mount(app, exporter, api_key=api_key, metrics=True)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return port
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        answer = conn.getresponse()
+        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_scrape_never_waits_on_the_fleet(
+    silent_host: Callable[[], Host], exporter_http: Callable[[Exporter, str | None], int]
+) -> None:
+    """A host whose SSH accepts and never speaks holds the round for its whole timeout; 20 scrapes and
+    page reads during it each answer at once, from the snapshot as it was."""
+    collector = Collector([silent_host()], interval=60.0, timeout=8.0, cache=False)
+    port = exporter_http(Exporter(collector), None)
+    collector.start()
+    try:
+        time.sleep(0.3)  # the round is connecting to the silent host now
+        for _ in range(20):
+            for path in ("/metrics", "/fleet.json"):
+                started = time.monotonic()
+                code, _, body = _get(port, path)
+                took = time.monotonic() - started
+                assert code == 200 and took < 1.0, (path, took)  # the round holds for 8 s
+            assert "rpcfleet_exporter_rounds_total 0" in _get(port, "/metrics")[2]
+        assert not collector.first_round.is_set()  # every scrape above happened while the round ran
+        assert collector.first_round.wait(30)
+        code, _, body = _get(port, "/fleet.json")
+        node = json.loads(body)["nodes"][0]
+        assert (node["ssh"], node["up"], node["state"]) == (False, False, "unknown"), node
+    finally:
+        collector.stop()
+
+
+def test_the_page_and_its_json_follow_the_key_rules(
+    silent_host: Callable[[], Host], exporter_http: Callable[[Exporter, str | None], int]
+) -> None:
+    collector = Collector([silent_host()], interval=60.0, timeout=1.0, cache=False)
+    port = exporter_http(Exporter(collector), KEY)
+    code, _, body = _get(port, "/")
+    assert code == 401 and 'name="key"' in body and "rpcfleet_node_up" not in body  # the login form
+    assert _get(port, "/fleet.json")[0] == 401
+    assert _get(port, "/metrics")[0] == 401
+    assert _get(port, "/?key=wrong")[0] == 401
+    code, headers, _ = _get(port, f"/?key={KEY}")
+    assert code == 303 and headers["location"].endswith("/") and KEY not in headers["location"]
+    cookie = headers["set-cookie"]
+    assert (
+        cookie.startswith(f"{COOKIE}={page_token(KEY)}") and "HttpOnly" in cookie and KEY + ";" not in cookie
+    )
+    jar = {"Cookie": f"{COOKIE}={page_token(KEY)}"}
+    code, _, body = _get(port, "/", jar)
+    assert code == 200 and "fleet.json" in body and "<script>" in body
+    assert "<script src" not in body and "<link" not in body and "@import" not in body  # no CDN, no build
+    assert _get(port, "/fleet.json", jar)[0] == 200
+    assert _get(port, "/fleet.json", {"Cookie": f"{COOKIE}=forged"})[0] == 401
+    assert _get(port, "/metrics", {"Authorization": f"Bearer {KEY}"})[0] == 200
+    # the form posts the key and gets the same cookie
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(
+        "POST", "/login", body=f"key={KEY}", headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    answer = conn.getresponse()
+    assert answer.status == 303 and page_token(KEY) in (answer.getheader("set-cookie") or "")
+    conn.close()
+
+
+def test_the_cache_usage_fact_reads_counts_and_an_absent_folder() -> None:
+    fact = CacheUsageFact("/x")
+    assert fact.parse("3 1024\n", "", 0) == CacheView(1024, 3)
+    assert fact.parse("", "", 3) == CacheView(0, 0)  # never used: empty
+    assert fact.parse("", "find: permission denied", 1) is None
+    assert fact.parse("garbage", "", 0) is None
