@@ -66,20 +66,42 @@ def commit() -> str:
 
 
 def stamp() -> str:
-    """`date, machine, commit X` for a section's first line."""
+    """`date, machine, commit X` for a section's first line (with the load average, which each script
+    reads at its start: every generated section carries all four)."""
     return f"{datetime.date.today().isoformat()}, {machine()}, commit `{commit()}`"
 
 
-def write_section(path: Path, section: str, body: str) -> None:
-    """Replace (or append) the `## <section>` part of `path`; other sections stay as they are. `body`
-    starts with its own `## <section>` heading."""
+def markers(script: str) -> tuple[str, str]:
+    """The lines around what `script` (`bench/x.py`) generates in BENCHMARKS.md: text between them is
+    replaced by the next `--write`, text outside them is hand-written and kept."""
+    return f"<!-- {script}: generated, do not edit -->", f"<!-- end {script} -->"
+
+
+def _main_script() -> str:
+    return f"bench/{Path(sys.modules['__main__'].__file__ or 'bench').name}"
+
+
+def write_section(path: Path, section: str, body: str, script: str | None = None) -> None:
+    """Put `body` (which starts with its own `## <section>` heading) into `path` as `script`'s generated
+    block (default: the running script). Only the block between the script's markers is replaced: the
+    heading and any hand-written text after the block stay. A section without markers (or a new one) is
+    written whole; other sections stay as they are."""
+    begin, end = markers(script or _main_script())
+    heading, _, generated = body.strip("\n").partition("\n")
+    if heading != f"## {section}":
+        raise ValueError(f"the body must start with '## {section}', not {heading!r}")
+    block = f"{begin}\n{generated.strip()}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
-    block = body.rstrip("\n") + "\n\n"
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
+    marked = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}$", re.S | re.M)
+    whole = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    found = whole.search(text)
+    if found is not None and marked.search(found.group(0)):
+        part = marked.sub(lambda _: block, found.group(0), count=1)
+        text = text[: found.start()] + part + text[found.end() :]
+    elif found is not None:
+        text = text[: found.start()] + f"## {section}\n\n{block}\n\n" + text[found.end() :]
     else:
-        text = text.rstrip("\n") + "\n\n" + block
+        text = text.rstrip("\n") + f"\n\n## {section}\n\n{block}\n"
     path.write_text(text.rstrip("\n") + "\n")
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import arg_parser, load_average, machine, median, write_section
+from _common import arg_parser, load_average, median, stamp, write_section
 
 from orchestrator.artifacts.build import default_artifact
 from orchestrator.artifacts.manifest import Artifact
@@ -177,7 +177,7 @@ def markdown(rows: dict[int, dict[str, float]], repeat: int, load: float) -> str
     out = [
         f"## {SECTION}",
         "",
-        f"`bench/deploy.py`: lab nodes (network namespaces, real OpenSSH) on this machine, {machine()}, "
+        f"`bench/deploy.py`, {stamp()}: lab nodes (network namespaces, real OpenSSH) on this machine, "
         f"1-min load average {load:.1f} at the start; "
         f"median of {repeat} runs; every run opens new connections. Fresh = nothing installed (upload "
         "the ~1 MB archive, sha256 on the node, unpack, switch `current`, start, wait for HELLO); "

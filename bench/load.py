@@ -210,13 +210,19 @@ def main() -> int:
         "each load in a fresh worker process whose imports are done (`Worker.load`: the load phase "
         "`rpcfleet run` prints).",
         "",
-        "| load | seconds | x wire limit (one link) | MB/s (all nodes) |",
-        "|---|---|---|---|",
+        "| load | seconds | links at once | x the wire limit of those links | MB/s (all nodes) |",
+        "|---|---|---|---|---|",
     ]
+    ours_name = "cold through rpcfleet (`run --warm auto`: hash, warm in parallel, load)"
+    # Each load is judged against the links it uses: llama.cpp sends to one node after another (one link
+    # at a time); rpcfleet's warming fills every node's link at once, so its limit is the busiest link's.
     for name, seconds in results.items():
-        lines.append(f"| {name} | {seconds:.2f} | {seconds / wire:.2f} | {sent / seconds / 1e6:.0f} |")
+        links, limit = (len(per_node), wire_parallel) if name == ours_name else (1, wire)
+        lines.append(
+            f"| {name} | {seconds:.2f} | {links} | {seconds / limit:.2f} | {sent / seconds / 1e6:.0f} |"
+        )
     prewarmed = results["pre-warmed first load"]
-    ours = results["cold through rpcfleet (`run --warm auto`: hash, warm in parallel, load)"]
+    ours = results[ours_name]
     per_node_text = ", ".join(
         f"{n} {b / 1e6:.0f} MB in {s:.2f} s ({b / s / 1e6:.0f} MB/s)" for n, (b, s) in node_warm.items()
     )
@@ -230,13 +236,16 @@ def main() -> int:
     lines += [
         "",
         f"- Wire limit: {wire:.2f} s for these bytes over one {args.rate} link (llama.cpp sends tensor by "
-        f"tensor, one node at a time); {wire_parallel:.2f} s if the three links were used in parallel. "
+        f"tensor, one node at a time); {wire_parallel:.2f} s over the {len(per_node)} links at once (the "
+        "busiest link's bytes), the limit of a path that uses them in parallel. "
         f"Achieved in the no-cache load: {sent * 8 / results['no cache'] / 1e9:.2f} Gbit/s; per node while "
         f"its bytes moved (the load's own progress samples): {rates_text}.",
-        f"- Targets: llama.cpp's own cold load (-c, empty cache) takes {cold / wire:.2f}x the wire limit, "
-        f"target 1.3x: {verdict(cold / wire <= 1.3)}; through rpcfleet (`run` warms the misses of all "
-        f"nodes in parallel first: {warmed_s:.2f} s, then a warm load of {then_s:.2f} s) {ours / wire:.2f}x: "
-        f"{verdict(ours / wire <= 1.3)}. Warm is {cold / warm:.1f}x faster than llama.cpp's cold load "
+        f"- Targets (1.3x the wire limit of the links a load uses): llama.cpp's own cold load (-c, empty "
+        f"cache) takes {cold / wire:.2f}x the one-link limit: {verdict(cold / wire <= 1.3)}; through "
+        f"rpcfleet (`run` warms the misses of all nodes in parallel first: {warmed_s:.2f} s, then a warm "
+        f"load of {then_s:.2f} s) {ours / wire_parallel:.2f}x the {len(per_node)}-link limit: "
+        f"{verdict(ours / wire_parallel <= 1.3)} ({ours / wire:.2f}x the one-link limit). Warm is "
+        f"{cold / warm:.1f}x faster than llama.cpp's cold load "
         f"(target 4x: {verdict(cold / warm >= 4.0)}) and {ours / warm:.1f}x faster than rpcfleet's. The "
         f"pre-warmed first load takes {prewarmed / warm:.2f}x a warm load (target at most 1.2x: "
         f"{verdict(prewarmed / warm <= 1.2)}).",

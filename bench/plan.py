@@ -13,7 +13,7 @@ Part 2 (two real `ggml-rpc-server`s on loopback, a tiny llama model of about 200
 before the call to the returned `Llama`, for
   (A) `load_llama(plan, model)`: model check, pure-Python preflight probe of every endpoint, native
       registration, explicit device list, log capture, placement report;
-  (B) hand-written registration (§5 of `../shared/docs/llama-rpc.md`, relative to the repository root):
+  (B) hand-written registration (§5 of docs/llama-rpc.md):
       `ggml_backend_reg_by_name("RPC")`, `ggml_backend_rpc_add_server` per endpoint, device handles, a
       NULL-terminated device list through a wrapper of `llama_model_default_params`, then `Llama(...)`
       with the same split, layers and context.
@@ -73,6 +73,8 @@ CHILD = textwrap.dedent(
     configure_logging("text", "WARNING")
     from orchestrator.llama import loader
     from orchestrator.llama import preflight as preflight_module
+    from orchestrator.llama.logs import join_log_records, parse_load_log
+    from orchestrator.llama.placement import placement_of
     from pathlib import Path
     from orchestrator.planning.plan import Plan
 
@@ -96,12 +98,12 @@ CHILD = textwrap.dedent(
         loader._check_model = timed("check_model", loader._check_model)
         loader.preflight = timed("preflight", loader.preflight)
         preflight_module.expected_protocol = timed("expected_protocol", preflight_module.expected_protocol)
-        loader._register = timed("register", loader._register)
+        loader.register = timed("register", loader.register)
         loader.build_placement = timed("placement", loader.build_placement)
         started = time.perf_counter()
         llm = loader.load_llama(plan, model)
         elapsed = time.perf_counter() - started
-        placement = loader.placement_of(llm)
+        placement = placement_of(llm)
         stages["llama"] = placement.load_seconds
         out["around"] = elapsed - placement.load_seconds
         out["stages"] = stages
@@ -120,7 +122,7 @@ CHILD = textwrap.dedent(
         L.llama_log_set(callback, ctypes.c_void_p(0))
         opts = plan.options
         started = time.perf_counter()
-        # --- hand-written registration (../shared/docs/llama-rpc.md §5) ---
+        # --- hand-written registration (docs/llama-rpc.md §5) ---
         lib = L._lib
         vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
         lib.ggml_backend_reg_by_name.argtypes, lib.ggml_backend_reg_by_name.restype = [cp], vp
@@ -165,7 +167,7 @@ CHILD = textwrap.dedent(
             L.llama_model_default_params = original
         elapsed = time.perf_counter() - started
         # Check (outside the clock) that B really put the layers where the plan says.
-        parsed = loader.parse_load_log(loader.join_log_records(records))
+        parsed = parse_load_log(join_log_records(records))
         names = [lib.ggml_backend_dev_name(h).decode() for h in handles]
         out["layers"] = {
             d.label: sorted(il for il, n in parsed.layers.items() if n == name)
@@ -293,7 +295,7 @@ def part2(tmp: Path, reps: int, profile: bool) -> dict[str, Any]:
         ]
         plan: Plan = make_plan(devices, mprofile, PlanOptions(n_ctx=N_CTX_TINY))
         plan_path = tmp / "plan.json"
-        plan_path.write_text(plan.to_json())
+        plan_path.write_text(plan.to_text())
         base = {
             "root": str(ROOT),
             "plan": str(plan_path),
@@ -381,8 +383,7 @@ def render(r1: dict[str, Any], r2: dict[str, Any], runs: int, reps: int) -> str:
         f"Target: within {TARGET * 100:.0f} % — **{verdict}**. Where A's extra time goes (medians inside A's "
         f"process): model check (`profile_model` of the file) {ms(median(stages['check_model']))}, "
         f"preflight {ms(median(stages['preflight']))} (of which `expected_protocol()`, the llama-cpp-python "
-        f"version read from the module, {ms(meta)}; it took 22.7 ms through `importlib.metadata` before "
-        f"commit `b75dac3`; the probes of {N_SERVERS} endpoints the rest), native "
+        f"version read from the module, {ms(meta)}; the probes of {N_SERVERS} endpoints the rest), native "
         f"registration {ms(median(stages['register']))}, placement report (log parsing) "
         f"{ms(median(stages['placement']))}; `Llama(...)` itself {ms(median(stages['llama']))}.",
     ]

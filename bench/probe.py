@@ -19,7 +19,6 @@ Measured, each as the median (and max) of `--repeat` runs, every run with fresh 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import os
 import socket
@@ -33,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from _common import arg_parser, load_average, machine, ms, servers, write_section
+from _common import arg_parser, load_average, ms, servers, stamp, write_section
 from _common import median as med
 
 from orchestrator.core.log import configure_logging
@@ -316,7 +315,7 @@ def render(results: dict[str, Any], repeat: int, native_repeat: int) -> str:
     lines = [
         f"## {SECTION}",
         "",
-        f"`bench/probe.py`, {datetime.date.today().isoformat()}, {machine()}; 1-min load average "
+        f"`bench/probe.py`, {stamp()}; 1-min load average "
         f"{results['load']:.1f} at the start. Real `ggml-rpc-server`s "
         "(protocol 7.0.0, CPU, one device each) on loopback; the `+N ms` rows reach the same servers through "
         "a userspace proxy (one Python process, on the same 2 cores) adding N ms each way, since netem is "

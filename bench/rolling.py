@@ -29,9 +29,9 @@ from _common import (
     arg_parser,
     free_port,
     load_average,
-    machine,
     median,
     server_command,
+    stamp,
     write_section,
 )
 
@@ -126,7 +126,7 @@ def render(
             "",
             "`bench/rolling.py`: `playbooks/rolling-restart.yml` (`serial: 1`, `max_fail_percentage: 0`) "
             f"on a lab of {nodes} network-namespace nodes with real OpenSSH and CPU `ggml-rpc-server`s, "
-            f"{rounds} round(s), {len(reports)} node restarts. Machine: {machine()}, Python "
+            f"{rounds} round(s), {len(reports)} node restarts. {stamp()}, Python "
             f"{platform.python_version()}; 1-min load average {load:.1f} at the start. Median (min, max).",
             "",
             "| per node | time |",

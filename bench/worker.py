@@ -49,7 +49,7 @@ IN_PROCESS = textwrap.dedent(
     from orchestrator.llama.loader import load_llama
     from orchestrator.llama.native import generation_timings
     from orchestrator.planning.plan import Plan
-    plan, model, prompt, n = Plan.from_json(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    plan, model, prompt, n = Plan.from_text(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     started = time.monotonic()
     llm = load_llama(plan, model, seed=0)
     load = time.monotonic() - started
@@ -69,7 +69,7 @@ IN_PROCESS = textwrap.dedent(
 
 def in_process(plan: Plan, model: Path, tokens: int) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-c", IN_PROCESS, plan.to_json(), str(model), PROMPT, str(tokens)],
+        [sys.executable, "-c", IN_PROCESS, plan.to_text(), str(model), PROMPT, str(tokens)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -4,6 +4,7 @@ real run of the gathered script with bash and sh on this machine."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import platform
@@ -11,6 +12,7 @@ import socket
 import struct
 import subprocess
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 
 from orchestrator.facts.base import Fact, RawOutput, gather_command, new_token, parse_gathered, split_output
 from orchestrator.facts.gpus import GpuReport, NvidiaGpuFact, RocmGpuFact
-from orchestrator.facts.registry import FACT_TYPES
+from orchestrator.facts.registry import FACT_MODULES, FACT_TYPES, fact_types
 from orchestrator.facts.server import (
     CurrentLinkFact,
     HistoryFact,
@@ -37,7 +39,7 @@ from orchestrator.facts.server import (
     ServerProcessFact,
     VersionsFact,
 )
-from orchestrator.facts.system import CpuCountFact, FreeSpaceFact, MemoryFact, OsFact, OsInfo
+from orchestrator.facts.system import CpuCountFact, FreeSpaceFact, MemoryFact, OsFact, OsInfo, UserFact
 from tests.plugins.servers import LocalServer
 
 DATA = Path(__file__).parent / "data" / "facts"
@@ -56,6 +58,28 @@ def jsonable(value: Any) -> Any:
 
 def test_every_fact_has_data_cases() -> None:
     assert {case.parent.name for case in CASES} == set(FACT_TYPES)
+
+
+def test_the_registry_is_every_fact_class_of_the_fact_modules() -> None:
+    """Derived, not listed: `user` was once defined and gathered but missing from a hand-kept list."""
+    assert FACT_TYPES["user"] is UserFact
+    defined = {
+        cls
+        for module in FACT_MODULES
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if issubclass(cls, Fact) and cls.__module__ == module.__name__ and not inspect.isabstract(cls)
+    }
+    assert set(FACT_TYPES.values()) == defined and all(FACT_TYPES[c.name] is c for c in defined)
+    module = types.ModuleType("tests.two_facts")
+
+    def fact(name: str) -> type:
+        members = {"name": name, "command": lambda self: "true", "parse": lambda self, *_: None}
+        return type(f"Fact_{name}", (Fact,), {**members, "__module__": module.__name__})
+
+    kept = [fact("same"), fact("same")]  # referenced: __subclasses__ holds them weakly
+    with pytest.raises(ValueError, match="share the name 'same'"):
+        fact_types([module])
+    assert kept
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")

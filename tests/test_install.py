@@ -1,4 +1,4 @@
-"""install.py: the install state built from facts and the plans (pure), then the node-side scripts
+"""operations/install*.py: the install state built from facts and the plans (pure), then the node-side scripts
 run for real (local shell)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _values(
 ) -> dict[str, object]:
     """Parsed `install_facts` values, as `parse_gathered` returns them."""
     if manifest is None and cpu_artifact is not None and current in versions:
-        manifest = InstalledManifest(json.loads(cpu_artifact.manifest.to_json()))
+        manifest = InstalledManifest(json.loads(cpu_artifact.manifest.to_bytes()))
     return {
         "install_dir": "/home/lab/.local/lib/rpcfleet",
         "os": OsInfo("Linux", "x86_64", "debian", "12", None),

@@ -35,7 +35,7 @@ from orchestrator.lab.lifecycle import (
     reap_stale,
 )
 from orchestrator.lab.model import Lab
-from orchestrator.lab.procs import _run_all
+from orchestrator.lab.procs import run_all
 from tests.plugins.lab import lab_hosts_of
 
 MakeLab = Callable[..., Lab]
@@ -455,7 +455,7 @@ def test_run_all_reaps_what_it_started_when_a_command_cannot_start(monkeypatch: 
 
     monkeypatch.setattr(subprocess, "Popen", Recording)
     with pytest.raises(LabError, match="cannot run /nonexistent/rpcfleet-tool") as info:
-        _run_all([["sleep", "30"], ["/nonexistent/rpcfleet-tool", "x"], ["sleep", "30"]])
+        run_all([["sleep", "30"], ["/nonexistent/rpcfleet-tool", "x"], ["sleep", "30"]])
     assert info.value.command == "/nonexistent/rpcfleet-tool x"
     (sleeper,) = started  # the third never started
     assert sleeper.returncode is not None  # killed and reaped, not left running

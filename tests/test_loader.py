@@ -1,4 +1,5 @@
-"""orchestrator.loader: pure log parsers and plan checks, then real loads on real servers (marker llama).
+"""orchestrator.llama.loader: pure log parsers and plan checks, then real loads on real servers
+(marker llama).
 
 The real loads run in this process against three session-scoped `ggml-rpc-server`s started with
 GGML_RPC_DEBUG=1 (tests/plugins/llama.py): their logs give every allocation to the byte, which the
@@ -34,7 +35,7 @@ from orchestrator.llama.logs import (
     parse_load_log,
     parse_server_log,
 )
-from orchestrator.llama.native import _register, live_endpoints, registered_endpoints
+from orchestrator.llama.native import live_endpoints, register, registered_endpoints
 from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
 from orchestrator.llama.preflight import check_plan_devices, preflight
 from orchestrator.planning.placement import order_devices
@@ -546,7 +547,7 @@ def test_a_server_whose_devices_changed_since_registration_is_refused(tiny_model
     with fake_rpc_server(protocol(devices=((8 * GiB, 8 * GiB),))) as server:
         preflight_counts = preflight(_single_plan(server.endpoint, tiny_model))
         assert preflight_counts == {server.endpoint: 1}
-        registered = _register(server.endpoint, 1)
+        registered = register(server.endpoint, 1)
         assert (len(registered.devices), registered.descriptions) == (1, (server.endpoint,))
         server.handler = protocol(devices=((8 * GiB, 8 * GiB), (8 * GiB, 8 * GiB)))
         with pytest.raises(DeviceMismatchError, match=r"2 device.*1 are registered"):

@@ -43,8 +43,8 @@ def test_plan_json_round_trips_and_follows_the_limits(
     )
     out = capsys.readouterr().out
     assert status == 0
-    plan = Plan.from_json(out)
-    assert Plan.from_json(saved.read_text()) == plan
+    plan = Plan.from_text(out)
+    assert Plan.from_text(saved.read_text()) == plan
     assert plan.endpoints == tuple(s.endpoint for s in two_servers)
     # 9 offloadable layers (8 + output) split 1:3 on usable memory less the 256 MiB margin: 744:2744.
     assert plan.layer_counts == (2, 7) and plan.tensor_split == (2.0, 7.0)
@@ -85,7 +85,7 @@ def test_plan_that_does_not_fit_names_the_short_device(
     inventory = _inventory(tmp_path, two_servers, ["300MiB", "290MiB"])
     base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096"]
     assert main([*base, "--json"]) == 1
-    plan = Plan.from_json(capsys.readouterr().out)
+    plan = Plan.from_text(capsys.readouterr().out)
     assert not plan.fit.fits and plan.fit.shortfall > 0 and plan.fit.binding_device is not None
     short = plan.devices[plan.fit.binding_device]
     assert short.memory.headroom == -plan.fit.shortfall
@@ -107,9 +107,9 @@ def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 @pytest.mark.llama
 def test_local_gpus_are_only_gpus() -> None:
-    from orchestrator.llama.native import _native, local_gpus
+    from orchestrator.llama.native import get_native, local_gpus
 
-    native = _native()
+    native = get_native()
     kinds = [native.dev_type(native.dev_get(i)) for i in range(native.dev_count())]
     gpus = local_gpus()
     assert len(gpus) == sum(k in (1, 2) for k in kinds) or (1 in kinds and 2 in kinds)
@@ -162,3 +162,22 @@ def test_run_reports_a_bad_plan_file_by_name(
     assert main(["run", "-m", str(tiny_model), "-p", "x", "--plan", str(path)]) == 2  # bad input
     err = capsys.readouterr().err
     assert str(path) in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", ["nonsense", "h:x", "h:99999", "[::1"])
+def test_a_saved_plan_with_a_bad_endpoint_is_an_input_error_naming_the_file(
+    bad: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once a worker's load failure (exit 1, "EndpointError: ..."); now refused as the plan is read."""
+    from orchestrator.planning.plan import PlanOptions
+    from orchestrator.planning.profile import profile_model
+    from orchestrator.planning.strategy import make_plan
+    from tests.plugins.llama import plan_devices
+
+    plan = make_plan(plan_devices(["127.0.0.1:1"]), profile_model(tiny_model), PlanOptions(n_ctx=256))
+    saved = tmp_path / "plan.json"
+    saved.write_text(plan.to_text().replace('"127.0.0.1:1"', f'"{bad}"'))
+    status = main(["run", "--plan", str(saved), "-m", str(tiny_model), "-p", "x"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert f"{saved}: device 0: invalid endpoint '{bad}'" in err and "Traceback" not in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -450,24 +451,31 @@ def test_json_round_trip(tiny_model: Path) -> None:
         PlanOptions(n_gpu_layers=2, strategy="fewest", main_gpu=0),
     ):
         plan = make_plan(devices, profile, opts)
-        text = plan.to_json()
-        again = Plan.from_json(text)
+        data = plan.to_json()
+        assert isinstance(data, dict) and json.loads(json.dumps(data)) == data  # JSON data, not its text
+        assert Plan.from_json(data) == plan
+        text = plan.to_text()
+        again = Plan.from_text(text)
         assert again == plan
-        assert again.to_json() == text
+        assert again.to_text() == text
     assert plan.schema_version == SCHEMA_VERSION
 
 
 def test_json_rejects_unknown_schema_and_garbage(tiny_model: Path) -> None:
     plan = make_plan([rpc("10.0.0.1:50052")], profile_model(tiny_model), PlanOptions(margin=0))
-    newer = plan.to_json().replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 99')
+    newer = plan.to_text().replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 99')
     with pytest.raises(PlanError, match="unsupported plan schema version 99"):
-        Plan.from_json(newer)
+        Plan.from_text(newer)
+    with pytest.raises(PlanError, match="unsupported plan schema version 99"):
+        Plan.from_json({**plan.to_json(), "schema_version": 99})
     with pytest.raises(PlanError, match="not valid JSON"):
-        Plan.from_json("{")
+        Plan.from_text("{")
     with pytest.raises(PlanError, match="must be an object"):
-        Plan.from_json("[]")
+        Plan.from_text("[]")
+    with pytest.raises(PlanError, match="must be an object"):
+        Plan.from_json([])
     with pytest.raises(PlanError, match="malformed"):
-        Plan.from_json(f'{{"schema_version": {SCHEMA_VERSION}}}')
+        Plan.from_json({"schema_version": SCHEMA_VERSION})
 
 
 # ------------------------------------------------------------------------------------- validation

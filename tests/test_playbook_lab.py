@@ -100,7 +100,7 @@ async def test_preload_ends_with_a_model_placed_as_planned(
     assert [s.step.op for s in result.steps] == ["restart", "probe", "plan", "cache_warm", "load_check"]
     assert {r.message for r in result.steps[3].run.results} == {"rpc_cache is off here: nothing to warm"}
     assert all(v.pid() != p for v, p in zip(views, pids, strict=True))  # restarted first
-    plan = Plan.from_json(next(d.text for d in result.documents if d.kind == "plan"))
+    plan = Plan.from_text(next(d.text for d in result.documents if d.kind == "plan"))
     assert set(plan.endpoints) == {h.endpoint for h in deployed}  # all three nodes hold layers
     placement = result.steps[4].run.results[0].value
     assert isinstance(placement, LoadCheckResult) and placement.layers_as_planned is True

@@ -1,6 +1,6 @@
-"""service.py: bind policy, the node state built from facts, classification and plans (pure), then
-real servers on loopback through `connection: local` hosts and an in-process SSH host, and the CLI
-commands."""
+"""operations/service.py, server.py and process.py: bind policy, the node state built from facts,
+classification and plans (pure), then real servers on loopback through `connection: local` hosts and an
+in-process SSH host, and the CLI commands."""
 
 from __future__ import annotations
 

@@ -16,11 +16,19 @@ from pathlib import Path
 import psutil
 import pytest
 
+from orchestrator.llama.native import local_gpus
 from orchestrator.llama.placement import build_placement
 from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker import Done, NodeLostError, Token, Worker, WorkerError
-from orchestrator.llama.worker_wire import decode, encode, placement_from_json, placement_to_json
-from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.llama.worker import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
+from orchestrator.llama.worker_wire import (
+    decode,
+    devices_from_json,
+    devices_to_json,
+    encode,
+    placement_from_json,
+    placement_to_json,
+)
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from tests.plugins.llama import DebugServer, completion_bytes, plan_devices
@@ -46,6 +54,26 @@ def test_messages_and_placements_cross_the_pipe_unchanged(tiny_model: Path) -> N
     lines = ["load_tensors: layer   0 assigned to device RPC0, is_swa = 0"]
     placement = build_placement(plan, ["RPC0", "RPC1"], lines, 0.5)
     assert placement_from_json(json.loads(json.dumps(placement_to_json(placement)))) == placement
+
+
+def test_local_gpus_cross_the_pipe_unchanged_and_malformed_ones_are_refused() -> None:
+    gpus = [PlanDevice(None, 0, "CUDA0", "NVIDIA H200", 141 << 30, 140 << 30, 140 << 30, 128)]
+    assert devices_from_json(json.loads(json.dumps(devices_to_json(gpus)))) == gpus
+    assert devices_from_json([]) == []
+    for bad in (None, [{"name": "CUDA0"}], [{**devices_to_json(gpus)[0], "free": "lots"}]):
+        with pytest.raises(ValueError):
+            devices_from_json(bad)
+    with pytest.raises(ValueError, match="no endpoint"):  # an RPC device is no local GPU
+        devices_from_json([{**devices_to_json(gpus)[0], "endpoint": "10.0.0.1:50052"}])
+
+
+def test_the_worker_lists_the_gpus_llama_cpp_sees_here() -> None:
+    """The child's listing is the in-process one (this test's process may load libllama; rpcfleet's don't)."""
+    here = [(d.name, d.description, d.total) for d in local_gpus()]
+    with Worker.spawn() as worker:
+        assert [(d.name, d.description, d.total) for d in worker.local_gpus()] == here
+        assert worker.alive  # listing leaves the worker ready to load
+    assert [(d.name, d.description, d.total) for d in list_local_gpus()] == here
 
 
 def test_the_parent_side_imports_no_llama_cpp() -> None:

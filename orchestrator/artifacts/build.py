@@ -24,18 +24,18 @@ from orchestrator.artifacts.manifest import (
     ArtifactChoiceError,
     ArtifactSpec,
     Manifest,
-    _scan_files,
     host_platform,
     llama_cpp_python_version,
+    scan_files,
 )
 from orchestrator.artifacts.source import (
-    _extract_source,
     ensure_sdist,
+    extract_source,
     read_ggml_version,
     read_llama_cpp_commit,
     read_protocol_version,
 )
-from orchestrator.artifacts.store import Progress, _recall, _remember, _store, artifacts_dir, unpack_artifact
+from orchestrator.artifacts.store import Progress, artifacts_dir, recall, remember, store, unpack_artifact
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
@@ -93,7 +93,7 @@ def effective_cmake_args(backend: str, cmake_args: Sequence[str] = ()) -> tuple[
     return (*(f"-D{k}={v}" for k, v in sorted(defines.items())), *others)
 
 
-def _is_native(cmake_args: Sequence[str]) -> bool:
+def is_native(cmake_args: Sequence[str]) -> bool:
     value = "ON"  # llama.cpp's default when not given
     for arg in cmake_args:
         split = _split_define(arg)
@@ -113,7 +113,7 @@ def build_key(
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _source_key(spec: ArtifactSpec, os_name: str, arch: str) -> str:
+def source_key(spec: ArtifactSpec, os_name: str, arch: str) -> str:
     data = json.dumps(
         [spec.kind, spec.sha256, spec.subdir, spec.protocol, spec.backend, os_name, arch, spec.native,
          list(spec.cmake_args), spec.llama_cpp_commit]
@@ -149,7 +149,7 @@ def cached_build(
 ) -> Artifact | None:
     """The cached artifact for this build request, or None (fast: no hashing, no subprocess)."""
     args = effective_cmake_args(backend, cmake_args)
-    return _recall(build_key(version or llama_cpp_python_version(), backend, args))
+    return recall(build_key(version or llama_cpp_python_version(), backend, args))
 
 
 def default_artifact(backend: str = "cpu") -> Artifact:
@@ -184,18 +184,18 @@ def build_artifact(
     args = effective_cmake_args(backend, cmake_args)
     version = version or llama_cpp_python_version()
     key = build_key(version, backend, args)
-    cached = _recall(key)
+    cached = recall(key)
     if cached is not None:
         return cached
     say = progress or (lambda _line: None)
     workdir = rpcfleet_home() / "build" / key
     workdir.mkdir(parents=True, exist_ok=True)
     with _locked(workdir / ".lock"):
-        cached = _recall(key)  # another process may have built it while we waited
+        cached = recall(key)  # another process may have built it while we waited
         if cached is not None:
             return cached
         sdist = ensure_sdist(version, say)
-        source = _extract_source(sdist, workdir / "src", say)
+        source = extract_source(sdist, workdir / "src", say)
         llama = source / "vendor" / "llama.cpp"
         protocol = read_protocol_version(llama / "ggml" / "include" / "ggml-rpc.h")
         build_dir = workdir / "build"
@@ -217,23 +217,23 @@ def build_artifact(
         os_name, arch = host_platform()
         with tempfile.TemporaryDirectory(dir=workdir, prefix="stage-") as tmp:
             stage = Path(tmp)
-            _collect_server(build_dir / "bin", stage / "bin", target)
+            collect_server(build_dir / "bin", stage / "bin", target)
             _check_runpath(stage / "bin")
             manifest = Manifest(
                 protocol=protocol,
                 backend=backend,
                 os=os_name,
                 arch=arch,
-                native=_is_native(args),
-                files=_scan_files(stage),
+                native=is_native(args),
+                files=scan_files(stage),
                 cmake_args=args,
                 llama_cpp_commit=read_llama_cpp_commit(source / "CHANGELOG.md"),
                 ggml_version=read_ggml_version(llama / "ggml" / "CMakeLists.txt"),
                 llama_cpp_python_version=version,
                 source=f"build:llama-cpp-python=={version}",
             )
-            artifact = _store(stage, manifest)
-        _remember(key, artifact)
+            artifact = store(stage, manifest)
+        remember(key, artifact)
         say(f"stored {artifact.id}")
         get_logger().info("artifact_built", id=artifact.id, key=key)
         return artifact
@@ -284,7 +284,7 @@ def _is_shared_lib(name: str) -> bool:
     return bool(re.search(r"\.so(\.\d+)*$|\.dylib$", name))
 
 
-def _collect_server(src: Path, dest: Path, server_name: str) -> None:
+def collect_server(src: Path, dest: Path, server_name: str) -> None:
     """Copy the server binary and the shared libraries beside it (symlinks kept when they stay inside)."""
     dest.mkdir(parents=True, exist_ok=True)
     binary = src / server_name

@@ -17,23 +17,23 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.artifacts.build import _collect_server, _source_key
+from orchestrator.artifacts.build import collect_server, source_key
 from orchestrator.artifacts.manifest import (
-    _CHUNK,
+    CHUNK,
     MANIFEST_NAME,
     SERVER_NAME,
     SERVER_NAMES,
     Artifact,
     ArtifactSpec,
     Manifest,
-    _scan_files,
     host_platform,
+    scan_files,
 )
 from orchestrator.artifacts.store import (
-    _recall,
-    _remember,
-    _store,
     artifacts_dir,
+    recall,
+    remember,
+    store,
     verify_artifact,
 )
 from orchestrator.core.errors import ArtifactError
@@ -59,7 +59,7 @@ def fetch_url(url: str, sha256: str, *, timeout: float = FETCH_TIMEOUT_S) -> Pat
         with atomic_path(target, parents=True) as tmp:
             digest = hashlib.sha256()
             with tmp.open("wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-                while chunk := response.read(_CHUNK):
+                while chunk := response.read(CHUNK):
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != sha256:
@@ -94,8 +94,8 @@ def import_artifact(
     host_os, host_arch = host_platform()
     want_backend = spec.backend or backend or "cpu"
     want_os, want_arch = spec.os or os_name or host_os, spec.arch or arch or host_arch
-    key = _source_key(replace(spec, backend=want_backend), want_os, want_arch)
-    cached = _recall(key)
+    key = source_key(replace(spec, backend=want_backend), want_os, want_arch)
+    cached = recall(key)
     if cached is not None:
         return cached
     if spec.kind == "url":
@@ -116,7 +116,7 @@ def import_artifact(
             _extract_any(source, unpacked)
             existing = _adopt_if_artifact(source, unpacked)
             if existing is not None:
-                _remember(key, existing)
+                remember(key, existing)
                 return existing
         server_dir, server_name = _find_server(unpacked, spec.subdir)
         if source.is_dir() and sha256_file(server_dir / server_name) != spec.sha256:
@@ -125,7 +125,7 @@ def import_artifact(
                 f"expected {spec.sha256} (for a folder, the sha256 of its {SERVER_NAME})"
             )
         stage = work / "stage"
-        _collect_server(server_dir, stage / "bin", server_name)
+        collect_server(server_dir, stage / "bin", server_name)
         found = _binary_platform(stage / "bin" / SERVER_NAME)
         if found is not None and found != (want_os, want_arch):
             raise ArtifactError(
@@ -145,14 +145,14 @@ def import_artifact(
             os=want_os,
             arch=want_arch,
             native=spec.native,
-            files=_scan_files(stage),
+            files=scan_files(stage),
             cmake_args=spec.cmake_args,
             llama_cpp_commit=spec.llama_cpp_commit,
             llama_cpp_python_version=spec.llama_cpp_python_version,
             source=f"{spec.kind}:{spec.value}",
         )
-        artifact = _store(stage, manifest)
-    _remember(key, artifact)
+        artifact = store(stage, manifest)
+    remember(key, artifact)
     return artifact
 
 

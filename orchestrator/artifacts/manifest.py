@@ -37,7 +37,7 @@ MANIFEST_NAME = "manifest.json"
 SCHEMA = 1
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -46,7 +46,7 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _PROTO_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
 
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 
 class ArtifactSpecError(InputError, ArtifactError):
@@ -141,7 +141,7 @@ class Manifest:
             "files": [entry.to_dict() for entry in self.files],
         }
 
-    def to_json(self) -> bytes:
+    def to_bytes(self) -> bytes:
         # Stable bytes: the manifest is inside the archive, whose sha256 must not depend on dict order.
         return (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
 
@@ -237,7 +237,7 @@ def llama_cpp_python_version() -> str:
         return DEFAULT_LLAMA_CPP_PYTHON_VERSION
 
 
-def _scan_files(root: Path) -> tuple[FileEntry, ...]:
+def scan_files(root: Path) -> tuple[FileEntry, ...]:
     """Entries for every file and symlink under `root` (relative paths, sorted)."""
     entries = []
     for path in sorted(p for p in root.rglob("*") if p.is_symlink() or p.is_file()):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from orchestrator.artifacts.build import _is_native, effective_cmake_args
+from orchestrator.artifacts.build import effective_cmake_args, is_native
 from orchestrator.artifacts.manifest import (
     SERVER_NAME,
     ArtifactSpec,
@@ -121,7 +121,7 @@ class NodeBuild:
             backend=self.backend,
             os=self.os,
             arch=self.arch,
-            native=_is_native(self.cmake_args),
+            native=is_native(self.cmake_args),
             files=tuple(sorted(files, key=lambda e: e.path)),
             cmake_args=self.cmake_args,
             llama_cpp_commit=self.info.llama_cpp_commit,

@@ -150,7 +150,7 @@ def _check_sdist(path: Path, expected: str, by: str, *, downloaded: bool) -> Non
     _VERIFIED.add(memo)
 
 
-def _extract_source(sdist: Path, dest: Path, say: Progress) -> Path:
+def extract_source(sdist: Path, dest: Path, say: Progress) -> Path:
     """Extract the sdist once (a stamp holds its sha256) so cmake's build tree stays incremental."""
     stamp = dest / ".extracted"
     sha = sha256_file(sdist)

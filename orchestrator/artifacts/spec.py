@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 from orchestrator.artifacts.build import default_artifact
 from orchestrator.artifacts.imports import import_artifact
 from orchestrator.artifacts.manifest import (
-    _ID_RE,
     BACKENDS,
+    ID_RE,
     Artifact,
     ArtifactSpec,
     ArtifactSpecError,
@@ -134,7 +134,7 @@ def resolve_artifact(
                 hint="pin rpc_artifact to a spec file (url/path, or build: on_node)",
             )
         artifact = default_artifact(backend)
-    elif _ID_RE.match(spec) and (artifacts_dir() / f"{spec}.json").is_file():
+    elif ID_RE.match(spec) and (artifacts_dir() / f"{spec}.json").is_file():
         artifact = load_artifact(spec)
     else:
         path = Path(spec).expanduser()

@@ -17,8 +17,9 @@ Cache layout (`$RPCFLEET_HOME`, default `~/.cache/rpcfleet`):
     downloads/<sha256>        a fetched URL, kept once its sha256 matched
 
 Sources: a local build from the llama-cpp-python sdist (`build_artifact`), a URL or a local archive or
-folder pinned by sha256 (`import_artifact`), or a build on the node itself (`on_node_build_script`; the
-SSH part lives in install.py). `resolve_artifact` turns an inventory's `rpc_artifact` value into one.
+folder pinned by sha256 (`import_artifact`), or a build on the node itself (`on_node_build_script`;
+the SSH part lives in operations/node_build.py). `resolve_artifact` turns an inventory's `rpc_artifact`
+value into one.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from orchestrator.artifacts.manifest import (
-    _CHUNK,
-    _ID_RE,
+    CHUNK,
+    ID_RE,
     MANIFEST_NAME,
     Artifact,
     ArtifactChoiceError,
@@ -73,7 +74,7 @@ def pack_artifact(root: Path, manifest: Manifest, dest: BinaryIO) -> None:
         gzip.GzipFile(filename="", mode="wb", fileobj=dest, mtime=0, compresslevel=9) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar,
     ):
-        data = manifest.to_json()
+        data = manifest.to_bytes()
         tar.addfile(_tarinfo(MANIFEST_NAME, size=len(data)), io.BytesIO(data))
         for entry in sorted(manifest.files, key=lambda e: e.path):
             if entry.link is not None:
@@ -84,7 +85,7 @@ def pack_artifact(root: Path, manifest: Manifest, dest: BinaryIO) -> None:
                 tar.addfile(_tarinfo(entry.path, size=entry.size, mode=entry.mode), fh)
 
 
-def _store(root: Path, manifest: Manifest) -> Artifact:
+def store(root: Path, manifest: Manifest) -> Artifact:
     """Pack `root` into the cache under its content-derived id (idempotent)."""
     cache = artifacts_dir()
     cache.mkdir(parents=True, exist_ok=True)
@@ -107,11 +108,11 @@ def _store(root: Path, manifest: Manifest) -> Artifact:
     return artifact
 
 
-def _remember(key: str, artifact: Artifact) -> None:
+def remember(key: str, artifact: Artifact) -> None:
     write_atomic(artifacts_dir() / "keys" / key, artifact.id + "\n", parents=True)
 
 
-def _recall(key: str) -> Artifact | None:
+def recall(key: str) -> Artifact | None:
     """The artifact remembered under `key`, if its files are still in the cache (no re-hashing: fast)."""
     try:
         artifact_id = (artifacts_dir() / "keys" / key).read_text().strip()
@@ -122,7 +123,7 @@ def _recall(key: str) -> Artifact | None:
 
 def load_artifact(artifact_id: str) -> Artifact:
     """The cached artifact `artifact_id` (reads its sidecar; does not re-hash, see `verify_artifact`)."""
-    if not _ID_RE.match(artifact_id):
+    if not ID_RE.match(artifact_id):
         raise ArtifactChoiceError(f"invalid artifact id {artifact_id!r}")
     cache = artifacts_dir()
     sidecar, archive = cache / f"{artifact_id}.json", cache / f"{artifact_id}.tar.gz"
@@ -198,7 +199,7 @@ def _verify_member(artifact_id: str, tar: tarfile.TarFile, member: tarfile.TarIn
     if fh is None:
         raise ArtifactError(f"{artifact_id}: {entry.path}: expected a regular file")
     digest, size = hashlib.sha256(), 0
-    while chunk := fh.read(_CHUNK):
+    while chunk := fh.read(CHUNK):
         digest.update(chunk)
         size += len(chunk)
     if digest.hexdigest() != entry.sha256 or size != entry.size:

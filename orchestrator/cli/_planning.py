@@ -10,6 +10,8 @@ from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
+    from collections.abc import Callable
+
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanDevice, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
@@ -145,13 +147,21 @@ def probe(args: argparse.Namespace, hosts: list[Host] | None = None, *, release:
 
 
 def probe_devices(
-    args: argparse.Namespace, hosts: list[Host] | None = None, *, release: bool = False
+    args: argparse.Namespace,
+    hosts: list[Host] | None = None,
+    *,
+    release: bool = False,
+    local_gpus: Callable[[], list[PlanDevice]] | None = None,
 ) -> list[PlanDevice]:
     """Probe the selected hosts and order their devices for the planner: every RPC device of each
-    endpoint in inventory order, then the selected local GPUs of this machine (`release`: see `probe`)."""
-    from orchestrator.llama.native import local_gpus
+    endpoint in inventory order, then the selected local GPUs of this machine (`release`: see `probe`).
+    The local GPUs come from `local_gpus` (`run`: its worker's), by default from a worker child started
+    to list them: this process never loads libllama."""
+    from orchestrator.llama.worker import list_local_gpus
     from orchestrator.planning.devices import to_plan_devices
     from orchestrator.planning.placement import order_devices
 
     fleet = probe(args, hosts, release=release)
-    return list(order_devices(to_plan_devices(fleet), local_gpus(), local_device_selection(args)))
+    selection = local_device_selection(args)
+    gpus = [] if selection == [] else (local_gpus or list_local_gpus)()  # none wanted: no child
+    return list(order_devices(to_plan_devices(fleet), gpus, selection))

@@ -52,9 +52,9 @@ def handle(args: argparse.Namespace) -> int:
     devices = _planning.probe_devices(args)
     plan = make_plan(devices, profile, options)
     if args.output is not None:
-        _common.write_output(args.output, plan.to_json())
+        _common.write_output(args.output, plan.to_text())
     if fmt == "json":
-        sys.stdout.write(plan.to_json() + "\n")
+        sys.stdout.write(plan.to_text() + "\n")
     elif fmt == "llama-cli":
         sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
     elif fmt == "python":

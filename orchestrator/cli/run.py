@@ -22,12 +22,14 @@ from orchestrator.core import signals
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
-if TYPE_CHECKING:  # imported lazily: planning pulls in numpy, loading pulls in llama_cpp
+if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
+    from collections.abc import Callable
+
     from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host
     from orchestrator.llama.cache_prep import CachePrep
     from orchestrator.llama.placement import Placement
-    from orchestrator.planning.plan import Plan
+    from orchestrator.planning.plan import Plan, PlanDevice
     from orchestrator.planning.profile import ModelProfile
 
 
@@ -113,9 +115,11 @@ def make_run_plan(
     args: argparse.Namespace,
     phases: dict[str, float] | None = None,
     read: ModelProfile | Plan | None = None,
+    local_gpus: Callable[[], list[PlanDevice]] | None = None,
 ) -> Plan:
     """The plan of this run (probed and planned, or `--plan`'s); `phases` gets the probe's and the
-    plan's seconds. `read`: the model's profile, or the saved plan, when it was already read."""
+    plan's seconds. `read`: the model's profile, or the saved plan, when it was already read.
+    `local_gpus`: this machine's GPUs (the worker's listing; default: a child started to list them)."""
     from orchestrator.inventory.model import is_loopback
     from orchestrator.planning.plan import Plan
     from orchestrator.planning.profile import ModelProfile, profile_model
@@ -134,7 +138,7 @@ def make_run_plan(
         # Facts are read on this machine for loopback servers; others are probed over RPC only.
         args.no_facts = args.no_facts or any(not is_loopback(h.address) for h in hosts)
     # A load lets go of an inventory server held by a client proven gone (never an --endpoint's).
-    devices = _planning.probe_devices(args, hosts, release=hosts is None)
+    devices = _planning.probe_devices(args, hosts, release=hosts is None, local_gpus=local_gpus)
     times["probe"] = time.monotonic() - started
     started = time.monotonic()
     profile = read if isinstance(read, ModelProfile) else profile_model(args.model)
@@ -196,7 +200,7 @@ def handle(args: argparse.Namespace) -> int:
     # overlap with the probe and the plan.
     phases: dict[str, float] = {}
     with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
-        plan = make_run_plan(args, phases, read)
+        plan = make_run_plan(args, phases, read, worker.local_gpus)
         check_fit(plan, force=args.force, json=args.json)
         hosts = inventory_hosts(args)
         cache, cache_phases = prepare_cache(args, plan, hosts)

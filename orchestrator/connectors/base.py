@@ -27,16 +27,16 @@ from orchestrator.core.errors import (
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
 
-_CLOSE_TIMEOUT = 5.0  # closing never waits longer than this
+CLOSE_TIMEOUT = 5.0  # closing never waits longer than this
 
 
-_DRAIN_TIMEOUT = 1.0  # after killing a timed-out local command: collect what is left in its pipes
+DRAIN_TIMEOUT = 1.0  # after killing a timed-out local command: collect what is left in its pipes
 
 
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 
-_SFTP_BLOCK = 256 * 1024
+SFTP_BLOCK = 256 * 1024
 
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -132,7 +132,7 @@ class Connection(Protocol):
     ) -> None: ...
 
 
-def _local_home(host: Host) -> Path | None:
+def local_home(host: Host) -> Path | None:
     """A local host may have its own HOME (the local-connection lab gives each node one)."""
     home = host.vars.get("home")
     return Path(str(home)).expanduser() if home else None
@@ -148,7 +148,7 @@ def shell_path(path: str) -> str:
     return shlex.quote(path.rstrip("/") or "/")
 
 
-def _decode(data: bytes | str | None) -> str:
+def decode(data: bytes | str | None) -> str:
     if data is None:
         return ""
     return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
@@ -158,7 +158,7 @@ def _encode(data: str | bytes | None) -> bytes | None:
     return data.encode() if isinstance(data, str) else data
 
 
-def _signal_status(name: str) -> int:
+def signal_status(name: str) -> int:
     """Shell convention for a process killed by signal `name` ("KILL" or "SIGKILL")."""
     try:
         return 128 + signal.Signals["SIG" + name.removeprefix("SIG")].value
@@ -166,7 +166,7 @@ def _signal_status(name: str) -> int:
         return 255
 
 
-class _BaseConnection:
+class BaseConnection:
     host: Host
     options: ConnectOptions
 
@@ -194,8 +194,8 @@ class _BaseConnection:
             host=self.host.name,
             command=command,
             exit_status=status,
-            stdout=_decode(stdout),
-            stderr=_decode(stderr),
+            stdout=decode(stdout),
+            stderr=decode(stderr),
             duration=time.monotonic() - started,
         )
         get_logger(host=self.host.name).debug(
@@ -216,8 +216,8 @@ class _BaseConnection:
             f"command timed out after {limit:g} s",
             host=self.host.name,
             command=command,
-            stdout=_decode(stdout),
-            stderr=_decode(stderr),
+            stdout=decode(stdout),
+            stderr=decode(stderr),
         )
 
     async def close(self) -> None:
@@ -232,7 +232,7 @@ class _BaseConnection:
         await self.close()
 
 
-class _ProgressReporter:
+class ProgressReporter:
     """Adapts a (done, total) callback and makes sure the last call reports completion."""
 
     def __init__(self, progress: Progress | None) -> None:

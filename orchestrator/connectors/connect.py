@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.connectors.base import Connection, ConnectOptions, _local_home
+from orchestrator.connectors.base import Connection, ConnectOptions, local_home
 from orchestrator.connectors.local import LocalConnection
 from orchestrator.inventory.model import Host
 
@@ -11,7 +11,7 @@ async def connect(host: Host, options: ConnectOptions | None = None) -> Connecti
     """Open a connection to `host`: `SSHConnection` or `LocalConnection` per `host.connection`."""
     options = options or ConnectOptions()
     if host.connection == "local":
-        return LocalConnection(host, options, home=_local_home(host))
+        return LocalConnection(host, options, home=local_home(host))
     # asyncssh takes a quarter of a second to import: only a command that opens SSH pays for it.
     from orchestrator.connectors.ssh import SSHConnection
 

@@ -10,12 +10,12 @@ import signal
 from pathlib import Path
 
 from orchestrator.connectors.base import (
-    _CHUNK,
-    _DRAIN_TIMEOUT,
+    CHUNK,
+    DRAIN_TIMEOUT,
+    BaseConnection,
     ConnectOptions,
     Progress,
-    _BaseConnection,
-    _ProgressReporter,
+    ProgressReporter,
 )
 from orchestrator.core.errors import (
     TransferError,
@@ -24,7 +24,7 @@ from orchestrator.core.errors import (
 from orchestrator.inventory.model import Host
 
 
-class LocalConnection(_BaseConnection):
+class LocalConnection(BaseConnection):
     """Commands through bash on this machine, files copied; same semantics as `SSHConnection`.
 
     Commands run in `home` (default: $HOME), as an SSH login would; `~/` and relative remote paths
@@ -82,7 +82,7 @@ class LocalConnection(_BaseConnection):
             _kill_group(process.pid)
             writer.cancel()
             # Whatever the command wrote before it was killed is still in the pipes.
-            await asyncio.wait({*readers, waiter}, timeout=_DRAIN_TIMEOUT)
+            await asyncio.wait({*readers, waiter}, timeout=DRAIN_TIMEOUT)
             for task in tasks:
                 task.cancel()
             raise self._timed_out(command, limit, bytes(stdout), bytes(stderr))
@@ -179,14 +179,14 @@ def _kill_group(pid: int) -> None:
 
 
 async def _copy(src: Path, dst: Path, progress: Progress | None, host: Host, action: str) -> None:
-    reporter = _ProgressReporter(progress)
+    reporter = ProgressReporter(progress)
     try:
         total = (await asyncio.to_thread(src.stat)).st_size
         # Files are read and written in chunks off the event loop; the callback runs on the loop.
         with src.open("rb") as fin, dst.open("wb") as fout:
             done = 0
             reporter.report(0, total)
-            while chunk := await asyncio.to_thread(fin.read, _CHUNK):
+            while chunk := await asyncio.to_thread(fin.read, CHUNK):
                 await asyncio.to_thread(fout.write, chunk)
                 done += len(chunk)
                 reporter.report(done, total)

@@ -10,14 +10,14 @@ from typing import Any
 import asyncssh
 
 from orchestrator.connectors.base import (
-    _CLOSE_TIMEOUT,
-    _SFTP_BLOCK,
+    CLOSE_TIMEOUT,
+    SFTP_BLOCK,
+    BaseConnection,
     ConnectOptions,
     Progress,
-    _BaseConnection,
-    _decode,
-    _ProgressReporter,
-    _signal_status,
+    ProgressReporter,
+    decode,
+    signal_status,
 )
 from orchestrator.core.errors import (
     AuthenticationError,
@@ -52,7 +52,7 @@ def _where(host: Host) -> str:
     return f"{host.address}:{host.ssh_port}"
 
 
-class SSHConnection(_BaseConnection):
+class SSHConnection(BaseConnection):
     """A connection over SSH (asyncssh), opened with `SSHConnection.open` or `connect`."""
 
     def __init__(self, host: Host, options: ConnectOptions, conn: asyncssh.SSHClientConnection) -> None:
@@ -231,14 +231,14 @@ class SSHConnection(_BaseConnection):
         status = process.exit_status
         exit_signal = process.exit_signal
         if exit_signal is not None:
-            status = _signal_status(exit_signal[0])
+            status = signal_status(exit_signal[0])
         if status is None:
             # The channel closed without an exit status: the connection went away under it.
             raise UnreachableError(
                 f"connection to {_where(self.host)} lost while running the command",
                 host=self.host.name,
                 command=command,
-                stderr=_decode(stderr),
+                stderr=decode(stderr),
             )
         return status, stdout, stderr
 
@@ -287,12 +287,12 @@ class SSHConnection(_BaseConnection):
             info = await asyncio.to_thread(local.stat)
         except OSError as exc:
             raise TransferError(f"{action}: {exc.strerror or exc}", host=self.host.name) from None
-        reporter = _ProgressReporter(progress)
+        reporter = ProgressReporter(progress)
         sftp = await self._sftp_client()
         try:
             # Blocks of at most 256 KiB (OpenSSH's limit is about that) keep progress reports
             # frequent; asyncssh pipelines many requests, so throughput does not suffer.
-            block = min(sftp.limits.max_write_len or _SFTP_BLOCK, _SFTP_BLOCK)
+            block = min(sftp.limits.max_write_len or SFTP_BLOCK, SFTP_BLOCK)
             await sftp.put(str(local), path, block_size=block, progress_handler=reporter.sftp_handler)
             # Like scp and OpenSSH's sftp: the copy keeps the file's permission bits.
             await sftp.chmod(path, info.st_mode & 0o7777)
@@ -314,7 +314,7 @@ class SSHConnection(_BaseConnection):
             self._sftp = None
         self._conn.close()
         with contextlib.suppress(TimeoutError, asyncssh.Error, OSError):
-            async with asyncio.timeout(_CLOSE_TIMEOUT):
+            async with asyncio.timeout(CLOSE_TIMEOUT):
                 await self._conn.wait_closed()
 
 

@@ -5,7 +5,8 @@ stderr and exit status into a `T` (`parse()`); parsing does no I/O and is tested
 `gather_command(facts, token)` joins several commands into one script, so one SSH round trip reads
 them all; `split_output(stdout, token, n)` cuts that script's output back into per-fact outputs and
 `parse_gathered` parses them; `gather(conn, facts, timeout=...)` does all three over a connection.
-The state reads of install.py, service.py and probe.py are these facts (change scripts reuse pieces).
+The state reads of operations/ (install_plan.py, server.py) and probe/ (host.py, fleet.py) are these facts
+(change scripts reuse pieces).
 
 A tool that is not installed (no nvidia-smi on a CPU node, no ss) is a normal answer ("none"), not an
 error: only the caller knows whether it needed it.
@@ -37,7 +38,7 @@ NOT_FOUND = 127  # the shell's "command not found"
 TOOL_TIMEOUT_S = 15
 
 
-def _with_tool(tool: str, args: str) -> str:
+def with_tool(tool: str, args: str) -> str:
     """Run `tool args` under `timeout` when available; exit 127 when the tool is absent."""
     return (
         f"command -v {tool} >/dev/null 2>&1 || exit {NOT_FOUND}; "
@@ -46,7 +47,7 @@ def _with_tool(tool: str, args: str) -> str:
     )
 
 
-def _tail(text: str, lines: int = 3) -> str:
+def tail(text: str, lines: int = 3) -> str:
     kept = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return " | ".join(kept[-lines:])
 

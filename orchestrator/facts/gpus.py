@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     pass
-from orchestrator.facts.base import NOT_FOUND, TOOL_TIMEOUT_S, Fact, MiB, _tail, _with_tool
+from orchestrator.facts.base import NOT_FOUND, TOOL_TIMEOUT_S, Fact, MiB, tail, with_tool
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class NvidiaGpuFact(Fact[GpuReport]):
     QUERY: ClassVar[str] = "--query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits"
 
     def command(self) -> str:
-        return _with_tool("nvidia-smi", self.QUERY)
+        return with_tool("nvidia-smi", self.QUERY)
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> GpuReport:
         if exit_status == NOT_FOUND:
@@ -65,7 +65,7 @@ class NvidiaGpuFact(Fact[GpuReport]):
             error = f"nvidia-smi timed out after {TOOL_TIMEOUT_S} s"
         elif exit_status != 0 or (not gpus and stdout.strip()):
             # nvidia-smi prints its failures on stdout ("NVIDIA-SMI has failed ...", "No devices were found").
-            error = _tail(stdout + "\n" + stderr) or f"exit status {exit_status}"
+            error = tail(stdout + "\n" + stderr) or f"exit status {exit_status}"
         return GpuReport("nvidia-smi", present=True, gpus=gpus, error=error)
 
 
@@ -104,7 +104,7 @@ class RocmGpuFact(Fact[GpuReport]):
     name: ClassVar[str] = "rocm_gpus"
 
     def command(self) -> str:
-        return _with_tool("rocm-smi", "--showmeminfo vram --json")
+        return with_tool("rocm-smi", "--showmeminfo vram --json")
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> GpuReport:
         if exit_status == NOT_FOUND:
@@ -119,7 +119,7 @@ class RocmGpuFact(Fact[GpuReport]):
                 return GpuReport(
                     "rocm-smi",
                     present=True,
-                    error=_tail(stdout + "\n" + stderr) or f"exit status {exit_status}",
+                    error=tail(stdout + "\n" + stderr) or f"exit status {exit_status}",
                 )
-        error = None if exit_status == 0 else (_tail(stderr) or f"exit status {exit_status}")
+        error = None if exit_status == 0 else (tail(stderr) or f"exit status {exit_status}")
         return GpuReport("rocm-smi", present=True, gpus=gpus, error=error)

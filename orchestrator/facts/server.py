@@ -12,7 +12,7 @@ from orchestrator.connectors.base import shell_path
 
 if TYPE_CHECKING:
     pass
-from orchestrator.facts.base import NOT_FOUND, Fact, _tail
+from orchestrator.facts.base import NOT_FOUND, Fact, tail
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ class InstalledManifestFact(Fact[InstalledManifest | None]):
         if exit_status == self.ABSENT:
             return None
         if exit_status != 0:
-            return InstalledManifest({}, error=_tail(stderr) or f"exit status {exit_status}")
+            return InstalledManifest({}, error=tail(stderr) or f"exit status {exit_status}")
         try:
             data = json.loads(stdout)
         except ValueError as exc:
@@ -201,7 +201,7 @@ class InstalledManifestFact(Fact[InstalledManifest | None]):
         return InstalledManifest(data)
 
 
-# Shell pieces reading the process whose pid is in $pid; the stop script (service.py) reuses them.
+# Shell pieces reading the process whose pid is in $pid; the stop script (operations/process.py) reuses them.
 READ_PID = 'pid=$(head -n 1 "$pf")'
 
 

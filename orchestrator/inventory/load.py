@@ -46,11 +46,11 @@ import yaml
 from orchestrator.core.errors import InventoryError
 from orchestrator.core.paths import default_lab_inventory_file
 from orchestrator.inventory.model import Group, Host, Inventory, server_hosts
-from orchestrator.inventory.readers import _SECTION, _Builder, _parse_ini, _parse_yaml, _RawHost, _RawVar
-from orchestrator.inventory.variables import LOCAL_ADDRESS, VARIABLES, VARIABLES_BY_NAME, _parse_address
+from orchestrator.inventory.readers import SECTION, Builder, RawHost, RawVar, parse_ini, parse_yaml
+from orchestrator.inventory.variables import LOCAL_ADDRESS, VARIABLES, VARIABLES_BY_NAME, parse_address
 
 
-def _check_cycles(builder: _Builder) -> None:
+def _check_cycles(builder: Builder) -> None:
     state: dict[str, int] = {}  # 1 visiting, 2 done
     stack: list[str] = []
 
@@ -93,7 +93,7 @@ def _render(value: Any, host: str) -> Any:
     return _TEMPLATE.sub(substitute, value)
 
 
-def _resolve(builder: _Builder) -> Inventory:
+def _resolve(builder: Builder) -> Inventory:
     everyone = builder.group("all", builder.groups["all"].location if "all" in builder.groups else None)
     _check_cycles(builder)
     parents: dict[str, set[str]] = {name: set() for name in builder.groups}
@@ -161,8 +161,8 @@ def _resolve(builder: _Builder) -> Inventory:
 
 
 def _resolve_host(
-    builder: _Builder,
-    raw: _RawHost,
+    builder: Builder,
+    raw: RawHost,
     direct: set[str],
     ancestors: Callable[[str], set[str]],
     depth: Callable[[str], int],
@@ -172,7 +172,7 @@ def _resolve_host(
         all_groups |= ancestors(name)
     all_groups.discard("all")
     ordered = sorted(all_groups, key=lambda name: (depth(name), name))
-    merged: dict[str, _RawVar] = {}
+    merged: dict[str, RawVar] = {}
     origin: dict[str, str] = {}
     scopes = [("all", builder.groups["all"].vars)]
     scopes += [(f"group {name}", builder.groups[name].vars) for name in ordered]
@@ -204,7 +204,7 @@ def _resolve_host(
             values["address"] = LOCAL_ADDRESS
         else:
             try:
-                values["address"] = _parse_address(raw.name)
+                values["address"] = parse_address(raw.name)
             except ValueError as exc:
                 builder.error(f"host {raw.name!r}: {exc}; set address (ansible_host) for it", raw.location)
                 return None
@@ -230,7 +230,7 @@ def _resolve_host(
     )
 
 
-def _check_endpoints(builder: _Builder, hosts: Sequence[Host]) -> None:
+def _check_endpoints(builder: Builder, hosts: Sequence[Host]) -> None:
     for host in hosts:
         inheriting = [server.name for server in host.rpc_servers if server.devices is None]
         if host.rpc_devices and len(inheriting) > 1:
@@ -284,7 +284,7 @@ def detect_format(text: str, path: Path | None = None) -> InventoryFormat:
     for line in text.splitlines():
         stripped = line.strip()
         if stripped and stripped[0] not in "#;":
-            if _SECTION.match(line):
+            if SECTION.match(line):
                 return "ini"
             break
     try:
@@ -296,11 +296,11 @@ def detect_format(text: str, path: Path | None = None) -> InventoryFormat:
 
 def load_inventory_text(text: str, path: Path | None = None, fmt: InventoryFormat | None = None) -> Inventory:
     """Parse and validate an inventory given as text (`path` only names it in messages and picks a format)."""
-    builder = _Builder(path, text.splitlines())
+    builder = Builder(path, text.splitlines())
     if (fmt or detect_format(text, path)) == "ini":
-        _parse_ini(builder, text)
+        parse_ini(builder, text)
     else:
-        _parse_yaml(builder, text)
+        parse_yaml(builder, text)
     if "all" not in builder.groups:
         builder.group("all", None)
     return _resolve(builder)

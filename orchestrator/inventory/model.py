@@ -21,8 +21,8 @@ from orchestrator.inventory.variables import (
     RpcServer,
     RpcTransport,
     Supervisor,
-    _did_you_mean,
     mask_secrets,
+    near_miss,
 )
 
 _WILDCARD_BINDS = frozenset({"", "0.0.0.0"})
@@ -199,7 +199,7 @@ class Inventory:
         for host in self.hosts:
             if host.name == name:
                 return host
-        raise InventoryError(f"no host {name!r} in the inventory{_did_you_mean(name, self.host_names())}")
+        raise InventoryError(f"no host {name!r} in the inventory{near_miss(name, self.host_names())}")
 
     def host_names(self) -> tuple[str, ...]:
         return tuple(host.name for host in self.hosts)
@@ -277,7 +277,7 @@ def select_hosts(inventory: Inventory, pattern: str | None) -> list[Host]:
             raise HostPatternError(f"empty term {term!r} in host pattern {pattern!r}")
         matched = _match_term(inventory, name)
         if matched is None:
-            hint = _did_you_mean(name, [*inventory.host_names(), *inventory.groups])
+            hint = near_miss(name, [*inventory.host_names(), *inventory.groups])
             raise HostPatternError(f"host pattern {name!r} matches no host or group{hint}")
         if operator == "!":
             exclusions |= matched

@@ -23,16 +23,16 @@ from orchestrator.core.yamlsource import (
 )
 from orchestrator.inventory.ranges import expand_host_range
 from orchestrator.inventory.variables import (
-    _ANSIBLE_VARS,
-    _CANONICAL,
+    ANSIBLE_VARS,
+    CANONICAL,
     VARIABLES_BY_NAME,
-    _did_you_mean,
+    near_miss,
     variable_hint,
 )
 
 
 @dataclass
-class _RawVar:
+class RawVar:
     key: str  # as written (an alias maybe)
     value: Any
     location: SourceLocation
@@ -42,24 +42,24 @@ class _RawVar:
 class _RawGroup:
     name: str
     location: SourceLocation | None
-    vars: dict[str, _RawVar] = field(default_factory=dict)
+    vars: dict[str, RawVar] = field(default_factory=dict)
     children: dict[str, SourceLocation | None] = field(default_factory=dict)
     hosts: list[str] = field(default_factory=list)
     defined: bool = True  # INI: False while only referenced by [x:children] / [x:vars]
 
 
 @dataclass
-class _RawHost:
+class RawHost:
     name: str
     location: SourceLocation
-    vars: dict[str, _RawVar] = field(default_factory=dict)
+    vars: dict[str, RawVar] = field(default_factory=dict)
 
 
-class _Builder:
+class Builder:
     def __init__(self, path: Path | None, lines: Sequence[str]) -> None:
         self.path = path
         self.source = Source(path, lines)
-        self.hosts: dict[str, _RawHost] = {}
+        self.hosts: dict[str, RawHost] = {}
         self.groups: dict[str, _RawGroup] = {}
         self.errors: list[InventoryError] = []
         self.warnings: list[str] = []
@@ -96,7 +96,7 @@ class _Builder:
         else:
             parent.children.setdefault(child, location)
 
-    def add_hosts(self, pattern: str, location: SourceLocation, group: _RawGroup | None) -> list[_RawHost]:
+    def add_hosts(self, pattern: str, location: SourceLocation, group: _RawGroup | None) -> list[RawHost]:
         """Declare the host(s) a name or range names, as members of `group`."""
         try:
             names = expand_host_range(pattern)
@@ -107,26 +107,26 @@ class _Builder:
         for name in names:
             host = self.hosts.get(name)
             if host is None:
-                host = self.hosts[name] = _RawHost(name, location)
+                host = self.hosts[name] = RawHost(name, location)
             if group is not None and name not in group.hosts:
                 group.hosts.append(name)
             result.append(host)
         return result
 
-    def set_var(self, scope: dict[str, _RawVar], key: str, value: Any, location: SourceLocation) -> None:
-        canonical = _CANONICAL.get(key, key)
+    def set_var(self, scope: dict[str, RawVar], key: str, value: Any, location: SourceLocation) -> None:
+        canonical = CANONICAL.get(key, key)
         previous = scope.get(canonical)
         if previous is not None and previous.key != key and previous.location != location:
             self.error(f"{key!r} and {previous.key!r} both set {canonical!r} here; keep one", location)
             return
-        if canonical == key and key not in VARIABLES_BY_NAME and key not in _ANSIBLE_VARS:
+        if canonical == key and key not in VARIABLES_BY_NAME and key not in ANSIBLE_VARS:
             hint = variable_hint(key)
             if hint:
                 self.warn(f"unknown variable {key!r} is kept as is{hint}", location)
-        scope[canonical] = _RawVar(key, value, location)
+        scope[canonical] = RawVar(key, value, location)
 
 
-def _yaml_items(builder: _Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
+def _yaml_items(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
     """(key, key node, value node) of a mapping node, in document order; null is an empty mapping."""
     if is_null(node):
         return
@@ -153,12 +153,12 @@ def _node_kind(node: yaml.Node) -> str:
     return f"{kind} {node_value(node)!r}" if isinstance(node, yaml.ScalarNode) else kind
 
 
-def _yaml_vars(builder: _Builder, scope: dict[str, _RawVar], node: yaml.Node, what: str) -> None:
+def _yaml_vars(builder: Builder, scope: dict[str, RawVar], node: yaml.Node, what: str) -> None:
     for key, _key_node, value_node in _yaml_items(builder, node, what):
         builder.set_var(scope, key, node_value(value_node), builder.source.node(value_node))
 
 
-def _yaml_names(builder: _Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node]]:
+def _yaml_names(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node]]:
     """Names from a list (or a mapping whose values are ignored by the caller)."""
     if is_null(node):
         return
@@ -173,7 +173,7 @@ def _yaml_names(builder: _Builder, node: yaml.Node, what: str) -> Iterator[tuple
         builder.error(f"{what} must be a list of names, got {_node_kind(node)}", builder.source.node(node))
 
 
-def _yaml_group_hosts(builder: _Builder, group: _RawGroup | None, node: yaml.Node, what: str) -> None:
+def _yaml_group_hosts(builder: Builder, group: _RawGroup | None, node: yaml.Node, what: str) -> None:
     """`hosts:` as a mapping name -> vars (declares hosts)."""
     for name, key_node, value_node in _yaml_items(builder, node, what):
         for host in builder.add_hosts(name, builder.source.node(key_node), group):
@@ -184,7 +184,7 @@ _GROUP_KEYS = ("hosts", "children", "vars")
 
 
 def _ansible_group(
-    builder: _Builder, name: str, node: yaml.Node, key_node: yaml.Node, parent: _RawGroup | None
+    builder: Builder, name: str, node: yaml.Node, key_node: yaml.Node, parent: _RawGroup | None
 ) -> None:
     location = builder.source.node(key_node)
     group = builder.group(name, location)
@@ -211,7 +211,7 @@ def _ansible_group(
         else:
             builder.warn(
                 f"unexpected key {key!r} in group {name!r} is ignored (only hosts, children and vars)"
-                + _did_you_mean(key, _GROUP_KEYS),
+                + near_miss(key, _GROUP_KEYS),
                 builder.source.node(sub_key),
             )
 
@@ -219,7 +219,7 @@ def _ansible_group(
 _NATIVE_KEYS = ("vars", "hosts", "groups")
 
 
-def _native(builder: _Builder, root: yaml.MappingNode) -> None:
+def _native(builder: Builder, root: yaml.MappingNode) -> None:
     everyone = builder.group("all", None)
     group_refs: list[tuple[_RawGroup, str, SourceLocation]] = []
     host_refs: list[tuple[_RawGroup, str, SourceLocation]] = []
@@ -251,12 +251,12 @@ def _native(builder: _Builder, root: yaml.MappingNode) -> None:
                         _yaml_vars(builder, group.vars, gvalue, what)
                     else:
                         builder.error(
-                            f"unknown key {gkey!r} in group {name!r}{_did_you_mean(gkey, _GROUP_KEYS)}",
+                            f"unknown key {gkey!r} in group {name!r}{near_miss(gkey, _GROUP_KEYS)}",
                             builder.source.node(gkey_node),
                         )
         else:
             builder.error(
-                f"unknown top-level key {key!r}{_did_you_mean(key, _NATIVE_KEYS)}"
+                f"unknown top-level key {key!r}{near_miss(key, _NATIVE_KEYS)}"
                 " (a native inventory has vars, hosts and groups)",
                 builder.source.node(key_node),
             )
@@ -268,13 +268,13 @@ def _native(builder: _Builder, root: yaml.MappingNode) -> None:
             continue
         for name in names:
             if name not in builder.hosts:
-                hint = _did_you_mean(name, builder.hosts)
+                hint = near_miss(name, builder.hosts)
                 builder.error(f"group {group.name!r} lists undefined host {name!r}{hint}", location)
             elif name not in group.hosts:
                 group.hosts.append(name)
     for group, child, location in group_refs:
         if child not in builder.groups or child in ("all", "ungrouped"):
-            hint = _did_you_mean(child, builder.groups)
+            hint = near_miss(child, builder.groups)
             builder.error(f"group {group.name!r} has undefined child group {child!r}{hint}", location)
         else:
             builder.add_child(group, child, location)
@@ -298,7 +298,7 @@ def _is_native(root: yaml.MappingNode) -> bool:
     return not keys
 
 
-def _parse_yaml(builder: _Builder, text: str) -> None:
+def parse_yaml(builder: Builder, text: str) -> None:
     try:
         root = compose(text)
     except yaml.MarkedYAMLError as exc:
@@ -324,7 +324,7 @@ def _parse_yaml(builder: _Builder, text: str) -> None:
         _ansible_group(builder, name, body, key_node, None)
 
 
-_SECTION = re.compile(r"^\s*\[([^\]]*)\]\s*(?:[#;].*)?$")
+SECTION = re.compile(r"^\s*\[([^\]]*)\]\s*(?:[#;].*)?$")
 
 
 _INLINE_COMMENT = re.compile(r"\s+[#;].*$")
@@ -342,7 +342,7 @@ def _ini_value(text: str) -> Any:
     return value if isinstance(value, str | int | float | bool | list | dict) else text
 
 
-def _parse_ini(builder: _Builder, text: str) -> None:
+def parse_ini(builder: Builder, text: str) -> None:
     group = builder.group("ungrouped", None)
     kind = "hosts"
     vars_sections: list[tuple[str, SourceLocation]] = []
@@ -351,7 +351,7 @@ def _parse_ini(builder: _Builder, text: str) -> None:
         if not stripped or stripped[0] in "#;":
             continue
         column = len(line) - len(line.lstrip()) + 1
-        section = _SECTION.match(line)
+        section = SECTION.match(line)
         if section:
             header = section.group(1).strip()
             name, _, kind = header.partition(":")
@@ -394,12 +394,12 @@ def _parse_ini(builder: _Builder, text: str) -> None:
         for child, child_location in parent.children.items():
             if not builder.groups[child].defined:
                 defined = [g.name for g in builder.groups.values() if g.defined]
-                hint = _did_you_mean(child, defined)
+                hint = near_miss(child, defined)
                 message = f"group {parent.name!r} has undefined child group {child!r}{hint}"
                 builder.error(message, child_location)
 
 
-def _ini_host_line(builder: _Builder, group: _RawGroup, line: str, number: int) -> None:
+def _ini_host_line(builder: Builder, group: _RawGroup, line: str, number: int) -> None:
     try:
         tokens = shlex.split(line, comments=True)
     except ValueError as exc:

@@ -60,7 +60,7 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-def _parse_address(value: Any) -> str:
+def parse_address(value: Any) -> str:
     text = fields.text(value).strip()
     if _is_ip(text):
         return text
@@ -199,7 +199,7 @@ class Variable:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("address", ("ansible_host", "ansible_ssh_host"), _parse_address, None, "address to reach"),
+    Variable("address", ("ansible_host", "ansible_ssh_host"), parse_address, None, "address to reach"),
     Variable(
         "ssh_user", ("ansible_user", "ansible_ssh_user"), fields.optional(fields.text), None, "SSH login"
     ),
@@ -279,11 +279,11 @@ VARIABLES: tuple[Variable, ...] = (
 VARIABLES_BY_NAME: Mapping[str, Variable] = {var.name: var for var in VARIABLES}
 
 
-_CANONICAL: Mapping[str, str] = {alias: var.name for var in VARIABLES for alias in (var.name, *var.aliases)}
+CANONICAL: Mapping[str, str] = {alias: var.name for var in VARIABLES for alias in (var.name, *var.aliases)}
 
 
 # Ansible's own variables that look like ours: never flagged as typos.
-_ANSIBLE_VARS = frozenset(
+ANSIBLE_VARS = frozenset(
     {
         "ansible_password",
         "ansible_ssh_pass",
@@ -302,14 +302,14 @@ _ANSIBLE_VARS = frozenset(
 )
 
 
-def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+def near_miss(word: str, candidates: Iterable[str]) -> str:
     return did_you_mean(word, candidates, cutoff=0.75)  # variable and group names: only near misses
 
 
 def variable_hint(word: str) -> str:
     """The near miss of an unknown variable, unless a word of it is another word altogether: `ntp_server`
     is no typo of `rpc_servers` (ntp/rpc), `rcp_port` is one of `rpc_port`."""
-    hint = _did_you_mean(word, _CANONICAL)
+    hint = near_miss(word, CANONICAL)
     close = hint.partition("'")[2].rpartition("'")[0]
     words, others = word.split("_"), close.split("_")
     if len(words) == len(others) and any(

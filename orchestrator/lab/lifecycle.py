@@ -49,16 +49,16 @@ from orchestrator.inventory.load import load_inventory_text
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab import systemd
 from orchestrator.lab.model import (
-    _LINK_RE,
-    _NAME_RE,
-    _NS_RE,
-    _USER_RE,
     LAB_GROUP,
+    LINK_RE,
     MAX_NODES,
+    NAME_RE,
     NODE_INSTALL_DIR,
     NODE_RPC_PORT,
+    NS_RE,
     PREFIX,
     SSH_PORT,
+    USER_RE,
     Lab,
     LabKind,
     LabNode,
@@ -71,20 +71,20 @@ from orchestrator.lab.model import (
     lab_dir,
 )
 from orchestrator.lab.netns import (
-    _check_netns_prerequisites,
-    _create_local,
-    _create_netns,
-    _lab_users,
-    _list_links,
-    _list_namespaces,
-    _teardown,
-    _teardown_slot,
+    check_netns_prerequisites,
+    create_local,
+    create_netns,
+    lab_users,
     link_is_down,
+    list_links,
+    list_namespaces,
     privileged,
     restart_node,
     restore_holder,
+    teardown,
+    teardown_slot,
 )
-from orchestrator.lab.procs import _tcp_open
+from orchestrator.lab.procs import tcp_open
 
 
 def lab_up(
@@ -121,7 +121,7 @@ def lab_up(
     if local and init != "none":
         raise LabError("--init systemd needs a network-namespace lab, not --local")
     if kind == "netns":
-        _check_netns_prerequisites(init)
+        check_netns_prerequisites(init)
     owner = Owner.of(owner_pid) if owner_pid is not None else None
     started = time.monotonic()
     with _lock():
@@ -140,21 +140,21 @@ def lab_up(
                 hint=f"`rpcfleet lab down --name {name}` first, or choose another --name",
             )
         if existing is not None or lab_dir(name).exists():
-            _teardown(existing, lab_dir(name))
+            teardown(existing, lab_dir(name))
         slot = _free_slot(name, kind)
         lab = replace(_plan(name, kind, slot, nodes, owner, init), cpus=cpus)
         lab.dir.mkdir(parents=True, mode=0o700)
         lab.save()
     try:
         if kind == "netns":
-            _create_netns(lab)
+            create_netns(lab)
         else:
-            _create_local(lab)
+            create_local(lab)
         written = _write_inventory(lab, output, extra, per_node)
         lab = replace(lab, state="up", outputs=written)
         lab.save()
     except BaseException:
-        _teardown(lab, lab.dir)
+        teardown(lab, lab.dir)
         raise
     get_logger().info(
         "lab_up", lab=name, kind=kind, init=init, nodes=nodes, seconds=round(time.monotonic() - started, 3)
@@ -171,7 +171,7 @@ def lab_down(name: str = DEFAULT_LAB) -> bool:
         if lab is None and not directory.exists():
             return False
         started = time.monotonic()
-        _teardown(lab, directory)
+        teardown(lab, directory)
     get_logger().info("lab_down", lab=name, seconds=round(time.monotonic() - started, 3))
     return True
 
@@ -206,13 +206,13 @@ def list_labs() -> list[str]:
     root = labs_root()
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and _NAME_RE.match(p.name))
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and NAME_RE.match(p.name))
 
 
 def lab_status(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> LabStatus:
     """What runs of the lab: per node, its namespace, sshd and whether :22 accepts a TCP connect."""
     lab = load_lab(name)
-    namespaces = set(_list_namespaces()) if lab.kind == "netns" else set()
+    namespaces = set(list_namespaces()) if lab.kind == "netns" else set()
 
     def one(node: LabNode) -> NodeStatus:
         if lab.kind == "local":
@@ -223,7 +223,7 @@ def lab_status(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> LabSta
             namespace=node.namespace,
             namespace_present=node.namespace in namespaces,
             sshd_pid=node.sshd_pid(),
-            reachable=_tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge),
+            reachable=tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge),
             home=node.home,
             init=node.init,
         )
@@ -258,7 +258,7 @@ def lab_repair(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> tuple[
                 f"lab {name!r} is stale: its network is gone, or the process that owned it exited",
                 hint=f"`rpcfleet lab down{flag}`, then `rpcfleet lab up{flag}`",
             )
-        namespaces = set(_list_namespaces()) if lab.kind == "netns" else set()
+        namespaces = set(list_namespaces()) if lab.kind == "netns" else set()
         with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
             results = tuple(pool.map(lambda n: _repair_node(lab, n, namespaces, probe_timeout), lab.nodes))
     get_logger().info(
@@ -289,14 +289,14 @@ def _node_fault(lab: Lab, node: LabNode, namespaces: set[str], probe_timeout: fl
         return "holder dead"
     if sshd is None:
         return "sshd dead"
-    if _tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge):
+    if tcp_open(node.address, SSH_PORT, probe_timeout, lab.bridge):
         return None
     return "unreachable"
 
 
 def _lab_faults(lab: Lab, *, probe_timeout: float) -> dict[str, str]:
     """Broken nodes of a live lab -> what is wrong with each."""
-    namespaces = set(_list_namespaces()) if lab.kind == "netns" else set()
+    namespaces = set(list_namespaces()) if lab.kind == "netns" else set()
     with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
         faults = list(pool.map(lambda n: _node_fault(lab, n, namespaces, probe_timeout), lab.nodes))
     return {node.name: fault for node, fault in zip(lab.nodes, faults, strict=True) if fault is not None}
@@ -387,28 +387,28 @@ def reap_stale() -> list[str]:
             if lab is not None and lab.live():
                 live_slots.add(lab.slot)
                 continue
-            removed += _teardown(lab, directory)
+            removed += teardown(lab, directory)
         if not privileged():
             return removed
         # Labs of other $RPCFLEET_HOMEs are found through their bridge's alias.
-        links = _list_links()
+        links = list_links()
         for link, alias in links.items():
-            match = _LINK_RE.match(link)
+            match = LINK_RE.match(link)
             if match and match.group(2) == "br" and alias:
                 other = _load(Path(alias))
                 if other is not None and other.slot == int(match.group(1)) and other.live():
                     live_slots.add(other.slot)
         stale_slots: set[int] = set()
-        for name in [*_list_namespaces(), *links]:
-            match = _NS_RE.match(name) or _LINK_RE.match(name)
+        for name in [*list_namespaces(), *links]:
+            match = NS_RE.match(name) or LINK_RE.match(name)
             if match and int(match.group(1)) not in live_slots:
                 stale_slots.add(int(match.group(1)))
-        for user in _lab_users():
-            user_match = _USER_RE.match(user)
+        for user in lab_users():
+            user_match = USER_RE.match(user)
             if user_match and int(user_match.group(1)) not in live_slots:
                 stale_slots.add(int(user_match.group(1)))
         for slot in sorted(stale_slots):
-            removed += _teardown_slot(slot)
+            removed += teardown_slot(slot)
     if removed:
         get_logger().info("lab_reaped", removed=removed)
     return removed
@@ -458,8 +458,8 @@ def _free_slot(name: str, kind: LabKind) -> int:
         if lab is not None and other != name:
             taken.add(lab.slot)
     if kind == "netns":
-        for obj in [*_list_namespaces(), *_list_links(), *_lab_users(all_users=True)]:
-            match = _NS_RE.match(obj) or _LINK_RE.match(obj) or _USER_RE.match(obj)
+        for obj in [*list_namespaces(), *list_links(), *lab_users(all_users=True)]:
+            match = NS_RE.match(obj) or LINK_RE.match(obj) or USER_RE.match(obj)
             if match:
                 taken.add(int(match.group(1)))
     preferred = 0 if name == DEFAULT_LAB else zlib.crc32(name.encode()) % 255 + 1

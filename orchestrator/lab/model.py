@@ -21,21 +21,21 @@ from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.core.poll import poll
 from orchestrator.lab import cgroups, systemd
 from orchestrator.lab.procs import (
-    _KILL_TIMEOUT,
-    _PATH,
+    KILL_TIMEOUT,
+    PATH,
     SSHD,
     SSHD_COMMON,
-    _is_sshd,
-    _kill,
-    _netns_pids,
-    _pids_under,
-    _proc_alive,
-    _read_pid,
-    _run,
-    _start_time,
-    _tail,
-    _tcp_open,
-    _wait_dead,
+    is_sshd,
+    kill,
+    netns_pids,
+    pids_under,
+    proc_alive,
+    read_pid,
+    run,
+    start_time,
+    tail,
+    tcp_open,
+    wait_dead,
 )
 
 PREFIX = "rfl"
@@ -59,31 +59,31 @@ LAB_GROUP = "lab"
 STATE_VERSION = 1
 
 
-_NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 
 _MAX_NAME = 16
 
 
-_USER_COMMENT = "rpcfleet-lab"
+USER_COMMENT = "rpcfleet-lab"
 
 
-_NS_RE = re.compile(rf"^{PREFIX}(\d+)-")
+NS_RE = re.compile(rf"^{PREFIX}(\d+)-")
 
 
-_LINK_RE = re.compile(rf"^{PREFIX}(\d+)(br|v\d+)$")
+LINK_RE = re.compile(rf"^{PREFIX}(\d+)(br|v\d+)$")
 
 
-_USER_RE = re.compile(rf"^{PREFIX}(\d+)$")
+USER_RE = re.compile(rf"^{PREFIX}(\d+)$")
 
 
-_CAP_NET_ADMIN = 12
+CAP_NET_ADMIN = 12
 
 
-_CAP_SYS_ADMIN = 21
+CAP_SYS_ADMIN = 21
 
 
-_UP_TIMEOUT = 15.0
+UP_TIMEOUT = 15.0
 
 
 LabKind = Literal["netns", "local"]
@@ -98,7 +98,7 @@ def lab_dir(name: str = DEFAULT_LAB) -> Path:
 
 def check_name(name: str) -> str:
     """A lab name becomes part of hostnames and namespace names: lowercase letters, digits, dashes."""
-    if len(name) > _MAX_NAME or not _NAME_RE.match(name):
+    if len(name) > _MAX_NAME or not NAME_RE.match(name):
         raise LabError(
             f"invalid lab name {name!r}",
             hint=f"use up to {_MAX_NAME} lowercase letters, digits and inner dashes, starting with a letter",
@@ -151,8 +151,8 @@ class LabNode:
         """The listening sshd's pid, when it runs."""
         if self.init == "systemd":
             return systemd.sshd_pid(self)
-        pid = _read_pid(self.sshd_pid_file)
-        if pid is not None and _is_sshd(pid, self.sshd_config):
+        pid = read_pid(self.sshd_pid_file)
+        if pid is not None and is_sshd(pid, self.sshd_config):
             return pid
         return self._adopt_listening_sshd()
 
@@ -170,14 +170,14 @@ class LabNode:
             timeout=10,
         ).stdout
         for pid in sorted({int(found) for found in re.findall(r"pid=(\d+)", listening)}):
-            if _is_sshd(pid, self.sshd_config):
+            if is_sshd(pid, self.sshd_config):
                 write_atomic(self.sshd_pid_file, f"{pid}\n")
                 return pid
         return None
 
     def holder_pid(self) -> int | None:
-        pid = _read_pid(self.holder_pid_file)
-        return pid if pid is not None and _proc_alive(pid) else None
+        pid = read_pid(self.holder_pid_file)
+        return pid if pid is not None and proc_alive(pid) else None
 
 
 @dataclass(frozen=True)
@@ -189,17 +189,17 @@ class Owner:
 
     @classmethod
     def current(cls) -> Owner:
-        return cls(os.getpid(), _start_time(os.getpid()) or 0.0)
+        return cls(os.getpid(), start_time(os.getpid()) or 0.0)
 
     @classmethod
     def of(cls, pid: int) -> Owner:
-        started = _start_time(pid)
+        started = start_time(pid)
         if started is None:
             raise LabError(f"no process {pid} to own the lab")
         return cls(pid, started)
 
     def alive(self) -> bool:
-        started = _start_time(self.pid)
+        started = start_time(self.pid)
         return started is not None and abs(started - self.started) < 0.05
 
 
@@ -314,10 +314,10 @@ class Lab:
 
     def cut_link(self, node: str | int | LabNode) -> None:
         """Pull the node's cable: its veth goes down, packets to it are dropped silently."""
-        _run(["ip", "link", "set", self._netns(node).veth or "", "down"])
+        run(["ip", "link", "set", self._netns(node).veth or "", "down"])
 
     def restore_link(self, node: str | int | LabNode) -> None:
-        _run(["ip", "link", "set", self._netns(node).veth or "", "up"])
+        run(["ip", "link", "set", self._netns(node).veth or "", "up"])
 
     def firewall_drop(self, node: str | int | LabNode) -> None:
         """Every packet into the node is dropped (connects time out)."""
@@ -332,9 +332,9 @@ class Lab:
 
     def _iptables(self, node: str | int | LabNode, args: list[str]) -> None:
         found = self._netns(node)
-        if shutil.which("iptables", path=_PATH) is None:
+        if shutil.which("iptables", path=PATH) is None:
             raise LabError("iptables is not installed", hint="apt-get install iptables (or `make setup`)")
-        _run(["ip", "netns", "exec", found.namespace or "", "iptables", "-w", *args])
+        run(["ip", "netns", "exec", found.namespace or "", "iptables", "-w", *args])
 
     def kill_sshd(self, node: str | int | LabNode) -> None:
         """Kill the node's listening sshd: new connects are refused, open sessions keep working."""
@@ -347,7 +347,7 @@ class Lab:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        _wait_dead([pid], _KILL_TIMEOUT)
+        wait_dead([pid], KILL_TIMEOUT)
         found.sshd_pid_file.unlink(missing_ok=True)
 
     def start_sshd(self, node: str | int | LabNode) -> int:
@@ -366,12 +366,12 @@ class Lab:
         if holder is None:
             raise LabError(f"node {found.name} is gone (no holder process)", hint="recreate the lab")
         found.sshd_pid_file.unlink(missing_ok=True)
-        argv = ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *_sshd_argv(found)]
-        _run(cgroups.in_share(found.namespace or "", self.cpus, argv))  # back in the node's CPU share
-        _wait_ready([found], _UP_TIMEOUT, self.bridge)
+        argv = ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *sshd_argv(found)]
+        run(cgroups.in_share(found.namespace or "", self.cpus, argv))  # back in the node's CPU share
+        wait_ready([found], UP_TIMEOUT, self.bridge)
         pid = found.sshd_pid()
         if pid is None:
-            raise LabError(f"sshd on {found.name} did not start", stderr=_tail(found.sshd_log))
+            raise LabError(f"sshd on {found.name} did not start", stderr=tail(found.sshd_log))
         return pid
 
     def node_exec(
@@ -383,11 +383,11 @@ class Lab:
             leader = systemd.leader(found)
             if leader is None:
                 raise LabError(f"node {found.name} is not running (no systemd in its namespace)")
-            return _run(["nsenter", "-t", str(leader), "-a", "--", *argv], check=check, timeout=timeout)
+            return run(["nsenter", "-t", str(leader), "-a", "--", *argv], check=check, timeout=timeout)
         holder = found.holder_pid()
         if holder is None:
             raise LabError(f"node {found.name} is gone (no holder process)")
-        return _run(
+        return run(
             ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *argv], check=check, timeout=timeout
         )
 
@@ -406,14 +406,14 @@ class Lab:
             systemd.power_cut(found)
             return
         holder = found.holder_pid()
-        _kill([*self.node_pids(found), *([holder] if holder is not None else [])])
+        kill([*self.node_pids(found), *([holder] if holder is not None else [])])
 
     def node_pids(self, node: str | int | LabNode) -> list[int]:
         """Every live process of the node: holder, sshd, sessions, whatever they started."""
         found = self.node(node)
         if found.namespace is not None:
-            return _netns_pids([found.namespace])
-        return _pids_under(found.dir)
+            return netns_pids([found.namespace])
+        return pids_under(found.dir)
 
     def heal(self, nodes: Iterable[str | int | LabNode] | None = None) -> None:
         """Undo the faults: links up, firewalls cleared, sshd running. For per-test restore fixtures."""
@@ -487,12 +487,12 @@ class LabStatus:
         }
 
 
-def _sshd_argv(node: LabNode) -> list[str]:
+def sshd_argv(node: LabNode) -> list[str]:
     # Daemon mode: sshd writes its pid file once its socket is bound.
     return [SSHD, "-f", str(node.sshd_config), "-E", str(node.sshd_log)]
 
 
-def _sshd_extra_options() -> list[str]:
+def sshd_extra_options() -> list[str]:
     # OpenSSH >= 9.8 penalises sources that fail auth or close early: the controller is one source.
     probe = subprocess.run([SSHD, "-V"], capture_output=True, text=True, check=False, timeout=5)
     match = re.search(r"OpenSSH_(\d+)\.(\d+)", probe.stderr + probe.stdout)
@@ -501,7 +501,7 @@ def _sshd_extra_options() -> list[str]:
     return []
 
 
-def _sshd_config(lab: Lab, node: LabNode, extra: list[str]) -> str:
+def sshd_config_text(lab: Lab, node: LabNode, extra: list[str]) -> str:
     lines = [
         f"# rpcfleet lab {lab.name}, node {node.name}",
         f"ListenAddress {node.address}",
@@ -520,24 +520,24 @@ def _sshd_config(lab: Lab, node: LabNode, extra: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _wait_ready(nodes: Sequence[LabNode], timeout: float, device: str | None) -> None:
+def wait_ready(nodes: Sequence[LabNode], timeout: float, device: str | None) -> None:
     """Until every node's sshd wrote its pid file and accepts TCP on :22; fail early if a node died."""
     pending = list(nodes)
 
     def all_ready() -> bool | None:
         for node in list(pending):
-            if node.sshd_pid_file.exists() and _tcp_open(node.address, SSH_PORT, 0.2, device):
+            if node.sshd_pid_file.exists() and tcp_open(node.address, SSH_PORT, 0.2, device):
                 pending.remove(node)
                 continue
-            holder = _read_pid(node.holder_pid_file)
-            if holder is not None and not _proc_alive(holder):
+            holder = read_pid(node.holder_pid_file)
+            if holder is not None and not proc_alive(holder):
                 raise LabError(
                     f"node {node.name} failed to start",
-                    stderr=_tail(node.log) + "\n" + _tail(node.sshd_log),
+                    stderr=tail(node.log) + "\n" + tail(node.sshd_log),
                 )
         return not pending or None
 
     if not poll(all_ready, timeout=timeout, interval=0.01):
         names = ", ".join(n.name for n in pending)
-        logs = "\n".join(_tail(n.sshd_log) for n in pending)
+        logs = "\n".join(tail(n.sshd_log) for n in pending)
         raise LabError(f"sshd did not accept connections within {timeout:.0f} s on {names}", stderr=logs)

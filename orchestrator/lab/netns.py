@@ -15,30 +15,30 @@ from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
 from orchestrator.lab import cgroups, systemd
 from orchestrator.lab.model import (
-    _CAP_NET_ADMIN,
-    _CAP_SYS_ADMIN,
-    _LINK_RE,
-    _UP_TIMEOUT,
-    _USER_COMMENT,
-    _USER_RE,
+    CAP_NET_ADMIN,
+    CAP_SYS_ADMIN,
+    LINK_RE,
     PREFIX,
+    UP_TIMEOUT,
+    USER_COMMENT,
+    USER_RE,
     Lab,
     LabNode,
-    _sshd_argv,
-    _sshd_config,
-    _sshd_extra_options,
-    _wait_ready,
+    sshd_argv,
+    sshd_config_text,
+    sshd_extra_options,
+    wait_ready,
 )
 from orchestrator.lab.procs import (
     SSHD,
-    _env,
-    _kill,
-    _netns_pids,
-    _pids_under,
-    _run,
-    _run_all,
-    _tail,
-    _which,
+    child_env,
+    kill,
+    netns_pids,
+    pids_under,
+    run,
+    run_all,
+    tail,
+    which,
 )
 
 
@@ -52,16 +52,16 @@ def privileged() -> bool:
         return False
     match = re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.M)
     caps = int(match.group(1), 16) if match else 0
-    return bool(caps & (1 << _CAP_NET_ADMIN)) and bool(caps & (1 << _CAP_SYS_ADMIN))
+    return bool(caps & (1 << CAP_NET_ADMIN)) and bool(caps & (1 << CAP_SYS_ADMIN))
 
 
-def _check_netns_prerequisites(init: str = "none") -> None:
+def check_netns_prerequisites(init: str = "none") -> None:
     if not privileged():
         raise LabError(
             "an emulated lab with network namespaces and sshd needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)",
             hint="run as root, or make a local-connection lab without them: `rpcfleet lab up --local`",
         )
-    missing = [tool for tool in ("ip", "nsenter", "unshare", "ssh-keygen", "useradd") if not _which(tool)]
+    missing = [tool for tool in ("ip", "nsenter", "unshare", "ssh-keygen", "useradd") if not which(tool)]
     if not Path(SSHD).exists():
         missing.append(SSHD)
     if missing:
@@ -73,12 +73,12 @@ def _check_netns_prerequisites(init: str = "none") -> None:
         systemd.check_prerequisites()
 
 
-def _create_local(lab: Lab) -> None:
+def create_local(lab: Lab) -> None:
     for node in lab.nodes:
         node.home.mkdir(parents=True)
 
 
-def _create_netns(lab: Lab) -> None:
+def create_netns(lab: Lab) -> None:
     assert lab.user and lab.bridge and lab.bridge_address and lab.home_mount
     for node in lab.nodes:
         node.dir.mkdir(parents=True)
@@ -99,8 +99,8 @@ def _create_netns(lab: Lab) -> None:
             + (f" address {systemd.mac_of(node.address)}" if node.init == "systemd" else ""),
             f"link set {node.veth} master {lab.bridge} up",
         ]
-    _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
-    _run_all(
+    run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+    run_all(
         [["ip", "-n", node.namespace or "", "-batch", "-"] for node in lab.nodes],
         inputs=[
             f"addr add {node.address}/24 dev eth0\nlink set eth0 up\nlink set lo up\n" for node in lab.nodes
@@ -110,7 +110,7 @@ def _create_netns(lab: Lab) -> None:
     keygens = [(lab.client_key, f"rpcfleet-lab-{lab.name}")] + [
         (node.host_key, node.name) for node in lab.nodes
     ]
-    _run_all(
+    run_all(
         [
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)]
             for path, comment in keygens
@@ -118,7 +118,7 @@ def _create_netns(lab: Lab) -> None:
     )
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     lab.home_mount.mkdir(mode=0o755, exist_ok=True)
-    _run(
+    run(
         [
             "useradd",
             "-M",
@@ -128,22 +128,22 @@ def _create_netns(lab: Lab) -> None:
             "-s",
             "/bin/bash",
             "-c",
-            _USER_COMMENT,
+            USER_COMMENT,
             "-d",
             str(lab.home_mount),
             lab.user,
         ]
     )
-    uid = int(_run(["id", "-u", lab.user]).stdout)
-    gid = int(_run(["id", "-g", lab.user]).stdout)
+    uid = int(run(["id", "-u", lab.user]).stdout)
+    gid = int(run(["id", "-g", lab.user]).stdout)
     client_pub = lab.client_key.with_suffix(".pub").read_text()
-    extra = _sshd_extra_options()
+    extra = sshd_extra_options()
     for node in lab.nodes:
         authorized = node.home / ".ssh" / "authorized_keys"
         authorized.write_text(client_pub)
         for path in (node.home, node.home / ".ssh", authorized):
             os.chown(path, uid, gid)
-        node.sshd_config.write_text(_sshd_config(lab, node, extra))
+        node.sshd_config.write_text(sshd_config_text(lab, node, extra))
     # Nodes: a holder owns the node's mount and UTS namespaces and starts sshd inside them.
     booting = [node for node in lab.nodes if node.init == "systemd"]
     for node in booting:
@@ -152,7 +152,7 @@ def _create_netns(lab: Lab) -> None:
     for node in lab.nodes:
         if node.init == "none":
             _start_node(lab, node)
-    _wait_ready([node for node in lab.nodes if node.init == "none"], _UP_TIMEOUT, lab.bridge)
+    wait_ready([node for node in lab.nodes if node.init == "none"], UP_TIMEOUT, lab.bridge)
     systemd.wait_booted(lab, booting)
     lines = []
     for node in lab.nodes:
@@ -170,7 +170,7 @@ def _start_node(lab: Lab, node: LabNode) -> None:
             f"echo $$ > {q(str(node.holder_pid_file))}",
             f"mount --bind {q(str(node.home))} {q(str(lab.home_mount))}",
             f"hostname {q(node.name)}",
-            " ".join(q(a) for a in _sshd_argv(node)),
+            " ".join(q(a) for a in sshd_argv(node)),
             f"exec -a {q(str(node.dir / 'holder'))} sleep infinity",
         ]
     )
@@ -181,7 +181,7 @@ def _start_node(lab: Lab, node: LabNode) -> None:
     with node.log.open("ab") as out:
         # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
         subprocess.run(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_env(), check=True, timeout=10
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=child_env(), check=True, timeout=10
         )
 
 
@@ -195,7 +195,7 @@ def restart_node(lab: Lab, node: LabNode) -> None:
     node.holder_pid_file.unlink(missing_ok=True)
     node.sshd_pid_file.unlink(missing_ok=True)
     _start_node(lab, node)
-    _wait_ready([node], _UP_TIMEOUT, lab.bridge)
+    wait_ready([node], UP_TIMEOUT, lab.bridge)
 
 
 def restore_holder(node: LabNode, sshd: int, cpus: float | None = None) -> None:
@@ -208,10 +208,10 @@ def restore_holder(node: LabNode, sshd: int, cpus: float | None = None) -> None:
     argv = ["setsid", "-f", *cgroups.in_share(node.namespace or "", cpus, argv)]
     with node.log.open("ab") as out:
         subprocess.run(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=_env(), check=False, timeout=10
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=child_env(), check=False, timeout=10
         )
     if not poll(lambda: node.holder_pid() is not None or None, timeout=5.0, interval=0.01):
-        raise LabError(f"the holder of node {node.name} did not start", stderr=_tail(node.log))
+        raise LabError(f"the holder of node {node.name} did not start", stderr=tail(node.log))
 
 
 def link_is_down(node: LabNode) -> bool:
@@ -223,15 +223,15 @@ def link_is_down(node: LabNode) -> bool:
     return not flags & 0x1  # IFF_UP
 
 
-def _teardown(lab: Lab | None, directory: Path) -> list[str]:
+def teardown(lab: Lab | None, directory: Path) -> list[str]:
     """Remove a lab: its processes, kernel objects, user and state dir. Idempotent."""
     removed: list[str] = []
     if lab is not None and lab.kind == "netns":
         systemd.shutdown([node for node in lab.nodes if node.init == "systemd"])
-        removed += _teardown_slot(lab.slot, lab)
-    pids = _pids_under(directory)
+        removed += teardown_slot(lab.slot, lab)
+    pids = pids_under(directory)
     if pids:
-        _kill(pids)
+        kill(pids)
         removed.append(f"{len(pids)} processes of {directory}")
     removed += systemd.unmount_under(directory)  # systemd nodes' roots: before their files go
     if directory.exists():
@@ -240,39 +240,39 @@ def _teardown(lab: Lab | None, directory: Path) -> list[str]:
     return removed
 
 
-def _teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
+def teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
     """Remove every namespace, link, user and process of slot `slot` (found by name)."""
     removed: list[str] = []
-    namespaces = [ns for ns in _list_namespaces() if ns.startswith(f"{PREFIX}{slot}-")]
-    links = [link for link in _list_links() if (m := _LINK_RE.match(link)) and int(m.group(1)) == slot]
-    pids = _netns_pids(namespaces)
+    namespaces = [ns for ns in list_namespaces() if ns.startswith(f"{PREFIX}{slot}-")]
+    links = [link for link in list_links() if (m := LINK_RE.match(link)) and int(m.group(1)) == slot]
+    pids = netns_pids(namespaces)
     if lab is not None:
-        pids += _pids_under(lab.dir)
+        pids += pids_under(lab.dir)
     if pids:
-        _kill(pids)
+        kill(pids)
         removed.append(f"{len(set(pids))} processes")
     # Deleting a namespace (no process left in it) takes its veth with it, all namespaces in one
     # batched kernel cleanup: much faster than deleting veths one by one. The bridge goes explicitly.
     batch = [f"link del {link}" for link in links if link.endswith("br")]
     batch += [f"netns del {ns}" for ns in namespaces]
     if batch:
-        _run(["ip", "-force", "-batch", "-"], input="\n".join(batch) + "\n", check=False)
+        run(["ip", "-force", "-batch", "-"], input="\n".join(batch) + "\n", check=False)
         removed += [f"link {link}" for link in links] + [f"namespace {ns}" for ns in namespaces]
     veths = [link for link in links if not link.endswith("br")]
 
     def veths_gone() -> bool | None:
         nonlocal veths
-        veths = [link for link in _list_links() if link in veths]
+        veths = [link for link in list_links() if link in veths]
         return not veths or None
 
     # A veth whose peer namespace lives on (a process we could not kill) is deleted here.
     if veths and not poll(veths_gone, timeout=2.0, interval=0.005):
-        _run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
+        run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
     removed += systemd.release_slot(f"{PREFIX}{slot}-")
     removed += cgroups.remove(f"{PREFIX}{slot}-")  # the nodes' CPU shares (--cpus)
     user = f"{PREFIX}{slot}"
-    if user in _lab_users():
-        _run(["userdel", user], check=False)
+    if user in lab_users():
+        run(["userdel", user], check=False)
         removed.append(f"user {user}")
     mount_point = Path("/home") / user
     # Only the empty mount point we made: a node's files live in its own home dir, never here.
@@ -281,14 +281,14 @@ def _teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
     return removed
 
 
-def _list_namespaces() -> list[str]:
-    result = _run(["ip", "netns", "list"], check=False)
+def list_namespaces() -> list[str]:
+    result = run(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 
-def _list_links() -> dict[str, str]:
+def list_links() -> dict[str, str]:
     """Links of the root namespace with the lab's prefix -> their alias ("" when none)."""
-    result = _run(["ip", "-j", "link", "show"], check=False)
+    result = run(["ip", "-j", "link", "show"], check=False)
     try:
         links = json.loads(result.stdout or "[]")
     except json.JSONDecodeError:
@@ -300,7 +300,7 @@ def _list_links() -> dict[str, str]:
     }
 
 
-def _lab_users(*, all_users: bool = False) -> list[str]:
+def lab_users(*, all_users: bool = False) -> list[str]:
     """Users the lab created (name rfl<k> and the lab's comment); `all_users`: any rfl<k> name."""
     try:
         lines = Path("/etc/passwd").read_text().splitlines()
@@ -309,6 +309,6 @@ def _lab_users(*, all_users: bool = False) -> list[str]:
     users = []
     for line in lines:
         fields = line.split(":")
-        if len(fields) > 4 and _USER_RE.match(fields[0]) and (all_users or fields[4] == _USER_COMMENT):
+        if len(fields) > 4 and USER_RE.match(fields[0]) and (all_users or fields[4] == USER_COMMENT):
             users.append(fields[0])
     return users

@@ -22,10 +22,10 @@ SSHD = "/usr/sbin/sshd"
 
 
 # Tools live in sbin; a non-login root shell may not have it on PATH.
-_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-_KILL_TIMEOUT = 5.0
+KILL_TIMEOUT = 5.0
 
 # Every lab sshd (a plain node's and a systemd node's): keys only, no delays, room for parallel sessions.
 SSHD_COMMON = (
@@ -40,12 +40,12 @@ SSHD_COMMON = (
 )
 
 
-def _kill(pids: Iterable[int]) -> None:
+def kill(pids: Iterable[int]) -> None:
     unique = [pid for pid in set(pids) if pid not in _protected_pids()]
     for pid in unique:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-    _wait_dead(unique, _KILL_TIMEOUT)
+    wait_dead(unique, KILL_TIMEOUT)
 
 
 def _protected_pids() -> set[int]:
@@ -55,7 +55,7 @@ def _protected_pids() -> set[int]:
     return {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
 
 
-def _netns_pids(namespaces: Iterable[str]) -> list[int]:
+def netns_pids(namespaces: Iterable[str]) -> list[int]:
     """Live processes in any of the named network namespaces (one pass over /proc)."""
     import psutil
 
@@ -72,12 +72,12 @@ def _netns_pids(namespaces: Iterable[str]) -> list[int]:
             info = Path(f"/proc/{pid}/ns/net").stat()
         except OSError:
             continue
-        if (info.st_dev, info.st_ino) in wanted and _proc_alive(pid):
+        if (info.st_dev, info.st_ino) in wanted and proc_alive(pid):
             found.append(pid)
     return found
 
 
-def _pids_under(directory: Path) -> list[int]:
+def pids_under(directory: Path) -> list[int]:
     """Live processes whose executable path (argv[0]) lies in `directory`, or sshds configured there."""
     import psutil
 
@@ -92,7 +92,7 @@ def _pids_under(directory: Path) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> list[str]:
+def cmdline(pid: int) -> list[str]:
     import psutil
 
     try:
@@ -105,7 +105,7 @@ def _cmdline(pid: int) -> list[str]:
 _DEAD = ("zombie", "dead")  # psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD
 
 
-def _proc_alive(pid: int) -> bool:
+def proc_alive(pid: int) -> bool:
     """Running, not a zombie (kill -0 succeeds on a zombie; here pid 1 may never reap orphans)."""
     import psutil
 
@@ -115,7 +115,7 @@ def _proc_alive(pid: int) -> bool:
         return False
 
 
-def _start_time(pid: int) -> float | None:
+def start_time(pid: int) -> float | None:
     """Process start time in clock ticks since boot (stable per process, distinct on pid reuse).
 
     Read from /proc/PID/stat, not psutil: psutil's `create_time()` is boot time + these ticks in
@@ -139,20 +139,20 @@ def _looks_like_sshd(argv: Sequence[str]) -> bool:
     return title == SSHD or title.startswith(("sshd: ", f"{SSHD} "))
 
 
-def _is_sshd(pid: int, config: Path) -> bool:
-    argv = _cmdline(pid)
-    return _looks_like_sshd(argv) and f"-f {config} " in " ".join(argv) + " " and _proc_alive(pid)
+def is_sshd(pid: int, config: Path) -> bool:
+    argv = cmdline(pid)
+    return _looks_like_sshd(argv) and f"-f {config} " in " ".join(argv) + " " and proc_alive(pid)
 
 
-def _wait_dead(pids: Sequence[int], timeout: float) -> None:
+def wait_dead(pids: Sequence[int], timeout: float) -> None:
     # Not psutil.wait_procs: it waits for a pid to vanish, and a zombie that pid 1 never reaps does not.
-    if poll(lambda: not any(_proc_alive(pid) for pid in pids) or None, timeout=timeout, interval=0.005):
+    if poll(lambda: not any(proc_alive(pid) for pid in pids) or None, timeout=timeout, interval=0.005):
         return
-    alive = [pid for pid in pids if _proc_alive(pid)]
+    alive = [pid for pid in pids if proc_alive(pid)]
     raise LabError(f"processes {alive} did not exit within {timeout:.0f} s of SIGKILL")
 
 
-def _read_pid(path: Path) -> int | None:
+def read_pid(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
     except OSError:
@@ -160,7 +160,7 @@ def _read_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _tcp_open(address: str, port: int, timeout: float, device: str | None = None) -> bool:
+def tcp_open(address: str, port: int, timeout: float, device: str | None = None) -> bool:
     """Whether address:port accepts a TCP connect. With `device`, only through that interface: a probe
     of a lab whose bridge is gone must fail here, never leave the machine by the default route."""
     try:
@@ -174,25 +174,25 @@ def _tcp_open(address: str, port: int, timeout: float, device: str | None = None
         return False
 
 
-def _tail(path: Path, lines: int = 8) -> str:
+def tail(path: Path, lines: int = 8) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = _PATH + ":" + env.get("PATH", "")
+    env["PATH"] = PATH + ":" + env.get("PATH", "")
     env["LC_ALL"] = "C"
     return env
 
 
-def _which(tool: str) -> str | None:
-    return shutil.which(tool, path=_PATH + ":" + os.environ.get("PATH", ""))
+def which(tool: str) -> str | None:
+    return shutil.which(tool, path=PATH + ":" + os.environ.get("PATH", ""))
 
 
-def _run(
+def run(
     argv: Sequence[str], *, input: str | None = None, check: bool = True, timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:
     try:
@@ -201,7 +201,7 @@ def _run(
             input=input,
             capture_output=True,
             text=True,
-            env=_env(),
+            env=child_env(),
             timeout=timeout,
             check=False,
             stdin=None if input is not None else subprocess.DEVNULL,
@@ -220,9 +220,9 @@ def _run(
     return result
 
 
-def _run_all(argvs: Sequence[Sequence[str]], *, inputs: Sequence[str] | None = None) -> None:
+def run_all(argvs: Sequence[Sequence[str]], *, inputs: Sequence[str] | None = None) -> None:
     """Run commands concurrently (all started before any is waited for); fail if any failed."""
-    env = _env()
+    env = child_env()
     procs: list[tuple[Sequence[str], subprocess.Popen[str], str | None]] = []
     for i, argv in enumerate(argvs):
         try:

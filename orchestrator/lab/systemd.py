@@ -15,7 +15,7 @@ The veth peer gets a fixed MAC derived from the address, so the host's ARP entry
 
 Stop = SIGTERM to nspawn (an orderly poweroff of the node's systemd), then whatever is left in the
 namespace is killed. The root stays mounted while a node is down (a reboot); `lab down` unmounts it.
-Findings behind each step: /tmp/research/nspawn/NOTES.md (kept in docs/lab.md).
+The findings behind each step: docs/lab.md.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from orchestrator.core.errors import LabError
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab.procs import (
     SSHD_COMMON,
-    _cmdline,
-    _env,
-    _netns_pids,
-    _proc_alive,
-    _read_pid,
-    _run,
-    _tail,
-    _tcp_open,
+    child_env,
+    cmdline,
+    netns_pids,
+    proc_alive,
+    read_pid,
+    run,
+    tail,
+    tcp_open,
 )
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def mac_of(address: str) -> str:
 
 def check_prerequisites() -> None:
     missing = [
-        tool for tool in (NSPAWN, "mount", "umount") if shutil.which(tool, path=_env()["PATH"]) is None
+        tool for tool in (NSPAWN, "mount", "umount") if shutil.which(tool, path=child_env()["PATH"]) is None
     ]
     if missing:
         raise LabError(
@@ -118,13 +118,11 @@ def prepare(lab: Lab, node: LabNode, client_pub: str, uid: int, gid: int, sshd_e
     assert lab.user
     osd = os_dir(node)
     osd.mkdir(mode=0o755)
-    _run(
-        ["mount", "-t", "tmpfs", "-o", f"size={_ROOT_TMPFS_SIZE},mode=0755", f"{machine(node)}-os", str(osd)]
-    )
+    run(["mount", "-t", "tmpfs", "-o", f"size={_ROOT_TMPFS_SIZE},mode=0755", f"{machine(node)}-os", str(osd)])
     for sub in ("upper", "work", "root"):
         (osd / sub).mkdir()
     options = f"lowerdir=/,upperdir={osd / 'upper'},workdir={osd / 'work'}"
-    _run(["mount", "-t", "overlay", "-o", options, machine(node), str(root_dir(node))])
+    run(["mount", "-t", "overlay", "-o", options, machine(node), str(root_dir(node))])
     root = root_dir(node)
     (root / "etc/machine-id").write_text(secrets.token_hex(16) + "\n")
     (root / "etc/hostname").write_text(node.name + "\n")
@@ -246,7 +244,7 @@ def boot(lab: Lab, node: LabNode) -> None:
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
-            env=_env(),
+            env=child_env(),
             check=True,
             timeout=10,
         )
@@ -254,7 +252,7 @@ def boot(lab: Lab, node: LabNode) -> None:
 
 def leader(node: LabNode) -> int | None:
     """Host pid of the node's systemd (PID 1 of its pid namespace), when it runs."""
-    for pid in _netns_pids([node.namespace or ""]):
+    for pid in netns_pids([node.namespace or ""]):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("NSpid:"):
@@ -266,8 +264,8 @@ def leader(node: LabNode) -> int | None:
 
 def sshd_pid(node: LabNode) -> int | None:
     """The node's listening sshd (ssh.service), as a host pid."""
-    for pid in _netns_pids([node.namespace or ""]):
-        argv = " ".join(_cmdline(pid))
+    for pid in netns_pids([node.namespace or ""]):
+        argv = " ".join(cmdline(pid))
         if (argv.startswith("sshd: ") and "[listener]" in argv) or argv.startswith("/usr/sbin/sshd -D"):
             return pid
     return None
@@ -282,20 +280,18 @@ def wait_booted(lab: Lab, nodes: Sequence[LabNode], timeout: float = BOOT_TIMEOU
             pid = leader(node)
             if pid is not None:
                 left = max(1.0, deadline - time.monotonic())
-                state = _run(
+                state = run(
                     ["nsenter", "-t", str(pid), "-a", "systemctl", "is-system-running", "--wait"],
                     check=False,
                     timeout=left,
                 ).stdout.strip()
-                if state in ("running", "degraded") and _tcp_open(node.address, 22, 1.0, lab.bridge):
+                if state in ("running", "degraded") and tcp_open(node.address, 22, 1.0, lab.bridge):
                     return
-            holder = _read_pid(node.holder_pid_file)
-            if holder is not None and not _proc_alive(holder):
-                raise LabError(f"node {node.name} did not boot", stderr=_tail(node.log, 20))
+            holder = read_pid(node.holder_pid_file)
+            if holder is not None and not proc_alive(holder):
+                raise LabError(f"node {node.name} did not boot", stderr=tail(node.log, 20))
             if time.monotonic() > deadline:
-                raise LabError(
-                    f"node {node.name} did not boot within {timeout:.0f} s", stderr=_tail(node.log)
-                )
+                raise LabError(f"node {node.name} did not boot within {timeout:.0f} s", stderr=tail(node.log))
             time.sleep(0.05)
 
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(nodes)))) as pool:
@@ -304,32 +300,32 @@ def wait_booted(lab: Lab, nodes: Sequence[LabNode], timeout: float = BOOT_TIMEOU
 
 
 def _ours(pid: int | None, node: LabNode, name: str) -> bool:
-    argv = _cmdline(pid) if pid is not None else []
-    return pid is not None and bool(argv) and argv[0] == str(node.dir / name) and _proc_alive(pid)
+    argv = cmdline(pid) if pid is not None else []
+    return pid is not None and bool(argv) and argv[0] == str(node.dir / name) and proc_alive(pid)
 
 
 def shutdown(nodes: Sequence[LabNode], timeout: float = STOP_TIMEOUT) -> None:
     """Power the nodes off (SIGTERM to nspawn: an orderly shutdown), all at once; kill what is left."""
     waiting = []
     for node in nodes:
-        holder = _read_pid(node.holder_pid_file)
+        holder = read_pid(node.holder_pid_file)
         if not _ours(holder, node, "boot"):
             continue
         (node.dir / "stopping").touch()
-        nspawn = _read_pid(node.dir / "nspawn.pid")
+        nspawn = read_pid(node.dir / "nspawn.pid")
         if _ours(nspawn, node, "nspawn") and nspawn is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(nspawn, signal.SIGTERM)
         waiting.append((node, holder))
     deadline = time.monotonic() + timeout
-    while any(h is not None and _proc_alive(h) for _, h in waiting) and time.monotonic() < deadline:
+    while any(h is not None and proc_alive(h) for _, h in waiting) and time.monotonic() < deadline:
         time.sleep(0.02)
     for node, holder in waiting:
-        if holder is not None and _proc_alive(holder):  # a hung shutdown: power cut
+        if holder is not None and proc_alive(holder):  # a hung shutdown: power cut
             with contextlib.suppress(ProcessLookupError):
                 os.kill(holder, signal.SIGKILL)
         # A container whose nspawn died lives on: its processes are in the namespace.
-        pids = _netns_pids([node.namespace or ""])
+        pids = netns_pids([node.namespace or ""])
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -347,7 +343,7 @@ def _cgroup_members(name: str) -> list[int]:
         for procs in (root / name).rglob("cgroup.procs"):
             with contextlib.suppress(OSError, ValueError):
                 pids |= {int(line) for line in procs.read_text().split()}
-    return [pid for pid in sorted(pids) if _proc_alive(pid)]
+    return [pid for pid in sorted(pids) if proc_alive(pid)]
 
 
 def _empty_cgroups(name: str, timeout: float = 5.0) -> None:
@@ -363,7 +359,7 @@ def _empty_cgroups(name: str, timeout: float = 5.0) -> None:
 
 def _wait_gone(pids: Sequence[int], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(_proc_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(proc_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -378,12 +374,12 @@ def power_cut(node: LabNode) -> None:
     """Kill every process of the node at once (boot loop, nspawn, the container): no shutdown runs."""
     pids = []
     for name, pid in (
-        ("boot", _read_pid(node.holder_pid_file)),
-        ("nspawn", _read_pid(node.dir / "nspawn.pid")),
+        ("boot", read_pid(node.holder_pid_file)),
+        ("nspawn", read_pid(node.dir / "nspawn.pid")),
     ):
         if pid is not None and _ours(pid, node, name):
             pids.append(pid)
-    pids += _netns_pids([node.namespace or ""]) + _cgroup_members(machine(node))
+    pids += netns_pids([node.namespace or ""]) + _cgroup_members(machine(node))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -397,7 +393,7 @@ def restart(lab: Lab, node: LabNode) -> None:
         raise LabError(f"node {node.name} has lost its root file system ({root_dir(node)})")
     shutdown([node])  # a boot loop that still runs is stopped in order; pid files and cgroups go
     # A boot loop that is gone leaves shutdown nothing to find: what its container left is killed here.
-    pids = _netns_pids([node.namespace or ""]) + _cgroup_members(machine(node))
+    pids = netns_pids([node.namespace or ""]) + _cgroup_members(machine(node))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -451,8 +447,8 @@ def unmount_under(directory: Path) -> list[str]:
     points = [_unescape(line.split()[4]) for line in lines]
     mine = sorted({p for p in points if p.startswith(prefix)}, key=lambda p: -p.count("/"))
     for point in mine:
-        if _run(["umount", point], check=False).returncode != 0:
-            _run(["umount", "-l", point], check=False)
+        if run(["umount", point], check=False).returncode != 0:
+            run(["umount", "-l", point], check=False)
     return [f"mount {point}" for point in mine]
 
 

@@ -1,8 +1,8 @@
-"""`Plan` → `llama_cpp.Llama` on stock llama-cpp-python 0.3.36 (the only module importing llama_cpp).
+"""`Plan` → `llama_cpp.Llama` on stock llama-cpp-python 0.3.36 (llama_cpp itself through `llama.native`).
 
 0.3.36 has no `rpc_servers` argument (it is swallowed by `**kwargs`), and its native RPC client aborts the
 whole process on an unreachable or mismatched server. So, in this order (facts: §4-§6 of
-`../shared/docs/llama-rpc.md`, relative to the repository root):
+docs/llama-rpc.md):
 
 1. Preflight every endpoint of the plan with the pure-Python client (`llama.preflight`) and refuse,
    with a typed error, anything unreachable, busy, of another protocol, or whose devices do not
@@ -36,14 +36,14 @@ from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
 from orchestrator.llama.multimodal import mtmd_handler
 from orchestrator.llama.native import (
-    _LIVE,
-    _LOCK,
-    _REGISTRY,
-    _capture_log,
-    _llama_cpp,
-    _Native,
-    _native,
-    _register,
+    LIVE,
+    LOCK,
+    REGISTRY,
+    Native,
+    capture_log,
+    get_native,
+    llama_cpp_module,
+    register,
 )
 from orchestrator.llama.placement import build_placement
 from orchestrator.llama.preflight import check_endpoint_limit, preflight
@@ -112,12 +112,12 @@ def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | 
         lc.llama_model_default_params = original
 
 
-def _resolve_devices(plan: Plan, native: _Native) -> tuple[list[int], list[str]]:
+def _resolve_devices(plan: Plan, native: Native) -> tuple[list[int], list[str]]:
     handles: list[int] = []
     names: list[str] = []
     for dev in plan.devices:
         if dev.endpoint is not None:
-            reg = _REGISTRY[dev.endpoint]
+            reg = REGISTRY[dev.endpoint]
             handles.append(reg.devices[dev.index])
             names.append(reg.names[dev.index])
         else:
@@ -131,9 +131,9 @@ def _resolve_devices(plan: Plan, native: _Native) -> tuple[list[int], list[str]]
 
 def device_names(plan: Plan) -> list[str]:
     """The names the plan's devices have in this process (RPC<k> once registered), in plan order."""
-    with _LOCK:
+    with LOCK:
         return [
-            _REGISTRY[d.endpoint].names[d.index] if d.endpoint is not None else d.name for d in plan.devices
+            REGISTRY[d.endpoint].names[d.index] if d.endpoint is not None else d.name for d in plan.devices
         ]
 
 
@@ -192,7 +192,7 @@ def _multimodal(
 def register_endpoints(counts: Mapping[str, int]) -> None:
     """Register each preflighted endpoint natively (once per process) with its device count."""
     for ep, count in counts.items():
-        _register(ep, count)
+        register(ep, count)
 
 
 def load_registered(
@@ -211,8 +211,8 @@ def load_registered(
     endpoints are registered already: explicit device list, the plan's split, the load log captured,
     the `Placement` attached; `on_progress(fraction)` during the load (llama.cpp's own). Call under
     `_LOCK`."""
-    lc = _llama_cpp()
-    native = _native()
+    lc = llama_cpp_module()
+    native = get_native()
     handles, names = _resolve_devices(plan, native)
     devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
     has_local_gpu = any(d.endpoint is None for d in plan.devices)
@@ -221,7 +221,7 @@ def load_registered(
     records: list[tuple[int, str]] = []
     started = time.monotonic()
     try:
-        with _capture_log(lc, records, verbose), _model_params(lc, devices, on_progress) as callback:
+        with capture_log(lc, records, verbose), _model_params(lc, devices, on_progress) as callback:
             llm: Any = construct(
                 str(path),
                 n_gpu_layers=plan.n_gpu_layers,
@@ -245,12 +245,12 @@ def load_registered(
     elapsed = time.monotonic() - started
     endpoints = plan.endpoints
     for ep in endpoints:
-        _LIVE[ep] = _LIVE.get(ep, 0) + 1
+        LIVE[ep] = LIVE.get(ep, 0) + 1
 
     def release() -> None:
-        with _LOCK:
+        with LOCK:
             for ep in endpoints:
-                _LIVE[ep] = max(0, _LIVE.get(ep, 0) - 1)
+                LIVE[ep] = max(0, LIVE.get(ep, 0) - 1)
 
     llm._stack.callback(release)  # runs on close() and on garbage collection (Llama.__del__ closes)
     # The device array and the progress callback must outlive the model: llama keeps the pointers.
@@ -319,7 +319,7 @@ def load_llama(
     _check_model(plan, path)
     if plan.split_mode != "layer":
         raise LoaderError(f"split mode {plan.split_mode!r} is not supported with RPC; plans use 'layer'")
-    with _LOCK:
+    with LOCK:
         check_endpoint_limit(plan.endpoints)
         counts = preflight(plan, connect_timeout=connect_timeout, read_timeout=read_timeout)
         # Only now native code runs (RPC check, registration).

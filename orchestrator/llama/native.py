@@ -36,30 +36,30 @@ class RegisteredEndpoint:
 
 # One lock for the registry, the live-model counts and model construction (the params wrapper and the log
 # callback are process-wide).
-_LOCK = threading.RLock()
+LOCK = threading.RLock()
 
 
-_REGISTRY: dict[str, RegisteredEndpoint] = {}
+REGISTRY: dict[str, RegisteredEndpoint] = {}
 
 
 # Endpoints held by a live model of this process: its connection stays open for the model's life, so a
 # probe from here would only see our own connection as "busy".
-_LIVE: dict[str, int] = {}
+LIVE: dict[str, int] = {}
 
 
 def registered_endpoints() -> dict[str, RegisteredEndpoint]:
     """The endpoints registered natively in this process (they stay until it exits)."""
-    with _LOCK:
-        return dict(_REGISTRY)
+    with LOCK:
+        return dict(REGISTRY)
 
 
 def live_endpoints() -> dict[str, int]:
     """Endpoints in use by models of this process that are not closed yet, with their model count."""
-    with _LOCK:
-        return {k: v for k, v in _LIVE.items() if v > 0}
+    with LOCK:
+        return {k: v for k, v in LIVE.items() if v > 0}
 
 
-class _Native:
+class Native:
     """ggml entry points resolved from libllama's handle, with argtypes/restype set."""
 
     def __init__(self, llama_cpp_mod: Any) -> None:
@@ -113,7 +113,7 @@ class _Native:
         return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(addr)
 
 
-_NATIVE: _Native | None = None
+_NATIVE: Native | None = None
 
 
 def has_dynamic_backends(lib_dir: Path) -> bool:
@@ -130,7 +130,7 @@ def has_dynamic_backends(lib_dir: Path) -> bool:
     return False
 
 
-def _load_dynamic_backends(native: _Native, lib_dir: Path) -> bool:
+def _load_dynamic_backends(native: Native, lib_dir: Path) -> bool:
     """The seed's order: ggml's backends are loaded before any RPC registration. A build with dynamic
     backends needs `ggml_backend_load_all` (from the binding's library folder); a linked build has
     them already, and loading them again would register a second copy. Returns whether it loaded."""
@@ -158,7 +158,7 @@ class GenerationTimings:
 
 def generation_timings(llm: Any) -> GenerationTimings:
     """Prompt and generation counters of `llm`'s last completion (llama_perf_context)."""
-    perf = _llama_cpp().llama_perf_context(llm._ctx.ctx)
+    perf = llama_cpp_module().llama_perf_context(llm._ctx.ctx)
     return GenerationTimings(
         prompt_tokens=int(perf.n_p_eval),
         prompt_seconds=perf.t_p_eval_ms / 1000,
@@ -174,7 +174,7 @@ def local_gpus() -> list[PlanDevice]:
     """This machine's GPUs as llama.cpp sees them (CUDA0, Vulkan0...), with their free memory, for
     the device list after the RPC devices. Empty without llama-cpp-python or without GPUs."""
     try:
-        native = _native()
+        native = get_native()
     except RpcUnavailableError:
         return []
     found: list[PlanDevice] = []
@@ -201,7 +201,7 @@ def local_gpus() -> list[PlanDevice]:
     return found
 
 
-def _llama_cpp() -> Any:
+def llama_cpp_module() -> Any:
     """The llama_cpp.llama_cpp module (imported here only), checked for version and RPC support."""
     try:
         import llama_cpp
@@ -220,20 +220,20 @@ def _llama_cpp() -> Any:
     return lc
 
 
-def _native() -> _Native:
+def get_native() -> Native:
     global _NATIVE
     if _NATIVE is None:
-        _NATIVE = _Native(_llama_cpp())
+        _NATIVE = Native(llama_cpp_module())
     return _NATIVE
 
 
-def _register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
+def register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
     """Register `endpoint` natively (once per process). Call only after a successful preflight."""
-    with _LOCK:
-        known = _REGISTRY.get(endpoint)
+    with LOCK:
+        known = REGISTRY.get(endpoint)
         if known is not None:
             return known
-        native = _native()
+        native = get_native()
         add = native.add_server()
         # Native: aborts the process if the server vanished since the preflight (a small window).
         server_reg = add(endpoint.encode())
@@ -248,7 +248,7 @@ def _register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
             names=tuple(native.dev_name(d).decode() for d in devices),
             descriptions=tuple(native.dev_description(d).decode() for d in devices),
         )
-        _REGISTRY[endpoint] = entry
+        REGISTRY[endpoint] = entry
         get_logger().debug("rpc_registered", endpoint=endpoint, devices=entry.names)
         if count != expected_devices:
             raise DeviceMismatchError(
@@ -258,7 +258,7 @@ def _register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
 
 
 @contextlib.contextmanager
-def _capture_log(lc: Any, sink: list[tuple[int, str]], verbose: bool) -> Iterator[None]:
+def capture_log(lc: Any, sink: list[tuple[int, str]], verbose: bool) -> Iterator[None]:
     """Route llama.cpp's (and ggml's) log into `sink` while the block runs; echo it when verbose. The
     previous callback is restored afterwards."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from orchestrator.artifacts.protocol import local_protocol_version
 from orchestrator.llama.errors import DeviceMismatchError, EndpointLimitError, EndpointUnreachableError
-from orchestrator.llama.native import _LIVE, _LOCK, _REGISTRY, _native
+from orchestrator.llama.native import LIVE, LOCK, REGISTRY, get_native
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.errors import error_for
@@ -32,7 +32,7 @@ MAX_ENDPOINTS = 16
 LLAMA_CPP_PROTOCOL = {"0.3.36": "7.0.0"}
 
 
-def _run_sync(coro: Any) -> Any:
+def run_sync(coro: Any) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -85,8 +85,8 @@ def check_plan_devices(plan: Plan, device_counts: Mapping[str, int]) -> None:
 
 def check_endpoint_limit(endpoints: Sequence[str]) -> None:
     """Refuse endpoints that would take this process past `MAX_ENDPOINTS` distinct registrations."""
-    with _LOCK:
-        total = len(set(_REGISTRY) | set(endpoints))
+    with LOCK:
+        total = len(set(REGISTRY) | set(endpoints))
     if total > MAX_ENDPOINTS:
         raise EndpointLimitError(
             f"loading would register {total} distinct endpoints; one process allows {MAX_ENDPOINTS} "
@@ -98,8 +98,8 @@ def check_endpoint_limit(endpoints: Sequence[str]) -> None:
 def _held_result(endpoint: str) -> ProbeResult:
     """An endpoint a live model of this process holds (a probe would only see our own connection as
     busy): its registered devices, with the memory ggml reports for them over that connection."""
-    native = _native()
-    memories = [DeviceMemory(i, *native.memory(dev)) for i, dev in enumerate(_REGISTRY[endpoint].devices)]
+    native = get_native()
+    memories = [DeviceMemory(i, *native.memory(dev)) for i, dev in enumerate(REGISTRY[endpoint].devices)]
     return ProbeResult(endpoint, Outcome.OK, None, tuple(memories), "in use by a model of this process", 0.0)
 
 
@@ -124,12 +124,12 @@ def probe_for_load(
             raise EndpointUnreachableError(
                 ProbeResult(ep, Outcome.REFUSED, None, (), str(exc), 0.0), f"invalid endpoint {ep!r}: {exc}"
             ) from exc
-    with _LOCK:
-        held = [ep for ep in endpoints if _LIVE.get(ep) and ep in _REGISTRY]
+    with LOCK:
+        held = [ep for ep in endpoints if LIVE.get(ep) and ep in REGISTRY]
     to_probe = [ep for ep in endpoints if ep not in held]
     results: list[ProbeResult] = []
     if to_probe:
-        results = _run_sync(
+        results = run_sync(
             probe_endpoints(
                 to_probe,
                 expected=expected or expected_protocol(),
@@ -149,9 +149,9 @@ def probe_for_load(
     by_canonical = {str(parse_endpoint(ep)): ep for ep in to_probe}
     found = {by_canonical.get(r.endpoint, r.endpoint): r for r in results}
     found.update({ep: _held_result(ep) for ep in held})
-    with _LOCK:
+    with LOCK:
         for ep, result in found.items():
-            reg = _REGISTRY.get(ep)
+            reg = REGISTRY.get(ep)
             if reg is not None and len(reg.devices) != len(result.devices):
                 raise DeviceMismatchError(
                     f"the server now reports {len(result.devices)} device(s) but {len(reg.devices)} are "

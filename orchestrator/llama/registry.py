@@ -26,8 +26,8 @@ from typing import Any, TextIO
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.core.units import format_size
-from orchestrator.llama.native import _LOCK, _llama_cpp, _native, live_endpoints, registered_endpoints
-from orchestrator.llama.preflight import _run_sync, check_endpoint_limit, probe_for_load
+from orchestrator.llama.native import LOCK, get_native, live_endpoints, llama_cpp_module, registered_endpoints
+from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load, run_sync
 from orchestrator.llama.seed_plan import parse_rpc_servers
 from orchestrator.rpc.client import endpoint_list, probe_endpoint, query_memory
 from orchestrator.rpc.errors import error_for
@@ -49,7 +49,7 @@ class RpcDevice:
 def supports_rpc() -> bool:
     """Whether llama-cpp-python is installed and built with RPC (never raises)."""
     try:
-        return bool(_native().reg_by_name(b"RPC"))
+        return bool(get_native().reg_by_name(b"RPC"))
     except RpcfleetError:
         return False
 
@@ -69,10 +69,10 @@ def add_rpc_servers(*endpoints: str, timeout: float = 5.0) -> tuple[RpcDevice, .
     from orchestrator.llama.loader import register_endpoints
 
     unique = parse_rpc_servers(list(endpoints))
-    with _LOCK:
+    with LOCK:
         check_endpoint_limit(unique)
         results = probe_for_load(unique, connect_timeout=timeout, read_timeout=timeout, deadline=timeout)
-        _llama_cpp()  # RPC compiled in, else RpcUnavailableError
+        llama_cpp_module()  # RPC compiled in, else RpcUnavailableError
         register_endpoints({ep: len(r.devices) for ep, r in results.items()})
         return tuple(dev for ep in unique for dev in _devices_of(ep))
 
@@ -91,7 +91,7 @@ def query_rpc_memory(endpoint: str, *, timeout: float = 5.0) -> list[RpcDeviceMe
     """Each device's free/total memory as `endpoint` reports it (pure Python, registration-free).
     Raises the typed error of a probe that fails (`EndpointProbeError`)."""
     canonical = str(parse_endpoint(endpoint))
-    result = _run_sync(
+    result = run_sync(
         probe_endpoint(canonical, connect_timeout=timeout, read_timeout=timeout, deadline=timeout)
     )
     if not result.ok:
@@ -106,7 +106,7 @@ def query_all(endpoints: Any, *, timeout: float = 5.0) -> RpcMemoryInfo | None:
         items = endpoint_list(endpoints)
         if items is None:
             return None
-        info: RpcMemoryInfo | None = _run_sync(
+        info: RpcMemoryInfo | None = run_sync(
             query_memory(items, connect_timeout=timeout, read_timeout=timeout, deadline=timeout)
         )
         return info
@@ -118,7 +118,7 @@ def query_all(endpoints: Any, *, timeout: float = 5.0) -> RpcMemoryInfo | None:
 def summary() -> str:
     """The text `print_summary` writes: ggml's backends and devices in this process, then the
     registered RPC devices with their endpoint and the memory their server reports."""
-    native = _native()
+    native = get_native()
     lines = ["ggml backends:"]
     for i in range(native.reg_count()):
         reg = native.reg_get(i)
@@ -136,7 +136,7 @@ def summary() -> str:
     for endpoint, reg in registered_endpoints().items():
         memory = None
         if endpoint not in held:  # a probe of a held server would only see our own connection
-            result = _run_sync(probe_endpoint(endpoint, connect_timeout=2.0, read_timeout=2.0))
+            result = run_sync(probe_endpoint(endpoint, connect_timeout=2.0, read_timeout=2.0))
             memory = result.devices if result.ok else None
             state = "" if result.ok else f" ({result.outcome}: {result.message})"
         else:

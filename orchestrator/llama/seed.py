@@ -37,7 +37,7 @@ import llama_cpp
 
 # isort: split
 from orchestrator.core.errors import LoaderError, ModelError, PlanError
-from orchestrator.inventory.variables import _did_you_mean
+from orchestrator.inventory.variables import near_miss
 from orchestrator.llama.errors import UnknownArgumentError
 from orchestrator.llama.loader import (
     LLAMA_SPLIT_MODE_LAYER,
@@ -111,8 +111,7 @@ def _check_keywords(kwargs: Mapping[str, Any]) -> None:
         name = unknown[0]
         raise UnknownArgumentError(
             f"Llama() got unknown keyword argument(s) {', '.join(unknown)}: llama-cpp-python "
-            f"{llama_cpp.__version__} would ignore them"
-            + _did_you_mean(name, [*STOCK_KEYWORDS, *SEED_KEYWORDS])
+            f"{llama_cpp.__version__} would ignore them" + near_miss(name, [*STOCK_KEYWORDS, *SEED_KEYWORDS])
         )
 
 
@@ -218,10 +217,10 @@ class Llama(llama_cpp.Llama):
             parent_init(path, **params)
             return self
 
-        with _native_module._LOCK:
+        with _native_module.LOCK:
             check_endpoint_limit(endpoints)
             results = probe_for_load(endpoints, connect_timeout=rpc_timeout, read_timeout=rpc_timeout)
-            native = _native_module._native()  # loads ggml's dynamic backends, if any, first
+            native = _native_module.get_native()  # loads ggml's dynamic backends, if any, first
             register_endpoints({ep: len(r.devices) for ep, r in results.items()})
             registered = _native_module.registered_endpoints()
             alignments = {

@@ -144,12 +144,12 @@ def read_facts(hosts: Mapping[str, Host]) -> dict[str, FactsRead]:
     """Each host's facts (MemAvailable, machine identity...), read at once. A host whose facts (or
     MemAvailable) cannot be read has its CPU servers count as unmeasured; the cause is logged as a
     warning and kept in `error`."""
-    from orchestrator.llama.preflight import _run_sync
+    from orchestrator.llama.preflight import run_sync
 
     async def all_facts() -> list[HostFacts | BaseException]:
         return await asyncio.gather(*(_gather(h) for h in hosts.values()), return_exceptions=True)
 
-    results = _run_sync(all_facts())
+    results = run_sync(all_facts())
     return {key: _facts_read(host, r) for (key, host), r in zip(hosts.items(), results, strict=True)}
 
 

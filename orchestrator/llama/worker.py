@@ -49,12 +49,13 @@ from orchestrator.llama.worker_wire import (
     WorkerError,
     WorkerTimeoutError,
     decode,
+    devices_from_json,
     done_from_json,
     encode,
     error_from_child,
     placement_from_json,
 )
-from orchestrator.planning.plan import Plan
+from orchestrator.planning.plan import Plan, PlanDevice
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.protocol import Outcome, ProbeResult
 
@@ -108,6 +109,13 @@ def _run_sync(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
+def list_local_gpus(timeout: float = LOAD_TIMEOUT) -> list[PlanDevice]:
+    """This machine's GPUs (`Worker.local_gpus`) from a worker started for that alone and closed at
+    once: for a caller with no worker of its own (`plan`, `report`, serve's planning)."""
+    with Worker.spawn(Path(os.devnull)) as worker:
+        return worker.local_gpus(timeout)
+
+
 def _signal_name(returncode: int | None) -> str:
     if returncode is None:
         return "still running"
@@ -147,6 +155,7 @@ class Worker:
         self._busy = threading.Lock()
         self._dead: RpcfleetError | None = None
         self._ready = False  # the child said `ready` (its imports are done)
+        self._local_gpus: list[PlanDevice] = []  # this machine's GPUs, as the child listed them at `ready`
         assert process.stdout is not None
         threading.Thread(target=self._read, args=(process.stdout,), name="worker-reader", daemon=True).start()
 
@@ -259,6 +268,8 @@ class Worker:
         try:
             self._send(request)
             answer = self._next(timeout, "starting") if not self._ready else {"event": "ready"}
+            if not self._ready and answer.get("event") == "ready":
+                self._take_ready(answer)
             names = {d: r for r, d in self.dial.items()}
             tracker = ProgressTracker(planned_bytes(plan), names, dict(cache_hits or {}))
             while answer.get("event") in ("ready", "progress"):  # imports done, then the load's samples
@@ -307,7 +318,25 @@ class Worker:
             if answer.get("event") != "ready":
                 self.kill()
                 raise self._record(self._unexpected(answer))
-            self._ready = True
+            self._take_ready(answer)
+
+    def _take_ready(self, answer: Mapping[str, Any]) -> None:
+        try:
+            self._local_gpus = devices_from_json(answer.get("local_gpus"))
+        except ValueError as exc:
+            self.kill()
+            raise self._record(
+                self._attach(WorkerError(f"the worker answered malformed local GPUs: {exc}"))
+            ) from None
+        self._ready = True
+
+    def local_gpus(self, timeout: float = LOAD_TIMEOUT) -> list[PlanDevice]:
+        """This machine's GPUs as llama.cpp sees them (CUDA0, Vulkan0...), with their free memory, as the
+        child listed them once its imports were done (waits for that). The caller plans with them and
+        never loads libllama itself: in a CUDA build, listing may create the GPU context that `Worker`
+        exists to keep out of the caller."""
+        self.wait_ready(timeout)
+        return list(self._local_gpus)
 
     # -- requests
     def complete(

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker_wire import decode, encode, placement_to_json
+from orchestrator.llama.worker_wire import decode, devices_to_json, encode, placement_to_json
 
 PARENT_ENV = "RPCFLEET_WORKER_PARENT"
 _WATCH_INTERVAL = 0.5  # seconds between re-parenting checks of the watchdog
@@ -372,13 +372,18 @@ def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
 def serve(channel: _Channel) -> int:
     from orchestrator.core.errors import RpcfleetError
     from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native import local_gpus
     from orchestrator.llama.placement import placement_of
     from orchestrator.planning.plan import Plan
 
     with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort
         import llama_cpp  # noqa: F401
-    channel.send(event="ready")  # the imports are done: the parent may have planned meanwhile
+    # The imports are done (the parent may have probed meanwhile). This machine's GPUs are listed here,
+    # not in the parent: listing loads libllama, and on a GPU machine may create a device context.
+    channel.send(event="ready", local_gpus=devices_to_json(local_gpus()))
     load = channel.requests.get()
+    if load.get("op") == "close":  # a worker that only listed the GPUs (`list_local_gpus`)
+        return 0
     try:
         plan = Plan.from_json(load["plan"])
         peers = endpoint_peers(plan.endpoints)

@@ -1,8 +1,10 @@
 """What crosses the worker's pipes, and what the parent makes of it (pure; no llama_cpp).
 
 One JSON object per line, both ways. Parent → child (stdin): `{"op": "load" | "complete" | "chat" |
-"cancel" | "close", ...}`. Child → parent (its protocol pipe): `{"event": "loaded" | "token" | "done" |
-"error", ...}`; they become `Token`/`Done` events and `WorkerError`s here.
+"cancel" | "close", ...}`. Child → parent (its protocol pipe): `{"event": "ready" | "progress" | "loaded" |
+"token" | "done" | "error", ...}`; they become `Token`/`Done` events and `WorkerError`s here. `ready`
+carries this machine's GPUs as llama.cpp lists them (`local_gpus`): the parent plans with them and never
+loads libllama itself.
 
 The `Placement` of a load crosses as JSON; `placement_from_json` checks every field, so a malformed
 answer is a `ValueError` naming the field, never a half-built record.
@@ -21,7 +23,7 @@ from orchestrator.core import errors as core_errors
 from orchestrator.core.errors import LoaderError, RpcfleetError
 from orchestrator.llama import errors as llama_errors
 from orchestrator.llama.placement import DevicePlacement, HostPlacement, Placement
-from orchestrator.planning.plan import MemoryBytes
+from orchestrator.planning.plan import MemoryBytes, PlanDevice
 from orchestrator.rpc.errors import EndpointProbeError
 from orchestrator.rpc.protocol import Outcome, ProbeResult
 
@@ -172,6 +174,44 @@ def placement_from_json(data: Any) -> Placement:
         load_seconds=typed(data, "load_seconds", float),
         log=tuple(log),
     )
+
+
+def devices_to_json(devices: Sequence[PlanDevice]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(d) for d in devices]
+
+
+_DEVICE_FIELDS = {f.name: f for f in dataclasses.fields(PlanDevice)}
+
+
+def devices_from_json(data: Any) -> list[PlanDevice]:
+    """The child's local GPUs; ValueError naming the first field that is missing or of the wrong type."""
+    if not isinstance(data, list):
+        raise ValueError(f"local_gpus must be a list, got {type(data).__name__}")
+    devices = []
+    for item in data:
+        if not isinstance(item, dict) or set(item) != set(_DEVICE_FIELDS):
+            raise ValueError(f"a local GPU must be an object with the fields {sorted(_DEVICE_FIELDS)}")
+        endpoint, host = item["endpoint"], item["host"]
+        if endpoint is not None or (host is not None and not isinstance(host, str)):
+            raise ValueError(
+                f"a local GPU has no endpoint and a string or null host, got {endpoint!r}, {host!r}"
+            )
+        devices.append(
+            PlanDevice(
+                endpoint=None,
+                index=typed(item, "index", int),
+                name=typed(item, "name", str),
+                description=typed(item, "description", str),
+                total=typed(item, "total", int),
+                free=typed(item, "free", int),
+                usable=typed(item, "usable", int),
+                alignment=typed(item, "alignment", int),
+                ok=typed(item, "ok", bool),
+                state=typed(item, "state", str),
+                host=host,
+            )
+        )
+    return devices
 
 
 def error_from_child(message: Mapping[str, Any], log_path: Path | None) -> RpcfleetError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection, shell_path
 from orchestrator.engine.executor import HostContext, StepOutcome
-from orchestrator.operations.server import _node_path, server_files
+from orchestrator.operations.server import node_path, server_files
 
 # What ggml-rpc-server 7.x prints per client connection (checked against its output).
 CONNECTION_NOISE = ("Accepted client connection", "Client connection closed")
@@ -86,7 +86,7 @@ def make_follow_step(
 
     async def follow(ctx: HostContext) -> StepOutcome[None]:
         conn = await ctx.connection()
-        path = _node_path(ctx.host.install_dir, server_files(ctx.host.server).log)
+        path = node_path(ctx.host.install_dir, server_files(ctx.host.server).log)
         first = await read_new(conn, path, None)
         offset = first.size if first is not None else 0
         partial = ""

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from orchestrator.artifacts.manifest import Manifest
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
-from orchestrator.operations.install_plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange, _lines
+from orchestrator.operations.install_plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange, key_lines
 
 
-def _verify_lines(manifest: Manifest | None, folder: str) -> list[str]:
+def verify_lines(manifest: Manifest | None, folder: str) -> list[str]:
     """Shell lines checking every regular file of `manifest` in `folder` with sha256sum."""
     if manifest is None:
         return [f'[ -x {folder}/bin/ggml-rpc-server ] || fail files "$ID has no bin/ggml-rpc-server"']
@@ -26,7 +26,7 @@ def _verify_lines(manifest: Manifest | None, folder: str) -> list[str]:
     ]
 
 
-def _script(change: InstallChange, nonce: str, cleanup: Sequence[str], body: Sequence[str]) -> str:
+def guarded_script(change: InstallChange, nonce: str, cleanup: Sequence[str], body: Sequence[str]) -> str:
     """A node-side script: header (D, ID, fail), `body`, then the switch, history and pruning."""
     q = shlex.quote
     lines = [
@@ -62,14 +62,14 @@ def install_script(change: InstallChange, remote_archive: str, nonce: str) -> st
         f'[ "$got" = {sha} ] || fail checksum "archive sha256 on the node is $got, expected {sha}"',
         'mkdir -p "$S" || fail unpack "cannot create $S"',
         'err=$(tar -xzf "$A" -C "$S" 2>&1) || fail unpack "tar: $(echo "$err" | tail -n 2 | tr "\\n" " ")"',
-        *_verify_lines(change.artifact.manifest, '"$S"'),
+        *verify_lines(change.artifact.manifest, '"$S"'),
         'rm -f "$A"',
         # A leftover folder of the same id (an earlier broken or forced install) is replaced.
         f'if [ -e "$D/versions/$ID" ]; then mv -T "$D/versions/$ID" {old} || fail move "cannot move"; fi',
         'mv -T "$S" "$D/versions/$ID" || fail move "cannot move the version into place"',
         f"rm -rf {old}",
     ]
-    return _script(change, nonce, ['"$S"', '"$A"'], body)
+    return guarded_script(change, nonce, ['"$S"', '"$A"'], body)
 
 
 def switch_script(change: InstallChange, nonce: str) -> str:
@@ -77,15 +77,15 @@ def switch_script(change: InstallChange, nonce: str) -> str:
     manifest = change.artifact.manifest if change.artifact is not None else None
     body = [
         '[ -d "$D/versions/$ID" ] || fail switch "version $ID is not installed"',
-        *_verify_lines(manifest, '"$D/versions/$ID"'),
+        *verify_lines(manifest, '"$D/versions/$ID"'),
     ]
-    return _script(change, nonce, [], body)
+    return guarded_script(change, nonce, [], body)
 
 
 def parse_apply_output(stdout: str, change: InstallChange) -> list[str]:
     """Pure: the warnings of a successful apply; InstallError naming the failed stage otherwise."""
     warnings: list[str] = []
-    for key, value in _lines(stdout):
+    for key, value in key_lines(stdout):
         if key == "fail":
             stage, _, message = value.partition(" ")
             kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
@@ -110,7 +110,7 @@ async def apply_install(
         return []
     nonce = secrets.token_hex(4)
     if change.action == "switch":
-        return await _run_script(conn, change, switch_script(change, nonce))
+        return await run_script(conn, change, switch_script(change, nonce))
     assert change.artifact is not None
     d = shlex.quote(change.install_dir)
     kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
@@ -132,10 +132,10 @@ async def apply_install(
         raise InstallError(
             f"upload of {change.artifact.archive.name} failed: {exc.message}; {kept}", host=change.host
         ) from exc
-    return await _run_script(conn, change, install_script(change, remote_archive, nonce))
+    return await run_script(conn, change, install_script(change, remote_archive, nonce))
 
 
-async def _run_script(conn: Connection, change: InstallChange, script: str) -> list[str]:
+async def run_script(conn: Connection, change: InstallChange, script: str) -> list[str]:
     try:
         result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=APPLY_TIMEOUT)
     except CommandTimeoutError as exc:

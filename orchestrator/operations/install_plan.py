@@ -77,7 +77,7 @@ UPLOAD_CHECK_TIMEOUT = 60.0  # sha256 of the uploaded sdist on the node
 _MARK = "@"
 
 
-def _lines(stdout: str) -> Iterable[tuple[str, str]]:
+def key_lines(stdout: str) -> Iterable[tuple[str, str]]:
     """(key, value) of every `@key value` line a node-side script printed."""
     for line in stdout.splitlines():
         if line.startswith(_MARK):
@@ -240,7 +240,7 @@ class InstallChange:
 
 
 def _unpacked_size(artifact: Artifact) -> int:
-    return sum(entry.size for entry in artifact.manifest.files) + len(artifact.manifest.to_json())
+    return sum(entry.size for entry in artifact.manifest.files) + len(artifact.manifest.to_bytes())
 
 
 def prune_plan(

@@ -14,13 +14,13 @@ from orchestrator.artifacts.node_build import NodeBuild
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
 from orchestrator.core.log import get_logger
-from orchestrator.operations.install_apply import _run_script, _script, _verify_lines
+from orchestrator.operations.install_apply import guarded_script, run_script, verify_lines
 from orchestrator.operations.install_plan import (
     BUILD_POLL_INTERVAL,
     PREPARE_TIMEOUT,
     UPLOAD_CHECK_TIMEOUT,
     InstallChange,
-    _lines,
+    key_lines,
 )
 
 BuildLog = Callable[[str], None]  # the build log's latest line, as it is written
@@ -66,7 +66,7 @@ def parse_build_output(stdout: str, change: InstallChange) -> tuple[str, tuple[F
     protocol = ""
     files: list[FileEntry] = []
     log: list[str] = []
-    for key, value in _lines(stdout):
+    for key, value in key_lines(stdout):
         if key == "status":
             status = value
         elif key == "protocol":
@@ -133,14 +133,14 @@ def node_install_script(change: InstallChange, manifest: Manifest, nonce: str) -
         f'S="$D/tmp/$ID.{nonce}.d"',
         'mkdir -p "$S" || fail copy "cannot create $S"',
         'cp -P -R "$W/out/bin" "$S/bin" || fail copy "cannot copy the build output"',
-        f'printf "%s" {q(manifest.to_json().decode())} > "$S/manifest.json" '
+        f'printf "%s" {q(manifest.to_bytes().decode())} > "$S/manifest.json" '
         '|| fail copy "cannot write the manifest"',
-        *_verify_lines(manifest, '"$S"'),
+        *verify_lines(manifest, '"$S"'),
         f'if [ -e "$D/versions/$ID" ]; then mv -T "$D/versions/$ID" {old} || fail move "cannot move"; fi',
         'mv -T "$S" "$D/versions/$ID" || fail move "cannot move the version into place"',
         f"rm -rf {old}",
     ]
-    return _script(change, nonce, ['"$S"'], body)
+    return guarded_script(change, nonce, ['"$S"'], body)
 
 
 async def _follow_log(conn: Connection, log: str, on_line: BuildLog) -> None:
@@ -188,7 +188,7 @@ async def apply_node_build(
             host=change.host,
             exit_status=result.exit_status,
         )
-    have = dict(_lines(result.stdout)).get("have")
+    have = dict(key_lines(result.stdout)).get("have")
     if have != build.info.sha256:
         nonce = secrets.token_hex(4)
         part = f"{remote_sdist}.{nonce}.part"
@@ -206,7 +206,7 @@ async def apply_node_build(
             f'if [ "$got" = {build.info.sha256} ]; then mv -f {q(part)} {q(remote_sdist)} && echo @ok; '
             f'else rm -f {q(part)}; echo "@fail $got"; fi'
         )
-        moved = dict(_lines((await conn.run(check, timeout=UPLOAD_CHECK_TIMEOUT)).stdout))
+        moved = dict(key_lines((await conn.run(check, timeout=UPLOAD_CHECK_TIMEOUT)).stdout))
         if "ok" not in moved:
             raise InstallError(
                 f"the uploaded {build.sdist.name} has sha256 {moved.get('fail', '?')} on the node, "
@@ -237,5 +237,5 @@ async def apply_node_build(
     say.info("node_build_finished", id=change.version, seconds=round(done.duration, 1))
     nonce = secrets.token_hex(4)
     built = dataclasses.replace(change, built=manifest)
-    await _run_script(conn, built, node_install_script(built, manifest, nonce))
+    await run_script(conn, built, node_install_script(built, manifest, nonce))
     return built

@@ -42,7 +42,7 @@ from orchestrator.operations.server import (
     STOP_GRACE,
     NodeState,
     ServerFiles,
-    _expected,
+    expected_protocol,
     read_node_state,
     server_files,
 )
@@ -516,7 +516,7 @@ async def wait_ready(
     """Until HELLO answers with the expected protocol: the exit code proves nothing. Meanwhile, every
     half second, make sure the process still lives and read its log for a failed bind."""
     target = None if host.binds_own_loopback else host.endpoint
-    expected = _expected(state.install)
+    expected = expected_protocol(state.install)
     install_dir = state.install.install_dir
     log_file = server_files(host.server).log
     deadline = time.monotonic() + limit_s

@@ -1,6 +1,6 @@
 """The restart step of a rolling restart: one node, refused when busy, back to its memory baseline.
 
-A rolling restart is the ordinary executor with `serial` (design.md): `Session.run(hosts,
+A rolling restart is the ordinary executor with `serial` (docs/architecture.md): `Session.run(hosts,
 make_rolling_restart_step(...), serial=1, max_fail_percentage=0)`. This module holds only what one node
 needs, built from the service module's own functions (`read_node_state`, `classify`, `stop_server`,
 `start_server`, `wait_ready`):

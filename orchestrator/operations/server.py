@@ -4,7 +4,7 @@ Files on the node, under the install folder (see install.py): `run/rpc-server.pi
 server we started), `log/rpc-server.log` (everything it prints, line-buffered, a marker line per
 start) and `cache/` (its LLAMA_CACHE).
 
-Facts the code relies on (§3 of `../shared/docs/llama-rpc.md`): the exit code of the server says nothing (0
+Facts the code relies on (§3 of docs/llama-rpc.md): the exit code of the server says nothing (0
 after a failed bind), so ready means a HELLO answered with the expected protocol; SIGPIPE kills it unless
 ignored; it serves one client at a time, so a connected client makes it *busy*, not broken; it must be
 detached with every stream redirected or the SSH command never returns.
@@ -238,7 +238,7 @@ class NodeState:
         return ""
 
 
-def _node_path(install_dir: str, relative: str) -> str:
+def node_path(install_dir: str, relative: str) -> str:
     return f"{install_dir.rstrip('/')}/{relative}"
 
 
@@ -253,14 +253,14 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ListenersFact(port),
         RpcClientsFact(port),
         PortOwnersFact(port),
-        ServerProcessFact(_node_path(host.install_dir, files.pid)),
-        LaunchFact(_node_path(host.install_dir, files.pid)),
-        LogMatchFact(_node_path(host.install_dir, files.log), LOG_MARKER, BIND_FAILED),
+        ServerProcessFact(node_path(host.install_dir, files.pid)),
+        LaunchFact(node_path(host.install_dir, files.pid)),
+        LogMatchFact(node_path(host.install_dir, files.log), LOG_MARKER, BIND_FAILED),
         SupervisorFact(
-            _node_path(host.install_dir, files.supervisor_pid),
-            _node_path(host.install_dir, files.supervisor_state),
-            _node_path(host.install_dir, files.supervisor_script),
-            _node_path(host.install_dir, files.log),
+            node_path(host.install_dir, files.supervisor_pid),
+            node_path(host.install_dir, files.supervisor_state),
+            node_path(host.install_dir, files.supervisor_script),
+            node_path(host.install_dir, files.log),
         ),
         SystemdFact(),
         UnitFact(unit_name(host.install_dir, host.server), BIND_FAILED),
@@ -466,7 +466,7 @@ def _unit_failure(state: NodeState, *, taken: bool = False) -> str:
     return ""
 
 
-def _expected(state: InstallState) -> ProtocolVersion | None:
+def expected_protocol(state: InstallState) -> ProtocolVersion | None:
     if state.protocol is None:
         return None
     try:
@@ -485,7 +485,7 @@ async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_T
         return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0)
     result = await probe_endpoint(
         target,
-        expected=_expected(state.install),
+        expected=expected_protocol(state.install),
         connect_timeout=limit_s,
         read_timeout=limit_s,
         deadline=limit_s * 1.5,

@@ -43,9 +43,9 @@ from orchestrator.operations.process import (
 from orchestrator.operations.server import (
     NodeState,
     ServerStatus,
-    _node_path,
     bind_policy,
     classify,
+    node_path,
     probe_server,
     read_node_state,
     server_files,
@@ -265,7 +265,7 @@ def make_logs_step(
             return StepOutcome(
                 journal, False, f"{len(journal.splitlines())} lines (journal of {state.unit.name})"
             )
-        fact = LogTailFact(_node_path(ctx.host.install_dir, server_files(ctx.host.server).log), lines, drop)
+        fact = LogTailFact(node_path(ctx.host.install_dir, server_files(ctx.host.server).log), lines, drop)
         result = await conn.run(fact.command(), timeout=15)
         text = fact.parse(result.stdout, result.stderr, result.exit_status)
         if text is None:

@@ -75,7 +75,7 @@ def python_snippet(
     if plan_path is not None:
         load = f"plan = orchestrator.Plan.from_path({str(plan_path)!r})\n"
     else:
-        load = f"PLAN = {plan.to_json()!r}\nplan = orchestrator.Plan.from_json(PLAN)\n"
+        load = f"PLAN = {plan.to_text()!r}\nplan = orchestrator.Plan.from_text(PLAN)\n"
     return (
         "import orchestrator\n"
         "\n"

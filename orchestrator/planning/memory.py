@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from orchestrator.core.errors import PlanError
 from orchestrator.planning.architectures import family_compute
-from orchestrator.planning.placement import _pad
+from orchestrator.planning.placement import pad
 from orchestrator.planning.plan import (
     MAX_DEVICES,
     MAX_RPC_DEVICES,
@@ -33,7 +33,7 @@ def kv_layer_bytes(
     n_v = profile.n_embd_v_gqa_max() if not opts.flash_attn else profile.n_embd_v_gqa(il)
     k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * n_ctx_pad
     v = 0 if rules.mla else row_bytes(opts.type_v, n_v) * n_ctx_pad
-    return _pad(k, alignment) + _pad(v, alignment) + state
+    return pad(k, alignment) + pad(v, alignment) + state
 
 
 def estimate_compute(
@@ -118,7 +118,7 @@ class _Prediction:
     pipeline_parallel: bool
 
 
-def _predict(
+def predict(
     profile: ModelProfile,
     devices: Sequence[PlanDevice],
     assignment: Sequence[int | None],

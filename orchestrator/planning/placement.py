@@ -62,7 +62,7 @@ def pad_ctx(n_ctx: int) -> int:
     return -(-n_ctx // CTX_PAD) * CTX_PAD
 
 
-def _pad(n: int, alignment: int) -> int:
+def pad(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment if alignment > 1 else n
 
 

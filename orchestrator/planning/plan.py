@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import PlanError, PlanFileError
+from orchestrator.rpc.protocol import EndpointError, parse_endpoint
 
 SCHEMA_VERSION = 1
 
@@ -219,8 +220,13 @@ class Plan:
         )
         return replace(self, devices=devices)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON data (`from_json` reads it back); `to_text` is the same as a file's text."""
+        data: dict[str, Any] = json.loads(json.dumps(asdict(self)))  # tuples become lists, as in JSON
+        return data
+
+    def to_text(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
     @classmethod
     def from_path(cls, path: str | Path) -> Plan:
@@ -233,16 +239,22 @@ class Plan:
         except UnicodeDecodeError as exc:
             raise PlanFileError(f"plan {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
         try:
-            return cls.from_json(text)
+            return cls.from_text(text)
         except PlanError as exc:
             raise PlanFileError(f"{path}: {exc.message}", hint=exc.hint) from None
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_text(cls, text: str) -> Plan:
+        """The plan in a file's text (`to_text`); PlanError when it is not JSON or not a valid plan."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"plan is not valid JSON: {exc}") from exc
+        return cls.from_json(data)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Plan:
+        """The plan in JSON data (`to_json`); PlanError when it is not a valid plan."""
         if not isinstance(data, dict):
             raise PlanError("plan JSON must be an object")
         version = data.get("schema_version")
@@ -252,9 +264,16 @@ class Plan:
                 hint="re-create the plan with this version of rpcfleet",
             )
         try:
-            return _plan_from_dict(data)
+            plan = _plan_from_dict(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"plan JSON is malformed: {exc!r}") from exc
+        for i, device in enumerate(plan.devices):
+            if device.endpoint is not None:
+                try:  # a bad host:port is the file's fault, named here, not a failure of the load later
+                    parse_endpoint(device.endpoint)
+                except EndpointError as exc:
+                    raise PlanError(f"device {i}: {exc.message}") from None
+        return plan
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:

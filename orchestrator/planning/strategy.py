@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from orchestrator.core.errors import PlanError
 from orchestrator.core.search import first_true
 from orchestrator.planning.architectures import unverified_note
-from orchestrator.planning.memory import _predict, estimate_compute, kv_layer_bytes, validate
+from orchestrator.planning.memory import estimate_compute, kv_layer_bytes, predict, validate
 from orchestrator.planning.placement import (
     largest_remainder,
     llama_cpp_assignment,
@@ -113,7 +113,7 @@ def _fixed_costs(
     kept = [i for i, c in enumerate(counts) if c > 0]
     devs = [devices[i] for i in kept]
     assignment = _assignment_from_counts([counts[i] for i in kept], profile.n_layer, ngl)
-    pred = _predict(profile, devs, assignment, n_ctx_pad, opts, ngl)
+    pred = predict(profile, devs, assignment, n_ctx_pad, opts, ngl)
     fixed = [0] * len(devices)
     for j, i in enumerate(kept):
         output = assignment[-1] == j  # the last entry is the output layer
@@ -169,7 +169,7 @@ def _largest_ctx(
     doubling from `start` until it no longer fits (at most MAX_CTX), then bisecting."""
 
     def fits(units: int) -> bool:
-        pred = _predict(profile, devices, assignment, units * CTX_PAD, opts, ngl)
+        pred = predict(profile, devices, assignment, units * CTX_PAD, opts, ngl)
         return all(m.headroom >= 0 for m in pred.memories)
 
     if not fits(1):
@@ -249,7 +249,7 @@ def make_plan(
         split = ()
     main_gpu = opts.main_gpu if devices else 0
 
-    pred = _predict(profile, devices, assignment, n_ctx, opts, ngl)
+    pred = predict(profile, devices, assignment, n_ctx, opts, ngl)
     layers_of: list[list[int]] = [[] for _ in devices]
     for il, dev in enumerate(assignment):
         if dev is not None:

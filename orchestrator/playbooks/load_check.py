@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.llama.placement import Placement
     from orchestrator.planning.plan import MemoryBytes, Plan
 
-_LOAD_CHECK_TIMEOUT = 300.0
+LOAD_CHECK_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ async def load_check(
     plan: Plan,
     model: str | Path,
     *,
-    limit_s: float = _LOAD_CHECK_TIMEOUT,
+    limit_s: float = LOAD_CHECK_TIMEOUT,
     hosts: Sequence[Host] = (),
 ) -> LoadCheckResult:
     """Load `model` through `plan` in a worker process (`orchestrator.llama.worker`), unload it, and

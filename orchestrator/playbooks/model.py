@@ -97,7 +97,7 @@ class Document:
 
 
 @dataclass(frozen=True)
-class _Play:
+class Play:
     """What an operation's factory gets besides its arguments."""
 
     session: Session

@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.planning.plan import Plan, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
 from orchestrator.playbooks.args import Arg
-from orchestrator.playbooks.load_check import _LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
-from orchestrator.playbooks.model import Document, Scope, Step, _Play
+from orchestrator.playbooks.load_check import LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
+from orchestrator.playbooks.model import Document, Play, Scope, Step
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Op:
     scope: Scope
     summary: str
     args: tuple[Arg, ...]
-    factory: Callable[[Mapping[str, Any], _Play], Step]
+    factory: Callable[[Mapping[str, Any], Play], Step]
 
     def arg(self, name: str) -> Arg | None:
         return next((a for a in self.args if a.name == name), None)
@@ -50,7 +50,7 @@ def _named(step: Step, name: str) -> Step:
     return step
 
 
-def _options(args: Mapping[str, Any], play: _Play) -> OperationOptions:
+def _options(args: Mapping[str, Any], play: Play) -> OperationOptions:
     from orchestrator.operations.layer import OperationOptions
 
     return OperationOptions(
@@ -61,14 +61,14 @@ def _options(args: Mapping[str, Any], play: _Play) -> OperationOptions:
     )
 
 
-def _install(args: Mapping[str, Any], play: _Play) -> Step:
+def _install(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.install import ArtifactChooser, make_install_step
 
     chooser = ArtifactChooser(args["artifact"])
     return make_install_step(chooser, _options(args, play), reinstall=args["reinstall"])
 
 
-def _deploy(args: Mapping[str, Any], play: _Play) -> Step:
+def _deploy(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.install import ArtifactChooser
     from orchestrator.operations.service import make_deploy_step
 
@@ -77,25 +77,25 @@ def _deploy(args: Mapping[str, Any], play: _Play) -> Step:
     )
 
 
-def _start(args: Mapping[str, Any], play: _Play) -> Step:
+def _start(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.service import make_service_step
 
     return make_service_step("running", _options(args, play))
 
 
-def _stop(args: Mapping[str, Any], play: _Play) -> Step:
+def _stop(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.service import make_service_step
 
     return make_service_step("stopped", _options(args, play))
 
 
-def _remove_unit(args: Mapping[str, Any], play: _Play) -> Step:
+def _remove_unit(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.service import make_remove_unit_step
 
     return make_remove_unit_step(_options(args, play))
 
 
-def _restart(args: Mapping[str, Any], play: _Play) -> Step:
+def _restart(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.rolling import make_rolling_restart_step
 
     return make_rolling_restart_step(
@@ -107,7 +107,7 @@ def _restart(args: Mapping[str, Any], play: _Play) -> Step:
     )
 
 
-def _wait_ready(args: Mapping[str, Any], play: _Play) -> Step:
+def _wait_ready(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.process import wait_ready
     from orchestrator.operations.server import read_node_state
 
@@ -129,7 +129,7 @@ def _wait_ready(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(wait, "wait_ready")
 
 
-def _probe_of(play: _Play, args: Mapping[str, Any]) -> SharedCall[FleetProbe]:
+def _probe_of(play: Play, args: Mapping[str, Any]) -> SharedCall[FleetProbe]:
     from orchestrator.probe.fleet import probe_fleet
 
     async def make() -> FleetProbe:
@@ -142,7 +142,7 @@ def _probe_of(play: _Play, args: Mapping[str, Any]) -> SharedCall[FleetProbe]:
     return SharedCall(make)
 
 
-def _probe(args: Mapping[str, Any], play: _Play) -> Step:
+def _probe(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.core.units import format_size
 
     shared = _probe_of(play, args)
@@ -158,7 +158,7 @@ def _probe(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(probe, "probe")
 
 
-def _latest_probe(play: _Play) -> SharedCall[FleetProbe]:
+def _latest_probe(play: Play) -> SharedCall[FleetProbe]:
     """The play's latest probe, restricted to the hosts still in play; a fresh probe when there is none."""
     from orchestrator.probe.fleet import FleetProbe
 
@@ -189,7 +189,7 @@ def _plan_options(args: Mapping[str, Any]) -> PlanOptions:
     )
 
 
-def _plan(args: Mapping[str, Any], play: _Play) -> Step:
+def _plan(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.core.units import format_size
     from orchestrator.planning.devices import to_plan_devices
     from orchestrator.planning.profile import profile_model
@@ -202,7 +202,7 @@ def _plan(args: Mapping[str, Any], play: _Play) -> Step:
         profile = await asyncio.to_thread(profile_model, args["model"])
         plan = make_plan(to_plan_devices(fleet, failed="skip"), profile, _plan_options(args))
         play.state.plan = plan
-        text = plan.to_json()
+        text = plan.to_text()
         path = args["output"]
         if path is not None and not play.check:
             await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
@@ -236,7 +236,7 @@ def _layer_range(layers: Sequence[int], n_layer: int) -> str:
     return f"layers {names[0]}-{names[-1]}" if len(names) > 1 else f"layer {names[0]}"
 
 
-def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
+def _load_check(args: Mapping[str, Any], play: Play) -> Step:
     async def make() -> LoadCheckResult:
         plan = play.state.plan
         if plan is None:
@@ -266,7 +266,7 @@ def _load_check(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(check_step, "load_check")
 
 
-def _cache_warm(args: Mapping[str, Any], play: _Play) -> Step:
+def _cache_warm(args: Mapping[str, Any], play: Play) -> Step:
     """Put each node's share of the planned model into its tensor cache (all nodes at once)."""
     from orchestrator.operations.cache import WarmItem, warm_step
 
@@ -295,7 +295,7 @@ def _cache_warm(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(warm_host, "cache_warm")
 
 
-def _serve_reload(args: Mapping[str, Any], play: _Play) -> Step:
+def _serve_reload(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.playbooks.serve_reload import read_key, serve_reload_async
 
     url, rolling = args["url"], args["rolling_restart"]
@@ -319,7 +319,7 @@ def _serve_reload(args: Mapping[str, Any], play: _Play) -> Step:
     return _named(reload_step, "serve_reload")
 
 
-def _report(args: Mapping[str, Any], play: _Play) -> Step:
+def _report(args: Mapping[str, Any], play: Play) -> Step:
     from datetime import UTC, datetime
 
     from orchestrator.planning.profile import profile_model
@@ -460,7 +460,7 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "load the planned model over RPC in a child process and compare the placement",
                 (
                     Arg("model", fields.optional(fields.text), None, help="default: the plan's model"),
-                    Arg("timeout", fields.seconds, _LOAD_CHECK_TIMEOUT),
+                    Arg("timeout", fields.seconds, LOAD_CHECK_TIMEOUT),
                 ),
                 _load_check,
             ),

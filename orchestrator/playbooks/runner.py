@@ -16,7 +16,7 @@ from orchestrator.inventory.model import Host, Inventory, select_servers
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     pass
-from orchestrator.playbooks.model import Playbook, PlaybookResult, PlayState, StepRun, _Play
+from orchestrator.playbooks.model import Play, Playbook, PlaybookResult, PlayState, StepRun
 from orchestrator.playbooks.ops import REGISTRY
 
 
@@ -51,7 +51,7 @@ async def run_playbook(
         if not in_play:
             break
         op = REGISTRY[step.op]
-        play = _Play(session, in_play, check, state, step, wait_lock)
+        play = Play(session, in_play, check, state, step, wait_lock)
         run = await session.run(
             in_play,
             op.factory(step.args, play),

@@ -27,7 +27,7 @@ GPU_TOLERANCE_MIN = 256 * MiB
 
 
 # buffer alignment of the server's devices (CPU 32, CUDA/HIP 128); the planner pads tensors with it
-_ALIGNMENT = {"cuda": 128, "rocm": 128}
+ALIGNMENT = {"cuda": 128, "rocm": 128}
 
 
 SourceOfFree = Literal["rpc", "meminfo"]

@@ -9,7 +9,7 @@ from orchestrator.planning.plan import (
     PlannedDevice,
 )
 from orchestrator.report.build import Case, DeviceChange, Report
-from orchestrator.report.text import _reserve_total
+from orchestrator.report.text import reserve_total
 
 
 def _plan_device_json(report: Report, d: PlannedDevice) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
                 "devices": t.devices,
                 "total": t.total,
                 "free": t.free,
-                "reserve": _reserve_total(fleet),
+                "reserve": reserve_total(fleet),
                 "usable": t.usable,
             },
             "nodes": [

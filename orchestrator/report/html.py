@@ -13,16 +13,16 @@ from orchestrator.report.build import Report, size_up
 from orchestrator.report.text import (
     DEVICE_HEADERS,
     FLEET_HEADERS,
-    _ctx_label,
-    _device_rows,
-    _header_lines,
-    _node_rows,
-    _recommendation_lines,
-    _shortfall,
-    _size,
-    _totals_row,
-    _verdict,
+    case_shortfall,
+    ctx_label,
+    device_rows,
     fleet_lines,
+    header_lines,
+    node_rows,
+    recommendation_lines,
+    size,
+    totals_row,
+    verdict,
 )
 
 BAR_WIDTH = 720  # CSS pixels of the longest bar in a chart
@@ -122,7 +122,7 @@ def _svg_chart(report: Report, plan: Plan) -> str:
         for kind, x, w in segments:
             parts.append(
                 f'<rect class="seg-{kind}" x="{_BAR_X + x}" y="{y}" width="{w}" height="{BAR_HEIGHT}" '
-                f'fill="{SEGMENT_COLOURS[kind]}"><title>{_e(kind)}: {_e(_size(_segment_bytes(d, kind)))}'
+                f'fill="{SEGMENT_COLOURS[kind]}"><title>{_e(kind)}: {_e(size(_segment_bytes(d, kind)))}'
                 "</title></rect>"
             )
         m = d.memory
@@ -139,7 +139,7 @@ def _svg_chart(report: Report, plan: Plan) -> str:
                 f'fill="{_OVER_COLOUR}"><title>over by {_e(size_up(m.total - m.usable))}</title></rect>'
             )
         end = _BAR_X + round(max(m.usable, m.total) * BAR_WIDTH / scale_bytes) + 8
-        parts.append(f'<text x="{end}" y="{y + 15}">{_e(_size(m.total))} / {_e(_size(m.usable))}</text>')
+        parts.append(f'<text x="{end}" y="{y + 15}">{_e(size(m.total))} / {_e(size(m.usable))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -155,11 +155,11 @@ def render_html(report: Report) -> str:
         "<title>rpcfleet capacity report</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>rpcfleet capacity report</h1>",
-        *(f'<p class="meta">{_e(line)}</p>' for line in _header_lines(report)),
+        *(f'<p class="meta">{_e(line)}</p>' for line in header_lines(report)),
         "<h2>Fleet</h2>",
     ]
-    rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
-    b.append(_html_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)], numeric_from=6))
+    rows = [row for node in report.fleet.nodes for row in node_rows(node)]
+    b.append(_html_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)], numeric_from=6))
     for kind, text in fleet_lines(report):  # the same lines as the text report's
         b.append(f'<p class="meta{" nofit" if kind == "failed" else ""}">{_e(text)}</p>')
     legend = "".join(
@@ -175,21 +175,21 @@ def render_html(report: Report) -> str:
         b.append(f"<h2>Model {_e(p.name or model.path)}</h2>")
         b.append(
             f'<p class="meta"><code>{_e(model.path)}</code>: {p.n_layer} layers, weights '
-            f"{_e(_size(p.total_bytes))}, n_ctx_train {p.n_ctx_train}</p>"
+            f"{_e(size(p.total_bytes))}, n_ctx_train {p.n_ctx_train}</p>"
         )
         for case in (c for c in report.cases if c.model == model.path):
             cls = "fits" if case.fits else "nofit"
-            b.append(f'<section class="case"><h3>ctx {_e(_ctx_label(case.n_ctx))}</h3>')
-            b.append(f'<p class="{cls}">{_e(_verdict(report, case))}</p>')
+            b.append(f'<section class="case"><h3>ctx {_e(ctx_label(case.n_ctx))}</h3>')
+            b.append(f'<p class="{cls}">{_e(verdict(report, case))}</p>')
             if case.plan is not None and case.plan.devices:
                 b.append(_svg_chart(report, case.plan))
-                b.append(_html_table(DEVICE_HEADERS, _device_rows(report, case.plan), numeric_from=2))
+                b.append(_html_table(DEVICE_HEADERS, device_rows(report, case.plan), numeric_from=2))
             if case.plan is not None:
                 b += [f'<p class="meta">note: {_e(n)}</p>' for n in case.plan.notes]
             if case.recommendation is not None:
                 b += [
                     f'<p class="rec">{_e(line)}</p>'
-                    for line in _recommendation_lines(case.recommendation, _shortfall(case))
+                    for line in recommendation_lines(case.recommendation, case_shortfall(case))
                 ]
             b.append("</section>")
     b.append("</body></html>")

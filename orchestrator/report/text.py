@@ -12,15 +12,15 @@ from orchestrator.probe.fleet import FleetProbe, NodeProbe
 from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, size_up
 
 
-def _size(n: int | None) -> str:
+def size(n: int | None) -> str:
     return format_size(n)
 
 
-def _ctx_label(n_ctx: int) -> str:
+def ctx_label(n_ctx: int) -> str:
     return "n_ctx_train" if n_ctx == 0 else str(n_ctx)
 
 
-def _node_rows(node: NodeProbe) -> list[list[str]]:
+def node_rows(node: NodeProbe) -> list[list[str]]:
     protocol = str(node.rpc.version) if node.rpc.version is not None else "-"
     base = [node.host, node.endpoint, node.state, protocol]
     if not node.devices:
@@ -30,11 +30,11 @@ def _node_rows(node: NodeProbe) -> list[list[str]]:
             *base,
             f"#{d.index}",
             d.description,
-            _size(d.total),
-            _size(d.free),
-            _size(d.reserve),
-            _size(d.limit) if d.limit is not None else "-",
-            _size(d.usable),
+            size(d.total),
+            size(d.free),
+            size(d.reserve),
+            size(d.limit) if d.limit is not None else "-",
+            size(d.usable),
         ]
         for d in node.devices
     ]
@@ -58,11 +58,11 @@ FLEET_HEADERS = [
 DEVICE_HEADERS = ["device", "host", "layers", "weights", "KV", "compute", "predicted", "usable", "headroom"]
 
 
-def _reserve_total(fleet: FleetProbe) -> int:
+def reserve_total(fleet: FleetProbe) -> int:
     return sum(d.reserve for d in fleet.devices)
 
 
-def _totals_row(fleet: FleetProbe) -> list[str]:
+def totals_row(fleet: FleetProbe) -> list[str]:
     t = fleet.totals
     return [
         "total",
@@ -71,15 +71,15 @@ def _totals_row(fleet: FleetProbe) -> list[str]:
         "",
         f"{t.devices} devices",
         "",
-        _size(t.total),
-        _size(t.free),
-        _size(_reserve_total(fleet)),
+        size(t.total),
+        size(t.free),
+        size(reserve_total(fleet)),
         "",
-        _size(t.usable),
+        size(t.usable),
     ]
 
 
-def _device_rows(report: Report, plan: Plan) -> list[list[str]]:
+def device_rows(report: Report, plan: Plan) -> list[list[str]]:
     rows = []
     for d in plan.devices:
         m = d.memory
@@ -88,20 +88,20 @@ def _device_rows(report: Report, plan: Plan) -> list[list[str]]:
                 d.label,
                 report.host_of(d.endpoint) or "-",
                 d.layers_label,
-                _size(m.weights),
-                _size(m.kv),
-                _size(m.compute),
-                _size(m.total),
-                _size(m.usable),
-                _size(m.headroom),
+                size(m.weights),
+                size(m.kv),
+                size(m.compute),
+                size(m.total),
+                size(m.usable),
+                size(m.headroom),
             ]
         )
     h = plan.host  # what stays on this machine's CPU, as `rpcfleet plan` shows it
-    rows.append(["host (CPU)", "-", "", *(_size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", ""])
+    rows.append(["host (CPU)", "-", "", *(size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", ""])
     return rows
 
 
-def _verdict(report: Report, case: Case) -> str:
+def verdict(report: Report, case: Case) -> str:
     plan = case.plan
     if plan is None:
         return f"cannot plan: {case.error}"
@@ -114,7 +114,7 @@ def _verdict(report: Report, case: Case) -> str:
         where = f"{host} ({binding.label})" if host else binding.label
     if fit.fits:
         head = binding.memory.headroom if binding is not None else 0
-        return f"fits (n_ctx {plan.n_ctx}); binding device {where}, headroom {_size(head)}; {largest}"
+        return f"fits (n_ctx {plan.n_ctx}); binding device {where}, headroom {size(head)}; {largest}"
     return f"does not fit (n_ctx {plan.n_ctx}): short {size_up(fit.shortfall)} on {where}; {largest}"
 
 
@@ -122,7 +122,7 @@ def _change_where(change: DeviceChange) -> str:
     return f"{change.host} ({change.device})" if change.host else change.device
 
 
-def _recommendation_lines(rec: Recommendation, shortfall: int) -> list[str]:
+def recommendation_lines(rec: Recommendation, shortfall: int) -> list[str]:
     lines: list[str] = []
     if rec.smallest is not None:
         lines.append(
@@ -148,11 +148,11 @@ def _recommendation_lines(rec: Recommendation, shortfall: int) -> list[str]:
     return lines
 
 
-def _shortfall(case: Case) -> int:
+def case_shortfall(case: Case) -> int:
     return case.plan.fit.shortfall if case.plan is not None else 0
 
 
-def _header_lines(report: Report) -> list[str]:
+def header_lines(report: Report) -> list[str]:
     lines = []
     if report.options.generated_at:
         lines.append(f"generated: {report.options.generated_at}")
@@ -161,7 +161,7 @@ def _header_lines(report: Report) -> list[str]:
     o = report.options.plan
     lines.append(
         f"plan options: KV {o.type_k}/{o.type_v}, ubatch {o.n_ubatch}, flash attention "
-        f"{'on' if o.flash_attn else 'off'}, margin {_size(o.margin)} per device, strategy {o.strategy}"
+        f"{'on' if o.flash_attn else 'off'}, margin {size(o.margin)} per device, strategy {o.strategy}"
     )
     lines.append(f"controller protocol: {report.fleet.protocol}")
     return lines
@@ -193,26 +193,26 @@ def fleet_lines(report: Report) -> list[tuple[str, str]]:
 
 
 def render_text(report: Report) -> str:
-    out = ["rpcfleet capacity report", *_header_lines(report), "", "Fleet"]
-    rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
-    out += _text_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)], "  ")
+    out = ["rpcfleet capacity report", *header_lines(report), "", "Fleet"]
+    rows = [row for node in report.fleet.nodes for row in node_rows(node)]
+    out += _text_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)], "  ")
     out += [f"  {text}" for _, text in fleet_lines(report)]
     for model in report.models:
         p = model.profile
         out += [
             "",
             f"Model {p.name or model.path} ({model.path}): {p.n_layer} layers, "
-            f"weights {_size(p.total_bytes)}, n_ctx_train {p.n_ctx_train}",
+            f"weights {size(p.total_bytes)}, n_ctx_train {p.n_ctx_train}",
         ]
         for case in (c for c in report.cases if c.model == model.path):
-            out.append(f"  ctx {_ctx_label(case.n_ctx)}: {_verdict(report, case)}")
+            out.append(f"  ctx {ctx_label(case.n_ctx)}: {verdict(report, case)}")
             if case.plan is not None and case.plan.devices:
-                out += _text_table(DEVICE_HEADERS, _device_rows(report, case.plan), "    ")
+                out += _text_table(DEVICE_HEADERS, device_rows(report, case.plan), "    ")
             if case.plan is not None:
                 out += [f"    note: {n}" for n in case.plan.notes]
             if case.recommendation is not None:
                 out += [
-                    "    " + line for line in _recommendation_lines(case.recommendation, _shortfall(case))
+                    "    " + line for line in recommendation_lines(case.recommendation, case_shortfall(case))
                 ]
     return "\n".join(out) + "\n"
 
@@ -230,10 +230,10 @@ def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str
 
 def render_markdown(report: Report) -> str:
     out = ["# rpcfleet capacity report", ""]
-    out += [f"- {_md_cell(line)}" for line in _header_lines(report)]
+    out += [f"- {_md_cell(line)}" for line in header_lines(report)]
     out += ["", "## Fleet", ""]
-    rows = [row for node in report.fleet.nodes for row in _node_rows(node)]
-    out += _md_table(FLEET_HEADERS, [*rows, _totals_row(report.fleet)])
+    rows = [row for node in report.fleet.nodes for row in node_rows(node)]
+    out += _md_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)])
     extra = [f"- {text}" for _, text in fleet_lines(report)]
     if extra:
         out += ["", *(_md_cell(e) for e in extra)]
@@ -243,19 +243,18 @@ def render_markdown(report: Report) -> str:
             "",
             f"## Model {_md_cell(p.name or model.path)}",
             "",
-            f"`{model.path}`: {p.n_layer} layers, weights {_size(p.total_bytes)}, "
-            f"n_ctx_train {p.n_ctx_train}",
+            f"`{model.path}`: {p.n_layer} layers, weights {size(p.total_bytes)}, n_ctx_train {p.n_ctx_train}",
         ]
         for case in (c for c in report.cases if c.model == model.path):
-            out += ["", f"### ctx {_ctx_label(case.n_ctx)}", "", f"**{_md_cell(_verdict(report, case))}**"]
+            out += ["", f"### ctx {ctx_label(case.n_ctx)}", "", f"**{_md_cell(verdict(report, case))}**"]
             if case.plan is not None and case.plan.devices:
-                out += ["", *_md_table(DEVICE_HEADERS, _device_rows(report, case.plan))]
+                out += ["", *_md_table(DEVICE_HEADERS, device_rows(report, case.plan))]
             if case.recommendation is not None:
                 out += [
                     "",
                     *(
                         f"- {_md_cell(line)}"
-                        for line in _recommendation_lines(case.recommendation, _shortfall(case))
+                        for line in recommendation_lines(case.recommendation, case_shortfall(case))
                     ),
                 ]
     return "\n".join(out) + "\n"

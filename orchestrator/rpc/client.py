@@ -1,9 +1,8 @@
 """A pure-Python client for the ggml RPC protocol: enough to probe a `ggml-rpc-server`.
 
-It speaks HELLO, DEVICE_COUNT and GET_DEVICE_MEMORY (wire format: §2 of `../shared/docs/llama-rpc.md`,
-relative to the repository root) and turns every network outcome into a typed `ProbeResult`. No native
-code runs, so an unreachable or mismatched server can never abort the process the way the native client
-does.
+It speaks HELLO, DEVICE_COUNT and GET_DEVICE_MEMORY (wire format: §2 of docs/llama-rpc.md) and turns
+every network outcome into a typed `ProbeResult`. No native code runs, so an unreachable or mismatched
+server can never abort the process the way the native client does.
 
 Being gentle with the server matters as much as the answer:
 

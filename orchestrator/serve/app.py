@@ -1,6 +1,6 @@
 """The HTTP side of `rpcfleet serve`: OpenAI routes proxied to the backend's worker (FastAPI).
 
-Requests are validated with llama-cpp-python's own server models (`llama_cpp.server.types`), answers
+Requests are validated with the fields of llama-cpp-python's server models (`serve.requests`), answers
 have the OpenAI shapes (`text_completion`, `chat.completion`, their `.chunk` streams as server-sent
 events). llama.cpp never runs in this process: `Backend` holds the worker.
 
@@ -25,12 +25,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from sse_starlette.sse import EventSourceResponse
 
 from orchestrator.llama.worker import Done, Token
 from orchestrator.observe.web import Exporter, RequestTimer, mount
 from orchestrator.serve.backend import Backend, Failure, Job, Rejected
+from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -136,7 +136,7 @@ def create_app(
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CreateCompletionRequest) -> Any:
+    async def completions(body: CompletionRequest) -> Any:
         prompt = body.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -154,7 +154,7 @@ def create_app(
         )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(body: CreateChatCompletionRequest) -> Any:
+    async def chat(body: ChatCompletionRequest) -> Any:
         messages = [dict(m) for m in body.messages]
         return await _answer(
             "/v1/chat/completions",

@@ -18,11 +18,11 @@ from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.inventory.model import Host
 from orchestrator.llama.cache_prep import CachePrep, prepare_caches
-from orchestrator.llama.native import local_gpus
+from orchestrator.llama.worker import list_local_gpus
 from orchestrator.operations.stale import release_stale_on
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.placement import order_devices
-from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.reader import rolling_restart_playbook
@@ -65,6 +65,17 @@ class ServeFleet:
     forks: int | None = None
     local_devices: list[str] | None = field(default_factory=list)
     _profile: ModelProfile | None = None
+    _local_gpus: list[PlanDevice] | None = None
+
+    def local_gpus(self) -> list[PlanDevice]:
+        """This machine's GPUs, listed once by a worker child (this process never loads libllama), and
+        only when some are wanted. Once: a later listing would count serve's own worker's allocations
+        as used memory."""
+        if self.local_devices == []:
+            return []
+        if self._local_gpus is None:
+            self._local_gpus = list_local_gpus()
+        return self._local_gpus
 
     def dial_map(self) -> dict[str, str]:
         """Plan endpoint -> the endpoint the worker dials: SSH forwards for `rpc_transport: ssh` hosts,
@@ -107,7 +118,7 @@ class ServeFleet:
             return PlanRound(None, states, probed - started, 0.0, "no node answers")
         try:
             plan = make_plan(
-                order_devices(devices, local_gpus(), self.local_devices), self.profile(), self.options
+                order_devices(devices, self.local_gpus(), self.local_devices), self.profile(), self.options
             )
         except (PlanError, ProbeError) as exc:
             return PlanRound(None, states, probed - started, time.monotonic() - probed, exc.message)

@@ -1,5 +1,5 @@
-"""Generated GGUF models (orchestrator.synth), written once per test session into a session tmp dir, and
-the one real model, Gemma 3 270M, that `make setup` fetches into the cache."""
+"""Generated GGUF models (orchestrator.planning.synth), written once per test session into a session
+tmp dir, and the one real model, Gemma 3 270M, that `make setup` fetches into the cache."""
 
 from __future__ import annotations
 
