@@ -159,7 +159,7 @@ def test_an_unknown_architecture_is_planned_and_marked_unverified(
     assert "unverified: architecture 'frobnicator' is planned with the generic rules" in out
     plan = make_plan(plan_devices(["127.0.0.1:1", "127.0.0.1:2"]), profile, PlanOptions(n_ctx=1024))
     assert plan.notes[0].startswith("unverified: architecture 'frobnicator'")
-    assert "unverified: architecture 'frobnicator'" in plan.to_json()  # the JSON carries the note
+    assert "unverified: architecture 'frobnicator'" in plan.to_text()  # the JSON carries the note
     known = make_plan(
         plan_devices(["127.0.0.1:1"]), profile_model(write_arch_model(tmp_path / "l.gguf", "llama"))
     )
@@ -276,7 +276,7 @@ def test_plan_cli_plans_a_pure_recurrent_model_and_notes_an_unknown_architecture
     mamba = write_arch_model(tmp_path / "mamba.gguf", "mamba2")
     # A pure recurrent model has no attention.head_count: planned (it was refused), state in the KV column.
     assert main(["plan", "-i", str(inventory), "-m", str(mamba), "--ctx", "1024", "--json"]) == 0
-    plan = Plan.from_json(capsys.readouterr().out)
+    plan = Plan.from_text(capsys.readouterr().out)
     assert plan.fit.fits and sum(d.memory.kv for d in plan.devices) == 4 * (3 * 288 + 16 * 256) * 4
     assert plan.notes == ()
     unknown = write_arch_model(tmp_path / "x.gguf", "qwen3", architecture="frobnicator")
