@@ -263,18 +263,20 @@ def test_largest_ctx_is_the_boundary_and_grows_with_memory(
     plan = make_plan(devices, profile, opts)
     largest = plan.fit.largest_n_ctx
     assert largest % 256 == 0 and 0 <= largest <= 65536
+    if largest:  # a fixed point: planned at the largest context it offers, the plan fits
+        assert make_plan(devices, profile, replace(opts, n_ctx=largest)).fit.fits
     fixed = replace(opts, tensor_split=plan.tensor_split)  # same placement, other contexts
-    if largest:
-        assert make_plan(plan_devices(plan, devices), profile, replace(fixed, n_ctx=largest)).fit.fits
-    if largest < 65536:
-        assert not make_plan(
-            plan_devices(plan, devices), profile, replace(fixed, n_ctx=largest + 256)
-        ).fit.fits
+    kept = plan_devices(plan, devices)
+    pinned = make_plan(kept, profile, fixed).fit.largest_n_ctx
+    if pinned:
+        assert make_plan(kept, profile, replace(fixed, n_ctx=pinned)).fit.fits
+    if pinned < 65536:
+        assert not make_plan(kept, profile, replace(fixed, n_ctx=pinned + 256)).fit.fits
     # More memory, same placement (pinned: the default split weighs fixed costs, which do not scale).
-    bigger = [replace(d, usable=d.usable * scale) for d in plan_devices(plan, devices)]
+    bigger = [replace(d, usable=d.usable * scale) for d in kept]
     plan2 = make_plan(bigger, profile, fixed)
     assert plan2.layer_counts == plan.layer_counts
-    assert plan2.fit.largest_n_ctx >= largest
+    assert plan2.fit.largest_n_ctx >= pinned
 
 
 def plan_devices(plan: Plan, devices: list[PlanDevice]) -> list[PlanDevice]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from orchestrator.core.errors import PlanError
 from orchestrator.planning.placement import _pad
 from orchestrator.planning.plan import (
+    CTX_PAD,
     MAX_DEVICES,
     MAX_RPC_DEVICES,
     SCHED_MAX_COPIES,
@@ -20,61 +21,119 @@ from orchestrator.planning.plan import (
 from orchestrator.planning.profile import KV_CACHE_TYPES, ModelProfile, row_bytes
 
 
-def kv_layer_bytes(profile: ModelProfile, il: int, n_ctx_pad: int, opts: PlanOptions, alignment: int) -> int:
-    """K and V cache tensors of layer `il` (each padded to the buffer alignment)."""
+def context_size(n_ctx: int, opts: PlanOptions) -> int:
+    """The n_ctx llama.cpp runs with (llama-context.cpp): padded to 256; with several sequences and no
+    unified KV, each sequence gets GGML_PAD(n_ctx / n_seq, 256) cells and n_ctx becomes n_seq times that."""
+    n_ctx = _pad(n_ctx, CTX_PAD)
+    if opts.kv_unified or opts.parallel <= 1:
+        return n_ctx
+    return _pad(n_ctx // opts.parallel, CTX_PAD) * opts.parallel
+
+
+def kv_streams(opts: PlanOptions) -> int:
+    """KV streams (llama-kv-cache.cpp n_stream): one per sequence unless unified."""
+    return 1 if opts.kv_unified else max(opts.parallel, 1)
+
+
+def kv_cells(profile: ModelProfile, il: int, n_ctx: int, opts: PlanOptions) -> int:
+    """Cells of layer `il`'s cache per stream (the attention's n_kv when the graph is reserved).
+
+    Full layers: n_ctx_seq = n_ctx / n_stream. Sliding-window layers (llama-kv-cache-iswa.cpp), unless
+    swa_full: GGML_PAD(min(n_ctx_seq, n_swa * (unified ? n_seq : 1) + n_ubatch), 256)."""
+    n_ctx = context_size(n_ctx, opts)
+    size = n_ctx // kv_streams(opts)
+    if profile.is_swa(il) and not opts.swa_full:
+        n_ubatch = min(opts.n_ubatch, opts.n_batch)  # cparams.n_ubatch
+        window = profile.n_swa * (opts.parallel if opts.kv_unified else 1) + n_ubatch
+        size = _pad(min(size, window), CTX_PAD)
+    return size
+
+
+def kv_layer_bytes(profile: ModelProfile, il: int, n_ctx: int, opts: PlanOptions, alignment: int) -> int:
+    """K and V cache tensors of layer `il` (each [row, cells, streams], padded to the buffer alignment);
+    without flash attention V rows use the widest layer's width (v_trans)."""
     if profile.n_head_kv[il] == 0:
         return 0
+    cells = kv_cells(profile, il, n_ctx, opts) * kv_streams(opts)
     n_v = profile.n_embd_v_gqa_max() if not opts.flash_attn else profile.n_embd_v_gqa(il)
-    k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * n_ctx_pad
-    v = row_bytes(opts.type_v, n_v) * n_ctx_pad
+    k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * cells
+    v = row_bytes(opts.type_v, n_v) * cells
     return _pad(k, alignment) + _pad(v, alignment)
+
+
+def attention_inputs(profile: ModelProfile, layers: Sequence[int], n_ctx: int, opts: PlanOptions) -> int:
+    """Bytes of one copy of the attention inputs the layers read (llm_graph_input_attn_kv[_iswa]): per KV
+    cache they use (the full layers', the sliding-window layers'), the KQ mask [n_kv, n_tokens] (f32;
+    f16 with flash attention) and, without flash attention, v_idxs [n_embd_v_gqa, n_tokens] (i64): the
+    transposed V cache is written element by element (llama-kv-cache.cpp build_input_v_idxs)."""
+    n_tok = _n_tokens(n_ctx, opts)
+    caches: dict[bool, int] = {}  # is_swa -> n_kv (cells per stream)
+    for il in layers:
+        if il < profile.n_layer and profile.n_head_kv[il] > 0:
+            caches[profile.is_swa(il)] = kv_cells(profile, il, n_ctx, opts)
+    mask_bytes = 2 if opts.flash_attn else 4
+    v_idxs = 0 if opts.flash_attn else 8 * profile.n_embd_v_gqa_max() * n_tok
+    return sum(n_kv * n_tok * mask_bytes + v_idxs for n_kv in caches.values())
+
+
+def _n_tokens(n_ctx: int, opts: PlanOptions) -> int:
+    """Tokens of the worst-case graph llama.cpp reserves: min(n_ctx, n_ubatch) (llama-context.cpp
+    sched_reserve), n_ubatch capped at n_batch."""
+    return min(context_size(n_ctx, opts), opts.n_ubatch, opts.n_batch)
 
 
 def estimate_compute(
     profile: ModelProfile,
     layers: Sequence[int],
-    n_ctx_pad: int,
+    n_ctx: int,
     opts: PlanOptions,
     *,
     pipeline_parallel: bool,
 ) -> int:
     """Estimated compute buffer of a device holding `layers` (llama.cpp's worst-case pp graph).
 
-    The graph is reserved for n_tokens = min(n_ctx, n_ubatch) tokens against a full KV cache (n_kv =
-    n_ctx_pad). ggml-alloc reuses memory, so the buffer is about the inputs plus the largest live set:
-    - inputs copied onto the device: the KQ mask (n_kv × n_tokens, f32; f16 with flash attention) and
-      the incoming hidden state (n_embd × n_tokens f32); with pipeline parallelism measured as 5 times
-      that (GGML_SCHED_MAX_COPIES = 4 copies on top of the graph's own);
-    - attention without flash attention: the KQ matrix n_head × n_kv × n_tokens f32 (soft_max in place)
-      plus residual, Q, K, V and output rows; with flash attention only the rows;
-    - feed-forward: 6 hidden-state rows + gate and up (n_ff wide);
-    - the output layer: logits n_vocab × n_tokens f32 plus the normed hidden state.
-    Calibrated against llama.cpp 0.3.36 over loopback RPC (n_embd 256-512, n_ctx 1024-4096, ubatch 512,
-    f16/q8_0, with and without flash attention, one and two devices): within -3 %/+25 % of the logged
-    `compute buffer size` (e.g. 79 vs 78.0 MiB, 19 vs 19.0 MiB with flash attention, 115 vs 112.0 MiB
-    per device on two devices). The margin absorbs the rest.
+    The graph is reserved for n_tokens = min(n_ctx, n_ubatch) tokens against full KV caches (each
+    layer's n_kv = its cache's cells per stream, `kv_cells`: the sliding-window layers' are small unless
+    swa_full). ggml-alloc reuses memory, so the buffer is the inputs plus the largest live set:
+    - inputs copied onto the device, GGML_SCHED_MAX_COPIES = 4 times with pipeline parallelism (once
+      without): `attention_inputs` and the incoming hidden state (n_embd × n_tokens f32);
+    - attention without flash attention: the KQ matrix n_head × n_kv × n_tokens f32 of the layer with
+      the most cells (soft_max in place), plus 2 hidden-state rows and 2 Q rows;
+    - feed-forward: 4 rows n_ff wide and half a hidden-state row with pipeline parallelism, 3 rows and 2
+      hidden-state rows without (measured; the peak with flash attention);
+    - the output layer: logits n_vocab × n_tokens f32 plus 2 hidden-state rows (1 on a device holding
+      nothing else); with one copy the inputs are freed by then, so the buffer is the larger of the two.
+    Calibrated against llama.cpp 0.3.36's `compute buffer size` over loopback RPC on Gemma 3 270M (iSWA,
+    n_ctx 1k-32k, swa_full on and off, flash attention on and off, 1-4 sequences) and generated llamas
+    (n_embd 256-1024, GQA, one and three devices): within 5 % on every device with layers; the mask, KQ
+    and v_idxs terms, which grow with the context, are exact.
     """
     if not layers:
         return 0
-    n_tok = min(n_ctx_pad, opts.n_ubatch)
+    n_tok = _n_tokens(n_ctx, opts)
     f32 = 4
-    mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
     hidden = profile.n_embd * n_tok * f32
-    inputs = (mask + hidden) * (SCHED_MAX_COPIES + 1 if pipeline_parallel else 1)
+    copies = SCHED_MAX_COPIES if pipeline_parallel else 1
+    inputs = copies * (attention_inputs(profile, layers, n_ctx, opts) + hidden)
     repeating = [il for il in layers if il < profile.n_layer]
     peak = 0
     if repeating:
         n_head = max(profile.n_head[il] for il in repeating)
-        n_kv_max = max(profile.n_embd_k_gqa(il) + profile.n_embd_v_gqa(il) for il in repeating)
         q = n_head * profile.head_dim_k * n_tok * f32
-        rows = 2 * hidden + q + n_kv_max * n_tok * f32 + n_head * profile.head_dim_v * n_tok * f32
-        kq = 0 if opts.flash_attn else n_head * n_ctx_pad * n_tok * f32
-        n_ff = _n_ff(profile)
-        ffn = 6 * hidden + 2 * n_ff * n_tok * f32
-        peak = max(rows + kq, ffn)
-    if profile.n_layer in layers:
-        peak = max(peak, profile.n_vocab * n_tok * f32 + 2 * hidden)
-    return inputs + peak
+        attn = 2 * hidden + 2 * q
+        if not opts.flash_attn:
+            n_kv = max(kv_cells(profile, il, n_ctx, opts) for il in repeating)
+            attn += n_head * n_kv * n_tok * f32
+        n_ff = _n_ff(profile) * n_tok * f32
+        ffn = 4 * n_ff + hidden // 2 if pipeline_parallel else 3 * n_ff + 2 * hidden
+        peak = max(attn, ffn)
+    if profile.n_layer not in layers:
+        return inputs + peak
+    logits = profile.n_vocab * n_tok * f32 + (2 if repeating else 1) * hidden
+    if pipeline_parallel:  # the input copies have buffers of their own
+        return inputs + max(peak, logits)
+    # One copy: the inputs are graph tensors, freed after the last layer's attention
+    return max(inputs + peak, logits)
 
 
 def _n_ff(profile: ModelProfile) -> int:
@@ -85,35 +144,43 @@ def _n_ff(profile: ModelProfile) -> int:
     return widest or 4 * profile.n_embd
 
 
-def _host_compute(
-    profile: ModelProfile, n_ctx_pad: int, opts: PlanOptions, cpu_layers: Sequence[int], pipeline: bool
+def host_compute(
+    profile: ModelProfile, n_ctx: int, opts: PlanOptions, cpu_layers: Sequence[int], pipeline: bool
 ) -> int:
-    # Inputs live on the CPU first (token ids, positions, the mask) and the embeddings lookup runs there;
-    # measured: (mask + hidden) per copy plus about 3 hidden-state rows.
-    n_tok = min(n_ctx_pad, opts.n_ubatch)
-    mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
+    """The CPU's compute buffer: the inputs are built there (every cache's mask and v_idxs, the hidden
+    state after the embeddings lookup), one set per copy, plus a hidden-state row; and the graph of the
+    layers kept on the CPU."""
+    n_tok = _n_tokens(n_ctx, opts)
     hidden = profile.n_embd * n_tok * 4
-    base = (mask + hidden) * (SCHED_MAX_COPIES + 1 if pipeline else 1) + 3 * hidden
+    copies = SCHED_MAX_COPIES if pipeline else 1
+    inputs = attention_inputs(profile, range(profile.n_layer), n_ctx, opts)
+    base = copies * (inputs + hidden) + hidden
     if cpu_layers:
-        base += estimate_compute(profile, cpu_layers, n_ctx_pad, opts, pipeline_parallel=False)
+        base += estimate_compute(profile, cpu_layers, n_ctx, opts, pipeline_parallel=False)
     return base
 
 
+def output_buffer(profile: ModelProfile, opts: PlanOptions) -> int:
+    """The host's output buffer (llama-context.cpp output_reserve(n_seq_max)): logits for one output per
+    sequence, n_vocab floats each; llama.cpp grows it only when a batch asks for more outputs."""
+    return profile.n_vocab * max(opts.parallel, 1) * 4
+
+
 @dataclass(frozen=True)
-class _Prediction:
+class Prediction:
     memories: tuple[PlannedMemory, ...]
     host: HostMemory
     pipeline_parallel: bool
 
 
-def _predict(
+def predict(
     profile: ModelProfile,
     devices: Sequence[PlanDevice],
     assignment: Sequence[int | None],
     n_ctx_pad: int,
     opts: PlanOptions,
     ngl: int,
-) -> _Prediction:
+) -> Prediction:
     n_all = profile.n_layer
     pipeline_parallel = len(devices) > 1 and ngl > n_all and opts.split_mode == "layer"
     per_dev: list[list[int]] = [[] for _ in devices]
@@ -138,10 +205,10 @@ def _predict(
     host = HostMemory(
         weights=host_weights,
         kv=host_kv,
-        compute=_host_compute(profile, n_ctx_pad, opts, cpu_layers, pipeline_parallel),
-        output=profile.n_vocab * opts.n_batch * 4,
+        compute=host_compute(profile, n_ctx_pad, opts, cpu_layers, pipeline_parallel),
+        output=output_buffer(profile, opts),
     )
-    return _Prediction(tuple(memories), host, pipeline_parallel)
+    return Prediction(tuple(memories), host, pipeline_parallel)
 
 
 def validate(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOptions) -> None:

@@ -101,7 +101,10 @@ class PlanOptions:
     split_mode: str = "layer"
     main_gpu: int = 0
     tensor_split: tuple[float, ...] | None = None  # user-given split: overrides the strategy
-    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default: none)
+    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default: the training context)
+    swa_full: bool = False  # llama-server's --swa-full: sliding-window layers get a full-context cache
+    parallel: int = 1  # llama-server's --parallel: sequences (n_seq_max)
+    kv_unified: bool = False  # llama-server's --kv-unified: one KV stream shared by all sequences
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,8 @@ class Fit:
     fits: bool
     binding_device: int | None  # index into plan.devices with the smallest headroom
     shortfall: int  # bytes missing on the binding device (0 when it fits)
-    largest_n_ctx: int  # largest multiple of 256 that fits with this placement (0: none)
+    largest_n_ctx: int  # largest context that fits (planned at it, it fits; 0: none)
+    ctx_cap: int = 0  # the search stopped there (the training context per sequence); 0: no cap
 
 
 @dataclass(frozen=True)
