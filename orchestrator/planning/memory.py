@@ -12,6 +12,7 @@ from orchestrator.planning.plan import (
     CTX_PAD,
     MAX_DEVICES,
     MAX_RPC_DEVICES,
+    MAX_SEQ,
     SCHED_MAX_COPIES,
     HostMemory,
     PlanDevice,
@@ -234,6 +235,8 @@ def validate(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOpt
         raise PlanError("n_ctx must be >= 0 and n_ubatch, n_batch > 0")
     if opts.margin < 0:
         raise PlanError("margin cannot be negative")
+    if not 1 <= opts.parallel <= MAX_SEQ:
+        raise PlanError(f"parallel must be 1..{MAX_SEQ} (llama.cpp's LLAMA_MAX_SEQ), got {opts.parallel}")
     if not devices and opts.n_gpu_layers != 0:
         raise PlanError(
             "no devices to offload to", hint="add RPC hosts or local GPUs, or set n_gpu_layers to 0"

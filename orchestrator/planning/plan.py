@@ -34,6 +34,9 @@ SCHEMA_VERSION = 1
 MAX_DEVICES = 16  # llama_max_devices(): tensor_split entries
 
 
+MAX_SEQ = 256  # LLAMA_MAX_SEQ (llama-cparams.h): n_seq_max above it is refused
+
+
 MAX_RPC_DEVICES = 15  # the scheduler takes 16 backends including the CPU
 
 
@@ -179,6 +182,16 @@ class Fit:
     shortfall: int  # bytes missing on the binding device (0 when it fits)
     largest_n_ctx: int  # largest context that fits (planned at it, it fits; 0: none)
     ctx_cap: int = 0  # the search stopped there (the training context per sequence); 0: no cap
+
+
+def largest_ctx_text(fit: Fit) -> str:
+    """ "the largest context that fits: N", saying when N is only the search's cap (more may fit)."""
+    if not fit.largest_n_ctx:
+        return "no context fits"
+    text = f"the largest context that fits: {fit.largest_n_ctx}"
+    if fit.ctx_cap and fit.largest_n_ctx >= fit.ctx_cap:
+        text += " (capped at the model's training context; a larger --ctx searches past it)"
+    return text
 
 
 @dataclass(frozen=True)

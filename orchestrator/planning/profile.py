@@ -71,9 +71,7 @@ SWA_RULES: dict[str, SwaRule] = {
 }
 
 
-def swa_layers_of(
-    meta: dict[str, Any], arch: str, n_layer: int, path: Path
-) -> tuple[int, tuple[bool, ...]]:
+def swa_layers_of(meta: dict[str, Any], arch: str, n_layer: int, path: Path) -> tuple[int, tuple[bool, ...]]:
     """(n_swa, which layers slide) as llama.cpp derives them for `arch`; (0, ()) when none slide."""
     rule = SWA_RULES.get(arch)
     if rule is None:

@@ -7,11 +7,12 @@ from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
 from orchestrator.planning.memory import (
-    predict,
     context_size,
     estimate_compute,
+    kv_cells,
     kv_layer_bytes,
     kv_streams,
+    predict,
     validate,
 )
 from orchestrator.planning.placement import (
@@ -264,6 +265,31 @@ def _largest_ctx(
     return context_size(lo * CTX_PAD, opts)
 
 
+def kv_notes(profile: ModelProfile, n_ctx: int, opts: PlanOptions) -> list[str]:
+    """What the plan assumes about the KV cache where llama.cpp's front ends differ: the SWA cache size
+    and the sequences."""
+    notes: list[str] = []
+    swa = profile.swa_layer_ids
+    if swa:
+        cells = kv_cells(profile, swa[0], n_ctx, opts)
+        which = f"{len(swa)} of {profile.n_layer} layers slide (window {profile.n_swa})"
+        if opts.swa_full:
+            notes.append(f"{which}: full-size SWA cache (--swa-full), {cells} cells per sequence")
+        else:
+            notes.append(
+                f"{which}: small SWA cache, {cells} cells per sequence (llama-server's default; "
+                "--swa-full for full-size)"
+            )
+    if opts.parallel > 1:
+        if opts.kv_unified:
+            notes.append(
+                f"{opts.parallel} parallel sequences share one KV cache of {n_ctx} cells (--kv-unified)"
+            )
+        else:
+            notes.append(f"{opts.parallel} parallel sequences of {n_ctx // opts.parallel} cells each")
+    return notes
+
+
 def make_plan(
     devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOptions | None = None
 ) -> Plan:
@@ -329,6 +355,7 @@ def make_plan(
         )
     if ngl < n_all + 1:
         notes.append(f"{n_all + 1 - ngl} of {n_all + 1} layers stay on the CPU")
+    notes += kv_notes(profile, n_ctx, opts)
     fit = Fit(
         fits=shortfall == 0,
         binding_device=binding,
