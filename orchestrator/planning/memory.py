@@ -65,16 +65,19 @@ def kv_layer_bytes(profile: ModelProfile, il: int, n_ctx: int, opts: PlanOptions
 def attention_inputs(profile: ModelProfile, layers: Sequence[int], n_ctx: int, opts: PlanOptions) -> int:
     """Bytes of one copy of the attention inputs the layers read (llm_graph_input_attn_kv[_iswa]): per KV
     cache they use (the full layers', the sliding-window layers'), the KQ mask [n_kv, n_tokens] (f32;
-    f16 with flash attention) and, without flash attention, v_idxs [n_embd_v_gqa, n_tokens] (i64): the
-    transposed V cache is written element by element (llama-kv-cache.cpp build_input_v_idxs)."""
+    f16 with flash attention), k_idxs [n_tokens] (i64) and v_idxs: [n_embd_v_gqa, n_tokens] (i64) without
+    flash attention, whose transposed V cache is written element by element (llama-kv-cache.cpp
+    build_input_v_idxs), [n_tokens] with it; and the positions and output ids (i32)."""
     n_tok = _n_tokens(n_ctx, opts)
     caches: dict[bool, int] = {}  # is_swa -> n_kv (cells per stream)
     for il in layers:
         if il < profile.n_layer and profile.n_head_kv[il] > 0:
             caches[profile.is_swa(il)] = kv_cells(profile, il, n_ctx, opts)
     mask_bytes = 2 if opts.flash_attn else 4
-    v_idxs = 0 if opts.flash_attn else 8 * profile.n_embd_v_gqa_max() * n_tok
-    return sum(n_kv * n_tok * mask_bytes + v_idxs for n_kv in caches.values())
+    v_idxs = 8 * n_tok * (1 if opts.flash_attn else profile.n_embd_v_gqa_max())
+    k_idxs = 8 * n_tok
+    positions = 8 * n_tok  # inp_pos and inp_out_ids (i32), beside the caches' own
+    return positions + sum(n_kv * n_tok * mask_bytes + v_idxs + k_idxs for n_kv in caches.values())
 
 
 def _n_tokens(n_ctx: int, opts: PlanOptions) -> int:
