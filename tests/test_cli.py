@@ -461,7 +461,17 @@ def test_placement_prints_as_a_table() -> None:
     lines = text.splitlines()
     assert lines[0] == "placement (MiB)"
     assert lines[1].split() == ["device", "name", "layers", "weights", "KV", "compute", "output", "total"]
-    assert lines[2].split() == ["10.0.0.1:50052#0", "RPC0", "0-2", "plan", "30.00", "4.00", "15.00", "-", "49.00"]
+    assert lines[2].split() == [
+        "10.0.0.1:50052#0",
+        "RPC0",
+        "0-2",
+        "plan",
+        "30.00",
+        "4.00",
+        "15.00",
+        "-",
+        "49.00",
+    ]
     assert lines[3].split() == ["0-2", "actual", "30.00", "4.00", "14.00", "-", "48.00"]
     # the host's total is the sum of its columns, the output (logits) buffer included
     assert lines[4].split() == ["host", "CPU", "plan", "1.00", "0.00", "5.00", "1.00", "7.00"]

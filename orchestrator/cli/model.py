@@ -145,12 +145,19 @@ def handle_info(args: argparse.Namespace) -> int:
     if args.json:
         _common.print_json(data)
     else:
-        _print_info(data)
+        from orchestrator.planning.memory import architecture_rows
+
+        _print_info(data, architecture_rows(profile, args.type_k, args.type_v))
     return 0
 
 
 def model_info(profile: ModelProfile, n_ctx: int | None, type_k: str, type_v: str) -> dict[str, Any]:
     """What `model info` shows, as plain data (the JSON output)."""
+    from dataclasses import replace
+
+    from orchestrator.planning.memory import architecture_info, kv_layer_bytes
+    from orchestrator.planning.plan import PlanOptions
+
     kv_per_token = [profile.kv_bytes_per_token(il, type_k, type_v) for il in range(profile.n_layer)]
     data: dict[str, Any] = {
         "path": str(profile.path),
@@ -172,14 +179,23 @@ def model_info(profile: ModelProfile, n_ctx: int | None, type_k: str, type_v: st
         "output_tied": profile.output_tied,
         "kv_bytes_per_token": sum(kv_per_token),
         "kv_type": f"{type_k}/{type_v}",
+        **architecture_info(profile, type_k, type_v),
     }
     if n_ctx is not None:
         data["context"] = n_ctx or profile.n_ctx_train
-        data["kv_bytes"] = sum(kv_per_token) * data["context"]
+        opts = PlanOptions(n_ctx=data["context"], type_k=type_k, type_v=type_v, flash_attn=True)
+        # as llama.cpp allocates it (one sequence, the small SWA cache; flash attention: V rows unpadded)
+        data["kv_bytes"] = sum(
+            kv_layer_bytes(profile, il, data["context"], opts, 1) for il in range(profile.n_layer)
+        )
+        full = replace(opts, swa_full=True)
+        data["kv_bytes_swa_full"] = sum(
+            kv_layer_bytes(profile, il, data["context"], full, 1) for il in range(profile.n_layer)
+        )
     return data
 
 
-def _print_info(data: dict[str, Any]) -> None:
+def _print_info(data: dict[str, Any], arch_rows: list[tuple[str, str]]) -> None:
     from orchestrator.core.units import format_size
 
     per_layer = data["bytes_per_layer"]
@@ -198,10 +214,13 @@ def _print_info(data: dict[str, Any]) -> None:
         ("dimensions", f"embd {data['embd']}, heads {data['heads']}, KV heads {data['kv_heads']}"),
         ("vocabulary", str(data["vocab"])),
         ("training context", str(data["training_context"])),
-        ("KV per token", f"{format_size(data['kv_bytes_per_token'])} ({data['kv_type']}, all layers)"),
+        *arch_rows,
     ]
     if "context" in data:
-        rows.append(("KV cache", f"{format_size(data['kv_bytes'])} at context {data['context']}"))
+        kv = f"{format_size(data['kv_bytes'])} at context {data['context']}"
+        if data["kv_bytes_swa_full"] != data["kv_bytes"]:
+            kv += f" ({format_size(data['kv_bytes_swa_full'])} with --swa-full)"
+        rows.append(("KV cache", kv))
     for name, value in rows:
         _common.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
 

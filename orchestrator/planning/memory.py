@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.core.errors import PlanError
+from orchestrator.core.units import format_size
 from orchestrator.planning.placement import _pad
 from orchestrator.planning.plan import (
     CTX_PAD,
@@ -168,6 +170,56 @@ def output_buffer(profile: ModelProfile, opts: PlanOptions) -> int:
     """The host's output buffer (llama-context.cpp output_reserve(n_seq_max)): logits for one output per
     sequence, n_vocab floats each; llama.cpp grows it only when a batch asks for more outputs."""
     return profile.n_vocab * max(opts.parallel, 1) * 4
+
+
+def kv_per_token(profile: ModelProfile, type_k: str = "f16", type_v: str = "f16") -> tuple[int, int]:
+    """K + V bytes of one token (cell) over all layers: (full-attention layers, sliding-window layers)."""
+    full = swa = 0
+    for il in range(profile.n_layer):
+        n = profile.kv_bytes_per_token(il, type_k, type_v)
+        if profile.is_swa(il):
+            swa += n
+        else:
+            full += n
+    return full, swa
+
+
+def architecture_info(profile: ModelProfile, type_k: str = "f16", type_v: str = "f16") -> dict[str, Any]:
+    """The architecture as the planner models it (`model info --json`, the report): plain data."""
+    full, swa = kv_per_token(profile, type_k, type_v)
+    return {
+        "architecture": profile.architecture,
+        "sliding_window": profile.n_swa,
+        "swa_layers": list(profile.swa_layer_ids),
+        "kv_bytes_per_token_full": full,
+        "kv_bytes_per_token_swa": swa,
+    }
+
+
+def architecture_rows(
+    profile: ModelProfile, type_k: str = "f16", type_v: str = "f16"
+) -> list[tuple[str, str]]:
+    """(label, value) rows `model info` prints about the architecture; other rules add their own rows."""
+    full, swa = kv_per_token(profile, type_k, type_v)
+    kv = f"{type_k}/{type_v}"
+    rows = [("family", profile.architecture)]
+    if not profile.swa_layer_ids:
+        rows.append(("KV per token", f"{format_size(full)} ({kv}, all layers)"))
+        return rows
+    slide = profile.swa_layer_ids
+    full_layers = [il for il in range(profile.n_layer) if not profile.is_swa(il)]
+    cells = kv_cells(profile, slide[0], profile.n_ctx_train, PlanOptions(n_ctx=profile.n_ctx_train))
+    rows += [
+        ("sliding window", f"{profile.n_swa} tokens on {len(slide)} of {profile.n_layer} layers"),
+        ("full attention", f"layers {_ranges(full_layers)}" if full_layers else "none"),
+        ("KV per token", f"{format_size(full)} full layers + {format_size(swa)} sliding layers ({kv})"),
+        ("SWA cache", f"{cells} cells per sequence (n_ubatch 512), or n_ctx with --swa-full"),
+    ]
+    return rows
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in ids)
 
 
 @dataclass(frozen=True)
