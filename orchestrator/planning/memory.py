@@ -71,15 +71,25 @@ def attention_inputs(profile: ModelProfile, layers: Sequence[int], n_ctx: int, o
     flash attention, whose transposed V cache is written element by element (llama-kv-cache.cpp
     build_input_v_idxs), [n_tokens] with it; and the positions and output ids (i32)."""
     n_tok = _n_tokens(n_ctx, opts)
-    caches: dict[bool, int] = {}  # is_swa -> n_kv (cells per stream)
-    for il in layers:
-        if il < profile.n_layer and profile.n_head_kv[il] > 0:
-            caches[profile.is_swa(il)] = kv_cells(profile, il, n_ctx, opts)
+    caches = _caches(profile, layers, n_ctx, opts)
     mask_bytes = 2 if opts.flash_attn else 4
     v_idxs = 8 * n_tok * (1 if opts.flash_attn else profile.n_embd_v_gqa_max())
     k_idxs = 8 * n_tok
     positions = 8 * n_tok  # inp_pos and inp_out_ids (i32), beside the caches' own
     return positions + sum(n_kv * n_tok * mask_bytes + v_idxs + k_idxs for n_kv in caches.values())
+
+
+def _caches(profile: ModelProfile, layers: Sequence[int], n_ctx: int, opts: PlanOptions) -> dict[bool, int]:
+    """The KV caches `layers` use: is_swa -> cells per stream (computed once per cache: the planner
+    calls this for every trial split)."""
+    kinds = {profile.is_swa(il) for il in layers if il < profile.n_layer and profile.n_head_kv[il] > 0}
+    out: dict[bool, int] = {}
+    for swa in kinds:
+        il = next(
+            i for i in layers if i < profile.n_layer and profile.n_head_kv[i] > 0 and profile.is_swa(i) == swa
+        )
+        out[swa] = kv_cells(profile, il, n_ctx, opts)
+    return out
 
 
 def _n_tokens(n_ctx: int, opts: PlanOptions) -> int:
@@ -128,7 +138,7 @@ def estimate_compute(
         q = n_head * profile.head_dim_k * n_tok * f32
         attn = 2 * hidden + 2 * q
         if not opts.flash_attn:
-            n_kv = max(kv_cells(profile, il, n_ctx, opts) for il in repeating)
+            n_kv = max(_caches(profile, repeating, n_ctx, opts).values(), default=0)
             attn += n_head * n_kv * n_tok * f32
         n_ff = _n_ff(profile) * n_tok * f32
         ffn = 4 * n_ff + hidden // 2 if pipeline_parallel else 3 * n_ff + 2 * hidden

@@ -202,6 +202,10 @@ class ModelProfile:
         return self.head_dim_v * self.n_head_kv[il]
 
     def n_embd_v_gqa_max(self) -> int:
+        return self._v_gqa_max
+
+    @cached_property
+    def _v_gqa_max(self) -> int:  # the planner asks for every trial split
         return max(self.n_embd_v_gqa(il) for il in range(self.n_layer))
 
     def kv_bytes_per_token(

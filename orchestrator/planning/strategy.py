@@ -227,11 +227,13 @@ def _largest_ctx(
     ngl: int,
     start: int,
     cap: int | None,
+    known: int = 0,
 ) -> int:
     """The largest context that fits, 0 when none does: a fixed point, since each context is tried as
     `make_plan` would plan it (the strategy re-splits the layers at that context), and the answer is
     one that was tried and fits. Up to `cap`; without one, doubling from `start` (at most MAX_CTX),
-    then bisecting between a context that fits and one that does not."""
+    then bisecting between a context that fits and one that does not. `known`: a context known to fit
+    (the plan's own, when it fits), where the search may start."""
 
     def fits(units: int) -> bool:
         n_ctx = context_size(units * CTX_PAD, opts)
@@ -242,20 +244,25 @@ def _largest_ctx(
         pred = predict(profile, split.devices, split.assignment, n_ctx, opts, ngl)
         return all(m.headroom >= 0 for m in pred.memories)
 
-    if not fits(1):
-        return 0
-    lo, limit = 1, MAX_CTX // CTX_PAD  # in units of CTX_PAD: lo fits, hi does not
+    limit = MAX_CTX // CTX_PAD  # in units of CTX_PAD: lo fits, hi does not
+    lo = known // CTX_PAD if known else 0
     if cap is not None:
         hi = max(cap // CTX_PAD, 1)
-        if fits(hi):
+        if lo == hi or fits(hi):
             return context_size(hi * CTX_PAD, opts)
     else:
-        hi = max(start // CTX_PAD, 1)
+        hi = max(start // CTX_PAD, 1, lo)
+        if hi == lo:
+            hi = min(hi * 2, limit)
         while fits(hi):
             lo = hi
             if hi >= limit:
                 return context_size(hi * CTX_PAD, opts)
             hi = min(hi * 2, limit)
+    if not lo:
+        if not fits(1):
+            return 0
+        lo = 1
     while hi - lo > 1:  # not first_true: the answer must be one that fits even where fits is not monotone
         mid = (lo + hi) // 2
         if fits(mid):
@@ -346,7 +353,10 @@ def make_plan(
         binding, shortfall = None, 0
     cap = context_cap(profile, n_ctx, opts)
     start = max(profile.n_ctx_train, n_ctx, CTX_PAD)
-    largest = _largest_ctx(profile, all_devices, opts, ngl, start, cap) if all_devices else (cap or start)
+    known = n_ctx if shortfall == 0 and n_ctx % CTX_PAD == 0 else 0
+    largest = (
+        _largest_ctx(profile, all_devices, opts, ngl, start, cap, known) if all_devices else (cap or start)
+    )
     n_ctx_seq = n_ctx // kv_streams(opts)
     if n_ctx_seq > profile.n_ctx_train > 0:
         notes.append(
