@@ -540,7 +540,11 @@ def test_llama_cli_args(tiny_model: Path) -> None:
         "-ctv", "f16",
         "-fa", "off",
         "--fit", "off",
+        "--parallel", "1",  # llama-server's own default is "auto": 4 slots, unified KV
     ]  # fmt: skip
+    # the small SWA cache is llama-server's default; a full one, or a unified KV, is asked for
+    other = replace(plan, options=replace(plan.options, swa_full=True, parallel=4, kv_unified=True))
+    assert llama_cli_args(other)[-4:] == ["--parallel", "4", "--swa-full", "--kv-unified"]
     frac = make_plan(devices[:2], profile, PlanOptions(tensor_split=(0.25, 0.75), margin=0))
     assert "0.25,0.75" in llama_cli_args(frac, "/elsewhere/m.gguf")
     assert llama_cli_args(frac, "/elsewhere/m.gguf")[:2] == ["-m", "/elsewhere/m.gguf"]
