@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from tests.plugins.llama import DebugServer, plan_devices
-from tests.plugins.servers import write_local_inventory
+from tests.plugins.servers import LocalServer, write_local_inventory
 
 MiB = 1 << 20
 PROMPT = "The capital of France is the city of"
@@ -195,22 +195,13 @@ def test_the_largest_context_is_a_fixed_point_capped_at_the_training_context(
 
 @pytest.mark.llama
 def test_plan_at_the_issues_limit_is_what_the_load_allocates(
-    debug_rpc_servers: list[DebugServer],
-    gemma_model: Path,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    debug_rpc_servers: list[DebugServer], gemma_model: Path
 ) -> None:
     """The issue's case: `memory_limit: 1280MiB` on each node, `plan --ctx 46592 --margin 0` said fits
     and the load then allocated 1504.5 MiB on the first node. Now the plan's verdict holds: what it
     places on each server is at least what the server allocates, and within the limit when it fits."""
-    hosts = {
-        f"node{i}": {"rpc_port": s.port, "memory_limit": "1280MiB"} for i, s in enumerate(debug_rpc_servers)
-    }
-    inventory = write_local_inventory(tmp_path / "inventory.yml", hosts)
-    base = ["plan", "-i", str(inventory), "-m", str(gemma_model), "--margin", "0"]
-    status = main([*base, "--ctx", "46592", "--json"])
-    plan = Plan.from_json(capsys.readouterr().out)
-    assert status == (0 if plan.fit.fits else 1)
+    devices = plan_devices(debug_rpc_servers, [1280 * MiB] * 3)
+    plan = make_plan(devices, profile_model(gemma_model), PlanOptions(n_ctx=46592, margin=0))
     by_endpoint = {s.endpoint: s for s in debug_rpc_servers}
     servers = [by_endpoint[d.endpoint or ""] for d in plan.devices]
     offsets = [s.log_offset() for s in servers]
@@ -223,7 +214,31 @@ def test_plan_at_the_issues_limit_is_what_the_load_allocates(
         assert sum(sizes) <= dev.memory.total, (dev.label, sum(sizes), dev.memory.total)
         if plan.fit.fits:
             assert sum(sizes) <= 1280 * MiB, (dev.label, sum(sizes))
-    # the table says the same, and where the training context caps the offer it says so
+
+
+def test_plan_cli_at_the_issues_limit_says_what_the_planner_says(
+    start_rpc_server: Callable[..., LocalServer],
+    gemma_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The same case through `rpcfleet plan` on three fresh servers with `memory_limit: 1280MiB`: the
+    probe offers 1280 MiB per node and the verdict is the planner's above; a plan within the training
+    context offers at most that context and says it is the cap."""
+    servers = [start_rpc_server() for _ in range(3)]
+    hosts = {f"node{i}": {"rpc_port": s.port, "memory_limit": "1280MiB"} for i, s in enumerate(servers)}
+    inventory = write_local_inventory(tmp_path / "inventory.yml", hosts)
+    base = ["plan", "-i", str(inventory), "-m", str(gemma_model), "--margin", "0"]
+    status = main([*base, "--ctx", "46592", "--json"])
+    plan = Plan.from_json(capsys.readouterr().out)
+    expected = make_plan(
+        plan_devices([s.endpoint for s in servers], [1280 * MiB] * 3),
+        profile_model(gemma_model),
+        PlanOptions(n_ctx=46592, margin=0),
+    )
+    assert status == (0 if expected.fit.fits else 1)
+    assert [d.memory for d in plan.devices] == [d.memory for d in expected.devices]
+    assert plan.fit == expected.fit and plan.host == expected.host
     assert main([*base, "--ctx", "4096"]) == 0
     out = capsys.readouterr().out
     assert "fits; the largest context that fits: 32768 (capped at the model's training context" in out
