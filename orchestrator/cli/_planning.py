@@ -54,7 +54,7 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     )
     parser.add_argument(
         "--parallel",
-        type=_common.flag(fields.integer(minimum=1)),
+        type=_common.flag(fields.integer(minimum=1, maximum=256)),  # LLAMA_MAX_SEQ
         default=1,
         metavar="N",
         help="parallel sequences (n_seq_max): the context is split between them (default: 1)",
