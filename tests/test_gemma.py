@@ -96,21 +96,22 @@ def _check_compute(label: str, allocated: int, predicted: int) -> None:
     assert (predicted - allocated) / allocated <= COMPUTE_TOLERANCE, (label, allocated, predicted)
 
 
-# (n_ctx, flash attention, --swa-full, --parallel, --kv-unified): the 4k and 32k among them
+# (n_ctx, flash attention, --swa-full, --parallel, --kv-unified, n_gpu_layers): the 4k and 32k
 CONFIGS = [
-    (4096, False, True, 1, False),  # the 115.54 MiB per device (then predicted 85.75)
-    (4096, True, False, 1, False),
-    (16384, False, False, 1, False),
-    (16384, True, True, 1, False),
-    (32768, False, True, 1, False),  # the 787.54 MiB (then predicted 589.75)
-    (32768, True, False, 1, False),
-    (8192, False, False, 4, False),
-    (8192, True, False, 2, True),
+    (4096, False, True, 1, False, -1),  # the 115.54 MiB per device (then predicted 85.75)
+    (4096, True, False, 1, False, -1),
+    (16384, False, False, 1, False, -1),
+    (16384, True, True, 1, False, -1),
+    (32768, False, True, 1, False, -1),  # the 787.54 MiB (then predicted 589.75)
+    (32768, True, False, 1, False, -1),
+    (8192, False, False, 4, False, -1),
+    (8192, True, False, 2, True, -1),
+    (16384, False, False, 1, False, 10),  # 9 layers on the CPU: no pipeline parallelism
 ]
 
 
 @pytest.mark.llama
-@pytest.mark.parametrize(("n_ctx", "flash_attn", "swa_full", "parallel", "kv_unified"), CONFIGS)
+@pytest.mark.parametrize(("n_ctx", "flash_attn", "swa_full", "parallel", "kv_unified", "ngl"), CONFIGS)
 def test_gemma_plan_matches_the_servers_allocations(
     debug_rpc_servers: list[DebugServer],
     gemma_model: Path,
@@ -119,12 +120,19 @@ def test_gemma_plan_matches_the_servers_allocations(
     swa_full: bool,
     parallel: int,
     kv_unified: bool,
+    ngl: int,
 ) -> None:
     options = PlanOptions(
-        n_ctx=n_ctx, flash_attn=flash_attn, swa_full=swa_full, parallel=parallel, kv_unified=kv_unified
+        n_ctx=n_ctx,
+        flash_attn=flash_attn,
+        swa_full=swa_full,
+        parallel=parallel,
+        kv_unified=kv_unified,
+        n_gpu_layers=ngl,
     )
-    plan = make_plan(plan_devices(debug_rpc_servers), profile_model(gemma_model), options)
-    offsets = [s.log_offset() for s in debug_rpc_servers]
+    servers = debug_rpc_servers if ngl < 0 else debug_rpc_servers[:2]
+    plan = make_plan(plan_devices(servers), profile_model(gemma_model), options)
+    offsets = [s.log_offset() for s in servers]
     llm = load_llama(plan, gemma_model)
     try:
         placement = placement_of(llm)
@@ -133,10 +141,10 @@ def test_gemma_plan_matches_the_servers_allocations(
         assert re.search(r"n_seq_max\s+= (\d+)", log)[1] == str(parallel)  # type: ignore[index]
         assert re.search(r"kv_unified\s+= (\w+)", log)[1] == str(kv_unified).lower()  # type: ignore[index]
         assert ("using full-size SWA cache" in log) == swa_full  # llama.cpp's own warning
-        allocations = [s.allocations_since(o)[0] for s, o in zip(debug_rpc_servers, offsets, strict=True)]
+        allocations = [s.allocations_since(o)[0] for s, o in zip(servers, offsets, strict=True)]
     finally:
         llm.close()
-    assert placement.layers_as_planned
+    assert placement.layers_as_planned and len(placement.devices) == len(servers)
     for dev, sizes in zip(placement.devices, allocations, strict=True):
         weights, kv_global, kv_swa, compute = sizes
         assert weights == dev.predicted.weights, dev.label

@@ -164,16 +164,17 @@ def host_compute(
     profile: ModelProfile, n_ctx: int, opts: PlanOptions, cpu_layers: Sequence[int], pipeline: bool
 ) -> int:
     """The CPU's compute buffer: the inputs are built there (every cache's mask and v_idxs, the hidden
-    state after the embeddings lookup), one set per copy, plus a hidden-state row; and the graph of the
-    layers kept on the CPU."""
+    state after the embeddings lookup), one set per copy, plus a hidden-state row; or, with layers kept
+    on the CPU, their graph."""
     n_tok = _n_tokens(n_ctx, opts)
     hidden = profile.n_embd * n_tok * 4
     copies = SCHED_MAX_COPIES if pipeline else 1
-    inputs = attention_inputs(profile, range(profile.n_layer), n_ctx, opts)
-    base = copies * (inputs + hidden) + hidden
     if cpu_layers:
-        base += estimate_compute(profile, cpu_layers, n_ctx, opts, pipeline_parallel=False)
-    return base
+        # No pipeline parallelism with layers on the CPU: its inputs are graph tensors of its own layers'
+        # graph (measured: that graph's estimate plus about 2 hidden-state rows)
+        return estimate_compute(profile, cpu_layers, n_ctx, opts, pipeline_parallel=False) + 2 * hidden
+    inputs = attention_inputs(profile, range(profile.n_layer), n_ctx, opts)
+    return copies * (inputs + hidden) + hidden
 
 
 def output_buffer(profile: ModelProfile, opts: PlanOptions) -> int:
