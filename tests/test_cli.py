@@ -459,7 +459,7 @@ def _placement() -> Placement:
         predicted=MemoryBytes(30 * MiB, 4 * MiB, 15 * MiB),
         actual=MemoryBytes(30 * MiB, 4 * MiB, 14 * MiB),
     )
-    host = HostPlacement(MiB, 0, 5 * MiB, 0, MiB, 0, 4 * MiB, 0)
+    host = HostPlacement(MiB, 0, 5 * MiB, MiB, MiB, 0, 4 * MiB, MiB)
     return Placement((device,), host, (("RPC0", "x"),), 0.2, ())
 
 
@@ -467,10 +467,22 @@ def test_placement_prints_as_a_table() -> None:
     text = str(_placement())
     lines = text.splitlines()
     assert lines[0] == "placement (MiB)"
-    assert lines[1].split() == ["device", "name", "layers", "weights", "KV", "compute", "total"]
-    assert lines[2].split() == ["10.0.0.1:50052#0", "RPC0", "0-2", "plan", "30.00", "4.00", "15.00", "49.00"]
-    assert lines[3].split() == ["0-2", "actual", "30.00", "4.00", "14.00", "48.00"]
-    assert lines[4].split() == ["host", "CPU", "plan", "1.00", "0.00", "5.00", "6.00"]
+    assert lines[1].split() == ["device", "name", "layers", "weights", "KV", "compute", "output", "total"]
+    assert lines[2].split() == [
+        "10.0.0.1:50052#0",
+        "RPC0",
+        "0-2",
+        "plan",
+        "30.00",
+        "4.00",
+        "15.00",
+        "-",
+        "49.00",
+    ]
+    assert lines[3].split() == ["0-2", "actual", "30.00", "4.00", "14.00", "-", "48.00"]
+    # the host's total is the sum of its columns, the output (logits) buffer included
+    assert lines[4].split() == ["host", "CPU", "plan", "1.00", "0.00", "5.00", "1.00", "7.00"]
+    assert lines[5].split() == ["actual", "1.00", "0.00", "4.00", "1.00", "6.00"]
     assert "Placement(" not in text
 
 

@@ -3,13 +3,14 @@
 Each family is loaded over the session's three GGML_RPC_DEBUG servers (loopback), with flash attention
 off and on, and every device's allocations are compared with the plan: weights, KV cache and recurrent
 state to the byte, the compute buffer within 10 %. The models are a few MB, so a load takes well under
-a second. One sequence only: this branch's planner has no --parallel yet.
+a second. One sequence, and several (--parallel, unified KV or not) with the small SWA cache or --swa-full.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,17 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _load_and_compare(
-    servers: list[DebugServer], model: Path, flash_attn: bool, split: tuple[float, ...] | None = None
+    servers: list[DebugServer],
+    model: Path,
+    flash_attn: bool,
+    split: tuple[float, ...] | None = None,
+    **options: Any,
 ) -> list[tuple[str, int, int, str]]:
     """Load `model` as planned, decode a few tokens, and return per device (label, predicted compute,
     allocated compute, diagnostics) after asserting weights and KV + state to the byte."""
     profile = profile_model(model)
     servers = servers[: len(split)] if split else servers
-    opts = PlanOptions(n_ctx=1024, flash_attn=flash_attn, tensor_split=split)
+    opts = PlanOptions(n_ctx=1024, flash_attn=flash_attn, tensor_split=split, **options)
     plan = make_plan(plan_devices(servers), profile, opts)
     offsets = [s.log_offset() for s in servers]
     llm = load_llama(plan, model)
@@ -114,6 +119,44 @@ def test_recurrent_compute_follows_the_split(
     ):
         error = (predicted - allocated) / allocated
         assert abs(error) <= COMPUTE_TOLERANCE, (label, predicted, allocated, f"{error:+.1%}", sizes)
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("mamba2", {"parallel": 3}),  # the recurrent state: one row of r and s per sequence
+        ("granitehybrid", {"parallel": 2}),  # state per sequence, KV in 2 streams
+        ("granitehybrid", {"parallel": 2, "kv_unified": True}),
+        ("gpt-oss", {"swa_full": True}),  # the default elsewhere: the small SWA cache, masks of two sizes
+        ("gpt-oss", {"swa_full": False, "parallel": 2}),
+        ("gemma3", {"swa_full": True, "parallel": 2, "kv_unified": True}),
+        ("qwen3moe", {"parallel": 4}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_families_with_sequences_and_the_swa_cache(
+    debug_rpc_servers: list[DebugServer],
+    family_models: dict[str, Path],
+    arch: str,
+    options: dict[str, Any],
+) -> None:
+    # --parallel reaches the recurrent state (n_seq_max rows) and the KV streams; the compute model
+    # sees each cache's cells (small SWA cache, n_ctx / n_seq per stream).
+    for label, predicted, allocated, sizes in _load_and_compare(
+        debug_rpc_servers, family_models[arch], False, None, **options
+    ):
+        error = (predicted - allocated) / allocated
+        assert abs(error) <= COMPUTE_TOLERANCE, (label, predicted, allocated, f"{error:+.1%}", sizes)
+
+
+def test_the_sequences_reach_the_recurrent_state(tmp_path: Path) -> None:
+    mamba = profile_model(write_arch_model(tmp_path / "m.gguf", "mamba2"))
+    one, four = (
+        make_plan(plan_devices(["127.0.0.1:1"]), mamba, PlanOptions(n_ctx=1024, parallel=n)) for n in (1, 4)
+    )
+    state = 4 * (3 * 288 + 16 * 256) * 4  # 4 layers, one r and one s row each
+    assert (one.devices[0].memory.kv, four.devices[0].memory.kv) == (state, 4 * state)
 
 
 def test_every_synthetic_family_is_verified_and_classified(tmp_path: Path) -> None:

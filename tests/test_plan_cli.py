@@ -103,6 +103,10 @@ def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "does not exist" in capsys.readouterr().err
     assert main(["plan", "-i", str(inventory), "-m", str(inventory), "--margin", "lots"]) == 2
     assert "--margin" in capsys.readouterr().err
+    for command in ("plan", "run", "report", "serve"):  # llama.cpp takes 1..LLAMA_MAX_SEQ sequences
+        for bad in ("0", "257", "two"):
+            assert main([command, "-i", str(inventory), "-m", str(inventory), "--parallel", bad]) == 2
+            assert "--parallel" in capsys.readouterr().err
 
 
 @pytest.mark.llama

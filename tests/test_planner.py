@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.core.errors import PlanError
+from orchestrator.core.errors import ModelError, PlanError
 from orchestrator.planning.formats import cli_device_names, llama_cli_args, python_snippet
-from orchestrator.planning.memory import estimate_compute
+from orchestrator.planning.memory import context_size, estimate_compute, kv_cells, kv_streams
 from orchestrator.planning.placement import largest_remainder, llama_cpp_assignment, order_devices, pad_ctx
 from orchestrator.planning.plan import (
     DEFAULT_MARGIN,
@@ -24,7 +24,7 @@ from orchestrator.planning.plan import (
     PlannedDevice,
     PlanOptions,
 )
-from orchestrator.planning.profile import ModelProfile, TensorInfo, profile_model
+from orchestrator.planning.profile import ModelProfile, TensorInfo, profile_model, swa_layers_of
 from orchestrator.planning.strategy import make_plan, proportional_candidates
 
 GiB = 1024**3
@@ -264,18 +264,20 @@ def test_largest_ctx_is_the_boundary_and_grows_with_memory(
     plan = make_plan(devices, profile, opts)
     largest = plan.fit.largest_n_ctx
     assert largest % 256 == 0 and 0 <= largest <= 65536
+    if largest:  # a fixed point: planned at the largest context it offers, the plan fits
+        assert make_plan(devices, profile, replace(opts, n_ctx=largest)).fit.fits
     fixed = replace(opts, tensor_split=plan.tensor_split)  # same placement, other contexts
-    if largest:
-        assert make_plan(plan_devices(plan, devices), profile, replace(fixed, n_ctx=largest)).fit.fits
-    if largest < 65536:
-        assert not make_plan(
-            plan_devices(plan, devices), profile, replace(fixed, n_ctx=largest + 256)
-        ).fit.fits
+    kept = plan_devices(plan, devices)
+    pinned = make_plan(kept, profile, fixed).fit.largest_n_ctx
+    if pinned:
+        assert make_plan(kept, profile, replace(fixed, n_ctx=pinned)).fit.fits
+    if pinned < 65536:
+        assert not make_plan(kept, profile, replace(fixed, n_ctx=pinned + 256)).fit.fits
     # More memory, same placement (pinned: the default split weighs fixed costs, which do not scale).
-    bigger = [replace(d, usable=d.usable * scale) for d in plan_devices(plan, devices)]
+    bigger = [replace(d, usable=d.usable * scale) for d in kept]
     plan2 = make_plan(bigger, profile, fixed)
     assert plan2.layer_counts == plan.layer_counts
-    assert plan2.fit.largest_n_ctx >= largest
+    assert plan2.fit.largest_n_ctx >= pinned
 
 
 def plan_devices(plan: Plan, devices: list[PlanDevice]) -> list[PlanDevice]:
@@ -546,7 +548,11 @@ def test_llama_cli_args(tiny_model: Path) -> None:
         "-ctv", "f16",
         "-fa", "off",
         "--fit", "off",
+        "--parallel", "1",  # llama-server's own default is "auto": 4 slots, unified KV
     ]  # fmt: skip
+    # the small SWA cache is llama-server's default; a full one, or a unified KV, is asked for
+    other = replace(plan, options=replace(plan.options, swa_full=True, parallel=4, kv_unified=True))
+    assert llama_cli_args(other)[-4:] == ["--parallel", "4", "--swa-full", "--kv-unified"]
     frac = make_plan(devices[:2], profile, PlanOptions(tensor_split=(0.25, 0.75), margin=0))
     assert "0.25,0.75" in llama_cli_args(frac, "/elsewhere/m.gguf")
     assert llama_cli_args(frac, "/elsewhere/m.gguf")[:2] == ["-m", "/elsewhere/m.gguf"]
@@ -577,3 +583,67 @@ def test_free_memory_that_moves_a_little_between_probes_keeps_the_split() -> Non
     eight = 8.0 * GiB
     assert largest_remainder(7, [eight, eight + 3 * MiB, eight - 2 * MiB]) == [3, 2, 2]  # a tie: the first
     assert largest_remainder(7, [eight, eight + 64 * MiB, eight - 2 * MiB]) == [2, 3, 2]  # a real lead
+
+
+def test_which_layers_slide_follows_the_gguf_or_the_architectures_default() -> None:
+    path = Path("m.gguf")
+    # gemma3: every 6th layer is full by default, and nothing slides without a window
+    assert swa_layers_of({"gemma3.attention.sliding_window": 512}, "gemma3", 7, path) == (
+        512,
+        (True, True, True, True, True, False, True),
+    )
+    assert swa_layers_of({}, "gemma3", 7, path) == (0, ())
+    # gemma2: window 4096 by default, every other layer
+    assert swa_layers_of({}, "gemma2", 4, path) == (4096, (True, False, True, False))
+    # the pattern key: a period, or the per-layer flags as given
+    meta = {"gpt-oss.attention.sliding_window": 128, "gpt-oss.attention.sliding_window_pattern": 3}
+    assert swa_layers_of(meta, "gpt-oss", 4, path)[1] == (True, True, False, True)
+    meta["gpt-oss.attention.sliding_window_pattern"] = [False, True, True, False]
+    assert swa_layers_of(meta, "gpt-oss", 4, path)[1] == (False, True, True, False)
+    # dense first (smallthinker): layer 0 of each period is full
+    assert swa_layers_of({"smallthinker.attention.sliding_window": 64}, "smallthinker", 5, path)[1] == (
+        False,
+        True,
+        True,
+        True,
+        False,
+    )
+    assert swa_layers_of({"llama.attention.sliding_window": 64}, "llama", 3, path) == (0, ())
+    with pytest.raises(ModelError, match="sliding_window_pattern has 2 entries for 4 layers"):
+        meta["gpt-oss.attention.sliding_window_pattern"] = [True, False]
+        swa_layers_of(meta, "gpt-oss", 4, path)
+
+
+def test_swa_cells_and_sequences_follow_llama_cpp() -> None:
+    """llama-kv-cache-iswa.cpp: PAD(min(n_ctx_seq, n_swa * (unified ? n_seq : 1) + n_ubatch), 256) cells;
+    llama-context.cpp: n_ctx_seq = PAD(n_ctx / n_seq, 256) per stream unless unified."""
+    profile = replace(
+        synthetic_profile(6, n_embd=128, n_head=2, n_head_kv=1, n_ff=256),
+        n_swa=512,
+        swa_layers=(True, True, True, True, True, False),
+    )
+    opts = PlanOptions(n_ctx=8192)
+    assert kv_cells(profile, 5, 8192, opts) == 8192
+    assert kv_cells(profile, 0, 8192, opts) == 1024  # 512 + 512, padded to 256
+    assert kv_cells(profile, 0, 8192, replace(opts, swa_full=True)) == 8192
+    assert kv_cells(profile, 0, 768, opts) == 768  # never more than the context
+    assert kv_cells(profile, 0, 8192, replace(opts, n_ubatch=100)) == 768  # PAD(612, 256)
+    four = replace(opts, parallel=4)
+    assert (kv_streams(four), kv_cells(profile, 5, 8192, four), kv_cells(profile, 0, 8192, four)) == (
+        4,
+        2048,
+        1024,
+    )
+    unified = replace(four, kv_unified=True)
+    assert (
+        kv_streams(unified),
+        kv_cells(profile, 5, 8192, unified),
+        kv_cells(profile, 0, 8192, unified),
+    ) == (
+        1,
+        8192,
+        2560,  # 512 * 4 + 512
+    )
+    assert context_size(4096, replace(opts, parallel=3)) == 4608  # 1365 -> 1536 cells each, llama.cpp's
+    plan = make_plan([rpc("10.0.0.1:50052", usable=8 << 30)], profile, replace(opts, n_ctx=4096, parallel=3))
+    assert plan.n_ctx == 4608 and plan.host.output == 3 * profile.n_vocab * 4

@@ -657,3 +657,34 @@ def test_cli_end_to_end(
     # a missing model is bad input, said as plan, run and serve say it
     assert main(["report", "-i", str(inventory), "--model", str(tmp_path / "nope.gguf")]) == 2
     assert f"error: model {tmp_path / 'nope.gguf'} does not exist" in capsys.readouterr().err
+
+
+def test_plan_report_and_run_show_the_same_host_row_that_adds_up(
+    gemma_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue: `plan` showed the host's weights, KV and compute but a total with the 512 MiB output
+    buffer hidden in it, and `run` another total. Now the three show the same columns, output included,
+    and each total is the sum of the columns shown."""
+    from orchestrator.cli.plan import print_plan
+    from orchestrator.core.units import format_size
+    from orchestrator.llama.placement import build_placement
+
+    profile = profile_model(gemma_model)
+    report = build_report(two_node_fleet(), [("gemma.gguf", profile)], [4096], ReportOptions(recommend=False))
+    plan = report.cases[0].plan
+    assert plan is not None
+    h = plan.host
+    assert h.output == 262144 * 4  # one row of logits (output_reserve(n_seq_max)), not vocab x n_batch
+    assert h.total == h.weights + h.kv + h.compute + h.output
+    sizes = [format_size(x) for x in (h.weights, h.kv, h.compute, h.output, h.total)]
+    # plan's table
+    print_plan(plan)
+    host_line = next(line for line in capsys.readouterr().out.splitlines() if "host (CPU)" in line)
+    assert host_line.split("host (CPU)")[1].split() == " ".join(sizes).split()
+    # the report's table (text, markdown and HTML share its rows)
+    text_row = render_text(report).split("host (CPU)")[1].split("\n")[0]
+    assert text_row.split() == ["-", *" ".join(sizes).split()]
+    # run's placement table, before the load's actual rows
+    placement = build_placement(plan, [f"RPC{i}" for i in range(len(plan.devices))], [])
+    host_row = next(row for row in placement.rows() if row[0] == "host")
+    assert host_row[4:] == tuple(f"{x / MiB:.2f}" for x in (h.weights, h.kv, h.compute, h.output, h.total))

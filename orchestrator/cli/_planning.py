@@ -49,6 +49,24 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     add_kv_type_args(parser)
     parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
     parser.add_argument(
+        "--swa-full",
+        action="store_true",
+        help="full-context cache for sliding-window layers, as llama.cpp's C default (default: the small "
+        "SWA cache, as llama-server)",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=_common.flag(fields.integer(minimum=1, maximum=256)),  # LLAMA_MAX_SEQ
+        default=1,
+        metavar="N",
+        help="parallel sequences (n_seq_max): the context is split between them (default: 1)",
+    )
+    parser.add_argument(
+        "--kv-unified",
+        action="store_true",
+        help="one KV cache shared by all sequences (each may use the whole context)",
+    )
+    parser.add_argument(
         "--ubatch", type=_common.flag(fields.integer(minimum=1)), default=512, help="n_ubatch (default: 512)"
     )
     parser.add_argument(
@@ -83,6 +101,9 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
         type_v=args.type_v,
         n_ubatch=args.ubatch,
         flash_attn=args.flash_attn,
+        swa_full=args.swa_full,
+        parallel=args.parallel,
+        kv_unified=args.kv_unified,
         margin=args.margin if args.margin is not None else DEFAULT_MARGIN,
         strategy=args.strategy,
     )

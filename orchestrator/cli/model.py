@@ -164,12 +164,19 @@ def handle_info(args: argparse.Namespace) -> int:
     if args.json:
         _common.print_json(data)
     else:
-        _print_info(data)
+        from orchestrator.planning.memory import architecture_rows
+
+        _print_info(data, architecture_rows(profile, args.type_k, args.type_v))
     return 0
 
 
 def model_info(profile: ModelProfile, n_ctx: int | None, type_k: str, type_v: str) -> dict[str, Any]:
     """What `model info` shows, as plain data (the JSON output)."""
+    from dataclasses import replace
+
+    from orchestrator.planning.memory import architecture_info, kv_layer_bytes
+    from orchestrator.planning.plan import PlanOptions
+
     kv_per_token = [profile.kv_bytes_per_token(il, type_k, type_v) for il in range(profile.n_layer)]
     data: dict[str, Any] = {
         "path": str(profile.path),
@@ -191,58 +198,23 @@ def model_info(profile: ModelProfile, n_ctx: int | None, type_k: str, type_v: st
         "output_tied": profile.output_tied,
         "kv_bytes_per_token": sum(kv_per_token),
         "kv_type": f"{type_k}/{type_v}",
-        **_architecture_info(profile),
+        **architecture_info(profile, type_k, type_v),
     }
     if n_ctx is not None:
         data["context"] = n_ctx or profile.n_ctx_train
-        data["kv_bytes"] = sum(kv_per_token) * data["context"]
+        opts = PlanOptions(n_ctx=data["context"], type_k=type_k, type_v=type_v, flash_attn=True)
+        # as llama.cpp allocates it (one sequence, the small SWA cache; flash attention: V rows unpadded)
+        data["kv_bytes"] = sum(
+            kv_layer_bytes(profile, il, data["context"], opts, 1) for il in range(profile.n_layer)
+        )
+        full = replace(opts, swa_full=True)
+        data["kv_bytes_swa_full"] = sum(
+            kv_layer_bytes(profile, il, data["context"], full, 1) for il in range(profile.n_layer)
+        )
     return data
 
 
-def _architecture_info(profile: ModelProfile) -> dict[str, Any]:
-    """The family's rules as the planner applies them (planning/architectures.py)."""
-    from orchestrator.planning.architectures import unverified_note
-
-    rules = profile.rules
-    recurrent = [il for il in range(profile.n_layer) if rules.is_recurrent(il)]
-    return {
-        "family": rules.family,
-        "verified": rules.verified,
-        "unverified_note": unverified_note(rules),
-        "mla": rules.mla,
-        "experts": rules.n_expert,
-        "experts_used": rules.n_expert_used,
-        "expert_ff": rules.n_ff_exp,
-        "recurrent_layers": recurrent,
-        "state_bytes_per_sequence": sum(rules.state_bytes_per_seq(il) for il in recurrent),
-    }
-
-
-def _architecture_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
-    from orchestrator.core.units import format_size
-
-    family = data["family"]
-    rows = [("family", family if data["verified"] else f"{family} (unverified)")]
-    if data["mla"]:
-        rows.append(("attention", "MLA: a K cache only (kv_lora_rank + rope wide), no V"))
-    if data["experts"]:
-        rows.append(
-            ("experts", f"{data['experts']}, {data['experts_used']} used per token, {data['expert_ff']} wide")
-        )
-    if data["recurrent_layers"]:
-        n = len(data["recurrent_layers"])
-        rows.append(
-            (
-                "recurrent state",
-                f"{format_size(data['state_bytes_per_sequence'])} per sequence ({n} recurrent layers, f32)",
-            )
-        )
-    if data["unverified_note"]:
-        rows.append(("note", data["unverified_note"]))
-    return rows
-
-
-def _print_info(data: dict[str, Any]) -> None:
+def _print_info(data: dict[str, Any], arch_rows: list[tuple[str, str]]) -> None:
     from orchestrator.core.units import format_size
 
     per_layer = data["bytes_per_layer"]
@@ -261,11 +233,13 @@ def _print_info(data: dict[str, Any]) -> None:
         ("dimensions", f"embd {data['embd']}, heads {data['heads']}, KV heads {data['kv_heads']}"),
         ("vocabulary", str(data["vocab"])),
         ("training context", str(data["training_context"])),
-        ("KV per token", f"{format_size(data['kv_bytes_per_token'])} ({data['kv_type']}, all layers)"),
+        *arch_rows,
     ]
     if "context" in data:
-        rows.append(("KV cache", f"{format_size(data['kv_bytes'])} at context {data['context']}"))
-    rows += _architecture_rows(data)
+        kv = f"{format_size(data['kv_bytes'])} at context {data['context']}"
+        if data["kv_bytes_swa_full"] != data["kv_bytes"]:
+            kv += f" ({format_size(data['kv_bytes_swa_full'])} with --swa-full)"
+        rows.append(("KV cache", kv))
     for name, value in rows:
         _common.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
 

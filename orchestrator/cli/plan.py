@@ -69,10 +69,12 @@ def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
     from rich import box
     from rich.table import Table
 
+    from orchestrator.planning.plan import largest_ctx_text
+
     table = Table(
         box=box.SIMPLE_HEAD, highlight=False, title=f"plan: {plan.model_name}", title_justify="left"
     )
-    for column in ("device", "layers", "weights", "KV", "compute", "total", "usable", "headroom"):
+    for column in ("device", "layers", "weights", "KV", "compute", "output", "total", "usable", "headroom"):
         table.add_column(column, justify="left" if column in ("device", "layers") else "right")
     for i, d in enumerate(plan.devices):
         m = d.memory
@@ -84,31 +86,33 @@ def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
         table.add_row(
             escape(d.label),
             d.layers_label,
-            *(format_size(x) for x in (m.weights, m.kv, m.compute, m.total, m.usable)),
+            *(format_size(x) for x in (m.weights, m.kv, m.compute)),
+            "-",
+            *(format_size(x) for x in (m.total, m.usable)),
             headroom,
         )
     planned = {d.label for d in plan.devices}
     for device in probed:
         if device.label not in planned:
-            left_out = ("[yellow]left out[/yellow]", "", "", "", "", format_size(device.usable), "")
+            left_out = ("[yellow]left out[/yellow]", "", "", "", "", "", format_size(device.usable), "")
             table.add_row(escape(device.label), *left_out)
     h = plan.host
-    table.add_row("host (CPU)", "", *(format_size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", "")
+    host = (h.weights, h.kv, h.compute, h.output, h.total)  # the total is the sum of the columns shown
+    table.add_row("host (CPU)", "", *(format_size(x) for x in host), "", "")
     _common.console.print(table)
     split = ",".join(f"{x:g}" for x in plan.tensor_split)
     _common.console.print(
         f"n_ctx {plan.n_ctx} · n_gpu_layers {plan.n_gpu_layers} · split_mode layer · tensor_split {split}",
         highlight=False,
     )
+    largest = largest_ctx_text(plan.fit)
     if plan.fit.fits:
-        _common.console.print(
-            f"[green]fits[/green]; the largest context that fits: {plan.fit.largest_n_ctx}", highlight=False
-        )
+        _common.console.print(f"[green]fits[/green]; {largest}", highlight=False)
     else:
         binding = plan.devices[plan.fit.binding_device or 0]
         _common.console.print(
             f"[red]does not fit[/red]: {escape(binding.label)} is short by {format_size(plan.fit.shortfall)}"
-            f"; the largest context that fits: {plan.fit.largest_n_ctx}",
+            f"; {largest}",
             highlight=False,
         )
     for note in plan.notes:

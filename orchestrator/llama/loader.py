@@ -72,6 +72,7 @@ PLAN_CONTROLLED = frozenset(
         "flash_attn",
         "type_k",
         "type_v",
+        "swa_full",
         "rpc_servers",  # silently ignored by 0.3.36: refusing it beats a model quietly on the CPU
     }
 )
@@ -110,6 +111,25 @@ def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | 
         yield callback
     finally:
         lc.llama_model_default_params = original
+
+
+@contextlib.contextmanager
+def _context_params(lc: Any, n_seq_max: int, kv_unified: bool) -> Iterator[None]:
+    """`Llama.__init__` has no n_seq_max or kv_unified argument (0.3.36): it starts its context params
+    from `llama_context_default_params()`, so that function is wrapped for the construction only."""
+    original = lc.llama_context_default_params
+
+    def with_sequences() -> Any:
+        params = original()
+        params.n_seq_max = n_seq_max
+        params.kv_unified = kv_unified
+        return params
+
+    lc.llama_context_default_params = with_sequences
+    try:
+        yield
+    finally:
+        lc.llama_context_default_params = original
 
 
 def _resolve_devices(plan: Plan, native: Native) -> tuple[list[int], list[str]]:
@@ -221,7 +241,11 @@ def load_registered(
     records: list[tuple[int, str]] = []
     started = time.monotonic()
     try:
-        with capture_log(lc, records, verbose), _model_params(lc, devices, on_progress) as callback:
+        with (
+            capture_log(lc, records, verbose),
+            _context_params(lc, opts.parallel, opts.kv_unified),
+            _model_params(lc, devices, on_progress) as callback,
+        ):
             llm: Any = construct(
                 str(path),
                 n_gpu_layers=plan.n_gpu_layers,
@@ -232,6 +256,7 @@ def load_registered(
                 n_batch=opts.n_batch,
                 n_ubatch=opts.n_ubatch,
                 flash_attn=opts.flash_attn,
+                swa_full=opts.swa_full,  # llama.cpp's C default is true; llama-server's is false
                 type_k=int(KV_CACHE_TYPES[opts.type_k]),
                 type_v=int(KV_CACHE_TYPES[opts.type_v]),
                 verbose=verbose,

@@ -95,14 +95,15 @@ class Placement:
         out: list[tuple[str, ...]] = []
         for d in self.devices:
             p, a = d.predicted, d.actual
-            mib = [_mib_of(x) for x in (p.weights, p.kv, p.compute, p.total)]
-            out.append((d.label, d.name, layer_range(d.planned_layers), "plan", *mib))
-            mib = [_mib_of(x) for x in (a.weights, a.kv, a.compute, a.total)]
-            out.append(("", "", layer_range(d.actual_layers), "actual", *mib))
+            mib = [_mib_of(x) for x in (p.weights, p.kv, p.compute)]
+            out.append((d.label, d.name, layer_range(d.planned_layers), "plan", *mib, "-", _mib_of(p.total)))
+            mib = [_mib_of(x) for x in (a.weights, a.kv, a.compute)]
+            out.append(("", "", layer_range(d.actual_layers), "actual", *mib, "-", _mib_of(a.total)))
         h = self.host
+        # the host's total is the sum of the columns shown, its output (logits) buffer included
         for kind, parts in (
-            ("plan", (h.predicted_weights, h.predicted_kv, h.predicted_compute)),
-            ("actual", (h.actual_weights, h.actual_kv, h.actual_compute)),
+            ("plan", (h.predicted_weights, h.predicted_kv, h.predicted_compute, h.predicted_output)),
+            ("actual", (h.actual_weights, h.actual_kv, h.actual_compute, h.actual_output)),
         ):
             first = ("host", "CPU") if kind == "plan" else ("", "")
             out.append((*first, "", kind, *(_mib_of(x) for x in (*parts, sum(parts)))))
@@ -122,7 +123,7 @@ class Placement:
     __str__ = render
 
 
-PLACEMENT_COLUMNS = ("device", "name", "layers", "", "weights", "KV", "compute", "total")
+PLACEMENT_COLUMNS = ("device", "name", "layers", "", "weights", "KV", "compute", "output", "total")
 
 
 def layer_range(layers: Sequence[int]) -> str:

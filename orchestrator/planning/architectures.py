@@ -73,7 +73,6 @@ class ArchRules:
     attention: tuple[bool, ...] = ()  # per layer: holds an attention KV cache (empty: all)
     n_embd_r: int = 0  # recurrent conv/shift state per sequence, elements
     n_embd_s: int = 0  # recurrent SSM/WKV state per sequence, elements
-    swa: tuple[bool, ...] = ()  # per layer: sliding-window attention (empty: none)
     ssm_in: int = 0  # width of a recurrent layer's input projection (ssm_in), elements
     ssm_inner: int = 0  # d_inner of a Mamba-style recurrent layer
 
@@ -176,7 +175,6 @@ def arch_rules(
     n_embd_r, n_embd_s = _state_sizes(meta, arch, n_embd, n_head) if recurrent else (0, 0)
     n_expert = _int(meta, a + "expert_count")
     return ArchRules(
-        swa=_swa_layers(meta, arch, n_layer),
         ssm_in=_ssm_in(meta, arch, n_head_kv) if recurrent else 0,
         ssm_inner=_int(meta, a + "ssm.inner_size") if recurrent else 0,
         architecture=arch,
@@ -192,23 +190,6 @@ def arch_rules(
         n_embd_r=n_embd_r,
         n_embd_s=n_embd_s,
     )
-
-
-# Architectures whose default sliding-window pattern applies when the GGUF has a sliding window and no
-# pattern key (models/<arch>.cpp load_swa_pattern(ml, n)).
-_SWA_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gpt-oss": 2, "cohere2": 4}
-
-
-def _swa_layers(meta: Mapping[str, Any], arch: str, n_layer: int) -> tuple[bool, ...]:
-    """llama-hparams.cpp set_swa_pattern: layer il slides iff il % n < n - 1 (an array key lists them)."""
-    a = arch + "."
-    if not _int(meta, a + "attention.sliding_window") or arch not in _SWA_DEFAULT_PATTERN:
-        return ()
-    pattern = meta.get(a + "attention.sliding_window_pattern", _SWA_DEFAULT_PATTERN[arch])
-    if isinstance(pattern, list) and len(pattern) == n_layer:
-        return tuple(bool(x) for x in pattern)
-    n = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else _SWA_DEFAULT_PATTERN[arch]
-    return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
 
 
 def _ssm_in(meta: Mapping[str, Any], arch: str, n_head_kv: tuple[int, ...]) -> int:
@@ -250,52 +231,74 @@ def _ffn_widths(profile: ModelProfile, il: int) -> tuple[int, int, int]:
     return dense, expert, shared
 
 
+def attention_input_bytes(
+    profile: ModelProfile, attn: Sequence[int], caches: Mapping[bool, int], n_tok: int, opts: PlanOptions
+) -> int:
+    """One copy of the attention inputs the layers `attn` read (llm_graph_input_attn_kv[_iswa]): per KV
+    cache they use (`caches`: is_swa -> cells per stream; the full layers', the sliding-window layers'),
+    the KQ mask [n_kv, n_tokens] (f32; f16 with flash attention; with several streams n_tokens is split
+    between them), k_idxs [n_tokens] (i64) and v_idxs: [n_embd_v_gqa, n_tokens] (i64) without flash
+    attention, whose transposed V cache is written element by element (llama-kv-cache.cpp
+    build_input_v_idxs), [n_tokens] with it; and the positions and output ids (i32). 0 without
+    attention layers."""
+    if not attn:
+        return 0
+    mask_bytes = 2 if opts.flash_attn else 4
+    v_width = 1 if opts.flash_attn else max(profile.n_embd_v_gqa(il) for il in attn)
+    idxs = 8 * n_tok * (1 + v_width)
+    positions = 8 * n_tok  # inp_pos and inp_out_ids, beside the caches' own
+    return positions + sum(n_kv * n_tok * mask_bytes + idxs for n_kv in caches.values())
+
+
 def family_compute(
     profile: ModelProfile,
     layers: Sequence[int],
-    n_ctx_pad: int,
     opts: PlanOptions,
     *,
+    n_tokens: int,
+    caches: Mapping[bool, int],
     copies: int,
 ) -> int:
-    """Compute buffer of a device holding `layers` (index n_layer: the output layer) for families with
-    experts, MLA or recurrent layers: the worst-case graph llama.cpp reserves (n_tokens = n_ubatch).
+    """Compute buffer of a device holding `layers` (index n_layer: the output layer): the worst-case
+    graph llama.cpp reserves (n_tokens = min(n_ctx, n_ubatch)), for every family (dense, sliding-window,
+    experts, MLA, recurrent). `caches`: the KV caches the device's attention layers use, is_swa -> cells
+    per stream (memory.kv_cells: the small SWA cache unless swa_full, n_ctx / n_seq per stream).
 
     inputs × `copies` (GGML_SCHED_MAX_COPIES with pipeline parallelism) plus the largest live set, as
     ggml-alloc reuses memory between them:
-    - inputs: the hidden state coming in, and per kind of attention on the device (full and
-      sliding-window: two on gpt-oss's alternating layers; none on a device with no attention layer,
-      e.g. only recurrent layers or only the output layer) a KQ mask (f32, f16 with flash attention)
-      and the K and V cell indices;
-    - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32) and about 5
-      hidden-state rows; with flash attention about 6 rows;
-    - dense FFN: 6 rows + gate and up; expert FFN (llama-graph.cpp build_moe_ffn): 2 rows + the router's
-      logits and probabilities + for the experts used by every token either gate, up and their product
-      (3 × n_expert_used × expert width) or the product and the experts' outputs (n_expert_used ×
-      (expert width + n_embd)), whichever is larger, + the shared experts' gate and up;
+    - inputs: the hidden state coming in, and `attention_input_bytes` (per cache on the device: two on
+      Gemma's and gpt-oss's devices with both kinds of layer; none on a device with no attention
+      layer, e.g. only recurrent layers or only the output layer);
+    - attention without flash attention: the KQ matrix (n_head × n_kv × n_tokens f32, n_kv of the
+      largest cache on the device) and about 5 hidden-state rows; with flash attention about 6 rows;
+    - dense FFN: 6 rows + gate and up, or 4 n_ff-wide rows + half a row with copies (3 + 2 rows
+      without), whichever is larger (a wide FFN, e.g. Gemma's);
+    - expert FFN (llama-graph.cpp build_moe_ffn): 2 rows + the router's logits and probabilities + for
+      the experts used by every token either gate, up and their product (3 × n_expert_used × expert
+      width) or the product and the experts' outputs (n_expert_used × (expert width + n_embd)),
+      whichever is larger, + the shared experts' gate and up;
     - recurrent (Mamba-2) layers: the input projection, convolution and scan rows, 2.5 × ssm_in with one
       recurrent layer on the device, 3 × with more. Where two recurrent layers meet at a device
       boundary, ggml's scheduler runs part of the earlier layer on the later device (GGML_SCHED_DEBUG
       shows the splits): 2 × d_inner rows more come in there, d_inner rows go back, each `copies` times;
-    - the output layer: the logits (n_vocab × n_tokens f32) and one row.
-    Calibrated against llama.cpp 0.3.36's allocations over loopback RPC (tests/test_families.py).
+    - the output layer: the logits (n_vocab × n_tokens f32) and one row. With one copy (no pipeline
+      parallelism) the inputs are graph tensors, freed after the last layer's attention, so the buffer
+      is the larger of the layers' and the logits' (measured on Gemma 3 270M, one device and layers on
+      the CPU); with copies they have buffers of their own.
+    Calibrated against llama.cpp 0.3.36's allocations over loopback RPC: every family
+    (tests/test_families.py) and Gemma 3 270M at 4k-32k, swa_full on and off, 1-4 sequences, unified
+    or not, layers on the CPU (tests/test_gemma.py).
     """
     if not layers:
         return 0
-    n_tok = min(n_ctx_pad, opts.n_ubatch)
+    n_tok = n_tokens
     f32 = 4
     rules = profile.rules
     row = max(profile.n_embd, max(profile.n_head) * profile.head_dim_v) * n_tok * f32
     hidden = profile.n_embd * n_tok * f32
     repeating = [il for il in layers if il < profile.n_layer]
     attn = [il for il in repeating if profile.n_head_kv[il] > 0 and rules.has_kv(il)]
-    kinds = {bool(rules.swa) and rules.swa[il] for il in attn}
-    mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
-    # The cells each token's K and V rows go to (int64): without flash attention V is stored transposed,
-    # an index per element (llama-kv-cache.cpp build_input_v_idxs).
-    v_width = 1 if opts.flash_attn else max((profile.n_embd_v_gqa(il) for il in attn), default=0)
-    idxs = n_tok * 8 * (1 + v_width)
-    inputs = (len(kinds) * (mask + idxs) + hidden) * copies
+    inputs = (attention_input_bytes(profile, attn, caches, n_tok, opts) + hidden) * copies
     peak = 0
     recurrent = [il for il in repeating if rules.is_recurrent(il)]
     if recurrent:
@@ -311,17 +314,25 @@ def family_compute(
         if opts.flash_attn:
             peak = max(peak, 6 * row)
         else:
-            peak = max(peak, max(profile.n_head[il] for il in attn) * n_ctx_pad * n_tok * f32 + 5 * row)
+            n_kv = max(caches.values(), default=0)
+            peak = max(peak, max(profile.n_head[il] for il in attn) * n_kv * n_tok * f32 + 5 * row)
     for il in repeating:
         dense, expert, shared = _ffn_widths(profile, il)
         if dense:
-            peak = max(peak, 6 * hidden + 2 * dense * n_tok * f32)
+            ff = dense * n_tok * f32
+            # 6 rows + gate and up (the tiny families), or, measured on Gemma 3 (n_ff 3.2 x n_embd), 4
+            # rows n_ff wide + half a row with input copies, 3 n_ff rows + 2 rows without
+            wide = 4 * ff + hidden // 2 if copies > 1 else 3 * ff + 2 * hidden
+            peak = max(peak, 6 * hidden + 2 * ff, wide)
         if expert:
             k = rules.n_expert_used
             # gate, up and their product per expert used, or the product and the experts' outputs
             routed = max(3 * k * expert, k * expert + k * profile.n_embd) * n_tok * f32
             router = 2 * rules.n_expert * n_tok * f32  # logits and probabilities
             peak = max(peak, 2 * hidden + router + routed + 2 * shared * n_tok * f32)
-    if profile.n_layer in layers:
-        peak = max(peak, profile.n_vocab * n_tok * f32 + hidden)
-    return inputs + peak
+    if profile.n_layer not in layers:
+        return inputs + peak
+    logits = profile.n_vocab * n_tok * f32 + hidden
+    if copies > 1:  # the input copies have buffers of their own
+        return inputs + max(peak, logits)
+    return max(inputs + peak, logits)

@@ -62,7 +62,14 @@ def llama_cli_args(plan: Plan, model_path: str | Path | None = None) -> list[str
         "on" if opts.flash_attn else "off",
         "--fit",
         "off",
+        "--parallel",
+        str(opts.parallel),
     ]
+    # llama-server's default is the small SWA cache (and no unified KV): say so only when different
+    if opts.swa_full:
+        args.append("--swa-full")
+    if opts.kv_unified:
+        args.append("--kv-unified")
     return args
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.core.errors import PlanError
-from orchestrator.planning.architectures import family_compute
+from orchestrator.core.units import format_size
+from orchestrator.planning.architectures import attention_input_bytes, family_compute, unverified_note
 from orchestrator.planning.placement import pad
 from orchestrator.planning.plan import (
+    CTX_PAD,
     MAX_DEVICES,
     MAX_RPC_DEVICES,
+    MAX_SEQ,
     SCHED_MAX_COPIES,
     HostMemory,
     PlanDevice,
@@ -21,98 +25,200 @@ from orchestrator.planning.plan import (
 from orchestrator.planning.profile import KV_CACHE_TYPES, ModelProfile, row_bytes
 
 
-def kv_layer_bytes(
-    profile: ModelProfile, il: int, n_ctx_pad: int, opts: PlanOptions, alignment: int, n_seq: int = 1
-) -> int:
-    """K and V cache tensors of layer `il` (each padded to the buffer alignment), plus its recurrent
-    state for `n_seq` sequences (planning/architectures.py: MLA has no V, recurrent layers no KV)."""
+def context_size(n_ctx: int, opts: PlanOptions) -> int:
+    """The n_ctx llama.cpp runs with (llama-context.cpp): padded to 256; with several sequences and no
+    unified KV, each sequence gets GGML_PAD(n_ctx / n_seq, 256) cells and n_ctx becomes n_seq times that."""
+    n_ctx = pad(n_ctx, CTX_PAD)
+    if opts.kv_unified or opts.parallel <= 1:
+        return n_ctx
+    return pad(n_ctx // opts.parallel, CTX_PAD) * opts.parallel
+
+
+def kv_streams(opts: PlanOptions) -> int:
+    """KV streams (llama-kv-cache.cpp n_stream): one per sequence unless unified."""
+    return 1 if opts.kv_unified else max(opts.parallel, 1)
+
+
+def kv_cells(profile: ModelProfile, il: int, n_ctx: int, opts: PlanOptions) -> int:
+    """Cells of layer `il`'s cache per stream (the attention's n_kv when the graph is reserved).
+
+    Full layers: n_ctx_seq = n_ctx / n_stream. Sliding-window layers (llama-kv-cache-iswa.cpp), unless
+    swa_full: GGML_PAD(min(n_ctx_seq, n_swa * (unified ? n_seq : 1) + n_ubatch), 256)."""
+    n_ctx = context_size(n_ctx, opts)
+    size = n_ctx // kv_streams(opts)
+    if profile.is_swa(il) and not opts.swa_full:
+        n_ubatch = min(opts.n_ubatch, opts.n_batch)  # cparams.n_ubatch
+        window = profile.n_swa * (opts.parallel if opts.kv_unified else 1) + n_ubatch
+        size = pad(min(size, window), CTX_PAD)
+    return size
+
+
+def kv_layer_bytes(profile: ModelProfile, il: int, n_ctx: int, opts: PlanOptions, alignment: int) -> int:
+    """K and V cache tensors of layer `il` (each [row, cells, streams], padded to the buffer alignment;
+    without flash attention V rows use the widest layer's width: v_trans), plus its recurrent state for
+    the --parallel sequences (planning/architectures.py: MLA has no V, recurrent layers no KV)."""
     rules = profile.rules
-    state = rules.state_bytes(il, n_seq, alignment)
+    # llama-model.cpp create_memory: the recurrent memory has max(1, n_seq_max) rows, unified or not
+    state = rules.state_bytes(il, opts.parallel, alignment)
     if profile.n_head_kv[il] == 0 or not rules.has_kv(il):
         return state
+    cells = kv_cells(profile, il, n_ctx, opts) * kv_streams(opts)
     n_v = profile.n_embd_v_gqa_max() if not opts.flash_attn else profile.n_embd_v_gqa(il)
-    k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * n_ctx_pad
-    v = 0 if rules.mla else row_bytes(opts.type_v, n_v) * n_ctx_pad
+    k = row_bytes(opts.type_k, profile.n_embd_k_gqa(il)) * cells
+    v = 0 if rules.mla else row_bytes(opts.type_v, n_v) * cells
     return pad(k, alignment) + pad(v, alignment) + state
+
+
+def attention_layers(profile: ModelProfile, layers: Sequence[int]) -> list[int]:
+    """The repeating layers among `layers` with an attention KV cache of their own."""
+    rules = profile.rules
+    return [il for il in layers if il < profile.n_layer and profile.n_head_kv[il] > 0 and rules.has_kv(il)]
+
+
+def attention_inputs(profile: ModelProfile, layers: Sequence[int], n_ctx: int, opts: PlanOptions) -> int:
+    """Bytes of one copy of the attention inputs `layers` read (architectures.attention_input_bytes)."""
+    attn = attention_layers(profile, layers)
+    caches = cache_cells(profile, attn, n_ctx, opts)
+    return attention_input_bytes(profile, attn, caches, n_tokens(n_ctx, opts), opts)
+
+
+def cache_cells(profile: ModelProfile, attn: Sequence[int], n_ctx: int, opts: PlanOptions) -> dict[bool, int]:
+    """The KV caches the attention layers `attn` use: is_swa -> cells per stream (computed once per
+    cache: the planner calls this for every trial split)."""
+    out: dict[bool, int] = {}
+    for il in attn:
+        swa = profile.is_swa(il)
+        if swa not in out:
+            out[swa] = kv_cells(profile, il, n_ctx, opts)
+    return out
+
+
+def n_tokens(n_ctx: int, opts: PlanOptions) -> int:
+    """Tokens of the worst-case graph llama.cpp reserves: min(n_ctx, n_ubatch) (llama-context.cpp
+    sched_reserve), n_ubatch capped at n_batch."""
+    return min(context_size(n_ctx, opts), opts.n_ubatch, opts.n_batch)
 
 
 def estimate_compute(
     profile: ModelProfile,
     layers: Sequence[int],
-    n_ctx_pad: int,
+    n_ctx: int,
     opts: PlanOptions,
     *,
     pipeline_parallel: bool,
 ) -> int:
-    """Estimated compute buffer of a device holding `layers` (llama.cpp's worst-case pp graph).
-
-    Verified families use `architectures.family_compute`; what follows is the generic estimate an
-    architecture the planner does not know gets (its plans say `unverified`).
-
-    The graph is reserved for n_tokens = min(n_ctx, n_ubatch) tokens against a full KV cache (n_kv =
-    n_ctx_pad). ggml-alloc reuses memory, so the buffer is about the inputs plus the largest live set:
-    - inputs copied onto the device: the KQ mask (n_kv × n_tokens, f32; f16 with flash attention) and
-      the incoming hidden state (n_embd × n_tokens f32); with pipeline parallelism measured as 5 times
-      that (GGML_SCHED_MAX_COPIES = 4 copies on top of the graph's own);
-    - attention without flash attention: the KQ matrix n_head × n_kv × n_tokens f32 (soft_max in place)
-      plus residual, Q, K, V and output rows; with flash attention only the rows;
-    - feed-forward: 6 hidden-state rows + gate and up (n_ff wide);
-    - the output layer: logits n_vocab × n_tokens f32 plus the normed hidden state.
-    Calibrated against llama.cpp 0.3.36 over loopback RPC (n_embd 256-512, n_ctx 1024-4096, ubatch 512,
-    f16/q8_0, with and without flash attention, one and two devices): within -3 %/+25 % of the logged
-    `compute buffer size` (e.g. 79 vs 78.0 MiB, 19 vs 19.0 MiB with flash attention, 115 vs 112.0 MiB
-    per device on two devices). The margin absorbs the rest.
-    """
+    """Estimated compute buffer of a device holding `layers` (llama.cpp's worst-case pp graph): the one
+    compute model, `architectures.family_compute`, against the caches as this plan sizes them (each
+    attention layer's n_kv = its cache's cells per stream, `kv_cells`: the sliding-window layers' are
+    small unless swa_full; n_ctx / n_seq per stream without --kv-unified). An architecture the planner
+    does not know gets the same model with its generic rules, and its plans say `unverified`."""
     if not layers:
         return 0
-    if profile.rules.verified:  # the families compared with llama.cpp: planning/architectures.py
-        copies = SCHED_MAX_COPIES if pipeline_parallel else 1
-        return family_compute(profile, layers, n_ctx_pad, opts, copies=copies)
-    n_tok = min(n_ctx_pad, opts.n_ubatch)
-    f32 = 4
-    mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
-    hidden = profile.n_embd * n_tok * f32
-    inputs = (mask + hidden) * (SCHED_MAX_COPIES + 1 if pipeline_parallel else 1)
-    repeating = [il for il in layers if il < profile.n_layer]
-    peak = 0
-    if repeating:
-        n_head = max(profile.n_head[il] for il in repeating)
-        n_kv_max = max(profile.n_embd_k_gqa(il) + profile.n_embd_v_gqa(il) for il in repeating)
-        q = n_head * profile.head_dim_k * n_tok * f32
-        rows = 2 * hidden + q + n_kv_max * n_tok * f32 + n_head * profile.head_dim_v * n_tok * f32
-        kq = 0 if opts.flash_attn else n_head * n_ctx_pad * n_tok * f32
-        n_ff = _n_ff(profile)
-        ffn = 6 * hidden + 2 * n_ff * n_tok * f32
-        peak = max(rows + kq, ffn)
-    if profile.n_layer in layers:
-        peak = max(peak, profile.n_vocab * n_tok * f32 + 2 * hidden)
-    return inputs + peak
+    caches = cache_cells(profile, attention_layers(profile, layers), n_ctx, opts)
+    copies = SCHED_MAX_COPIES if pipeline_parallel else 1
+    return family_compute(profile, layers, opts, n_tokens=n_tokens(n_ctx, opts), caches=caches, copies=copies)
 
 
-def _n_ff(profile: ModelProfile) -> int:
-    widest = 0
-    for t in profile.tensors:
-        if t.name.endswith(".ffn_up.weight") and len(t.shape) >= 2:
-            widest = max(widest, t.shape[1])
-    return widest or 4 * profile.n_embd
-
-
-def _host_compute(
-    profile: ModelProfile, n_ctx_pad: int, opts: PlanOptions, cpu_layers: Sequence[int], pipeline: bool
+def host_compute(
+    profile: ModelProfile, n_ctx: int, opts: PlanOptions, cpu_layers: Sequence[int], pipeline: bool
 ) -> int:
-    # Inputs live on the CPU first (token ids, positions, the mask) and the embeddings lookup runs there;
-    # measured: (mask + hidden) per copy plus about 3 hidden-state rows.
-    n_tok = min(n_ctx_pad, opts.n_ubatch)
-    mask = n_ctx_pad * n_tok * (2 if opts.flash_attn else 4)
+    """The CPU's compute buffer: the inputs are built there (every cache's mask and v_idxs, the hidden
+    state after the embeddings lookup), one set per copy, plus a hidden-state row; or, with layers kept
+    on the CPU, their graph."""
+    n_tok = n_tokens(n_ctx, opts)
     hidden = profile.n_embd * n_tok * 4
-    base = (mask + hidden) * (SCHED_MAX_COPIES + 1 if pipeline else 1) + 3 * hidden
+    copies = SCHED_MAX_COPIES if pipeline else 1
     if cpu_layers:
-        base += estimate_compute(profile, cpu_layers, n_ctx_pad, opts, pipeline_parallel=False)
-    return base
+        # No pipeline parallelism with layers on the CPU: its inputs are graph tensors of its own layers'
+        # graph (measured: that graph's estimate plus about 2 hidden-state rows)
+        return estimate_compute(profile, cpu_layers, n_ctx, opts, pipeline_parallel=False) + 2 * hidden
+    inputs = attention_inputs(profile, range(profile.n_layer), n_ctx, opts)
+    return copies * (inputs + hidden) + hidden
+
+
+def output_buffer(profile: ModelProfile, opts: PlanOptions) -> int:
+    """The host's output buffer (llama-context.cpp output_reserve(n_seq_max)): logits for one output per
+    sequence, n_vocab floats each; llama.cpp grows it only when a batch asks for more outputs."""
+    return profile.n_vocab * max(opts.parallel, 1) * 4
+
+
+def kv_per_token(profile: ModelProfile, type_k: str = "f16", type_v: str = "f16") -> tuple[int, int]:
+    """K + V bytes of one token (cell) over all layers: (full-attention layers, sliding-window layers)."""
+    full = swa = 0
+    for il in range(profile.n_layer):
+        n = profile.kv_bytes_per_token(il, type_k, type_v)
+        if profile.is_swa(il):
+            swa += n
+        else:
+            full += n
+    return full, swa
+
+
+def architecture_info(profile: ModelProfile, type_k: str = "f16", type_v: str = "f16") -> dict[str, Any]:
+    """The architecture as the planner models it (`model info --json`, the report): plain data. The
+    family's rules (planning/architectures.py) and its sliding window and KV per token."""
+    full, swa = kv_per_token(profile, type_k, type_v)
+    rules = profile.rules
+    recurrent = [il for il in range(profile.n_layer) if rules.is_recurrent(il)]
+    return {
+        "family": rules.family,
+        "verified": rules.verified,
+        "unverified_note": unverified_note(rules),
+        "mla": rules.mla,
+        "experts": rules.n_expert,
+        "experts_used": rules.n_expert_used,
+        "expert_ff": rules.n_ff_exp,
+        "recurrent_layers": recurrent,
+        "state_bytes_per_sequence": sum(rules.state_bytes_per_seq(il) for il in recurrent),
+        "sliding_window": profile.n_swa,
+        "swa_layers": list(profile.swa_layer_ids),
+        "kv_bytes_per_token_full": full,
+        "kv_bytes_per_token_swa": swa,
+    }
+
+
+def architecture_rows(
+    profile: ModelProfile, type_k: str = "f16", type_v: str = "f16"
+) -> list[tuple[str, str]]:
+    """(label, value) rows `model info` prints about the architecture, from `architecture_info`."""
+    data = architecture_info(profile, type_k, type_v)
+    full, swa = data["kv_bytes_per_token_full"], data["kv_bytes_per_token_swa"]
+    kv = f"{type_k}/{type_v}"
+    family = data["family"]
+    rows = [("family", family if data["verified"] else f"{family} (unverified)")]
+    if data["mla"]:
+        rows.append(("attention", "MLA: a K cache only (kv_lora_rank + rope wide), no V"))
+    if data["experts"]:
+        rows.append(
+            ("experts", f"{data['experts']}, {data['experts_used']} used per token, {data['expert_ff']} wide")
+        )
+    if data["recurrent_layers"]:
+        n = len(data["recurrent_layers"])
+        state = format_size(data["state_bytes_per_sequence"])
+        rows.append(("recurrent state", f"{state} per sequence ({n} recurrent layers, f32)"))
+    slide = profile.swa_layer_ids
+    if not slide:
+        rows.append(("KV per token", f"{format_size(full)} ({kv}, all layers)"))
+    else:
+        full_layers = [il for il in range(profile.n_layer) if not profile.is_swa(il)]
+        cells = kv_cells(profile, slide[0], profile.n_ctx_train, PlanOptions(n_ctx=profile.n_ctx_train))
+        rows += [
+            ("sliding window", f"{profile.n_swa} tokens on {len(slide)} of {profile.n_layer} layers"),
+            ("full attention", f"layers {_ranges(full_layers)}" if full_layers else "none"),
+            ("KV per token", f"{format_size(full)} full layers + {format_size(swa)} sliding layers ({kv})"),
+            ("SWA cache", f"{cells} cells per sequence (n_ubatch 512), or n_ctx with --swa-full"),
+        ]
+    if data["unverified_note"]:
+        rows.append(("note", data["unverified_note"]))
+    return rows
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in ids)
 
 
 @dataclass(frozen=True)
-class _Prediction:
+class Prediction:
     memories: tuple[PlannedMemory, ...]
     host: HostMemory
     pipeline_parallel: bool
@@ -125,7 +231,7 @@ def predict(
     n_ctx_pad: int,
     opts: PlanOptions,
     ngl: int,
-) -> _Prediction:
+) -> Prediction:
     n_all = profile.n_layer
     pipeline_parallel = len(devices) > 1 and ngl > n_all and opts.split_mode == "layer"
     per_dev: list[list[int]] = [[] for _ in devices]
@@ -150,10 +256,10 @@ def predict(
     host = HostMemory(
         weights=host_weights,
         kv=host_kv,
-        compute=_host_compute(profile, n_ctx_pad, opts, cpu_layers, pipeline_parallel),
-        output=profile.n_vocab * opts.n_batch * 4,
+        compute=host_compute(profile, n_ctx_pad, opts, cpu_layers, pipeline_parallel),
+        output=output_buffer(profile, opts),
     )
-    return _Prediction(tuple(memories), host, pipeline_parallel)
+    return Prediction(tuple(memories), host, pipeline_parallel)
 
 
 def validate(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOptions) -> None:
@@ -179,6 +285,8 @@ def validate(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOpt
         raise PlanError("n_ctx must be >= 0 and n_ubatch, n_batch > 0")
     if opts.margin < 0:
         raise PlanError("margin cannot be negative")
+    if not 1 <= opts.parallel <= MAX_SEQ:
+        raise PlanError(f"parallel must be 1..{MAX_SEQ} (llama.cpp's LLAMA_MAX_SEQ), got {opts.parallel}")
     if not devices and opts.n_gpu_layers != 0:
         raise PlanError(
             "no devices to offload to", hint="add RPC hosts or local GPUs, or set n_gpu_layers to 0"

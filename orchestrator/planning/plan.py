@@ -35,6 +35,9 @@ SCHEMA_VERSION = 1
 MAX_DEVICES = 16  # llama_max_devices(): tensor_split entries
 
 
+MAX_SEQ = 256  # LLAMA_MAX_SEQ (llama-cparams.h): n_seq_max above it is refused
+
+
 MAX_RPC_DEVICES = 15  # the scheduler takes 16 backends including the CPU
 
 
@@ -102,7 +105,10 @@ class PlanOptions:
     split_mode: str = "layer"
     main_gpu: int = 0
     tensor_split: tuple[float, ...] | None = None  # user-given split: overrides the strategy
-    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default: none)
+    n_ctx_cap: int | None = None  # upper bound of the largest-context search (default: the training context)
+    swa_full: bool = False  # llama-server's --swa-full: sliding-window layers get a full-context cache
+    parallel: int = 1  # llama-server's --parallel: sequences (n_seq_max)
+    kv_unified: bool = False  # llama-server's --kv-unified: one KV stream shared by all sequences
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,18 @@ class Fit:
     fits: bool
     binding_device: int | None  # index into plan.devices with the smallest headroom
     shortfall: int  # bytes missing on the binding device (0 when it fits)
-    largest_n_ctx: int  # largest multiple of 256 that fits with this placement (0: none)
+    largest_n_ctx: int  # largest context that fits (planned at it, it fits; 0: none)
+    ctx_cap: int = 0  # the search stopped there (the training context per sequence); 0: no cap
+
+
+def largest_ctx_text(fit: Fit) -> str:
+    """ "the largest context that fits: N", saying when N is only the search's cap (more may fit)."""
+    if not fit.largest_n_ctx:
+        return "no context fits"
+    text = f"the largest context that fits: {fit.largest_n_ctx}"
+    if fit.ctx_cap and fit.largest_n_ctx >= fit.ctx_cap:
+        text += " (capped at the model's training context; a larger --ctx searches past it)"
+    return text
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,57 @@ KV_CACHE_TYPES: dict[str, GGMLQuantizationType] = {
 }
 
 
+@dataclass(frozen=True)
+class SwaRule:
+    """How an architecture's layers slide (its `load_arch_hparams` in llama.cpp's src/models/<arch>.cpp):
+    `load_swa_pattern(ml, pattern, dense_first)` reads `<arch>.attention.sliding_window_pattern` (a per-layer
+    bool array, or an integer period) and falls back to `pattern`; `set_swa_pattern` (llama-hparams.cpp)
+    then makes layer il full when il % pattern == pattern - 1 (dense_first: when il % pattern == 0).
+    `default_window`: n_swa when the GGUF has no `attention.sliding_window` key (0: no SWA without it)."""
+
+    pattern: int
+    dense_first: bool = False
+    default_window: int = 0
+
+
+# llama.cpp 0.3.36's architectures with a standard sliding window whose pattern comes from
+# load_swa_pattern (src/models/*.cpp). gemma3 slides only when attention.sliding_window > 0.
+SWA_RULES: dict[str, SwaRule] = {
+    "gemma2": SwaRule(2, default_window=4096),
+    "gemma3": SwaRule(6),
+    "gemma3n": SwaRule(5),
+    "gemma-embedding": SwaRule(6),
+    "cohere2": SwaRule(4),
+    "gpt-oss": SwaRule(2),
+    "exaone4": SwaRule(4),
+    "olmo2": SwaRule(4),
+    "smallthinker": SwaRule(4, dense_first=True),
+}
+
+
+def swa_layers_of(meta: dict[str, Any], arch: str, n_layer: int, path: Path) -> tuple[int, tuple[bool, ...]]:
+    """(n_swa, which layers slide) as llama.cpp derives them for `arch`; (0, ()) when none slide."""
+    rule = SWA_RULES.get(arch)
+    if rule is None:
+        return 0, ()
+    n_swa = _int(meta, f"{arch}.attention.sliding_window", path, default=rule.default_window or -1)
+    if n_swa <= 0:
+        return 0, ()
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = meta.get(key, rule.pattern)
+    if isinstance(value, list):  # llama.cpp's get_arr: the per-layer flags as given
+        if len(value) != n_layer:
+            raise ModelError(f"{path}: {key} has {len(value)} entries for {n_layer} layers")
+        return n_swa, tuple(bool(v) for v in value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelError(f"{path}: {key} must be a non-negative integer or an array, got {value!r}")
+    if rule.dense_first:
+        flags = tuple(value == 0 or il % value != 0 for il in range(n_layer))
+    else:
+        flags = tuple(value == 0 or il % value < value - 1 for il in range(n_layer))
+    return n_swa, flags if any(flags) else ()
+
+
 _SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -124,6 +175,8 @@ class ModelProfile:
     file_size: int  # all shards together
     tensors: tuple[TensorInfo, ...]
     rules: ArchRules = GENERIC  # per-architecture memory rules (planning/architectures.py)
+    n_swa: int = 0  # sliding window (tokens) of the layers that slide; 0 = none slide
+    swa_layers: tuple[bool, ...] = ()  # per layer: True where it slides (empty = none): the one source
 
     @property
     def path(self) -> Path:
@@ -136,6 +189,14 @@ class ModelProfile:
         head = self.token_embd_bytes if self.output_tied else self.output_bytes
         return head + self.output_norm_bytes
 
+    def is_swa(self, il: int) -> bool:
+        """Layer `il` attends through a sliding window (its KV goes to llama.cpp's SWA cache)."""
+        return bool(self.swa_layers) and self.swa_layers[il]
+
+    @property
+    def swa_layer_ids(self) -> tuple[int, ...]:
+        return tuple(il for il in range(self.n_layer) if self.is_swa(il))
+
     def n_embd_k_gqa(self, il: int) -> int:
         return self.head_dim_k * self.n_head_kv[il]
 
@@ -143,6 +204,10 @@ class ModelProfile:
         return self.head_dim_v * self.n_head_kv[il]
 
     def n_embd_v_gqa_max(self) -> int:
+        return self._v_gqa_max
+
+    @cached_property
+    def _v_gqa_max(self) -> int:  # the planner asks for every trial split
         return max(self.n_embd_v_gqa(il) for il in range(self.n_layer))
 
     def kv_bytes_per_token(
@@ -452,6 +517,7 @@ def profile_model(path: str | Path) -> ModelProfile:
         n_vocab = token_embd.shape[1] if len(token_embd.shape) > 1 else 0
     rope = by_name.get("rope_freqs.weight")
     name = meta.get("general.name")
+    n_swa, swa_layers = swa_layers_of(meta, arch, n_layer, p0)
     return ModelProfile(
         paths=paths,
         architecture=arch,
@@ -475,6 +541,8 @@ def profile_model(path: str | Path) -> ModelProfile:
         file_size=sum(h.file_size for h in headers),
         tensors=tensors,
         rules=arch_rules(meta, arch, n_layer, n_embd, n_head[0], n_head_kv),
+        n_swa=n_swa,
+        swa_layers=swa_layers,
     )
 
 

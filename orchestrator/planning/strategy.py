@@ -6,9 +6,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
-from orchestrator.core.search import first_true
 from orchestrator.planning.architectures import unverified_note
-from orchestrator.planning.memory import estimate_compute, kv_layer_bytes, predict, validate
+from orchestrator.planning.memory import (
+    context_size,
+    estimate_compute,
+    kv_cells,
+    kv_layer_bytes,
+    kv_streams,
+    predict,
+    validate,
+)
 from orchestrator.planning.placement import (
     largest_remainder,
     llama_cpp_assignment,
@@ -156,37 +163,139 @@ def proportional_candidates(
     return out
 
 
+@dataclass(frozen=True)
+class _Split:
+    devices: tuple[PlanDevice, ...]  # the devices that get layers (the others left out)
+    assignment: list[int | None]  # device index (into `devices`) or None (CPU) per layer, output last
+    left_out: tuple[str, ...]
+
+
+def _choose_split(
+    profile: ModelProfile, devices: tuple[PlanDevice, ...], n_ctx: int, opts: PlanOptions, ngl: int
+) -> _Split:
+    """The layers per device the strategy (or the given tensor_split) picks at context `n_ctx`."""
+    n_all = profile.n_layer
+    if opts.tensor_split is not None:
+        split = tuple(float(x) for x in opts.tensor_split)
+        if ngl == 0:
+            return _Split(devices, [None] * (n_all + 1), ())
+        return _Split(devices, llama_cpp_assignment(split, n_all, ngl), ())
+    if opts.strategy == "fewest":
+        counts = _fewest_counts(profile, devices, n_ctx, opts, ngl) if devices else []
+    else:
+        weights = [max(d.usable - opts.margin, 0) for d in devices]
+        if ngl and not any(weights):
+            raise PlanError(
+                "no device has usable memory beyond the margin",
+                hint=f"lower the margin (now {opts.margin} bytes) or add devices",
+            )
+        candidates = proportional_candidates(profile, devices, n_ctx, opts, ngl)
+        counts = list(max(candidates, key=lambda c: c.min_headroom).counts)  # first on ties
+    # A device without layers still joins the model (a connection, and it turns pipeline
+    # parallelism on): leave it out.
+    left_out: tuple[str, ...] = ()
+    if ngl and any(c == 0 for c in counts):
+        left_out = tuple(d.label for d, c in zip(devices, counts, strict=True) if c == 0)
+        kept = [i for i, c in enumerate(counts) if c > 0]
+        devices = tuple(devices[i] for i in kept)
+        counts = [counts[i] for i in kept]
+    assignment = _assignment_from_counts(counts, n_all, ngl)
+    if devices and ngl:
+        ported = llama_cpp_assignment(tuple(float(c) for c in counts), n_all, ngl)
+        if ported != assignment:
+            raise PlanError(
+                f"internal error: tensor_split {[float(c) for c in counts]} does not reproduce the intended "
+                f"layer counts {counts} in llama.cpp's arithmetic"
+            )
+    return _Split(devices, assignment, left_out)
+
+
+def context_cap(profile: ModelProfile, n_ctx: int, opts: PlanOptions) -> int | None:
+    """Where the largest-context search stops: `opts.n_ctx_cap` when given; else the model's training
+    context per sequence (llama.cpp warns past it), unless the plan asks for more (rope scaling): None."""
+    if opts.n_ctx_cap is not None:
+        return opts.n_ctx_cap
+    if profile.n_ctx_train <= 0:
+        return None
+    cap = context_size(profile.n_ctx_train * kv_streams(opts), opts)
+    return None if n_ctx > cap else cap
+
+
 def _largest_ctx(
     profile: ModelProfile,
-    devices: Sequence[PlanDevice],
-    assignment: Sequence[int | None],
+    devices: tuple[PlanDevice, ...],
     opts: PlanOptions,
     ngl: int,
     start: int,
+    cap: int | None,
+    known: int = 0,
 ) -> int:
-    """The largest context (a multiple of CTX_PAD) that fits with this placement, 0 when none does.
-    Up to `opts.n_ctx_cap` when set; otherwise the real largest, past the training context too:
-    doubling from `start` until it no longer fits (at most MAX_CTX), then bisecting."""
+    """The largest context that fits, 0 when none does: a fixed point, since each context is tried as
+    `make_plan` would plan it (the strategy re-splits the layers at that context), and the answer is
+    one that was tried and fits. Up to `cap`; without one, doubling from `start` (at most MAX_CTX),
+    then bisecting between a context that fits and one that does not. `known`: a context known to fit
+    (the plan's own, when it fits), where the search may start."""
 
     def fits(units: int) -> bool:
-        pred = predict(profile, devices, assignment, units * CTX_PAD, opts, ngl)
+        n_ctx = context_size(units * CTX_PAD, opts)
+        try:
+            split = _choose_split(profile, devices, n_ctx, opts, ngl)
+        except PlanError:
+            return False
+        pred = predict(profile, split.devices, split.assignment, n_ctx, opts, ngl)
         return all(m.headroom >= 0 for m in pred.memories)
 
-    if not fits(1):
-        return 0
-    lo, limit = 1, MAX_CTX // CTX_PAD  # in units of CTX_PAD: lo fits, hi does not
-    hi = max((opts.n_ctx_cap or start) // CTX_PAD, 1)
-    if fits(hi):
-        if opts.n_ctx_cap is not None:
-            return hi * CTX_PAD
-        while True:
+    limit = MAX_CTX // CTX_PAD  # in units of CTX_PAD: lo fits, hi does not
+    lo = known // CTX_PAD if known else 0
+    if cap is not None:
+        hi = max(cap // CTX_PAD, 1)
+        if lo == hi or fits(hi):
+            return context_size(hi * CTX_PAD, opts)
+    else:
+        hi = max(start // CTX_PAD, 1, lo)
+        if hi == lo:
+            hi = min(hi * 2, limit)
+        while fits(hi):
             lo = hi
             if hi >= limit:
-                return hi * CTX_PAD
+                return context_size(hi * CTX_PAD, opts)
             hi = min(hi * 2, limit)
-            if not fits(hi):
-                break
-    return (first_true(lambda units: not fits(units), lo, hi) - 1) * CTX_PAD
+    if not lo:
+        if not fits(1):
+            return 0
+        lo = 1
+    while hi - lo > 1:  # not first_true: the answer must be one that fits even where fits is not monotone
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return context_size(lo * CTX_PAD, opts)
+
+
+def kv_notes(profile: ModelProfile, n_ctx: int, opts: PlanOptions) -> list[str]:
+    """What the plan assumes about the KV cache where llama.cpp's front ends differ: the SWA cache size
+    and the sequences."""
+    notes: list[str] = []
+    swa = profile.swa_layer_ids
+    if swa:
+        cells = kv_cells(profile, swa[0], n_ctx, opts)
+        which = f"{len(swa)} of {profile.n_layer} layers slide (window {profile.n_swa})"
+        if opts.swa_full:
+            notes.append(f"{which}: full-size SWA cache (--swa-full), {cells} cells per sequence")
+        else:
+            notes.append(
+                f"{which}: small SWA cache, {cells} cells per sequence (llama-server's default; "
+                "--swa-full for full-size)"
+            )
+    if opts.parallel > 1:
+        if opts.kv_unified:
+            notes.append(
+                f"{opts.parallel} parallel sequences share one KV cache of {n_ctx} cells (--kv-unified)"
+            )
+        else:
+            notes.append(f"{opts.parallel} parallel sequences of {n_ctx // opts.parallel} cells each")
+    return notes
 
 
 def make_plan(
@@ -200,51 +309,23 @@ def make_plan(
     with the largest smallest headroom wins. "fewest" fills devices in order; a given `tensor_split` is
     used as is."""
     opts = options or PlanOptions()
-    devices = tuple(devices)
-    validate(devices, profile, opts)
+    all_devices = tuple(devices)
+    validate(all_devices, profile, opts)
     for il in range(profile.n_layer):  # row_bytes raises on row widths a quantized cache cannot take
         kv_layer_bytes(profile, il, CTX_PAD, opts, 1)
     n_all = profile.n_layer
-    ngl = resolve_n_gpu_layers(opts.n_gpu_layers, n_all) if devices else 0
-    n_ctx = pad_ctx(opts.n_ctx or profile.n_ctx_train)
+    ngl = resolve_n_gpu_layers(opts.n_gpu_layers, n_all) if all_devices else 0
+    n_ctx = context_size(pad_ctx(opts.n_ctx or profile.n_ctx_train), opts)
     notes: list[str] = [n for n in (unverified_note(profile.rules),) if n]  # never silently
-
+    chosen = _choose_split(profile, all_devices, n_ctx, opts, ngl)
+    devices = chosen.devices
+    assignment = chosen.assignment
+    if chosen.left_out:
+        notes.append("devices without layers left out: " + ", ".join(chosen.left_out))
     if opts.tensor_split is not None:
         split = tuple(float(x) for x in opts.tensor_split)
-        if ngl == 0:
-            assignment: list[int | None] = [None] * (n_all + 1)
-        else:
-            assignment = llama_cpp_assignment(split, n_all, ngl)
-        counts = _counts_of(assignment, len(devices))
     else:
-        if opts.strategy == "fewest":
-            counts = _fewest_counts(profile, devices, n_ctx, opts, ngl) if devices else []
-        else:
-            weights = [max(d.usable - opts.margin, 0) for d in devices]
-            if ngl and not any(weights):
-                raise PlanError(
-                    "no device has usable memory beyond the margin",
-                    hint=f"lower the margin (now {opts.margin} bytes) or add devices",
-                )
-            candidates = proportional_candidates(profile, devices, n_ctx, opts, ngl)
-            counts = list(max(candidates, key=lambda c: c.min_headroom).counts)  # first on ties
-        # A device without layers still joins the model (a connection, and it turns pipeline
-        # parallelism on): leave it out.
-        unused = [d.label for d, c in zip(devices, counts, strict=True) if c == 0]
-        if unused and ngl:
-            notes.append("devices without layers left out: " + ", ".join(unused))
-            kept = [i for i, c in enumerate(counts) if c > 0]
-            devices = tuple(devices[i] for i in kept)
-            counts = [counts[i] for i in kept]
-        split = tuple(float(c) for c in counts)
-        assignment = _assignment_from_counts(counts, n_all, ngl)
-        if devices and ngl:
-            ported = llama_cpp_assignment(split, n_all, ngl)
-            if ported != assignment:
-                raise PlanError(
-                    f"internal error: tensor_split {list(split)} does not reproduce the intended layer "
-                    f"counts {counts} in llama.cpp's arithmetic"
-                )
+        split = tuple(float(c) for c in _counts_of(assignment, len(devices)))
     if not devices:
         split = ()
     main_gpu = opts.main_gpu if devices else 0
@@ -271,16 +352,28 @@ def make_plan(
         shortfall = max(0, -planned[binding].memory.headroom)
     else:
         binding, shortfall = None, 0
+    cap = context_cap(profile, n_ctx, opts)
     start = max(profile.n_ctx_train, n_ctx, CTX_PAD)
-    largest = _largest_ctx(profile, devices, assignment, opts, ngl, start) if devices else start
-    if opts.n_ctx > profile.n_ctx_train > 0:
+    known = n_ctx if shortfall == 0 and n_ctx % CTX_PAD == 0 else 0
+    largest = (
+        _largest_ctx(profile, all_devices, opts, ngl, start, cap, known) if all_devices else (cap or start)
+    )
+    n_ctx_seq = n_ctx // kv_streams(opts)
+    if n_ctx_seq > profile.n_ctx_train > 0:
         notes.append(
-            f"n_ctx {opts.n_ctx} exceeds the model's training context ({profile.n_ctx_train}): "
+            f"n_ctx {n_ctx_seq} per sequence exceeds the model's training context ({profile.n_ctx_train}): "
             "output past it may degrade"
         )
     if ngl < n_all + 1:
         notes.append(f"{n_all + 1 - ngl} of {n_all + 1} layers stay on the CPU")
-    fit = Fit(fits=shortfall == 0, binding_device=binding, shortfall=shortfall, largest_n_ctx=largest)
+    notes += kv_notes(profile, n_ctx, opts)
+    fit = Fit(
+        fits=shortfall == 0,
+        binding_device=binding,
+        shortfall=shortfall,
+        largest_n_ctx=largest,
+        ctx_cap=cap or 0,
+    )
     return Plan(
         schema_version=SCHEMA_VERSION,
         model_path=str(profile.path),

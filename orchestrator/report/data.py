@@ -47,6 +47,7 @@ def _case_json(report: Report, case: Case) -> dict[str, Any]:
         "binding_host": report.host_of(binding.endpoint) if binding is not None else None,
         "shortfall": plan.fit.shortfall if plan is not None else None,
         "largest_n_ctx": plan.fit.largest_n_ctx if plan is not None else None,
+        "ctx_cap": plan.fit.ctx_cap if plan is not None else None,  # 0: the search was not capped
         "n_gpu_layers": plan.n_gpu_layers if plan is not None else None,
         "tensor_split": list(plan.tensor_split) if plan is not None else None,
         "pipeline_parallel": plan.pipeline_parallel if plan is not None else None,
@@ -95,6 +96,9 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             "n_ubatch": o.n_ubatch,
             "n_batch": o.n_batch,
             "flash_attn": o.flash_attn,
+            "swa_full": o.swa_full,
+            "parallel": o.parallel,
+            "kv_unified": o.kv_unified,
             "n_gpu_layers": o.n_gpu_layers,
             "margin": o.margin,
             "strategy": o.strategy,

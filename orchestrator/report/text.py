@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from orchestrator.core.units import format_size
 from orchestrator.planning.plan import (
     Plan,
+    largest_ctx_text,
 )
 from orchestrator.probe.fleet import FleetProbe, NodeProbe
 from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, size_up
@@ -55,7 +56,18 @@ FLEET_HEADERS = [
 ]
 
 
-DEVICE_HEADERS = ["device", "host", "layers", "weights", "KV", "compute", "predicted", "usable", "headroom"]
+DEVICE_HEADERS = [
+    "device",
+    "host",
+    "layers",
+    "weights",
+    "KV",
+    "compute",
+    "output",
+    "predicted",
+    "usable",
+    "headroom",
+]
 
 
 def reserve_total(fleet: FleetProbe) -> int:
@@ -91,13 +103,15 @@ def device_rows(report: Report, plan: Plan) -> list[list[str]]:
                 size(m.weights),
                 size(m.kv),
                 size(m.compute),
+                "-",
                 size(m.total),
                 size(m.usable),
                 size(m.headroom),
             ]
         )
     h = plan.host  # what stays on this machine's CPU, as `rpcfleet plan` shows it
-    rows.append(["host (CPU)", "-", "", *(size(x) for x in (h.weights, h.kv, h.compute, h.total)), "", ""])
+    host = (h.weights, h.kv, h.compute, h.output, h.total)  # the total is the sum of the columns shown
+    rows.append(["host (CPU)", "-", "", *(size(x) for x in host), "", ""])
     return rows
 
 
@@ -106,7 +120,7 @@ def verdict(report: Report, case: Case) -> str:
     if plan is None:
         return f"cannot plan: {case.error}"
     fit = plan.fit
-    largest = f"largest context that fits: {fit.largest_n_ctx}" if fit.largest_n_ctx else "no context fits"
+    largest = largest_ctx_text(fit)
     binding = case.binding
     where = ""
     if binding is not None:
@@ -161,7 +175,9 @@ def header_lines(report: Report) -> list[str]:
     o = report.options.plan
     lines.append(
         f"plan options: KV {o.type_k}/{o.type_v}, ubatch {o.n_ubatch}, flash attention "
-        f"{'on' if o.flash_attn else 'off'}, margin {size(o.margin)} per device, strategy {o.strategy}"
+        f"{'on' if o.flash_attn else 'off'}, margin {size(o.margin)} per device, strategy {o.strategy}, "
+        f"{'full-size' if o.swa_full else 'small'} SWA cache, parallel {o.parallel}"
+        f"{' (unified KV)' if o.kv_unified else ''}"
     )
     lines.append(f"controller protocol: {report.fleet.protocol}")
     return lines
