@@ -688,3 +688,39 @@ def test_plan_report_and_run_show_the_same_host_row_that_adds_up(
     placement = build_placement(plan, [f"RPC{i}" for i in range(len(plan.devices))], [])
     host_row = next(row for row in placement.rows() if row[0] == "host")
     assert host_row[4:] == tuple(f"{x / MiB:.2f}" for x in (h.weights, h.kv, h.compute, h.output, h.total))
+
+
+def test_report_shows_the_architecture_as_model_info_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Family, sliding window, experts, recurrent state and KV per token: the report's text, Markdown, HTML
+    and JSON carry what `model info` prints for the same model and cache types (issue 22, item 6)."""
+    from orchestrator.planning.synth_arch import write_arch_model
+
+    archs = ("gemma3", "qwen3moe", "mamba2")
+    paths = {arch: write_arch_model(tmp_path / f"{arch}.gguf", arch) for arch in archs}
+    opts = ReportOptions(plan=PlanOptions(type_k="q8_0", type_v="q8_0"), recommend=False)
+    report = build_report(
+        two_node_fleet(), [(str(p), profile_model(p)) for p in paths.values()], [1024], opts
+    )
+    text, md, page = render_text(report), render_markdown(report), render_html(report)
+    doc = json.loads(render_json(report))
+    for (arch, path), model in zip(paths.items(), doc["models"], strict=True):
+        assert main(["model", "info", str(path), "--type-k", "q8_0", "--type-v", "q8_0"]) == 0
+        info_text = capsys.readouterr().out
+        assert main(["model", "info", str(path), "--type-k", "q8_0", "--type-v", "q8_0", "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        rows = [line.strip() for line in info_text.splitlines() if ":" in line]
+        wanted = {
+            "gemma3": ("sliding window", "KV per token", "SWA cache"),
+            "qwen3moe": ("experts", "KV per token"),
+            "mamba2": ("recurrent state",),
+        }[arch]
+        for label in ("family", *wanted):
+            line = next(r for r in rows if r.startswith(f"{label}:"))
+            value = " ".join(line.partition(":")[2].split())
+            assert f"  {label}: {value}\n" in text, (arch, label)
+            assert f"- {label}: {value}\n" in md, (arch, label)
+            assert f"<li>{label}: {value}</li>" in page.replace("&#x27;", "'"), (arch, label)
+        assert "q8_0/q8_0" in text
+        assert model["architecture_info"] == {k: info[k] for k in model["architecture_info"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from orchestrator.planning.memory import architecture_info
 from orchestrator.planning.plan import (
     PlannedDevice,
 )
@@ -156,6 +157,8 @@ def report_to_dict(report: Report) -> dict[str, Any]:
                 "n_layer": m.profile.n_layer,
                 "n_ctx_train": m.profile.n_ctx_train,
                 "weights": m.profile.total_bytes,
+                # what `model info --json` gives, at the report's KV cache types
+                "architecture_info": architecture_info(m.profile, o.type_k, o.type_v),
             }
             for m in report.models
         ],

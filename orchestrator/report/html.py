@@ -18,6 +18,7 @@ from orchestrator.report.text import (
     device_rows,
     fleet_lines,
     header_lines,
+    model_architecture,
     node_rows,
     recommendation_lines,
     size,
@@ -177,6 +178,10 @@ def render_html(report: Report) -> str:
             f'<p class="meta"><code>{_e(model.path)}</code>: {p.n_layer} layers, weights '
             f"{_e(size(p.total_bytes))}, n_ctx_train {p.n_ctx_train}</p>"
         )
+        items = "".join(
+            f"<li>{_e(label)}: {_e(value)}</li>" for label, value in model_architecture(report, model)
+        )
+        b.append(f'<ul class="arch">{items}</ul>')
         for case in (c for c in report.cases if c.model == model.path):
             cls = "fits" if case.fits else "nofit"
             b.append(f'<section class="case"><h3>ctx {_e(ctx_label(case.n_ctx))}</h3>')

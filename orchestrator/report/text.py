@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchestrator.core.units import format_size
+from orchestrator.planning.memory import architecture_rows
 from orchestrator.planning.plan import (
     Plan,
     largest_ctx_text,
 )
 from orchestrator.probe.fleet import FleetProbe, NodeProbe
-from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, size_up
+from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, ReportModel, size_up
 
 
 def size(n: int | None) -> str:
@@ -208,6 +209,13 @@ def fleet_lines(report: Report) -> list[tuple[str, str]]:
     return out
 
 
+def model_architecture(report: Report, model: ReportModel) -> list[tuple[str, str]]:
+    """The architecture rows `model info` prints (family, sliding window, experts, recurrent state, KV
+    per token), at the report's KV cache types: the same numbers in both."""
+    o = report.options.plan
+    return architecture_rows(model.profile, o.type_k, o.type_v)
+
+
 def render_text(report: Report) -> str:
     out = ["rpcfleet capacity report", *header_lines(report), "", "Fleet"]
     rows = [row for node in report.fleet.nodes for row in node_rows(node)]
@@ -219,6 +227,7 @@ def render_text(report: Report) -> str:
             "",
             f"Model {p.name or model.path} ({model.path}): {p.n_layer} layers, "
             f"weights {size(p.total_bytes)}, n_ctx_train {p.n_ctx_train}",
+            *(f"  {label}: {value}" for label, value in model_architecture(report, model)),
         ]
         for case in (c for c in report.cases if c.model == model.path):
             out.append(f"  ctx {ctx_label(case.n_ctx)}: {verdict(report, case)}")
@@ -260,6 +269,8 @@ def render_markdown(report: Report) -> str:
             f"## Model {_md_cell(p.name or model.path)}",
             "",
             f"`{model.path}`: {p.n_layer} layers, weights {size(p.total_bytes)}, n_ctx_train {p.n_ctx_train}",
+            "",
+            *(f"- {label}: {_md_cell(value)}" for label, value in model_architecture(report, model)),
         ]
         for case in (c for c in report.cases if c.model == model.path):
             out += ["", f"### ctx {ctx_label(case.n_ctx)}", "", f"**{_md_cell(verdict(report, case))}**"]
