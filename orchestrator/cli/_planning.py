@@ -67,6 +67,13 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
         help="one KV cache shared by all sequences (each may use the whole context)",
     )
     parser.add_argument(
+        "--n-cpu-moe",
+        type=_common.flag(fields.integer(minimum=0)),
+        default=0,
+        metavar="N",
+        help="keep the expert (MoE) weights of the first N layers on this machine's CPU (default: 0)",
+    )
+    parser.add_argument(
         "--ubatch", type=_common.flag(fields.integer(minimum=1)), default=512, help="n_ubatch (default: 512)"
     )
     parser.add_argument(
@@ -104,6 +111,7 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
         swa_full=args.swa_full,
         parallel=args.parallel,
         kv_unified=args.kv_unified,
+        n_cpu_moe=args.n_cpu_moe,
         margin=args.margin if args.margin is not None else DEFAULT_MARGIN,
         strategy=args.strategy,
     )

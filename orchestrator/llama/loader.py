@@ -79,7 +79,9 @@ PLAN_CONTROLLED = frozenset(
 
 
 @contextlib.contextmanager
-def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | None) -> Iterator[Any]:
+def _model_params(
+    lc: Any, devices: Any, on_progress: Callable[[float], None] | None, overrides: Any = None
+) -> Iterator[Any]:
     """`Llama.__init__` takes its model params from `llama_model_default_params()` and offers no way to
     set `devices` or a progress callback: wrap that function for the construction only (under `_LOCK`).
 
@@ -102,6 +104,8 @@ def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | 
     def with_devices() -> Any:
         params = original()
         params.devices = ctypes.addressof(devices)
+        if overrides is not None:  # the binding declares this field but never sets it (0.3.36)
+            params.tensor_buft_overrides = ctypes.addressof(overrides)
         if callback is not None:
             params.progress_callback = callback
         return params
@@ -111,6 +115,38 @@ def _model_params(lc: Any, devices: Any, on_progress: Callable[[float], None] | 
         yield callback
     finally:
         lc.llama_model_default_params = original
+
+
+DEV_TYPE_CPU = 0  # enum ggml_backend_dev_type
+
+
+class _BuftOverride(ctypes.Structure):
+    """llama.h struct llama_model_tensor_buft_override."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _cpu_moe_overrides(n_cpu_moe: int, native: Native) -> Any:
+    """--n-cpu-moe's overrides (common.h llm_add_n_cpu_ffn_overrides): the expert tensors of layers
+    0..N-1 in the CPU's buffer type; a NULL-terminated array (None when N is 0)."""
+    if n_cpu_moe <= 0:
+        return None
+    cpu = next(
+        (
+            dev
+            for dev in map(native.dev_get, range(native.dev_count()))
+            if native.dev_type(dev) == DEV_TYPE_CPU
+        ),
+        None,
+    )
+    if cpu is None:
+        raise LoadFailedError("--n-cpu-moe: llama.cpp has no CPU device in this process")
+    buft = native.dev_buffer_type(cpu)
+    overrides = (_BuftOverride * (n_cpu_moe + 1))()
+    for il in range(n_cpu_moe):
+        overrides[il].pattern = rf"blk\.{il}\.ffn_(up|down|gate|gate_up)_(ch|)exps".encode()
+        overrides[il].buft = buft
+    return overrides
 
 
 @contextlib.contextmanager
@@ -238,13 +274,14 @@ def load_registered(
     has_local_gpu = any(d.endpoint is None for d in plan.devices)
     notes = _multimodal(llama_kwargs, mmproj, has_local_gpu, verbose, handler_kwargs)
     opts = plan.options
+    overrides = _cpu_moe_overrides(opts.n_cpu_moe, native)
     records: list[tuple[int, str]] = []
     started = time.monotonic()
     try:
         with (
             capture_log(lc, records, verbose),
             _context_params(lc, opts.parallel, opts.kv_unified),
-            _model_params(lc, devices, on_progress) as callback,
+            _model_params(lc, devices, on_progress, overrides) as callback,
         ):
             llm: Any = construct(
                 str(path),
@@ -281,6 +318,7 @@ def load_registered(
     # The device array and the progress callback must outlive the model: llama keeps the pointers.
     llm._rpcfleet_devices = devices
     llm._rpcfleet_progress = callback
+    llm._rpcfleet_overrides = overrides  # the model reads them again when it makes its context
     llm.rpcfleet_placement = build_placement(plan, names, join_log_records(records), elapsed)
     llm.rpcfleet_plan = plan
     llm.rpcfleet_notes = tuple(notes)

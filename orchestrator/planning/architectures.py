@@ -328,6 +328,8 @@ def family_compute(
             k = rules.n_expert_used
             # gate, up and their product per expert used, or the product and the experts' outputs
             routed = max(3 * k * expert, k * expert + k * profile.n_embd) * n_tok * f32
+            if il < opts.n_cpu_moe:  # --n-cpu-moe: the experts run on the CPU (memory.cpu_experts_compute)
+                routed = 0
             router = 2 * rules.n_expert * n_tok * f32  # logits and probabilities
             peak = max(peak, 2 * hidden + router + routed + 2 * shared * n_tok * f32)
     if profile.n_layer not in layers:

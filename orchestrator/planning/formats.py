@@ -70,6 +70,8 @@ def llama_cli_args(plan: Plan, model_path: str | Path | None = None) -> list[str
         args.append("--swa-full")
     if opts.kv_unified:
         args.append("--kv-unified")
+    if opts.n_cpu_moe:
+        args += ["--n-cpu-moe", str(opts.n_cpu_moe)]
     return args
 
 

@@ -136,6 +136,16 @@ def host_compute(
     return copies * (inputs + hidden) + hidden
 
 
+def cpu_experts_compute(profile: ModelProfile, n_tok: int) -> int:
+    """What the CPU's compute buffer gains when it runs the experts of --n-cpu-moe's layers (their
+    mul_mat_id ops go where their weights are): the hidden state coming in, one n_expert_used x expert
+    width product, and the router's probabilities, chosen experts and their weights. Once, whatever N:
+    ggml-alloc reuses it layer after layer. Measured on the synthetic qwen3moe (tests/test_moe.py)."""
+    rules = profile.rules
+    k = rules.n_expert_used
+    return (profile.n_embd + k * rules.n_ff_exp + rules.n_expert + 2 * k) * n_tok * 4
+
+
 def output_buffer(profile: ModelProfile, opts: PlanOptions) -> int:
     """The host's output buffer (llama-context.cpp output_reserve(n_seq_max)): logits for one output per
     sequence, n_vocab floats each; llama.cpp grows it only when a batch asks for more outputs."""
@@ -233,7 +243,9 @@ def predict(
     ngl: int,
 ) -> Prediction:
     n_all = profile.n_layer
-    pipeline_parallel = len(devices) > 1 and ngl > n_all and opts.split_mode == "layer"
+    # llama-context.cpp: no pipeline parallelism when the model has tensor overrides (--n-cpu-moe's)
+    pipeline_parallel = len(devices) > 1 and ngl > n_all and opts.split_mode == "layer" and not opts.n_cpu_moe
+    on_cpu = range(min(opts.n_cpu_moe, n_all))  # layers whose experts stay on the CPU
     per_dev: list[list[int]] = [[] for _ in devices]
     cpu_layers: list[int] = []
     for il, where in enumerate(assignment):
@@ -241,6 +253,7 @@ def predict(
     memories = []
     for dev, layers in zip(devices, per_dev, strict=True):
         weights = sum(profile.layer_bytes_aligned(il, dev.alignment) for il in layers if il < n_all)
+        weights -= sum(profile.expert_bytes_aligned(il, dev.alignment) for il in layers if il in on_cpu)
         if n_all in layers:
             weights += profile.output_layer_bytes_aligned(dev.alignment)
         kv = sum(kv_layer_bytes(profile, il, n_ctx_pad, opts, dev.alignment) for il in layers if il < n_all)
@@ -248,15 +261,19 @@ def predict(
         memories.append(PlannedMemory(weights, kv, compute, dev.usable, opts.margin))
     host_weights = profile.token_embd_bytes + profile.other_bytes - profile.rope_freqs_bytes
     host_weights += sum(profile.layer_bytes_aligned(il) for il in cpu_layers if il < n_all)
+    host_weights += sum(profile.expert_bytes_aligned(il) for il in on_cpu if il not in cpu_layers)
     if n_all in cpu_layers:
         host_weights += profile.output_layer_bytes_aligned() - (
             profile.token_embd_bytes if profile.output_tied else 0
         )
     host_kv = sum(kv_layer_bytes(profile, il, n_ctx_pad, opts, 32) for il in cpu_layers if il < n_all)
+    compute = host_compute(profile, n_ctx_pad, opts, cpu_layers, pipeline_parallel)
+    if any(profile.expert_bytes_aligned(il) for il in on_cpu if il not in cpu_layers):
+        compute += cpu_experts_compute(profile, n_tokens(n_ctx_pad, opts))
     host = HostMemory(
         weights=host_weights,
         kv=host_kv,
-        compute=host_compute(profile, n_ctx_pad, opts, cpu_layers, pipeline_parallel),
+        compute=compute,
         output=output_buffer(profile, opts),
     )
     return Prediction(tuple(memories), host, pipeline_parallel)

@@ -109,6 +109,7 @@ class PlanOptions:
     swa_full: bool = False  # llama-server's --swa-full: sliding-window layers get a full-context cache
     parallel: int = 1  # llama-server's --parallel: sequences (n_seq_max)
     kv_unified: bool = False  # llama-server's --kv-unified: one KV stream shared by all sequences
+    n_cpu_moe: int = 0  # llama-server's --n-cpu-moe: the expert tensors of the first N layers stay on the CPU
 
 
 @dataclass(frozen=True)

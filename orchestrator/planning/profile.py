@@ -241,9 +241,17 @@ class ModelProfile:
             sizes.append(self.rope_freqs_bytes)
         return sum(_pad(n, alignment) for n in sizes)
 
+    def expert_bytes_aligned(self, il: int, alignment: int = 1) -> int:
+        """Bytes of layer `il`'s expert tensors, the ones --n-cpu-moe keeps on the CPU (common.h
+        LLM_FFN_EXPS_REGEX: `blk.N.ffn_(up|down|gate|gate_up)_(ch|)exps`)."""
+        return sum(_pad(t.n_bytes, alignment) for t in self._layer_tensors[il] if _EXPERTS.search(t.name))
+
     def output_layer_bytes_aligned(self, alignment: int = 1) -> int:
         head = self.token_embd_bytes if self.output_tied else self.output_bytes
         return _pad(head, alignment) + _pad(self.output_norm_bytes, alignment)
+
+
+_EXPERTS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 
 
 def _pad(n: int, alignment: int) -> int:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
+from orchestrator.core.units import format_size
 from orchestrator.planning.architectures import unverified_note
 from orchestrator.planning.memory import (
     context_size,
@@ -366,6 +367,12 @@ def make_plan(
         )
     if ngl < n_all + 1:
         notes.append(f"{n_all + 1 - ngl} of {n_all + 1} layers stay on the CPU")
+    if opts.n_cpu_moe:
+        moved = sum(profile.expert_bytes_aligned(il) for il in range(min(opts.n_cpu_moe, n_all)))
+        notes.append(
+            f"--n-cpu-moe {opts.n_cpu_moe}: the experts of layers 0-{min(opts.n_cpu_moe, n_all) - 1} "
+            f"({format_size(moved)}) stay on the CPU; no pipeline parallelism"
+        )
     notes += kv_notes(profile, n_ctx, opts)
     fit = Fit(
         fits=shortfall == 0,

@@ -100,6 +100,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             "swa_full": o.swa_full,
             "parallel": o.parallel,
             "kv_unified": o.kv_unified,
+            "n_cpu_moe": o.n_cpu_moe,
             "n_gpu_layers": o.n_gpu_layers,
             "margin": o.margin,
             "strategy": o.strategy,
