@@ -115,5 +115,10 @@ def test_plan_cli_takes_n_cpu_moe_and_refuses_a_negative_one(
     assert main([*args, "--n-cpu-moe", "2", "--format", "json"]) == 0
     plan = Plan.from_text(capsys.readouterr().out)
     assert plan.options.n_cpu_moe == 2 and any(n.startswith("--n-cpu-moe 2:") for n in plan.notes)
+    assert (
+        main(["-i", str(inventory), "report", "-m", str(moe_model), "--ctx", "1024", "--n-cpu-moe", "2"]) == 0
+    )
+    report = capsys.readouterr().out
+    assert ", --n-cpu-moe 2\n" in report and "note: --n-cpu-moe 2: the experts of layers 0-1" in report
     assert main([*args, "--n-cpu-moe", "-1"]) == 2
     assert "argument --n-cpu-moe: expected an integer >= 0, got -1" in capsys.readouterr().err

@@ -179,6 +179,7 @@ def header_lines(report: Report) -> list[str]:
         f"{'on' if o.flash_attn else 'off'}, margin {size(o.margin)} per device, strategy {o.strategy}, "
         f"{'full-size' if o.swa_full else 'small'} SWA cache, parallel {o.parallel}"
         f"{' (unified KV)' if o.kv_unified else ''}"
+        f"{f', --n-cpu-moe {o.n_cpu_moe}' if o.n_cpu_moe else ''}"
     )
     lines.append(f"controller protocol: {report.fleet.protocol}")
     return lines
