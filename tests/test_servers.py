@@ -101,6 +101,16 @@ def test_a_server_sharing_another_hosts_endpoint_or_inherited_devices_is_refused
         inventory(text)
 
 
+def test_a_host_named_like_another_hosts_server_is_refused() -> None:
+    # `-l h1/50052` selected both, and status, probe and plan showed two rows of one name
+    text = "hosts:\n  h1:\n    address: 10.0.0.1\n    rpc_servers: [50052, 50053]\n"
+    text += "  h1/50052:\n    address: 10.0.0.2\n"
+    with pytest.raises(InventoryError) as caught:
+        inventory(text)
+    assert "host 'h1/50052' has the name of a server of host 'h1'" in caught.value.message
+    assert caught.value.location is not None and caught.value.location.line == 5
+
+
 def test_ntp_server_is_no_typo_of_rpc_servers() -> None:
     loaded = inventory("hosts:\n  h1:\n    ntp_server: 10.0.0.9\n    rcp_port: 1\n")
     assert (
