@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 import zlib
 from collections.abc import Iterator, Mapping
@@ -470,16 +471,36 @@ def _free_slot(name: str, kind: LabKind) -> int:
     raise LabError("all 256 lab slots are in use", hint="`rpcfleet lab down --all`")
 
 
-def check_variables(variables: Mapping[str, Any]) -> dict[str, Any]:
-    """Inventory variables for every lab node, checked as an inventory's would be (unknown names with
-    the closest one, bad values): an `InventoryError` naming `--var`."""
+def check_variables(variables: Mapping[str, Any], node: int | None = None) -> dict[str, Any]:
+    """Inventory variables for every lab node (or node `node`), checked as an inventory's would be
+    (unknown names with the closest one, bad values): an `InventoryError` naming the `--var`."""
     if not variables:
         return {}
-    document = {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}}
-    checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
-    if checked.warnings:  # a typo here would silently do nothing on every node
-        raise InventoryError("; ".join(checked.warnings))
+    flag = "--var " if node is None else f"--var {node}:"
+    for key, value in variables.items():  # each alone first, so that the error names its --var
+        shown = value if isinstance(value, str) else json.dumps(value)
+        _check_document({key: value}, f"{flag}{key}={shown}")
+    _check_document(variables, "--var")  # then together (rpc_devices with rpc_servers)
     return dict(variables)
+
+
+def _check_document(variables: Mapping[str, Any], flag: str) -> None:
+    document = {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}}
+    try:
+        checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
+    except InventoryError as err:
+        message = _without_location(err.message).replace("host 'labcheck': ", "")
+        raise InventoryError(f"{flag}: {message}") from None
+    if checked.warnings:  # a typo here would silently do nothing on every node: refused, not kept
+        found = "; ".join(_without_location(w) for w in checked.warnings).replace(" is kept as is", "")
+        raise InventoryError(f"{flag}: {found}")
+
+
+def _without_location(text: str) -> str:
+    """An error about the document made from --var, less its lines and columns (of a text the user
+    never wrote) and the snippets quoted from it."""
+    lines = text.splitlines()
+    return "; ".join(re.sub(r"^--var(:\d+)*: ", "", line) for line in lines if not line.startswith("    "))
 
 
 def check_node_variables(
@@ -494,7 +515,8 @@ def check_node_variables(
             raise InventoryError(
                 f"--var {key}:...: no node {key} in a lab of {nodes} (nodes are 1 to {nodes})"
             )
-        check_variables({**common, **variables})
+        check_variables(variables, index)
+        _check_document({**common, **variables}, f"--var (node {index})")
         out[index] = dict(variables)
     return out
 
