@@ -365,6 +365,14 @@ def default_lab_inventory() -> Path:
     """The default lab's inventory (what commands use when no inventory is given)."""
     lab = _load(lab_dir(DEFAULT_LAB))
     if lab is None or lab.state != "up" or not lab.inventory.exists():
+        others = [other for other in map(_load, map(lab_dir, list_labs())) if other is not None]
+        named = [other for other in others if other.state == "up" and other.inventory.exists()]
+        if named:  # "no lab is up" would be false: say which are, and how to use one
+            raise LabError(
+                f"no inventory given and no lab named {DEFAULT_LAB!r} is up (commands use only that one)",
+                hint="pass the inventory of a lab that is up: "
+                + ", ".join(f"{other.name}: -i {other.inventory}" for other in named),
+            )
         raise LabError(
             "no inventory given and no lab is up",
             hint="pass -i INVENTORY, or run `rpcfleet lab up` (or `rpcfleet lab up --local`) first",
