@@ -178,7 +178,9 @@ def test_model_synth_arch_writes_each_family(tmp_path: Path, capsys: pytest.Capt
     assert main(["model", "synth", str(tmp_path / "a.gguf"), "-o", str(tmp_path / "b.gguf")]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
     # a shape flag with --arch was ignored without a word: the model had the family's own shape
-    assert main(["model", "synth", "--arch", "qwen3", "--layers", "8", "--tied", str(tmp_path / "a.gguf")]) == 2
+    assert (
+        main(["model", "synth", "--arch", "qwen3", "--layers", "8", "--tied", str(tmp_path / "a.gguf")]) == 2
+    )
     assert "--layers, --tied does not apply with --arch" in capsys.readouterr().err
     assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()
 
