@@ -11,6 +11,7 @@ import difflib
 import json
 import os
 import shlex
+import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -327,6 +328,24 @@ def write_output(path: Path, data: str) -> None:
         write_atomic(path, data)
     except RpcfleetError as exc:
         raise UsageError(exc.message) from None
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The socket `serve` and `exporter` hand to uvicorn, bound before anything is announced or loaded:
+    a port another program holds is the user's to change (exit status 2), where uvicorn would log its
+    own error after the announcement and exit 3 (this CLI's "locked" status)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", hint="choose another --host or --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def require_model(path: Path) -> Path:
