@@ -487,14 +487,17 @@ def load_hosts(args: argparse.Namespace, *, servers: bool = True) -> tuple[Inven
     """The inventory named by the flags and what --limit selects (all when absent): every rpc-server
     as a host of its own (a host with `rpc_servers` is one per server, `HOST/SERVER`), or with
     `servers=False` the machines."""
-    from orchestrator.inventory.model import select_hosts, select_servers
+    from orchestrator.inventory.model import select_servers
 
     inventory = load_inventory(args)
     pattern = getattr(args, "limit", None)
     if servers:
         return inventory, select_servers(inventory, pattern)
-    hosts = select_hosts(inventory, pattern) if pattern else list(inventory.hosts)
-    return inventory, hosts
+    if not pattern:
+        return inventory, list(inventory.hosts)
+    # `-l gpu1/second` names a server: its machine is selected (a pattern of hosts selects the same)
+    machines = {server.node_name for server in select_servers(inventory, pattern)}
+    return inventory, [host for host in inventory.hosts if host.name in machines]
 
 
 _STATUS_STYLE = {
