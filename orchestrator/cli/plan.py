@@ -55,13 +55,27 @@ def handle(args: argparse.Namespace) -> int:
         _common.write_output(args.output, plan.to_json())
     if fmt == "json":
         sys.stdout.write(plan.to_json() + "\n")
-    elif fmt == "llama-cli":
-        sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
-    elif fmt == "python":
-        sys.stdout.write(python_snippet(plan, args.model, args.output))  # embeds the plan without -o
+    elif fmt in ("llama-cli", "python"):
+        if fmt == "llama-cli":
+            sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
+        else:
+            sys.stdout.write(python_snippet(plan, args.model, args.output))  # embeds the plan without -o
+        # stdout is for the command or the code: why the exit status is 1, and the notes, go to stderr
+        if not plan.fit.fits:
+            _common.err_console.print(f"does not fit: {_shortfall(plan)}", highlight=False, markup=False)
+        for note in plan.notes:
+            _common.err_console.print(f"note: {note}", highlight=False, markup=False)
     else:
         print_plan(plan, devices)
     return 0 if plan.fit.fits else 1
+
+
+def _shortfall(plan: Plan) -> str:
+    binding = plan.devices[plan.fit.binding_device or 0]
+    return (
+        f"{binding.label} is short by {format_size(plan.fit.shortfall)}; "
+        f"the largest context that fits: {plan.fit.largest_n_ctx}"
+    )
 
 
 def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
@@ -105,11 +119,6 @@ def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
             f"[green]fits[/green]; the largest context that fits: {plan.fit.largest_n_ctx}", highlight=False
         )
     else:
-        binding = plan.devices[plan.fit.binding_device or 0]
-        _common.console.print(
-            f"[red]does not fit[/red]: {escape(binding.label)} is short by {format_size(plan.fit.shortfall)}"
-            f"; the largest context that fits: {plan.fit.largest_n_ctx}",
-            highlight=False,
-        )
+        _common.console.print(f"[red]does not fit[/red]: {escape(_shortfall(plan))}", highlight=False)
     for note in plan.notes:
         _common.err_console.print(f"note: {escape(note)}", highlight=False)
