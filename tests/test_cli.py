@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -251,6 +252,25 @@ def test_bad_input_exits_2_naming_it_without_a_traceback(
     assert message.format(tmp=tmp_path) in err
     assert "Traceback" not in err and "[red]" not in err
     assert sorted(tmp_path.rglob("*")) == before  # nothing half made
+
+
+@pytest.mark.parametrize("command", ["exporter", "serve"])
+def test_a_port_in_use_is_said_before_anything_is_announced_or_loaded(
+    command: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: "exporter on http://127.0.0.1:PORT/" (serve: "serving ..." and the model loading), then
+    # uvicorn's own "ERROR: [Errno 98]" and exit status 3, this CLI's status for a held lock.
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text("hosts:\n  h1:\n    address: 127.0.0.1\n    rpc_port: 1\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        argv = [command, "-i", str(inventory), "--port", port]
+        status, out, err = run(capsys, *argv, *(["-m", str(tiny_model)] if command == "serve" else []))
+    assert status == 2 and out == "", err
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert " on http://" not in err and "Traceback" not in err
 
 
 # --- help --------------------------------------------------------------------------------------------------

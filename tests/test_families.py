@@ -8,6 +8,7 @@ a second. One sequence, and several (--parallel, unified KV or not) with the sma
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,11 @@ def test_model_synth_arch_writes_each_family(tmp_path: Path, capsys: pytest.Capt
         assert profile_model(out).architecture == arch and out.stat().st_size < 4 << 20
     assert main(["model", "synth", str(tmp_path / "a.gguf"), "-o", str(tmp_path / "b.gguf")]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+    # a shape flag with --arch was ignored without a word: the model had the family's own shape
+    assert (
+        main(["model", "synth", "--arch", "qwen3", "--layers", "8", "--tied", str(tmp_path / "a.gguf")]) == 2
+    )
+    assert "--layers, --tied does not apply with --arch" in capsys.readouterr().err
     assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()
 
 
@@ -245,7 +251,8 @@ def test_gemma_compute_is_predicted_within_the_tolerance_at_8k(
 def test_the_report_marks_an_unknown_architecture_unverified(tmp_path: Path) -> None:
     from orchestrator.report.build import build_report
     from orchestrator.report.data import render_json
-    from orchestrator.report.text import render_text
+    from orchestrator.report.html import render_html
+    from orchestrator.report.text import render_markdown, render_text
     from tests.test_report import fleet_of, ok_node
 
     model = write_arch_model(tmp_path / "x.gguf", "qwen3", architecture="frobnicator")
@@ -253,6 +260,7 @@ def test_the_report_marks_an_unknown_architecture_unverified(tmp_path: Path) -> 
     report = build_report(fleet, [("x.gguf", profile_model(model))], [4096])
     note = "unverified: architecture 'frobnicator' is planned with the generic rules"
     assert note in render_text(report) and note in render_json(report)
+    assert note in render_markdown(report) and html.escape(note) in render_html(report)  # every format
 
 
 def test_rs_buffer_lines_count_as_the_devices_kv_and_state() -> None:

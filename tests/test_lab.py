@@ -410,6 +410,14 @@ def test_default_lab_inventory_hints_at_lab_up(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(LabError) as info:
         default_lab_inventory()
     assert "rpcfleet lab up" in str(info.value)
+    lab_up(1, local=True, name="other")
+    try:  # another lab is up: the error names it and its inventory rather than saying none is
+        with pytest.raises(LabError) as info:
+            default_lab_inventory()
+        assert "no lab named 'lab' is up" in info.value.message
+        assert f"other: -i {tmp_path / 'lab' / 'other' / 'inventory.yml'}" in str(info.value.hint)
+    finally:
+        lab_down("other")
     lab_up(1, local=True)
     try:
         assert default_lab_inventory() == tmp_path / "lab" / "lab" / "inventory.yml"

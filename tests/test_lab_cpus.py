@@ -72,6 +72,36 @@ def test_lab_up_flags_are_checked_before_anything_is_made(argv: list[str], messa
     assert not (rpcfleet_home() / "lab" / "never").exists()
 
 
+@pytest.mark.parametrize(
+    ("common", "per_node", "message"),
+    [
+        ({"rpc_port": "abc"}, {}, "--var rpc_port=abc: rpc_port: expected an integer, got 'abc'"),
+        ({"rpc_cahce": True}, {}, "--var rpc_cahce=true: unknown variable 'rpc_cahce' (did you mean"),
+        (
+            {},
+            {"1": {"rpc_servers": [50052, 50052]}},
+            "--var 1:rpc_servers=[50052, 50052]: rpc_servers: servers 1 and 2 both use port 50052",
+        ),
+        (
+            {"rpc_devices": "CPU"},
+            {"1": {"rpc_servers": [50052, 50053]}},
+            "--var (node 1): servers 50052, 50053 would all use rpc_devices CPU",
+        ),
+    ],
+)
+def test_a_bad_var_is_named_without_the_lines_of_a_document_the_user_never_wrote(
+    common: dict[str, object], per_node: dict[str, dict[str, object]], message: str
+) -> None:
+    from orchestrator.core.errors import InventoryError
+    from orchestrator.lab.lifecycle import check_node_variables, check_variables
+
+    with pytest.raises(InventoryError) as caught:
+        check_node_variables(per_node, 3, check_variables(common))
+    assert caught.value.message.startswith(message), caught.value.message
+    assert "--var:" not in caught.value.message and "labcheck" not in caught.value.message
+    assert "is kept as is" not in caught.value.message  # refused, not kept
+
+
 async def _busy(lab: Lab, index: int, seconds: float) -> tuple[float, float, int]:
     """Spin one CPU-bound loop on node `index` (1-based) over SSH: the node's CPU seconds used, the wall
     seconds, and the periods its quota held it back, from the node's cgroup."""

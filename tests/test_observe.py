@@ -106,6 +106,8 @@ def test_the_text_has_every_family_with_prometheus_names_and_the_held_bytes() ->
         'rpcfleet_formation_recovery_duration_seconds_bucket{formation="tiny",model="tiny",le="5"} 1' in text
     )
     assert "rpcfleet_exporter_last_round_timestamp_seconds 1700000000" in text
+    # the HELP says what the figures are: a CPU server's share of MemAvailable; layers with the output one
+    assert "divided among its CPU servers" in text and "the output layer counted as one" in text
 
 
 @needs_promtool

@@ -51,6 +51,20 @@ def test_plan_json_round_trips_and_follows_the_limits(
     assert plan.fit.fits and plan.n_ctx == 1024
 
 
+def test_llama_cli_and_python_say_on_stderr_why_a_plan_fails(
+    two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: the arguments of a plan that does not fit, exit status 1, and not a word why (nor the notes).
+    inventory = _inventory(tmp_path, two_servers, ["300MiB", "300MiB"])
+    for fmt in ("llama-cli", "python"):
+        argv = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "64k", "--format", fmt]
+        assert main(argv) == 1
+        out, err = capsys.readouterr()
+        assert "--tensor-split" in out if fmt == "llama-cli" else "load_llama(plan" in out
+        assert "does not fit: 127.0.0.1:" in err and "the largest context that fits:" in err, err
+        assert "note: n_ctx 65536 exceeds the model's training context" in " ".join(err.split())
+
+
 def test_plan_renders_llama_cli_args_and_python(
     two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

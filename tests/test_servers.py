@@ -101,6 +101,16 @@ def test_a_server_sharing_another_hosts_endpoint_or_inherited_devices_is_refused
         inventory(text)
 
 
+def test_a_host_named_like_another_hosts_server_is_refused() -> None:
+    # `-l h1/50052` selected both, and status, probe and plan showed two rows of one name
+    text = "hosts:\n  h1:\n    address: 10.0.0.1\n    rpc_servers: [50052, 50053]\n"
+    text += "  h1/50052:\n    address: 10.0.0.2\n"
+    with pytest.raises(InventoryError) as caught:
+        inventory(text)
+    assert "host 'h1/50052' has the name of a server of host 'h1'" in caught.value.message
+    assert caught.value.location is not None and caught.value.location.line == 5
+
+
 def test_ntp_server_is_no_typo_of_rpc_servers() -> None:
     loaded = inventory("hosts:\n  h1:\n    ntp_server: 10.0.0.9\n    rcp_port: 1\n")
     assert (
@@ -206,6 +216,22 @@ async def test_the_servers_of_one_host_take_its_lock_once_and_run_one_at_a_time(
         assert taken == []
         # the run's first server of each install changes the install itself, once
         assert [locks.first_of_install(s) for s in [*servers, *servers]] == [True, False, True] + [False] * 3
+
+
+def test_a_server_pattern_selects_its_machine_where_machines_are_listed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # `inventory list` and `ping` work on machines: `-l h1/gpu1` (as the README writes it) was
+    # "host pattern 'h1/gpu1' matches no host or group"
+    path = tmp_path / "inv.yml"
+    path.write_text(TWO)
+    for pattern, machines in [("h1/gpu1", ["h1"]), ("!h1/gpu1", ["h1", "h2"]), ("h2,h1/50052", ["h1", "h2"])]:
+        assert main(["inventory", "list", "-i", str(path), "-l", pattern, "--json"]) == 0
+        assert [h["name"] for h in json.loads(capsys.readouterr().out)] == machines, pattern
+    assert main(["inventory", "list", "-i", str(path), "-l", "h1/nope"]) == 2
+    assert "host pattern 'h1/nope' matches no host or group" in capsys.readouterr().err
+    assert main(["inventory", "show", "h1/gpu1", "-i", str(path)]) == 2  # was "no host 'h1/gpu1'"
+    assert "'h1/gpu1' is a server of host 'h1', not a host" in capsys.readouterr().err
 
 
 def test_inventory_list_graph_and_show_name_the_servers(

@@ -284,6 +284,41 @@ async def test_a_busy_server_refuses_a_new_version_for_its_whole_install(
         sock.close()
 
 
+def test_a_playbooks_cache_warm_warms_both_servers_of_a_host(
+    deployed: Lab, tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The two servers of node 1 share its install, its cache and its lock: a playbook's `cache_warm`
+    (every host at once) warms both, one after the other. It failed the second with "is being changed
+    by" this very run (each server took the install's lock on its own)."""
+    one = deployed.nodes[0]
+    inventory = tmp_path / "inventory.yml"  # the lab's, with rpc_cache (the step warms those hosts)
+    inventory.write_text(deployed.inventory.read_text().replace("vars:\n", "vars:\n  rpc_cache: true\n", 1))
+    # three layers of three tensors over the cache's 10 MiB, one layer per endpoint
+    model = tiny_model_factory(n_layer=3, n_embd=1024, n_head=8, n_head_kv=4, n_ff=5632)
+    playbook = tmp_path / "warm.yml"
+    playbook.write_text(
+        "name: warm\nhosts: all\nsteps:\n  - probe\n  - plan: {model: '{{ model }}', ctx: 1024}\n"
+        "  - cache_warm\n"
+    )
+    for _ in range(2):  # warming a second time finds every file there
+        argv = ["run-playbook", str(playbook), "-i", str(inventory), "-e", f"model={model}", "--json"]
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    cache = one.home / "rpcfleet" / "cache" / "rpc"
+    assert len(list(cache.iterdir())) == 6  # both servers' layers: 3 tensors each
+    subprocess.run(  # leave the module's lab as it was
+        [sys.executable, "-m", "orchestrator", "cache", "clear", "-i", str(inventory)],
+        check=True,
+        timeout=120,
+    )
+
+
 # --- systemd: one unit per server -------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import difflib
 import json
 import os
 import shlex
+import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -329,6 +330,24 @@ def write_output(path: Path, data: str) -> None:
         raise UsageError(exc.message) from None
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The socket `serve` and `exporter` hand to uvicorn, bound before anything is announced or loaded:
+    a port another program holds is the user's to change (exit status 2), where uvicorn would log its
+    own error after the announcement and exit 3 (this CLI's "locked" status)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", hint="choose another --host or --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def require_model(path: Path) -> Path:
     """`path` when it is a file; else the usage error every command that reads a model gives."""
     if not path.exists():
@@ -468,14 +487,17 @@ def load_hosts(args: argparse.Namespace, *, servers: bool = True) -> tuple[Inven
     """The inventory named by the flags and what --limit selects (all when absent): every rpc-server
     as a host of its own (a host with `rpc_servers` is one per server, `HOST/SERVER`), or with
     `servers=False` the machines."""
-    from orchestrator.inventory.model import select_hosts, select_servers
+    from orchestrator.inventory.model import select_servers
 
     inventory = load_inventory(args)
     pattern = getattr(args, "limit", None)
     if servers:
         return inventory, select_servers(inventory, pattern)
-    hosts = select_hosts(inventory, pattern) if pattern else list(inventory.hosts)
-    return inventory, hosts
+    if not pattern:
+        return inventory, list(inventory.hosts)
+    # `-l gpu1/second` names a server: its machine is selected (a pattern of hosts selects the same)
+    machines = {server.node_name for server in select_servers(inventory, pattern)}
+    return inventory, [host for host in inventory.hosts if host.name in machines]
 
 
 _STATUS_STYLE = {

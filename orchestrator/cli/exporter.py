@@ -81,6 +81,7 @@ def handle(args: argparse.Namespace) -> int:
     _, hosts = _common.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")
+    sock = _common.listen_socket(args.host, args.port)
     import uvicorn
     from fastapi import FastAPI
 
@@ -106,7 +107,7 @@ def handle(args: argparse.Namespace) -> int:
     )
     collector.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         collector.stop()
     return 0

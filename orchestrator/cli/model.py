@@ -44,19 +44,19 @@ def register(subparsers: Any) -> None:
         + ", ".join(SYNTH_ARCHES),
     )
     size = _common.flag(fields.integer(minimum=1))
-    synth.add_argument("--layers", type=size, default=8, help="transformer blocks (default: 8)")
-    synth.add_argument("--embd", type=size, default=512, help="embedding width (default: 512)")
-    synth.add_argument("--heads", type=size, default=8, help="attention heads (default: 8)")
-    synth.add_argument("--kv-heads", type=size, default=4, help="KV heads, divides --heads (default: 4)")
-    synth.add_argument("--ff", type=size, default=1408, help="feed-forward width (default: 1408)")
-    synth.add_argument("--vocab", type=size, default=300, help="vocabulary size (default: 300)")
+    synth.add_argument("--layers", type=size, default=None, help="transformer blocks (default: 8)")
+    synth.add_argument("--embd", type=size, default=None, help="embedding width (default: 512)")
+    synth.add_argument("--heads", type=size, default=None, help="attention heads (default: 8)")
+    synth.add_argument("--kv-heads", type=size, default=None, help="KV heads, divides --heads (default: 4)")
+    synth.add_argument("--ff", type=size, default=None, help="feed-forward width (default: 1408)")
+    synth.add_argument("--vocab", type=size, default=None, help="vocabulary size (default: 300)")
     synth.add_argument(
         "--ctx-train",
         type=_common.flag(fields.context),
-        default=4096,
+        default=None,
         help="training context recorded in the model: 4096, 32k (default: 4096)",
     )
-    synth.add_argument("--type", choices=WEIGHT_TYPES, default="f16", help="weight type (default: f16)")
+    synth.add_argument("--type", choices=WEIGHT_TYPES, default=None, help="weight type (default: f16)")
     synth.add_argument("--tied", action="store_true", help="no output.weight: reuse token_embd")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.add_argument("--force", action="store_true", help="overwrite OUT.gguf when it exists")
@@ -106,6 +106,20 @@ def register(subparsers: Any) -> None:
     listing.set_defaults(handler=handle_list)
 
 
+# The llama shape flags of `model synth` (flag: dest): --arch writes its family's own shapes.
+SYNTH_SHAPE_FLAGS = {
+    "--layers": "layers",
+    "--embd": "embd",
+    "--heads": "heads",
+    "--kv-heads": "kv_heads",
+    "--ff": "ff",
+    "--vocab": "vocab",
+    "--ctx-train": "ctx_train",
+    "--type": "type",
+    "--tied": "tied",
+}
+
+
 def handle_synth(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import ModelError, UsageError
     from orchestrator.core.files import atomic_path
@@ -113,6 +127,12 @@ def handle_synth(args: argparse.Namespace) -> int:
     from orchestrator.planning.synth_arch import write_arch_model
 
     out: Path = args.output or args.output_opt
+    given = [flag for flag, dest in SYNTH_SHAPE_FLAGS.items() if getattr(args, dest) not in (None, False)]
+    if args.arch is not None and given:  # silently writing other shapes than asked would mislead
+        raise UsageError(
+            f"{', '.join(given)} does not apply with --arch: each family has its own fixed shapes",
+            hint="only --seed applies with --arch; leave --arch out for a llama of your own shape",
+        )
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists", hint="pass --force to overwrite it")
     try:
@@ -124,14 +144,14 @@ def handle_synth(args: argparse.Namespace) -> int:
             else:
                 write_tiny_llama(
                     tmp,
-                    n_layer=args.layers,
-                    n_embd=args.embd,
-                    n_head=args.heads,
-                    n_head_kv=args.kv_heads,
-                    n_ff=args.ff,
-                    n_vocab=args.vocab,
-                    n_ctx_train=args.ctx_train,
-                    weight_type=args.type,
+                    n_layer=args.layers or 8,
+                    n_embd=args.embd or 512,
+                    n_head=args.heads or 8,
+                    n_head_kv=args.kv_heads or 4,
+                    n_ff=args.ff or 1408,
+                    n_vocab=args.vocab or 300,
+                    n_ctx_train=args.ctx_train or 4096,
+                    weight_type=args.type or "f16",
                     tied_output=args.tied,
                     seed=args.seed,
                 )

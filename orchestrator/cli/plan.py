@@ -55,13 +55,26 @@ def handle(args: argparse.Namespace) -> int:
         _common.write_output(args.output, plan.to_text())
     if fmt == "json":
         sys.stdout.write(plan.to_text() + "\n")
-    elif fmt == "llama-cli":
-        sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
-    elif fmt == "python":
-        sys.stdout.write(python_snippet(plan, args.model, args.output))  # embeds the plan without -o
+    elif fmt in ("llama-cli", "python"):
+        if fmt == "llama-cli":
+            sys.stdout.write(shlex.join(llama_cli_args(plan, args.model)) + "\n")
+        else:
+            sys.stdout.write(python_snippet(plan, args.model, args.output))  # embeds the plan without -o
+        # stdout is for the command or the code: why the exit status is 1, and the notes, go to stderr
+        if not plan.fit.fits:
+            _common.err_console.print(f"does not fit: {_shortfall(plan)}", highlight=False, markup=False)
+        for note in plan.notes:
+            _common.err_console.print(f"note: {note}", highlight=False, markup=False)
     else:
         print_plan(plan, devices)
     return 0 if plan.fit.fits else 1
+
+
+def _shortfall(plan: Plan) -> str:
+    from orchestrator.planning.plan import largest_ctx_text
+
+    binding = plan.devices[plan.fit.binding_device or 0]
+    return f"{binding.label} is short by {format_size(plan.fit.shortfall)}; {largest_ctx_text(plan.fit)}"
 
 
 def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
@@ -105,15 +118,9 @@ def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
         f"n_ctx {plan.n_ctx} · n_gpu_layers {plan.n_gpu_layers} · split_mode layer · tensor_split {split}",
         highlight=False,
     )
-    largest = largest_ctx_text(plan.fit)
     if plan.fit.fits:
-        _common.console.print(f"[green]fits[/green]; {largest}", highlight=False)
+        _common.console.print(f"[green]fits[/green]; {largest_ctx_text(plan.fit)}", highlight=False)
     else:
-        binding = plan.devices[plan.fit.binding_device or 0]
-        _common.console.print(
-            f"[red]does not fit[/red]: {escape(binding.label)} is short by {format_size(plan.fit.shortfall)}"
-            f"; {largest}",
-            highlight=False,
-        )
+        _common.console.print(f"[red]does not fit[/red]: {escape(_shortfall(plan))}", highlight=False)
     for note in plan.notes:
         _common.err_console.print(f"note: {escape(note)}", highlight=False)

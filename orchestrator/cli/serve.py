@@ -159,6 +159,7 @@ def handle(args: argparse.Namespace) -> int:
     _, hosts = _common.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")
+    sock = _common.listen_socket(args.host, args.port)  # before the fleet is probed or the model loaded
     fleet = ServeFleet(
         hosts,
         str(args.model),
@@ -255,7 +256,7 @@ def handle(args: argparse.Namespace) -> int:
     backend.start(first.plan)
     try:
         with bars:
-            server.run()
+            server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         if exporter is not None:

@@ -239,6 +239,16 @@ def _check_endpoints(builder: Builder, hosts: Sequence[Host]) -> None:
                 f"{','.join(host.rpc_devices)} (a device belongs to one server: give each its devices)",
                 host.location,
             )
+    named: dict[str, Host] = {}
+    for host in server_hosts(hosts):  # `HOST/NAME` is a server's name: a host so named is ambiguous
+        first = named.setdefault(host.name, host)
+        if first is not host:
+            plain, server = (host, first) if first.server else (first, host)
+            builder.error(
+                f"host {plain.name!r} has the name of a server of host {server.node_name!r} "
+                f"(`-l {plain.name}` would select both): rename the host or the server",
+                plain.location,
+            )
     owners: dict[str, Host] = {}
     for host in server_hosts(hosts):  # each server of a host is an endpoint of its own
         first = owners.setdefault(host.endpoint, host)

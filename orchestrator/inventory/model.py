@@ -199,6 +199,12 @@ class Inventory:
         for host in self.hosts:
             if host.name == name:
                 return host
+        for server in server_hosts(self.hosts):
+            if server.name == name:  # `gpu1/second`: a server, shown with its host
+                raise InventoryError(
+                    f"{name!r} is a server of host {server.node_name!r}, not a host",
+                    hint=f"`rpcfleet inventory show {server.node_name}` shows it",
+                )
         raise InventoryError(f"no host {name!r} in the inventory{near_miss(name, self.host_names())}")
 
     def host_names(self) -> tuple[str, ...]:

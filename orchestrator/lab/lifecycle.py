@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 import zlib
 from collections.abc import Iterator, Mapping
@@ -364,6 +365,14 @@ def default_lab_inventory() -> Path:
     """The default lab's inventory (what commands use when no inventory is given)."""
     lab = _load(lab_dir(DEFAULT_LAB))
     if lab is None or lab.state != "up" or not lab.inventory.exists():
+        others = [other for other in map(_load, map(lab_dir, list_labs())) if other is not None]
+        named = [other for other in others if other.state == "up" and other.inventory.exists()]
+        if named:  # "no lab is up" would be false: say which are, and how to use one
+            raise LabError(
+                f"no inventory given and no lab named {DEFAULT_LAB!r} is up (commands use only that one)",
+                hint="pass the inventory of a lab that is up: "
+                + ", ".join(f"{other.name}: -i {other.inventory}" for other in named),
+            )
         raise LabError(
             "no inventory given and no lab is up",
             hint="pass -i INVENTORY, or run `rpcfleet lab up` (or `rpcfleet lab up --local`) first",
@@ -470,16 +479,36 @@ def _free_slot(name: str, kind: LabKind) -> int:
     raise LabError("all 256 lab slots are in use", hint="`rpcfleet lab down --all`")
 
 
-def check_variables(variables: Mapping[str, Any]) -> dict[str, Any]:
-    """Inventory variables for every lab node, checked as an inventory's would be (unknown names with
-    the closest one, bad values): an `InventoryError` naming `--var`."""
+def check_variables(variables: Mapping[str, Any], node: int | None = None) -> dict[str, Any]:
+    """Inventory variables for every lab node (or node `node`), checked as an inventory's would be
+    (unknown names with the closest one, bad values): an `InventoryError` naming the `--var`."""
     if not variables:
         return {}
-    document = {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}}
-    checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
-    if checked.warnings:  # a typo here would silently do nothing on every node
-        raise InventoryError("; ".join(checked.warnings))
+    flag = "--var " if node is None else f"--var {node}:"
+    for key, value in variables.items():  # each alone first, so that the error names its --var
+        shown = value if isinstance(value, str) else json.dumps(value)
+        _check_document({key: value}, f"{flag}{key}={shown}")
+    _check_document(variables, "--var")  # then together (rpc_devices with rpc_servers)
     return dict(variables)
+
+
+def _check_document(variables: Mapping[str, Any], flag: str) -> None:
+    document = {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}}
+    try:
+        checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
+    except InventoryError as err:
+        message = _without_location(err.message).replace("host 'labcheck': ", "")
+        raise InventoryError(f"{flag}: {message}") from None
+    if checked.warnings:  # a typo here would silently do nothing on every node: refused, not kept
+        found = "; ".join(_without_location(w) for w in checked.warnings).replace(" is kept as is", "")
+        raise InventoryError(f"{flag}: {found}")
+
+
+def _without_location(text: str) -> str:
+    """An error about the document made from --var, less its lines and columns (of a text the user
+    never wrote) and the snippets quoted from it."""
+    lines = text.splitlines()
+    return "; ".join(re.sub(r"^--var(:\d+)*: ", "", line) for line in lines if not line.startswith("    "))
 
 
 def check_node_variables(
@@ -494,7 +523,8 @@ def check_node_variables(
             raise InventoryError(
                 f"--var {key}:...: no node {key} in a lab of {nodes} (nodes are 1 to {nodes})"
             )
-        check_variables({**common, **variables})
+        check_variables(variables, index)
+        _check_document({**common, **variables}, f"--var (node {index})")
         out[index] = dict(variables)
     return out
 

@@ -138,7 +138,11 @@ def render(
     devices = [(n, d) for n in nodes for d in n.devices]
     for name, text, attr in (
         ("rpcfleet_device_total_bytes", "Device memory, total.", "total"),
-        ("rpcfleet_device_free_bytes", "Device memory, free (CPU devices: the host's MemAvailable).", "free"),
+        (
+            "rpcfleet_device_free_bytes",
+            "Device memory, free (CPU devices: the host's MemAvailable, divided among its CPU servers).",
+            "free",
+        ),
         (
             "rpcfleet_device_usable_bytes",
             "Device memory a plan may use: free less reserve, within limit.",
@@ -277,7 +281,9 @@ def _formations(
     for f in formations:
         t.sample("rpcfleet_formation_reloads_total", f.reloads, formation=f.name, model=f.model)
     t.family(
-        "rpcfleet_formation_device_layers", "gauge", "Model layers the formation's plan puts on the device."
+        "rpcfleet_formation_device_layers",
+        "gauge",
+        "Layers the formation's plan puts on the device, the output layer counted as one (as tensor_split).",
     )
     for f in formations:
         for d in f.devices:

@@ -283,6 +283,7 @@ def _cache_warm(args: Mapping[str, Any], play: Play) -> Step:
         return {ep: [warm_item(c) for c in cs] for ep, cs in per.items()}
 
     shared = SharedCall(make)
+    installs: dict[tuple[str, int, str], asyncio.Lock] = {}
 
     async def warm_host(ctx: HostContext) -> StepOutcome[Any]:
         items = (await shared.get()).get(ctx.host.endpoint, [])
@@ -290,7 +291,10 @@ def _cache_warm(args: Mapping[str, Any], play: Play) -> Step:
             return StepOutcome(None, False, "rpc_cache is off here: nothing to warm")
         if not items:
             return StepOutcome(None, False, "no cached tensors planned here")
-        return await warm_step({ctx.host.name: items}, _options(args, play))(ctx)
+        # The servers of one host (`rpc_servers`) share its install, its cache and its lock: warmed one
+        # after the other, each would otherwise find the lock held by this very run.
+        async with installs.setdefault(ctx.host.install_key, asyncio.Lock()):
+            return await warm_step({ctx.host.name: items}, _options(args, play))(ctx)
 
     return _named(warm_host, "cache_warm")
 

@@ -277,6 +277,8 @@ def render_markdown(report: Report) -> str:
             out += ["", f"### ctx {ctx_label(case.n_ctx)}", "", f"**{_md_cell(verdict(report, case))}**"]
             if case.plan is not None and case.plan.devices:
                 out += ["", *_md_table(DEVICE_HEADERS, device_rows(report, case.plan))]
+            if case.plan is not None and case.plan.notes:
+                out += ["", *(f"- note: {_md_cell(n)}" for n in case.plan.notes)]
             if case.recommendation is not None:
                 out += [
                     "",
