@@ -227,7 +227,8 @@ def test_a_reload_serves_the_queued_requests_it_waits_for(
     """The drain waits for every admitted request: one streaming and two queued behind it; the queued two
     are served when their turn comes during the drain, not ended with a 503."""
     key = "drain-key"
-    _, base = local_serve("--queue", "4", env={"RPCFLEET_API_KEY": key})
+    # one slot: the two others wait in the queue behind the stream (with more, they would be served)
+    _, base = local_serve("--queue", "4", "--parallel", "1", env={"RPCFLEET_API_KEY": key})
     results: list[list[dict[str, Any]]] = []
     firsts = [threading.Event() for _ in range(3)]
 
@@ -483,6 +484,52 @@ def test_a_node_back_is_taken_back_under_continuous_load(
         assert len(answers) >= 10 and all(text and finish == "length" for text, finish, _ in answers), answers
     finally:
         done.set()
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.llama
+def test_gemma_answers_a_chat_with_a_sensible_message_in_the_architectures_template(
+    start_rpc_server: Callable[..., LocalServer], gemma_model: Path, tmp_path: Path
+) -> None:
+    """The Gemma 3 270M of PyPI has no chat template in its GGUF: serve warns at start-up and uses
+    gemma3's known one ('gemma'), and the chat answers with words (not an empty message)."""
+    server = start_rpc_server()
+    inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": server.port}})
+    port, log = free_port(), tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(gemma_model)]
+    argv += ["--ctx", "2048", "--port", str(port), "--model-name", "gemma"]
+    environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=environment | {"RPCFLEET_HOME": str(tmp_path)}
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_status(base, process, log, {"ready"}, 120)
+        said = log.read_text()
+        assert "warning: the model has no chat template in its GGUF" in said and "'gemma'" in said, said
+        assert _http(f"{base}/health")[1] == {"status": "ready"}
+        body = {
+            "messages": [
+                {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+            ],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
+        request = urllib.request.Request(
+            f"{base}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            chat = json.loads(answer.read())
+        message = chat["choices"][0]["message"]
+        assert message["role"] == "assistant" and "Paris" in message["content"], chat
+        assert chat["usage"]["completion_tokens"] > 0 and chat["model"] == "gemma", chat
+    finally:
         process.send_signal(signal.SIGINT)
         try:
             process.wait(20)
