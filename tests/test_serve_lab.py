@@ -591,7 +591,7 @@ def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_
     chunks = [next(iter(stream))]
     assert main(["-i", inventory, "start", "-l", victim.name]) == 0
     # The watch sees the node answer while the stream runs: the rejoin waits for it to end.
-    waiting = _wait_rejoining(served, "waiting for the worker", 30)
+    waiting = _wait_rejoining(served, "waiting for the engine", 30)
     assert waiting["status"] == "degraded" and waiting["plan"]["endpoints"] == others, waiting
     assert waiting["rejoining"]["back"] == [victim.endpoint], waiting
     assert _node_state(waiting, victim.endpoint) == "ok" and _up(served)[victim.endpoint] == 1

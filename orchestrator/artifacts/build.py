@@ -365,8 +365,14 @@ def cached_tools(version: str | None = None) -> Path | None:
     sha = SDIST_SHA256.get(version)
     if sha is None:
         return None
-    folder = tools_dir(tools_key(sha))
-    return folder if (folder / ".complete").is_file() else None
+    key = tools_key(sha)
+    # A build is immutable and named by its source and flags: one in the default cache serves another
+    # $RPCFLEET_HOME too (a test's, a demo's) rather than a second 10-minute build.
+    default = Path.home() / ".cache" / "rpcfleet" / "engine" / key
+    for folder in dict.fromkeys([tools_dir(key), default]):
+        if (folder / ".complete").is_file():
+            return folder
+    return None
 
 
 def build_llama_tools(*, version: str | None = None, progress: Progress | None = None) -> Path:

@@ -338,7 +338,6 @@ class LlamaServer:
         self._process = _spawn(self.argv, self._log_path)
         tracker = ProgressTracker(planned_bytes(self.plan), {}, dict(cache_hits or {}))
         to_send = sum(max(0, n - (cache_hits or {}).get(ep, 0)) for ep, n in planned_bytes(self.plan).items())
-        baseline: dict[str, int] | None = None
         while True:
             if self._process.poll() is not None:
                 raise self._died("loading the model")
@@ -349,15 +348,14 @@ class LlamaServer:
                 raise EngineError(
                     f"llama-server did not serve within {timeout:g} s (killed)", stderr=self.log_tail()
                 )
-            sent = self.tune_and_count()
-            if baseline is None:
-                baseline = dict(sent)
+            sent = self.tune_and_count()  # a fresh process: every byte on its connections is this load's
             if on_progress is not None:
-                done = {ep: max(0, n - baseline.get(ep, 0)) for ep, n in sent.items()}
-                fraction = min(0.99, sum(done.values()) / to_send) if to_send else 0.0
-                on_progress(tracker.update(fraction, time.monotonic() - started, done))
+                fraction = min(0.99, sum(sent.values()) / to_send) if to_send else 0.0
+                on_progress(tracker.update(fraction, time.monotonic() - started, sent))
             time.sleep(self.SAMPLE_INTERVAL)
-        self.tune_and_count()
+        sent = self.tune_and_count()
+        if on_progress is not None:  # the last sample: every byte of the load, 100%
+            on_progress(tracker.update(1.0, time.monotonic() - started, sent))
         self._tuner = threading.Thread(target=self._keep_tuning, name="engine-tuner", daemon=True)
         self._tuner.start()
         seconds = time.monotonic() - started
