@@ -5,10 +5,13 @@ plan, the chat template's choice, the engine's metrics passed through."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -390,3 +393,214 @@ def test_the_lost_message_names_each_endpoint_and_how_the_engine_ended() -> None
         f"lost {ENDPOINTS[1]} (refused), {ENDPOINTS[2]} (timeout) while serving: llama-server ended "
         "(signal SIGABRT)"
     )
+
+
+# -- serve's front over a fake engine that speaks HTTP (the proxy: streams, errors, metrics)
+
+
+class _FakeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # the body ends with the connection, as a stream's may
+    engine: HttpEngine
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, b'{"status":"ok"}')
+        elif self.path == "/metrics":
+            gauge = "llamacpp:requests_processing"
+            text = f"# TYPE {gauge} gauge\n{gauge} {self.engine.active}\n"
+            self._send(200, text.encode(), "text/plain")
+        else:
+            self._send(404, b'{"error":{"code":404,"message":"not found","type":"not_found_error"}}')
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.engine.bodies.append(body)
+        if body.get("max_tokens", 0) > 1000:
+            self._send(
+                400, b'{"error":{"code":400,"message":"too many tokens","type":"invalid_request_error"}}'
+            )
+            return
+        n = int(body["max_tokens"])
+        if not body.get("stream"):
+            whole = {"choices": [{"text": "x" * n}], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
+            self._send(200, json.dumps(whole).encode())
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.engine.active += 1
+        try:
+            for i in range(n):
+                if self.engine.ended.wait(self.engine.delay):
+                    self.connection.shutdown(socket.SHUT_RDWR)  # the engine aborts: the stream breaks off
+                    return
+                chunk = {"choices": [{"text": f"t{i} ", "index": 0, "finish_reason": None}]}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            end = {
+                "choices": [{"text": "", "finish_reason": "length"}],
+                "timings": {"prompt_n": 3, "predicted_n": n},
+            }
+            self.wfile.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+        finally:
+            self.engine.active -= 1
+
+
+@dataclass(eq=False)
+class HttpEngine(FakeEngine):
+    delay: float = 0.01
+    active: int = 0
+    bodies: list[Any] = field(default_factory=list)
+    server: ThreadingHTTPServer | None = None
+
+    def __post_init__(self) -> None:
+        handler = type("Handler", (_FakeHandler,), {"engine": self})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def die(self, how: str = "signal SIGABRT") -> None:
+        super().die(how)
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+@pytest.fixture
+def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
+    from fastapi.testclient import TestClient
+
+    from orchestrator.serve.app import create_app
+
+    made: list[tuple[Any, Backend]] = []
+
+    def make(**config: Any) -> tuple[Any, Rig]:
+        fleet = FakeFleet(tiny_model)
+        engines: list[FakeEngine] = []
+
+        def factory(plan: Plan, dial: Mapping[str, str]) -> HttpEngine:
+            engines.append(HttpEngine(plan, fleet, len(engines)))
+            return engines[-1]  # type: ignore[return-value]
+
+        options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
+        backend = Backend(fleet, ServeConfig(**options), factory)
+        backend.start()
+        rig_ = Rig(backend, fleet, engines)
+        rig_.wait_state({"ready"})
+        client = TestClient(create_app(backend, api_key="k", model_name="fake"))
+        client.headers["Authorization"] = "Bearer k"
+        made.append((client, backend))
+        return client, rig_
+
+    yield make
+    for client, backend in made:
+        client.close()
+        backend.stop()
+
+
+def _events(lines: Iterator[str]) -> list[Any]:
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+
+
+def test_a_stream_passes_through_and_its_tokens_count(front: Callable[..., tuple[Any, Rig]]) -> None:
+    client, r = front()
+    with client.stream(
+        "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True}
+    ) as s:
+        assert s.status_code == 200
+        events = _events(s.iter_lines())
+    assert [e["choices"][0]["text"] for e in events] == ["t0 ", "t1 ", "t2 ", "t3 ", "t4 ", ""]
+    sent = r.engine.bodies[-1]  # as the client wrote it, with serve's seed
+    assert sent["prompt"] == "hi" and sent["seed"] == 0 and sent["max_tokens"] == 5
+    whole = client.post("/v1/completions", json={"prompt": "hi", "grammar": "root ::= x"}).json()
+    assert whole["choices"][0]["text"] == "x" * 16  # serve's default max_tokens
+    assert r.engine.bodies[-1]["grammar"] == "root ::= x"  # a llama-server field passes through
+    refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5000})
+    assert (
+        refused.status_code == 400 and refused.json()["error"]["message"] == "too many tokens"
+    )  # the engine's
+    metrics = client.get("/metrics").text
+    assert 'rpcfleet_tokens_total{kind="completion"} 21' in metrics
+    assert 'rpcfleet_requests_total{route="/v1/completions",code="400"} 1' in metrics
+    assert "rpcfleet_slots_busy 0" in metrics and "rpcfleet_engine_requests_processing 0" in metrics
+    bad = client.post("/v1/completions", content=b"{nope", headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    assert r.backend.health()["queue"]["admitted"] == 0
+
+
+def test_streams_whose_engine_dies_end_with_the_error_naming_the_lost_node(
+    front: Callable[..., tuple[Any, Rig]],
+) -> None:
+    client, r = front(parallel=4)
+    engine = r.engine
+    results: list[list[Any]] = []
+
+    def one() -> None:
+        body = {"prompt": "hi", "max_tokens": 1000, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as s:
+            results.append(_events(s.iter_lines()))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while engine.active < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert "rpcfleet_slots_busy 4" in client.get("/metrics").text
+    r.fleet.answering = set(ENDPOINTS[:2])
+    engine.die()
+    for thread in threads:
+        thread.join(10)
+    assert len(results) == 4
+    for events in results:
+        error = events[-1]["error"]
+        assert error["code"] == 503 and error["lost"] == [ENDPOINTS[2]] and ENDPOINTS[2] in error["message"]
+    r.wait_state({"degraded"})
+    answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert answer.status_code == 200 and r.engine is not engine
+    assert 'rpcfleet_requests_total{route="/v1/completions",code="503"} 4' in client.get("/metrics").text
+
+
+def test_beyond_the_slots_and_the_queue_a_request_is_refused_with_429(
+    front: Callable[..., tuple[Any, Rig]],
+) -> None:
+    client, r = front(parallel=1, queue_size=1)
+    r.engine.delay = 0.05
+    codes: list[int] = []
+
+    def one() -> None:
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 20, "stream": True}
+        ) as s:
+            codes.append(s.status_code)
+            list(s.iter_lines())
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while r.backend.health()["queue"]["admitted"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 429 and "queue is full" in refused.json()["error"]["message"]
+    for thread in threads:
+        thread.join(10)
+    assert codes == [200, 200]

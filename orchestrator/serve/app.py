@@ -300,6 +300,7 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
     ) -> AsyncIterator[bytes]:
         code = 499  # the client went away before the end
         usage = _Usage()
+        last = b""  # the stream's end so far: an OpenAI stream of llama-server's ends with [DONE]
         try:
             try:
                 async for piece in answer.body():
@@ -307,7 +308,10 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
                     if ticket.first_token is None and _TEXT.search(piece):
                         ticket.saw_text()
                     usage.feed(piece)
+                    last = (last + piece)[-32:]
                     yield piece
+                if b"data: [DONE]" not in last:  # closed early, whatever its framing said
+                    raise UpstreamError("the engine's stream ended before [DONE]")
                 code = 200
                 metrics.record_done(
                     usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
