@@ -80,6 +80,15 @@ def test_a_rejoin_interval_that_is_no_number_of_seconds_is_refused(tmp_path: Pat
         assert "Traceback" not in done.stderr
 
 
+def test_an_unknown_chat_template_or_parallel_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    done = _serve("-m", str(tiny_model), "--chat-template", "gemmma", home=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "--chat-template gemmma: neither a file nor one of llama-server's template names" in done.stderr
+    assert "gemma, " in done.stderr and "Traceback" not in done.stderr
+    done = _serve("-m", str(tiny_model), "--parallel", "0", home=tmp_path)
+    assert done.returncode == 2 and "--parallel" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_fleet_that_cannot_hold_the_model_is_an_error_at_start(tiny_model: Path, tmp_path: Path) -> None:
     inventory = write_local_inventory(tmp_path / "inv.yml", {"gone": {"rpc_port": free_port()}})
     done = _serve("-i", str(inventory), "-m", str(tiny_model), "--port", str(free_port()), home=tmp_path)
