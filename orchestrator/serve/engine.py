@@ -244,8 +244,10 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         if _spawner is None:
             _spawner = _Spawner()
 
+    libc = _syscall()  # loaded here: the child between fork and exec only calls it
+
     def die_with_parent() -> None:
-        _syscall().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
     def start() -> subprocess.Popen[bytes]:
         with log_path.open("ab") as log:
