@@ -417,6 +417,7 @@ def build_llama_tools(*, version: str | None = None, progress: Progress | None =
                 BUILD_TIMEOUT_S,
                 what=f"building {', '.join(TOOL_TARGETS)}",
             )
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target_dir.parent))
         try:
             for name in TOOL_TARGETS:
