@@ -340,9 +340,11 @@ def test_a_random_models_long_stream_is_its_whole_answer_in_bounded_time(
         started = time.monotonic()
         streamed, finish, _ = _post(base, "/v1/completions", {**body, "stream": True}, started)
         took = time.monotonic() - started
-        assert streamed == expected[0].decode("utf-8", "ignore") and finish == "length"
+        # llama-server writes each byte that is no UTF-8 as U+FFFD where llama-cpp-python drops it: the
+        # same tokens, the same valid text
+        assert streamed.replace("\ufffd", "") == expected[0].decode("utf-8", "ignore") and finish == "length"
         whole, finish, usage = _post(base, "/v1/completions", body, time.monotonic())
-        assert whole == expected[1].decode("utf-8", "ignore") and finish == "length"
+        assert whole.replace("\ufffd", "") == expected[1].decode("utf-8", "ignore") and finish == "length"
         assert usage["completion_tokens"] == LONG  # not one more
         print(f"{LONG} tokens streamed in {took:.1f} s")
     finally:
@@ -449,8 +451,8 @@ def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
 def test_a_node_back_is_taken_back_under_continuous_load(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
 ) -> None:
-    """Three clients asking back to back (always one served and two queued: never an idle moment): once
-    the missing server answers, serve takes it back between two requests, and every request is served."""
+    """Three clients asking back to back (the slots never all free: never an idle moment): once the
+    missing server answers, serve takes it back between two requests, and every request is served."""
     first = start_rpc_server()
     later = free_port()
     inventory = write_local_inventory(
@@ -487,6 +489,9 @@ def test_a_node_back_is_taken_back_under_continuous_load(
         health = _wait_status(base, process, log, {"ready"}, 30)
         assert health["plan"]["endpoints"] == [first.endpoint, f"127.0.0.1:{later}"], health
         assert health["last_rejoin"]["back"] == [f"127.0.0.1:{later}"] and health["reloads"] == 0, health
+        settled = len(answers)
+        while len(answers) < max(10, settled + 3):  # and more are served on both nodes
+            time.sleep(0.05)
         done.set()
         for client in clients:
             client.join(60)
@@ -506,7 +511,8 @@ def test_gemma_answers_a_chat_with_a_sensible_message_in_the_architectures_templ
     start_rpc_server: Callable[..., LocalServer], gemma_model: Path, tmp_path: Path
 ) -> None:
     """The Gemma 3 270M of PyPI has no chat template in its GGUF: serve warns at start-up and uses
-    gemma3's known one ('gemma'), and the chat answers with words (not an empty message)."""
+    gemma3's known one ('gemma'), and the chat answers with the sentence asked for (not an empty
+    message, as llama-cpp-python's fallback gave)."""
     server = start_rpc_server()
     inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": server.port}})
     port, log = free_port(), tmp_path / "serve.log"
@@ -522,21 +528,23 @@ def test_gemma_answers_a_chat_with_a_sensible_message_in_the_architectures_templ
         _wait_status(base, process, log, {"ready"}, 120)
         said = log.read_text()
         assert "warning: the model has no chat template in its GGUF" in said and "'gemma'" in said, said
-        assert _http(f"{base}/health")[1] == {"status": "ready"}
-        body = {
-            "messages": [
-                {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
-            ],
-            "max_tokens": 32,
-            "temperature": 0,
-        }
+        assert _http(f"{base}/health")[1]["engine"]["chat_template"]["source"] == "name:gemma"
+        # The Gemma 3 270M of PyPI is the base model (no instruction tuning): one example exchange shows it
+        # the turns, which only a right template puts where the model expects them.
+        messages = [
+            {"role": "user", "content": "What is the capital of Germany?"},
+            {"role": "assistant", "content": "The capital of Germany is Berlin."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+        body = {"messages": messages, "max_tokens": 24, "temperature": 0}
         request = urllib.request.Request(
             f"{base}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=120) as answer:
             chat = json.loads(answer.read())
         message = chat["choices"][0]["message"]
-        assert message["role"] == "assistant" and "Paris" in message["content"], chat
+        assert message["role"] == "assistant", chat
+        assert message["content"].startswith("The capital of France is Paris."), chat
         assert chat["usage"]["completion_tokens"] > 0 and chat["model"] == "gemma", chat
     finally:
         process.send_signal(signal.SIGINT)
