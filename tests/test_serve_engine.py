@@ -415,6 +415,8 @@ class _FakeHandler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(200, b'{"status":"ok"}')
         elif self.path == "/metrics":
+            if self.engine.stuck:
+                self.engine.ended.wait(5)  # its main loop takes no task
             gauge = "llamacpp:requests_processing"
             text = f"# TYPE {gauge} gauge\n{gauge} {self.engine.active}\n"
             self._send(200, text.encode(), "text/plain")
@@ -431,6 +433,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
             return
         n = int(body["max_tokens"])
         if not body.get("stream"):
+            time.sleep(self.engine.whole_delay)
             whole = {"choices": [{"text": "x" * n}], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
             self._send(200, json.dumps(whole).encode())
             return
@@ -458,6 +461,8 @@ class _FakeHandler(BaseHTTPRequestHandler):
 @dataclass(eq=False)
 class HttpEngine(FakeEngine):
     delay: float = 0.01
+    whole_delay: float = 0.0
+    stuck: bool = False
     active: int = 0
     bodies: list[Any] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
@@ -604,3 +609,21 @@ def test_beyond_the_slots_and_the_queue_a_request_is_refused_with_429(
     for thread in threads:
         thread.join(10)
     assert codes == [200, 200]
+
+
+def test_a_whole_answer_slower_than_the_event_timeout_is_waited_for_while_the_engine_works(
+    front: Callable[..., tuple[Any, Rig]],
+) -> None:
+    """A whole (non-streamed) answer is silent until complete: past `event_timeout` serve asks the
+    engine's /metrics (its main loop) and waits on while it answers; a stuck engine is killed."""
+    client, r = front(event_timeout=0.2)
+    busy = r.engine
+    busy.whole_delay = 1.0
+    answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert answer.status_code == 200 and not busy.killed and r.backend.state == "ready"
+    busy.stuck = True
+    r.fleet.answering = set(ENDPOINTS[1:])
+    answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert answer.status_code == 503 and busy.killed, answer.json()
+    assert answer.json()["error"]["lost"] == [ENDPOINTS[0]]
+    r.wait_state({"degraded"})

@@ -254,7 +254,16 @@ def create_app(backend: Backend, *, api_key: str | None, model_name: str) -> Fas
             got = await asyncio.get_running_loop().run_in_executor(waiters, backend.acquire, ticket)
             if isinstance(got, Failure):
                 return _failure(route, got)
-            upstream = Upstream(*_address(got.engine.url), timeout=config.event_timeout)
+            engine_url = got.engine.url
+
+            async def alive() -> bool:
+                """Its main loop still takes tasks (/metrics is one): busy generating, not stuck."""
+                try:
+                    return (await _get(engine_url, "/metrics", min(10.0, config.event_timeout)))[0] == 200
+                except UpstreamError:
+                    return False
+
+            upstream = Upstream(*_address(engine_url), timeout=config.event_timeout, alive=alive)
             try:
                 await upstream.__aenter__()
                 answer = await upstream.request("POST", route, body)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -49,8 +49,13 @@ class Upstream:
     """One request to the engine: `async with Upstream(host, port, timeout) as up: answer = await
     up.request(...)`."""
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.host, self.port, self.timeout = host, port, timeout
+    def __init__(
+        self, host: str, port: int, timeout: float, alive: Callable[[], Awaitable[bool]] | None = None
+    ) -> None:
+        """`timeout`: seconds of silence before `alive()` is asked whether the engine still works (a
+        whole answer is silent until it is complete); without `alive`, or when it says no, the silence is
+        `UpstreamTimeout`."""
+        self.host, self.port, self.timeout, self.alive = host, port, timeout, alive
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._h11 = h11.Connection(h11.CLIENT)
@@ -110,6 +115,8 @@ class Upstream:
             try:
                 data = await asyncio.wait_for(self._reader.read(65536), self.timeout)
             except TimeoutError as exc:
+                if self.alive is not None and await self.alive():
+                    continue  # busy, not stuck: wait on
                 raise UpstreamTimeout(f"the engine answered nothing for {self.timeout:g} s") from exc
             except OSError as exc:
                 raise UpstreamError(f"the engine's connection failed: {exc.strerror or exc}") from exc
