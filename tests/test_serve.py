@@ -319,7 +319,16 @@ def test_a_random_models_long_stream_is_its_whole_answer_in_bounded_time(
     inventory = write_local_inventory(tmp_path / "inv.yml", {"node": {"rpc_port": node.port}})
     port = free_port()
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
-    argv += ["--ctx", "4096", "--port", str(port), "--api-key", KEY]
+    argv += [
+        "--ctx",
+        "4096",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--parallel",
+        "1",
+    ]  # one slot: all of --ctx
     env = {**os.environ, "RPCFLEET_HOME": str(tmp_path / "home")}
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     ready, lines = threading.Event(), []

@@ -343,7 +343,7 @@ def test_llama_server_gets_the_plans_devices_split_context_slots_and_template(ti
     assert f"--tensor-split {','.join(str(int(x)) for x in plan.tensor_split)}" in joined
     assert f"-ngl {plan.n_gpu_layers}" in joined and f"-c {plan.n_ctx}" in joined
     assert "-ctk q8_0 -ctv q8_0 -fa on --fit off" in joined and "-b 512" in joined
-    assert "--parallel 6 --kv-unified" in joined
+    assert "--parallel 6" in joined and "--kv-unified" not in joined
     assert "--host 127.0.0.1 --port 8181" in joined and "--alias tiny" in joined and "--metrics" in joined
     assert args[-1] == "--jinja"
 

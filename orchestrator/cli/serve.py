@@ -64,8 +64,8 @@ def register(subparsers: Any) -> None:
         type=_common.flag(fields.integer(minimum=1)),
         default=DEFAULT_PARALLEL,
         metavar="N",
-        help=f"requests llama-server serves at once, batched together (its slots, sharing the plan's "
-        f"context: --kv-unified) (default: {DEFAULT_PARALLEL})",
+        help=f"requests llama-server serves at once, batched together (its slots; each gets --ctx/N of "
+        f"the plan's context) (default: {DEFAULT_PARALLEL})",
     )
     parser.add_argument(
         "--chat-template",

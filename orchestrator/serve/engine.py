@@ -114,11 +114,12 @@ EngineFactory = Callable[[Plan, Mapping[str, str]], Engine]
 def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, port: int) -> list[str]:
     """llama-server's arguments for `plan` (its devices, split, layers, context, KV types: the arguments
     `plan --format llama-cli` prints, with the endpoints it dials), its slots and chat template, on
-    127.0.0.1:`port`. `--kv-unified`: the N slots share the plan's context (its KV cache, as planned), and
-    one request may still use all of it."""
+    127.0.0.1:`port`. The N slots split the plan's context (its KV cache, as planned): `c/N` each. Not
+    `--kv-unified`: with `-fa off` (the plan's default) a unified cache made every decode attend over the
+    whole cache, and a second burst of 4 requests took 135 s instead of 8 (measured, bench/serve.py)."""
     args = llama_cli_args(plan.with_endpoints(dict(dial)), options.model_path)
     args += ["-b", str(plan.options.n_batch)]
-    args += ["--parallel", str(options.parallel), "--kv-unified"]
+    args += ["--parallel", str(options.parallel)]
     args += ["--host", "127.0.0.1", "--port", str(port)]
     args += ["--alias", options.model_name, "--metrics", "--slots", "--no-webui"]
     args += [*options.template_args, *options.extra_args]
