@@ -581,7 +581,8 @@ def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_
     others = [h.endpoint for h in fleet if h is not victim]
     inventory = str(serve_lab.inventory)
     assert main(["-i", inventory, "stop", "-l", victim.name]) == 0
-    served: Served = serve("--rejoin-interval", "2", until=frozenset({"degraded"}))
+    # one slot: the long stream gets the whole --ctx (with N slots, --ctx/N each)
+    served: Served = serve("--rejoin-interval", "2", "--parallel", "1", until=frozenset({"degraded"}))
     health = served.wait({"degraded"}, 60)[0]
     assert health["plan"]["endpoints"] == others and health["lost"] == [victim.endpoint], health
     assert _node_state(health, victim.endpoint) == "refused", health
