@@ -116,7 +116,7 @@ def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, por
     `plan --format llama-cli` prints, with the endpoints it dials), its slots and chat template, on
     127.0.0.1:`port`. The N slots split the plan's context (its KV cache, as planned): `c/N` each. Not
     `--kv-unified`: with `-fa off` (the plan's default) a unified cache made every decode attend over the
-    whole cache, and a second burst of 4 requests took 135 s instead of 8 (measured, bench/serve.py)."""
+    whole cache: on 3 CPU nodes a second burst of 4 requests took 135 s instead of 8."""
     args = llama_cli_args(plan.with_endpoints(dict(dial)), options.model_path)
     args += ["-b", str(plan.options.n_batch)]
     args += ["--parallel", str(options.parallel)]
