@@ -154,6 +154,18 @@ if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   "$PY" -m orchestrator artifact build --backend cpu --quiet-if-cached \
     || die "building the rpc-server artifact failed"
 fi
+# ---- 4b. llama-server (serve's engine) and llama-fit-params, from the same llama.cpp source (cached) ----
+# Keyed by the sdist's sha256 and the cmake flags under $RPCFLEET_HOME/engine/; about 10 minutes on 2 cores, once.
+declare -A step_seconds=()
+if "$PY" -c 'from orchestrator.artifacts.build import build_llama_tools' 2>/dev/null; then
+  if ! "$PY" -c 'import sys; from orchestrator.artifacts.build import cached_tools; sys.exit(cached_tools() is None)'; then
+    say "building llama-server and llama-fit-params from the same llama.cpp source (about 10 minutes on 2 cores, once)"
+    tools_started=$(date +%s)
+    quiet "$PY" -c 'from orchestrator.artifacts.build import build_llama_tools; build_llama_tools(progress=print)'
+    step_seconds[llama-server]=$(( $(date +%s) - tools_started ))
+    built+=(llama-server)
+  fi
+fi
 # ---- 5. an old rpc-server (protocol 2.0.0) for the version-skew tests (cached) ----------
 # llama-cpp-python 0.3.16's vendored `rpc-server` target only, GGML_NATIVE=OFF: about 3 minutes, once.
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
@@ -183,9 +195,10 @@ esac
 
 # ---- the record of this run (bench/firsthour.py) ----------
 "$PY" - "$RPCFLEET_HOME/timings/setup.jsonl" "$SETUP_STARTED" "$LOAD_AT_START" "$ROOT" \
-  "${built[*]:-}" "${apt_installed[*]:-}" <<'PY' || say "warning: could not record this set-up's time"
+  "${built[*]:-}" "${apt_installed[*]:-}" "llama-server=${step_seconds[llama-server]:-}" <<'PY' \
+  || say "warning: could not record this set-up's time"
 import datetime, json, os, platform, subprocess, sys, time
-path, started, load, root, built, apt = sys.argv[1:]
+path, started, load, root, built, apt, *steps = sys.argv[1:]
 model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
 sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
 record = {
@@ -196,6 +209,8 @@ record = {
     "commit": sha.stdout.strip() or "unknown",
     "machine": f"{os.cpu_count()} cores ({model or platform.machine()}), {platform.system()} {platform.release()}",
     "load1": float(load),
+    # seconds of the steps that were built in this run (part of "seconds")
+    "steps": {k: round(float(v), 1) for k, _, v in (s.partition("=") for s in steps) if v},
 }
 os.makedirs(os.path.dirname(path), exist_ok=True)
 with open(path, "a") as sink:

@@ -62,7 +62,7 @@ def test_llama_cli_and_python_say_on_stderr_why_a_plan_fails(
         out, err = capsys.readouterr()
         assert "--tensor-split" in out if fmt == "llama-cli" else "load_llama(plan" in out
         assert "does not fit: 127.0.0.1:" in err and "the largest context that fits:" in err, err
-        assert "note: n_ctx 65536 exceeds the model's training context" in " ".join(err.split())
+        assert "note: n_ctx 65536 per sequence exceeds the model's training context" in " ".join(err.split())
 
 
 def test_plan_renders_llama_cli_args_and_python(

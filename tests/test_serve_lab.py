@@ -621,7 +621,8 @@ def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_
     others = [h.endpoint for h in fleet if h is not victim]
     inventory = str(serve_lab.inventory)
     assert main(["-i", inventory, "stop", "-l", victim.name]) == 0
-    served: Served = serve("--rejoin-interval", "2", until=frozenset({"degraded"}))
+    # one slot: the long stream gets the whole --ctx (with N slots, --ctx/N each)
+    served: Served = serve("--rejoin-interval", "2", "--parallel", "1", until=frozenset({"degraded"}))
     health = served.wait({"degraded"}, 60)[0]
     assert health["plan"]["endpoints"] == others and health["lost"] == [victim.endpoint], health
     assert _node_state(health, victim.endpoint) == "refused", health
@@ -631,7 +632,7 @@ def test_a_node_stopped_at_start_is_taken_back_once_started_after_the_stream_in_
     chunks = [next(iter(stream))]
     assert main(["-i", inventory, "start", "-l", victim.name]) == 0
     # The watch sees the node answer while the stream runs: the rejoin waits for it to end.
-    waiting = _wait_rejoining(served, "waiting for the worker", 30)
+    waiting = _wait_rejoining(served, "waiting for the engine", 30)
     assert waiting["status"] == "degraded" and waiting["plan"]["endpoints"] == others, waiting
     assert waiting["rejoining"]["back"] == [victim.endpoint], waiting
     assert _node_state(waiting, victim.endpoint) == "ok" and _up(served)[victim.endpoint] == 1
@@ -673,3 +674,115 @@ def test_a_node_behind_a_cut_link_is_taken_back_once_the_link_is_up_again(
     assert _server_pid(serve_lab, victim) == server_pid  # its connection was closed, not the server
     assert _status(serve_lab, victim, capsys)["state"] == "busy"  # serve's new worker holds it
     assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
+
+
+def _slots_busy(served: Served) -> float:
+    code, text = served.get("/metrics")
+    assert code == 200, text
+    line = next(x for x in text.splitlines() if x.startswith("rpcfleet_slots_busy "))
+    return float(line.split()[1])
+
+
+def _chat_stream(served: Served, tokens: int, i: int = 0) -> str:
+    pieces = served.client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": f"hello {i}"}],
+        max_tokens=tokens,
+        temperature=0,
+        stream=True,
+    )
+    text, finish = "", None
+    for chunk in pieces:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length", finish
+    return text
+
+
+def test_eight_concurrent_streamed_chats_complete_and_the_slots_serve_them_together(serve: Any) -> None:
+    served: Served = serve("--parallel", "8")
+    busy: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        chats = [pool.submit(_chat_stream, served, 200, i) for i in range(8)]
+        while not all(c.done() for c in chats):
+            busy.append(_slots_busy(served))
+            time.sleep(0.1)
+        texts = [c.result() for c in chats]
+    assert all(texts), texts
+    assert max(busy) > 1, busy  # batched together in the engine's slots, not one after the other
+    _, metrics = served.get("/metrics")
+    assert 'rpcfleet_requests_total{route="/v1/chat/completions",code="200"} 8' in metrics
+    assert "rpcfleet_engine_tokens_predicted_total" in metrics and "rpcfleet_slots 8" in metrics
+    assert served.health()["queue"]["admitted"] == 0
+
+
+def _lose_a_node_during_four_streams(served: Served, lose: Callable[[], None], limit: float) -> list[str]:
+    """Four streams at once; once each has text, `lose()`; every stream must end with an error event
+    (returned), then serve must be serving again (on fewer nodes)."""
+    started = [concurrent.futures.Future() for _ in range(4)]  # type: ignore[var-annotated]
+
+    def one(i: int) -> str:
+        stream = served.client.completions.create(
+            model="tiny", prompt=f"hello {i}", max_tokens=LONG, temperature=0, stream=True
+        )
+        try:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text and not started[i].done():
+                    started[i].set_result(True)
+        except openai.APIError as exc:
+            return str(exc)
+        return "no error"
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(one, i) for i in range(4)]
+        concurrent.futures.wait(started, 60)
+        assert all(f.done() for f in started)
+        assert _slots_busy(served) >= 2
+        lose()
+        errors = [s.result(limit) for s in streams]
+    served.wait({"degraded"}, limit)
+    return errors
+
+
+def test_a_node_killed_during_four_streams_ends_them_all_and_serving_resumes_on_two(
+    serve_lab: Lab, fleet: list[Host], serve: Any
+) -> None:
+    served: Served = serve("--rejoin-interval", "0")
+    pid, engine = served.process.pid, served.health()["worker_pid"]
+    victim = fleet[0]
+    errors = _lose_a_node_during_four_streams(
+        served, lambda: os.kill(_server_pid(serve_lab, victim), signal.SIGKILL), 60
+    )
+    assert all(victim.endpoint in e for e in errors), errors
+    health = served.health()
+    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet[1:]] and health["lost"] == [
+        victim.endpoint
+    ]
+    assert health["pid"] == pid == served.process.pid and health["worker_pid"] != engine
+    whole = [
+        served.client.completions.create(model="tiny", prompt=f"hi {i}", max_tokens=8, temperature=0)
+        for i in range(3)
+    ]
+    assert all(w.choices[0].text for w in whole)
+
+
+def test_a_link_cut_during_four_streams_ends_them_all_within_the_link_timeout(
+    serve_lab: Lab, fleet: list[Host], serve: Any
+) -> None:
+    served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "0")
+    victim = fleet[1]
+    cut_at: list[float] = []
+
+    def cut() -> None:
+        serve_lab.cut_link(victim.name)
+        cut_at.append(time.monotonic())
+
+    errors = _lose_a_node_during_four_streams(served, cut, 60)
+    took = time.monotonic() - cut_at[0]
+    assert all(victim.endpoint in e and "timeout" in e for e in errors), errors
+    assert took < 30, took  # the link timeout (4 s), the probe (2 s), a load: not TCP's minutes
+    health = served.health()
+    assert victim.endpoint not in health["plan"]["endpoints"] and len(health["plan"]["endpoints"]) == 2
+    assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
+    assert served.process.poll() is None and health["pid"] == served.process.pid

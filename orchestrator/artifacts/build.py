@@ -251,7 +251,9 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _run_logged(command: list[str], log: Any, say: Progress, timeout: float) -> None:
+def _run_logged(
+    command: list[str], log: Any, say: Progress, timeout: float, *, what: str = "building the rpc-server"
+) -> None:
     """Run `command`, copying its output to `log` and cmake's `[ NN%]` lines to `say`."""
     log.write(f"$ {shlex.join(command)}\n")
     log.flush()
@@ -272,7 +274,7 @@ def _run_logged(command: list[str], log: Any, say: Progress, timeout: float) -> 
         status = proc.wait()
     if status != 0:
         raise ArtifactError(
-            "building the rpc-server failed",
+            f"{what} failed",
             command=shlex.join(command),
             exit_status=status,
             stderr="".join(tail),
@@ -284,15 +286,15 @@ def _is_shared_lib(name: str) -> bool:
     return bool(re.search(r"\.so(\.\d+)*$|\.dylib$", name))
 
 
-def collect_server(src: Path, dest: Path, server_name: str) -> None:
+def collect_server(src: Path, dest: Path, server_name: str, *, dest_name: str = SERVER_NAME) -> None:
     """Copy the server binary and the shared libraries beside it (symlinks kept when they stay inside)."""
     dest.mkdir(parents=True, exist_ok=True)
     binary = src / server_name
     if not binary.is_file():
         raise ArtifactError(f"no {server_name} in {src}")
-    shutil.copy2(binary, dest / SERVER_NAME)
+    shutil.copy2(binary, dest / dest_name)
     for path in sorted(src.iterdir()):
-        if not _is_shared_lib(path.name):
+        if not _is_shared_lib(path.name) or (dest / path.name).exists() or (dest / path.name).is_symlink():
             continue
         if path.is_symlink():
             target = str(path.readlink())
@@ -322,3 +324,124 @@ def _check_runpath(bin_dir: Path) -> None:
                     f"{path.name} has RUNPATH {match.group(1)}: it would only run from the build folder",
                     hint="build with -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN'",
                 )
+
+
+# llama.cpp's own programs built for this machine from the same vendored source as the binding and the
+# nodes' servers: `llama-server` (serve's engine) and `llama-fit-params` (a benchmark tool).
+TOOL_TARGETS = ("llama-server", "llama-fit-params")
+
+# The web UI is left out: its assets come from npm or a Hugging Face download, neither offline; serve
+# proxies the API only. HTTPS (OpenSSL) is not needed on loopback.
+TOOL_DEFINES: dict[str, str] = {
+    **BASE_DEFINES,
+    "LLAMA_BUILD_COMMON": "ON",
+    "LLAMA_BUILD_TOOLS": "ON",
+    "LLAMA_BUILD_SERVER": "ON",
+    "LLAMA_BUILD_UI": "OFF",
+    "LLAMA_USE_PREBUILT_UI": "OFF",
+    "LLAMA_OPENSSL": "OFF",
+}
+
+
+def tools_key(sdist_sha256: str, targets: Sequence[str] = TOOL_TARGETS) -> str:
+    """The cache key of the tools build: the source's sha256, the targets, the flags, os and arch."""
+    os_name, arch = host_platform()
+    flags = sorted(f"-D{k}={v}" for k, v in TOOL_DEFINES.items())
+    data = json.dumps(["tools", sdist_sha256, sorted(targets), flags, os_name, arch]).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def tools_dir(key: str) -> Path:
+    """Where the tools of build `key` are kept, once complete."""
+    return rpcfleet_home() / "engine" / key
+
+
+def cached_tools(version: str | None = None) -> Path | None:
+    """The folder holding llama-server (and llama-fit-params) built from llama-cpp-python `version`'s
+    source, or None when not built yet (fast: the sdist's pinned sha256, no hashing)."""
+    from orchestrator.artifacts.source import SDIST_SHA256
+
+    version = version or llama_cpp_python_version()
+    sha = SDIST_SHA256.get(version)
+    if sha is None:
+        return None
+    key = tools_key(sha)
+    # A build is immutable and named by its source and flags: one in the default cache serves another
+    # $RPCFLEET_HOME too (a test's, a demo's) rather than a second 10-minute build.
+    default = Path.home() / ".cache" / "rpcfleet" / "engine" / key
+    for folder in dict.fromkeys([tools_dir(key), default]):
+        if (folder / ".complete").is_file():
+            return folder
+    return None
+
+
+def build_llama_tools(*, version: str | None = None, progress: Progress | None = None) -> Path:
+    """Build llama-server and llama-fit-params (once per source and flags) and return their folder:
+    `<folder>/llama-server`, with the shared libraries beside it (RUNPATH $ORIGIN)."""
+    from orchestrator.artifacts.source import SDIST_SHA256
+
+    version = version or llama_cpp_python_version()
+    found = cached_tools(version)
+    if found is not None:
+        return found
+    say = progress or (lambda _line: None)
+    sdist = ensure_sdist(version, say)
+    key = tools_key(SDIST_SHA256[version])
+    target_dir = tools_dir(key)
+    workdir = rpcfleet_home() / "build" / f"tools-{key}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    with _locked(workdir / ".lock"):
+        if (target_dir / ".complete").is_file():  # another process built it while we waited
+            return target_dir
+        source = extract_source(sdist, workdir / "src", say)
+        llama = source / "vendor" / "llama.cpp"
+        build_dir = workdir / "build"
+        log_path = workdir / "build.log"
+        args = sorted(f"-D{k}={v}" for k, v in TOOL_DEFINES.items())
+        started = time.monotonic()
+        with log_path.open("w") as log:
+            say(f"configuring llama.cpp for {', '.join(TOOL_TARGETS)} in {build_dir}")
+            _run_logged(
+                ["cmake", "-S", str(llama), "-B", str(build_dir), *args],
+                log,
+                say,
+                CONFIGURE_TIMEOUT_S,
+                what="configuring llama.cpp",
+            )
+            say(f"building {', '.join(TOOL_TARGETS)} (log: {log_path})")
+            jobs = str(os.cpu_count() or 1)
+            _run_logged(
+                ["cmake", "--build", str(build_dir), "--target", *TOOL_TARGETS, "-j", jobs],
+                log,
+                say,
+                BUILD_TIMEOUT_S,
+                what=f"building {', '.join(TOOL_TARGETS)}",
+            )
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target_dir.parent))
+        try:
+            for name in TOOL_TARGETS:
+                collect_server(build_dir / "bin", staging, name, dest_name=name)
+            _check_runpath(staging)
+            info = {
+                "llama_cpp_python_version": version,
+                "sdist_sha256": SDIST_SHA256[version],
+                "llama_cpp_commit": read_llama_cpp_commit(source / "CHANGELOG.md"),
+                "cmake_args": args,
+                "targets": list(TOOL_TARGETS),
+                "build_seconds": round(time.monotonic() - started, 1),
+            }
+            (staging / "build.json").write_text(json.dumps(info, indent=1) + "\n")
+            (staging / ".complete").touch()
+            shutil.rmtree(target_dir, ignore_errors=True)
+            staging.replace(target_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        say(f"built {', '.join(TOOL_TARGETS)} into {target_dir}")
+        get_logger().info("tools_built", key=key, folder=str(target_dir))
+        return target_dir
+
+
+def llama_server_binary(version: str | None = None, progress: Progress | None = None) -> Path:
+    """The llama-server built from the installed binding's source (built on first use)."""
+    return build_llama_tools(version=version, progress=progress) / "llama-server"

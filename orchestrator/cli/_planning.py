@@ -56,10 +56,12 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     )
     parser.add_argument(
         "--parallel",
+        "-np",
         type=_common.flag(fields.integer(minimum=1, maximum=256)),  # LLAMA_MAX_SEQ
         default=1,
         metavar="N",
-        help="parallel sequences (n_seq_max): the context is split between them (default: 1)",
+        help="parallel sequences (n_seq_max; serve: llama-server's slots, served at once and batched "
+        "together): each gets --ctx/N unless --kv-unified (default: 1; serve: 4)",
     )
     parser.add_argument(
         "--kv-unified",

@@ -1,7 +1,8 @@
 """`rpcfleet serve`: an OpenAI-compatible endpoint on the fleet that survives losing a node.
 
-Probe, plan, load the model in a worker process (`orchestrator.llama.worker`), serve `/v1/completions`,
-`/v1/chat/completions` (streaming), `/v1/models`, `/health` and `/metrics` (`orchestrator.serve`).
+Probe, plan, run llama-server on the plan (`orchestrator.serve.engine`, on loopback, `--parallel` slots)
+and serve its OpenAI routes through serve's own front (`/v1/completions`, `/v1/chat/completions`,
+streaming, `/v1/models`, `/v1/embeddings`, `/slots`), with `/health` and `/metrics` (`orchestrator.serve`).
 SIGHUP or `POST /admin/reload` reloads: drain, unload, optionally a rolling restart of the fleet (the
 step of `restart --rolling`), re-plan, load. Binds loopback by default; any other address needs an API key.
 The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or `--api-key` (which `ps` shows to every user).
@@ -21,6 +22,7 @@ from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
+DEFAULT_PARALLEL = 4  # = orchestrator.serve.engine.DEFAULT_PARALLEL (not imported: the CLI starts fast)
 KEY_ENV = "RPCFLEET_API_KEY"  # the key from the environment: argv is world-readable (`ps`), this is not
 
 
@@ -29,14 +31,17 @@ def register(subparsers: Any) -> None:
         "serve",
         help="serve a model over the fleet: OpenAI API, /health, /metrics; survives a lost node",
         description=(
-            "Probe the selected servers, plan the model, load it in a worker process and serve the OpenAI "
-            "API (completions, chat, streaming, models) with /health and /metrics. A lost node ends the "
-            "request in flight with 503 naming it; the model is re-planned on the nodes that answer. "
+            "Probe the selected servers, plan the model, run llama-server on the plan (on loopback, with "
+            "--parallel slots) and serve its OpenAI API (completions, chat, streaming, models) behind "
+            "serve's API key, /health and /metrics. A lost node ends the requests in flight with 503 naming "
+            "it; the model is re-planned on the nodes that answer and llama-server restarted there. "
             "SIGHUP or POST /admin/reload reloads (drain, unload, [rolling restart], plan, load)."
         ),
     )
     parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
     _planning.add_plan_option_args(parser)
+    # llama-server's slots are the plan's sequences: the plan sizes their KV and compute
+    parser.set_defaults(parallel=DEFAULT_PARALLEL)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=_common.flag(fields.port), default=8080, help="port (default: 8080)")
     key = parser.add_mutually_exclusive_group()
@@ -56,10 +61,17 @@ def register(subparsers: Any) -> None:
         "--model-name", default=None, help="the model's id in the API (default: the file's stem)"
     )
     parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="the chat format: one of llama-server's template names (gemma, chatml, llama3...) or a jinja "
+        "file (default: the GGUF's template; without one, its architecture's known template)",
+    )
+    parser.add_argument(
         "--queue",
         type=_common.flag(fields.integer(minimum=0)),
         default=8,
-        help="requests that may wait for the one being served; more get 429 (default: 8)",
+        help="requests that may wait for a slot beyond the --parallel served; more get 429 (default: 8)",
     )
     parser.add_argument(
         "--queue-timeout",
@@ -80,7 +92,7 @@ def register(subparsers: Any) -> None:
         type=_common.flag(fields.seconds),
         default=10.0,
         metavar="S",
-        help="seconds a cut link may stall the worker before it is declared lost (default: 10)",
+        help="seconds a cut link may stall llama-server before it is declared lost (default: 10)",
     )
     parser.add_argument(
         "--rejoin-interval",
@@ -142,6 +154,9 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.planning.profile import profile_model
 
     profile_model(_common.require_model(args.model))  # a file that is no model fails before the probe
+    from orchestrator.serve.templates import model_chat_template
+
+    template = model_chat_template(args.model, args.chat_template)  # a bad --chat-template: exit 2
     api_key = api_key_of(args)
     if api_key is None and not is_loopback(args.host):
         raise UsageError(
@@ -171,6 +186,7 @@ def handle(args: argparse.Namespace) -> int:
         local_devices=_planning.local_device_selection(args),
     )
     config = ServeConfig(
+        parallel=args.parallel,
         queue_size=args.queue,
         queue_timeout=args.queue_timeout,
         recover_timeout=args.recover_timeout,
@@ -186,7 +202,21 @@ def handle(args: argparse.Namespace) -> int:
         raise PlanError(
             f"cannot serve {args.model}: {first.reason} ({states})", hint="rpcfleet plan shows why"
         )
-    backend = Backend(fleet, config)
+    from orchestrator.serve.engine import default_engines
+
+    model_name = args.model_name or args.model.stem
+    if template.warning:
+        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(template.warning)}", highlight=False)
+    engines, _ = default_engines(
+        str(args.model),
+        model_name,
+        parallel=args.parallel,
+        link_timeout=args.link_timeout,
+        chat_template=args.chat_template,
+        progress=lambda line: _common.err_console.print(escape(line), highlight=False),
+    )
+    backend = Backend(fleet, config, engines)
+    backend.template = {"source": template.source, "warning": template.warning}
     backend.nodes.update(first.states)  # a node down at start shows why until the watch probes it
     exporter = None
     # The fleet exporter (the page at /, the fleet's series on /metrics): its first round reads the nodes
@@ -196,16 +226,14 @@ def handle(args: argparse.Namespace) -> int:
 
         exporter = observe(
             backend,
-            args.model_name or args.model.stem,
+            model_name,
             interval=args.observe_interval,
             timeout=_common.probe_timeout(args),
             forks=args.forks,
         )
         exporter.collector.start()
         exporter.collector.first_round.wait(_common.probe_timeout(args) * 4 + 5)
-    app = create_app(
-        backend, api_key=api_key, model_name=args.model_name or args.model.stem, exporter=exporter
-    )
+    app = create_app(backend, api_key=api_key, model_name=model_name, exporter=exporter)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -250,7 +278,7 @@ def handle(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: backend.reload(rolling_restart=args.reload_rolling))
     _common.err_console.print(
         f"serving {escape(str(args.model))} on http://{escape(args.host)}:{args.port}/v1 "
-        f"({len(first.plan.endpoints)} node(s), loading...)",
+        f"({len(first.plan.endpoints)} node(s), llama-server with {args.parallel} slot(s), loading...)",
         highlight=False,
     )
     backend.start(first.plan)

@@ -1,13 +1,16 @@
-"""The HTTP side of `rpcfleet serve`: OpenAI routes proxied to the backend's worker (FastAPI).
+"""The HTTP side of `rpcfleet serve`: its own front (API key, /health, /metrics, /admin) over the engine,
+llama-server on loopback, to which the OpenAI routes are proxied (FastAPI).
 
-Requests are validated with the fields of llama-cpp-python's server models (`serve.requests`), answers
-have the OpenAI shapes (`text_completion`, `chat.completion`, their `.chunk` streams as server-sent
-events). llama.cpp never runs in this process: `Backend` holds the worker.
+Requests are checked with the fields of llama-cpp-python's server models (`serve.requests`: a bad
+field is a 400 here, as before) and then sent to the engine as the client wrote them, so every
+llama-server field (tools, grammars, response formats...) works; answers, streams (server-sent events,
+piece by piece) and the engine's own errors pass through as they are. llama.cpp never runs in this
+process: the engine (llama-server) is a child process.
 
-Errors are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 401 (API key), 403 (an
-admin route on a server started without a key), 400 (bad JSON or fields), 429 (queue full), 503 with
-Retry-After (loading, recovering, draining, a lost node, named). A stream that loses its node ends with
-one error event.
+Errors of serve's own are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 401 (API key),
+403 (an admin route on a server started without a key), 400 (bad JSON or fields), 429 (queue full), 503
+with Retry-After (loading, recovering, draining, a lost node, named). A stream whose engine is lost ends
+with one error event naming the lost node.
 
 `/health` answers anyone with its state only; the model path, pids, plan and endpoints need the key (when
 one is set). `/admin/*` always needs one: a server started without a key refuses them (SIGHUP reloads).
@@ -15,22 +18,26 @@ one is set). `/admin/*` always needs one: a server started without a key refuses
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import hmac
 import json
-import time
-import uuid
+import re
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from sse_starlette.sse import EventSourceResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
-from orchestrator.llama.worker import Done, Token
 from orchestrator.observe.web import Exporter, RequestTimer, mount
-from orchestrator.serve.backend import Backend, Failure, Job, Rejected
+from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
+from orchestrator.serve.metrics import engine_metrics
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
+from orchestrator.serve.upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -39,6 +46,9 @@ _ERROR_TYPES = {
     404: "not_found",
     429: "rate_limit_exceeded",
 }
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's for completions; llama-server's own default is unlimited
+_TEXT = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk with text in it (the time to first token)
 
 
 def _error(
@@ -56,11 +66,50 @@ def _error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _failure_body(failure: Failure) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": failure.message, "type": failure.kind, "code": failure.status}
+    if failure.lost:
+        error["lost"] = list(failure.lost)
+    return {"error": error}
+
+
+class _Usage:
+    """Token counts from the engine's answers: `usage` of a whole answer, `timings` of a stream's end."""
+
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.completion = 0
+        self.tokens_per_second = 0.0
+        self._rest = b""
+
+    def whole(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        usage, timings = data.get("usage") or {}, data.get("timings") or {}
+        self.prompt = int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0)
+        self.completion = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
+        self.tokens_per_second = float(timings.get("predicted_per_second") or 0.0)
+
+    def feed(self, piece: bytes) -> None:
+        """A piece of a stream: the event that carries `timings` (the last) is read."""
+        lines = (self._rest + piece).split(b"\n")
+        self._rest = lines.pop()[-65536:]
+        for line in lines:
+            if line.startswith(b"data: ") and b'"timings"' in line:
+                with contextlib.suppress(ValueError):
+                    self.whole(json.loads(line[len(b"data: ") :]))
+
+
 def create_app(
     backend: Backend, *, api_key: str | None, model_name: str, exporter: Exporter | None = None
 ) -> FastAPI:
-    app = FastAPI(title="rpcfleet serve", version="0.1.0", docs_url=None, redoc_url=None)
+    app = FastAPI(title="rpcfleet serve", version="0.2.0", docs_url=None, redoc_url=None)
     metrics = backend.metrics
+    config = backend.config
+    # Threads that wait for a slot (a blocking wait on the backend's condition): one per admitted request.
+    waiters = concurrent.futures.ThreadPoolExecutor(
+        config.parallel + config.queue_size + 2, thread_name_prefix="serve-slot"
+    )
 
     def has_key(request: Request) -> bool:
         """The request carries the configured key (always true when none is configured)."""
@@ -91,11 +140,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.record_request(request.url.path, 400)
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in exc.errors()
-        )
-        return _error(400, f"invalid request: {problems}")
+        return _error(400, f"invalid request: {_problems(exc.errors())}")
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -108,6 +153,15 @@ def create_app(
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus() -> PlainTextResponse:
         text = metrics.render(backend.endpoint_up(), backend.state)
+        states = backend.engine_states()
+        engine = backend.engine
+        engine_text = ""
+        if engine is not None:
+            try:
+                engine_text = (await _get(engine.url, "/metrics", 2.0))[1].decode("utf-8", "replace")
+            except UpstreamError:
+                engine_text = ""
+        text += engine_metrics(engine_text, states["served"], states["parallel"], states["admitted"])
         if exporter is not None:  # the fleet's metrics after serve's own (orchestrator.observe)
             text += exporter.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -119,6 +173,18 @@ def create_app(
             "object": "list",
             "data": [{"id": model_name, "object": "model", "owned_by": "rpcfleet", "permissions": []}],
         }
+
+    @app.get("/slots", dependencies=[Depends(authorize)])
+    async def slots() -> Response:
+        engine = backend.engine
+        if engine is None:
+            return _failed("/slots", 503, backend.health()["status"], retry_after=config.retry_after)
+        try:
+            status, body = await _get(engine.url, "/slots", 5.0)
+        except UpstreamError as exc:
+            return _failed("/slots", 502, str(exc))
+        metrics.record_request("/slots", status)
+        return Response(body, status_code=status, media_type="application/json")
 
     @app.post("/admin/reload", dependencies=[Depends(authorize_admin)])
     async def reload(request: Request) -> JSONResponse:
@@ -136,36 +202,16 @@ def create_app(
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest) -> Any:
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                return _failed("/v1/completions", 400, "prompt: one string (or a list of one) is served")
-            prompt = prompt[0]
-        return await _answer(
-            "/v1/completions",
-            "text_completion",
-            "prompt",
-            prompt,
-            body.max_tokens,
-            body.temperature,
-            body.seed,
-            bool(body.stream),
-        )
+    async def completions(request: Request) -> Any:
+        return await _openai(request, "/v1/completions", CompletionRequest)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(body: ChatCompletionRequest) -> Any:
-        messages = [dict(m) for m in body.messages]
-        return await _answer(
-            "/v1/chat/completions",
-            "chat.completion",
-            "chat",
-            messages,
-            body.max_tokens,
-            body.temperature,
-            body.seed,
-            bool(body.stream),
-        )
+    async def chat(request: Request) -> Any:
+        return await _openai(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/embeddings", dependencies=[Depends(authorize)])
+    async def embeddings(request: Request) -> Any:
+        return await _openai(request, "/v1/embeddings", None)
 
     def _failed(
         route: str,
@@ -178,77 +224,121 @@ def create_app(
         metrics.record_request(route, status)
         return _error(status, message, kind, retry_after, **extra)
 
-    async def _answer(
-        route: str,
-        kind: str,
-        op: str,
-        payload: Any,
-        max_tokens: int | None,
-        temperature: float,
-        seed: int | None,
-        stream: bool,
-    ) -> Any:
-        n = 16 if max_tokens is None else max_tokens
-        if n < 1:
-            return _failed(route, 400, "max_tokens must be at least 1")
+    def _failure(route: str, failure: Failure) -> JSONResponse:
+        extra = {"lost": list(failure.lost)} if failure.lost else {}
+        return _failed(route, failure.status, failure.message, failure.kind, failure.retry_after, **extra)
+
+    async def _openai(request: Request, route: str, model: type[BaseModel] | None) -> Any:
+        raw = await request.body()
         try:
-            job = backend.submit("chat" if op == "chat" else "complete", payload, n, temperature, seed)
+            data = json.loads(raw)
+        except ValueError as exc:
+            return _failed(route, 400, f"invalid request: the body is not JSON: {exc}")
+        if not isinstance(data, dict):
+            return _failed(route, 400, "invalid request: the body must be a JSON object")
+        if model is not None:
+            try:
+                model.model_validate(data)
+            except ValidationError as exc:
+                return _failed(route, 400, f"invalid request: {_problems(exc.errors())}")
+            if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+                data["max_tokens"] = DEFAULT_MAX_TOKENS
+            limit = data.get("max_tokens", data.get("max_completion_tokens"))
+            if isinstance(limit, int) and limit < 1:
+                return _failed(route, 400, "max_tokens must be at least 1")
+            if data.get("seed") is None:
+                data["seed"] = config.seed
+        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")))
+
+    async def _proxy(route: str, body: bytes, stream: bool) -> Any:
+        try:
+            ticket = backend.admit()
         except Rejected as exc:
             return _failed(route, exc.status, exc.message, retry_after=exc.retry_after)
-        ident = f"{'chatcmpl' if op == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if stream:
-            return EventSourceResponse(_stream(route, kind, op, ident, job), ping=10)
-        text: list[str] = []
-        async for event in job.events():
-            if isinstance(event, Failure):
-                extra = {"lost": list(event.lost)} if event.lost else {}
-                return _failed(route, event.status, event.message, event.kind, event.retry_after, **extra)
-            if isinstance(event, Token):
-                text.append(event.text)
-            elif isinstance(event, Done):
-                metrics.record_request(route, 200)
-                return _whole(kind, op, ident, model_name, event)
-        return _failed(route, 500, "the request ended without an answer")
-
-    async def _stream(route: str, kind: str, op: str, ident: str, job: Job) -> AsyncIterator[str]:
-        created = int(time.time())
-        code = 499  # the client went away before the end
+        handed = False  # to the stream, which then releases the ticket
         try:
-            if op == "chat":
-                yield json.dumps(_chunk(kind, op, ident, created, {"role": "assistant"}, None))
-            async for event in job.events():
-                if isinstance(event, Token):
-                    piece = {"content": event.text} if op == "chat" else event.text
-                    yield json.dumps(_chunk(kind, op, ident, created, piece, None))
-                elif isinstance(event, Done):
-                    yield json.dumps(
-                        _chunk(kind, op, ident, created, {} if op == "chat" else "", event.finish_reason)
-                    )
-                    yield "[DONE]"
-                    code = 200
-                else:
-                    code = event.status
-                    error = {"message": event.message, "type": event.kind, "code": event.status}
-                    yield json.dumps({"error": error | ({"lost": list(event.lost)} if event.lost else {})})
-        finally:
-            job.cancelled.set()
-            metrics.record_request(route, code)
+            got = await asyncio.get_running_loop().run_in_executor(waiters, backend.acquire, ticket)
+            if isinstance(got, Failure):
+                return _failure(route, got)
+            engine_url = got.engine.url
 
-    def _chunk(
-        kind: str, op: str, ident: str, created: int, piece: Any, finish: str | None
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if op == "chat":
-            choice["delta"] = piece
-        else:
-            choice |= {"text": piece, "logprobs": None}
-        return {
-            "id": ident,
-            "object": f"{kind}.chunk" if op == "chat" else kind,
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-        }
+            async def alive() -> bool:
+                """Its main loop still takes tasks (/metrics is one): busy generating, not stuck."""
+                try:
+                    return (await _get(engine_url, "/metrics", min(10.0, config.event_timeout)))[0] == 200
+                except UpstreamError:
+                    return False
+
+            upstream = Upstream(*_address(engine_url), timeout=config.event_timeout, alive=alive)
+            try:
+                await upstream.__aenter__()
+                answer = await upstream.request("POST", route, body)
+                backend.answered()
+                if stream and answer.status == 200:
+                    handed = True
+                    return StreamingResponse(
+                        _stream(route, ticket, got, upstream, answer),
+                        media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    )
+                whole = await answer.read()
+            except UpstreamError as exc:
+                return _failure(route, await _lost(got, exc))
+            finally:
+                if not handed:
+                    await upstream.__aexit__(None, None, None)
+            backend.answered()
+            if answer.status == 200:
+                usage = _Usage()
+                with contextlib.suppress(ValueError):
+                    usage.whole(json.loads(whole))
+                ticket.saw_text()
+                metrics.record_done(
+                    usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
+                )
+            metrics.record_request(route, answer.status)
+            media = answer.headers.get("content-type", "application/json")
+            return Response(whole, status_code=answer.status, media_type=media)
+        finally:
+            if not handed:
+                backend.release(ticket)
+
+    async def _lost(running: Running, exc: UpstreamError) -> Failure:
+        if isinstance(exc, UpstreamTimeout):
+            backend.stalled(running)
+        return await asyncio.get_running_loop().run_in_executor(
+            waiters, backend.failure_of, running, str(exc)
+        )
+
+    async def _stream(
+        route: str, ticket: Ticket, running: Running, upstream: Upstream, answer: Answer
+    ) -> AsyncIterator[bytes]:
+        code = 499  # the client went away before the end
+        usage = _Usage()
+        last = b""  # the stream's end so far: an OpenAI stream of llama-server's ends with [DONE]
+        try:
+            try:
+                async for piece in answer.body():
+                    backend.answered()
+                    if ticket.first_token is None and _TEXT.search(piece):
+                        ticket.saw_text()
+                    usage.feed(piece)
+                    last = (last + piece)[-32:]
+                    yield piece
+                if b"data: [DONE]" not in last:  # closed early, whatever its framing said
+                    raise UpstreamError("the engine's stream ended before [DONE]")
+                code = 200
+                metrics.record_done(
+                    usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
+                )
+            except UpstreamError as exc:
+                failure = await _lost(running, exc)
+                code = failure.status
+                yield b"data: " + json.dumps(_failure_body(failure)).encode() + b"\n\n"
+        finally:
+            await upstream.__aexit__(None, None, None)
+            backend.release(ticket)
+            metrics.record_request(route, code)
 
     if exporter is not None:  # the live fleet page at `/`, behind the same key rules
         mount(app, exporter, api_key=api_key, has_key=has_key)
@@ -256,21 +346,19 @@ def create_app(
     return app
 
 
-def _whole(kind: str, op: str, ident: str, model: str, done: Done) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
-    if op == "chat":
-        choice["message"] = {"role": "assistant", "content": done.text}
-    else:
-        choice["text"] = done.text
-    return {
-        "id": ident,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-        },
-    }
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+async def _get(url: str, path: str, seconds: float) -> tuple[int, bytes]:
+    async with Upstream(*_address(url), timeout=seconds) as upstream:
+        answer = await upstream.request("GET", path)
+        return answer.status, await answer.read()
+
+
+def _problems(errors: Any) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors
+    )

@@ -1,56 +1,46 @@
-"""The serving backend: one worker, a bounded queue, recovery after a lost node, reload (no HTTP here).
+"""The serving backend: the engine (llama-server) on the plan, the slots and queue, recovery after a lost
+node, rejoin, reload (no HTTP here: the routes proxy to `engine.url` while they hold a slot).
 
 States: `loading` (first load), `ready` (serving on every node that was selected), `degraded` (serving
 on fewer: a node was lost and the model was re-planned on the others), `recovering` (a node or the
-worker was lost: probing, planning, reloading), `draining` (a reload waits for admitted requests to
-finish), `failed` (recovery gave up after `recover_timeout`; the process exits).
+engine was lost: probing, planning, restarting the engine), `draining` (a reload waits for admitted
+requests to finish), `failed` (recovery gave up after `recover_timeout`; the process exits).
 
-One request at a time holds the worker (`_gate`); up to `queue_size` more wait for it, each at most
-`queue_timeout`; beyond that a request is refused (429). Requests run in threads and hand their events
-to the caller through `Job` (an asyncio queue fed thread-safely), so the HTTP loop never blocks.
+Slots: the engine serves `parallel` requests at once (its slots, batched together); up to `queue_size`
+more wait for a slot, each at most `queue_timeout`; beyond that a request is refused (429).
 
-A lost node (`NodeLostError`) or a dead worker ends the request in flight with a 503 naming the lost
-endpoints; the backend then re-probes the fleet and loads a new plan on the nodes that answer, as soon as
-the model fits there (so either on the remaining nodes, or once the lost node is back). Every wait is
+A lost node: llama-server aborts (a dead server, or a cut link once its connections' user timeout
+expires, see `engine`), and a watch of the engine process sees it end. The backend then probes the
+plan's endpoints (bounded) to name the lost ones, and every request in flight ends with the 503 that
+names them (the routes ask `failure_of`); then it probes the fleet and starts the engine on a new plan on
+the nodes that answer, as soon as the model fits there. A request that the engine leaves without an
+answer for `event_timeout` seconds is a stalled engine: it is killed, and the same follows. Every wait is
 bounded: probes by the fleet's probe timeout, loads by `load_timeout`, the whole recovery by
 `recover_timeout`.
 
 Rejoin: while `degraded`, a watch probes the selected nodes that the plan leaves out (only those: the
-serving ones are held by the worker) every `rejoin_interval` seconds with the fleet probe's rules (a
-server with a client is `busy` and left alone; one held by a dead worker of ours is released first).
-When one answers `ok`, the backend takes the worker's gate after the request being served (in turn with
-the queued ones, which then wait for the new worker; continuous load leaves no idle moment to wait for),
-unloads, re-plans on every node that answers and loads, as a reload does. A node that this re-plan
-leaves out anyway is not tried again until it has stopped answering once.
+serving ones are held by the engine) every `rejoin_interval` seconds with the fleet probe's rules. When
+one answers `ok`, the backend holds the slots (requests queued meanwhile wait), waits for the requests
+being served to end, stops the engine, re-plans on every node that answers and starts it again, as a
+reload does. A node that this re-plan leaves out anyway is not tried again until it has stopped answering
+once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.llama.load_progress import LoadProgress
-from orchestrator.llama.worker import (
-    Done,
-    Event,
-    NodeLostError,
-    Token,
-    Worker,
-    WorkerCrashedError,
-    WorkerError,
-    WorkerTimeoutError,
-)
 from orchestrator.planning.plan import Plan
+from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, default_engines, lost_message
 from orchestrator.serve.fleet import PlanRound, ServeFleet
 from orchestrator.serve.metrics import Metrics, Recovery, Rejoin
 
@@ -59,18 +49,19 @@ SERVING = frozenset({"ready", "degraded"})
 
 @dataclass(frozen=True)
 class ServeConfig:
-    queue_size: int = 8  # requests waiting for the worker beyond the one it serves
-    queue_timeout: float = 120.0  # seconds a request may wait for the worker
+    parallel: int = DEFAULT_PARALLEL  # requests the engine serves at once (llama-server's --parallel)
+    queue_size: int = 8  # requests waiting for a slot beyond those served
+    queue_timeout: float = 120.0  # seconds a request may wait for a slot
     load_timeout: float = 300.0
-    event_timeout: float = 120.0  # seconds between two answers of the worker
+    event_timeout: float = 120.0  # seconds between two answers of the engine within a request
     link_timeout: float = 10.0
     recover_timeout: float = 600.0  # seconds of recovery before giving up
     retry_interval: float = 1.0  # seconds between two recovery rounds
     drain_timeout: float = 300.0  # seconds a reload waits for admitted requests
     retry_after: int = 2  # the Retry-After of a 503 (seconds)
     rejoin_interval: float = 5.0  # seconds between two probes of the nodes left out (0: no watch)
+    diagnose_timeout: float = 15.0  # seconds a request waits for the diagnosis of a dead engine
     seed: int = 0
-    log_dir: Path | None = None
 
 
 class Rejected(RpcfleetError):
@@ -84,7 +75,7 @@ class Rejected(RpcfleetError):
 
 @dataclass(frozen=True)
 class Failure:
-    """The end of a job that was not served to the end: HTTP status, message, lost endpoints."""
+    """The end of a request that was not served to the end: HTTP status, message, lost endpoints."""
 
     status: int
     message: str
@@ -93,52 +84,70 @@ class Failure:
     retry_after: int | None = None
 
 
-class Job:
-    """One admitted request: its events, read by the caller's event loop."""
+@dataclass(eq=False)
+class Running:
+    """The engine serving now, and how it ended (set once, by its watch)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[Token | Done | Failure] = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.admitted = time.monotonic()
-        self.first_token: float | None = None  # seconds from admission to the first text
+    engine: Engine
+    plan: Plan
+    stopping: bool = False  # stopped on purpose (reload, rejoin, shutdown): no recovery
+    busy: int = 0  # requests holding one of its slots (under the backend's condition)
+    failure: Failure | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
 
-    def put(self, item: Token | Done | Failure) -> None:
-        if isinstance(item, Token) and self.first_token is None and item.text:
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request: the slot it holds, when it holds one."""
+
+    admitted: float = field(default_factory=time.monotonic)
+    running: Running | None = None
+    first_token: float | None = None  # seconds from admission to the first text
+
+    def saw_text(self) -> None:
+        if self.first_token is None:
             self.first_token = time.monotonic() - self.admitted
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    async def events(self) -> Any:
-        """Tokens, then one Done or Failure (an async iterator)."""
-        while True:
-            item = await self._queue.get()
-            yield item
-            if not isinstance(item, Token):
-                return
 
 
 class Backend:
-    def __init__(self, fleet: ServeFleet, config: ServeConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        fleet: ServeFleet,
+        config: ServeConfig,
+        engines: EngineFactory | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        """`engines` makes the engine for a plan (default: llama-server, `engine.default_engines`)."""
         self.fleet = fleet
         self.config = config
+        if engines is None:
+            from pathlib import Path
+
+            engines, _template = default_engines(
+                fleet.model_path,
+                Path(fleet.model_path).stem,
+                parallel=config.parallel,
+                link_timeout=config.link_timeout,
+            )
+        self.engines = engines
         self.metrics = metrics or Metrics()
         self.state = "loading"
         self.reason = ""  # why the state is not ready (the last recovery round, the lost endpoints)
         self.plan: Plan | None = None
         self.nodes: dict[str, str] = dict.fromkeys(fleet.endpoints, "unknown")
         self.lost: tuple[str, ...] = ()
-        self.load_seconds: float | None = None  # the last load's, in the worker
+        self.load_seconds: float | None = None  # the last engine start and load
         self.on_failed: Callable[[], None] | None = None  # called when recovery gives up
         self.on_progress: Callable[[LoadProgress], None] | None = None  # during each load
         # after each load: its plan and the phases' seconds (cache: the check and warm; load)
         self.on_loaded: Callable[[Plan, dict[str, float]], None] | None = None
         self.load_progress: LoadProgress | None = None  # the load under way, if any
         self.skipped: dict[str, int] = {}  # per endpoint, bytes of cache hits of the load under way
-        self._worker: Worker | None = None
-        self._gate = threading.Lock()  # the worker serves one request at a time
+        self.template: dict[str, Any] | None = None  # the chat template in use (for /health)
+        self._running: Running | None = None
         self._cond = threading.Condition()
-        self._admitted = 0
+        self._admitted = 0  # requests admitted (served and waiting)
+        self._hold = 0  # a rejoin holds the slots: none is given out
         self._control = threading.Lock()  # one load, recovery or reload at a time
         self._stopping = threading.Event()
         self.rejoining: dict[str, Any] | None = None  # the rejoin under way: endpoints, phase
@@ -157,13 +166,22 @@ class Backend:
 
     def stop(self) -> None:
         self._stopping.set()
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.close()
+        with self._cond:
+            running, self._running = self._running, None
+            self._cond.notify_all()
+        if running is not None:
+            running.stopping = True
+            running.engine.close()
+
+    @property
+    def engine(self) -> Engine | None:
+        running = self._running
+        return running.engine if running is not None else None
 
     @property
     def worker_pid(self) -> int | None:
-        return self._worker.pid if self._worker is not None else None
+        engine = self.engine
+        return engine.pid if engine is not None else None
 
     def health(self) -> dict[str, Any]:
         with self._cond:  # one snapshot: a state change (under `_cond`) shows whole or not at all
@@ -173,15 +191,30 @@ class Backend:
         plan = self.plan
         last = self.metrics.recoveries[-1] if self.metrics.recoveries else None
         rejoin = self.metrics.rejoins[-1] if self.metrics.rejoins else None
+        engine = self.engine
         return {
             "status": self.state,
             "reason": self.reason or None,
             "model": str(self.fleet.model_path),
             "pid": os.getpid(),
             "worker_pid": self.worker_pid,
+            "engine": None
+            if engine is None
+            else {
+                "pid": engine.pid,
+                "url": engine.url,
+                "parallel": self.config.parallel,
+                "log": str(engine.log_path) if engine.log_path else None,
+                "chat_template": self.template,
+            },
             "load_seconds": self.load_seconds,
             "loading": None if self.load_progress is None else self.load_progress.as_log(),
-            "queue": {"admitted": self._admitted, "size": self.config.queue_size},
+            "queue": {
+                "admitted": self._admitted,
+                "served": self._busy,
+                "parallel": self.config.parallel,
+                "size": self.config.queue_size,
+            },
             "plan": None
             if plan is None
             else {
@@ -202,99 +235,111 @@ class Backend:
         return {ep: state in ("ok", "busy", "serving") for ep, state in self.nodes.items()}
 
     # -- requests
-    def submit(self, op: str, payload: Any, max_tokens: int, temperature: float, seed: int | None) -> Job:
-        """Admit a request (or raise Rejected) and start it; its events come through the Job."""
+    def admit(self) -> Ticket:
+        """Admit a request (or raise Rejected: 503 when not serving, 429 when the queue is full)."""
         with self._cond:
             if self.state not in SERVING:
                 raise Rejected(503, self._unavailable(), self.config.retry_after)
-            if self._admitted >= self.config.queue_size + 1:
-                raise Rejected(429, f"the queue is full ({self.config.queue_size} waiting and one served)")
+            if self._admitted >= self.config.queue_size + self.config.parallel:
+                raise Rejected(
+                    429,
+                    f"the queue is full ({self.config.queue_size} waiting and {self.config.parallel} served)",
+                )
             self._admitted += 1
-        job = Job(asyncio.get_running_loop())
-        args = (job, op, payload, max_tokens, temperature, seed)
-        threading.Thread(target=self._serve, args=args, name="serve-request", daemon=True).start()
-        return job
+            return Ticket()
+
+    @property
+    def _busy(self) -> int:
+        """Requests holding a slot of the engine serving now (those of a dead one do not count)."""
+        running = self._running
+        return running.busy if running is not None else 0
 
     def _unavailable(self) -> str:
         why = f": {self.reason}" if self.reason else ""
         return f"the model is {self.state}{why}"
 
-    def _serve(
-        self, job: Job, op: str, payload: Any, max_tokens: int, temperature: float, seed: int | None
-    ) -> None:
-        try:
-            if not self._gate.acquire(timeout=self.config.queue_timeout):
-                job.put(
-                    Failure(
+    def acquire(self, ticket: Ticket) -> Running | Failure:
+        """Wait (at most `queue_timeout`) for a slot of a serving engine: the engine to send the request
+        to, or the Failure to answer. Blocking: call it from a thread."""
+        deadline = ticket.admitted + self.config.queue_timeout
+        with self._cond:
+            while True:
+                # A drain serves what it admitted, those waiting for a slot too.
+                if self.state not in (*SERVING, "draining"):
+                    return Failure(
+                        503, self._unavailable(), "unavailable", retry_after=self.config.retry_after
+                    )
+                running = self._running
+                if running is not None and not self._hold and running.busy < self.config.parallel:
+                    running.busy += 1
+                    ticket.running = running
+                    return running
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Failure(
                         503,
-                        f"waited {self.config.queue_timeout:g} s for the worker",
+                        f"waited {self.config.queue_timeout:g} s for a slot",
                         "unavailable",
                         retry_after=self.config.retry_after,
                     )
-                )
-                return
-            try:
-                self._generate(job, op, payload, max_tokens, temperature, seed)
-            finally:
-                self._gate.release()
-        finally:
-            with self._cond:
-                self._admitted -= 1
-                self._cond.notify_all()
+                self._cond.wait(left)
 
-    def _generate(
-        self, job: Job, op: str, payload: Any, max_tokens: int, temperature: float, seed: int | None
-    ) -> None:
-        worker = self._worker
-        # A drain waits for the requests it admitted, those queued behind the gate too: they are served.
-        if worker is None or self.state not in (*SERVING, "draining"):
-            job.put(Failure(503, self._unavailable(), "unavailable", retry_after=self.config.retry_after))
-            return
-        seed = self.config.seed if seed is None else seed
-        events: Iterator[Event] | None = None
-        try:
-            if op == "chat":
-                events = worker.chat(payload, max_tokens=max_tokens, temperature=temperature, seed=seed)
-            else:
-                events = worker.complete(payload, max_tokens=max_tokens, temperature=temperature, seed=seed)
-            for event in events:
-                self._last_answer = time.monotonic()
-                if job.cancelled.is_set():
-                    break
-                job.put(event)
-                if isinstance(event, Done):
-                    self.metrics.record_done(
-                        event.prompt_tokens, event.completion_tokens, event.tokens_per_second, job.first_token
-                    )
-        except (NodeLostError, WorkerCrashedError, WorkerTimeoutError) as exc:
-            self._lost(job, worker, exc)
-        except WorkerError as exc:
-            if worker.alive:  # the request was refused (too long a prompt...): the worker keeps serving
-                job.put(Failure(400, exc.message, "invalid_request_error"))
-            else:
-                self._lost(job, worker, exc)
-        finally:
-            if events is not None and hasattr(events, "close"):
-                events.close()  # a cancelled request: the worker stops generating
-
-    def _lost(self, job: Job, worker: Worker, exc: WorkerError) -> None:
-        lost = tuple(getattr(exc, "endpoints", ()))
-        detection = time.monotonic() - self._last_answer
+    def release(self, ticket: Ticket) -> None:
+        """The request is over (answered, failed or gone): its slot and its place in the queue."""
         with self._cond:
-            if self._worker is worker:
-                self._worker = None
-                self.state = "recovering"
-                self.lost = lost
-                self.reason = exc.message
-                for ep in lost:
-                    self.nodes[ep] = "lost"
-        job.put(
-            Failure(503, exc.message, "node_lost" if lost else "server_error", lost, self.config.retry_after)
+            if ticket.running is not None:
+                ticket.running.busy -= 1
+                ticket.running = None
+            self._admitted -= 1
+            self._cond.notify_all()
+
+    def answered(self) -> None:
+        """The engine answered something (the detection time of a loss counts from the last answer)."""
+        self._last_answer = time.monotonic()
+
+    def failure_of(self, running: Running, error: str) -> Failure:
+        """A request's connection to the engine broke (`error`): the engine's end as its watch diagnosed
+        it (the lost nodes named), waiting for that diagnosis at most `diagnose_timeout`."""
+        if not running.ended.wait(self.config.diagnose_timeout):
+            return Failure(502, f"the engine broke the request off: {error}", "server_error")
+        failure = running.failure
+        if failure is None:  # stopped on purpose under the request (a drain past its timeout)
+            return Failure(503, "the engine was stopped", "unavailable", retry_after=self.config.retry_after)
+        return failure
+
+    def stalled(self, running: Running) -> None:
+        """A request got nothing from the engine for `event_timeout`: the engine is stuck, end it (its
+        watch diagnoses and recovers)."""
+        get_logger().warning("serve_engine_stalled", pid=running.engine.pid)
+        running.engine.kill()
+
+    # -- the engine's end
+    def _watch_engine(self, running: Running) -> None:
+        how = running.engine.wait()
+        if running.stopping or self._stopping.is_set():
+            running.ended.set()
+            return
+        detection = time.monotonic() - self._last_answer
+        lost = running.engine.diagnose()
+        message = lost_message(lost, "serving", how)
+        endpoints = tuple(ep for ep, _ in lost)
+        failure = Failure(
+            503, message, "node_lost" if endpoints else "server_error", endpoints, self.config.retry_after
         )
-        get_logger().warning("serve_node_lost", lost=list(lost), error=exc.message)
-        threading.Thread(
-            target=self._recover, args=((lost, detection, time.time()),), name="serve-recover", daemon=True
-        ).start()
+        with self._cond:
+            running.failure = failure
+            if self._running is running:
+                self._running = None
+                self.state = "recovering"
+                self.lost = endpoints
+                self.reason = message
+                for ep in endpoints:
+                    self.nodes[ep] = "lost"
+            self._cond.notify_all()
+        running.ended.set()
+        tail = running.engine.log_tail()
+        get_logger().warning("serve_node_lost", lost=list(endpoints), error=message, engine_log=tail)
+        self._recover((endpoints, detection, time.time()))
 
     # -- recovery and reload
     def _first_load(self, plan: Plan | None) -> None:
@@ -310,6 +355,8 @@ class Backend:
             started = time.monotonic()
             replan = 0.0
             while not self._stopping.is_set():
+                if self.state in SERVING:  # another recovery (a reload's) got there first
+                    return
                 round_started = time.monotonic()
                 result = self._plan_round()
                 if result.plan is not None:
@@ -325,8 +372,10 @@ class Backend:
                     replan += time.monotonic() - round_started
                     self.reason = f"waiting for the fleet: {result.reason}"
                 if time.monotonic() - started > self.config.recover_timeout:
-                    self.state = "failed"
-                    self.reason = f"gave up after {self.config.recover_timeout:g} s: {self.reason}"
+                    with self._cond:
+                        self.state = "failed"
+                        self.reason = f"gave up after {self.config.recover_timeout:g} s: {self.reason}"
+                        self._cond.notify_all()
                     get_logger().error("serve_failed", reason=self.reason)
                     if self.on_failed is not None:
                         self.on_failed()
@@ -357,7 +406,7 @@ class Backend:
         return result
 
     def _load(self, plan: Plan, before_serving: Callable[[], None] | None = None) -> bool:
-        """Check the caches, load `plan` in a new worker and serve it; `before_serving` runs just before
+        """Check the caches, start the engine on `plan` and serve it; `before_serving` runs just before
         the new state shows (a recovery's record, so that /health never shows one without the other)."""
         started = time.monotonic()
         try:
@@ -368,44 +417,53 @@ class Backend:
             return False
         self.skipped = dict(prep.hit_bytes) if prep is not None else {}
         phases = {"cache": time.monotonic() - started} if prep is not None else {}
-        worker = Worker.spawn(
-            self.config.log_dir / f"worker-{int(time.time() * 1000)}.log" if self.config.log_dir else None,
-            event_timeout=self.config.event_timeout,
-            link_timeout=self.config.link_timeout,
-        )
         started = time.monotonic()
         try:
-            worker.load(
-                plan,
-                self.fleet.model_path,
-                {"seed": self.config.seed},
-                timeout=self.config.load_timeout,
-                dial=self.fleet.dial_map(),
-                on_progress=self._progress,
-                cache_hits=self.skipped,
-            )
+            engine = self.engines(plan, self.fleet.dial_map())
         except RpcfleetError as exc:
-            worker.kill()
             self.reason = f"loading failed: {exc.message}"
-            get_logger().warning("serve_load_failed", error=exc.message)
+            return False
+        try:
+            seconds = engine.load(self.config.load_timeout, self._progress, self.skipped)
+        except RpcfleetError as exc:
+            engine.kill()
+            self.reason = f"loading failed: {exc.message}"
+            get_logger().warning("serve_load_failed", error=exc.message, engine_log=exc.stderr_tail)
             return False
         finally:
             self.load_progress = None
+        running = Running(engine, plan)
+        self._stop_engine()  # none should be left; never two
+        if self._stopping.is_set():
+            running.stopping = True
+            engine.close()
+            return True
         with self._cond:
             if before_serving is not None:
                 before_serving()
-            self._worker = worker
+            self._running = running
             self.plan = plan
-            self.load_seconds = round(worker.placement.load_seconds, 3) if worker.placement else None
+            self.load_seconds = round(seconds, 3)
             for ep in plan.endpoints:
                 self.nodes[ep] = "serving"
             self.lost = tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
             self.state = "degraded" if self.lost else "ready"
             self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
-        get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=worker.pid)
+            self._cond.notify_all()
+        threading.Thread(target=self._watch_engine, args=(running,), name="serve-engine", daemon=True).start()
+        get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=engine.pid)
         if self.on_loaded is not None:
             self.on_loaded(plan, {**phases, "load": time.monotonic() - started})
         return True
+
+    def _stop_engine(self) -> None:
+        """Stop the engine on purpose (its watch starts no recovery). Under `_control`."""
+        with self._cond:
+            running, self._running = self._running, None
+        if running is not None:
+            running.stopping = True
+            running.engine.close()
+            running.ended.set()
 
     # -- the watch of the nodes left out, and their rejoin
     def _watch(self) -> None:
@@ -444,30 +502,31 @@ class Backend:
             self._rejoin(back)
 
     def _rejoin(self, back: tuple[str, ...]) -> None:
-        """Between two requests: unload, re-plan on every node that answers and load (as a reload, with
-        the requests queued meanwhile waiting for the new worker). A failed load goes on as a recovery."""
+        """Hold the slots (new requests wait in the queue), wait for the requests being served, stop the
+        engine, re-plan on every node that answers and start it again. A failed load goes on as a
+        recovery."""
         started = time.monotonic()
         get_logger().info("serve_rejoin_waiting", back=list(back))
         with self._cond:
-            self.rejoining = {"back": list(back), "phase": "waiting for the worker"}
-        # The worker's gate, in turn with the queued requests: continuous load never leaves an idle
-        # moment to wait for. One blocking wait (a timed-out one would go back to the queue's end).
-        if not self._gate.acquire(timeout=self.config.queue_timeout):
-            self.rejoining = None
-            return
-        with self._cond:
             # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
             if self.state != "degraded" or self._stopping.is_set() or not self._control.acquire(False):
-                self.rejoining = None
-                self._gate.release()
                 return
-            worker, self._worker = self._worker, None
+            self.rejoining = {"back": list(back), "phase": "waiting for the engine"}
+            self._hold += 1
+            deadline = time.monotonic() + self.config.queue_timeout
+            while self._busy and time.monotonic() < deadline and self.state == "degraded":
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            if self._busy or self.state != "degraded":  # the engine was lost meanwhile, or never idle
+                self.rejoining = None
+                self._hold -= 1
+                self._cond.notify_all()
+                self._control.release()
+                return
             self.rejoining = {"back": list(back), "phase": "loading"}
         idle = time.monotonic() - started
         loaded = False
         try:
-            if worker is not None:
-                worker.close()
+            self._stop_engine()
             result = self._plan_round()
             record = functools.partial(self._record_rejoin, back, idle, time.monotonic())
             loaded = result.plan is not None and self._load(result.plan, before_serving=record)
@@ -478,9 +537,10 @@ class Backend:
         finally:
             with self._cond:
                 self.rejoining = None
+                self._hold -= 1
                 if not loaded:
-                    self.state = "recovering"  # the requests waiting at the gate get 503
-            self._gate.release()
+                    self.state = "recovering"  # the requests waiting for a slot get 503
+                self._cond.notify_all()
             self._control.release()
         if not loaded:
             get_logger().warning("serve_rejoin_failed", back=list(back), reason=self.reason)
@@ -508,8 +568,8 @@ class Backend:
                 get_logger().warning("serve_progress_failed", error=repr(exc))
 
     def reload(self, *, rolling_restart: bool = False, wait: bool = False) -> threading.Thread:
-        """Drain (admitted requests finish, new ones get 503), unload, optionally restart every node one
-        at a time (`restart --rolling`), re-plan and load. In a thread; `wait` joins it."""
+        """Drain (admitted requests finish, new ones get 503), stop the engine, optionally restart every
+        node one at a time (`restart --rolling`), re-plan and start it. In a thread; `wait` joins it."""
         thread = threading.Thread(
             target=self._reload, args=(rolling_restart,), name="serve-reload", daemon=True
         )
@@ -523,14 +583,14 @@ class Backend:
             self.metrics.record_reload()
             with self._cond:
                 self.state, self.reason = "draining", "reloading"
+                self._cond.notify_all()
                 deadline = time.monotonic() + self.config.drain_timeout
                 while self._admitted and time.monotonic() < deadline:
                     self._cond.wait(max(0.0, deadline - time.monotonic()))
-                worker, self._worker = self._worker, None
                 self.state = "recovering"
-            # a request still admitted past the drain timeout is ended by the unload (the worker's error)
-            if worker is not None:
-                worker.close()
+                self._cond.notify_all()
+            # a request still admitted past the drain timeout is ended by the stop (a 503)
+            self._stop_engine()
             if rolling_restart:
                 self.reason = "rolling restart of the fleet"
                 failed = self.fleet.rolling_restart()
@@ -538,3 +598,9 @@ class Backend:
                     get_logger().warning("serve_rolling_restart_failed", failed=failed)
                     self.reason = f"rolling restart failed: {'; '.join(failed)}"
         self._recover(None)
+
+    # -- the engine's counters
+    def engine_states(self) -> Mapping[str, Any]:
+        """Slots and queue as the backend sees them (for /metrics)."""
+        with self._cond:
+            return {"admitted": self._admitted, "served": self._busy, "parallel": self.config.parallel}

@@ -133,3 +133,39 @@ class Metrics:
 
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+ENGINE_PREFIX = "llamacpp:"
+
+
+def engine_metrics(engine_text: str, served: int, parallel: int, admitted: int) -> str:
+    """Serve's slot gauges, then the engine's own families (llama-server's `/metrics`: tokens, throughput,
+    requests processing...) renamed `rpcfleet_engine_*` (counters of the engine process now serving: a
+    restarted engine starts from 0). `rpcfleet_slots_busy` is the engine's `requests_processing` when it
+    answered, else the requests serve has handed it."""
+    families: dict[str, float] = {}
+    lines: list[str] = []
+    for line in engine_text.splitlines():
+        if ENGINE_PREFIX not in line:
+            continue
+        renamed = line.replace(ENGINE_PREFIX, "rpcfleet_engine_")
+        lines.append(renamed)
+        if not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                families[name[len(ENGINE_PREFIX) :]] = float(value)
+            except ValueError:
+                continue
+    busy = families.get("requests_processing", float(served))
+    head = [
+        "# HELP rpcfleet_slots_busy Slots of the engine generating now (its requests_processing).",
+        "# TYPE rpcfleet_slots_busy gauge",
+        f"rpcfleet_slots_busy {busy:g}",
+        "# HELP rpcfleet_slots Slots of the engine (--parallel).",
+        "# TYPE rpcfleet_slots gauge",
+        f"rpcfleet_slots {parallel}",
+        "# HELP rpcfleet_requests_admitted Requests admitted: served and waiting for a slot.",
+        "# TYPE rpcfleet_requests_admitted gauge",
+        f"rpcfleet_requests_admitted {admitted}",
+    ]
+    return "\n".join(head + lines) + "\n"

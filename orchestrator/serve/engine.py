@@ -1,0 +1,489 @@
+"""serve's engine: `llama-server`, built from the same llama.cpp source as the binding and the nodes'
+servers, run on a plan's devices and listening on loopback only (serve's own front is the public side).
+
+`Engine` is what the backend needs of an engine (start and load, the URL it answers on, its death, a stop),
+so that the backend's state machine is tested with a fake one in milliseconds; `LlamaServer` is the real
+one.
+
+A node lost under llama-server: its native RPC client aborts the process (SIGABRT), as it does a worker.
+A cut link could stall it for TCP's minutes, and llama-server sets no socket options of its own: serve
+takes a duplicate of each of the engine's RPC connections (`pidfd_getfd`, Linux 5.6+; the child of this
+process, so allowed) and sets keepalive and TCP_USER_TIMEOUT on it, as the worker does on its own. Data
+unacknowledged for `link_timeout` then fails the engine's send or receive, llama-server aborts, and the
+backend sees the process end. The same duplicates give each node's acknowledged bytes during the load
+(the load's progress).
+
+Engines are started from one long-lived thread: the engine is killed when its starter dies
+(PR_SET_PDEATHSIG), and that is a *thread*'s death for Linux, so no short-lived thread may start one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrator.core.errors import RpcfleetError, tail
+from orchestrator.core.log import get_logger
+from orchestrator.core.paths import rpcfleet_home
+from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes
+from orchestrator.planning.formats import llama_cli_args
+from orchestrator.planning.plan import Plan
+from orchestrator.rpc.client import probe_endpoints
+from orchestrator.rpc.protocol import Outcome, ProbeResult, parse_endpoint
+from orchestrator.serve.templates import ChatTemplate, model_chat_template
+
+DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README
+LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
+KEEP_LOGS = 20
+
+
+class EngineError(RpcfleetError):
+    """The engine could not start or load, or it died; `lost` names the endpoints that stopped answering."""
+
+    lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    binary: Path
+    model_path: str
+    model_name: str
+    parallel: int = DEFAULT_PARALLEL
+    template_args: tuple[str, ...] = ("--jinja",)
+    link_timeout: float = 10.0
+    probe_timeout: float = 2.0
+    log_dir: Path | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+class Engine(Protocol):
+    """One engine process serving one plan (what the backend needs of it)."""
+
+    @property
+    def url(self) -> str: ...  # http://127.0.0.1:PORT
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def log_path(self) -> Path | None: ...
+
+    def load(
+        self,
+        timeout: float,
+        on_progress: Callable[[LoadProgress], None] | None,
+        cache_hits: Mapping[str, int],
+    ) -> float:
+        """Start and wait until it serves (returns the seconds it took); EngineError naming lost nodes."""
+        ...
+
+    def wait(self) -> str:
+        """Block until the process ends; returns how it ended ("signal SIGABRT", "exit status 1")."""
+        ...
+
+    def diagnose(self) -> tuple[tuple[str, str], ...]:
+        """(endpoint, probe outcome) of the plan's endpoints that no longer answer (bounded probes)."""
+        ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL) and reap it. Idempotent."""
+        ...
+
+    def log_tail(self) -> str | None: ...
+
+
+EngineFactory = Callable[[Plan, Mapping[str, str]], Engine]
+
+
+def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, port: int) -> list[str]:
+    """llama-server's arguments for `plan` (its devices, split, layers, context, KV types: the arguments
+    `plan --format llama-cli` prints, with the endpoints it dials), its slots and chat template, on
+    127.0.0.1:`port`. The N slots split the plan's context (its KV cache, as planned): `c/N` each. Not
+    `--kv-unified`: with `-fa off` (the plan's default) a unified cache made every decode attend over the
+    whole cache: on 3 CPU nodes a second burst of 4 requests took 135 s instead of 8."""
+    args = llama_cli_args(plan.with_endpoints(dict(dial)), options.model_path)
+    args += ["-b", str(plan.options.n_batch)]  # the plan's own --parallel (its sequences) is in there
+    args += ["--host", "127.0.0.1", "--port", str(port)]
+    args += ["--alias", options.model_name, "--metrics", "--slots", "--no-webui"]
+    args += [*options.template_args, *options.extra_args]
+    return args
+
+
+# -- the engine's RPC sockets, from outside (pidfd_getfd)
+
+_SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (asm-generic)
+_PR_SET_PDEATHSIG = 1
+_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info
+_libc: Any = None
+
+
+def _syscall() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def foreign_sockets(
+    pid: int, wanted: set[tuple[str, int]]
+) -> Iterator[tuple[tuple[str, int], socket.socket]]:
+    """Process `pid`'s TCP connections to one of `wanted` (address, port), each with its peer: duplicates
+    of its descriptors (pidfd_getfd), closed after the caller's turn. Nothing when not permitted."""
+    try:
+        pidfd = os.pidfd_open(pid)
+        names = os.listdir(f"/proc/{pid}/fd")  # noqa: PTH208 (names, not paths)
+    except OSError:
+        return
+    try:
+        for name in names:
+            try:
+                if not str(Path(f"/proc/{pid}/fd/{name}").readlink()).startswith("socket:"):
+                    continue
+            except OSError:
+                continue
+            fd = _syscall().syscall(_SYS_PIDFD_GETFD, pidfd, int(name), 0)
+            if fd < 0:
+                continue
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)
+                continue
+            with sock:
+                try:
+                    peer = sock.getpeername()[:2] if sock.type == socket.SOCK_STREAM else None
+                except OSError:
+                    continue
+                if peer in wanted:
+                    yield peer, sock
+    finally:
+        os.close(pidfd)
+
+
+def tune_socket(sock: socket.socket, link_timeout: float) -> None:
+    """Keepalive and TCP_USER_TIMEOUT: data (or keepalives) unacknowledged for `link_timeout` seconds
+    abort the connection."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(link_timeout / 2)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(link_timeout / 5)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(link_timeout * 1000))
+
+
+def peers_of(endpoints: Mapping[str, str]) -> dict[tuple[str, int], str]:
+    """(address, port) a connection to each dialed endpoint has as its peer -> the plan's endpoint."""
+    peers: dict[tuple[str, int], str] = {}
+    for real, dialed in endpoints.items():
+        ep = parse_endpoint(dialed)
+        try:
+            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        for info in infos:
+            peers[(str(info[4][0]), int(info[4][1]))] = real
+        peers.setdefault((ep.host, ep.port), real)
+    return peers
+
+
+def lost_message(lost: tuple[tuple[str, str], ...], doing: str, how: str) -> str:
+    """`lost HOST:PORT (refused) while generating: llama-server ended (signal SIGABRT)`, or without a
+    lost node `llama-server ended (...) while ...; every node still answers`."""
+    if lost:
+        names = ", ".join(f"{ep} ({outcome})" for ep, outcome in lost)
+        return f"lost {names} while {doing}: llama-server ended ({how})"
+    return f"llama-server ended ({how}) while {doing}; every node still answers"
+
+
+class _Spawner:
+    """The one long-lived thread that starts engines (see the module's docstring: PR_SET_PDEATHSIG)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
+        threading.Thread(target=self._run, name="engine-spawner", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job, answer = self._jobs.get()
+            try:
+                answer.put((True, job()))
+            except BaseException as exc:
+                answer.put((False, exc))
+
+    def call(self, job: Callable[[], Any]) -> Any:
+        answer: queue.Queue[Any] = queue.Queue()
+        self._jobs.put((job, answer))
+        ok, value = answer.get()
+        if not ok:
+            raise value
+        return value
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+
+    libc = _syscall()  # loaded here: the child between fork and exec only calls it
+
+    def die_with_parent() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def start() -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as log:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "GGML_NO_BACKTRACE": "1"},  # no debugger attached on an abort
+                start_new_session=True,  # a Ctrl-C at the terminal reaches serve only
+                preexec_fn=die_with_parent,
+            )
+
+    return _spawner.call(start)  # type: ignore[no-any-return]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_engine_log() -> Path:
+    folder = rpcfleet_home() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = sorted(folder.glob("engine-*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in logs[KEEP_LOGS - 1 :]:
+        if time.time() - stale.stat().st_mtime > 3600:
+            stale.unlink(missing_ok=True)
+    return folder / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.log"
+
+
+def _how(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+class LlamaServer:
+    """llama-server on `plan`, dialing `dial`'s endpoints (SSH forwards), on a free loopback port."""
+
+    SAMPLE_INTERVAL = 0.25  # seconds between two looks at the engine during its load (and its sockets)
+
+    def __init__(self, plan: Plan, dial: Mapping[str, str], options: EngineOptions) -> None:
+        self.plan = plan
+        self.dial = {ep: dial.get(ep, ep) for ep in plan.endpoints}
+        self.options = options
+        self.port = _free_port()
+        self._log_path = (
+            options.log_dir / f"engine-{int(time.time() * 1000)}.log"
+            if options.log_dir
+            else default_engine_log()
+        )
+        self._process: subprocess.Popen[bytes] | None = None
+        self._peers = peers_of(self.dial)
+        self._tuned: set[tuple[str, int, int]] = set()  # (address, port, local port) already tuned
+        self._closing = False
+        self._tuner: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_path
+
+    @property
+    def argv(self) -> list[str]:
+        return [str(self.options.binary), *engine_args(self.plan, self.dial, self.options, self.port)]
+
+    def load(
+        self,
+        timeout: float,
+        on_progress: Callable[[LoadProgress], None] | None = None,
+        cache_hits: Mapping[str, int] | None = None,
+    ) -> float:
+        started = time.monotonic()
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        get_logger().info("engine_start", argv=self.argv, log=str(self._log_path))
+        self._process = _spawn(self.argv, self._log_path)
+        tracker = ProgressTracker(planned_bytes(self.plan), {}, dict(cache_hits or {}))
+        to_send = sum(max(0, n - (cache_hits or {}).get(ep, 0)) for ep, n in planned_bytes(self.plan).items())
+        while True:
+            if self._process.poll() is not None:
+                raise self._died("loading the model")
+            if self._ready():
+                break
+            if time.monotonic() - started > timeout:
+                self.kill()
+                raise EngineError(
+                    f"llama-server did not serve within {timeout:g} s (killed)", stderr=self.log_tail()
+                )
+            sent = self.tune_and_count()  # a fresh process: every byte on its connections is this load's
+            if on_progress is not None:
+                fraction = min(0.99, sum(sent.values()) / to_send) if to_send else 0.0
+                on_progress(tracker.update(fraction, time.monotonic() - started, sent))
+            time.sleep(self.SAMPLE_INTERVAL)
+        sent = self.tune_and_count()
+        if on_progress is not None:  # the last sample: every byte of the load, 100%
+            on_progress(tracker.update(1.0, time.monotonic() - started, sent))
+        self._tuner = threading.Thread(target=self._keep_tuning, name="engine-tuner", daemon=True)
+        self._tuner.start()
+        seconds = time.monotonic() - started
+        get_logger().info("engine_ready", pid=self.pid, url=self.url, seconds=round(seconds, 3))
+        return seconds
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def tune_and_count(self) -> dict[str, int]:
+        """Tune the engine's new RPC connections (keepalive, user timeout) and return, per plan endpoint,
+        the bytes its server acknowledged on them."""
+        sent = dict.fromkeys(self.dial, 0)
+        if self._process is None or not self._peers:
+            return sent
+        for peer, sock in foreign_sockets(self._process.pid, set(self._peers)):
+            with contextlib.suppress(OSError):
+                key = (*peer, int(sock.getsockname()[1]))
+                if key not in self._tuned:
+                    tune_socket(sock, self.options.link_timeout)
+                    self._tuned.add(key)
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+                if len(info) >= _BYTES_ACKED + 8:
+                    sent[self._peers[peer]] += int.from_bytes(info[_BYTES_ACKED : _BYTES_ACKED + 8], "little")
+        return sent
+
+    def _keep_tuning(self) -> None:
+        """While it serves: tune connections it opens later (ggml-rpc may reconnect)."""
+        process = self._process
+        while process is not None and process.poll() is None and not self._closing:
+            time.sleep(1.0)
+            with contextlib.suppress(Exception):
+                self.tune_and_count()
+
+    def _died(self, doing: str) -> EngineError:
+        assert self._process is not None
+        how = _how(self._process.wait())
+        lost = self.diagnose()
+        err = EngineError(lost_message(lost, doing, how), stderr=self.log_tail())
+        err.lost = tuple(ep for ep, _ in lost)
+        return err
+
+    def wait(self) -> str:
+        assert self._process is not None
+        return _how(self._process.wait())
+
+    def probes(self) -> list[ProbeResult]:
+        t = self.options.probe_timeout
+        endpoints = list(self.dial)
+        if not endpoints:
+            return []
+        dialed = [self.dial[ep] for ep in endpoints]
+        import asyncio
+
+        found = asyncio.run(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
+        return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
+
+    def diagnose(self) -> tuple[tuple[str, str], ...]:
+        """(endpoint, outcome) of every plan endpoint that no longer answers."""
+        return tuple((r.endpoint, str(r.outcome)) for r in self.probes() if r.outcome in LOST_OUTCOMES)
+
+    def kill(self) -> None:
+        self._closing = True
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+        if self._process is not None:
+            self._process.wait()
+
+    def close(self) -> None:
+        self._closing = True
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def log_tail(self) -> str | None:
+        try:
+            with self._log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        telling = [
+            line
+            for line in text.splitlines()
+            if any(w in line.lower() for w in ("error", "fail", "abort", "rpc", "exception"))
+        ]
+        return tail("\n".join(telling), 4) or tail(text, 4) or None
+
+
+def llama_server_factory(options: EngineOptions) -> EngineFactory:
+    def make(plan: Plan, dial: Mapping[str, str]) -> Engine:
+        return LlamaServer(plan, dial, options)
+
+    return make
+
+
+def default_engines(
+    model_path: str,
+    model_name: str,
+    *,
+    parallel: int = DEFAULT_PARALLEL,
+    link_timeout: float = 10.0,
+    chat_template: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[EngineFactory, ChatTemplate]:
+    """llama-server engines for a model (built on first use from the binding's source; setup builds it),
+    with the model's chat template (see `templates`)."""
+    from orchestrator.artifacts.build import llama_server_binary
+
+    template = model_chat_template(model_path, chat_template)
+    options = EngineOptions(
+        binary=llama_server_binary(progress=progress),
+        model_path=model_path,
+        model_name=model_name,
+        parallel=parallel,
+        template_args=template.args,
+        link_timeout=link_timeout,
+    )
+    return llama_server_factory(options), template
