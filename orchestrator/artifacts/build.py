@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -367,9 +368,11 @@ def cached_tools(version: str | None = None) -> Path | None:
         return None
     key = tools_key(sha)
     # A build is immutable and named by its source and flags: one in the default cache serves another
-    # $RPCFLEET_HOME too (a test's, a demo's) rather than a second 10-minute build.
-    default = Path.home() / ".cache" / "rpcfleet" / "engine" / key
-    for folder in dict.fromkeys([tools_dir(key), default]):
+    # $RPCFLEET_HOME too (a test's, a demo's) rather than a second 10-minute build; the user's own home
+    # from the password database counts too, when $HOME points elsewhere (a test's empty home).
+    homes = [Path.home(), Path(pwd.getpwuid(os.getuid()).pw_dir)]
+    defaults = [home / ".cache" / "rpcfleet" / "engine" / key for home in homes]
+    for folder in dict.fromkeys([tools_dir(key), *defaults]):
         if (folder / ".complete").is_file():
             return folder
     return None
