@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -627,3 +628,23 @@ def test_a_whole_answer_slower_than_the_event_timeout_is_waited_for_while_the_en
     assert answer.status_code == 503 and busy.killed, answer.json()
     assert answer.json()["error"]["lost"] == [ENDPOINTS[0]]
     r.wait_state({"degraded"})
+
+
+def test_the_engines_counters_pass_through_with_prometheus_names() -> None:
+    """llama-server declares `n_tokens_max` a counter without `_total`: renamed, promtool accepts it."""
+    engine = (
+        "# HELP llamacpp:n_tokens_max Largest observed n_tokens.\n"
+        "# TYPE llamacpp:n_tokens_max counter\n"
+        "llamacpp:n_tokens_max 3\n"
+        "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+        "# TYPE llamacpp:prompt_tokens_total counter\n"
+        "llamacpp:prompt_tokens_total 5\n"
+        "# HELP llamacpp:requests_processing Requests processing.\n"
+        "# TYPE llamacpp:requests_processing gauge\n"
+        "llamacpp:requests_processing 2\n"
+    )
+    text = engine_metrics(engine, 1, 4, 2)
+    assert "rpcfleet_engine_n_tokens_max_total 3" in text and "rpcfleet_engine_prompt_tokens_total 5" in text
+    assert "rpcfleet_slots_busy 2" in text
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr

@@ -6,6 +6,7 @@ is a summary (`_sum`, `_count`), per-endpoint up/down is a gauge with an `endpoi
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -145,10 +146,23 @@ def engine_metrics(engine_text: str, served: int, parallel: int, admitted: int) 
     answered, else the requests serve has handed it."""
     families: dict[str, float] = {}
     lines: list[str] = []
+    # Prometheus names a counter `*_total`; llama-server does not always (n_tokens_max, ...)
+    counters = {
+        fields[2][len(ENGINE_PREFIX) :]
+        for fields in (line.split() for line in engine_text.splitlines() if line.startswith("# TYPE "))
+        if len(fields) == 4 and fields[2].startswith(ENGINE_PREFIX) and fields[3] == "counter"
+    }
     for line in engine_text.splitlines():
         if ENGINE_PREFIX not in line:
             continue
         renamed = line.replace(ENGINE_PREFIX, "rpcfleet_engine_")
+        for name in counters:
+            if not name.endswith("_total"):
+                renamed = re.sub(
+                    rf"\brpcfleet_engine_{re.escape(name)}(?=[\s{{]|$)",
+                    f"rpcfleet_engine_{name}_total",
+                    renamed,
+                )
         lines.append(renamed)
         if not line.startswith("#"):
             name, _, value = line.rpartition(" ")
