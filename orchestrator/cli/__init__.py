@@ -122,6 +122,7 @@ def run() -> NoReturn:
     process exits (a late one would otherwise print a traceback from the interpreter's shutdown)."""
     try:
         signals.install()  # SIGTERM ends the run as Ctrl-C does
+        signals.quiet_after_interrupt()
         status = main()
     except KeyboardInterrupt:  # a second signal while the first was being reported
         status = INTERRUPTED

@@ -10,7 +10,10 @@ lands inside one of them is handled again a moment later, outside it.
 from __future__ import annotations
 
 import signal
+import sys
+import warnings
 from types import FrameType
+from typing import Any
 
 _IMPORT_MACHINERY = "<frozen importlib"
 _RETRY = 0.002  # seconds until a deferred signal is handled again
@@ -50,6 +53,27 @@ def raise_if_interrupted() -> None:
     the command must not run on past the next phase boundary."""
     if _received:
         raise KeyboardInterrupt
+
+
+def quiet_after_interrupt() -> None:
+    """Once a signal has interrupted the command, what it cut short is only collected: an event loop half
+    made (its `__del__` fails), a coroutine never awaited. Their finalizers' complaints ("Exception
+    ignored in ...", a RuntimeWarning) would follow the one line that reports the interrupt; they are
+    dropped then, and printed as before otherwise. For the program's process (not a library's)."""
+    default_hook, default_show = sys.unraisablehook, warnings.showwarning
+
+    def unraisable(what: Any) -> None:
+        if not _received:
+            default_hook(what)
+
+    def show(
+        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
+        if not _received:
+            default_show(message, category, filename, lineno, file, line)
+
+    sys.unraisablehook = unraisable
+    warnings.showwarning = show
 
 
 def forget() -> None:
