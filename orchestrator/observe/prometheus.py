@@ -149,10 +149,17 @@ def render(
             "usable",
         ),
         ("rpcfleet_device_held_bytes", "Device memory the loaded plans hold (their prediction).", "held"),
+        (
+            "rpcfleet_device_total_share_bytes",
+            "Device memory, total, divided as free is (CPU devices: the host's RAM divided among its CPU "
+            "servers): free / total_share is the fraction free.",
+            "total_share",
+        ),
     ):
         t.family(name, "gauge", text)
         for n, d in devices:
-            t.sample(name, getattr(d, attr), host=n.host, endpoint=n.endpoint, device=d.name, kind=d.kind)
+            value = d.total if attr == "total_share" and d.total_share is None else getattr(d, attr)
+            t.sample(name, value, host=n.host, endpoint=n.endpoint, device=d.name, kind=d.kind)
     t.family(
         "rpcfleet_device_measured_timestamp_seconds",
         "gauge",
