@@ -101,7 +101,7 @@ def test_the_text_has_every_family_with_prometheus_names_and_the_held_bytes() ->
         'rpcfleet_device_held_bytes{host="n1",endpoint="10.0.0.1:50052",device="10.0.0.1:50052#0",kind="cpu"}'
     )
     assert f"{held} {1 << 30}" in text
-    assert 'rpcfleet_cache_files{host="n1",endpoint="10.0.0.1:50052"} 12' in text
+    assert 'rpcfleet_cache_files{host="n1",install_dir=""} 12' in text
     assert 'rpcfleet_formation_state{formation="tiny",model="tiny",state="ready"} 1' in text
     bucket = 'rpcfleet_formation_time_to_first_token_seconds_bucket{formation="tiny",model="tiny",le='
     assert f'{bucket}"0.05"}} 1' in text and f'{bucket}"10"}} 3' in text and f'{bucket}"+Inf"}} 4' in text
@@ -345,3 +345,29 @@ def test_the_memory_alert_compares_a_cpu_servers_free_share_with_its_share_of_th
         [PROMTOOL, "test", "rules", "case.yml"], capture_output=True, text=True, cwd=tmp_path
     )
     assert cases.returncode == 0, cases.stdout + cases.stderr
+
+
+def test_a_cache_shared_by_the_servers_of_one_install_counts_once() -> None:
+    """The servers of one host (`rpc_servers`) share its install's cache folder: each server's read of it
+    is the same folder, one sample per install, named by its machine (was one per server: 2 x the bytes)."""
+    from orchestrator.inventory.model import servers_of
+    from orchestrator.inventory.variables import RpcServer
+    from orchestrator.observe.collect import cache_view
+
+    gib = 1 << 30
+    two = Host(name="h1", address="10.0.0.1", rpc_servers=(RpcServer(50052, "a"), RpcServer(50053, "b")))
+    one = Host(name="h2", address="10.0.0.2", install_dir="/opt/rpcfleet")
+    reads = {"10.0.0.1": CacheView(3 * gib, 12), "10.0.0.2": CacheView(gib, 4)}
+    nodes = tuple(
+        NodeView(s.name, s.endpoint, True, "running", "ok", cache=cache_view(s, reads[s.address]))
+        for s in [*servers_of(two), one]
+    )
+    assert [n.host for n in nodes] == ["h1/a", "h1/b", "h2"]
+    text = render(Snapshot(1.7e9, 15.0, nodes=nodes, rounds=1))
+    lines = [line for line in text.splitlines() if line.startswith("rpcfleet_cache_")]
+    assert lines == [
+        f'rpcfleet_cache_bytes{{host="h1",install_dir="~/.local/lib/rpcfleet"}} {3 * gib}',
+        f'rpcfleet_cache_bytes{{host="h2",install_dir="/opt/rpcfleet"}} {gib}',
+        'rpcfleet_cache_files{host="h1",install_dir="~/.local/lib/rpcfleet"} 12',
+        'rpcfleet_cache_files{host="h2",install_dir="/opt/rpcfleet"} 4',
+    ]

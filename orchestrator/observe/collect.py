@@ -95,6 +95,16 @@ class NodeRead:
     cache: CacheView | None
 
 
+def cache_view(host: Host, cache: CacheView | None) -> CacheView | None:
+    """A cache read on `host`, named by its install: the servers of one install share its folder."""
+    if cache is None:
+        return None
+    address, port, install_dir = host.install_key
+    return replace(
+        cache, host=host.node_name, install_dir=install_dir, install=f"{address}:{port}:{install_dir}"
+    )
+
+
 def device_view(d: DeviceCapacity, measured_at: float) -> DeviceView:
     """What the exporter shows of a probed device, `total_share` with it (free's like-for-like total)."""
     return DeviceView(
@@ -330,7 +340,7 @@ class Collector:
                     restarts=restarts,
                     pid=pid,
                     devices=views,
-                    cache=read.cache if read is not None else None,
+                    cache=cache_view(host, read.cache) if read is not None else None,
                     probed_at=now,
                 )
             )

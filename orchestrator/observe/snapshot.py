@@ -76,8 +76,13 @@ class DeviceView:
 
 @dataclass(frozen=True)
 class CacheView:
+    """A tensor cache: one folder per install, shared by the servers of that install (`rpc_servers`)."""
+
     bytes: int
     files: int
+    host: str = ""  # the machine's inventory name (not a server's `HOST/SERVER`); "": the node's
+    install_dir: str = ""
+    install: str = ""  # what identifies the folder on its node (`Host.install_key`); "": the node's own
 
 
 @dataclass(frozen=True)
