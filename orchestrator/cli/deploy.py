@@ -7,6 +7,7 @@ it on the new version) and waits for a HELLO. `--check` prints what would change
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +165,10 @@ def _run(
             if undeclared is not None and inventory is not None and not run.interrupted:
                 # not the machines the run could not reach: a second connect would only time out again
                 reached = [r.host for r in run.results if r.status not in ("unreachable", "skipped")]
-                undeclared.extend(await _find_undeclared(session, inventory, reached))
+                found, interrupted = await _find_undeclared(session, inventory, reached)
+                undeclared.extend(found)
+                if interrupted:  # landed after the run itself: still 130 and `interrupted`
+                    return dataclasses.replace(run, interrupted=True)
             return run
 
     return _common.run_async(go())
@@ -172,14 +176,15 @@ def _run(
 
 async def _find_undeclared(
     session: Session, inventory: Inventory, hosts: list[Host]
-) -> list[tuple[Host, LiveServer]]:
+) -> tuple[list[tuple[Host, LiveServer]], bool]:
     """The servers of the installs of `hosts` (servers' views) that their machines do not declare; a
     machine that cannot be read is left out (the run's own result says why)."""
     from orchestrator.operations.undeclared import undeclared_step
 
     machines = [inventory.host(name) for name in dict.fromkeys(h.node_name for h in hosts)]
     run = await session.run(machines, undeclared_step, name="undeclared")
-    return [(r.host, live) for r in run.results if isinstance(r.value, tuple) for live in r.value]
+    found = [(r.host, live) for r in run.results if isinstance(r.value, tuple) for live in r.value]
+    return found, run.interrupted
 
 
 def _warn_undeclared(found: list[tuple[Host, LiveServer]]) -> None:
@@ -295,11 +300,15 @@ def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list
     from orchestrator.operations.service import make_service_step
     from orchestrator.operations.undeclared import server_view
 
-    async def find() -> list[tuple[Host, LiveServer]]:
+    async def find() -> tuple[list[tuple[Host, LiveServer]], bool]:
         async with _common.fleet_session(args) as session:
             return await _find_undeclared(session, inventory, hosts)
 
-    views = [server_view(machine, live) for machine, live in _common.run_async(find())]
+    found, interrupted = _common.run_async(find())
+    if interrupted:
+        _common.err_console.print("[yellow]interrupted[/yellow]: nothing stopped", highlight=False)
+        return _common.INTERRUPTED_EXIT
+    views = [server_view(machine, live) for machine, live in found]
     if not views:
         _common.err_console.print("no undeclared server runs on the selected hosts", highlight=False)
         return 0
