@@ -129,6 +129,8 @@ def test_the_readme_usage_block_runs_as_written(tmp_path: Path) -> None:
                 )
                 assert out.returncode == 0, f"`{line}` exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
                 assert "Traceback" not in out.stderr
+                # the block's own contexts fit its model: no warning a new user would have to puzzle over
+                assert "exceeds the model's training context" not in out.stdout + out.stderr, line
             else:
                 run_until_ready(line, *long_running, workdir, env)
     finally:
