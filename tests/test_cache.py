@@ -351,3 +351,31 @@ def test_tensor_offsets_come_from_the_header_reader_and_match_gguf_py(tiny_model
         (t.name, int(t.data_offset), int(t.n_bytes)) for t in gguf.GGUFReader(str(tiny_model), "r").tensors
     ]
     assert ours == reference and ours
+
+
+def test_a_cache_shared_by_the_servers_of_one_install_is_one_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The servers of one host (`rpc_servers`) share its install's cache folder: `cache status` shows it
+    once, named by the machine, with the servers it stands for (was a row per server, the same files
+    under each, so the table added up to twice the bytes)."""
+    from orchestrator.cli import main
+    from tests.plugins.servers import write_local_inventory
+
+    folder = tmp_path / "a" / "cache" / "rpc"
+    folder.mkdir(parents=True)
+    for name, size in (("0123456789abcdef", 1000), ("fedcba9876543210", 24)):
+        (folder / name).write_bytes(b"x" * size)
+    variables = {"install_dir": str(tmp_path / "a"), "rpc_servers": [50052, 50053]}
+    inv = write_local_inventory(
+        tmp_path / "inv.yml", {"a": variables, "b": {"install_dir": str(tmp_path / "b"), "rpc_port": 50054}}
+    )
+    assert main(["cache", "status", "-i", str(inv), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["hosts"]
+    assert [(r["host"], r["servers"], r["files"], r["bytes"]) for r in rows] == [
+        ("a", ["a/50052", "a/50053"], 2, 1024),
+        ("b", ["b"], 0, 0),
+    ]
+    assert main(["cache", "status", "-i", str(inv)]) == 0
+    table = capsys.readouterr().out
+    assert "a (a/50052, a/50053)" in table and table.count("1.00 KiB") == 1, table

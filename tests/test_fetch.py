@@ -118,17 +118,20 @@ def test_fetch_assembles_the_chunks_checks_them_and_a_second_fetch_does_nothing(
     assert main(["model", "fetch", "fake-model"]) == 0
     out, err = capsys.readouterr()
     path = cached_path(fake.entry)
-    assert f"fetched fake-model: {path} (sha256 ok)" in out
+    # the bare path on stdout (`$(rpcfleet model fetch NAME)`), what happened on stderr
+    assert out == f"{path}\n"
     assert "downloading fake-model" in err and "checking its sha256" in err
+    assert "fetched fake-model (sha256 ok)" in err
     assert path.read_bytes() == fake.data
     assert oct(path.stat().st_mode & 0o777) == "0o644"
     assert cache_entries(fake.entry) == [path.name]  # no temporary folder left
     before = path.stat()
     assert main(["model", "fetch", "fake-model"]) == 0
     out, err = capsys.readouterr()
-    assert f"fake-model is already fetched: {path}\n" in out and "downloading" not in err
+    assert out == f"{path}\n" and "downloading" not in err and "fake-model is already fetched" in err
     assert main(["model", "fetch", "fake-model", "--verify"]) == 0
-    assert f"fake-model is already fetched: {path} (sha256 ok)" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert out == f"{path}\n" and "fake-model is already fetched (sha256 ok)" in err
     after = path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert main(["model", "fetch", "fake-model", "--quiet-if-cached"]) == 0
@@ -198,7 +201,7 @@ def test_verify_rehashes_the_cached_file_and_fetches_a_damaged_one_again(
     assert main(["model", "fetch", "fake-model", "--verify"]) == 0
     out, err = capsys.readouterr()
     assert f"{path} has sha256" in err and "fetching it again" in err
-    assert f"fetched fake-model: {path}" in out
+    assert out == f"{path}\n" and "fetched fake-model (sha256 ok)" in err
     assert path.read_bytes() == fake.data
     path.write_bytes(b"short")  # a truncated file is seen without --verify (its size)
     assert main(["model", "fetch", "fake-model"]) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -491,6 +492,9 @@ def test_cli_run_prints_placement_and_speed(
     assert "placement (MiB)" in table
     assert f"{a.endpoint}#0" in table
     assert "tokens/s" in table
+    # One figure per name: the load phase, then llama.cpp's own load inside it (both were "load N s")
+    assert len(re.findall(r"(?<!'s )\bload [\d.]+ s", table)) == 1, table
+    assert re.search(r"llama\.cpp's load [\d.]+ s · prompt", table), table
     # A stopped endpoint: refused with a message, exit status 1, no traceback.
     assert main(["run", "-m", str(tiny_model), "-p", "x", "--endpoint", f"127.0.0.1:{free_port()}"]) == 1
     assert "refused" in capsys.readouterr().err

@@ -268,3 +268,34 @@ def test_inventory_list_graph_and_show_name_the_servers(
     assert main(["inventory", "list", "-i", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.yml:3:" in err and "both use port 50052" in err and "Traceback" not in err
+
+
+def test_undeclared_servers_are_the_live_ones_the_host_does_not_declare() -> None:
+    """What the node's live pid files say (`LiveServersFact`'s lines) against the host's `rpc_servers`:
+    a name dropped from the list, or the single server left from before the list, is undeclared."""
+    from orchestrator.inventory.model import Host
+    from orchestrator.inventory.variables import RpcServer
+    from orchestrator.operations.undeclared import parse_live_servers, server_view, undeclared
+
+    live = parse_live_servers(
+        "server -a.pid 101 50052\nloop -a.pid 100\nserver -b.pid 201 50053\nloop -c.pid 300\n"
+        "server .pid 401 50060\nnoise\nserver -d.pid notapid 1\n"
+    )
+    assert [(s.server, s.pid, s.port, s.loop) for s in live] == [
+        ("a", 101, 50052, 100),
+        ("b", 201, 50053, None),
+        ("c", None, None, 300),  # its loop waits to restart it: still running, as far as a user can tell
+        ("", 401, 50060, None),
+    ]
+    two = Host(name="h1", address="10.0.0.1", rpc_servers=(RpcServer(50052, "a"), RpcServer(50053, "b")))
+    assert [s.server for s in undeclared(two, live)] == ["c", ""]
+    single = Host(name="h1", address="10.0.0.1", rpc_port=50060)
+    assert [s.server for s in undeclared(single, live)] == ["a", "b", "c"]
+    c, unnamed = undeclared(two, live)
+    assert (server_view(two, c).name, server_view(two, c).server, server_view(two, c).rpc_port) == (
+        "h1/c",
+        "c",
+        50052,
+    )
+    view = server_view(two, unnamed)
+    assert (view.name, view.server, view.rpc_port, view.rpc_servers) == ("h1", "", 50060, ())

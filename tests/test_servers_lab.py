@@ -322,6 +322,64 @@ def test_a_playbooks_cache_warm_warms_both_servers_of_a_host(
 # --- systemd: one unit per server -------------------------------------------------------------------------
 
 
+def test_a_server_dropped_from_rpc_servers_is_undeclared_until_stopped(
+    deployed: Lab, hold_server: Callable[[str], socket.socket], tmp_path: Path
+) -> None:
+    """Server b dropped from node 1's rpc_servers keeps running, and nothing showed it: `status` lists
+    it as `undeclared` with its pid and port, `deploy` warns with the command that stops it, and
+    `stop --undeclared` stops it and nothing else, never while a client holds it (refused, as any stop)."""
+    import yaml
+
+    one, two = deployed.nodes
+    b = f"{one.name}/b"
+    document = yaml.safe_load(deployed.inventory.read_text())
+    fewer = tmp_path / "fewer.yml"
+    document["hosts"][one.name]["rpc_servers"] = [50052]  # was [50052, {port: 50053, name: b}]
+    fewer.write_text(yaml.safe_dump(document, sort_keys=False))
+    assert b not in {h.name for h in server_hosts(load_inventory(fewer).hosts)}
+    before = states(deployed)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", *args, "-i", str(fewer)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+            env={**os.environ, "NO_COLOR": "1", "COLUMNS": "250"},
+        )
+
+    try:
+        status = run("status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        (row,) = [line for line in status.stdout.splitlines() if line.split()[:1] == [b]]
+        assert "undeclared" in row and str(before[b]["pid"]) in row and f"{one.address}:50053" in row, row
+        assert f"`rpcfleet stop --undeclared -l {one.name}` stops it" in " ".join(status.stderr.split())
+        deploy = run("deploy")
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        assert f"{b} runs (pid {before[b]['pid']}, port 50053) but the inventory does not declare it" in (
+            " ".join(deploy.stderr.split())
+        )
+        sock = hold_server(f"{one.address}:50053")
+        try:
+            refused = run("stop", "--undeclared")
+            assert refused.returncode == 1 and "busy" in refused.stdout + refused.stderr, refused.stdout
+            assert states(deployed)[b]["pid"] == before[b]["pid"]
+        finally:
+            sock.close()
+        stopped = run("stop", "--undeclared")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        after = states(deployed)  # the lab's own inventory still declares b
+        assert after[b]["state"] == "stopped"
+        for kept in (f"{one.name}/50052", two.name):
+            assert after[kept]["state"] == "running" and after[kept]["pid"] == before[kept]["pid"]
+        assert "undeclared" not in run("status").stdout
+        again = run("stop", "--undeclared")
+        assert again.returncode == 0 and "no undeclared server runs" in again.stderr
+    finally:
+        assert cli(deployed, "start").returncode == 0
+
+
 @pytest.fixture(scope="module")
 def systemd_lab() -> Iterator[Lab]:
     """One node booting systemd, reached as root (system units), two servers, in a CPU share."""

@@ -142,7 +142,7 @@ def _report(
 ) -> None:
     from orchestrator.operations.cache import CacheChange, CacheState
 
-    rows = []
+    rows: list[tuple[Host, dict[str, Any]]] = []
     for r in run.results:
         value = r.value
         state = (
@@ -170,9 +170,10 @@ def _report(
                 "seconds": round(value.seconds, 3),
                 "kept_over_quota": value.kept_over_quota,
             }
-        rows.append(row)
+        rows.append((r.host, row))
+    merged = rows_by_install(rows)
     if args.json:
-        _common.print_json({"action": action, "hosts": rows, "phases": phases or {}})
+        _common.print_json({"action": action, "hosts": merged, "phases": phases or {}})
         return
     from rich import box
     from rich.table import Table
@@ -180,7 +181,7 @@ def _report(
     table = Table(box=box.SIMPLE_HEAD)
     for column in ("host", "status", "files", "size", "quota", "what"):
         table.add_column(column)
-    for row in rows:
+    for row in merged:
         if row["error"]:
             what = row["error"]
         elif action == "warm":
@@ -196,8 +197,9 @@ def _report(
             )
         if row.get("kept_over_quota"):
             what += f"; {format_size(row['kept_over_quota'])} over quota kept (the plan needs it)"
+        shared = f" ({', '.join(row['servers'])})" if row["servers"] != [row["host"]] else ""
         table.add_row(
-            escape(row["host"]),
+            escape(row["host"] + shared),
             row["status"],
             str(row.get("files", "-")),
             format_size(row["bytes"]) if "bytes" in row else "-",
@@ -208,3 +210,37 @@ def _report(
     if phases:
         _common.console.print(" · ".join(f"{k} {v:.2f} s" for k, v in phases.items()), highlight=False)
     _common.print_interrupted([run])
+
+
+_WORST = ("failed", "unreachable", "changed", "ok", "skipped")  # the status a merged row shows, first found
+
+
+def rows_by_install(rows: Sequence[tuple[Host, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per install: the servers of one host (`rpc_servers`) share its cache folder, so their
+    rows (each server's step read or changed the same files) make one, named by the machine, its files
+    and size counted once, with `servers` the servers it stands for; what each server's step did
+    (removed, added, hits...) is added up."""
+    merged: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for host, row in rows:
+        first = merged.get(host.install_key)
+        if first is None:
+            merged[host.install_key] = {**row, "host": host.node_name, "servers": [host.name]}
+            continue
+        first["servers"].append(host.name)
+        if _WORST.index(row["status"]) < _WORST.index(first["status"]):
+            first["status"] = row["status"]
+        first["error"] = first["error"] or row["error"]
+        for key in ("files", "bytes", "max_bytes"):  # the folder as the later step left it
+            if key in row:
+                first[key] = row[key]
+        for key in ("removed", "corrupt", "added", "hits"):
+            if key in row:
+                first[key] = [*first.get(key, []), *row[key]]
+        for key in ("bytes_sent", "seconds"):
+            if key in row:
+                first[key] = first.get(key, 0) + row[key]
+        if row.get("hits_since_start") is not None:  # each server's own log
+            first["hits_since_start"] = (first.get("hits_since_start") or 0) + row["hits_since_start"]
+        if "kept_over_quota" in row:
+            first["kept_over_quota"] = max(first.get("kept_over_quota", 0), row["kept_over_quota"])
+    return list(merged.values())

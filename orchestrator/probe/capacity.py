@@ -59,6 +59,15 @@ class DeviceCapacity:
     measured: bool = True
     # Why `usable` is 0 although the server reported memory: it was not measured and not trusted.
     untrusted: str | None = None
+    # How many CPU servers of one machine `free` is divided among (1: not divided). `total` stays the
+    # whole RAM the server reports, so free / total compares a share with the whole: `total_share` is
+    # the like-for-like figure.
+    shared_by: int = 1
+
+    @property
+    def total_share(self) -> int:
+        """`total` divided as `free` is: this device's share of its machine's RAM."""
+        return self.total // self.shared_by
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -237,6 +246,7 @@ def compute_capacity(
                 warnings=tuple(warnings),
                 measured=unmeasured is None,
                 untrusted=untrusted,
+                shared_by=cpu_share if source == "meminfo" else 1,
             )
         )
     return tuple(devices)
