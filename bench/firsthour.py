@@ -55,7 +55,8 @@ def cold_setup() -> None:
     with tempfile.TemporaryDirectory(prefix="rpcfleet-cold-") as tmp:
         clone, home = Path(tmp) / "clone", Path(tmp) / "home"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        env = {**os.environ, "RPCFLEET_HOME": str(home)}
+        # Nothing from this machine's caches: llama-server is otherwise found in the default one.
+        env = {**os.environ, "RPCFLEET_HOME": str(home), "RPCFLEET_ENGINE_CACHE": "own"}
         started = time.monotonic()
         subprocess.run(["make", "-C", str(clone), "demo"], check=True, env=env)
         make_demo_seconds = time.monotonic() - started

@@ -50,3 +50,5 @@ def test_llama_server_is_built_from_the_bindings_source_and_found_from_another_h
     assert "usage" in (fit.stdout + fit.stderr).lower()
     monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path / "other-home"))
     assert cached_tools() == folder  # no second build for another RPCFLEET_HOME
+    monkeypatch.setenv("RPCFLEET_ENGINE_CACHE", "own")
+    assert cached_tools() is None  # as on a fresh machine: set-up builds it (the cold set-up's figure)

@@ -370,7 +370,11 @@ def cached_tools(version: str | None = None) -> Path | None:
     # A build is immutable and named by its source and flags: one in the default cache serves another
     # $RPCFLEET_HOME too (a test's, a demo's) rather than a second 10-minute build; the user's own home
     # from the password database counts too, when $HOME points elsewhere (a test's empty home).
+    # RPCFLEET_ENGINE_CACHE=own looks in $RPCFLEET_HOME only, as on a fresh machine (bench/firsthour.py
+    # --cold-setup times the build that way).
     homes = [Path.home(), Path(pwd.getpwuid(os.getuid()).pw_dir)]
+    if os.environ.get("RPCFLEET_ENGINE_CACHE") == "own":
+        homes = []
     defaults = [home / ".cache" / "rpcfleet" / "engine" / key for home in homes]
     for folder in dict.fromkeys([tools_dir(key), *defaults]):
         if (folder / ".complete").is_file():
