@@ -175,15 +175,16 @@ def handle(args: argparse.Namespace) -> int:
     if not hosts:
         raise UsageError("no hosts selected")
     sock = _common.listen_socket(args.host, args.port)  # before the fleet is probed or the model loaded
+    request = _planning.planning_args(args)
     fleet = ServeFleet(
         hosts,
         str(args.model),
-        _planning.plan_options(args),
-        probe_timeout=_common.probe_timeout(args),
-        facts=not args.no_facts,
-        trust_rpc_memory=args.trust_rpc_memory,
-        forks=args.forks,
-        local_devices=_planning.local_device_selection(args),
+        request.options,
+        probe_timeout=request.probe.timeout,
+        facts=request.probe.facts,
+        trust_rpc_memory=request.probe.trust_rpc_memory,
+        forks=request.probe.forks,
+        local_devices=request.local_devices,
     )
     config = ServeConfig(
         parallel=args.parallel,

@@ -23,7 +23,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
@@ -228,15 +228,36 @@ class Session:
         self._installed: list[tuple[signal.Signals, Any]] = []  # (signal, the handler it had before)
 
     async def __aenter__(self) -> Session:
-        if self.interruptible and threading.current_thread() is threading.main_thread():
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous = signal.getsignal(sig)
-                loop.add_signal_handler(sig, self.interrupt, sig.name)
-                self._installed.append((sig, previous))
+        if self.interruptible:
+            self._take_signals()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._give_back_signals()
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def catching_signals(self) -> AsyncIterator[Session]:
+        """Interruptible for this block only (a phase of a longer-lived session, `engine.runtime`):
+        SIGINT/SIGTERM call `interrupt`, then go back to the handlers from before."""
+        self._take_signals()
+        try:
+            yield self
+        finally:
+            self._give_back_signals()
+
+    def _take_signals(self) -> None:
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            loop.add_signal_handler(sig, self.interrupt, sig.name)
+            self._installed.append((sig, previous))
+
+    def _give_back_signals(self) -> None:
+        if not self._installed:
+            return
         loop = asyncio.get_running_loop()
         for sig, previous in self._installed:
             loop.remove_signal_handler(sig)
@@ -245,7 +266,6 @@ class Session:
             if previous is not None:
                 signal.signal(sig, previous)
         self._installed.clear()
-        await self.close()
 
     def interrupt(self, why: str = "interrupted") -> None:
         """Start no new host from now on; the hosts in flight finish (see the module docstring)."""
