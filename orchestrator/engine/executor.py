@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -29,6 +28,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from orchestrator.connectors.base import Connection, ConnectOptions
 from orchestrator.connectors.connect import connect
+from orchestrator.core import signals
 from orchestrator.core.errors import NotStartedError, RpcfleetError, UnreachableError, UsageError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.shared import Shared
@@ -225,7 +225,7 @@ class Session:
         self.interrupted: str | None = None  # what interrupted the run ("SIGINT", ...), once it happened
         self._interrupt_count = 0
         self._interrupted_event: asyncio.Event | None = None
-        self._installed: list[tuple[signal.Signals, Any]] = []  # (signal, the handler it had before)
+        self._give_back: Callable[[], None] | None = None  # hands SIGINT/SIGTERM back (`core.signals`)
 
     async def __aenter__(self) -> Session:
         if self.interruptible:
@@ -247,25 +247,14 @@ class Session:
             self._give_back_signals()
 
     def _take_signals(self) -> None:
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        if self._give_back is not None or threading.current_thread() is not threading.main_thread():
             return
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.getsignal(sig)
-            loop.add_signal_handler(sig, self.interrupt, sig.name)
-            self._installed.append((sig, previous))
+        self._give_back = signals.loop_handlers(asyncio.get_running_loop(), self.interrupt)
 
     def _give_back_signals(self) -> None:
-        if not self._installed:
-            return
-        loop = asyncio.get_running_loop()
-        for sig, previous in self._installed:
-            loop.remove_signal_handler(sig)
-            # asyncio leaves SIGTERM at its default action (the process dies, status 143) and SIGINT at
-            # Python's: the handler from before this session (the CLI's interrupt) must hear the next one.
-            if previous is not None:
-                signal.signal(sig, previous)
-        self._installed.clear()
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
 
     def interrupt(self, why: str = "interrupted") -> None:
         """Start no new host from now on; the hosts in flight finish (see the module docstring)."""

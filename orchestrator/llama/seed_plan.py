@@ -29,6 +29,7 @@ from orchestrator.connectors.connect import connect
 from orchestrator.core.errors import PlanError, RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.core.units import parse_size
+from orchestrator.engine.runtime import run_sync
 from orchestrator.facts.base import gather
 from orchestrator.inventory.load import default_inventory_path, load_inventory
 from orchestrator.inventory.model import Host, is_loopback
@@ -144,7 +145,6 @@ def read_facts(hosts: Mapping[str, Host]) -> dict[str, FactsRead]:
     """Each host's facts (MemAvailable, machine identity...), read at once. A host whose facts (or
     MemAvailable) cannot be read has its CPU servers count as unmeasured; the cause is logged as a
     warning and kept in `error`."""
-    from orchestrator.llama.preflight import run_sync
 
     async def all_facts() -> list[HostFacts | BaseException]:
         return await asyncio.gather(*(_gather(h) for h in hosts.values()), return_exceptions=True)
