@@ -65,6 +65,11 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def interrupted() -> bool:
+    """Whether a signal has interrupted this command."""
+    return bool(_received)
+
+
 def quiet_after_interrupt() -> None:
     """Once a signal has interrupted the command, what it cut short is only collected: an event loop half
     made (its `__del__` fails), a coroutine never awaited. Their finalizers' complaints ("Exception

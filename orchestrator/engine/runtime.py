@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from orchestrator.connectors.base import ConnectOptions
+from orchestrator.core import signals
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 
 T = TypeVar("T")
@@ -26,8 +27,10 @@ T = TypeVar("T")
 def quiet_interrupts(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """A signal that lands inside a task raises its KeyboardInterrupt there: asyncio ends the run with it
     (reported once, as `interrupted`) but also keeps it as the task's exception, and would print "Task
-    exception was never retrieved" and a traceback when the task is collected. Not for the interrupt."""
-    if not isinstance(context.get("exception"), KeyboardInterrupt):
+    exception was never retrieved" and a traceback when the task is collected. Not for the interrupt, nor
+    after it: what it cut short (a connect still pending when the loop closes: "Task was destroyed but
+    it is pending!") is only collected (`core.signals.quiet_after_interrupt`)."""
+    if not isinstance(context.get("exception"), KeyboardInterrupt) and not signals.interrupted():
         loop.default_exception_handler(context)
 
 
