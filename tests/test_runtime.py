@@ -23,7 +23,7 @@ from orchestrator.engine.executor import Session
 from orchestrator.engine.runtime import Runtime, run_sync
 from orchestrator.engine.shared import gather_bounded
 from orchestrator.inventory.model import Host
-from orchestrator.operations import install
+from orchestrator.operations.install import ensure
 from tests.procs import gone, wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +81,8 @@ async def test_the_artifact_chooser_tries_a_failing_artifact_once_per_run(
         tries.append(spec)
         raise ArtifactError(f"no artifact {spec!r}", hint="import one")
 
-    monkeypatch.setattr(install, "resolve_artifact", resolve)
-    chooser = install.ArtifactChooser("missing")
+    monkeypatch.setattr(ensure, "resolve_artifact", resolve)
+    chooser = ensure.ArtifactChooser("missing")
     state = SimpleNamespace(os="linux", arch="x86_64")
     hosts = [Host(name=f"n{i}", address="127.0.0.1", connection="local") for i in range(3)]
     for host in hosts:

@@ -43,7 +43,7 @@ from orchestrator.observe.snapshot import (
     formation_changes,
 )
 from orchestrator.operations.cache import cache_path
-from orchestrator.operations.server import (
+from orchestrator.operations.server.state import (
     STATE_TIMEOUT,
     NodeState,
     classify,

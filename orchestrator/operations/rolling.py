@@ -30,14 +30,14 @@ from orchestrator.core.units import format_size
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
-from orchestrator.operations.process import (
+from orchestrator.operations.server.process import (
     refuse_if_busy,
     run_as_warning,
     start_server,
     stop_server,
     wait_ready,
 )
-from orchestrator.operations.server import (
+from orchestrator.operations.server.state import (
     READY_TIMEOUT,
     ServerStatus,
     bind_policy,
@@ -45,7 +45,7 @@ from orchestrator.operations.server import (
     probe_server,
     read_node_state,
 )
-from orchestrator.operations.service import without_stale_clients
+from orchestrator.operations.server.steps import without_stale_clients
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import DeviceMemory
 

@@ -62,15 +62,15 @@ def _options(args: Mapping[str, Any], play: Play) -> OperationOptions:
 
 
 def _install(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.install import ArtifactChooser, make_install_step
+    from orchestrator.operations.install.ensure import ArtifactChooser, make_install_step
 
     chooser = ArtifactChooser(args["artifact"])
     return make_install_step(chooser, _options(args, play), reinstall=args["reinstall"])
 
 
 def _deploy(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.install import ArtifactChooser
-    from orchestrator.operations.service import make_deploy_step
+    from orchestrator.operations.install.ensure import ArtifactChooser
+    from orchestrator.operations.server.steps import make_deploy_step
 
     return make_deploy_step(
         ArtifactChooser(args["artifact"]), _options(args, play), reinstall=args["reinstall"]
@@ -78,19 +78,19 @@ def _deploy(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _start(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.server.steps import make_service_step
 
     return make_service_step("running", _options(args, play))
 
 
 def _stop(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.server.steps import make_service_step
 
     return make_service_step("stopped", _options(args, play))
 
 
 def _remove_unit(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.service import make_remove_unit_step
+    from orchestrator.operations.server.steps import make_remove_unit_step
 
     return make_remove_unit_step(_options(args, play))
 
@@ -108,8 +108,8 @@ def _restart(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _wait_ready(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.process import wait_ready
-    from orchestrator.operations.server import read_node_state
+    from orchestrator.operations.server.process import wait_ready
+    from orchestrator.operations.server.state import read_node_state
 
     async def wait(ctx: HostContext) -> StepOutcome[None]:
         conn = await ctx.connection()

@@ -15,8 +15,8 @@ from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install_apply import apply_install
-from orchestrator.operations.install_plan import (
+from orchestrator.operations.install.apply import apply_install
+from orchestrator.operations.install.plan import (
     InstallChange,
     InstallState,
     plan_install,
