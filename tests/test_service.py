@@ -408,7 +408,7 @@ async def test_rollback_restarts_on_the_previous_version(
     await deploy(conn, local_host, chooser)
     first_pid = _pid(local_host)
     v2 = dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-v2")
-    chooser._cache.clear()
+    await chooser.forget()
     upgraded = await deploy(conn, local_host, _FixedChooser(v2))
     assert upgraded.install.action == "install" and upgraded.service.action == "restart"
     assert (await server_status(conn, local_host)).running_version == v2.id

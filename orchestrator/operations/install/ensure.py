@@ -51,6 +51,10 @@ class ArtifactChooser:
                 f"no artifact for this host: {exc.message}", host=host.name, hint=exc.hint
             ) from exc
 
+    async def forget(self) -> None:
+        """Choose anew from now on (an artifact imported or built meanwhile)."""
+        await self._chosen.clear()
+
     def _resolve(self, spec: str, backend: str, os_name: str, arch: str, extra: tuple[str, ...]) -> Source:
         path = Path(spec.strip()).expanduser()
         if spec.strip() and path.suffix.lower() in (".yml", ".yaml", ".json") and path.is_file():
