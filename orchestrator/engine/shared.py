@@ -1,7 +1,7 @@
 """One shared attempt per key: the helper behind every "compute this once for everyone" in a run
 (a host's connection, a fleet step's probe or plan, an artifact chosen for many hosts); and
-`gather_bounded`, the one bound on work started at once outside a session's host steps (the probe's RPC
-round, the lock layer's connects).
+`gather_bounded`, the one bound on work started at once outside a session's host steps (the probe's and
+the exporter's RPC rounds, the lock layer's connects).
 
 The failure rule, the same for every user:
 
