@@ -148,3 +148,14 @@ def test_plan_for_fleet_skips_or_raises_on_a_node_that_is_down(
     assert short.misfit is not None and short.reason == short.misfit.message
     assert "is short by" in short.reason
     assert listed == [1]  # local_devices=[]: no listing at all
+
+
+def test_the_planning_flags_are_read_once_and_never_written_back() -> None:
+    """No blackboard: parsing the flags into typed options leaves argparse's namespace as it was (was:
+    the probe's timeout, the facts flag and the selected hosts were written onto it between steps)."""
+    args = parse_args(["run", "-m", "m.gguf", "-p", "x", "--endpoint", "10.0.0.9:50052"])
+    before = dict(vars(args))
+    request = planning_args(args, facts=False)
+    assert vars(args) == before
+    assert request.probe == ProbeSettings(timeout=3.0, facts=False, forks=args.forks)
+    assert request.local_devices is None
