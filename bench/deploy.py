@@ -32,8 +32,8 @@ from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.model import Lab
 from orchestrator.lab.netns import privileged
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.steps import make_deploy_step
 
 SECTION = "deploy"
 

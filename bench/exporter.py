@@ -44,8 +44,8 @@ from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.model import Lab
 from orchestrator.observe.collect import Collector
 from orchestrator.observe.web import Exporter, mount
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.steps import make_deploy_step
 from orchestrator.planning.synth import write_tiny_llama
 
 LAB_NAME = "benchexp"

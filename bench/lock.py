@@ -27,8 +27,8 @@ from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import deploy, make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.steps import deploy, make_deploy_step
 
 SECTION = "lock"
 LAB_NAME = "benchlock"

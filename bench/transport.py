@@ -36,8 +36,8 @@ from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.model import Lab
 from orchestrator.llama.worker import Done, Worker
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.steps import make_deploy_step
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model

@@ -84,7 +84,7 @@ _API: dict[str, str] = {
     "to_plan_devices": "orchestrator.planning.devices",
     "write_tiny_llama": "orchestrator.planning.synth",
     "write_tiny_mmproj": "orchestrator.planning.synth_mm",
-    "Llama": "orchestrator.llama.seed",
+    "Llama": "orchestrator.workflows.dropin",
     "MultimodalError": "orchestrator.llama.multimodal",
     "load_llama": "orchestrator.llama.loader",
     "preflight": "orchestrator.llama.preflight",
@@ -171,7 +171,6 @@ if TYPE_CHECKING:
     from orchestrator.llama.registry import query_rpc_memory as query_rpc_memory
     from orchestrator.llama.registry import rpc_device_handles as rpc_device_handles
     from orchestrator.llama.registry import supports_rpc as supports_rpc
-    from orchestrator.llama.seed import Llama as Llama
     from orchestrator.llama.worker import NodeLostError as NodeLostError
     from orchestrator.llama.worker import Worker as Worker
     from orchestrator.llama.worker import WorkerError as WorkerError
@@ -207,6 +206,7 @@ if TYPE_CHECKING:
     from orchestrator.rpc.protocol import RpcDeviceMemory as RpcDeviceMemory
     from orchestrator.rpc.protocol import RpcMemoryInfo as RpcMemoryInfo
     from orchestrator.rpc.protocol import parse_endpoint as parse_endpoint
+    from orchestrator.workflows.dropin import Llama as Llama
 
 
 def __getattr__(name: str) -> Any:

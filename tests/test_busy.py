@@ -1,5 +1,5 @@
-"""The busy rule on the node (operations/process.py `busy_script`), run by a real shell against a scripted
-`ss`: a model holds one connection for its whole life, probes come and go with new peer ports."""
+"""The busy rule on the node (operations/server/process.py `busy_script`), run by a real shell against a
+scripted `ss`: a model holds one connection for its whole life, probes come and go with new peer ports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from orchestrator.operations.process import busy_script
+from orchestrator.operations.server.process import busy_script
 
 FAKE_SS = """#!/bin/sh
 # Sample N prints line N of $SS_PLAN (the last line repeats): peers separated by commas, "-" for none.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -157,3 +158,30 @@ def test_warm_run_verify_deploy_prune_clear(
     assert all(not h["removed"] and h["kept_over_quota"] > 0 for h in kept["hosts"])
     pruned = _json(capsys, ["cache", "prune", "-i", str(tight), "--json"])
     assert [len(h["removed"]) for h in pruned["hosts"]] == [3, 3]
+
+
+def test_run_connects_once_per_node(
+    cache_lab: Lab,
+    inventory: Path,
+    model: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One loop and one session for the whole command: the probe's SSH connection to each node serves
+    the cache check too (was: two per node, the probe's session and the check's)."""
+    from orchestrator.engine import executor
+
+    opened: list[str] = []
+    real = executor.connect
+
+    async def counted(host: Any, options: Any = None) -> Any:
+        opened.append(host.name)
+        return await real(host, options)
+
+    inv = ["-i", str(inventory)]
+    assert main(["deploy", *inv]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    monkeypatch.setattr(executor, "connect", counted)
+    done = _json(capsys, ["run", *inv, "-m", str(model), "-p", "Once", "-n", "2", "--ctx", "256", "--json"])
+    assert "cache check" in done["phases"]  # the check ran, over SSH
+    assert sorted(opened) == sorted(node.name for node in cache_lab.nodes), opened

@@ -22,7 +22,7 @@ from orchestrator.core.errors import ServiceError
 from orchestrator.core.log import render_text
 from orchestrator.facts.server import Listener
 from orchestrator.llama.placement import DevicePlacement, HostPlacement, MemoryBytes, Placement
-from orchestrator.operations.process import taken_hint
+from orchestrator.operations.server.process import taken_hint
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = str(ROOT / "tests" / "data" / "inventory" / "fleet_ansible.yml")

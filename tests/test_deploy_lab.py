@@ -20,12 +20,12 @@ from orchestrator.core.errors import InstallError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_apply import apply_install
-from orchestrator.operations.install_plan import InstallState, plan_install
+from orchestrator.operations.install.apply import apply_install
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.install.plan import InstallState, plan_install
 from orchestrator.operations.layer import OperationOptions
-from orchestrator.operations.server import ServerStatus, read_node_state
-from orchestrator.operations.service import (
+from orchestrator.operations.server.state import ServerStatus, read_node_state
+from orchestrator.operations.server.steps import (
     DeployResult,
     make_deploy_step,
     make_rollback_step,

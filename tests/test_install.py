@@ -16,9 +16,9 @@ from orchestrator.core.errors import InstallError
 from orchestrator.facts.server import InstalledManifest
 from orchestrator.facts.system import OsInfo
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install import ArtifactChooser, ensure_installed
-from orchestrator.operations.install_apply import apply_install, parse_apply_output
-from orchestrator.operations.install_plan import (
+from orchestrator.operations.install.apply import apply_install, parse_apply_output
+from orchestrator.operations.install.ensure import ArtifactChooser, ensure_installed
+from orchestrator.operations.install.plan import (
     InstallState,
     install_state_from_facts,
     normalise_platform,

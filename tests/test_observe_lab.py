@@ -34,8 +34,8 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
 from orchestrator.observe.web import COOKIE, page_token
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.steps import make_deploy_step
 from tests.plugins.browser import chromium
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.plugins.servers import free_port

@@ -22,9 +22,9 @@ from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
 from orchestrator.llama.logs import model_allocations, parse_server_log
 from orchestrator.llama.placement import exact_memory
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.server import LOG_FILE
-from orchestrator.operations.service import DeployResult, make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.state import LOG_FILE
+from orchestrator.operations.server.steps import DeployResult, make_deploy_step
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import PlanOptions
 from orchestrator.planning.profile import profile_model

@@ -20,11 +20,11 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions
-from orchestrator.operations.server import ServerStatus
-from orchestrator.operations.service import make_deploy_step, make_service_step, make_status_step
+from orchestrator.operations.server.state import ServerStatus
+from orchestrator.operations.server.steps import make_deploy_step, make_service_step, make_status_step
 from orchestrator.operations.systemd import SERVICE_USER_MARK
 from tests.plugins.lab import lab_hosts_of, own_lab
 

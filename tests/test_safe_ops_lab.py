@@ -32,11 +32,11 @@ from orchestrator.core.poll import poll
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions
-from orchestrator.operations.server import ServerStatus
-from orchestrator.operations.service import DeployResult, make_deploy_step, make_status_step
+from orchestrator.operations.server.state import ServerStatus
+from orchestrator.operations.server.steps import DeployResult, make_deploy_step, make_status_step
 from tests.plugins.playbooks import PLAYBOOKS, NodeView
 
 pytestmark = pytest.mark.lab

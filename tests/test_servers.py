@@ -16,8 +16,8 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.inventory.model import HostPatternError, Inventory, select_servers, server_hosts, servers_of
 from orchestrator.operations.layer import HostLocks, OperationOptions
-from orchestrator.operations.process import launch_script, stop_script
-from orchestrator.operations.server import PID_FILE, server_files
+from orchestrator.operations.server.process import launch_script, stop_script
+from orchestrator.operations.server.state import PID_FILE, server_files
 from orchestrator.operations.supervise import supervise_sh
 from orchestrator.operations.systemd import unit_name
 

@@ -32,10 +32,10 @@ from orchestrator.inventory.model import Host, server_hosts
 from orchestrator.lab import cgroups
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.model import Lab
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.lock import acquire
-from orchestrator.operations.service import make_deploy_step, make_rollback_step
+from orchestrator.operations.server.steps import make_deploy_step, make_rollback_step
 from orchestrator.operations.systemd import unit_name
 from tests.plugins.lab import require_lab_privileges, session_lab_name
 from tests.test_lab import leftovers

@@ -1,4 +1,4 @@
-"""operations/service.py, server.py and process.py: bind policy, the node state built from facts,
+"""operations/server/steps.py, server.py and process.py: bind policy, the node state built from facts,
 classification and plans (pure), then real servers on loopback through `connection: local` hosts and an
 in-process SSH host, and the CLI commands."""
 
@@ -27,11 +27,11 @@ from orchestrator.facts.server import Listener, ProcessState, SupervisorLoop
 from orchestrator.facts.system import OsInfo
 from orchestrator.facts.systemd import SystemdInfo
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.launch import desired_launch, launch_diff, run_as_user, server_argv
-from orchestrator.operations.process import launch_script
-from orchestrator.operations.server import (
+from orchestrator.operations.server.process import launch_script
+from orchestrator.operations.server.state import (
     LOG_MARKER,
     NodeState,
     ServerStatus,
@@ -40,7 +40,7 @@ from orchestrator.operations.server import (
     node_state_from_facts,
     server_status,
 )
-from orchestrator.operations.service import deploy, ensure_state, plan_service, rollback
+from orchestrator.operations.server.steps import deploy, ensure_state, plan_service, rollback
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import free_port
@@ -408,7 +408,7 @@ async def test_rollback_restarts_on_the_previous_version(
     await deploy(conn, local_host, chooser)
     first_pid = _pid(local_host)
     v2 = dataclasses.replace(cpu_artifact, id=f"{cpu_artifact.id}-v2")
-    chooser._cache.clear()
+    await chooser.forget()
     upgraded = await deploy(conn, local_host, _FixedChooser(v2))
     assert upgraded.install.action == "install" and upgraded.service.action == "restart"
     assert (await server_status(conn, local_host)).running_version == v2.id

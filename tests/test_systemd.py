@@ -19,9 +19,9 @@ from orchestrator.facts.system import OsInfo
 from orchestrator.facts.systemd import SystemdInfo, UnitState
 from orchestrator.inventory.model import Host
 from orchestrator.operations.launch import launch_env, server_argv
-from orchestrator.operations.process import UnitControl, busy_script, launch_drift, stop_script
-from orchestrator.operations.server import NodeState, classify, node_state_from_facts
-from orchestrator.operations.service import plan_service
+from orchestrator.operations.server.process import UnitControl, busy_script, launch_drift, stop_script
+from orchestrator.operations.server.state import NodeState, classify, node_state_from_facts
+from orchestrator.operations.server.steps import plan_service
 from orchestrator.operations.systemd import choose_supervisor, plan_unit, render_unit, unit_name
 
 H = Host(name="n1", address="10.77.0.11", rpc_host="10.77.0.11")

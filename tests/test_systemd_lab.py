@@ -25,11 +25,11 @@ from orchestrator.inventory.model import Host
 from orchestrator.lab import systemd
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_status
 from orchestrator.lab.model import Lab
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.install_plan import InstallState
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions
-from orchestrator.operations.server import ServerStatus, read_node_state
-from orchestrator.operations.service import (
+from orchestrator.operations.server.state import ServerStatus, read_node_state
+from orchestrator.operations.server.steps import (
     make_deploy_step,
     make_logs_step,
     make_remove_unit_step,

@@ -12,8 +12,8 @@ from orchestrator.connectors.tunnel import Tunnels, openssh_argv
 from orchestrator.core.errors import InventoryError, ServiceError
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.operations.firewall import firewall_script
-from orchestrator.operations.process import server_argv
-from orchestrator.operations.server import bind_policy
+from orchestrator.operations.server.process import server_argv
+from orchestrator.operations.server.state import bind_policy
 
 INVENTORY = """\
 vars:

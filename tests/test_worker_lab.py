@@ -17,8 +17,8 @@ from orchestrator.cli import main
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.model import Lab
-from orchestrator.operations.install import ArtifactChooser
-from orchestrator.operations.service import make_deploy_step
+from orchestrator.operations.install.ensure import ArtifactChooser
+from orchestrator.operations.server.steps import make_deploy_step
 from tests.plugins.lab import lab_hosts_of, own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
@@ -74,7 +74,7 @@ def test_the_seed_example_plans_remote_cpu_servers_with_the_inventorys_facts(
     """The README's Python example, with the lab's endpoints: the inventory rpcfleet's commands would
     use measures the nodes, as `rpcfleet plan` does; without one they are refused as not measured."""
     from orchestrator.core.errors import PlanError
-    from orchestrator.llama.seed import Llama
+    from orchestrator.workflows.dropin import Llama
 
     monkeypatch.chdir(tmp_path)  # no ./inventory.yml here
     monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path / "home"))  # and no default lab

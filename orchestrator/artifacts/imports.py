@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -40,6 +39,7 @@ from orchestrator.core.errors import ArtifactError
 from orchestrator.core.files import atomic_path, sha256_file, write_atomic
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.core.poll import poll
+from orchestrator.engine.runtime import run_sync
 from orchestrator.rpc.client import probe_endpoint
 
 FETCH_TIMEOUT_S = 60.0
@@ -252,7 +252,7 @@ def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
 
         def answer() -> str | None:
             # Any version is an answer here, also one this client cannot use (a mismatch).
-            result = asyncio.run(probe_endpoint(f"127.0.0.1:{port}", hello_only=True))
+            result = run_sync(probe_endpoint(f"127.0.0.1:{port}", hello_only=True))
             if result.version is not None:
                 return str(result.version)
             if proc.poll() is not None:

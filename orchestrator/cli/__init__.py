@@ -11,7 +11,6 @@ with "interrupted" and exit status 130, never a traceback.
 
 from __future__ import annotations
 
-import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
@@ -126,8 +125,7 @@ def run() -> NoReturn:
         status = main()
     except KeyboardInterrupt:  # a second signal while the first was being reported
         status = INTERRUPTED
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signals.ignore_interrupts()
     # CPython remembers a KeyboardInterrupt that ended any string exec() (dataclasses and others make
     # code that way) even once it was caught, and under `python -m` then kills the process with SIGINT
     # at exit instead of exiting with `status`. A string exec that ends normally clears that flag.

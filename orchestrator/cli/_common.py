@@ -22,8 +22,6 @@ from orchestrator.core import fields
 from orchestrator.core.errors import RpcfleetError, UsageError
 
 if TYPE_CHECKING:  # imported lazily below: each command pays only for what it uses
-    from asyncio import AbstractEventLoop
-
     from rich.console import Console
 
     from orchestrator.engine.executor import Recap, RunResult, Session
@@ -293,7 +291,7 @@ def probe_timeout(args: argparse.Namespace) -> float:
     if args.timeout is None:
         from orchestrator.probe.host import DEFAULT_TIMEOUT
 
-        args.timeout = DEFAULT_TIMEOUT
+        return DEFAULT_TIMEOUT
     timeout: float = args.timeout
     return timeout
 
@@ -358,19 +356,11 @@ def require_model(path: Path) -> Path:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    import asyncio  # 40 ms: only the commands that run a loop pay for it
+    """A command's one async phase on a loop of its own (`engine.runtime`; 40 ms to import asyncio:
+    only the commands that run a loop pay for it)."""
+    from orchestrator.engine.runtime import run_once
 
-    with asyncio.Runner() as runner:  # asyncio.run, with the interrupt reported once
-        runner.get_loop().set_exception_handler(_quiet_interrupts)
-        return runner.run(coro)
-
-
-def _quiet_interrupts(loop: AbstractEventLoop, context: dict[str, Any]) -> None:
-    """A signal that lands inside a task raises its KeyboardInterrupt there: asyncio ends the run with it
-    (reported once, as `interrupted`) but also keeps it as the task's exception, and would print "Task
-    exception was never retrieved" and a traceback when the task is collected. Not for the interrupt."""
-    if not isinstance(context.get("exception"), KeyboardInterrupt):
-        loop.default_exception_handler(context)
+    return run_once(coro)
 
 
 INTERRUPTED_EXIT = 130
@@ -409,7 +399,8 @@ def operation_options(args: argparse.Namespace) -> OperationOptions:
     )
 
 
-def _on_interrupt(why: str, count: int) -> None:
+def on_interrupt(why: str, count: int) -> None:
+    """How a session reports a signal: the hosts in flight finish, no new one starts."""
     if count == 1:
         _console("err_console").print(
             f"[yellow]{why}: finishing the hosts already being changed; no new host is started[/yellow]",
@@ -425,7 +416,7 @@ def fleet_session(args: argparse.Namespace) -> Session:
     """The executor session of a command: its forks, and Ctrl-C / SIGTERM stop it between hosts."""
     from orchestrator.engine.executor import Session
 
-    return Session(forks=args.forks, interruptible=True, on_interrupt=_on_interrupt)
+    return Session(forks=args.forks, interruptible=True, on_interrupt=on_interrupt)
 
 
 def finish_command(hosts: Sequence[str]) -> str:

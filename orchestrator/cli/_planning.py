@@ -1,20 +1,20 @@
-"""Planning flags shared by `plan`, `run` and `report`, and the probe → devices step behind them."""
+"""Planning flags shared by `plan`, `run`, `report`, `cache` and `serve`, parsed once into the typed
+options of `orchestrator.workflows` (`planning_args`): the workflows do the probing and the planning."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.cli import _common
 from orchestrator.core import fields
-from orchestrator.core.errors import UsageError
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
-    from collections.abc import Callable
-
     from orchestrator.inventory.model import Host
-    from orchestrator.planning.plan import PlanDevice, PlanOptions
+    from orchestrator.planning.plan import PlanOptions
     from orchestrator.probe.fleet import FleetProbe
+    from orchestrator.workflows.options import ProbeSettings
 
 
 # orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
@@ -100,99 +100,38 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     _common.add_probe_args(parser)
 
 
-def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanOptions:
-    """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
-    from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
+@dataclass(frozen=True)
+class PlanningArgs:
+    """The planning flags, parsed once: the plan's options, the probe's settings and the local GPUs
+    wanted (None: all, []: none)."""
 
-    return PlanOptions(
-        n_ctx=args.ctx if n_ctx is None else n_ctx,
-        type_k=args.type_k,
-        type_v=args.type_v,
-        n_ubatch=args.ubatch,
-        flash_attn=args.flash_attn,
-        swa_full=args.swa_full,
-        parallel=args.parallel,
-        kv_unified=args.kv_unified,
-        n_cpu_moe=args.n_cpu_moe,
-        margin=args.margin if args.margin is not None else DEFAULT_MARGIN,
-        strategy=args.strategy,
+    options: PlanOptions
+    probe: ProbeSettings
+    local_devices: list[str] | None
+
+
+def planning_args(args: argparse.Namespace, *, n_ctx: int | None = None, facts: bool = True) -> PlanningArgs:
+    """`args`' planning flags as `PlanningArgs`; `n_ctx` overrides --ctx (the report plans several
+    contexts); `facts=False` reads no host facts whatever --no-facts says (`run --endpoint` with remote
+    servers)."""
+    from orchestrator.workflows.options import ProbeSettings, local_device_selection, plan_options
+
+    probe = ProbeSettings(
+        timeout=_common.probe_timeout(args),
+        facts=facts and not args.no_facts,
+        forks=args.forks,
+        trust_rpc_memory=args.trust_rpc_memory,
+    )
+    return PlanningArgs(
+        plan_options(vars(args), n_ctx=n_ctx),
+        probe,
+        local_device_selection(getattr(args, "local_devices", None)),
     )
 
 
-def local_device_selection(args: argparse.Namespace) -> list[str] | None:
-    text = args.local_devices
-    if text is None:
-        return None
-    return [name.strip() for name in text.split(",") if name.strip()]
+def probe(args: argparse.Namespace, hosts: list[Host]) -> FleetProbe:
+    """Probe `hosts` with the planning flags (timeout, facts, forks, trust), read-only."""
+    from orchestrator.engine.runtime import run_once
+    from orchestrator.workflows.plan import probe_hosts
 
-
-def dial_map(args: argparse.Namespace, endpoints: tuple[str, ...]) -> dict[str, str]:
-    """Plan endpoint -> the endpoint to dial, for the inventory's `rpc_transport: ssh` hosts among
-    `endpoints` (their SSH forwards, opened now or reused from the probe); empty without an inventory."""
-    from orchestrator.connectors.tunnel import default_tunnels
-    from orchestrator.core.errors import RpcfleetError
-
-    if getattr(args, "endpoint", None):
-        return {}
-    hosts = getattr(args, "selected_hosts", None)
-    if hosts is None:  # a saved plan (--plan): its hosts are the inventory's, when there is one
-        try:
-            _, hosts = _common.load_hosts(args)
-        except RpcfleetError:  # none (or none readable): a saved plan runs as before, on its endpoints
-            return {}
-    return default_tunnels().mapping(h for h in hosts if h.endpoint in endpoints)
-
-
-def probe(args: argparse.Namespace, hosts: list[Host] | None = None, *, release: bool = False) -> FleetProbe:
-    """Probe the selected hosts (or `hosts`) with the planning flags (timeout, facts, forks, trust);
-    `release`: a busy server whose client is proven gone is let go (`operations.stale`), then probed
-    again (for a load, not for the read-only commands)."""
-    from orchestrator.probe.fleet import probe_fleet
-
-    if hosts is None:
-        _, hosts = _common.load_hosts(args)
-        args.selected_hosts = hosts
-    if not hosts:
-        raise UsageError("no hosts selected")
-    selected = hosts
-
-    def go() -> FleetProbe:
-        return _common.run_async(
-            probe_fleet(
-                selected,
-                timeout=_common.probe_timeout(args),
-                facts=not args.no_facts,
-                forks=args.forks,
-                trust_rpc_memory=args.trust_rpc_memory,
-            )
-        )
-
-    fleet = go()
-    busy = [h for h in hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
-    if release and busy:
-        from orchestrator.operations.stale import release_stale_on
-
-        if _common.run_async(release_stale_on(busy, forks=args.forks)):
-            fleet = go()
-    return fleet
-
-
-def probe_devices(
-    args: argparse.Namespace,
-    hosts: list[Host] | None = None,
-    *,
-    release: bool = False,
-    local_gpus: Callable[[], list[PlanDevice]] | None = None,
-) -> list[PlanDevice]:
-    """Probe the selected hosts and order their devices for the planner: every RPC device of each
-    endpoint in inventory order, then the selected local GPUs of this machine (`release`: see `probe`).
-    The local GPUs come from `local_gpus` (`run`: its worker's), by default from a worker child started
-    to list them: this process never loads libllama."""
-    from orchestrator.llama.worker import list_local_gpus
-    from orchestrator.planning.devices import to_plan_devices
-    from orchestrator.planning.placement import order_devices
-
-    fleet = probe(args, hosts, release=release)
-    selection = local_device_selection(args)
-    gpus = [] if selection == [] else (local_gpus or list_local_gpus)()  # none wanted: no child
-    return list(order_devices(to_plan_devices(fleet), gpus, selection))
+    return run_once(probe_hosts(hosts, planning_args(args).probe))

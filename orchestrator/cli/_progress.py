@@ -25,7 +25,7 @@ from orchestrator.connectors.base import Progress as ProgressCallback
 from orchestrator.core.units import format_size
 from orchestrator.inventory.model import Host
 from orchestrator.llama.load_progress import LoadProgress
-from orchestrator.operations.install_plan import InstallChange
+from orchestrator.operations.install.plan import InstallChange
 
 
 def _bars(enabled: bool, *columns: ProgressColumn) -> Progress:

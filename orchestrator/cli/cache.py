@@ -95,16 +95,22 @@ def _warm_items(
     from orchestrator.llama.cache_plan import plan_cache
     from orchestrator.llama.cache_prep import warm_items
     from orchestrator.planning.profile import profile_model
-    from orchestrator.planning.strategy import make_plan
+    from orchestrator.workflows.plan import plan_for_fleet
 
     _common.require_model(args.model)
     t = time.monotonic()
     profile = profile_model(args.model)
-    devices = _planning.probe_devices(args, hosts)
-    phases["probe"] = time.monotonic() - t
+    request = _planning.planning_args(args)
+    round_ = _common.run_async(
+        plan_for_fleet(
+            hosts, profile, request.options, probe=request.probe, local_devices=request.local_devices
+        )
+    )
+    phases["probe"] = time.monotonic() - t - round_.plan_seconds
+    phases["plan"] = round_.plan_seconds
+    plan = round_.plan
+    assert plan is not None  # failed="raise": no plan is an error
     t = time.monotonic()
-    plan = make_plan(devices, profile, _planning.plan_options(args))
-    phases["plan"] = time.monotonic() - t
     t = time.monotonic()
     per_endpoint = plan_cache(plan, profile.paths)
     phases["hash"] = time.monotonic() - t

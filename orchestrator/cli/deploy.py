@@ -215,10 +215,10 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 
 def _json_value(value: Any) -> Any:
-    from orchestrator.operations.install_plan import InstallChange
+    from orchestrator.operations.install.plan import InstallChange
     from orchestrator.operations.rolling import RestartReport
-    from orchestrator.operations.server import ServerStatus
-    from orchestrator.operations.service import DeployResult, ServiceChange
+    from orchestrator.operations.server.state import ServerStatus
+    from orchestrator.operations.server.steps import DeployResult, ServiceChange
 
     if isinstance(value, DeployResult | ServiceChange | ServerStatus | InstallChange | RestartReport):
         return value.to_json()
@@ -254,8 +254,8 @@ def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
 
 def handle_deploy(args: argparse.Namespace) -> int:
     from orchestrator.cli._progress import Uploads
-    from orchestrator.operations.install import ArtifactChooser
-    from orchestrator.operations.service import make_deploy_step
+    from orchestrator.operations.install.ensure import ArtifactChooser
+    from orchestrator.operations.server.steps import make_deploy_step
 
     inventory, hosts = _common.load_hosts(args)
     uploads = Uploads(enabled=not args.json and not args.check)
@@ -280,7 +280,7 @@ def handle_service(args: argparse.Namespace) -> int:
 
         return handle_rolling_restart(args)
     from orchestrator.operations.rolling import make_rolling_restart_step
-    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.server.steps import make_service_step
 
     inventory, hosts = _common.load_hosts(args)
     options = _common.operation_options(args)
@@ -297,7 +297,7 @@ def handle_service(args: argparse.Namespace) -> int:
 def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list[Host]) -> int:
     """Stop exactly the undeclared servers of the selected hosts' installs, each as its own server's
     view through the same stop as any server (lock, busy check, its supervisor loop first)."""
-    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.server.steps import make_service_step
     from orchestrator.operations.undeclared import server_view
 
     async def find() -> tuple[list[tuple[Host, LiveServer]], bool]:
@@ -317,7 +317,7 @@ def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
-    from orchestrator.operations.service import make_rollback_step
+    from orchestrator.operations.server.steps import make_rollback_step
 
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_rollback_step(_common.operation_options(args), to=args.to), "rollback")
@@ -340,8 +340,8 @@ def handle_status(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
 
-    from orchestrator.operations.server import ServerStatus
-    from orchestrator.operations.service import make_status_step
+    from orchestrator.operations.server.state import ServerStatus
+    from orchestrator.operations.server.steps import make_status_step
     from orchestrator.operations.undeclared import server_view
 
     inventory, hosts = _common.load_hosts(args)
@@ -400,7 +400,7 @@ def handle_status(args: argparse.Namespace) -> int:
 
 
 def handle_logs(args: argparse.Namespace) -> int:
-    from orchestrator.operations.service import make_logs_step
+    from orchestrator.operations.server.steps import make_logs_step
 
     _, hosts = _common.load_hosts(args)
     run = _run(args, hosts, make_logs_step(args.lines, noise=args.noise), "logs")

@@ -41,16 +41,23 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from orchestrator.engine.runtime import run_once
     from orchestrator.planning.formats import llama_cli_args, python_snippet
     from orchestrator.planning.profile import profile_model
-    from orchestrator.planning.strategy import make_plan
+    from orchestrator.workflows.plan import plan_for_fleet
 
     fmt = "json" if args.json else args.format
     _common.require_model(args.model)
-    options = _planning.plan_options(args)
+    request = _planning.planning_args(args)
     profile = profile_model(args.model)  # before probing: a bad model fails fast
-    devices = _planning.probe_devices(args)
-    plan = make_plan(devices, profile, options)
+    _, hosts = _common.load_hosts(args)
+    round_ = run_once(
+        plan_for_fleet(
+            hosts, profile, request.options, probe=request.probe, local_devices=request.local_devices
+        )
+    )
+    plan, devices = round_.plan, round_.devices
+    assert plan is not None  # failed="raise": no plan is an error
     if args.output is not None:
         _common.write_output(args.output, plan.to_text())
     if fmt == "json":

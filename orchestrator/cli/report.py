@@ -63,7 +63,7 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.report.render import render
 
     contexts = parse_contexts(args.ctx)
-    plan_options = _planning.plan_options(args, n_ctx=contexts[0])
+    plan_options = _planning.planning_args(args, n_ctx=contexts[0]).options
     # read before probing: fail fast on a typo
     models = [(str(m), profile_model(_common.require_model(Path(m)))) for m in args.model]
     _, hosts = _common.load_hosts(args)

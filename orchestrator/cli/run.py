@@ -10,9 +10,9 @@ native abort of this process; llama.cpp's log goes to the worker's log file (or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +25,13 @@ from orchestrator.core.units import format_size
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
     from collections.abc import Callable
 
-    from orchestrator.engine.executor import RunResult
+    from orchestrator.engine.runtime import Runtime
     from orchestrator.inventory.model import Host
     from orchestrator.llama.cache_prep import CachePrep
     from orchestrator.llama.placement import Placement
     from orchestrator.planning.plan import Plan, PlanDevice
     from orchestrator.planning.profile import ModelProfile
+    from orchestrator.workflows.load import FleetLoad
 
 
 def register(subparsers: Any) -> None:
@@ -111,81 +112,68 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     return hosts
 
 
-def make_run_plan(
-    args: argparse.Namespace,
-    phases: dict[str, float] | None = None,
-    read: ModelProfile | Plan | None = None,
-    local_gpus: Callable[[], list[PlanDevice]] | None = None,
-) -> Plan:
-    """The plan of this run (probed and planned, or `--plan`'s); `phases` gets the probe's and the
-    plan's seconds. `read`: the model's profile, or the saved plan, when it was already read.
-    `local_gpus`: this machine's GPUs (the worker's listing; default: a child started to list them)."""
-    from orchestrator.inventory.model import is_loopback
-    from orchestrator.planning.plan import Plan
-    from orchestrator.planning.profile import ModelProfile, profile_model
-    from orchestrator.planning.strategy import make_plan
-
-    times = phases if phases is not None else {}
-    started = time.monotonic()
-    if args.plan is not None:
-        plan = read if isinstance(read, Plan) else Plan.from_path(args.plan)
-        times["plan"] = time.monotonic() - started
-        return plan
-    options = _planning.plan_options(args)
-    hosts = None
-    if args.endpoint:
-        hosts = endpoint_hosts(args.endpoint)
-        # Facts are read on this machine for loopback servers; others are probed over RPC only.
-        args.no_facts = args.no_facts or any(not is_loopback(h.address) for h in hosts)
-    # A load lets go of an inventory server held by a client proven gone (never an --endpoint's).
-    devices = _planning.probe_devices(args, hosts, release=hosts is None, local_gpus=local_gpus)
-    times["probe"] = time.monotonic() - started
-    started = time.monotonic()
-    profile = read if isinstance(read, ModelProfile) else profile_model(args.model)
-    plan = make_plan(devices, profile, options)
-    times["plan"] = time.monotonic() - started
-    return plan
-
-
-def check_fit(plan: Plan, *, force: bool, json: bool = False) -> None:
-    """Refuse a plan that does not fit (PlanError) unless `force`, then only warn.
-
-    Refusing matters most on CPU servers: with memory overcommit the allocation succeeds and the
-    kernel's OOM killer kills the rpc-server later, in the middle of the load or of a generation.
-    """
-    from orchestrator.core.errors import PlanError
-
-    if plan.fit.fits:
-        return
-    short = plan.devices[plan.fit.binding_device or 0].label if plan.devices else "the host"
-    message = f"the plan does not fit: {short} is short by {format_size(plan.fit.shortfall)}"
-    if not force:
-        largest = plan.fit.largest_n_ctx
-        ctx = f"a smaller --ctx (the largest that fits: {largest})" if largest else "a smaller --ctx"
-        raise PlanError(message, hint=f"use {ctx}, more nodes, or --force to load it anyway")
-    if not json:
-        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(message)} (--force)", highlight=False)
-
-
-def inventory_hosts(args: argparse.Namespace) -> list[Host]:
-    """The selected inventory hosts (their caches, their names); none with --endpoint, or with a saved
-    --plan and no inventory (nothing to check against)."""
+def run_hosts(args: argparse.Namespace) -> tuple[list[Host], list[Host]]:
+    """The hosts to plan on, and those whose caches, tunnels and names the load uses: for `--endpoint`,
+    inventory-less hosts and none; else the selected inventory hosts for both (with a saved `--plan`
+    and no inventory, none: nothing to check against)."""
     from orchestrator.core.errors import InputError, LabError
 
     if args.endpoint:
-        return []
+        return endpoint_hosts(args.endpoint), []
     try:
         _, hosts = _common.load_hosts(args)
     except (InputError, LabError):
         if args.plan is not None:
-            return []
+            return [], []
         raise
-    return list(hosts)
+    return list(hosts), list(hosts)
+
+
+def make_run_plan(
+    args: argparse.Namespace,
+    runtime: Runtime,
+    hosts: list[Host],
+    read: ModelProfile | Plan,
+    local_gpus: Callable[[], list[PlanDevice]] | None = None,
+    phases: dict[str, float] | None = None,
+) -> Plan:
+    """The plan of this run (probed and planned on the command's session, or `--plan`'s, `read`);
+    `phases` gets the probe's and the plan's seconds. `local_gpus`: this machine's GPUs (the worker's)."""
+    from orchestrator.inventory.model import is_loopback
+    from orchestrator.planning.plan import Plan
+    from orchestrator.workflows.plan import plan_for_fleet
+
+    times = phases if phases is not None else {}
+    if isinstance(read, Plan):
+        times["plan"] = 0.0
+        return read
+    # Facts are read on this machine for loopback --endpoint servers; others are probed over RPC only.
+    facts = not (args.endpoint and any(not is_loopback(h.address) for h in hosts))
+    request = _planning.planning_args(args, facts=facts)
+    # A load lets go of an inventory server held by a client proven gone (never an --endpoint's).
+    round_ = runtime.run(
+        plan_for_fleet(
+            hosts,
+            read,
+            request.options,
+            probe=request.probe,
+            session=runtime.session,
+            release=not args.endpoint,
+            local_devices=request.local_devices,
+            local_gpus=local_gpus,
+        )
+    )
+    times["probe"], times["plan"] = round_.probe_seconds, round_.plan_seconds
+    assert round_.plan is not None  # failed="raise": no plan is an error
+    return round_.plan
 
 
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.cli._progress import LoadBars
+    from orchestrator.engine.runtime import Runtime
     from orchestrator.llama.worker import Worker
+    from orchestrator.workflows.fit import check_fit
+    from orchestrator.workflows.load import load_on_fleet
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
@@ -197,35 +185,59 @@ def handle(args: argparse.Namespace) -> int:
     read = profile_model(args.model) if args.plan is None else Plan.from_path(args.plan)
     # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
     # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
-    # overlap with the probe and the plan.
+    # overlap with the probe and the plan. One loop and one session for the command: the probe's SSH
+    # connections serve the cache check.
     phases: dict[str, float] = {}
-    with Worker.spawn(log_to_stderr=args.llama_verbose) as worker:
-        plan = make_run_plan(args, phases, read, worker.local_gpus)
-        check_fit(plan, force=args.force, json=args.json)
-        hosts = inventory_hosts(args)
-        cache, cache_phases = prepare_cache(args, plan, hosts)
-        phases |= cache_phases
-        signals.raise_if_interrupted()  # one swallowed during the probe or the plan: no load follows
-        if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
-            where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
-            _common.err_console.print(
-                f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
-                highlight=False,
-            )
-        dial = _planning.dial_map(args, plan.endpoints)
-        started = time.monotonic()
-        names = {h.endpoint: h.name for h in hosts if h.endpoint in plan.endpoints}
+    with (
+        Worker.spawn(log_to_stderr=args.llama_verbose) as worker,
+        Runtime(forks=args.forks, on_interrupt=_common.on_interrupt) as runtime,
+        contextlib.ExitStack() as bars_open,
+    ):
+        hosts, cache_hosts = run_hosts(args)
+        plan = make_run_plan(args, runtime, hosts, read, worker.local_gpus, phases)
+        warning = check_fit(plan, force=args.force)
+        if warning is not None and not args.json:
+            _common.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+        names = {h.endpoint: h.name for h in cache_hosts if h.endpoint in plan.endpoints}
         bars = LoadBars(_common.err_console.is_terminal and not args.json, names=names)
-        with bars:
-            placement = worker.load(
-                plan,
-                args.model,
-                {"seed": args.seed},
-                dial=dial,
-                on_progress=bars,
-                cache_hits=cache.hit_bytes if cache is not None else None,
-            )
-        phases["load"] = time.monotonic() - started
+
+        def checked(prep: CachePrep) -> None:
+            if not args.json:
+                _common.err_console.print(
+                    f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
+                    f"({format_size(prep.miss_bytes)} to send)[/dim]",
+                    highlight=False,
+                )
+
+        def prepared(done: FleetLoad) -> None:
+            report_cache(args, done)
+            signals.raise_if_interrupted()  # one swallowed during the probe or the plan: no load follows
+            if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
+                where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
+                _common.err_console.print(
+                    f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
+                    highlight=False,
+                )
+            bars_open.enter_context(bars)
+
+        loaded = load_on_fleet(
+            plan,
+            cache_hosts,
+            worker,
+            args.model,
+            runtime=runtime,
+            interruptible=True,
+            verify=args.verify_cache,
+            warm=args.warm,
+            llama_kwargs={"seed": args.seed},
+            on_checked=checked,
+            on_prepared=prepared,
+            on_progress=bars,
+        )
+        bars_open.close()
+        phases |= loaded.phases
+        placement = loaded.placement
+        assert placement is not None  # an interrupted check exits in `prepared`
         text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
     if args.json:
         _common.print_json(
@@ -236,7 +248,7 @@ def handle(args: argparse.Namespace) -> int:
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
                 "log": str(worker.log_path) if worker.log_path else None,
                 "phases": {k: round(v, 3) for k, v in phases.items()},
-                "cache": cache.as_json() if cache is not None else None,
+                "cache": loaded.cache.as_json() if loaded.cache is not None else None,
             }
         )
         return 0
@@ -261,39 +273,11 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_cache(
-    args: argparse.Namespace, plan: Plan, hosts: list[Host]
-) -> tuple[CachePrep | None, dict[str, float]]:
-    """Before a load through the inventory's `rpc_cache` hosts: count each node's hits and misses, refuse
-    (LoaderError) when a file the load would read back is truncated (or, with --verify-cache, corrupt),
-    and warm the misses first when `--warm` says so (all nodes in parallel). Returns what the load will
-    find and the phases' times."""
-    from orchestrator.llama.cache_prep import prepare_caches
-
-    phases: dict[str, float] = {}
-    if not hosts:
-        return None, phases
-    started = time.monotonic()
-
-    def checked(prep: CachePrep) -> None:
-        phases["cache check"] = time.monotonic() - started
-        if not args.json:
-            _common.err_console.print(
-                f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
-                f"({format_size(prep.miss_bytes)} to send)[/dim]",
-                highlight=False,
-            )
-
-    async def go() -> tuple[CachePrep | None, RunResult[Any] | None, bool]:
-        async with _common.fleet_session(args) as session:  # one session: one connection per node
-            prep, run = await prepare_caches(
-                session, hosts, plan, args.model, full=args.verify_cache, warm=args.warm, on_checked=checked
-            )
-            return prep, run, session.interrupted is not None
-
-    prep, run, interrupted = _common.run_async(go())
+def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
+    """After the caches' check and warm: the warm's failures (the load sends those tensors itself), an
+    interrupt (exit 130, no load), the warm's summary."""
+    run, prep = done.warm, done.cache
     if run is not None:
-        phases["warm"] = time.monotonic() - started - phases["cache check"]
         for r in run.results:
             if not r.succeeded:  # to stderr even with --json: the load goes on, sending those tensors
                 _common.err_console.print(
@@ -303,15 +287,14 @@ def prepare_cache(
                 )
         if run.interrupted:
             _common.print_interrupted([run])
-    if interrupted:  # Ctrl-C during the check or the warm: no load
+    if done.interrupted:  # Ctrl-C during the check or the warm: no load
         raise SystemExit(_common.INTERRUPTED_EXIT)
     if run is not None and prep is not None and not args.json:
         _common.err_console.print(
-            f"[dim]warmed {len(run.results)} node(s) in parallel in {phases['warm']:.2f} s; "
+            f"[dim]warmed {len(run.results)} node(s) in parallel in {done.phases['warm']:.2f} s; "
             f"{prep.misses} misses left[/dim]",
             highlight=False,
         )
-    return prep, phases
 
 
 def generate(

@@ -18,7 +18,7 @@ from typing import Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
-from orchestrator.core import fields
+from orchestrator.core import fields, signals
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
@@ -175,15 +175,16 @@ def handle(args: argparse.Namespace) -> int:
     if not hosts:
         raise UsageError("no hosts selected")
     sock = _common.listen_socket(args.host, args.port)  # before the fleet is probed or the model loaded
+    request = _planning.planning_args(args)
     fleet = ServeFleet(
         hosts,
         str(args.model),
-        _planning.plan_options(args),
-        probe_timeout=_common.probe_timeout(args),
-        facts=not args.no_facts,
-        trust_rpc_memory=args.trust_rpc_memory,
-        forks=args.forks,
-        local_devices=_planning.local_device_selection(args),
+        request.options,
+        probe_timeout=request.probe.timeout,
+        facts=request.probe.facts,
+        trust_rpc_memory=request.probe.trust_rpc_memory,
+        forks=request.probe.forks,
+        local_devices=request.local_devices,
     )
     config = ServeConfig(
         parallel=args.parallel,
@@ -275,7 +276,8 @@ def handle(args: argparse.Namespace) -> int:
 
     backend.on_progress = bars
     backend.on_loaded = on_loaded
-    signal.signal(signal.SIGHUP, lambda *_: backend.reload(rolling_restart=args.reload_rolling))
+    hup = signals.handling(signal.SIGHUP, lambda *_: backend.reload(rolling_restart=args.reload_rolling))
+    hup.__enter__()  # until serve ends: SIGHUP reloads
     _common.err_console.print(
         f"serving {escape(str(args.model))} on http://{escape(args.host)}:{args.port}/v1 "
         f"({len(first.plan.endpoints)} node(s), llama-server with {args.parallel} slot(s), loading...)",
@@ -286,7 +288,7 @@ def handle(args: argparse.Namespace) -> int:
         with bars:
             server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        hup.__exit__(None, None, None)
         if exporter is not None:
             exporter.collector.stop()
         backend.stop()

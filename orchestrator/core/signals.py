@@ -1,4 +1,7 @@
-"""SIGINT and SIGTERM as KeyboardInterrupt, never inside a finalizer or the import machinery's callbacks.
+"""The one owner of signal handlers. SIGINT and SIGTERM are KeyboardInterrupt (`install`), never inside
+a finalizer or the import machinery's callbacks; a phase that wants them otherwise (an interruptible
+executor session on its loop, serve's SIGHUP) takes them with `loop_handlers` / `handling`, which give
+them back to the handlers from before.
 
 CPython runs a Python signal handler between two bytecodes of whatever runs, including a module lock's
 weakref callback in `importlib._bootstrap` and an object's `__del__` (a socket, a transport, a process
@@ -9,11 +12,18 @@ lands inside one of them is handled again a moment later, outside it.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not imported: `rpcfleet --help` loads no asyncio
+    import asyncio
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 _IMPORT_MACHINERY = "<frozen importlib"
 _RETRY = 0.002  # seconds until a deferred signal is handled again
@@ -55,6 +65,11 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def interrupted() -> bool:
+    """Whether a signal has interrupted this command."""
+    return bool(_received)
+
+
 def quiet_after_interrupt() -> None:
     """Once a signal has interrupted the command, what it cut short is only collected: an event loop half
     made (its `__del__` fails), a coroutine never awaited. Their finalizers' complaints ("Exception
@@ -87,8 +102,45 @@ def _again(_signum: int, frame: FrameType | None) -> None:
 
 def install() -> None:
     """`interrupt` for SIGINT and SIGTERM (the main thread only, as Python's handlers are)."""
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    for sig in INTERRUPTS:
+        signal.signal(sig, interrupt)
+
+
+def ignore_interrupts() -> None:
+    """No SIGINT or SIGTERM heard any more (the process is exiting)."""
+    for sig in INTERRUPTS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def handling(sig: signal.Signals, handler: Callable[[int, FrameType | None], Any]) -> Iterator[None]:
+    """`handler` for `sig` within the block, then the handler from before."""
+    previous = signal.getsignal(sig)
+    signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def loop_handlers(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None]) -> Callable[[], None]:
+    """SIGINT and SIGTERM call `callback(name)` on `loop` (asyncio's handlers, safe between its tasks)
+    until the returned function is called: it hands them back to the handlers from before. asyncio alone
+    would leave SIGTERM at its default action (the process dies, status 143) and SIGINT at Python's:
+    the command's `interrupt` must hear the next one."""
+    installed = []
+    for sig in INTERRUPTS:
+        installed.append((sig, signal.getsignal(sig)))
+        loop.add_signal_handler(sig, callback, sig.name)
+
+    def give_back() -> None:
+        for sig, previous in installed:
+            loop.remove_signal_handler(sig)
+            if previous is not None:
+                signal.signal(sig, previous)
+        installed.clear()
+
+    return give_back
 
 
 def interrupted_by(exc: BaseException) -> bool:

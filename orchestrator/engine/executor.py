@@ -20,15 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from orchestrator.connectors.base import Connection, ConnectOptions
 from orchestrator.connectors.connect import connect
+from orchestrator.core import signals
 from orchestrator.core.errors import NotStartedError, RpcfleetError, UnreachableError, UsageError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.shared import Shared
@@ -225,27 +225,36 @@ class Session:
         self.interrupted: str | None = None  # what interrupted the run ("SIGINT", ...), once it happened
         self._interrupt_count = 0
         self._interrupted_event: asyncio.Event | None = None
-        self._installed: list[tuple[signal.Signals, Any]] = []  # (signal, the handler it had before)
+        self._give_back: Callable[[], None] | None = None  # hands SIGINT/SIGTERM back (`core.signals`)
 
     async def __aenter__(self) -> Session:
-        if self.interruptible and threading.current_thread() is threading.main_thread():
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous = signal.getsignal(sig)
-                loop.add_signal_handler(sig, self.interrupt, sig.name)
-                self._installed.append((sig, previous))
+        if self.interruptible:
+            self._take_signals()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        loop = asyncio.get_running_loop()
-        for sig, previous in self._installed:
-            loop.remove_signal_handler(sig)
-            # asyncio leaves SIGTERM at its default action (the process dies, status 143) and SIGINT at
-            # Python's: the handler from before this session (the CLI's interrupt) must hear the next one.
-            if previous is not None:
-                signal.signal(sig, previous)
-        self._installed.clear()
+        self._give_back_signals()
         await self.close()
+
+    @contextlib.asynccontextmanager
+    async def catching_signals(self) -> AsyncIterator[Session]:
+        """Interruptible for this block only (a phase of a longer-lived session, `engine.runtime`):
+        SIGINT/SIGTERM call `interrupt`, then go back to the handlers from before."""
+        self._take_signals()
+        try:
+            yield self
+        finally:
+            self._give_back_signals()
+
+    def _take_signals(self) -> None:
+        if self._give_back is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self._give_back = signals.loop_handlers(asyncio.get_running_loop(), self.interrupt)
+
+    def _give_back_signals(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
 
     def interrupt(self, why: str = "interrupted") -> None:
         """Start no new host from now on; the hosts in flight finish (see the module docstring)."""

@@ -1,5 +1,7 @@
 """One shared attempt per key: the helper behind every "compute this once for everyone" in a run
-(a host's connection, a fleet step's probe or plan, an artifact chosen for many hosts).
+(a host's connection, a fleet step's probe or plan, an artifact chosen for many hosts); and
+`gather_bounded`, the one bound on work started at once outside a session's host steps (the probe's and
+the exporter's RPC rounds, the lock layer's connects).
 
 The failure rule, the same for every user:
 
@@ -17,7 +19,7 @@ The failure rule, the same for every user:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -65,6 +67,18 @@ class SharedCall(Generic[T]):
 
     async def get(self) -> T:
         return await self._shared.get(None, self._make)
+
+
+async def gather_bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Await every call's result, at most `limit` running at once; results in the calls' order (an
+    exception of one is raised once all have ended, as `asyncio.gather` would: the first)."""
+    slots = asyncio.Semaphore(limit)
+
+    async def one(call: Callable[[], Awaitable[T]]) -> T:
+        async with slots:
+            return await call()
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))
 
 
 def copy_error(exc: Exception) -> Exception:

@@ -5,8 +5,8 @@ stderr and exit status into a `T` (`parse()`); parsing does no I/O and is tested
 `gather_command(facts, token)` joins several commands into one script, so one SSH round trip reads
 them all; `split_output(stdout, token, n)` cuts that script's output back into per-fact outputs and
 `parse_gathered` parses them; `gather(conn, facts, timeout=...)` does all three over a connection.
-The state reads of operations/ (install_plan.py, server.py) and probe/ (host.py, fleet.py) are these facts
-(change scripts reuse pieces).
+The state reads of operations/ (install/plan.py, server/state.py) and probe/ (host.py, fleet.py) are
+these facts (change scripts reuse pieces).
 
 A tool that is not installed (no nvidia-smi on a CPU node, no ss) is a normal answer ("none"), not an
 error: only the caller knows whether it needed it.

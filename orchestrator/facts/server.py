@@ -201,7 +201,8 @@ class InstalledManifestFact(Fact[InstalledManifest | None]):
         return InstalledManifest(data)
 
 
-# Shell pieces reading the process whose pid is in $pid; the stop script (operations/process.py) reuses them.
+# Shell pieces reading the process whose pid is in $pid; the stop script (operations/server/process.py)
+# reuses them.
 READ_PID = 'pid=$(head -n 1 "$pf")'
 
 

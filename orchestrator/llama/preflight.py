@@ -3,13 +3,11 @@ devices checked against the servers, and the process-wide endpoint limit."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from orchestrator.artifacts.protocol import local_protocol_version
+from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.errors import DeviceMismatchError, EndpointLimitError, EndpointUnreachableError
 from orchestrator.llama.native import LIVE, LOCK, REGISTRY, get_native
 from orchestrator.planning.plan import Plan
@@ -30,16 +28,6 @@ MAX_ENDPOINTS = 16
 
 
 LLAMA_CPP_PROTOCOL = {"0.3.36": "7.0.0"}
-
-
-def run_sync(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    # Called from async code: run the probe on a private loop in a worker thread.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 @functools.cache

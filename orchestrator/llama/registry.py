@@ -26,8 +26,9 @@ from typing import Any, TextIO
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.core.units import format_size
+from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.native import LOCK, get_native, live_endpoints, llama_cpp_module, registered_endpoints
-from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load, run_sync
+from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load
 from orchestrator.llama.seed_plan import parse_rpc_servers
 from orchestrator.rpc.client import endpoint_list, probe_endpoint, query_memory
 from orchestrator.rpc.errors import error_for

@@ -28,11 +28,12 @@ from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.core.errors import PlanError, RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.core.units import format_size, parse_size
+from orchestrator.core.units import parse_size
+from orchestrator.engine.runtime import run_sync
 from orchestrator.facts.base import gather
 from orchestrator.inventory.load import default_inventory_path, load_inventory
 from orchestrator.inventory.model import Host, is_loopback
-from orchestrator.planning.plan import Plan, PlanDevice
+from orchestrator.planning.plan import PlanDevice
 from orchestrator.probe.capacity import fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.errors import EndpointUnreachableError
@@ -144,7 +145,6 @@ def read_facts(hosts: Mapping[str, Host]) -> dict[str, FactsRead]:
     """Each host's facts (MemAvailable, machine identity...), read at once. A host whose facts (or
     MemAvailable) cannot be read has its CPU servers count as unmeasured; the cause is logged as a
     warning and kept in `error`."""
-    from orchestrator.llama.preflight import run_sync
 
     async def all_facts() -> list[HostFacts | BaseException]:
         return await asyncio.gather(*(_gather(h) for h in hosts.values()), return_exceptions=True)
@@ -250,21 +250,3 @@ def refuse_unmeasured(labels: Sequence[str], causes: Sequence[str] = ()) -> None
             hint="pass rpc_memory={'host:port': '16GiB'} (usable bytes per device), trust_rpc_memory=True, "
             "or tensor_split; or plan with an inventory (rpcfleet plan), which reads MemAvailable",
         )
-
-
-def refuse_misfit(plan: Plan) -> None:
-    """A planned split that does not fit: a `PlanError` naming the device and the shortfall, before
-    llama.cpp would run out of memory half-way through the load."""
-    fit = plan.fit
-    if fit.fits or fit.binding_device is None:
-        return
-    dev = plan.devices[fit.binding_device]
-    m = dev.memory
-    raise PlanError(
-        f"the model does not fit: {dev.label} needs {format_size(m.total)} (weights "
-        f"{format_size(m.weights)}, KV {format_size(m.kv)}, compute {format_size(m.compute)}) plus a "
-        f"margin of {format_size(m.margin)} but may use {format_size(m.usable)}: short by "
-        f"{format_size(fit.shortfall)}",
-        host=dev.endpoint,
-        hint="use a smaller n_ctx, more servers, or a tensor_split of your own",
-    )

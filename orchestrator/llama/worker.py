@@ -18,14 +18,11 @@ This module imports no llama_cpp: only the child does.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -36,7 +33,8 @@ from typing import IO, Any, TypeVar
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
-from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.children import child_log_path, exit_description, spawn_child
+from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes, progress_sample
 from orchestrator.llama.placement import Placement
 from orchestrator.llama.worker_child import PARENT_ENV
@@ -78,7 +76,6 @@ LOAD_TIMEOUT = 300.0  # seconds for the child to start and load
 EVENT_TIMEOUT = 300.0  # seconds between two answers of a request (the first token includes the prompt)
 LINK_TIMEOUT = 10.0  # seconds a connection to a server may leave data unacknowledged (the child's sockets)
 PROBE_TIMEOUT = 2.0  # seconds per endpoint for the probe that finds the lost node
-KEEP_LOGS = 20  # worker logs kept under $RPCFLEET_HOME/logs
 
 # Outcomes of a probe that mean the node is gone: nothing listens, the connect never completes (a cut
 # link, a dead host), or the server hangs up. `busy` and `ok` answer: the node is alive.
@@ -89,24 +86,8 @@ _TELLING = re.compile(r"error|fail|abort|crash|ggml-rpc|Traceback|Killed", re.IG
 
 
 def default_log_path() -> Path:
-    """A fresh log under `$RPCFLEET_HOME/logs`; beyond the newest `KEEP_LOGS`, those untouched for an
-    hour are removed (a younger one may belong to a worker still running)."""
-    folder = rpcfleet_home() / "logs"
-    folder.mkdir(parents=True, exist_ok=True)
-    logs = sorted(folder.glob("worker-*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in logs[KEEP_LOGS - 1 :]:
-        if time.time() - stale.stat().st_mtime > 3600:
-            stale.unlink(missing_ok=True)
-    return folder / f"worker-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-
-
-def _run_sync(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code: a private loop
-        return pool.submit(asyncio.run, coro).result()
+    """A fresh worker log under `$RPCFLEET_HOME/logs` (`engine.children.child_log_path`)."""
+    return child_log_path("worker")
 
 
 def list_local_gpus(timeout: float = LOAD_TIMEOUT) -> list[PlanDevice]:
@@ -114,17 +95,6 @@ def list_local_gpus(timeout: float = LOAD_TIMEOUT) -> list[PlanDevice]:
     once: for a caller with no worker of its own (`plan`, `report`, serve's planning)."""
     with Worker.spawn(Path(os.devnull)) as worker:
         return worker.local_gpus(timeout)
-
-
-def _signal_name(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit status {returncode}"
 
 
 class Worker:
@@ -208,19 +178,13 @@ class Worker:
             PARENT_ENV: str(os.getpid()),
             "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])),
         }
-        log: IO[bytes] | None = path.open("ab") if path is not None else None
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.llama.worker_child"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                start_new_session=True,  # a Ctrl-C at the terminal reaches the parent only
-            )
-        finally:
-            if log is not None:
-                log.close()
+        process = spawn_child(
+            [sys.executable, "-m", "orchestrator.llama.worker_child"],
+            env=env,
+            log_path=path,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         return cls(
             process, path, event_timeout=event_timeout, link_timeout=link_timeout, probe_timeout=probe_timeout
         )
@@ -475,7 +439,7 @@ class Worker:
             return self._dead  # stopped on purpose (kill, close): nothing to diagnose
         self._terminate()
         how = f"did not answer within {timed_out:g} s (killed)" if timed_out is not None else "died"
-        how += f" ({_signal_name(self._process.returncode)})" if timed_out is None else ""
+        how += f" ({exit_description(self._process.returncode)})" if timed_out is None else ""
         probes = tuple(self._probe())
         lost = tuple(r for r in probes if r.outcome in LOST_OUTCOMES)
         err: WorkerError
@@ -500,7 +464,7 @@ class Worker:
         if not endpoints:
             return []
         dialed = [self.dial.get(ep, ep) for ep in endpoints]
-        found = _run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
+        found = run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
         return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
 
     def _log_tail(self) -> str | None:

@@ -18,13 +18,13 @@ import os
 import queue
 import resource
 import select
-import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from orchestrator.engine.children import connections_to, peers_of, socket_bytes_acked, tune_socket
 from orchestrator.llama.text_stream import TextStream
 from orchestrator.llama.worker_wire import decode, devices_to_json, encode, placement_to_json
 
@@ -73,62 +73,26 @@ class _Channel:
                     self.requests.put(message)
 
 
-def _endpoint_sockets(wanted: set[tuple[str, int]]) -> Iterator[tuple[tuple[str, int], socket.socket]]:
-    """This process's TCP connections to one of `wanted` (host, port), each with its peer: duplicates of
-    the native client's descriptors, closed after the caller's turn."""
-    for name in os.listdir("/proc/self/fd"):  # noqa: PTH208 (names, not paths)
-        try:
-            fd = os.dup(int(name))
-        except OSError:
-            continue  # gone since the listing
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            os.close(fd)  # not a socket: the duplicate is ours to close
-            continue
-        with sock:
-            try:
-                peer = sock.getpeername()[:2] if sock.type == socket.SOCK_STREAM else None
-            except OSError:
-                continue
-            if peer in wanted:
-                yield peer, sock
-
-
 def tune_sockets(endpoints: list[tuple[str, int]], link_timeout: float) -> int:
     """Bound how long a dead link can stall the native client: on every TCP connection of this process to
     one of `endpoints`, keepalive probes and TCP_USER_TIMEOUT (data unacknowledged for `link_timeout`
     seconds aborts the connection; ggml-rpc then aborts the process, and the parent reports the node).
     Returns the number of connections tuned."""
     tuned = 0
-    idle = max(1, int(link_timeout / 2))
-    interval = max(1, int(link_timeout / 5))
-    for _, sock in _endpoint_sockets(set(endpoints)):
+    for _, sock in connections_to(set(endpoints)):
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(link_timeout * 1000))
+            tune_socket(sock, link_timeout)
             tuned += 1
         except OSError:
             continue
     return tuned
 
 
-_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info (since 4.1)
-
-
 def bytes_acked(endpoints: Mapping[tuple[str, int], str]) -> dict[str, int]:
     """Per endpoint, the bytes its server has acknowledged on this process's connections to it."""
     sent = dict.fromkeys(endpoints.values(), 0)
-    for peer, sock in _endpoint_sockets(set(endpoints)) if endpoints else ():
-        try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-        except OSError:
-            continue
-        if len(info) >= _BYTES_ACKED + 8:
-            sent[endpoints[peer]] += int.from_bytes(info[_BYTES_ACKED : _BYTES_ACKED + 8], "little")
+    for peer, sock in connections_to(set(endpoints)) if endpoints else ():
+        sent[endpoints[peer]] += socket_bytes_acked(sock)
     return sent
 
 
@@ -177,17 +141,7 @@ def endpoint_peers(endpoints: Sequence[str]) -> dict[tuple[str, int], str]:
     """The (address, port) pairs a connection to each endpoint has as its peer (names resolved)."""
     from orchestrator.rpc.protocol import parse_endpoint
 
-    peers: dict[tuple[str, int], str] = {}
-    for text in endpoints:
-        ep = parse_endpoint(text)
-        try:
-            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
-        except OSError:
-            infos = []
-        for info in infos:
-            peers[(str(info[4][0]), int(info[4][1]))] = text
-        peers.setdefault((ep.host, ep.port), text)
-    return peers
+    return peers_of({text: (ep.host, ep.port) for text in endpoints for ep in [parse_endpoint(text)]})
 
 
 def _error_fields(exc: BaseException) -> dict[str, Any]:

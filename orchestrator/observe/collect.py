@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
+from orchestrator.engine.shared import gather_bounded
 from orchestrator.facts.base import Fact, gather
 from orchestrator.inventory.model import Host
 from orchestrator.observe.snapshot import (
@@ -43,7 +45,7 @@ from orchestrator.observe.snapshot import (
     formation_changes,
 )
 from orchestrator.operations.cache import cache_path
-from orchestrator.operations.server import (
+from orchestrator.operations.server.state import (
     STATE_TIMEOUT,
     NodeState,
     classify,
@@ -248,7 +250,6 @@ class Collector:
         self, reads: dict[str, NodeRead | None], held: set[str], client: ProtocolVersion
     ) -> dict[str, ProbeResult | None]:
         """A full RPC probe of each distinct endpoint whose server runs with no client (None: not probed)."""
-        slots = asyncio.Semaphore(self.forks)
         chosen: dict[str, Host] = {}
         for host in self.hosts:
             read = reads.get(host.name)
@@ -259,23 +260,22 @@ class Collector:
             chosen.setdefault(host.endpoint, host)
 
         async def one(host: Host) -> ProbeResult:
-            async with slots:
-                try:
-                    target = await dial_endpoint(host)
-                except RpcfleetError as exc:
-                    return ProbeResult(
-                        host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0
-                    )
-                result = await probe_endpoint(
-                    target,
-                    expected=client,
-                    connect_timeout=self.timeout,
-                    read_timeout=self.timeout,
-                    deadline=self.timeout,
+            try:
+                target = await dial_endpoint(host)
+            except RpcfleetError as exc:
+                return ProbeResult(
+                    host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0
                 )
-                return replace(result, endpoint=host.endpoint)
+            result = await probe_endpoint(
+                target,
+                expected=client,
+                connect_timeout=self.timeout,
+                read_timeout=self.timeout,
+                deadline=self.timeout,
+            )
+            return replace(result, endpoint=host.endpoint)
 
-        results = await asyncio.gather(*(one(h) for h in chosen.values()))
+        results = await gather_bounded([functools.partial(one, h) for h in chosen.values()], self.forks)
         return dict(zip(chosen, results, strict=True))
 
     def _nodes(

@@ -26,7 +26,7 @@ from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_command, stream_items, stream_script
 from orchestrator.operations.layer import OperationOptions, node_operation
-from orchestrator.operations.server import CACHE_DIR, LOG_MARKER, server_files
+from orchestrator.operations.server.state import CACHE_DIR, LOG_MARKER, server_files
 
 NAME = re.compile(r"^[0-9a-f]{16}$")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection, shell_path
 from orchestrator.engine.executor import HostContext, StepOutcome
-from orchestrator.operations.server import node_path, server_files
+from orchestrator.operations.server.state import node_path, server_files
 
 # What ggml-rpc-server 7.x prints per client connection (checked against its output).
 CONNECTION_NOISE = ("Accepted client connection", "Client connection closed")

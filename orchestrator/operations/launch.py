@@ -6,7 +6,7 @@ from __future__ import annotations
 from orchestrator.facts.server import Launch
 from orchestrator.facts.systemd import SERVICE_USER, SystemdInfo
 from orchestrator.inventory.model import Host
-from orchestrator.operations.server import CACHE_DIR, SERVER_BINARY
+from orchestrator.operations.server.state import CACHE_DIR, SERVER_BINARY
 
 
 def server_argv(host: Host, install_dir: str, version: str) -> list[str]:

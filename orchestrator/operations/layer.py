@@ -8,7 +8,7 @@ four guarantees:
    order: of two runs started at once over the same hosts one gets every host and the other waits, or
    changes nothing and fails (exit 3), instead of each getting some;
 2. busy protection: a server with a client connected is never stopped without `force` (the stop itself
-   re-checks on the node, `operations.process.stop_script`);
+   re-checks on the node, `operations.server.process.stop_script`);
 3. check mode: the node is read and the change computed, nothing is locked or changed;
 4. interrupts: once a host's change has begun it runs to its end (a cancelled caller waits for it), and
    the executor starts no new host after an interrupt (`Session.interrupt`), so no node is left with a new
@@ -18,6 +18,7 @@ four guarantees:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import NotStartedError, RpcfleetError
 from orchestrator.core.log import Logger, get_logger
 from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.engine.shared import gather_bounded
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
 from orchestrator.operations.lock import HostLock, HostLockedError, acquire
@@ -123,17 +125,15 @@ class HostLocks:
         for host in sorted(hosts, key=lock_order):
             installs.setdefault(host.install_key, []).append(host)
         ordered = [servers[0] for servers in installs.values()]  # one lock per install
-        limiter = asyncio.Semaphore(session.forks)
 
         async def reach(host: Host) -> Connection | None:
-            async with limiter:
-                try:
-                    return await session.connection(host)
-                except RpcfleetError:
-                    return None  # the session keeps the failure: the host's step reports it
+            try:
+                return await session.connection(host)
+            except RpcfleetError:
+                return None  # the session keeps the failure: the host's step reports it
 
         # Connecting is the slow part and takes no lock: all at once; then one lock after the other.
-        connections = await asyncio.gather(*(reach(h) for h in ordered))
+        connections = await gather_bounded([functools.partial(reach, h) for h in ordered], session.forks)
         wait = self.options.wait_lock
         deadline = time.monotonic() + wait
         errors: dict[str, RpcfleetError] = {}

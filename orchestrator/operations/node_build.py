@@ -14,8 +14,8 @@ from orchestrator.artifacts.node_build import NodeBuild
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
 from orchestrator.core.log import get_logger
-from orchestrator.operations.install_apply import guarded_script, run_script, verify_lines
-from orchestrator.operations.install_plan import (
+from orchestrator.operations.install.apply import guarded_script, run_script, verify_lines
+from orchestrator.operations.install.plan import (
     BUILD_POLL_INTERVAL,
     PREPARE_TIMEOUT,
     UPLOAD_CHECK_TIMEOUT,

@@ -7,7 +7,7 @@ needs, built from the service module's own functions (`read_node_state`, `classi
 
 1. Read the node. A *busy* server (a client is connected: killing it would kill an inference mid-way)
    is refused unless `force`; the stop checks again on the node, in the same step as the kill
-   (`operations.process.stop_script`: a connection lasting `BUSY_GRACE` is a model, not a probe).
+   (`operations.server.process.stop_script`: a connection lasting `BUSY_GRACE` is a model, not a probe).
 2. Baseline: the server's free device memory before the stop (an RPC probe of every device).
 3. Stop, start, wait until HELLO answers (`service.wait_ready`), then until every device's free memory
    is back to its baseline within a tolerance. CPU servers report a constant (physical RAM), so for them
@@ -30,14 +30,14 @@ from orchestrator.core.units import format_size
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
-from orchestrator.operations.process import (
+from orchestrator.operations.server.process import (
     refuse_if_busy,
     run_as_warning,
     start_server,
     stop_server,
     wait_ready,
 )
-from orchestrator.operations.server import (
+from orchestrator.operations.server.state import (
     READY_TIMEOUT,
     ServerStatus,
     bind_policy,
@@ -45,7 +45,7 @@ from orchestrator.operations.server import (
     probe_server,
     read_node_state,
 )
-from orchestrator.operations.service import without_stale_clients
+from orchestrator.operations.server.steps import without_stale_clients
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import DeviceMemory
 
@@ -174,7 +174,7 @@ def make_rolling_restart_step(
         # does not answer this probe either, and then there is simply no baseline.
         baseline = await _device_memory(host) if status.state in ("running", "busy") else None
         started = time.monotonic()
-        # The stop re-checks for clients on the node, in the same step as the kill (operations.process).
+        # The stop re-checks for clients on the node, in the step of the kill (operations.server.process).
         await stop_server(
             conn,
             host,

@@ -415,9 +415,14 @@ async def release_stale_step(ctx: HostContext) -> StepOutcome[Closed]:
     return StepOutcome(closed, bool(closed.closed), summary)
 
 
-async def release_stale_on(hosts: Sequence[Host], *, forks: int | None = None) -> list[str]:
+async def release_stale_on(
+    hosts: Sequence[Host], *, forks: int | None = None, session: Session | None = None
+) -> list[str]:
     """`release_stale` on every host (an unreachable one is skipped: nothing is proven there); returns
-    `host peer` for each connection closed."""
-    async with Session(forks=forks or DEFAULT_FORKS) as session:
+    `host peer` for each connection closed. `session`: the command's (its connections), else one here."""
+    if session is not None:
         run = await session.run(hosts, release_stale_step, name="release_stale")
+    else:
+        async with Session(forks=forks or DEFAULT_FORKS) as own:
+            run = await own.run(hosts, release_stale_step, name="release_stale")
     return [f"{r.host.name} {peer}" for r in run.results if r.value is not None for peer in r.value.closed]

@@ -2,7 +2,7 @@
 rpc-server in the foreground and restarts it when it fails, as the systemd unit's `Restart=on-failure`
 with its start limit does.
 
-`launch_script` (process.py) writes it to `run/rpc-supervise.sh` and starts it detached; it writes
+`launch_script` (server/process.py) writes it to `run/rpc-supervise.sh` and starts it detached; it writes
 its own pid to `run/rpc-supervisor.pid`, the server's to `run/rpc-server.pid` (so the busy check, the
 launch-line drift and orphan detection see the real server, as before) and its state to
 `run/rpc-supervisor.state`. A server that ends with status 0 (the server's answer to a taken port or a
@@ -15,7 +15,7 @@ server, so nothing restarts a server that was stopped on purpose (`stop_loop_lin
 from __future__ import annotations
 
 from orchestrator.facts.server import PID_IS_NUMBER, SUPERVISOR_SCRIPT_ARG
-from orchestrator.operations.server import LOG_MARKER, ServerFiles, server_files
+from orchestrator.operations.server.state import LOG_MARKER, ServerFiles, server_files
 from orchestrator.operations.systemd import RESTART_SEC, START_LIMIT_BURST, START_LIMIT_INTERVAL
 
 MAX_DELAY = 30  # seconds: the backoff's cap

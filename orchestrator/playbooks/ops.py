@@ -26,7 +26,7 @@ from orchestrator.operations import BUSY_GRACE
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.operations.layer import OperationOptions
-    from orchestrator.planning.plan import Plan, PlanOptions
+    from orchestrator.planning.plan import Plan
     from orchestrator.probe.fleet import FleetProbe
 from orchestrator.playbooks.args import Arg
 from orchestrator.playbooks.load_check import LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
@@ -62,15 +62,15 @@ def _options(args: Mapping[str, Any], play: Play) -> OperationOptions:
 
 
 def _install(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.install import ArtifactChooser, make_install_step
+    from orchestrator.operations.install.ensure import ArtifactChooser, make_install_step
 
     chooser = ArtifactChooser(args["artifact"])
     return make_install_step(chooser, _options(args, play), reinstall=args["reinstall"])
 
 
 def _deploy(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.install import ArtifactChooser
-    from orchestrator.operations.service import make_deploy_step
+    from orchestrator.operations.install.ensure import ArtifactChooser
+    from orchestrator.operations.server.steps import make_deploy_step
 
     return make_deploy_step(
         ArtifactChooser(args["artifact"]), _options(args, play), reinstall=args["reinstall"]
@@ -78,19 +78,19 @@ def _deploy(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _start(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.server.steps import make_service_step
 
     return make_service_step("running", _options(args, play))
 
 
 def _stop(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.service import make_service_step
+    from orchestrator.operations.server.steps import make_service_step
 
     return make_service_step("stopped", _options(args, play))
 
 
 def _remove_unit(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.service import make_remove_unit_step
+    from orchestrator.operations.server.steps import make_remove_unit_step
 
     return make_remove_unit_step(_options(args, play))
 
@@ -108,8 +108,8 @@ def _restart(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _wait_ready(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.process import wait_ready
-    from orchestrator.operations.server import read_node_state
+    from orchestrator.operations.server.process import wait_ready
+    from orchestrator.operations.server.state import read_node_state
 
     async def wait(ctx: HostContext) -> StepOutcome[None]:
         conn = await ctx.connection()
@@ -176,44 +176,38 @@ def _latest_probe(play: Play) -> SharedCall[FleetProbe]:
     return SharedCall(reuse)
 
 
-def _plan_options(args: Mapping[str, Any]) -> PlanOptions:
-    from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
-
-    return PlanOptions(
-        n_ctx=args["ctx"],
-        type_k=args["type_k"],
-        type_v=args["type_v"],
-        flash_attn=args["flash_attn"],
-        margin=args["margin"] if args["margin"] is not None else DEFAULT_MARGIN,
-        strategy=args["strategy"],
-    )
-
-
 def _plan(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.core.units import format_size
-    from orchestrator.planning.devices import to_plan_devices
     from orchestrator.planning.profile import profile_model
-    from orchestrator.planning.strategy import make_plan
+    from orchestrator.workflows.fit import PLAYBOOK_WORDS
+    from orchestrator.workflows.options import ProbeSettings, plan_options
+    from orchestrator.workflows.plan import plan_for_fleet
 
     fleet_of = _latest_probe(play)
 
     async def make() -> Plan:
         fleet = await fleet_of.get()
         profile = await asyncio.to_thread(profile_model, args["model"])
-        plan = make_plan(to_plan_devices(fleet, failed="skip"), profile, _plan_options(args))
+        round_ = await plan_for_fleet(
+            play.hosts,
+            profile,
+            plan_options(args),
+            probe=ProbeSettings(),
+            fleet=fleet,
+            failed="skip",
+            local_devices=[],  # the nodes' devices only: a playbook plans the fleet
+            words=PLAYBOOK_WORDS,
+        )
+        plan = round_.plan
+        if plan is None:
+            raise round_.error or PlanError(round_.reason)
         play.state.plan = plan
         text = plan.to_text()
         path = args["output"]
         if path is not None and not play.check:
             await asyncio.to_thread(write_atomic, Path(path), text, parents=True)
         play.state.documents.append(Document(play.step.label, "plan", text, path if not play.check else None))
-        if not plan.fit.fits:
-            binding = plan.devices[plan.fit.binding_device or 0]
-            raise PlanError(
-                f"{Path(args['model']).name} does not fit at n_ctx {plan.n_ctx}: "
-                f"{format_size(plan.fit.shortfall)} short on {binding.label}",
-                hint=f"the largest context that fits is {plan.fit.largest_n_ctx}",
-            )
+        if round_.misfit is not None:
+            raise round_.misfit
         return plan
 
     shared = SharedCall(make)
@@ -329,6 +323,7 @@ def _report(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.planning.profile import profile_model
     from orchestrator.report.build import ReportOptions, build_report
     from orchestrator.report.render import render
+    from orchestrator.workflows.options import plan_options
 
     fleet_of = _latest_probe(play)
 
@@ -336,7 +331,7 @@ def _report(args: Mapping[str, Any], play: Play) -> Step:
         fleet = await fleet_of.get()
         models = [(str(m), await asyncio.to_thread(profile_model, m)) for m in args["model"]]
         options = ReportOptions(
-            plan=_plan_options({**args, "ctx": 0}),
+            plan=plan_options(args, n_ctx=0),
             generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
         report = build_report(fleet, models, list(args["ctx"]), options)
@@ -379,7 +374,12 @@ _KV_TYPE = fields.choice(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl"
 _PLAN_ARGS = (
     Arg("type_k", _KV_TYPE, "f16"),
     Arg("type_v", _KV_TYPE, "f16"),
+    Arg("ubatch", fields.integer(minimum=1), 512, help="n_ubatch"),
     Arg("flash_attn", fields.boolean, False),
+    Arg("swa_full", fields.boolean, False, help="full-context cache for sliding-window layers"),
+    Arg("parallel", fields.integer(minimum=1, maximum=256), 1, help="parallel sequences (n_seq_max)"),
+    Arg("kv_unified", fields.boolean, False, help="one KV cache shared by all sequences"),
+    Arg("n_cpu_moe", fields.integer(minimum=0), 0, help="expert weights of the first N layers on the CPU"),
     Arg("margin", fields.optional(fields.size), None, help="headroom kept free per device (default 256MiB)"),
     Arg("strategy", fields.choice(("proportional", "fewest")), "proportional"),
 )

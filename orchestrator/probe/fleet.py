@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -67,6 +68,7 @@ from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
+from orchestrator.engine.shared import gather_bounded
 from orchestrator.inventory.model import Host
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity, without_own_connection
 from orchestrator.probe.host import DEFAULT_TIMEOUT, HostFacts, read_facts
@@ -351,16 +353,10 @@ async def probe_fleet(
     for host in hosts:
         first_host.setdefault(host.endpoint, host)
 
-    slots = asyncio.Semaphore(forks)
-
-    async def rpc_one(host: Host) -> ProbeResult:
-        async with slots:
-            return await _probe_rpc(host, timeout, client)
-
     async def rpc_all() -> dict[str, ProbeResult]:
         endpoints = list(first_host)
-        results = await asyncio.gather(*(rpc_one(first_host[e]) for e in endpoints))
-        return dict(zip(endpoints, results, strict=True))
+        calls = [functools.partial(_probe_rpc, first_host[e], timeout, client) for e in endpoints]
+        return dict(zip(endpoints, await gather_bounded(calls, forks), strict=True))
 
     async def facts_step(ctx: HostContext) -> StepOutcome[HostFacts]:
         value = await read_facts(ctx, timeout=timeout)

@@ -17,21 +17,21 @@ from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
 from orchestrator.operations.firewall import apply_firewall
 from orchestrator.operations.follow import NOISE_PATTERN
-from orchestrator.operations.install import (
+from orchestrator.operations.install.apply import apply_install
+from orchestrator.operations.install.ensure import (
     ArtifactChooser,
     BuildLogFactory,
     ProgressFactory,
     ensure_installed,
 )
-from orchestrator.operations.install_apply import apply_install
-from orchestrator.operations.install_plan import (
+from orchestrator.operations.install.plan import (
     InstallChange,
     InstallState,
     plan_rollback,
     read_install_state,
 )
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, first_of_install, node_operation
-from orchestrator.operations.process import (
+from orchestrator.operations.server.process import (
     launch_drift,
     refuse_if_busy,
     run_as_warning,
@@ -40,7 +40,7 @@ from orchestrator.operations.process import (
     unit_text,
     wait_ready,
 )
-from orchestrator.operations.server import (
+from orchestrator.operations.server.state import (
     NodeState,
     ServerStatus,
     bind_policy,

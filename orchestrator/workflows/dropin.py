@@ -52,7 +52,6 @@ from orchestrator.llama.seed_plan import (
     measured_devices,
     parse_rpc_memory,
     parse_rpc_servers,
-    refuse_misfit,
     refuse_unmeasured,
     unmeasured_causes,
 )
@@ -60,6 +59,7 @@ from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import KV_CACHE_TYPES, profile_model
 from orchestrator.planning.strategy import make_plan
+from orchestrator.workflows.fit import DROPIN_WORDS, misfit_error
 
 # Every keyword the stock constructor names; anything else would vanish into its **kwargs.
 STOCK_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "kwargs"}
@@ -154,8 +154,9 @@ def make_seed_plan(
     if options.tensor_split is None:
         refuse_unmeasured([label for label in unmeasured if label in labels], causes)
     plan = make_plan(devices, profile, options)
-    if options.tensor_split is None:
-        refuse_misfit(plan)
+    misfit = misfit_error(plan, DROPIN_WORDS) if options.tensor_split is None else None
+    if misfit is not None:  # before llama.cpp would run out of memory half-way through the load
+        raise misfit
     return plan
 
 

@@ -6,7 +6,7 @@ Layout on the node (`install_dir`, default `~/.local/lib/rpcfleet`):
     current -> versions/<id>   switched atomically (`ln -s` to a temporary name, then `mv -T`)
     history                ids in the order they were made current (most recent last): rollback, pruning
     tmp/                   uploads and unpacking in progress (emptied before each upload)
-    run/, log/, cache/     the server's pid file, log and LLAMA_CACHE (see service.py)
+    run/, log/, cache/     the server's pid file, log and LLAMA_CACHE (see operations/server/)
 
 Read, then change: `read_install_state` gathers `install_facts` (orchestrator.facts) in one round
 trip and `install_state_from_facts` (pure) turns them into an `InstallState`; `plan_install` (pure)

@@ -1,6 +1,6 @@
 """Supervising the rpc-server on each host: start, stop, restart, status, deploy.
 
-Files on the node, under the install folder (see install.py): `run/rpc-server.pid` (the pid of the
+Files on the node, under the install folder (install/plan.py): `run/rpc-server.pid` (the pid of the
 server we started), `log/rpc-server.log` (everything it prints, line-buffered, a marker line per
 start) and `cache/` (its LLAMA_CACHE).
 
@@ -42,7 +42,7 @@ from orchestrator.facts.server import (
 )
 from orchestrator.facts.systemd import SERVICE_USER, SystemdFact, SystemdInfo, UnitFact, UnitState
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install_plan import (
+from orchestrator.operations.install.plan import (
     InstallState,
     install_facts,
     install_state_from_facts,

@@ -30,7 +30,7 @@ from orchestrator.operations.launch import (
     run_as_user,
     server_argv,
 )
-from orchestrator.operations.server import (
+from orchestrator.operations.server.state import (
     BIND_FAILED,
     CACHE_DIR,
     LOG_FILE,

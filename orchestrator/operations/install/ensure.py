@@ -13,9 +13,10 @@ from orchestrator.artifacts.store import verify_artifact
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
+from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install_apply import apply_install
-from orchestrator.operations.install_plan import (
+from orchestrator.operations.install.apply import apply_install
+from orchestrator.operations.install.plan import (
     InstallChange,
     InstallState,
     plan_install,
@@ -36,21 +37,23 @@ class ArtifactChooser:
     def __init__(self, override: str | None = None, *, verify: bool = True) -> None:
         self.override = override
         self.verify = verify
-        self._cache: dict[tuple[str, str, str, str, tuple[str, ...]], asyncio.Future[Source]] = {}
+        # engine.shared's rule: one attempt per key for the run, a failure included (an artifact that
+        # cannot be found or verified for one host is not looked for again for the next)
+        self._chosen: Shared[tuple[str, str, str, str, tuple[str, ...]], Source] = Shared()
 
     async def __call__(self, host: Host, state: InstallState) -> Source:
         spec = self.override or host.rpc_artifact or ""
         key = (spec, host.backend, state.os, state.arch, host.rpc_cmake_args)
-        future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            future = asyncio.ensure_future(asyncio.to_thread(self._resolve, *key))
-            self._cache[key] = future
         try:
-            return await asyncio.shield(future)
+            return await self._chosen.get(key, lambda: asyncio.to_thread(self._resolve, *key))
         except ArtifactError as exc:
             raise InstallError(
                 f"no artifact for this host: {exc.message}", host=host.name, hint=exc.hint
             ) from exc
+
+    async def forget(self) -> None:
+        """Choose anew from now on (an artifact imported or built meanwhile)."""
+        await self._chosen.clear()
 
     def _resolve(self, spec: str, backend: str, os_name: str, arch: str, extra: tuple[str, ...]) -> Source:
         path = Path(spec.strip()).expanduser()

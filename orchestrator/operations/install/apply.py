@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from orchestrator.artifacts.manifest import Manifest
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
-from orchestrator.operations.install_plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange, key_lines
+from orchestrator.operations.install.plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange, key_lines
 
 
 def verify_lines(manifest: Manifest | None, folder: str) -> list[str]:

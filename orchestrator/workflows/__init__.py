@@ -1,0 +1,13 @@
+"""The use cases: one module per thing a front end (the CLI, serve, the playbooks, `orchestrator.Llama`)
+asks of the fleet, each walking the stages below in flow order once.
+
+* `options`: the typed options of a planning request (probe settings, the one builder of `PlanOptions`);
+* `fit`: the one fit policy (does the plan fit; the error, or the warning under `--force`);
+* `plan`: `plan_for_fleet` -> `PlanRound` (probe, devices, local GPUs through the worker, plan, fit);
+* `load`: `dial_map` and `load_on_fleet` (cache check, warm, dial, load);
+* `dropin`: `orchestrator.Llama`, the drop-in for `llama_cpp.Llama` (imports llama_cpp: never imported
+  by the others, nor by this package).
+
+The front ends hold no orchestration of their own: they parse their input into these options once, call
+a workflow, and print what it returns.
+"""
