@@ -203,7 +203,7 @@ def test_a_request_waits_at_most_the_queue_timeout_for_a_slot(rig: Callable[...,
     started = time.monotonic()
     _, got = _acquire(r.backend)
     assert isinstance(got, Failure) and got.status == 503 and "waited 0.1 s for a slot" in got.message
-    assert 0.05 < time.monotonic() - started < 2
+    assert 0.05 < time.monotonic() - started < 10  # its 0.1 s, not forever (headroom for a busy machine)
 
 
 def test_a_lost_node_ends_every_request_in_flight_with_a_503_naming_it_and_serving_resumes(
