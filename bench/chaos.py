@@ -15,7 +15,8 @@ checks are tests/plugins/chaos.py (tests/test_chaos_lab.py runs each fault once)
 
 Pass: nothing hangs past its timeout, every request ends (answered, refused with 503 + Retry-After, or
 failed with a 503 naming the faulted node while in flight at its fault), the fleet is whole (ready on 3
-nodes) after each heal, serve keeps its pid and its descriptors, no server is left an orphan. Exit status
+nodes) after each heal, serve keeps its pid and its descriptors, no server is left an orphan (no node's
+rpc-server, no llama-server beside serve's one engine). Exit status
 0 on a pass, 1 otherwise.
 """
 
@@ -34,6 +35,7 @@ from _common import arg_parser, load_average, stamp, write_section
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
 from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
+from orchestrator.serve.engine import DEFAULT_PARALLEL
 from tests.plugins.chaos import FAULTS, Chaos, Result
 
 SECTION = "chaos soak"
@@ -45,7 +47,7 @@ def yes(flag: bool) -> str:
 
 
 def render(result: Result, args: argparse.Namespace, load: float, clients: int, tokens: int) -> str:
-    minutes, seed, cut = args.minutes, args.seed, args.cut_seconds
+    minutes, seed, cut, parallel = args.minutes, args.seed, args.cut_seconds, DEFAULT_PARALLEL
     rows = [
         f"| requests sent | {len(result.requests)} |",
         f"| answered | {result.count('answered')} |",
@@ -57,6 +59,10 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
         f"| serve's pid unchanged | {yes(result.pid_kept)} |",
         f"| serve's descriptors, start -> end (settled) | {result.fds[0]} -> {result.fds[1]} |",
         f"| orphan servers at the end (`rpcfleet status`) | {', '.join(result.orphans) or 'none'} |",
+        f"| llama-server engines started (one per load: the start, each node lost or back, a reload) "
+        f"| {result.engines} |",
+        f"| llama-server processes beside serve's engine at the end "
+        f"| {', '.join(map(str, result.stray_engines)) or 'none'} |",
     ]
     started = min((r.sent for r in result.requests), default=0.0)
     faults = []
@@ -70,10 +76,11 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
     lines = [
         f"## {SECTION}",
         "",
-        f"`bench/chaos.py --minutes {minutes:g} --seed {seed}`: `rpcfleet serve` with Gemma 3 270M Q4_K_M "
-        "on a lab of 3 network-namespace nodes (real OpenSSH, CPU `ggml-rpc-server`s under the process "
-        f"supervisor), {clients} clients streaming {tokens}-token completions without a pause (the official "
-        f"`openai` client), a random fault every 20-40 s (cut link: {cut:g} s), each healed before the next. "
+        f"`bench/chaos.py --minutes {minutes:g} --seed {seed}`: `rpcfleet serve` (engine: llama-server, "
+        f"{parallel} slots) with Gemma 3 270M Q4_K_M on a lab of 3 network-namespace nodes (real OpenSSH, "
+        f"CPU `ggml-rpc-server`s under the process supervisor), {clients} clients streaming {tokens}-token "
+        "completions without a pause (the official `openai` client), a random fault every 20-40 s "
+        f"(cut link: {cut:g} s), each healed before the next. "
         f"{stamp()}; 1-min load average {load:.1f} at the start; {result.seconds / 60:.1f} minutes of load.",
         "",
         "| figure | value |",

@@ -2,7 +2,8 @@
 streaming without a pause, and each fault of tests/plugins/chaos.py once in a fixed order (bench/chaos.py
 runs them at random for minutes). Every request ends (answered, refused with 503 + Retry-After, or failed
 with 503 naming the faulted node while in flight at its fault), the fleet is whole after each heal,
-serve keeps its pid and its descriptors, and no server is left an orphan."""
+serve keeps its pid and its descriptors, and no server is left an orphan (no node's rpc-server, and no
+llama-server beside serve's one engine)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,5 @@ def test_serve_rides_out_each_fault_once_and_the_fleet_is_whole_after_each_heal(
     assert result.count("answered") > 10 and result.count("lost") == 0
     assert result.count("failed") == sum(f.failed for f in result.faults)
     assert result.pid_kept and not result.orphans and result.fds[1] <= result.fds[0]
+    # The engine: a new llama-server for each load (the start, each node lost), none left beside it.
+    assert result.engines >= 4 and result.stray_engines == [], (result.engines, result.stray_engines)

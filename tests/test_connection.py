@@ -191,11 +191,11 @@ async def test_keepalive_detects_a_silent_peer(one: FakeHost, fake_host_loop: Se
         running = asyncio.create_task(conn.run("sleep 5", timeout=8))
         await until(lambda: one.processes, what="the command running on the host")
         started = time.monotonic()
-        fake_host_loop.freeze(3.0)
+        fake_host_loop.freeze(6.0)
         with pytest.raises(UnreachableError) as info:
             await running
         # About 0.6 s (3 keepalives of 0.2 s); within the freeze, with headroom for a busy machine.
-        assert time.monotonic() - started < 2.9
+        assert time.monotonic() - started < 5.5
     assert "lost while running the command" in str(info.value)
 
 

@@ -289,7 +289,7 @@ async def test_down_leaves_nothing_behind(make_lab: MakeLab) -> None:
     assert leftovers(made)  # the check sees the lab while it is up
     started = time.monotonic()
     assert lab_down(made.name) is True
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 10.0  # seconds, not a hang (headroom for a busy machine)
     assert leftovers(made) == []
     assert not alive(sleeper)
     assert lab_down(made.name) is False  # idempotent

@@ -273,12 +273,15 @@ async def test_a_host_step_that_fails_after_its_caller_was_cancelled_is_recorded
         await (await acquire(other, host, "deploy")).release()
 
     # run_to_completion itself: the body's error, not the cancellation.
+    began = asyncio.Event()
+
     async def fails_later() -> str:
+        began.set()
         await asyncio.sleep(0.2)
         raise ServiceError("start failed")
 
     caller = asyncio.ensure_future(run_to_completion(fails_later()))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(began.wait(), 5.0)  # the step runs: the cancel lands inside it
     caller.cancel()
     with pytest.raises(ServiceError, match="start failed"):
         await caller

@@ -13,6 +13,7 @@ lands inside one of them is handled again a moment later, outside it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import warnings
@@ -72,10 +73,13 @@ def interrupted() -> bool:
 
 def quiet_after_interrupt() -> None:
     """Once a signal has interrupted the command, what it cut short is only collected: an event loop half
-    made (its `__del__` fails), a coroutine never awaited. Their finalizers' complaints ("Exception
-    ignored in ...", a RuntimeWarning) would follow the one line that reports the interrupt; they are
-    dropped then, and printed as before otherwise. For the program's process (not a library's)."""
+    made (its `__del__` fails), a coroutine never awaited, a task of asyncio's own shutdown (a signal in
+    `asyncio.run`'s closing `shutdown_asyncgens` leaves it pending). Their finalizers' complaints
+    ("Exception ignored in ...", a RuntimeWarning, asyncio's "Task was destroyed but it is pending!") would
+    follow the one line that reports the interrupt; they are dropped then, and printed as before
+    otherwise. For the program's process (not a library's)."""
     default_hook, default_show = sys.unraisablehook, warnings.showwarning
+    logging.getLogger("asyncio").addFilter(lambda _record: not _received)
 
     def unraisable(what: Any) -> None:
         if not _received:

@@ -158,7 +158,9 @@ def create_app(
         engine_text = ""
         if engine is not None:
             try:
-                engine_text = (await _get(engine.url, "/metrics", 2.0))[1].decode("utf-8", "replace")
+                engine_text = (await _get(engine.url, "/metrics", 2.0, engine.api_key))[1].decode(
+                    "utf-8", "replace"
+                )
             except UpstreamError:
                 engine_text = ""
         text += engine_metrics(engine_text, states["served"], states["parallel"], states["admitted"])
@@ -180,7 +182,7 @@ def create_app(
         if engine is None:
             return _failed("/slots", 503, backend.health()["status"], retry_after=config.retry_after)
         try:
-            status, body = await _get(engine.url, "/slots", 5.0)
+            status, body = await _get(engine.url, "/slots", 5.0, engine.api_key)
         except UpstreamError as exc:
             return _failed("/slots", 502, str(exc))
         metrics.record_request("/slots", status)
@@ -260,16 +262,20 @@ def create_app(
             got = await asyncio.get_running_loop().run_in_executor(waiters, backend.acquire, ticket)
             if isinstance(got, Failure):
                 return _failure(route, got)
-            engine_url = got.engine.url
+            engine_url, engine_key = got.engine.url, got.engine.api_key
 
             async def alive() -> bool:
                 """Its main loop still takes tasks (/metrics is one): busy generating, not stuck."""
                 try:
-                    return (await _get(engine_url, "/metrics", min(10.0, config.event_timeout)))[0] == 200
+                    return (await _get(engine_url, "/metrics", min(10.0, config.event_timeout), engine_key))[
+                        0
+                    ] == 200
                 except UpstreamError:
                     return False
 
-            upstream = Upstream(*_address(engine_url), timeout=config.event_timeout, alive=alive)
+            upstream = Upstream(
+                *_address(engine_url), timeout=config.event_timeout, alive=alive, key=engine_key
+            )
             try:
                 await upstream.__aenter__()
                 answer = await upstream.request("POST", route, body)
@@ -351,8 +357,8 @@ def _address(url: str) -> tuple[str, int]:
     return parts.hostname or "127.0.0.1", parts.port or 80
 
 
-async def _get(url: str, path: str, seconds: float) -> tuple[int, bytes]:
-    async with Upstream(*_address(url), timeout=seconds) as upstream:
+async def _get(url: str, path: str, seconds: float, key: str | None) -> tuple[int, bytes]:
+    async with Upstream(*_address(url), timeout=seconds, key=key) as upstream:
         answer = await upstream.request("GET", path)
         return answer.status, await answer.read()
 

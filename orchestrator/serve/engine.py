@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -49,6 +50,7 @@ from orchestrator.serve.templates import ChatTemplate, model_chat_template
 DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README
 LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
 KEEP_LOGS = 20
+KEY_ENV = "LLAMA_API_KEY"  # llama-server's --api-key, from its environment (owner-only in /proc)
 
 
 class EngineError(RpcfleetError):
@@ -75,6 +77,11 @@ class Engine(Protocol):
 
     @property
     def url(self) -> str: ...  # http://127.0.0.1:PORT
+
+    @property
+    def api_key(self) -> str | None:
+        """The key the engine asks of every request but its /health (None: it asks none)."""
+        ...
 
     @property
     def pid(self) -> int | None: ...
@@ -238,7 +245,7 @@ _spawner: _Spawner | None = None
 _spawner_lock = threading.Lock()
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     global _spawner
     with _spawner_lock:
         if _spawner is None:
@@ -256,7 +263,8 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "GGML_NO_BACKTRACE": "1"},  # no debugger attached on an abort
+                # GGML_NO_BACKTRACE: no debugger attached on an abort
+                env={**os.environ, "GGML_NO_BACKTRACE": "1", **env},
                 start_new_session=True,  # a Ctrl-C at the terminal reaches serve only
                 preexec_fn=die_with_parent,
             )
@@ -301,6 +309,9 @@ class LlamaServer:
         self.dial = {ep: dial.get(ep, ep) for ep in plan.endpoints}
         self.options = options
         self.port = _free_port()
+        # Its own key, never on argv (`ps`): any local user can reach a loopback port, and llama-server's
+        # routes (completions, /slots with the prompts, /props with the model path) would bypass serve's.
+        self._api_key = secrets.token_urlsafe(32)
         self._log_path = (
             options.log_dir / f"engine-{int(time.time() * 1000)}.log"
             if options.log_dir
@@ -315,6 +326,10 @@ class LlamaServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_key(self) -> str:
+        return self._api_key
 
     @property
     def pid(self) -> int | None:
@@ -337,7 +352,7 @@ class LlamaServer:
         started = time.monotonic()
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         get_logger().info("engine_start", argv=self.argv, log=str(self._log_path))
-        self._process = _spawn(self.argv, self._log_path)
+        self._process = _spawn(self.argv, self._log_path, {KEY_ENV: self._api_key})
         tracker = ProgressTracker(planned_bytes(self.plan), {}, dict(cache_hits or {}))
         to_send = sum(max(0, n - (cache_hits or {}).get(ep, 0)) for ep, n in planned_bytes(self.plan).items())
         while True:

@@ -50,12 +50,17 @@ class Upstream:
     up.request(...)`."""
 
     def __init__(
-        self, host: str, port: int, timeout: float, alive: Callable[[], Awaitable[bool]] | None = None
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        alive: Callable[[], Awaitable[bool]] | None = None,
+        key: str | None = None,
     ) -> None:
         """`timeout`: seconds of silence before `alive()` is asked whether the engine still works (a
         whole answer is silent until it is complete); without `alive`, or when it says no, the silence is
-        `UpstreamTimeout`."""
-        self.host, self.port, self.timeout, self.alive = host, port, timeout, alive
+        `UpstreamTimeout`. `key`: the engine's own API key, sent as `Authorization: Bearer`."""
+        self.host, self.port, self.timeout, self.alive, self.key = host, port, timeout, alive, key
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._h11 = h11.Connection(h11.CLIENT)
@@ -82,6 +87,8 @@ class Upstream:
     async def request(self, method: str, path: str, body: bytes = b"", content_type: str = "") -> Answer:
         assert self._writer is not None
         headers = [("Host", f"{self.host}:{self.port}"), ("Connection", "close")]
+        if self.key is not None:
+            headers.append(("Authorization", f"Bearer {self.key}"))
         if method != "GET":
             headers += [
                 ("Content-Length", str(len(body))),

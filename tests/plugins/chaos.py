@@ -3,7 +3,9 @@ faults for minutes): a lab, `rpcfleet serve` (real Gemma 3 270M) in its own proc
 through the official `openai` client without a pause, faults injected and healed one at a time, and the
 checks that every request ends (answered, refused with 503 + Retry-After, or failed with 503 naming the
 faulted node while in flight at its fault), that the fleet is whole again after each heal, and that serve
-kept its pid, leaked no descriptor and left no orphan server.
+kept its pid, leaked no descriptor and left no orphan server: neither a node's `ggml-rpc-server` nor an
+engine (serve's `llama-server`, restarted on every node loss: exactly one, serve's child, the one /health
+names, after each heal and at the end).
 
 Faults (`FAULTS`): `kill9` (SIGKILL of a node's server; the process supervisor restarts it), `cut` (the
 node's veth down for `cut_seconds`, then up), `sshd` (the node's sshd killed; `rpcfleet lab repair`),
@@ -76,6 +78,8 @@ class Result:
     fds: tuple[int, int]
     orphans: list[str]
     seconds: float
+    engines: int = 0  # llama-server processes serve started during the soak (one per load)
+    stray_engines: list[int] = field(default_factory=list)  # others dialing the lab at the end
 
     def count(self, outcome: str) -> int:
         return sum(r.outcome == outcome for r in self.requests)
@@ -131,6 +135,7 @@ class Chaos:
         self.faults: list[Fault] = []
         self.violations: list[str] = []
         self.health_log: list[tuple[float, str, int]] = []  # (monotonic, status, endpoints planned)
+        self.engine_pids: set[int] = set()  # every llama-server pid /health named
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -228,7 +233,9 @@ class Chaos:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"serve not ready on 3 nodes in 180 s: {self.serve_log()[-3000:]}")
             time.sleep(0.2)
-        self.pid = int(self.health()["pid"])
+        health = self.health()
+        self.pid = int(health["pid"])
+        self.engine_pids.add(int(health["engine"]["pid"]))
         if self.pid != self.serve.pid:
             raise RuntimeError(f"/health says pid {self.pid}, serve is {self.serve.pid}")
         self.fds_start = self.fds()
@@ -253,11 +260,45 @@ class Chaos:
             try:
                 health = self.health()
                 planned = len((health.get("plan") or {}).get("endpoints", ()))
+                engine = (health.get("engine") or {}).get("pid")
                 with self._lock:
                     self.health_log.append((time.monotonic(), str(health.get("status")), planned))
+                    if isinstance(engine, int):
+                        self.engine_pids.add(engine)
             except (OSError, ValueError) as exc:
                 self.violation(f"/health did not answer: {exc!r}")
             self._stop.wait(0.25)
+
+    # -- the engine
+    def engines(self) -> dict[int, int]:
+        """pid -> parent pid of every live llama-server that dials this lab's nodes."""
+        endpoints = {h.endpoint for h in self.hosts}
+        found: dict[int, int] = {}
+        for process in psutil.process_iter(["name", "cmdline", "ppid", "status"]):
+            info = process.info
+            if info["name"] != "llama-server" or info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            line = " ".join(info["cmdline"] or [])
+            if any(endpoint in line for endpoint in endpoints):  # its --rpc list
+                found[process.pid] = info["ppid"]
+        return found
+
+    def stray_engines(self, settle: float = 15.0) -> list[int]:
+        """llama-server processes other than serve's one engine (its child, the one /health names), once
+        a moment to settle has passed (an engine killed at a node's loss is reaped as serve goes on); []
+        when there are none. Serve's engine missing is a stray too (pid 0)."""
+        deadline = time.monotonic() + settle
+        while True:
+            current = None
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                current = int(self.health()["engine"]["pid"])
+            live = self.engines()
+            stray = sorted(pid for pid in live if pid != current)
+            if current is None or live.get(current) != self.pid:
+                stray.append(0)
+            if not stray or time.monotonic() > deadline:
+                return stray
+            time.sleep(0.5)
 
     # -- clients
     def _client(self, index: int) -> None:
@@ -351,6 +392,9 @@ class Chaos:
             )
         else:
             self.say(f"  healed; the whole fleet back {record.whole_after:.1f} s after the heal")
+            stray = self.stray_engines()
+            if stray:
+                self.violation(f"after {kind}: llama-server processes beside serve's engine: {stray}")
         self.faults.append(record)
         return record
 
@@ -375,14 +419,14 @@ class Chaos:
     def _sshd(self, record: Fault, node: str) -> None:
         server = _rpc_server_pid(self.lab, node)
         self.lab.kill_sshd(node)
-        time.sleep(2)
+        time.sleep(2)  # the fault lasts: no SSH to the node for 2 s
         self.rpcfleet("lab", "repair", "--name", self.lab.name)
         if _rpc_server_pid(self.lab, node) != server:
             self.violation(f"sshd: the server on {node} changed while only its sshd was killed")
 
     def _reboot(self, record: Fault, node: str) -> None:
         self.lab.kill_node(node)
-        time.sleep(2)
+        time.sleep(2)  # the fault lasts: the node is down for 2 s
         self.rpcfleet("lab", "repair", "--name", self.lab.name)
         self.rpcfleet(*self.inventory_args(), "start", "-l", node)
 
@@ -442,6 +486,9 @@ class Chaos:
         if fds > self.fds_start:
             self.violation(f"serve holds {fds} descriptors, {self.fds_start} at the start")
         orphans = self._orphans()
+        stray = self.stray_engines()
+        if stray:
+            self.violation(f"at the end: llama-server processes beside serve's engine: {stray}")
         if not self.requests or not any(r.outcome == "answered" for r in self.requests):
             self.violation("no request was answered")
         return Result(
@@ -452,6 +499,8 @@ class Chaos:
             (self.fds_start, fds),
             orphans,
             time.monotonic() - self._started,
+            len(self.engine_pids),
+            stray,
         )
 
     def _check_failures(self) -> None:
