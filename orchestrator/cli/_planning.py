@@ -100,6 +100,31 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     _common.add_probe_args(parser)
 
 
+def replicas(value: str) -> int | str:
+    """--replicas: auto or a number of formations."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    return fields.integer(minimum=1, maximum=1024)(value)
+
+
+def add_replicas_args(parser: argparse.ArgumentParser) -> None:
+    """--replicas auto|N and --split: how many formations (engines, each with a copy of the model)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--replicas",
+        type=_common.flag(replicas),
+        default="auto",
+        metavar="auto|N",
+        help="formations of the model, each on its own nodes: auto = the fewest nodes it fits on, as "
+        "many such groups as the nodes hold; N = N such groups (default: auto)",
+    )
+    group.add_argument(
+        "--split",
+        action="store_true",
+        help="one formation over every selected node (the model split across all of them)",
+    )
+
+
 def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanOptions:
     """PlanOptions from the flags; `n_ctx` overrides --ctx (the report plans several contexts)."""
     from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
