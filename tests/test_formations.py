@@ -437,3 +437,40 @@ def test_a_formation_whose_nodes_are_gone_takes_a_free_spare(
     assert pool.take() is None
     answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
     assert answer.status_code == 200
+
+
+# -- plan and report --replicas, on real local servers
+
+
+def test_plan_and_report_with_replicas_print_the_formations_serve_would_choose(
+    start_rpc_server: Callable[..., Any], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.plugins.servers import write_local_inventory
+
+    servers = [start_rpc_server() for _ in range(3)]
+    inventory = write_local_inventory(
+        tmp_path / "inv.yml", {f"n{i}": {"rpc_port": s.port} for i, s in enumerate(servers)}
+    )
+    base = ["-i", str(inventory), "-m", str(tiny_model), "--ctx", "512", "--local-devices", ""]
+    assert main(["plan", *base, "--replicas", "auto", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [f["endpoints"] for f in data["formations"]] == [[s.endpoint] for s in servers]
+    planned = [[d["endpoint"] for d in f["plan"]["devices"]] for f in data["formations"]]
+    assert data["spares"] == [] and planned == [f["endpoints"] for f in data["formations"]]
+    assert main(["plan", *base, "--replicas", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    held = [ep for f in data["formations"] for ep in f["endpoints"]]
+    assert len(held) == 2 and sorted(held + data["spares"]) == sorted(s.endpoint for s in servers), data
+    assert main(["plan", *base, "--replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "formations (--replicas 2): 2" in out and f"spares: {data['spares'][0]}" in out, out
+    assert f"{tiny_model.stem}#1: 1 node(s) {data['formations'][1]['endpoints'][0]}" in out, out
+    assert main(["plan", *base, "--replicas", "4"]) == 1
+    assert "--replicas 4 asked, the nodes hold 3" in capsys.readouterr().err
+    assert main(["plan", *base, "--replicas", "auto", "--format", "llama-cli"]) == 2
+    base = base[:-2]  # report plans on the RPC servers only
+    assert main(["report", *base, "--replicas", "auto", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (len(report["formations"]) == 3 and "models" in report) or "fleet" in report, list(report)
+    assert main(["report", *base, "--replicas", "auto"]) == 0
+    assert "formations (--replicas auto): 3" in capsys.readouterr().out

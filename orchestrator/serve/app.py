@@ -152,7 +152,7 @@ def create_app(
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus() -> PlainTextResponse:
-        text = await router.prometheus()
+        text = await router.prometheus(formations=exporter is None)  # else the exporter's formations
         if exporter is not None:  # the fleet's metrics after serve's own (orchestrator.observe)
             text += exporter.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -288,10 +288,10 @@ def create_app(
                 with contextlib.suppress(ValueError):
                     usage.whole(json.loads(whole))
                 ticket.saw_text()
-                metrics.record_done(
+                router.counters(backend).record_done(
                     usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
                 )
-            metrics.record_request(route, answer.status)
+            router.counters(backend).record_request(route, answer.status)
             media = answer.headers.get("content-type", "application/json")
             return Response(whole, status_code=answer.status, media_type=media)
         finally:
@@ -323,7 +323,7 @@ def create_app(
                 if b"data: [DONE]" not in last:  # closed early, whatever its framing said
                     raise UpstreamError("the engine's stream ended before [DONE]")
                 code = 200
-                metrics.record_done(
+                router.counters(backend).record_done(
                     usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
                 )
             except UpstreamError as exc:
@@ -333,7 +333,7 @@ def create_app(
         finally:
             await upstream.__aexit__(None, None, None)
             backend.release(ticket)
-            metrics.record_request(route, code)
+            router.counters(backend).record_request(route, code)
 
     if exporter is not None:  # the live fleet page at `/`, behind the same key rules
         mount(app, exporter, api_key=api_key, has_key=has_key)

@@ -159,11 +159,16 @@ def next_group(
     fits: Fits,
     in_order: Callable[[Sequence[Node]], tuple[str, ...]],
 ) -> tuple[str, ...] | None:
-    """The next formation of `size` nodes from the free ones (largest first), grown by the next largest
-    while it does not fit (smaller nodes); None when the free nodes hold no more."""
+    """The next formation of `size` nodes from the free ones: the first ones in the fleet's order when the
+    model fits there (so that equal nodes whose free memory moves a little are chosen the same way each
+    time), else the largest, grown by the next largest while it does not fit (smaller nodes); None when
+    the free nodes hold no more."""
     ranked = largest_first(free)
     if len(ranked) < size:
         return None
+    first = free[:size]
+    if sum(n.devices for n in first) <= MAX_RPC_DEVICES and fits(want.model, in_order(first)):
+        return in_order(first)
     for end in range(size, len(ranked) + 1):
         group = ranked[:end]
         if sum(n.devices for n in group) > MAX_RPC_DEVICES:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,7 @@ class Router:
         self.metrics = metrics or Metrics()  # the front's: requests, tokens, time to first token
         self.config: ServeConfig = formations[0].backend.config
         self._reloading = threading.Lock()
+        self.routed: Counter[str] = Counter()  # requests admitted, by formation name
 
     @classmethod
     def single(cls, backend: Backend, model: str) -> Router:
@@ -104,7 +106,9 @@ class Router:
         for index in order:
             backend = formations[index].backend
             try:
-                return backend, backend.admit()
+                ticket = backend.admit()
+                self.routed[formations[index].name] += 1
+                return backend, ticket
             except Rejected as exc:  # it stopped serving or filled up meanwhile: the next one
                 if exc.status == 429:
                     full = exc
@@ -137,6 +141,7 @@ class Router:
             "slots": backend.config.parallel,
             "slots_busy": health["queue"]["served"],
             "admitted": health["queue"]["admitted"],
+            "requests": self.routed[formation.name],
             "engine_pid": health["engine"]["pid"] if health["engine"] else None,
             "lost": health["lost"],
             "recoveries": len(backend.metrics.recoveries),
@@ -181,9 +186,14 @@ class Router:
             rejoins=sorted((r for b in backends for r in b.metrics.rejoins), key=lambda r: r.at),
         )
 
-    async def prometheus(self) -> str:
+    def counters(self, backend: Backend) -> Counters:
+        """Where a request served by `backend` is counted: the front's counters and its formation's."""
+        return Counters(self.metrics, backend.metrics)
+
+    async def prometheus(self, *, formations: bool = True) -> str:
         """serve's Prometheus text: the front's counters, the slots (one formation: with its engine's own
-        families), then one series per formation."""
+        families), then one series per formation (`formations`; the fleet exporter, when on, shows them
+        under the same names, so it alone does then)."""
         text = self.combined_metrics().render(self.endpoint_up(), self.state)
         served = parallel = admitted = 0
         engine_text = ""
@@ -200,7 +210,7 @@ class Router:
                 except UpstreamError:
                     engine_text = ""
         text += engine_metrics(engine_text, served, parallel, admitted)
-        return text + self.formation_metrics()
+        return text + self.formation_metrics() if formations else text
 
     def formation_metrics(self) -> str:
         families: dict[str, tuple[str, str, list[str]]] = {
@@ -210,6 +220,7 @@ class Router:
             "slots": ("gauge", "Slots of the formation's engine (--parallel).", []),
             "slots_busy": ("gauge", "Requests holding a slot of the formation's engine.", []),
             "requests_admitted": ("gauge", "Requests admitted by the formation: served and waiting.", []),
+            "routed_total": ("counter", "Requests the router gave the formation.", []),
             "recoveries_total": ("counter", "Recoveries of the formation after a lost node.", []),
             "reloads_total": ("counter", "Reloads of the formation.", []),
             "rejoins_total": ("counter", "Returns of the formation to more nodes.", []),
@@ -225,6 +236,7 @@ class Router:
             families["slots"][2].append(f"{{{labels}}} {summary['slots']}")
             families["slots_busy"][2].append(f"{{{labels}}} {summary['slots_busy']}")
             families["requests_admitted"][2].append(f"{{{labels}}} {summary['admitted']}")
+            families["routed_total"][2].append(f"{{{labels}}} {summary['requests']}")
             families["recoveries_total"][2].append(f"{{{labels}}} {summary['recoveries']}")
             families["reloads_total"][2].append(f"{{{labels}}} {summary['reloads']}")
             families["rejoins_total"][2].append(f"{{{labels}}} {summary['rejoins']}")
@@ -281,6 +293,21 @@ class Router:
         if wait:
             thread.join()
         return thread
+
+
+class Counters:
+    """The front's counters and a formation's (one object when a single formation shares the front's)."""
+
+    def __init__(self, front: Metrics, formation: Metrics) -> None:
+        self.targets = (front,) if formation is front else (front, formation)
+
+    def record_request(self, route: str, code: int) -> None:
+        for target in self.targets:
+            target.record_request(route, code)
+
+    def record_done(self, prompt: int, completion: int, tokens_per_second: float, ttft: float | None) -> None:
+        for target in self.targets:
+            target.record_done(prompt, completion, tokens_per_second, ttft)
 
 
 async def get(url: str, path: str, seconds: float) -> tuple[int, bytes]:
