@@ -124,6 +124,8 @@ def test_the_planner_decides_with_real_plans(tiny_model: Path) -> None:
 
 def test_the_least_loaded_serving_formation_is_tried_first() -> None:
     assert candidates([("ready", 3), ("degraded", 1), ("recovering", 0), ("ready", 1)]) == [1, 3, 0]
+    assert candidates([("ready", 3), ("degraded", 1), ("recovering", 0), ("ready", 1)], 2) == [3, 1, 0]
+    assert [candidates([("ready", 0)] * 3, turn)[0] for turn in range(4)] == [0, 1, 2, 0]  # ties in turns
     assert candidates([("loading", 0), ("draining", 0), ("failed", 0)]) == []
     assert overall(["ready", "ready"]) == "ready"
     assert overall(["ready", "recovering"]) == "degraded"
@@ -474,3 +476,24 @@ def test_plan_and_report_with_replicas_print_the_formations_serve_would_choose(
     assert (len(report["formations"]) == 3 and "models" in report) or "fleet" in report, list(report)
     assert main(["report", *base, "--replicas", "auto"]) == 0
     assert "formations (--replicas auto): 3" in capsys.readouterr().out
+
+
+def test_the_exporter_gets_each_formation_with_its_own_requests_and_slots(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    from orchestrator.serve.observed import formations_of
+
+    client, rigs = routed(parallel=3)
+    for model in ("a", "a", "b"):
+        answer = client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+        assert answer.status_code == 200
+    router = Router([Formation(name, name.split("#")[0], rig_.backend) for name, rig_ in rigs.items()])
+    seen = {f.name: f for f in formations_of(router)}
+    assert {n: (f.model, f.nodes, f.slots, f.state) for n, f in seen.items()} == {
+        "a#0": ("a", ("10.8.0.1:50052",), 3, "ready"),
+        "a#1": ("a", ("10.8.0.2:50052",), 3, "ready"),
+        "b#0": ("b", ("10.8.0.3:50052",), 3, "ready"),
+    }
+    counts = {n: f.requests.get(("/v1/completions", 200), 0) for n, f in seen.items()}
+    assert counts == {"a#0": 1, "a#1": 1, "b#0": 1}, counts  # a's two went one to each formation
+    assert all(f.completion_tokens == 2 for f in seen.values())

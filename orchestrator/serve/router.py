@@ -40,11 +40,11 @@ class Formation:
     backend: Backend
 
 
-def candidates(loads: Sequence[tuple[str, int]]) -> list[int]:
+def candidates(loads: Sequence[tuple[str, int]], turn: int = 0) -> list[int]:
     """The formations to try for a request, by index: the serving ones (state, admitted), least loaded
-    first (ties: the first listed)."""
+    first; ties in turns, from the `turn`-th on (so that a light load still reaches every formation)."""
     serving = [i for i, (state, _) in enumerate(loads) if state in SERVING]
-    return sorted(serving, key=lambda i: loads[i][1])
+    return sorted(serving, key=lambda i: (loads[i][1], (i - turn) % len(loads)))
 
 
 def overall(states: Sequence[str]) -> str:
@@ -71,6 +71,7 @@ class Router:
         self.config: ServeConfig = formations[0].backend.config
         self._reloading = threading.Lock()
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
+        self._turn = -1  # ties between formations go in turns
 
     @classmethod
     def single(cls, backend: Backend, model: str) -> Router:
@@ -101,7 +102,8 @@ class Router:
         """Admit a request of `model` on the least-loaded serving formation: its backend and ticket.
         Rejected: 404 (model), 429 (every queue full), 503 (none serving)."""
         formations = self.of_model(model)
-        order = candidates([(f.backend.state, f.backend.admitted) for f in formations])
+        self._turn += 1
+        order = candidates([(f.backend.state, f.backend.admitted) for f in formations], self._turn)
         full: Rejected | None = None
         for index in order:
             backend = formations[index].backend
