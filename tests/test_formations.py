@@ -193,6 +193,13 @@ def test_serve_refuses_a_bad_models_file_and_bad_replicas_with_exit_2(
     assert "two models named" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "no model to serve" in capsys.readouterr().err
+    from tests.plugins.servers import write_local_inventory
+
+    inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": 50052}})
+    bad.write_text(f"- model: {tiny_model}\n- model: {tiny_model}\n  name: two\n  hosts: nowhere\n")
+    assert main(["serve", "-i", str(inventory), "--models", str(bad)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{bad}:2: hosts:" in err and "nowhere" in err, err
 
 
 # -- the router behind the front, with fake engines

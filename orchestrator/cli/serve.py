@@ -384,6 +384,7 @@ def served_model(
     hosts among the selected ones (a pattern that selects none of them: exit 2, naming the line)."""
     import dataclasses
 
+    from orchestrator.core.errors import InputError
     from orchestrator.inventory.model import select_servers
     from orchestrator.serve.forming import ServedModel
 
@@ -392,10 +393,8 @@ def served_model(
     if entry.hosts is not None:
         try:
             picked = {h.endpoint for h in select_servers(inventory, entry.hosts)}
-        except UsageError as exc:
+        except InputError as exc:  # a bad host pattern, or one that matches nothing
             raise UsageError(f"{where}hosts: {exc.message}") from None
-        except Exception as exc:  # a bad host pattern (HostPatternError) names the pattern
-            raise UsageError(f"{where}hosts: {exc}") from None
         endpoints = tuple(h.endpoint for h in hosts if h.endpoint in picked)
         if not endpoints:
             raise UsageError(f"{where}hosts {entry.hosts!r} selects none of the selected servers")
