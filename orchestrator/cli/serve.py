@@ -1,11 +1,13 @@
 """`rpcfleet serve`: an OpenAI-compatible endpoint on the fleet that survives losing a node.
 
-Probe, plan, run llama-server on the plan (`orchestrator.serve.engine`, on loopback, `--parallel` slots)
-and serve its OpenAI routes through serve's own front (`/v1/completions`, `/v1/chat/completions`,
-streaming, `/v1/models`, `/v1/embeddings`, `/slots`), with `/health` and `/metrics` (`orchestrator.serve`).
-SIGHUP or `POST /admin/reload` reloads: drain, unload, optionally a rolling restart of the fleet (the
-step of `restart --rolling`), re-plan, load. Binds loopback by default; any other address needs an API key.
-The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or `--api-key` (which `ps` shows to every user).
+Probe, choose the formations (`--replicas auto|N`, `--split`; several models: `-m` repeated or `--models`;
+`orchestrator.serve.formations`), and for each: plan, run llama-server on the plan
+(`orchestrator.serve.engine`, on loopback, `--parallel` slots) and serve its OpenAI routes through serve's
+own front (`/v1/completions`, `/v1/chat/completions`, streaming, `/v1/models`, `/v1/embeddings`, `/slots`),
+with `/health` and `/metrics` (`orchestrator.serve`). SIGHUP or `POST /admin/reload` reloads: drain, unload,
+optionally a rolling restart of the fleet (the step of `restart --rolling`), re-plan, load. Binds loopback
+by default; any other address needs an API key. The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or
+`--api-key` (which `ps` shows to every user).
 """
 
 from __future__ import annotations
