@@ -5,6 +5,7 @@ reloads one formation at a time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -117,6 +118,13 @@ def test_the_planner_decides_with_real_plans(tiny_model: Path) -> None:
     assert [f.choice.endpoints for f in formed] == [(endpoints[0],), (endpoints[2],)]
     assert [h.name for h in spares] == ["n1"]
     assert [n.usable for n in nodes_of(small)] == [8 * GiB, 1024 * 1024, 8 * GiB]
+    # a server silent at start: a split keeps it (to take it back once it answers), auto leaves it spare
+    silent = [*hosts, Host(name="n3", address="10.1.0.4", rpc_port=50052)]
+    split, spares = form([dataclasses.replace(model, split=True)], silent, plan_devices(endpoints))
+    assert [h.name for h in split[0].hosts] == ["n0", "n1", "n2", "n3"] and spares == []
+    assert split[0].plan.endpoints == tuple(endpoints)
+    formed, spares = form([model], silent, plan_devices(endpoints))
+    assert len(formed) == 3 and [h.name for h in spares] == ["n3"]
 
 
 # -- the router's decisions (pure)

@@ -102,15 +102,30 @@ def form(
     wants = [Want(m.name, m.replicas, m.split, m.endpoints) for m in models]
     choices = choose(wants, nodes_of(devices), fits)
     host_of = {h.endpoint: h for h in hosts}
+    chosen = {ep for c in choices for ep in c.endpoints}
     formed: list[Formed] = []
     for i, choice in enumerate(choices):
         plan = plan_of(choice.model, choice.endpoints, local=i == 0 and bool(local_gpus))
         if plan is None or not plan.fit.fits:  # with the local GPUs it did not fit: without them
             plan = plan_of(choice.model, choice.endpoints)
         assert plan is not None  # `choose` only returns groups that fit
-        formed.append(
-            Formed(by_name[choice.model], choice, plan, tuple(host_of[ep] for ep in choice.endpoints))
-        )
-    held = {ep for f in formed for ep in f.choice.endpoints}
+        members = [host_of[ep] for ep in choice.endpoints]
+        model = by_name[choice.model]
+        if model.split:  # every server it may use, the silent ones too: it takes them back when they answer
+            held = {ep for f in formed for ep in f.choice.endpoints} | {
+                h.endpoint for f in formed for h in f.hosts
+            }
+            members = [
+                h
+                for h in hosts
+                if h.endpoint in choice.endpoints
+                or (
+                    h.endpoint not in chosen
+                    and h.endpoint not in held
+                    and (model.endpoints is None or h.endpoint in model.endpoints)
+                )
+            ]
+        formed.append(Formed(model, choice, plan, tuple(members)))
+    held = {h.endpoint for f in formed for h in f.hosts}
     spares = [h for h in hosts if h.endpoint not in held]
     return formed, spares
