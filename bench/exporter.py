@@ -153,7 +153,7 @@ def serve_run(
     """(client tokens/s, llama.cpp tokens/s) of one serve run with `--observe-interval interval`."""
     port = free_port()
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(model)]
-    argv += ["-l", limit, "--ctx", "2048", "--port", str(port), "--model-name", "bench"]
+    argv += ["-l", limit, "--ctx", "2048", "--port", str(port), "--model-name", "bench", "--split"]
     argv += ["--observe-interval", str(interval), "--rejoin-interval", "0"]
     env = {**os.environ, "RPCFLEET_API_KEY": KEY}
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

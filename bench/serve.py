@@ -99,7 +99,7 @@ def _serve(inventory: Path, model: Path, folder: Path, parallel: int) -> Iterato
     base = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(model)]
     argv += ["--ctx", "4096", "--port", str(port), "--model-name", "bench", "--parallel", str(parallel)]
-    argv += ["--rejoin-interval", "0"]
+    argv += ["--rejoin-interval", "0", "--split"]  # one formation over the 3 nodes, as measured
     env = {**os.environ, "RPCFLEET_HOME": str(folder / "home")}
     env.pop("RPCFLEET_API_KEY", None)
     with (folder / "serve.log").open("ab") as log:

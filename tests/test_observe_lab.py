@@ -164,7 +164,7 @@ def observed(
             "-m",
             str(tiny_model),
         ]
-        argv += ["--ctx", "2048", "--port", str(port), "--model-name", "tiny"]
+        argv += ["--ctx", "2048", "--port", str(port), "--model-name", "tiny", "--split"]
         argv += ["--observe-interval", str(INTERVAL), "--rejoin-interval", "0"]
         with log.open("wb") as out:
             serve = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -446,7 +446,7 @@ def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
     inventory = write_local_inventory(tmp_path / "inv.yml", hosts)
     port, log = free_port(), tmp_path / "serve.log"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
-    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1"]
+    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1", "--split"]
     environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -510,7 +510,7 @@ def test_a_node_back_is_taken_back_under_continuous_load(
     )
     port, log = free_port(), tmp_path / "serve.log"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
-    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1"]
+    argv += ["--ctx", "512", "--port", str(port), "--rejoin-interval", "1", "--split"]
     environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -121,7 +121,7 @@ def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -
         log = tmp_path / f"serve-{port}.log"
         argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(serve_lab.inventory)]
         argv += ["-m", str(tiny_model), "--ctx", "4096", "--port", str(port)]
-        argv += ["--model-name", "tiny", *extra]
+        argv += ["--model-name", "tiny", "--split", *extra]
         env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "RPCFLEET_API_KEY": KEY}
         with log.open("wb") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)

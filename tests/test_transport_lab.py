@@ -390,7 +390,7 @@ def test_serve_generates_through_the_forwards(
     port = free_port()
     log = tmp_path / "serve.log"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(ssh_inventory), "-m", str(tiny_model)]
-    argv += ["--ctx", "512", "--port", str(port), "--model-name", "tiny"]
+    argv += ["--ctx", "512", "--port", str(port), "--model-name", "tiny", "--split"]
     with log.open("wb") as out:
         env = {**os.environ, "RPCFLEET_API_KEY": "k"}
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)

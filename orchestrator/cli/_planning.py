@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common
 from orchestrator.core import fields
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
+    from collections.abc import Sequence
+
     from orchestrator.inventory.model import Host
-    from orchestrator.planning.plan import PlanOptions
+    from orchestrator.planning.plan import PlanDevice, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
     from orchestrator.workflows.options import ProbeSettings
 
@@ -100,6 +102,94 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     _common.add_probe_args(parser)
 
 
+def replicas(value: str) -> int | str:
+    """--replicas: auto or a number of formations."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    return fields.integer(minimum=1, maximum=1024)(value)
+
+
+def add_replicas_args(parser: argparse.ArgumentParser, *, serve: bool = True) -> None:
+    """--replicas auto|N and (serve) --split: how many formations (engines, each with a copy of the model
+    on its own servers). `plan` and `report` take --replicas alone: with it they print the formations
+    serve would choose."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--replicas",
+        type=_common.flag(replicas),
+        default="auto" if serve else None,
+        metavar="auto|N",
+        help="formations of the model, each on its own nodes: auto = the fewest nodes it fits on, as "
+        "many such groups as the nodes hold; N = N such groups"
+        + (" (default: auto)" if serve else "; prints the formations serve would choose"),
+    )
+    if serve:
+        group.add_argument(
+            "--split",
+            action="store_true",
+            help="one formation over every selected node (the model split across all of them)",
+        )
+
+
+def formations(
+    args: argparse.Namespace,
+    hosts: Sequence[Host],
+    devices: Sequence[PlanDevice],
+    models: Sequence[tuple[str, str, Any]],
+    options: PlanOptions,
+) -> tuple[list[Any], list[Host]]:
+    """The formations serve would choose for `models` ((path, name, profile)) with --replicas on the probed
+    `devices`; a model that gets none: PlanError."""
+    from orchestrator.core.errors import PlanError
+    from orchestrator.serve.formations import FormationError
+    from orchestrator.serve.forming import ServedModel, form
+
+    replicas = args.replicas if isinstance(args.replicas, int) else None
+    served = [ServedModel(path, name, profile, options, replicas) for path, name, profile in models]
+    rpc = [d for d in devices if d.ok and d.endpoint is not None]
+    local = [d for d in devices if d.endpoint is None]
+    try:
+        from orchestrator.workflows.options import local_device_selection
+
+        selection = local_device_selection(args.local_devices) if hasattr(args, "local_devices") else []
+        return form(served, hosts, rpc, local, selection)
+    except FormationError as exc:
+        raise PlanError(f"no formations: {exc}") from None
+
+
+def formations_lines(formed: Sequence[Any], spares: Sequence[Host], replicas: Any) -> list[str]:
+    """The formations as text: one line each (nodes, fit, headroom), then the spares."""
+    from orchestrator.core.units import format_size
+    from orchestrator.planning.plan import largest_ctx_text
+
+    lines = [f"formations (--replicas {replicas}): {len(formed)}"]
+    for one in formed:
+        plan = one.plan
+        headroom = min((d.memory.headroom for d in plan.devices), default=0)
+        lines.append(
+            f"  {one.choice.name}: {len(one.choice.endpoints)} node(s) {', '.join(one.choice.endpoints)} · "
+            f"n_ctx {plan.n_ctx} x {plan.options.parallel} sequence(s) · headroom {format_size(headroom)} · "
+            f"{largest_ctx_text(plan.fit)}"
+        )
+    lines.append(f"spares: {', '.join(h.endpoint for h in spares) or 'none'}")
+    return lines
+
+
+def formations_json(formed: Sequence[Any], spares: Sequence[Host]) -> dict[str, Any]:
+    return {
+        "formations": [
+            {
+                "name": one.choice.name,
+                "model": one.model.name,
+                "endpoints": list(one.choice.endpoints),
+                "plan": one.plan.to_json(),
+            }
+            for one in formed
+        ],
+        "spares": [h.endpoint for h in spares],
+    }
+
+
 @dataclass(frozen=True)
 class PlanningArgs:
     """The planning flags, parsed once: the plan's options, the probe's settings and the local GPUs
@@ -135,3 +225,13 @@ def probe(args: argparse.Namespace, hosts: list[Host]) -> FleetProbe:
     from orchestrator.workflows.plan import probe_hosts
 
     return run_once(probe_hosts(hosts, planning_args(args).probe))
+
+
+def probe_devices(args: argparse.Namespace, hosts: list[Host]) -> list[PlanDevice]:
+    """Probe `hosts` (read-only) and order their devices for the planner, local GPUs as selected."""
+    from orchestrator.engine.runtime import run_once
+    from orchestrator.workflows.plan import ordered_devices, probe_hosts
+
+    request = planning_args(args)
+    fleet = run_once(probe_hosts(hosts, request.probe))
+    return list(ordered_devices(fleet, local_devices=request.local_devices))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
+from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
     _planning.add_plan_option_args(parser)
+    _planning.add_replicas_args(parser, serve=False)
     parser.add_argument("--format", choices=FORMATS, default="table", help="output (default: table)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON here")
     _common.add_inventory_args(parser)
@@ -50,6 +52,8 @@ def handle(args: argparse.Namespace) -> int:
     _common.require_model(args.model)
     request = _planning.planning_args(args)
     profile = profile_model(args.model)  # before probing: a bad model fails fast
+    if args.replicas is not None:  # the formations serve would choose
+        return print_formations(args, profile, request.options, fmt)
     _, hosts = _common.load_hosts(args)
     round_ = run_once(
         plan_for_fleet(
@@ -75,6 +79,25 @@ def handle(args: argparse.Namespace) -> int:
     else:
         print_plan(plan, devices)
     return 0 if plan.fit.fits else 1
+
+
+def print_formations(args: argparse.Namespace, profile: Any, options: Any, fmt: str) -> int:
+    """`plan --replicas`: each formation (its nodes, context, headroom) and the spares; JSON: each with its
+    plan. Exit 1 when the model gets no formation."""
+    import json
+
+    if fmt not in ("table", "json"):  # before the probe
+        raise UsageError(f"--replicas prints the formations as a table or JSON, not --format {fmt}")
+    _, hosts = _common.load_hosts(args)
+    devices = _planning.probe_devices(args, hosts)
+    name = args.model.stem
+    formed, spares = _planning.formations(args, hosts, devices, [(str(args.model), name, profile)], options)
+    if fmt == "json":
+        sys.stdout.write(json.dumps(_planning.formations_json(formed, spares), indent=2) + "\n")
+    else:
+        for line in _planning.formations_lines(formed, spares, args.replicas):
+            _common.console.print(escape(line), highlight=False)
+    return 0
 
 
 def _shortfall(plan: Plan) -> str:

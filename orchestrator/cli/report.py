@@ -52,6 +52,7 @@ def register(subparsers: Any) -> None:
         help="context sizes, comma-separated (default 4096; 32k = 32768)",
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    _planning.add_replicas_args(parser, serve=False)
     parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
     _planning.add_plan_option_args(parser, ctx=False, local=False)
     parser.set_defaults(handler=handle)
@@ -75,9 +76,34 @@ def handle(args: argparse.Namespace) -> int:
     )
     report = build_report(fleet, models, contexts, options)
     text = render(report, args.format)
+    if args.replicas is not None:  # the formations serve would choose, at the first context
+        text = with_formations(args, text, hosts, fleet, models, plan_options)
     if args.output is not None:
         _common.write_output(args.output, text)
         _common.err_console.print(f"report written to {args.output}", highlight=False)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def with_formations(
+    args: argparse.Namespace, text: str, hosts: list[Any], fleet: Any, models: list[Any], options: Any
+) -> str:
+    """The report with the formations of --replicas: a `formations` key in JSON, a section otherwise."""
+    import html
+    import json
+
+    from orchestrator.planning.devices import to_plan_devices
+
+    devices = to_plan_devices(fleet, failed="skip")
+    named = [(path, Path(path).stem, profile) for path, profile in models]
+    formed, spares = _planning.formations(args, hosts, devices, named, options)
+    if args.format == "json":
+        return json.dumps({**json.loads(text), **_planning.formations_json(formed, spares)}, indent=2) + "\n"
+    lines = _planning.formations_lines(formed, spares, args.replicas)
+    if args.format == "html":
+        block = "<h2>Formations</h2>\n<pre>" + html.escape("\n".join(lines)) + "</pre>\n"
+        return text.replace("</body>", block + "</body>") if "</body>" in text else text + block
+    if args.format == "md":
+        return text + "\n## Formations\n\n```\n" + "\n".join(lines) + "\n```\n"
+    return text + "\n" + "\n".join(lines) + "\n"

@@ -1,11 +1,13 @@
 """`rpcfleet serve`: an OpenAI-compatible endpoint on the fleet that survives losing a node.
 
-Probe, plan, run llama-server on the plan (`orchestrator.serve.engine`, on loopback, `--parallel` slots)
-and serve its OpenAI routes through serve's own front (`/v1/completions`, `/v1/chat/completions`,
-streaming, `/v1/models`, `/v1/embeddings`, `/slots`), with `/health` and `/metrics` (`orchestrator.serve`).
-SIGHUP or `POST /admin/reload` reloads: drain, unload, optionally a rolling restart of the fleet (the
-step of `restart --rolling`), re-plan, load. Binds loopback by default; any other address needs an API key.
-The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or `--api-key` (which `ps` shows to every user).
+Probe, choose the formations (`--replicas auto|N`, `--split`; several models: `-m` repeated or `--models`;
+`orchestrator.serve.formations`), and for each: plan, run llama-server on the plan
+(`orchestrator.serve.engine`, on loopback, `--parallel` slots) and serve its OpenAI routes through serve's
+own front (`/v1/completions`, `/v1/chat/completions`, streaming, `/v1/models`, `/v1/embeddings`, `/slots`),
+with `/health` and `/metrics` (`orchestrator.serve`). SIGHUP or `POST /admin/reload` reloads: drain, unload,
+optionally a rolling restart of the fleet (the step of `restart --rolling`), re-plan, load. Binds loopback
+by default; any other address needs an API key. The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or
+`--api-key` (which `ps` shows to every user).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,22 @@ def register(subparsers: Any) -> None:
             "SIGHUP or POST /admin/reload reloads (drain, unload, [rolling restart], plan, load)."
         ),
     )
-    parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
+    parser.add_argument(
+        "--model",
+        "-m",
+        type=Path,
+        action="append",
+        default=None,
+        help="a GGUF model (first shard); several -m serve several models, each on its own servers",
+    )
+    parser.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a YAML file of models to serve (model, name, context, parallel, replicas, hosts, groups)",
+    )
+    _planning.add_replicas_args(parser)
     _planning.add_plan_option_args(parser)
     # llama-server's slots are the plan's sequences: the plan sizes their KV and compute
     parser.set_defaults(parallel=DEFAULT_PARALLEL)
@@ -149,76 +167,155 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     return from_env.strip() if from_env else None
 
 
+def model_entries(args: argparse.Namespace) -> list[Any]:
+    """The models to serve (`models_file.ModelEntry`): the -m files, then the --models file's."""
+    from orchestrator.serve.models_file import ModelEntry, parse_models_file
+
+    entries = [ModelEntry(path) for path in args.model or ()]
+    if args.models is not None:
+        try:
+            text = args.models.read_text()
+        except OSError as exc:
+            raise UsageError(f"--models {args.models}: {exc.strerror}") from None
+        entries += parse_models_file(args.models, text)
+    if not entries:
+        raise UsageError("no model to serve", hint="give -m FILE (several: one per model) or --models FILE")
+    if args.model_name is not None:
+        if len(entries) > 1:
+            raise UsageError("--model-name names one model; name several in a --models file")
+        entries[0] = ModelEntry(entries[0].model, name=args.model_name)
+    names: dict[str, Path] = {}
+    for entry in entries:
+        name = entry.name or entry.model.stem
+        if name in names:
+            raise UsageError(
+                f"two models named {name!r} ({names[name]} and {entry.model})",
+                hint="name them in a --models file (name: ...)",
+            )
+        names[name] = entry.model
+    return entries
+
+
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.inventory.model import is_loopback
     from orchestrator.planning.profile import profile_model
-
-    profile_model(_common.require_model(args.model))  # a file that is no model fails before the probe
     from orchestrator.serve.templates import model_chat_template
 
-    template = model_chat_template(args.model, args.chat_template)  # a bad --chat-template: exit 2
+    entries = model_entries(args)
+    profiles = []
+    templates = []
+    for entry in entries:
+        where = f"{args.models}:{entry.line}: " if entry.line is not None else ""
+        try:  # a file that is no model fails before the probe
+            profiles.append(profile_model(_common.require_model(entry.model)))
+        except UsageError as exc:
+            raise UsageError(f"{where}{exc.message}") from None
+        templates.append(model_chat_template(entry.model, args.chat_template))  # bad: exit 2
     api_key = api_key_of(args)
     if api_key is None and not is_loopback(args.host):
         raise UsageError(
             f"--host {args.host} is not a loopback address: serving it without an API key is refused",
             hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
         )
+    import dataclasses
+
     import uvicorn
 
     from orchestrator.cli._progress import LoadBars
-    from orchestrator.planning.plan import Plan
+    from orchestrator.planning.devices import to_plan_devices
     from orchestrator.serve.app import create_app
     from orchestrator.serve.backend import Backend, ServeConfig
-    from orchestrator.serve.fleet import ServeFleet
+    from orchestrator.serve.fleet import ServeFleet, states_of
+    from orchestrator.serve.formations import FormationError
+    from orchestrator.serve.forming import ServedModel, SparePool, form
+    from orchestrator.serve.router import Formation, Router
 
-    _, hosts = _common.load_hosts(args)
+    inventory, hosts = _common.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")
-    sock = _common.listen_socket(args.host, args.port)  # before the fleet is probed or the model loaded
     request = _planning.planning_args(args)
-    fleet = ServeFleet(
+    options = request.options
+    served: list[ServedModel] = []
+    for entry, profile in zip(entries, profiles, strict=True):
+        served.append(served_model(args, inventory, hosts, entry, profile, options))
+    sock = _common.listen_socket(args.host, args.port)  # before the fleet is probed or the model loaded
+    whole = ServeFleet(
         hosts,
-        str(args.model),
-        request.options,
+        served[0].path,
+        options,
         probe_timeout=request.probe.timeout,
         facts=request.probe.facts,
         trust_rpc_memory=request.probe.trust_rpc_memory,
         forks=request.probe.forks,
         local_devices=request.local_devices,
     )
-    config = ServeConfig(
-        parallel=args.parallel,
-        queue_size=args.queue,
-        queue_timeout=args.queue_timeout,
-        recover_timeout=args.recover_timeout,
-        link_timeout=args.link_timeout,
-        rejoin_interval=args.rejoin_interval,
-        seed=args.seed,
-    )
-    first = fleet.plan_round()  # a model that does not fit at start is an error, not a wait
-    if first.plan is None:
+    started = time.monotonic()
+    probe = whole.probe_released()  # one probe of every server; the formations are chosen from it
+    probe_seconds = time.monotonic() - started
+    states = states_of(probe)
+    try:  # a model that does not fit at start is an error, not a wait
+        formed, spare_hosts = form(
+            served,
+            hosts,
+            to_plan_devices(probe, failed="skip"),
+            whole.local_gpus(),
+            request.local_devices,
+        )
+    except FormationError as exc:
         from orchestrator.core.errors import PlanError
 
-        states = ", ".join(f"{ep} {state}" for ep, state in first.states.items())
-        raise PlanError(
-            f"cannot serve {args.model}: {first.reason} ({states})", hint="rpcfleet plan shows why"
-        )
+        listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
+        raise PlanError(f"cannot serve: {exc} ({listed})", hint="rpcfleet plan shows why") from None
+    plan_seconds = time.monotonic() - started - probe_seconds
     from orchestrator.serve.engine import default_engines
 
-    model_name = args.model_name or args.model.stem
-    if template.warning:
-        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(template.warning)}", highlight=False)
-    engines, _ = default_engines(
-        str(args.model),
-        model_name,
-        parallel=args.parallel,
-        link_timeout=args.link_timeout,
-        chat_template=args.chat_template,
-        progress=lambda line: _common.err_console.print(escape(line), highlight=False),
-    )
-    backend = Backend(fleet, config, engines)
-    backend.template = {"source": template.source, "warning": template.warning}
-    backend.nodes.update(first.states)  # a node down at start shows why until the watch probes it
+    for model, template in zip(served, templates, strict=True):
+        if template.warning:
+            who = f"{model.name}: " if len(served) > 1 else ""
+            _common.err_console.print(
+                f"[yellow]warning:[/yellow] {escape(who + template.warning)}", highlight=False
+            )
+    engines = {
+        model.name: default_engines(
+            model.path,
+            model.name,
+            parallel=model.options.parallel,
+            link_timeout=args.link_timeout,
+            chat_template=args.chat_template,
+            progress=lambda line: _common.err_console.print(escape(line), highlight=False),
+        )[0]
+        for model in served
+    }
+    spares = SparePool(spare_hosts)
+    formations: list[Formation] = []
+    for i, one in enumerate(formed):
+        fleet = dataclasses.replace(
+            whole,
+            hosts=list(one.hosts),
+            model_path=one.model.path,
+            options=one.model.options,
+            local_devices=whole.local_devices if i == 0 else [],
+            spares=spares,
+            _profile=one.model.profile,
+        )
+        config = ServeConfig(
+            parallel=one.model.options.parallel,
+            queue_size=args.queue,
+            queue_timeout=args.queue_timeout,
+            recover_timeout=args.recover_timeout,
+            link_timeout=args.link_timeout,
+            rejoin_interval=args.rejoin_interval,
+            seed=args.seed,
+        )
+        backend = Backend(fleet, config, engines[one.model.name])
+        template = templates[served.index(one.model)]
+        backend.template = {"source": template.source, "warning": template.warning}
+        backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
+        name = one.model.name if len(formed) == 1 else one.choice.name
+        formations.append(Formation(name, one.model.name, backend))
+    # one formation: the front counts on its backend's metrics, as before formations
+    router = Router(formations, formations[0].backend.metrics if len(formations) == 1 else None)
+    model_name = served[0].name
     exporter = None
     # The fleet exporter (the page at /, the fleet's series on /metrics): its first round reads the nodes
     # before the load holds them.
@@ -226,15 +323,15 @@ def handle(args: argparse.Namespace) -> int:
         from orchestrator.serve.observed import observe
 
         exporter = observe(
-            backend,
-            model_name,
+            router,
+            hosts,
             interval=args.observe_interval,
             timeout=_common.probe_timeout(args),
             forks=args.forks,
         )
         exporter.collector.start()
         exporter.collector.first_round.wait(_common.probe_timeout(args) * 4 + 5)
-    app = create_app(backend, api_key=api_key, model_name=model_name, exporter=exporter)
+    app = create_app(router, api_key=api_key, model_name=model_name, exporter=exporter)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -249,41 +346,26 @@ def handle(args: argparse.Namespace) -> int:
 
     def on_failed() -> None:
         nonlocal failed
-        failed = True
-        server.should_exit = True
+        if all(f.backend.state == "failed" for f in formations):  # the others still serve
+            failed = True
+            server.should_exit = True
 
-    backend.on_failed = on_failed
     bars = LoadBars(
         _common.err_console.is_terminal,
         names={h.endpoint: h.name for h in hosts},
     )
-
-    loads = 0
-
-    def on_loaded(plan: Plan, phases: dict[str, float]) -> None:
-        nonlocal loads
-        bars.finish()
-        times = {"probe": first.probe_seconds, "plan": first.plan_seconds} if loads == 0 else {}
-        loads += 1
-        hits = sum(backend.skipped.values())
-        cache = f" ({format_size(hits)} from the nodes' caches)" if hits else ""
-        _common.err_console.print(
-            f"{backend.state} on {len(plan.endpoints)} node(s): "
-            + " · ".join(f"{k} {v:.2f} s" for k, v in {**times, **phases}.items())
-            + cache,
-            highlight=False,
+    for formation in formations:
+        formation.backend.on_failed = on_failed
+        formation.backend.on_loaded = loaded_printer(
+            formation, len(formations) > 1, bars, {"probe": probe_seconds, "plan": plan_seconds}
         )
-
-    backend.on_progress = bars
-    backend.on_loaded = on_loaded
-    hup = signals.handling(signal.SIGHUP, lambda *_: backend.reload(rolling_restart=args.reload_rolling))
+    if len(formations) == 1:  # one load's bars; several loads at once print a line each
+        formations[0].backend.on_progress = bars
+    hup = signals.handling(signal.SIGHUP, lambda *_: router.reload(rolling_restart=args.reload_rolling))
     hup.__enter__()  # until serve ends: SIGHUP reloads
-    _common.err_console.print(
-        f"serving {escape(str(args.model))} on http://{escape(args.host)}:{args.port}/v1 "
-        f"({len(first.plan.endpoints)} node(s), llama-server with {args.parallel} slot(s), loading...)",
-        highlight=False,
-    )
-    backend.start(first.plan)
+    for line in formation_lines(formed, args.host, args.port):
+        _common.err_console.print(line, highlight=False)
+    router.start([one.plan for one in formed])
     try:
         with bars:
             server.run(sockets=[sock])
@@ -291,8 +373,83 @@ def handle(args: argparse.Namespace) -> int:
         hup.__exit__(None, None, None)
         if exporter is not None:
             exporter.collector.stop()
-        backend.stop()
+        router.stop()
     if failed:
-        _common.err_console.print(f"[red]error:[/red] {escape(backend.reason)}", highlight=False)
+        reasons = "; ".join(f"{f.name}: {f.backend.reason}" for f in formations)
+        _common.err_console.print(f"[red]error:[/red] {escape(reasons)}", highlight=False)
         return 1
     return 0
+
+
+def served_model(
+    args: argparse.Namespace, inventory: Any, hosts: list[Any], entry: Any, profile: Any, options: Any
+) -> Any:
+    """A models-file or -m entry as `forming.ServedModel`: serve's flags where it sets nothing, its
+    hosts among the selected ones (a pattern that selects none of them: exit 2, naming the line)."""
+    import dataclasses
+
+    from orchestrator.core.errors import InputError
+    from orchestrator.inventory.model import select_servers
+    from orchestrator.serve.forming import ServedModel
+
+    where = f"{args.models}:{entry.line}: " if entry.line is not None else ""
+    endpoints = None
+    if entry.hosts is not None:
+        try:
+            picked = {h.endpoint for h in select_servers(inventory, entry.hosts)}
+        except InputError as exc:  # a bad host pattern, or one that matches nothing
+            raise UsageError(f"{where}hosts: {exc.message}") from None
+        endpoints = tuple(h.endpoint for h in hosts if h.endpoint in picked)
+        if not endpoints:
+            raise UsageError(f"{where}hosts {entry.hosts!r} selects none of the selected servers")
+    replicas = entry.replicas if entry.replicas is not None else args.replicas
+    split = replicas == "split" or (entry.replicas is None and args.split)
+    return ServedModel(
+        path=str(entry.model),
+        name=entry.name or entry.model.stem,
+        profile=profile,
+        options=dataclasses.replace(
+            options,
+            n_ctx=entry.context if entry.context is not None else options.n_ctx,
+            parallel=entry.parallel if entry.parallel is not None else options.parallel,
+        ),
+        replicas=replicas if isinstance(replicas, int) else None,
+        split=split,
+        endpoints=endpoints,
+    )
+
+
+def formation_lines(formed: list[Any], host: str, port: int) -> list[str]:
+    """What serve prints before loading: the URL, then each formation (model, nodes, slots)."""
+    models = list(dict.fromkeys(one.model.name for one in formed))
+    lines = [f"serving {escape(', '.join(models))} on http://{escape(host)}:{port}/v1 (loading...)"]
+    for one in formed:
+        lines.append(
+            f"  {escape(one.choice.name)}: {len(one.choice.endpoints)} node(s) "
+            f"({escape(', '.join(one.choice.endpoints))}), llama-server with "
+            f"{one.model.options.parallel} slot(s)"
+        )
+    return lines
+
+
+def loaded_printer(formation: Any, named: bool, bars: Any, first_times: dict[str, float]) -> Any:
+    """The line printed after each load of `formation` (its first with the probe's and plan's times)."""
+    loads = 0
+    backend = formation.backend
+
+    def on_loaded(plan: Any, phases: dict[str, float]) -> None:
+        nonlocal loads
+        bars.finish()
+        times = first_times if loads == 0 else {}
+        loads += 1
+        hits = sum(backend.skipped.values())
+        cache = f" ({format_size(hits)} from the nodes' caches)" if hits else ""
+        who = f"{formation.name} " if named else ""
+        _common.err_console.print(
+            f"{escape(who)}{backend.state} on {len(plan.endpoints)} node(s): "
+            + " · ".join(f"{k} {v:.2f} s" for k, v in {**times, **phases}.items())
+            + cache,
+            highlight=False,
+        )
+
+    return on_loaded

@@ -35,8 +35,8 @@ from pydantic import BaseModel, ValidationError
 
 from orchestrator.observe.web import Exporter, RequestTimer, mount
 from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
-from orchestrator.serve.metrics import engine_metrics
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
+from orchestrator.serve.router import Router, get
 from orchestrator.serve.upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
 
 _ERROR_TYPES = {
@@ -101,15 +101,15 @@ class _Usage:
 
 
 def create_app(
-    backend: Backend, *, api_key: str | None, model_name: str, exporter: Exporter | None = None
+    backend: Backend | Router, *, api_key: str | None, model_name: str, exporter: Exporter | None = None
 ) -> FastAPI:
+    """The front over `backend` (one formation) or a router of formations (`serve.router`)."""
     app = FastAPI(title="rpcfleet serve", version="0.2.0", docs_url=None, redoc_url=None)
-    metrics = backend.metrics
-    config = backend.config
+    router = backend if isinstance(backend, Router) else Router.single(backend, model_name)
+    metrics = router.metrics
+    config = router.config
     # Threads that wait for a slot (a blocking wait on the backend's condition): one per admitted request.
-    waiters = concurrent.futures.ThreadPoolExecutor(
-        config.parallel + config.queue_size + 2, thread_name_prefix="serve-slot"
-    )
+    waiters = concurrent.futures.ThreadPoolExecutor(router.capacity + 2, thread_name_prefix="serve-slot")
 
     def has_key(request: Request) -> bool:
         """The request carries the configured key (always true when none is configured)."""
@@ -144,7 +144,7 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        data = backend.health()
+        data = router.health()
         code = 200 if data["status"] in ("ready", "degraded") else 503
         if not has_key(request):  # the model path, pids and endpoints are for the key's holders
             return JSONResponse({"status": data["status"]}, status_code=code)
@@ -152,18 +152,7 @@ def create_app(
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus() -> PlainTextResponse:
-        text = metrics.render(backend.endpoint_up(), backend.state)
-        states = backend.engine_states()
-        engine = backend.engine
-        engine_text = ""
-        if engine is not None:
-            try:
-                engine_text = (await _get(engine.url, "/metrics", 2.0, engine.api_key))[1].decode(
-                    "utf-8", "replace"
-                )
-            except UpstreamError:
-                engine_text = ""
-        text += engine_metrics(engine_text, states["served"], states["parallel"], states["admitted"])
+        text = await router.prometheus(formations=exporter is None)  # else the exporter's formations
         if exporter is not None:  # the fleet's metrics after serve's own (orchestrator.observe)
             text += exporter.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -173,16 +162,18 @@ def create_app(
         metrics.record_request("/v1/models", 200)
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "owned_by": "rpcfleet", "permissions": []}],
+            "data": [
+                {"id": name, "object": "model", "owned_by": "rpcfleet", "permissions": []}
+                for name in router.models
+            ],
         }
 
     @app.get("/slots", dependencies=[Depends(authorize)])
     async def slots() -> Response:
-        engine = backend.engine
-        if engine is None:
-            return _failed("/slots", 503, backend.health()["status"], retry_after=config.retry_after)
         try:
-            status, body = await _get(engine.url, "/slots", 5.0, engine.api_key)
+            status, body = await router.slots()
+        except Rejected as exc:
+            return _failed("/slots", exc.status, exc.message, retry_after=exc.retry_after)
         except UpstreamError as exc:
             return _failed("/slots", 502, str(exc))
         metrics.record_request("/slots", status)
@@ -197,7 +188,7 @@ def create_app(
             return _error(400, 'the body must be JSON: {"rolling_restart": true|false}')
         if not isinstance(options, dict) or not isinstance(options.get("rolling_restart", False), bool):
             return _error(400, 'the body must be {"rolling_restart": true|false}')
-        backend.reload(rolling_restart=options.get("rolling_restart", False))
+        router.reload(rolling_restart=options.get("rolling_restart", False))
         metrics.record_request("/admin/reload", 202)
         return JSONResponse(
             {"status": "draining", "rolling_restart": options.get("rolling_restart", False)}, status_code=202
@@ -250,13 +241,15 @@ def create_app(
                 return _failed(route, 400, "max_tokens must be at least 1")
             if data.get("seed") is None:
                 data["seed"] = config.seed
-        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")))
+        model_id = data.get("model") if isinstance(data.get("model"), str) else None
+        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id)
 
-    async def _proxy(route: str, body: bytes, stream: bool) -> Any:
-        try:
-            ticket = backend.admit()
+    async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None) -> Any:
+        try:  # the least-loaded serving formation of the model; a stream stays on it
+            backend, ticket = router.admit(model_id)
         except Rejected as exc:
-            return _failed(route, exc.status, exc.message, retry_after=exc.retry_after)
+            extra = {"param": "model"} if exc.status == 404 else {}
+            return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
         handed = False  # to the stream, which then releases the ticket
         try:
             got = await asyncio.get_running_loop().run_in_executor(waiters, backend.acquire, ticket)
@@ -267,7 +260,7 @@ def create_app(
             async def alive() -> bool:
                 """Its main loop still takes tasks (/metrics is one): busy generating, not stuck."""
                 try:
-                    return (await _get(engine_url, "/metrics", min(10.0, config.event_timeout), engine_key))[
+                    return (await get(engine_url, "/metrics", min(10.0, config.event_timeout), engine_key))[
                         0
                     ] == 200
                 except UpstreamError:
@@ -283,13 +276,13 @@ def create_app(
                 if stream and answer.status == 200:
                     handed = True
                     return StreamingResponse(
-                        _stream(route, ticket, got, upstream, answer),
+                        _stream(route, backend, ticket, got, upstream, answer),
                         media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     )
                 whole = await answer.read()
             except UpstreamError as exc:
-                return _failure(route, await _lost(got, exc))
+                return _failure(route, await _lost(backend, got, exc))
             finally:
                 if not handed:
                     await upstream.__aexit__(None, None, None)
@@ -299,17 +292,17 @@ def create_app(
                 with contextlib.suppress(ValueError):
                     usage.whole(json.loads(whole))
                 ticket.saw_text()
-                metrics.record_done(
+                router.counters(backend).record_done(
                     usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
                 )
-            metrics.record_request(route, answer.status)
+            router.counters(backend).record_request(route, answer.status)
             media = answer.headers.get("content-type", "application/json")
             return Response(whole, status_code=answer.status, media_type=media)
         finally:
             if not handed:
                 backend.release(ticket)
 
-    async def _lost(running: Running, exc: UpstreamError) -> Failure:
+    async def _lost(backend: Backend, running: Running, exc: UpstreamError) -> Failure:
         if isinstance(exc, UpstreamTimeout):
             backend.stalled(running)
         return await asyncio.get_running_loop().run_in_executor(
@@ -317,7 +310,7 @@ def create_app(
         )
 
     async def _stream(
-        route: str, ticket: Ticket, running: Running, upstream: Upstream, answer: Answer
+        route: str, backend: Backend, ticket: Ticket, running: Running, upstream: Upstream, answer: Answer
     ) -> AsyncIterator[bytes]:
         code = 499  # the client went away before the end
         usage = _Usage()
@@ -334,17 +327,17 @@ def create_app(
                 if b"data: [DONE]" not in last:  # closed early, whatever its framing said
                     raise UpstreamError("the engine's stream ended before [DONE]")
                 code = 200
-                metrics.record_done(
+                router.counters(backend).record_done(
                     usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
                 )
             except UpstreamError as exc:
-                failure = await _lost(running, exc)
+                failure = await _lost(backend, running, exc)
                 code = failure.status
                 yield b"data: " + json.dumps(_failure_body(failure)).encode() + b"\n\n"
         finally:
             await upstream.__aexit__(None, None, None)
             backend.release(ticket)
-            metrics.record_request(route, code)
+            router.counters(backend).record_request(route, code)
 
     if exporter is not None:  # the live fleet page at `/`, behind the same key rules
         mount(app, exporter, api_key=api_key, has_key=has_key)
@@ -355,12 +348,6 @@ def create_app(
 def _address(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     return parts.hostname or "127.0.0.1", parts.port or 80
-
-
-async def _get(url: str, path: str, seconds: float, key: str | None) -> tuple[int, bytes]:
-    async with Upstream(*_address(url), timeout=seconds, key=key) as upstream:
-        answer = await upstream.request("GET", path)
-        return answer.status, await answer.read()
 
 
 def _problems(errors: Any) -> str:

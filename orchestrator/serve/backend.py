@@ -254,6 +254,15 @@ class Backend:
         running = self._running
         return running.busy if running is not None else 0
 
+    @property
+    def admitted(self) -> int:
+        """Requests admitted now (served and waiting): the router's measure of load."""
+        return self._admitted
+
+    def unavailable(self) -> str:
+        """Why a request is not served now (the 503's message)."""
+        return self._unavailable()
+
     def _unavailable(self) -> str:
         why = f": {self.reason}" if self.reason else ""
         return f"the model is {self.state}{why}"

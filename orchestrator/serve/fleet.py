@@ -28,6 +28,7 @@ from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.reader import rolling_restart_playbook
 from orchestrator.playbooks.runner import run_playbook
 from orchestrator.probe.fleet import FleetProbe, probe_fleet
+from orchestrator.serve.forming import SparePool
 
 
 def endpoint_of(host: Host) -> str:
@@ -64,6 +65,8 @@ class ServeFleet:
     trust_rpc_memory: bool = False
     forks: int | None = None
     local_devices: list[str] | None = field(default_factory=list)
+    # Servers no formation holds (`forming.SparePool`): one is taken when the model no longer fits here.
+    spares: SparePool | None = None
     _profile: ModelProfile | None = None
     _local_gpus: list[PlanDevice] | None = None
 
@@ -104,18 +107,23 @@ class ServeFleet:
             )
         )
 
-    def plan_round(self) -> PlanRound:
-        """Probe every host; plan on those that answer `ok`. No plan when none answer or it does not fit."""
-        started = time.monotonic()
+    def probe_released(self) -> FleetProbe:
+        """Probe every host; a node held by a dead client of ours is released and probed again."""
         fleet = self.probe()
         busy = [h for h in self.hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
         if busy and self.release_stale(busy):  # a node held by a dead client of ours: usable again
             fleet = self.probe()
+        return fleet
+
+    def plan_round(self) -> PlanRound:
+        """Probe every host; plan on those that answer `ok`. No plan when none answer or it does not fit."""
+        started = time.monotonic()
+        fleet = self.probe_released()
         probed = time.monotonic()
         states = states_of(fleet)
         devices = to_plan_devices(fleet, failed="skip")
         if not devices:
-            return PlanRound(None, states, probed - started, 0.0, "no node answers")
+            return self.with_spare() or PlanRound(None, states, probed - started, 0.0, "no node answers")
         try:
             plan = make_plan(
                 order_devices(devices, self.local_gpus(), self.local_devices), self.profile(), self.options
@@ -124,7 +132,7 @@ class ServeFleet:
             return PlanRound(None, states, probed - started, time.monotonic() - probed, exc.message)
         planned = time.monotonic() - probed
         if not plan.fit.fits:
-            return PlanRound(
+            return self.with_spare() or PlanRound(
                 None,
                 states,
                 probed - started,
@@ -132,6 +140,15 @@ class ServeFleet:
                 f"the model does not fit on {len(plan.endpoints)} node(s)",
             )
         return PlanRound(plan, states, probed - started, planned)
+
+    def with_spare(self) -> PlanRound | None:
+        """A plan with one more server, a spare no formation holds (None: no spare left)."""
+        spare = self.spares.take() if self.spares is not None else None
+        if spare is None:
+            return None
+        get_logger().info("serve_spare_taken", spare=endpoint_of(spare))
+        self.hosts = [*self.hosts, spare]
+        return self.plan_round()
 
     def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
         """The probe states of `endpoints` only (serve's watch of the nodes it does not use). A busy one

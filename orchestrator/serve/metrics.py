@@ -136,6 +136,11 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def label_value(value: str) -> str:
+    """`value` escaped for a Prometheus label."""
+    return _label(value)
+
+
 ENGINE_PREFIX = "llamacpp:"
 
 

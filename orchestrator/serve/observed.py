@@ -1,23 +1,31 @@
-"""Serve as a formation of the fleet exporter (`orchestrator.observe`): its state, plan and counters.
+"""Serve's formations as formations of the fleet exporter (`orchestrator.observe`): their state, plan
+and counters, each under its own `formation` label.
 
-Today's serve is one formation, named after its model's API id. The exporter reads the serve's hosts
-over SSH on its own interval; over RPC only in its first round, before the load: after it, serve's own
-probes (recoveries, rejoins) are the only ones its nodes see.
+A single formation is named after its model's API id (as before formations); several are `MODEL#N`. The
+exporter reads the serve's hosts over SSH on its own interval; over RPC only in its first round, before
+the loads: after it, serve's own probes (recoveries, rejoins) are the only ones its nodes see.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
+from orchestrator.inventory.model import Host
 from orchestrator.observe.collect import Collector
 from orchestrator.observe.snapshot import Formation, FormationDevice
 from orchestrator.observe.web import Exporter
 from orchestrator.serve.backend import Backend
+from orchestrator.serve.router import Router
 
 
-def formation_of(backend: Backend, name: str, *, probes_itself: bool = True) -> Formation:
-    """The serve's formation now (reads counters only: never waits on the worker or the fleet).
-    `probes_itself`: the exporter leaves every endpoint of the serve to serve's own probes."""
+def formation_of(
+    backend: Backend, name: str, *, model: str | None = None, probes_itself: bool = True
+) -> Formation:
+    """One formation now (reads counters only: never waits on the engine or the fleet).
+    `probes_itself`: the exporter leaves every endpoint of the formation to serve's own probes."""
     metrics, plan = backend.metrics, backend.plan
-    admitted = int(backend.health()["queue"]["admitted"])
+    queue = backend.health()["queue"]
     devices: tuple[FormationDevice, ...] = ()
     if plan is not None:
         devices = tuple(
@@ -27,11 +35,11 @@ def formation_of(backend: Backend, name: str, *, probes_itself: bool = True) -> 
         )
     return Formation(
         name=name,
-        model=name,
+        model=model or name,
         state=backend.state,
         nodes=plan.endpoints if plan is not None else (),
-        slots=1,  # the worker serves one request at a time
-        slots_busy=min(admitted, 1),
+        slots=backend.config.parallel,  # llama-server's slots
+        slots_busy=int(queue["served"]),
         requests=dict(metrics.requests),
         prompt_tokens=metrics.prompt_tokens,
         completion_tokens=metrics.completion_tokens,
@@ -44,18 +52,42 @@ def formation_of(backend: Backend, name: str, *, probes_itself: bool = True) -> 
     )
 
 
-def observe(backend: Backend, name: str, *, interval: float, timeout: float, forks: int | None) -> Exporter:
-    """An exporter of the serve's hosts with the serve as its formation (started by the caller)."""
+def formations_of(router: Router, *, probes_itself: bool = True) -> tuple[Formation, ...]:
+    """Every formation of the router (a single one: the front's request and token counters)."""
+    if len(router.formations) == 1:
+        only = router.formations[0]
+        one = formation_of(only.backend, only.name, model=only.model, probes_itself=probes_itself)
+        front = router.metrics
+        if front is only.backend.metrics:
+            return (one,)
+        return (
+            dataclasses.replace(
+                one,
+                requests=dict(front.requests),
+                prompt_tokens=front.prompt_tokens,
+                completion_tokens=front.completion_tokens,
+            ),
+        )
+    return tuple(
+        formation_of(f.backend, f.name, model=f.model, probes_itself=probes_itself) for f in router.formations
+    )
+
+
+def observe(
+    router: Router, hosts: Sequence[Host], *, interval: float, timeout: float, forks: int | None
+) -> Exporter:
+    """An exporter of the serve's hosts with the serve's formations (started by the caller)."""
+    first = router.formations[0].backend
     collector = Collector(
-        backend.fleet.hosts,
+        hosts,
         interval=interval,
         timeout=timeout,
         forks=forks,
         # The first round (before the load) reads every node's devices over RPC; later rounds read the
         # nodes over SSH only: serve's own probes (re-plans, rejoins) must never meet one of the exporter's.
-        formations=lambda: (formation_of(backend, name, probes_itself=collector.first_round.is_set()),),
-        trust_rpc_memory=backend.fleet.trust_rpc_memory,
+        formations=lambda: formations_of(router, probes_itself=collector.first_round.is_set()),
+        trust_rpc_memory=first.fleet.trust_rpc_memory,
     )
     exporter = Exporter(collector, collector.formations)
-    backend.metrics.on_ttft = exporter.histogram(name, "ttft").observe
+    router.metrics.on_ttft = exporter.histogram(router.formations[0].model, "ttft").observe
     return exporter

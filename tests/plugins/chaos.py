@@ -216,7 +216,7 @@ class Chaos:
         port = free_port()
         self.base = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "orchestrator", "serve", *self.inventory_args(), "-m", str(self.model)]
-        argv += ["--ctx", "1024", "--port", str(port), "--model-name", MODEL_NAME]
+        argv += ["--ctx", "1024", "--port", str(port), "--model-name", MODEL_NAME, "--split"]
         argv += ["--link-timeout", "4", "--timeout", "2", "--recover-timeout", "300"]
         log = (self.workdir / "serve.log").open("wb")
         env = {**os.environ, "RPCFLEET_API_KEY": KEY}

@@ -1,0 +1,252 @@
+"""Benchmark: serve's formations (issue 24): `--replicas auto` (one formation per node: three
+llama-servers behind serve's router) against `--split` (one llama-server over the three nodes), at 1, 4
+and 8 clients, and the errors a node kill costs.
+
+    .venv/bin/python bench/formations.py                   # print the section
+    .venv/bin/python bench/formations.py --clients 1,8 --requests 1 --rounds 1   # shorter
+    .venv/bin/python bench/formations.py --write           # and replace its block in BENCHMARKS.md
+
+A 3-node lab (network namespaces, real sshd, real `ggml-rpc-server`s deployed by `rpcfleet deploy`),
+each node with its own CPU share (`lab up --cpus 0.6`: a cgroup quota, so three nodes behave like three
+small machines rather than three processes sharing the host's cores), the real Gemma 3 270M from the
+cache. Each round runs serve in one mode, measures every concurrency, stops it, then the other mode:
+alternately, `--rounds` of each. At C clients, each client sends `--requests` completions of `--tokens`
+tokens (greedy, ignore_eos) one after the other: aggregate tokens/s = all completion tokens / the wall
+time of the whole concurrency; latency = each request's time, p50 and p95.
+
+Node kill: `--replicas auto` with 8 streaming clients; when every stream has its first token, the
+formations' busy slots are read from /health and one node's server gets SIGKILL; the streams that end
+with an error are counted against the lost formation's requests in flight.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, arg_parser, free_port, load_average, median, p95, stamp, write_section
+
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.model import Lab
+from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
+
+SECTION = "formations"
+LAB_NAME = "benchform"
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MODES = {"auto": ["--replicas", "auto"], "split": ["--split"]}
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def wait_ready(base: str, process: subprocess.Popen[bytes], limit: float = 600) -> dict[str, Any]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve exited with {process.returncode}")
+        try:
+            data: dict[str, Any] = _get(f"{base}/health")
+            if data.get("status") == "ready":
+                return data
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{base} not ready within {limit} s")
+
+
+@contextlib.contextmanager
+def serving(lab: Lab, model: Path, folder: Path, mode: str, parallel: int) -> Iterator[str]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(lab.inventory), "-m", str(model)]
+    argv += ["--ctx", "2048", "--parallel", str(parallel), "--port", str(port), "--model-name", "bench"]
+    argv += ["--rejoin-interval", "1", "--observe-interval", "0", *MODES[mode]]
+    env = {**os.environ, "RPCFLEET_HOME": str(folder / "home")}
+    env.pop("RPCFLEET_API_KEY", None)
+    with (folder / f"serve-{mode}.log").open("ab") as log:
+        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(base, process)
+        yield base
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def measure(base: str, clients: int, requests: int, tokens: int) -> dict[str, float]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=900)
+
+    def one(i: int) -> list[tuple[float, int]]:
+        done = []
+        for j in range(requests):
+            started = time.monotonic()
+            answer = client.completions.create(
+                model="bench",
+                prompt=f"{PROMPT} ({i}.{j})",
+                max_tokens=tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert answer.usage is not None
+            done.append((time.monotonic() - started, answer.usage.completion_tokens))
+        return done
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(one, range(clients)) for r in rs]
+    wall = time.monotonic() - started
+    latencies = [r[0] for r in results]
+    return {"tps": sum(r[1] for r in results) / wall, "p50": median(latencies), "p95": p95(latencies)}
+
+
+def stream(base: str, tokens: int, started: threading.Event) -> bool:
+    """One streamed completion; True when it ended with [DONE], False with an error event."""
+    body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=900) as answer:
+        for raw in answer:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                return True
+            if line.startswith("data: ") and '"error"' in line:
+                return False
+            if line.startswith("data: "):
+                started.set()
+    return False
+
+
+def server_pid(lab: Lab, node: str) -> int:
+    import psutil
+
+    for pid in lab.node_pids(node):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "rpc-server" in psutil.Process(pid).name():
+                return pid
+    raise RuntimeError(f"no rpc-server on {node}")
+
+
+def node_kill(lab: Lab, model: Path, folder: Path, parallel: int, tokens: int) -> dict[str, Any]:
+    with serving(lab, model, folder, "auto", parallel) as base:
+        starts = [threading.Event() for _ in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(stream, base, tokens, s) for s in starts]
+            for started in starts:
+                started.wait(600)
+            victim = lab.nodes[-1]
+            endpoint = f"{victim.address}:50052"
+            health = _get(f"{base}/health")
+            lost = [f for f in health["formations"] if any(victim.address in n for n in f["nodes"])]
+            in_flight = lost[0]["slots_busy"] if lost else 0
+            os.kill(server_pid(lab, victim.name), signal.SIGKILL)
+            ended = [s.result() for s in streams]
+        after = measure(base, 6, 1, 8)
+    return {
+        "errors": ended.count(False),
+        "in_flight": in_flight,
+        "streams": len(ended),
+        "after_tps": after["tps"],
+        "victim": endpoint,
+    }
+
+
+def deploy(lab: Lab) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "deploy", "-i", str(lab.inventory)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=ROOT,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"deploy failed: {done.stdout}{done.stderr}")
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--clients", default="1,4,8", help="concurrencies (default 1,4,8)")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per completion (default 32)")
+    parser.add_argument("--parallel", type=int, default=4, help="--parallel of each engine (default 4)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of each mode (default 1)")
+    parser.add_argument("--cpus", type=float, default=0.6, help="each node's CPU share (default 0.6)")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.clients.split(",")]
+    model = cached_path(GEMMA3_270M)
+    load_before = load_average()
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {m: {c: [] for c in concurrencies} for m in MODES}
+    reap_stale()
+    lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid(), cpus=args.cpus)
+    try:
+        deploy(lab)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            for i in range(args.rounds):
+                for mode in MODES:
+                    print(f"round {i + 1}: serve {' '.join(MODES[mode])}", file=sys.stderr, flush=True)
+                    with serving(lab, model, folder, mode, args.parallel) as base:
+                        for c in concurrencies:
+                            runs[mode][c].append(measure(base, c, args.requests, args.tokens))
+            print("node kill", file=sys.stderr, flush=True)
+            kill = node_kill(lab, model, folder, args.parallel, args.tokens * 4)
+    finally:
+        lab_down(LAB_NAME)
+
+    def med(mode: str, c: int, key: str) -> float:
+        return median([r[key] for r in runs[mode][c]])
+
+    rows = []
+    for c in concurrencies:
+        auto, split = (
+            f"{med(m, c, 'tps'):.1f} ({med(m, c, 'p50'):.1f} s / {med(m, c, 'p95'):.1f} s)" for m in MODES
+        )
+        rows.append(f"| {c} | {auto} | {split} | {med('auto', c, 'tps') / med('split', c, 'tps'):.2f}x |")
+    body = [
+        f"## {SECTION}",
+        "",
+        f"{stamp()}; load average {load_before:.2f} at the start. `bench/formations.py --clients "
+        f"{args.clients} --requests {args.requests} --tokens {args.tokens} --parallel {args.parallel} "
+        f"--rounds {args.rounds} --cpus {args.cpus:g}`: a 3-node lab, each node `--cpus {args.cpus:g}`, "
+        f"Gemma 3 270M Q4_K_M, n_ctx 2048, greedy completions of {args.tokens} tokens; each client sends "
+        f"{args.requests} one after the other; the modes alternate.",
+        "",
+        "| clients | --replicas auto (3 formations): tok/s (p50 / p95) | --split (1 formation) "
+        "| auto / split |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"Node kill (`--replicas auto`, {kill['streams']} streams of {args.tokens * 4} tokens, SIGKILL of "
+        f"one node's server, {kill['victim']}): {kill['errors']} stream(s) ended with an error; the lost "
+        f"formation had {kill['in_flight']} in flight; then 6 requests at {kill['after_tps']:.1f} tok/s, "
+        "all answered.",
+    ]
+    text = "\n".join(body) + "\n"
+    print(text)
+    if args.write:
+        write_section(args.write, SECTION, text)
+
+
+if __name__ == "__main__":
+    main()

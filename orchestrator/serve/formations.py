@@ -1,0 +1,178 @@
+"""Formations: which servers hold which copy of which model (pure: no I/O, the planner is passed in).
+
+A formation is one engine (llama-server) with its own RPC endpoints holding one copy of one model. One
+client process takes at most `MAX_RPC_DEVICES` RPC devices (llama.cpp has 16 scheduler backends and the
+CPU is one of them), and an RPC server serves one client at a time, so formations never share a server.
+
+`choose` decides them from the probed nodes and a `fits(model, endpoints)` verdict (the planner's, not a
+heuristic):
+- `--split`: one formation over every node the model may use (today's behaviour);
+- `--replicas auto`: the fewest nodes on which the model fits (tried on the largest nodes first), then as
+  many disjoint such groups as the nodes hold;
+- `--replicas N`: N such groups (an error when the nodes hold fewer).
+Several models take their groups in turns (one each, then again), so none takes the whole fleet first.
+Nodes left over are spares: a formation that loses a node may re-plan with one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MAX_RPC_DEVICES = 15  # GGML_SCHED_MAX_BACKENDS (16) less the CPU
+
+
+class FormationError(Exception):
+    """The formations asked for cannot be made (the message says which model and why)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node (one rpc-server) as the choice sees it: its endpoint, devices and usable bytes."""
+
+    endpoint: str
+    devices: int = 1
+    usable: int = 0
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one model asks for: `replicas` None is auto; `split` one formation over all its nodes;
+    `endpoints` the nodes it may use (None: every node)."""
+
+    model: str
+    replicas: int | None = None
+    split: bool = False
+    endpoints: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One formation: its model and its endpoints (in the fleet's order)."""
+
+    model: str
+    endpoints: tuple[str, ...]
+    index: int  # its number among the model's formations
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}#{self.index}"
+
+
+Fits = Callable[[str, tuple[str, ...]], bool]
+
+
+def choose(wants: Sequence[Want], nodes: Sequence[Node], fits: Fits) -> list[Choice]:
+    """The formations of every model (see the module's doc); raises FormationError."""
+    if not nodes:
+        raise FormationError("no node answers")
+    order = {n.endpoint: i for i, n in enumerate(nodes)}
+    used: set[str] = set()
+    made: dict[str, list[tuple[str, ...]]] = {w.model: [] for w in wants}
+
+    def allowed(want: Want) -> list[Node]:
+        pool = [n for n in nodes if want.endpoints is None or n.endpoint in want.endpoints]
+        return [n for n in pool if n.endpoint not in used]
+
+    def in_order(group: Sequence[Node]) -> tuple[str, ...]:
+        return tuple(sorted((n.endpoint for n in group), key=order.__getitem__))
+
+    for want in wants:  # a split takes every node it may use, first
+        if not want.split:
+            continue
+        group = allowed(want)
+        if not group:
+            raise FormationError(f"{want.model}: no node left to serve it")
+        devices = sum(n.devices for n in group)
+        if devices > MAX_RPC_DEVICES:
+            raise FormationError(
+                f"{want.model}: --split over {len(group)} nodes has {devices} RPC devices; one engine "
+                f"takes at most {MAX_RPC_DEVICES} (use --replicas)"
+            )
+        endpoints = in_order(group)
+        if not fits(want.model, endpoints):
+            raise FormationError(f"{want.model}: the model does not fit on its {len(group)} node(s)")
+        made[want.model].append(endpoints)
+        used.update(endpoints)
+
+    sizes: dict[str, int] = {}
+    for want in wants:
+        if want.split:
+            continue
+        size = smallest_group(want, allowed(want), fits, in_order)
+        if size is None:
+            raise FormationError(
+                f"{want.model}: the model does not fit on the {len(allowed(want))} node(s) it may use"
+            )
+        sizes[want.model] = size
+
+    active = [w for w in wants if not w.split]
+    while active:
+        for want in list(active):
+            chosen = next_group(want, allowed(want), sizes[want.model], fits, in_order)
+            if chosen is None:
+                active.remove(want)
+                continue
+            made[want.model].append(chosen)
+            used.update(chosen)
+            if want.replicas is not None and len(made[want.model]) >= want.replicas:
+                active.remove(want)
+
+    choices: list[Choice] = []
+    for want in wants:
+        groups = made[want.model]
+        if want.replicas is not None and len(groups) < want.replicas:
+            raise FormationError(
+                f"{want.model}: --replicas {want.replicas} asked, the nodes hold {len(groups)} "
+                f"formation(s) of {sizes.get(want.model, 0)} node(s)"
+            )
+        choices += [Choice(want.model, group, i) for i, group in enumerate(groups)]
+    return choices
+
+
+def largest_first(nodes: Sequence[Node]) -> list[Node]:
+    return sorted(nodes, key=lambda n: -n.usable)  # stable: equal nodes keep the fleet's order
+
+
+def smallest_group(
+    want: Want,
+    nodes: Sequence[Node],
+    fits: Fits,
+    in_order: Callable[[Sequence[Node]], tuple[str, ...]],
+) -> int | None:
+    """The fewest nodes on which the model fits, tried on the largest ones (None: not on all of them)."""
+    ranked = largest_first(nodes)
+    devices = 0
+    for size, node in enumerate(ranked, start=1):
+        devices += node.devices
+        if devices > MAX_RPC_DEVICES:
+            return None
+        if fits(want.model, in_order(ranked[:size])):
+            return size
+    return None
+
+
+def next_group(
+    want: Want,
+    free: Sequence[Node],
+    size: int,
+    fits: Fits,
+    in_order: Callable[[Sequence[Node]], tuple[str, ...]],
+) -> tuple[str, ...] | None:
+    """The next formation of `size` nodes from the free ones: the first ones in the fleet's order when the
+    model fits there (so that equal nodes whose free memory moves a little are chosen the same way each
+    time), else the largest, grown by the next largest while it does not fit (smaller nodes); None when
+    the free nodes hold no more."""
+    ranked = largest_first(free)
+    if len(ranked) < size:
+        return None
+    first = free[:size]
+    if sum(n.devices for n in first) <= MAX_RPC_DEVICES and fits(want.model, in_order(first)):
+        return in_order(first)
+    for end in range(size, len(ranked) + 1):
+        group = ranked[:end]
+        if sum(n.devices for n in group) > MAX_RPC_DEVICES:
+            return None
+        if fits(want.model, in_order(group)):
+            return in_order(group)
+    return None

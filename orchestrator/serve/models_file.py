@@ -1,0 +1,134 @@
+"""serve's models file: the models one `serve` serves, each on its own servers (pure: text in, entries
+out; errors name the file and line).
+
+    models:
+      - model: /models/gemma-3-270m.gguf   # required: the GGUF (first shard)
+        name: gemma                        # its id in the API (default: the file's stem)
+        context: 8k                        # --ctx (default: serve's)
+        parallel: 2                        # --parallel, llama-server's slots (default: serve's)
+        replicas: auto                     # auto, a number, or split (default: serve's --replicas/--split)
+        hosts: "n1,n2"                     # a host pattern, as --limit (default: every selected server)
+        groups: [gpu]                      # or inventory groups
+
+A list of such entries at the top level is read the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from orchestrator.core import fields
+from orchestrator.core.errors import UsageError
+from orchestrator.core.yamlsource import Source, compose, did_you_mean, node_kind, node_value
+
+KEYS = ("model", "name", "context", "parallel", "replicas", "hosts", "groups")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model to serve; None: serve's flag applies. `replicas`: "auto", "split" or a number."""
+
+    model: Path
+    name: str | None = None
+    context: int | None = None
+    parallel: int | None = None
+    replicas: str | int | None = None
+    hosts: str | None = None  # a host pattern (groups are joined into one)
+    line: int | None = None  # where it is declared
+
+
+def replicas_value(value: object) -> str | int:
+    """auto, split or a number of formations (>= 1)."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "split"):
+        return value.strip().lower()
+    try:
+        return fields.integer(minimum=1, maximum=1024)(value)
+    except ValueError:
+        raise ValueError(f"expected auto, split or a number of formations, got {value!r}") from None
+
+
+def parse_models_file(path: Path, text: str) -> list[ModelEntry]:
+    """The entries of a models file; UsageError naming the file and line (exit 2)."""
+    source = Source.of_text(path, text)
+    try:
+        root = compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise UsageError(f"not valid YAML: {getattr(exc, 'problem', exc)}", source.mark(mark)) from None
+    if root is None:
+        raise UsageError("the models file is empty", source.at(1))
+    items = root
+    if isinstance(root, yaml.MappingNode):
+        keys = {node_value(k): v for k, v in root.value}
+        if set(keys) != {"models"}:
+            raise UsageError("expected a list of models, or `models:` with one", source.node(root))
+        items = keys["models"]
+    if not isinstance(items, yaml.SequenceNode) or not items.value:
+        raise UsageError(f"expected a list of models, got {node_kind(items)}", source.node(items))
+    entries: list[ModelEntry] = []
+    names: dict[str, int] = {}
+    for item in items.value:
+        entry = _entry(item, source, path)
+        name = entry.name or entry.model.stem
+        if name in names:
+            raise UsageError(
+                f"the name {name!r} is already the model's of line {names[name]}", source.node(item)
+            )
+        names[name] = entry.line or 0
+        entries.append(entry)
+    return entries
+
+
+def _entry(item: yaml.Node, source: Source, path: Path) -> ModelEntry:
+    if not isinstance(item, yaml.MappingNode):
+        raise UsageError(f"a model is a mapping (model: FILE, ...), got {node_kind(item)}", source.node(item))
+    values: dict[str, object] = {}
+    for key_node, value_node in item.value:
+        key = node_value(key_node)
+        if key not in KEYS:
+            raise UsageError(
+                f"unknown key {key!r}{did_you_mean(key, KEYS)} (known: {', '.join(KEYS)})",
+                source.node(key_node),
+            )
+        try:
+            values[key] = _field(key, node_value(value_node))
+        except ValueError as exc:
+            raise UsageError(f"{key}: {exc}", source.node(value_node)) from None
+    if "model" not in values:
+        raise UsageError("a model entry needs `model: FILE`", source.node(item))
+    model = Path(str(values["model"])).expanduser()
+    if not model.is_absolute():  # relative to the file, as a playbook's paths are
+        model = path.parent / model
+    hosts = [str(values["hosts"])] if "hosts" in values else []
+    groups = values.get("groups")
+    if isinstance(groups, tuple):
+        hosts += [str(g) for g in groups]
+    return ModelEntry(
+        model=model,
+        name=values.get("name"),  # type: ignore[arg-type]
+        context=values.get("context"),  # type: ignore[arg-type]
+        parallel=values.get("parallel"),  # type: ignore[arg-type]
+        replicas=values.get("replicas"),  # type: ignore[arg-type]
+        hosts=",".join(hosts) or None,
+        line=item.start_mark.line + 1,
+    )
+
+
+def _field(key: str, value: object) -> object:
+    if key in ("model", "name", "hosts"):
+        text = fields.text(value)
+        if not text.strip():
+            raise ValueError("is empty")
+        return text.strip()
+    if key == "context":
+        return fields.context(value)
+    if key == "parallel":
+        return fields.integer(minimum=1, maximum=256)(value)
+    if key == "replicas":
+        return replicas_value(value)
+    if isinstance(value, str):  # groups: one name or a list
+        return (value,)
+    return fields.list_of(fields.text)(value)

@@ -1,0 +1,325 @@
+"""serve's router: the formations behind the front, and which one takes a request.
+
+Each formation is one `Backend` (one engine on its own servers: slots, queue, recovery, rejoin, reload).
+A request goes to the least-loaded serving formation of its model (admitted = slots busy + queue),
+skipping those that are loading, recovering or draining; a stream stays on the formation that admitted it
+(the route holds that backend). When every serving formation's queue is full: 429; when none serves:
+503 with Retry-After. A model the front does not serve: 404 naming the served ones (with a single model
+served, any name goes to it, as llama-server itself does).
+
+Reloads and rolling restarts go one formation at a time: the next starts once the previous serves again,
+so a model served by two formations or more always has one answering. The decisions (`candidates`,
+`overall`) are pure; the rest reads the backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.core.log import get_logger
+from orchestrator.serve.backend import SERVING, Backend, Rejected, ServeConfig, Ticket
+from orchestrator.serve.metrics import Metrics, engine_metrics, label_value
+from orchestrator.serve.upstream import Upstream, UpstreamError
+
+STATES = ("loading", "ready", "degraded", "recovering", "draining", "failed")
+
+
+@dataclass(frozen=True)
+class Formation:
+    """One formation: its name (`MODEL#N`), the model's API id and its backend."""
+
+    name: str
+    model: str
+    backend: Backend
+
+
+def candidates(loads: Sequence[tuple[str, int]], turn: int = 0) -> list[int]:
+    """The formations to try for a request, by index: the serving ones (state, admitted), least loaded
+    first; ties in turns, from the `turn`-th on (so that a light load still reaches every formation)."""
+    serving = [i for i, (state, _) in enumerate(loads) if state in SERVING]
+    return sorted(serving, key=lambda i: (loads[i][1], (i - turn) % len(loads)))
+
+
+def overall(states: Sequence[str]) -> str:
+    """One state for several formations: ready when all are, degraded when some serve, else the one
+    closest to serving (loading, recovering, draining), failed when all failed."""
+    if states and all(s == "ready" for s in states):
+        return "ready"
+    if any(s in SERVING for s in states):
+        return "degraded"
+    for state in ("loading", "recovering", "draining"):
+        if state in states:
+            return state
+    return "failed"
+
+
+class Router:
+    """The formations of every model served, in the order given (each model's formations together)."""
+
+    def __init__(self, formations: Sequence[Formation], metrics: Metrics | None = None) -> None:
+        if not formations:
+            raise ValueError("a router needs one formation at least")
+        self.formations = list(formations)
+        self.metrics = metrics or Metrics()  # the front's: requests, tokens, time to first token
+        self.config: ServeConfig = formations[0].backend.config
+        self._reloading = threading.Lock()
+        self.routed: Counter[str] = Counter()  # requests admitted, by formation name
+        self._turn = -1  # ties between formations go in turns
+
+    @classmethod
+    def single(cls, backend: Backend, model: str) -> Router:
+        """One formation (a backend made alone): the front counts on the backend's own metrics."""
+        return cls([Formation(f"{model}#0", model, backend)], backend.metrics)
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(f.model for f in self.formations))
+
+    @property
+    def capacity(self) -> int:
+        """Requests the formations admit at most (served and waiting), all together."""
+        return sum(f.backend.config.parallel + f.backend.config.queue_size for f in self.formations)
+
+    def of_model(self, model: str | None) -> list[Formation]:
+        """The formations serving `model` (Rejected 404 when it is not served)."""
+        models = self.models
+        if len(models) == 1:
+            return self.formations
+        chosen = [f for f in self.formations if f.model == model]
+        if not chosen:
+            named = "the request names no model" if model is None else f"the model {model!r} is not served"
+            raise Rejected(404, f"{named} (served: {', '.join(models)})")
+        return chosen
+
+    def admit(self, model: str | None) -> tuple[Backend, Ticket]:
+        """Admit a request of `model` on the least-loaded serving formation: its backend and ticket.
+        Rejected: 404 (model), 429 (every queue full), 503 (none serving)."""
+        formations = self.of_model(model)
+        self._turn += 1
+        order = candidates([(f.backend.state, f.backend.admitted) for f in formations], self._turn)
+        full: Rejected | None = None
+        for index in order:
+            backend = formations[index].backend
+            try:
+                ticket = backend.admit()
+                self.routed[formations[index].name] += 1
+                return backend, ticket
+            except Rejected as exc:  # it stopped serving or filled up meanwhile: the next one
+                if exc.status == 429:
+                    full = exc
+        if full is not None:
+            raise full
+        raise Rejected(503, self._unavailable(formations), self.config.retry_after)
+
+    def _unavailable(self, formations: Sequence[Formation]) -> str:
+        if len(formations) == 1:
+            return formations[0].backend.unavailable()
+        states = ", ".join(f"{f.name} {f.backend.state}" for f in formations)
+        return f"no formation of {formations[0].model} is serving ({states})"
+
+    # -- state
+    @property
+    def state(self) -> str:
+        return overall([f.backend.state for f in self.formations])
+
+    def summary(self, formation: Formation) -> dict[str, Any]:
+        """A formation as /health shows it: model, nodes, state, slots busy, recoveries..."""
+        backend = formation.backend
+        health = backend.health()
+        plan = health["plan"]
+        return {
+            "name": formation.name,
+            "model": formation.model,
+            "state": health["status"],
+            "reason": health["reason"],
+            "nodes": plan["endpoints"] if plan else [],
+            "slots": backend.config.parallel,
+            "slots_busy": health["queue"]["served"],
+            "admitted": health["queue"]["admitted"],
+            "requests": self.routed[formation.name],
+            "engine_pid": health["engine"]["pid"] if health["engine"] else None,
+            "lost": health["lost"],
+            "recoveries": len(backend.metrics.recoveries),
+            "reloads": backend.metrics.reloads,
+            "rejoins": len(backend.metrics.rejoins),
+            "last_recovery": health["last_recovery"],
+        }
+
+    def health(self) -> dict[str, Any]:
+        """One formation: its backend's health (as before formations) and the formations' list; several:
+        the overall state, the models and each formation."""
+        formations = [self.summary(f) for f in self.formations]
+        if len(self.formations) == 1:
+            return {**self.formations[0].backend.health(), "formations": formations}
+        state = overall([f["state"] for f in formations])
+        reasons = [f"{f['name']}: {f['reason']}" for f in formations if f["reason"]]
+        return {
+            "status": state,
+            "reason": "; ".join(reasons) or None,
+            "pid": os.getpid(),
+            "models": self.models,
+            "formations": formations,
+        }
+
+    def endpoint_up(self) -> dict[str, bool]:
+        up: dict[str, bool] = {}
+        for formation in self.formations:
+            up.update(formation.backend.endpoint_up())
+        return up
+
+    def combined_metrics(self) -> Metrics:
+        """The front's counters with every formation's reloads, recoveries and rejoins."""
+        if len(self.formations) == 1 and self.formations[0].backend.metrics is self.metrics:
+            return self.metrics
+        backends = [f.backend for f in self.formations]
+        return dataclasses.replace(
+            self.metrics,
+            reloads=sum(b.metrics.reloads for b in backends),
+            recoveries=sorted(
+                (r for b in backends for r in b.metrics.recoveries), key=lambda r: r.detected_at
+            ),
+            rejoins=sorted((r for b in backends for r in b.metrics.rejoins), key=lambda r: r.at),
+        )
+
+    def counters(self, backend: Backend) -> Counters:
+        """Where a request served by `backend` is counted: the front's counters and its formation's."""
+        return Counters(self.metrics, backend.metrics)
+
+    async def prometheus(self, *, formations: bool = True) -> str:
+        """serve's Prometheus text: the front's counters, the slots (one formation: with its engine's own
+        families), then one series per formation (`formations`; the fleet exporter, when on, shows them
+        under the same names, so it alone does then)."""
+        text = self.combined_metrics().render(self.endpoint_up(), self.state)
+        served = parallel = admitted = 0
+        engine_text = ""
+        for formation in self.formations:
+            states = formation.backend.engine_states()
+            served += states["served"]
+            parallel += states["parallel"]
+            admitted += states["admitted"]
+        if len(self.formations) == 1:
+            engine = self.formations[0].backend.engine
+            if engine is not None:
+                try:
+                    engine_text = (await get(engine.url, "/metrics", 2.0, engine.api_key))[1].decode(
+                        "utf-8", "replace"
+                    )
+                except UpstreamError:
+                    engine_text = ""
+        text += engine_metrics(engine_text, served, parallel, admitted)
+        return text + self.formation_metrics() if formations else text
+
+    def formation_metrics(self) -> str:
+        families: dict[str, tuple[str, str, list[str]]] = {
+            "state": ("gauge", "1 for the state the formation is in.", []),
+            "nodes": ("gauge", "Nodes (rpc-servers) the formation's loaded plan uses.", []),
+            "node": ("gauge", "1 for each endpoint of the formation's loaded plan.", []),
+            "slots": ("gauge", "Slots of the formation's engine (--parallel).", []),
+            "slots_busy": ("gauge", "Requests holding a slot of the formation's engine.", []),
+            "requests_admitted": ("gauge", "Requests admitted by the formation: served and waiting.", []),
+            "routed_total": ("counter", "Requests the router gave the formation.", []),
+            "recoveries_total": ("counter", "Recoveries of the formation after a lost node.", []),
+            "reloads_total": ("counter", "Reloads of the formation.", []),
+            "rejoins_total": ("counter", "Returns of the formation to more nodes.", []),
+        }
+        for formation in self.formations:
+            summary = self.summary(formation)
+            labels = f'formation="{label_value(formation.name)}",model="{label_value(formation.model)}"'
+            for state in STATES:
+                families["state"][2].append(f'{{{labels},state="{state}"}} {int(summary["state"] == state)}')
+            families["nodes"][2].append(f"{{{labels}}} {len(summary['nodes'])}")
+            for endpoint in summary["nodes"]:
+                families["node"][2].append(f'{{{labels},endpoint="{label_value(endpoint)}"}} 1')
+            families["slots"][2].append(f"{{{labels}}} {summary['slots']}")
+            families["slots_busy"][2].append(f"{{{labels}}} {summary['slots_busy']}")
+            families["requests_admitted"][2].append(f"{{{labels}}} {summary['admitted']}")
+            families["routed_total"][2].append(f"{{{labels}}} {summary['requests']}")
+            families["recoveries_total"][2].append(f"{{{labels}}} {summary['recoveries']}")
+            families["reloads_total"][2].append(f"{{{labels}}} {summary['reloads']}")
+            families["rejoins_total"][2].append(f"{{{labels}}} {summary['rejoins']}")
+        lines: list[str] = []
+        for name, (kind, help_text, samples) in families.items():
+            lines += [f"# HELP rpcfleet_formation_{name} {help_text}"]
+            lines += [f"# TYPE rpcfleet_formation_{name} {kind}"]
+            lines += [f"rpcfleet_formation_{name}{sample}" for sample in samples]
+        return "\n".join(lines) + "\n"
+
+    async def slots(self) -> tuple[int, bytes]:
+        """llama-server's /slots: one formation's as it is; several: by formation name."""
+        if len(self.formations) == 1:
+            engine = self.formations[0].backend.engine
+            if engine is None:
+                raise Rejected(503, str(self.health()["status"]), self.config.retry_after)
+            return await get(engine.url, "/slots", 5.0, engine.api_key)
+        out: dict[str, Any] = {}
+        for formation in self.formations:
+            engine = formation.backend.engine
+            if engine is None:
+                out[formation.name] = None
+                continue
+            try:
+                out[formation.name] = json.loads((await get(engine.url, "/slots", 5.0, engine.api_key))[1])
+            except (UpstreamError, ValueError):
+                out[formation.name] = None
+        return 200, json.dumps({"formations": out}).encode()
+
+    # -- life
+    def start(self, plans: Sequence[Any] | None = None) -> None:
+        for i, formation in enumerate(self.formations):
+            formation.backend.start(plans[i] if plans is not None else None)
+
+    def stop(self) -> None:
+        for formation in self.formations:
+            formation.backend.stop()
+
+    def reload(
+        self, *, rolling_restart: bool = False, wait: bool = False, on_done: Callable[[], None] | None = None
+    ) -> threading.Thread:
+        """Reload every formation, one at a time (the next once the previous serves again, or gave up)."""
+
+        def run() -> None:
+            with self._reloading:  # a second reload waits for the first
+                for formation in self.formations:
+                    get_logger().info("serve_reload_formation", formation=formation.name)
+                    formation.backend.reload(rolling_restart=rolling_restart, wait=True)
+            if on_done is not None:
+                on_done()
+
+        thread = threading.Thread(target=run, name="serve-reload-all", daemon=True)
+        thread.start()
+        if wait:
+            thread.join()
+        return thread
+
+
+class Counters:
+    """The front's counters and a formation's (one object when a single formation shares the front's)."""
+
+    def __init__(self, front: Metrics, formation: Metrics) -> None:
+        self.targets = (front,) if formation is front else (front, formation)
+
+    def record_request(self, route: str, code: int) -> None:
+        for target in self.targets:
+            target.record_request(route, code)
+
+    def record_done(self, prompt: int, completion: int, tokens_per_second: float, ttft: float | None) -> None:
+        for target in self.targets:
+            target.record_done(prompt, completion, tokens_per_second, ttft)
+
+
+async def get(url: str, path: str, seconds: float, key: str | None) -> tuple[int, bytes]:
+    """GET `path` of the engine at `url` with its `key` (status, body)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    async with Upstream(host, port, timeout=seconds, key=key) as upstream:
+        answer = await upstream.request("GET", path)
+        return answer.status, await answer.read()
