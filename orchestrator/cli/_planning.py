@@ -19,6 +19,14 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
 
 # orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+FLASH_ATTN = ("on", "off", "auto")  # llama.cpp's -fa values
+
+
+def flash_attn_planned(value: str) -> bool:
+    """Whether the plan assumes flash attention for `-fa VALUE`. llama.cpp's `auto` turns it on unless a
+    layer's device lacks the kernel (llama_context::resolve_fused_ops); the CPU, CUDA, Metal and Vulkan
+    backends, and RPC servers of them, have it, so auto plans (and runs) it on."""
+    return value != "off"
 
 
 def add_kv_type_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +55,17 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
         help="headroom kept free per device (default: 256MiB)",
     )
     add_kv_type_args(parser)
-    parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
+    parser.add_argument(
+        "--flash-attn",
+        "-fa",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=FLASH_ATTN,
+        metavar="on|off|auto",
+        help="flash attention, llama.cpp's -fa (default: auto, llama-server's: on where the devices run "
+        "it; the plan assumes on and passes -fa on, so that what is planned is what runs)",
+    )
     parser.add_argument(
         "--swa-full",
         action="store_true",
@@ -109,7 +127,7 @@ def plan_options(args: argparse.Namespace, *, n_ctx: int | None = None) -> PlanO
         type_k=args.type_k,
         type_v=args.type_v,
         n_ubatch=args.ubatch,
-        flash_attn=args.flash_attn,
+        flash_attn=flash_attn_planned(args.flash_attn),
         swa_full=args.swa_full,
         parallel=args.parallel,
         kv_unified=args.kv_unified,
