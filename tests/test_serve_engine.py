@@ -352,7 +352,12 @@ def test_llama_server_gets_the_plans_devices_split_context_slots_and_template(ti
 
 @pytest.mark.parametrize(
     ("flags", "planned", "passed"),
-    [([], True, "on"), (["-fa", "auto"], True, "on"), (["--flash-attn"], True, "on"), (["-fa", "off"], False, "off")],
+    [
+        ([], True, "on"),
+        (["-fa", "auto"], True, "on"),
+        (["--flash-attn"], True, "on"),
+        (["-fa", "off"], False, "off"),
+    ],
     ids=["default", "auto", "bare", "off"],
 )
 def test_serve_follows_llama_servers_flash_attention_default_and_runs_what_it_plans(
