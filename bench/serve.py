@@ -8,7 +8,8 @@ the same nodes with the same split, at 1, 2, 4 and 8 clients; and serve's recove
 Three real `ggml-rpc-server`s on loopback (an inventory of `connection: local` hosts), the real Gemma 3
 270M (from the cache). Each round runs serve (`--parallel P`), measures every concurrency, stops it, then
 runs llama-server by hand (`--rpc` the same servers, `-ts` serve's split, `-ngl 99`, `-c` serve's
-context, `-np P`) and measures the same: alternately, `--rounds` of each. At C clients, each client sends
+context, `-np P`) and measures the same: alternately, `--rounds` of each, the order swapped every other
+round. At C clients, each client sends
 `--requests` completions of `--tokens` tokens (greedy, ignore_eos) one after the other: aggregate tokens/s
 = all completion tokens / the wall time of the whole concurrency; latency = each request's time, p50 and
 p95. The official `openai` client sends them.
@@ -218,15 +219,25 @@ def main() -> None:
             }
             inventory.write_text(json.dumps({"hosts": hosts}))
             pids = _server_pids(ports)
-            for i in range(args.rounds):
+            health: dict[str, Any] = {}
+
+            def run_serve(i: int) -> None:
+                nonlocal health
                 print(f"round {i + 1}: rpcfleet serve", file=sys.stderr, flush=True)
                 with _serve(inventory, model, folder, args.parallel) as (base, health):
                     for c in concurrencies:
                         serve_runs[c].append(measure(base, c, args.requests, args.tokens))
+
+            def run_by_hand(i: int) -> None:
                 print(f"round {i + 1}: llama-server by hand", file=sys.stderr, flush=True)
                 with _by_hand(health, model, folder, args.parallel) as base:
                     for c in concurrencies:
                         hand_runs[c].append(measure(base, c, args.requests, args.tokens))
+
+            for i in range(args.rounds):  # serve first in odd rounds, by hand first in even ones: a drift
+                first, second = (run_serve, run_by_hand) if i % 2 == 0 else (run_by_hand, run_serve)
+                first(i)  # of the machine's load favours neither
+                second(i)
             print("recovery", file=sys.stderr, flush=True)
             with _serve(inventory, model, folder, args.parallel) as (base, _):
                 rec = recovery(base, pids, args.tokens)
@@ -237,23 +248,29 @@ def main() -> None:
     rows = []
     for c in concurrencies:
         s, h = serve_runs[c], hand_runs[c]
+        each = ", ".join(f"{a['tps'] / b['tps']:.2f}" for a, b in zip(s, h, strict=True))
         rows.append(
             f"| {c} | {med(s, 'tps'):.1f} ({med(s, 'p50'):.1f} s / {med(s, 'p95'):.1f} s) "
             f"| {med(h, 'tps'):.1f} ({med(h, 'p50'):.1f} s / {med(h, 'p95'):.1f} s) "
-            f"| {med(s, 'tps') / med(h, 'tps'):.2f} |"
+            f"| {med(s, 'tps') / med(h, 'tps'):.2f} "
+            f"| {each} |"
         )
     body = [
         f"## {SECTION}",
         "",
-        f"{stamp()}; load average {load_before:.2f} at the start. `bench/serve.py --clients {args.clients} "
+        f"{stamp()}; load average {load_before:.2f} at the start, {load_average():.2f} at the end. "
+        f"`bench/serve.py --clients {args.clients} "
         f"--requests {args.requests} --tokens {args.tokens} --parallel {args.parallel} "
         f"--rounds {args.rounds}`: 3 loopback servers, Gemma 3 270M Q4_K_M, n_ctx 4096, greedy "
         f"completions of {args.tokens} tokens; each client sends {args.requests} one after the other; "
-        "rounds alternate (serve, then llama-server by hand on the same servers with serve's split).",
+        "rounds alternate (serve and llama-server by hand on the same servers with serve's split, "
+        "serve first in odd rounds, by hand first in even ones). "
+        "serve's engine gets the plan's flags (`-fa on`, llama-server's `auto` on these devices, `-b`, "
+        "`-ub`, `--fit off`...), the one by hand llama-server's defaults.",
         "",
         f"| clients | rpcfleet serve --parallel {args.parallel}: tok/s (p50 / p95 latency) "
-        f"| llama-server -np {args.parallel} by hand | serve / by hand |",
-        "|---|---|---|---|",
+        f"| llama-server -np {args.parallel} by hand | serve / by hand (medians) | each round's |",
+        "|---|---|---|---|---|",
         *rows,
         "",
         "Recovery after SIGKILL of one server during 4 streams (detection: the kill to the last client's "

@@ -244,7 +244,7 @@ def test_plan_cli_at_the_issues_limit_says_what_the_planner_says(
     expected = make_plan(
         plan_devices([s.endpoint for s in servers], [1280 * MiB] * 3),
         profile_model(gemma_model),
-        PlanOptions(n_ctx=46592, margin=0),
+        PlanOptions(n_ctx=46592, margin=0, flash_attn=True),  # the CLI's default, -fa auto
     )
     assert status == (0 if expected.fit.fits else 1)
     assert [d.memory for d in plan.devices] == [d.memory for d in expected.devices]

@@ -97,7 +97,8 @@ def test_plan_that_does_not_fit_names_the_short_device(
     two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     inventory = _inventory(tmp_path, two_servers, ["300MiB", "290MiB"])
-    base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096"]
+    # -fa off: its larger compute buffer is what these 290 MiB lack (flash attention, the default, fits)
+    base = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096", "-fa", "off"]
     assert main([*base, "--json"]) == 1
     plan = Plan.from_text(capsys.readouterr().out)
     assert not plan.fit.fits and plan.fit.shortfall > 0 and plan.fit.binding_device is not None
@@ -121,6 +122,8 @@ def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
         for bad in ("0", "257", "two"):
             assert main([command, "-i", str(inventory), "-m", str(inventory), "--parallel", bad]) == 2
             assert "--parallel" in capsys.readouterr().err
+        assert main([command, "-i", str(inventory), "-m", str(inventory), "-fa", "yes"]) == 2
+        assert "--flash-attn/-fa: unknown choice 'yes' (choose from on, off, auto)" in capsys.readouterr().err
 
 
 @pytest.mark.llama
@@ -140,7 +143,8 @@ def test_run_refuses_a_plan_that_does_not_fit_unless_forced(
 ) -> None:
     inventory = _inventory(tmp_path, two_servers, ["300MiB", "290MiB"])
     saved = tmp_path / "short.json"
-    assert main(["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096", "-o", str(saved)]) == 1
+    plan_argv = ["plan", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "4096", "-fa", "off"]
+    assert main([*plan_argv, "-o", str(saved)]) == 1  # -fa off: see the test above
     capsys.readouterr()
     plan = Plan.from_path(saved)
     short = plan.devices[plan.fit.binding_device or 0]

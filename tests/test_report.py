@@ -631,7 +631,7 @@ def test_cli_end_to_end(
         for i, s in enumerate(servers)
     ]
     smallest = large["recommendation"]["smallest"]
-    opts = PlanOptions(n_ctx=32768, margin=0)
+    opts = PlanOptions(n_ctx=32768, margin=0, flash_attn=True)  # the CLI's default (-fa auto)
     assert make_plan(grown(devices, smallest["device"], smallest["add"]), profile, opts).fit.fits
     assert not make_plan(grown(devices, smallest["device"], smallest["add"] - MiB), profile, opts).fit.fits
 

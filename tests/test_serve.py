@@ -349,7 +349,9 @@ def test_a_random_models_long_stream_is_its_whole_answer_in_bounded_time(
     node = debug_rpc_servers[0]
     # The expected texts: llama-cpp-python's, of the same tokens on the same server, for the same two
     # requests in the same order (the second reuses the first's prompt cache: other batches, other floats).
-    plan = make_plan(plan_devices([node]), profile_model(tiny_model), PlanOptions(n_ctx=4096))
+    # flash attention on: serve's default (-fa auto), the same arithmetic
+    opts = PlanOptions(n_ctx=4096, flash_attn=True)
+    plan = make_plan(plan_devices([node]), profile_model(tiny_model), opts)
     llm = load_llama(plan, tiny_model, seed=0)
     try:
         expected = [completion_bytes(llm, "hello world", LONG, 0.0, 0) for _ in range(2)]

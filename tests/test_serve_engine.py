@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.cli import _planning, parse_args
 from orchestrator.core.errors import UsageError
 from orchestrator.inventory.model import Host
 from orchestrator.llama.load_progress import LoadProgress
@@ -351,6 +352,32 @@ def test_llama_server_gets_the_plans_devices_split_context_slots_and_template(ti
     assert "--parallel 6" in joined and "--kv-unified" not in joined
     assert "--host 127.0.0.1 --port 8181" in joined and "--alias tiny" in joined and "--metrics" in joined
     assert args[-1] == "--jinja"
+
+
+@pytest.mark.parametrize(
+    ("flags", "planned", "passed"),
+    [
+        ([], True, "on"),
+        (["-fa", "auto"], True, "on"),
+        (["--flash-attn"], True, "on"),
+        (["-fa", "off"], False, "off"),
+    ],
+    ids=["default", "auto", "bare", "off"],
+)
+def test_serve_follows_llama_servers_flash_attention_default_and_runs_what_it_plans(
+    tiny_model: Path, flags: list[str], planned: bool, passed: str
+) -> None:
+    """serve, plan, run and report take llama.cpp's `-fa on|off|auto`, default auto as llama-server: the
+    plan assumes flash attention on and llama-server is given `-fa on`. serve gave `-fa off` (the old
+    default): measured by bench/serve.py at 0.31x llama-server by hand at 8 clients."""
+    for command in (["serve"], ["plan"], ["run", "-p", "hi"], ["report"]):
+        args = parse_args([*command, "-m", str(tiny_model), *flags])
+        assert args.flash_attn == ("on" if flags == ["--flash-attn"] else flags[-1] if flags else "auto")
+        assert _planning.planning_args(args, n_ctx=4096).options.flash_attn is planned
+    opts = _planning.planning_args(parse_args(["serve", "-m", str(tiny_model), *flags])).options
+    plan = make_plan(plan_devices(list(ENDPOINTS)), profile_model(tiny_model), opts)
+    args = engine_args(plan, {}, EngineOptions(Path("/x/llama-server"), str(tiny_model), "tiny"), 8181)
+    assert args[args.index("-fa") + 1] == passed and args.count("-fa") == 1
 
 
 def test_the_chat_template_is_the_gguf_s_an_override_or_the_architecture_s_with_a_warning(

@@ -63,12 +63,14 @@ def test_the_cli_and_a_playbook_build_the_same_plan_options() -> None:
         values[name] = arg.parse(raw)
     assert plan_options(values) == cli
     assert cli.n_ubatch == 256 and cli.parallel == 3 and cli.swa_full and cli.n_cpu_moe == 2
-    # and with nothing given, both are the planner's defaults
+    # and with nothing given, both are the planner's defaults, flash attention as llama-server's -fa auto
     assert (
         plan_options({a.name: a.default for a in op.args})
         == planning_args(parse_args(["plan", "-m", "m.gguf"])).options
-        == PlanOptions()
+        == PlanOptions(flash_attn=True)
     )
+    assert plan_options({"flash_attn": False}).flash_attn is False  # a playbook's YAML boolean
+    assert plan_options({"flash_attn": "off"}).flash_attn is False
 
 
 def _short_plan(tiny_model: Path) -> Plan:

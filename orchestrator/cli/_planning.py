@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
 
 # orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+FLASH_ATTN = ("on", "off", "auto")  # llama.cpp's -fa values
 
 
 def add_kv_type_args(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +50,17 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
         help="headroom kept free per device (default: 256MiB)",
     )
     add_kv_type_args(parser)
-    parser.add_argument("--flash-attn", action="store_true", help="plan with flash attention")
+    parser.add_argument(
+        "--flash-attn",
+        "-fa",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=FLASH_ATTN,
+        metavar="on|off|auto",
+        help="flash attention, llama.cpp's -fa (default: auto, llama-server's: on where the devices run "
+        "it; the plan assumes on and passes -fa on, so that what is planned is what runs)",
+    )
     parser.add_argument(
         "--swa-full",
         action="store_true",

@@ -371,11 +371,23 @@ _TIMEOUT_PROBE = Arg("timeout", fields.seconds, 3.0, help="probe timeout per hos
 _KV_TYPE = fields.choice(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"))
 
 
+_FLASH_ATTN_WORDS = fields.choice(
+    ("on", "off", "auto"), {"true": "on", "yes": "on", "false": "off", "no": "off"}
+)
+
+
+def _flash_attn(value: Any) -> str:
+    """llama.cpp's -fa on|off|auto, or a YAML boolean (true = on)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return _FLASH_ATTN_WORDS(value)
+
+
 _PLAN_ARGS = (
     Arg("type_k", _KV_TYPE, "f16"),
     Arg("type_v", _KV_TYPE, "f16"),
     Arg("ubatch", fields.integer(minimum=1), 512, help="n_ubatch"),
-    Arg("flash_attn", fields.boolean, False),
+    Arg("flash_attn", _flash_attn, "auto", help="flash attention, -fa on|off|auto (auto plans it on)"),
     Arg("swa_full", fields.boolean, False, help="full-context cache for sliding-window layers"),
     Arg("parallel", fields.integer(minimum=1, maximum=256), 1, help="parallel sequences (n_seq_max)"),
     Arg("kv_unified", fields.boolean, False, help="one KV cache shared by all sequences"),

@@ -122,8 +122,10 @@ def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, por
     """llama-server's arguments for `plan` (its devices, split, layers, context, KV types: the arguments
     `plan --format llama-cli` prints, with the endpoints it dials), its slots and chat template, on
     127.0.0.1:`port`. The N slots split the plan's context (its KV cache, as planned): `c/N` each. Not
-    `--kv-unified`: with `-fa off` (the plan's default) a unified cache made every decode attend over the
-    whole cache: on 3 CPU nodes a second burst of 4 requests took 135 s instead of 8."""
+    `--kv-unified`: with `-fa off` a unified cache made every decode attend over the whole cache: on 3
+    CPU nodes a second burst of 4 requests took 135 s instead of 8. Flash attention is the plan's (`-fa
+    on` by default, llama-server's `auto` on these devices): with `-fa off` serve reached 0.31x of
+    llama-server by hand at 8 clients (bench/serve.py)."""
     args = llama_cli_args(plan.with_endpoints(dict(dial)), options.model_path)
     args += ["-b", str(plan.options.n_batch)]  # the plan's own --parallel (its sequences) is in there
     args += ["--host", "127.0.0.1", "--port", str(port)]

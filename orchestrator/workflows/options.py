@@ -29,7 +29,7 @@ PLAN_OPTION_DEFAULTS: Mapping[str, Any] = {
     "type_k": "f16",
     "type_v": "f16",
     "ubatch": 512,
-    "flash_attn": False,
+    "flash_attn": "auto",  # llama-server's -fa default
     "swa_full": False,
     "parallel": 1,
     "kv_unified": False,
@@ -37,6 +37,15 @@ PLAN_OPTION_DEFAULTS: Mapping[str, Any] = {
     "margin": None,
     "strategy": "proportional",
 }
+
+
+def flash_attn_planned(value: bool | str) -> bool:
+    """Whether the plan assumes flash attention for `-fa VALUE` (a playbook's boolean too). llama.cpp's
+    `auto` turns it on unless a layer's device lacks the kernel (llama_context::resolve_fused_ops); the CPU,
+    CUDA, Metal and Vulkan backends, and RPC servers of them, have it, so auto plans (and runs) it on."""
+    if isinstance(value, str):
+        return value != "off"
+    return bool(value)
 
 
 def plan_options(values: Mapping[str, Any], *, n_ctx: int | None = None) -> PlanOptions:
@@ -53,7 +62,7 @@ def plan_options(values: Mapping[str, Any], *, n_ctx: int | None = None) -> Plan
         type_k=get("type_k"),
         type_v=get("type_v"),
         n_ubatch=get("ubatch"),
-        flash_attn=bool(get("flash_attn")),
+        flash_attn=flash_attn_planned(get("flash_attn")),
         swa_full=bool(get("swa_full")),
         parallel=get("parallel"),
         kv_unified=bool(get("kv_unified")),
