@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,7 @@ class Chaos:
         self.requests: list[Request] = []
         self.faults: list[Fault] = []
         self.violations: list[str] = []
+        self.streaming = 0  # requests whose stream has begun and not ended (a node fault lands on them)
         self.health_log: list[tuple[float, str, int]] = []  # (monotonic, status, endpoints planned)
         self.engine_pids: set[int] = set()  # every llama-server pid /health named
         self._stop = threading.Event()
@@ -319,6 +320,34 @@ class Chaos:
         finally:
             client.close()
 
+    @contextlib.contextmanager
+    def _counted_while_streaming(self) -> Iterator[Callable[[], None]]:
+        """Counts the request in `streaming` from the call of what it yields until the stream ends."""
+        counted = False
+
+        def began() -> None:
+            nonlocal counted
+            with self._lock:
+                self.streaming += 1
+            counted = True
+
+        try:
+            yield began
+        finally:
+            if counted:
+                with self._lock:
+                    self.streaming -= 1
+
+    def wait_streaming(self, limit: float) -> bool:
+        """Wait (at most `limit` s) until a request is streaming, so that a node fault ends one in flight."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with self._lock:
+                if self.streaming:
+                    return True
+            time.sleep(0.05)
+        return False
+
     def _one(self, client: openai.OpenAI, request: Request, prompt: str) -> float:
         """Send one streamed completion and record how it ended; returns the pause before the next."""
         finish = None
@@ -326,10 +355,11 @@ class Chaos:
             stream = client.completions.create(
                 model=MODEL_NAME, prompt=prompt, max_tokens=self.max_tokens, temperature=0.8, stream=True
             )
-            with stream:
+            with stream, self._counted_while_streaming() as began:
                 for chunk in stream:
                     if request.first is None:
                         request.first = time.monotonic() - request.sent
+                        began()
                     finish = chunk.choices[0].finish_reason or finish
         except openai.APIStatusError as exc:  # refused at admission: 503 + Retry-After while not serving
             request.first = time.monotonic() - request.sent
@@ -373,6 +403,8 @@ class Chaos:
     def fault(self, kind: str, node: str) -> Fault:
         """Inject `kind` (on `node` where it has one), heal it, and wait for the whole fleet."""
         endpoint = self.host(node).endpoint if kind in ("kill9", "cut", "reboot") else None
+        if endpoint is not None and not self.wait_streaming(60):
+            self.say(f"{kind}: no request streaming after 60 s; the fault lands on none")
         record = Fault(kind, node if kind not in ("rolling", "deploy") else None, endpoint, time.monotonic())
         self.say(f"fault {kind}" + (f" on {node}" if record.node else ""))
         try:
