@@ -223,7 +223,7 @@ class PartFleet(FakeFleet):
 
     def plan_round(self) -> Any:
         from orchestrator.planning.strategy import make_plan
-        from orchestrator.serve.fleet import PlanRound
+        from orchestrator.workflows.plan import PlanRound
 
         self.rounds += 1
         states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}

@@ -609,3 +609,57 @@ def test_gemma_answers_a_chat_with_a_sensible_message_in_the_architectures_templ
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _local_host(name: str, port: int, memory_limit: int | None = None) -> Any:
+    from orchestrator.inventory.model import Host
+
+    return Host(
+        name=name,
+        address="127.0.0.1",
+        connection="local",
+        rpc_host="127.0.0.1",
+        rpc_port=port,
+        memory_limit=memory_limit,
+    )
+
+
+def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
+    start_rpc_server: Callable[..., LocalServer], tiny_model: Path
+) -> None:
+    """serve's round is `workflows.plan_for_fleet` with the one fit policy: on a real server whose usable
+    memory (`memory_limit`, 4 MiB beyond the 256 MiB margin) cannot hold the model, the plan is made but
+    is no plan to load (`fitting` None); the reason names the binding server in serve's words (`--ctx`,
+    no `--force`), the backend waits for the fleet and starts no engine; a spare no formation holds then
+    joins and the model fits on both."""
+    from orchestrator.core.errors import RpcfleetError
+    from orchestrator.serve.backend import Backend, ServeConfig
+    from orchestrator.serve.fleet import ServeFleet
+    from orchestrator.serve.forming import SparePool
+
+    small, spare = start_rpc_server(), start_rpc_server()
+    options = PlanOptions(n_ctx=512)
+    alone = ServeFleet([_local_host("small", small.port, 260 << 20)], str(tiny_model), options)
+    misfit = alone.plan_round()
+    assert misfit.plan is not None and misfit.fitting is None and misfit.misfit is not None, misfit
+    assert misfit.reason.startswith("the model does not fit") and small.endpoint in misfit.reason
+    assert misfit.misfit.host == small.endpoint and "--ctx" in (misfit.misfit.hint or "")
+    assert "--force" not in (misfit.misfit.hint or "")
+
+    made: list[object] = []
+
+    def engines(plan: Any, dial: Any) -> Any:
+        made.append(plan)
+        raise RpcfleetError("no engine may start for a plan that does not fit")
+
+    config = ServeConfig(recover_timeout=1.0, retry_interval=0.2, rejoin_interval=0)
+    backend = Backend(alone, config, engines)
+    backend.start().join(60)
+    assert backend.state == "failed" and made == [], (backend.state, made)
+    assert "waiting for the fleet: the model does not fit" in backend.reason, backend.reason
+
+    pool = SparePool([_local_host("spare", spare.port)])
+    joined = ServeFleet([_local_host("small", small.port, 260 << 20)], str(tiny_model), options, spares=pool)
+    fitting = joined.plan_round().fitting
+    assert fitting is not None and fitting.fit.fits and spare.endpoint in fitting.endpoints
+    assert joined.endpoints == (small.endpoint, spare.endpoint) and pool.hosts == []

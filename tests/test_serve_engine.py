@@ -27,9 +27,10 @@ from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.backend import Backend, Failure, Running, ServeConfig
 from orchestrator.serve.engine import EngineOptions, engine_args, lost_message
-from orchestrator.serve.fleet import PlanRound, ServeFleet
+from orchestrator.serve.fleet import ServeFleet
 from orchestrator.serve.metrics import engine_metrics
 from orchestrator.serve.templates import BUILTIN_TEMPLATES, resolve_chat_template
+from orchestrator.workflows.plan import PlanRound
 from tests.plugins.llama import plan_devices
 
 ENDPOINTS = ("10.9.0.1:50052", "10.9.0.2:50052", "10.9.0.3:50052")

@@ -225,10 +225,11 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.planning.devices import to_plan_devices
     from orchestrator.serve.app import create_app
     from orchestrator.serve.backend import Backend, ServeConfig
-    from orchestrator.serve.fleet import ServeFleet, states_of
+    from orchestrator.serve.fleet import ServeFleet
     from orchestrator.serve.formations import FormationError
     from orchestrator.serve.forming import ServedModel, SparePool, form
     from orchestrator.serve.router import Formation, Router
+    from orchestrator.workflows.plan import states_of
 
     inventory, hosts = _common.load_hosts(args)
     if not hosts:

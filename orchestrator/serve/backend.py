@@ -41,8 +41,9 @@ from orchestrator.core.log import get_logger
 from orchestrator.llama.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, default_engines, lost_message
-from orchestrator.serve.fleet import PlanRound, ServeFleet
+from orchestrator.serve.fleet import ServeFleet
 from orchestrator.serve.metrics import Metrics, Recovery, Rejoin
+from orchestrator.workflows.plan import PlanRound
 
 SERVING = frozenset({"ready", "degraded"})
 
@@ -368,14 +369,15 @@ class Backend:
                     return
                 round_started = time.monotonic()
                 result = self._plan_round()
-                if result.plan is not None:
+                plan = result.fitting
+                if plan is not None:
                     replan += time.monotonic() - round_started
                     record = None
                     if lost is not None:
                         record = functools.partial(
                             self._record_recovery, lost, replan, time.monotonic(), started
                         )
-                    if self._load(result.plan, before_serving=record):
+                    if self._load(plan, before_serving=record):
                         return
                 else:
                     replan += time.monotonic() - round_started
@@ -538,10 +540,11 @@ class Backend:
             self._stop_engine()
             result = self._plan_round()
             record = functools.partial(self._record_rejoin, back, idle, time.monotonic())
-            loaded = result.plan is not None and self._load(result.plan, before_serving=record)
-            if loaded and result.plan is not None:
-                self._declined |= {ep for ep in back if ep not in result.plan.endpoints}
-            elif result.plan is None:
+            plan = result.fitting
+            loaded = plan is not None and self._load(plan, before_serving=record)
+            if loaded and plan is not None:
+                self._declined |= {ep for ep in back if ep not in plan.endpoints}
+            elif plan is None:
                 self.reason = f"waiting for the fleet: {result.reason}"
         finally:
             with self._cond:

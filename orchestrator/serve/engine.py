@@ -13,33 +13,39 @@ unacknowledged for `link_timeout` then fails the engine's send or receive, llama
 backend sees the process end. The same duplicates give each node's acknowledged bytes during the load
 (the load's progress).
 
-Engines are started from one long-lived thread: the engine is killed when its starter dies
-(PR_SET_PDEATHSIG), and that is a *thread*'s death for Linux, so no short-lived thread may start one.
+Engines are started by `engine.children.spawn_child` with `die_with_parent` (killed when serve dies);
+their sockets are found, tuned and measured with `engine.children` too, as the worker's are.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
-import queue
 import secrets
-import signal
 import socket
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
-from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.children import (
+    child_log_path,
+    connections_to,
+    exit_description,
+    peers_of,
+    socket_bytes_acked,
+    spawn_child,
+    tune_socket,
+)
+from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
@@ -49,7 +55,6 @@ from orchestrator.serve.templates import ChatTemplate, model_chat_template
 
 DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README
 LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
-KEEP_LOGS = 20
 KEY_ENV = "LLAMA_API_KEY"  # llama-server's --api-key, from its environment (owner-only in /proc)
 
 
@@ -134,82 +139,6 @@ def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, por
     return args
 
 
-# -- the engine's RPC sockets, from outside (pidfd_getfd)
-
-_SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (asm-generic)
-_PR_SET_PDEATHSIG = 1
-_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info
-_libc: Any = None
-
-
-def _syscall() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
-
-
-def foreign_sockets(
-    pid: int, wanted: set[tuple[str, int]]
-) -> Iterator[tuple[tuple[str, int], socket.socket]]:
-    """Process `pid`'s TCP connections to one of `wanted` (address, port), each with its peer: duplicates
-    of its descriptors (pidfd_getfd), closed after the caller's turn. Nothing when not permitted."""
-    try:
-        pidfd = os.pidfd_open(pid)
-        names = os.listdir(f"/proc/{pid}/fd")  # noqa: PTH208 (names, not paths)
-    except OSError:
-        return
-    try:
-        for name in names:
-            try:
-                if not str(Path(f"/proc/{pid}/fd/{name}").readlink()).startswith("socket:"):
-                    continue
-            except OSError:
-                continue
-            fd = _syscall().syscall(_SYS_PIDFD_GETFD, pidfd, int(name), 0)
-            if fd < 0:
-                continue
-            try:
-                sock = socket.socket(fileno=fd)
-            except OSError:
-                os.close(fd)
-                continue
-            with sock:
-                try:
-                    peer = sock.getpeername()[:2] if sock.type == socket.SOCK_STREAM else None
-                except OSError:
-                    continue
-                if peer in wanted:
-                    yield peer, sock
-    finally:
-        os.close(pidfd)
-
-
-def tune_socket(sock: socket.socket, link_timeout: float) -> None:
-    """Keepalive and TCP_USER_TIMEOUT: data (or keepalives) unacknowledged for `link_timeout` seconds
-    abort the connection."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(link_timeout / 2)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(link_timeout / 5)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(link_timeout * 1000))
-
-
-def peers_of(endpoints: Mapping[str, str]) -> dict[tuple[str, int], str]:
-    """(address, port) a connection to each dialed endpoint has as its peer -> the plan's endpoint."""
-    peers: dict[tuple[str, int], str] = {}
-    for real, dialed in endpoints.items():
-        ep = parse_endpoint(dialed)
-        try:
-            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
-        except OSError:
-            infos = []
-        for info in infos:
-            peers[(str(info[4][0]), int(info[4][1]))] = real
-        peers.setdefault((ep.host, ep.port), real)
-    return peers
-
-
 def lost_message(lost: tuple[tuple[str, str], ...], doing: str, how: str) -> str:
     """`lost HOST:PORT (refused) while generating: llama-server ended (signal SIGABRT)`, or without a
     lost node `llama-server ended (...) while ...; every node still answers`."""
@@ -219,86 +148,10 @@ def lost_message(lost: tuple[tuple[str, str], ...], doing: str, how: str) -> str
     return f"llama-server ended ({how}) while {doing}; every node still answers"
 
 
-class _Spawner:
-    """The one long-lived thread that starts engines (see the module's docstring: PR_SET_PDEATHSIG)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
-        threading.Thread(target=self._run, name="engine-spawner", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            job, answer = self._jobs.get()
-            try:
-                answer.put((True, job()))
-            except BaseException as exc:
-                answer.put((False, exc))
-
-    def call(self, job: Callable[[], Any]) -> Any:
-        answer: queue.Queue[Any] = queue.Queue()
-        self._jobs.put((job, answer))
-        ok, value = answer.get()
-        if not ok:
-            raise value
-        return value
-
-
-_spawner: _Spawner | None = None
-_spawner_lock = threading.Lock()
-
-
-def _spawn(argv: list[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = _Spawner()
-
-    libc = _syscall()  # loaded here: the child between fork and exec only calls it
-
-    def die_with_parent() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    def start() -> subprocess.Popen[bytes]:
-        with log_path.open("ab") as log:
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # GGML_NO_BACKTRACE: no debugger attached on an abort
-                env={**os.environ, "GGML_NO_BACKTRACE": "1", **env},
-                start_new_session=True,  # a Ctrl-C at the terminal reaches serve only
-                preexec_fn=die_with_parent,
-            )
-
-    return _spawner.call(start)  # type: ignore[no-any-return]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def default_engine_log() -> Path:
-    folder = rpcfleet_home() / "logs"
-    folder.mkdir(parents=True, exist_ok=True)
-    logs = sorted(folder.glob("engine-*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in logs[KEEP_LOGS - 1 :]:
-        if time.time() - stale.stat().st_mtime > 3600:
-            stale.unlink(missing_ok=True)
-    return folder / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.log"
-
-
-def _how(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit status {returncode}"
 
 
 class LlamaServer:
@@ -317,10 +170,11 @@ class LlamaServer:
         self._log_path = (
             options.log_dir / f"engine-{int(time.time() * 1000)}.log"
             if options.log_dir
-            else default_engine_log()
+            else child_log_path("engine", unique=True)
         )
         self._process: subprocess.Popen[bytes] | None = None
-        self._peers = peers_of(self.dial)
+        dialed = {real: parse_endpoint(ep) for real, ep in self.dial.items()}  # a forward: its address
+        self._peers = peers_of({real: (ep.host, ep.port) for real, ep in dialed.items()})
         self._tuned: set[tuple[str, int, int]] = set()  # (address, port, local port) already tuned
         self._closing = False
         self._tuner: threading.Thread | None = None
@@ -354,7 +208,14 @@ class LlamaServer:
         started = time.monotonic()
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         get_logger().info("engine_start", argv=self.argv, log=str(self._log_path))
-        self._process = _spawn(self.argv, self._log_path, {KEY_ENV: self._api_key})
+        self._process = spawn_child(
+            self.argv,
+            # GGML_NO_BACKTRACE: no debugger attached on an abort
+            env={**os.environ, "GGML_NO_BACKTRACE": "1", KEY_ENV: self._api_key},
+            log_path=self._log_path,
+            stdin=subprocess.DEVNULL,
+            die_with_parent=True,
+        )
         tracker = ProgressTracker(planned_bytes(self.plan), {}, dict(cache_hits or {}))
         to_send = sum(max(0, n - (cache_hits or {}).get(ep, 0)) for ep, n in planned_bytes(self.plan).items())
         while True:
@@ -394,15 +255,13 @@ class LlamaServer:
         sent = dict.fromkeys(self.dial, 0)
         if self._process is None or not self._peers:
             return sent
-        for peer, sock in foreign_sockets(self._process.pid, set(self._peers)):
+        for peer, sock in connections_to(set(self._peers), self._process.pid):
             with contextlib.suppress(OSError):
                 key = (*peer, int(sock.getsockname()[1]))
                 if key not in self._tuned:
                     tune_socket(sock, self.options.link_timeout)
                     self._tuned.add(key)
-                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-                if len(info) >= _BYTES_ACKED + 8:
-                    sent[self._peers[peer]] += int.from_bytes(info[_BYTES_ACKED : _BYTES_ACKED + 8], "little")
+                sent[self._peers[peer]] += socket_bytes_acked(sock)
         return sent
 
     def _keep_tuning(self) -> None:
@@ -415,7 +274,7 @@ class LlamaServer:
 
     def _died(self, doing: str) -> EngineError:
         assert self._process is not None
-        how = _how(self._process.wait())
+        how = exit_description(self._process.wait())
         lost = self.diagnose()
         err = EngineError(lost_message(lost, doing, how), stderr=self.log_tail())
         err.lost = tuple(ep for ep, _ in lost)
@@ -423,7 +282,7 @@ class LlamaServer:
 
     def wait(self) -> str:
         assert self._process is not None
-        return _how(self._process.wait())
+        return exit_description(self._process.wait())
 
     def probes(self) -> list[ProbeResult]:
         t = self.options.probe_timeout
@@ -431,9 +290,7 @@ class LlamaServer:
         if not endpoints:
             return []
         dialed = [self.dial[ep] for ep in endpoints]
-        import asyncio
-
-        found = asyncio.run(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
+        found = run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
         return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
 
     def diagnose(self) -> tuple[tuple[str, str], ...]:

@@ -1,4 +1,5 @@
-"""The fleet as `serve` sees it: hosts → endpoints, probe and plan on the nodes that answer, and the
+"""The fleet as `serve` sees it: hosts → endpoints, probe and plan on the nodes that answer (the
+workflows' `plan_for_fleet`, `probe_hosts`, `prepare_load` and `dial_map`, on `run_sync`), and the
 rolling restart of `restart --rolling` (the same playbook step, through the operations layer).
 
 `endpoint_of` is the one place that turns a host into the endpoint the worker connects to: a transport
@@ -7,50 +8,31 @@ that forwards endpoints (an SSH tunnel) replaces that function and nothing else.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.connectors.tunnel import default_tunnels
-from orchestrator.core.errors import PlanError, ProbeError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
+from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache_prep import CachePrep, prepare_caches
+from orchestrator.llama.cache_prep import CachePrep
 from orchestrator.llama.worker import list_local_gpus
-from orchestrator.operations.stale import release_stale_on
-from orchestrator.planning.devices import to_plan_devices
-from orchestrator.planning.placement import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
-from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.reader import rolling_restart_playbook
 from orchestrator.playbooks.runner import run_playbook
-from orchestrator.probe.fleet import FleetProbe, probe_fleet
+from orchestrator.probe.fleet import FleetProbe
 from orchestrator.serve.forming import SparePool
+from orchestrator.workflows.fit import SERVE_WORDS
+from orchestrator.workflows.load import dial_map, prepare_load
+from orchestrator.workflows.options import ProbeSettings
+from orchestrator.workflows.plan import PlanRound, plan_for_fleet, probe_hosts, states_of
 
 
 def endpoint_of(host: Host) -> str:
     """The endpoint that names `host` in plans, health and errors (the only host → endpoint mapping of
     serve); with `rpc_transport: ssh` the worker dials a forward instead (`ServeFleet.dial_map`)."""
     return host.endpoint
-
-
-def states_of(fleet: FleetProbe) -> dict[str, str]:
-    """Endpoint -> probe state; an answering node whose memory is not measured is `unmeasured`."""
-    return {n.endpoint: ("unmeasured" if n.ok and n.untrusted else n.state) for n in fleet.nodes}
-
-
-@dataclass(frozen=True)
-class PlanRound:
-    """One probe and plan: the plan (None: nothing fits), the nodes by state, and its timings."""
-
-    plan: Plan | None
-    states: dict[str, str]  # endpoint -> probe state ("ok", "refused", "timeout", ...)
-    probe_seconds: float
-    plan_seconds: float
-    reason: str = ""  # why there is no plan
 
 
 @dataclass
@@ -81,9 +63,8 @@ class ServeFleet:
         return self._local_gpus
 
     def dial_map(self) -> dict[str, str]:
-        """Plan endpoint -> the endpoint the worker dials: SSH forwards for `rpc_transport: ssh` hosts,
-        opened (or reopened, after a dropped tunnel) here; empty when every host is plain tcp."""
-        return default_tunnels().mapping(self.hosts)
+        """Plan endpoint -> the endpoint the worker dials (`workflows.load.dial_map`)."""
+        return dial_map(self.hosts)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -94,52 +75,39 @@ class ServeFleet:
             self._profile = profile_model(self.model_path)
         return self._profile
 
+    @property
+    def probe_settings(self) -> ProbeSettings:
+        return ProbeSettings(self.probe_timeout, self.facts, self.forks, self.trust_rpc_memory)
+
     def probe(self, hosts: Sequence[Host] | None = None) -> FleetProbe:
         """Probe `hosts` (default: every selected host) with the probe's own rules: bounded by the
         timeout, a server with a client is `busy` and is left alone."""
-        return asyncio.run(
-            probe_fleet(
-                self.hosts if hosts is None else hosts,
-                timeout=self.probe_timeout,
-                facts=self.facts,
-                forks=self.forks,
-                trust_rpc_memory=self.trust_rpc_memory,
-            )
-        )
+        return run_sync(probe_hosts(self.hosts if hosts is None else hosts, self.probe_settings))
 
     def probe_released(self) -> FleetProbe:
         """Probe every host; a node held by a dead client of ours is released and probed again."""
-        fleet = self.probe()
-        busy = [h for h in self.hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
-        if busy and self.release_stale(busy):  # a node held by a dead client of ours: usable again
-            fleet = self.probe()
-        return fleet
+        return run_sync(probe_hosts(self.hosts, self.probe_settings, release=True))
 
     def plan_round(self) -> PlanRound:
-        """Probe every host; plan on those that answer `ok`. No plan when none answer or it does not fit."""
-        started = time.monotonic()
-        fleet = self.probe_released()
-        probed = time.monotonic()
-        states = states_of(fleet)
-        devices = to_plan_devices(fleet, failed="skip")
-        if not devices:
-            return self.with_spare() or PlanRound(None, states, probed - started, 0.0, "no node answers")
-        try:
-            plan = make_plan(
-                order_devices(devices, self.local_gpus(), self.local_devices), self.profile(), self.options
+        """Probe every host (releasing the servers held by a dead client of ours); plan on those that
+        answer `ok`. No fitting plan (`fitting` None) when none answer or it does not fit: then a spare,
+        when there is one, joins and the round is made again."""
+        round_ = run_sync(
+            plan_for_fleet(
+                self.hosts,
+                self.profile(),
+                self.options,
+                probe=self.probe_settings,
+                release=True,
+                local_devices=self.local_devices,
+                local_gpus=self.local_gpus,
+                failed="skip",
+                words=SERVE_WORDS,
             )
-        except (PlanError, ProbeError) as exc:
-            return PlanRound(None, states, probed - started, time.monotonic() - probed, exc.message)
-        planned = time.monotonic() - probed
-        if not plan.fit.fits:
-            return self.with_spare() or PlanRound(
-                None,
-                states,
-                probed - started,
-                planned,
-                f"the model does not fit on {len(plan.endpoints)} node(s)",
-            )
-        return PlanRound(plan, states, probed - started, planned)
+        )
+        if round_.fitting is None and round_.error is None:  # no node answers, or the plan does not fit
+            return self.with_spare() or round_
+        return round_
 
     def with_spare(self) -> PlanRound | None:
         """A plan with one more server, a spare no formation holds (None: no spare left)."""
@@ -157,19 +125,7 @@ class ServeFleet:
         hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
         if not hosts:
             return {}
-        fleet = self.probe(hosts)
-        busy = [h for h in hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
-        if busy and self.release_stale(busy):
-            fleet = self.probe(hosts)
-        return states_of(fleet)
-
-    def release_stale(self, hosts: Sequence[Host]) -> list[str]:
-        """Close the connections of `hosts`' servers whose client is proven gone (a worker of this
-        controller that died while a cut link hid its reset, `operations.stale`); returns the closed."""
-        closed = asyncio.run(release_stale_on(hosts, forks=self.forks))
-        if closed:
-            get_logger().info("serve_stale_closed", closed=closed)
-        return closed
+        return states_of(run_sync(probe_hosts(hosts, self.probe_settings, release=True)))
 
     def prepare_cache(self, plan: Plan) -> CachePrep | None:
         """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the
@@ -177,10 +133,9 @@ class ServeFleet:
 
         async def go() -> CachePrep | None:
             async with Session(forks=self.forks or DEFAULT_FORKS) as session:
-                prep, _ = await prepare_caches(session, self.hosts, plan, self.model_path)
-                return prep
+                return (await prepare_load(session, self.hosts, plan, self.model_path)).cache
 
-        return asyncio.run(go())
+        return run_sync(go())
 
     def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
         """`restart --rolling` on the selected hosts; returns the failures (host: message), empty when
@@ -197,4 +152,4 @@ class ServeFleet:
                 ]
             return failed
 
-        return asyncio.run(go())
+        return run_sync(go())

@@ -4,8 +4,9 @@ Every front end refuses a plan that does not fit before anything is loaded: on C
 overcommit, the allocation would succeed and the kernel's OOM killer would kill the rpc-server later, in
 the middle of the load or of a generation. The refusal names the binding device, what it needs against
 what it may use, and the shortfall; the hint names the largest context that fits in the front end's own
-words (`--ctx` for the CLI, `n_ctx` for `orchestrator.Llama`, `ctx` in a playbook). Only the CLI's
-`--force` turns the refusal into a warning. Pure.
+words (`--ctx` for the CLI and serve, `n_ctx` for `orchestrator.Llama`, `ctx` in a playbook). Only
+the CLI's `--force` turns the refusal into a warning; serve keeps it as its reason to wait for the fleet
+(or for a spare server). Pure.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FitWords:
 CLI_WORDS = FitWords()
 PLAYBOOK_WORDS = FitWords(ctx="ctx", anyway=None)
 DROPIN_WORDS = FitWords(ctx="n_ctx", more="more servers", anyway="a tensor_split of your own")
+SERVE_WORDS = FitWords(anyway=None)  # serve waits for the fleet (or a spare): no --force
 
 
 def misfit_error(plan: Plan, words: FitWords = CLI_WORDS) -> PlanError | None:

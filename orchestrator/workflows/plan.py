@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from orchestrator.core.errors import PlanError, ProbeError, RpcfleetError, UsageError
+from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.planning.devices import to_plan_devices
@@ -81,8 +82,11 @@ async def probe_hosts(
 
     fleet = await once()
     busy = busy_hosts(hosts, fleet)
-    if release and busy and await release_stale_on(busy, forks=probe.forks, session=session):
-        fleet = await once()
+    if release and busy:
+        closed = await release_stale_on(busy, forks=probe.forks, session=session)
+        if closed:
+            get_logger().info("stale_closed", closed=closed)
+            fleet = await once()
     return fleet
 
 
