@@ -55,11 +55,15 @@ def test_serve_rides_out_each_fault_once_and_the_fleet_is_whole_after_each_heal(
     assert result.passed, "\n".join(result.violations) + "\n--- progress ---\n" + log
     assert [f.kind for f in result.faults] == [kind for kind, _ in ORDER]
     assert all(f.whole_after is not None for f in result.faults), log
-    # The faults landed: a killed server, a cut link and a power cut each ended a request in flight.
+    # The faults landed: a killed server, a cut link and a power cut each cost serve its engine (a new one
+    # after the heal), and the first two ended a request in flight (a node fault waits for one streaming).
+    # A power cut may end none: seen once in the suite, with the recovery and a new engine all the same.
     for fault in result.faults:
         if fault.kind in ("kill9", "cut", "reboot"):
+            assert fault.engine_replaced, (fault, log)
+        if fault.kind in ("kill9", "cut"):
             assert fault.failed >= 1, (fault, log)
-        else:
+        elif fault.kind != "reboot":
             assert fault.failed == 0, (fault, log)
     assert result.count("answered") > 10 and result.count("lost") == 0
     assert result.count("failed") == sum(f.failed for f in result.faults)

@@ -66,6 +66,7 @@ class Fault:
     window_end: float = 0.0  # requests sent before this may fail for this fault
     whole_after: float | None = None  # seconds from `healed` to /health showing the whole fleet
     failed: int = 0  # requests in flight that it ended (503 naming its node)
+    engine_replaced: bool = False  # serve's engine after the heal is not the one before the fault
     notes: list[str] = field(default_factory=list)
 
 
@@ -338,6 +339,12 @@ class Chaos:
                 with self._lock:
                     self.streaming -= 1
 
+    def engine_pid(self) -> int | None:
+        """The pid of the engine serve's /health names (None while it has none or does not answer)."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return int(self.health()["engine"]["pid"])
+        return None
+
     def wait_streaming(self, limit: float) -> bool:
         """Wait (at most `limit` s) until a request is streaming, so that a node fault ends one in flight."""
         deadline = time.monotonic() + limit
@@ -405,6 +412,7 @@ class Chaos:
         endpoint = self.host(node).endpoint if kind in ("kill9", "cut", "reboot") else None
         if endpoint is not None and not self.wait_streaming(60):
             self.say(f"{kind}: no request streaming after 60 s; the fault lands on none")
+        engine_before = self.engine_pid()
         record = Fault(kind, node if kind not in ("rolling", "deploy") else None, endpoint, time.monotonic())
         self.say(f"fault {kind}" + (f" on {node}" if record.node else ""))
         try:
@@ -424,6 +432,7 @@ class Chaos:
             )
         else:
             self.say(f"  healed; the whole fleet back {record.whole_after:.1f} s after the heal")
+            record.engine_replaced = self.engine_pid() not in (None, engine_before)
             stray = self.stray_engines()
             if stray:
                 self.violation(f"after {kind}: llama-server processes beside serve's engine: {stray}")
