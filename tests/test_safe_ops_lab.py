@@ -536,6 +536,22 @@ def _held_on_node(lab: Lab, host: Host) -> bool:
     return subprocess.run(["flock", "-n", str(path), "true"], check=False, timeout=10).returncode != 0
 
 
+def _ssh_ports_of(pid: int, host: Host) -> list[tuple[str, int]]:
+    """The controller side (address, port) of each SSH connection to `host` of `pid` or its children."""
+    import psutil
+
+    pids = {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
+    sockets = subprocess.run(["ss", "-Htnp"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in sockets.splitlines():
+        fields = line.split()
+        if any(f"pid={p}," in line for p in pids) and fields[4] == f"{host.address}:22":
+            address, _, port = fields[3].rpartition(":")
+            found.append((address, int(port)))
+    assert found, f"no SSH connection of pid {pid} to {host.address}"
+    return found
+
+
 def _ssh_port_of(pid: int, host: Host) -> tuple[str, int]:
     """The controller side (address, port) of `pid`'s SSH connection to `host`."""
     sockets = subprocess.run(["ss", "-Htnp"], capture_output=True, text=True, check=True).stdout
@@ -586,6 +602,75 @@ async def test_a_controller_cut_off_loses_its_lock_within_the_silence_limit(
             lab.node_exec(host.name, ["iptables", "-w", "-D", *rule], check=False)
         if child.poll() is None:
             child.kill()
+
+
+def _shape(veth: str, rate: str | None) -> None:
+    """Limit what the host sends to a node's veth to `rate` (tbf: netem is not in this kernel); None: heal."""
+    if rate is None:
+        subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False, timeout=10)
+        return
+    tbf = ["tbf", "rate", rate, "burst", "4kb", "latency", "2s"]
+    subprocess.run(["tc", "qdisc", "replace", "dev", veth, "root", *tbf], check=True, timeout=10)
+
+
+def _deploy_process(lab: Lab, host: Host) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "deploy", "-i", str(lab.inventory), "-l", host.name],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_a_deploy_cut_off_mid_run_loses_its_lock_and_another_operator_gets_it_within_30_s(
+    lab: Lab, fresh_nodes: list[Host]
+) -> None:
+    """Issue 20, as written: a real `rpcfleet deploy` holds the node's lock (its upload slowed to 1 Mbit/s,
+    so it lasts), its links to the node are cut and the controller dies; once the shaping is healed, a
+    second operator gets the lock within 30 s."""
+    from orchestrator.connectors.connect import connect
+    from orchestrator.operations.lock import acquire
+
+    host = fresh_nodes[0]
+    veth = next(n.veth for n in lab.nodes if n.name == host.name)
+    assert veth is not None
+    _shape(veth, "1mbit")
+    deploy = _deploy_process(lab, host)
+    rules: list[list[str]] = []
+    try:
+        deadline = time.monotonic() + 60
+        lock_file = NodeView(lab, host).root / "run/lock"
+        while not (lock_file.exists() and _held_on_node(lab, host)):
+            assert deploy.poll() is None, f"deploy ended before it held the lock: {deploy.stderr}"
+            assert time.monotonic() < deadline, "deploy never took the node's lock"
+            await asyncio.sleep(0.1)
+        for address, port in _ssh_ports_of(deploy.pid, host):  # every link of this controller, both ways
+            rules += [
+                ["INPUT", "-p", "tcp", "-s", address, "--sport", str(port), "-j", "DROP"],
+                ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"],
+            ]
+        for rule in rules:
+            lab.node_exec(host.name, ["iptables", "-w", "-I", *rule])
+        deploy.kill()
+        deploy.wait(10)
+        cut = time.monotonic()
+        await asyncio.sleep(1.0)
+        assert _held_on_node(lab, host), "the lock was released: the cut did not land"
+        _shape(veth, None)  # the heal
+        async with await connect(host) as conn:
+            lock = await acquire(conn, host, "second", wait_s=30.0)
+            took = time.monotonic() - cut
+            await lock.release()
+        assert took < 30.0, took
+    finally:
+        _shape(veth, None)
+        for rule in rules:
+            lab.node_exec(host.name, ["iptables", "-w", "-D", *rule], check=False)
+        if deploy.poll() is None:
+            deploy.kill()
+            deploy.wait(10)
 
 
 async def test_a_killed_controller_and_a_closed_connection_release_at_once(
