@@ -598,7 +598,7 @@ def test_a_signal_inside_a_finalizer_is_not_lost() -> None:
 
 
 _AFTERMATH = """\
-import asyncio, gc, signal, sys
+import asyncio, gc, signal, sys, threading
 from orchestrator.core import signals
 
 signals.quiet_after_interrupt()
@@ -619,13 +619,18 @@ def left_pending() -> None:
     del task
     gc.collect()
 
-HalfMade(); cut_short(); left_pending()
+def thread_cut_short() -> None:
+    thread = threading.Thread(target=lambda: 1 / 0, name="serve-load")  # its engine closed under it
+    thread.start()
+    thread.join()
+
+HalfMade(); cut_short(); left_pending(); thread_cut_short()
 sys.stderr.write("@interrupted\\n")
 try:
     signals.interrupt(signal.SIGTERM, None)
 except KeyboardInterrupt:
     pass
-HalfMade(); cut_short(); left_pending()
+HalfMade(); cut_short(); left_pending(); thread_cut_short()
 """
 
 
@@ -639,4 +644,5 @@ def test_after_an_interrupt_what_it_cut_short_is_collected_in_silence() -> None:
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" in before and "was never awaited" in before, before
     assert "Task was destroyed but it is pending!" in before, before
+    assert "Exception in thread serve-load" in before and "ZeroDivisionError" in before, before
     assert after == "", after

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -77,8 +78,10 @@ def quiet_after_interrupt() -> None:
     `asyncio.run`'s closing `shutdown_asyncgens` leaves it pending). Their finalizers' complaints
     ("Exception ignored in ...", a RuntimeWarning, asyncio's "Task was destroyed but it is pending!") would
     follow the one line that reports the interrupt; they are dropped then, and printed as before
-    otherwise. For the program's process (not a library's)."""
+    otherwise. So is the exception of a thread the interrupt cut short (serve's load thread, its engine
+    closed under it). For the program's process (not a library's)."""
     default_hook, default_show = sys.unraisablehook, warnings.showwarning
+    default_thread_hook = threading.excepthook
     logging.getLogger("asyncio").addFilter(lambda _record: not _received)
 
     def unraisable(what: Any) -> None:
@@ -91,8 +94,13 @@ def quiet_after_interrupt() -> None:
         if not _received:
             default_show(message, category, filename, lineno, file, line)
 
+    def thread_failed(what: Any) -> None:
+        if not _received:
+            default_thread_hook(what)
+
     sys.unraisablehook = unraisable
     warnings.showwarning = show
+    threading.excepthook = thread_failed
 
 
 def forget() -> None:
