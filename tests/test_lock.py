@@ -202,6 +202,31 @@ async def test_the_lock_records_an_odd_owner_and_folder_verbatim(tmp_path: Path)
     await held.release()
 
 
+async def test_a_holder_that_lets_go_while_it_is_looked_up_is_still_named(tmp_path: Path) -> None:
+    """Refused, then the holder ends before its name is read (its shell is gone): the last owner written
+    is the one that held it, not "another operator". Held here by a bare flock whose recorded shell is a
+    pid that no longer exists, which is what a holder that just let go leaves behind."""
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    run = tmp_path / "rf" / "run"
+    run.mkdir(parents=True)
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()
+    (run / "lock.info").write_text(f"{gone.pid} root@ctl (pid 7, deploy, since 06:51:25)\n")
+    holder = await asyncio.create_subprocess_exec("flock", str(run / "lock"), "sleep", "30")
+    try:
+        await until(lambda: not _flock_free(run / "lock"))
+        with pytest.raises(HostLockedError) as refused:
+            await acquire(LocalConnection(host), host, "restart")
+        assert "is being changed by root@ctl (pid 7, deploy" in str(refused.value)
+    finally:
+        holder.kill()
+        await holder.wait()
+
+
+def _flock_free(path: Path) -> bool:
+    return subprocess.run(["flock", "-n", str(path), "true"], check=False).returncode == 0
+
+
 # --- the layer: check mode takes no lock, an interrupted caller lets the host step finish ----------------
 # --- and a run takes all its hosts' locks, in one order, before it changes any -----------------------------
 

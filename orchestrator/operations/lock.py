@@ -91,12 +91,13 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
             "trap 'kill $w 2>/dev/null' EXIT",
             # The holder writes "<its shell's pid> <owner>" just after taking the lock: an info file whose
             # shell is gone is the previous holder's, so wait a moment for the new one to write its own.
+            # Still none alive: the holder may have let go meanwhile, and the last one written names it.
             "who() {",
-            "  i=0; while [ $i -lt 50 ]; do",
-            f'    if read -r p rest < "$D/{LOCK_INFO}" 2>/dev/null && [ -d "/proc/$p" ]; then',
-            '      echo "$rest"; return; fi',
+            "  i=0; last=; while [ $i -lt 50 ]; do",
+            f'    if read -r p rest < "$D/{LOCK_INFO}" 2>/dev/null; then',
+            '      [ -d "/proc/$p" ] && { echo "$rest"; return; }; last=$rest; fi',
             "    sleep 0.02; i=$((i+1))",
-            "  done; echo another operator",
+            '  done; echo "${last:-another operator}"',
             "}",
             "if ! flock -n 9; then",
             '  echo "@held $(who)"',
