@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.connectors.connect import connect
 from orchestrator.connectors.tunnel import OpenSSHTunnel, Tunnels
+from orchestrator.engine.threads import start_thread
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import inventory_document
@@ -372,6 +374,25 @@ async def test_a_dead_forward_is_opened_again_on_the_next_dial(
         again = tunnels.dial(host)
         assert again != first
         assert (await probe_endpoint(again)).outcome is Outcome.OK
+    assert not _forwarders(os.getpid())
+
+
+@pytest.mark.parametrize("forwarder", ["openssh", "asyncssh"])
+async def test_a_forward_asked_for_by_a_passing_thread_lives_on_the_runtime(
+    forwarder: str, transport_lab: Lab, ssh_inventory: Path
+) -> None:
+    """Forwards are the runtime's, not their caller's: one opened for a thread that then ends keeps
+    forwarding (openssh: started by the runtime's spawner thread, whose end alone would fire its
+    parent-death signal; asyncssh: on the runtime's `LoopThread`, which `close` ends)."""
+    host = load_inventory(ssh_inventory).hosts[0]
+    dialed: list[str] = []
+    with Tunnels(forwarder) as tunnels:  # type: ignore[arg-type]
+        start_thread(lambda: dialed.append(tunnels.dial(host)), name="passing").join()
+        await asyncio.sleep(1.0)  # a parent-death signal from the passing thread would have landed
+        assert (await probe_endpoint(dialed[0])).outcome is Outcome.OK
+        loops = [t for t in threading.enumerate() if t.name == "rpcfleet-tunnels"]
+        assert len(loops) == (forwarder == "asyncssh")
+    assert not any(t.is_alive() for t in loops)
     assert not _forwarders(os.getpid())
 
 

@@ -35,6 +35,7 @@ from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
 from orchestrator.engine.children import child_log_path, exit_description, spawn_child
 from orchestrator.engine.runtime import run_sync
+from orchestrator.engine.threads import start_thread
 from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes, progress_sample
 from orchestrator.llama.placement import Placement
 from orchestrator.llama.worker_child import PARENT_ENV
@@ -127,7 +128,7 @@ class Worker:
         self._ready = False  # the child said `ready` (its imports are done)
         self._local_gpus: list[PlanDevice] = []  # this machine's GPUs, as the child listed them at `ready`
         assert process.stdout is not None
-        threading.Thread(target=self._read, args=(process.stdout,), name="worker-reader", daemon=True).start()
+        start_thread(self._read, process.stdout, name="worker-reader")
 
     # -- starting
     @classmethod

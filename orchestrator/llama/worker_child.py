@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from orchestrator.engine.children import connections_to, peers_of, socket_bytes_acked, tune_socket
+from orchestrator.engine.threads import start_thread
 from orchestrator.llama.text_stream import TextStream
 from orchestrator.llama.worker_wire import decode, devices_to_json, encode, placement_to_json
 
@@ -41,7 +42,7 @@ class _Channel:
         self.requests: queue.Queue[dict[str, Any]] = queue.Queue()
         self.cancel = threading.Event()
         self._lock = threading.Lock()  # the load meter's thread and the main thread both send
-        threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
+        start_thread(self._watch, name="worker-watchdog")
 
     def send(self, **message: Any) -> None:
         with self._lock:
@@ -111,7 +112,7 @@ class _LoadMeter:
         self._started = time.monotonic()
         self._baseline = bytes_acked(self._endpoints)  # connections left from before (none in a worker)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-load-meter", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def report(self, fraction: float) -> None:
         self._fraction = fraction
@@ -127,12 +128,13 @@ class _LoadMeter:
             self._send()
 
     def __enter__(self) -> _LoadMeter:
-        self._thread.start()
+        self._thread = start_thread(self._run, name="worker-load-meter")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if exc[0] is None:
             self._send()  # the last sample: every byte of the load
 
