@@ -31,6 +31,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.connectors.connect import connect
 from orchestrator.connectors.tunnel import OpenSSHTunnel, Tunnels
+from orchestrator.core.errors import RpcfleetError, UnreachableError
 from orchestrator.engine.threads import start_thread
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
@@ -394,6 +395,30 @@ async def test_a_forward_asked_for_by_a_passing_thread_lives_on_the_runtime(
         assert len(loops) == (forwarder == "asyncssh")
     assert not any(t.is_alive() for t in loops)
     assert not _forwarders(os.getpid())
+
+
+async def test_a_hostile_ssh_config_in_home_breaks_both_clients_and_the_tests_empty_one_none(
+    transport_lab: Lab, ssh_inventory: Path, empty_ssh_home: Path
+) -> None:
+    """What keeps a developer's own `~/.ssh/config` out of the tests is the autouse empty `~/.ssh`
+    (tests/plugins/home.py), and it holds for both SSH clients: the asyncssh connector and the OpenSSH
+    forwarder read HOME's config (ssh itself would read the passwd entry's home: `-F`). With the empty
+    one, the lab's own key and known_hosts connect; a hostile one (`ProxyCommand false`) breaks both."""
+    host = load_inventory(ssh_inventory).hosts[0]
+    assert host.ssh_key and host.ssh_known_hosts  # the lab's, named by its inventory
+
+    async def login() -> str:
+        async with await connect(host) as conn:
+            return (await conn.run("echo in")).stdout.strip()
+
+    assert await login() == "in"
+    with Tunnels() as tunnels:
+        assert (await probe_endpoint(tunnels.dial(host))).outcome is Outcome.OK
+    (empty_ssh_home / ".ssh" / "config").write_text("Host *\n  ProxyCommand false\n")
+    with pytest.raises(RpcfleetError):
+        await login()
+    with Tunnels() as tunnels, pytest.raises(UnreachableError):
+        tunnels.dial(host)
 
 
 def test_serve_generates_through_the_forwards(

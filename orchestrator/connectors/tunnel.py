@@ -83,7 +83,11 @@ def _known_hosts(host: Host) -> Path:
 def ssh_options(host: Host, timeout: float) -> list[str]:
     """OpenSSH client options for `host`: batch mode, keepalives, AES-GCM first, its host key checking,
     key, user and port (what the asyncssh connection uses, for the `ssh` binary)."""
-    argv = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}"]
+    # The asyncssh connector's ~/.ssh/config (HOME's, or none): ssh itself would read the passwd entry's
+    # home, whatever HOME says (a test's empty ~/.ssh, a service's own HOME)
+    config = Path.home() / ".ssh" / "config"
+    argv = ["-F", str(config) if config.is_file() else "/dev/null"]
+    argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}"]
     argv += ["-o", f"ServerAliveInterval={KEEPALIVE_INTERVAL}", "-o", "LogLevel=ERROR"]
     argv += ["-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
     # AES-GCM first (AES-NI makes it the cheapest on x86 and arm64); the rest of the default list after it
