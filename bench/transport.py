@@ -34,7 +34,7 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.llama.worker import Done, Worker
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step

@@ -19,7 +19,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.core.errors import InstallError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.apply import apply_install
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState, plan_install

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.llama.loader import load_llama
 from orchestrator.llama.placement import Placement, placement_of
 from orchestrator.planning.plan import Plan, PlanOptions

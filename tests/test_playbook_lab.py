@@ -10,7 +10,7 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.planning.plan import Plan
 from orchestrator.playbooks.load_check import LoadCheckResult
 from orchestrator.rpc.client import probe_endpoint

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.rolling import RestartReport
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome

@@ -24,7 +24,7 @@ from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab import systemd
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_status
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions

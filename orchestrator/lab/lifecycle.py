@@ -49,7 +49,22 @@ from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab import systemd
-from orchestrator.lab.model import (
+from orchestrator.lab.netns import (
+    check_netns_prerequisites,
+    create_local,
+    create_netns,
+    lab_users,
+    link_is_down,
+    list_links,
+    list_namespaces,
+    privileged,
+    restart_node,
+    restore_holder,
+    teardown,
+    teardown_slot,
+)
+from orchestrator.lab.procs import tcp_open
+from orchestrator.lab.state import (
     LAB_GROUP,
     LINK_RE,
     MAX_NODES,
@@ -71,21 +86,6 @@ from orchestrator.lab.model import (
     check_name,
     lab_dir,
 )
-from orchestrator.lab.netns import (
-    check_netns_prerequisites,
-    create_local,
-    create_netns,
-    lab_users,
-    link_is_down,
-    list_links,
-    list_namespaces,
-    privileged,
-    restart_node,
-    restore_holder,
-    teardown,
-    teardown_slot,
-)
-from orchestrator.lab.procs import tcp_open
 
 
 def lab_up(

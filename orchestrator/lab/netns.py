@@ -14,7 +14,18 @@ from pathlib import Path
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
 from orchestrator.lab import cgroups, systemd
-from orchestrator.lab.model import (
+from orchestrator.lab.procs import (
+    SSHD,
+    child_env,
+    kill,
+    netns_pids,
+    pids_under,
+    run,
+    run_all,
+    tail,
+    which,
+)
+from orchestrator.lab.state import (
     CAP_NET_ADMIN,
     CAP_SYS_ADMIN,
     LINK_RE,
@@ -28,17 +39,6 @@ from orchestrator.lab.model import (
     sshd_config_text,
     sshd_extra_options,
     wait_ready,
-)
-from orchestrator.lab.procs import (
-    SSHD,
-    child_env,
-    kill,
-    netns_pids,
-    pids_under,
-    run,
-    run_all,
-    tail,
-    which,
 )
 
 
