@@ -64,6 +64,7 @@ from orchestrator.lab.netns import (
     teardown_slot,
 )
 from orchestrator.lab.procs import tcp_open
+from orchestrator.lab.sshd import SSH_PORT
 from orchestrator.lab.state import (
     LAB_GROUP,
     LINK_RE,
@@ -73,7 +74,6 @@ from orchestrator.lab.state import (
     NODE_RPC_PORT,
     NS_RE,
     PREFIX,
-    SSH_PORT,
     USER_RE,
     Lab,
     LabKind,

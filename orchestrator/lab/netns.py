@@ -25,20 +25,16 @@ from orchestrator.lab.procs import (
     tail,
     which,
 )
+from orchestrator.lab.sshd import UP_TIMEOUT, sshd_argv, sshd_config_text, sshd_extra_options, wait_ready
 from orchestrator.lab.state import (
     CAP_NET_ADMIN,
     CAP_SYS_ADMIN,
     LINK_RE,
     PREFIX,
-    UP_TIMEOUT,
     USER_COMMENT,
     USER_RE,
     Lab,
     LabNode,
-    sshd_argv,
-    sshd_config_text,
-    sshd_extra_options,
-    wait_ready,
 )
 
 

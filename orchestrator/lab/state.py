@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
-import signal
-import subprocess
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,30 +13,11 @@ from typing import Any, Literal
 from orchestrator.core.errors import LabError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.paths import DEFAULT_LAB, labs_root
-from orchestrator.core.poll import poll
-from orchestrator.lab import cgroups, systemd
-from orchestrator.lab.procs import (
-    KILL_TIMEOUT,
-    PATH,
-    SSHD,
-    SSHD_COMMON,
-    is_sshd,
-    kill,
-    netns_pids,
-    pids_under,
-    proc_alive,
-    read_pid,
-    run,
-    start_time,
-    tail,
-    tcp_open,
-    wait_dead,
-)
+from orchestrator.lab import sshd
+from orchestrator.lab.faults import LabFaults
+from orchestrator.lab.procs import proc_alive, read_pid, start_time
 
 PREFIX = "rfl"
-
-
-SSH_PORT = 22
 
 
 NODE_RPC_PORT = 50052
@@ -81,9 +57,6 @@ CAP_NET_ADMIN = 12
 
 
 CAP_SYS_ADMIN = 21
-
-
-UP_TIMEOUT = 15.0
 
 
 LabKind = Literal["netns", "local"]
@@ -149,31 +122,7 @@ class LabNode:
 
     def sshd_pid(self) -> int | None:
         """The listening sshd's pid, when it runs."""
-        if self.init == "systemd":
-            return systemd.sshd_pid(self)
-        pid = read_pid(self.sshd_pid_file)
-        if pid is not None and is_sshd(pid, self.sshd_config):
-            return pid
-        return self._adopt_listening_sshd()
-
-    def _adopt_listening_sshd(self) -> int | None:
-        """The node's own sshd listening on :22 without a valid pid file: it writes that file a moment
-        after it listens (a check in between would start a second one), or the file was lost. Its pid
-        is written back."""
-        if self.namespace is None:
-            return None
-        listening = subprocess.run(
-            ["ip", "netns", "exec", self.namespace, "ss", "-Hltnp", f"sport = :{SSH_PORT}"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=10,
-        ).stdout
-        for pid in sorted({int(found) for found in re.findall(r"pid=(\d+)", listening)}):
-            if is_sshd(pid, self.sshd_config):
-                write_atomic(self.sshd_pid_file, f"{pid}\n")
-                return pid
-        return None
+        return sshd.running_pid(self)
 
     def holder_pid(self) -> int | None:
         pid = read_pid(self.holder_pid_file)
@@ -204,8 +153,8 @@ class Owner:
 
 
 @dataclass(frozen=True)
-class Lab:
-    """A lab as recorded in its lab.json, with the fault helpers the tier-2 tests use."""
+class Lab(LabFaults):
+    """A lab as recorded in its lab.json, with the fault helpers the tier-2 tests use (lab/faults.py)."""
 
     name: str
     kind: LabKind
@@ -305,125 +254,6 @@ class Lab:
             return False  # its network is gone (a reboot, a manual cleanup): only leftovers remain
         return self.owner is None or self.owner.alive()
 
-    # -- faults (netns labs)
-    def _netns(self, node: str | int | LabNode) -> LabNode:
-        found = self.node(node)
-        if self.kind != "netns" or found.namespace is None or found.veth is None:
-            raise LabError(f"lab {self.name!r} is a local-connection lab: no network faults")
-        return found
-
-    def cut_link(self, node: str | int | LabNode) -> None:
-        """Pull the node's cable: its veth goes down, packets to it are dropped silently."""
-        run(["ip", "link", "set", self._netns(node).veth or "", "down"])
-
-    def restore_link(self, node: str | int | LabNode) -> None:
-        run(["ip", "link", "set", self._netns(node).veth or "", "up"])
-
-    def firewall_drop(self, node: str | int | LabNode) -> None:
-        """Every packet into the node is dropped (connects time out)."""
-        self._iptables(node, ["-I", "INPUT", "-j", "DROP"])
-
-    def firewall_reject(self, node: str | int | LabNode) -> None:
-        """Every TCP connect to the node is reset (connects are refused at once)."""
-        self._iptables(node, ["-I", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"])
-
-    def firewall_clear(self, node: str | int | LabNode) -> None:
-        self._iptables(node, ["-F", "INPUT"])
-
-    def _iptables(self, node: str | int | LabNode, args: list[str]) -> None:
-        found = self._netns(node)
-        if shutil.which("iptables", path=PATH) is None:
-            raise LabError("iptables is not installed", hint="apt-get install iptables (or `make setup`)")
-        run(["ip", "netns", "exec", found.namespace or "", "iptables", "-w", *args])
-
-    def kill_sshd(self, node: str | int | LabNode) -> None:
-        """Kill the node's listening sshd: new connects are refused, open sessions keep working."""
-        found = self._netns(node)
-        if found.init == "systemd":  # ssh.service would restart a killed sshd: stop the service
-            self.node_exec(found, ["systemctl", "stop", "ssh.service"])
-            return
-        pid = found.sshd_pid()
-        if pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        wait_dead([pid], KILL_TIMEOUT)
-        found.sshd_pid_file.unlink(missing_ok=True)
-
-    def start_sshd(self, node: str | int | LabNode) -> int:
-        """(Re)start the node's sshd inside its namespaces; returns its pid once it accepts connections."""
-        found = self._netns(node)
-        existing = found.sshd_pid()
-        if existing is not None:
-            return existing
-        if found.init == "systemd":
-            # A unit that failed too often in a row is refused until its counter is reset.
-            self.node_exec(found, ["systemctl", "reset-failed", "ssh.service"], check=False)
-            self.node_exec(found, ["systemctl", "start", "ssh.service"])
-            systemd.wait_booted(self, [found])
-            return found.sshd_pid() or 0
-        holder = found.holder_pid()
-        if holder is None:
-            raise LabError(f"node {found.name} is gone (no holder process)", hint="recreate the lab")
-        found.sshd_pid_file.unlink(missing_ok=True)
-        argv = ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *sshd_argv(found)]
-        run(cgroups.in_share(found.namespace or "", self.cpus, argv))  # back in the node's CPU share
-        wait_ready([found], UP_TIMEOUT, self.bridge)
-        pid = found.sshd_pid()
-        if pid is None:
-            raise LabError(f"sshd on {found.name} did not start", stderr=tail(found.sshd_log))
-        return pid
-
-    def node_exec(
-        self, node: str | int | LabNode, argv: Sequence[str], *, check: bool = True, timeout: float = 30
-    ) -> subprocess.CompletedProcess[str]:
-        """Run argv as root inside the node's network, mount and UTS namespaces (a mount is the node's)."""
-        found = self._netns(node)
-        if found.init == "systemd":  # every namespace of the node's systemd: its mounts, pids, cgroups
-            leader = systemd.leader(found)
-            if leader is None:
-                raise LabError(f"node {found.name} is not running (no systemd in its namespace)")
-            return run(["nsenter", "-t", str(leader), "-a", "--", *argv], check=check, timeout=timeout)
-        holder = found.holder_pid()
-        if holder is None:
-            raise LabError(f"node {found.name} is gone (no holder process)")
-        return run(
-            ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *argv], check=check, timeout=timeout
-        )
-
-    def reboot(self, node: str | int | LabNode) -> None:
-        """Stop a systemd node's container and boot it again; returns once its sshd accepts connections."""
-        found = self._netns(node)
-        if found.init != "systemd":
-            raise LabError(f"node {found.name} does not boot systemd (lab up --init systemd)")
-        systemd.reboot(self, found)
-
-    def kill_node(self, node: str | int | LabNode) -> None:
-        """A power cut: every process of the node is killed at once (its servers too); its namespace,
-        link and files stay. `lab repair` (lifecycle.lab_repair) starts it again."""
-        found = self._netns(node)
-        if found.init == "systemd":
-            systemd.power_cut(found)
-            return
-        holder = found.holder_pid()
-        kill([*self.node_pids(found), *([holder] if holder is not None else [])])
-
-    def node_pids(self, node: str | int | LabNode) -> list[int]:
-        """Every live process of the node: holder, sshd, sessions, whatever they started."""
-        found = self.node(node)
-        if found.namespace is not None:
-            return netns_pids([found.namespace])
-        return pids_under(found.dir)
-
-    def heal(self, nodes: Iterable[str | int | LabNode] | None = None) -> None:
-        """Undo the faults: links up, firewalls cleared, sshd running. For per-test restore fixtures."""
-        for node in self.nodes if nodes is None else [self.node(n) for n in nodes]:
-            if self.kind != "netns":
-                continue
-            self.restore_link(node)
-            self.firewall_clear(node)
-            self.start_sshd(node)
-
 
 @dataclass(frozen=True)
 class NodeStatus:
@@ -485,59 +315,3 @@ class LabStatus:
             "healthy": self.healthy,
             "nodes": [{**asdict(n), "home": str(n.home), "sshd_alive": n.sshd_alive} for n in self.nodes],
         }
-
-
-def sshd_argv(node: LabNode) -> list[str]:
-    # Daemon mode: sshd writes its pid file once its socket is bound.
-    return [SSHD, "-f", str(node.sshd_config), "-E", str(node.sshd_log)]
-
-
-def sshd_extra_options() -> list[str]:
-    # OpenSSH >= 9.8 penalises sources that fail auth or close early: the controller is one source.
-    probe = subprocess.run([SSHD, "-V"], capture_output=True, text=True, check=False, timeout=5)
-    match = re.search(r"OpenSSH_(\d+)\.(\d+)", probe.stderr + probe.stdout)
-    if match and (int(match.group(1)), int(match.group(2))) >= (9, 8):
-        return ["PerSourcePenalties no"]
-    return []
-
-
-def sshd_config_text(lab: Lab, node: LabNode, extra: list[str]) -> str:
-    lines = [
-        f"# rpcfleet lab {lab.name}, node {node.name}",
-        f"ListenAddress {node.address}",
-        f"Port {SSH_PORT}",
-        f'HostKey "{node.host_key}"',
-        f'PidFile "{node.sshd_pid_file}"',
-        # Read with the user's rights: it must be inside the (bind-mounted) home, not under /root.
-        "AuthorizedKeysFile %h/.ssh/authorized_keys",
-        f"AllowUsers {lab.user}",
-        "PermitRootLogin no",
-        "UsePAM no",
-        "Subsystem sftp internal-sftp",
-        *SSHD_COMMON,
-        *extra,
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def wait_ready(nodes: Sequence[LabNode], timeout: float, device: str | None) -> None:
-    """Until every node's sshd wrote its pid file and accepts TCP on :22; fail early if a node died."""
-    pending = list(nodes)
-
-    def all_ready() -> bool | None:
-        for node in list(pending):
-            if node.sshd_pid_file.exists() and tcp_open(node.address, SSH_PORT, 0.2, device):
-                pending.remove(node)
-                continue
-            holder = read_pid(node.holder_pid_file)
-            if holder is not None and not proc_alive(holder):
-                raise LabError(
-                    f"node {node.name} failed to start",
-                    stderr=tail(node.log) + "\n" + tail(node.sshd_log),
-                )
-        return not pending or None
-
-    if not poll(all_ready, timeout=timeout, interval=0.01):
-        names = ", ".join(n.name for n in pending)
-        logs = "\n".join(tail(n.sshd_log) for n in pending)
-        raise LabError(f"sshd did not accept connections within {timeout:.0f} s on {names}", stderr=logs)
