@@ -46,8 +46,8 @@ IN_PROCESS = textwrap.dedent(
     """
     import json, sys, time
     import llama_cpp
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.native import generation_timings
+    from orchestrator.llama.native.loader import load_llama
+    from orchestrator.llama.native.libllama import generation_timings
     from orchestrator.planning.plan import Plan
     plan, model, prompt, n = Plan.from_text(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     started = time.monotonic()

@@ -85,17 +85,17 @@ _API: dict[str, str] = {
     "write_tiny_llama": "orchestrator.planning.synth",
     "write_tiny_mmproj": "orchestrator.planning.synth_mm",
     "Llama": "orchestrator.workflows.dropin",
-    "MultimodalError": "orchestrator.llama.multimodal",
-    "load_llama": "orchestrator.llama.loader",
-    "preflight": "orchestrator.llama.preflight",
-    "supports_rpc": "orchestrator.llama.registry",
-    "add_rpc_server": "orchestrator.llama.registry",
-    "add_rpc_servers": "orchestrator.llama.registry",
-    "rpc_device_handles": "orchestrator.llama.registry",
-    "print_summary": "orchestrator.llama.registry",
-    "query_rpc_memory": "orchestrator.llama.registry",
-    "query_all": "orchestrator.llama.registry",
-    "RpcDevice": "orchestrator.llama.registry",
+    "MultimodalError": "orchestrator.llama.native.multimodal",
+    "load_llama": "orchestrator.llama.native.loader",
+    "preflight": "orchestrator.llama.native.preflight",
+    "supports_rpc": "orchestrator.llama.native.registry",
+    "add_rpc_server": "orchestrator.llama.native.registry",
+    "add_rpc_servers": "orchestrator.llama.native.registry",
+    "rpc_device_handles": "orchestrator.llama.native.registry",
+    "print_summary": "orchestrator.llama.native.registry",
+    "query_rpc_memory": "orchestrator.llama.native.registry",
+    "query_all": "orchestrator.llama.native.registry",
+    "RpcDevice": "orchestrator.llama.native.registry",
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
     "Worker": "orchestrator.llama.worker",
@@ -159,18 +159,18 @@ if TYPE_CHECKING:
     from orchestrator.lab.lifecycle import lab_up as lab_up
     from orchestrator.llama.cache_plan import CacheTensor as CacheTensor
     from orchestrator.llama.cache_plan import plan_cache as plan_cache
-    from orchestrator.llama.loader import load_llama as load_llama
+    from orchestrator.llama.native.loader import load_llama as load_llama
+    from orchestrator.llama.native.preflight import preflight as preflight
+    from orchestrator.llama.native.registry import RpcDevice as RpcDevice
+    from orchestrator.llama.native.registry import add_rpc_server as add_rpc_server
+    from orchestrator.llama.native.registry import add_rpc_servers as add_rpc_servers
+    from orchestrator.llama.native.registry import print_summary as print_summary
+    from orchestrator.llama.native.registry import query_all as query_all
+    from orchestrator.llama.native.registry import query_rpc_memory as query_rpc_memory
+    from orchestrator.llama.native.registry import rpc_device_handles as rpc_device_handles
+    from orchestrator.llama.native.registry import supports_rpc as supports_rpc
     from orchestrator.llama.placement import Placement as Placement
     from orchestrator.llama.placement import placement_of as placement_of
-    from orchestrator.llama.preflight import preflight as preflight
-    from orchestrator.llama.registry import RpcDevice as RpcDevice
-    from orchestrator.llama.registry import add_rpc_server as add_rpc_server
-    from orchestrator.llama.registry import add_rpc_servers as add_rpc_servers
-    from orchestrator.llama.registry import print_summary as print_summary
-    from orchestrator.llama.registry import query_all as query_all
-    from orchestrator.llama.registry import query_rpc_memory as query_rpc_memory
-    from orchestrator.llama.registry import rpc_device_handles as rpc_device_handles
-    from orchestrator.llama.registry import supports_rpc as supports_rpc
     from orchestrator.llama.worker import NodeLostError as NodeLostError
     from orchestrator.llama.worker import Worker as Worker
     from orchestrator.llama.worker import WorkerError as WorkerError

@@ -95,7 +95,7 @@ def _plan(nodes: list[Node], model: Path) -> Plan:
 
 
 def _generate(plan: Plan, model: Path) -> str:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     llm = load_llama(plan, model, seed=0)
     try:

@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.lab.state import Lab
-from orchestrator.llama.loader import load_llama
+from orchestrator.llama.native.loader import load_llama
 from orchestrator.llama.placement import Placement, placement_of
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model

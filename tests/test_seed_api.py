@@ -23,7 +23,7 @@ from orchestrator.core.errors import LoaderError, PlanError
 from orchestrator.facts.system import MemInfo
 from orchestrator.llama import seed_plan
 from orchestrator.llama.errors import EndpointUnreachableError, UnknownArgumentError
-from orchestrator.llama.native import registered_endpoints
+from orchestrator.llama.native.libllama import registered_endpoints
 from orchestrator.llama.seed_plan import measured_devices, parse_rpc_servers
 from orchestrator.probe.host import HostFacts
 from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult
@@ -304,7 +304,7 @@ try:
     Llama(model_path=model, rpc_servers=many, n_gpu_layers=-1, verbose=False)
 except orchestrator.LoaderError as exc:
     out["limit"] = [type(exc).__name__, exc.message]
-out["registered"] = sorted(orchestrator.llama.native.registered_endpoints())
+out["registered"] = sorted(orchestrator.llama.native.libllama.registered_endpoints())
 llm = Llama(model_path=model, rpc_servers=good, rpc_local_devices=[], n_gpu_layers=-1, verbose=False)
 out["after"] = llm("hi", max_tokens=2)["usage"]["completion_tokens"]
 llm.close()

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.artifacts.manifest import ArtifactSpec
 from orchestrator.llama.errors import ProtocolMismatchError
-from orchestrator.llama.loader import load_llama
+from orchestrator.llama.native.loader import load_llama
 from orchestrator.planning.plan import PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.llama.native import local_gpus
+from orchestrator.llama.native.libllama import local_gpus
 from orchestrator.llama.placement import build_placement
 from orchestrator.llama.text_stream import TextStream
 from orchestrator.llama.worker import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
@@ -123,7 +123,7 @@ def test_the_text_stream_never_sends_a_stop_sequence_nor_what_follows() -> None:
 def test_the_worker_generates_what_an_in_process_load_generates(
     debug_rpc_servers: list[DebugServer], tiny_model: Path
 ) -> None:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     plan = _plan(debug_rpc_servers[:2], tiny_model)
     llm = load_llama(plan, tiny_model, seed=0)
@@ -170,7 +170,7 @@ BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here; before the
 def test_a_random_model_streams_thousands_of_tokens_in_bounded_time_and_the_whole_text(
     debug_rpc_servers: list[DebugServer], tiny_model: Path
 ) -> None:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     plan = _plan(debug_rpc_servers[:2], tiny_model, n_ctx=4096)
     # Greedy, then sampled with a seed; each streamed, then not. The same requests in-process give the

@@ -287,7 +287,7 @@ class _Generation:
 
 
 def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
-    from orchestrator.llama.native import generation_timings
+    from orchestrator.llama.native.libllama import generation_timings
 
     common = {
         "max_tokens": request.get("max_tokens", 16),
@@ -325,8 +325,8 @@ def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
 
 def serve(channel: _Channel) -> int:
     from orchestrator.core.errors import RpcfleetError
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.native import local_gpus
+    from orchestrator.llama.native.libllama import local_gpus
+    from orchestrator.llama.native.loader import load_llama
     from orchestrator.llama.placement import placement_of
     from orchestrator.planning.plan import Plan
 

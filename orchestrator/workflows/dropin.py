@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 # First: it sets GGML_NO_BACKTRACE, which ggml reads when llama_cpp loads it.
-from orchestrator.llama import native as _native_module
+from orchestrator.llama.native import libllama as _native_module
 
 # isort: split
 import llama_cpp
@@ -39,14 +39,14 @@ import llama_cpp
 from orchestrator.core.errors import LoaderError, ModelError, PlanError
 from orchestrator.inventory.variables import near_miss
 from orchestrator.llama.errors import UnknownArgumentError
-from orchestrator.llama.loader import (
+from orchestrator.llama.native.loader import (
     LLAMA_SPLIT_MODE_LAYER,
     LLAMA_SPLIT_MODE_NONE,
     LLAMA_SPLIT_MODE_ROW,
     load_registered,
     register_endpoints,
 )
-from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load
+from orchestrator.llama.native.preflight import check_endpoint_limit, probe_for_load
 from orchestrator.llama.seed_plan import (
     endpoint_facts,
     measured_devices,

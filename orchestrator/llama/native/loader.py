@@ -34,8 +34,7 @@ from orchestrator.core.errors import LoaderError, RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
-from orchestrator.llama.multimodal import mtmd_handler
-from orchestrator.llama.native import (
+from orchestrator.llama.native.libllama import (
     LIVE,
     LOCK,
     REGISTRY,
@@ -45,8 +44,9 @@ from orchestrator.llama.native import (
     llama_cpp_module,
     register,
 )
+from orchestrator.llama.native.multimodal import mtmd_handler
+from orchestrator.llama.native.preflight import check_endpoint_limit, preflight
 from orchestrator.llama.placement import build_placement
-from orchestrator.llama.preflight import check_endpoint_limit, preflight
 from orchestrator.planning.plan import Plan
 from orchestrator.planning.profile import KV_CACHE_TYPES
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from orchestrator.artifacts.protocol import local_protocol_version
 from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.errors import DeviceMismatchError, EndpointLimitError, EndpointUnreachableError
-from orchestrator.llama.native import LIVE, LOCK, REGISTRY, get_native
+from orchestrator.llama.native.libllama import LIVE, LOCK, REGISTRY, get_native
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.errors import error_for
