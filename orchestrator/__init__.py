@@ -98,12 +98,12 @@ _API: dict[str, str] = {
     "RpcDevice": "orchestrator.llama.native.registry",
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
-    "Worker": "orchestrator.llama.worker",
+    "Worker": "orchestrator.llama.worker.parent",
     "plan_cache": "orchestrator.llama.cache_plan",
     "CacheTensor": "orchestrator.llama.cache_plan",
     "hash_file_range": "orchestrator.core.fnv",
-    "WorkerError": "orchestrator.llama.worker",
-    "NodeLostError": "orchestrator.llama.worker",
+    "WorkerError": "orchestrator.llama.worker.parent",
+    "NodeLostError": "orchestrator.llama.worker.parent",
     "build_report": "orchestrator.report.build",
     "ReportOptions": "orchestrator.report.build",
     "Report": "orchestrator.report.build",
@@ -171,9 +171,9 @@ if TYPE_CHECKING:
     from orchestrator.llama.native.registry import supports_rpc as supports_rpc
     from orchestrator.llama.placement import Placement as Placement
     from orchestrator.llama.placement import placement_of as placement_of
-    from orchestrator.llama.worker import NodeLostError as NodeLostError
-    from orchestrator.llama.worker import Worker as Worker
-    from orchestrator.llama.worker import WorkerError as WorkerError
+    from orchestrator.llama.worker.parent import NodeLostError as NodeLostError
+    from orchestrator.llama.worker.parent import Worker as Worker
+    from orchestrator.llama.worker.parent import WorkerError as WorkerError
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
     from orchestrator.planning.placement import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan

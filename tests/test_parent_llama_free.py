@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.llama.worker_child import PARENT_ENV
+from orchestrator.llama.worker.child import PARENT_ENV
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 SPY = f"""

@@ -18,9 +18,9 @@ import pytest
 
 from orchestrator.llama.native.libllama import local_gpus
 from orchestrator.llama.placement import build_placement
-from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
-from orchestrator.llama.worker_wire import (
+from orchestrator.llama.worker.parent import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
+from orchestrator.llama.worker.text_stream import TextStream
+from orchestrator.llama.worker.wire import (
     decode,
     devices_from_json,
     devices_to_json,
@@ -77,7 +77,7 @@ def test_the_worker_lists_the_gpus_llama_cpp_sees_here() -> None:
 
 
 def test_the_parent_side_imports_no_llama_cpp() -> None:
-    code = "import sys, orchestrator.llama.worker; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
+    code = "import sys, orchestrator.llama.worker.parent; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
@@ -285,7 +285,7 @@ def test_the_worker_dies_with_its_parent(
     run = _run_cli(tiny_model, servers, tmp_path, "-n", "4000")
     _wait_for_output(run)
     children = psutil.Process(run.pid).children()
-    assert len(children) == 1 and "orchestrator.llama.worker_child" in children[0].cmdline()
+    assert len(children) == 1 and "orchestrator.llama.worker.child" in children[0].cmdline()
     os.kill(run.pid, signal.SIGKILL)
     run.wait(10)
     wait_gone(children[0].pid, 5.0)

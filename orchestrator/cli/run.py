@@ -2,7 +2,7 @@
 
 The placement table sets the plan's prediction beside what llama.cpp allocated (its load log, 0.01 MiB
 precision) for every device and for the host, then generation speed. The model runs in a worker process
-(`orchestrator.llama.worker`): a node lost mid-inference is an error naming it (exit status 1), never a
+(`orchestrator.llama.worker.parent`): a node lost mid-inference is an error naming it (exit status 1), never a
 native abort of this process; llama.cpp's log goes to the worker's log file (or stderr with
 `--llama-verbose`).
 """
@@ -171,7 +171,7 @@ def make_run_plan(
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.cli._progress import LoadBars
     from orchestrator.engine.runtime import Runtime
-    from orchestrator.llama.worker import Worker
+    from orchestrator.llama.worker.parent import Worker
     from orchestrator.workflows.fit import check_fit
     from orchestrator.workflows.load import load_on_fleet
 
@@ -302,7 +302,7 @@ def generate(
 ) -> tuple[str, dict[str, Any]]:
     """Stream a completion from the worker (echoed as it comes); the counts are the tokens the model
     produced and llama.cpp's own timings."""
-    from orchestrator.llama.worker import Done
+    from orchestrator.llama.worker.parent import Done
 
     done: Done | None = None
     try:

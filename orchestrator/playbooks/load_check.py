@@ -64,7 +64,7 @@ async def load_check(
     limit_s: float = LOAD_CHECK_TIMEOUT,
     hosts: Sequence[Host] = (),
 ) -> LoadCheckResult:
-    """Load `model` through `plan` in a worker process (`orchestrator.llama.worker`), unload it, and
+    """Load `model` through `plan` in a worker process (`orchestrator.llama.worker.parent`), unload it, and
     return where its layers went.
 
     A worker, because a loaded model holds its servers for the life of the process that loaded it (one
@@ -79,7 +79,7 @@ async def load_check(
     from orchestrator.connectors.tunnel import default_tunnels
     from orchestrator.engine.executor import Session
     from orchestrator.llama.cache_prep import prepare_caches
-    from orchestrator.llama.worker import Worker
+    from orchestrator.llama.worker.parent import Worker
 
     wanted = [h for h in hosts if h.endpoint in plan.endpoints]
     if any(h.rpc_cache for h in wanted):  # refuse a truncated cache file before llama.cpp reads it

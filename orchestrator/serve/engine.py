@@ -46,7 +46,7 @@ from orchestrator.engine.children import (
     tune_socket,
 )
 from orchestrator.engine.runtime import run_sync
-from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes
+from orchestrator.llama.worker.load_progress import LoadProgress, ProgressTracker, planned_bytes
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints

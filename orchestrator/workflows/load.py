@@ -18,9 +18,9 @@ from orchestrator.llama.cache_prep import CachePrep, WarmChoice, prepare_caches
 from orchestrator.planning.plan import Plan
 
 if TYPE_CHECKING:
-    from orchestrator.llama.load_progress import LoadProgress
     from orchestrator.llama.placement import Placement
-    from orchestrator.llama.worker import Worker
+    from orchestrator.llama.worker.load_progress import LoadProgress
+    from orchestrator.llama.worker.parent import Worker
 
 
 def dial_map(hosts: Iterable[Host], endpoints: Iterable[str] | None = None) -> dict[str, str]:

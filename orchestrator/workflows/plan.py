@@ -101,7 +101,7 @@ def ordered_devices(
     local GPUs (`local_devices`: None = all, [] = none). They come from `local_gpus` (`run`: its worker's;
     serve: its listing, made once), by default from a worker child started to list them: this process
     never loads libllama."""
-    from orchestrator.llama.worker import list_local_gpus
+    from orchestrator.llama.worker.parent import list_local_gpus
 
     rpc = to_plan_devices(fleet, failed=failed)
     if failed == "skip" and not rpc:

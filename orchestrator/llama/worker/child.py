@@ -1,9 +1,9 @@
 """The worker process: loads one model through `load_llama` and serves requests until told to close.
 
-Run as `python -m orchestrator.llama.worker_child` by `orchestrator.llama.worker.Worker` (see there for
-why). The first line on stdin is the load request; every later line is a request (`worker_wire`). Its
-answers go to the protocol pipe: the original stdout, kept as a private descriptor, while fd 1 is pointed
-at stderr (the log), so a stray native `printf` can never corrupt the protocol.
+Run as `python -m orchestrator.llama.worker.child` by `orchestrator.llama.worker.parent.Worker` (see
+there for why). The first line on stdin is the load request; every later line is a request
+(`worker.wire`). Its answers go to the protocol pipe: the original stdout, kept as a private descriptor,
+while fd 1 is pointed at stderr (the log), so a stray native `printf` can never corrupt the protocol.
 
 The child never outlives its parent: a watchdog thread reads stdin and exits the process at end of file
 (the parent's end closes when it dies, however it dies) or when the process is re-parented. Not
@@ -25,8 +25,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from orchestrator.engine.children import connections_to, peers_of, socket_bytes_acked, tune_socket
-from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker_wire import decode, devices_to_json, encode, placement_to_json
+from orchestrator.llama.worker.text_stream import TextStream
+from orchestrator.llama.worker.wire import decode, devices_to_json, encode, placement_to_json
 
 PARENT_ENV = "RPCFLEET_WORKER_PARENT"
 _WATCH_INTERVAL = 0.5  # seconds between re-parenting checks of the watchdog
