@@ -99,8 +99,8 @@ _API: dict[str, str] = {
     "placement_of": "orchestrator.llama.placement",
     "Placement": "orchestrator.llama.placement",
     "Worker": "orchestrator.llama.worker.parent",
-    "plan_cache": "orchestrator.llama.cache_plan",
-    "CacheTensor": "orchestrator.llama.cache_plan",
+    "plan_cache": "orchestrator.llama.cache.plan",
+    "CacheTensor": "orchestrator.llama.cache.plan",
     "hash_file_range": "orchestrator.core.fnv",
     "WorkerError": "orchestrator.llama.worker.parent",
     "NodeLostError": "orchestrator.llama.worker.parent",
@@ -157,8 +157,8 @@ if TYPE_CHECKING:
     from orchestrator.inventory.model import select_hosts as select_hosts
     from orchestrator.lab.lifecycle import lab_down as lab_down
     from orchestrator.lab.lifecycle import lab_up as lab_up
-    from orchestrator.llama.cache_plan import CacheTensor as CacheTensor
-    from orchestrator.llama.cache_plan import plan_cache as plan_cache
+    from orchestrator.llama.cache.plan import CacheTensor as CacheTensor
+    from orchestrator.llama.cache.plan import plan_cache as plan_cache
     from orchestrator.llama.native.loader import load_llama as load_llama
     from orchestrator.llama.native.preflight import preflight as preflight
     from orchestrator.llama.native.registry import RpcDevice as RpcDevice

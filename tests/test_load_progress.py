@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.core.log import configure_logging
-from orchestrator.llama.cache_plan import plan_cache
+from orchestrator.llama.cache.plan import plan_cache
 from orchestrator.llama.worker.child import bytes_acked, endpoint_peers
 from orchestrator.llama.worker.load_progress import (
     LoadProgress,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
 
     from orchestrator.engine.runtime import Runtime
     from orchestrator.inventory.model import Host
-    from orchestrator.llama.cache_prep import CachePrep
+    from orchestrator.llama.cache.prep import CachePrep
     from orchestrator.llama.placement import Placement
     from orchestrator.planning.plan import Plan, PlanDevice
     from orchestrator.planning.profile import ModelProfile
@@ -71,7 +71,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--warm",
-        choices=["auto", "always", "never"],  # cache_prep.WarmChoice (not imported: start-up time)
+        choices=["auto", "always", "never"],  # cache.prep.WarmChoice (not imported: start-up time)
         default="auto",
         help="put the tensors the nodes' caches lack into them over SSH first, all nodes in parallel "
         "(rpc_cache hosts; auto: when two nodes or more lack some)",

@@ -78,7 +78,7 @@ async def load_check(
     """
     from orchestrator.connectors.tunnel import default_tunnels
     from orchestrator.engine.executor import Session
-    from orchestrator.llama.cache_prep import prepare_caches
+    from orchestrator.llama.cache.prep import prepare_caches
     from orchestrator.llama.worker.parent import Worker
 
     wanted = [h for h in hosts if h.endpoint in plan.endpoints]

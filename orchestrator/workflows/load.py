@@ -14,7 +14,7 @@ from orchestrator.connectors.tunnel import default_tunnels
 from orchestrator.engine.executor import DEFAULT_FORKS, RunResult, Session
 from orchestrator.engine.runtime import Runtime, run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache_prep import CachePrep, WarmChoice, prepare_caches
+from orchestrator.llama.cache.prep import CachePrep, WarmChoice, prepare_caches
 from orchestrator.planning.plan import Plan
 
 if TYPE_CHECKING:
