@@ -461,7 +461,7 @@ async def test_query_memory(fake: MakeFake) -> None:
 
 
 async def test_query_memory_never_raises_whatever_it_is_given(fake: MakeFake) -> None:
-    """query_all's rule (the seed's queryAll returns null on any failure): None, never an exception."""
+    """query_all's rule (the drop-in spec's queryAll is null on any failure): None, never an exception."""
     a = fake(protocol(devices=[(1 * GiB, 2 * GiB)]))
     b = fake(protocol(devices=[(5 * GiB, 6 * GiB)]))
     both = AggregateMemory(free=6 * GiB, total=8 * GiB, server_count=2, device_count=2)

@@ -142,7 +142,7 @@ class AggregateMemory:
         return self.total
 
 
-# The seed API's names (`orchestrator.query_rpc_memory`, `orchestrator.query_all`) for the same records.
+# The drop-in API's names (`orchestrator.query_rpc_memory`, `orchestrator.query_all`) for the same records.
 RpcDeviceMemory = DeviceMemory
 RpcMemoryInfo = AggregateMemory
 

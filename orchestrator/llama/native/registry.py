@@ -27,6 +27,7 @@ from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.core.units import format_size
 from orchestrator.engine.runtime import run_sync
+from orchestrator.llama.dropin_plan import parse_rpc_servers
 from orchestrator.llama.native.libllama import (
     LOCK,
     get_native,
@@ -35,7 +36,6 @@ from orchestrator.llama.native.libllama import (
     registered_endpoints,
 )
 from orchestrator.llama.native.preflight import check_endpoint_limit, probe_for_load
-from orchestrator.llama.seed_plan import parse_rpc_servers
 from orchestrator.rpc.client import endpoint_list, probe_endpoint, query_memory
 from orchestrator.rpc.errors import error_for
 from orchestrator.rpc.protocol import RpcDeviceMemory, RpcMemoryInfo, parse_endpoint
