@@ -1,9 +1,9 @@
-"""The restart step of a rolling restart: one node, refused when busy, back to its memory baseline.
+"""The restart step: one node, refused when busy, back to its memory baseline.
 
-A rolling restart is the ordinary executor with `serial` (docs/architecture.md): `Session.run(hosts,
-make_rolling_restart_step(...), serial=1, max_fail_percentage=0)`. This module holds only what one node
-needs, built from the service module's own functions (`read_node_state`, `classify`, `stop_server`,
-`start_server`, `wait_ready`):
+`service restart` and the playbooks' `restart` run it on their hosts; a rolling restart is the ordinary
+executor with `serial` (docs/architecture.md): `Session.run(hosts, make_restart_step(...), serial=1,
+max_fail_percentage=0)`. This module holds only what one node needs, built from the service module's
+own functions (`read_node_state`, `classify`, `stop_server`, `start_server`, `wait_ready`):
 
 1. Read the node. A *busy* server (a client is connected: killing it would kill an inference mid-way)
    is refused unless `force`; the stop checks again on the node, in the same step as the kill
@@ -142,7 +142,7 @@ async def _device_memory(host: Host) -> tuple[DeviceMemory, ...] | None:
     return result.devices if result.ok else None
 
 
-def make_rolling_restart_step(
+def make_restart_step(
     options: OperationOptions = DEFAULT_OPTIONS,
     *,
     ready_timeout: float = READY_TIMEOUT,

@@ -96,9 +96,9 @@ def _remove_unit(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _restart(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.rolling import make_rolling_restart_step
+    from orchestrator.operations.rolling import make_restart_step
 
-    return make_rolling_restart_step(
+    return make_restart_step(
         _options(args, play),
         ready_timeout=args["timeout"],
         memory_tolerance=args["memory_tolerance"],
