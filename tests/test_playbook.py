@@ -11,7 +11,7 @@ from orchestrator.cli import main
 from orchestrator.core.errors import PlaybookError, UsageError
 from orchestrator.engine.executor import batch_sizes
 from orchestrator.inventory.load import load_inventory_text
-from orchestrator.operations.rolling import memory_back
+from orchestrator.operations.restart import memory_back
 from orchestrator.playbooks.model import PlaybookErrors
 from orchestrator.playbooks.ops import REGISTRY
 from orchestrator.playbooks.reader import (

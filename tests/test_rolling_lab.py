@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.inventory.model import Host
 from orchestrator.lab.state import Lab
-from orchestrator.operations.rolling import RestartReport
+from orchestrator.operations.restart import RestartReport
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.protocol import Outcome
 from tests.plugins.playbooks import NodeView, Play

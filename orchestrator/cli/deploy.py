@@ -216,7 +216,7 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 def _json_value(value: Any) -> Any:
     from orchestrator.operations.install.plan import InstallChange
-    from orchestrator.operations.rolling import RestartReport
+    from orchestrator.operations.restart import RestartReport
     from orchestrator.operations.server.state import ServerStatus
     from orchestrator.operations.server.steps import DeployResult, ServiceChange
 
@@ -279,7 +279,7 @@ def handle_service(args: argparse.Namespace) -> int:
         from orchestrator.cli.playbook import handle_rolling_restart
 
         return handle_rolling_restart(args)
-    from orchestrator.operations.rolling import make_restart_step
+    from orchestrator.operations.restart import make_restart_step
     from orchestrator.operations.server.steps import make_service_step
 
     inventory, hosts = _common.load_hosts(args)

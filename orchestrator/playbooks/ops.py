@@ -96,7 +96,7 @@ def _remove_unit(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _restart(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.rolling import make_restart_step
+    from orchestrator.operations.restart import make_restart_step
 
     return make_restart_step(
         _options(args, play),
