@@ -80,7 +80,7 @@ _API: dict[str, str] = {
     "PlanOptions": "orchestrator.planning.plan",
     "PlanDevice": "orchestrator.planning.plan",
     "make_plan": "orchestrator.planning.strategy",
-    "order_devices": "orchestrator.planning.placement",
+    "order_devices": "orchestrator.planning.layer_assignment",
     "to_plan_devices": "orchestrator.planning.devices",
     "write_tiny_llama": "orchestrator.planning.synth",
     "write_tiny_mmproj": "orchestrator.planning.synth_mm",
@@ -175,7 +175,7 @@ if TYPE_CHECKING:
     from orchestrator.llama.worker.parent import Worker as Worker
     from orchestrator.llama.worker.parent import WorkerError as WorkerError
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
-    from orchestrator.planning.placement import order_devices as order_devices
+    from orchestrator.planning.layer_assignment import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan
     from orchestrator.planning.plan import PlanDevice as PlanDevice
     from orchestrator.planning.plan import PlanOptions as PlanOptions

@@ -55,7 +55,7 @@ from orchestrator.llama.native.loader import (
     register_endpoints,
 )
 from orchestrator.llama.native.preflight import check_endpoint_limit, probe_for_load
-from orchestrator.planning.placement import order_devices
+from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import KV_CACHE_TYPES, profile_model
 from orchestrator.planning.strategy import make_plan

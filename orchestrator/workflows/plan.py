@@ -14,7 +14,7 @@ from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.planning.devices import to_plan_devices
-from orchestrator.planning.placement import order_devices
+from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile
 from orchestrator.planning.strategy import make_plan
