@@ -74,7 +74,7 @@ CHILD = textwrap.dedent(
     from orchestrator.llama.native import loader
     from orchestrator.llama.native import preflight as preflight_module
     from orchestrator.llama.logs import join_log_records, parse_load_log
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.observed_placement import placement_of
     from pathlib import Path
     from orchestrator.planning.plan import Plan
 

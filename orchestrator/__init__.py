@@ -96,8 +96,8 @@ _API: dict[str, str] = {
     "query_rpc_memory": "orchestrator.llama.native.registry",
     "query_all": "orchestrator.llama.native.registry",
     "RpcDevice": "orchestrator.llama.native.registry",
-    "placement_of": "orchestrator.llama.placement",
-    "Placement": "orchestrator.llama.placement",
+    "placement_of": "orchestrator.llama.observed_placement",
+    "Placement": "orchestrator.llama.observed_placement",
     "Worker": "orchestrator.llama.worker.parent",
     "plan_cache": "orchestrator.llama.cache.plan",
     "CacheTensor": "orchestrator.llama.cache.plan",
@@ -169,8 +169,8 @@ if TYPE_CHECKING:
     from orchestrator.llama.native.registry import query_rpc_memory as query_rpc_memory
     from orchestrator.llama.native.registry import rpc_device_handles as rpc_device_handles
     from orchestrator.llama.native.registry import supports_rpc as supports_rpc
-    from orchestrator.llama.placement import Placement as Placement
-    from orchestrator.llama.placement import placement_of as placement_of
+    from orchestrator.llama.observed_placement import Placement as Placement
+    from orchestrator.llama.observed_placement import placement_of as placement_of
     from orchestrator.llama.worker.parent import NodeLostError as NodeLostError
     from orchestrator.llama.worker.parent import Worker as Worker
     from orchestrator.llama.worker.parent import WorkerError as WorkerError

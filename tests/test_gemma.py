@@ -20,7 +20,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.lab.state import Lab
 from orchestrator.llama.native.loader import load_llama
-from orchestrator.llama.placement import Placement, placement_of
+from orchestrator.llama.observed_placement import Placement, placement_of
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan

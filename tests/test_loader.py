@@ -38,7 +38,7 @@ from orchestrator.llama.logs import (
 from orchestrator.llama.native.libllama import live_endpoints, register, registered_endpoints
 from orchestrator.llama.native.loader import _multimodal, device_names, load_llama
 from orchestrator.llama.native.preflight import check_plan_devices, preflight
-from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
+from orchestrator.llama.observed_placement import MemoryBytes, build_placement, exact_memory, placement_of
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model

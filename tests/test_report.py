@@ -667,7 +667,7 @@ def test_plan_report_and_run_show_the_same_host_row_that_adds_up(
     and each total is the sum of the columns shown."""
     from orchestrator.cli.plan import print_plan
     from orchestrator.core.units import format_size
-    from orchestrator.llama.placement import build_placement
+    from orchestrator.llama.observed_placement import build_placement
 
     profile = profile_model(gemma_model)
     report = build_report(two_node_fleet(), [("gemma.gguf", profile)], [4096], ReportOptions(recommend=False))

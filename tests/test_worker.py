@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from orchestrator.llama.native.libllama import local_gpus
-from orchestrator.llama.placement import build_placement
+from orchestrator.llama.observed_placement import build_placement
 from orchestrator.llama.worker.parent import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
 from orchestrator.llama.worker.text_stream import TextStream
 from orchestrator.llama.worker.wire import (

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
     from orchestrator.engine.runtime import Runtime
     from orchestrator.inventory.model import Host
     from orchestrator.llama.cache.prep import CachePrep
-    from orchestrator.llama.placement import Placement
+    from orchestrator.llama.observed_placement import Placement
     from orchestrator.planning.plan import Plan, PlanDevice
     from orchestrator.planning.profile import ModelProfile
     from orchestrator.workflows.load import FleetLoad
@@ -333,7 +333,7 @@ def _print_placement(placement: Placement) -> None:
     from rich import box
     from rich.table import Table
 
-    from orchestrator.llama.placement import PLACEMENT_COLUMNS
+    from orchestrator.llama.observed_placement import PLACEMENT_COLUMNS
 
     table = Table(
         title="placement (MiB)", title_justify="left", box=box.SIMPLE_HEAD, highlight=False, pad_edge=False

@@ -128,7 +128,7 @@ class MemoryBytes:
 @dataclass(frozen=True)
 class PlannedMemory(MemoryBytes):
     """The plan's prediction for one device against what it may use; what a server reports is
-    `rpc.protocol.DeviceMemory`, what a load allocated `llama.placement.DevicePlacement.actual`."""
+    `rpc.protocol.DeviceMemory`, what a load allocated `llama.observed_placement.DevicePlacement.actual`."""
 
     usable: int
     margin: int

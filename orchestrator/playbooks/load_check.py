@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.inventory.model import Host
-    from orchestrator.llama.placement import Placement
+    from orchestrator.llama.observed_placement import Placement
     from orchestrator.planning.plan import MemoryBytes, Plan
 
 LOAD_CHECK_TIMEOUT = 300.0

@@ -18,7 +18,7 @@ from orchestrator.llama.cache.prep import CachePrep, WarmChoice, prepare_caches
 from orchestrator.planning.plan import Plan
 
 if TYPE_CHECKING:
-    from orchestrator.llama.placement import Placement
+    from orchestrator.llama.observed_placement import Placement
     from orchestrator.llama.worker.load_progress import LoadProgress
     from orchestrator.llama.worker.parent import Worker
 

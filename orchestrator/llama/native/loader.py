@@ -46,7 +46,7 @@ from orchestrator.llama.native.libllama import (
 )
 from orchestrator.llama.native.multimodal import mtmd_handler
 from orchestrator.llama.native.preflight import check_endpoint_limit, preflight
-from orchestrator.llama.placement import build_placement
+from orchestrator.llama.observed_placement import build_placement
 from orchestrator.planning.plan import Plan
 from orchestrator.planning.profile import KV_CACHE_TYPES
 

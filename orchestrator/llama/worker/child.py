@@ -327,7 +327,7 @@ def serve(channel: _Channel) -> int:
     from orchestrator.core.errors import RpcfleetError
     from orchestrator.llama.native.libllama import local_gpus
     from orchestrator.llama.native.loader import load_llama
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.observed_placement import placement_of
     from orchestrator.planning.plan import Plan
 
     with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort

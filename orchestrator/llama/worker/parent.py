@@ -35,7 +35,7 @@ from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
 from orchestrator.engine.children import child_log_path, exit_description, spawn_child
 from orchestrator.engine.runtime import run_sync
-from orchestrator.llama.placement import Placement
+from orchestrator.llama.observed_placement import Placement
 from orchestrator.llama.worker.child import PARENT_ENV
 from orchestrator.llama.worker.load_progress import (
     LoadProgress,
