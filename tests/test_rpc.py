@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.artifacts.local_protocol import _version_from_manifest, local_protocol_version
 from orchestrator.artifacts.manifest import Artifact, llama_cpp_python_version
-from orchestrator.artifacts.protocol import _version_from_manifest, local_protocol_version
 from orchestrator.artifacts.source import sdist_path
 from orchestrator.core.errors import ProbeError
 from orchestrator.rpc.client import probe_endpoint, probe_endpoint_or_raise, probe_endpoints, query_memory

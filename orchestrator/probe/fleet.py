@@ -62,7 +62,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from orchestrator.artifacts.protocol import cached_local_protocol_version
+from orchestrator.artifacts.local_protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import RpcfleetError

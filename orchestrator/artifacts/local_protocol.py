@@ -1,4 +1,5 @@
-"""The RPC protocol this controller speaks: the one recorded by the locally built artifact's manifest.
+"""The RPC protocol version this controller speaks: the one recorded by the locally built artifact's
+manifest (the wire format itself is rpc/wire.py).
 
 It lives here, not in `rpc`, because it reads the artifact store; `rpc` itself defaults to the protocol of
 the pinned binding (llama-cpp-python 0.3.36).
