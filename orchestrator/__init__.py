@@ -53,15 +53,15 @@ _API: dict[str, str] = {
     "Recap": "orchestrator.engine.executor",
     "RunResult": "orchestrator.engine.executor",
     "HostResult": "orchestrator.engine.executor",
-    "ProtocolVersion": "orchestrator.rpc.protocol",
-    "ProbeResult": "orchestrator.rpc.protocol",
-    "Outcome": "orchestrator.rpc.protocol",
-    "parse_endpoint": "orchestrator.rpc.protocol",
+    "ProtocolVersion": "orchestrator.rpc.records",
+    "ProbeResult": "orchestrator.rpc.records",
+    "Outcome": "orchestrator.rpc.records",
+    "parse_endpoint": "orchestrator.rpc.records",
     "probe_endpoint": "orchestrator.rpc.client",
     "probe_endpoints": "orchestrator.rpc.client",
     "query_memory": "orchestrator.rpc.client",
-    "RpcDeviceMemory": "orchestrator.rpc.protocol",
-    "RpcMemoryInfo": "orchestrator.rpc.protocol",
+    "RpcDeviceMemory": "orchestrator.rpc.records",
+    "RpcMemoryInfo": "orchestrator.rpc.records",
     "EndpointProbeError": "orchestrator.rpc.errors",
     "EndpointUnreachableError": "orchestrator.rpc.errors",
     "EndpointBusyError": "orchestrator.rpc.errors",
@@ -200,12 +200,12 @@ if TYPE_CHECKING:
     from orchestrator.rpc.errors import EndpointProbeError as EndpointProbeError
     from orchestrator.rpc.errors import EndpointUnreachableError as EndpointUnreachableError
     from orchestrator.rpc.errors import ProtocolMismatchError as ProtocolMismatchError
-    from orchestrator.rpc.protocol import Outcome as Outcome
-    from orchestrator.rpc.protocol import ProbeResult as ProbeResult
-    from orchestrator.rpc.protocol import ProtocolVersion as ProtocolVersion
-    from orchestrator.rpc.protocol import RpcDeviceMemory as RpcDeviceMemory
-    from orchestrator.rpc.protocol import RpcMemoryInfo as RpcMemoryInfo
-    from orchestrator.rpc.protocol import parse_endpoint as parse_endpoint
+    from orchestrator.rpc.records import Outcome as Outcome
+    from orchestrator.rpc.records import ProbeResult as ProbeResult
+    from orchestrator.rpc.records import ProtocolVersion as ProtocolVersion
+    from orchestrator.rpc.records import RpcDeviceMemory as RpcDeviceMemory
+    from orchestrator.rpc.records import RpcMemoryInfo as RpcMemoryInfo
+    from orchestrator.rpc.records import parse_endpoint as parse_endpoint
     from orchestrator.workflows.dropin import Llama as Llama
 
 

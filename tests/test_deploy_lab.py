@@ -33,7 +33,7 @@ from orchestrator.operations.server.steps import (
     make_status_step,
 )
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.procs import kill_supervised, wait_gone
 from tests.waits import until_value
 

@@ -26,7 +26,7 @@ from orchestrator.llama.dropin_plan import measured_devices, parse_rpc_servers
 from orchestrator.llama.errors import EndpointUnreachableError, UnknownArgumentError
 from orchestrator.llama.native.libllama import registered_endpoints
 from orchestrator.probe.host import HostFacts
-from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult
 from tests.plugins.llama import DebugServer, GiB
 from tests.plugins.servers import LocalServer, free_port
 

@@ -44,7 +44,7 @@ from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 from tests.fakerpc import fake_rpc_server, protocol
 from tests.plugins.llama import DebugServer, GiB, plan_devices
 from tests.plugins.servers import free_port

@@ -30,7 +30,7 @@ from orchestrator.operations.install.plan import InstallChange, InstallState, pl
 from orchestrator.operations.node_build import build_command, parse_build_output
 from orchestrator.operations.server.steps import DeployResult, make_deploy_step
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
 
 SDIST = sdist_path(llama_cpp_python_version())

@@ -21,7 +21,7 @@ from orchestrator.playbooks.reader import (
     rolling_restart_playbook,
 )
 from orchestrator.playbooks.runner import play_hosts
-from orchestrator.rpc.protocol import DeviceMemory
+from orchestrator.rpc.records import DeviceMemory
 
 PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
 GiB = 1 << 30

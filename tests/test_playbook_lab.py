@@ -14,7 +14,7 @@ from orchestrator.lab.state import Lab
 from orchestrator.planning.plan import Plan
 from orchestrator.playbooks.load_check import LoadCheckResult
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.playbooks import PLAYBOOKS, NodeView, Play
 
 pytestmark = pytest.mark.lab

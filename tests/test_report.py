@@ -41,7 +41,7 @@ from orchestrator.report.data import render_json
 from orchestrator.report.html import BAR_WIDTH, SEGMENT_COLOURS, render_html
 from orchestrator.report.render import render
 from orchestrator.report.text import render_markdown, render_text
-from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 GiB = 1024**3

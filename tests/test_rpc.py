@@ -30,7 +30,7 @@ from orchestrator.rpc.errors import (
     ProtocolMismatchError,
     error_for,
 )
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     LLAMA_CPP_PYTHON_0_3_36_PROTOCOL,
     AggregateMemory,
     DeviceMemory,

@@ -38,7 +38,7 @@ from orchestrator.operations.server.steps import (
 )
 from orchestrator.operations.systemd import SERVICE_USER_MARK, unit_name
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.test_lab import leftovers
 from tests.waits import wait_until

@@ -36,7 +36,7 @@ from orchestrator.lab.lifecycle import inventory_document
 from orchestrator.lab.state import Lab, LabNode
 from orchestrator.operations.firewall import apply_firewall
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]

@@ -13,7 +13,7 @@ from pathlib import Path
 from orchestrator.artifacts.build import cached_build
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.log import get_logger
-from orchestrator.rpc.protocol import LLAMA_CPP_PYTHON_0_3_36_PROTOCOL, ProtocolVersion, parse_header_version
+from orchestrator.rpc.records import LLAMA_CPP_PYTHON_0_3_36_PROTOCOL, ProtocolVersion, parse_header_version
 
 log = get_logger()
 

@@ -88,7 +88,7 @@ def register(subparsers: Any) -> None:
 
 def _endpoint(text: str) -> str:
     """--endpoint's value, checked as it is parsed (a bad one is a usage error naming it)."""
-    from orchestrator.rpc.protocol import EndpointError, parse_endpoint
+    from orchestrator.rpc.records import EndpointError, parse_endpoint
 
     try:
         parse_endpoint(text)
@@ -101,7 +101,7 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     """Inventory-less hosts for `--endpoint` values. Loopback servers run on this machine, so they get
     a local connection (facts such as MemAvailable are read here); others are probed over RPC only."""
     from orchestrator.inventory.model import Host
-    from orchestrator.rpc.protocol import parse_endpoint
+    from orchestrator.rpc.records import parse_endpoint
 
     hosts = []
     for text in endpoints:

@@ -37,7 +37,7 @@ from orchestrator.planning.plan import PlanDevice
 from orchestrator.probe.capacity import fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.errors import EndpointUnreachableError
-from orchestrator.rpc.protocol import EndpointError, Outcome, ProbeResult, parse_endpoint
+from orchestrator.rpc.records import EndpointError, Outcome, ProbeResult, parse_endpoint
 
 FACTS_TIMEOUT_S = 5.0
 

@@ -57,7 +57,7 @@ from orchestrator.operations.stale import find_stale
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import Outcome, ProbeResult, ProtocolVersion
 
 DEFAULT_INTERVAL = 15.0
 HISTORY_SECONDS = 600.0  # the page's requests and tokens/s go back this far

@@ -47,7 +47,7 @@ from orchestrator.operations.server.state import (
 )
 from orchestrator.operations.server.steps import without_stale_clients
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import DeviceMemory
+from orchestrator.rpc.records import DeviceMemory
 
 DEFAULT_MEMORY_TOLERANCE = 0.05  # of each device's total
 

@@ -73,7 +73,7 @@ from orchestrator.inventory.model import Host
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity, without_own_connection
 from orchestrator.probe.host import DEFAULT_TIMEOUT, HostFacts, read_facts
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     AggregateMemory,
     Outcome,
     ProbeResult,

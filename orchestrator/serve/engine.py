@@ -50,7 +50,7 @@ from orchestrator.llama.worker.load_progress import LoadProgress, ProgressTracke
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
-from orchestrator.rpc.protocol import Outcome, ProbeResult, parse_endpoint
+from orchestrator.rpc.records import Outcome, ProbeResult, parse_endpoint
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 
 DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README

@@ -13,7 +13,7 @@ from orchestrator.llama.native.libllama import LIVE, LOCK, REGISTRY, get_native
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     DeviceMemory,
     EndpointError,
     Outcome,

@@ -38,7 +38,7 @@ from orchestrator.llama.native.libllama import (
 from orchestrator.llama.native.preflight import check_endpoint_limit, probe_for_load
 from orchestrator.rpc.client import endpoint_list, probe_endpoint, query_memory
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import RpcDeviceMemory, RpcMemoryInfo, parse_endpoint
+from orchestrator.rpc.records import RpcDeviceMemory, RpcMemoryInfo, parse_endpoint
 
 
 @dataclass(frozen=True)

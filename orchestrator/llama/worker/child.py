@@ -139,7 +139,7 @@ class _LoadMeter:
 
 def endpoint_peers(endpoints: Sequence[str]) -> dict[tuple[str, int], str]:
     """The (address, port) pairs a connection to each endpoint has as its peer (names resolved)."""
-    from orchestrator.rpc.protocol import parse_endpoint
+    from orchestrator.rpc.records import parse_endpoint
 
     return peers_of({text: (ep.host, ep.port) for text in endpoints for ep in [parse_endpoint(text)]})
 

@@ -60,7 +60,7 @@ from orchestrator.llama.worker.wire import (
 )
 from orchestrator.planning.plan import Plan, PlanDevice
 from orchestrator.rpc.client import probe_endpoints
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 
 __all__ = [
     "Done",

@@ -25,7 +25,7 @@ from orchestrator.llama import errors as llama_errors
 from orchestrator.llama.observed_placement import DevicePlacement, HostPlacement, Placement
 from orchestrator.planning.plan import MemoryBytes, PlanDevice
 from orchestrator.rpc.errors import EndpointProbeError
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 
 T = TypeVar("T")
 

@@ -1,4 +1,5 @@
-"""Endpoints, protocol versions, probe outcomes and their errors (pure)."""
+"""The RPC client's records: endpoints, protocol versions, probe outcomes and results, device memory, and
+their errors (pure; the wire format is rpc/wire.py)."""
 
 from __future__ import annotations
 
