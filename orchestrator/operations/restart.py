@@ -2,14 +2,14 @@
 
 `service restart` and the playbooks' `restart` run it on their hosts; a rolling restart is the ordinary
 executor with `serial` (docs/architecture.md): `Session.run(hosts, make_restart_step(...), serial=1,
-max_fail_percentage=0)`. This module holds only what one node needs, built from the service module's
+max_fail_percentage=0)`. This module holds only what one node needs, built from the server package's
 own functions (`read_node_state`, `classify`, `stop_server`, `start_server`, `wait_ready`):
 
 1. Read the node. A *busy* server (a client is connected: killing it would kill an inference mid-way)
    is refused unless `force`; the stop checks again on the node, in the same step as the kill
    (`operations.server.process.stop_script`: a connection lasting `BUSY_GRACE` is a model, not a probe).
 2. Baseline: the server's free device memory before the stop (an RPC probe of every device).
-3. Stop, start, wait until HELLO answers (`service.wait_ready`), then until every device's free memory
+3. Stop, start, wait until HELLO answers (`server.process.wait_ready`), then until every device's free memory
    is back to its baseline within a tolerance. CPU servers report a constant (physical RAM), so for them
    this holds at once.
 

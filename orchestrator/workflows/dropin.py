@@ -11,7 +11,7 @@ imports it only when the name `Llama` is used. Construction, in the drop-in spec
    unreachable, busy or mismatched server raises its typed error and the process carries on. At most
    16 distinct endpoints per process.
 3. Native code: ggml's backends are loaded (where the build has dynamic ones), then each endpoint is
-   registered once per process (`native`), then the model is built on an explicit device list.
+   registered once per process (`llama.native.libllama`), then the model is built on an explicit device list.
 4. Devices: all devices of each endpoint in `rpc_servers` order, then the local GPUs
    (`rpc_local_devices`: None = the default ones, [] = none, names select and order them).
 5. Without `tensor_split`, rpcfleet plans it: usable memory per device (`dropin_plan`), whole layers,

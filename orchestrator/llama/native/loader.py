@@ -4,7 +4,7 @@
 whole process on an unreachable or mismatched server. So, in this order (facts: §4-§6 of
 docs/llama-rpc.md):
 
-1. Preflight every endpoint of the plan with the pure-Python client (`llama.preflight`) and refuse,
+1. Preflight every endpoint of the plan with the pure-Python client (`llama.native.preflight`) and refuse,
    with a typed error, anything unreachable, busy, of another protocol, or whose devices do not
    match the plan. No native call happens before this (`GGML_NO_BACKTRACE=1` is set even earlier).
 2. Register the endpoints through libllama's own ggml (`llama_cpp.llama_cpp._lib`; `llama_cpp._ggml` is a
