@@ -348,7 +348,7 @@ def test_the_memory_alert_compares_a_cpu_servers_free_share_with_its_share_of_th
     from orchestrator.observe.collect import device_view
     from orchestrator.probe.capacity import fleet_capacity
     from orchestrator.probe.host import HostFacts, MemInfo
-    from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+    from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 
     gib = 1 << 30
     facts = HostFacts(memory=MemInfo(total=32 * gib, available=20 * gib), machine_id="m1")

@@ -21,7 +21,7 @@ import pytest
 from orchestrator.cli import _planning, parse_args
 from orchestrator.core.errors import UsageError
 from orchestrator.inventory.model import Host
-from orchestrator.llama.load_progress import LoadProgress
+from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan

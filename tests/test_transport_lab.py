@@ -36,10 +36,10 @@ from orchestrator.engine.threads import start_thread
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import inventory_document
-from orchestrator.lab.model import Lab, LabNode
+from orchestrator.lab.state import Lab, LabNode
 from orchestrator.operations.firewall import apply_firewall
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]

@@ -49,28 +49,6 @@ from orchestrator.engine.threads import thread_pool
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab import systemd
-from orchestrator.lab.model import (
-    LAB_GROUP,
-    LINK_RE,
-    MAX_NODES,
-    NAME_RE,
-    NODE_INSTALL_DIR,
-    NODE_RPC_PORT,
-    NS_RE,
-    PREFIX,
-    SSH_PORT,
-    USER_RE,
-    Lab,
-    LabKind,
-    LabNode,
-    LabStatus,
-    NodeInit,
-    NodeRepair,
-    NodeStatus,
-    Owner,
-    check_name,
-    lab_dir,
-)
 from orchestrator.lab.netns import (
     check_netns_prerequisites,
     create_local,
@@ -86,6 +64,28 @@ from orchestrator.lab.netns import (
     teardown_slot,
 )
 from orchestrator.lab.procs import tcp_open
+from orchestrator.lab.sshd import SSH_PORT
+from orchestrator.lab.state import (
+    LAB_GROUP,
+    LINK_RE,
+    MAX_NODES,
+    NAME_RE,
+    NODE_INSTALL_DIR,
+    NODE_RPC_PORT,
+    NS_RE,
+    PREFIX,
+    USER_RE,
+    Lab,
+    LabKind,
+    LabNode,
+    LabStatus,
+    NodeInit,
+    NodeRepair,
+    NodeStatus,
+    Owner,
+    check_name,
+    lab_dir,
+)
 
 
 def lab_up(

@@ -49,7 +49,7 @@ from orchestrator.lab.procs import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.lab.model import Lab, LabNode
+    from orchestrator.lab.state import Lab, LabNode
 
 NSPAWN = "systemd-nspawn"
 

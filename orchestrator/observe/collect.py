@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator.artifacts.protocol import cached_local_protocol_version
+from orchestrator.artifacts.local_protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.tunnel import dial_endpoint
 from orchestrator.core.errors import RpcfleetError
@@ -60,7 +60,7 @@ from orchestrator.operations.stale import find_stale
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import Outcome, ProbeResult, ProtocolVersion
 
 DEFAULT_INTERVAL = 15.0
 HISTORY_SECONDS = 600.0  # the page's requests and tokens/s go back this far

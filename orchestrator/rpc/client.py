@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     CLIENT_PROTOCOL,
     AggregateMemory,
     DeviceMemory,

@@ -39,7 +39,7 @@ from typing import Any
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.threads import start_thread
-from orchestrator.llama.load_progress import LoadProgress
+from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, default_engines, lost_message
 from orchestrator.serve.fleet import ServeFleet

@@ -47,11 +47,11 @@ from orchestrator.engine.children import (
 )
 from orchestrator.engine.runtime import run_sync
 from orchestrator.engine.threads import start_thread
-from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes
+from orchestrator.llama.worker.load_progress import LoadProgress, ProgressTracker, planned_bytes
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
-from orchestrator.rpc.protocol import Outcome, ProbeResult, parse_endpoint
+from orchestrator.rpc.records import Outcome, ProbeResult, parse_endpoint
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 
 DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README

@@ -1,9 +1,9 @@
 """The worker process: loads one model through `load_llama` and serves requests until told to close.
 
-Run as `python -m orchestrator.llama.worker_child` by `orchestrator.llama.worker.Worker` (see there for
-why). The first line on stdin is the load request; every later line is a request (`worker_wire`). Its
-answers go to the protocol pipe: the original stdout, kept as a private descriptor, while fd 1 is pointed
-at stderr (the log), so a stray native `printf` can never corrupt the protocol.
+Run as `python -m orchestrator.llama.worker.child` by `orchestrator.llama.worker.parent.Worker` (see
+there for why). The first line on stdin is the load request; every later line is a request
+(`worker.wire`). Its answers go to the protocol pipe: the original stdout, kept as a private descriptor,
+while fd 1 is pointed at stderr (the log), so a stray native `printf` can never corrupt the protocol.
 
 The child never outlives its parent: a watchdog thread reads stdin and exits the process at end of file
 (the parent's end closes when it dies, however it dies) or when the process is re-parented. Not
@@ -26,8 +26,8 @@ from typing import IO, Any
 
 from orchestrator.engine.children import connections_to, peers_of, socket_bytes_acked, tune_socket
 from orchestrator.engine.threads import start_thread
-from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker_wire import decode, devices_to_json, encode, placement_to_json
+from orchestrator.llama.worker.text_stream import TextStream
+from orchestrator.llama.worker.wire import decode, devices_to_json, encode, placement_to_json
 
 PARENT_ENV = "RPCFLEET_WORKER_PARENT"
 _WATCH_INTERVAL = 0.5  # seconds between re-parenting checks of the watchdog
@@ -141,7 +141,7 @@ class _LoadMeter:
 
 def endpoint_peers(endpoints: Sequence[str]) -> dict[tuple[str, int], str]:
     """The (address, port) pairs a connection to each endpoint has as its peer (names resolved)."""
-    from orchestrator.rpc.protocol import parse_endpoint
+    from orchestrator.rpc.records import parse_endpoint
 
     return peers_of({text: (ep.host, ep.port) for text in endpoints for ep in [parse_endpoint(text)]})
 
@@ -289,7 +289,7 @@ class _Generation:
 
 
 def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
-    from orchestrator.llama.native import generation_timings
+    from orchestrator.llama.native.libllama import generation_timings
 
     common = {
         "max_tokens": request.get("max_tokens", 16),
@@ -327,9 +327,9 @@ def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
 
 def serve(channel: _Channel) -> int:
     from orchestrator.core.errors import RpcfleetError
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.native import local_gpus
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.native.libllama import local_gpus
+    from orchestrator.llama.native.loader import load_llama
+    from orchestrator.llama.observed_placement import placement_of
     from orchestrator.planning.plan import Plan
 
     with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort
