@@ -402,7 +402,7 @@ def test_resolve_by_id_checks_the_platform(cpu_artifact: Artifact) -> None:
 
 # ---------------------------------------------------------------- the pinned llama-cpp-python sdists
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_sdists_are_pinned_and_setup_pins_the_same(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from orchestrator.facts.server import Listener
 from orchestrator.llama.observed_placement import DevicePlacement, HostPlacement, MemoryBytes, Placement
 from orchestrator.operations.server.process import taken_hint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLEET = str(ROOT / "tests" / "data" / "inventory" / "fleet_ansible.yml")
 MiB = 1 << 20
 
@@ -403,7 +403,7 @@ gc.collect()  # a task that still holds the interrupt is collected: asyncio woul
 
 def test_an_interrupt_that_lands_inside_a_task_is_reported_once() -> None:
     """A signal during a probe raises inside one of its tasks: `interrupted`, never also asyncio's "Task
-    exception was never retrieved" and a traceback (tests/test_interrupts_lab.py: the probe phase)."""
+    exception was never retrieved" and a traceback (tests/cli/test_interrupts_lab.py: the probe phase)."""
     result = subprocess.run(
         [sys.executable, "-c", _INTERRUPT_IN_A_TASK],
         env=_child_env(),

@@ -31,7 +31,7 @@ from tests.plugins.playbooks import NodeView
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

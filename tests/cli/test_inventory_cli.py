@@ -11,7 +11,7 @@ from orchestrator.cli import _common, main
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import host_to_dict
 
-DATA = Path(__file__).parent / "data" / "inventory"
+DATA = Path(__file__).parents[1] / "data" / "inventory"
 FLEET = str(DATA / "fleet_ansible.yml")
 
 

@@ -28,7 +28,7 @@ from orchestrator.operations.install import ensure
 from tests.procs import gone, wait_gone
 from tests.waits import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_runtime_keeps_one_loop_and_one_session_across_its_phases() -> None:

@@ -42,7 +42,7 @@ from orchestrator.facts.server import (
 from orchestrator.facts.system import CpuCountFact, FreeSpaceFact, MemoryFact, OsFact, OsInfo, UserFact
 from tests.plugins.servers import LocalServer
 
-DATA = Path(__file__).parent / "data" / "facts"
+DATA = Path(__file__).parents[1] / "data" / "facts"
 CASES = sorted(DATA.glob("*/*.json"))
 
 

@@ -17,8 +17,8 @@ from orchestrator.inventory.model import Host, HostPatternError, host_to_dict, s
 from orchestrator.inventory.ranges import MAX_RANGE_HOSTS, expand_host_range
 from orchestrator.inventory.variables import DEFAULT_INSTALL_DIR, VARIABLES
 
-DATA = Path(__file__).parent / "data" / "inventory"
-EXAMPLES = Path(__file__).parent.parent / "inventory"
+DATA = Path(__file__).parents[1] / "data" / "inventory"
+EXAMPLES = Path(__file__).parents[2] / "inventory"
 
 
 def load(text: str, name: str = "inv.yml") -> Any:

@@ -36,39 +36,10 @@ from orchestrator.lab.lifecycle import (
 )
 from orchestrator.lab.procs import run_all
 from orchestrator.lab.state import Lab
-from tests.plugins.lab import lab_hosts_of
+from tests.plugins.lab import lab_hosts_of, leftovers
 
 MakeLab = Callable[..., Lab]
 FAST = ConnectOptions(connect_timeout=1.0, keepalive_interval=1.0, keepalive_count_max=2)
-
-
-def leftovers(lab: Lab) -> list[str]:
-    """Everything of `lab` still on the machine, found independently of the lab module."""
-    found: list[str] = []
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    found += [
-        f"netns {line.split()[0]}" for line in namespaces.splitlines() if line.startswith(f"rfl{lab.slot}-")
-    ]
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    found += [f"link {m}" for m in re.findall(rf"^\d+: (rfl{lab.slot}(?:br|v\d+))[@:]", links, re.M)]
-    if lab.user and subprocess.run(["getent", "passwd", lab.user], capture_output=True).returncode == 0:
-        found.append(f"user {lab.user}")
-    if lab.home_mount and lab.home_mount.exists():
-        found.append(f"mount point {lab.home_mount}")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(lab.dir) in cmdline and int(entry.name) != os.getpid():
-            found.append(f"process {entry.name}: {cmdline.strip()}")
-    if lab.dir.exists():
-        found.append(f"state dir {lab.dir}")
-    cgroup = Path("/sys/fs/cgroup")  # a node's own cgroups (systemd nodes, --cpus), in every hierarchy
-    found += [f"cgroup {p}" for p in [*cgroup.glob(f"rfl{lab.slot}-*"), *cgroup.glob(f"*/rfl{lab.slot}-*")]]
-    return found
 
 
 def alive(pid: int) -> bool:

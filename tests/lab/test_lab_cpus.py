@@ -19,8 +19,7 @@ from orchestrator.lab import cgroups
 from orchestrator.lab.cgroups import PERIOD_US, join_lines, quota_us
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up, reap_stale
 from orchestrator.lab.state import PREFIX, Lab
-from tests.plugins.lab import lab_hosts_of, require_lab_privileges, session_lab_name
-from tests.test_lab import leftovers
+from tests.plugins.lab import lab_hosts_of, leftovers, require_lab_privileges, session_lab_name
 
 FAST = ConnectOptions(connect_timeout=5.0, command_timeout=30.0)
 

@@ -22,7 +22,7 @@ from orchestrator.llama.worker.load_progress import (
     progress_sample,
 )
 from orchestrator.llama.worker.parent import Worker
-from tests.test_cache import Node, _plan, big_model, nodes  # noqa: F401 (fixtures)
+from tests.plugins.cache import Node, plan_on_nodes
 
 
 def test_rates_eta_names_and_what_is_left_to_send() -> None:
@@ -140,11 +140,11 @@ def _load(plan, model: Path) -> list[LoadProgress]:  # type: ignore[no-untyped-d
 
 @pytest.mark.llama
 def test_progress_of_a_cold_then_a_warm_load(
-    nodes: list[Node],  # noqa: F811
-    big_model: Path,  # noqa: F811
+    nodes: list[Node],
+    big_model: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    plan = _plan(nodes, big_model)
+    plan = plan_on_nodes(nodes, big_model)
     planned = planned_bytes(plan)
     configure_logging("json", "INFO")
     try:
@@ -176,8 +176,8 @@ def test_progress_of_a_cold_then_a_warm_load(
 
 @pytest.mark.llama
 def test_run_shows_the_load_per_node_on_a_terminal(
-    nodes: list[Node],  # noqa: F811
-    big_model: Path,  # noqa: F811
+    nodes: list[Node],
+    big_model: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -213,8 +213,8 @@ def test_run_shows_the_load_per_node_on_a_terminal(
 
 @pytest.mark.llama
 def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_file(
-    nodes: list[Node],  # noqa: F811
-    big_model: Path,  # noqa: F811
+    nodes: list[Node],
+    big_model: Path,
 ) -> None:
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanOptions

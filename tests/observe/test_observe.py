@@ -39,7 +39,7 @@ from orchestrator.serve.metrics import Metrics, Recovery
 from tests.plugins.servers import free_port
 from tests.waits import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(

@@ -48,7 +48,7 @@ pytestmark = [
     ),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "obs3rve"
 INTERVAL = 2.0  # the exporter's probe interval here (seconds)
 

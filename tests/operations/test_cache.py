@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,63 +34,17 @@ from orchestrator.operations.cache import (
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
+from tests.plugins.cache import Node, local_host, plan_on_nodes, warm_items
 from tests.plugins.llama import plan_devices
-from tests.plugins.servers import LocalServer, launch_rpc_server
+from tests.plugins.servers import launch_rpc_server
 from tests.waits import until
 
-# 2 layers, n_embd 1024, n_ff 5632: each FFN matrix is 11 MiB (cached), attention matrices 2 MiB (not).
-MODEL = {"n_layer": 2, "n_embd": 1024, "n_head": 8, "n_head_kv": 8, "n_ff": 5632, "seed": 3}
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("cache-model") / "m.gguf", **MODEL)
-
-
-def _host(name: str, install: Path, **kw: object) -> Host:
-    return Host(name=name, address="127.0.0.1", connection="local", install_dir=str(install), **kw)  # type: ignore[arg-type]
 
 
 def _cache_files(install: Path) -> dict[str, int]:
     folder = install / "cache" / "rpc"
     return {p.name: p.stat().st_size for p in folder.iterdir()} if folder.exists() else {}
-
-
-class Node:
-    def __init__(self, binary: Path, root: Path, name: str) -> None:
-        self.install = root / name
-        (self.install / "cache").mkdir(parents=True, exist_ok=True)
-        self.binary, self.root, self.name = binary, root, name
-        self.server: LocalServer | None = None
-        self.host = _host(name, self.install)
-
-    def start(self) -> LocalServer:
-        env = {**os.environ, "LLAMA_CACHE": str(self.install / "cache")}
-        self.server = launch_rpc_server(self.binary, self.root, "-c", env=env, log_prefix=self.name)
-        return self.server
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-@pytest.fixture
-def nodes(rpc_server_binary: Path, tmp_path: Path) -> Iterator[list[Node]]:
-    made = [Node(rpc_server_binary, tmp_path, f"n{i}") for i in range(2)]
-    for n in made:
-        n.start()
-    yield made
-    for n in made:
-        n.stop()
-
-
-def _plan(nodes: list[Node], model: Path) -> Plan:
-    assert all(n.server is not None for n in nodes)
-    devices = plan_devices([n.server.endpoint for n in nodes if n.server])
-    return make_plan(devices, profile_model(model), PlanOptions(n_ctx=256))
 
 
 def _generate(plan: Plan, model: Path) -> str:
@@ -150,7 +103,7 @@ def test_server_names_equal_plan_hashes_verify_and_warm(
     finally:
         for server in plain:
             server.stop()
-    plan = _plan(nodes, big_model)
+    plan = plan_on_nodes(nodes, big_model)
     wanted = plan_cache(plan, [big_model])
     assert all(len(v) == 3 for v in wanted.values()), wanted  # the 3 FFN matrices of each node's layer
     assert all(c.tensor.size > HASH_THRESHOLD for v in wanted.values() for c in v)
@@ -175,7 +128,7 @@ def test_server_names_equal_plan_hashes_verify_and_warm(
         for p in (node.install / "cache" / "rpc").iterdir():
             p.unlink()
         node.start()
-    plan = _plan(nodes, big_model)
+    plan = plan_on_nodes(nodes, big_model)
     wanted = plan_cache(plan, [big_model])
     for node in nodes:
         assert node.server is not None
@@ -195,17 +148,10 @@ def test_server_names_equal_plan_hashes_verify_and_warm(
     assert after == before  # every tensor was a hit: no file written by the load
 
 
-def _items(model: Path) -> list[WarmItem]:
-    from orchestrator.llama.cache.plan import gguf_tensors, hash_tensors
-
-    big = [t for t in gguf_tensors([model]) if t.size > HASH_THRESHOLD]
-    return [WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in hash_tensors(big)]
-
-
 def test_prune_keeps_the_plan_and_clear(big_model: Path, tmp_path: Path) -> None:
-    items = _items(big_model)
+    items = warm_items(big_model)
     size = items[0].size
-    host = _host("q", tmp_path / "q", rpc_cache_max=3 * size)
+    host = local_host("q", tmp_path / "q", rpc_cache_max=3 * size)
     change = _run(_with(host, warm, items))  # 6 files; quota of 3; all 6 are wanted: none evicted
     assert len(change.added) == 6 and change.kept_over_quota == 3 * size
     folder = tmp_path / "q" / "cache" / "rpc"
@@ -218,8 +164,8 @@ def test_prune_keeps_the_plan_and_clear(big_model: Path, tmp_path: Path) -> None
 
 
 def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path) -> None:
-    items = _items(big_model)
-    host = _host("i", tmp_path / "i")
+    items = warm_items(big_model)
+    host = local_host("i", tmp_path / "i")
 
     async def interrupted() -> None:
         task = asyncio.ensure_future(_with(host, warm, items))
@@ -250,13 +196,13 @@ def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_full_disk_during_warm_is_clear_and_consistent(big_model: Path, tmp_path: Path) -> None:
-    items = _items(big_model)
+    items = warm_items(big_model)
     folder = tmp_path / "d" / "cache" / "rpc"
     folder.mkdir(parents=True)
     mb = (items[0].size * 2 + (4 << 20)) >> 20  # room for two files, not three
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(folder)], check=True)
     try:
-        host = _host("d", tmp_path / "d")
+        host = local_host("d", tmp_path / "d")
         with pytest.raises(HostError, match="disk is full") as caught:
             _run(_with(host, warm, items))
         assert "rpc_cache_max" in str(caught.value)
@@ -295,8 +241,8 @@ def test_cli_errors_and_the_quota_variable(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_a_helper_that_cannot_run_removes_nothing(big_model: Path, tmp_path: Path) -> None:
-    items = _items(big_model)[:2]
-    host = _host("x", tmp_path / "x")
+    items = warm_items(big_model)[:2]
+    host = local_host("x", tmp_path / "x")
     _run(_with(host, warm, items))
     broken = tmp_path / "x" / "tools" / fnv.tools_dir().name / "fnv1a"
     broken.parent.mkdir(parents=True, exist_ok=True)
@@ -309,8 +255,8 @@ def test_a_helper_that_cannot_run_removes_nothing(big_model: Path, tmp_path: Pat
 
 def test_warm_replaces_a_truncated_file_under_its_name(big_model: Path, tmp_path: Path) -> None:
     """llama.cpp writes its cache files in place: a crash leaves a short one under the right name."""
-    items = _items(big_model)[:2]
-    host = _host("t", tmp_path / "t")
+    items = warm_items(big_model)[:2]
+    host = local_host("t", tmp_path / "t")
     _run(_with(host, warm, items))
     short = tmp_path / "t" / "cache" / "rpc" / items[0].name
     short.write_bytes(short.read_bytes()[:4096])
@@ -325,7 +271,7 @@ def test_a_playbook_load_check_refuses_a_truncated_file(nodes: list[Node], big_m
     from orchestrator.core.errors import LoaderError
     from orchestrator.playbooks.load_check import load_check
 
-    plan = _plan(nodes, big_model)
+    plan = plan_on_nodes(nodes, big_model)
     _generate(plan, big_model)  # the servers write their cache files
     assert nodes[0].server is not None
     hosts = [

@@ -21,8 +21,8 @@ from orchestrator.inventory.model import Host
 from orchestrator.lab.state import Lab
 from orchestrator.operations.cache import WarmItem, warm
 from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, stream_command, stream_script
+from tests.plugins.cache import warm_items
 from tests.plugins.lab import lab_hosts_of, own_lab
-from tests.test_cache import _items, big_model  # noqa: F401 (fixture)
 
 
 def _source(tmp_path: Path, sizes: list[int]) -> list[WarmItem]:
@@ -93,14 +93,14 @@ def test_the_stream_runs_over_ssh_or_a_local_shell_else_none(
 
 
 def test_warm_without_the_ssh_binary_sends_a_file_at_a_time(
-    big_model: Path,  # noqa: F811
+    big_model: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from orchestrator.operations import cache
 
     monkeypatch.setattr(cache, "stream_command", lambda *args: None)
-    items = _items(big_model)
+    items = warm_items(big_model)
     host = Host(name="f", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "f"))
 
     async def go() -> object:
@@ -137,10 +137,10 @@ def _whole(folder: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_disk_on_a_node_is_clear_and_leaves_whole_files(
     node: tuple[Lab, Host],
-    big_model: Path,  # noqa: F811
+    big_model: Path,
 ) -> None:
     lab, host = node
-    items = _items(big_model)
+    items = warm_items(big_model)
     folder = _folder(lab)
     home = lab.nodes[0].home
     owner = home.stat()
@@ -168,11 +168,11 @@ def test_a_full_disk_on_a_node_is_clear_and_leaves_whole_files(
 @pytest.mark.lab
 def test_an_interrupted_stream_leaves_no_partial_file(
     node: tuple[Lab, Host],
-    big_model: Path,  # noqa: F811
+    big_model: Path,
 ) -> None:
     """Cancelled at 20 moments, from the first file under way to later: whatever is there is whole."""
     lab, host = node
-    items = _items(big_model)
+    items = warm_items(big_model)
     folder = _folder(lab)
 
     async def interrupted(extra: float) -> None:

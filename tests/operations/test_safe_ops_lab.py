@@ -41,7 +41,7 @@ from tests.plugins.playbooks import PLAYBOOKS, NodeView
 
 pytestmark = pytest.mark.lab
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 20
 
 

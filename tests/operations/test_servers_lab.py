@@ -37,8 +37,7 @@ from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.lock import acquire
 from orchestrator.operations.server.steps import make_deploy_step, make_rollback_step
 from orchestrator.operations.systemd import unit_name
-from tests.plugins.lab import require_lab_privileges, session_lab_name
-from tests.test_lab import leftovers
+from tests.plugins.lab import leftovers, require_lab_privileges, session_lab_name
 
 pytestmark = pytest.mark.lab
 

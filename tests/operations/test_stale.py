@@ -1,6 +1,6 @@
 """Tier 1 for stale clients (`operations.stale`): the proof that a server's client is gone, rule by rule,
 read from this machine's real sockets, and the parsers of `ss -e` and `nf_conntrack`. The lab tests
-(tests/test_serve_lab.py) make a real stale connection and close it."""
+(tests/serve/test_serve_lab.py) make a real stale connection and close it."""
 
 from __future__ import annotations
 

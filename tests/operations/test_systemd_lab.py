@@ -39,8 +39,7 @@ from orchestrator.operations.server.steps import (
 from orchestrator.operations.systemd import SERVICE_USER_MARK, unit_name
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import Outcome
-from tests.plugins.lab import lab_hosts_of, own_lab
-from tests.test_lab import leftovers
+from tests.plugins.lab import lab_hosts_of, leftovers, own_lab
 from tests.waits import wait_until
 
 pytestmark = pytest.mark.lab
@@ -407,7 +406,7 @@ async def test_a_changed_launch_line_rewrites_the_unit_shown_first_in_check_mode
 
 def _systemd_leftovers(lab: Lab) -> list[str]:
     """What a systemd lab could leave, found without the lab module: its namespaces, links, users and
-    processes (tests.test_lab), mounts below its dir, cgroups and nspawn dirs named after its slot,
+    processes (tests.plugins.lab), mounts below its dir, cgroups and nspawn dirs named after its slot,
     processes in such a cgroup, and the dedicated user on this machine."""
     found = leftovers(lab)
     found += [f"mount {line.split()[4]}" for line in Path("/proc/self/mountinfo").read_text().splitlines()

@@ -134,7 +134,7 @@ def test_ssh_transport_deploys_on_loopback_only_and_run_generates_through_the_fo
     assert endpoints == {f"{n.address}:{RPC_PORT}" for n in nodes}, endpoints
     assert not _forwarders(os.getpid())  # the forwards lived as long as the command
     # A playbook too: restart (readiness through the forward), probe, plan, load_check.
-    preload = Path(__file__).resolve().parents[1] / "playbooks" / "preload.yml"
+    preload = Path(__file__).resolve().parents[2] / "playbooks" / "preload.yml"
     argv = [
         "-i",
         str(ssh_inventory),
@@ -486,7 +486,7 @@ def test_a_controller_killed_with_sigkill_leaves_no_forward(ssh_inventory: Path)
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert controller.stdout is not None
     dialed, pid = controller.stdout.readline().split()

@@ -253,7 +253,7 @@ def test_the_report_marks_an_unknown_architecture_unverified(tmp_path: Path) -> 
     from orchestrator.report.data import render_json
     from orchestrator.report.html import render_html
     from orchestrator.report.text import render_markdown, render_text
-    from tests.test_report import fleet_of, ok_node
+    from tests.plugins.fleets import fleet_of, ok_node
 
     model = write_arch_model(tmp_path / "x.gguf", "qwen3", architecture="frobnicator")
     fleet = fleet_of(ok_node("a", "10.0.0.1:50052", [8 << 30]), ok_node("b", "10.0.0.2:50052", [8 << 30]))

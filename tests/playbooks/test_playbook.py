@@ -23,7 +23,7 @@ from orchestrator.playbooks.reader import (
 from orchestrator.playbooks.runner import play_hosts
 from orchestrator.rpc.records import DeviceMemory
 
-PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
+PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 GiB = 1 << 30
 
 

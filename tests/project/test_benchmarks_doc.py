@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 BLOCK = re.compile(
     r"^<!-- (bench/[\w.]+\.py): generated, do not edit -->\n(.*?)^<!-- end \1 -->$", re.S | re.M

@@ -27,7 +27,7 @@ def test_demo_runs_the_pipeline_and_leaves_nothing(capsys: pytest.CaptureFixture
     actual_rows = re.findall(r"actual\s+([\d.]+)\s+([\d.]+)", placement)
     assert len(plan_rows) == len(actual_rows) == 4  # three RPC devices and the host
     # Weights and KV predicted exactly (0.01 MiB log precision); compute buffers are an estimate, short
-    # for Gemma 3's sliding-window graph (tests/test_gemma.py measures it), so not compared here.
+    # for Gemma 3's sliding-window graph (tests/planning/test_gemma.py measures it), so not compared here.
     assert plan_rows == actual_rows
     assert " Paris" in out[out.index("run:") : out.index("placement (MiB)")]  # the real model's words
     speed = re.search(r"(\d+) tokens generated, decoding at ([\d.]+) tokens/s", out)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLEET = ROOT / "tests" / "data" / "inventory" / "fleet_ansible.yml"
 # The environment that holds the dependencies (the shared venv; this .venv only points at it).
 DEPS_SITE = Path(yaml.__file__).resolve().parent.parent

@@ -42,7 +42,7 @@ def _spy_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(SPY)
     record = tmp_path / "llama-imports.txt"
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = {k: v for k, v in os.environ.items() if k != PARENT_ENV}
     env |= {
         "PYTHONPATH": os.pathsep.join([str(folder), root]),

@@ -16,7 +16,7 @@ import pytest
 from orchestrator.core.paths import rpcfleet_home
 from tests.plugins.lab import require_lab_privileges
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIM_SCRIPT = ROOT / "scripts" / "install-shim.sh"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Lines that run until stopped: started, checked for their first output, then stopped with Ctrl-C,

@@ -26,8 +26,7 @@ from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.planning.synth import write_tiny_llama
-from orchestrator.probe.capacity import DeviceCapacity
-from orchestrator.probe.fleet import FleetProbe, NodeProbe
+from orchestrator.probe.fleet import FleetProbe
 from orchestrator.report.build import (
     NEW_NODE_ENDPOINT,
     SCHEMA_VERSION,
@@ -41,57 +40,19 @@ from orchestrator.report.data import render_json
 from orchestrator.report.html import BAR_WIDTH, SEGMENT_COLOURS, render_html
 from orchestrator.report.render import render
 from orchestrator.report.text import render_markdown, render_text
-from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import Outcome
+from tests.plugins.fleets import down_node, fleet_of, ok_node
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 GiB = 1024**3
 MiB = 1024**2
-DATA = Path(__file__).parent / "data" / "report"
-DOCS = Path(__file__).parent.parent / "docs" / "report-schema.md"
+DATA = Path(__file__).parents[1] / "data" / "report"
+DOCS = Path(__file__).parents[2] / "docs" / "report-schema.md"
 CHROMIUM = Path("/usr/bin/chromium")
 
 
 # --------------------------------------------------------------------------------------------------
-# fleets made of the probe's own records
-
-
-def ok_node(host: str, endpoint: str, usables: Sequence[int], *, reserve: int = GiB) -> NodeProbe:
-    devices = tuple(
-        DeviceCapacity(
-            host=host,
-            endpoint=endpoint,
-            index=i,
-            name=f"{endpoint}#{i}",
-            description="AMD EPYC 9654",
-            backend="cpu",
-            kind="cpu",
-            total=u + reserve + 2 * GiB,
-            free=u + reserve,
-            reserve=reserve,
-            limit=None,
-            usable=u,
-            source_of_free="meminfo",
-        )
-        for i, u in enumerate(usables)
-    )
-    rpc = ProbeResult(
-        endpoint,
-        Outcome.OK,
-        ProtocolVersion(7, 0, 0),
-        tuple(DeviceMemory(d.index, d.total, d.total) for d in devices),
-        "ok",
-        0.004,
-    )
-    return NodeProbe(host, endpoint, rpc, None, devices, "ok")
-
-
-def down_node(host: str, endpoint: str, outcome: Outcome = Outcome.REFUSED) -> NodeProbe:
-    rpc = ProbeResult(endpoint, outcome, None, (), "connection refused", 0.001)
-    return NodeProbe(host, endpoint, rpc, None, (), outcome.value)
-
-
-def fleet_of(*nodes: NodeProbe) -> FleetProbe:
-    return FleetProbe.of(nodes, protocol="7.0.0", timeout=3.0, elapsed=0.01)
+# fleets made of the probe's own records (tests/plugins/fleets.py)
 
 
 @pytest.fixture(scope="module")

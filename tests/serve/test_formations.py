@@ -26,7 +26,7 @@ from orchestrator.serve.forming import ServedModel, form, nodes_of
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.router import Formation, Router, candidates, overall
 from tests.plugins.llama import GiB, plan_devices
-from tests.test_serve_engine import FakeFleet, HttpEngine, Rig
+from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
 
 # -- the choice (pure)
 
