@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_to_json_returns_a_dict() -> None:
@@ -48,4 +48,47 @@ def test_the_docs_the_code_cites_are_in_the_repository() -> None:
             for n in range(int(first), int(last or first) + 1):
                 if str(n) not in sections:
                     wrong.append(f"{where}: cites §{n} of docs/llama-rpc.md, which has no such section")
+    assert not wrong, "\n".join(wrong)
+
+
+def _imported_modules(tree: ast.Module) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_tests_mirror_the_stages() -> None:
+    """Each test module sits in tests/<stage>/ for the orchestrator package it tests, or tests/project/ for
+    checks of the whole project; tiers are markers, not folders. A test module imports no other one: what
+    tests share lives in tests/plugins/ (so a move or a rename of a test file breaks nothing else)."""
+    tests = ROOT / "tests"
+    packages = {p.name for p in (ROOT / "orchestrator").iterdir() if (p / "__init__.py").is_file()}
+    stages = packages | {"project"}
+    wrong = []
+    for path in sorted(tests.rglob("test_*.py")):
+        where = path.relative_to(ROOT)
+        folder = path.parent.relative_to(tests)
+        if len(folder.parts) != 1 or folder.parts[0] not in stages:
+            wrong.append(f"{where}: not in tests/<stage>/ (stages: {', '.join(sorted(stages))})")
+        elif not (path.parent / "__init__.py").is_file():
+            wrong.append(f"{where}: tests/{folder}/ has no __init__.py")
+        for line, module in _imported_modules(ast.parse(path.read_text())):
+            if re.fullmatch(r"tests(\.\w+)*\.test_\w+", module):
+                wrong.append(f"{where}:{line}: imports the test module {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_test_file_cited_exists() -> None:
+    """The code, the docs and the configuration name test files by path: each such path exists."""
+    extra = [ROOT / "pyproject.toml", ROOT / "Makefile", *sorted((ROOT / "deploy").rglob("*.yml"))]
+    wrong = []
+    for path in [*_sources(), *extra]:
+        text = path.read_text(errors="replace")
+        for cited in sorted(set(re.findall(r"\btests/[\w/]*test_\w+\.py\b", text))):
+            if not (ROOT / cited).is_file():
+                wrong.append(f"{path.relative_to(ROOT)}: cites {cited}, which does not exist")
     assert not wrong, "\n".join(wrong)
