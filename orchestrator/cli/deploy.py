@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _follow
 from orchestrator.core import fields
-from orchestrator.core.errors import UsageError
 
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
-    from orchestrator.connectors.nodescript import Planned
     from orchestrator.engine.executor import HostContext, RunResult, Session, Step, StepOutcome
     from orchestrator.inventory.model import Host, Inventory
     from orchestrator.operations.undeclared import LiveServer
@@ -179,27 +177,7 @@ def _run(
                     return dataclasses.replace(run, interrupted=True)
             return run
 
-    if not getattr(args, "diff", False):
-        return _common.run_async(go())
-    if not getattr(args, "check", False):
-        raise UsageError("--diff goes with --check: it prints what a check would run")
-    from orchestrator.connectors.nodescript import recording
-
-    with recording() as notes:
-        run = _common.run_async(go())
-    _print_commands(notes.by_host(), [h.name for h in hosts], json=bool(getattr(args, "json", False)))
-    return run
-
-
-def _print_commands(planned: dict[str, list[Planned]], hosts: list[str], *, json: bool) -> None:
-    """Check mode's commands, per host in the run's order: on stderr with --json (stdout is the JSON)."""
-    console = _common.err_console if json else _common.console
-    for host in hosts:
-        items = planned.get(host, [])
-        console.rule(f"{host}: {len(items)} command(s) would run", characters="-")
-        for item in items:
-            console.print(f"# {item.name}", highlight=False, markup=False)
-            console.print(item.command, highlight=False, markup=False, soft_wrap=True)
+    return _common.with_diff(args, [h.name for h in hosts], lambda: _common.run_async(go()))
 
 
 async def _find_undeclared(
