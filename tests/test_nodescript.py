@@ -286,3 +286,57 @@ def test_deploy_check_diff_prints_each_hosts_exact_commands_and_changes_nothing(
     err = capsys.readouterr().err
     assert "--diff goes with --check" in err and "Traceback" not in err
     assert {fake.name: _tree(fake.home) for fake in fakes} == before
+
+
+def _fake_inventory(path: Path, fakes: list[Any], artifact: Artifact) -> Path:
+    lines = ["hosts:"]
+    for fake in fakes:
+        host = fake.host
+        lines += [
+            f"  {fake.name}:",
+            f"    address: {host.address}",
+            f"    ssh_port: {host.ssh_port}",
+            f"    ssh_user: {host.ssh_user}",
+            f"    ssh_key: {host.ssh_key}",
+            f"    ssh_known_hosts: {host.ssh_known_hosts}",
+            f"    rpc_host: {host.rpc_host}",
+            f"    rpc_port: {free_port(host.rpc_host)}",
+            f"    rpc_artifact: {artifact.id}",
+            "    rpc_run_as: root",  # as the test user: no dedicated user is made on this machine
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_check_diff_of_a_running_server_lists_the_stop_and_start_and_leaves_it_running(
+    fake_hosts: Callable[..., list[Any]],
+    cpu_artifact: Artifact,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake = fake_hosts(1)[0]
+    inventory = str(_fake_inventory(tmp_path / "inventory.yml", [fake], cpu_artifact))
+    assert main(["deploy", "-i", inventory]) == 0
+    capsys.readouterr()
+    pid_file = fake.home / ".local/lib/rpcfleet/run/rpc-server.pid"
+    pid = pid_file.read_text().split()[0]
+    try:
+        before = {k: v for k, v in _tree(fake.home).items() if "/log/" not in k}
+        assert main(["restart", "-i", inventory, "--check", "--diff"]) == 0
+        out = capsys.readouterr().out
+        assert f"{fake.name}: 2 command(s) would run" in out and "# stop\n" in out and "# start\n" in out
+        assert out.index("kill -TERM $targets") < out.index("setsid nohup")  # the stop first, then the start
+        assert main(["restart", "--rolling", "-i", inventory, "--check", "--diff"]) == 0
+        assert f"{fake.name}: 2 command(s) would run" in capsys.readouterr().out
+        assert main(["stop", "-i", inventory, "--check", "--diff"]) == 0
+        out = capsys.readouterr().out
+        # the stop, then the removal of this server's firewall rules (looked for even without rpc_allow_from)
+        assert f"{fake.name}: 2 command(s) would run" in out and "# start" not in out
+        assert out.index("# stop\n") < out.index("# firewall\n") < out.index('-D INPUT "$N"')
+        # Nothing to do: no command (no rpc_allow_from, so not even the firewall's).
+        assert main(["start", "-i", inventory, "--check", "--diff"]) == 0
+        assert f"{fake.name}: 0 command(s) would run" in capsys.readouterr().out
+        assert pid_file.read_text().split()[0] == pid and Path(f"/proc/{pid}").exists()
+        assert {k: v for k, v in _tree(fake.home).items() if "/log/" not in k} == before
+    finally:
+        assert main(["stop", "-i", inventory]) == 0

@@ -249,5 +249,5 @@ async def apply_node_build(
     say.info("node_build_finished", id=change.version, seconds=round(done.duration, 1))
     nonce = secrets.token_hex(4)
     built = dataclasses.replace(change, built=manifest)
-    await run_install_script(conn, built, node_install_script(built, manifest, nonce))
+    await run_install_script(conn, built, node_install_script(built, manifest, nonce), "build-install")
     return built

@@ -154,7 +154,7 @@ async def apply_install(
         return []
     nonce = secrets.token_hex(4)
     if change.action == "switch":
-        return await run_install_script(conn, change, switch_script(change, nonce))
+        return await run_install_script(conn, change, switch_script(change, nonce), "install-switch")
     assert change.artifact is not None
     await run_script(conn, prepare_script(change))
     archive = remote_archive(change, nonce)
@@ -170,9 +170,11 @@ async def apply_install(
     return await run_install_script(conn, change, install_script(change, archive, nonce))
 
 
-async def run_install_script(conn: Connection, change: InstallChange, text: str) -> list[str]:
+async def run_install_script(
+    conn: Connection, change: InstallChange, text: str, name: str = "install"
+) -> list[str]:
     """Run an install or switch script (it exits 3 after `@error`; any status is read for `@ok`)."""
-    script = dataclasses.replace(install_node_script(change, "install", text), ok_exits=None)
+    script = dataclasses.replace(install_node_script(change, name, text), ok_exits=None)
     output = await run_script(conn, script)
     try:
         return parse_apply_output(output.stdout, change)
