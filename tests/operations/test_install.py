@@ -12,11 +12,12 @@ import pytest
 
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.connectors.connect import connect
+from orchestrator.connectors.nodescript import ScriptOutput
 from orchestrator.core.errors import InstallError
 from orchestrator.facts.server import InstalledManifest
 from orchestrator.facts.system import OsInfo
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install.apply import apply_install, parse_apply_output
+from orchestrator.operations.install.apply import apply_install, install_node_script, parse_apply_output
 from orchestrator.operations.install.ensure import ArtifactChooser, ensure_installed
 from orchestrator.operations.install.plan import (
     InstallState,
@@ -157,8 +158,12 @@ def test_plan_rollback(cpu_artifact: Artifact) -> None:
 def test_parse_apply_output(cpu_artifact: Artifact) -> None:
     change = plan_install(_state(cpu_artifact, current="old", versions=("old",)), cpu_artifact)
     assert parse_apply_output("@warning history not updated\n@ok\n", change) == ["history not updated"]
+    # A failed stage is the script's `@error` line (raised by nodescript.run_script), an InstallError too.
+    failed = ScriptOutput.parse(
+        "n1", "install", 3, "@error checksum failed while installing new: archive sha256 on the node is 00\n"
+    )
     with pytest.raises(InstallError, match=r"checksum failed .*: archive sha256 .*; old stays installed"):
-        parse_apply_output("@fail checksum archive sha256 on the node is 00, expected 11\n", change)
+        install_node_script(change, "install", "").check(failed)
     with pytest.raises(InstallError, match="stopped without a result"):
         parse_apply_output("", change)
 
