@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import shlex
 import shutil
@@ -20,7 +21,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -354,8 +355,12 @@ async def test_an_interrupt_starts_no_new_host_and_ends_a_lock_wait(fake_hosts: 
             await free.release()
 
 
-def _recording(changed: list[tuple[str, str]], who: str) -> Body[str]:
+def _recording(
+    changed: list[tuple[str, str]], who: str, before: Callable[[], Awaitable[None]] | None = None
+) -> Body[str]:
     async def body(ctx: HostContext, conn: object) -> StepOutcome[str]:
+        if before is not None:
+            await before()
         changed.append((who, ctx.host.name))
         await asyncio.sleep(0)  # another task may run between hosts
         return StepOutcome(who, True, f"changed by {who}")
@@ -364,10 +369,22 @@ def _recording(changed: list[tuple[str, str]], who: str) -> Body[str]:
 
 
 async def _operator(
-    hosts: list[Host], changed: list[tuple[str, str]], who: str, options: OperationOptions
+    hosts: list[Host],
+    changed: list[tuple[str, str]],
+    who: str,
+    options: OperationOptions,
+    before: Callable[[], Awaitable[None]] | None = None,
 ) -> RunResult[str]:
     async with Session(options=FAST) as session:
-        return await session.run(hosts, node_operation("deploy", _recording(changed, who), options))
+        return await session.run(hosts, node_operation("deploy", _recording(changed, who, before), options))
+
+
+async def _until_the_other_tried(
+    runs: dict[str, asyncio.Task[RunResult[str]]], other: str, logs: Sequence[Mapping[str, object]]
+) -> None:
+    """Hold the hosts until the other run was refused (it ended) or waits for them: however slow the
+    machine, the two runs overlap (a run that ended before the other started would prove nothing)."""
+    await until(lambda: runs[other].done() or any(e["event"] == "host_lock_waiting" for e in logs), 30.0)
 
 
 async def test_two_runs_at_once_never_split_the_hosts(fake_hosts: FakeHosts) -> None:
@@ -382,8 +399,13 @@ async def test_two_runs_at_once_never_split_the_hosts(fake_hosts: FakeHosts) -> 
         changed: list[tuple[str, str]] = []
 
         options = OperationOptions(wait_lock=wait)
-        both = await asyncio.gather(*(_operator(hosts, changed, who, options) for who in "ab"))
-        runs = dict(zip("ab", both, strict=True))
+        runs_of: dict[str, asyncio.Task[RunResult[str]]] = {}
+        with capture_logs() as logs:
+            for who in "ab":
+                held = functools.partial(_until_the_other_tried, runs_of, "b" if who == "a" else "a", logs)
+                runs_of[who] = asyncio.ensure_future(_operator(hosts, changed, who, options, held))
+            await asyncio.gather(*runs_of.values())
+        runs = {who: task.result() for who, task in runs_of.items()}
         first = changed[0][0]
         assert [h for w, h in changed if w == first] and {h for w, h in changed if w == first} == names
         assert all(r.status == "changed" for r in runs[first].results)
