@@ -322,6 +322,7 @@ def handle(args: argparse.Namespace) -> int:
         formations.append(make_formation(one, name, local=i == 0))
     # one formation: the front counts on its backend's metrics, as before formations
     router = Router(formations, formations[0].backend.metrics if len(formations) == 1 else None)
+    router.spares = lambda: [h.endpoint for h in spares.snapshot()]
     model_name = served[0].name
     exporter = None
     # The fleet exporter (the page at /, the fleet's series on /metrics): its first round reads the nodes

@@ -22,8 +22,10 @@ Rejoin: while `degraded`, a watch probes the selected nodes that the plan leaves
 serving ones are held by the engine) every `rejoin_interval` seconds with the fleet probe's rules. When
 one answers `ok`, the backend holds the slots (requests queued meanwhile wait), waits for the requests
 being served to end, stops the engine, re-plans on every node that answers and starts it again, as a
-reload does. A node that this re-plan leaves out anyway is not tried again until it has stopped answering
-once.
+reload does (when another formation of the model serves, it leaves the router instead, as a reload does).
+A formation that took a spare re-plans on its own nodes first: when they hold the model, the spare goes
+back to the pool. A node that this re-plan leaves out anyway is not tried again until it has stopped
+answering once.
 """
 
 from __future__ import annotations

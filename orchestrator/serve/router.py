@@ -79,6 +79,7 @@ class Router:
         self._turn = -1  # ties between formations go in turns
         self._scraped: dict[str, tuple[float, str]] = {}  # engine url -> (when, its /metrics text)
         self._adding = threading.Lock()
+        self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
         for formation in self.formations:
             formation.backend.others_serving = functools.partial(self.others_serving, formation)
 
@@ -188,8 +189,9 @@ class Router:
         """One formation: its backend's health (as before formations) and the formations' list; several:
         the overall state, the models and each formation."""
         formations = [self.summary(f) for f in self.formations]
+        spares = {} if self.spares is None else {"spares": self.spares()}
         if len(self.formations) == 1:
-            return {**self.formations[0].backend.health(), "formations": formations}
+            return {**self.formations[0].backend.health(), "formations": formations, **spares}
         state = overall([f["state"] for f in formations])
         reasons = [f"{f['name']}: {f['reason']}" for f in formations if f["reason"]]
         return {
@@ -198,6 +200,7 @@ class Router:
             "pid": os.getpid(),
             "models": self.models,
             "formations": formations,
+            **spares,
         }
 
     def endpoint_up(self) -> dict[str, bool]:
