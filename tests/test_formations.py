@@ -567,6 +567,7 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
     hosts = [Host(name=f"s{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(eps)]
     two = [model, dataclasses.replace(model, name="b"), dataclasses.replace(model, name="c", split=True)]
     grown = grow(two, hosts, plan_devices(eps))
+    assert all(f.model in two for f in grown)  # the models as served (not the choice's copies)
     assert [(f.model.name, f.choice.endpoints) for f in grown] == [
         ("a", (eps[0],)),
         ("b", (eps[1],)),

@@ -320,8 +320,11 @@ def handle(args: argparse.Namespace) -> int:
     for i, one in enumerate(formed):
         name = one.model.name if len(formed) == 1 else one.choice.name
         formations.append(make_formation(one, name, local=i == 0))
-    # one formation: the front counts on its backend's metrics, as before formations
-    router = Router(formations, formations[0].backend.metrics if len(formations) == 1 else None)
+    # one formation: the front counts on its backend's metrics, as before formations; unless the spare
+    # watch may add formations (--replicas auto): the front's counters must then be its own
+    growing = any(not m.split and m.replicas is None for m in served) and args.rejoin_interval > 0
+    shared = len(formations) == 1 and not growing
+    router = Router(formations, formations[0].backend.metrics if shared else None)
     router.spares = lambda: [h.endpoint for h in spares.snapshot()]
     model_name = served[0].name
     exporter = None

@@ -177,7 +177,7 @@ def grow(models: Sequence[ServedModel], hosts: Sequence[Host], devices: Sequence
                 formed, _ = form([dataclasses.replace(model, replicas=1)], free, some)
             except FormationError:  # this model fits on none of them: the next model may
                 continue
-            made += formed
+            made += [dataclasses.replace(f, model=model) for f in formed]  # the model as served
             held = {ep for f in formed for ep in f.choice.endpoints}
             free = [h for h in free if h.endpoint not in held]
             grown = True
