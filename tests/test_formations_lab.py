@@ -372,13 +372,17 @@ def test_a_formation_takes_its_node_back_from_the_spare_it_took_without_a_503(
     try:
         stopped = _rpcfleet(flab, tmp_path, "stop", "-l", node_name(flab, victim), "--force")
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        served.wait(
-            lambda h: (
+
+        def on_the_spare(h: dict[str, Any]) -> bool:
+            if _by_name(h)["gemma#1"]["state"] == "ready":  # an idle engine meets its lost node on a request
+                served.complete("gemma", 2)
+            return (
                 _by_name(h)["gemma#1"]["state"] == "degraded"
                 and _by_name(h)["gemma#1"]["nodes"] == spare
                 and h["spares"] == []
             )
-        )
+
+        served.wait(on_the_spare)
         codes: list[int] = []
         done = threading.Event()
 

@@ -366,15 +366,13 @@ def handle(args: argparse.Namespace) -> int:
         names={h.endpoint: h.name for h in hosts},
     )
 
-    def hooked(formation: Formation, several: bool) -> Formation:
+    def hooked(formation: Formation, several: bool, first: dict[str, float]) -> Formation:
         formation.backend.on_failed = on_failed
-        formation.backend.on_loaded = loaded_printer(
-            formation, several, bars, {"probe": probe_seconds, "plan": plan_seconds}
-        )
+        formation.backend.on_loaded = loaded_printer(formation, several, bars, first)
         return formation
 
     for formation in formations:
-        hooked(formation, len(formations) > 1)
+        hooked(formation, len(formations) > 1, {"probe": probe_seconds, "plan": plan_seconds})
     # A node silent at start (or a spare given back) that answers again makes a new formation when the
     # answering spares hold a model served with --replicas auto (`serve.spares`).
     watch = SpareWatch(
@@ -382,7 +380,7 @@ def handle(args: argparse.Namespace) -> int:
         spares,
         served,
         whole.probe_spares,
-        lambda one, name: hooked(make_formation(one, name), True),
+        lambda one, name: hooked(make_formation(one, name), True, {}),  # the start's times are not its
         args.rejoin_interval,
     )
     if len(formations) == 1:  # one load's bars; several loads at once print a line each
