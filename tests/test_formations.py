@@ -562,6 +562,25 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
         ("a#1", [late], "ready"),
     ]
     assert watch.round() == []  # no spare left
+    # A formation takes the spare (a loss) between the watch's probe and its take: nothing is formed,
+    # and the watch decides again once the spare is back.
+    other = "10.8.0.3:50052"
+    pool.put([Host(name="other", address="10.8.0.3", rpc_port=50052)])
+    answers[other] = 8 * GiB
+    taken: list[Any] = []
+
+    def probe_then_lose(hosts: Any) -> tuple[dict[str, str], list[Any]]:
+        seen = probe(hosts)
+        taken.append(pool.take())  # the loss's `with_spare`, in the meantime
+        return seen
+
+    watch.probe = probe_then_lose
+    assert watch.round() == [] and [h.endpoint for h in taken] == [other] and pool.snapshot() == []
+    assert [f.name for f in router.formations] == ["a#0", "a#1"]
+    watch.probe = probe
+    pool.put(taken)  # given back
+    assert [f.name for f in watch.round()] == ["a#2"] and pool.snapshot() == []
+    rigs["a#2"].wait_state({"ready"})
     # the pure rule: the spares in the inventory's order, one formation per model in turns, disjoint
     eps = ["10.8.0.3:50052", "10.8.0.4:50052", "10.8.0.5:50052"]
     hosts = [Host(name=f"s{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(eps)]
