@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import math
 import os
@@ -37,6 +38,40 @@ def p95(xs: Sequence[float]) -> float:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def measure(base: str, clients: int, requests: int, tokens: int, *, timeout: float) -> dict[str, float]:
+    """`clients` OpenAI clients at once, each making `requests` completions of `tokens` tokens (EOS
+    ignored) against serve at `base`: aggregate tokens/s and latency p50/p95 (seconds). `timeout`: the
+    client's, per request."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+    def one(i: int) -> list[tuple[float, int]]:
+        done = []
+        for j in range(requests):
+            started = time.monotonic()
+            answer = client.completions.create(
+                model="bench",
+                prompt=f"{PROMPT} ({i}.{j})",
+                max_tokens=tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert answer.usage is not None
+            done.append((time.monotonic() - started, answer.usage.completion_tokens))
+        return done
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(one, range(clients)) for r in rs]
+    wall = time.monotonic() - started
+    latencies = [r[0] for r in results]
+    return {"tps": sum(r[1] for r in results) / wall, "p50": median(latencies), "p95": p95(latencies)}
 
 
 def machine() -> str:

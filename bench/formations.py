@@ -36,7 +36,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, arg_parser, free_port, load_average, median, p95, stamp, write_section
+from _common import (
+    PROMPT,
+    ROOT,
+    arg_parser,
+    free_port,
+    load_average,
+    measure,
+    median,
+    stamp,
+    write_section,
+)
 
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.state import Lab
@@ -44,8 +54,10 @@ from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
 
 SECTION = "formations"
 LAB_NAME = "benchform"
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MODES = {"auto": ["--replicas", "auto"], "split": ["--split"]}
+
+
+TIMEOUT = 900  # seconds the client waits for one request
 
 
 def _get(url: str) -> Any:
@@ -91,34 +103,6 @@ def serving(lab: Lab, model: Path, folder: Path, mode: str, parallel: int) -> It
             process.wait()
 
 
-def measure(base: str, clients: int, requests: int, tokens: int) -> dict[str, float]:
-    import openai
-
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=900)
-
-    def one(i: int) -> list[tuple[float, int]]:
-        done = []
-        for j in range(requests):
-            started = time.monotonic()
-            answer = client.completions.create(
-                model="bench",
-                prompt=f"{PROMPT} ({i}.{j})",
-                max_tokens=tokens,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            assert answer.usage is not None
-            done.append((time.monotonic() - started, answer.usage.completion_tokens))
-        return done
-
-    started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(one, range(clients)) for r in rs]
-    wall = time.monotonic() - started
-    latencies = [r[0] for r in results]
-    return {"tps": sum(r[1] for r in results) / wall, "p50": median(latencies), "p95": p95(latencies)}
-
-
 def stream(base: str, tokens: int, started: threading.Event) -> bool:
     """One streamed completion; True when it ended with [DONE], False with an error event."""
     body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens, "stream": True, "ignore_eos": True}
@@ -161,7 +145,7 @@ def node_kill(lab: Lab, model: Path, folder: Path, parallel: int, tokens: int) -
             in_flight = lost[0]["slots_busy"] if lost else 0
             os.kill(server_pid(lab, victim.name), signal.SIGKILL)
             ended = [s.result() for s in streams]
-        after = measure(base, 6, 1, 8)
+        after = measure(base, 6, 1, 8, timeout=TIMEOUT)
     return {
         "errors": ended.count(False),
         "in_flight": in_flight,
@@ -208,7 +192,9 @@ def main() -> None:
                     print(f"round {i + 1}: serve {' '.join(MODES[mode])}", file=sys.stderr, flush=True)
                     with serving(lab, model, folder, mode, args.parallel) as base:
                         for c in concurrencies:
-                            runs[mode][c].append(measure(base, c, args.requests, args.tokens))
+                            runs[mode][c].append(
+                                measure(base, c, args.requests, args.tokens, timeout=TIMEOUT)
+                            )
             print("node kill", file=sys.stderr, flush=True)
             kill = node_kill(lab, model, folder, args.parallel, args.tokens * 4)
     finally:

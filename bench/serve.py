@@ -21,7 +21,6 @@ engine's load time.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -36,12 +35,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, arg_parser, free_port, load_average, median, ms, p95, servers, stamp, write_section
+from _common import (
+    PROMPT,
+    ROOT,
+    arg_parser,
+    free_port,
+    load_average,
+    measure,
+    median,
+    ms,
+    servers,
+    stamp,
+    write_section,
+)
 
 from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
 
 SECTION = "serve"
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+TIMEOUT = 600  # seconds the client waits for one request
 
 
 def _get(url: str) -> Any:
@@ -60,38 +73,6 @@ def wait_serving(base: str, limit: float = 180, health: bool = True) -> dict[str
             pass
         time.sleep(0.02)
     raise RuntimeError(f"{base} not serving within {limit} s")
-
-
-def measure(base: str, clients: int, requests: int, tokens: int) -> dict[str, Any]:
-    import openai
-
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
-
-    def one(i: int) -> list[tuple[float, int]]:
-        done = []
-        for j in range(requests):
-            started = time.monotonic()
-            answer = client.completions.create(
-                model="bench",
-                prompt=f"{PROMPT} ({i}.{j})",
-                max_tokens=tokens,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            assert answer.usage is not None
-            done.append((time.monotonic() - started, answer.usage.completion_tokens))
-        return done
-
-    started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(one, range(clients)) for r in rs]
-    wall = time.monotonic() - started
-    latencies = [r[0] for r in results]
-    return {
-        "tps": sum(r[1] for r in results) / wall,
-        "p50": median(latencies),
-        "p95": p95(latencies),
-    }
 
 
 @contextlib.contextmanager
@@ -226,13 +207,13 @@ def main() -> None:
                 print(f"round {i + 1}: rpcfleet serve", file=sys.stderr, flush=True)
                 with _serve(inventory, model, folder, args.parallel) as (base, health):
                     for c in concurrencies:
-                        serve_runs[c].append(measure(base, c, args.requests, args.tokens))
+                        serve_runs[c].append(measure(base, c, args.requests, args.tokens, timeout=TIMEOUT))
 
             def run_by_hand(i: int) -> None:
                 print(f"round {i + 1}: llama-server by hand", file=sys.stderr, flush=True)
                 with _by_hand(health, model, folder, args.parallel) as base:
                     for c in concurrencies:
-                        hand_runs[c].append(measure(base, c, args.requests, args.tokens))
+                        hand_runs[c].append(measure(base, c, args.requests, args.tokens, timeout=TIMEOUT))
 
             for i in range(args.rounds):  # serve first in odd rounds, by hand first in even ones: a drift
                 first, second = (run_serve, run_by_hand) if i % 2 == 0 else (run_by_hand, run_serve)

@@ -229,6 +229,7 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.serve.formations import FormationError
     from orchestrator.serve.forming import ServedModel, SparePool, form
     from orchestrator.serve.router import Formation, Router
+    from orchestrator.serve.spares import SpareWatch
     from orchestrator.workflows.plan import states_of
 
     inventory, hosts = _common.load_hosts(args)
@@ -287,16 +288,17 @@ def handle(args: argparse.Namespace) -> int:
         )[0]
         for model in served
     }
-    spares = SparePool(spare_hosts)
-    formations: list[Formation] = []
-    for i, one in enumerate(formed):
+    spares = SparePool(spare_hosts, order=whole.endpoints)
+
+    def make_formation(one: Any, name: str, local: bool = False) -> Formation:
         fleet = dataclasses.replace(
             whole,
             hosts=list(one.hosts),
             model_path=one.model.path,
             options=one.model.options,
-            local_devices=whole.local_devices if i == 0 else [],
+            local_devices=whole.local_devices if local else [],
             spares=spares,
+            borrowed=[],
             _profile=one.model.profile,
         )
         config = ServeConfig(
@@ -312,10 +314,18 @@ def handle(args: argparse.Namespace) -> int:
         template = templates[served.index(one.model)]
         backend.template = {"source": template.source, "warning": template.warning}
         backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
+        return Formation(name, one.model.name, backend)
+
+    formations: list[Formation] = []
+    for i, one in enumerate(formed):
         name = one.model.name if len(formed) == 1 else one.choice.name
-        formations.append(Formation(name, one.model.name, backend))
-    # one formation: the front counts on its backend's metrics, as before formations
-    router = Router(formations, formations[0].backend.metrics if len(formations) == 1 else None)
+        formations.append(make_formation(one, name, local=i == 0))
+    # one formation: the front counts on its backend's metrics, as before formations; unless the spare
+    # watch may add formations (--replicas auto): the front's counters must then be its own
+    growing = any(not m.split and m.replicas is None for m in served) and args.rejoin_interval > 0
+    shared = len(formations) == 1 and not growing
+    router = Router(formations, formations[0].backend.metrics if shared else None)
+    router.spares = lambda: [h.endpoint for h in spares.snapshot()]
     model_name = served[0].name
     exporter = None
     # The fleet exporter (the page at /, the fleet's series on /metrics): its first round reads the nodes
@@ -347,7 +357,7 @@ def handle(args: argparse.Namespace) -> int:
 
     def on_failed() -> None:
         nonlocal failed
-        if all(f.backend.state == "failed" for f in formations):  # the others still serve
+        if all(f.backend.state == "failed" for f in router.formations):  # the others still serve
             failed = True
             server.should_exit = True
 
@@ -355,11 +365,24 @@ def handle(args: argparse.Namespace) -> int:
         _common.err_console.is_terminal,
         names={h.endpoint: h.name for h in hosts},
     )
-    for formation in formations:
+
+    def hooked(formation: Formation, several: bool, first: dict[str, float]) -> Formation:
         formation.backend.on_failed = on_failed
-        formation.backend.on_loaded = loaded_printer(
-            formation, len(formations) > 1, bars, {"probe": probe_seconds, "plan": plan_seconds}
-        )
+        formation.backend.on_loaded = loaded_printer(formation, several, bars, first)
+        return formation
+
+    for formation in formations:
+        hooked(formation, len(formations) > 1, {"probe": probe_seconds, "plan": plan_seconds})
+    # A node silent at start (or a spare given back) that answers again makes a new formation when the
+    # answering spares hold a model served with --replicas auto (`serve.spares`).
+    watch = SpareWatch(
+        router,
+        spares,
+        served,
+        whole.probe_spares,
+        lambda one, name: hooked(make_formation(one, name), True, {}),  # the start's times are not its
+        args.rejoin_interval,
+    )
     if len(formations) == 1:  # one load's bars; several loads at once print a line each
         formations[0].backend.on_progress = bars
     hup = signals.handling(signal.SIGHUP, lambda *_: router.reload(rolling_restart=args.reload_rolling))
@@ -367,16 +390,18 @@ def handle(args: argparse.Namespace) -> int:
     for line in formation_lines(formed, args.host, args.port):
         _common.err_console.print(line, highlight=False)
     router.start([one.plan for one in formed])
+    watch.start()
     try:
         with bars:
             _common.run_async(server.serve(sockets=[sock]))  # the command's one loop
     finally:
         hup.__exit__(None, None, None)
+        watch.stop()
         if exporter is not None:
             exporter.collector.stop()
         router.stop()
     if failed:
-        reasons = "; ".join(f"{f.name}: {f.backend.reason}" for f in formations)
+        reasons = "; ".join(f"{f.name}: {f.backend.reason}" for f in router.formations)
         _common.err_console.print(f"[red]error:[/red] {escape(reasons)}", highlight=False)
         return 1
     return 0

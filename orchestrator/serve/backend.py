@@ -22,8 +22,10 @@ Rejoin: while `degraded`, a watch probes the selected nodes that the plan leaves
 serving ones are held by the engine) every `rejoin_interval` seconds with the fleet probe's rules. When
 one answers `ok`, the backend holds the slots (requests queued meanwhile wait), waits for the requests
 being served to end, stops the engine, re-plans on every node that answers and starts it again, as a
-reload does. A node that this re-plan leaves out anyway is not tried again until it has stopped answering
-once.
+reload does (when another formation of the model serves, it leaves the router instead, as a reload does).
+A formation that took a spare re-plans on its own nodes first: when they hold the model, the spare goes
+back to the pool. A node that this re-plan leaves out anyway is not tried again until it has stopped
+answering once.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ class Backend:
         self.lost: tuple[str, ...] = ()
         self.load_seconds: float | None = None  # the last engine start and load
         self.on_failed: Callable[[], None] | None = None  # called when recovery gives up
+        # whether another formation of this model serves now (the router's): a rejoin then leaves the
+        # router while it reloads instead of holding the requests in its queue
+        self.others_serving: Callable[[], bool] | None = None
         self.on_progress: Callable[[LoadProgress], None] | None = None  # during each load
         # after each load: its plan and the phases' seconds (cache: the check and warm; load)
         self.on_loaded: Callable[[Plan, dict[str, float]], None] | None = None
@@ -408,9 +413,9 @@ class Backend:
             )
         )
 
-    def _plan_round(self) -> PlanRound:
+    def _plan_round(self, *, spare: bool = True) -> PlanRound:
         try:
-            result = self.fleet.plan_round()
+            result = self.fleet.plan_round() if spare else self.fleet.plan_round(spare=False)
         except RpcfleetError as exc:
             return PlanRound(None, dict(self.nodes), 0.0, 0.0, exc.message)
         self.nodes = {ep: result.states.get(ep, "unknown") for ep in self.fleet.endpoints}
@@ -513,32 +518,50 @@ class Backend:
             self._rejoin(back)
 
     def _rejoin(self, back: tuple[str, ...]) -> None:
-        """Hold the slots (new requests wait in the queue), wait for the requests being served, stop the
-        engine, re-plan on every node that answers and start it again. A failed load goes on as a
-        recovery."""
+        """Take the nodes back: stop the engine, re-plan on every node that answers and start it again (a
+        failed load goes on as a recovery). Meanwhile, when another formation of the model serves
+        (`others_serving`), this one is out of the router as in a reload (it serves what it admitted, then
+        new requests go to the others); else it holds the slots (new requests wait in its queue) and waits
+        for the requests being served. When its own nodes hold the model again, the spares it took go back
+        to the pool."""
         started = time.monotonic()
         get_logger().info("serve_rejoin_waiting", back=list(back))
         with self._cond:
             # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
             if self.state != "degraded" or self._stopping.is_set() or not self._control.acquire(False):
                 return
+            out = self.others_serving is not None and self.others_serving()
             self.rejoining = {"back": list(back), "phase": "waiting for the engine"}
-            self._hold += 1
+            if out:
+                self.state, self.reason = "draining", f"taking back {', '.join(back)}"
+            else:
+                self._hold += 1
+            waiting = "draining" if out else "degraded"
             deadline = time.monotonic() + self.config.queue_timeout
-            while self._busy and time.monotonic() < deadline and self.state == "degraded":
+
+            def pending() -> int:
+                return self._admitted if out else self._busy
+
+            self._cond.notify_all()
+            while pending() and time.monotonic() < deadline and self.state == waiting:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
-            if self._busy or self.state != "degraded":  # the engine was lost meanwhile, or never idle
+            if pending() or self.state != waiting:  # the engine was lost meanwhile, or never idle
                 self.rejoining = None
-                self._hold -= 1
+                if out and self.state == "draining":
+                    self.state, self.reason = "degraded", self._left_out_reason()
+                if not out:
+                    self._hold -= 1
                 self._cond.notify_all()
                 self._control.release()
                 return
             self.rejoining = {"back": list(back), "phase": "loading"}
+            if out:
+                self.state = "recovering"  # out of the router until it serves again
         idle = time.monotonic() - started
         loaded = False
         try:
             self._stop_engine()
-            result = self._plan_round()
+            result = self._own_round(back) or self._plan_round()
             record = functools.partial(self._record_rejoin, back, idle, time.monotonic())
             plan = result.fitting
             loaded = plan is not None and self._load(plan, before_serving=record)
@@ -549,7 +572,8 @@ class Backend:
         finally:
             with self._cond:
                 self.rejoining = None
-                self._hold -= 1
+                if not out:
+                    self._hold -= 1
                 if not loaded:
                     self.state = "recovering"  # the requests waiting for a slot get 503
                 self._cond.notify_all()
@@ -557,6 +581,27 @@ class Backend:
         if not loaded:
             get_logger().warning("serve_rejoin_failed", back=list(back), reason=self.reason)
             self._recover(None)
+
+    def _own_round(self, back: tuple[str, ...]) -> PlanRound | None:
+        """When this formation took spares and a node of its own is back: a round on its own nodes only;
+        if the model fits there, the spares go back to the pool (the engine holding them is stopped). None:
+        no spare taken, or its own nodes do not hold the model (it keeps the spares)."""
+        borrowed = {h.endpoint for h in self.fleet.borrowed}
+        if not borrowed or all(ep in borrowed for ep in back):
+            return None
+        laid = self.fleet.lay_down_borrowed()
+        result = self._plan_round(spare=False)
+        if result.fitting is None:
+            self.fleet.keep_borrowed(laid)
+            return None
+        with self._cond:
+            for host in laid:
+                self.nodes.pop(host.endpoint, None)
+        self.fleet.give_back(laid)
+        return result
+
+    def _left_out_reason(self) -> str:
+        return f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
 
     def _record_rejoin(self, back: tuple[str, ...], idle: float, load_started: float) -> None:
         """Just before the new state shows (under `_cond`): the rejoin is over and recorded, so /health

@@ -17,6 +17,7 @@ from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
 from orchestrator.llama.cache.prep import CachePrep
 from orchestrator.llama.worker.parent import list_local_gpus
+from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.playbooks.reader import rolling_restart_playbook
@@ -49,6 +50,8 @@ class ServeFleet:
     local_devices: list[str] | None = field(default_factory=list)
     # Servers no formation holds (`forming.SparePool`): one is taken when the model no longer fits here.
     spares: SparePool | None = None
+    # The spares this formation took (`with_spare`): given back once it fits on its own nodes again.
+    borrowed: list[Host] = field(default_factory=list)
     _profile: ModelProfile | None = None
     _local_gpus: list[PlanDevice] | None = None
 
@@ -88,10 +91,10 @@ class ServeFleet:
         """Probe every host; a node held by a dead client of ours is released and probed again."""
         return run_sync(probe_hosts(self.hosts, self.probe_settings, release=True))
 
-    def plan_round(self) -> PlanRound:
+    def plan_round(self, *, spare: bool = True) -> PlanRound:
         """Probe every host (releasing the servers held by a dead client of ours); plan on those that
         answer `ok`. No fitting plan (`fitting` None) when none answer or it does not fit: then a spare,
-        when there is one, joins and the round is made again."""
+        when there is one (and `spare`), joins and the round is made again."""
         round_ = run_sync(
             plan_for_fleet(
                 self.hosts,
@@ -105,7 +108,7 @@ class ServeFleet:
                 words=SERVE_WORDS,
             )
         )
-        if round_.fitting is None and round_.error is None:  # no node answers, or the plan does not fit
+        if round_.fitting is None and round_.error is None and spare:  # none answers, or it does not fit
             return self.with_spare() or round_
         return round_
 
@@ -116,7 +119,32 @@ class ServeFleet:
             return None
         get_logger().info("serve_spare_taken", spare=endpoint_of(spare))
         self.hosts = [*self.hosts, spare]
+        self.borrowed.append(spare)
         return self.plan_round()
+
+    def lay_down_borrowed(self) -> list[Host]:
+        """The spares this formation took, out of its hosts (not yet back in the pool: `give_back`, or
+        `keep_borrowed` to take them again)."""
+        borrowed, self.borrowed = self.borrowed, []
+        gone = {h.endpoint for h in borrowed}
+        self.hosts = [h for h in self.hosts if h.endpoint not in gone]
+        return borrowed
+
+    def keep_borrowed(self, hosts: Sequence[Host]) -> None:
+        self.hosts = [*self.hosts, *hosts]
+        self.borrowed += hosts
+
+    def give_back(self, hosts: Sequence[Host]) -> None:
+        """Spares laid down, back in the pool (free for the next loss, or for a new formation)."""
+        if hosts and self.spares is not None:
+            get_logger().info("serve_spare_given_back", spares=[endpoint_of(h) for h in hosts])
+            self.spares.put(hosts)
+
+    def probe_spares(self, hosts: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
+        """Probe free spares (a busy one held by a dead worker of ours is released first): their states
+        and the devices of those that answer."""
+        probe = run_sync(probe_hosts(hosts, self.probe_settings, release=True))
+        return states_of(probe), to_plan_devices(probe, failed="skip")
 
     def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
         """The probe states of `endpoints` only (serve's watch of the nodes it does not use). A busy one

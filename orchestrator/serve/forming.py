@@ -7,6 +7,7 @@ unplanned.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile
 from orchestrator.planning.strategy import make_plan
-from orchestrator.serve.formations import Choice, Node, Want, choose
+from orchestrator.serve.formations import Choice, FormationError, Node, Want, choose
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,38 @@ class Formed:
 
 @dataclass
 class SparePool:
-    """Servers no formation holds: a formation that no longer fits on its own nodes takes one."""
+    """Servers no formation holds: a formation that no longer fits on its own nodes takes one (and gives
+    it back once its own node returns); answering spares that hold a model make a new formation
+    (`grow`). `order`: the inventory's endpoints, the order the pool keeps (given-back spares too)."""
 
     hosts: list[Host] = field(default_factory=list)
+    order: Sequence[str] = ()
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def take(self) -> Host | None:
         with self._lock:
             return self.hosts.pop(0) if self.hosts else None
+
+    def take_these(self, endpoints: Sequence[str]) -> list[Host] | None:
+        """The spares of `endpoints`, all taken at once; None (none taken) when one is no longer free."""
+        with self._lock:
+            chosen = [h for h in self.hosts if h.endpoint in endpoints]
+            if len(chosen) != len(set(endpoints)):
+                return None
+            self.hosts = [h for h in self.hosts if h.endpoint not in endpoints]
+            return chosen
+
+    def put(self, hosts: Sequence[Host]) -> None:
+        """Spares given back (a formation took back its own node), in the inventory's order."""
+        rank = {ep: i for i, ep in enumerate(self.order)}
+        with self._lock:
+            known = {h.endpoint for h in self.hosts}
+            self.hosts += [h for h in hosts if h.endpoint not in known]
+            self.hosts.sort(key=lambda h: rank.get(h.endpoint, len(rank)))
+
+    def snapshot(self) -> list[Host]:
+        with self._lock:
+            return list(self.hosts)
 
 
 def nodes_of(devices: Sequence[PlanDevice]) -> list[Node]:
@@ -129,3 +154,31 @@ def form(
     held = {h.endpoint for f in formed for h in f.hosts}
     spares = [h for h in hosts if h.endpoint not in held]
     return formed, spares
+
+
+def grow(models: Sequence[ServedModel], hosts: Sequence[Host], devices: Sequence[PlanDevice]) -> list[Formed]:
+    """New formations on free spares (`hosts`, probed as `devices`: the answering ones only) for the
+    models served with `--replicas auto`: by the same rules as at start (the fewest nodes that hold the
+    model, disjoint servers, at most 15 RPC devices, the inventory's order), one formation per model in
+    turns while the spares hold one. Their `choice.index` counts from 0: the caller numbers them."""
+    free = list(hosts)
+    made: list[Formed] = []
+    grown = True
+    while grown:
+        grown = False
+        for model in models:
+            if model.split or model.replicas is not None:
+                continue
+            left = {h.endpoint for h in free}
+            some = [d for d in devices if d.endpoint in left]
+            if not some:
+                return made
+            try:
+                formed, _ = form([dataclasses.replace(model, replicas=1)], free, some)
+            except FormationError:  # this model fits on none of them: the next model may
+                continue
+            made += [dataclasses.replace(f, model=model) for f in formed]  # the model as served
+            held = {ep for f in formed for ep in f.choice.endpoints}
+            free = [h for h in free if h.endpoint not in held]
+            grown = True
+    return made

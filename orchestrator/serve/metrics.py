@@ -6,10 +6,9 @@ is a summary (`_sum`, `_count`), per-endpoint up/down is a gauge with an `endpoi
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -144,47 +143,83 @@ def label_value(value: str) -> str:
 ENGINE_PREFIX = "llamacpp:"
 
 
-def engine_metrics(engine_text: str, served: int, parallel: int, admitted: int) -> str:
-    """Serve's slot gauges, then the engine's own families (llama-server's `/metrics`: tokens, throughput,
-    requests processing...) renamed `rpcfleet_engine_*` (counters of the engine process now serving: a
-    restarted engine starts from 0). `rpcfleet_slots_busy` is the engine's `requests_processing` when it
-    answered, else the requests serve has handed it."""
-    families: dict[str, float] = {}
-    lines: list[str] = []
-    # Prometheus names a counter `*_total`; llama-server does not always (n_tokens_max, ...)
-    counters = {
-        fields[2][len(ENGINE_PREFIX) :]
-        for fields in (line.split() for line in engine_text.splitlines() if line.startswith("# TYPE "))
-        if len(fields) == 4 and fields[2].startswith(ENGINE_PREFIX) and fields[3] == "counter"
-    }
-    for line in engine_text.splitlines():
-        if ENGINE_PREFIX not in line:
-            continue
-        renamed = line.replace(ENGINE_PREFIX, "rpcfleet_engine_")
-        for name in counters:
-            if not name.endswith("_total"):
-                renamed = re.sub(
-                    rf"\brpcfleet_engine_{re.escape(name)}(?=[\s{{]|$)",
-                    f"rpcfleet_engine_{name}_total",
-                    renamed,
-                )
-        lines.append(renamed)
-        if not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                families[name[len(ENGINE_PREFIX) :]] = float(value)
-            except ValueError:
+@dataclass(frozen=True)
+class EngineScrape:
+    """One formation's engine as a scrape read it: its name, model, llama-server's `/metrics` text (empty
+    when it did not answer in time, or none serves) and the requests serve has handed it."""
+
+    formation: str
+    model: str
+    text: str
+    served: int
+
+
+def _with_labels(sample: str, labels: str) -> str:
+    """A sample line with `labels` first (`name value` or `name{...} value`)."""
+    name, brace, rest = sample.partition("{")
+    if brace:
+        return f"{name}{{{labels},{rest}" if not rest.startswith("}") else f"{name}{{{labels}{rest}"
+    name, space, value = sample.partition(" ")
+    return f"{name}{{{labels}}}{space}{value}"
+
+
+def engine_metrics(engines: Sequence[EngineScrape], parallel: int, admitted: int) -> str:
+    """Serve's slot gauges, then every formation's engine families (llama-server's `/metrics`: tokens,
+    throughput, requests processing, deferred...) renamed `llamacpp:X` -> `rpcfleet_engine_X` (a counter
+    gets `_total` when llama-server's name lacks it), each sample with `formation` and `model` labels
+    (counters of the engine process now serving: a restarted engine starts from 0). `rpcfleet_slots_busy`
+    sums each engine's `requests_processing` where it answered, else the requests serve has handed it."""
+    helps: dict[str, list[str]] = {}  # family -> its HELP and TYPE lines (the first engine's)
+    samples: dict[str, list[str]] = {}
+    busy = 0.0
+    for engine in engines:
+        # Prometheus names a counter `*_total`; llama-server does not always (n_tokens_max, ...)
+        counters = {
+            fields[2][len(ENGINE_PREFIX) :]
+            for fields in (line.split() for line in engine.text.splitlines() if line.startswith("# TYPE "))
+            if len(fields) == 4 and fields[2].startswith(ENGINE_PREFIX) and fields[3] == "counter"
+        }
+
+        def renamed(name: str, counters: set[str] = counters) -> str:
+            bare = name[len(ENGINE_PREFIX) :]
+            suffix = "_total" if bare in counters and not bare.endswith("_total") else ""
+            return f"rpcfleet_engine_{bare}{suffix}"
+
+        labels = f'formation="{_label(engine.formation)}",model="{_label(engine.model)}"'
+        processing: float | None = None
+        for line in engine.text.splitlines():
+            if line.startswith("# "):
+                fields = line.split(" ", 3)
+                if len(fields) >= 3 and fields[1] in ("HELP", "TYPE") and fields[2].startswith(ENGINE_PREFIX):
+                    family = renamed(fields[2])
+                    if len(helps.setdefault(family, [])) < 2 and not any(
+                        h.startswith(f"# {fields[1]} ") for h in helps[family]
+                    ):
+                        helps[family].append(" ".join([fields[0], fields[1], family, *fields[3:]]))
                 continue
-    busy = families.get("requests_processing", float(served))
+            if not line.startswith(ENGINE_PREFIX):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            family = renamed(name)
+            samples.setdefault(family, []).append(_with_labels(family + line[len(name) :], labels))
+            if name == f"{ENGINE_PREFIX}requests_processing":
+                try:
+                    processing = float(line.rpartition(" ")[2])
+                except ValueError:
+                    processing = None
+        busy += processing if processing is not None else engine.served
     head = [
-        "# HELP rpcfleet_slots_busy Slots of the engine generating now (its requests_processing).",
+        "# HELP rpcfleet_slots_busy Slots of the engines generating now (their requests_processing).",
         "# TYPE rpcfleet_slots_busy gauge",
         f"rpcfleet_slots_busy {busy:g}",
-        "# HELP rpcfleet_slots Slots of the engine (--parallel).",
+        "# HELP rpcfleet_slots Slots of the engines (--parallel).",
         "# TYPE rpcfleet_slots gauge",
         f"rpcfleet_slots {parallel}",
         "# HELP rpcfleet_requests_admitted Requests admitted: served and waiting for a slot.",
         "# TYPE rpcfleet_requests_admitted gauge",
         f"rpcfleet_requests_admitted {admitted}",
     ]
-    return "\n".join(head + lines) + "\n"
+    lines = list(head)
+    for family in dict.fromkeys([*helps, *samples]):
+        lines += helps.get(family, []) + samples.get(family, [])
+    return "\n".join(lines) + "\n"

@@ -14,10 +14,13 @@ so a model served by two formations or more always has one answering. The decisi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import json
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +29,11 @@ from typing import Any
 from orchestrator.core.log import get_logger
 from orchestrator.engine.threads import start_thread
 from orchestrator.serve.backend import SERVING, Backend, Rejected, ServeConfig, Ticket
-from orchestrator.serve.metrics import Metrics, engine_metrics, label_value
+from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, label_value
 from orchestrator.serve.upstream import Upstream, UpstreamError
 
+ENGINE_SCRAPE_TIMEOUT = 2.0  # seconds a scrape waits for one engine's /metrics
+ENGINE_SCRAPE_CACHE = 1.0  # seconds one engine's /metrics text serves the scrapes that follow
 STATES = ("loading", "ready", "degraded", "recovering", "draining", "failed")
 
 
@@ -73,11 +78,39 @@ class Router:
         self._reloading = threading.Lock()
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
         self._turn = -1  # ties between formations go in turns
+        self._scraped: dict[str, tuple[float, str]] = {}  # engine url -> (when, its /metrics text)
+        self._adding = threading.Lock()
+        self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
+        for formation in self.formations:
+            formation.backend.others_serving = functools.partial(self.others_serving, formation)
 
     @classmethod
     def single(cls, backend: Backend, model: str) -> Router:
         """One formation (a backend made alone): the front counts on the backend's own metrics."""
         return cls([Formation(f"{model}#0", model, backend)], backend.metrics)
+
+    def others_serving(self, formation: Formation) -> bool:
+        """Whether another formation of `formation`'s model serves now."""
+        return any(
+            f.model == formation.model and f is not formation and f.backend.state in SERVING
+            for f in self.formations
+        )
+
+    def add(self, formation: Formation, plan: Any = None) -> None:
+        """A new formation (made while serving, on spares that answered): after its model's others, and
+        started (`plan`: its first load's; requests reach it once it serves)."""
+        formation.backend.others_serving = functools.partial(self.others_serving, formation)
+        with self._adding:
+            after = max((i for i, f in enumerate(self.formations) if f.model == formation.model), default=-1)
+            at = after + 1 if after >= 0 else len(self.formations)
+            # a new list, not a change of the one a request may be reading
+            self.formations = [*self.formations[:at], formation, *self.formations[at:]]
+        formation.backend.start(plan)
+
+    def next_index(self, model: str) -> int:
+        """The number of the next formation of `model` (`MODEL#N`)."""
+        taken = [f.name.rpartition("#")[2] for f in self.formations if f.model == model]
+        return max((int(n) + 1 for n in taken if n.isdigit()), default=len(taken))
 
     @property
     def models(self) -> list[str]:
@@ -157,8 +190,9 @@ class Router:
         """One formation: its backend's health (as before formations) and the formations' list; several:
         the overall state, the models and each formation."""
         formations = [self.summary(f) for f in self.formations]
+        spares = {} if self.spares is None else {"spares": self.spares()}
         if len(self.formations) == 1:
-            return {**self.formations[0].backend.health(), "formations": formations}
+            return {**self.formations[0].backend.health(), "formations": formations, **spares}
         state = overall([f["state"] for f in formations])
         reasons = [f"{f['name']}: {f['reason']}" for f in formations if f["reason"]]
         return {
@@ -167,6 +201,7 @@ class Router:
             "pid": os.getpid(),
             "models": self.models,
             "formations": formations,
+            **spares,
         }
 
     def endpoint_up(self) -> dict[str, bool]:
@@ -194,28 +229,47 @@ class Router:
         return Counters(self.metrics, backend.metrics)
 
     async def prometheus(self, *, formations: bool = True) -> str:
-        """serve's Prometheus text: the front's counters, the slots (one formation: with its engine's own
-        families), then one series per formation (`formations`; the fleet exporter, when on, shows them
-        under the same names, so it alone does then)."""
+        """serve's Prometheus text: the front's counters, the slots with every formation's engine families
+        (`formation` and `model` labels), then one series per formation (`formations`; the fleet exporter,
+        when on, shows them under the same names, so it alone does then)."""
         text = self.combined_metrics().render(self.endpoint_up(), self.state)
-        served = parallel = admitted = 0
-        engine_text = ""
+        parallel = admitted = 0
         for formation in self.formations:
             states = formation.backend.engine_states()
-            served += states["served"]
             parallel += states["parallel"]
             admitted += states["admitted"]
-        if len(self.formations) == 1:
-            engine = self.formations[0].backend.engine
-            if engine is not None:
-                try:
-                    engine_text = (await get(engine.url, "/metrics", 2.0, engine.api_key))[1].decode(
-                        "utf-8", "replace"
-                    )
-                except UpstreamError:
-                    engine_text = ""
-        text += engine_metrics(engine_text, served, parallel, admitted)
+        text += engine_metrics(await self.engine_scrapes(), parallel, admitted)
         return text + self.formation_metrics() if formations else text
+
+    async def engine_scrapes(self) -> list[EngineScrape]:
+        """Every formation's engine `/metrics`, asked all at once, each bounded by `ENGINE_SCRAPE_TIMEOUT`
+        (an engine busy past it is left out of this scrape: a scrape never waits on one), and kept
+        `ENGINE_SCRAPE_CACHE` seconds per engine (scrapes in a burst ask each engine once)."""
+        now = time.monotonic()
+
+        async def one(formation: Formation) -> EngineScrape:
+            served = formation.backend.engine_states()["served"]
+            engine = formation.backend.engine
+            if engine is None:
+                return EngineScrape(formation.name, formation.model, "", served)
+            cached = self._scraped.get(engine.url)
+            if cached is not None and now - cached[0] < ENGINE_SCRAPE_CACHE:
+                return EngineScrape(formation.name, formation.model, cached[1], served)
+            try:
+                asked = get(engine.url, "/metrics", ENGINE_SCRAPE_TIMEOUT, engine.api_key)
+                body = (await asyncio.wait_for(asked, ENGINE_SCRAPE_TIMEOUT))[1]  # the whole answer
+                engine_text = body.decode("utf-8", "replace")
+            except (UpstreamError, TimeoutError, OSError):
+                engine_text = ""
+            self._scraped[engine.url] = (time.monotonic(), engine_text)
+            return EngineScrape(formation.name, formation.model, engine_text, served)
+
+        formations = list(self.formations)
+        scrapes = await asyncio.gather(*(one(f) for f in formations))
+        live = {f.backend.engine.url for f in formations if f.backend.engine is not None}
+        for url in [u for u in self._scraped if u not in live]:  # engines gone
+            self._scraped.pop(url, None)
+        return list(scrapes)
 
     def formation_metrics(self) -> str:
         families: dict[str, tuple[str, str, list[str]]] = {

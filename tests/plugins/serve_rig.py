@@ -166,10 +166,11 @@ class _FakeHandler(BaseHTTPRequestHandler):
         elif self._refused():
             return
         elif self.path == "/metrics":
+            self.engine.metrics_asked += 1
             if self.engine.stuck:
                 self.engine.ended.wait(5)  # its main loop takes no task
             gauge = "llamacpp:requests_processing"
-            text = f"# TYPE {gauge} gauge\n{gauge} {self.engine.active}\n"
+            text = self.engine.metrics_text or f"# TYPE {gauge} gauge\n{gauge} {self.engine.active}\n"
             self._send(200, text.encode(), "text/plain")
         else:
             self._send(404, b'{"error":{"code":404,"message":"not found","type":"not_found_error"}}')
@@ -217,6 +218,8 @@ class HttpEngine(FakeEngine):
     whole_delay: float = 0.0
     stuck: bool = False
     active: int = 0
+    metrics_text: str = ""  # its /metrics (default: requests_processing only)
+    metrics_asked: int = 0
     bodies: list[Any] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # paths asked without the engine's key
     server: ThreadingHTTPServer | None = None

@@ -22,7 +22,7 @@ from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.serve.backend import Backend, ServeConfig
 from orchestrator.serve.formations import MAX_RPC_DEVICES, FormationError, Node, Want, choose
-from orchestrator.serve.forming import ServedModel, form, nodes_of
+from orchestrator.serve.forming import Formed, ServedModel, SparePool, form, grow, nodes_of
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.router import Formation, Router, candidates, overall
 from tests.plugins.llama import GiB, plan_devices
@@ -221,7 +221,7 @@ class PartFleet(FakeFleet):
         self.hosts = [Host(name=f"h-{ep}", address=ep.split(":")[0], rpc_port=50052) for ep in endpoints]
         self.answering = set(endpoints)
 
-    def plan_round(self) -> Any:
+    def plan_round(self, *, spare: bool = True) -> Any:
         from orchestrator.planning.strategy import make_plan
         from orchestrator.workflows.plan import PlanRound
 
@@ -229,7 +229,8 @@ class PartFleet(FakeFleet):
         states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}
         up = [ep for ep in self.endpoints if ep in self.answering]
         if not up:  # as ServeFleet's: a free spare, when there is one
-            return self.with_spare() or PlanRound(None, states, 0.0, 0.0, "no node answers")
+            taken = self.with_spare() if spare else None
+            return taken or PlanRound(None, states, 0.0, 0.0, "no node answers")
         return PlanRound(make_plan(plan_devices(up), self.profile(), self.options), states, 0.0, 0.0)
 
     def watch(self, endpoints: Any) -> dict[str, str]:
@@ -277,6 +278,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
             rig_.wait_state({"ready"})
         client = TestClient(create_app(router, api_key="k", model_name="a"))
         client.headers["Authorization"] = "Bearer k"
+        client.router = router  # type: ignore[attr-defined]
         made.append((client, router))
         return client, rigs
 
@@ -454,6 +456,209 @@ def test_a_formation_whose_nodes_are_gone_takes_a_free_spare(
     assert pool.take() is None
     answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
     assert answer.status_code == 200
+
+
+def _asking(client: Any, model: str, codes: list[int], done: threading.Event) -> threading.Thread:
+    def ask() -> None:
+        while not done.is_set():
+            codes.append(
+                client.post(
+                    "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}
+                ).status_code
+            )
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+def test_a_formation_takes_its_own_node_back_and_gives_the_spare_back_without_a_503(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """20 rounds: a#1's node is lost, it re-plans on the free spare; its node returns: it takes it back
+    (out of the router meanwhile: requests to `a` all go to a#0, none is 503) and the spare is back in
+    the pool, free for the next loss."""
+    client, rigs = routed({"a": PARTS["a"]}, rejoin_interval=0.01)
+    own, free = "10.8.0.2:50052", "10.8.0.9:50052"
+    pool = SparePool([Host(name="spare", address="10.8.0.9", rpc_port=50052)], order=[own, free])
+    for rig_ in rigs.values():
+        rig_.fleet.spares = pool
+    rig = rigs["a#1"]
+    for round_ in range(20):
+        rig.fleet.answering = {free}  # its own node is gone; the spare answers
+        rig.engine.die()
+        _wait(lambda: rig.backend.state == "degraded" and rig.backend.plan.endpoints == (free,))  # type: ignore[union-attr]
+        assert pool.snapshot() == [] and [h.endpoint for h in rig.fleet.borrowed] == [free], round_
+        codes: list[int] = []
+        done = threading.Event()
+        askers = [_asking(client, "a", codes, done) for _ in range(3)]
+        _wait(lambda codes=codes: len(codes) > 3)  # type: ignore[misc]
+        rig.fleet.answering = {own, free}  # its node is back
+        _wait(lambda: rig.backend.state == "ready" and rig.backend.plan.endpoints == (own,))  # type: ignore[union-attr]
+        _wait(lambda codes=codes: len(codes) > 20)  # type: ignore[misc]
+        done.set()
+        for asker in askers:
+            asker.join(20)
+        assert codes and set(codes) == {200}, (round_, sorted(set(codes)))
+        assert [h.endpoint for h in pool.snapshot()] == [free] and rig.fleet.borrowed == [], round_
+        assert rig.fleet.endpoints == (own,) and free not in rig.backend.nodes, round_
+    health = {f["name"]: f for f in client.get("/health").json()["formations"]}
+    assert (health["a#1"]["recoveries"], health["a#1"]["rejoins"], health["a#1"]["nodes"]) == (20, 20, [own])
+    assert health["a#0"]["recoveries"] == health["a#0"]["rejoins"] == 0
+
+
+def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]], tiny_model: Path
+) -> None:
+    """--replicas auto with one node silent at start: it is a spare; once it answers (and holds the
+    model) the spare watch makes a formation of it, and the router sends it requests once it serves. A
+    spare too small for the model stays in the pool."""
+    from orchestrator.serve.spares import SpareWatch
+
+    client, rigs = routed({"a": (("10.8.0.1:50052",),)})
+    router = client.router  # type: ignore[attr-defined]
+    late = "10.8.0.2:50052"
+    pool = SparePool([Host(name="late", address="10.8.0.2", rpc_port=50052)], order=["10.8.0.1:50052", late])
+    answers: dict[str, int] = {}  # endpoint -> its usable bytes, for those that answer
+
+    def probe(hosts: Any) -> tuple[dict[str, str], list[Any]]:
+        up = [h.endpoint for h in hosts if h.endpoint in answers]
+        states = {h.endpoint: ("ok" if h.endpoint in answers else "refused") for h in hosts}
+        return states, plan_devices(up, [answers[ep] for ep in up]) if up else []
+
+    def make(one: Formed, name: str) -> Formation:
+        fleet = PartFleet(tiny_model, one.choice.endpoints)
+        engines: list[Any] = []
+
+        def factory(plan: Plan, dial: Mapping[str, str]) -> HttpEngine:
+            engines.append(HttpEngine(plan, fleet, 10 + len(engines)))
+            return engines[-1]  # type: ignore[no-any-return]
+
+        backend = Backend(fleet, ServeConfig(retry_interval=0.005, rejoin_interval=0.0), factory)
+        rigs[name] = Rig(backend, fleet, engines)
+        return Formation(name, one.model.name, backend)
+
+    model = ServedModel(str(tiny_model), "a", profile_model(tiny_model), PlanOptions(n_ctx=512))
+    watch = SpareWatch(router, pool, [model], probe, make, interval=0.0)
+    assert watch.round() == [] and len(router.formations) == 1  # silent: nothing to decide
+    answers[late] = 1024 * 1024  # it answers, too small for the model: it stays a spare
+    assert watch.round() == [] and [h.endpoint for h in pool.snapshot()] == [late]
+    assert watch.round() == []  # nothing new: not decided again
+    del answers[late]
+    assert watch.round() == []
+    answers[late] = 8 * GiB  # back, and it holds the model
+    added = watch.round()
+    assert [f.name for f in added] == ["a#1"] and pool.snapshot() == []
+    assert [f.name for f in router.formations] == ["a#0", "a#1"]
+    rigs["a#1"].wait_state({"ready"})
+    assert rigs["a#1"].backend.plan.endpoints == (late,)  # type: ignore[union-attr]
+    for _ in range(4):
+        answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
+        assert answer.status_code == 200
+    assert len(rigs["a#0"].engine.bodies) == len(rigs["a#1"].engine.bodies) == 2  # in turns
+    health = client.get("/health").json()
+    assert [(f["name"], f["nodes"], f["state"]) for f in health["formations"]] == [
+        ("a#0", ["10.8.0.1:50052"], "ready"),
+        ("a#1", [late], "ready"),
+    ]
+    assert watch.round() == []  # no spare left
+    # A formation takes the spare (a loss) between the watch's probe and its take: nothing is formed,
+    # and the watch decides again once the spare is back.
+    other = "10.8.0.3:50052"
+    pool.put([Host(name="other", address="10.8.0.3", rpc_port=50052)])
+    answers[other] = 8 * GiB
+    taken: list[Any] = []
+
+    def probe_then_lose(hosts: Any) -> tuple[dict[str, str], list[Any]]:
+        seen = probe(hosts)
+        taken.append(pool.take())  # the loss's `with_spare`, in the meantime
+        return seen
+
+    watch.probe = probe_then_lose
+    assert watch.round() == [] and [h.endpoint for h in taken] == [other] and pool.snapshot() == []
+    assert [f.name for f in router.formations] == ["a#0", "a#1"]
+    watch.probe = probe
+    pool.put(taken)  # given back
+    assert [f.name for f in watch.round()] == ["a#2"] and pool.snapshot() == []
+    rigs["a#2"].wait_state({"ready"})
+    # the pure rule: the spares in the inventory's order, one formation per model in turns, disjoint
+    eps = ["10.8.0.3:50052", "10.8.0.4:50052", "10.8.0.5:50052"]
+    hosts = [Host(name=f"s{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(eps)]
+    two = [model, dataclasses.replace(model, name="b"), dataclasses.replace(model, name="c", split=True)]
+    grown = grow(two, hosts, plan_devices(eps))
+    assert all(f.model in two for f in grown)  # the models as served (not the choice's copies)
+    assert [(f.model.name, f.choice.endpoints) for f in grown] == [
+        ("a", (eps[0],)),
+        ("b", (eps[1],)),
+        ("a", (eps[2],)),
+    ]
+
+
+LLAMA_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total {prompt}
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total {predicted}
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max 40
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 12.5
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing {processing}
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} 3
+"""  # llama-server's to_metrics() text (tools/server/server-task.cpp), as 0.3.36's llama.cpp writes it
+
+
+def test_metrics_show_every_formations_engine_counters_under_its_formation_label(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """Each engine's own counters (llama-server's /metrics) on serve's /metrics, one series per formation
+    (labels formation and model); promtool accepts them. An engine that does not answer in time is left
+    out of that scrape, which does not wait on it; a burst of scrapes asks each engine once."""
+    import subprocess
+
+    client, rigs = routed()
+    values = {"a#0": (11, 21, 1), "a#1": (12, 22, 2), "b#0": (13, 23, 0)}
+    for name, (prompt, predicted, processing) in values.items():
+        rigs[name].engine.metrics_text = LLAMA_METRICS.format(
+            prompt=prompt, predicted=predicted, processing=processing
+        )
+    text = client.get("/metrics").text
+    for name, (prompt, predicted, processing) in values.items():
+        labels = f'formation="{name}",model="{name[0]}"'
+        assert f"rpcfleet_engine_prompt_tokens_total{{{labels}}} {prompt}" in text, text
+        assert f"rpcfleet_engine_tokens_predicted_total{{{labels}}} {predicted}" in text
+        assert f"rpcfleet_engine_requests_processing{{{labels}}} {processing}" in text
+        assert f"rpcfleet_engine_n_tokens_max_total{{{labels}}} 40" in text
+        assert (
+            f'rpcfleet_engine_spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 3'
+            in text
+        )
+    slots = sum(rig_.backend.config.parallel for rig_ in rigs.values())
+    assert "rpcfleet_slots_busy 3\n" in text and f"rpcfleet_slots {slots}\n" in text  # 1 + 2 + 0
+    assert text.count("# TYPE rpcfleet_engine_tokens_predicted_total counter") == 1
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    asked = {name: rig_.engine.metrics_asked for name, rig_ in rigs.items()}
+    client.get("/metrics")  # within the cache's second: no engine asked again
+    assert {name: rig_.engine.metrics_asked for name, rig_ in rigs.items()} == asked
+    time.sleep(1.1)  # past the cache (ENGINE_SCRAPE_CACHE)
+    rigs["a#1"].engine.stuck = True  # its main loop answers no /metrics for 5 s
+    started = time.monotonic()
+    text = client.get("/metrics").text
+    assert time.monotonic() - started < 4.5  # bounded by ENGINE_SCRAPE_TIMEOUT (2 s), not the engine's 5
+    assert 'rpcfleet_engine_tokens_predicted_total{formation="a#0",model="a"} 21' in text
+    assert 'formation="a#1",model="a"} 22' not in text and 'formation="b#0",model="b"} 23' in text
 
 
 # -- plan and report --replicas, on real local servers

@@ -8,7 +8,9 @@ One 3-node lab for the module; node 1 runs two servers (ports 50052 and 50053, t
   others finish, the next 6 requests all succeed;
 - two models at once on disjoint nodes (a models file): each answers by name, an unknown name is 404;
 - node 1's two servers hold two formations;
-- a rolling reload of 2 formations never answers 503.
+- a rolling reload of 2 formations never answers 503;
+- a node stopped at start, then started: a new formation of it (and its engine counters on /metrics);
+- a formation that took the spare takes its own node back without a 503; the spare is free again.
 """
 
 from __future__ import annotations
@@ -298,3 +300,110 @@ def test_a_rolling_reload_of_two_formations_never_answers_503(
         for asker in askers:
             asker.join(300)
     assert len(codes) > 4 and set(codes) == {200}, codes
+
+
+def _rpcfleet(lab: Lab, home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`rpcfleet ARGV -i LAB` (stop, start...) as an operator would run it while serve serves."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *argv, "-i", str(lab.inventory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RPCFLEET_HOME": str(home)},
+        check=False,
+    )
+
+
+def _by_name(health: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f["name"]: f for f in health.get("formations") or []}
+
+
+def test_a_node_stopped_at_start_makes_a_new_formation_once_it_is_started(
+    flab: Lab, serve: Callable[..., Served], gemma_model: Path, tmp_path: Path
+) -> None:
+    """--replicas auto on two nodes, one's rpc-server stopped: one formation and a spare; `rpcfleet
+    start` on that node: serve's spare watch makes a second formation of it, the router sends it requests
+    once it serves, and /metrics has each formation's engine counters."""
+    late = node_name(flab, 2)
+    stopped = _rpcfleet(flab, tmp_path, "stop", "-l", late, "--force")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    try:
+        served = serve("-m", str(gemma_model), "--model-name", "gemma", "-l", f"{node_name(flab, 1)},{late}")
+        health = served.health()
+        assert {n: f["nodes"] for n, f in _by_name(health).items()} == {"gemma": [endpoint(flab, 1)]}, health
+        assert health["spares"] == [endpoint(flab, 2)], health
+        started = _rpcfleet(flab, tmp_path, "start", "-l", late)
+        assert started.returncode == 0, started.stdout + started.stderr
+        health = served.wait(lambda h: len(_by_name(h)) == 2 and all_ready(h))
+        assert {n: f["nodes"] for n, f in _by_name(health).items()} == {
+            "gemma": [endpoint(flab, 1)],
+            "gemma#1": [endpoint(flab, 2)],
+        }, health
+        assert health["spares"] == [], health
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: served.complete("gemma"), range(4)))
+        assert [status for status, _ in answers] == [200] * 4, answers
+        routed = {name: f["requests"] for name, f in served.formations().items()}
+        assert all(n > 0 for n in routed.values()), routed
+        status, metrics = served.request("/metrics")
+        assert status == 200
+        for name in ("gemma", "gemma#1"):
+            assert f'rpcfleet_engine_tokens_predicted_total{{formation="{name}",model="gemma"}}' in metrics, (
+                name
+            )
+    finally:
+        _rpcfleet(flab, tmp_path, "start", "-l", late)
+
+
+def test_a_formation_takes_its_node_back_from_the_spare_it_took_without_a_503(
+    flab: Lab, serve: Callable[..., Served], gemma_model: Path, tmp_path: Path
+) -> None:
+    """--replicas 2 on three nodes: two formations and a spare. One formation's rpc-server is stopped: it
+    re-plans on the spare. Its server is started again: it takes its node back while requests keep
+    coming (the other formation answers them: none is 503), and the spare is free again."""
+    served = serve(
+        "-m", str(gemma_model), "--model-name", "gemma", "-l", f"!{node_name(flab, 0)}/b", "--replicas", "2"
+    )
+    health = served.health()
+    spare = health["spares"]
+    assert len(spare) == 1 and len(_by_name(health)) == 2, health
+    own = _by_name(health)["gemma#1"]["nodes"]
+    victim = next(n for n in range(3) if endpoint(flab, n) == own[0])
+    try:
+        stopped = _rpcfleet(flab, tmp_path, "stop", "-l", node_name(flab, victim), "--force")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+        def on_the_spare(h: dict[str, Any]) -> bool:
+            if _by_name(h)["gemma#1"]["state"] == "ready":  # an idle engine meets its lost node on a request
+                served.complete("gemma", 2)
+            return (
+                _by_name(h)["gemma#1"]["state"] == "degraded"
+                and _by_name(h)["gemma#1"]["nodes"] == spare
+                and h["spares"] == []
+            )
+
+        served.wait(on_the_spare)
+        codes: list[int] = []
+        done = threading.Event()
+
+        def ask() -> None:
+            while not done.is_set():
+                codes.append(served.complete("gemma", 4)[0])
+
+        askers = [threading.Thread(target=ask) for _ in range(2)]
+        for asker in askers:
+            asker.start()
+        try:
+            started = _rpcfleet(flab, tmp_path, "start", "-l", node_name(flab, victim))
+            assert started.returncode == 0, started.stdout + started.stderr
+            health = served.wait(
+                lambda h: all_ready(h) and _by_name(h)["gemma#1"]["nodes"] == own and h["spares"] == spare
+            )
+        finally:
+            done.set()
+            for asker in askers:
+                asker.join(300)
+        assert len(codes) > 4 and set(codes) == {200}, codes
+        assert _by_name(health)["gemma#1"]["rejoins"] == 1, health
+    finally:
+        _rpcfleet(flab, tmp_path, "start", "-l", node_name(flab, victim))

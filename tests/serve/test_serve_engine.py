@@ -22,7 +22,7 @@ from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.backend import Backend, Failure, Running, ServeConfig
 from orchestrator.serve.engine import EngineOptions, engine_args, lost_message
-from orchestrator.serve.metrics import engine_metrics
+from orchestrator.serve.metrics import EngineScrape, engine_metrics
 from orchestrator.serve.templates import BUILTIN_TEMPLATES, resolve_chat_template
 from tests.plugins.llama import plan_devices
 from tests.plugins.serve_rig import ENDPOINTS, FakeEngine, FakeFleet, HttpEngine, Rig
@@ -337,11 +337,13 @@ def test_the_engines_counters_pass_through_renamed_with_the_slots_busy() -> None
         "# TYPE llamacpp:requests_processing gauge\n"
         "llamacpp:requests_processing 3\n"
     )
-    out = engine_metrics(text, served=4, parallel=4, admitted=6)
-    assert "rpcfleet_engine_tokens_predicted_total 96" in out and "llamacpp:" not in out
+    out = engine_metrics([EngineScrape("m", "m", text, served=4)], parallel=4, admitted=6)
+    assert (
+        'rpcfleet_engine_tokens_predicted_total{formation="m",model="m"} 96' in out and "llamacpp:" not in out
+    )
     assert "rpcfleet_slots_busy 3\n" in out and "rpcfleet_slots 4\n" in out
     assert "rpcfleet_requests_admitted 6" in out
-    assert "rpcfleet_slots_busy 4\n" in engine_metrics("", served=4, parallel=4, admitted=4)  # no engine
+    assert "rpcfleet_slots_busy 4\n" in engine_metrics([EngineScrape("m", "m", "", 4)], 4, 4)  # no engine
 
 
 def test_the_lost_message_names_each_endpoint_and_how_the_engine_ended() -> None:
@@ -412,7 +414,10 @@ def test_a_stream_passes_through_and_its_tokens_count(front: Callable[..., tuple
     metrics = client.get("/metrics").text
     assert 'rpcfleet_tokens_total{kind="completion"} 21' in metrics
     assert 'rpcfleet_requests_total{route="/v1/completions",code="400"} 1' in metrics
-    assert "rpcfleet_slots_busy 0" in metrics and "rpcfleet_engine_requests_processing 0" in metrics
+    assert (
+        "rpcfleet_slots_busy 0" in metrics
+        and 'rpcfleet_engine_requests_processing{formation="fake#0",model="fake"} 0' in metrics
+    )
     bad = client.post("/v1/completions", content=b"{nope", headers={"Content-Type": "application/json"})
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
@@ -516,8 +521,10 @@ def test_the_engines_counters_pass_through_with_prometheus_names() -> None:
         "# TYPE llamacpp:requests_processing gauge\n"
         "llamacpp:requests_processing 2\n"
     )
-    text = engine_metrics(engine, 1, 4, 2)
-    assert "rpcfleet_engine_n_tokens_max_total 3" in text and "rpcfleet_engine_prompt_tokens_total 5" in text
-    assert "rpcfleet_slots_busy 2" in text
+    text = engine_metrics([EngineScrape("m#0", "m", engine, 1), EngineScrape("m#1", "m", engine, 0)], 8, 2)
+    assert 'rpcfleet_engine_n_tokens_max_total{formation="m#0",model="m"} 3' in text
+    assert 'rpcfleet_engine_prompt_tokens_total{formation="m#1",model="m"} 5' in text
+    assert text.count("# TYPE rpcfleet_engine_prompt_tokens_total counter") == 1  # one family, two series
+    assert "rpcfleet_slots_busy 4" in text  # 2 + 2
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
