@@ -16,7 +16,7 @@ from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.lab import cgroups
-from orchestrator.lab.cgroups import PERIOD_US, join_lines, quota_us
+from orchestrator.lab.cgroups import join_lines, share_us
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up, reap_stale
 from orchestrator.lab.state import PREFIX, Lab
 from tests.plugins.lab import lab_hosts_of, leftovers, require_lab_privileges, session_lab_name
@@ -33,7 +33,7 @@ def test_the_quota_lines_for_v1_and_v2(tmp_path: Path) -> None:
     v2.mkdir()
     (v2 / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     lines = "\n".join(join_lines("rfl3-n1", 0.6, v2))
-    assert f"echo '60000 {PERIOD_US}' > {v2}/rfl3-n1/cpu.max" in lines
+    assert f"echo '1200 2000' > {v2}/rfl3-n1/cpu.max" in lines  # 0.6 CPU over a short period
     assert f"echo $$ > {v2}/rfl3-n1/cgroup.procs" in lines
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
@@ -41,9 +41,11 @@ def test_the_quota_lines_for_v1_and_v2(tmp_path: Path) -> None:
     (v1 / "unified").mkdir()
     (v1 / "unified" / "cgroup.procs").write_text("")
     lines = "\n".join(join_lines("rfl3-n1", 0.3, v1))
-    assert f"echo 30000 > {v1}/cpu/rfl3-n1/cpu.cfs_quota_us" in lines
+    assert f"echo 3334 > {v1}/cpu/rfl3-n1/cpu.cfs_period_us" in lines
+    assert f"echo 1000 > {v1}/cpu/rfl3-n1/cpu.cfs_quota_us" in lines
     assert f"echo $$ > {v1}/unified/rfl3-n1/cgroup.procs" in lines
-    assert quota_us(0.001) == 1000  # the kernel's least
+    assert share_us(0.01) == (1000, 100_000)  # the kernel's least quota: a longer period
+    assert share_us(1.5) == (3000, 2000)  # more than a core: the quota is over the period
 
 
 @pytest.mark.parametrize(
@@ -128,6 +130,18 @@ async def _share(lab: Lab, index: int, seconds: float) -> tuple[float, int]:
     return best, best_held
 
 
+async def _bursts_held_back(lab: Lab, index: int, bursts: int) -> int:
+    """The periods node `index`'s quota held back while it ran `bursts` bursts of 20 ms of spinning, each
+    followed by 80 ms of rest."""
+    host = lab_hosts_of(lab)[index - 1]
+    name = lab.nodes[index - 1].namespace or ""
+    spin = "timeout 0.02 sh -c 'while :; do :; done'"
+    async with await connect(host, FAST) as conn:
+        held = cgroups.throttled(name)
+        await conn.run(f"for i in $(seq {bursts}); do {spin}; sleep 0.08; done; true", timeout=60)
+        return cgroups.throttled(name) - held
+
+
 @pytest.mark.lab
 async def test_a_node_with_cpus_gets_its_share_and_down_removes_the_groups() -> None:
     require_lab_privileges()
@@ -136,12 +150,15 @@ async def test_a_node_with_cpus_gets_its_share_and_down_removes_the_groups() -> 
     prefix = f"{PREFIX}{made.slot}-"
     try:
         one, two = made.nodes
-        assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3)
+        assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3, rel=1e-3)
         assert one.sshd_pid() in cgroups.members(one.namespace or "")
 
         share, held = await _share(made, 1, BUSY_S)
         # near 0.3 (a little under: connecting), and held back by the quota (throttled periods)
         assert share >= 0.2 and held > 0, (share, held)
+        # Short bursts (20 ms, then 80 ms idle: a node's layers of a token) are held back too: a small
+        # machine at every moment. Over a 100 ms period (30 ms of quota) none of them was.
+        assert await _bursts_held_back(made, 1, bursts=10) >= 10
         idle_before = cgroups.usage_us(two.namespace or "")
         await asyncio.sleep(0.5)
         assert cgroups.usage_us(two.namespace or "") - idle_before < 50_000  # the other node's own group
@@ -150,7 +167,7 @@ async def test_a_node_with_cpus_gets_its_share_and_down_removes_the_groups() -> 
         made.kill_node(1)
         assert [r.ok for r in lab_repair(made.name)] == [True, True]
         assert one.sshd_pid() in cgroups.members(one.namespace or "")
-        assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3)
+        assert cgroups.quota_of(one.namespace or "") == pytest.approx(0.3, rel=1e-3)
         made.kill_sshd(2)
         assert [r.ok for r in lab_repair(made.name)] == [True, True]
         assert two.sshd_pid() in cgroups.members(two.namespace or "")
