@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator.cli import _planning, parse_args
 from orchestrator.core.errors import UsageError
+from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 from orchestrator.llama.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
@@ -63,7 +64,7 @@ class FakeFleet(ServeFleet):
     def prepare_cache(self, plan: Plan) -> None:
         return None
 
-    def dial_map(self) -> dict[str, str]:
+    def targets(self) -> dict[str, Target]:
         return {}
 
     def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
@@ -343,7 +344,7 @@ def test_llama_server_gets_the_plans_devices_split_context_slots_and_template(ti
         PlanOptions(n_ctx=2048, type_k="q8_0", type_v="q8_0", flash_attn=True, parallel=6),
     )
     options = EngineOptions(Path("/x/llama-server"), str(tiny_model), "tiny", parallel=6)
-    args = engine_args(plan, {ENDPOINTS[1]: "127.0.0.1:41001"}, options, 8181)
+    args = engine_args(plan, {ENDPOINTS[1]: Target(ENDPOINTS[1], "127.0.0.1:41001")}, options, 8181)
     joined = " ".join(args)
     assert f"--rpc {ENDPOINTS[0]},127.0.0.1:41001,{ENDPOINTS[2]}" in joined  # the dialed forward
     assert "--device RPC0,RPC1,RPC2" in joined and "--split-mode layer" in joined

@@ -361,15 +361,15 @@ async def test_a_dead_forward_is_opened_again_on_the_next_dial(
 ) -> None:
     host = load_inventory(ssh_inventory).hosts[0]
     with Tunnels() as tunnels:
-        first = tunnels.dial(host)
-        assert tunnels.dial(host) == first  # reused
+        first = tunnels.target(host).dial
+        assert tunnels.target(host).dial == first  # reused
         assert (await probe_endpoint(first)).outcome is Outcome.OK
         tunnel = tunnels.tunnel(host)
         assert isinstance(tunnel, OpenSSHTunnel)
         tunnel.process.kill()
         tunnel.process.wait(timeout=5)
         assert (await probe_endpoint(first, connect_timeout=2, deadline=3)).outcome is Outcome.REFUSED
-        again = tunnels.dial(host)
+        again = tunnels.target(host).dial
         assert again != first
         assert (await probe_endpoint(again)).outcome is Outcome.OK
     assert not _forwarders(os.getpid())
@@ -429,7 +429,7 @@ from orchestrator.connectors.tunnel import Tunnels
 from orchestrator.inventory.load import load_inventory
 host = load_inventory(sys.argv[1]).hosts[0]
 tunnels = Tunnels()
-print(tunnels.dial(host), tunnels.tunnel(host).process.pid, flush=True)
+print(tunnels.target(host).dial, tunnels.tunnel(host).process.pid, flush=True)
 sys.stdin.read()
 """
 

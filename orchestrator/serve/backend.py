@@ -430,7 +430,7 @@ class Backend:
         phases = {"cache": time.monotonic() - started} if prep is not None else {}
         started = time.monotonic()
         try:
-            engine = self.engines(plan, self.fleet.dial_map())
+            engine = self.engines(plan, self.fleet.targets())
         except RpcfleetError as exc:
             self.reason = f"loading failed: {exc.message}"
             return False

@@ -145,6 +145,6 @@ async def run_script(conn: Connection, change: InstallChange, script: str) -> li
     try:
         return parse_apply_output(result.stdout, change)
     except InstallError as exc:
-        if result.stderr.strip():
-            exc.stderr_tail = tail(result.stderr, 4)
-        raise
+        if not result.stderr.strip():
+            raise
+        raise exc.with_stderr(result.stderr, 4) from exc.__cause__

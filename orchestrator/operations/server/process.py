@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
-from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import CommandTimeoutError, ServiceError, tail
 from orchestrator.facts.server import (
     PID_IS_NUMBER,
@@ -525,7 +525,7 @@ async def wait_ready(
     while True:
         if target is not None:
             last = await probe_endpoint(
-                await dial_endpoint(host),
+                await target_of(host),
                 expected=expected,
                 connect_timeout=1.0,
                 read_timeout=2.0,
