@@ -401,6 +401,7 @@ def test_a_load_through_targets_names_the_plans_endpoints(
     try:
         assert llm.rpcfleet_plan == plan
         assert {d.endpoint for d in placement_of(llm).devices if d.endpoint} == {name}
+        assert [d.label for d in placement_of(llm).devices] == [d.label for d in plan.devices]
         assert len(_generate(llm)) == 4
     finally:
         llm.close()

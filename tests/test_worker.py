@@ -332,10 +332,10 @@ def test_a_load_through_targets_names_the_plans_endpoints_in_placement_progress_
     seen: list[LoadProgress] = []
     worker = Worker.spawn()
     try:
-        placement = worker.load(
-            _plan(names, tiny_model), tiny_model, targets=targets, on_progress=seen.append
-        )
+        plan = _plan(names, tiny_model)
+        placement = worker.load(plan, tiny_model, targets=targets, on_progress=seen.append)
         assert {d.endpoint for d in placement.devices if d.endpoint} == set(names)
+        assert [d.label for d in placement.devices] == [d.label for d in plan.devices]
         assert seen and [n.endpoint for n in seen[-1].nodes] == names and seen[-1].fraction == 1.0
         assert all(n.sent > 0 for n in seen[-1].nodes)  # each forward's bytes under its endpoint
         servers[0].process.kill()

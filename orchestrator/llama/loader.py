@@ -264,11 +264,13 @@ def load_registered(
     handler_kwargs: Mapping[str, Any] | None = None,
     split_mode: int = LLAMA_SPLIT_MODE_LAYER,
     on_progress: Callable[[float], None] | None = None,
+    named: Plan | None = None,
 ) -> Any:
     """Construct the model (`construct(model_path, **params)` returns it) on the plan's devices, whose
     endpoints are registered already: explicit device list, the plan's split, the load log captured,
-    the `Placement` attached; `on_progress(fraction)` during the load (llama.cpp's own). Call under
-    `_LOCK`."""
+    the `Placement` attached; `on_progress(fraction)` during the load (llama.cpp's own). `named`: the
+    same plan under the endpoints the placement names, when `plan` has the addresses dialed (forwards).
+    Call under `_LOCK`."""
     lc = llama_cpp_module()
     native = get_native()
     handles, names = _resolve_devices(plan, native)
@@ -321,8 +323,8 @@ def load_registered(
     llm._rpcfleet_devices = devices
     llm._rpcfleet_progress = callback
     llm._rpcfleet_overrides = overrides  # the model reads them again when it makes its context
-    llm.rpcfleet_placement = build_placement(plan, names, join_log_records(records), elapsed)
-    llm.rpcfleet_plan = plan
+    llm.rpcfleet_placement = build_placement(named or plan, names, join_log_records(records), elapsed)
+    llm.rpcfleet_plan = named or plan
     llm.rpcfleet_notes = tuple(notes)
     get_logger().info(
         "llama_loaded", model=str(path), devices=[d.label for d in plan.devices], seconds=round(elapsed, 3)
@@ -381,8 +383,6 @@ def load_llama(
             llama_kwargs=llama_kwargs,
             mmproj=mmproj,
             on_progress=on_progress,
+            named=plan,
         )
-    if dial:
-        llm.rpcfleet_placement = llm.rpcfleet_placement.with_endpoints({d: ep for ep, d in dial.items()})
-        llm.rpcfleet_plan = plan
     return llm
