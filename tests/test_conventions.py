@@ -10,15 +10,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_to_json_returns_a_dict() -> None:
-    """`x.to_json()` is JSON data (a dict) everywhere; text and bytes have their own names (`to_text`,
-    `to_bytes`), so a caller never has to know which kind of object it holds."""
+    """`x.to_json()` (and every `thing_to_json(x)`) is JSON data (a dict) everywhere; text and bytes have
+    their own names (`to_text`, `to_bytes`), so a caller never has to know which kind of object it holds.
+    `devices_to_json` once gave a list."""
     wrong = []
     for path in sorted((ROOT / "orchestrator").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name == "to_json":
+            if isinstance(node, ast.FunctionDef) and (
+                node.name == "to_json" or node.name.endswith("_to_json")
+            ):
                 returns = ast.unparse(node.returns) if node.returns is not None else "None"
                 if not returns.startswith("dict["):
-                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: to_json -> {returns}")
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} -> {returns}")
     assert not wrong, "\n".join(wrong)
 
 

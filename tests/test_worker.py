@@ -61,12 +61,13 @@ def test_messages_and_placements_cross_the_pipe_unchanged(tiny_model: Path) -> N
 def test_local_gpus_cross_the_pipe_unchanged_and_malformed_ones_are_refused() -> None:
     gpus = [PlanDevice(None, 0, "CUDA0", "NVIDIA H200", 141 << 30, 140 << 30, 140 << 30, 128)]
     assert devices_from_json(json.loads(json.dumps(devices_to_json(gpus)))) == gpus
-    assert devices_from_json([]) == []
-    for bad in (None, [{"name": "CUDA0"}], [{**devices_to_json(gpus)[0], "free": "lots"}]):
+    assert devices_from_json({"devices": []}) == []
+    one = devices_to_json(gpus)["devices"][0]
+    for bad in (None, [one], {"devices": [{"name": "CUDA0"}]}, {"devices": [{**one, "free": "lots"}]}):
         with pytest.raises(ValueError):
             devices_from_json(bad)
     with pytest.raises(ValueError, match="no endpoint"):  # an RPC device is no local GPU
-        devices_from_json([{**devices_to_json(gpus)[0], "endpoint": "10.0.0.1:50052"}])
+        devices_from_json({"devices": [{**one, "endpoint": "10.0.0.1:50052"}]})
 
 
 def test_the_worker_lists_the_gpus_llama_cpp_sees_here() -> None:

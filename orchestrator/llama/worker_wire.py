@@ -195,8 +195,9 @@ def placement_from_json(data: Any) -> Placement:
     )
 
 
-def devices_to_json(devices: Sequence[PlanDevice]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(d) for d in devices]
+def devices_to_json(devices: Sequence[PlanDevice]) -> dict[str, Any]:
+    """The local GPUs as JSON: an object, as every `*to_json` gives (`devices_from_json` reads it)."""
+    return {"devices": [dataclasses.asdict(d) for d in devices]}
 
 
 _DEVICE_FIELDS = {f.name: f for f in dataclasses.fields(PlanDevice)}
@@ -204,10 +205,10 @@ _DEVICE_FIELDS = {f.name: f for f in dataclasses.fields(PlanDevice)}
 
 def devices_from_json(data: Any) -> list[PlanDevice]:
     """The child's local GPUs; ValueError naming the first field that is missing or of the wrong type."""
-    if not isinstance(data, list):
-        raise ValueError(f"local_gpus must be a list, got {type(data).__name__}")
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
+        raise ValueError(f"local_gpus must be an object with a list of devices, got {data!r:.80}")
     devices = []
-    for item in data:
+    for item in data["devices"]:
         if not isinstance(item, dict) or set(item) != set(_DEVICE_FIELDS):
             raise ValueError(f"a local GPU must be an object with the fields {sorted(_DEVICE_FIELDS)}")
         endpoint, host = item["endpoint"], item["host"]

@@ -69,9 +69,9 @@ class Rejected(RpcfleetError):
     """A request that is not served: `status` (429, 503) and `retry_after` (seconds, for a 503)."""
 
     def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
