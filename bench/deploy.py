@@ -30,8 +30,8 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
-from orchestrator.lab.model import Lab
 from orchestrator.lab.netns import privileged
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
 

@@ -41,7 +41,7 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.observe.collect import Collector
 from orchestrator.observe.web import Exporter, mount
 from orchestrator.operations.install.ensure import ArtifactChooser

@@ -34,8 +34,8 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")  # before the modules below make their loggers
 
-from orchestrator.llama.loader import load_llama
 from orchestrator.llama.logs import model_allocations, parse_server_log
+from orchestrator.llama.native.loader import load_llama
 from orchestrator.planning.catalogue import CATALOGUE, cached_path, is_fetched
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model

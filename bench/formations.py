@@ -39,7 +39,7 @@ from typing import Any
 from _common import ROOT, arg_parser, free_port, load_average, median, p95, stamp, write_section
 
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
 
 SECTION = "formations"

@@ -43,10 +43,10 @@ from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
-from orchestrator.llama.cache_plan import HASH_THRESHOLD, gguf_tensors, plan_cache
-from orchestrator.llama.cache_prep import check_caches, warm_items, warm_misses
-from orchestrator.llama.load_progress import LoadProgress, planned_bytes
-from orchestrator.llama.worker import Worker
+from orchestrator.llama.cache.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
+from orchestrator.llama.cache.prep import check_caches, warm_items, warm_misses
+from orchestrator.llama.worker.load_progress import LoadProgress, planned_bytes
+from orchestrator.llama.worker.parent import Worker
 from orchestrator.operations.cache import cache_step, warm_step
 from orchestrator.operations.layer import OperationOptions
 from orchestrator.planning.devices import to_plan_devices

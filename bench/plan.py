@@ -71,10 +71,10 @@ CHILD = textwrap.dedent(
     from llama_cpp import Llama
     from orchestrator.core.log import configure_logging
     configure_logging("text", "WARNING")
-    from orchestrator.llama import loader
-    from orchestrator.llama import preflight as preflight_module
+    from orchestrator.llama.native import loader
+    from orchestrator.llama.native import preflight as preflight_module
     from orchestrator.llama.logs import join_log_records, parse_load_log
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.observed_placement import placement_of
     from pathlib import Path
     from orchestrator.planning.plan import Plan
 

@@ -45,7 +45,7 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
-from orchestrator.operations.rolling import RestartReport
+from orchestrator.operations.restart import RestartReport
 from orchestrator.playbooks.reader import load_playbook
 from orchestrator.playbooks.runner import run_playbook
 from orchestrator.rpc.client import probe_endpoint

@@ -29,7 +29,7 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator.llama.worker import Done, Token, Worker
+from orchestrator.llama.worker.parent import Done, Token, Worker
 from orchestrator.planning.plan import PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan

@@ -8,8 +8,8 @@ A lab of 3 nodes (network namespaces, real sshd), each node's link shaped to 1 G
 Every node runs two deployed servers: one for tcp (bound to the node's address) and one for ssh (bound to
 127.0.0.1, a second install dir and port). One generated llama model (8 layers, n_embd 1024, f16, about
 200 MiB), one plan over the 3 nodes. Rounds alternate the modes (tcp, ssh/openssh, ssh/asyncssh, ...;
-`--rounds` of each): a worker (`orchestrator.llama.worker.Worker`) loads the model through the plan, with
-the mode's dial map (`Tunnels.mapping`; forwards opened before the timed load), then generates `--tokens`
+`--rounds` of each): a worker (`orchestrator.llama.worker.parent.Worker`) loads the model through the plan,
+with the mode's dial map (`Tunnels.mapping`; forwards opened before the timed load), then generates `--tokens`
 tokens at temperature 0. Load time is the worker's own (`placement.load_seconds`: weights sent to the
 servers); MB/s = model file bytes / load time; decode tok/s is llama.cpp's count (tokens / eval time).
 """
@@ -35,8 +35,8 @@ from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up
-from orchestrator.lab.model import Lab
-from orchestrator.llama.worker import Done, Worker
+from orchestrator.lab.state import Lab
+from orchestrator.llama.worker.parent import Done, Worker
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
 from orchestrator.planning.devices import to_plan_devices

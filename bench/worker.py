@@ -32,7 +32,7 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator.llama.worker import Done, Worker
+from orchestrator.llama.worker.parent import Done, Worker
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
@@ -46,8 +46,8 @@ IN_PROCESS = textwrap.dedent(
     """
     import json, sys, time
     import llama_cpp
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.native import generation_timings
+    from orchestrator.llama.native.loader import load_llama
+    from orchestrator.llama.native.libllama import generation_timings
     from orchestrator.planning.plan import Plan
     plan, model, prompt, n = Plan.from_text(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     started = time.monotonic()

@@ -53,15 +53,15 @@ _API: dict[str, str] = {
     "Recap": "orchestrator.engine.executor",
     "RunResult": "orchestrator.engine.executor",
     "HostResult": "orchestrator.engine.executor",
-    "ProtocolVersion": "orchestrator.rpc.protocol",
-    "ProbeResult": "orchestrator.rpc.protocol",
-    "Outcome": "orchestrator.rpc.protocol",
-    "parse_endpoint": "orchestrator.rpc.protocol",
+    "ProtocolVersion": "orchestrator.rpc.records",
+    "ProbeResult": "orchestrator.rpc.records",
+    "Outcome": "orchestrator.rpc.records",
+    "parse_endpoint": "orchestrator.rpc.records",
     "probe_endpoint": "orchestrator.rpc.client",
     "probe_endpoints": "orchestrator.rpc.client",
     "query_memory": "orchestrator.rpc.client",
-    "RpcDeviceMemory": "orchestrator.rpc.protocol",
-    "RpcMemoryInfo": "orchestrator.rpc.protocol",
+    "RpcDeviceMemory": "orchestrator.rpc.records",
+    "RpcMemoryInfo": "orchestrator.rpc.records",
     "EndpointProbeError": "orchestrator.rpc.errors",
     "EndpointUnreachableError": "orchestrator.rpc.errors",
     "EndpointBusyError": "orchestrator.rpc.errors",
@@ -80,30 +80,30 @@ _API: dict[str, str] = {
     "PlanOptions": "orchestrator.planning.plan",
     "PlanDevice": "orchestrator.planning.plan",
     "make_plan": "orchestrator.planning.strategy",
-    "order_devices": "orchestrator.planning.placement",
+    "order_devices": "orchestrator.planning.layer_assignment",
     "to_plan_devices": "orchestrator.planning.devices",
     "write_tiny_llama": "orchestrator.planning.synth",
     "write_tiny_mmproj": "orchestrator.planning.synth_mm",
     "Llama": "orchestrator.workflows.dropin",
-    "MultimodalError": "orchestrator.llama.multimodal",
-    "load_llama": "orchestrator.llama.loader",
-    "preflight": "orchestrator.llama.preflight",
-    "supports_rpc": "orchestrator.llama.registry",
-    "add_rpc_server": "orchestrator.llama.registry",
-    "add_rpc_servers": "orchestrator.llama.registry",
-    "rpc_device_handles": "orchestrator.llama.registry",
-    "print_summary": "orchestrator.llama.registry",
-    "query_rpc_memory": "orchestrator.llama.registry",
-    "query_all": "orchestrator.llama.registry",
-    "RpcDevice": "orchestrator.llama.registry",
-    "placement_of": "orchestrator.llama.placement",
-    "Placement": "orchestrator.llama.placement",
-    "Worker": "orchestrator.llama.worker",
-    "plan_cache": "orchestrator.llama.cache_plan",
-    "CacheTensor": "orchestrator.llama.cache_plan",
+    "MultimodalError": "orchestrator.llama.native.multimodal",
+    "load_llama": "orchestrator.llama.native.loader",
+    "preflight": "orchestrator.llama.native.preflight",
+    "supports_rpc": "orchestrator.llama.native.registry",
+    "add_rpc_server": "orchestrator.llama.native.registry",
+    "add_rpc_servers": "orchestrator.llama.native.registry",
+    "rpc_device_handles": "orchestrator.llama.native.registry",
+    "print_summary": "orchestrator.llama.native.registry",
+    "query_rpc_memory": "orchestrator.llama.native.registry",
+    "query_all": "orchestrator.llama.native.registry",
+    "RpcDevice": "orchestrator.llama.native.registry",
+    "placement_of": "orchestrator.llama.observed_placement",
+    "Placement": "orchestrator.llama.observed_placement",
+    "Worker": "orchestrator.llama.worker.parent",
+    "plan_cache": "orchestrator.llama.cache.plan",
+    "CacheTensor": "orchestrator.llama.cache.plan",
     "hash_file_range": "orchestrator.core.fnv",
-    "WorkerError": "orchestrator.llama.worker",
-    "NodeLostError": "orchestrator.llama.worker",
+    "WorkerError": "orchestrator.llama.worker.parent",
+    "NodeLostError": "orchestrator.llama.worker.parent",
     "build_report": "orchestrator.report.build",
     "ReportOptions": "orchestrator.report.build",
     "Report": "orchestrator.report.build",
@@ -157,25 +157,25 @@ if TYPE_CHECKING:
     from orchestrator.inventory.model import select_hosts as select_hosts
     from orchestrator.lab.lifecycle import lab_down as lab_down
     from orchestrator.lab.lifecycle import lab_up as lab_up
-    from orchestrator.llama.cache_plan import CacheTensor as CacheTensor
-    from orchestrator.llama.cache_plan import plan_cache as plan_cache
-    from orchestrator.llama.loader import load_llama as load_llama
-    from orchestrator.llama.placement import Placement as Placement
-    from orchestrator.llama.placement import placement_of as placement_of
-    from orchestrator.llama.preflight import preflight as preflight
-    from orchestrator.llama.registry import RpcDevice as RpcDevice
-    from orchestrator.llama.registry import add_rpc_server as add_rpc_server
-    from orchestrator.llama.registry import add_rpc_servers as add_rpc_servers
-    from orchestrator.llama.registry import print_summary as print_summary
-    from orchestrator.llama.registry import query_all as query_all
-    from orchestrator.llama.registry import query_rpc_memory as query_rpc_memory
-    from orchestrator.llama.registry import rpc_device_handles as rpc_device_handles
-    from orchestrator.llama.registry import supports_rpc as supports_rpc
-    from orchestrator.llama.worker import NodeLostError as NodeLostError
-    from orchestrator.llama.worker import Worker as Worker
-    from orchestrator.llama.worker import WorkerError as WorkerError
+    from orchestrator.llama.cache.plan import CacheTensor as CacheTensor
+    from orchestrator.llama.cache.plan import plan_cache as plan_cache
+    from orchestrator.llama.native.loader import load_llama as load_llama
+    from orchestrator.llama.native.preflight import preflight as preflight
+    from orchestrator.llama.native.registry import RpcDevice as RpcDevice
+    from orchestrator.llama.native.registry import add_rpc_server as add_rpc_server
+    from orchestrator.llama.native.registry import add_rpc_servers as add_rpc_servers
+    from orchestrator.llama.native.registry import print_summary as print_summary
+    from orchestrator.llama.native.registry import query_all as query_all
+    from orchestrator.llama.native.registry import query_rpc_memory as query_rpc_memory
+    from orchestrator.llama.native.registry import rpc_device_handles as rpc_device_handles
+    from orchestrator.llama.native.registry import supports_rpc as supports_rpc
+    from orchestrator.llama.observed_placement import Placement as Placement
+    from orchestrator.llama.observed_placement import placement_of as placement_of
+    from orchestrator.llama.worker.parent import NodeLostError as NodeLostError
+    from orchestrator.llama.worker.parent import Worker as Worker
+    from orchestrator.llama.worker.parent import WorkerError as WorkerError
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
-    from orchestrator.planning.placement import order_devices as order_devices
+    from orchestrator.planning.layer_assignment import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan
     from orchestrator.planning.plan import PlanDevice as PlanDevice
     from orchestrator.planning.plan import PlanOptions as PlanOptions
@@ -200,12 +200,12 @@ if TYPE_CHECKING:
     from orchestrator.rpc.errors import EndpointProbeError as EndpointProbeError
     from orchestrator.rpc.errors import EndpointUnreachableError as EndpointUnreachableError
     from orchestrator.rpc.errors import ProtocolMismatchError as ProtocolMismatchError
-    from orchestrator.rpc.protocol import Outcome as Outcome
-    from orchestrator.rpc.protocol import ProbeResult as ProbeResult
-    from orchestrator.rpc.protocol import ProtocolVersion as ProtocolVersion
-    from orchestrator.rpc.protocol import RpcDeviceMemory as RpcDeviceMemory
-    from orchestrator.rpc.protocol import RpcMemoryInfo as RpcMemoryInfo
-    from orchestrator.rpc.protocol import parse_endpoint as parse_endpoint
+    from orchestrator.rpc.records import Outcome as Outcome
+    from orchestrator.rpc.records import ProbeResult as ProbeResult
+    from orchestrator.rpc.records import ProtocolVersion as ProtocolVersion
+    from orchestrator.rpc.records import RpcDeviceMemory as RpcDeviceMemory
+    from orchestrator.rpc.records import RpcMemoryInfo as RpcMemoryInfo
+    from orchestrator.rpc.records import parse_endpoint as parse_endpoint
     from orchestrator.workflows.dropin import Llama as Llama
 
 

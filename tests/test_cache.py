@@ -21,7 +21,7 @@ from orchestrator.connectors.connect import connect
 from orchestrator.core import fnv
 from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache_plan import HASH_THRESHOLD, gguf_tensors, plan_cache
+from orchestrator.llama.cache.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
 from orchestrator.operations.cache import (
     CacheFile,
     WarmItem,
@@ -95,7 +95,7 @@ def _plan(nodes: list[Node], model: Path) -> Plan:
 
 
 def _generate(plan: Plan, model: Path) -> str:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     llm = load_llama(plan, model, seed=0)
     try:
@@ -196,7 +196,7 @@ def test_server_names_equal_plan_hashes_verify_and_warm(
 
 
 def _items(model: Path) -> list[WarmItem]:
-    from orchestrator.llama.cache_plan import gguf_tensors, hash_tensors
+    from orchestrator.llama.cache.plan import gguf_tensors, hash_tensors
 
     big = [t for t in gguf_tensors([model]) if t.size > HASH_THRESHOLD]
     return [WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in hash_tensors(big)]

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.planning.synth import write_tiny_llama
 from tests.plugins.lab import own_lab
 from tests.plugins.playbooks import PLAYBOOKS

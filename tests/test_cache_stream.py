@@ -18,7 +18,7 @@ from orchestrator.connectors.connect import connect
 from orchestrator.core import fnv
 from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.cache import WarmItem, warm
 from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, stream_command, stream_script
 from tests.plugins.lab import lab_hosts_of, own_lab

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from tests.plugins.chaos import Chaos
 from tests.plugins.lab import own_lab
 

@@ -21,7 +21,7 @@ from orchestrator.core import fields
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.log import render_text
 from orchestrator.facts.server import Listener
-from orchestrator.llama.placement import DevicePlacement, HostPlacement, MemoryBytes, Placement
+from orchestrator.llama.observed_placement import DevicePlacement, HostPlacement, MemoryBytes, Placement
 from orchestrator.operations.server.process import taken_hint
 
 ROOT = Path(__file__).resolve().parent.parent

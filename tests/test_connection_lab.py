@@ -12,7 +12,7 @@ from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
 from orchestrator.core.errors import CommandTimeoutError
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.procs import gone, wait_gone
 

@@ -19,7 +19,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.core.errors import InstallError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.apply import apply_install
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState, plan_install
@@ -33,7 +33,7 @@ from orchestrator.operations.server.steps import (
     make_status_step,
 )
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.procs import kill_supervised, wait_gone
 from tests.waits import until_value
 

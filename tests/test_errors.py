@@ -19,9 +19,9 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.target import Target, dial_addresses, targets_for
 from orchestrator.inventory.load import InventoryErrors
-from orchestrator.llama.worker_wire import NodeLostError, WorkerError, error_from_child
+from orchestrator.llama.worker.wire import NodeLostError, WorkerError, error_from_child
 from orchestrator.rpc.errors import EndpointUnreachableError, error_for
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 from orchestrator.serve.engine import EngineError
 
 

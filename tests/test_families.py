@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.llama.loader import load_llama
-from orchestrator.llama.placement import placement_of
+from orchestrator.llama.native.loader import load_llama
+from orchestrator.llama.observed_placement import placement_of
 from orchestrator.planning.architectures import VERIFIED
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model

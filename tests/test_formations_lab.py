@@ -33,7 +33,7 @@ import pytest
 
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.lab.lifecycle import lab_down, lab_up
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from tests.plugins.lab import require_lab_privileges, session_lab_name
 from tests.plugins.servers import free_port
 

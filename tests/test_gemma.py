@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.lab.model import Lab
-from orchestrator.llama.loader import load_llama
-from orchestrator.llama.placement import Placement, placement_of
+from orchestrator.lab.state import Lab
+from orchestrator.llama.native.loader import load_llama
+from orchestrator.llama.observed_placement import Placement, placement_of
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.ssh import SSHConnection
+from orchestrator.connectors.tunnel import ssh_options
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.inventory.model import Host
 from tests.plugins.home import REAL_HOME, RPCFLEET_HOME
@@ -30,3 +31,14 @@ def test_the_connector_reads_the_ssh_config_of_this_home() -> None:
     config = Path.home() / ".ssh" / "config"
     config.write_text("Host *\n  User nobody\n")
     assert SSHConnection._client_options(host, ConnectOptions(), 1.0)["config"] == [str(config)]
+
+
+def test_the_openssh_forwarder_reads_the_ssh_config_of_this_home_too() -> None:
+    """ssh reads the passwd entry's home, not HOME: the forwarder names HOME's config (`-F`), or none."""
+    host = Host(name="n1", address="127.0.0.1")
+    argv = ssh_options(host, 1.0)
+    assert argv[argv.index("-F") + 1] == "/dev/null"
+    config = Path.home() / ".ssh" / "config"
+    config.write_text("Host *\n  User nobody\n")
+    argv = ssh_options(host, 1.0)
+    assert argv[argv.index("-F") + 1] == str(config)

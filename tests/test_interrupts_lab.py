@@ -24,7 +24,7 @@ import yaml
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.lab.lifecycle import inventory_document
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.planning.synth import write_tiny_llama
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.plugins.playbooks import NodeView

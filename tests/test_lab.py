@@ -34,8 +34,8 @@ from orchestrator.lab.lifecycle import (
     lab_up,
     reap_stale,
 )
-from orchestrator.lab.model import Lab
 from orchestrator.lab.procs import run_all
+from orchestrator.lab.state import Lab
 from tests.plugins.lab import lab_hosts_of
 
 MakeLab = Callable[..., Lab]

@@ -18,7 +18,7 @@ from orchestrator.core.paths import rpcfleet_home
 from orchestrator.lab import cgroups
 from orchestrator.lab.cgroups import PERIOD_US, join_lines, quota_us
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_up, reap_stale
-from orchestrator.lab.model import PREFIX, Lab
+from orchestrator.lab.state import PREFIX, Lab
 from tests.plugins.lab import lab_hosts_of, require_lab_privileges, session_lab_name
 from tests.test_lab import leftovers
 

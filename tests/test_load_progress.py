@@ -14,10 +14,15 @@ import pytest
 
 from orchestrator.core.log import configure_logging
 from orchestrator.core.target import Target
-from orchestrator.llama.cache_plan import plan_cache
-from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes, progress_sample
-from orchestrator.llama.worker import Worker
-from orchestrator.llama.worker_child import bytes_acked, endpoint_peers
+from orchestrator.llama.cache.plan import plan_cache
+from orchestrator.llama.worker.child import bytes_acked, endpoint_peers
+from orchestrator.llama.worker.load_progress import (
+    LoadProgress,
+    ProgressTracker,
+    planned_bytes,
+    progress_sample,
+)
+from orchestrator.llama.worker.parent import Worker
 from tests.test_cache import Node, _plan, big_model, nodes  # noqa: F401 (fixtures)
 
 
@@ -65,7 +70,7 @@ def test_the_bars_follow_a_second_load_with_other_nodes() -> None:
     from rich.console import Console
 
     from orchestrator.cli import _common, _progress
-    from orchestrator.llama.load_progress import NodeProgress
+    from orchestrator.llama.worker.load_progress import NodeProgress
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=120)

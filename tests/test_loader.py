@@ -1,4 +1,4 @@
-"""orchestrator.llama.loader: pure log parsers and plan checks, then real loads on real servers
+"""orchestrator.llama.native.loader: pure log parsers and plan checks, then real loads on real servers
 (marker llama).
 
 The real loads run in this process against three session-scoped `ggml-rpc-server`s started with
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import orchestrator.llama.preflight as llama_preflight
+import orchestrator.llama.native.preflight as llama_preflight
 from orchestrator.core.errors import LoaderError
 from orchestrator.core.target import Target
 from orchestrator.llama.errors import (
@@ -29,7 +29,6 @@ from orchestrator.llama.errors import (
     EndpointUnreachableError,
     ProtocolMismatchError,
 )
-from orchestrator.llama.loader import _multimodal, device_names, load_llama
 from orchestrator.llama.logs import (
     join_log_records,
     model_allocations,
@@ -37,15 +36,16 @@ from orchestrator.llama.logs import (
     parse_load_log,
     parse_server_log,
 )
-from orchestrator.llama.native import live_endpoints, register, registered_endpoints
-from orchestrator.llama.placement import MemoryBytes, build_placement, exact_memory, placement_of
-from orchestrator.llama.preflight import check_plan_devices, preflight
-from orchestrator.planning.placement import order_devices
+from orchestrator.llama.native.libllama import live_endpoints, register, registered_endpoints
+from orchestrator.llama.native.loader import _multimodal, device_names, load_llama
+from orchestrator.llama.native.preflight import check_plan_devices, preflight
+from orchestrator.llama.observed_placement import MemoryBytes, build_placement, exact_memory, placement_of
+from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 from tests.fakerpc import fake_rpc_server, protocol
 from tests.plugins.llama import DebugServer, GiB, plan_devices
 from tests.plugins.servers import free_port
@@ -548,7 +548,7 @@ def test_importing_the_loader_runs_no_native_code() -> None:
 
     code = (
         "import os, sys; os.environ.pop('GGML_NO_BACKTRACE', None)\n"
-        "import orchestrator, orchestrator.llama.loader\n"
+        "import orchestrator, orchestrator.llama.native.loader\n"
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n"
         "assert os.environ['GGML_NO_BACKTRACE'] == '1'\n"
     )

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.llama.loader import load_llama
-from orchestrator.llama.placement import placement_of
+from orchestrator.llama.native.loader import load_llama
+from orchestrator.llama.observed_placement import placement_of
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model

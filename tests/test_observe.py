@@ -7,7 +7,9 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -252,6 +254,50 @@ def test_a_scrape_never_waits_on_the_fleet(
         collector.stop()
 
 
+def test_the_exporter_command_serves_and_probes_on_one_loop_and_stops_at_once(
+    silent_host: Callable[[], Host], tmp_path: Path
+) -> None:
+    """`rpcfleet exporter` runs its HTTP server and its rounds on the command's one loop (no thread of
+    their own): scrapes during a round held by a silent host still answer at once (the round awaits, it
+    never blocks the loop), and Ctrl-C ends the command, the round in progress cancelled, silently."""
+    host = silent_host()
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(
+        f"hosts:\n  {host.name}:\n    address: {host.address}\n    ssh_port: {host.ssh_port}\n"
+        f"    ssh_user: {host.ssh_user}\n    ssh_known_hosts: {host.ssh_known_hosts}\n"
+    )
+    port = free_port()
+    argv = [sys.executable, "-m", "orchestrator", "exporter", "-i", str(inventory), "--port", str(port)]
+    argv += ["--interval", "60", "--timeout", "60", "--no-cache"]
+    env = {**os.environ, "RPCFLEET_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    try:
+        wait_until(
+            lambda: any(
+                c.raddr and (c.raddr.ip, c.raddr.port) == (host.address, host.ssh_port)
+                for c in psutil.Process(process.pid).net_connections("tcp")
+            ),
+            what="the round's connection to the silent host",
+            limit=60,
+        )
+        for _ in range(20):
+            started = time.monotonic()
+            code, _, body = _get(port, "/metrics")
+            took = time.monotonic() - started
+            assert code == 200 and took < 4.0, took  # the round holds for 60 s: not waited on
+            assert "rpcfleet_exporter_rounds_total 0" in body  # the round is still held
+        process.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 130, err
+        assert time.monotonic() - started < 30  # the round's connect was cancelled, not waited out
+        assert b"Traceback" not in err and b"Task was destroyed" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_the_page_and_its_json_follow_the_key_rules(
     silent_host: Callable[[], Host], exporter_http: Callable[[Exporter, str | None], int]
 ) -> None:
@@ -302,7 +348,7 @@ def test_the_memory_alert_compares_a_cpu_servers_free_share_with_its_share_of_th
     from orchestrator.observe.collect import device_view
     from orchestrator.probe.capacity import fleet_capacity
     from orchestrator.probe.host import HostFacts, MemInfo
-    from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+    from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 
     gib = 1 << 30
     facts = HostFacts(memory=MemInfo(total=32 * gib, available=20 * gib), machine_id="m1")

@@ -32,7 +32,7 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.observe.web import COOKIE, page_token
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step

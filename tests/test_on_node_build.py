@@ -24,13 +24,13 @@ from orchestrator.artifacts.source import read_sdist_info, sdist_path
 from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallChange, InstallState, plan_node_build
 from orchestrator.operations.node_build import build_command, parse_build_output
 from orchestrator.operations.server.steps import DeployResult, make_deploy_step
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
 
 SDIST = sdist_path(llama_cpp_python_version())

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.llama.worker_child import PARENT_ENV
+from orchestrator.llama.worker.child import PARENT_ENV
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 SPY = f"""
@@ -55,7 +55,7 @@ def _spy_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
 def test_the_spy_sees_an_import_of_llama_cpp(tmp_path: Path) -> None:
     """The check below can fail: a parent that imports llama_cpp, as the listing of local GPUs once did."""
     env, record = _spy_env(tmp_path)
-    code = "from orchestrator.llama.native import local_gpus; local_gpus()"
+    code = "from orchestrator.llama.native.libllama import local_gpus; local_gpus()"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "imports llama_cpp" in record.read_text() and "local_gpus" in record.read_text()

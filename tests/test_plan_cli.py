@@ -128,7 +128,7 @@ def test_plan_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 @pytest.mark.llama
 def test_local_gpus_are_only_gpus() -> None:
-    from orchestrator.llama.native import get_native, local_gpus
+    from orchestrator.llama.native.libllama import get_native, local_gpus
 
     native = get_native()
     kinds = [native.dev_type(native.dev_get(i)) for i in range(native.dev_count())]

@@ -14,8 +14,13 @@ from hypothesis import strategies as st
 
 from orchestrator.core.errors import ModelError, PlanError
 from orchestrator.planning.formats import cli_device_names, llama_cli_args, python_snippet
+from orchestrator.planning.layer_assignment import (
+    largest_remainder,
+    llama_cpp_assignment,
+    order_devices,
+    pad_ctx,
+)
 from orchestrator.planning.memory import context_size, estimate_compute, kv_cells, kv_streams
-from orchestrator.planning.placement import largest_remainder, llama_cpp_assignment, order_devices, pad_ctx
 from orchestrator.planning.plan import (
     DEFAULT_MARGIN,
     SCHEMA_VERSION,

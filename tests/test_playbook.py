@@ -11,7 +11,7 @@ from orchestrator.cli import main
 from orchestrator.core.errors import PlaybookError, UsageError
 from orchestrator.engine.executor import batch_sizes
 from orchestrator.inventory.load import load_inventory_text
-from orchestrator.operations.rolling import memory_back
+from orchestrator.operations.restart import memory_back
 from orchestrator.playbooks.model import PlaybookErrors
 from orchestrator.playbooks.ops import REGISTRY
 from orchestrator.playbooks.reader import (
@@ -21,7 +21,7 @@ from orchestrator.playbooks.reader import (
     rolling_restart_playbook,
 )
 from orchestrator.playbooks.runner import play_hosts
-from orchestrator.rpc.protocol import DeviceMemory
+from orchestrator.rpc.records import DeviceMemory
 
 PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
 GiB = 1 << 30

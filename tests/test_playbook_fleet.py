@@ -15,7 +15,7 @@ from orchestrator.core.errors import LoaderError, PlaybookError, UnreachableErro
 from orchestrator.engine.executor import HostContext, Session, StepOutcome
 from orchestrator.engine.shared import SharedCall
 from orchestrator.inventory.model import Host
-from orchestrator.llama.placement import MemoryBytes
+from orchestrator.llama.observed_placement import MemoryBytes
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.load_check import DeviceCheck, LoadCheckResult, load_check

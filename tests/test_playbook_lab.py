@@ -10,11 +10,11 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.planning.plan import Plan
 from orchestrator.playbooks.load_check import LoadCheckResult
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.playbooks import PLAYBOOKS, NodeView, Play
 
 pytestmark = pytest.mark.lab

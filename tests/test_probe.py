@@ -44,7 +44,7 @@ from orchestrator.probe.fleet import (
     query_fleet_memory,
 )
 from orchestrator.probe.host import CpuModelFact, HostFacts, probe_facts
-from orchestrator.rpc.protocol import AggregateMemory, DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import AggregateMemory, DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
 from tests.fakerpc import FakeConnection, Handler, drip, fake_rpc_server, hello_payload, protocol
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory

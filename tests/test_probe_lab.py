@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import Session
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
 from orchestrator.probe.fleet import probe_fleet

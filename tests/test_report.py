@@ -41,7 +41,7 @@ from orchestrator.report.data import render_json
 from orchestrator.report.html import BAR_WIDTH, SEGMENT_COLOURS, render_html
 from orchestrator.report.render import render
 from orchestrator.report.text import render_markdown, render_text
-from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
 GiB = 1024**3
@@ -667,7 +667,7 @@ def test_plan_report_and_run_show_the_same_host_row_that_adds_up(
     and each total is the sum of the columns shown."""
     from orchestrator.cli.plan import print_plan
     from orchestrator.core.units import format_size
-    from orchestrator.llama.placement import build_placement
+    from orchestrator.llama.observed_placement import build_placement
 
     profile = profile_model(gemma_model)
     report = build_report(two_node_fleet(), [("gemma.gguf", profile)], [4096], ReportOptions(recommend=False))

@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
-from orchestrator.operations.rolling import RestartReport
+from orchestrator.lab.state import Lab
+from orchestrator.operations.restart import RestartReport
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.playbooks import NodeView, Play
 
 pytestmark = pytest.mark.lab

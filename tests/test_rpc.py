@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.artifacts.local_protocol import _version_from_manifest, local_protocol_version
 from orchestrator.artifacts.manifest import Artifact, llama_cpp_python_version
-from orchestrator.artifacts.protocol import _version_from_manifest, local_protocol_version
 from orchestrator.artifacts.source import sdist_path
 from orchestrator.core.errors import ProbeError
 from orchestrator.core.target import Target
@@ -31,7 +31,7 @@ from orchestrator.rpc.errors import (
     ProtocolMismatchError,
     error_for,
 )
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     LLAMA_CPP_PYTHON_0_3_36_PROTOCOL,
     AggregateMemory,
     DeviceMemory,
@@ -480,7 +480,7 @@ async def test_query_memory(fake: MakeFake) -> None:
 
 
 async def test_query_memory_never_raises_whatever_it_is_given(fake: MakeFake) -> None:
-    """query_all's rule (the seed's queryAll returns null on any failure): None, never an exception."""
+    """query_all's rule (the drop-in spec's queryAll is null on any failure): None, never an exception."""
     a = fake(protocol(devices=[(1 * GiB, 2 * GiB)]))
     b = fake(protocol(devices=[(5 * GiB, 6 * GiB)]))
     both = AggregateMemory(free=6 * GiB, total=8 * GiB, server_count=2, device_count=2)

@@ -19,9 +19,9 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.connectors.connect import connect
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.llama.logs import model_allocations, parse_server_log
-from orchestrator.llama.placement import exact_memory
+from orchestrator.llama.observed_placement import exact_memory
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.state import LOG_FILE
 from orchestrator.operations.server.steps import DeployResult, make_deploy_step

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from orchestrator.rpc.client import probe_endpoint, query_memory
-from orchestrator.rpc.protocol import AggregateMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import AggregateMemory, Outcome, ProbeResult, ProtocolVersion
 from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
 from tests.plugins.servers import LocalServer
 

@@ -19,7 +19,7 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions

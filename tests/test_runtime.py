@@ -20,11 +20,13 @@ from orchestrator.core import signals
 from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.engine import children
 from orchestrator.engine.executor import Session
-from orchestrator.engine.runtime import Runtime, run_sync
+from orchestrator.engine.runtime import LoopThread, Runtime, run_sync
 from orchestrator.engine.shared import gather_bounded
+from orchestrator.engine.threads import thread_pool
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install import ensure
 from tests.procs import gone, wait_gone
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +55,37 @@ def test_run_sync_runs_from_sync_code_and_from_inside_a_running_loop() -> None:
         return run_sync(where())  # a library's sync call made from async code: a helper thread's loop
 
     assert asyncio.run(nested()) != threading.get_ident()
+
+
+def test_a_loop_thread_runs_coroutines_from_any_thread_and_cancels_what_is_left_when_stopped() -> None:
+    """The runtime's loop on a thread (the asyncssh forwards, serve's fleet view): a call returns its
+    coroutine's result from another thread, a call that times out cancels its coroutine, and `stop`
+    cancels what still runs (its `finally` runs: a forward closes) and ends the thread."""
+    loop_thread = LoopThread("test-loop")
+    ended: list[str] = []
+
+    async def where() -> int:
+        await asyncio.sleep(0)
+        return threading.get_ident()
+
+    async def forever(name: str) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append(name)
+
+    try:
+        assert loop_thread.call(where(), 10) not in (threading.get_ident(), None)
+        with thread_pool(4, "callers") as pool:  # several threads at once, one loop
+            assert len(set(pool.map(lambda _: loop_thread.call(where(), 10), range(8)))) == 1
+        with pytest.raises(TimeoutError):
+            loop_thread.call(forever("timed out"), 0.05)
+        wait_until(lambda: "timed out" in ended, what="the timed-out coroutine cancelled")
+        loop_thread.submit(forever("pending"))
+    finally:
+        loop_thread.stop()
+    assert not loop_thread.alive() and loop_thread.loop.is_closed()
+    assert ended == ["timed out", "pending"]
 
 
 async def test_gather_bounded_keeps_the_limit_and_the_order() -> None:

@@ -344,7 +344,7 @@ def _post(base: str, path: str, body: dict[str, Any], started: float) -> tuple[s
 def test_a_random_models_long_stream_is_its_whole_answer_in_bounded_time(
     debug_rpc_servers: list[DebugServer], tiny_model: Path, tmp_path: Path
 ) -> None:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     node = debug_rpc_servers[0]
     # The expected texts: llama-cpp-python's, of the same tokens on the same server, for the same two

@@ -22,7 +22,7 @@ from orchestrator.cli import _planning, parse_args
 from orchestrator.core.errors import UsageError
 from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
-from orchestrator.llama.load_progress import LoadProgress
+from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
@@ -158,7 +158,7 @@ def rig(tiny_model: Path) -> Iterator[Callable[..., Rig]]:
         fleet = FakeFleet(tiny_model)
         engines: list[FakeEngine] = []
 
-        def factory(plan: Plan, dial: Mapping[str, str]) -> FakeEngine:
+        def factory(plan: Plan, targets: Mapping[str, Target]) -> FakeEngine:
             engines.append(FakeEngine(plan, fleet, len(engines)))
             return engines[-1]
 
@@ -321,6 +321,52 @@ def test_a_reload_drains_restarts_the_fleet_and_starts_a_new_engine(rig: Callabl
     r.wait_state({"ready"})
     assert first.ended.is_set() and r.engine is not first and r.fleet.restarts == 1
     assert backend.metrics.reloads == 1 and not backend.metrics.recoveries  # on purpose: no recovery
+
+
+def test_a_drain_past_its_timeout_stops_the_engine_under_the_request_and_the_reload_goes_on(
+    rig: Callable[..., Rig],
+) -> None:
+    """A request that outlives `drain_timeout` does not hold the reload: the engine is stopped under it
+    (its answer: 503 "the engine was stopped", not a lost node), the new engine serves, no recovery."""
+    r = rig(parallel=2, drain_timeout=0.05)
+    backend = r.backend
+    ticket, got = _acquire(backend)
+    assert isinstance(got, Running)
+    first = r.engine
+    thread = backend.reload()
+    thread.join(5)
+    assert not thread.is_alive()  # the reload ended although the request still holds its slot
+    r.wait_state({"ready"})
+    assert first.ended.is_set() and r.engine is not first
+    failure = backend.failure_of(got, "reset by peer")
+    assert (failure.status, failure.message) == (503, "the engine was stopped"), failure
+    backend.release(ticket)
+    assert backend.health()["queue"]["admitted"] == 0
+    assert backend.metrics.reloads == 1 and not backend.metrics.recoveries
+    again, served = _acquire(backend)
+    assert isinstance(served, Running) and served.engine is r.engine
+    backend.release(again)
+
+
+def test_a_recovery_that_outlasts_its_timeout_gives_up_failed_and_says_so(rig: Callable[..., Rig]) -> None:
+    """No node answers for `recover_timeout`: the backend is `failed` (serve exits through `on_failed`),
+    a request is refused with the reason, and a node coming back afterwards changes nothing."""
+    r = rig(recover_timeout=0.05)
+    backend = r.backend
+    told: list[str] = []
+    backend.on_failed = lambda: told.append(backend.state)
+    r.fleet.answering = set()
+    r.engine.die()
+    r.wait_state({"failed"})
+    assert told == ["failed"] and r.fleet.rounds >= 2  # it retried before giving up
+    assert backend.reason.startswith("gave up after 0.05 s: waiting for the fleet: no node answers")
+    with pytest.raises(Exception, match="the model is failed: gave up") as refused:
+        backend.admit()
+    assert getattr(refused.value, "status", None) == 503
+    rounds = r.fleet.rounds
+    r.fleet.answering = set(ENDPOINTS)
+    time.sleep(0.05)
+    assert backend.state == "failed" and r.fleet.rounds == rounds  # given up: no more rounds
 
 
 def test_a_load_that_fails_is_retried_until_the_fleet_holds_the_model(rig: Callable[..., Rig]) -> None:
@@ -551,7 +597,7 @@ def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
         fleet = FakeFleet(tiny_model)
         engines: list[FakeEngine] = []
 
-        def factory(plan: Plan, dial: Mapping[str, str]) -> HttpEngine:
+        def factory(plan: Plan, targets: Mapping[str, Target]) -> HttpEngine:
             engines.append(HttpEngine(plan, fleet, len(engines)))
             return engines[-1]  # type: ignore[return-value]
 

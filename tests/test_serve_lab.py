@@ -28,7 +28,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
 from orchestrator.operations.stale import ServerConnection, read_local_view

@@ -31,7 +31,7 @@ from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host, server_hosts
 from orchestrator.lab import cgroups
 from orchestrator.lab.lifecycle import lab_down, lab_up
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.lock import acquire

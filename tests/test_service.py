@@ -42,7 +42,7 @@ from orchestrator.operations.server.state import (
 )
 from orchestrator.operations.server.steps import deploy, ensure_state, plan_service, rollback
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult, ProtocolVersion
 from tests.plugins.servers import free_port
 from tests.procs import file_reader, kill_supervised, wait_gone
 from tests.waits import until_value

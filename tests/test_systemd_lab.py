@@ -24,7 +24,7 @@ from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab import systemd
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_status
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions
@@ -38,7 +38,7 @@ from orchestrator.operations.server.steps import (
 )
 from orchestrator.operations.systemd import SERVICE_USER_MARK, unit_name
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.test_lab import leftovers
 from tests.waits import wait_until

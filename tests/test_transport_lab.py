@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,13 +31,15 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.connectors.connect import connect
 from orchestrator.connectors.tunnel import OpenSSHTunnel, Tunnels
+from orchestrator.core.errors import RpcfleetError, UnreachableError
+from orchestrator.engine.threads import start_thread
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import inventory_document
-from orchestrator.lab.model import Lab, LabNode
+from orchestrator.lab.state import Lab, LabNode
 from orchestrator.operations.firewall import apply_firewall
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome
+from orchestrator.rpc.records import Outcome
 from tests.plugins.lab import own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
@@ -373,6 +376,49 @@ async def test_a_dead_forward_is_opened_again_on_the_next_dial(
         assert again != first
         assert (await probe_endpoint(again)).outcome is Outcome.OK
     assert not _forwarders(os.getpid())
+
+
+@pytest.mark.parametrize("forwarder", ["openssh", "asyncssh"])
+async def test_a_forward_asked_for_by_a_passing_thread_lives_on_the_runtime(
+    forwarder: str, transport_lab: Lab, ssh_inventory: Path
+) -> None:
+    """Forwards are the runtime's, not their caller's: one opened for a thread that then ends keeps
+    forwarding (openssh: started by the runtime's spawner thread, whose end alone would fire its
+    parent-death signal; asyncssh: on the runtime's `LoopThread`, which `close` ends)."""
+    host = load_inventory(ssh_inventory).hosts[0]
+    dialed: list[str] = []
+    with Tunnels(forwarder) as tunnels:  # type: ignore[arg-type]
+        start_thread(lambda: dialed.append(tunnels.target(host).dial), name="passing").join()
+        await asyncio.sleep(1.0)  # a parent-death signal from the passing thread would have landed
+        assert (await probe_endpoint(dialed[0])).outcome is Outcome.OK
+        loops = [t for t in threading.enumerate() if t.name == "rpcfleet-tunnels"]
+        assert len(loops) == (forwarder == "asyncssh")
+    assert not any(t.is_alive() for t in loops)
+    assert not _forwarders(os.getpid())
+
+
+async def test_a_hostile_ssh_config_in_home_breaks_both_clients_and_the_tests_empty_one_none(
+    transport_lab: Lab, ssh_inventory: Path, empty_ssh_home: Path
+) -> None:
+    """What keeps a developer's own `~/.ssh/config` out of the tests is the autouse empty `~/.ssh`
+    (tests/plugins/home.py), and it holds for both SSH clients: the asyncssh connector and the OpenSSH
+    forwarder read HOME's config (ssh itself would read the passwd entry's home: `-F`). With the empty
+    one, the lab's own key and known_hosts connect; a hostile one (`ProxyCommand false`) breaks both."""
+    host = load_inventory(ssh_inventory).hosts[0]
+    assert host.ssh_key and host.ssh_known_hosts  # the lab's, named by its inventory
+
+    async def login() -> str:
+        async with await connect(host) as conn:
+            return (await conn.run("echo in")).stdout.strip()
+
+    assert await login() == "in"
+    with Tunnels() as tunnels:
+        assert (await probe_endpoint(tunnels.target(host).dial)).outcome is Outcome.OK
+    (empty_ssh_home / ".ssh" / "config").write_text("Host *\n  ProxyCommand false\n")
+    with pytest.raises(RpcfleetError):
+        await login()
+    with Tunnels() as tunnels, pytest.raises(UnreachableError):
+        tunnels.target(host)
 
 
 def test_serve_generates_through_the_forwards(

@@ -13,12 +13,12 @@ import pytest
 
 from orchestrator.artifacts.manifest import ArtifactSpec
 from orchestrator.llama.errors import ProtocolMismatchError
-from orchestrator.llama.loader import load_llama
+from orchestrator.llama.native.loader import load_llama
 from orchestrator.planning.plan import PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome, ProtocolVersion
+from orchestrator.rpc.records import Outcome, ProtocolVersion
 from tests.fakerpc import HELLO, FakeConnection, Handler, fake_rpc_server
 from tests.plugins.llama import plan_devices
 from tests.plugins.servers import LocalServer, write_local_inventory

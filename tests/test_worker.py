@@ -17,12 +17,12 @@ import psutil
 import pytest
 
 from orchestrator.core.target import Target
-from orchestrator.llama.load_progress import LoadProgress
-from orchestrator.llama.native import local_gpus
-from orchestrator.llama.placement import build_placement
-from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
-from orchestrator.llama.worker_wire import (
+from orchestrator.llama.native.libllama import local_gpus
+from orchestrator.llama.observed_placement import build_placement
+from orchestrator.llama.worker.load_progress import LoadProgress
+from orchestrator.llama.worker.parent import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
+from orchestrator.llama.worker.text_stream import TextStream
+from orchestrator.llama.worker.wire import (
     decode,
     devices_from_json,
     devices_to_json,
@@ -80,7 +80,7 @@ def test_the_worker_lists_the_gpus_llama_cpp_sees_here() -> None:
 
 
 def test_the_parent_side_imports_no_llama_cpp() -> None:
-    code = "import sys, orchestrator.llama.worker; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
+    code = "import sys, orchestrator.llama.worker.parent; assert 'llama_cpp' not in sys.modules, 'llama_cpp'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
@@ -126,7 +126,7 @@ def test_the_text_stream_never_sends_a_stop_sequence_nor_what_follows() -> None:
 def test_the_worker_generates_what_an_in_process_load_generates(
     debug_rpc_servers: list[DebugServer], tiny_model: Path
 ) -> None:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     plan = _plan(debug_rpc_servers[:2], tiny_model)
     llm = load_llama(plan, tiny_model, seed=0)
@@ -173,7 +173,7 @@ BOUND = 150.0  # seconds for one request of LONG tokens (5-25 s here; before the
 def test_a_random_model_streams_thousands_of_tokens_in_bounded_time_and_the_whole_text(
     debug_rpc_servers: list[DebugServer], tiny_model: Path
 ) -> None:
-    from orchestrator.llama.loader import load_llama
+    from orchestrator.llama.native.loader import load_llama
 
     plan = _plan(debug_rpc_servers[:2], tiny_model, n_ctx=4096)
     # Greedy, then sampled with a seed; each streamed, then not. The same requests in-process give the
@@ -288,7 +288,7 @@ def test_the_worker_dies_with_its_parent(
     run = _run_cli(tiny_model, servers, tmp_path, "-n", "4000")
     _wait_for_output(run)
     children = psutil.Process(run.pid).children()
-    assert len(children) == 1 and "orchestrator.llama.worker_child" in children[0].cmdline()
+    assert len(children) == 1 and "orchestrator.llama.worker.child" in children[0].cmdline()
     os.kill(run.pid, signal.SIGKILL)
     run.wait(10)
     wait_gone(children[0].pid, 5.0)

@@ -16,7 +16,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
 from tests.plugins.lab import lab_hosts_of, own_lab
@@ -64,7 +64,7 @@ def test_a_node_whose_memory_cannot_be_measured_is_refused_unless_trusted(
     assert blind.endpoint not in json.dumps(json.loads(text)["cases"])
 
 
-def test_the_seed_example_plans_remote_cpu_servers_with_the_inventorys_facts(
+def test_the_dropin_example_plans_remote_cpu_servers_with_the_inventorys_facts(
     worker_lab: Lab,
     deployed: list[Host],
     tiny_model: Path,

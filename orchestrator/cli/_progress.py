@@ -24,7 +24,7 @@ from orchestrator.cli import _common
 from orchestrator.connectors.base import Progress as ProgressCallback
 from orchestrator.core.units import format_size
 from orchestrator.inventory.model import Host
-from orchestrator.llama.load_progress import LoadProgress
+from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.operations.install.plan import InstallChange
 
 

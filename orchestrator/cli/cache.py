@@ -92,8 +92,8 @@ def _warm_items(
     args: argparse.Namespace, hosts: list[Host], phases: dict[str, float]
 ) -> dict[str, Sequence[WarmItem]]:
     """Plan the model on the selected hosts; per host name, the cache files its share needs."""
-    from orchestrator.llama.cache_plan import plan_cache
-    from orchestrator.llama.cache_prep import warm_items
+    from orchestrator.llama.cache.plan import plan_cache
+    from orchestrator.llama.cache.prep import warm_items
     from orchestrator.planning.profile import profile_model
     from orchestrator.workflows.plan import plan_for_fleet
 
@@ -133,7 +133,7 @@ def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
     phases["upload"] = time.monotonic() - t
     _report(args, run, "warm", phases=phases)
     if not args.json and not any(items.values()):
-        from orchestrator.llama.cache_plan import HASH_THRESHOLD
+        from orchestrator.llama.cache.plan import HASH_THRESHOLD
 
         _common.err_console.print(
             f"nothing to warm: no tensor of {escape(str(args.model))} planned for these nodes is larger than "

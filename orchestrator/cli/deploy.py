@@ -216,7 +216,7 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
 
 def _json_value(value: Any) -> Any:
     from orchestrator.operations.install.plan import InstallChange
-    from orchestrator.operations.rolling import RestartReport
+    from orchestrator.operations.restart import RestartReport
     from orchestrator.operations.server.state import ServerStatus
     from orchestrator.operations.server.steps import DeployResult, ServiceChange
 
@@ -279,7 +279,7 @@ def handle_service(args: argparse.Namespace) -> int:
         from orchestrator.cli.playbook import handle_rolling_restart
 
         return handle_rolling_restart(args)
-    from orchestrator.operations.rolling import make_rolling_restart_step
+    from orchestrator.operations.restart import make_restart_step
     from orchestrator.operations.server.steps import make_service_step
 
     inventory, hosts = _common.load_hosts(args)
@@ -288,7 +288,7 @@ def handle_service(args: argparse.Namespace) -> int:
         return _stop_undeclared(args, inventory, hosts)
     if args.action == "restart":
         # The same operation as `restart --rolling` (and the playbooks' `restart`), without batches.
-        step: Step[Any] = make_rolling_restart_step(options)
+        step: Step[Any] = make_restart_step(options)
     else:
         step = make_service_step("running" if args.action == "start" else "stopped", options)
     return _finish(args, _run(args, hosts, step, args.action))

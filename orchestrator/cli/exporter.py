@@ -84,6 +84,9 @@ def handle(args: argparse.Namespace) -> int:
     if not hosts:
         raise UsageError("no hosts selected")
     sock = _common.listen_socket(args.host, args.port)
+    import asyncio
+    import contextlib
+
     import uvicorn
     from fastapi import FastAPI
 
@@ -107,9 +110,16 @@ def handle(args: argparse.Namespace) -> int:
         f"({len(hosts)} host(s), every {args.interval:g} s)",
         highlight=False,
     )
-    collector.start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        collector.stop()
+
+    async def serve_and_probe() -> None:
+        # One loop for the command: uvicorn's server and the probe rounds beside it
+        rounds = asyncio.create_task(collector.run(), name="observe")
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            rounds.cancel()  # a round in progress too (a silent host would hold it for its timeout)
+            with contextlib.suppress(asyncio.CancelledError):
+                await rounds  # its connections closed
+
+    _common.run_async(serve_and_probe())
     return 0

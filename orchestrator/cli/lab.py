@@ -78,7 +78,7 @@ def register(subparsers: Any) -> None:
 
 def lab_nodes(text: str) -> int:
     """--nodes, checked as it is parsed (a usage error, exit status 2)."""
-    from orchestrator.lab.model import MAX_NODES
+    from orchestrator.lab.state import MAX_NODES
 
     return _common.flag(fields.integer(minimum=1, maximum=MAX_NODES))(text)
 
@@ -86,7 +86,7 @@ def lab_nodes(text: str) -> int:
 def lab_name(text: str) -> str:
     """--name, checked as it is parsed (a usage error, exit status 2)."""
     from orchestrator.core.errors import LabError
-    from orchestrator.lab.model import check_name
+    from orchestrator.lab.state import check_name
 
     try:
         return check_name(text)

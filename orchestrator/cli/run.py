@@ -2,7 +2,7 @@
 
 The placement table sets the plan's prediction beside what llama.cpp allocated (its load log, 0.01 MiB
 precision) for every device and for the host, then generation speed. The model runs in a worker process
-(`orchestrator.llama.worker`): a node lost mid-inference is an error naming it (exit status 1), never a
+(`orchestrator.llama.worker.parent`): a node lost mid-inference is an error naming it (exit status 1), never a
 native abort of this process; llama.cpp's log goes to the worker's log file (or stderr with
 `--llama-verbose`).
 """
@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
 
     from orchestrator.engine.runtime import Runtime
     from orchestrator.inventory.model import Host
-    from orchestrator.llama.cache_prep import CachePrep
-    from orchestrator.llama.placement import Placement
+    from orchestrator.llama.cache.prep import CachePrep
+    from orchestrator.llama.observed_placement import Placement
     from orchestrator.planning.plan import Plan, PlanDevice
     from orchestrator.planning.profile import ModelProfile
     from orchestrator.workflows.load import FleetLoad
@@ -71,7 +71,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--warm",
-        choices=["auto", "always", "never"],  # cache_prep.WarmChoice (not imported: start-up time)
+        choices=["auto", "always", "never"],  # cache.prep.WarmChoice (not imported: start-up time)
         default="auto",
         help="put the tensors the nodes' caches lack into them over SSH first, all nodes in parallel "
         "(rpc_cache hosts; auto: when two nodes or more lack some)",
@@ -88,7 +88,7 @@ def register(subparsers: Any) -> None:
 
 def _endpoint(text: str) -> str:
     """--endpoint's value, checked as it is parsed (a bad one is a usage error naming it)."""
-    from orchestrator.rpc.protocol import EndpointError, parse_endpoint
+    from orchestrator.rpc.records import EndpointError, parse_endpoint
 
     try:
         parse_endpoint(text)
@@ -101,7 +101,7 @@ def endpoint_hosts(endpoints: list[str]) -> list[Host]:
     """Inventory-less hosts for `--endpoint` values. Loopback servers run on this machine, so they get
     a local connection (facts such as MemAvailable are read here); others are probed over RPC only."""
     from orchestrator.inventory.model import Host
-    from orchestrator.rpc.protocol import parse_endpoint
+    from orchestrator.rpc.records import parse_endpoint
 
     hosts = []
     for text in endpoints:
@@ -171,7 +171,7 @@ def make_run_plan(
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.cli._progress import LoadBars
     from orchestrator.engine.runtime import Runtime
-    from orchestrator.llama.worker import Worker
+    from orchestrator.llama.worker.parent import Worker
     from orchestrator.workflows.fit import check_fit
     from orchestrator.workflows.load import load_on_fleet
 
@@ -302,7 +302,7 @@ def generate(
 ) -> tuple[str, dict[str, Any]]:
     """Stream a completion from the worker (echoed as it comes); the counts are the tokens the model
     produced and llama.cpp's own timings."""
-    from orchestrator.llama.worker import Done
+    from orchestrator.llama.worker.parent import Done
 
     done: Done | None = None
     try:
@@ -333,7 +333,7 @@ def _print_placement(placement: Placement) -> None:
     from rich import box
     from rich.table import Table
 
-    from orchestrator.llama.placement import PLACEMENT_COLUMNS
+    from orchestrator.llama.observed_placement import PLACEMENT_COLUMNS
 
     table = Table(
         title="placement (MiB)", title_justify="left", box=box.SIMPLE_HEAD, highlight=False, pad_edge=False

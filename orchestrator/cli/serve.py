@@ -371,7 +371,7 @@ def handle(args: argparse.Namespace) -> int:
     router.start([one.plan for one in formed])
     try:
         with bars:
-            server.run(sockets=[sock])
+            _common.run_async(server.serve(sockets=[sock]))  # the command's one loop
     finally:
         hup.__exit__(None, None, None)
         if exporter is not None:

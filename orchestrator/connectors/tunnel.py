@@ -10,7 +10,7 @@ Two forwarders (measured in bench/transport.py, BENCHMARKS.md "transport"):
 - `openssh`: an OpenSSH master (`ssh -M -S sock -N -L ...`, a control socket to check on it), one
   process per host. The bytes are moved by C code outside this process, so a model load in a worker
   is not slowed by this process's interpreter. The default.
-- `asyncssh`: `forward_local_port` on an asyncssh connection run by a background event loop thread.
+- `asyncssh`: `forward_local_port` on an asyncssh connection run by the runtime's `LoopThread`.
 
 Both keep host-key verification as the inventory says (known_hosts, `ssh_host_key_checking`), use
 keepalives (a cut link closes the forward within about 15 s), and die with this process. A forward
@@ -20,7 +20,6 @@ that goes away closes its connections: llama.cpp sees the node as lost, like a d
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -30,15 +29,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from orchestrator.core.errors import HostKeyError, InputError, RpcfleetError, UnreachableError
 from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
+
+if TYPE_CHECKING:
+    from orchestrator.engine.runtime import LoopThread
 
 Forwarder = Literal["openssh", "openssh-n", "asyncssh"]
 
@@ -84,7 +85,11 @@ def _known_hosts(host: Host) -> Path:
 def ssh_options(host: Host, timeout: float) -> list[str]:
     """OpenSSH client options for `host`: batch mode, keepalives, AES-GCM first, its host key checking,
     key, user and port (what the asyncssh connection uses, for the `ssh` binary)."""
-    argv = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}"]
+    # The asyncssh connector's ~/.ssh/config (HOME's, or none): ssh itself would read the passwd entry's
+    # home, whatever HOME says (a test's empty ~/.ssh, a service's own HOME)
+    config = Path.home() / ".ssh" / "config"
+    argv = ["-F", str(config) if config.is_file() else "/dev/null"]
+    argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}"]
     argv += ["-o", f"ServerAliveInterval={KEEPALIVE_INTERVAL}", "-o", "LogLevel=ERROR"]
     argv += ["-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
     # AES-GCM first (AES-NI makes it the cheapest on x86 and arm64); the rest of the default list after it
@@ -126,15 +131,14 @@ def _ssh_error(host: Host, stderr: str) -> RpcfleetError:
     return UnreachableError(f"cannot open the SSH forward to {where}: {text}", host=host.name, stderr=stderr)
 
 
-# Linux sends the parent-death signal when the *thread* that forked the child ends, so forwards are
-# started from one thread that lives as long as this process (its executor is never shut down early).
-_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rpcfleet-forward-spawner")
-
-
 def spawn_bound(argv: list[str], *, stderr: IO[bytes]) -> subprocess.Popen[bytes]:
     """Start `argv` (no stdin or stdout) so that it gets SIGTERM when this process dies, however it dies
     (`setpriv --pdeathsig`, util-linux): a controller killed with SIGKILL leaves no forward behind. Its
-    own session: a Ctrl-C at the terminal reaches rpcfleet, which closes it."""
+    own session: a Ctrl-C at the terminal reaches rpcfleet, which closes it. Linux sends the parent-death
+    signal when the *thread* that forked the child ends: forwards are started by the runtime's one
+    long-lived spawner thread (`engine.children.on_spawner_thread`)."""
+    from orchestrator.engine.children import on_spawner_thread  # the runtime's (a layer above: pyproject)
+
     if shutil.which("setpriv") is not None:
         argv = ["setpriv", "--pdeathsig", "TERM", "--", *argv]
 
@@ -143,7 +147,7 @@ def spawn_bound(argv: list[str], *, stderr: IO[bytes]) -> subprocess.Popen[bytes
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
         )
 
-    return _SPAWNER.submit(start).result()
+    return on_spawner_thread(start)
 
 
 @dataclass
@@ -215,35 +219,20 @@ class OpenSSHTunnel:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class _Loop:
-    """One event loop on a daemon thread, for asyncssh forwards that must outlive any caller's loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rpcfleet-tunnels", daemon=True)
-        self.thread.start()
-
-    def call(self, coro: Any, timeout: float) -> Any:
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-
 @dataclass
 class AsyncsshTunnel:
-    """`forward_local_port` on an asyncssh connection driven by the tunnels' loop thread."""
+    """`forward_local_port` on an asyncssh connection driven by the tunnels' `LoopThread` (the forwards
+    outlive any one phase of the command: a load in the worker reads through them while this process's
+    command thread waits)."""
 
     host: Host
     local_port: int
     _conn: Any = field(repr=False)
     _listener: Any = field(repr=False)
-    _loop: _Loop = field(repr=False)
+    _loop: LoopThread = field(repr=False)
 
     @classmethod
-    def open(cls, host: Host, timeout: float, loop: _Loop) -> AsyncsshTunnel:
+    def open(cls, host: Host, timeout: float, loop: LoopThread) -> AsyncsshTunnel:
         from orchestrator.connectors.base import ConnectOptions
         from orchestrator.connectors.ssh import SSHConnection
 
@@ -294,7 +283,7 @@ class Tunnels:
         self._lock = threading.Lock()
         self._open: dict[tuple[object, ...], Tunnel] = {}
         self._host_locks: dict[tuple[object, ...], threading.Lock] = {}
-        self._loop: _Loop | None = None
+        self._loop: LoopThread | None = None
 
     def target(self, host: Host) -> Target:
         """`host`'s server: its endpoint and the address this controller connects to for it."""
@@ -322,7 +311,9 @@ class Tunnels:
                 made = OpenSSHTunnel.open(host, timeout, interactive=self.forwarder == "openssh")
             else:
                 if self._loop is None:
-                    self._loop = _Loop()
+                    from orchestrator.engine.runtime import LoopThread  # the runtime's (see pyproject)
+
+                    self._loop = LoopThread("rpcfleet-tunnels")
                 made = AsyncsshTunnel.open(host, timeout, self._loop)
             with self._lock:
                 self._open[key] = made
@@ -335,7 +326,9 @@ class Tunnels:
         tunneled = [h for h in hosts if h.tunneled]
         found = {h.endpoint: Target.direct(h.endpoint) for h in hosts if not h.tunneled}
         if len(tunneled) > 1:
-            with concurrent.futures.ThreadPoolExecutor(min(8, len(tunneled))) as pool:
+            from orchestrator.engine.threads import thread_pool  # the runtime's (see pyproject)
+
+            with thread_pool(min(8, len(tunneled)), "rpcfleet-forward-open") as pool:
                 found.update((t.endpoint, t) for t in pool.map(self.target, tunneled))
         else:
             found.update((h.endpoint, self.target(h)) for h in tunneled)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from orchestrator.core.paths import rpcfleet_home
 
@@ -35,6 +35,7 @@ _BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_inf
 _libc: Any = None
 
 Redirect = int | IO[Any] | None
+T = TypeVar("T")
 
 
 def _syscall() -> Any:
@@ -108,7 +109,6 @@ def spawn_child(
 ) -> subprocess.Popen[bytes]:
     """Start `argv` in a session of its own. Its stderr goes to `log_path` (appended; None: this
     process's stderr); `stdout=None` sends its stdout there too. `die_with_parent`: see the module."""
-    global _spawner
 
     def start(preexec: Callable[[], None] | None) -> subprocess.Popen[bytes]:
         log: IO[bytes] | None = log_path.open("ab") if log_path is not None else None
@@ -128,15 +128,23 @@ def spawn_child(
 
     if not die_with_parent:
         return start(None)
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = _Spawner()
     libc = _syscall()  # loaded here: the child between fork and exec only calls it
 
     def die_with_parent_now() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
-    return _spawner.call(lambda: start(die_with_parent_now))  # type: ignore[no-any-return]
+    return on_spawner_thread(lambda: start(die_with_parent_now))
+
+
+def on_spawner_thread(job: Callable[[], T]) -> T:
+    """`job()` on the one long-lived thread that starts the children that die with their parent (the
+    parent-death signal is the forking thread's: see the module), its result or exception returned here.
+    Also for children that set it themselves (the SSH forwards' `setpriv --pdeathsig`)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+    return _spawner.call(job)  # type: ignore[no-any-return]
 
 
 def _own_descriptors() -> Iterator[int]:

@@ -5,14 +5,23 @@
   between phases (a load, a generation) it is idle, and the session's connections stay open.
 * `run_sync(coro)`: the one bridge for synchronous code that must await: on this thread when no loop
   runs here, else (called from async code) on a private loop in a helper thread.
+* `LoopThread`: a loop that keeps running on a thread of its own, for work that must go on while the
+  command's thread blocks or serves (the asyncssh forwards, serve's fleet view); `run_sync` and
+  `LoopThread.call` are the bridges from threads to a loop.
+* `engine/threads.py`: the threads of the rest of the code (serve's loads and watches, the worker's pipe
+  reader and its child's watchdog, the lab's node work): `start_thread`, `thread_pool`.
 * Signals: a `Session` owns SIGINT/SIGTERM while it is interruptible (`Session.catching_signals`) and
   gives them back to the handlers from before; `core.signals` is the command's own handler.
+
+Outside engine/ no module makes a loop or a thread (tests/test_concurrency_home.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
@@ -20,6 +29,7 @@ from typing import Any, TypeVar
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.core import signals
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
+from orchestrator.engine.threads import start_thread, thread_pool
 
 T = TypeVar("T")
 
@@ -101,5 +111,56 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         asyncio.get_running_loop()
     except RuntimeError:
         return run_once(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with thread_pool(1, "run-sync") as pool:
         return pool.submit(run_once, coro).result()
+
+
+class LoopThread:
+    """An event loop running on a daemon thread of its own until `stop`: coroutines go to it with
+    `submit` (a concurrent future) or `call` (wait for the result), from any thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(quiet_interrupts)
+        self._thread = start_thread(self._run, name=name)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            # What is still pending when stopped (a forward's reader) is cancelled, not left to "Task
+            # was destroyed but it is pending!"
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                self.loop.run_until_complete(self.loop.shutdown_default_executor())  # to_thread's
+            self.loop.close()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; its result (or exception) comes through the future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result (TimeoutError after `timeout` seconds; the
+        coroutine is cancelled then)."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the loop (its pending tasks cancelled) and wait up to `timeout` s for its thread."""
+        with contextlib.suppress(RuntimeError):  # the loop already closed
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)

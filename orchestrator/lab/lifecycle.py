@@ -36,7 +36,6 @@ import re
 import time
 import zlib
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,31 +45,10 @@ import yaml
 from orchestrator.core.errors import InventoryError, LabError
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import DEFAULT_LAB, labs_root
+from orchestrator.engine.threads import thread_pool
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab import systemd
-from orchestrator.lab.model import (
-    LAB_GROUP,
-    LINK_RE,
-    MAX_NODES,
-    NAME_RE,
-    NODE_INSTALL_DIR,
-    NODE_RPC_PORT,
-    NS_RE,
-    PREFIX,
-    SSH_PORT,
-    USER_RE,
-    Lab,
-    LabKind,
-    LabNode,
-    LabStatus,
-    NodeInit,
-    NodeRepair,
-    NodeStatus,
-    Owner,
-    check_name,
-    lab_dir,
-)
 from orchestrator.lab.netns import (
     check_netns_prerequisites,
     create_local,
@@ -86,6 +64,28 @@ from orchestrator.lab.netns import (
     teardown_slot,
 )
 from orchestrator.lab.procs import tcp_open
+from orchestrator.lab.sshd import SSH_PORT
+from orchestrator.lab.state import (
+    LAB_GROUP,
+    LINK_RE,
+    MAX_NODES,
+    NAME_RE,
+    NODE_INSTALL_DIR,
+    NODE_RPC_PORT,
+    NS_RE,
+    PREFIX,
+    USER_RE,
+    Lab,
+    LabKind,
+    LabNode,
+    LabStatus,
+    NodeInit,
+    NodeRepair,
+    NodeStatus,
+    Owner,
+    check_name,
+    lab_dir,
+)
 
 
 def lab_up(
@@ -229,7 +229,7 @@ def lab_status(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> LabSta
             init=node.init,
         )
 
-    with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
+    with thread_pool(min(16, len(lab.nodes)), "lab-node") as pool:
         statuses = tuple(pool.map(one, lab.nodes))
     return LabStatus(
         name=lab.name,
@@ -260,7 +260,7 @@ def lab_repair(name: str = DEFAULT_LAB, *, probe_timeout: float = 1.0) -> tuple[
                 hint=f"`rpcfleet lab down{flag}`, then `rpcfleet lab up{flag}`",
             )
         namespaces = set(list_namespaces()) if lab.kind == "netns" else set()
-        with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
+        with thread_pool(min(16, len(lab.nodes)), "lab-node") as pool:
             results = tuple(pool.map(lambda n: _repair_node(lab, n, namespaces, probe_timeout), lab.nodes))
     get_logger().info(
         "lab_repair",
@@ -298,7 +298,7 @@ def _node_fault(lab: Lab, node: LabNode, namespaces: set[str], probe_timeout: fl
 def _lab_faults(lab: Lab, *, probe_timeout: float) -> dict[str, str]:
     """Broken nodes of a live lab -> what is wrong with each."""
     namespaces = set(list_namespaces()) if lab.kind == "netns" else set()
-    with ThreadPoolExecutor(max_workers=min(16, len(lab.nodes))) as pool:
+    with thread_pool(min(16, len(lab.nodes)), "lab-node") as pool:
         faults = list(pool.map(lambda n: _node_fault(lab, n, namespaces, probe_timeout), lab.nodes))
     return {node.name: fault for node, fault in zip(lab.nodes, faults, strict=True) if fault is not None}
 

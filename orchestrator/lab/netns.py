@@ -14,21 +14,6 @@ from pathlib import Path
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
 from orchestrator.lab import cgroups, systemd
-from orchestrator.lab.model import (
-    CAP_NET_ADMIN,
-    CAP_SYS_ADMIN,
-    LINK_RE,
-    PREFIX,
-    UP_TIMEOUT,
-    USER_COMMENT,
-    USER_RE,
-    Lab,
-    LabNode,
-    sshd_argv,
-    sshd_config_text,
-    sshd_extra_options,
-    wait_ready,
-)
 from orchestrator.lab.procs import (
     SSHD,
     child_env,
@@ -39,6 +24,17 @@ from orchestrator.lab.procs import (
     run_all,
     tail,
     which,
+)
+from orchestrator.lab.sshd import UP_TIMEOUT, sshd_argv, sshd_config_text, sshd_extra_options, wait_ready
+from orchestrator.lab.state import (
+    CAP_NET_ADMIN,
+    CAP_SYS_ADMIN,
+    LINK_RE,
+    PREFIX,
+    USER_COMMENT,
+    USER_RE,
+    Lab,
+    LabNode,
 )
 
 

@@ -30,11 +30,11 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import LabError
+from orchestrator.engine.threads import thread_pool
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab.procs import (
     SSHD_COMMON,
@@ -49,7 +49,7 @@ from orchestrator.lab.procs import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.lab.model import Lab, LabNode
+    from orchestrator.lab.state import Lab, LabNode
 
 NSPAWN = "systemd-nspawn"
 
@@ -294,7 +294,7 @@ def wait_booted(lab: Lab, nodes: Sequence[LabNode], timeout: float = BOOT_TIMEOU
                 raise LabError(f"node {node.name} did not boot within {timeout:.0f} s", stderr=tail(node.log))
             time.sleep(0.05)
 
-    with ThreadPoolExecutor(max_workers=min(16, max(1, len(nodes)))) as pool:
+    with thread_pool(min(16, len(nodes)), "lab-node") as pool:
         for future in [pool.submit(one, node) for node in nodes]:
             future.result()
 

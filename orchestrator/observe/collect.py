@@ -1,4 +1,5 @@
-"""The exporter's probe loop: one round every `interval` seconds, in a thread of its own.
+"""The exporter's probe loop: one round every `interval` seconds, on the command's loop (`rpcfleet
+exporter`: beside its HTTP server) or on a `LoopThread` of the runtime's (`serve`'s fleet view).
 
 A round reads each node over its SSH connection (kept open from round to round; a round with an
 unreachable host opens fresh ones next time), in one round trip: the server's state as `rpcfleet status`
@@ -21,15 +22,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator.artifacts.protocol import cached_local_protocol_version
+from orchestrator.artifacts.local_protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
+from orchestrator.engine.runtime import LoopThread
 from orchestrator.engine.shared import gather_bounded
 from orchestrator.facts.base import Fact, gather
 from orchestrator.inventory.model import Host
@@ -57,7 +60,7 @@ from orchestrator.operations.stale import find_stale
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import Outcome, ProbeResult, ProtocolVersion
 
 DEFAULT_INTERVAL = 15.0
 HISTORY_SECONDS = 600.0  # the page's requests and tokens/s go back this far
@@ -144,25 +147,38 @@ class Collector:
         self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
         self._history: deque[Point] = deque()
         self._session: Session | None = None
-        self._thread: threading.Thread | None = None
+        self._runner: LoopThread | None = None
+        self._rounds: Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._stopping = False
 
-    # -- the thread
+    # -- the rounds
     def start(self) -> None:
-        self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), name="observe", daemon=True)
-        self._thread.start()
+        """The rounds on a loop thread of the runtime's, until `stop` (for a caller whose own loop does
+        not run yet, or never: serve waits for the first round before its server starts)."""
+        self._runner = LoopThread("observe")
+        self._rounds = self._runner.submit(self.run())
 
     def stop(self) -> None:
+        """End the rounds (from any thread); with `start`'s thread, wait for them to close their
+        connections."""
+        self._stopping = True
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None:
             with contextlib.suppress(RuntimeError):  # the loop already ended
                 loop.call_soon_threadsafe(stop.set)
-        if self._thread is not None:
-            self._thread.join(self.timeout * 4 + 5)
+        runner, rounds = self._runner, self._rounds
+        if runner is not None and rounds is not None:
+            with contextlib.suppress(BaseException):  # a round's end is logged by `run`
+                rounds.result(self.timeout * 4 + 5)
+            runner.stop()
 
-    async def _main(self) -> None:
+    async def run(self) -> None:
+        """One round every `interval` on the running loop, until `stop`; the connections closed at the end."""
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if self._stopping:  # stopped before the rounds began
+            self._stop.set()
         started = time.monotonic()
         ticks = 0
         try:

@@ -18,7 +18,7 @@ def to_plan_devices(
     A node that is not ok, or whose memory was not measured (`NodeProbe.untrusted`: a CPU server whose
     host facts could not be read reports its total RAM as free): `raise` (ProbeError naming them and
     why), `skip` (left out), or `flag`: one placeholder device with `ok=False` and the node's state
-    (`unmeasured` for the latter), which `planner.validate` refuses with the host named.
+    (`unmeasured` for the latter), which `planning.memory.validate` refuses with the host named.
     """
     bad = [n for n in fleet.nodes if not n.ok or n.untrusted]
     if bad and failed == "raise":

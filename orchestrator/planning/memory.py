@@ -10,7 +10,7 @@ from typing import Any
 from orchestrator.core.errors import PlanError
 from orchestrator.core.units import format_size
 from orchestrator.planning.architectures import attention_input_bytes, family_compute, unverified_note
-from orchestrator.planning.placement import pad
+from orchestrator.planning.layer_assignment import pad
 from orchestrator.planning.plan import (
     CTX_PAD,
     MAX_DEVICES,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.core.errors import PlanError, PlanFileError
-from orchestrator.rpc.protocol import EndpointError, parse_endpoint
+from orchestrator.rpc.records import EndpointError, parse_endpoint
 
 SCHEMA_VERSION = 1
 
@@ -128,7 +128,7 @@ class MemoryBytes:
 @dataclass(frozen=True)
 class PlannedMemory(MemoryBytes):
     """The plan's prediction for one device against what it may use; what a server reports is
-    `rpc.protocol.DeviceMemory`, what a load allocated `llama.placement.DevicePlacement.actual`."""
+    `rpc.records.DeviceMemory`, what a load allocated `llama.observed_placement.DevicePlacement.actual`."""
 
     usable: int
     margin: int

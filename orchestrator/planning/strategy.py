@@ -8,6 +8,12 @@ from dataclasses import dataclass, replace
 from orchestrator.core.errors import PlanError
 from orchestrator.core.units import format_size
 from orchestrator.planning.architectures import unverified_note
+from orchestrator.planning.layer_assignment import (
+    largest_remainder,
+    llama_cpp_assignment,
+    pad_ctx,
+    resolve_n_gpu_layers,
+)
 from orchestrator.planning.memory import (
     context_size,
     estimate_compute,
@@ -16,12 +22,6 @@ from orchestrator.planning.memory import (
     kv_streams,
     predict,
     validate,
-)
-from orchestrator.planning.placement import (
-    largest_remainder,
-    llama_cpp_assignment,
-    pad_ctx,
-    resolve_n_gpu_layers,
 )
 from orchestrator.planning.plan import (
     CTX_PAD,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.inventory.model import Host
-    from orchestrator.llama.placement import Placement
+    from orchestrator.llama.observed_placement import Placement
     from orchestrator.planning.plan import MemoryBytes, Plan
 
 LOAD_CHECK_TIMEOUT = 300.0
@@ -64,7 +64,7 @@ async def load_check(
     limit_s: float = LOAD_CHECK_TIMEOUT,
     hosts: Sequence[Host] = (),
 ) -> LoadCheckResult:
-    """Load `model` through `plan` in a worker process (`orchestrator.llama.worker`), unload it, and
+    """Load `model` through `plan` in a worker process (`orchestrator.llama.worker.parent`), unload it, and
     return where its layers went.
 
     A worker, because a loaded model holds its servers for the life of the process that loaded it (one
@@ -78,8 +78,8 @@ async def load_check(
     """
     from orchestrator.connectors.tunnel import default_tunnels
     from orchestrator.engine.executor import Session
-    from orchestrator.llama.cache_prep import prepare_caches
-    from orchestrator.llama.worker import Worker
+    from orchestrator.llama.cache.prep import prepare_caches
+    from orchestrator.llama.worker.parent import Worker
 
     wanted = [h for h in hosts if h.endpoint in plan.endpoints]
     if any(h.rpc_cache for h in wanted):  # refuse a truncated cache file before llama.cpp reads it

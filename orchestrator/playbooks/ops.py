@@ -96,9 +96,9 @@ def _remove_unit(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _restart(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.operations.rolling import make_rolling_restart_step
+    from orchestrator.operations.restart import make_restart_step
 
-    return make_rolling_restart_step(
+    return make_restart_step(
         _options(args, play),
         ready_timeout=args["timeout"],
         memory_tolerance=args["memory_tolerance"],
@@ -265,8 +265,8 @@ def _cache_warm(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.cache import WarmItem, warm_step
 
     async def make() -> dict[str, list[WarmItem]]:
-        from orchestrator.llama.cache_plan import plan_cache
-        from orchestrator.llama.cache_prep import warm_item
+        from orchestrator.llama.cache.plan import plan_cache
+        from orchestrator.llama.cache.prep import warm_item
         from orchestrator.planning.profile import profile_model
 
         plan = play.state.plan

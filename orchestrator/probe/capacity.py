@@ -10,7 +10,7 @@ from typing import Any, Literal
 from orchestrator.core.units import format_size
 from orchestrator.inventory.model import Host
 from orchestrator.probe.host import HostFacts
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     ProbeResult,
 )
 

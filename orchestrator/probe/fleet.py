@@ -62,7 +62,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from orchestrator.artifacts.protocol import cached_local_protocol_version
+from orchestrator.artifacts.local_protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError
@@ -73,7 +73,7 @@ from orchestrator.inventory.model import Host
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity, without_own_connection
 from orchestrator.probe.host import DEFAULT_TIMEOUT, HostFacts, read_facts
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     AggregateMemory,
     Outcome,
     ProbeResult,

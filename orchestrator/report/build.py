@@ -1,10 +1,10 @@
 """Capacity-planning report (pure): a probed fleet + model profiles + contexts → `Report` → text, Markdown,
 JSON or a self-contained HTML page.
 
-For every model × context the planner (`planner.make_plan`) is run on the fleet's usable devices and the
-report keeps its verdict: predicted bytes per device (weights, KV, compute), the binding device, the
-shortfall, the largest context that fits. When a model does not fit, the report finds the smallest change
-that makes it fit, by re-planning:
+For every model × context the planner (`planning.strategy.make_plan`) is run on the fleet's usable
+devices and the report keeps its verdict: predicted bytes per device (weights, KV, compute), the binding
+device, the shortfall, the largest context that fits. When a model does not fit, the report finds the
+smallest change that makes it fit, by re-planning:
 
 * per device: the least usable memory that, added to that device alone, makes the planner's verdict
   "fits" (the re-plan may move layers onto the grown device). Found by a doubling search for an amount

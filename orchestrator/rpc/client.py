@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 
 from orchestrator.core.target import Target
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     CLIENT_PROTOCOL,
     AggregateMemory,
     DeviceMemory,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from orchestrator.core.errors import ProbeError
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 
 
 class EndpointProbeError(ProbeError):

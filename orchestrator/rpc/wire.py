@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProtocolVersion
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProtocolVersion
 
 CMD_GET_DEVICE_MEMORY = 11
 

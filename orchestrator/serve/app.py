@@ -19,7 +19,6 @@ one is set). `/admin/*` always needs one: a server started without a key refuses
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -33,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from orchestrator.engine.threads import thread_pool
 from orchestrator.observe.web import Exporter, RequestTimer, mount
 from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
@@ -109,7 +109,7 @@ def create_app(
     metrics = router.metrics
     config = router.config
     # Threads that wait for a slot (a blocking wait on the backend's condition): one per admitted request.
-    waiters = concurrent.futures.ThreadPoolExecutor(router.capacity + 2, thread_name_prefix="serve-slot")
+    waiters = thread_pool(router.capacity + 2, "serve-slot")
 
     def has_key(request: Request) -> bool:
         """The request carries the configured key (always true when none is configured)."""

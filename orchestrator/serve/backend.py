@@ -38,7 +38,8 @@ from typing import Any
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.llama.load_progress import LoadProgress
+from orchestrator.engine.threads import start_thread
+from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, default_engines, lost_message
 from orchestrator.serve.fleet import ServeFleet
@@ -159,10 +160,9 @@ class Backend:
     def start(self, plan: Plan | None = None) -> threading.Thread:
         """Load `plan` (default: probe and plan) in a thread (`loading` meanwhile); should that load fail,
         the thread goes on as a recovery does. It ends serving, or `failed`."""
-        thread = threading.Thread(target=self._first_load, args=(plan,), name="serve-load", daemon=True)
-        thread.start()
+        thread = start_thread(self._first_load, plan, name="serve-load")
         if self.config.rejoin_interval > 0:
-            threading.Thread(target=self._watch, name="serve-watch", daemon=True).start()
+            start_thread(self._watch, name="serve-watch")
         return thread
 
     def stop(self) -> None:
@@ -461,7 +461,7 @@ class Backend:
             self.state = "degraded" if self.lost else "ready"
             self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
             self._cond.notify_all()
-        threading.Thread(target=self._watch_engine, args=(running,), name="serve-engine", daemon=True).start()
+        start_thread(self._watch_engine, running, name="serve-engine")
         get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=engine.pid)
         if self.on_loaded is not None:
             self.on_loaded(plan, {**phases, "load": time.monotonic() - started})
@@ -582,10 +582,7 @@ class Backend:
     def reload(self, *, rolling_restart: bool = False, wait: bool = False) -> threading.Thread:
         """Drain (admitted requests finish, new ones get 503), stop the engine, optionally restart every
         node one at a time (`restart --rolling`), re-plan and start it. In a thread; `wait` joins it."""
-        thread = threading.Thread(
-            target=self._reload, args=(rolling_restart,), name="serve-reload", daemon=True
-        )
-        thread.start()
+        thread = start_thread(self._reload, rolling_restart, name="serve-reload")
         if wait:
             thread.join()
         return thread

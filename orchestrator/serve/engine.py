@@ -46,11 +46,12 @@ from orchestrator.engine.children import (
     tune_socket,
 )
 from orchestrator.engine.runtime import run_sync
-from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes
+from orchestrator.engine.threads import start_thread
+from orchestrator.llama.worker.load_progress import LoadProgress, ProgressTracker, planned_bytes
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
-from orchestrator.rpc.protocol import Outcome, ProbeResult, parse_endpoint
+from orchestrator.rpc.records import Outcome, ProbeResult, parse_endpoint
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 
 DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README
@@ -238,8 +239,7 @@ class LlamaServer:
         sent = self.tune_and_count()
         if on_progress is not None:  # the last sample: every byte of the load, 100%
             on_progress(tracker.update(1.0, time.monotonic() - started, sent))
-        self._tuner = threading.Thread(target=self._keep_tuning, name="engine-tuner", daemon=True)
-        self._tuner.start()
+        self._tuner = start_thread(self._keep_tuning, name="engine-tuner")
         seconds = time.monotonic() - started
         get_logger().info("engine_ready", pid=self.pid, url=self.url, seconds=round(seconds, 3))
         return seconds

@@ -16,8 +16,8 @@ from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache_prep import CachePrep
-from orchestrator.llama.worker import list_local_gpus
+from orchestrator.llama.cache.prep import CachePrep
+from orchestrator.llama.worker.parent import list_local_gpus
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.playbooks.reader import rolling_restart_playbook

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.errors import PlanError, ProbeError
 from orchestrator.inventory.model import Host
-from orchestrator.planning.placement import order_devices
+from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile
 from orchestrator.planning.strategy import make_plan

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.log import get_logger
+from orchestrator.engine.threads import start_thread
 from orchestrator.serve.backend import SERVING, Backend, Rejected, ServeConfig, Ticket
 from orchestrator.serve.metrics import Metrics, engine_metrics, label_value
 from orchestrator.serve.upstream import Upstream, UpstreamError
@@ -292,8 +293,7 @@ class Router:
             if on_done is not None:
                 on_done()
 
-        thread = threading.Thread(target=run, name="serve-reload-all", daemon=True)
-        thread.start()
+        thread = start_thread(run, name="serve-reload-all")
         if wait:
             thread.join()
         return thread

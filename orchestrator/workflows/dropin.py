@@ -1,20 +1,20 @@
-"""`orchestrator.Llama`: `llama_cpp.Llama` with the RPC adapter's constructor, the seed's semantics.
+"""`orchestrator.Llama`: `llama_cpp.Llama` with the RPC adapter's constructor, the drop-in spec's semantics.
 
     llm = Llama(model_path="./model.gguf", rpc_servers=["127.0.0.1:50052"], rpc_local_devices=[],
                 n_gpu_layers=-1, n_ctx=2048)
 
 Importing this module imports llama_cpp (the class derives from it), so `orchestrator/__init__.py`
-imports it only when the name `Llama` is used. Construction, in the seed's order:
+imports it only when the name `Llama` is used. Construction, in the drop-in spec's order:
 
 1. Every keyword is checked against the stock constructor: one it would swallow is an error.
 2. `rpc_servers` (a list or "h1:p,h2:p"; duplicates are one endpoint) are probed in pure Python: an
    unreachable, busy or mismatched server raises its typed error and the process carries on. At most
    16 distinct endpoints per process.
 3. Native code: ggml's backends are loaded (where the build has dynamic ones), then each endpoint is
-   registered once per process (`native`), then the model is built on an explicit device list.
+   registered once per process (`llama.native.libllama`), then the model is built on an explicit device list.
 4. Devices: all devices of each endpoint in `rpc_servers` order, then the local GPUs
    (`rpc_local_devices`: None = the default ones, [] = none, names select and order them).
-5. Without `tensor_split`, rpcfleet plans it: usable memory per device (`seed_plan`), whole layers,
+5. Without `tensor_split`, rpcfleet plans it: usable memory per device (`dropin_plan`), whole layers,
    llama.cpp's own assignment; a `PlanError` names the shortfall when the model does not fit.
    `split_mode=LLAMA_SPLIT_MODE_NONE` puts the model on `main_gpu` (an index into that order); row
    split is refused. `llm.rpcfleet_plan` and `placement_of(llm)` show the plan and what llama.cpp did.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 # First: it sets GGML_NO_BACKTRACE, which ggml reads when llama_cpp loads it.
-from orchestrator.llama import native as _native_module
+from orchestrator.llama.native import libllama as _native_module
 
 # isort: split
 import llama_cpp
@@ -38,16 +38,7 @@ import llama_cpp
 # isort: split
 from orchestrator.core.errors import LoaderError, ModelError, PlanError
 from orchestrator.inventory.variables import near_miss
-from orchestrator.llama.errors import UnknownArgumentError
-from orchestrator.llama.loader import (
-    LLAMA_SPLIT_MODE_LAYER,
-    LLAMA_SPLIT_MODE_NONE,
-    LLAMA_SPLIT_MODE_ROW,
-    load_registered,
-    register_endpoints,
-)
-from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load
-from orchestrator.llama.seed_plan import (
+from orchestrator.llama.dropin_plan import (
     endpoint_facts,
     measured_devices,
     parse_rpc_memory,
@@ -55,7 +46,16 @@ from orchestrator.llama.seed_plan import (
     refuse_unmeasured,
     unmeasured_causes,
 )
-from orchestrator.planning.placement import order_devices
+from orchestrator.llama.errors import UnknownArgumentError
+from orchestrator.llama.native.loader import (
+    LLAMA_SPLIT_MODE_LAYER,
+    LLAMA_SPLIT_MODE_NONE,
+    LLAMA_SPLIT_MODE_ROW,
+    load_registered,
+    register_endpoints,
+)
+from orchestrator.llama.native.preflight import check_endpoint_limit, probe_for_load
+from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import KV_CACHE_TYPES, profile_model
 from orchestrator.planning.strategy import make_plan
@@ -65,7 +65,7 @@ from orchestrator.workflows.fit import DROPIN_WORDS, misfit_error
 STOCK_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "kwargs"}
 
 
-SEED_KEYWORDS = frozenset(
+DROPIN_KEYWORDS = frozenset(
     {"rpc_servers", "rpc_local_devices", "rpc_memory", "trust_rpc_memory", "rpc_timeout"}
     | {"mmproj_path", "chat_handler_kwargs"}
 )
@@ -111,14 +111,15 @@ def _check_keywords(kwargs: Mapping[str, Any]) -> None:
         name = unknown[0]
         raise UnknownArgumentError(
             f"Llama() got unknown keyword argument(s) {', '.join(unknown)}: llama-cpp-python "
-            f"{llama_cpp.__version__} would ignore them" + near_miss(name, [*STOCK_KEYWORDS, *SEED_KEYWORDS])
+            f"{llama_cpp.__version__} would ignore them"
+            + near_miss(name, [*STOCK_KEYWORDS, *DROPIN_KEYWORDS])
         )
 
 
 def _select_devices(
     rpc: Sequence[PlanDevice], local_devices: Sequence[str] | None, split_mode: int, main_gpu: int
 ) -> tuple[PlanDevice, ...]:
-    """The seed's device order, and for split mode NONE only `main_gpu`'s device of it."""
+    """The drop-in spec's device order, and for split mode NONE only `main_gpu`'s device of it."""
     local = _native_module.local_gpus() if local_devices != [] else []
     ordered = order_devices(rpc, local, None if local_devices is None else list(local_devices))
     if split_mode != LLAMA_SPLIT_MODE_NONE:
@@ -129,7 +130,7 @@ def _select_devices(
     return (ordered[main_gpu],)
 
 
-def make_seed_plan(
+def make_dropin_plan(
     devices: Sequence[PlanDevice],
     unmeasured: Iterable[str],
     model: Path,
@@ -161,7 +162,7 @@ def make_seed_plan(
 
 
 class Llama(llama_cpp.Llama):
-    """`llama_cpp.Llama` plus the seed's `rpc_servers`, `rpc_local_devices`, `mmproj_path` and
+    """`llama_cpp.Llama` plus the drop-in API's `rpc_servers`, `rpc_local_devices`, `mmproj_path` and
     `chat_handler_kwargs`, and rpcfleet's `rpc_memory` (usable bytes per device of an endpoint, for CPU
     servers this machine cannot measure), `trust_rpc_memory` and `rpc_timeout` (seconds per probe)."""
 
@@ -187,7 +188,7 @@ class Llama(llama_cpp.Llama):
         if rpc_local_devices is not None and isinstance(rpc_local_devices, str):
             raise TypeError("rpc_local_devices takes a list of names, e.g. ['CUDA0']")
         if not endpoints and rpc_local_devices is None and mmproj_path is None and not chat_handler_kwargs:
-            super().__init__(model_path, **kwargs)  # nothing of the seed's: the stock class
+            super().__init__(model_path, **kwargs)  # nothing of the drop-in API's: the stock class
             return
         split_mode = int(kwargs.pop("split_mode", LLAMA_SPLIT_MODE_LAYER))
         if split_mode == LLAMA_SPLIT_MODE_ROW:
@@ -240,7 +241,7 @@ class Llama(llama_cpp.Llama):
             selected = _select_devices(measured.devices, rpc_local_devices, split_mode, main_gpu)
             if split_mode == LLAMA_SPLIT_MODE_NONE:
                 options = replace(options, main_gpu=0)  # the one device left
-            plan = make_seed_plan(
+            plan = make_dropin_plan(
                 selected, measured.unmeasured, Path(model_path), options, unmeasured_causes(reads)
             )
             load_registered(

@@ -15,13 +15,13 @@ from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, RunResult, Session
 from orchestrator.engine.runtime import Runtime, run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache_prep import CachePrep, WarmChoice, prepare_caches
+from orchestrator.llama.cache.prep import CachePrep, WarmChoice, prepare_caches
 from orchestrator.planning.plan import Plan
 
 if TYPE_CHECKING:
-    from orchestrator.llama.load_progress import LoadProgress
-    from orchestrator.llama.placement import Placement
-    from orchestrator.llama.worker import Worker
+    from orchestrator.llama.observed_placement import Placement
+    from orchestrator.llama.worker.load_progress import LoadProgress
+    from orchestrator.llama.worker.parent import Worker
 
 
 def fleet_targets(hosts: Iterable[Host], endpoints: Iterable[str] | None = None) -> dict[str, Target]:

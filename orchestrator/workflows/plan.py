@@ -14,7 +14,7 @@ from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
 from orchestrator.planning.devices import to_plan_devices
-from orchestrator.planning.placement import order_devices
+from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile
 from orchestrator.planning.strategy import make_plan
@@ -101,7 +101,7 @@ def ordered_devices(
     local GPUs (`local_devices`: None = all, [] = none). They come from `local_gpus` (`run`: its worker's;
     serve: its listing, made once), by default from a worker child started to list them: this process
     never loads libllama."""
-    from orchestrator.llama.worker import list_local_gpus
+    from orchestrator.llama.worker.parent import list_local_gpus
 
     rpc = to_plan_devices(fleet, failed=failed)
     if failed == "skip" and not rpc:

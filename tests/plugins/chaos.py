@@ -35,7 +35,7 @@ import openai
 import psutil
 
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from tests.plugins.lab import lab_hosts_of
 from tests.plugins.servers import free_port
 

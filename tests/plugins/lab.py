@@ -21,8 +21,8 @@ import pytest
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
-from orchestrator.lab.model import Lab, NodeInit
 from orchestrator.lab.netns import privileged
+from orchestrator.lab.state import Lab, NodeInit
 
 _counter = itertools.count(1)
 

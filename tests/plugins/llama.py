@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from orchestrator.planning.plan import PlanDevice
-from orchestrator.rpc.protocol import parse_endpoint
+from orchestrator.rpc.records import parse_endpoint
 from orchestrator.rpc.wire import HELLO_REPLY_SIZE, SIZE_HEADER, hello_request
 from tests.plugins.servers import LocalServer, launch_rpc_server
 

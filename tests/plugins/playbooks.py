@@ -18,7 +18,7 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.model import Host
-from orchestrator.lab.model import Lab
+from orchestrator.lab.state import Lab
 from orchestrator.playbooks.model import PlaybookResult
 from orchestrator.playbooks.reader import load_playbook
 from orchestrator.playbooks.runner import run_playbook

@@ -56,7 +56,7 @@ from orchestrator.operations.systemd import (
     systemctl,
 )
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 
 
 def launch_script(

@@ -55,7 +55,7 @@ from orchestrator.operations.systemd import (
     unit_name,
 )
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import Outcome, ProbeResult, ProtocolVersion
+from orchestrator.rpc.records import Outcome, ProbeResult, ProtocolVersion
 
 # stale: every client it holds is proven gone (`operations.stale`); the next restart or load closes it.
 ServerState = Literal[

@@ -23,10 +23,10 @@ from orchestrator.core import errors as core_errors
 from orchestrator.core.errors import LoaderError, RpcfleetError
 from orchestrator.core.target import Target
 from orchestrator.llama import errors as llama_errors
-from orchestrator.llama.placement import DevicePlacement, HostPlacement, Placement
+from orchestrator.llama.observed_placement import DevicePlacement, HostPlacement, Placement
 from orchestrator.planning.plan import MemoryBytes, PlanDevice
 from orchestrator.rpc.errors import EndpointProbeError
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 
 T = TypeVar("T")
 

@@ -1,15 +1,15 @@
-"""The restart step of a rolling restart: one node, refused when busy, back to its memory baseline.
+"""The restart step: one node, refused when busy, back to its memory baseline.
 
-A rolling restart is the ordinary executor with `serial` (docs/architecture.md): `Session.run(hosts,
-make_rolling_restart_step(...), serial=1, max_fail_percentage=0)`. This module holds only what one node
-needs, built from the service module's own functions (`read_node_state`, `classify`, `stop_server`,
-`start_server`, `wait_ready`):
+`service restart` and the playbooks' `restart` run it on their hosts; a rolling restart is the ordinary
+executor with `serial` (docs/architecture.md): `Session.run(hosts, make_restart_step(...), serial=1,
+max_fail_percentage=0)`. This module holds only what one node needs, built from the server package's
+own functions (`read_node_state`, `classify`, `stop_server`, `start_server`, `wait_ready`):
 
 1. Read the node. A *busy* server (a client is connected: killing it would kill an inference mid-way)
    is refused unless `force`; the stop checks again on the node, in the same step as the kill
    (`operations.server.process.stop_script`: a connection lasting `BUSY_GRACE` is a model, not a probe).
 2. Baseline: the server's free device memory before the stop (an RPC probe of every device).
-3. Stop, start, wait until HELLO answers (`service.wait_ready`), then until every device's free memory
+3. Stop, start, wait until HELLO answers (`server.process.wait_ready`), then until every device's free memory
    is back to its baseline within a tolerance. CPU servers report a constant (physical RAM), so for them
    this holds at once.
 
@@ -47,7 +47,7 @@ from orchestrator.operations.server.state import (
 )
 from orchestrator.operations.server.steps import without_stale_clients
 from orchestrator.rpc.client import probe_endpoint
-from orchestrator.rpc.protocol import DeviceMemory
+from orchestrator.rpc.records import DeviceMemory
 
 DEFAULT_MEMORY_TOLERANCE = 0.05  # of each device's total
 
@@ -142,7 +142,7 @@ async def _device_memory(host: Host) -> tuple[DeviceMemory, ...] | None:
     return result.devices if result.ok else None
 
 
-def make_rolling_restart_step(
+def make_restart_step(
     options: OperationOptions = DEFAULT_OPTIONS,
     *,
     ready_timeout: float = READY_TIMEOUT,

@@ -27,12 +27,18 @@ from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.core.units import format_size
 from orchestrator.engine.runtime import run_sync
-from orchestrator.llama.native import LOCK, get_native, live_endpoints, llama_cpp_module, registered_endpoints
-from orchestrator.llama.preflight import check_endpoint_limit, probe_for_load
-from orchestrator.llama.seed_plan import parse_rpc_servers
+from orchestrator.llama.dropin_plan import parse_rpc_servers
+from orchestrator.llama.native.libllama import (
+    LOCK,
+    get_native,
+    live_endpoints,
+    llama_cpp_module,
+    registered_endpoints,
+)
+from orchestrator.llama.native.preflight import check_endpoint_limit, probe_for_load
 from orchestrator.rpc.client import endpoint_list, probe_endpoint, query_memory
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import RpcDeviceMemory, RpcMemoryInfo, parse_endpoint
+from orchestrator.rpc.records import RpcDeviceMemory, RpcMemoryInfo, parse_endpoint
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ def add_rpc_servers(*endpoints: str, timeout: float = 5.0) -> tuple[RpcDevice, .
     """Register each distinct endpoint (once per process) and return the devices of all of them, in
     order. Every endpoint is probed first: an unreachable, busy or mismatched one raises its typed
     error and none is registered (the native client would abort the process instead)."""
-    from orchestrator.llama.loader import register_endpoints
+    from orchestrator.llama.native.loader import register_endpoints
 
     unique = parse_rpc_servers(list(endpoints))
     with LOCK:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 
-from orchestrator.artifacts.protocol import local_protocol_version
+from orchestrator.artifacts.local_protocol import local_protocol_version
 from orchestrator.core.target import Target, targets_for
 from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.errors import DeviceMismatchError, EndpointLimitError, EndpointUnreachableError
-from orchestrator.llama.native import LIVE, LOCK, REGISTRY, get_native
+from orchestrator.llama.native.libllama import LIVE, LOCK, REGISTRY, get_native
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.errors import error_for
-from orchestrator.rpc.protocol import (
+from orchestrator.rpc.records import (
     DeviceMemory,
     EndpointError,
     Outcome,

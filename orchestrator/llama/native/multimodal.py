@@ -1,7 +1,7 @@
-"""The seed's multimodal handler: llama-cpp-python 0.3.36's generic `MTMDChatHandler` for an `mmproj`,
+"""The drop-in API's multimodal handler: llama-cpp-python 0.3.36's generic `MTMDChatHandler` for an `mmproj`,
 configured by `chat_handler_kwargs` (`use_gpu`, `verbose`, `extra_template_arguments`).
 
-MTMD opens the projector on the first multimodal request (as the seed says), so a projector that
+MTMD opens the projector on the first multimodal request (as the drop-in spec says), so a projector that
 does not load fails there. Stock 0.3.36 then raises `ValueError("Failed to load mtmd context from:
 ...")` and, when not verbose, hides mtmd's reason (a width mismatch with the text model, a file that
 is no projector). Here mtmd's log is captured while the projector loads and a `MultimodalError` (a
@@ -106,12 +106,12 @@ def _reason(records: list[tuple[int, str]]) -> str:
 
 
 def mtmd_handler(mmproj: str | Path, verbose: bool, use_gpu: bool, handler_kwargs: Mapping[str, Any]) -> Any:
-    """MTMD's chat handler for `mmproj`, taking the seed's `chat_handler_kwargs`: `use_gpu`, `verbose`
+    """MTMD's chat handler for `mmproj`, taking the drop-in API's `chat_handler_kwargs`: `use_gpu`, `verbose`
     and `extra_template_arguments` (given to the chat template on every request). Any other key is an
     error naming those."""
     from llama_cpp.llama_chat_format import MTMDChatHandler
 
-    class SeedMTMDChatHandler(MTMDChatHandler):
+    class DropinMTMDChatHandler(MTMDChatHandler):
         def __init__(self, extra_template_arguments: Mapping[str, Any] | None = None, **kw: Any) -> None:
             super().__init__(**kw)
             self.extra_template_arguments = dict(extra_template_arguments or {})
@@ -139,6 +139,6 @@ def mtmd_handler(mmproj: str | Path, verbose: bool, use_gpu: bool, handler_kwarg
         )
     options = {"use_gpu": use_gpu, "verbose": verbose, **handler_kwargs}
     try:
-        return SeedMTMDChatHandler(clip_model_path=str(mmproj), **options)
+        return DropinMTMDChatHandler(clip_model_path=str(mmproj), **options)
     except ValueError as exc:  # the projector file does not exist
         raise LoaderError(f"mmproj: {exc}") from None

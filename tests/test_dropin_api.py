@@ -1,4 +1,4 @@
-"""The seeds' Python API: `orchestrator.Llama(rpc_servers=...)` and the registry functions (issue 9).
+"""The drop-in Python API: `orchestrator.Llama(rpc_servers=...)` and the registry functions (issue 9).
 
 Real loads run against the session's GGML_RPC_DEBUG servers (tests/plugins/llama.py): a test checks
 that the servers received the layers (their allocation logs), not only that text came out. Failure
@@ -21,20 +21,20 @@ import pytest
 import orchestrator
 from orchestrator.core.errors import LoaderError, PlanError
 from orchestrator.facts.system import MemInfo
-from orchestrator.llama import seed_plan
+from orchestrator.llama import dropin_plan
+from orchestrator.llama.dropin_plan import measured_devices, parse_rpc_servers
 from orchestrator.llama.errors import EndpointUnreachableError, UnknownArgumentError
-from orchestrator.llama.native import registered_endpoints
-from orchestrator.llama.seed_plan import measured_devices, parse_rpc_servers
+from orchestrator.llama.native.libllama import registered_endpoints
 from orchestrator.probe.host import HostFacts
-from orchestrator.rpc.protocol import DeviceMemory, Outcome, ProbeResult
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult
 from tests.plugins.llama import DebugServer, GiB
 from tests.plugins.servers import LocalServer, free_port
 
 MiB = 1 << 20
 
-# The seed's first example (llama-cpp-python-rpc.md), verbatim but for the import line; the model
-# path and the server address are put in by `_seed`.
-SEED_EXAMPLE = """\
+# The drop-in spec's first example (llama-cpp-python-rpc.md), verbatim but for the import line; the
+# model path and the server address are put in by `_example`.
+DROPIN_EXAMPLE = """\
 from orchestrator import Llama
 
 llm = Llama(
@@ -52,7 +52,7 @@ finally:
 """
 
 
-def _seed(code: str, model: Path, endpoint: str) -> str:
+def _example(code: str, model: Path, endpoint: str) -> str:
     return code.replace("./model.gguf", str(model)).replace("127.0.0.1:50052", endpoint)
 
 
@@ -122,17 +122,17 @@ def test_importing_orchestrator_imports_no_llama_cpp() -> None:
     assert done.returncode == 0, done.stderr
 
 
-# --- the seed's example, for real -------------------------------------------------------------------
+# --- the drop-in spec's example, for real--------------------------------------------------------
 
 
 @pytest.mark.llama
-def test_the_seed_example_runs_and_the_server_gets_the_layers(
+def test_the_dropin_example_runs_and_the_server_gets_the_layers(
     debug_rpc_servers: list[DebugServer], tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server = debug_rpc_servers[0]
     offset = server.log_offset()
     namespace: dict[str, Any] = {}
-    exec(_seed(SEED_EXAMPLE, tiny_model, server.endpoint), namespace)
+    exec(_example(DROPIN_EXAMPLE, tiny_model, server.endpoint), namespace)
     assert capsys.readouterr().out.strip()  # some text came out
     llm = namespace["llm"]
     plan = llm.rpcfleet_plan
@@ -244,8 +244,8 @@ def test_unreadable_local_facts_refuse_loopback_cpu_servers_and_say_why(
 
     ep = debug_rpc_servers[0].endpoint
     configure_logging("text", "WARNING")
-    monkeypatch.setattr(seed_plan, "FACTS_TIMEOUT_S", 1e-6)
-    local = seed_plan.read_local_facts()
+    monkeypatch.setattr(dropin_plan, "FACTS_TIMEOUT_S", 1e-6)
+    local = dropin_plan.read_local_facts()
     assert local.facts is None and local.error is not None and "time" in local.error.lower(), local
     with pytest.raises(PlanError) as refused:
         orchestrator.Llama(str(tiny_model), rpc_servers=[ep], rpc_local_devices=[], n_gpu_layers=-1)
@@ -255,16 +255,16 @@ def test_unreadable_local_facts_refuse_loopback_cpu_servers_and_say_why(
     assert "facts_failed" in capsys.readouterr().err
     # With the facts readable, the same server is measured and planned.
     monkeypatch.undo()
-    measured = seed_plan.read_local_facts()
+    measured = dropin_plan.read_local_facts()
     assert measured.error is None and measured.facts is not None and measured.facts.memory is not None
 
 
 @pytest.mark.llama
-def test_multimodal_handler_follows_the_seed(
+def test_multimodal_handler_follows_the_dropin_api(
     debug_rpc_servers: list[DebugServer], tiny_model: Path, tmp_path: Path
 ) -> None:
     mmproj = tmp_path / "mmproj.gguf"
-    mmproj.write_bytes(b"")  # MTMD opens it on the first multimodal request only (as the seed says)
+    mmproj.write_bytes(b"")  # MTMD opens it on the first multimodal request only (the drop-in spec's rule)
     base: dict[str, Any] = {"rpc_local_devices": [], "n_gpu_layers": -1, "n_ctx": 256, "verbose": False}
     ep = debug_rpc_servers[0].endpoint
     llm = orchestrator.Llama(
@@ -304,7 +304,7 @@ try:
     Llama(model_path=model, rpc_servers=many, n_gpu_layers=-1, verbose=False)
 except orchestrator.LoaderError as exc:
     out["limit"] = [type(exc).__name__, exc.message]
-out["registered"] = sorted(orchestrator.llama.native.registered_endpoints())
+out["registered"] = sorted(orchestrator.llama.native.libllama.registered_endpoints())
 llm = Llama(model_path=model, rpc_servers=good, rpc_local_devices=[], n_gpu_layers=-1, verbose=False)
 out["after"] = llm("hi", max_tokens=2)["usage"]["completion_tokens"]
 llm.close()

@@ -1,4 +1,5 @@
-"""The RPC protocol this controller speaks: the one recorded by the locally built artifact's manifest.
+"""The RPC protocol version this controller speaks: the one recorded by the locally built artifact's
+manifest (the wire format itself is rpc/wire.py).
 
 It lives here, not in `rpc`, because it reads the artifact store; `rpc` itself defaults to the protocol of
 the pinned binding (llama-cpp-python 0.3.36).
@@ -12,7 +13,7 @@ from pathlib import Path
 from orchestrator.artifacts.build import cached_build
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.log import get_logger
-from orchestrator.rpc.protocol import LLAMA_CPP_PYTHON_0_3_36_PROTOCOL, ProtocolVersion, parse_header_version
+from orchestrator.rpc.records import LLAMA_CPP_PYTHON_0_3_36_PROTOCOL, ProtocolVersion, parse_header_version
 
 log = get_logger()
 

@@ -1,9 +1,9 @@
 """The worker process: loads one model through `load_llama` and serves requests until told to close.
 
-Run as `python -m orchestrator.llama.worker_child` by `orchestrator.llama.worker.Worker` (see there for
-why). The first line on stdin is the load request; every later line is a request (`worker_wire`). Its
-answers go to the protocol pipe: the original stdout, kept as a private descriptor, while fd 1 is pointed
-at stderr (the log), so a stray native `printf` can never corrupt the protocol.
+Run as `python -m orchestrator.llama.worker.child` by `orchestrator.llama.worker.parent.Worker` (see
+there for why). The first line on stdin is the load request; every later line is a request
+(`worker.wire`). Its answers go to the protocol pipe: the original stdout, kept as a private descriptor,
+while fd 1 is pointed at stderr (the log), so a stray native `printf` can never corrupt the protocol.
 
 The child never outlives its parent: a watchdog thread reads stdin and exits the process at end of file
 (the parent's end closes when it dies, however it dies) or when the process is re-parented. Not
@@ -26,8 +26,9 @@ from typing import IO, Any
 
 from orchestrator.core.target import Target, targets_for
 from orchestrator.engine.children import connections_to, peers_of, socket_bytes_acked, tune_socket
-from orchestrator.llama.text_stream import TextStream
-from orchestrator.llama.worker_wire import decode, devices_to_json, encode, placement_to_json
+from orchestrator.engine.threads import start_thread
+from orchestrator.llama.worker.text_stream import TextStream
+from orchestrator.llama.worker.wire import decode, devices_to_json, encode, placement_to_json
 
 PARENT_ENV = "RPCFLEET_WORKER_PARENT"
 _WATCH_INTERVAL = 0.5  # seconds between re-parenting checks of the watchdog
@@ -42,7 +43,7 @@ class _Channel:
         self.requests: queue.Queue[dict[str, Any]] = queue.Queue()
         self.cancel = threading.Event()
         self._lock = threading.Lock()  # the load meter's thread and the main thread both send
-        threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
+        start_thread(self._watch, name="worker-watchdog")
 
     def send(self, **message: Any) -> None:
         with self._lock:
@@ -112,7 +113,7 @@ class _LoadMeter:
         self._started = time.monotonic()
         self._baseline = bytes_acked(self._endpoints)  # connections left from before (none in a worker)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-load-meter", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def report(self, fraction: float) -> None:
         self._fraction = fraction
@@ -128,12 +129,13 @@ class _LoadMeter:
             self._send()
 
     def __enter__(self) -> _LoadMeter:
-        self._thread.start()
+        self._thread = start_thread(self._run, name="worker-load-meter")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if exc[0] is None:
             self._send()  # the last sample: every byte of the load
 
@@ -141,7 +143,7 @@ class _LoadMeter:
 def endpoint_peers(targets: Sequence[Target]) -> dict[tuple[str, int], str]:
     """The (address, port) pairs a connection to each target has as its peer (names resolved), each
     naming the target's endpoint."""
-    from orchestrator.rpc.protocol import parse_endpoint
+    from orchestrator.rpc.records import parse_endpoint
 
     return peers_of({t.endpoint: (ep.host, ep.port) for t in targets for ep in [parse_endpoint(t.dial)]})
 
@@ -290,7 +292,7 @@ class _Generation:
 
 
 def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
-    from orchestrator.llama.native import generation_timings
+    from orchestrator.llama.native.libllama import generation_timings
 
     common = {
         "max_tokens": request.get("max_tokens", 16),
@@ -328,9 +330,9 @@ def _generate(llm: Any, request: dict[str, Any], channel: _Channel) -> None:
 
 def serve(channel: _Channel) -> int:
     from orchestrator.core.errors import RpcfleetError
-    from orchestrator.llama.loader import load_llama
-    from orchestrator.llama.native import local_gpus
-    from orchestrator.llama.placement import placement_of
+    from orchestrator.llama.native.libllama import local_gpus
+    from orchestrator.llama.native.loader import load_llama
+    from orchestrator.llama.observed_placement import placement_of
     from orchestrator.planning.plan import Plan
 
     with contextlib.suppress(ImportError):  # loads the libraries, calls nothing that can abort

@@ -4,7 +4,7 @@
 whole process on an unreachable or mismatched server. So, in this order (facts: §4-§6 of
 docs/llama-rpc.md):
 
-1. Preflight every endpoint of the plan with the pure-Python client (`llama.preflight`) and refuse,
+1. Preflight every endpoint of the plan with the pure-Python client (`llama.native.preflight`) and refuse,
    with a typed error, anything unreachable, busy, of another protocol, or whose devices do not
    match the plan. No native call happens before this (`GGML_NO_BACKTRACE=1` is set even earlier).
 2. Register the endpoints through libllama's own ggml (`llama_cpp.llama_cpp._lib`; `llama_cpp._ggml` is a
@@ -35,8 +35,7 @@ from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target, dial_addresses, targets_for
 from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
-from orchestrator.llama.multimodal import mtmd_handler
-from orchestrator.llama.native import (
+from orchestrator.llama.native.libllama import (
     LIVE,
     LOCK,
     REGISTRY,
@@ -46,8 +45,9 @@ from orchestrator.llama.native import (
     llama_cpp_module,
     register,
 )
-from orchestrator.llama.placement import build_placement
-from orchestrator.llama.preflight import check_endpoint_limit, preflight
+from orchestrator.llama.native.multimodal import mtmd_handler
+from orchestrator.llama.native.preflight import check_endpoint_limit, preflight
+from orchestrator.llama.observed_placement import build_placement
 from orchestrator.planning.plan import Plan
 from orchestrator.planning.profile import KV_CACHE_TYPES
 

@@ -1,12 +1,12 @@
 """A model loaded in a worker process, so that losing a node never kills the caller (parent side).
 
 llama.cpp's native RPC client aborts its process (SIGABRT) when a server dies or a link drops during
-inference. `Worker.start` runs `load_llama` in a child Python process (`worker_child`) and talks to it
-over its stdin and stdout in JSON lines (`worker_wire`). Why JSON lines over plain pipes rather than
+inference. `Worker.start` runs `load_llama` in a child Python process (`worker.child`) and talks to it
+over its stdin and stdout in JSON lines (`worker.wire`). Why JSON lines over plain pipes rather than
 `multiprocessing`: the child is a fresh interpreter started with `-m` (no re-import of the caller's
 `__main__`, no pickled state), its stderr goes straight to a log file, every wait is a bounded
 `queue.get` on a reader thread, and the protocol is readable in a log. The child never outlives the
-parent (see `worker_child`).
+parent (see `worker.child`).
 
 When the child dies or stalls, the parent re-probes the plan's endpoints with the pure-Python probe
 (bounded): a server that refuses, closes or does not complete a connect is lost, and `NodeLostError`
@@ -35,10 +35,16 @@ from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target, dial_addresses, targets_for
 from orchestrator.engine.children import child_log_path, exit_description, spawn_child
 from orchestrator.engine.runtime import run_sync
-from orchestrator.llama.load_progress import LoadProgress, ProgressTracker, planned_bytes, progress_sample
-from orchestrator.llama.placement import Placement
-from orchestrator.llama.worker_child import PARENT_ENV
-from orchestrator.llama.worker_wire import (
+from orchestrator.engine.threads import start_thread
+from orchestrator.llama.observed_placement import Placement
+from orchestrator.llama.worker.child import PARENT_ENV
+from orchestrator.llama.worker.load_progress import (
+    LoadProgress,
+    ProgressTracker,
+    planned_bytes,
+    progress_sample,
+)
+from orchestrator.llama.worker.wire import (
     Done,
     Event,
     NodeLostError,
@@ -55,7 +61,7 @@ from orchestrator.llama.worker_wire import (
 )
 from orchestrator.planning.plan import Plan, PlanDevice
 from orchestrator.rpc.client import probe_endpoints
-from orchestrator.rpc.protocol import Outcome, ProbeResult
+from orchestrator.rpc.records import Outcome, ProbeResult
 
 __all__ = [
     "Done",
@@ -127,7 +133,7 @@ class Worker:
         self._ready = False  # the child said `ready` (its imports are done)
         self._local_gpus: list[PlanDevice] = []  # this machine's GPUs, as the child listed them at `ready`
         assert process.stdout is not None
-        threading.Thread(target=self._read, args=(process.stdout,), name="worker-reader", daemon=True).start()
+        start_thread(self._read, process.stdout, name="worker-reader")
 
     # -- starting
     @classmethod
@@ -179,7 +185,7 @@ class Worker:
             "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])),
         }
         process = spawn_child(
-            [sys.executable, "-m", "orchestrator.llama.worker_child"],
+            [sys.executable, "-m", "orchestrator.llama.worker.child"],
             env=env,
             log_path=path,
             stdin=subprocess.PIPE,

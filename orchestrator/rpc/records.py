@@ -1,4 +1,5 @@
-"""Endpoints, protocol versions, probe outcomes and their errors (pure)."""
+"""The RPC client's records: endpoints, protocol versions, probe outcomes and results, device memory, and
+their errors (pure; the wire format is rpc/wire.py)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ class AggregateMemory:
         return self.total
 
 
-# The seed API's names (`orchestrator.query_rpc_memory`, `orchestrator.query_all`) for the same records.
+# The drop-in API's names (`orchestrator.query_rpc_memory`, `orchestrator.query_all`) for the same records.
 RpcDeviceMemory = DeviceMemory
 RpcMemoryInfo = AggregateMemory
 

@@ -1,4 +1,5 @@
-"""The seed's multimodal example (llama-cpp-python-rpc.md, "Multimodal input") against a real server.
+"""The drop-in spec's multimodal example (llama-cpp-python-rpc.md, "Multimodal input") against a real
+server.
 
 No real model can be downloaded here, so both files are generated (orchestrator.planning.synth and
 synth_mm): a tiny llama text model with a Qwen3-style chat template (its `enable_thinking` switch) and
@@ -23,9 +24,9 @@ from orchestrator.planning.synth import write_tiny_llama
 from orchestrator.planning.synth_mm import CHAT_TEMPLATE, png_bytes, write_tiny_mmproj
 from tests.plugins.llama import DebugServer
 
-# The seed's second example, verbatim but for the import line; the file paths and the server address
-# are put in by `_seed`.
-SEED_MULTIMODAL_EXAMPLE = """\
+# The drop-in spec's second example, verbatim but for the import line; the file paths and the server
+# address are put in by `_example`.
+DROPIN_MULTIMODAL_EXAMPLE = """\
 import base64
 from pathlib import Path
 
@@ -81,9 +82,9 @@ def multimodal_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     }
 
 
-def _seed(files: dict[str, Path], endpoint: str) -> str:
+def _example(files: dict[str, Path], endpoint: str) -> str:
     return (
-        SEED_MULTIMODAL_EXAMPLE.replace("./image.png", str(files["image"]))
+        DROPIN_MULTIMODAL_EXAMPLE.replace("./image.png", str(files["image"]))
         .replace("./Qwen3.5-9B-MTP-Q8_0.gguf", str(files["model"]))
         .replace("./mmproj-Qwen3.5-9B-MTP-BF16.gguf", str(files["mmproj"]))
         .replace("127.0.0.1:50052", endpoint)
@@ -103,13 +104,13 @@ def test_projector_generator_refuses_shapes_mtmd_cannot_run(tmp_path: Path) -> N
 
 
 @pytest.mark.llama
-def test_the_seed_multimodal_example_runs_the_projector_here_and_the_layers_on_the_server(
+def test_the_dropin_multimodal_example_runs_the_projector_here_and_the_layers_on_the_server(
     debug_rpc_servers: list[DebugServer], multimodal_files: dict[str, Path], capfd: pytest.CaptureFixture[str]
 ) -> None:
     server = debug_rpc_servers[0]
     offset = server.log_offset()
     namespace: dict[str, Any] = {}
-    exec(_seed(multimodal_files, server.endpoint), namespace)
+    exec(_example(multimodal_files, server.endpoint), namespace)
     err = capfd.readouterr().err
     llm, response = namespace["llm"], namespace["response"]
     # The template got the handler's extra arguments (Qwen's thinking switch off) and mtmd's marker.

@@ -132,7 +132,7 @@ def has_dynamic_backends(lib_dir: Path) -> bool:
 
 
 def _load_dynamic_backends(native: Native, lib_dir: Path) -> bool:
-    """The seed's order: ggml's backends are loaded before any RPC registration. A build with dynamic
+    """The drop-in spec's order: ggml's backends are loaded before any RPC registration. A build with dynamic
     backends needs `ggml_backend_load_all` (from the binding's library folder); a linked build has
     them already, and loading them again would register a second copy. Returns whether it loaded."""
     if not has_dynamic_backends(lib_dir):

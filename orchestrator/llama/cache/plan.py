@@ -14,7 +14,6 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.fnv import cache_name, hash_file_range
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.threads import thread_pool
 from orchestrator.planning.plan import Plan
 from orchestrator.planning.profile import read_tensors
 
@@ -114,7 +114,7 @@ def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool
         found = known.get(t.path, {}).get(f"{t.offset}:{t.size}")
         return found if found is not None else hash_file_range(t.path, t.offset, t.size)
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+    with thread_pool(threads, "cache-hash") as pool:
         hashes = list(pool.map(one, items))
     if memo:
         for path in {t.path for t in items}:

@@ -1,4 +1,5 @@
-"""Predicted versus actual bytes per device after a load (`placement_of`)."""
+"""Where a load put each layer and how many bytes, observed after it, against the plan's prediction
+(`placement_of`; the assignment llama.cpp makes, ported, is planning/layer_assignment.py)."""
 
 from __future__ import annotations
 

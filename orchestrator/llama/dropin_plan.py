@@ -37,14 +37,14 @@ from orchestrator.planning.plan import PlanDevice
 from orchestrator.probe.capacity import fleet_capacity
 from orchestrator.probe.host import HostFacts, probe_facts
 from orchestrator.rpc.errors import EndpointUnreachableError
-from orchestrator.rpc.protocol import EndpointError, Outcome, ProbeResult, parse_endpoint
+from orchestrator.rpc.records import EndpointError, Outcome, ProbeResult, parse_endpoint
 
 FACTS_TIMEOUT_S = 5.0
 
 
 def parse_rpc_servers(value: str | Iterable[str] | None) -> list[str]:
-    """The seed's `rpc_servers`: a list, or one comma-separated string; canonical `host:port`, each once,
-    in the order given. A malformed endpoint is an `EndpointUnreachableError` naming it."""
+    """The drop-in API's `rpc_servers`: a list, or one comma-separated string; canonical `host:port`,
+    each once, in the order given. A malformed endpoint is an `EndpointUnreachableError` naming it."""
     if value is None:
         return []
     items = value.split(",") if isinstance(value, str) else list(value)
