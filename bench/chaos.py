@@ -11,7 +11,7 @@ to 40 s (seeded) a random fault, healed before the next: a server killed with SI
 restarts it), a cut link for `--cut-seconds` (veth down, then up), sshd killed (`rpcfleet lab repair`), a
 power cut of a node (`lab repair`, then `rpcfleet start` for it), a rolling restart through serve
 (`POST /admin/reload`), a second operator's `rpcfleet deploy` from another process. The harness and its
-checks are tests/plugins/chaos.py (tests/test_chaos_lab.py runs each fault once).
+checks are tests/plugins/chaos.py (tests/serve/test_chaos_lab.py runs each fault once).
 
 Pass: nothing hangs past its timeout, every request ends (answered, refused with 503 + Retry-After, or
 failed with a 503 naming the faulted node while in flight at its fault), the fleet is whole (ready on 3

@@ -32,6 +32,7 @@ _API: dict[str, str] = {
     "CommandError": "orchestrator.core.errors",
     "CommandTimeoutError": "orchestrator.core.errors",
     "TransferError": "orchestrator.core.errors",
+    "NodeScriptError": "orchestrator.core.errors",
     "LabError": "orchestrator.core.errors",
     "ArtifactError": "orchestrator.core.errors",
     "InstallError": "orchestrator.core.errors",
@@ -138,6 +139,7 @@ if TYPE_CHECKING:
     from orchestrator.core.errors import LabError as LabError
     from orchestrator.core.errors import LoaderError as LoaderError
     from orchestrator.core.errors import ModelError as ModelError
+    from orchestrator.core.errors import NodeScriptError as NodeScriptError
     from orchestrator.core.errors import PlanError as PlanError
     from orchestrator.core.errors import PlaybookError as PlaybookError
     from orchestrator.core.errors import ProbeError as ProbeError

@@ -1,4 +1,6 @@
-"""Test configuration: every module in tests/plugins/ is a pytest plugin (fixtures by concern)."""
+"""Test configuration: every module in tests/plugins/ is a pytest plugin (fixtures and shared rigs by
+concern). The tests mirror the stages: tests/<stage>/ for each package of orchestrator/, tests/project/
+for checks of the whole project; tiers are markers (`lab`, `llama`), not folders."""
 
 from __future__ import annotations
 

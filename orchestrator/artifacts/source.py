@@ -21,7 +21,7 @@ PIP_TIMEOUT_S = 600.0
 
 # The sha256 of each llama-cpp-python sdist rpcfleet builds from (the server every node runs comes from
 # it): a file the registry serves later with other bytes is refused, never built. scripts/setup.sh pins
-# 0.3.36 too (tests/test_artifacts.py checks that they agree).
+# 0.3.36 too (tests/artifacts/test_artifacts.py checks that they agree).
 SDIST_SHA256 = {
     "0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
     "0.3.16": "34ed0f9bd9431af045bb63d9324ae620ad0536653740e9bb163a2e1fcb973be6",

@@ -372,6 +372,28 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     return run_once(coro)
 
 
+def with_diff(args: argparse.Namespace, hosts: Sequence[str], call: Callable[[], T]) -> T:
+    """`call()`; with `--diff` (only with `--check`) noting the node-side commands the change would run,
+    then printing them per host (on stderr with `--json`: stdout is the document)."""
+    if not getattr(args, "diff", False):
+        return call()
+    if not getattr(args, "check", False):
+        raise UsageError("--diff goes with --check: it prints what a check would run")
+    from orchestrator.connectors.nodescript import recording
+
+    with recording() as notes:
+        result = call()
+    planned = notes.by_host()
+    out = _console("err_console" if getattr(args, "json", False) else "console")
+    for host in [*hosts, *(h for h in planned if h not in hosts)]:
+        items = planned.get(host, [])
+        out.rule(f"{host}: {len(items)} command(s) would run", characters="-")
+        for item in items:
+            out.print(f"# {item.name}", highlight=False, markup=False)
+            out.print(item.command, highlight=False, markup=False, soft_wrap=True)
+    return result
+
+
 INTERRUPTED_EXIT = 130
 LOCKED_EXIT = 3  # operations.lock.LOCKED_EXIT: a host is being changed by another operator
 

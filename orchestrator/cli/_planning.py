@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
     from orchestrator.workflows.options import ProbeSettings
 
 
-# orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf (tests/test_cli.py checks they agree)
+# orchestrator.planning.profile.KV_CACHE_TYPES, without importing gguf
+# (tests/cli/test_cli.py checks they agree)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN = ("on", "off", "auto")  # llama.cpp's -fa values
 

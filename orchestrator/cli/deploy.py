@@ -123,6 +123,12 @@ def _add_run_args(parser: argparse.ArgumentParser, *, check: bool, batches: bool
     _common.add_json_arg(parser)
     if check:
         parser.add_argument("--check", action="store_true", help="print what would change, change nothing")
+        parser.add_argument(
+            "--diff",
+            action="store_true",
+            help="with --check: also print, per host, the exact node-side commands the change would run "
+            "(as Ansible's --check --diff, pyinfra's --dry -vv)",
+        )
     if not batches:  # batches limit the harm of a change; a read-only command has none
         return
     parser.add_argument("--serial", default=None, help="hosts per batch: a number or a percentage")
@@ -171,7 +177,7 @@ def _run(
                     return dataclasses.replace(run, interrupted=True)
             return run
 
-    return _common.run_async(go())
+    return _common.with_diff(args, [h.name for h in hosts], lambda: _common.run_async(go()))
 
 
 async def _find_undeclared(

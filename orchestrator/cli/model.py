@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering st
     from orchestrator.planning.profile import ModelProfile
 
 _PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
-WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/test_cli.py checks)
-# orchestrator.planning.synth_arch.ARCHES (tests/test_families.py checks)
+WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/cli/test_cli.py checks)
+# orchestrator.planning.synth_arch.ARCHES (tests/planning/test_families.py checks)
 SYNTH_ARCHES = ("llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2")
 
 

@@ -59,7 +59,7 @@ def handle_rolling_restart(args: argparse.Namespace) -> int:
         max_fail_percentage=0.0 if max_fail is None else max_fail,
         force=bool(getattr(args, "force", False)),
     )
-    return _run(args, playbook)
+    return _common.with_diff(args, [], lambda: _run(args, playbook))
 
 
 def handle_run_playbook(args: argparse.Namespace) -> int:

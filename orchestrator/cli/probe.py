@@ -11,7 +11,7 @@ from orchestrator.cli._common import escape
 if TYPE_CHECKING:  # imported by the handler: registering stays cheap
     from orchestrator.probe.fleet import FleetProbe
 
-FAIL_ON = ("any", "none", "all")  # orchestrator.probe.fleet.FAIL_ON (tests/test_cli.py checks they agree)
+FAIL_ON = ("any", "none", "all")  # orchestrator.probe.fleet.FAIL_ON (tests/cli/test_cli.py checks they agree)
 
 _STATE_STYLE = {"ok": "green", "busy": "yellow"}
 _PIPE_WIDTH = 160

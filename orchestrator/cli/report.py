@@ -30,7 +30,7 @@ def parse_contexts(values: list[str] | None) -> list[int]:
 _CONTEXTS = fields.list_of(fields.context)
 
 
-FORMATS = ("text", "md", "json", "html")  # orchestrator.report.render.FORMATS (tests/test_cli.py checks)
+FORMATS = ("text", "md", "json", "html")  # orchestrator.report.render.FORMATS (tests/cli/test_cli.py checks)
 
 
 def register(subparsers: Any) -> None:

@@ -223,6 +223,17 @@ class CommandTimeoutError(HostError):
         super().__init__(message, stderr=stderr, **kw)  # type: ignore[arg-type]
 
 
+class NodeScriptError(HostError):
+    """A node-side script (`connectors.nodescript`) reported `@error`, exited non-zero where it must not, or
+    did not finish within its timeout. `script` names it; `reported` is its `@error` text (None when it
+    failed another way)."""
+
+    def __init__(self, message: str, *, script: str, reported: str | None = None, **kw: object) -> None:
+        self.script = script
+        self.reported = reported
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+
+
 class TransferError(HostError):
     """An upload or download failed."""
 
@@ -241,6 +252,15 @@ class InstallError(HostError):
 
 class ServiceError(HostError):
     """Starting, stopping or checking an rpc-server failed."""
+
+
+class InstallScriptError(NodeScriptError, InstallError):
+    """A node-side install script failed: a `NodeScriptError` that is an `InstallError` too."""
+
+
+class ServiceScriptError(NodeScriptError, ServiceError):
+    """A node-side server script (start, stop, firewall, lock, unit) failed: a `NodeScriptError` that is
+    a `ServiceError` too."""
 
 
 class ProbeError(RpcfleetError):

@@ -13,7 +13,7 @@
 * Signals: a `Session` owns SIGINT/SIGTERM while it is interruptible (`Session.catching_signals`) and
   gives them back to the handlers from before; `core.signals` is the command's own handler.
 
-Outside engine/ no module makes a loop or a thread (tests/test_concurrency_home.py).
+Outside engine/ no module makes a loop or a thread (tests/project/test_concurrency_home.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The threads of rpcfleet outside the runtime's loops: made here, so that engine/ is the one place that
-makes a thread (tests/test_concurrency_home.py). No imports of the rest of rpcfleet: the worker child
+makes a thread (tests/project/test_concurrency_home.py). No imports of the rest of rpcfleet: the worker child
 uses it too, and starts in a fraction of a second."""
 
 from __future__ import annotations

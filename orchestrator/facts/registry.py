@@ -1,7 +1,7 @@
 """Every fact type by name (the data-driven tests and `--fact` look them up here).
 
 Derived from the classes: every concrete `Fact` defined in a module of `orchestrator.facts` is here
-under its `name`, so a new fact cannot be left out (nor, then, its data cases: tests/test_facts.py).
+under its `name`, so a new fact cannot be left out (nor, then, its data cases: tests/facts/test_facts.py).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from orchestrator.connectors.base import shell_path
+from orchestrator.connectors.nodescript import parse_key_line
 
 if TYPE_CHECKING:
     pass
@@ -349,8 +350,9 @@ class LaunchFact(Fact[Launch | None]):
         section = None
         user: str | None = None
         for line in stdout.splitlines():
-            if line.startswith("@user ") and section == "@argv":
-                user = line[len("@user ") :].strip() or None
+            pair = parse_key_line(line)
+            if pair is not None and pair[0] == "user" and section == "@argv":
+                user = pair[1] or None
                 section = None
             elif line in ("@argv", "@env"):
                 section = line
@@ -453,9 +455,9 @@ class SupervisorFact(Fact[SupervisorLoop]):
             if line == "@log":
                 log = lines[i + 1 :]
                 break
-            if line.startswith("@"):
-                key, _, value = line[1:].partition(" ")
-                values.setdefault(key, value.strip())
+            pair = parse_key_line(line)
+            if pair is not None:
+                values.setdefault(*pair)
         stat, pid = values.get("stat", ""), values.get("pid", "")
         alive = bool(stat) and not stat.startswith("Z") and "ours" in values
 

@@ -12,11 +12,13 @@ so a refused client gets "connection refused" at once rather than a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
-from orchestrator.core.errors import ServiceError
+from orchestrator.connectors.nodescript import NodeScript, run_script
+from orchestrator.core.errors import ServiceError, ServiceScriptError
 from orchestrator.inventory.model import Host
 from orchestrator.inventory.variables import CONTROLLER
 
@@ -113,11 +115,11 @@ async def apply_firewall(conn: Connection, host: Host, install_dir: str, *, inst
     iptables or the right to change it."""
     if install and not wanted(host):
         return FirewallResult("none")
-    script = firewall_script(host, install_dir, install=install)
-    result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=FIREWALL_TIMEOUT)
-    out = result.stdout.strip().splitlines()
-    last = out[-1] if out else ""
-    if last == "@notool":
+    script = firewall_node_script(host, install_dir, install=install)
+    # The outcome is the last `@` line; a failure is judged below, after the refusals the script names.
+    out = await run_script(conn, dataclasses.replace(script, ok_exits=None))
+    key, value = out.last or ("", "")
+    if key == "notool":
         if not install:
             return FirewallResult("none")
         raise ServiceError(
@@ -125,8 +127,8 @@ async def apply_firewall(conn: Connection, host: Host, install_dir: str, *, inst
             host=host.name,
             hint="install iptables there, or remove rpc_allow_from (and firewall the port yourself)",
         )
-    if last.startswith("@noright"):
-        user = last.partition(" ")[2] or "the SSH user"
+    if key == "noright":
+        user = value or "the SSH user"
         if not install:
             return FirewallResult("none")
         raise ServiceError(
@@ -135,19 +137,30 @@ async def apply_firewall(conn: Connection, host: Host, install_dir: str, *, inst
             hint="connect as root (ssh_user: root), or remove rpc_allow_from; rpc_transport: ssh needs "
             "no firewall rule (the server listens on the node's loopback only)",
         )
-    if last == "@nocontroller":
+    if key == "nocontroller":
         raise ServiceError(
             "rpc_allow_from: controller, but the node does not see the controller's address "
             "(no SSH_CONNECTION)",
             host=host.name,
             hint="list the controller's address instead",
         )
-    if not result.ok or not last.startswith("@"):
-        raise ServiceError(
+    if out.exit_status != 0 or not key:
+        raise script.failure(
+            host.name,
             "changing the node's firewall failed",
-            host=host.name,
-            exit_status=result.exit_status,
-            stderr=result.stderr or result.stdout,
+            exit_status=out.exit_status,
+            stderr=out.stderr or out.stdout,
         )
-    outcome, _, rest = last[1:].partition(" ")
-    return FirewallResult(outcome, tuple(rest.split()))
+    return FirewallResult(key, tuple(value.split()))
+
+
+def planned_firewall(host: Host, install_dir: str, *, install: bool) -> list[NodeScript]:
+    """Check mode: the script `apply_firewall` would run (none where it runs none)."""
+    if install and not wanted(host):
+        return []
+    return [firewall_node_script(host, install_dir, install=install)]
+
+
+def firewall_node_script(host: Host, install_dir: str, *, install: bool) -> NodeScript:
+    text = firewall_script(host, install_dir, install=install)
+    return NodeScript("firewall", text, FIREWALL_TIMEOUT, "changing the node's firewall", ServiceScriptError)

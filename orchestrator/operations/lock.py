@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection, HeldCommand, shell_path
-from orchestrator.core.errors import CommandTimeoutError, ServiceError
+from orchestrator.connectors.nodescript import NodeScript, parse_key_line
+from orchestrator.core.errors import CommandTimeoutError, ServiceError, ServiceScriptError
 from orchestrator.inventory.model import Host
 
 LOCK_FILE = "run/lock"
@@ -157,30 +158,37 @@ async def acquire(
     """Take `host`'s lock for `operation`, or raise HostLockedError naming who has it. `asked_wait_s`:
     the wait the operator asked for, when `wait_s` is what is left of it (the message names it)."""
     owner = LockOwner.here(operation)
-    script = lock_script(host.install_dir, owner, wait_s, silence_s=silence_s)
-    held = await conn.hold(f"sh -c {shlex.quote(script)}")
+    # Held, not run: the lock lives as long as the command, so its lines are read as they come.
+    script = NodeScript(
+        "lock",
+        lock_script(host.install_dir, owner, wait_s, silence_s=silence_s),
+        wait_s + _ANSWER_SLACK,
+        "cannot take the host lock",
+        ServiceScriptError,
+    )
+    held = await conn.hold(script.shell_command)
     # From the start: the watchdog reads heartbeats while this waits for another operator, too.
     heartbeat = asyncio.ensure_future(_heartbeat(held, heartbeat_s))
     holder = "another operator"
-    deadline = time.monotonic() + wait_s + _ANSWER_SLACK
+    deadline = time.monotonic() + script.timeout
     try:
         while True:
             try:
                 line = await held.readline(max(0.1, deadline - time.monotonic()))
             except CommandTimeoutError:
                 raise HostLockedError(
-                    f"the lock did not answer within {wait_s + _ANSWER_SLACK:g} s", host=host.name
+                    f"the lock did not answer within {script.timeout:g} s", host=host.name
                 ) from None
             if line is None:
                 raise ServiceError("the lock command ended without taking the lock", host=host.name)
-            key, _, value = line.partition(" ")
-            if key == "@locked":
+            key, value = parse_key_line(line) or ("", "")
+            if key == "locked":
                 return HostLock(host, held, owner, heartbeat)
-            if key == "@held":
-                holder = value.strip() or holder
+            if key == "held":
+                holder = value or holder
                 if on_wait is not None:
                     on_wait(host, holder)
-            elif key == "@timeout":
+            elif key == "timeout":
                 asked = wait_s if asked_wait_s is None else asked_wait_s
                 waited = f" after waiting {asked:g} s" if asked > 0 else ""
                 raise HostLockedError(
@@ -188,8 +196,8 @@ async def acquire(
                     host=host.name,
                     hint="wait for it to finish, or retry with --wait-lock SECONDS",
                 )
-            elif key == "@error":
-                raise ServiceError(f"cannot take the host lock: {value}", host=host.name)
+            elif key == "error":
+                raise script.reported(host.name, value)
     except BaseException:
         await _stop(heartbeat)
         await held.release()

@@ -12,15 +12,21 @@ from collections.abc import Callable, Sequence
 from orchestrator.artifacts.manifest import FileEntry, Manifest
 from orchestrator.artifacts.node_build import NodeBuild
 from orchestrator.connectors.base import Connection, Progress
-from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
+from orchestrator.connectors.nodescript import parse_key_lines, run_script
+from orchestrator.core.errors import InstallError, TransferError
 from orchestrator.core.log import get_logger
-from orchestrator.operations.install.apply import guarded_script, run_script, verify_lines
+from orchestrator.operations.install.apply import (
+    guarded_script,
+    install_node_script,
+    kept,
+    run_install_script,
+    verify_lines,
+)
 from orchestrator.operations.install.plan import (
     BUILD_POLL_INTERVAL,
     PREPARE_TIMEOUT,
     UPLOAD_CHECK_TIMEOUT,
     InstallChange,
-    key_lines,
 )
 
 BuildLog = Callable[[str], None]  # the build log's latest line, as it is written
@@ -62,11 +68,10 @@ def build_command(install_dir: str, build: NodeBuild) -> str:
 def parse_build_output(stdout: str, change: InstallChange) -> tuple[str, tuple[FileEntry, ...]]:
     """Pure: (protocol, files) of a successful build; InstallError naming the failure otherwise (the
     first CMake/compiler error line of the log's tail, the tail itself as stderr)."""
-    status = ""
-    protocol = ""
+    status = protocol = ""
     files: list[FileEntry] = []
     log: list[str] = []
-    for key, value in key_lines(stdout):
+    for key, value in parse_key_lines(stdout):
         if key == "status":
             status = value
         elif key == "protocol":
@@ -80,12 +85,12 @@ def parse_build_output(stdout: str, change: InstallChange) -> tuple[str, tuple[F
         elif key == "link":
             path, _, target = value.partition(" ")
             files.append(FileEntry(path, None, 0, 0o777, target))
-    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+    stays = kept(change)
     where = change.build and _build_paths(change.install_dir, change.build)[2]
     hint = f"the full log is {where} on the node" if where else None
     if status == "busy":
         raise InstallError(
-            f"another build of {change.version} is running on this node; {kept}", host=change.host
+            f"another build of {change.version} is running on this node; {stays}", host=change.host
         )
     if status != "0":
         if status in ("124", "137"):
@@ -97,14 +102,14 @@ def parse_build_output(stdout: str, change: InstallChange) -> tuple[str, tuple[F
             if problem:
                 why += f": {problem}"
         raise InstallError(
-            f"building {change.version} on the node {why}; {kept}",
+            f"building {change.version} on the node {why}; {stays}",
             host=change.host,
             stderr="\n".join(log) or stdout,
             hint=hint,
         )
     if not files or not any(f.path == "bin/ggml-rpc-server" for f in files):
         raise InstallError(
-            f"the build of {change.version} left no bin/ggml-rpc-server; {kept}", host=change.host
+            f"the build of {change.version} left no bin/ggml-rpc-server; {stays}", host=change.host
         )
     return protocol, tuple(files)
 
@@ -172,23 +177,23 @@ async def apply_node_build(
     q = shlex.quote
     d = q(change.install_dir)
     workdir, remote_sdist, log = _build_paths(change.install_dir, build)
-    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
+    stays = kept(change)
     say = get_logger(host=change.host)
-    # Prepare: folders, the build script, and the sha256 of an sdist uploaded by an earlier build.
+    # Prepare: folders, the build script (on stdin), and the sha256 of an sdist an earlier build uploaded.
     prepare = (
         f"mkdir -p {d}/tmp {d}/versions {d}/src {q(workdir)} && rm -rf {d}/tmp/* && "
         f"cat > {q(workdir)}/build.sh && "
         f"if [ -f {q(remote_sdist)} ]; then echo \"@have $(sha256sum {q(remote_sdist)} | cut -d' ' -f1)\"; fi"
     )
-    script = build.script(workdir, remote_sdist)
-    result = await conn.run(prepare, timeout=UPLOAD_CHECK_TIMEOUT, input=script)
-    if not result.ok:
-        raise InstallError(
-            f"cannot prepare the build in {change.install_dir}: {tail(result.stderr, 2)}; {kept}",
-            host=change.host,
-            exit_status=result.exit_status,
-        )
-    have = dict(key_lines(result.stdout)).get("have")
+    prepared = dataclasses.replace(
+        install_node_script(
+            change, "build-prepare", build.script(workdir, remote_sdist), UPLOAD_CHECK_TIMEOUT
+        ),
+        command=prepare,
+        what=f"preparing the build in {change.install_dir}",
+        error_is_message=False,
+    )
+    have = (await run_script(conn, prepared)).get("have")
     if have != build.info.sha256:
         nonce = secrets.token_hex(4)
         part = f"{remote_sdist}.{nonce}.part"
@@ -199,29 +204,36 @@ async def apply_node_build(
             with contextlib.suppress(Exception):
                 await conn.run(f"rm -f {q(part)}", timeout=PREPARE_TIMEOUT)
             raise InstallError(
-                f"upload of {build.sdist.name} failed: {exc.message}; {kept}", host=change.host
+                f"upload of {build.sdist.name} failed: {exc.message}; {stays}", host=change.host
             ) from exc
         check = (
             f"got=$(sha256sum {q(part)} | cut -d' ' -f1); "
             f'if [ "$got" = {build.info.sha256} ]; then mv -f {q(part)} {q(remote_sdist)} && echo @ok; '
             f'else rm -f {q(part)}; echo "@fail $got"; fi'
         )
-        moved = dict(key_lines((await conn.run(check, timeout=UPLOAD_CHECK_TIMEOUT)).stdout))
+        verify = dataclasses.replace(
+            install_node_script(change, "build-upload-check", check, UPLOAD_CHECK_TIMEOUT),
+            what=f"checking the uploaded {build.sdist.name}",
+            error_is_message=False,
+            ok_exits=None,
+        )
+        moved = await run_script(conn, verify)
         if "ok" not in moved:
             raise InstallError(
                 f"the uploaded {build.sdist.name} has sha256 {moved.get('fail', '?')} on the node, "
-                f"expected {build.info.sha256}; {kept}",
+                f"expected {build.info.sha256}; {stays}",
                 host=change.host,
             )
     say.info("node_build_started", id=change.version, workdir=workdir)
     follower = asyncio.create_task(_follow_log(conn, log, on_line)) if on_line else None
+    building = dataclasses.replace(
+        install_node_script(change, "build", build_command(change.install_dir, build), build.timeout + 60),
+        what=f"building {change.version} on the node",
+        error_is_message=False,
+        ok_exits=None,  # its outcome is its `@status` line
+    )
     try:
-        done = await conn.run(build_command(change.install_dir, build), timeout=build.timeout + 60)
-    except CommandTimeoutError as exc:
-        raise InstallError(
-            f"building {change.version} on the node did not finish within {build.timeout:g} s; {kept}",
-            host=change.host,
-        ) from exc
+        done = await run_script(conn, building)
     finally:
         if follower is not None:
             follower.cancel()
@@ -231,11 +243,11 @@ async def apply_node_build(
     manifest = build.manifest(files)
     if protocol and protocol != build.protocol:
         raise InstallError(
-            f"the node built protocol {protocol}, the source's ggml-rpc.h says {build.protocol}; {kept}",
+            f"the node built protocol {protocol}, the source's ggml-rpc.h says {build.protocol}; {stays}",
             host=change.host,
         )
     say.info("node_build_finished", id=change.version, seconds=round(done.duration, 1))
     nonce = secrets.token_hex(4)
     built = dataclasses.replace(change, built=manifest)
-    await run_script(conn, built, node_install_script(built, manifest, nonce))
+    await run_install_script(conn, built, node_install_script(built, manifest, nonce), "build-install")
     return built

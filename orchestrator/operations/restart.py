@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
+from orchestrator.connectors.nodescript import would_run
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.units import format_size
@@ -34,6 +35,7 @@ from orchestrator.operations.server.process import (
     refuse_if_busy,
     run_as_warning,
     start_server,
+    stop_node_script,
     stop_server,
     wait_ready,
 )
@@ -45,7 +47,7 @@ from orchestrator.operations.server.state import (
     probe_server,
     read_node_state,
 )
-from orchestrator.operations.server.steps import without_stale_clients
+from orchestrator.operations.server.steps import planned_start, without_stale_clients
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import DeviceMemory
 
@@ -167,6 +169,8 @@ def make_restart_step(
         if options.check:
             if status.pid is not None and not options.force:
                 await refuse_if_busy(conn, host, "restart", busy_grace=options.busy_grace)
+            stop = stop_node_script(host, state, force=options.force, busy_grace=options.busy_grace)
+            would_run(host.name, [stop, *planned_start(host, state)])
             action = "would restart" if running else "would start"
             report = RestartReport(host.name, action, status.pid, None, status.state, warnings=warnings)
             return StepOutcome(report, True, report.describe())

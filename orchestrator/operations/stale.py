@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from orchestrator.connectors.base import Connection
+from orchestrator.connectors.nodescript import NodeScript, run_script
+from orchestrator.core.errors import ServiceScriptError
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
 from orchestrator.facts.base import NOT_FOUND, Fact
 from orchestrator.inventory.model import Host
@@ -396,9 +398,16 @@ async def close_stale(conn: Connection, host: Host, stale: Sequence[ServerConnec
 async def _left(
     conn: Connection, host: Host, connections: Sequence[ServerConnection], *, kill: bool
 ) -> tuple[str, ...]:
-    script = _still_there_script(host.rpc_port, connections, kill)
-    result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=15)
-    return tuple(line[6:] for line in result.stdout.splitlines() if line.startswith("@left "))
+    text = _still_there_script(host.rpc_port, connections, kill)
+    script = NodeScript(
+        "stale-close" if kill else "stale-left",
+        text,
+        15,
+        "closing stale connections" if kill else "reading the server's connections",
+        ServiceScriptError,
+        ok_exits=None,  # only its `@left` lines say anything
+    )
+    return (await run_script(conn, script)).values("left")
 
 
 async def release_stale(conn: Connection, host: Host) -> Closed:

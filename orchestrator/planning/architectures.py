@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # profile.py imports this module
     from orchestrator.planning.plan import PlanOptions
     from orchestrator.planning.profile import ModelProfile
 
-# Families whose plans were compared with real allocations (tests/test_families.py, tests/test_gemma.py).
+# Families whose plans were compared with real allocations (tests/planning/test_families.py,
+# tests/planning/test_gemma.py).
 VERIFIED = frozenset(
     {"llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2"}
 )
@@ -286,8 +287,8 @@ def family_compute(
       is the larger of the layers' and the logits' (measured on Gemma 3 270M, one device and layers on
       the CPU); with copies they have buffers of their own.
     Calibrated against llama.cpp 0.3.36's allocations over loopback RPC: every family
-    (tests/test_families.py) and Gemma 3 270M at 4k-32k, swa_full on and off, 1-4 sequences, unified
-    or not, layers on the CPU (tests/test_gemma.py).
+    (tests/planning/test_families.py) and Gemma 3 270M at 4k-32k, swa_full on and off, 1-4 sequences, unified
+    or not, layers on the CPU (tests/planning/test_gemma.py).
     """
     if not layers:
         return 0

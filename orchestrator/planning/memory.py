@@ -140,7 +140,8 @@ def cpu_experts_compute(profile: ModelProfile, n_tok: int) -> int:
     """What the CPU's compute buffer gains when it runs the experts of --n-cpu-moe's layers (their
     mul_mat_id ops go where their weights are): the hidden state coming in, one n_expert_used x expert
     width product, and the router's probabilities, chosen experts and their weights. Once, whatever N:
-    ggml-alloc reuses it layer after layer. Measured on the synthetic qwen3moe (tests/test_moe.py)."""
+    ggml-alloc reuses it layer after layer. Measured on the synthetic qwen3moe
+    (tests/planning/test_moe.py)."""
     rules = profile.rules
     k = rules.n_expert_used
     return (profile.n_embd + k * rules.n_ff_exp + rules.n_expert + 2 * k) * n_tok * 4

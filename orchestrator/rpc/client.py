@@ -15,7 +15,7 @@ Being gentle with the server matters as much as the answer:
   byte of the reply arrives within the read timeout, reports `busy`. It then closes *abortively*
   (SO_LINGER 0, a TCP reset). When the server later gets to the queued HELLO its reply fails with
   ECONNRESET, which raises no SIGPIPE, instead of EPIPE after a graceful close, which kills a server
-  that does not ignore SIGPIPE (exit 141; measured against the real server, see tests/test_rpc_server.py).
+  that does not ignore SIGPIPE (exit 141; measured against the real server, see tests/rpc/test_rpc_server.py).
   A reset can be lost on a real network, so servers must still be started with SIGPIPE ignored, as
   rpcfleet's launcher does.
 * Every connection abandoned half-way (timeout, protocol error) is closed the same abortive way, and

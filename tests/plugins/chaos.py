@@ -1,5 +1,5 @@
-"""The chaos soak's harness, shared by tests/test_chaos_lab.py (each fault once) and bench/chaos.py (random
-faults for minutes): a lab, `rpcfleet serve` (real Gemma 3 270M) in its own process, clients streaming
+"""The chaos soak's harness, shared by tests/serve/test_chaos_lab.py (each fault once) and bench/chaos.py
+(random faults for minutes): a lab, `rpcfleet serve` (real Gemma 3 270M) in its own process, clients streaming
 through the official `openai` client without a pause, faults injected and healed one at a time, and the
 checks that every request ends (answered, refused with 503 + Retry-After, or failed with 503 naming the
 faulted node while in flight at its fault), that the fleet is whole again after each heal, and that serve

@@ -5,6 +5,7 @@
 - `healthy_lab`: that lab, healed after the test (links up, firewalls cleared, sshd running).
 - `lab_hosts`: the session lab's inventory hosts, in node order.
 - `make_lab`: a factory for a fresh small lab a test may break as it likes; torn down after the test.
+- `leftovers(lab)`: what of a lab is still on the machine, found without the lab module (teardown checks).
 
 Without root these skip with a reason, except in CI (`CI` set), where they fail: CI runs as root.
 """
@@ -14,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +98,32 @@ def make_lab() -> Iterator[Callable[..., Lab]]:
     yield make
     for name in made:
         lab_down(name)
+
+
+def leftovers(lab: Lab) -> list[str]:
+    """Everything of `lab` still on the machine, found independently of the lab module."""
+    found: list[str] = []
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    found += [
+        f"netns {line.split()[0]}" for line in namespaces.splitlines() if line.startswith(f"rfl{lab.slot}-")
+    ]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    found += [f"link {m}" for m in re.findall(rf"^\d+: (rfl{lab.slot}(?:br|v\d+))[@:]", links, re.M)]
+    if lab.user and subprocess.run(["getent", "passwd", lab.user], capture_output=True).returncode == 0:
+        found.append(f"user {lab.user}")
+    if lab.home_mount and lab.home_mount.exists():
+        found.append(f"mount point {lab.home_mount}")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(lab.dir) in cmdline and int(entry.name) != os.getpid():
+            found.append(f"process {entry.name}: {cmdline.strip()}")
+    if lab.dir.exists():
+        found.append(f"state dir {lab.dir}")
+    cgroup = Path("/sys/fs/cgroup")  # a node's own cgroups (systemd nodes, --cpus), in every hierarchy
+    found += [f"cgroup {p}" for p in [*cgroup.glob(f"rfl{lab.slot}-*"), *cgroup.glob(f"*/rfl{lab.slot}-*")]]
+    return found

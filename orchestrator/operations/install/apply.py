@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import shlex
 from collections.abc import Sequence
 
 from orchestrator.artifacts.manifest import Manifest
 from orchestrator.connectors.base import Connection, Progress
-from orchestrator.core.errors import CommandTimeoutError, InstallError, TransferError, tail
-from orchestrator.operations.install.plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange, key_lines
+from orchestrator.connectors.nodescript import NodeScript, Planned, parse_key_lines, run_script
+from orchestrator.core.errors import InstallError, InstallScriptError, TransferError, tail
+from orchestrator.operations.install.plan import APPLY_TIMEOUT, PREPARE_TIMEOUT, InstallChange
 
 
 def verify_lines(manifest: Manifest | None, folder: str) -> list[str]:
@@ -34,7 +36,7 @@ def guarded_script(change: InstallChange, nonce: str, cleanup: Sequence[str], bo
         f"ID={q(change.version)}",
         # fail STAGE MESSAGE: remove what this attempt made, report, exit non-zero.
         f'fail() {{ rm -rf {" ".join(cleanup)} "$D/current.{nonce}" "$D/history.{nonce}"; '
-        'echo "@fail $1 $2"; exit 3; }',
+        'echo "@error $1 failed while installing $ID: $2"; exit 3; }',
         *body,
         f'ln -s "versions/$ID" "$D/current.{nonce}" || fail switch "cannot create the link"',
         f'mv -T "$D/current.{nonce}" "$D/current" || fail switch "cannot switch current"',
@@ -82,24 +84,66 @@ def switch_script(change: InstallChange, nonce: str) -> str:
     return guarded_script(change, nonce, [], body)
 
 
-def parse_apply_output(stdout: str, change: InstallChange) -> list[str]:
-    """Pure: the warnings of a successful apply; InstallError naming the failed stage otherwise."""
-    warnings: list[str] = []
-    for key, value in key_lines(stdout):
-        if key == "fail":
-            stage, _, message = value.partition(" ")
-            kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
-            raise InstallError(
-                f"{stage} failed while installing {change.version}: {message.strip()}; {kept}",
-                host=change.host,
-            )
-        if key == "warning":
-            warnings.append(value)
-        if key == "ok":
-            return warnings
-    raise InstallError(
-        f"installing {change.version} stopped without a result: {tail(stdout, 3)!r}", host=change.host
+def kept(change: InstallChange) -> str:
+    """What stays when `change` fails (every install error says it)."""
+    return f"{change.previous} stays installed" if change.previous else "nothing was installed"
+
+
+def install_node_script(
+    change: InstallChange, name: str, text: str, timeout: float = APPLY_TIMEOUT
+) -> NodeScript:
+    """`text` as one of `change`'s node scripts: its errors are InstallErrors saying what stays."""
+    return NodeScript(
+        name,
+        text,
+        timeout,
+        f"installing {change.version}",
+        InstallScriptError,
+        consequence=kept(change),
+        error_is_message=True,
     )
+
+
+def parse_apply_output(stdout: str, change: InstallChange) -> list[str]:
+    """Pure: the warnings of a successful apply (it said `@ok`); InstallError when it stopped without a
+    result (a failed stage is the script's `@error`, raised by `run_script`)."""
+    keys = parse_key_lines(stdout)
+    if ("ok", "") not in keys:
+        raise InstallScriptError(
+            f"installing {change.version} stopped without a result: {tail(stdout, 3)!r}",
+            host=change.host,
+            script="install",
+        )
+    return [value for key, value in keys if key == "warning"]
+
+
+def prepare_script(change: InstallChange) -> NodeScript:
+    # Leftovers of interrupted uploads go first, so they never fill the disk.
+    d = shlex.quote(change.install_dir)
+    text = f"mkdir -p {d}/tmp {d}/versions && rm -rf {d}/tmp/*"
+    script = install_node_script(change, "install-prepare", text, PREPARE_TIMEOUT)
+    return dataclasses.replace(script, what=f"preparing {change.install_dir}", error_is_message=False)
+
+
+def remote_archive(change: InstallChange, nonce: str) -> str:
+    return f"{change.install_dir}/tmp/{change.version}.{nonce}.tar.gz.part"
+
+
+def planned_install(change: InstallChange) -> list[NodeScript | Planned]:
+    """Check mode: the commands `apply_install` would run for `change` (temporary names aside: each run
+    draws its own random suffix)."""
+    nonce = secrets.token_hex(4)
+    if change.action == "switch":
+        return [install_node_script(change, "install-switch", switch_script(change, nonce))]
+    if change.action != "install" or change.artifact is None:
+        return []
+    archive = remote_archive(change, nonce)
+    upload = f"# upload {change.artifact.archive} to {archive} (SFTP)"
+    return [
+        prepare_script(change),
+        Planned(change.host, "install-upload", upload),
+        install_node_script(change, "install", install_script(change, archive, nonce)),
+    ]
 
 
 async def apply_install(
@@ -110,41 +154,31 @@ async def apply_install(
         return []
     nonce = secrets.token_hex(4)
     if change.action == "switch":
-        return await run_script(conn, change, switch_script(change, nonce))
+        return await run_install_script(conn, change, switch_script(change, nonce), "install-switch")
     assert change.artifact is not None
-    d = shlex.quote(change.install_dir)
-    kept = f"{change.previous} stays installed" if change.previous else "nothing was installed"
-    # Leftovers of interrupted uploads go first, so they never fill the disk.
-    prepare = f"mkdir -p {d}/tmp {d}/versions && rm -rf {d}/tmp/*"
-    result = await conn.run(prepare, timeout=PREPARE_TIMEOUT)
-    if not result.ok:
-        raise InstallError(
-            f"cannot prepare {change.install_dir}: {tail(result.stderr, 2)}; {kept}",
-            host=change.host,
-            exit_status=result.exit_status,
-        )
-    remote_archive = f"{change.install_dir}/tmp/{change.version}.{nonce}.tar.gz.part"
+    await run_script(conn, prepare_script(change))
+    archive = remote_archive(change, nonce)
     try:
-        await conn.put(change.artifact.archive, remote_archive, progress=progress)
+        await conn.put(change.artifact.archive, archive, progress=progress)
     except TransferError as exc:
         with contextlib.suppress(Exception):  # the connection may be gone; the upload error is the news
-            await conn.run(f"rm -f {shlex.quote(remote_archive)}", timeout=PREPARE_TIMEOUT)
+            await conn.run(f"rm -f {shlex.quote(archive)}", timeout=PREPARE_TIMEOUT)
         raise InstallError(
-            f"upload of {change.artifact.archive.name} failed: {exc.message}; {kept}", host=change.host
+            f"upload of {change.artifact.archive.name} failed: {exc.message}; {kept(change)}",
+            host=change.host,
         ) from exc
-    return await run_script(conn, change, install_script(change, remote_archive, nonce))
+    return await run_install_script(conn, change, install_script(change, archive, nonce))
 
 
-async def run_script(conn: Connection, change: InstallChange, script: str) -> list[str]:
+async def run_install_script(
+    conn: Connection, change: InstallChange, text: str, name: str = "install"
+) -> list[str]:
+    """Run an install or switch script (it exits 3 after `@error`; any status is read for `@ok`)."""
+    script = dataclasses.replace(install_node_script(change, name, text), ok_exits=None)
+    output = await run_script(conn, script)
     try:
-        result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=APPLY_TIMEOUT)
-    except CommandTimeoutError as exc:
-        raise InstallError(
-            f"installing {change.version} did not finish within {APPLY_TIMEOUT:g} s", host=change.host
-        ) from exc
-    try:
-        return parse_apply_output(result.stdout, change)
-    except InstallError as exc:
-        if not result.stderr.strip():
-            raise
-        raise exc.with_stderr(result.stderr, 4) from exc.__cause__
+        return parse_apply_output(output.stdout, change)
+    except InstallScriptError as exc:
+        raise script.failure(
+            change.host, exc.message, exit_status=output.exit_status, stderr=output.stderr or None
+        ) from None

@@ -11,11 +11,12 @@ from orchestrator.artifacts.node_build import NodeBuild, node_build
 from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
 from orchestrator.artifacts.store import verify_artifact
 from orchestrator.connectors.base import Connection, Progress
+from orchestrator.connectors.nodescript import Planned, would_run
 from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
-from orchestrator.operations.install.apply import apply_install
+from orchestrator.operations.install.apply import apply_install, planned_install
 from orchestrator.operations.install.plan import (
     InstallChange,
     InstallState,
@@ -99,6 +100,15 @@ async def ensure_installed(
             )
     else:
         change = plan_install(state, source, keep_versions=host.keep_versions, force=force)
+    if change.changed and check:
+        if isinstance(source, NodeBuild) and change.action == "install":
+            # Not listed command by command: what it runs depends on what the build's upload finds.
+            would_run(
+                host.name,
+                [Planned(host.name, "build", f"# build {change.version} on the node, then install it")],
+            )
+        else:
+            would_run(host.name, planned_install(change))
     if change.changed and not check:
         await apply_install(conn, change, progress=progress(host, change) if progress else None)
     return change

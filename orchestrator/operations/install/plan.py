@@ -74,17 +74,6 @@ BUILD_POLL_INTERVAL = 1.0  # seconds between reads of the build log's last line
 UPLOAD_CHECK_TIMEOUT = 60.0  # sha256 of the uploaded sdist on the node
 
 
-_MARK = "@"
-
-
-def key_lines(stdout: str) -> Iterable[tuple[str, str]]:
-    """(key, value) of every `@key value` line a node-side script printed."""
-    for line in stdout.splitlines():
-        if line.startswith(_MARK):
-            key, _, value = line[1:].partition(" ")
-            yield key, value.strip()
-
-
 def normalise_platform(uname_s: str, uname_m: str) -> tuple[str, str]:
     """(os, arch) in manifest spelling from `uname -s` / `uname -m`."""
     os_name = uname_s.strip().lower()

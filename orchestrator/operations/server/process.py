@@ -8,8 +8,9 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
+from orchestrator.connectors.nodescript import NodeScript, ScriptOutput, run_script
 from orchestrator.connectors.tunnel import target_of
-from orchestrator.core.errors import CommandTimeoutError, ServiceError, tail
+from orchestrator.core.errors import ServiceError, ServiceScriptError, tail
 from orchestrator.facts.server import (
     PID_IS_NUMBER,
     PROC_ARGV0,
@@ -341,25 +342,9 @@ def stop_script(
     return "\n".join(lines)
 
 
-async def _sh(conn: Connection, script: str, limit_s: float) -> str:
-    result = await conn.run(f"sh -c {shlex.quote(script)}", timeout=limit_s)
-    if not result.ok:
-        raise ServiceError(
-            "a server command failed",
-            host=conn.host.name,
-            exit_status=result.exit_status,
-            stderr=result.stderr or result.stdout,
-        )
-    return result.stdout
-
-
-def _keys(stdout: str) -> dict[str, str]:
-    found: dict[str, str] = {}
-    for line in stdout.splitlines():
-        if line.startswith("@"):
-            key, _, value = line[1:].partition(" ")
-            found.setdefault(key, value.strip())
-    return found
+def server_script(name: str, text: str, timeout: float, what: str) -> NodeScript:
+    """A node script about the server: its failures are ServiceErrors."""
+    return NodeScript(name, text, timeout, what, ServiceScriptError)
 
 
 @dataclass(frozen=True)
@@ -383,7 +368,19 @@ async def stop_server(
 ) -> StopResult:
     """Stop our server (and this install's orphans on its port, and its systemd unit); refuse a busy one
     unless `force` (`stale`: clients proven gone, which do not make it busy)."""
-    script = stop_script(
+    script = stop_node_script(host, state, force=force, busy_grace=busy_grace, stale=stale)
+    return parse_stop_output(host, action, await run_script(conn, script))
+
+
+def stop_node_script(
+    host: Host,
+    state: NodeState,
+    *,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
+    stale: tuple[str, ...] = (),
+) -> NodeScript:
+    text = stop_script(
         state.install.install_dir,
         host.rpc_port,
         force=force,
@@ -392,25 +389,28 @@ async def stop_server(
         stale=stale,
         server=host.server,
     )
-    try:
-        stdout = await _sh(conn, script, STOP_GRACE + 15)
-    except CommandTimeoutError as exc:
-        raise ServiceError("stopping the rpc-server did not finish", host=host.name) from exc
-    out = _keys(stdout)
-    orphans = tuple(line[len("@orphan ") :] for line in stdout.splitlines() if line.startswith("@orphan "))
-    if "busy" in out:
-        raise _busy_error(host, action, out["busy"])
-    if "stuck" in out:
-        raise ServiceError(f"the rpc-server (pid {out['stuck']}) survived SIGKILL", host=host.name)
+    return server_script("stop", text, STOP_GRACE + 15, "stopping the rpc-server")
+
+
+def parse_stop_output(host: Host, action: str, out: ScriptOutput) -> StopResult:
+    """Pure: what the stop script said, or the error it reported."""
+    orphans = out.values("orphan")
+    busy = out.get("busy")
+    if busy is not None:
+        raise _busy_error(host, action, busy)
+    stuck = out.get("stuck")
+    if stuck is not None:
+        raise ServiceError(f"the rpc-server (pid {stuck}) survived SIGKILL", host=host.name)
     if "unit_stop_failed" in out:
-        raise ServiceError("systemctl could not stop the server's unit", host=host.name, stderr=stdout)
+        raise ServiceError("systemctl could not stop the server's unit", host=host.name, stderr=out.stdout)
     for key in ("killed", "stopped"):
-        if key in out:
-            pids = tuple(int(p) for p in out[key].split() if p.isdigit())
+        value = out.get(key)
+        if value is not None:
+            pids = tuple(int(p) for p in value.split() if p.isdigit())
             return StopResult(key, pids, orphans)
     if "none" in out:
         return StopResult("none")
-    raise ServiceError(f"unexpected answer from the stop script: {tail(stdout)}", host=host.name)
+    raise ServiceError(f"unexpected answer from the stop script: {tail(out.stdout)}", host=host.name)
 
 
 def _busy_error(host: Host, action: str, peers: str) -> BusyServerError:
@@ -427,9 +427,12 @@ async def refuse_if_busy(
 ) -> None:
     """Raise BusyServerError when a client holds the server (the node-side rule of `busy_script`), for a
     change that must not begin on a busy server (a deploy's version switch, a --check)."""
-    out = _keys(await _sh(conn, busy_script(host.rpc_port, busy_grace), busy_grace * 3 + 15))
-    if "busy" in out:
-        raise _busy_error(host, action, out["busy"])
+    script = server_script(
+        "busy-check", busy_script(host.rpc_port, busy_grace), busy_grace * 3 + 15, "checking for clients"
+    )
+    busy = (await run_script(conn, script)).get("busy")
+    if busy is not None:
+        raise _busy_error(host, action, busy)
 
 
 async def _log_tail(
@@ -466,8 +469,8 @@ def taken_hint(listener: Listener | None, install_dir: str) -> str:
     return "stop that process or choose another rpc_port"
 
 
-async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
-    """Launch the current version detached; returns its pid. Refuses a taken port, naming its owner."""
+def start_node_script(host: Host, state: NodeState) -> NodeScript:
+    """The script that launches the current version: its systemd unit's start, or the supervisor loop."""
     version = state.install.current
     if version is None or not state.install.installed:
         raise ServiceError("no rpc-server is installed (run `rpcfleet deploy`)", host=host.name)
@@ -487,25 +490,29 @@ async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
         login = state.systemd.login if state.systemd is not None else None
         run_as = run_as_user(host, state.systemd)
         script = launch_script(host, state.install.install_dir, version, user=run_as, login=login)
-    out = _keys(await _sh(conn, script, START_TIMEOUT))
+    return server_script("start", script, START_TIMEOUT, "starting the rpc-server")
+
+
+async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
+    """Launch the current version detached; returns its pid. Refuses a taken port, naming its owner."""
+    out = await run_script(conn, start_node_script(host, state))
     log_file = server_files(host.server).log
-    if "error" in out:
-        raise ServiceError(f"cannot start the rpc-server: {out['error']}", host=host.name)
-    if "taken" in out:
-        listener = parse_listener(out["taken"])
-        who = listener.describe() if listener else out["taken"]
+    taken = out.get("taken")
+    if taken is not None:
+        listener = parse_listener(taken)
+        who = listener.describe() if listener else taken
         raise ServiceError(
             f"port {host.rpc_port} is already taken: {who}",
             host=host.name,
             hint=taken_hint(listener, state.install.install_dir),
         )
-    started = out.get("started") or out.get("pid", "")
+    started = out.get("started") or out.get("pid") or ""
     if not started.isdigit() or started == "0":
         raise ServiceError(
             "the rpc-server did not start" if "pid" in out else "the launch script did not report a pid",
             host=host.name,
             stderr=await _log_tail(conn, state.install.install_dir, state=state, log_file=log_file)
-            or str(out),
+            or out.stdout,
         )
     return int(started)
 

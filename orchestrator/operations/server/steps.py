@@ -8,16 +8,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from orchestrator.connectors.base import Connection
-from orchestrator.core.errors import ServiceError
+from orchestrator.connectors.nodescript import NodeScript, Planned, run_script, would_run
+from orchestrator.core.errors import ServiceError, ServiceScriptError
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.facts.server import (
     LogTailFact,
 )
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
-from orchestrator.operations.firewall import apply_firewall
+from orchestrator.operations.firewall import apply_firewall, planned_firewall
 from orchestrator.operations.follow import NOISE_PATTERN
-from orchestrator.operations.install.apply import apply_install
+from orchestrator.operations.install.apply import apply_install, planned_install
 from orchestrator.operations.install.ensure import (
     ArtifactChooser,
     BuildLogFactory,
@@ -35,7 +36,9 @@ from orchestrator.operations.server.process import (
     launch_drift,
     refuse_if_busy,
     run_as_warning,
+    start_node_script,
     start_server,
+    stop_node_script,
     stop_server,
     unit_text,
     wait_ready,
@@ -177,6 +180,8 @@ async def ensure_state(
             change, reason="; ".join(filter(None, [change.reason, _unit_plan(host, state)]))
         )
     install_dir = state.install.install_dir
+    if check:
+        would_run(host.name, planned_service(host, state, change, want, force=force, busy_grace=busy_grace))
     if not change.changed or check:
         if not check:  # rpc_allow_from follows the inventory even when the server is left as it is
             await apply_firewall(conn, host, install_dir, install=want != "stopped")
@@ -192,6 +197,36 @@ async def ensure_state(
         pid = await start_server(conn, host, state)
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
+
+
+def planned_service(
+    host: Host,
+    state: NodeState,
+    change: ServiceChange,
+    want: Want,
+    *,
+    force: bool = False,
+    busy_grace: float = BUSY_GRACE,
+) -> list[NodeScript | Planned]:
+    """Check mode: the node scripts `ensure_state` would run for `change`, in its order."""
+    install_dir = state.install.install_dir
+    if not change.changed:
+        return [*planned_firewall(host, install_dir, install=want != "stopped")]
+    planned: list[NodeScript | Planned] = []
+    if change.action in ("stop", "restart"):
+        planned.append(stop_node_script(host, state, force=force, busy_grace=busy_grace))
+        if change.action == "stop":
+            planned += planned_firewall(host, install_dir, install=False)
+    if change.action in ("start", "restart"):
+        planned += planned_firewall(host, install_dir, install=True)
+        planned += planned_start(host, state)
+    return planned
+
+
+def planned_start(host: Host, state: NodeState) -> list[NodeScript | Planned]:
+    if not state.install.installed:  # a version only the install would make: its files are not read yet
+        return [Planned(host.name, "start", "# start the version the install makes current")]
+    return [start_node_script(host, state)]
 
 
 async def without_stale_clients(
@@ -287,18 +322,23 @@ async def remove_unit(
     if check:
         if state.service.ours and not force:
             await refuse_if_busy(conn, host, "stop", busy_grace=busy_grace)
+        would_run(host.name, [remove_unit_node_script(unit.name, user=unit.user)])
         return f"would stop and remove {unit.name}"
     await ensure_state(conn, host, "stopped", force=force, busy_grace=busy_grace, state=state)
-    result = await conn.run(remove_unit_script(unit.name, user=unit.user), timeout=60)
-    if not result.ok:  # the unit file stays: the unit may still be enabled or running
-        raise ServiceError(
-            f"could not remove {unit.name}: {result.stdout.strip().removeprefix('@error ') or 'failed'}",
-            host=host.name,
-            exit_status=result.exit_status,
-            stderr=result.stderr,
-            hint="the unit file was kept; see systemctl's message, fix it and remove the unit again",
-        )
-    return f"removed {unit.name}" + (", and user rpcfleet" if "@userdel" in result.stdout else "")
+    # A failure keeps the unit file: the unit may still be enabled or running.
+    result = await run_script(conn, remove_unit_node_script(unit.name, user=unit.user))
+    return f"removed {unit.name}" + (", and user rpcfleet" if "userdel" in result else "")
+
+
+def remove_unit_node_script(name: str, *, user: bool) -> NodeScript:
+    return NodeScript(
+        "remove-unit",
+        remove_unit_script(name, user=user),
+        60,
+        f"could not remove {name}",
+        ServiceScriptError,
+        hint="the unit file was kept; see systemctl's message, fix it and remove the unit again",
+    )
 
 
 def make_remove_unit_step(options: OperationOptions = DEFAULT_OPTIONS) -> Step[str]:
@@ -483,6 +523,7 @@ async def rollback(
         await apply_install(conn, change)
         state = await read_node_state(conn, host)
     elif change.changed:
+        would_run(host.name, planned_install(change))
         state = dataclasses.replace(state, install=dataclasses.replace(state.install, current=change.version))
     service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
     return DeployResult(change, service, service.after or service.status)

@@ -1,0 +1,247 @@
+"""serve's fast rig: a fake fleet whose nodes answer or not as a test says (`FakeFleet.answering`), fake
+engines that load in a moment and end when told, one that speaks HTTP as llama-server does (`HttpEngine`),
+and `Rig`, a backend with its fleet and engines (test_serve_engine.py, test_formations.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from orchestrator.core.target import Target
+from orchestrator.inventory.model import Host
+from orchestrator.llama.worker.load_progress import LoadProgress
+from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.strategy import make_plan
+from orchestrator.serve.backend import Backend
+from orchestrator.serve.fleet import ServeFleet
+from orchestrator.workflows.plan import PlanRound
+from tests.plugins.llama import plan_devices
+
+ENDPOINTS = ("10.9.0.1:50052", "10.9.0.2:50052", "10.9.0.3:50052")
+
+
+class FakeFleet(ServeFleet):
+    """The fleet as the backend sees it; `answering` says which nodes answer a probe."""
+
+    def __init__(self, model: Path) -> None:
+        hosts = [
+            Host(name=f"n{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(ENDPOINTS)
+        ]
+        super().__init__(hosts, str(model), PlanOptions(n_ctx=512))
+        self.answering = set(ENDPOINTS)
+        self.rounds = 0
+        self.restarts = 0
+
+    def plan_round(self) -> PlanRound:
+        self.rounds += 1
+        states = {ep: ("ok" if ep in self.answering else "refused") for ep in ENDPOINTS}
+        up = [ep for ep in ENDPOINTS if ep in self.answering]
+        if not up:
+            return PlanRound(None, states, 0.0, 0.0, "no node answers")
+        plan = make_plan(plan_devices(up), self.profile(), self.options)
+        return PlanRound(plan, states, 0.0, 0.0)
+
+    def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
+        return {ep: ("ok" if ep in self.answering else "refused") for ep in endpoints}
+
+    def prepare_cache(self, plan: Plan) -> None:
+        return None
+
+    def targets(self) -> dict[str, Target]:
+        return {}
+
+    def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
+        self.restarts += 1
+        return []
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    """An engine that loads in a moment, ends when told (`die`), and diagnoses with the fake fleet."""
+
+    plan: Plan
+    fleet: FakeFleet
+    number: int
+    ended: threading.Event = field(default_factory=threading.Event)
+    how: str = ""
+    killed: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{40000 + self.number}"
+
+    @property
+    def api_key(self) -> str | None:
+        return None
+
+    @property
+    def pid(self) -> int | None:
+        return 90000 + self.number
+
+    @property
+    def log_path(self) -> Path | None:
+        return None
+
+    def load(
+        self,
+        timeout: float,
+        on_progress: Callable[[LoadProgress], None] | None,
+        cache_hits: Mapping[str, int],
+    ) -> float:
+        if any(ep not in self.fleet.answering for ep in self.plan.endpoints):
+            from orchestrator.serve.engine import EngineError
+
+            raise EngineError("lost a node while loading the model")
+        return 0.001
+
+    def die(self, how: str = "signal SIGABRT") -> None:
+        self.how = how
+        self.ended.set()
+
+    def wait(self) -> str:
+        self.ended.wait()
+        return self.how
+
+    def diagnose(self) -> tuple[tuple[str, str], ...]:
+        return tuple((ep, "refused") for ep in self.plan.endpoints if ep not in self.fleet.answering)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.die("signal SIGKILL")
+
+    def close(self) -> None:
+        self.die("exit status 0")
+
+    def log_tail(self) -> str | None:
+        return None
+
+
+@dataclass
+class Rig:
+    backend: Backend
+    fleet: FakeFleet
+    engines: list[FakeEngine]
+
+    def wait_state(self, states: set[str], limit: float = 5.0) -> None:
+        deadline = time.monotonic() + limit
+        while self.backend.state not in states:
+            assert time.monotonic() < deadline, (self.backend.state, self.backend.reason)
+            time.sleep(0.001)
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.engines[-1]
+
+
+class _FakeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # the body ends with the connection, as a stream's may
+    engine: HttpEngine
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refused(self) -> bool:
+        """llama-server's rule with --api-key: every route but /health asks for the key."""
+        if self.headers.get("Authorization") == f"Bearer {self.engine.api_key}":
+            return False
+        self.engine.refused.append(self.path)
+        self._send(401, b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}')
+        return True
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, b'{"status":"ok"}')
+        elif self._refused():
+            return
+        elif self.path == "/metrics":
+            if self.engine.stuck:
+                self.engine.ended.wait(5)  # its main loop takes no task
+            gauge = "llamacpp:requests_processing"
+            text = f"# TYPE {gauge} gauge\n{gauge} {self.engine.active}\n"
+            self._send(200, text.encode(), "text/plain")
+        else:
+            self._send(404, b'{"error":{"code":404,"message":"not found","type":"not_found_error"}}')
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._refused():
+            return
+        self.engine.bodies.append(body)
+        if body.get("max_tokens", 0) > 1000:
+            self._send(
+                400, b'{"error":{"code":400,"message":"too many tokens","type":"invalid_request_error"}}'
+            )
+            return
+        n = int(body["max_tokens"])
+        if not body.get("stream"):
+            time.sleep(self.engine.whole_delay)
+            whole = {"choices": [{"text": "x" * n}], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
+            self._send(200, json.dumps(whole).encode())
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.engine.active += 1
+        try:
+            for i in range(n):
+                if self.engine.ended.wait(self.engine.delay):
+                    self.connection.shutdown(socket.SHUT_RDWR)  # the engine aborts: the stream breaks off
+                    return
+                chunk = {"choices": [{"text": f"t{i} ", "index": 0, "finish_reason": None}]}
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            end = {
+                "choices": [{"text": "", "finish_reason": "length"}],
+                "timings": {"prompt_n": 3, "predicted_n": n},
+            }
+            self.wfile.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+        finally:
+            self.engine.active -= 1
+
+
+@dataclass(eq=False)
+class HttpEngine(FakeEngine):
+    delay: float = 0.01
+    whole_delay: float = 0.0
+    stuck: bool = False
+    active: int = 0
+    bodies: list[Any] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # paths asked without the engine's key
+    server: ThreadingHTTPServer | None = None
+
+    def __post_init__(self) -> None:
+        handler = type("Handler", (_FakeHandler,), {"engine": self})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        # A stream cut on purpose (the engine "aborts") fails the handler's last flush: socketserver would
+        # print that traceback to stderr, later, into whichever test captures it then.
+        self.server.handle_error = lambda request, address: None  # type: ignore[method-assign]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @property
+    def api_key(self) -> str | None:
+        return f"engine-key-{self.number}"
+
+    def die(self, how: str = "signal SIGABRT") -> None:
+        super().die(how)
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()

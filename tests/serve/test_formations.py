@@ -1,0 +1,515 @@
+"""Tier 1 for serve's formations (issue 24): the choice of formations (pure, and with the real planner),
+the router's decisions, the models file, and the router behind the real front with fake engines (two
+formations: least-loaded, 429, 503, 404, streams pinned, a lost node ending only its formation's streams,
+reloads one formation at a time)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.core.errors import UsageError
+from orchestrator.core.target import Target
+from orchestrator.inventory.model import Host
+from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.serve.backend import Backend, ServeConfig
+from orchestrator.serve.formations import MAX_RPC_DEVICES, FormationError, Node, Want, choose
+from orchestrator.serve.forming import ServedModel, form, nodes_of
+from orchestrator.serve.models_file import ModelEntry, parse_models_file
+from orchestrator.serve.router import Formation, Router, candidates, overall
+from tests.plugins.llama import GiB, plan_devices
+from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
+
+# -- the choice (pure)
+
+
+def needs(sizes: Mapping[str, int]) -> Callable[[str, tuple[str, ...]], bool]:
+    """A fit verdict: model -> bytes it needs; nodes hold their `usable` (the Node list's)."""
+    usable: dict[str, int] = {}
+
+    def fits(model: str, endpoints: tuple[str, ...]) -> bool:
+        return sum(usable[ep] for ep in endpoints) >= sizes[model]
+
+    fits.usable = usable  # type: ignore[attr-defined]
+    return fits
+
+
+def _choose(wants: list[Want], nodes: list[Node], sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
+    fits = needs(sizes)
+    fits.usable.update({n.endpoint: n.usable for n in nodes})  # type: ignore[attr-defined]
+    return [(c.name, *c.endpoints) for c in choose(wants, nodes, fits)]
+
+
+def nodes(*usable: int, devices: int = 1) -> list[Node]:
+    return [Node(f"n{i}:1", devices, u) for i, u in enumerate(usable)]
+
+
+def test_auto_takes_the_fewest_nodes_that_hold_the_model_then_as_many_groups_as_the_fleet_holds() -> None:
+    assert _choose([Want("m")], nodes(10, 10, 10), {"m": 8}) == [
+        ("m#0", "n0:1"),
+        ("m#1", "n1:1"),
+        ("m#2", "n2:1"),
+    ]
+    # needs two nodes: one formation of two, the third node is a spare
+    assert _choose([Want("m")], nodes(10, 10, 10), {"m": 15}) == [("m#0", "n0:1", "n1:1")]
+    # the largest node alone holds it; the two small ones together make a second formation
+    assert _choose([Want("m")], nodes(6, 20, 10, 10), {"m": 18}) == [
+        ("m#0", "n1:1"),
+        ("m#1", "n2:1", "n3:1"),
+    ]
+    assert _choose([Want("m", split=True)], nodes(10, 10, 10), {"m": 8}) == [("m#0", "n0:1", "n1:1", "n2:1")]
+
+
+def test_replicas_n_makes_n_groups_or_says_the_fleet_holds_fewer() -> None:
+    assert _choose([Want("m", replicas=2)], nodes(10, 10, 10), {"m": 8}) == [("m#0", "n0:1"), ("m#1", "n1:1")]
+    with pytest.raises(FormationError, match=r"m: --replicas 4 asked, the nodes hold 3 formation\(s\) of 1"):
+        _choose([Want("m", replicas=4)], nodes(10, 10, 10), {"m": 8})
+    with pytest.raises(FormationError, match="does not fit on the 3 node"):
+        _choose([Want("m")], nodes(10, 10, 10), {"m": 31})
+    with pytest.raises(FormationError, match="no node answers"):
+        _choose([Want("m")], [], {"m": 1})
+
+
+def test_a_formation_takes_at_most_15_rpc_devices() -> None:
+    four = nodes(*[10] * 5, devices=4)  # 20 devices: one formation of 3 nodes (12) is the most
+    with pytest.raises(FormationError, match="does not fit"):
+        _choose([Want("m")], four, {"m": 41})  # would need 5 nodes = 20 devices
+    assert _choose([Want("m")], four, {"m": 30}) == [("m#0", "n0:1", "n1:1", "n2:1")]
+    with pytest.raises(FormationError, match=f"at most {MAX_RPC_DEVICES}"):
+        _choose([Want("m", split=True)], four, {"m": 30})
+
+
+def test_several_models_take_disjoint_groups_in_turns_and_keep_to_their_hosts() -> None:
+    got = _choose([Want("a"), Want("b")], nodes(10, 10, 10, 10, 10), {"a": 8, "b": 15})
+    assert got == [("a#0", "n0:1"), ("a#1", "n3:1"), ("a#2", "n4:1"), ("b#0", "n1:1", "n2:1")]
+    held = [ep for _, *eps in got for ep in eps]
+    assert len(held) == len(set(held))  # never one server in two formations
+    got = _choose(
+        [Want("a", endpoints=("n2:1",)), Want("b", replicas=1)], nodes(10, 10, 10), {"a": 8, "b": 8}
+    )
+    assert got == [("a#0", "n2:1"), ("b#0", "n0:1")]
+
+
+def test_the_planner_decides_with_real_plans(tiny_model: Path) -> None:
+    """`form` asks the planner: the tiny model fits one 8 GiB node (3 formations), not one of 1 MiB."""
+    profile = profile_model(tiny_model)
+    endpoints = ["10.1.0.1:50052", "10.1.0.2:50052", "10.1.0.3:50052"]
+    hosts = [Host(name=f"n{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(endpoints)]
+    model = ServedModel(str(tiny_model), "tiny", profile, PlanOptions(n_ctx=512, parallel=2))
+    formed, spares = form([model], hosts, plan_devices(endpoints))
+    assert [f.choice.endpoints for f in formed] == [(ep,) for ep in endpoints] and spares == []
+    assert all(f.plan.fit.fits and f.plan.endpoints == f.choice.endpoints for f in formed)
+    split, _ = form(
+        [ServedModel(str(tiny_model), "tiny", profile, PlanOptions(n_ctx=512), split=True)],
+        hosts,
+        plan_devices(endpoints),
+    )
+    assert [f.choice.endpoints for f in split] == [tuple(endpoints)]
+    small = plan_devices(endpoints, [8 * GiB, 1024 * 1024, 8 * GiB])
+    formed, spares = form([model], hosts, small)
+    assert [f.choice.endpoints for f in formed] == [(endpoints[0],), (endpoints[2],)]
+    assert [h.name for h in spares] == ["n1"]
+    assert [n.usable for n in nodes_of(small)] == [8 * GiB, 1024 * 1024, 8 * GiB]
+    # a server silent at start: a split keeps it (to take it back once it answers), auto leaves it spare
+    silent = [*hosts, Host(name="n3", address="10.1.0.4", rpc_port=50052)]
+    split, spares = form([dataclasses.replace(model, split=True)], silent, plan_devices(endpoints))
+    assert [h.name for h in split[0].hosts] == ["n0", "n1", "n2", "n3"] and spares == []
+    assert split[0].plan.endpoints == tuple(endpoints)
+    formed, spares = form([model], silent, plan_devices(endpoints))
+    assert len(formed) == 3 and [h.name for h in spares] == ["n3"]
+
+
+# -- the router's decisions (pure)
+
+
+def test_the_least_loaded_serving_formation_is_tried_first() -> None:
+    assert candidates([("ready", 3), ("degraded", 1), ("recovering", 0), ("ready", 1)]) == [1, 3, 0]
+    assert candidates([("ready", 3), ("degraded", 1), ("recovering", 0), ("ready", 1)], 2) == [3, 1, 0]
+    assert [candidates([("ready", 0)] * 3, turn)[0] for turn in range(4)] == [0, 1, 2, 0]  # ties in turns
+    assert candidates([("loading", 0), ("draining", 0), ("failed", 0)]) == []
+    assert overall(["ready", "ready"]) == "ready"
+    assert overall(["ready", "recovering"]) == "degraded"
+    assert overall(["failed", "recovering"]) == "recovering"
+    assert overall(["failed", "failed"]) == "failed"
+
+
+# -- the models file
+
+
+def test_a_models_file_is_read_and_its_errors_name_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "models.yml"
+    text = (
+        "models:\n"
+        "  - model: a.gguf\n"
+        "    name: alpha\n"
+        "    context: 8k\n"
+        "    parallel: 2\n"
+        "    replicas: auto\n"
+        "  - model: /m/b.gguf\n"
+        "    replicas: 2\n"
+        "    hosts: n1,n2\n"
+        "    groups: [gpu]\n"
+        "  - model: c.gguf\n"
+        "    replicas: split\n"
+    )
+    entries = parse_models_file(path, text)
+    assert entries == [
+        ModelEntry(tmp_path / "a.gguf", "alpha", 8192, 2, "auto", None, 2),
+        ModelEntry(Path("/m/b.gguf"), None, None, None, 2, "n1,n2,gpu", 7),
+        ModelEntry(tmp_path / "c.gguf", None, None, None, "split", None, 11),
+    ]
+    bad = {
+        "- model: a.gguf\n  replica: 2\n": (2, "unknown key 'replica' (did you mean 'replicas'?)"),
+        "- model: a.gguf\n  replicas: many\n": (2, "replicas: expected auto, split or a number"),
+        "- model: a.gguf\n- name: b\n": (2, "needs `model: FILE`"),
+        "- model: a.gguf\n- model: x/a.gguf\n": (2, "the name 'a' is already the model's of line 1"),
+        "- model: a.gguf\n  parallel: 0\n": (2, "parallel: expected an integer >= 1"),
+        "models: 3\n": (1, "expected a list of models"),
+        "- [a\n": (2, "not valid YAML"),
+    }
+    for body, (line, message) in bad.items():
+        with pytest.raises(UsageError) as caught:
+            parse_models_file(path, body)
+        assert f"{path}:{line}" in str(caught.value) and message in str(caught.value), (
+            body,
+            str(caught.value),
+        )
+
+
+def test_serve_refuses_a_bad_models_file_and_bad_replicas_with_exit_2(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "models.yml"
+    bad.write_text(f"- model: {tiny_model}\n  context: lots\n")
+    assert main(["serve", "--models", str(bad)]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+    bad.write_text("- model: missing.gguf\n")
+    assert main(["serve", "--models", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1" in err and "does not exist" in err, err
+    assert main(["serve", "-m", str(tiny_model), "--replicas", "0"]) == 2
+    assert main(["serve", "-m", str(tiny_model), "--replicas", "2", "--split"]) == 2
+    assert main(["serve", "-m", str(tiny_model), "-m", str(tiny_model)]) == 2
+    assert "two models named" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "no model to serve" in capsys.readouterr().err
+    from tests.plugins.servers import write_local_inventory
+
+    inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": 50052}})
+    bad.write_text(f"- model: {tiny_model}\n- model: {tiny_model}\n  name: two\n  hosts: nowhere\n")
+    assert main(["serve", "-i", str(inventory), "--models", str(bad)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{bad}:2: hosts:" in err and "nowhere" in err, err
+
+
+# -- the router behind the front, with fake engines
+
+
+class PartFleet(FakeFleet):
+    """A fake fleet of some of the endpoints (one formation's)."""
+
+    def __init__(self, model: Path, endpoints: tuple[str, ...]) -> None:
+        super().__init__(model)
+        self.hosts = [Host(name=f"h-{ep}", address=ep.split(":")[0], rpc_port=50052) for ep in endpoints]
+        self.answering = set(endpoints)
+
+    def plan_round(self) -> Any:
+        from orchestrator.planning.strategy import make_plan
+        from orchestrator.workflows.plan import PlanRound
+
+        self.rounds += 1
+        states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}
+        up = [ep for ep in self.endpoints if ep in self.answering]
+        if not up:  # as ServeFleet's: a free spare, when there is one
+            return self.with_spare() or PlanRound(None, states, 0.0, 0.0, "no node answers")
+        return PlanRound(make_plan(plan_devices(up), self.profile(), self.options), states, 0.0, 0.0)
+
+    def watch(self, endpoints: Any) -> dict[str, str]:
+        return {ep: ("ok" if ep in self.answering else "refused") for ep in endpoints}
+
+
+PARTS = {"a": (("10.8.0.1:50052",), ("10.8.0.2:50052",)), "b": (("10.8.0.3:50052",),)}
+
+
+@pytest.fixture
+def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]]]]:
+    from fastapi.testclient import TestClient
+
+    from orchestrator.serve.app import create_app
+
+    made: list[tuple[Any, Router]] = []
+
+    def make(
+        parts: Mapping[str, tuple[tuple[str, ...], ...]] = PARTS, **config: Any
+    ) -> tuple[Any, dict[str, Rig]]:
+        rigs: dict[str, Rig] = {}
+        formations = []
+        for model, groups in parts.items():
+            for i, endpoints in enumerate(groups):
+                fleet = PartFleet(tiny_model, endpoints)
+                engines: list[Any] = []
+
+                def factory(
+                    plan: Plan,
+                    targets: Mapping[str, Target],
+                    fleet: PartFleet = fleet,
+                    engines: list[Any] = engines,
+                ) -> HttpEngine:
+                    engines.append(HttpEngine(plan, fleet, len(engines)))
+                    return engines[-1]  # type: ignore[no-any-return]
+
+                options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
+                backend = Backend(fleet, ServeConfig(**options), factory)
+                name = f"{model}#{i}"
+                rigs[name] = Rig(backend, fleet, engines)
+                formations.append(Formation(name, model, backend))
+        router = Router(formations)
+        router.start()
+        for rig_ in rigs.values():
+            rig_.wait_state({"ready"})
+        client = TestClient(create_app(router, api_key="k", model_name="a"))
+        client.headers["Authorization"] = "Bearer k"
+        made.append((client, router))
+        return client, rigs
+
+    yield make
+    for client, router in made:
+        client.close()
+        router.stop()
+
+
+def _stream(client: Any, model: str, tokens: int, results: list[Any]) -> None:
+    body = {"model": model, "prompt": "hi", "max_tokens": tokens, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        results.append((s.status_code, events))
+
+
+def _wait(check: Callable[[], bool], limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_requests_go_to_the_least_loaded_formation_of_their_model_and_streams_stay_there(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    client, rigs = routed(parallel=2, queue_size=0)
+    a0, a1, b0 = rigs["a#0"].engine, rigs["a#1"].engine, rigs["b#0"].engine
+    for engine in (a0, a1, b0):
+        engine.delay = 0.05
+    results: list[Any] = []
+    threads = [threading.Thread(target=_stream, args=(client, "a", 40, results)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # admitted one after the other: each goes where the load is least
+    _wait(lambda: a0.active + a1.active == 4)
+    assert (a0.active, a1.active, b0.active) == (2, 2, 0)  # spread, and never on model b's
+    refused = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 1})
+    assert refused.status_code == 429, refused.json()  # both formations' slots busy, no queue
+    other = client.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 2})
+    assert other.status_code == 200 and b0.bodies[-1]["model"] == "b"
+    health = client.get("/health").json()
+    assert health["status"] == "ready" and health["models"] == ["a", "b"]
+    busy = {f["name"]: f["slots_busy"] for f in health["formations"]}
+    assert busy == {"a#0": 2, "a#1": 2, "b#0": 0}, health
+    metrics = client.get("/metrics").text
+    assert 'rpcfleet_formation_slots_busy{formation="a#1",model="a"} 2' in metrics
+    assert 'rpcfleet_formation_node{formation="b#0",model="b",endpoint="10.8.0.3:50052"} 1' in metrics
+    for thread in threads:
+        thread.join(20)
+    assert [code for code, _ in results] == [200] * 4
+    assert all(len(events) == 41 for _, events in results)  # each stream whole, from one engine
+    assert len(a0.bodies) == len(a1.bodies) == 2
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["a", "b"]
+
+
+def test_an_unknown_model_is_404_naming_the_served_ones(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    client, _ = routed()
+    for body in ({"model": "c", "prompt": "x"}, {"prompt": "x"}):
+        answer = client.post("/v1/completions", json=body)
+        error = answer.json()["error"]
+        assert answer.status_code == 404 and error["param"] == "model", error
+        assert "served: a, b" in error["message"] and error["type"] == "not_found"
+    chat = client.post(
+        "/v1/chat/completions", json={"model": "zz", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert chat.status_code == 404 and "'zz' is not served" in chat.json()["error"]["message"]
+
+
+def test_a_lost_node_ends_only_its_formations_streams_and_the_others_keep_answering(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """20 rounds: 3 streams on a#0 and 3 on a#1; a#1's node dies: its streams end with 503 naming it,
+    a#0's finish, new requests go to a#0 while a#1 recovers, then a#1 takes its node back."""
+    client, rigs = routed({"a": PARTS["a"]}, parallel=3, queue_size=2)
+    for round_ in range(20):
+        a0, a1 = rigs["a#0"].engine, rigs["a#1"].engine
+        a0.delay = a1.delay = 0.01
+        results: list[Any] = []
+        threads = [threading.Thread(target=_stream, args=(client, "a", 60, results)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        _wait(lambda a0=a0, a1=a1: a0.active == 3 and a1.active == 3)  # type: ignore[misc]
+        rigs["a#1"].fleet.answering = set()
+        a1.die()
+        _wait(lambda: rigs["a#1"].backend.state == "recovering")
+        served = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
+        assert served.status_code == 200, (round_, served.json())  # a#0 answers meanwhile
+        for thread in threads:
+            thread.join(20)
+        lost = [events for code, events in results if "error" in events[-1]]
+        whole = [events for code, events in results if "error" not in events[-1]]
+        assert len(lost) == 3 and len(whole) == 3, round_
+        assert all(
+            e[-1]["error"]["code"] == 503 and e[-1]["error"]["lost"] == ["10.8.0.2:50052"] for e in lost
+        )
+        assert all(len(e) == 61 for e in whole)
+        health = client.get("/health").json()
+        states = {f["name"]: f["state"] for f in health["formations"]}
+        assert states == {"a#0": "ready", "a#1": "recovering"} and health["status"] == "degraded", health
+        rigs["a#1"].fleet.answering = {"10.8.0.2:50052"}
+        rigs["a#1"].wait_state({"ready"})
+    assert [f["recoveries"] for f in client.get("/health").json()["formations"]] == [0, 20]
+
+
+def test_none_serving_is_503_with_retry_after(routed: Callable[..., tuple[Any, dict[str, Rig]]]) -> None:
+    client, rigs = routed({"a": PARTS["a"]}, retry_interval=60.0)
+    for name in ("a#0", "a#1"):
+        rigs[name].fleet.answering = set()
+        rigs[name].engine.die()
+        rigs[name].wait_state({"recovering"})
+    answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 1})
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "2", answer.json()
+    assert "no formation of a is serving" in answer.json()["error"]["message"]
+    assert client.get("/health").status_code == 503
+
+
+def test_a_reload_goes_one_formation_at_a_time_and_the_model_never_answers_503(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    client, rigs = routed({"a": PARTS["a"]}, parallel=2)
+    codes: list[int] = []
+    done = threading.Event()
+    seen: list[tuple[str, str]] = []
+
+    def ask() -> None:
+        while not done.is_set():
+            answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
+            codes.append(answer.status_code)
+
+    def look() -> None:
+        while not done.is_set():
+            seen.append((rigs["a#0"].backend.state, rigs["a#1"].backend.state))
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)] + [threading.Thread(target=look)]
+    for thread in threads:
+        thread.start()
+    _wait(lambda: len(codes) > 10)
+    reload = client.post("/admin/reload", json={"rolling_restart": True})
+    assert reload.status_code == 202
+    _wait(lambda: all(r.fleet.restarts == 1 and r.backend.state == "ready" for r in rigs.values()))
+    time.sleep(0.1)
+    done.set()
+    for thread in threads:
+        thread.join(20)
+    assert codes and set(codes) == {200}, sorted(set(codes))
+    assert not any(s0 not in ("ready", "degraded") and s1 not in ("ready", "degraded") for s0, s1 in seen)
+    assert any(s0 != "ready" for s0, _ in seen) and any(s1 != "ready" for _, s1 in seen)  # both reloaded
+    assert [r.backend.metrics.reloads for r in rigs.values()] == [1, 1]
+    assert len(rigs["a#0"].engines) == len(rigs["a#1"].engines) == 2
+
+
+def test_a_formation_whose_nodes_are_gone_takes_a_free_spare(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """a#1's only node is lost: it re-plans with the spare (ServeFleet.with_spare) and serves again;
+    the spare is then no one else's."""
+    from orchestrator.serve.forming import SparePool
+
+    client, rigs = routed({"a": PARTS["a"]})
+    spare = Host(name="spare", address="10.8.0.9", rpc_port=50052)
+    pool = SparePool([spare])
+    for rig_ in rigs.values():
+        rig_.fleet.spares = pool
+    fleet = rigs["a#1"].fleet
+    fleet.answering = {"10.8.0.9:50052"}  # its own node is gone; the spare answers
+    rigs["a#1"].engine.die()
+    rigs["a#1"].wait_state({"degraded"})
+    health = rigs["a#1"].backend.health()
+    assert health["plan"]["endpoints"] == ["10.8.0.9:50052"] and health["lost"] == ["10.8.0.2:50052"], health
+    assert pool.take() is None
+    answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
+    assert answer.status_code == 200
+
+
+# -- plan and report --replicas, on real local servers
+
+
+def test_plan_and_report_with_replicas_print_the_formations_serve_would_choose(
+    start_rpc_server: Callable[..., Any], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.plugins.servers import write_local_inventory
+
+    servers = [start_rpc_server() for _ in range(3)]
+    inventory = write_local_inventory(
+        tmp_path / "inv.yml", {f"n{i}": {"rpc_port": s.port} for i, s in enumerate(servers)}
+    )
+    base = ["-i", str(inventory), "-m", str(tiny_model), "--ctx", "512", "--local-devices", ""]
+    assert main(["plan", *base, "--replicas", "auto", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [f["endpoints"] for f in data["formations"]] == [[s.endpoint] for s in servers]
+    planned = [[d["endpoint"] for d in f["plan"]["devices"]] for f in data["formations"]]
+    assert data["spares"] == [] and planned == [f["endpoints"] for f in data["formations"]]
+    assert main(["plan", *base, "--replicas", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    held = [ep for f in data["formations"] for ep in f["endpoints"]]
+    assert len(held) == 2 and sorted(held + data["spares"]) == sorted(s.endpoint for s in servers), data
+    assert main(["plan", *base, "--replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "formations (--replicas 2): 2" in out and f"spares: {data['spares'][0]}" in out, out
+    assert f"{tiny_model.stem}#1: 1 node(s) {data['formations'][1]['endpoints'][0]}" in out, out
+    assert main(["plan", *base, "--replicas", "4"]) == 1
+    assert "--replicas 4 asked, the nodes hold 3" in capsys.readouterr().err
+    assert main(["plan", *base, "--replicas", "auto", "--format", "llama-cli"]) == 2
+    base = base[:-2]  # report plans on the RPC servers only
+    assert main(["report", *base, "--replicas", "auto", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (len(report["formations"]) == 3 and "models" in report) or "fleet" in report, list(report)
+    assert main(["report", *base, "--replicas", "auto"]) == 0
+    assert "formations (--replicas auto): 3" in capsys.readouterr().out
+
+
+def test_the_exporter_gets_each_formation_with_its_own_requests_and_slots(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    from orchestrator.serve.observed import formations_of
+
+    client, rigs = routed(parallel=3)
+    for model in ("a", "a", "b"):
+        answer = client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+        assert answer.status_code == 200
+    router = Router([Formation(name, name.split("#")[0], rig_.backend) for name, rig_ in rigs.items()])
+    seen = {f.name: f for f in formations_of(router)}
+    assert {n: (f.model, f.nodes, f.slots, f.state) for n, f in seen.items()} == {
+        "a#0": ("a", ("10.8.0.1:50052",), 3, "ready"),
+        "a#1": ("a", ("10.8.0.2:50052",), 3, "ready"),
+        "b#0": ("b", ("10.8.0.3:50052",), 3, "ready"),
+    }
+    counts = {n: f.requests.get(("/v1/completions", 200), 0) for n, f in seen.items()}
+    assert counts == {"a#0": 1, "a#1": 1, "b#0": 1}, counts  # a's two went one to each formation
+    assert all(f.completion_tokens == 2 for f in seen.values())
