@@ -26,6 +26,7 @@ from typing import Any
 from _common import arg_parser, load_average, median, stamp, write_section
 
 from orchestrator.core.log import configure_logging
+from orchestrator.core.target import Target
 
 configure_logging("text", "WARNING")
 
@@ -82,10 +83,10 @@ def plan_for(hosts: list[Host], model: Path) -> Plan:
     return make_plan(to_plan_devices(fleet), profile_model(model), PlanOptions(n_ctx=1024))
 
 
-def one_round(plan: Plan, model: Path, dial: dict[str, str], tokens: int) -> dict[str, Any]:
+def one_round(plan: Plan, model: Path, targets: dict[str, Target], tokens: int) -> dict[str, Any]:
     with Worker.spawn() as worker:
         worker.wait_ready()
-        placement = worker.load(plan, model, {"seed": 0}, dial=dial)
+        placement = worker.load(plan, model, {"seed": 0}, targets=targets)
         done: Done | None = None
         for event in worker.complete(PROMPT, max_tokens=tokens, temperature=0.0, seed=0):
             if isinstance(event, Done):
@@ -116,8 +117,8 @@ def main() -> None:
             for mode in MODES:
                 transport, _, forwarder = mode.partition("/")
                 with Tunnels(forwarder or "openssh") as tunnels:  # type: ignore[arg-type]
-                    dial = tunnels.mapping(ssh) if transport == "ssh" else {}
-                    results[mode].append(one_round(plans[transport], model, dial, args.tokens))
+                    targets = tunnels.targets(ssh) if transport == "ssh" else {}
+                    results[mode].append(one_round(plans[transport], model, targets, args.tokens))
     finally:
         lab_down("benchtr")
     texts = {r["text"] for rs in results.values() for r in rs}

@@ -43,8 +43,9 @@ def __getattr__(name: str) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if name == "err_console" else sys.stdout
-    # Piped output (logs, CI, `| less`) gets room for wide tables instead of rich's 80 columns.
-    made = Console(stderr=name == "err_console", width=None if stream.isatty() else 160)
+    # Piped output (logs, CI, `| less`) gets room for wide tables instead of rich's 80 columns. No emoji
+    # codes: a user's "a:b:" (a bad host:port) would print as "a" and an emoji instead of what was typed.
+    made = Console(stderr=name == "err_console", width=None if stream.isatty() else 160, emoji=False)
     globals()[name] = made
     return made
 
@@ -173,6 +174,14 @@ def flag(parse: Callable[[Any], T]) -> Callable[[str], T]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return convert
+
+
+def address(text: str) -> str:
+    """A `--host` to listen on: an IPv4/IPv6 address or a hostname, read as an inventory's `address`
+    is (a `host:port` there is a usage error naming it, not a failure to bind later)."""
+    from orchestrator.inventory.variables import parse_address
+
+    return flag(parse_address)(text)
 
 
 # --- options accepted before or after the command -----------------------------------------------------------

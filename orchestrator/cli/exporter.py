@@ -31,7 +31,9 @@ def register(subparsers: Any) -> None:
             "never probed over RPC; a scrape never waits on the fleet."
         ),
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host", type=_common.address, default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
+    )
     parser.add_argument(
         "--port", type=_common.flag(fields.port), default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
     )

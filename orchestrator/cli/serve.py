@@ -60,7 +60,9 @@ def register(subparsers: Any) -> None:
     _planning.add_plan_option_args(parser)
     # llama-server's slots are the plan's sequences: the plan sizes their KV and compute
     parser.set_defaults(parallel=DEFAULT_PARALLEL)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host", type=_common.address, default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
+    )
     parser.add_argument("--port", type=_common.flag(fields.port), default=8080, help="port (default: 8080)")
     key = parser.add_mutually_exclusive_group()
     key.add_argument(

@@ -1,9 +1,10 @@
 """SSH local forwards to rpc-servers bound to their node's loopback (`rpc_transport: ssh`).
 
-The one place that maps a host to the endpoint this controller dials: `Tunnels.dial(host)` returns the
-host's own endpoint for `tcp`, and `127.0.0.1:<local port>` of a forward for `ssh` (one forward per
-host, opened on first use and reused; a dead one is opened again). Probes, readiness checks, plans,
-loads and `serve` all go through it; plans and reports keep naming `host.endpoint`.
+The one place that maps a host to the address this controller dials: `Tunnels.target(host)` is the
+host's `Target` (`core.target`): its endpoint, dialed directly for `tcp`, or through
+`127.0.0.1:<local port>` of a forward for `ssh` (one forward per host, opened on first use and reused;
+a dead one is opened again). Probes, readiness checks, loads and `serve` all dial through targets;
+plans, reports and errors name `host.endpoint` (`str(target)` adds "via" the forward).
 
 Two forwarders (measured in bench/transport.py, BENCHMARKS.md "transport"):
 - `openssh`: an OpenSSH master (`ssh -M -S sock -N -L ...`, a control socket to check on it), one
@@ -27,13 +28,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from orchestrator.core.errors import HostKeyError, InputError, RpcfleetError, UnreachableError
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 
 if TYPE_CHECKING:
@@ -283,11 +285,11 @@ class Tunnels:
         self._host_locks: dict[tuple[object, ...], threading.Lock] = {}
         self._loop: LoopThread | None = None
 
-    def dial(self, host: Host) -> str:
-        """The endpoint this controller connects to for `host`'s server ("host:port")."""
+    def target(self, host: Host) -> Target:
+        """`host`'s server: its endpoint and the address this controller connects to for it."""
         if not host.tunneled:
-            return host.endpoint
-        return f"127.0.0.1:{self.tunnel(host).local_port}"
+            return Target.direct(host.endpoint)
+        return Target(host.endpoint, f"127.0.0.1:{self.tunnel(host).local_port}")
 
     def tunnel(self, host: Host) -> Tunnel:
         """The live forward of `host` (opened now when there is none or it died)."""
@@ -317,21 +319,25 @@ class Tunnels:
                 self._open[key] = made
             return made
 
-    def mapping(self, hosts: Iterable[Host]) -> dict[str, str]:
-        """Real endpoint -> dialed endpoint for the hosts that are tunneled (what a worker load takes);
-        the forwards that are missing are opened in parallel."""
+    def targets(self, hosts: Iterable[Host]) -> dict[str, Target]:
+        """Endpoint -> target of each host (what a worker load or an engine takes); the forwards that
+        are missing are opened in parallel."""
+        hosts = list(hosts)
         tunneled = [h for h in hosts if h.tunneled]
+        found = {h.endpoint: Target.direct(h.endpoint) for h in hosts if not h.tunneled}
         if len(tunneled) > 1:
             from orchestrator.engine.threads import thread_pool  # the runtime's (see pyproject)
 
             with thread_pool(min(8, len(tunneled)), "rpcfleet-forward-open") as pool:
-                return dict(zip((h.endpoint for h in tunneled), pool.map(self.dial, tunneled), strict=True))
-        return {h.endpoint: self.dial(h) for h in tunneled}
+                found.update((t.endpoint, t) for t in pool.map(self.target, tunneled))
+        else:
+            found.update((h.endpoint, self.target(h)) for h in tunneled)
+        return found
 
-    async def dial_async(self, host: Host) -> str:
+    async def target_async(self, host: Host) -> Target:
         if not host.tunneled:
-            return host.endpoint
-        return await asyncio.to_thread(self.dial, host)
+            return Target.direct(host.endpoint)
+        return await asyncio.to_thread(self.target, host)
 
     def close(self) -> None:
         with self._lock:
@@ -374,13 +380,8 @@ def close_default_tunnels() -> None:
         tunnels.close()
 
 
-async def dial_endpoint(host: Host) -> str:
-    """The endpoint this controller dials for `host` (the host's own one unless `rpc_transport: ssh`)."""
+async def target_of(host: Host) -> Target:
+    """`host`'s target through this process's tunnels (dialed directly unless `rpc_transport: ssh`)."""
     if not host.tunneled:
-        return host.endpoint
-    return await default_tunnels().dial_async(host)
-
-
-def real_names(dialed: Mapping[str, str]) -> dict[str, str]:
-    """Dialed endpoint -> real endpoint (to name what a probe of a forward found)."""
-    return {local: real for real, local in dialed.items()}
+        return Target.direct(host.endpoint)
+    return await default_tunnels().target_async(host)

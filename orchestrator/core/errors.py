@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self, TypeVar
+
+from orchestrator.core.target import Target
 
 
 def tail(text: str, lines: int = 8) -> str:
@@ -18,25 +21,94 @@ def tail(text: str, lines: int = 8) -> str:
 
 
 class RpcfleetError(Exception):
-    """Root of every error rpcfleet raises on purpose."""
+    """Root of every error rpcfleet raises on purpose.
+
+    Immutable once built: an error may be shared (one failed attempt raised to every caller of
+    `engine.shared.Shared`), so no layer may change it for another. A layer that knows more makes a copy:
+    `with_host`, `with_hint` (same type, message, cause and other fields). A subclass sets its own fields
+    before calling `super().__init__`, which freezes the error."""
 
     def __init__(
         self,
         message: str,
         *,
-        host: str | None = None,
+        host: str | Target | None = None,
         command: str | None = None,
         exit_status: int | None = None,
         stderr: str | None = None,
         hint: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.message = message
-        self.host = host
-        self.command = command
-        self.exit_status = exit_status
-        self.stderr_tail = tail(stderr) if stderr else None
-        self.hint = hint
+        self._message = message
+        self._host, self._target = where(host)
+        self._command = command
+        self._exit_status = exit_status
+        self._stderr_tail = tail(stderr) if stderr else None
+        self._hint = hint
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Dunders stay settable: the interpreter keeps __traceback__, __cause__, __notes__ on them.
+        if self.__dict__.get("_frozen") and not (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(
+                f"{type(self).__name__} is immutable: {name} cannot be set (use with_host/with_hint)"
+            )
+        super().__setattr__(name, value)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+    @property
+    def message(self) -> str:
+        return self._message
+
+    @property
+    def host(self) -> str | None:
+        return self._host
+
+    @property
+    def target(self) -> Target | None:
+        """The server's endpoint and the address dialed for it, when the error is about one."""
+        return self._target
+
+    @property
+    def command(self) -> str | None:
+        return self._command
+
+    @property
+    def exit_status(self) -> int | None:
+        return self._exit_status
+
+    @property
+    def stderr_tail(self) -> str | None:
+        return self._stderr_tail
+
+    @property
+    def hint(self) -> str | None:
+        return self._hint
+
+    def with_host(self, host: str | Target | None) -> Self:
+        """A copy naming `host` (the same error, seen from the layer that knows where it happened)."""
+        name, target = where(host)
+        return self.replaced(_host=name, _target=target)
+
+    def with_hint(self, hint: str | None) -> Self:
+        """A copy with `hint` (what to do about it) instead of this one's."""
+        return self.replaced(_hint=hint)
+
+    def with_stderr(self, stderr: str, lines: int = 8) -> Self:
+        """A copy showing the last `lines` lines of `stderr` (what the command said on its way out)."""
+        return self.replaced(_stderr_tail=tail(stderr, lines) or None)
+
+    def replaced(self, **fields: object) -> Self:
+        """A copy with some stored fields (`_host`, `_stderr_tail`, a subclass's) replaced; made without
+        calling `__init__`, whose arguments differ by subclass. The cause and context are kept."""
+        clone = rebuild_error(type(self), self.args, {**self.__dict__, **fields})
+        clone.__cause__ = self.__cause__
+        clone.__context__ = self.__context__
+        clone.__suppress_context__ = self.__suppress_context__
+        clone.__traceback__ = self.__traceback__
+        return clone
 
     def __str__(self) -> str:
         return self.describe()
@@ -44,7 +116,8 @@ class RpcfleetError(Exception):
     def describe(self, *, with_host: bool = True) -> str:
         """The message with its command, stderr and hint; `with_host=False` where the host is already
         named (a recap row, a table cell), so that it is not said twice."""
-        parts = [f"{self.host}: {self.message}" if self.host and with_host else self.message]
+        named = str(self._target) if self._target is not None else self.host
+        parts = [f"{named}: {self.message}" if named and with_host else self.message]
         if self.command is not None:
             status = "" if self.exit_status is None else f" (exit status {self.exit_status})"
             parts.append(f"  command: {self.command}{status}")
@@ -53,6 +126,24 @@ class RpcfleetError(Exception):
         if self.hint:
             parts.append(f"  hint: {self.hint}")
         return "\n".join(parts)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def where(host: str | Target | None) -> tuple[str | None, Target | None]:
+    """An error's host (a target names its endpoint) and its target (kept only when tunneled: else
+    the host says all)."""
+    if isinstance(host, Target):
+        return host.endpoint, host if host.tunneled else None
+    return host, None
+
+
+def rebuild_error(cls: type[E], args: tuple[object, ...], fields: dict[str, object]) -> E:
+    """An error of `cls` with `args` and the stored `fields`, without its `__init__` (copies, pickles)."""
+    made = cls.__new__(cls, *args)
+    made.__dict__.update(fields)  # bypasses the frozen check: this is still building it
+    return made
 
 
 @dataclass(frozen=True)
@@ -77,11 +168,15 @@ class InputError(RpcfleetError):
     """Bad user input in a file (inventory, playbook, plan) or on the command line."""
 
     def __init__(self, message: str, location: SourceLocation | None = None, *, hint: str | None = None):
-        self.location = location
+        self._location = location
         text = f"{location}: {message}" if location else message
         if location and location.snippet:
             text += f"\n    {location.snippet.strip()}"
         super().__init__(text, hint=hint)
+
+    @property
+    def location(self) -> SourceLocation | None:
+        return self._location
 
 
 class InventoryError(InputError):
@@ -124,8 +219,8 @@ class CommandTimeoutError(HostError):
     """A command did not finish within its timeout; the output received so far is kept."""
 
     def __init__(self, message: str, *, stdout: str = "", stderr: str = "", **kw: object) -> None:
-        super().__init__(message, stderr=stderr, **kw)  # type: ignore[arg-type]
         self.stdout = stdout
+        super().__init__(message, stderr=stderr, **kw)  # type: ignore[arg-type]
 
 
 class NodeScriptError(HostError):
@@ -134,9 +229,9 @@ class NodeScriptError(HostError):
     failed another way)."""
 
     def __init__(self, message: str, *, script: str, reported: str | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
         self.script = script
         self.reported = reported
+        super().__init__(message, **kw)  # type: ignore[arg-type]
 
 
 class TransferError(HostError):

@@ -334,7 +334,7 @@ class Session:
         results: list[HostResult[T]] = []
         for host in hosts:
             error = refused[host.name]
-            error.host = error.host or host.name
+            error = error if error.host else error.with_host(host.name)
             result: HostResult[T] = HostResult(host, _status_of(error), error=error, message=error.message)
             results.append(result)
             if on_result:
@@ -419,7 +419,7 @@ class Session:
                 context.log.exception("step_crashed", step=step_name)
                 status, error = "failed", RpcfleetError(f"{step_name} crashed: {type(exc).__name__}: {exc}")
             if error is not None:
-                error.host = error.host or host.name
+                error = error if error.host else error.with_host(host.name)
                 message = error.message
             result = HostResult(host, status, value, error, message, time.monotonic() - started)
         context.log.info("step_done", step=step_name, status=status, duration=round(result.duration, 3))

@@ -11,8 +11,8 @@ The failure rule, the same for every user:
   retried by later callers: in one run, what failed for one host fails alike for the next instead of
   being tried again (a fleet probe or a plan is not repeated per batch of hosts, a download that
   timed out does not time out once per host).
-* Each caller gets its own copy of the error (same type and attributes), so that stamping a host on
-  it for one caller does not change it for another.
+* Every caller gets the same error: rpcfleet's errors are immutable (a caller that names a host on it
+  makes a copy, `with_host`), so one caller cannot change it for another.
 * Only an attempt that was itself cancelled (by `clear`) is forgotten: the next caller starts anew.
 """
 
@@ -37,10 +37,7 @@ class Shared(Generic[K, T]):
         if attempt is None or attempt.cancelled():
             attempt = asyncio.ensure_future(make())
             self._attempts[key] = attempt
-        try:
-            return await asyncio.shield(attempt)
-        except Exception as exc:
-            raise copy_error(exc) from exc
+        return await asyncio.shield(attempt)
 
     async def clear(self) -> list[T]:
         """Forget every key: cancel the attempts still running, wait for them, and return the values of
@@ -79,11 +76,3 @@ async def gather_bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int
             return await call()
 
     return list(await asyncio.gather(*(one(c) for c in calls)))
-
-
-def copy_error(exc: Exception) -> Exception:
-    """A shallow copy of `exc`, made without calling its `__init__` (some take other arguments than
-    `args`, such as PlaybookErrors' list of errors)."""
-    clone = type(exc).__new__(type(exc), *exc.args)
-    clone.__dict__.update(exc.__dict__)
-    return clone

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import yaml
 
-from orchestrator.core.errors import InventoryError
+from orchestrator.core.errors import InventoryError, SourceLocation
 from orchestrator.core.paths import default_lab_inventory_file
 from orchestrator.inventory.model import Group, Host, Inventory, server_hosts
 from orchestrator.inventory.readers import SECTION, Builder, RawHost, RawVar, parse_ini, parse_yaml
@@ -267,7 +267,10 @@ class InventoryErrors(InventoryError):
     def __init__(self, errors: Sequence[InventoryError]) -> None:
         self.errors = tuple(errors)
         super().__init__("\n".join(err.message for err in self.errors))  # each message has its location
-        self.location = self.errors[0].location
+
+    @property
+    def location(self) -> SourceLocation | None:
+        return self.errors[0].location
 
 
 def _collected(errors: Sequence[InventoryError]) -> InventoryError:

@@ -75,7 +75,7 @@ class Host:
         """The rpc endpoint clients connect to, "host:port" (a wildcard bind is reached at `address`).
 
         With `rpc_transport: ssh` it is the node's address and port, the name plans and reports use;
-        the controller dials a local forward instead (`orchestrator.connectors.tunnel.dial_endpoint`)."""
+        the controller dials a local forward instead (`orchestrator.connectors.tunnel.target_of`)."""
         wildcard = self.rpc_host in _WILDCARD_BINDS or self.tunneled
         target = self.address if wildcard else self.rpc_host
         if ":" in target:

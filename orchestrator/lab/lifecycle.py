@@ -493,15 +493,20 @@ def check_variables(variables: Mapping[str, Any], node: int | None = None) -> di
 
 
 def _check_document(variables: Mapping[str, Any], flag: str) -> None:
-    document = {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}}
-    try:
-        checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
-    except InventoryError as err:
-        message = _without_location(err.message).replace("host 'labcheck': ", "")
-        raise InventoryError(f"{flag}: {message}") from None
-    if checked.warnings:  # a typo here would silently do nothing on every node: refused, not kept
-        found = "; ".join(_without_location(w) for w in checked.warnings).replace(" is kept as is", "")
-        raise InventoryError(f"{flag}: {found}")
+    # As group vars (an unknown name is only warned about there) and on a host itself (where the host's
+    # own address would otherwise hide a bad `--var N:address=x:y`).
+    for document in (
+        {"vars": dict(variables), "hosts": {"labcheck": {"address": "127.0.0.1"}}},
+        {"hosts": {"labcheck": {"address": "127.0.0.1", **variables}}},
+    ):
+        try:
+            checked = load_inventory_text(yaml.safe_dump(document), path=Path("--var"))
+        except InventoryError as err:
+            message = _without_location(err.message).replace("host 'labcheck': ", "")
+            raise InventoryError(f"{flag}: {message}") from None
+        if checked.warnings:  # a typo here would silently do nothing on every node: refused, not kept
+            found = "; ".join(_without_location(w) for w in checked.warnings).replace(" is kept as is", "")
+            raise InventoryError(f"{flag}: {found}")
 
 
 def _without_location(text: str) -> str:

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.core.errors import LoaderError
@@ -71,20 +71,6 @@ class Placement:
     used_devices: tuple[tuple[str, str], ...]  # (name, description) llama.cpp reported using, in order
     load_seconds: float
     log: tuple[str, ...] = field(repr=False)
-
-    def with_endpoints(self, names: Mapping[str, str]) -> Placement:
-        """This placement with the endpoints in `names` (and their labels) renamed: what a load through
-        forwards (`Plan.with_endpoints`) reports under the plan's own names."""
-        if not names:
-            return self
-        devices = []
-        for d in self.devices:
-            if d.endpoint is None or d.endpoint not in names:
-                devices.append(d)
-                continue
-            real = names[d.endpoint]
-            devices.append(replace(d, endpoint=real, label=d.label.replace(d.endpoint, real, 1)))
-        return replace(self, devices=tuple(devices))
 
     @property
     def layers_as_planned(self) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 from orchestrator.artifacts.local_protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
-from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
@@ -277,19 +277,18 @@ class Collector:
 
         async def one(host: Host) -> ProbeResult:
             try:
-                target = await dial_endpoint(host)
+                target = await target_of(host)
             except RpcfleetError as exc:
                 return ProbeResult(
                     host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0
                 )
-            result = await probe_endpoint(
+            return await probe_endpoint(
                 target,
                 expected=client,
                 connect_timeout=self.timeout,
                 read_timeout=self.timeout,
                 deadline=self.timeout,
             )
-            return replace(result, endpoint=host.endpoint)
 
         results = await gather_bounded([functools.partial(one, h) for h in chosen.values()], self.forks)
         return dict(zip(chosen, results, strict=True))

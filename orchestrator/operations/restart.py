@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
 from orchestrator.connectors.nodescript import would_run
-from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.units import format_size
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
@@ -136,7 +136,7 @@ async def _device_memory(host: Host) -> tuple[DeviceMemory, ...] | None:
     if host.binds_own_loopback:
         return None
     result = await probe_endpoint(
-        await dial_endpoint(host),
+        await target_of(host),
         connect_timeout=_MEMORY_PROBE_TIMEOUT,
         read_timeout=_MEMORY_PROBE_TIMEOUT,
         deadline=_MEMORY_PROBE_TIMEOUT * 1.5,

@@ -85,12 +85,12 @@ async def load_check(
     if any(h.rpc_cache for h in wanted):  # refuse a truncated cache file before llama.cpp reads it
         async with Session() as session:
             await prepare_caches(session, wanted, plan, model, warm="never")
-    dial = await asyncio.to_thread(default_tunnels().mapping, wanted) if wanted else {}
+    targets = await asyncio.to_thread(default_tunnels().targets, wanted) if wanted else {}
 
     worker = Worker.spawn()
     try:
         placement = await asyncio.to_thread(
-            worker.load, plan, model, verbose=False, timeout=limit_s, dial=dial
+            worker.load, plan, model, verbose=False, timeout=limit_s, targets=targets
         )
     except BaseException:
         worker.kill()  # a cancellation leaves the waiting thread behind: the kill ends its wait

@@ -73,7 +73,10 @@ class PlaybookErrors(PlaybookError):
     def __init__(self, errors: Sequence[PlaybookError]) -> None:
         self.errors = tuple(errors)
         super().__init__("\n".join(err.message for err in self.errors))
-        self.location = self.errors[0].location
+
+    @property
+    def location(self) -> SourceLocation | None:
+        return self.errors[0].location
 
 
 @dataclass

@@ -59,12 +59,12 @@ import dataclasses
 import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from orchestrator.artifacts.local_protocol import cached_local_protocol_version
 from orchestrator.connectors.base import ConnectOptions
-from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
@@ -311,13 +311,12 @@ async def _probe_rpc(host: Host, timeout: float, expected: ProtocolVersion | Non
     if why is not None:
         return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), why, 0.0)
     try:
-        target = await dial_endpoint(host)
+        target = await target_of(host)
     except RpcfleetError as exc:  # the SSH forward could not be opened: the server is unreachable
         return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0)
-    result = await probe_endpoint(
+    return await probe_endpoint(
         target, expected=expected, connect_timeout=timeout, read_timeout=timeout, deadline=timeout
     )
-    return replace(result, endpoint=host.endpoint)  # plans and reports name the real host
 
 
 async def probe_fleet(

@@ -34,6 +34,7 @@ import struct
 import time
 from collections.abc import Iterable, Sequence
 
+from orchestrator.core.target import Target
 from orchestrator.rpc.errors import error_for
 from orchestrator.rpc.records import (
     CLIENT_PROTOCOL,
@@ -184,7 +185,7 @@ async def _legacy_hello(
 
 
 async def probe_endpoint(
-    endpoint: str,
+    endpoint: str | Target,
     *,
     expected: ProtocolVersion | None = None,
     connect_timeout: float = 2.0,
@@ -200,21 +201,24 @@ async def probe_endpoint(
     empty HELLO of servers older than protocol 3: one that answers is a `version_mismatch` naming its
     version.
     `read_timeout` bounds each reply, `deadline` the whole probe, connect included.
+    A `Target` is dialed at `target.dial`; its result names `target.endpoint` and keeps the dial.
     """
-    parsed = parse_endpoint(endpoint)
+    target = endpoint if isinstance(endpoint, Target) else None
+    parsed = parse_endpoint(endpoint.dial if isinstance(endpoint, Target) else endpoint)
+    dial = target.dial if target is not None and target.tunneled else None
     client = expected if expected is not None else CLIENT_PROTOCOL
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     deadline_at = loop.time() + deadline
-    name = str(parsed)
+    name = target.endpoint if target is not None else str(parsed)
     version: ProtocolVersion | None = None
     devices: list[DeviceMemory] = []
     local: str | None = None
 
     def result(outcome: Outcome, message: str) -> ProbeResult:
         elapsed = time.monotonic() - started
-        res = ProbeResult(name, outcome, version, tuple(devices), message, elapsed, local)
-        log.debug("rpc_probe", endpoint=name, outcome=str(outcome), elapsed=round(res.elapsed, 4))
+        res = ProbeResult(name, outcome, version, tuple(devices), message, elapsed, local, dial)
+        log.debug("rpc_probe", endpoint=str(res.target), outcome=str(outcome), elapsed=round(res.elapsed, 4))
         return res
 
     try:
@@ -279,7 +283,7 @@ async def probe_endpoint(
 
 
 async def probe_endpoint_or_raise(
-    endpoint: str,
+    endpoint: str | Target,
     *,
     expected: ProtocolVersion | None = None,
     connect_timeout: float = 2.0,
@@ -310,7 +314,7 @@ def unique_endpoints(endpoints: Iterable[str]) -> list[Endpoint]:
 
 
 async def probe_endpoints(
-    endpoints: Iterable[str],
+    endpoints: Iterable[str | Target],
     *,
     expected: ProtocolVersion | None = None,
     connect_timeout: float = 2.0,
@@ -320,21 +324,25 @@ async def probe_endpoints(
 ) -> list[ProbeResult]:
     """Probe distinct endpoints concurrently; one result per distinct endpoint, first-seen order.
 
-    Duplicates are probed once: two probes of one server at once would make one of them `busy`.
+    Duplicates (the same address dialed) are probed once: two probes of one server at once would make
+    one of them `busy`. A `Target`'s result names its endpoint (`probe_endpoint`).
     """
-    unique = unique_endpoints(endpoints)
+    unique: dict[Endpoint, str | Target] = {}
+    for item in endpoints:
+        parsed = parse_endpoint(item.dial if isinstance(item, Target) else item)
+        unique.setdefault(parsed, item if isinstance(item, Target) else str(parsed))
     return list(
         await asyncio.gather(
             *(
                 probe_endpoint(
-                    str(ep),
+                    item,
                     expected=expected,
                     connect_timeout=connect_timeout,
                     read_timeout=read_timeout,
                     deadline=deadline,
                     hello_only=hello_only,
                 )
-                for ep in unique
+                for item in unique.values()
             )
         )
     )

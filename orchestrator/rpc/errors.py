@@ -14,8 +14,8 @@ class EndpointProbeError(ProbeError):
     version included, for a version mismatch)."""
 
     def __init__(self, result: ProbeResult, message: str, *, hint: str | None = None) -> None:
-        super().__init__(message, host=result.endpoint, hint=hint)
         self.result = result
+        super().__init__(message, host=result.target, hint=hint)
 
     @property
     def outcome(self) -> Outcome:
@@ -58,11 +58,16 @@ _HINTS: Mapping[Outcome, str | None] = {
 }
 
 
-def error_for(result: ProbeResult, doing: str | None = None) -> EndpointProbeError:
+def error_for(
+    result: ProbeResult, doing: str | None = None, *, also: str | None = None
+) -> EndpointProbeError:
     """The typed error for a non-ok result: `outcome: message`, after `doing` when given (e.g.
-    "refused before loading")."""
+    "refused before loading"), and `also` after it (the other endpoints that were refused)."""
     if result.ok:
         raise ValueError("an ok probe result has no error")
     cls = ERROR_FOR_OUTCOME[result.outcome]
     message = f"{result.outcome}: {result.message}"
-    return cls(result, f"{doing}: {message}" if doing else message, hint=_HINTS[result.outcome])
+    message = f"{doing}: {message}" if doing else message
+    if also:
+        message += f" (also refused: {also})"
+    return cls(result, message, hint=_HINTS[result.outcome])

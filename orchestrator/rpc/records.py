@@ -10,6 +10,7 @@ from enum import StrEnum
 
 from orchestrator.core.errors import InputError, ProbeError
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target
 
 log = get_logger()
 
@@ -110,6 +111,12 @@ class ProbeResult:
     # This probe's own address ("host:port", "[v6]:port") as the server sees the peer (no NAT between):
     # `ss` on the server lists it among the clients while the probe runs. None: never connected.
     local_address: str | None = None
+    # The address dialed for `endpoint` when it differs (an SSH forward); None: the endpoint itself.
+    dial: str | None = None
+
+    @property
+    def target(self) -> Target:
+        return Target(self.endpoint, self.dial or self.endpoint)
 
     @property
     def ok(self) -> bool:

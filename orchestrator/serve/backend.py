@@ -72,9 +72,9 @@ class Rejected(RpcfleetError):
     """A request that is not served: `status` (429, 503) and `retry_after` (seconds, for a 503)."""
 
     def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -435,7 +435,7 @@ class Backend:
         phases = {"cache": time.monotonic() - started} if prep is not None else {}
         started = time.monotonic()
         try:
-            engine = self.engines(plan, self.fleet.dial_map())
+            engine = self.engines(plan, self.fleet.targets())
         except RpcfleetError as exc:
             self.reason = f"loading failed: {exc.message}"
             return False

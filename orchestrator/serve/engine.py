@@ -20,7 +20,6 @@ their sockets are found, tuned and measured with `engine.children` too, as the w
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import secrets
 import socket
@@ -32,10 +31,11 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target, dial_addresses, targets_for
 from orchestrator.engine.children import (
     child_log_path,
     connections_to,
@@ -62,7 +62,9 @@ KEY_ENV = "LLAMA_API_KEY"  # llama-server's --api-key, from its environment (own
 class EngineError(RpcfleetError):
     """The engine could not start or load, or it died; `lost` names the endpoints that stopped answering."""
 
-    lost: tuple[str, ...] = ()
+    def __init__(self, message: str, *, lost: tuple[str, ...] = (), **kw: Any) -> None:
+        self.lost = lost
+        super().__init__(message, **kw)
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,10 @@ class Engine(Protocol):
     def log_tail(self) -> str | None: ...
 
 
-EngineFactory = Callable[[Plan, Mapping[str, str]], Engine]
+EngineFactory = Callable[[Plan, Mapping[str, Target]], Engine]
 
 
-def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, port: int) -> list[str]:
+def engine_args(plan: Plan, targets: Mapping[str, Target], options: EngineOptions, port: int) -> list[str]:
     """llama-server's arguments for `plan` (its devices, split, layers, context, KV types: the arguments
     `plan --format llama-cli` prints, with the endpoints it dials), its slots and chat template, on
     127.0.0.1:`port`. The N slots split the plan's context (its KV cache, as planned): `c/N` each. Not
@@ -132,7 +134,7 @@ def engine_args(plan: Plan, dial: Mapping[str, str], options: EngineOptions, por
     CPU nodes a second burst of 4 requests took 135 s instead of 8. Flash attention is the plan's (`-fa
     on` by default, llama-server's `auto` on these devices): with `-fa off` serve reached 0.31x of
     llama-server by hand at 8 clients (bench/serve.py)."""
-    args = llama_cli_args(plan.with_endpoints(dict(dial)), options.model_path)
+    args = llama_cli_args(plan.with_endpoints(dial_addresses(targets.values())), options.model_path)
     args += ["-b", str(plan.options.n_batch)]  # the plan's own --parallel (its sequences) is in there
     args += ["--host", "127.0.0.1", "--port", str(port)]
     args += ["--alias", options.model_name, "--metrics", "--slots", "--no-webui"]
@@ -156,13 +158,13 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """llama-server on `plan`, dialing `dial`'s endpoints (SSH forwards), on a free loopback port."""
+    """llama-server on `plan`, dialing its endpoints' `targets` (SSH forwards), on a free loopback port."""
 
     SAMPLE_INTERVAL = 0.25  # seconds between two looks at the engine during its load (and its sockets)
 
-    def __init__(self, plan: Plan, dial: Mapping[str, str], options: EngineOptions) -> None:
+    def __init__(self, plan: Plan, targets: Mapping[str, Target], options: EngineOptions) -> None:
         self.plan = plan
-        self.dial = {ep: dial.get(ep, ep) for ep in plan.endpoints}
+        self.targets = {t.endpoint: t for t in targets_for(plan.endpoints, targets)}
         self.options = options
         self.port = _free_port()
         # Its own key, never on argv (`ps`): any local user can reach a loopback port, and llama-server's
@@ -174,8 +176,8 @@ class LlamaServer:
             else child_log_path("engine", unique=True)
         )
         self._process: subprocess.Popen[bytes] | None = None
-        dialed = {real: parse_endpoint(ep) for real, ep in self.dial.items()}  # a forward: its address
-        self._peers = peers_of({real: (ep.host, ep.port) for real, ep in dialed.items()})
+        dialed = {ep: parse_endpoint(t.dial) for ep, t in self.targets.items()}  # a forward: its address
+        self._peers = peers_of({ep: (address.host, address.port) for ep, address in dialed.items()})
         self._tuned: set[tuple[str, int, int]] = set()  # (address, port, local port) already tuned
         self._closing = False
         self._tuner: threading.Thread | None = None
@@ -198,7 +200,7 @@ class LlamaServer:
 
     @property
     def argv(self) -> list[str]:
-        return [str(self.options.binary), *engine_args(self.plan, self.dial, self.options, self.port)]
+        return [str(self.options.binary), *engine_args(self.plan, self.targets, self.options, self.port)]
 
     def load(
         self,
@@ -217,7 +219,7 @@ class LlamaServer:
             stdin=subprocess.DEVNULL,
             die_with_parent=True,
         )
-        tracker = ProgressTracker(planned_bytes(self.plan), {}, dict(cache_hits or {}))
+        tracker = ProgressTracker(planned_bytes(self.plan), dict(cache_hits or {}))
         to_send = sum(max(0, n - (cache_hits or {}).get(ep, 0)) for ep, n in planned_bytes(self.plan).items())
         while True:
             if self._process.poll() is not None:
@@ -252,7 +254,7 @@ class LlamaServer:
     def tune_and_count(self) -> dict[str, int]:
         """Tune the engine's new RPC connections (keepalive, user timeout) and return, per plan endpoint,
         the bytes its server acknowledged on them."""
-        sent = dict.fromkeys(self.dial, 0)
+        sent = dict.fromkeys(self.targets, 0)
         if self._process is None or not self._peers:
             return sent
         for peer, sock in connections_to(set(self._peers), self._process.pid):
@@ -276,9 +278,9 @@ class LlamaServer:
         assert self._process is not None
         how = exit_description(self._process.wait())
         lost = self.diagnose()
-        err = EngineError(lost_message(lost, doing, how), stderr=self.log_tail())
-        err.lost = tuple(ep for ep, _ in lost)
-        return err
+        return EngineError(
+            lost_message(lost, doing, how), stderr=self.log_tail(), lost=tuple(ep for ep, _ in lost)
+        )
 
     def wait(self) -> str:
         assert self._process is not None
@@ -286,12 +288,11 @@ class LlamaServer:
 
     def probes(self) -> list[ProbeResult]:
         t = self.options.probe_timeout
-        endpoints = list(self.dial)
-        if not endpoints:
+        if not self.targets:
             return []
-        dialed = [self.dial[ep] for ep in endpoints]
-        found = run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
-        return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
+        return run_sync(
+            probe_endpoints(self.targets.values(), connect_timeout=t, read_timeout=t, deadline=t + 1)
+        )
 
     def diagnose(self) -> tuple[tuple[str, str], ...]:
         """(endpoint, outcome) of every plan endpoint that no longer answers."""
@@ -332,8 +333,8 @@ class LlamaServer:
 
 
 def llama_server_factory(options: EngineOptions) -> EngineFactory:
-    def make(plan: Plan, dial: Mapping[str, str]) -> Engine:
-        return LlamaServer(plan, dial, options)
+    def make(plan: Plan, targets: Mapping[str, Target]) -> Engine:
+        return LlamaServer(plan, targets, options)
 
     return make
 

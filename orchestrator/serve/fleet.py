@@ -1,5 +1,5 @@
 """The fleet as `serve` sees it: hosts → endpoints, probe and plan on the nodes that answer (the
-workflows' `plan_for_fleet`, `probe_hosts`, `prepare_load` and `dial_map`, on `run_sync`), and the
+workflows' `plan_for_fleet`, `probe_hosts`, `prepare_load` and `fleet_targets`, on `run_sync`), and the
 rolling restart of `restart --rolling` (the same playbook step, through the operations layer).
 
 `endpoint_of` is the one place that turns a host into the endpoint the worker connects to: a transport
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
@@ -25,14 +26,14 @@ from orchestrator.playbooks.runner import run_playbook
 from orchestrator.probe.fleet import FleetProbe
 from orchestrator.serve.forming import SparePool
 from orchestrator.workflows.fit import SERVE_WORDS
-from orchestrator.workflows.load import dial_map, prepare_load
+from orchestrator.workflows.load import fleet_targets, prepare_load
 from orchestrator.workflows.options import ProbeSettings
 from orchestrator.workflows.plan import PlanRound, plan_for_fleet, probe_hosts, states_of
 
 
 def endpoint_of(host: Host) -> str:
     """The endpoint that names `host` in plans, health and errors (the only host → endpoint mapping of
-    serve); with `rpc_transport: ssh` the worker dials a forward instead (`ServeFleet.dial_map`)."""
+    serve); with `rpc_transport: ssh` the engine dials a forward instead (`ServeFleet.targets`)."""
     return host.endpoint
 
 
@@ -65,9 +66,9 @@ class ServeFleet:
             self._local_gpus = list_local_gpus()
         return self._local_gpus
 
-    def dial_map(self) -> dict[str, str]:
-        """Plan endpoint -> the endpoint the worker dials (`workflows.load.dial_map`)."""
-        return dial_map(self.hosts)
+    def targets(self) -> dict[str, Target]:
+        """Plan endpoint -> its target, what the engine dials (`workflows.load.fleet_targets`)."""
+        return fleet_targets(self.hosts)
 
     @property
     def endpoints(self) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ asks of the fleet, each walking the stages below in flow order once.
 * `options`: the typed options of a planning request (probe settings, the one builder of `PlanOptions`);
 * `fit`: the one fit policy (does the plan fit; the error, or the warning under `--force`);
 * `plan`: `plan_for_fleet` -> `PlanRound` (probe, devices, local GPUs through the worker, plan, fit);
-* `load`: `dial_map` and `load_on_fleet` (cache check, warm, dial, load);
+* `load`: `fleet_targets` and `load_on_fleet` (cache check, warm, dial, load);
 * `dropin`: `orchestrator.Llama`, the drop-in for `llama_cpp.Llama` (imports llama_cpp: never imported
   by the others, nor by this package).
 

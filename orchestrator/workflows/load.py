@@ -1,6 +1,6 @@
 """`load_on_fleet`: load a plan through the fleet: the caches' check and warm (one session, all nodes in
-parallel), the endpoints to dial (SSH forwards), then the worker's load. `dial_map` is the one place that
-maps the plan's endpoints to the ones the worker dials."""
+parallel), the targets to dial (SSH forwards), then the worker's load. `fleet_targets` is the one place
+that gives the plan's endpoints the addresses the worker dials."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.connectors.tunnel import default_tunnels
+from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, RunResult, Session
 from orchestrator.engine.runtime import Runtime, run_sync
 from orchestrator.inventory.model import Host
@@ -23,12 +24,12 @@ if TYPE_CHECKING:
     from orchestrator.llama.worker.parent import Worker
 
 
-def dial_map(hosts: Iterable[Host], endpoints: Iterable[str] | None = None) -> dict[str, str]:
-    """Plan endpoint -> the endpoint the worker dials, for the `rpc_transport: ssh` hosts among `hosts`
-    (those serving `endpoints`, when given): their SSH forwards, opened now (or reopened after a dropped
-    tunnel) or reused from the probe; empty when every host is plain tcp."""
+def fleet_targets(hosts: Iterable[Host], endpoints: Iterable[str] | None = None) -> dict[str, Target]:
+    """Plan endpoint -> its target, for `hosts` (those serving `endpoints`, when given): the
+    `rpc_transport: ssh` ones through their SSH forwards, opened now (or reopened after a dropped
+    tunnel) or reused from the probe; the others dialed directly."""
     wanted = None if endpoints is None else set(endpoints)
-    return default_tunnels().mapping(h for h in hosts if wanted is None or h.endpoint in wanted)
+    return default_tunnels().targets(h for h in hosts if wanted is None or h.endpoint in wanted)
 
 
 @dataclass
@@ -132,13 +133,13 @@ def load_on_fleet(
         on_prepared(done)
     if done.interrupted:
         return done
-    dial = dial_map(hosts, plan.endpoints)
+    targets = fleet_targets(hosts, plan.endpoints)
     started = time.monotonic()
     done.placement = worker.load(
         plan,
         model,
         llama_kwargs,
-        dial=dial,
+        targets=targets,
         on_progress=on_progress,
         cache_hits=done.cache.hit_bytes if done.cache is not None else None,
     )

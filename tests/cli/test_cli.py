@@ -187,6 +187,9 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ),
     ("model info", ["model", "info", "{tmp}/not.gguf"], "{tmp}/not.gguf: not a GGUF file"),
     ("exporter", ["exporter", "--host", "10.1.2.3"], "--host 10.1.2.3 is not a loopback address"),
+    # a host:port where an address is asked: refused as it is parsed, naming it (was: a failure to bind)
+    ("exporter", ["exporter", "--host", "127.0.0.1:9100"], "--host: invalid address '127.0.0.1:9100'"),
+    ("serve", ["serve", "-m", "m.gguf", "--host", "[::1]:8080"], "--host: invalid address '[::1]:8080'"),
     ("exporter", ["exporter", "-i", "{tmp}/missing.yml"], "{tmp}/missing.yml"),
     ("exporter", ["exporter", "--api-key-file", "{tmp}/missing-key"], "--api-key-file {tmp}/missing-key"),
     # a missing model: one message from every command that reads one

@@ -74,6 +74,19 @@ async def test_every_host_gets_its_own_result() -> None:
     assert not recap.ok
 
 
+async def test_one_error_raised_on_every_host_is_named_per_host_and_left_as_it_was() -> None:
+    shared = UnreachableError("the artifact server is down", hint="start it")  # e.g. a shared attempt's
+
+    async def step(ctx: HostContext) -> StepOutcome[None]:
+        raise shared
+
+    async with Session(forks=3) as session:
+        run = await session.run(hosts(3), step, name="fetch")
+    assert [r.error.host for r in run.results if r.error] == ["n1", "n2", "n3"]
+    assert all(r.error is not None and r.error.hint == "start it" for r in run.results)
+    assert shared.host is None  # each host's result is a copy
+
+
 async def test_forks_limit_concurrency() -> None:
     running = 0
     peak = 0

@@ -58,6 +58,9 @@ def test_the_quota_lines_for_v1_and_v2(tmp_path: Path) -> None:
         (["--nodes", "2", "--var", "3:rpc_port=50060"], "no node 3"),
         (["--var", "x:rpc_port=1"], "N:KEY=VALUE"),
         (["--var", "1:rpc_servers=[50052, 50052]"], "both use port 50052"),
+        (["--var", "2:address=10.0.0.1:50052"], "--var 2:address=10.0.0.1:50052: address: invalid address"),
+        # As typed: rich once printed the ":b:" of "a:b: rpc_host" as an emoji.
+        (["--var", "rpc_host=a:b"], "--var rpc_host=a:b: rpc_host: 'a:b' is not an IPv4 address"),
     ],
 )
 def test_lab_up_flags_are_checked_before_anything_is_made(argv: list[str], message: str) -> None:
@@ -78,6 +81,9 @@ def test_lab_up_flags_are_checked_before_anything_is_made(argv: list[str], messa
     [
         ({"rpc_port": "abc"}, {}, "--var rpc_port=abc: rpc_port: expected an integer, got 'abc'"),
         ({"rpc_cahce": True}, {}, "--var rpc_cahce=true: unknown variable 'rpc_cahce' (did you mean"),
+        # A node's address: was hidden by the check's own host, and lab up wrote an unusable inventory.
+        ({}, {"2": {"address": "x:y"}}, "--var 2:address=x:y: address: invalid address 'x:y'"),
+        ({"address": "x:y"}, {}, "--var address=x:y: address: invalid address 'x:y'"),
         (
             {},
             {"1": {"rpc_servers": [50052, 50052]}},

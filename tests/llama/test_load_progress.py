@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.core.log import configure_logging
+from orchestrator.core.target import Target
 from orchestrator.llama.cache.plan import plan_cache
 from orchestrator.llama.worker.child import bytes_acked, endpoint_peers
 from orchestrator.llama.worker.load_progress import (
@@ -25,18 +26,17 @@ from orchestrator.llama.worker.parent import Worker
 from tests.plugins.cache import Node, plan_on_nodes
 
 
-def test_rates_eta_names_and_what_is_left_to_send() -> None:
+def test_rates_eta_and_what_is_left_to_send() -> None:
     tracker = ProgressTracker(
         {"10.0.0.1:50052": 100_000_000},
-        names={"127.0.0.1:4000": "10.0.0.1:50052"},
         skipped={"10.0.0.1:50052": 40_000_000},
     )
-    first = tracker.update(0.0, 0.0, {"127.0.0.1:4000": 0})
+    first = tracker.update(0.0, 0.0, {"10.0.0.1:50052": 0})
     assert first.eta_seconds is None and first.nodes[0].bytes_per_second == 0.0
-    early = tracker.update(0.1, 0.5, {"127.0.0.1:4000": 10_000_000})
+    early = tracker.update(0.1, 0.5, {"10.0.0.1:50052": 10_000_000})
     assert early.nodes[0].bytes_per_second == pytest.approx(20e6)  # from the load's start
-    tracker.update(0.3, 1.0, {"127.0.0.1:4000": 20_000_000})
-    later = tracker.update(0.5, 2.0, {"127.0.0.1:4000": 50_000_000})
+    tracker.update(0.3, 1.0, {"10.0.0.1:50052": 20_000_000})
+    later = tracker.update(0.5, 2.0, {"10.0.0.1:50052": 50_000_000})
     node = later.nodes[0]
     assert (node.endpoint, node.sent, node.planned, node.to_send) == (
         "10.0.0.1:50052",
@@ -47,8 +47,8 @@ def test_rates_eta_names_and_what_is_left_to_send() -> None:
     assert node.bytes_per_second == pytest.approx(30e6)  # 30 MB over the last second
     assert later.eta_seconds == pytest.approx(2.0)  # half done in 2 s
     # A node that is done: its rate falls to 0 within the window.
-    tracker.update(1.0, 2.5, {"127.0.0.1:4000": 60_000_000})
-    done = tracker.update(1.0, 3.6, {"127.0.0.1:4000": 60_000_000})
+    tracker.update(1.0, 2.5, {"10.0.0.1:50052": 60_000_000})
+    done = tracker.update(1.0, 3.6, {"10.0.0.1:50052": 60_000_000})
     assert done.nodes[0].bytes_per_second == 0.0
     log = done.as_log()
     assert log["percent"] == 100.0 and log["nodes"]["10.0.0.1:50052"]["to_send"] == 60_000_000
@@ -116,7 +116,7 @@ def test_bytes_acked_counts_what_the_peer_received() -> None:
     reader.start()
     port = listener.getsockname()[1]
     endpoint = f"127.0.0.1:{port}"
-    peers = endpoint_peers([endpoint])
+    peers = endpoint_peers([Target.direct(endpoint)])
     assert peers[("127.0.0.1", port)] == endpoint
     with socket.create_connection(("127.0.0.1", port)) as client:
         assert bytes_acked(peers)[endpoint] <= 1  # the SYN counts as one

@@ -20,6 +20,7 @@ import pytest
 
 import orchestrator.llama.native.preflight as llama_preflight
 from orchestrator.core.errors import LoaderError
+from orchestrator.core.target import Target
 from orchestrator.llama.errors import (
     DeviceMismatchError,
     EndpointBusyError,
@@ -363,6 +364,47 @@ def test_registrations_are_reused_and_never_leak(
 
 def _single_plan(endpoint: str, model: Path) -> Plan:
     return make_plan(plan_devices([endpoint]), profile_model(model), PlanOptions(n_ctx=256))
+
+
+def test_a_preflight_through_targets_names_the_plans_endpoints_and_words_the_forward(
+    tiny_model: Path,
+) -> None:
+    # The plan names servers by endpoints this machine cannot dial; the targets dial local stand-ins
+    # (as `rpc_transport: ssh` dials forwards). Pure Python: no native call.
+    a, b = "node-a.invalid:50052", "node-b.invalid:50052"
+    with fake_rpc_server(protocol(devices=((8 * GiB, 8 * GiB),))) as server:
+        targets = {a: Target(a, server.endpoint)}
+        assert preflight(_single_plan(a, tiny_model), targets=targets) == {a: 1}
+    gone, gone_too = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    plan = make_plan(plan_devices([a, b]), profile_model(tiny_model), PlanOptions(n_ctx=256))
+    with pytest.raises(EndpointUnreachableError) as info:
+        preflight(plan, targets={a: Target(a, gone), b: Target(b, gone_too)}, connect_timeout=0.5)
+    err = info.value
+    assert err.host == a and err.target == Target(a, gone) and err.result.endpoint == a
+    assert str(err).startswith(f"{a} (via {gone}): refused before loading: refused")
+    assert f"also refused: {b} (via {gone_too}): refused" in str(err)
+
+
+@pytest.mark.llama
+def test_a_load_through_targets_names_the_plans_endpoints(
+    start_rpc_server: Callable[..., Any], tiny_model: Path
+) -> None:
+    name = "node-c.invalid:50052"
+    server = start_rpc_server()
+    plan = _single_plan(name, tiny_model)
+    with fake_rpc_server(protocol(version=(8, 0, 0))) as newer:
+        with pytest.raises(ProtocolMismatchError) as info:
+            load_llama(plan, tiny_model, targets={name: Target(name, newer.endpoint)}, read_timeout=0.5)
+        assert info.value.host == name and str(info.value).startswith(f"{name} (via {newer.endpoint}): ")
+        assert newer.endpoint not in registered_endpoints()
+    llm = load_llama(plan, tiny_model, targets={name: Target(name, server.endpoint)})
+    try:
+        assert llm.rpcfleet_plan == plan
+        assert {d.endpoint for d in placement_of(llm).devices if d.endpoint} == {name}
+        assert [d.label for d in placement_of(llm).devices] == [d.label for d in plan.devices]
+        assert len(_generate(llm)) == 4
+    finally:
+        llm.close()
 
 
 @pytest.mark.llama

@@ -16,8 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from orchestrator.core.target import Target
 from orchestrator.llama.native.libllama import local_gpus
 from orchestrator.llama.observed_placement import build_placement
+from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.llama.worker.parent import Done, NodeLostError, Token, Worker, WorkerError, list_local_gpus
 from orchestrator.llama.worker.text_stream import TextStream
 from orchestrator.llama.worker.wire import (
@@ -59,12 +61,13 @@ def test_messages_and_placements_cross_the_pipe_unchanged(tiny_model: Path) -> N
 def test_local_gpus_cross_the_pipe_unchanged_and_malformed_ones_are_refused() -> None:
     gpus = [PlanDevice(None, 0, "CUDA0", "NVIDIA H200", 141 << 30, 140 << 30, 140 << 30, 128)]
     assert devices_from_json(json.loads(json.dumps(devices_to_json(gpus)))) == gpus
-    assert devices_from_json([]) == []
-    for bad in (None, [{"name": "CUDA0"}], [{**devices_to_json(gpus)[0], "free": "lots"}]):
+    assert devices_from_json({"devices": []}) == []
+    one = devices_to_json(gpus)["devices"][0]
+    for bad in (None, [one], {"devices": [{"name": "CUDA0"}]}, {"devices": [{**one, "free": "lots"}]}):
         with pytest.raises(ValueError):
             devices_from_json(bad)
     with pytest.raises(ValueError, match="no endpoint"):  # an RPC device is no local GPU
-        devices_from_json([{**devices_to_json(gpus)[0], "endpoint": "10.0.0.1:50052"}])
+        devices_from_json({"devices": [{**one, "endpoint": "10.0.0.1:50052"}]})
 
 
 def test_the_worker_lists_the_gpus_llama_cpp_sees_here() -> None:
@@ -313,3 +316,42 @@ def test_a_lost_node_during_a_request_fails_every_later_call(
             list(worker.complete(PROMPT))
     finally:
         worker.close()
+
+
+@pytest.mark.llama
+def test_a_load_through_targets_names_the_plans_endpoints_in_placement_progress_and_errors(
+    start_rpc_server: Callable[..., LocalServer], tiny_model: Path
+) -> None:
+    from orchestrator.llama.errors import EndpointUnreachableError
+    from tests.plugins.servers import free_port
+
+    # The plan names endpoints this machine cannot dial; the targets dial local servers instead, as
+    # `rpc_transport: ssh` dials forwards. Nothing renames anything afterwards.
+    servers = [start_rpc_server(), start_rpc_server()]
+    names = ["node-a.invalid:50052", "node-b.invalid:50052"]
+    targets = {name: Target(name, s.endpoint) for name, s in zip(names, servers, strict=True)}
+    seen: list[LoadProgress] = []
+    worker = Worker.spawn()
+    try:
+        plan = _plan(names, tiny_model)
+        placement = worker.load(plan, tiny_model, targets=targets, on_progress=seen.append)
+        assert {d.endpoint for d in placement.devices if d.endpoint} == set(names)
+        assert [d.label for d in placement.devices] == [d.label for d in plan.devices]
+        assert seen and [n.endpoint for n in seen[-1].nodes] == names and seen[-1].fraction == 1.0
+        assert all(n.sent > 0 for n in seen[-1].nodes)  # each forward's bytes under its endpoint
+        servers[0].process.kill()
+        servers[0].process.wait()
+        with pytest.raises(NodeLostError) as info:
+            list(worker.complete(PROMPT, max_tokens=8))
+        assert info.value.endpoints == (names[0],) and f"lost {names[0]} (refused)" in info.value.message
+    finally:
+        worker.close()
+    gone = Target(names[1], f"127.0.0.1:{free_port()}")
+    refused = Worker.spawn()
+    try:
+        with pytest.raises(EndpointUnreachableError) as why:
+            refused.load(_plan([names[1]], tiny_model), tiny_model, targets={names[1]: gone})
+    finally:
+        refused.close()
+    assert why.value.host == names[1] and why.value.target == gone
+    assert str(why.value).startswith(f"{names[1]} (via {gone.dial}): refused before loading: refused")

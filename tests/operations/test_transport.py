@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.connectors.tunnel import Tunnels, openssh_argv
 from orchestrator.core.errors import InventoryError, ServiceError
+from orchestrator.core.target import Target
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.operations.firewall import firewall_script
 from orchestrator.operations.server.process import server_argv
@@ -76,8 +77,9 @@ def test_the_openssh_forward_verifies_host_keys_and_keeps_alive(tmp_path: Path) 
 def test_a_tcp_host_is_dialed_at_its_own_endpoint_without_a_forward() -> None:
     host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")
     with Tunnels() as tunnels:
-        assert tunnels.dial(host) == host.endpoint
-        assert tunnels.mapping([host]) == {}
+        assert tunnels.target(host) == Target(host.endpoint, host.endpoint)
+        assert tunnels.targets([host]) == {host.endpoint: Target.direct(host.endpoint)}
+        assert str(tunnels.target(host)) == host.endpoint  # nothing to say about a forward
     with pytest.raises(ValueError, match="forwarder"):
         Tunnels("socat")  # type: ignore[arg-type]
 

@@ -364,15 +364,15 @@ async def test_a_dead_forward_is_opened_again_on_the_next_dial(
 ) -> None:
     host = load_inventory(ssh_inventory).hosts[0]
     with Tunnels() as tunnels:
-        first = tunnels.dial(host)
-        assert tunnels.dial(host) == first  # reused
+        first = tunnels.target(host).dial
+        assert tunnels.target(host).dial == first  # reused
         assert (await probe_endpoint(first)).outcome is Outcome.OK
         tunnel = tunnels.tunnel(host)
         assert isinstance(tunnel, OpenSSHTunnel)
         tunnel.process.kill()
         tunnel.process.wait(timeout=5)
         assert (await probe_endpoint(first, connect_timeout=2, deadline=3)).outcome is Outcome.REFUSED
-        again = tunnels.dial(host)
+        again = tunnels.target(host).dial
         assert again != first
         assert (await probe_endpoint(again)).outcome is Outcome.OK
     assert not _forwarders(os.getpid())
@@ -388,7 +388,7 @@ async def test_a_forward_asked_for_by_a_passing_thread_lives_on_the_runtime(
     host = load_inventory(ssh_inventory).hosts[0]
     dialed: list[str] = []
     with Tunnels(forwarder) as tunnels:  # type: ignore[arg-type]
-        start_thread(lambda: dialed.append(tunnels.dial(host)), name="passing").join()
+        start_thread(lambda: dialed.append(tunnels.target(host).dial), name="passing").join()
         await asyncio.sleep(1.0)  # a parent-death signal from the passing thread would have landed
         assert (await probe_endpoint(dialed[0])).outcome is Outcome.OK
         loops = [t for t in threading.enumerate() if t.name == "rpcfleet-tunnels"]
@@ -413,12 +413,12 @@ async def test_a_hostile_ssh_config_in_home_breaks_both_clients_and_the_tests_em
 
     assert await login() == "in"
     with Tunnels() as tunnels:
-        assert (await probe_endpoint(tunnels.dial(host))).outcome is Outcome.OK
+        assert (await probe_endpoint(tunnels.target(host).dial)).outcome is Outcome.OK
     (empty_ssh_home / ".ssh" / "config").write_text("Host *\n  ProxyCommand false\n")
     with pytest.raises(RpcfleetError):
         await login()
     with Tunnels() as tunnels, pytest.raises(UnreachableError):
-        tunnels.dial(host)
+        tunnels.target(host)
 
 
 def test_serve_generates_through_the_forwards(
@@ -475,7 +475,7 @@ from orchestrator.connectors.tunnel import Tunnels
 from orchestrator.inventory.load import load_inventory
 host = load_inventory(sys.argv[1]).hosts[0]
 tunnels = Tunnels()
-print(tunnels.dial(host), tunnels.tunnel(host).process.pid, flush=True)
+print(tunnels.target(host).dial, tunnels.tunnel(host).process.pid, flush=True)
 sys.stdin.read()
 """
 

@@ -51,7 +51,7 @@ async def test_a_shared_fleet_error_keeps_its_type_for_every_host() -> None:
     assert all(e is not None and e.hint == "check the network" for e in errors)
 
 
-async def test_a_shared_error_with_its_own_constructor_is_copied_whole() -> None:
+async def test_a_shared_error_with_its_own_constructor_reaches_callers_whole_and_copies_whole() -> None:
     original = PlaybookErrors([PlaybookError("first"), PlaybookError("second")])
 
     async def fail() -> None:
@@ -59,8 +59,11 @@ async def test_a_shared_error_with_its_own_constructor_is_copied_whole() -> None
 
     with pytest.raises(PlaybookErrors) as info:
         await SharedCall(fail).get()
-    assert info.value is not original
-    assert info.value.errors == original.errors and str(info.value) == str(original)
+    assert info.value is original  # immutable: every caller gets it as it is
+    named = info.value.with_host("n1")  # a copy made without its own constructor's arguments
+    assert type(named) is PlaybookErrors and named.errors == original.errors
+    assert named.location == original.location and str(named) == f"n1: {original}"
+    assert original.host is None
 
 
 # --- the load-check worker -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
@@ -53,7 +54,7 @@ class FakeFleet(ServeFleet):
     def prepare_cache(self, plan: Plan) -> None:
         return None
 
-    def dial_map(self) -> dict[str, str]:
+    def targets(self) -> dict[str, Target]:
         return {}
 
     def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:

@@ -10,15 +10,50 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_to_json_returns_a_dict() -> None:
-    """`x.to_json()` is JSON data (a dict) everywhere; text and bytes have their own names (`to_text`,
-    `to_bytes`), so a caller never has to know which kind of object it holds."""
+    """`x.to_json()` (and every `thing_to_json(x)`) is JSON data (a dict) everywhere; text and bytes have
+    their own names (`to_text`, `to_bytes`), so a caller never has to know which kind of object it holds.
+    `devices_to_json` once gave a list."""
     wrong = []
     for path in sorted((ROOT / "orchestrator").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name == "to_json":
+            if isinstance(node, ast.FunctionDef) and (
+                node.name == "to_json" or node.name.endswith("_to_json")
+            ):
                 returns = ast.unparse(node.returns) if node.returns is not None else "None"
                 if not returns.startswith("dict["):
-                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: to_json -> {returns}")
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} -> {returns}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_error_subclass_sets_its_fields_before_the_root_freezes_it() -> None:
+    """Errors are immutable once `RpcfleetError.__init__` ran (tests/core/test_errors.py); a subclass
+    that set a field after `super().__init__` would raise on every construction, in whatever rare path
+    builds it. Checked on the source, so that no such path has to run to find it."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted((ROOT / "orchestrator").rglob("*.py"))}
+    classes = [
+        (path, c) for path, tree in trees.items() for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+    ]
+    ours = {"RpcfleetError"}  # and every class that derives from one of ours, by name
+    while (
+        grown := {c.name for _, c in classes if {ast.unparse(b).split(".")[-1] for b in c.bases} & ours}
+        - ours
+    ):
+        ours |= grown
+    wrong = []
+    for path, cls in classes:
+        if cls.name in ours - {"RpcfleetError"}:  # the root itself freezes at its end
+            for init in (f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"):
+                built = False
+                for statement in init.body:
+                    text = ast.unparse(statement)
+                    if "super().__init__" in text:
+                        built = True
+                    elif (
+                        built
+                        and isinstance(statement, ast.Assign | ast.AnnAssign | ast.AugAssign)
+                        and "self." in text.split("=")[0]
+                    ):
+                        wrong.append(f"{path.relative_to(ROOT)}:{statement.lineno}: {cls.name}: {text}")
     assert not wrong, "\n".join(wrong)
 
 

@@ -21,6 +21,7 @@ from orchestrator.artifacts.local_protocol import _version_from_manifest, local_
 from orchestrator.artifacts.manifest import Artifact, llama_cpp_python_version
 from orchestrator.artifacts.source import sdist_path
 from orchestrator.core.errors import ProbeError
+from orchestrator.core.target import Target
 from orchestrator.rpc.client import probe_endpoint, probe_endpoint_or_raise, probe_endpoints, query_memory
 from orchestrator.rpc.errors import (
     ERROR_FOR_OUTCOME,
@@ -255,6 +256,24 @@ async def test_ok_reads_every_device_and_closes_gracefully(fake: MakeFake) -> No
     await asyncio.to_thread(server.wait_idle)
     assert server.connections[0].commands == [14, 15, 11, 11]
     assert server.connections[0].ended == "eof"
+
+
+async def test_a_target_is_dialed_at_its_dial_and_its_result_names_its_endpoint(fake: MakeFake) -> None:
+    server = fake(protocol())
+    target = Target("node-a.invalid:50052", server.endpoint)  # e.g. an SSH forward's local end
+    result = await probe_endpoint(target, **FAST)
+    assert result.ok and result.endpoint == target.endpoint and result.target == target
+    direct = await probe_endpoint(Target.direct(server.endpoint), **FAST)
+    assert direct.ok and direct.dial is None and direct.target == Target.direct(server.endpoint)
+    # One server reached by two names is probed once (two probes at once would find it busy).
+    both = await probe_endpoints([target, server.endpoint], **FAST)
+    assert [r.endpoint for r in both] == [target.endpoint]
+    gone = Target("node-b.invalid:50052", f"127.0.0.1:{closed_port()}")
+    refused = await probe_endpoint(gone, **FAST)
+    assert refused.outcome is Outcome.REFUSED and refused.endpoint == gone.endpoint
+    with pytest.raises(EndpointUnreachableError) as info:
+        await probe_endpoint_or_raise(gone, **FAST)
+    assert info.value.host == gone.endpoint and str(info.value).startswith(f"{gone}: refused")
 
 
 async def test_hello_only_sends_nothing_else(fake: MakeFake) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.core.errors import UsageError
+from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
@@ -260,7 +261,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
 
                 def factory(
                     plan: Plan,
-                    dial: Mapping[str, str],
+                    targets: Mapping[str, Target],
                     fleet: PartFleet = fleet,
                     engines: list[Any] = engines,
                 ) -> HttpEngine:

@@ -17,6 +17,7 @@ import pytest
 
 from orchestrator.cli import _planning, parse_args
 from orchestrator.core.errors import UsageError
+from orchestrator.core.target import Target
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
@@ -36,7 +37,7 @@ def rig(tiny_model: Path) -> Iterator[Callable[..., Rig]]:
         fleet = FakeFleet(tiny_model)
         engines: list[FakeEngine] = []
 
-        def factory(plan: Plan, dial: Mapping[str, str]) -> FakeEngine:
+        def factory(plan: Plan, targets: Mapping[str, Target]) -> FakeEngine:
             engines.append(FakeEngine(plan, fleet, len(engines)))
             return engines[-1]
 
@@ -268,7 +269,7 @@ def test_llama_server_gets_the_plans_devices_split_context_slots_and_template(ti
         PlanOptions(n_ctx=2048, type_k="q8_0", type_v="q8_0", flash_attn=True, parallel=6),
     )
     options = EngineOptions(Path("/x/llama-server"), str(tiny_model), "tiny", parallel=6)
-    args = engine_args(plan, {ENDPOINTS[1]: "127.0.0.1:41001"}, options, 8181)
+    args = engine_args(plan, {ENDPOINTS[1]: Target(ENDPOINTS[1], "127.0.0.1:41001")}, options, 8181)
     joined = " ".join(args)
     assert f"--rpc {ENDPOINTS[0]},127.0.0.1:41001,{ENDPOINTS[2]}" in joined  # the dialed forward
     assert "--device RPC0,RPC1,RPC2" in joined and "--split-mode layer" in joined
@@ -370,7 +371,7 @@ def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
         fleet = FakeFleet(tiny_model)
         engines: list[FakeEngine] = []
 
-        def factory(plan: Plan, dial: Mapping[str, str]) -> HttpEngine:
+        def factory(plan: Plan, targets: Mapping[str, Target]) -> HttpEngine:
             engines.append(HttpEngine(plan, fleet, len(engines)))
             return engines[-1]  # type: ignore[return-value]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target
 from orchestrator.llama.errors import DeviceMismatchError, RpcUnavailableError
 from orchestrator.planning.plan import PlanDevice
 
@@ -227,8 +228,10 @@ def get_native() -> Native:
     return _NATIVE
 
 
-def register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
-    """Register `endpoint` natively (once per process). Call only after a successful preflight."""
+def register(endpoint: str, expected_devices: int, *, target: Target | None = None) -> RegisteredEndpoint:
+    """Register `endpoint` natively (once per process). Call only after a successful preflight.
+    `target`: the server `endpoint` dials (an SSH forward's), what errors name."""
+    server = target or endpoint
     with LOCK:
         known = REGISTRY.get(endpoint)
         if known is not None:
@@ -238,7 +241,7 @@ def register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
         # Native: aborts the process if the server vanished since the preflight (a small window).
         server_reg = add(endpoint.encode())
         if not server_reg:
-            raise DeviceMismatchError("the server reports no devices", host=endpoint)
+            raise DeviceMismatchError("the server reports no devices", host=server)
         count = native.reg_dev_count(server_reg)
         devices = tuple(int(native.reg_dev_get(server_reg, i)) for i in range(count))
         entry = RegisteredEndpoint(
@@ -252,7 +255,7 @@ def register(endpoint: str, expected_devices: int) -> RegisteredEndpoint:
         get_logger().debug("rpc_registered", endpoint=endpoint, devices=entry.names)
         if count != expected_devices:
             raise DeviceMismatchError(
-                f"registered {count} device(s) but the preflight saw {expected_devices}", host=endpoint
+                f"registered {count} device(s) but the preflight saw {expected_devices}", host=server
             )
         return entry
 

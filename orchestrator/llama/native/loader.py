@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.core.errors import LoaderError, RpcfleetError
+from orchestrator.core.errors import LoaderError
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target, dial_addresses, targets_for
 from orchestrator.llama.errors import LoadFailedError, LocalDeviceError
 from orchestrator.llama.logs import join_log_records
 from orchestrator.llama.native.libllama import (
@@ -245,10 +246,11 @@ def _multimodal(
     return notes
 
 
-def register_endpoints(counts: Mapping[str, int]) -> None:
-    """Register each preflighted endpoint natively (once per process) with its device count."""
-    for ep, count in counts.items():
-        register(ep, count)
+def register_endpoints(counts: Mapping[str, int], targets: Mapping[str, Target] | None = None) -> None:
+    """Register each preflighted endpoint natively (once per process) with its device count, at the
+    address its target dials (`targets`; default: the endpoint)."""
+    for target in targets_for(counts, targets):
+        register(target.dial, counts[target.endpoint], target=target)
 
 
 def load_registered(
@@ -262,11 +264,13 @@ def load_registered(
     handler_kwargs: Mapping[str, Any] | None = None,
     split_mode: int = LLAMA_SPLIT_MODE_LAYER,
     on_progress: Callable[[float], None] | None = None,
+    named: Plan | None = None,
 ) -> Any:
     """Construct the model (`construct(model_path, **params)` returns it) on the plan's devices, whose
     endpoints are registered already: explicit device list, the plan's split, the load log captured,
-    the `Placement` attached; `on_progress(fraction)` during the load (llama.cpp's own). Call under
-    `_LOCK`."""
+    the `Placement` attached; `on_progress(fraction)` during the load (llama.cpp's own). `named`: the
+    same plan under the endpoints the placement names, when `plan` has the addresses dialed (forwards).
+    Call under `_LOCK`."""
     lc = llama_cpp_module()
     native = get_native()
     handles, names = _resolve_devices(plan, native)
@@ -319,8 +323,8 @@ def load_registered(
     llm._rpcfleet_devices = devices
     llm._rpcfleet_progress = callback
     llm._rpcfleet_overrides = overrides  # the model reads them again when it makes its context
-    llm.rpcfleet_placement = build_placement(plan, names, join_log_records(records), elapsed)
-    llm.rpcfleet_plan = plan
+    llm.rpcfleet_placement = build_placement(named or plan, names, join_log_records(records), elapsed)
+    llm.rpcfleet_plan = named or plan
     llm.rpcfleet_notes = tuple(notes)
     get_logger().info(
         "llama_loaded", model=str(path), devices=[d.label for d in plan.devices], seconds=round(elapsed, 3)
@@ -336,7 +340,7 @@ def load_llama(
     verbose: bool = False,
     connect_timeout: float = 2.0,
     read_timeout: float = 2.0,
-    dial: Mapping[str, str] | None = None,
+    targets: Mapping[str, Target] | None = None,
     on_progress: Callable[[float], None] | None = None,
     **llama_kwargs: Any,
 ) -> Any:
@@ -349,52 +353,36 @@ def load_llama(
     (`PLAN_CONTROLLED`). `mmproj`: a multimodal projector, run on the CPU unless the plan selects a local
     GPU. The llama.cpp log is always captured and shown only when `verbose`.
 
-    `dial` maps a plan endpoint to the one to connect to: `Tunnels(...).mapping(hosts)` for hosts with
-    `rpc_transport: ssh` (keep the `Tunnels` open as long as the model); the placement and
-    `llm.rpcfleet_plan` keep the plan's names. `on_progress(fraction)` is called during the load with
-    llama.cpp's own progress (0..1, bytes of tensors loaded).
+    `targets` gives a plan endpoint the address to connect to: `Tunnels(...).targets(hosts)` for hosts
+    with `rpc_transport: ssh` (keep the `Tunnels` open as long as the model); the placement, errors and
+    `llm.rpcfleet_plan` name the plan's endpoints (`str(target)` adds the forward).
+    `on_progress(fraction)` is called during the load with llama.cpp's own progress (0..1, bytes of
+    tensors loaded).
     """
-    if dial:
-        names = {dialed: real for real, dialed in dial.items()}
-        try:
-            llm = load_llama(
-                plan.with_endpoints(dial),
-                model_path if model_path is not None else plan.model_path,
-                mmproj=mmproj,
-                verbose=verbose,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                on_progress=on_progress,
-                **llama_kwargs,
-            )
-        except RpcfleetError as exc:  # name the real host, not its forward
-            if exc.host in names:
-                exc.message = exc.message.replace(exc.host, names[exc.host])
-                exc.args = (exc.message,)
-                exc.host = names[exc.host]
-            raise
-        llm.rpcfleet_placement = llm.rpcfleet_placement.with_endpoints(names)
-        llm.rpcfleet_plan = plan
-        return llm
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     _check_kwargs(llama_kwargs)
     path = Path(model_path) if model_path is not None else Path(plan.model_path)
     _check_model(plan, path)
     if plan.split_mode != "layer":
         raise LoaderError(f"split mode {plan.split_mode!r} is not supported with RPC; plans use 'layer'")
+    # Native code dials the forwards: it registers, and the model names, the addresses dialed.
+    dial = dial_addresses(targets_for(plan.endpoints, targets))
+    dialed = plan.with_endpoints(dial)
     with LOCK:
-        check_endpoint_limit(plan.endpoints)
-        counts = preflight(plan, connect_timeout=connect_timeout, read_timeout=read_timeout)
+        check_endpoint_limit(dialed.endpoints)
+        counts = preflight(plan, targets=targets, connect_timeout=connect_timeout, read_timeout=read_timeout)
         # Only now native code runs (RPC check, registration).
         from llama_cpp import Llama
 
-        register_endpoints(counts)
-        return load_registered(
-            plan,
+        register_endpoints(counts, targets)
+        llm = load_registered(
+            dialed,
             path,
             Llama,
             verbose=verbose,
             llama_kwargs=llama_kwargs,
             mmproj=mmproj,
             on_progress=on_progress,
+            named=plan,
         )
+    return llm

@@ -7,6 +7,7 @@ import functools
 from collections.abc import Mapping, Sequence
 
 from orchestrator.artifacts.local_protocol import local_protocol_version
+from orchestrator.core.target import Target, targets_for
 from orchestrator.engine.runtime import run_sync
 from orchestrator.llama.errors import DeviceMismatchError, EndpointLimitError, EndpointUnreachableError
 from orchestrator.llama.native.libllama import LIVE, LOCK, REGISTRY, get_native
@@ -83,38 +84,51 @@ def check_endpoint_limit(endpoints: Sequence[str]) -> None:
         )
 
 
-def _held_result(endpoint: str) -> ProbeResult:
+def _held_result(target: Target) -> ProbeResult:
     """An endpoint a live model of this process holds (a probe would only see our own connection as
     busy): its registered devices, with the memory ggml reports for them over that connection."""
     native = get_native()
-    memories = [DeviceMemory(i, *native.memory(dev)) for i, dev in enumerate(REGISTRY[endpoint].devices)]
-    return ProbeResult(endpoint, Outcome.OK, None, tuple(memories), "in use by a model of this process", 0.0)
+    memories = [DeviceMemory(i, *native.memory(dev)) for i, dev in enumerate(REGISTRY[target.dial].devices)]
+    return ProbeResult(
+        target.endpoint,
+        Outcome.OK,
+        None,
+        tuple(memories),
+        "in use by a model of this process",
+        0.0,
+        dial=target.dial if target.tunneled else None,
+    )
 
 
 def probe_for_load(
     endpoints: Sequence[str],
     *,
+    targets: Mapping[str, Target] | None = None,
     expected: ProtocolVersion | None = None,
     connect_timeout: float = 2.0,
     read_timeout: float = 2.0,
     deadline: float = 5.0,
 ) -> dict[str, ProbeResult]:
-    """Probe `endpoints` (pure Python, no native code): {endpoint as given: ok result}.
+    """Probe `endpoints` (pure Python, no native code): {endpoint as given: ok result}. `targets`: the
+    address to dial for an endpoint (an SSH forward; default: the endpoint itself); results and errors
+    name the endpoint (`str(target)` for the forward).
 
     Endpoints held by a live model of this process are not probed (`_held_result`). Raises the typed
     error (`rpc.errors`) of the first endpoint that is unreachable, busy or mismatched, with the others
     in its message, and a `DeviceMismatchError` when a registered server's device count changed.
     """
-    for ep in endpoints:
+    wanted = targets_for(endpoints, targets)
+    for target in wanted:
         try:
-            parse_endpoint(ep)
+            parse_endpoint(target.dial)
         except EndpointError as exc:
             raise EndpointUnreachableError(
-                ProbeResult(ep, Outcome.REFUSED, None, (), str(exc), 0.0), f"invalid endpoint {ep!r}: {exc}"
+                ProbeResult(target.endpoint, Outcome.REFUSED, None, (), str(exc), 0.0),
+                f"invalid endpoint {target.dial!r}: {exc}",
             ) from exc
     with LOCK:
-        held = [ep for ep in endpoints if LIVE.get(ep) and ep in REGISTRY]
-    to_probe = [ep for ep in endpoints if ep not in held]
+        held = [t for t in wanted if LIVE.get(t.dial) and t.dial in REGISTRY]
+    to_probe = [t for t in wanted if t not in held]
     results: list[ProbeResult] = []
     if to_probe:
         results = run_sync(
@@ -128,23 +142,20 @@ def probe_for_load(
         )
     bad = [r for r in results if not r.ok]
     if bad:
-        err = error_for(bad[0], "refused before loading")
-        if len(bad) > 1:
-            others = "; ".join(f"{r.endpoint}: {r.outcome}" for r in bad[1:])
-            err.message += f" (also refused: {others})"
-        raise err
-    # probe_endpoints canonicalises endpoints; map results back to the caller's spelling.
-    by_canonical = {str(parse_endpoint(ep)): ep for ep in to_probe}
-    found = {by_canonical.get(r.endpoint, r.endpoint): r for r in results}
-    found.update({ep: _held_result(ep) for ep in held})
+        others = "; ".join(f"{r.target}: {r.outcome}" for r in bad[1:])
+        raise error_for(bad[0], "refused before loading", also=others or None)
+    # Two spellings of one server are probed once: find each one's result by the address dialed.
+    by_dial = {str(parse_endpoint(r.target.dial)): r for r in results}
+    found = {t.endpoint: by_dial[str(parse_endpoint(t.dial))] for t in to_probe}
+    found.update({t.endpoint: _held_result(t) for t in held})
     with LOCK:
-        for ep, result in found.items():
-            reg = REGISTRY.get(ep)
+        for target in wanted:
+            reg, result = REGISTRY.get(target.dial), found[target.endpoint]
             if reg is not None and len(reg.devices) != len(result.devices):
                 raise DeviceMismatchError(
                     f"the server now reports {len(result.devices)} device(s) but {len(reg.devices)} are "
                     "registered in this process",
-                    host=ep,
+                    host=target,
                     hint="restart Python to register the server again",
                 )
     return {ep: found[ep] for ep in endpoints}
@@ -153,6 +164,7 @@ def probe_for_load(
 def preflight(
     plan: Plan,
     *,
+    targets: Mapping[str, Target] | None = None,
     expected: ProtocolVersion | None = None,
     connect_timeout: float = 2.0,
     read_timeout: float = 2.0,
@@ -165,6 +177,7 @@ def preflight(
     """
     results = probe_for_load(
         plan.endpoints,
+        targets=targets,
         expected=expected,
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from orchestrator.core.target import Target, targets_for
 from orchestrator.engine.children import connections_to, peers_of, socket_bytes_acked, tune_socket
 from orchestrator.engine.threads import start_thread
 from orchestrator.llama.worker.text_stream import TextStream
@@ -139,11 +140,12 @@ class _LoadMeter:
             self._send()  # the last sample: every byte of the load
 
 
-def endpoint_peers(endpoints: Sequence[str]) -> dict[tuple[str, int], str]:
-    """The (address, port) pairs a connection to each endpoint has as its peer (names resolved)."""
+def endpoint_peers(targets: Sequence[Target]) -> dict[tuple[str, int], str]:
+    """The (address, port) pairs a connection to each target has as its peer (names resolved), each
+    naming the target's endpoint."""
     from orchestrator.rpc.records import parse_endpoint
 
-    return peers_of({text: (ep.host, ep.port) for text in endpoints for ep in [parse_endpoint(text)]})
+    return peers_of({t.endpoint: (ep.host, ep.port) for t in targets for ep in [parse_endpoint(t.dial)]})
 
 
 def _error_fields(exc: BaseException) -> dict[str, Any]:
@@ -155,6 +157,7 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
             "message": exc.message,
             "hint": exc.hint,
             "host": exc.host,
+            "dial": exc.target.dial if exc.target is not None else None,  # the parent words it alike
             "stderr": exc.stderr_tail,
         }
         outcome = getattr(exc, "outcome", None)  # a preflight refusal: the probe's outcome names the case
@@ -342,11 +345,13 @@ def serve(channel: _Channel) -> int:
         return 0
     try:
         plan = Plan.from_json(load["plan"])
-        peers = endpoint_peers(plan.endpoints)
+        targets = {ep: Target(ep, str(dial)) for ep, dial in dict(load.get("dial") or {}).items()}
+        peers = endpoint_peers(targets_for(plan.endpoints, targets))
         with _LoadMeter(channel, peers) as meter:
             llm = load_llama(
                 plan,
                 load["model"],
+                targets=targets,
                 verbose=bool(load.get("verbose")),
                 on_progress=meter.report,
                 **load.get("llama_kwargs", {}),

@@ -80,11 +80,10 @@ def planned_bytes(plan: Plan) -> dict[str, int]:
 class ProgressTracker:
     """Turns the worker's samples into `LoadProgress`, keeping a short history per node for its rate.
 
-    `names` maps an endpoint the worker dialed (an SSH forward) to the plan's name for it; `skipped`
-    gives per endpoint the bytes of cache hits (sent as hashes only)."""
+    Samples name the plan's endpoints (the child counts a forward's bytes under its endpoint);
+    `skipped` gives per endpoint the bytes of cache hits (sent as hashes only)."""
 
     planned: Mapping[str, int]
-    names: Mapping[str, str] = field(default_factory=dict)
     skipped: Mapping[str, int] = field(default_factory=dict)
     _history: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     _logged: LoadProgress | None = None
@@ -103,10 +102,9 @@ class ProgressTracker:
         return False
 
     def update(self, fraction: float, seconds: float, sent: Mapping[str, int]) -> LoadProgress:
-        by_name = {self.names.get(ep, ep): n for ep, n in sent.items()}
         nodes = []
         for endpoint, planned in self.planned.items():
-            now = by_name.get(endpoint, 0)
+            now = sent.get(endpoint, 0)
             history = self._history.setdefault(endpoint, [(0.0, 0)])  # the load's start
             history.append((seconds, now))
             while len(history) > 2 and seconds - history[1][0] >= RATE_WINDOW:

@@ -19,7 +19,6 @@ This module imports no llama_cpp: only the child does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import queue
 import re
@@ -33,6 +32,7 @@ from typing import IO, Any, TypeVar
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
+from orchestrator.core.target import Target, dial_addresses, targets_for
 from orchestrator.engine.children import child_log_path, exit_description, spawn_child
 from orchestrator.engine.runtime import run_sync
 from orchestrator.engine.threads import start_thread
@@ -121,7 +121,7 @@ class Worker:
     ) -> None:
         self._process = process
         self.plan: Plan | None = None
-        self.dial: dict[str, str] = {}
+        self.targets: dict[str, Target] = {}
         self.log_path = log_path
         self.event_timeout = event_timeout
         self.link_timeout = link_timeout
@@ -203,7 +203,7 @@ class Worker:
         *,
         verbose: bool = True,
         timeout: float = LOAD_TIMEOUT,
-        dial: Mapping[str, str] | None = None,
+        targets: Mapping[str, Target] | None = None,
         on_progress: Callable[[LoadProgress], None] | None = None,
         cache_hits: Mapping[str, int] | None = None,
     ) -> Placement:
@@ -215,8 +215,8 @@ class Worker:
         `timeout` (start-up included), `NodeLostError` when a node dies during the load; the child is
         killed on any error.
 
-        `dial` maps a plan endpoint to the one the child connects to (`Tunnels.mapping`: an SSH forward
-        for `rpc_transport: ssh`); the placement and every error keep the plan's names.
+        `targets` gives a plan endpoint the address the child connects to (`Tunnels.targets`: an SSH
+        forward for `rpc_transport: ssh`); the placement and every error name the plan's endpoints.
 
         `on_progress` gets a `LoadProgress` a few times a second while the weights travel (bytes per
         node, rates, ETA); the same goes to the log as `load_progress` events, one a second.
@@ -225,10 +225,11 @@ class Worker:
         if self.plan is not None:
             raise WorkerError("this worker has loaded a model already: start another")
         self.plan = plan
-        self.dial = dict(dial or {})
+        self.targets = {t.endpoint: t for t in targets_for(plan.endpoints, targets)}
         request = {
             "op": "load",
-            "plan": plan.with_endpoints(self.dial).to_json(),
+            "plan": plan.to_json(),
+            "dial": dial_addresses(self.targets.values()),
             "model": str(model_path if model_path is not None else plan.model_path),
             "llama_kwargs": dict(llama_kwargs or {}),
             "verbose": verbose,
@@ -240,8 +241,7 @@ class Worker:
             answer = self._next(timeout, "starting") if not self._ready else {"event": "ready"}
             if not self._ready and answer.get("event") == "ready":
                 self._take_ready(answer)
-            names = {d: r for r, d in self.dial.items()}
-            tracker = ProgressTracker(planned_bytes(plan), names, dict(cache_hits or {}))
+            tracker = ProgressTracker(planned_bytes(plan), dict(cache_hits or {}))
             while answer.get("event") in ("ready", "progress"):  # imports done, then the load's samples
                 if answer.get("event") == "progress":
                     self._on_sample(answer, tracker, on_progress)
@@ -249,8 +249,7 @@ class Worker:
             if answer.get("event") != "loaded":
                 self.kill()
                 raise self._record(self._unexpected(answer))
-            reverse = {dialed: real for real, dialed in self.dial.items()}
-            self.placement = placement_from_json(answer.get("placement")).with_endpoints(reverse)
+            self.placement = placement_from_json(answer.get("placement"))
         except ValueError as exc:
             self.kill()
             raise self._record(
@@ -425,17 +424,8 @@ class Worker:
 
     def _unexpected(self, answer: Mapping[str, Any]) -> RpcfleetError:
         if answer.get("event") == "error":
-            return self._real_names(error_from_child(answer, self.log_path))
+            return error_from_child(answer, self.log_path)
         return self._attach(WorkerError(f"the worker answered {answer.get('event')!r} unexpectedly"))
-
-    def _real_names(self, err: RpcfleetError) -> RpcfleetError:
-        """`err` naming the plan's endpoints where the child named the forwards it dialed."""
-        for real, dialed in self.dial.items():
-            if dialed in err.message or err.host == dialed:
-                err.message = err.message.replace(dialed, real)
-                err.args = (err.message,)
-                err.host = real if err.host == dialed else err.host
-        return err
 
     # -- death and diagnosis
     def _fail(self, doing: str, timed_out: float | None) -> RpcfleetError:
@@ -456,9 +446,9 @@ class Worker:
                 hint="check the node (rpcfleet status), then run again once it is back, or without it "
                 "(-l '!HOST')",
                 stderr=self._log_tail(),
+                endpoints=tuple(r.endpoint for r in lost),
+                probes=probes,
             )
-            err.endpoints = tuple(r.endpoint for r in lost)
-            err.probes = probes
         else:
             cls = WorkerTimeoutError if timed_out is not None else WorkerCrashedError
             err = cls(f"the worker {how} while {doing}; every node still answers", stderr=self._log_tail())
@@ -466,12 +456,12 @@ class Worker:
         return self._record(self._attach(err))
 
     def _probe(self) -> list[ProbeResult]:
-        t, endpoints = self.probe_timeout, self.plan.endpoints if self.plan else ()
-        if not endpoints:
+        t = self.probe_timeout
+        if not self.targets:
             return []
-        dialed = [self.dial.get(ep, ep) for ep in endpoints]
-        found = run_sync(probe_endpoints(dialed, connect_timeout=t, read_timeout=t, deadline=t + 1))
-        return [dataclasses.replace(r, endpoint=ep) for r, ep in zip(found, endpoints, strict=True)]
+        return run_sync(
+            probe_endpoints(self.targets.values(), connect_timeout=t, read_timeout=t, deadline=t + 1)
+        )
 
     def _log_tail(self) -> str | None:
         """The lines of the log's end that say what went wrong (llama.cpp's abort, a failed send)."""
@@ -484,11 +474,7 @@ class Worker:
         return tail("\n".join(telling), 3) or tail(text, 3) or None
 
     def _attach(self, err: WorkerError) -> WorkerError:
-        err.log_path = self.log_path
-        if self.log_path is not None:
-            where = f"the worker's log: {self.log_path}"
-            err.hint = f"{err.hint}; {where}" if err.hint else where
-        return err
+        return err.with_log(self.log_path)
 
     def _record(self, err: E) -> E:
         self._dead = err

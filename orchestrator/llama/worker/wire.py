@@ -17,10 +17,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from orchestrator.core import errors as core_errors
 from orchestrator.core.errors import LoaderError, RpcfleetError
+from orchestrator.core.target import Target
 from orchestrator.llama import errors as llama_errors
 from orchestrator.llama.observed_placement import DevicePlacement, HostPlacement, Placement
 from orchestrator.planning.plan import MemoryBytes, PlanDevice
@@ -31,16 +32,34 @@ T = TypeVar("T")
 
 
 class WorkerError(LoaderError):
-    """The worker process failed, was refused a request, or could not be started."""
+    """The worker process failed, was refused a request, or could not be started; `log_path`: the
+    worker's log (`with_log` names it in the hint)."""
 
     log_path: Path | None = None
 
+    def with_log(self, log_path: Path | None) -> Self:
+        """A copy that keeps `log_path` and says in its hint where the log is."""
+        if log_path is None:
+            return self.replaced(log_path=None)
+        where = f"the worker's log: {log_path}"
+        return self.replaced(log_path=log_path, _hint=f"{self.hint}; {where}" if self.hint else where)
+
 
 class NodeLostError(WorkerError):
-    """A node of the plan stopped answering while the worker used it (`endpoints`: the lost ones)."""
+    """A node of the plan stopped answering while the worker used it (`endpoints`: the lost ones, with
+    `probes`: what probing every node found)."""
 
-    endpoints: tuple[str, ...] = ()
-    probes: tuple[ProbeResult, ...] = ()
+    def __init__(
+        self,
+        message: str,
+        *,
+        probes: tuple[ProbeResult, ...] = (),
+        endpoints: tuple[str, ...] = (),
+        **kw: Any,
+    ) -> None:
+        self.endpoints = endpoints
+        self.probes = probes
+        super().__init__(message, **kw)
 
 
 class WorkerCrashedError(WorkerError):
@@ -176,8 +195,9 @@ def placement_from_json(data: Any) -> Placement:
     )
 
 
-def devices_to_json(devices: Sequence[PlanDevice]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(d) for d in devices]
+def devices_to_json(devices: Sequence[PlanDevice]) -> dict[str, Any]:
+    """The local GPUs as JSON: an object, as every `*to_json` gives (`devices_from_json` reads it)."""
+    return {"devices": [dataclasses.asdict(d) for d in devices]}
 
 
 _DEVICE_FIELDS = {f.name: f for f in dataclasses.fields(PlanDevice)}
@@ -185,10 +205,10 @@ _DEVICE_FIELDS = {f.name: f for f in dataclasses.fields(PlanDevice)}
 
 def devices_from_json(data: Any) -> list[PlanDevice]:
     """The child's local GPUs; ValueError naming the first field that is missing or of the wrong type."""
-    if not isinstance(data, list):
-        raise ValueError(f"local_gpus must be a list, got {type(data).__name__}")
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
+        raise ValueError(f"local_gpus must be an object with a list of devices, got {data!r:.80}")
     devices = []
-    for item in data:
+    for item in data["devices"]:
         if not isinstance(item, dict) or set(item) != set(_DEVICE_FIELDS):
             raise ValueError(f"a local GPU must be an object with the fields {sorted(_DEVICE_FIELDS)}")
         endpoint, host = item["endpoint"], item["host"]
@@ -225,17 +245,20 @@ def error_from_child(message: Mapping[str, Any], log_path: Path | None) -> Rpcfl
     text = str(message.get("message", "the worker failed"))
     if cls is WorkerError and name not in ("", "WorkerError"):
         text = f"{name}: {text}"
+    host, found = message.get("host"), message.get("dial")
+    dial = found if isinstance(found, str) else None
     if issubclass(cls, EndpointProbeError):
         try:
             outcome = Outcome(str(message.get("outcome")))
         except ValueError:
             outcome = Outcome.REFUSED
-        result = ProbeResult(str(message.get("host") or ""), outcome, None, (), text, 0.0)
+        result = ProbeResult(
+            str(host or ""), outcome, None, (), text, 0.0, dial=dial if isinstance(dial, str) else None
+        )
         return cls(result, text, hint=message.get("hint"))
-    err = cls(text, host=message.get("host"), hint=message.get("hint"), stderr=message.get("stderr"))
-    if isinstance(err, WorkerError):
-        err.log_path = log_path
-    return err
+    where = Target(host, dial) if isinstance(host, str) and dial else host
+    err = cls(text, host=where, hint=message.get("hint"), stderr=message.get("stderr"))
+    return err.replaced(log_path=log_path) if isinstance(err, WorkerError) else err
 
 
 def done_from_json(answer: Mapping[str, Any]) -> Done:

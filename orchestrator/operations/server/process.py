@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
 from orchestrator.connectors.nodescript import NodeScript, ScriptOutput, run_script
-from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import ServiceError, ServiceScriptError, tail
 from orchestrator.facts.server import (
     PID_IS_NUMBER,
@@ -532,7 +532,7 @@ async def wait_ready(
     while True:
         if target is not None:
             last = await probe_endpoint(
-                await dial_endpoint(host),
+                await target_of(host),
                 expected=expected,
                 connect_timeout=1.0,
                 read_timeout=2.0,

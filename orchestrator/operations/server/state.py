@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orchestrator.connectors.base import Connection
-from orchestrator.connectors.tunnel import dial_endpoint
+from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError, ServiceError
 from orchestrator.facts.base import Fact, gather
 from orchestrator.facts.server import (
@@ -480,18 +480,17 @@ async def probe_server(host: Host, state: NodeState, *, limit_s: float = PROBE_T
     if target is None or not needs_probe(state):
         return None
     try:
-        target = await dial_endpoint(host)
+        dialed = await target_of(host)
     except RpcfleetError as exc:
         return ProbeResult(host.endpoint, Outcome.REFUSED, None, (), f"SSH forward: {exc.message}", 0.0)
-    result = await probe_endpoint(
-        target,
+    return await probe_endpoint(
+        dialed,
         expected=expected_protocol(state.install),
         connect_timeout=limit_s,
         read_timeout=limit_s,
         deadline=limit_s * 1.5,
         hello_only=True,
     )
-    return replace(result, endpoint=host.endpoint)
 
 
 async def server_status(conn: Connection, host: Host) -> ServerStatus:
