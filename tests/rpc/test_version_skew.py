@@ -84,6 +84,27 @@ def test_cli_probe_reports_the_mismatch(
 
 
 @pytest.mark.llama
+def test_an_old_server_is_named_even_when_this_process_has_no_registration_left(
+    old_rpc_server: LocalServer, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's own problem first: an old server is never registered, so the process's endpoint limit
+    (a Python session that already holds 16) is not what is wrong (a whole suite got EndpointLimitError)."""
+    from orchestrator.llama.native import libllama
+    from orchestrator.llama.native.preflight import MAX_ENDPOINTS
+    from orchestrator.llama.native.registry import add_rpc_servers
+
+    for i in range(MAX_ENDPOINTS):  # registrations this process holds (the dict is shared by reference)
+        monkeypatch.setitem(libllama.REGISTRY, f"192.0.2.1:{50000 + i}", None)
+    plan = make_plan(
+        plan_devices([old_rpc_server.endpoint]), profile_model(tiny_model), PlanOptions(n_ctx=256)
+    )
+    with pytest.raises(ProtocolMismatchError, match=MISMATCH):
+        load_llama(plan, tiny_model)
+    with pytest.raises(ProtocolMismatchError, match=MISMATCH):
+        add_rpc_servers(old_rpc_server.endpoint)
+
+
+@pytest.mark.llama
 def test_the_loader_refuses_an_old_server(old_rpc_server: LocalServer, tiny_model: Path) -> None:
     plan = make_plan(
         plan_devices([old_rpc_server.endpoint]), profile_model(tiny_model), PlanOptions(n_ctx=256)

@@ -369,8 +369,10 @@ def load_llama(
     dial = dial_addresses(targets_for(plan.endpoints, targets))
     dialed = plan.with_endpoints(dial)
     with LOCK:
-        check_endpoint_limit(dialed.endpoints)
+        # The servers' own problems first (unreachable, busy, another protocol): one of them is never
+        # registered, so it is what to report, not the process's limit.
         counts = preflight(plan, targets=targets, connect_timeout=connect_timeout, read_timeout=read_timeout)
+        check_endpoint_limit(dialed.endpoints)
         # Only now native code runs (RPC check, registration).
         from llama_cpp import Llama
 

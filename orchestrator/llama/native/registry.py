@@ -77,8 +77,8 @@ def add_rpc_servers(*endpoints: str, timeout: float = 5.0) -> tuple[RpcDevice, .
 
     unique = parse_rpc_servers(list(endpoints))
     with LOCK:
-        check_endpoint_limit(unique)
         results = probe_for_load(unique, connect_timeout=timeout, read_timeout=timeout, deadline=timeout)
+        check_endpoint_limit(unique)  # after the servers' own problems (see load_llama)
         llama_cpp_module()  # RPC compiled in, else RpcUnavailableError
         register_endpoints({ep: len(r.devices) for ep, r in results.items()})
         return tuple(dev for ep in unique for dev in _devices_of(ep))
