@@ -50,12 +50,22 @@ def child_log_path(kind: str, *, unique: bool = False) -> Path:
     that starts several a second), old ones of `kind` pruned (see the module's docstring)."""
     folder = rpcfleet_home() / "logs"
     folder.mkdir(parents=True, exist_ok=True)
-    logs = sorted(folder.glob(f"{kind}-*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in logs[KEEP_LOGS - 1 :]:
-        if time.time() - stale.stat().st_mtime > 3600:
+    # Several parents (serve's formations loading at once) prune the same folder: a log another one
+    # removed meanwhile is simply gone.
+    found = ((_mtime(path), path) for path in folder.glob(f"{kind}-*.log"))
+    logs = sorted(((mtime, path) for mtime, path in found if mtime is not None), reverse=True)
+    for mtime, stale in logs[KEEP_LOGS - 1 :]:
+        if time.time() - mtime > 3600:
             stale.unlink(missing_ok=True)
     suffix = f"-{time.monotonic_ns() % 10**6}" if unique else ""
     return folder / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{suffix}.log"
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def exit_description(returncode: int | None) -> str:

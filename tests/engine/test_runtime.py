@@ -5,12 +5,14 @@ memo rule, one owner of signals that gives them back, one way to start a child t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType, SimpleNamespace
 
@@ -29,6 +31,7 @@ from tests.procs import gone, wait_gone
 from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
+ROUNDS = 20
 
 
 def test_a_runtime_keeps_one_loop_and_one_session_across_its_phases() -> None:
@@ -68,7 +71,10 @@ def test_a_loop_thread_runs_coroutines_from_any_thread_and_cancels_what_is_left_
         await asyncio.sleep(0)
         return threading.get_ident()
 
+    started: list[str] = []
+
     async def forever(name: str) -> None:
+        started.append(name)
         try:
             await asyncio.sleep(3600)
         finally:
@@ -82,6 +88,8 @@ def test_a_loop_thread_runs_coroutines_from_any_thread_and_cancels_what_is_left_
             loop_thread.call(forever("timed out"), 0.05)
         wait_until(lambda: "timed out" in ended, what="the timed-out coroutine cancelled")
         loop_thread.submit(forever("pending"))
+        # Running, so it has a `finally` to run (one cancelled before it starts never runs at all).
+        wait_until(lambda: "pending" in started, what="the submitted coroutine started")
     finally:
         loop_thread.stop()
     assert not loop_thread.alive() and loop_thread.loop.is_closed()
@@ -174,6 +182,36 @@ def test_child_logs_are_pruned_beyond_the_newest_kept(
     assert len(list(folder.glob("worker-*.log"))) == children.KEEP_LOGS - 1
     assert (folder / "engine-old.log").exists()  # another kind's logs are its own
     assert children.child_log_path("engine", unique=True) != children.child_log_path("engine", unique=True)
+
+
+def test_child_logs_pruned_by_several_parents_at_once_never_fail_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve's formations load at once, each pruning the logs: one found a log that another had just
+    removed, and that formation's load died with FileNotFoundError (the README's usage block, once)."""
+    monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path))
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    listed = Path.glob
+
+    def with_one_just_removed(self: Path, pattern: str) -> Iterator[Path]:
+        yield self / "engine-removed-meanwhile.log"  # listed, then pruned by another parent
+        yield from listed(self, pattern)
+
+    monkeypatch.setattr(Path, "glob", with_one_just_removed)
+    assert children.child_log_path("engine", unique=True).parent == folder
+    monkeypatch.undo()
+
+    monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path))
+    old = time.time() - 7200
+    for round_no in range(ROUNDS):  # and for real: 8 parents at once over stale logs
+        for i in range(children.KEEP_LOGS + 10):
+            path = folder / f"engine-old-{round_no}-{i:02d}.log"
+            path.write_text("x")
+            os.utime(path, (old + i, old + i))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            made = list(pool.map(lambda _: children.child_log_path("engine", unique=True), range(8)))
+        assert all(p.parent == folder for p in made)
 
 
 PARENT = """
