@@ -14,6 +14,11 @@ alternately, `--rounds` of each. At C clients, each client sends `--requests` co
 tokens (greedy, ignore_eos) one after the other: aggregate tokens/s = all completion tokens / the wall
 time of the whole concurrency; latency = each request's time, p50 and p95.
 
+Then 1 client again on a lab of the same nodes without `--cpus`: a quota holds a node's bursts shorter
+than the kernel's tick (a few ms: a split node's share of one token) only loosely, so a split's nodes,
+idle between their bursts, run faster than their share; on equal unquoted nodes only the formation's size
+differs.
+
 Node kill: `--replicas auto` with 8 streaming clients; when every stream has its first token, the
 formations' busy slots are read from /health and one node's server gets SIGKILL; the streams that end
 with an error are counted against the lost formation's requests in flight.
@@ -21,6 +26,7 @@ with an error are counted against the lost formation's requests in flight.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import contextlib
 import json
@@ -168,6 +174,22 @@ def deploy(lab: Lab) -> None:
         raise RuntimeError(f"deploy failed: {done.stdout}{done.stderr}")
 
 
+Runs = dict[str, dict[int, list[dict[str, float]]]]  # mode -> clients -> each round's figures
+
+
+def alternate(
+    lab: Lab, model: Path, folder: Path, args: argparse.Namespace, concurrencies: list[int], runs: Runs
+) -> None:
+    """`args.rounds` rounds of each mode, the order swapped every other round (a drift of the machine's
+    load favours neither)."""
+    for i in range(args.rounds):
+        for mode in list(MODES) if i % 2 == 0 else list(MODES)[::-1]:
+            print(f"round {i + 1}: serve {' '.join(MODES[mode])}", file=sys.stderr, flush=True)
+            with serving(lab, model, folder, mode, args.parallel) as base:
+                for c in concurrencies:
+                    runs[mode][c].append(measure(base, c, args.requests, args.tokens, timeout=TIMEOUT))
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--clients", default="1,4,8", help="concurrencies (default 1,4,8)")
@@ -180,35 +202,45 @@ def main() -> None:
     concurrencies = [int(c) for c in args.clients.split(",")]
     model = cached_path(GEMMA3_270M)
     load_before = load_average()
-    runs: dict[str, dict[int, list[dict[str, float]]]] = {m: {c: [] for c in concurrencies} for m in MODES}
+    runs: Runs = {m: {c: [] for c in concurrencies} for m in MODES}
+    unquoted: Runs = {m: {1: []} for m in MODES}
     reap_stale()
-    lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid(), cpus=args.cpus)
-    try:
-        deploy(lab)
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
-            for i in range(args.rounds):
-                for mode in MODES:
-                    print(f"round {i + 1}: serve {' '.join(MODES[mode])}", file=sys.stderr, flush=True)
-                    with serving(lab, model, folder, mode, args.parallel) as base:
-                        for c in concurrencies:
-                            runs[mode][c].append(
-                                measure(base, c, args.requests, args.tokens, timeout=TIMEOUT)
-                            )
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid(), cpus=args.cpus)
+        try:
+            deploy(lab)
+            alternate(lab, model, folder, args, concurrencies, runs)
             print("node kill", file=sys.stderr, flush=True)
             kill = node_kill(lab, model, folder, args.parallel, args.tokens * 4)
-    finally:
-        lab_down(LAB_NAME)
+        finally:
+            lab_down(LAB_NAME)
+        # One client without quotas: a share holds a node's bursts shorter than the kernel's tick only
+        # loosely (README), so a split's nodes, idle between them, run faster than their share. On equal
+        # nodes with no quota, the formation's size is all that differs.
+        lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid())
+        try:
+            deploy(lab)
+            alternate(lab, model, folder, args, [1], unquoted)
+        finally:
+            lab_down(LAB_NAME)
 
-    def med(mode: str, c: int, key: str) -> float:
-        return median([r[key] for r in runs[mode][c]])
+    def med(of: Runs, mode: str, c: int, key: str) -> float:
+        return median([r[key] for r in of[mode][c]])
 
-    rows = []
-    for c in concurrencies:
+    def row(of: Runs, c: int, label: str) -> str:
         auto, split = (
-            f"{med(m, c, 'tps'):.1f} ({med(m, c, 'p50'):.1f} s / {med(m, c, 'p95'):.1f} s)" for m in MODES
+            f"{med(of, m, c, 'tps'):.1f} ({med(of, m, c, 'p50'):.1f} s / {med(of, m, c, 'p95'):.1f} s)"
+            for m in MODES
         )
-        rows.append(f"| {c} | {auto} | {split} | {med('auto', c, 'tps') / med('split', c, 'tps'):.2f}x |")
+        each = ", ".join(
+            f"{a['tps'] / b['tps']:.2f}" for a, b in zip(of["auto"][c], of["split"][c], strict=True)
+        )
+        ratio = med(of, "auto", c, "tps") / med(of, "split", c, "tps")
+        return f"| {label} | {auto} | {split} | {ratio:.2f}x | {each} |"
+
+    rows = [row(runs, c, str(c)) for c in concurrencies]
+    rows.append(row(unquoted, 1, "1, no CPU quota"))
     body = [
         f"## {SECTION}",
         "",
@@ -216,11 +248,12 @@ def main() -> None:
         f"{args.clients} --requests {args.requests} --tokens {args.tokens} --parallel {args.parallel} "
         f"--rounds {args.rounds} --cpus {args.cpus:g}`: a 3-node lab, each node `--cpus {args.cpus:g}`, "
         f"Gemma 3 270M Q4_K_M, n_ctx 2048, greedy completions of {args.tokens} tokens; each client sends "
-        f"{args.requests} one after the other; the modes alternate.",
+        f"{args.requests} one after the other; the modes alternate (auto first in odd rounds, split first "
+        "in even ones). The last row: the same lab without `--cpus`, 1 client.",
         "",
         "| clients | --replicas auto (3 formations): tok/s (p50 / p95) | --split (1 formation) "
-        "| auto / split |",
-        "|---|---|---|---|",
+        "| auto / split (medians) | each round's |",
+        "|---|---|---|---|---|",
         *rows,
         "",
         f"Node kill (`--replicas auto`, {kill['streams']} streams of {args.tokens * 4} tokens, SIGKILL of "
