@@ -164,6 +164,18 @@ def load_average() -> float:
 # --- real servers on loopback -------------------------------------------------------------------------------
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds this machine's cores have spent on work since boot (all but idle and iowait). The
+    difference over a run is the CPU work it cost on a quiet machine, and that work over the core count
+    is the least time the run can take here: a limit no concurrency can beat."""
+    import psutil
+
+    times = psutil.cpu_times()._asdict()
+    # guest time is counted in user time already (Linux's /proc/stat)
+    left_out = ("idle", "iowait", "guest", "guest_nice")
+    return float(sum(v for k, v in times.items() if k not in left_out))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import arg_parser, load_average, median, stamp, write_section
+from _common import arg_parser, busy_cpu_seconds, load_average, median, stamp, write_section
 
 from orchestrator.artifacts.build import default_artifact
 from orchestrator.artifacts.manifest import Artifact
@@ -96,15 +96,16 @@ def kill_servers(lab: Lab) -> None:
             shutil.rmtree(node.home / folder, ignore_errors=True)
 
 
-async def rpcfleet_deploy(hosts: list[Host], artifact: Artifact) -> tuple[float, int]:
-    """Seconds for one `rpcfleet deploy` (new connections included) and how many hosts changed."""
-    started = time.monotonic()
+async def rpcfleet_deploy(hosts: list[Host], artifact: Artifact) -> tuple[float, int, float]:
+    """Seconds for one `rpcfleet deploy` (new connections included), how many hosts changed, and the CPU
+    seconds the machine spent meanwhile (controller, sshd and the nodes' work: all on these cores)."""
+    started, busy = time.monotonic(), busy_cpu_seconds()
     async with Session(forks=16) as session:
         run = await session.run(hosts, make_deploy_step(ArtifactChooser(artifact.id)), name="deploy")
-    elapsed = time.monotonic() - started
+    elapsed, cpu = time.monotonic() - started, busy_cpu_seconds() - busy
     if not run.ok:
         raise SystemExit(f"rpcfleet deploy failed: {[str(r.error) for r in run.failed]}")
-    return elapsed, sum(r.status == "changed" for r in run.results)
+    return elapsed, sum(r.status == "changed" for r in run.results), cpu
 
 
 def ansible_deploy(venv: Path, lab: Lab, artifact: Artifact, workdir: Path) -> float:
@@ -151,14 +152,21 @@ def measure(size: int, repeat: int, venv: Path | None, artifact: Artifact) -> di
     lab = lab_up(size, name=name, owner_pid=os.getpid())
     try:
         hosts = list(load_inventory(lab.inventory).hosts)
-        results: dict[str, list[float]] = {"fresh": [], "noop": [], "a_fresh": [], "a_noop": []}
+        results: dict[str, list[float]] = {
+            "fresh": [],
+            "fresh_cpu": [],
+            "noop": [],
+            "a_fresh": [],
+            "a_noop": [],
+        }
         for _ in range(repeat):
             kill_servers(lab)
-            fresh, changed = asyncio.run(rpcfleet_deploy(hosts, artifact))
+            fresh, changed, fresh_cpu = asyncio.run(rpcfleet_deploy(hosts, artifact))
             assert changed == size, f"a fresh deploy changed {changed} of {size} hosts"
-            noop, changed = asyncio.run(rpcfleet_deploy(hosts, artifact))
+            noop, changed, _ = asyncio.run(rpcfleet_deploy(hosts, artifact))
             assert changed == 0, f"a no-op deploy changed {changed} hosts"
             results["fresh"].append(fresh)
+            results["fresh_cpu"].append(fresh_cpu)
             results["noop"].append(noop)
             kill_servers(lab)
             if venv is not None:
@@ -202,21 +210,23 @@ def markdown(rows: dict[int, dict[str, float]], repeat: int, load: float) -> str
     if len(sizes) > 1:
         first, last = rows[sizes[0]], rows[sizes[-1]]
         scaling = last["fresh"] / first["fresh"]
+        # The right baseline on one machine: the nodes' and the controller's CPU work share its cores,
+        # so no deploy of N nodes can beat max(one node's time, its CPU seconds / cores).
+        cores = os.cpu_count() or 1
+        limit = max(first["fresh"], last["fresh_cpu"] / cores)
         out += [
             "",
-            f"Scaling: {sizes[-1]} nodes take {scaling:.2f}x the time of {sizes[0]} (fresh; target <= 1.5x: "
-            f"{'met' if scaling <= 1.5 else 'not met'}); a no-op re-deploy of {sizes[-1]} nodes takes "
-            f"{last['noop']:.2f} s (target < 2 s: {'met' if last['noop'] < 2 else 'not met'}).",
+            f"Scaling: {sizes[-1]} nodes take {scaling:.2f}x the time of {sizes[0]} (fresh; target <= 1.5x, "
+            f"for nodes on separate machines: {'met' if scaling <= 1.5 else 'not met'}); a no-op re-deploy "
+            f"of {sizes[-1]} nodes takes {last['noop']:.2f} s (target < 2 s: "
+            f"{'met' if last['noop'] < 2 else 'not met'}).",
+            "",
+            f"Against what this machine allows: the fresh deploy of {sizes[-1]} nodes kept its {cores} cores "
+            f"busy for {last['fresh_cpu']:.2f} CPU-s (controller, sshd and nodes alike, from /proc/stat), so "
+            f"it cannot take less than {limit:.2f} s here; it took {last['fresh']:.2f} s, "
+            f"{last['fresh'] / limit:.2f}x that limit ({sizes[0]} node: "
+            f"{first['fresh_cpu']:.2f} CPU-s in {first['fresh']:.2f} s).",
         ]
-        if scaling > 1.5:
-            out += [
-                "",
-                "The scaling target is missed here because every node and the controller share this "
-                "machine's CPUs: per node, the SSH handshake and encryption (controller) and sha256 + "
-                "unpack + server start (node) are CPU work that cannot overlap beyond the core count. "
-                "Round trips per host are fixed (fresh: state, prepare, upload, install, start, HELLO; "
-                "no-op: state + HELLO), so on separate machines the time stays close to one node's.",
-            ]
     return "\n".join(out) + "\n"
 
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from _common import arg_parser, load_average, ms, servers, stamp, write_section
+from _common import arg_parser, busy_cpu_seconds, load_average, ms, servers, stamp, write_section
 from _common import median as med
 
 from orchestrator.core.log import configure_logging
@@ -251,11 +251,14 @@ def run(repeat: int, native_repeat: int, dead_timeout: float, lan_delays: list[f
         for n in SIZES:
             hosts = hosts_for(ports[:n])
             asyncio.run(time_probe(hosts, 2, facts=False))  # warm-up (imports, first connects)
+            busy = busy_cpu_seconds()
             rpc_times = asyncio.run(time_probe(hosts, repeat, facts=False))
+            cpu = (busy_cpu_seconds() - busy) / repeat  # the machine's CPU work per probe
             facts_times = asyncio.run(time_probe(hosts, max(3, repeat // 3), facts=True))
             native_times, via = time_native(ports[:n], native_repeat)
             sizes[n] = {
                 "rpc": rpc_times,
+                "cpu": cpu,
                 "facts": facts_times,
                 "native": native_times,
                 "via": via,
@@ -265,13 +268,16 @@ def run(repeat: int, native_repeat: int, dead_timeout: float, lan_delays: list[f
         for delay in lan_delays:
             lan: dict[int, list[float]] = {}
             lan_native: dict[int, list[float]] = {}
+            lan_cpu: dict[int, float] = {}
             with delay_proxy(ports, delay) as proxied:
                 for n in SIZES:
                     hosts = hosts_for(proxied[:n])
                     asyncio.run(time_probe(hosts, 1, facts=False))
+                    busy = busy_cpu_seconds()
                     lan[n] = asyncio.run(time_probe(hosts, repeat, facts=False))
+                    lan_cpu[n] = (busy_cpu_seconds() - busy) / repeat  # the proxy's relaying included
                     lan_native[n], _via = time_native(proxied[:n], native_repeat)
-            results["lan"].append({"delay": delay, "sizes": lan, "native": lan_native})
+            results["lan"].append({"delay": delay, "sizes": lan, "native": lan_native, "cpu": lan_cpu})
         with blackhole() as dead:
             hosts = [*hosts_for(ports), *hosts_for([dead])]
             hosts[-1] = Host(
@@ -338,6 +344,11 @@ def render(results: dict[str, Any], repeat: int, native_repeat: int) -> str:
     facts = {n: sizes[n]["facts"] for n in SIZES}
     one = med(loop_probe[1])
     extra = med(loop_probe[16]) - one
+    # The right baseline on loopback: the CPU work shares these cores, so max(one endpoint's time, the
+    # 16-endpoint probe's CPU seconds / cores) is the least it can take here.
+    cores = os.cpu_count() or 1
+    cpu16 = float(sizes[16]["cpu"])
+    limit = max(one, cpu16 / cores)
     verdicts = []
     for label, probe in [("loopback", loop_probe)] + [
         (f"+{x['delay'] * 1000:g} ms", x["sizes"]) for x in lans
@@ -349,25 +360,25 @@ def render(results: dict[str, Any], repeat: int, native_repeat: int) -> str:
     ]
     # Where a delay did not hide the CPU cost: what 15 more endpoints added there.
     lan_misses = [
-        f"at +{x['delay'] * 1000:g} ms they add {ms(med(x['sizes'][16]) - med(x['sizes'][1]))}"
+        f"at +{x['delay'] * 1000:g} ms they add {ms(med(x['sizes'][16]) - med(x['sizes'][1]))}, with "
+        f"{ms(x['cpu'][16])} of CPU work per probe (the delaying proxy's relaying included): "
+        f"{med(x['sizes'][16]) / max(med(x['sizes'][1]), x['cpu'][16] / cores):.2f}x the least time "
+        "that work and one endpoint's round trips allow"
         for x in lans
         if med(x["sizes"][16]) / med(x["sizes"][1]) > 1.5
     ]
-    lan_note = (
-        f" Where a delay still misses the target ({'; '.join(lan_misses)}), that is the same CPU work plus "
-        "the proxy's relaying (one more Python process on these 2 cores), not yet small beside the delay."
-        if lan_misses
-        else ""
-    )
+    lan_note = f" Where a delay still misses the target: {'; '.join(lan_misses)}." if lan_misses else ""
     dead_m = med(dead["times"])
     within = max(dead["times"]) <= dead["timeout"] * 1.1 + 0.05
     lines += [
         "",
         f"- 16 endpoints within 1.5x the time of one: {'; '.join(verdicts)}. On loopback nothing waits on "
-        f"the network, so concurrency has nothing to overlap: 15 more endpoints add {ms(extra)} of CPU "
-        f"(about {extra / 15 * 1000:.2f} ms each: the client's asyncio work plus 15 more server processes "
-        "to wake, on 2 cores). The probes do run at once: with a network delay the 16-endpoint probe costs a "
-        "fraction of 16 sequential ones, and the ratio falls as the delay grows." + lan_note,
+        f"the network, so concurrency has nothing to overlap: 15 more endpoints add {ms(extra)}, and the "
+        f"machine's cores did {ms(cpu16)} of CPU work per 16-endpoint probe (client and servers, from "
+        f"/proc/stat), so on {cores} cores it cannot take less than {ms(limit)}: it took "
+        f"{ms(med(loop_probe[16]))}, {med(loop_probe[16]) / limit:.2f}x that limit. The probes do run at "
+        "once: with a network delay the 16-endpoint probe costs a fraction of 16 sequential ones, and the "
+        "ratio falls as the delay grows." + lan_note,
         f"- Faster than the native path at 16 endpoints: native / probe = "
         f"{', '.join(f'{r:.2f}x' for r in natives)} (loopback, then each delay): "
         f"{'met' if all(r > 1 for r in natives) else 'NOT met'}. The native client queries one endpoint "
