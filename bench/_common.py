@@ -95,9 +95,18 @@ def commit() -> str:
             timeout=10,
             check=True,
         )
-        return out.stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    # The documents the benchmarks write do not count; any other change makes the figure not HEAD's.
+    code_changed = [line for line in changed if line[3:] not in ("BENCHMARKS.md", "README.md")]
+    return out.stdout.strip() + (" with uncommitted changes" if code_changed else "")
 
 
 def stamp() -> str:
