@@ -5,7 +5,9 @@ and `rpcfleet demo` once set up (timed here).
 The set-up figure is the newest record of a run that built llama-cpp-python from an empty cache;
 `--cold-setup` makes one now: a clone of this checkout runs `make demo` (set-up, then the demo) with an empty
 `$RPCFLEET_HOME` (every build, the venv and the model download; Debian packages are already there), and
-its record, with the whole `make demo` time, joins this machine's. The suite figure is the newest record
+its record, with the whole `make demo` time, joins this machine's. On a machine that has never been set up,
+`--fresh-machine` runs `make demo` in this checkout itself (Debian packages too), with the system's Python
+since there is no venv yet. The suite figure is the newest record
 of a whole-suite run (`make test` / `.ci/run`). Each says its date, commit, machine and the 1-minute load
 average at its start. `--write` replaces the block between the README's `<!-- bench/firsthour.py -->` markers.
 """
@@ -48,6 +50,33 @@ def minutes(seconds: float) -> str:
     return f"{m} min {s} s" if m else f"{s} s"
 
 
+def timed_make_demo(checkout: Path, home: Path, env: dict[str, str]) -> None:
+    """Run `make demo` in `checkout` and add the whole command's time to the set-up record it wrote in `home`,
+    as the newest record of this machine's."""
+    started = time.monotonic()
+    subprocess.run(["make", "-C", str(checkout), "demo"], check=True, env=env)
+    make_demo_seconds = time.monotonic() - started
+    source = home / "timings" / "setup.jsonl"
+    lines = source.read_text().splitlines()
+    record = {**json.loads(lines[-1]), "make_demo_seconds": round(make_demo_seconds, 1)}
+    target = rpcfleet_home() / "timings" / "setup.jsonl"
+    if source == target:
+        lines[-1] = json.dumps(record)
+        target.write_text("\n".join(lines) + "\n")
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a") as sink:
+            sink.write(json.dumps(record) + "\n")
+
+
+def fresh_machine() -> None:
+    """`make demo` here, on a machine with an empty cache (refused otherwise: the figure would not be one)."""
+    home = rpcfleet_home()
+    if (home / "venv").exists():
+        sys.exit(f"{home} already holds a venv: this machine is not fresh (use --cold-setup)")
+    timed_make_demo(ROOT, home, dict(os.environ))
+
+
 def cold_setup() -> None:
     """Run the README's `make demo` from an empty cache in a clone (so this checkout's .venv stays as it
     is), keep set-up's record with the whole command's time added, then put the `rpcfleet` shim back on
@@ -57,15 +86,7 @@ def cold_setup() -> None:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         # Nothing from this machine's caches: llama-server is otherwise found in the default one.
         env = {**os.environ, "RPCFLEET_HOME": str(home), "RPCFLEET_ENGINE_CACHE": "own"}
-        started = time.monotonic()
-        subprocess.run(["make", "-C", str(clone), "demo"], check=True, env=env)
-        make_demo_seconds = time.monotonic() - started
-        last = (home / "timings" / "setup.jsonl").read_text().splitlines()[-1]
-    record = {**json.loads(last), "make_demo_seconds": round(make_demo_seconds, 1)}
-    target = rpcfleet_home() / "timings" / "setup.jsonl"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("a") as sink:
-        sink.write(json.dumps(record) + "\n")
+        timed_make_demo(clone, home, env)
     subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], check=True, capture_output=True)
 
 
@@ -140,7 +161,12 @@ def main() -> None:
     parser.add_argument(
         "--cold-setup", action="store_true", help="first measure a set-up from an empty cache (minutes)"
     )
+    parser.add_argument(
+        "--fresh-machine", action="store_true", help="on a machine never set up: time `make demo` here (minutes)"
+    )
     args = parser.parse_args()
+    if args.fresh_machine:
+        fresh_machine()
     if args.cold_setup:
         cold_setup()
     text = section(args.demo_runs)
