@@ -162,7 +162,9 @@ def main() -> None:
         "--cold-setup", action="store_true", help="first measure a set-up from an empty cache (minutes)"
     )
     parser.add_argument(
-        "--fresh-machine", action="store_true", help="on a machine never set up: time `make demo` here (minutes)"
+        "--fresh-machine",
+        action="store_true",
+        help="on a machine never set up: time `make demo` here (minutes)",
     )
     args = parser.parse_args()
     if args.fresh_machine:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # imported lazily below: each command pays only for what it u
     from orchestrator.engine.executor import Recap, RunResult, Session
     from orchestrator.inventory.model import Host, Inventory
     from orchestrator.operations.layer import OperationOptions
+    from orchestrator.workflows.change import Batches
 
     console: Console
     err_console: Console
@@ -441,6 +442,20 @@ def on_interrupt(why: str, count: int) -> None:
         _console("err_console").print(
             "[yellow]still finishing the hosts in flight (each step has a timeout)[/yellow]"
         )
+
+
+def batches(args: argparse.Namespace) -> Batches:
+    """How a command's change runs over its hosts: -f/--forks, --serial (a number or a percentage),
+    --max-fail-percentage, and interrupts reported by `on_interrupt`."""
+    from orchestrator.workflows.change import Batches
+
+    serial = getattr(args, "serial", None)
+    return Batches(
+        forks=args.forks,
+        serial=None if serial is None else int(serial) if str(serial).isdigit() else str(serial),
+        max_fail_percentage=getattr(args, "max_fail_percentage", None),
+        on_interrupt=on_interrupt,
+    )
 
 
 def fleet_session(args: argparse.Namespace) -> Session:

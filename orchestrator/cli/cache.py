@@ -10,7 +10,6 @@ a warm load.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
     from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host
-    from orchestrator.operations.cache import WarmItem
+    from orchestrator.workflows.cache import ModelPlanning
 
 
 def register(subparsers: Any) -> None:
@@ -61,78 +60,26 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.operations.cache import cache_step, status_step
+    from orchestrator.workflows.cache import cache_fleet, warm_fleet
 
     _, hosts = _common.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")
     action = args.cache_action
-    if action == "warm":
-        return _warm(args, hosts)
-    keep: dict[str, list[str]] = {}
-    if action == "prune" and args.model is not None:
-        keep = {h: [i.name for i in items] for h, items in _warm_items(args, hosts, {}).items()}
-    step = (
-        status_step if action == "status" else cache_step(action, _common.operation_options(args), keep=keep)
-    )
-    run = _session_run(args, hosts, step, f"cache-{action}")
-    _report(args, run, action)
-    return _common.exit_status([run])
-
-
-def _session_run(args: argparse.Namespace, hosts: list[Host], step: Any, name: str) -> RunResult[Any]:
-    async def go() -> RunResult[Any]:
-        async with _common.fleet_session(args) as session:
-            return await session.run(hosts, step, name=name)
-
-    return _common.run_async(go())
-
-
-def _warm_items(
-    args: argparse.Namespace, hosts: list[Host], phases: dict[str, float]
-) -> dict[str, Sequence[WarmItem]]:
-    """Plan the model on the selected hosts; per host name, the cache files its share needs."""
-    from orchestrator.llama.cache.plan import plan_cache
-    from orchestrator.llama.cache.prep import warm_items
-    from orchestrator.planning.profile import profile_model
-    from orchestrator.workflows.plan import plan_for_fleet
-
-    _common.require_model(args.model)
-    t = time.monotonic()
-    profile = profile_model(args.model)
-    request = _planning.planning_args(args)
-    round_ = _common.run_async(
-        plan_for_fleet(
-            hosts, profile, request.options, probe=request.probe, local_devices=request.local_devices
-        )
-    )
-    phases["probe"] = time.monotonic() - t - round_.plan_seconds
-    phases["plan"] = round_.plan_seconds
-    plan = round_.plan
-    assert plan is not None  # failed="raise": no plan is an error
-    t = time.monotonic()
-    t = time.monotonic()
-    per_endpoint = plan_cache(plan, profile.paths)
-    phases["hash"] = time.monotonic() - t
-    return dict(warm_items(per_endpoint, hosts))
-
-
-def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
-    from orchestrator.operations.cache import warm_step
-
+    options, batches = _common.operation_options(args), _common.batches(args)
+    if action != "warm":
+        keep_for = _model_planning(args) if action == "prune" and args.model is not None else None
+        run = cache_fleet(hosts, action, options, batches, keep_for=keep_for).run
+        _report(args, run, action)
+        return _common.exit_status([run])
     if not any(h.rpc_cache for h in hosts):
         raise UsageError(
             "no selected host has rpc_cache: true (its server would not read the cache)",
             hint="set rpc_cache: true in the inventory, then deploy",
         )
-    phases: dict[str, float] = {}
-    items = _warm_items(args, hosts, phases)
-    chosen = [h for h in hosts if h.name in items and h.rpc_cache]
-    t = time.monotonic()
-    run = _session_run(args, chosen, warm_step(items, _common.operation_options(args)), "cache-warm")
-    phases["upload"] = time.monotonic() - t
-    _report(args, run, "warm", phases=phases)
-    if not args.json and not any(items.values()):
+    warmed = warm_fleet(hosts, _model_planning(args), options, batches)
+    _report(args, warmed.change.run, "warm", phases=warmed.phases)
+    if not args.json and not any(warmed.items.values()):
         from orchestrator.llama.cache.plan import HASH_THRESHOLD
 
         _common.err_console.print(
@@ -140,7 +87,16 @@ def _warm(args: argparse.Namespace, hosts: list[Host]) -> int:
             f"{format_size(HASH_THRESHOLD)}, and llama.cpp sends smaller ones as they are (never cached)",
             highlight=False,
         )
-    return _common.exit_status([run])
+    return _common.exit_status([warmed.change.run])
+
+
+def _model_planning(args: argparse.Namespace) -> ModelPlanning:
+    from orchestrator.workflows.cache import ModelPlanning
+
+    request = _planning.planning_args(args)
+    return ModelPlanning(
+        _common.require_model(args.model), request.options, request.probe, request.local_devices
+    )
 
 
 def _report(

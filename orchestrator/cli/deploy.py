@@ -7,15 +7,13 @@ it on the new version) and waits for a HELLO. `--check` prints what would change
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _follow
 from orchestrator.core import fields
 
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
-    from orchestrator.engine.executor import HostContext, RunResult, Session, Step, StepOutcome
+    from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host, Inventory
     from orchestrator.operations.undeclared import LiveServer
 
@@ -140,59 +138,6 @@ def _add_run_args(parser: argparse.ArgumentParser, *, check: bool, batches: bool
     )
 
 
-def _serial(args: argparse.Namespace) -> int | str | None:
-    value = getattr(args, "serial", None)
-    if value is None:
-        return None
-    return int(value) if str(value).isdigit() else str(value)
-
-
-def _run(
-    args: argparse.Namespace,
-    hosts: list[Host],
-    step: Callable[[HostContext], Awaitable[StepOutcome[Any]]],
-    name: str,
-    *,
-    undeclared: list[tuple[Host, LiveServer]] | None = None,
-    inventory: Inventory | None = None,
-) -> RunResult[Any]:
-    """Run `step` on `hosts`; with `undeclared` (a list to fill) and the inventory, then look in the
-    same session for the servers of their installs that the inventory does not declare."""
-
-    async def go() -> RunResult[Any]:
-        async with _common.fleet_session(args) as session:
-            run = await session.run(
-                hosts,
-                step,
-                name=name,
-                serial=_serial(args),
-                max_fail_percentage=getattr(args, "max_fail_percentage", None),
-            )
-            if undeclared is not None and inventory is not None and not run.interrupted:
-                # not the machines the run could not reach: a second connect would only time out again
-                reached = [r.host for r in run.results if r.status not in ("unreachable", "skipped")]
-                found, interrupted = await _find_undeclared(session, inventory, reached)
-                undeclared.extend(found)
-                if interrupted:  # landed after the run itself: still 130 and `interrupted`
-                    return dataclasses.replace(run, interrupted=True)
-            return run
-
-    return _common.with_diff(args, [h.name for h in hosts], lambda: _common.run_async(go()))
-
-
-async def _find_undeclared(
-    session: Session, inventory: Inventory, hosts: list[Host]
-) -> tuple[list[tuple[Host, LiveServer]], bool]:
-    """The servers of the installs of `hosts` (servers' views) that their machines do not declare; a
-    machine that cannot be read is left out (the run's own result says why)."""
-    from orchestrator.operations.undeclared import undeclared_step
-
-    machines = [inventory.host(name) for name in dict.fromkeys(h.node_name for h in hosts)]
-    run = await session.run(machines, undeclared_step, name="undeclared")
-    found = [(r.host, live) for r in run.results if isinstance(r.value, tuple) for live in r.value]
-    return found, run.interrupted
-
-
 def _warn_undeclared(found: list[tuple[Host, LiveServer]]) -> None:
     from orchestrator.operations.undeclared import describe
 
@@ -260,23 +205,28 @@ def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
 
 def handle_deploy(args: argparse.Namespace) -> int:
     from orchestrator.cli._progress import Uploads
-    from orchestrator.operations.install.ensure import ArtifactChooser
-    from orchestrator.operations.server.steps import make_deploy_step
+    from orchestrator.workflows.change import deploy_fleet
 
     inventory, hosts = _common.load_hosts(args)
+    options, batches = _common.operation_options(args), _common.batches(args)
     uploads = Uploads(enabled=not args.json and not args.check)
-    step = make_deploy_step(
-        ArtifactChooser(args.artifact),
-        _common.operation_options(args),
-        reinstall=args.reinstall,
-        progress=uploads,
-        build_log=uploads.build_log,
-    )
-    found: list[tuple[Host, LiveServer]] = []
     with uploads.progress:
-        run = _run(args, hosts, step, "deploy", undeclared=found, inventory=inventory)
-    status = _finish(args, run)
-    _warn_undeclared(found)
+        change = _common.with_diff(
+            args,
+            [h.name for h in hosts],
+            lambda: deploy_fleet(
+                inventory,
+                hosts,
+                options,
+                batches,
+                artifact=args.artifact,
+                reinstall=args.reinstall,
+                progress=uploads,
+                build_log=uploads.build_log,
+            ),
+        )
+    status = _finish(args, change.run)
+    _warn_undeclared(change.undeclared)
     return status
 
 
@@ -285,32 +235,26 @@ def handle_service(args: argparse.Namespace) -> int:
         from orchestrator.cli.playbook import handle_rolling_restart
 
         return handle_rolling_restart(args)
-    from orchestrator.operations.restart import make_restart_step
-    from orchestrator.operations.server.steps import make_service_step
+    from orchestrator.workflows.change import service_fleet
 
     inventory, hosts = _common.load_hosts(args)
     options = _common.operation_options(args)
     if args.action == "stop" and args.undeclared:
         return _stop_undeclared(args, inventory, hosts)
-    if args.action == "restart":
-        # The same operation as `restart --rolling` (and the playbooks' `restart`), without batches.
-        step: Step[Any] = make_restart_step(options)
-    else:
-        step = make_service_step("running" if args.action == "start" else "stopped", options)
-    return _finish(args, _run(args, hosts, step, args.action))
+    names = [h.name for h in hosts]
+    change = _common.with_diff(
+        args, names, lambda: service_fleet(hosts, args.action, options, _common.batches(args))
+    )
+    return _finish(args, change.run)
 
 
 def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list[Host]) -> int:
     """Stop exactly the undeclared servers of the selected hosts' installs, each as its own server's
     view through the same stop as any server (lock, busy check, its supervisor loop first)."""
-    from orchestrator.operations.server.steps import make_service_step
     from orchestrator.operations.undeclared import server_view
+    from orchestrator.workflows.change import find_undeclared, service_fleet
 
-    async def find() -> tuple[list[tuple[Host, LiveServer]], bool]:
-        async with _common.fleet_session(args) as session:
-            return await _find_undeclared(session, inventory, hosts)
-
-    found, interrupted = _common.run_async(find())
+    found, interrupted = find_undeclared(inventory, hosts, _common.batches(args))
     if interrupted:
         _common.err_console.print("[yellow]interrupted[/yellow]: nothing stopped", highlight=False)
         return _common.INTERRUPTED_EXIT
@@ -318,16 +262,24 @@ def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list
     if not views:
         _common.err_console.print("no undeclared server runs on the selected hosts", highlight=False)
         return 0
-    step = make_service_step("stopped", _common.operation_options(args))
-    return _finish(args, _run(args, views, step, "stop"))
+    options = _common.operation_options(args)
+    names = [h.name for h in views]
+    change = _common.with_diff(
+        args, names, lambda: service_fleet(views, "stop", options, _common.batches(args))
+    )
+    return _finish(args, change.run)
 
 
 def handle_rollback(args: argparse.Namespace) -> int:
-    from orchestrator.operations.server.steps import make_rollback_step
+    from orchestrator.workflows.change import rollback_fleet
 
     _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_rollback_step(_common.operation_options(args), to=args.to), "rollback")
-    return _finish(args, run)
+    options = _common.operation_options(args)
+    names = [h.name for h in hosts]
+    change = _common.with_diff(
+        args, names, lambda: rollback_fleet(hosts, options, _common.batches(args), to=args.to)
+    )
+    return _finish(args, change.run)
 
 
 _STATE_STYLE = {
@@ -347,12 +299,12 @@ def handle_status(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from orchestrator.operations.server.state import ServerStatus
-    from orchestrator.operations.server.steps import make_status_step
     from orchestrator.operations.undeclared import server_view
+    from orchestrator.workflows.change import status_fleet
 
     inventory, hosts = _common.load_hosts(args)
-    found: list[tuple[Host, LiveServer]] = []
-    run = _run(args, hosts, make_status_step(), "status", undeclared=found, inventory=inventory)
+    change = status_fleet(inventory, hosts, _common.batches(args))
+    run, found = change.run, change.undeclared
     if args.json:
         _print_json(run)
         _warn_undeclared(found)
@@ -406,10 +358,10 @@ def handle_status(args: argparse.Namespace) -> int:
 
 
 def handle_logs(args: argparse.Namespace) -> int:
-    from orchestrator.operations.server.steps import make_logs_step
+    from orchestrator.workflows.change import logs_fleet
 
     _, hosts = _common.load_hosts(args)
-    run = _run(args, hosts, make_logs_step(args.lines, noise=args.noise), "logs")
+    run = logs_fleet(hosts, args.lines, _common.batches(args), noise=args.noise).run
     for r in run.results:
         _common.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):

@@ -18,20 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _common, _planning
 from orchestrator.cli._common import escape
-from orchestrator.core import signals
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
-    from collections.abc import Callable
+    from collections.abc import Sequence
 
-    from orchestrator.engine.runtime import Runtime
     from orchestrator.inventory.model import Host
     from orchestrator.llama.cache.prep import CachePrep
     from orchestrator.llama.observed_placement import Placement
-    from orchestrator.planning.plan import Plan, PlanDevice
-    from orchestrator.planning.profile import ModelProfile
+    from orchestrator.llama.worker.wire import Done
+    from orchestrator.planning.plan import Plan
     from orchestrator.workflows.load import FleetLoad
+    from orchestrator.workflows.run import RunEvents
 
 
 def register(subparsers: Any) -> None:
@@ -129,126 +128,51 @@ def run_hosts(args: argparse.Namespace) -> tuple[list[Host], list[Host]]:
     return list(hosts), list(hosts)
 
 
-def make_run_plan(
-    args: argparse.Namespace,
-    runtime: Runtime,
-    hosts: list[Host],
-    read: ModelProfile | Plan,
-    local_gpus: Callable[[], list[PlanDevice]] | None = None,
-    phases: dict[str, float] | None = None,
-) -> Plan:
-    """The plan of this run (probed and planned on the command's session, or `--plan`'s, `read`);
-    `phases` gets the probe's and the plan's seconds. `local_gpus`: this machine's GPUs (the worker's)."""
-    from orchestrator.inventory.model import is_loopback
-    from orchestrator.planning.plan import Plan
-    from orchestrator.workflows.plan import plan_for_fleet
-
-    times = phases if phases is not None else {}
-    if isinstance(read, Plan):
-        times["plan"] = 0.0
-        return read
-    # Facts are read on this machine for loopback --endpoint servers; others are probed over RPC only.
-    facts = not (args.endpoint and any(not is_loopback(h.address) for h in hosts))
-    request = _planning.planning_args(args, facts=facts)
-    # A load lets go of an inventory server held by a client proven gone (never an --endpoint's).
-    round_ = runtime.run(
-        plan_for_fleet(
-            hosts,
-            read,
-            request.options,
-            probe=request.probe,
-            session=runtime.session,
-            release=not args.endpoint,
-            local_devices=request.local_devices,
-            local_gpus=local_gpus,
-        )
-    )
-    times["probe"], times["plan"] = round_.probe_seconds, round_.plan_seconds
-    assert round_.plan is not None  # failed="raise": no plan is an error
-    return round_.plan
-
-
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.cli._progress import LoadBars
-    from orchestrator.engine.runtime import Runtime
-    from orchestrator.llama.worker.parent import Worker
-    from orchestrator.workflows.fit import check_fit
-    from orchestrator.workflows.load import load_on_fleet
+    from orchestrator.inventory.model import is_loopback
+    from orchestrator.rpc.records import parse_endpoint
+    from orchestrator.workflows.run import RunRequest, run_on_fleet
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
     _common.require_model(args.model)
-    # a file that is no model, or no plan, fails before the worker starts and the fleet is probed
-    from orchestrator.planning.plan import Plan
-    from orchestrator.planning.profile import profile_model
-
-    read = profile_model(args.model) if args.plan is None else Plan.from_path(args.plan)
-    # llama.cpp runs in a worker process: a node lost mid-inference aborts the worker, not this
-    # process; the worker's log (llama.cpp's own) is named in the error. Spawned first, so its imports
-    # overlap with the probe and the plan. One loop and one session for the command: the probe's SSH
-    # connections serve the cache check.
-    phases: dict[str, float] = {}
-    with (
-        Worker.spawn(log_to_stderr=args.llama_verbose) as worker,
-        Runtime(forks=args.forks, on_interrupt=_common.on_interrupt) as runtime,
-        contextlib.ExitStack() as bars_open,
-    ):
-        hosts, cache_hosts = run_hosts(args)
-        plan = make_run_plan(args, runtime, hosts, read, worker.local_gpus, phases)
-        warning = check_fit(plan, force=args.force)
-        if warning is not None and not args.json:
-            _common.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
-        names = {h.endpoint: h.name for h in cache_hosts if h.endpoint in plan.endpoints}
-        bars = LoadBars(_common.err_console.is_terminal and not args.json, names=names)
-
-        def checked(prep: CachePrep) -> None:
-            if not args.json:
-                _common.err_console.print(
-                    f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
-                    f"({format_size(prep.miss_bytes)} to send)[/dim]",
-                    highlight=False,
-                )
-
-        def prepared(done: FleetLoad) -> None:
-            report_cache(args, done)
-            signals.raise_if_interrupted()  # one swallowed during the probe or the plan: no load follows
-            if _common.err_console.is_terminal and not args.json:  # a phase line while the weights travel
-                where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
-                _common.err_console.print(
-                    f"[dim]loading {escape(str(args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
-                    highlight=False,
-                )
-            bars_open.enter_context(bars)
-
-        loaded = load_on_fleet(
-            plan,
-            cache_hosts,
-            worker,
-            args.model,
-            runtime=runtime,
-            interruptible=True,
-            verify=args.verify_cache,
-            warm=args.warm,
-            llama_kwargs={"seed": args.seed},
-            on_checked=checked,
-            on_prepared=prepared,
-            on_progress=bars,
-        )
-        bars_open.close()
-        phases |= loaded.phases
-        placement = loaded.placement
-        assert placement is not None  # an interrupted check exits in `prepared`
-        text, stats = generate(worker, args.prompt, args.n_predict, args.temp, args.seed, echo=not args.json)
+    # Facts are read on this machine for loopback --endpoint servers; others are probed over RPC only.
+    remote = any(not is_loopback(parse_endpoint(text).host) for text in args.endpoint)
+    planning = _planning.planning_args(args, facts=not remote)
+    request = RunRequest(
+        model=args.model,
+        saved_plan=args.plan,
+        hosts=lambda: run_hosts(args),
+        options=planning.options,
+        probe=planning.probe,
+        local_devices=planning.local_devices,
+        prompt=args.prompt,
+        n_predict=args.n_predict,
+        temperature=args.temp,
+        seed=args.seed,
+        release=not args.endpoint,  # a load lets go of an inventory server held by a client proven gone
+        force=args.force,
+        verify_cache=args.verify_cache,
+        warm=args.warm,
+        llama_log_to_stderr=args.llama_verbose,
+    )
+    with RunScreen(args) as screen:
+        outcome = run_on_fleet(request, screen.events(), forks=args.forks)
+    placement, done = outcome.placement, outcome.done
+    if placement is None or done is None:  # a signal before the load (report_cache exits first)
+        return _common.INTERRUPTED_EXIT
+    plan, phases = outcome.plan, outcome.phases
+    stats = _generation_stats(done)
     if args.json:
         _common.print_json(
             {
-                "text": text,
+                "text": done.text,
                 **stats,
                 "placement": _placement_json(placement),
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
-                "log": str(worker.log_path) if worker.log_path else None,
+                "log": str(outcome.log_path) if outcome.log_path else None,
                 "phases": {k: round(v, 3) for k, v in phases.items()},
-                "cache": loaded.cache.as_json() if loaded.cache is not None else None,
+                "cache": outcome.load.cache.as_json() if outcome.load.cache is not None else None,
             }
         )
         return 0
@@ -271,6 +195,83 @@ def handle(args: argparse.Namespace) -> int:
         highlight=False,
     )
     return 0
+
+
+class RunScreen:
+    """What `run` shows as it goes (stderr, none of it with --json but the warm's failures): the fit
+    warning, the caches' counts, the load's phase line and bars, then the text as it comes (stdout)."""
+
+    plan: Plan  # set by `planned`, which comes before the load
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from orchestrator.cli._progress import LoadBars
+
+        self.args = args
+        self.echo = not args.json
+        self.bars = LoadBars(False, names={})
+        self.generating = False
+        self._open = contextlib.ExitStack()
+
+    def __enter__(self) -> RunScreen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._open.close()
+        if self.generating and self.echo:  # the text's last line, also after an error mid-stream
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    def events(self) -> RunEvents:
+        from orchestrator.workflows.run import RunEvents
+
+        return RunEvents(
+            interrupt=_common.on_interrupt,
+            fit_warning=self.fit_warning,
+            planned=self.planned,
+            checked=self.checked,
+            prepared=self.prepared,
+            progress=lambda progress: self.bars(progress),
+            loaded=self.loaded,
+            text=self.text,
+        )
+
+    def fit_warning(self, warning: str) -> None:
+        if self.echo:
+            _common.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+
+    def planned(self, plan: Plan, cache_hosts: Sequence[Host]) -> None:
+        from orchestrator.cli._progress import LoadBars
+
+        self.plan = plan
+        names = {h.endpoint: h.name for h in cache_hosts if h.endpoint in plan.endpoints}
+        self.bars = LoadBars(_common.err_console.is_terminal and self.echo, names=names)
+
+    def checked(self, prep: CachePrep) -> None:
+        if self.echo:
+            _common.err_console.print(
+                f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
+                f"({format_size(prep.miss_bytes)} to send)[/dim]",
+                highlight=False,
+            )
+
+    def prepared(self, done: FleetLoad) -> None:
+        report_cache(self.args, done)
+        if _common.err_console.is_terminal and self.echo:  # a phase line while the weights travel
+            where = f"{len(self.plan.devices)} device(s)" if self.plan.devices else "this machine's CPU"
+            _common.err_console.print(
+                f"[dim]loading {escape(str(self.args.model))} on {where}, n_ctx {self.plan.n_ctx}...[/dim]",
+                highlight=False,
+            )
+        self._open.enter_context(self.bars)
+
+    def loaded(self, _: FleetLoad) -> None:
+        self._open.close()  # the bars end before the text starts
+        self.generating = True
+
+    def text(self, piece: str) -> None:
+        if self.echo:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
 
 def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
@@ -297,28 +298,9 @@ def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
         )
 
 
-def generate(
-    worker: Any, prompt: str, n: int, temp: float, seed: int, *, echo: bool
-) -> tuple[str, dict[str, Any]]:
-    """Stream a completion from the worker (echoed as it comes); the counts are the tokens the model
-    produced and llama.cpp's own timings."""
-    from orchestrator.llama.worker.parent import Done
-
-    done: Done | None = None
-    try:
-        for event in worker.complete(prompt, max_tokens=n, temperature=temp, seed=seed):
-            signals.raise_if_interrupted()
-            if isinstance(event, Done):
-                done = event
-            elif echo:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-    finally:
-        if echo:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-    assert done is not None
-    return done.text, {
+def _generation_stats(done: Done) -> dict[str, Any]:
+    """The counts of the tokens the model produced and llama.cpp's own timings."""
+    return {
         "prompt_tokens": done.prompt_tokens,
         "prompt_seconds": round(done.prompt_seconds, 4),
         "completion_tokens": done.completion_tokens,

@@ -5,6 +5,9 @@ asks of the fleet, each walking the stages below in flow order once.
 * `fit`: the one fit policy (does the plan fit; the error, or the warning under `--force`);
 * `plan`: `plan_for_fleet` -> `PlanRound` (probe, devices, local GPUs through the worker, plan, fit);
 * `load`: `fleet_targets` and `load_on_fleet` (cache check, warm, dial, load);
+* `run`: `run_on_fleet`, `rpcfleet run` whole (read the model, spawn the worker, plan, fit, load, generate);
+* `change`: `deploy_fleet`, `service_fleet`, `rollback_fleet`, `status_fleet`, `logs_fleet`: a step of
+  `operations/` on the selected hosts through the executor (`change_fleet`);
 * `dropin`: `orchestrator.Llama`, the drop-in for `llama_cpp.Llama` (imports llama_cpp: never imported
   by the others, nor by this package).
 

@@ -19,7 +19,9 @@ _started: dict[str, float] = {}
 
 
 def _whole_suite(config: pytest.Config) -> bool:
-    selected = config.getoption("keyword") or config.getoption("markexpr") or config.getoption("lf")
+    selected = (
+        config.getoption("keyword") or config.getoption("markexpr") or config.getoption("lf", default=False)
+    )
     return not selected and list(config.args) in ([], ["tests"], [str(Path(config.rootpath) / "tests")])
 
 
