@@ -24,7 +24,7 @@ from orchestrator.core.errors import RpcfleetError, UsageError
 if TYPE_CHECKING:  # imported lazily below: each command pays only for what it uses
     from rich.console import Console
 
-    from orchestrator.engine.executor import Recap, RunResult, Session
+    from orchestrator.engine.executor import Recap, RunResult
     from orchestrator.inventory.model import Host, Inventory
     from orchestrator.operations.layer import OperationOptions
     from orchestrator.workflows.change import Batches
@@ -456,13 +456,6 @@ def batches(args: argparse.Namespace) -> Batches:
         max_fail_percentage=getattr(args, "max_fail_percentage", None),
         on_interrupt=on_interrupt,
     )
-
-
-def fleet_session(args: argparse.Namespace) -> Session:
-    """The executor session of a command: its forks, and Ctrl-C / SIGTERM stop it between hosts."""
-    from orchestrator.engine.executor import Session
-
-    return Session(forks=args.forks, interruptible=True, on_interrupt=on_interrupt)
 
 
 def finish_command(hosts: Sequence[str]) -> str:

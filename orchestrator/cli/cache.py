@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host
-    from orchestrator.workflows.cache import ModelPlanning
+    from orchestrator.workflows.options import ModelPlanning
 
 
 def register(subparsers: Any) -> None:
@@ -91,7 +91,7 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _model_planning(args: argparse.Namespace) -> ModelPlanning:
-    from orchestrator.workflows.cache import ModelPlanning
+    from orchestrator.workflows.options import ModelPlanning
 
     request = _planning.planning_args(args)
     return ModelPlanning(

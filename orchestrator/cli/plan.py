@@ -43,23 +43,19 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.engine.runtime import run_once
     from orchestrator.planning.formats import llama_cli_args, python_snippet
-    from orchestrator.planning.profile import profile_model
-    from orchestrator.workflows.plan import plan_for_fleet
+    from orchestrator.workflows.options import ModelPlanning
+    from orchestrator.workflows.plan import plan_model
 
     fmt = "json" if args.json else args.format
     _common.require_model(args.model)
     request = _planning.planning_args(args)
-    profile = profile_model(args.model)  # before probing: a bad model fails fast
     if args.replicas is not None:  # the formations serve would choose
-        return print_formations(args, profile, request.options, fmt)
-    _, hosts = _common.load_hosts(args)
-    round_ = run_once(
-        plan_for_fleet(
-            hosts, profile, request.options, probe=request.probe, local_devices=request.local_devices
-        )
-    )
+        from orchestrator.planning.profile import profile_model
+
+        return print_formations(args, profile_model(args.model), request.options, fmt)
+    planning = ModelPlanning(args.model, request.options, request.probe, request.local_devices)
+    _, round_ = plan_model(planning, lambda: _common.load_hosts(args)[1])
     plan, devices = round_.plan, round_.devices
     assert plan is not None  # failed="raise": no plan is an error
     if args.output is not None:

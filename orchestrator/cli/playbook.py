@@ -71,6 +71,7 @@ def handle_run_playbook(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, playbook: Playbook) -> int:
     from orchestrator.playbooks.runner import play_hosts, run_playbook
+    from orchestrator.workflows.change import fleet_session
 
     inventory = _common.load_inventory(args)
     hosts = play_hosts(playbook, inventory, getattr(args, "limit", None))
@@ -99,7 +100,7 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
             _print_step(step_run)
 
     async def go() -> PlaybookResult:
-        async with _common.fleet_session(args) as session:
+        async with fleet_session(_common.batches(args)) as session:
             return await run_playbook(
                 playbook,
                 hosts,

@@ -156,10 +156,9 @@ def handle(args: argparse.Namespace) -> int:
         warm=args.warm,
         llama_log_to_stderr=args.llama_verbose,
     )
-    with RunScreen(args) as screen:
-        outcome = run_on_fleet(request, screen.events(), forks=args.forks)
+    outcome = run_on_fleet(request, RunScreen(args).events(), forks=args.forks)
     placement, done = outcome.placement, outcome.done
-    if placement is None or done is None:  # a signal before the load (report_cache exits first)
+    if outcome.load.interrupted or placement is None or done is None:  # Ctrl-C during the caches' check
         return _common.INTERRUPTED_EXIT
     plan, phases = outcome.plan, outcome.phases
     stats = _generation_stats(done)
@@ -201,25 +200,13 @@ class RunScreen:
     """What `run` shows as it goes (stderr, none of it with --json but the warm's failures): the fit
     warning, the caches' counts, the load's phase line and bars, then the text as it comes (stdout)."""
 
-    plan: Plan  # set by `planned`, which comes before the load
-
     def __init__(self, args: argparse.Namespace) -> None:
         from orchestrator.cli._progress import LoadBars
 
         self.args = args
         self.echo = not args.json
         self.bars = LoadBars(False, names={})
-        self.generating = False
-        self._open = contextlib.ExitStack()
-
-    def __enter__(self) -> RunScreen:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._open.close()
-        if self.generating and self.echo:  # the text's last line, also after an error mid-stream
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+        self.shown = contextlib.ExitStack()
 
     def events(self) -> RunEvents:
         from orchestrator.workflows.run import RunEvents
@@ -229,10 +216,12 @@ class RunScreen:
             fit_warning=self.fit_warning,
             planned=self.planned,
             checked=self.checked,
-            prepared=self.prepared,
+            prepared=lambda done: report_cache(self.args, done),
+            loading=self.loading,
             progress=lambda progress: self.bars(progress),
-            loaded=self.loaded,
+            load_ended=self.shown.close,
             text=self.text,
+            text_ended=lambda: self.text("\n"),
         )
 
     def fit_warning(self, warning: str) -> None:
@@ -242,7 +231,6 @@ class RunScreen:
     def planned(self, plan: Plan, cache_hosts: Sequence[Host]) -> None:
         from orchestrator.cli._progress import LoadBars
 
-        self.plan = plan
         names = {h.endpoint: h.name for h in cache_hosts if h.endpoint in plan.endpoints}
         self.bars = LoadBars(_common.err_console.is_terminal and self.echo, names=names)
 
@@ -254,19 +242,14 @@ class RunScreen:
                 highlight=False,
             )
 
-    def prepared(self, done: FleetLoad) -> None:
-        report_cache(self.args, done)
+    def loading(self, plan: Plan) -> None:
         if _common.err_console.is_terminal and self.echo:  # a phase line while the weights travel
-            where = f"{len(self.plan.devices)} device(s)" if self.plan.devices else "this machine's CPU"
+            where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
             _common.err_console.print(
-                f"[dim]loading {escape(str(self.args.model))} on {where}, n_ctx {self.plan.n_ctx}...[/dim]",
+                f"[dim]loading {escape(str(self.args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
                 highlight=False,
             )
-        self._open.enter_context(self.bars)
-
-    def loaded(self, _: FleetLoad) -> None:
-        self._open.close()  # the bars end before the text starts
-        self.generating = True
+        self.shown.enter_context(self.bars)
 
     def text(self, piece: str) -> None:
         if self.echo:
@@ -276,7 +259,7 @@ class RunScreen:
 
 def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
     """After the caches' check and warm: the warm's failures (the load sends those tensors itself), an
-    interrupt (exit 130, no load), the warm's summary."""
+    interrupt (no load follows: exit 130), the warm's summary."""
     run, prep = done.warm, done.cache
     if run is not None:
         for r in run.results:
@@ -289,7 +272,7 @@ def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
         if run.interrupted:
             _common.print_interrupted([run])
     if done.interrupted:  # Ctrl-C during the check or the warm: no load
-        raise SystemExit(_common.INTERRUPTED_EXIT)
+        return
     if run is not None and prep is not None and not args.json:
         _common.err_console.print(
             f"[dim]warmed {len(run.results)} node(s) in parallel in {done.phases['warm']:.2f} s; "

@@ -76,16 +76,15 @@ async def load_check(
     through their SSH forwards (this process's `default_tunnels`); on those with `rpc_cache`, a cache
     file the load would read that is truncated is refused first (`LoaderError` naming the host).
     """
-    from orchestrator.connectors.tunnel import default_tunnels
     from orchestrator.engine.executor import Session
-    from orchestrator.llama.cache.prep import prepare_caches
     from orchestrator.llama.worker.parent import Worker
+    from orchestrator.workflows.load import fleet_targets, prepare_load
 
     wanted = [h for h in hosts if h.endpoint in plan.endpoints]
     if any(h.rpc_cache for h in wanted):  # refuse a truncated cache file before llama.cpp reads it
         async with Session() as session:
-            await prepare_caches(session, wanted, plan, model, warm="never")
-    targets = await asyncio.to_thread(default_tunnels().targets, wanted) if wanted else {}
+            await prepare_load(session, wanted, plan, model, warm="never")
+    targets = await asyncio.to_thread(fleet_targets, wanted) if wanted else {}
 
     worker = Worker.spawn()
     try:

@@ -7,32 +7,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host
 from orchestrator.llama.cache.plan import plan_cache
 from orchestrator.llama.cache.prep import warm_items
 from orchestrator.operations.cache import WarmItem, cache_step, status_step, warm_step
 from orchestrator.operations.layer import OperationOptions
-from orchestrator.planning.plan import PlanOptions
-from orchestrator.planning.profile import profile_model
 from orchestrator.workflows.change import Batches, FleetChange, change_fleet
-from orchestrator.workflows.options import ProbeSettings
-from orchestrator.workflows.plan import plan_for_fleet
+from orchestrator.workflows.options import ModelPlanning
+from orchestrator.workflows.plan import plan_model
 
 CacheItems = dict[str, Sequence[WarmItem]]  # host name -> the cache files its share of the plan reads
-
-
-@dataclass(frozen=True)
-class ModelPlanning:
-    """The model to plan, and how: the plan's options, the probe's settings, the local GPUs wanted."""
-
-    model: Path
-    options: PlanOptions
-    probe: ProbeSettings
-    local_devices: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,12 +37,7 @@ def cache_items(
     probe's, the plan's and the hashing's seconds."""
     times = phases if phases is not None else {}
     started = time.monotonic()
-    profile = profile_model(planning.model)
-    round_ = run_once(
-        plan_for_fleet(
-            hosts, profile, planning.options, probe=planning.probe, local_devices=planning.local_devices
-        )
-    )
+    profile, round_ = plan_model(planning, lambda: hosts)
     times["probe"] = time.monotonic() - started - round_.plan_seconds
     times["plan"] = round_.plan_seconds
     assert round_.plan is not None  # failed="raise": no plan is an error

@@ -56,7 +56,7 @@ def change_fleet(
     their installs that it does not declare."""
 
     async def go() -> FleetChange:
-        async with _session(batches) as session:
+        async with fleet_session(batches) as session:
             run = await session.run(
                 hosts, step, name=name, serial=batches.serial, max_fail_percentage=batches.max_fail_percentage
             )
@@ -125,7 +125,7 @@ def find_undeclared(inventory: Inventory, hosts: Sequence[Host], batches: Batche
     """The undeclared servers of `hosts`' installs, in a session of their own; whether a signal cut it."""
 
     async def go() -> tuple[Undeclared, bool]:
-        async with _session(batches) as session:
+        async with fleet_session(batches) as session:
             return await find_undeclared_in(session, inventory, hosts)
 
     return run_once(go())
@@ -142,7 +142,8 @@ async def find_undeclared_in(
     return found, run.interrupted
 
 
-def _session(batches: Batches) -> Session:
+def fleet_session(batches: Batches) -> Session:
+    """The executor session of a change: its forks, and Ctrl-C / SIGTERM stop it between hosts."""
     return Session(
         forks=batches.forks or DEFAULT_FORKS, interruptible=True, on_interrupt=batches.on_interrupt
     )

@@ -3,8 +3,9 @@ playbook step's arguments, serve's flags): no state travels on the parser's name
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
@@ -20,6 +21,17 @@ class ProbeSettings:
     facts: bool = True
     forks: int | None = None
     trust_rpc_memory: bool = False
+
+
+@dataclass(frozen=True)
+class ModelPlanning:
+    """A model to plan, and how: the plan's options, the probe's settings, the local GPUs wanted (None:
+    all, []: none)."""
+
+    model: Path
+    options: PlanOptions
+    probe: ProbeSettings
+    local_devices: Sequence[str] | None = None
 
 
 # The planning options by the CLI's flag names (`--ctx` -> "ctx"), with the CLI's defaults; a playbook

@@ -12,15 +12,16 @@ from typing import Literal
 from orchestrator.core.errors import PlanError, ProbeError, RpcfleetError, UsageError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import Session
+from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
-from orchestrator.planning.profile import ModelProfile
+from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.probe.fleet import FleetProbe, probe_fleet
 from orchestrator.workflows.fit import CLI_WORDS, FitWords, misfit_error
-from orchestrator.workflows.options import ProbeSettings
+from orchestrator.workflows.options import ModelPlanning, ProbeSettings
 
 LocalGpus = Callable[[], list[PlanDevice]]
 
@@ -153,3 +154,18 @@ async def plan_for_fleet(
     return PlanRound(
         plan, states, probed - started, time.monotonic() - probed, reason, fleet, tuple(devices), None, misfit
     )
+
+
+def plan_model(
+    planning: ModelPlanning, hosts: Callable[[], Sequence[Host]]
+) -> tuple[ModelProfile, PlanRound]:
+    """Read the model, then the hosts (so a file that is no model is named before a bad inventory), and
+    plan it on them (`plan_for_fleet`, failed="raise"): its profile and the round."""
+    profile = profile_model(planning.model)
+    selected = hosts()
+    round_ = run_once(
+        plan_for_fleet(
+            selected, profile, planning.options, probe=planning.probe, local_devices=planning.local_devices
+        )
+    )
+    return profile, round_

@@ -12,21 +12,21 @@ from typing import TYPE_CHECKING
 
 from orchestrator.core import signals
 from orchestrator.engine.runtime import Runtime
-from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.prep import CachePrep, WarmChoice
 from orchestrator.llama.worker.parent import Worker
 from orchestrator.llama.worker.wire import Done
 from orchestrator.planning.plan import Plan
 from orchestrator.planning.profile import profile_model
 from orchestrator.workflows.fit import check_fit
 from orchestrator.workflows.load import FleetLoad, load_on_fleet
-from orchestrator.workflows.options import ProbeSettings
 from orchestrator.workflows.plan import plan_for_fleet
 
 if TYPE_CHECKING:
+    from orchestrator.inventory.model import Host
+    from orchestrator.llama.cache.prep import CachePrep, WarmChoice
     from orchestrator.llama.observed_placement import Placement
     from orchestrator.llama.worker.load_progress import LoadProgress
     from orchestrator.planning.plan import PlanOptions
+    from orchestrator.workflows.options import ProbeSettings
 
 
 @dataclass(frozen=True)
@@ -54,26 +54,29 @@ class RunRequest:
 
 @dataclass(frozen=True)
 class RunEvents:
-    """What the front end is told as the run goes (each optional): the signal a session caught, the fit
-    warning under `force`, the plan made (with the hosts the load goes through), the caches checked, the
-    caches prepared (before the load: an interrupted check or warm loads nothing), the load's progress,
-    the load done, each piece of text."""
+    """What the front end is told as the run goes (each optional), in this order: the signal a session
+    caught (any time), the fit warning under `force`, the plan made (with the hosts the load goes
+    through), the caches checked, the caches prepared (an interrupted check or warm ends the run there:
+    nothing is loaded), the load starting, its progress, its end (also when it failed), each piece of
+    text, the text's end (also when it failed)."""
 
     interrupt: Callable[[str, int], None] | None = None
     fit_warning: Callable[[str], None] | None = None
     planned: Callable[[Plan, Sequence[Host]], None] | None = None
     checked: Callable[[CachePrep], None] | None = None
     prepared: Callable[[FleetLoad], None] | None = None
+    loading: Callable[[Plan], None] | None = None
     progress: Callable[[LoadProgress], None] | None = None
-    loaded: Callable[[FleetLoad], None] | None = None
+    load_ended: Callable[[], None] | None = None
     text: Callable[[str], None] | None = None
+    text_ended: Callable[[], None] | None = None
 
 
 @dataclass
 class RunOutcome:
-    """The plan loaded, what the load found and did, the completion (None when a signal stopped the run
-    before the load), the phases' seconds and the worker's log (llama.cpp's own; None: it went to
-    stderr)."""
+    """The plan loaded, what the load found and did (`load.interrupted`: a signal during the caches'
+    check or warm stopped the run before the load), the completion (None then), the phases' seconds and
+    the worker's log (llama.cpp's own; None: it went to stderr)."""
 
     plan: Plan
     load: FleetLoad
@@ -126,30 +129,40 @@ def run_on_fleet(request: RunRequest, events: RunEvents, *, forks: int | None = 
         def prepared(done: FleetLoad) -> None:
             if events.prepared is not None:
                 events.prepared(done)
+            if done.interrupted:
+                return  # load_on_fleet loads nothing
             signals.raise_if_interrupted()  # one swallowed during the probe or the plan: no load follows
+            if events.loading is not None:
+                events.loading(plan)
 
-        loaded = load_on_fleet(
-            plan,
-            cache_hosts,
-            worker,
-            request.model,
-            runtime=runtime,
-            interruptible=True,
-            verify=request.verify_cache,
-            warm=request.warm,
-            llama_kwargs={"seed": request.seed},
-            on_checked=events.checked,
-            on_prepared=prepared,
-            on_progress=events.progress,
-        )
+        try:
+            loaded = load_on_fleet(
+                plan,
+                cache_hosts,
+                worker,
+                request.model,
+                runtime=runtime,
+                interruptible=True,
+                verify=request.verify_cache,
+                warm=request.warm,
+                llama_kwargs={"seed": request.seed},
+                on_checked=events.checked,
+                on_prepared=prepared,
+                on_progress=events.progress,
+            )
+        finally:
+            if events.load_ended is not None:
+                events.load_ended()
         outcome = RunOutcome(plan, loaded, None, phases | loaded.phases, worker.log_path)
-        if loaded.placement is None:  # a signal during the caches' check or warm: nothing was loaded
+        if loaded.interrupted:
             return outcome
-        if events.loaded is not None:
-            events.loaded(loaded)
-        outcome.done = generate(
-            worker, request.prompt, request.n_predict, request.temperature, request.seed, events.text
-        )
+        try:
+            outcome.done = generate(
+                worker, request.prompt, request.n_predict, request.temperature, request.seed, events.text
+            )
+        finally:
+            if events.text_ended is not None:
+                events.text_ended()
         return outcome
 
 

@@ -9,8 +9,8 @@ the executor running an operation's step, a progress bar. It reaches no stage: t
 the callback was handed down.
 
 `front_end`: what the command's own code (cli frames that are not a callback) calls in other stages, in
-order; `reached`: every stage in the order it is first reached. Trace a command once untraced first, so
-imports and first-use caches are not part of its walk.
+order; `reached`: every stage in the order it is first reached; `callbacks`: the calls up the layers. Trace
+a command once untraced first, so imports and first-use caches are not part of its walk.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from inspect import CO_NEWLOCALS
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 PACKAGE = Path(__file__).resolve().parents[2] / "orchestrator"
@@ -33,17 +33,28 @@ LAYERS: list[str] = [
 ]
 
 
+_STAGES: dict[CodeType, str | None] = {}  # a code object's stage, looked up once (the trace is hot)
+
+
 def stage_of(frame: FrameType) -> str | None:
     """The stage (orchestrator's subpackage) of a frame's code; None outside orchestrator's stages."""
-    path = Path(frame.f_code.co_filename)
-    if not path.is_relative_to(PACKAGE):
-        return None
-    parts = path.relative_to(PACKAGE).parts
-    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
+    code = frame.f_code
+    if code not in _STAGES:
+        path = Path(code.co_filename)
+        parts = path.relative_to(PACKAGE).parts if path.is_relative_to(PACKAGE) else ()
+        _STAGES[code] = parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
+    return _STAGES[code]
+
+
+_MODULES: dict[CodeType, str] = {}
 
 
 def module_of(frame: FrameType) -> str:
-    return ".".join(Path(frame.f_code.co_filename).relative_to(PACKAGE).with_suffix("").parts)
+    """The dotted module below orchestrator of a frame in one of its stages."""
+    code = frame.f_code
+    if code not in _MODULES:
+        _MODULES[code] = ".".join(Path(code.co_filename).relative_to(PACKAGE).with_suffix("").parts)
+    return _MODULES[code]
 
 
 def below(callee: str, caller: str) -> bool:
@@ -76,6 +87,11 @@ class Walk:
             if own and (not out or out[-1] != callee):
                 out.append(callee)
         return out
+
+    @property
+    def callbacks(self) -> list[str]:
+        """The calls up the layers, each once: "caller stage -> callee function"."""
+        return list(dict.fromkeys(f"{a} -> {name}" for a, b, name, _ in self.calls if not below(b, a)))
 
     def first_calls(self, stage: str) -> list[str]:
         """The functions the front end calls in `stage` (first calls first), to name a wrong turn."""
@@ -110,9 +126,10 @@ def trace(command: Callable[[], Any]) -> tuple[Walk, Any]:
             outer = outer.f_back
         walk.calls.append((caller, callee, f"{module_of(frame)}.{frame.f_code.co_name}", own))
 
+    before = sys.getprofile()
     sys.setprofile(profile)
     try:
         result = command()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
     return walk, result

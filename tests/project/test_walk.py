@@ -1,10 +1,11 @@
 """A newcomer's walk of `run` and of `deploy` (issue 19's "done when"): the front end reads its input (the
-flags, the inventory), hands the whole job to one use case of `workflows/`, and goes on only to print what
-came back. No stage below the use cases is reached before them. Traced in-process
+flags, the inventory), hands the whole job to its one use case in `workflows/`, and goes on only to print
+what came back; below it, the stages are reached in the order docs/architecture.md gives. Traced in-process
 (`tests/plugins/walk.py`) over a real rpc-server, a real model load and a real deploy on this machine."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,26 +14,38 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
-from tests.plugins.walk import Walk, trace
+from tests.plugins.walk import PACKAGE, Walk, trace
 
 INPUT = {"core", "inventory"}  # the flags and the inventory, read by the front end before it hands over
+OPTIONS = "workflows.options."  # the one builder of typed options, at the front end's edge
 
 
-def handed_over(walk: Walk) -> None:
-    """The walk reaches `workflows` before any stage below it but the input's, and the front end's own
-    calls before the use case are the input's alone (what it called instead is named on failure)."""
+def documented_walk(command: str) -> list[str]:
+    """The walk docs/architecture.md states for `command` ("`run` reaches cli > core > ...")."""
+    text = " ".join((PACKAGE.parent / "docs" / "architecture.md").read_text().split())
+    found = re.search(rf"`{command}` (?:reaches )?(cli(?: > \w+)+)", text)
+    assert found, f"docs/architecture.md states no walk of {command}"
+    return found.group(1).split(" > ")
+
+
+def handed_over(walk: Walk, use_case: str) -> None:
+    """The front end's own calls before its use case (`workflows.MODULE.FUNCTION`) are its input's and
+    the options' builder only, and the use case is the first other thing it calls in `workflows`; no
+    stage below `workflows` but the input's is reached before it (what was called instead is named)."""
+    own = [(callee, name) for _, callee, name, mine in walk.calls if mine]
+    names = [name for _, name in own]
+    assert use_case in names, f"the front end never calls {use_case}: {list(dict.fromkeys(names))}"
+    before = own[: names.index(use_case)]
+    wrong = [name for callee, name in before if callee not in INPUT and not name.startswith(OPTIONS)]
+    assert not wrong, f"before {use_case}, the front end itself calls {list(dict.fromkeys(wrong))}"
     reached = walk.reached
-    assert "workflows" in reached, reached
     early = [s for s in reached[1 : reached.index("workflows")] if s not in INPUT]
     assert not early, {s: walk.first_calls(s) for s in early}
-    front = walk.front_end
-    wrong = [s for s in front[: front.index("workflows")] if s not in INPUT]
-    assert not wrong, {s: walk.first_calls(s) for s in wrong}
 
 
 def test_the_check_names_a_front_end_that_skips_the_use_case() -> None:
-    """The checks above can fail: a front end that reads the model and starts the worker itself (as `run`
-    did) before it calls its use case."""
+    """The check can fail: a front end that reads the model and starts the worker itself (as `run` did)
+    before it calls its use case."""
     walk = Walk(
         calls=[
             ("cli", "core", "core.errors.__init__", True),
@@ -45,8 +58,21 @@ def test_the_check_names_a_front_end_that_skips_the_use_case() -> None:
     )
     assert walk.reached == ["cli", "core", "planning", "llama", "workflows", "probe"]
     assert walk.front_end == ["core", "planning", "llama", "workflows"]
+    assert walk.callbacks == ["engine -> workflows.plan.once"]
     with pytest.raises(AssertionError, match="profile_model"):
-        handed_over(walk)
+        handed_over(walk, "workflows.plan.plan_for_fleet")
+
+
+def test_the_trace_sees_a_front_end_that_calls_a_stage_itself(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tracer on a real command whose front end reads the model itself (`model info` has no use case)."""
+    assert main(["model", "info", str(tiny_model)]) == 0
+    walk, status = trace(lambda: main(["model", "info", str(tiny_model)]))
+    assert status == 0, capsys.readouterr().err
+    assert "planning.profile.profile_model" in walk.first_calls("planning")
+    with pytest.raises(AssertionError, match="profile_model"):
+        handed_over(walk, "workflows.run.run_on_fleet")
 
 
 @pytest.mark.llama
@@ -60,12 +86,14 @@ def test_run_hands_over_to_its_use_case(
     inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": server.port}})
     argv = ["run", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "512", "-p", "hello", "-n", "4"]
     assert main(argv) == 0, capsys.readouterr().err  # untraced first: imports are no part of the walk
+    capsys.readouterr()
     walk, status = trace(lambda: main(argv))
-    assert status == 0, capsys.readouterr().err
-    handed_over(walk)
-    # and on down through what a run needs: the probe over RPC, the plan, the worker's load
-    assert {"workflows", "planning", "llama", "probe", "rpc", "engine"} <= set(walk.reached), walk.reached
+    out = capsys.readouterr().out
+    assert status == 0 and "tokens generated" in out, out
+    handed_over(walk, "workflows.run.run_on_fleet")
+    assert walk.reached == documented_walk("run"), walk.reached
     print("run:", " > ".join(walk.reached), f"({len(walk.modules)} modules)")
+    print("  callbacks:", "; ".join(walk.callbacks))
 
 
 @pytest.mark.llama
@@ -73,19 +101,24 @@ def test_deploy_hands_over_to_its_use_case(
     cpu_artifact: Artifact, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def inventory(name: str) -> Path:
-        port = free_port()
-        fields = {"rpc_port": port, "install_dir": str(tmp_path / name), "rpc_artifact": cpu_artifact.id}
+        fields = {
+            "rpc_port": free_port(),
+            "install_dir": str(tmp_path / name),
+            "rpc_artifact": cpu_artifact.id,
+        }
         return write_local_inventory(tmp_path / f"{name}.yml", {name: fields})
 
     first, second = inventory("warm"), inventory("walked")
     try:
         assert main(["deploy", "-i", str(first)]) == 0, capsys.readouterr().err  # untraced first
+        capsys.readouterr()
         walk, status = trace(lambda: main(["deploy", "-i", str(second)]))  # a whole deploy: install, start
-        assert status == 0, capsys.readouterr().err
-        assert "install" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert status == 0 and "walked" in out and "install" in out, out
     finally:
         for path in (first, second):
             main(["stop", "-i", str(path), "--force"])
-    handed_over(walk)
-    assert {"workflows", "operations", "engine", "connectors", "rpc"} <= set(walk.reached), walk.reached
+    handed_over(walk, "workflows.change.deploy_fleet")
+    assert walk.reached == documented_walk("deploy"), walk.reached
     print("deploy:", " > ".join(walk.reached), f"({len(walk.modules)} modules)")
+    print("  callbacks:", "; ".join(walk.callbacks))
