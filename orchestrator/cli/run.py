@@ -159,6 +159,7 @@ def handle(args: argparse.Namespace) -> int:
     outcome = run_on_fleet(request, RunScreen(args).events(), forks=args.forks)
     placement, done = outcome.placement, outcome.done
     if outcome.load.interrupted or placement is None or done is None:  # Ctrl-C during the caches' check
+        sys.stderr.write("interrupted\n")  # the last line, as for a signal anywhere else (cli.main)
         return _common.INTERRUPTED_EXIT
     plan, phases = outcome.plan, outcome.phases
     stats = _generation_stats(done)

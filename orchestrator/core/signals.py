@@ -136,21 +136,37 @@ def handling(sig: signal.Signals, handler: Callable[[int, FrameType | None], Any
 
 
 def loop_handlers(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None]) -> Callable[[], None]:
-    """SIGINT and SIGTERM call `callback(name)` on `loop` (asyncio's handlers, safe between its tasks)
-    until the returned function is called: it hands them back to the handlers from before. asyncio alone
-    would leave SIGTERM at its default action (the process dies, status 143) and SIGINT at Python's:
-    the command's `interrupt` must hear the next one."""
-    installed = []
+    """SIGINT and SIGTERM call `callback(name)` on `loop`, between its tasks, until the returned function
+    is called: it hands them back to the handlers from before (asyncio alone would leave SIGTERM at its
+    default action, status 143, and SIGINT at Python's: the command's `interrupt` must hear the next one).
+
+    Not asyncio's `add_signal_handler`: a signal it catches waits on its wake-up socket for the loop's
+    next poll, and a phase that ends first (its last step runs on, then gives the handlers back) drops
+    it: `run` once went on to load and generate after a SIGTERM. Here the handler queues the name; the
+    loop calls `callback` for it, or `give_back` does for one still queued."""
+    queued: list[str] = []
+
+    def deliver(name: str) -> None:
+        if name in queued:
+            queued.remove(name)
+            callback(name)
+
+    def heard(signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        queued.append(name)
+        with contextlib.suppress(RuntimeError):  # a closed loop: `give_back` delivers it
+            loop.call_soon_threadsafe(deliver, name)  # wakes a loop that waits in its poll
+
+    installed = [(sig, signal.getsignal(sig)) for sig in INTERRUPTS]
     for sig in INTERRUPTS:
-        installed.append((sig, signal.getsignal(sig)))
-        loop.add_signal_handler(sig, callback, sig.name)
+        signal.signal(sig, heard)
 
     def give_back() -> None:
         for sig, previous in installed:
-            loop.remove_signal_handler(sig)
-            if previous is not None:
-                signal.signal(sig, previous)
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         installed.clear()
+        while queued:
+            callback(queued.pop(0))
 
     return give_back
 

@@ -158,6 +158,27 @@ def test_signals_taken_for_a_phase_are_given_back_to_the_handlers_from_before() 
     assert signal.getsignal(signal.SIGTERM) is not _mine and signal.getsignal(signal.SIGHUP) is not _mine
 
 
+def test_a_signal_that_comes_as_a_phase_ends_is_heard_not_lost() -> None:
+    """20 rounds: SIGTERM lands while the phase's last step runs and the phase ends before the loop polls
+    again (a cache check that is over at once). The session still hears it, and the handler from before
+    does not (as `run` once lost a SIGTERM sent right after its probe: it went on to load and generate)."""
+    heard: list[str] = []
+    with (
+        signals.handling(signal.SIGTERM, _mine),
+        signals.handling(signal.SIGINT, _mine),
+        Runtime(on_interrupt=lambda why, n: heard.append(why)) as runtime,
+    ):
+        for round_no in range(20):
+
+            async def phase() -> None:
+                async with runtime.session.catching_signals():
+                    os.kill(os.getpid(), signal.SIGTERM)  # no await after it: no poll of the loop
+
+            runtime.run(phase())
+            assert len(heard) == round_no + 1, heard
+            assert signal.getsignal(signal.SIGTERM) is _mine
+
+
 def test_exit_descriptions() -> None:
     assert children.exit_description(None) == "still running"
     assert children.exit_description(-signal.SIGABRT) == "signal SIGABRT"
