@@ -87,26 +87,18 @@ def machine() -> str:
 
 
 def commit() -> str:
+    def git(*args: str) -> str:
+        command = ["git", "-C", str(ROOT), *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout
+
     try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-        changed = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.splitlines()
+        head = git("rev-parse", "--short", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     # The documents the benchmarks write do not count; any other change makes the figure not HEAD's.
     code_changed = [line for line in changed if line[3:] not in ("BENCHMARKS.md", "README.md")]
-    return out.stdout.strip() + (" with uncommitted changes" if code_changed else "")
+    return head + (" with uncommitted changes" if code_changed else "")
 
 
 def stamp() -> str:
