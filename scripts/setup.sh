@@ -4,7 +4,8 @@
 #  2. llama-cpp-python built with GGML_RPC=ON, cached as a wheel keyed by version and build flags
 #  3. a shared virtual environment keyed by the dependency versions, outside the checkout, and a
 #     small .venv per checkout on top of it that runs that checkout's code (scripts/checkout-venv.sh)
-#  4. the CPU rpc-server artifact built from the same llama.cpp source (cached)
+#  4. the CPU and Vulkan rpc-server artifacts built from the same llama.cpp source (cached); the lab's
+#     GPU nodes run the Vulkan one on Mesa's software device (llvmpipe)
 #  5. an old (protocol 2.0.0) rpc-server for the version-skew tests (cached)
 #  6. the FNV-1a helper of the tensor cache (cached)
 #  7. the demo's real model, Gemma 3 270M (cached)
@@ -52,6 +53,14 @@ need systemd-analyze systemd
 need chromium chromium
 need prometheus prometheus  # the exporter's tests run their own `prometheus` and `promtool`
 need promtool prometheus
+# The Vulkan artifact: the loader and headers, the shader compiler, SPIR-V headers, and Mesa's drivers
+# (llvmpipe: a Vulkan device on the CPU, the lab's "GPU"); vulkaninfo for `rpc_backend: auto`.
+need glslc glslc
+need vulkaninfo vulkan-tools
+need_file() { [ -e "$1" ] || missing+=("$2"); }
+need_file /usr/include/vulkan/vulkan.hpp libvulkan-dev
+need_file /usr/include/spirv/unified1/spirv.hpp spirv-headers
+compgen -G '/usr/share/vulkan/icd.d/lvp_icd.*.json' >/dev/null || missing+=(mesa-vulkan-drivers)
 if [ ${#missing[@]} -gt 0 ]; then
   # shellcheck disable=SC2207
   missing=($(printf '%s\n' "${missing[@]}" | sort -u))
@@ -149,14 +158,21 @@ PY
 # exists first: under pipefail, a find of a missing folder would end set-up on a fresh machine.
 mkdir -p "$RPCFLEET_HOME/artifacts"
 artifacts_before=$(find "$RPCFLEET_HOME/artifacts" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+declare -A step_seconds=()
 # ---- 4. the CPU rpc-server artifact (same llama.cpp source as the wheel) ----------
 if "$PY" -c 'import orchestrator.artifacts.build' 2>/dev/null; then
   "$PY" -m orchestrator artifact build --backend cpu --quiet-if-cached \
     || die "building the rpc-server artifact failed"
+  if ! "$PY" -c 'import sys; from orchestrator.artifacts.build import cached_build; sys.exit(cached_build("vulkan") is None)'; then
+    say "building the Vulkan rpc-server (about 15 minutes on 2 cores, once: ggml-vulkan's shaders)"
+    vulkan_started=$(date +%s)
+    "$PY" -m orchestrator artifact build --backend vulkan --quiet-if-cached >>"$LOG" 2>&1 \
+      || { tail -n 30 "$LOG" >&2; die "building the Vulkan rpc-server artifact failed (full log: $LOG)"; }
+    step_seconds[rpc-server-vulkan]=$(( $(date +%s) - vulkan_started ))
+  fi
 fi
 # ---- 4b. llama-server (serve's engine) and llama-fit-params, from the same llama.cpp source (cached) ----
 # Keyed by the sdist's sha256 and the cmake flags under $RPCFLEET_HOME/engine/; about 10 minutes on 2 cores, once.
-declare -A step_seconds=()
 if "$PY" -c 'from orchestrator.artifacts.build import build_llama_tools' 2>/dev/null; then
   if ! "$PY" -c 'import sys; from orchestrator.artifacts.build import cached_tools; sys.exit(cached_tools() is None)'; then
     say "building llama-server and llama-fit-params from the same llama.cpp source (about 10 minutes on 2 cores, once)"
@@ -195,7 +211,8 @@ esac
 
 # ---- the record of this run (bench/firsthour.py) ----------
 "$PY" - "$RPCFLEET_HOME/timings/setup.jsonl" "$SETUP_STARTED" "$LOAD_AT_START" "$ROOT" \
-  "${built[*]:-}" "${apt_installed[*]:-}" "llama-server=${step_seconds[llama-server]:-}" <<'PY' \
+  "${built[*]:-}" "${apt_installed[*]:-}" "llama-server=${step_seconds[llama-server]:-}" \
+  "rpc-server-vulkan=${step_seconds[rpc-server-vulkan]:-}" <<'PY' \
   || say "warning: could not record this set-up's time"
 import datetime, json, os, platform, subprocess, sys, time
 path, started, load, root, built, apt, *steps = sys.argv[1:]

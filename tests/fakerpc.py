@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY = 14, 15, 11
+HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY, GET_ALIGNMENT, GET_MAX_SIZE = 14, 15, 11, 1, 2
 GiB = 1 << 30
 
 
@@ -81,9 +81,12 @@ def protocol(
     devices: Sequence[tuple[int, int]] = ((6 * GiB, 8 * GiB),),
     *,
     device_count: int | None = None,
+    alignment: int = 32,
+    max_size: int = (1 << 64) - 1,
 ) -> Handler:
-    """A correct server: `devices` are (free, total). `device_count` may claim more devices than exist;
-    asking for a missing one makes it close without a reply, as the real server does."""
+    """A correct server: `devices` are (free, total), each with `alignment` and `max_size` (a CPU's:
+    32, SIZE_MAX). `device_count` may claim more devices than exist; asking for a missing one makes it
+    close without a reply, as the real server does."""
 
     async def handle(conn: FakeConnection) -> None:
         while (request := await conn.read_request()) is not None:
@@ -98,6 +101,11 @@ def protocol(
                 if index >= len(devices):
                     return
                 await conn.reply(struct.pack("<QQ", *devices[index]))
+            elif cmd in (GET_ALIGNMENT, GET_MAX_SIZE):
+                (index,) = struct.unpack("<I", payload)
+                if index >= len(devices):
+                    return
+                await conn.reply(struct.pack("<Q", alignment if cmd == GET_ALIGNMENT else max_size))
             else:
                 return
 

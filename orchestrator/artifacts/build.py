@@ -29,6 +29,7 @@ from orchestrator.artifacts.manifest import (
     llama_cpp_python_version,
     scan_files,
 )
+from orchestrator.artifacts.patches import apply_patches, patches_for
 from orchestrator.artifacts.source import (
     ensure_sdist,
     extract_source,
@@ -106,10 +107,12 @@ def is_native(cmake_args: Sequence[str]) -> bool:
 def build_key(
     version: str, backend: str, cmake_args: Sequence[str], os_name: str | None = None, arch: str | None = None
 ) -> str:
-    """The cache key of a local build: hash of (llama-cpp-python version, backend, sorted args, os, arch)."""
+    """The cache key of a local build: hash of (llama-cpp-python version, backend, sorted args, os, arch,
+    the source patches for the backend)."""
     host_os, host_arch = host_platform()
+    patches = [p.label for p in patches_for(backend)]
     data = json.dumps(
-        ["build", version, backend, sorted(cmake_args), os_name or host_os, arch or host_arch]
+        ["build", version, backend, sorted(cmake_args), os_name or host_os, arch or host_arch, patches]
     ).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
@@ -122,10 +125,10 @@ def source_key(spec: ArtifactSpec, os_name: str, arch: str) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def local_server_binary(version: str | None = None) -> Path:
-    """The server of the CPU artifact built from llama-cpp-python `version` (default: the installed one),
-    built on first use and unpacked once into `$RPCFLEET_HOME/artifacts/<id>/`."""
-    artifact = default_artifact("cpu") if version is None else build_artifact("cpu", version=version)
+def local_server_binary(version: str | None = None, backend: str = "cpu") -> Path:
+    """The server of the `backend` artifact built from llama-cpp-python `version` (default: the installed
+    one), built on first use and unpacked once into `$RPCFLEET_HOME/artifacts/<id>/`."""
+    artifact = default_artifact(backend) if version is None else build_artifact(backend, version=version)
     target = artifacts_dir() / artifact.id
     binary = target / artifact.manifest.server_path
     if (target / ".complete").exists() and binary.exists():
@@ -198,6 +201,9 @@ def build_artifact(
         sdist = ensure_sdist(version, say)
         source = extract_source(sdist, workdir / "src", say)
         llama = source / "vendor" / "llama.cpp"
+        patched = apply_patches(llama, patches_for(backend))
+        if patched:
+            say(f"patched the source: {', '.join(patched)}")
         protocol = read_protocol_version(llama / "ggml" / "include" / "ggml-rpc.h")
         build_dir = workdir / "build"
         log_path = workdir / "build.log"
@@ -232,6 +238,7 @@ def build_artifact(
                 ggml_version=read_ggml_version(llama / "ggml" / "CMakeLists.txt"),
                 llama_cpp_python_version=version,
                 source=f"build:llama-cpp-python=={version}",
+                patches=patched,
             )
             artifact = store(stage, manifest)
         remember(key, artifact)

@@ -109,11 +109,24 @@ class Manifest:
     ggml_version: str | None = None
     llama_cpp_python_version: str | None = None
     source: str = ""  # how it was made: "build:llama-cpp-python==0.3.36", "url:...", "path:..."
+    patches: tuple[str, ...] = ()  # source patches applied at build time, `name@digest` (artifacts.patches)
     schema: int = SCHEMA
 
     @property
     def protocol_major(self) -> int:
         return int(self.protocol.split(".")[0])
+
+    @property
+    def cuda_architectures(self) -> tuple[str, ...]:
+        """The CUDA architectures a cuda build was compiled for (from its CMAKE_CUDA_ARCHITECTURES)."""
+        for arg in self.cmake_args:
+            name, _, value = arg.removeprefix("-D").partition("=")
+            if name.partition(":")[0] == "CMAKE_CUDA_ARCHITECTURES":
+                return tuple(a for a in re.split(r"[;,]", value) if a)
+        return ()
+
+    def has_patch(self, name: str) -> bool:
+        return any(label.partition("@")[0] == name for label in self.patches)
 
     @property
     def server_path(self) -> str:
@@ -126,7 +139,7 @@ class Manifest:
         raise KeyError(path)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "schema": self.schema,
             "protocol": self.protocol,
             "backend": self.backend,
@@ -140,6 +153,13 @@ class Manifest:
             "source": self.source,
             "files": [entry.to_dict() for entry in self.files],
         }
+        # Written only when there is something to say, so the manifests (and archive bytes) of earlier
+        # artifacts read back unchanged.
+        if self.patches:
+            data["patches"] = list(self.patches)
+        if self.backend == "cuda":
+            data["cuda_architectures"] = list(self.cuda_architectures)
+        return data
 
     def to_bytes(self) -> bytes:
         # Stable bytes: the manifest is inside the archive, whose sha256 must not depend on dict order.
@@ -160,6 +180,7 @@ class Manifest:
                 llama_cpp_python_version=_opt_str(data.get("llama_cpp_python_version")),
                 cmake_args=tuple(str(a) for a in data.get("cmake_args", ())),
                 source=str(data.get("source", "")),
+                patches=tuple(str(p) for p in data.get("patches", ())),
                 files=tuple(FileEntry.from_dict(f) for f in data["files"]),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -62,7 +62,7 @@ def handle_list(args: argparse.Namespace) -> int:
                     host.address,
                     host.connection,
                     ", ".join(server_label(server) for server in servers_of(host)),
-                    host.backend,
+                    host.rpc_backend,
                     ", ".join(host.groups),
                 )
             )

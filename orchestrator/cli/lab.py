@@ -48,6 +48,13 @@ def register(subparsers: Any) -> None:
         "alone, e.g. 2:rpc_servers=[50052,50053] (repeatable)",
     )
     up.add_argument(
+        "--backend",
+        choices=("cpu", "vulkan"),
+        default=None,
+        help="every node's rpc_backend; vulkan runs each server on Mesa's software Vulkan device (llvmpipe, "
+        "GGML_VK_VISIBLE_DEVICES=0); a mixed lab: --var N:rpc_backend=vulkan",
+    )
+    up.add_argument(
         "--cpus",
         type=_common.flag(_cpus),
         default=None,
@@ -153,6 +160,10 @@ def handle_up(args: argparse.Namespace) -> int:
     if args.local and args.cpus is not None:
         raise UsageError("--cpus needs a network-namespace lab, not --local (its nodes are this machine)")
     variables, node_variables = _variables(args.var)
+    if args.backend is not None:
+        if "rpc_backend" in variables or "backend" in variables:
+            raise UsageError("--backend and --var rpc_backend=... both set every node's backend: give one")
+        variables["rpc_backend"] = args.backend
     started = time.monotonic()
     reaped = reap_stale()
     made = lab_up(

@@ -47,7 +47,14 @@ from orchestrator.core.errors import InventoryError, SourceLocation
 from orchestrator.core.paths import default_lab_inventory_file
 from orchestrator.inventory.model import Group, Host, Inventory, server_hosts
 from orchestrator.inventory.readers import SECTION, Builder, RawHost, RawVar, parse_ini, parse_yaml
-from orchestrator.inventory.variables import LOCAL_ADDRESS, VARIABLES, VARIABLES_BY_NAME, parse_address
+from orchestrator.inventory.variables import (
+    LOCAL_ADDRESS,
+    VARIABLES,
+    VARIABLES_BY_NAME,
+    RpcServer,
+    is_gpu_device,
+    parse_address,
+)
 
 
 def _check_cycles(builder: Builder) -> None:
@@ -217,6 +224,15 @@ def _resolve_host(
         # layer resolves the name on the node (the server binds only IPv4 literals)
         values["rpc_host"] = values["address"]
         sources["rpc_host"] = "default (address)"
+    gpus = [device for device in values["rpc_devices"] if is_gpu_device(device)]
+    if not values["rpc_servers"] and len(gpus) > 1 and values["rpc_server_per_gpu"]:
+        # llama.cpp's RPC does not pipeline the devices behind one server (llama.cpp #24675): a server
+        # per device, on consecutive ports, is what lets several GPUs of one node work at once.
+        values["rpc_servers"] = tuple(
+            RpcServer(values["rpc_port"] + i, device.lower(), (device,))
+            for i, device in enumerate(values["rpc_devices"])
+        )
+        sources["rpc_servers"] = "default (one server per GPU of rpc_devices)"
     sources.update((key, label) for key, label in origin.items() if key not in VARIABLES_BY_NAME)
     variables = {key: var.value for key, var in merged.items()}
     variables.update(values)

@@ -16,7 +16,7 @@ from orchestrator.inventory.variables import (
     DEFAULT_RPC_PORT,
     VARIABLES,
     VARIABLES_BY_NAME,
-    Backend,
+    BackendChoice,
     ConnectionKind,
     RpcServer,
     RpcTransport,
@@ -48,9 +48,11 @@ class Host:
     # devices, files and unit on the node), named `HOST/SERVER`. "": the host's only server.
     server: str = ""
     rpc_threads: int | None = None
+    rpc_server_per_gpu: bool = True  # several GPUs in rpc_devices: `load` makes one server of each
+    rpc_env: tuple[tuple[str, str], ...] = ()  # the server's extra environment, sorted by name
     rpc_cache: bool = False
     rpc_cache_max: int | None = None  # bytes; None: no quota (LRU eviction above it)
-    backend: Backend = "cpu"
+    rpc_backend: BackendChoice = "cpu"  # auto: decided at deploy from the node's facts
     install_dir: str = DEFAULT_INSTALL_DIR
     memory_reserve: int = 0  # bytes
     memory_limit: int | None = None  # bytes
@@ -309,6 +311,7 @@ def host_to_dict(host: Host) -> dict[str, Any]:
     for variable in VARIABLES:
         value = getattr(host, variable.name)
         data[variable.name] = list(value) if isinstance(value, tuple) else value
+    data["rpc_env"] = dict(host.rpc_env)
     data["rpc_servers"] = [server.to_dict() for server in host.rpc_servers]
     data["endpoint"] = host.endpoint
     data["endpoints"] = [server.endpoint for server in servers_of(host)]

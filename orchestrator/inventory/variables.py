@@ -24,10 +24,17 @@ LOCAL_ADDRESS = "127.0.0.1"
 Backend = Literal["cpu", "cuda", "rocm", "vulkan", "metal"]
 
 
+# `rpc_backend: auto` picks one of BACKENDS from the node's facts at deploy (operations.backend).
+BackendChoice = Literal["auto", "cpu", "cuda", "rocm", "vulkan", "metal"]
+
+
 ConnectionKind = Literal["ssh", "local"]
 
 
 BACKENDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "vulkan", "metal")
+
+
+BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
 
 
 CONNECTIONS: tuple[str, ...] = ("ssh", "local")
@@ -174,6 +181,41 @@ def parse_servers(value: Any) -> tuple[RpcServer, ...]:
     return servers
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_env(value: Any) -> tuple[tuple[str, str], ...]:
+    """`rpc_env`: the server's extra environment, a mapping of names to values (or that mapping as
+    YAML/JSON text, from an INI inventory), kept sorted by name."""
+    if isinstance(value, str):
+        import yaml  # only for INI text: the CLI starts without yaml
+
+        try:
+            value = yaml.safe_load(value) if value.strip() else {}
+        except yaml.YAMLError:
+            value = None
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping such as {{GGML_VK_VISIBLE_DEVICES: '0'}}, got {value!r}")
+    pairs: list[tuple[str, str]] = []
+    for name, item in value.items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise ValueError(f"{name}: expected a string or a number, got {item!r}")
+        text = str(item)
+        if "\n" in text or "\0" in text:
+            raise ValueError(f"{name}: a value cannot hold a newline or NUL")
+        pairs.append((name, text))
+    return tuple(sorted(pairs))
+
+
+def is_gpu_device(name: str) -> bool:
+    """Whether a device name as llama.cpp spells it (CUDA0, Vulkan1, ROCm0, Metal) is a GPU, not the CPU."""
+    return not name.strip().upper().startswith("CPU")
+
+
 def _parse_source(value: Any) -> str:
     """One `rpc_allow_from` entry: an IPv4/IPv6 address or network (CIDR), or `controller`."""
     text = fields.text(value).strip()
@@ -245,11 +287,31 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "rpc_threads", (), fields.optional(fields.integer(minimum=1)), None, "rpc-server CPU threads (-t)"
     ),
+    Variable(
+        "rpc_server_per_gpu",
+        (),
+        fields.boolean,
+        True,
+        "with rpc_devices naming several GPUs: one server per device, each on its own port from rpc_port",
+    ),
+    Variable(
+        "rpc_env",
+        (),
+        parse_env,
+        (),
+        "the server's extra environment ({GGML_VK_VISIBLE_DEVICES: '0'}, CUDA_VISIBLE_DEVICES...)",
+    ),
     Variable("rpc_cache", (), fields.boolean, False, "rpc-server tensor cache (-c)"),
     Variable(
         "rpc_cache_max", (), fields.optional(fields.size), None, "most bytes the tensor cache keeps (LRU)"
     ),
-    Variable("backend", (), fields.choice(BACKENDS), "cpu", "ggml backend of the artifact"),
+    Variable(
+        "rpc_backend",
+        ("backend",),
+        fields.choice(BACKEND_CHOICES),
+        "cpu",
+        "ggml backend of the server (auto: cuda with an NVIDIA driver, vulkan with a Vulkan GPU, else cpu)",
+    ),
     Variable("install_dir", (), fields.text, DEFAULT_INSTALL_DIR, "where artifacts are installed"),
     Variable("memory_reserve", (), fields.size, 0, "memory kept free per device"),
     Variable("memory_limit", (), fields.optional(fields.size), None, "most memory used per device"),

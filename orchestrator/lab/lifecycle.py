@@ -534,6 +534,9 @@ def check_node_variables(
     return out
 
 
+LAB_VULKAN_ENV = "GGML_VK_VISIBLE_DEVICES"
+
+
 def inventory_document(
     lab: Lab,
     variables: Mapping[str, Any] | None = None,
@@ -568,6 +571,11 @@ def inventory_document(
             }
     for node in lab.nodes:
         hosts[node.name].update((node_variables or {}).get(node.index, {}))
+        backend = hosts[node.name].get("rpc_backend", (variables or {}).get("rpc_backend"))
+        if backend == "vulkan" and "rpc_env" not in hosts[node.name] and "rpc_env" not in (variables or {}):
+            # The lab's GPU is Mesa's llvmpipe, a Vulkan device of type CPU, which ggml-vulkan uses only
+            # when GGML_VK_VISIBLE_DEVICES lists it: device 0, with a 2 GiB device-local heap.
+            hosts[node.name]["rpc_env"] = {LAB_VULKAN_ENV: "0"}
     return {
         "vars": {**common, **(variables or {})},
         "hosts": hosts,

@@ -87,7 +87,7 @@ def _host_for(endpoint: str, result: ProbeResult) -> Host:
         rpc_host=ep.host,
         rpc_port=ep.port,
         rpc_devices=kinds,
-        backend="vulkan",  # any GPU backend: no driver tool to cross-check without facts
+        rpc_backend="vulkan",  # any GPU backend: no driver tool to cross-check without facts
     )
 
 

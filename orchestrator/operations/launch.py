@@ -28,8 +28,9 @@ def server_argv(host: Host, install_dir: str, version: str) -> list[str]:
 
 
 def launch_env(host: Host, install_dir: str) -> dict[str, str]:
-    """The environment the launch line sets (the cache folder, the debug log when asked)."""
-    env = {"LLAMA_CACHE": f"{install_dir}/{CACHE_DIR}"}
+    """The environment the launch line sets: the inventory's `rpc_env`, the cache folder, the debug log
+    when asked."""
+    env = {**dict(host.rpc_env), "LLAMA_CACHE": f"{install_dir}/{CACHE_DIR}"}
     if host.rpc_debug:
         env["GGML_RPC_DEBUG"] = "1"
     return env

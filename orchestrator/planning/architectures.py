@@ -29,6 +29,14 @@ VERIFIED = frozenset(
     {"llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2"}
 )
 
+# Families whose plans were compared with real allocations on devices of a GPU backend
+# (tests/planning/test_vulkan.py, on Mesa's llvmpipe). The recurrent families do not run there:
+# ggml-vulkan has no ssm_scan pipeline for that device (GGML_ASSERT(pipeline != nullptr)).
+VERIFIED_ON: Mapping[str, frozenset[str]] = {
+    "cpu": VERIFIED,
+    "vulkan": frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2"}),
+}
+
 # llama-arch.cpp llm_arch_is_recurrent: every layer recurrent, no attention.
 RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
 
@@ -211,6 +219,18 @@ def unverified_note(rules: ArchRules) -> str | None:
         f"unverified: architecture {rules.architecture!r} is planned with the generic rules "
         "(its KV, state and compute were never compared with llama.cpp's allocations)"
     )
+
+
+def backend_notes(rules: ArchRules, backends: Sequence[str]) -> list[str]:
+    """Notes for the GPU backends among a plan's devices on which this family was never measured."""
+    notes = []
+    for backend in dict.fromkeys(b for b in backends if b != "cpu"):
+        if rules.verified and rules.architecture not in VERIFIED_ON.get(backend, frozenset()):
+            notes.append(
+                f"unverified on {backend}: the memory of {rules.architecture!r} on {backend} devices was "
+                "never compared with real allocations (weights are exact on every backend)"
+            )
+    return notes
 
 
 def _ffn_widths(profile: ModelProfile, il: int) -> tuple[int, int, int]:

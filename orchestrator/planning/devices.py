@@ -6,7 +6,7 @@ from typing import Literal
 
 from orchestrator.core.errors import ProbeError
 from orchestrator.planning.plan import PlanDevice
-from orchestrator.probe.capacity import ALIGNMENT
+from orchestrator.probe.capacity import device_alignment
 from orchestrator.probe.fleet import FleetProbe
 
 
@@ -50,7 +50,9 @@ def to_plan_devices(
                     total=d.total,
                     free=d.free,
                     usable=d.usable,
-                    alignment=ALIGNMENT.get(d.backend, 32),
+                    alignment=device_alignment(d),
+                    max_size=d.max_size,
+                    backend=d.backend,
                     ok=True,
                     state="ok",
                     host=d.host,

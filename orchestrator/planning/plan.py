@@ -76,7 +76,9 @@ class PlanDevice:
     total: int = 0
     free: int = 0
     usable: int = 0
-    alignment: int = 32  # buffer alignment: CPU and RPC-to-CPU 32, CUDA 128
+    alignment: int = 32  # buffer alignment: CPU and RPC-to-CPU 32, CUDA 128, Vulkan the device's
+    max_size: int | None = None  # the largest single buffer (ggml splits weight buffers above it)
+    backend: str = "cpu"  # the server's ggml backend (cpu, vulkan, cuda...): which measurements apply
     ok: bool = True
     state: str = "ok"
     host: str | None = None

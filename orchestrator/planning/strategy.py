@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.core.errors import PlanError
 from orchestrator.core.units import format_size
-from orchestrator.planning.architectures import unverified_note
+from orchestrator.planning.architectures import backend_notes, unverified_note
 from orchestrator.planning.layer_assignment import (
     largest_remainder,
     llama_cpp_assignment,
@@ -318,6 +318,7 @@ def make_plan(
     ngl = resolve_n_gpu_layers(opts.n_gpu_layers, n_all) if all_devices else 0
     n_ctx = context_size(pad_ctx(opts.n_ctx or profile.n_ctx_train), opts)
     notes: list[str] = [n for n in (unverified_note(profile.rules),) if n]  # never silently
+    notes += backend_notes(profile.rules, [d.backend for d in all_devices])
     chosen = _choose_split(profile, all_devices, n_ctx, opts, ngl)
     devices = chosen.devices
     assignment = chosen.assignment

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal, cast
 
 from orchestrator.core.units import format_size
+from orchestrator.facts.gpus import VULKAN_INTEGRATED_TYPE, VulkanDevice
 from orchestrator.inventory.model import Host
+from orchestrator.inventory.variables import BackendChoice
 from orchestrator.probe.host import HostFacts
 from orchestrator.rpc.records import (
     ProbeResult,
@@ -26,8 +28,14 @@ GPU_TOLERANCE = 0.05
 GPU_TOLERANCE_MIN = 256 * MiB
 
 
-# buffer alignment of the server's devices (CPU 32, CUDA/HIP 128); the planner pads tensors with it
+# buffer alignment of a backend's devices (CPU 32, CUDA/HIP 128), for a device whose server did not
+# report its own (GET_ALIGNMENT); the planner pads tensors with it
 ALIGNMENT = {"cuda": 128, "rocm": 128}
+
+
+def device_alignment(device: DeviceCapacity) -> int:
+    """The alignment the device's buffers use: its server's figure, else its backend's usual one."""
+    return device.alignment or ALIGNMENT.get(device.backend, 32)
 
 
 SourceOfFree = Literal["rpc", "meminfo"]
@@ -63,6 +71,15 @@ class DeviceCapacity:
     # whole RAM the server reports, so free / total compares a share with the whole: `total_share` is
     # the like-for-like figure.
     shared_by: int = 1
+    # Which rule gave `free`: `device` (a GPU's own figure, Vulkan's heap budget or CUDA's
+    # cudaMemGetInfo, as its server reports it), `meminfo` (a CPU device: the host's MemAvailable,
+    # shared among its CPU servers), `uma` (a GPU sharing the host's RAM: an iGPU, Apple; counted in
+    # that share, never beside it), or `server` (the server's own figure, unchecked).
+    memory_rule: str = "device"
+    # The device's buffer alignment and largest single buffer, as its server reports them (None: an
+    # older probe result); the planner pads every tensor to the alignment.
+    alignment: int | None = None
+    max_size: int | None = None
 
     @property
     def total_share(self) -> int:
@@ -82,6 +99,9 @@ class DeviceCapacity:
             "limit": self.limit,
             "usable": self.usable,
             "source_of_free": self.source_of_free,
+            "memory_rule": self.memory_rule,
+            "alignment": self.alignment,
+            "max_size": self.max_size,
             "warnings": list(self.warnings),
             "measured": self.measured,
             "untrusted": self.untrusted,
@@ -120,10 +140,50 @@ def _device_target(host: Host, index: int) -> tuple[str, int | None]:
         if prefix in ("ROCM", "HIP"):
             return "amd", gpu_index
         return "gpu", gpu_index
-    if host.backend == "cpu":
+    if host.rpc_backend == "cpu":
         return "cpu", None
-    vendor = {"cuda": "nvidia", "rocm": "amd"}.get(host.backend, "gpu")
+    vendor = {"cuda": "nvidia", "rocm": "amd"}.get(host.rpc_backend, "gpu")
     return vendor, index
+
+
+def with_backend_decided(host: Host, facts: HostFacts | None) -> Host:
+    """`host` with `rpc_backend: auto` replaced by what the deploy picks from the same facts (left as it
+    is when they were not read)."""
+    runtime = facts.gpu_runtime if facts is not None else None
+    if host.rpc_backend != "auto" or runtime is None or runtime.error is not None:
+        return host
+    decided = runtime.backend_for("auto")[0]
+    return replace(host, rpc_backend=cast(BackendChoice, decided))
+
+
+def _vulkan_device(host: Host, index: int, facts: HostFacts | None) -> VulkanDevice | None:
+    """The Vulkan device behind the server's device `index` (vulkaninfo's order; GPUs only unless
+    GGML_VK_VISIBLE_DEVICES picks them), or None when not a Vulkan server or not known."""
+    runtime = facts.gpu_runtime if facts is not None else None
+    if runtime is None or runtime.vulkan_devices is None or host.rpc_backend not in ("vulkan", "auto"):
+        return None
+    target, number = _device_target(host, index)
+    position = number if number is not None else index
+    visible = dict(host.rpc_env).get("GGML_VK_VISIBLE_DEVICES")
+    if visible is not None:
+        picked = [int(v) for v in visible.split(",") if v.strip().isdigit()]
+        candidates = tuple(runtime.vulkan_devices[i] for i in picked if i < len(runtime.vulkan_devices))
+    else:
+        candidates = runtime.vulkan_gpus
+    return candidates[position] if target != "cpu" and 0 <= position < len(candidates) else None
+
+
+def _vulkan_name(host: Host, index: int, facts: HostFacts | None) -> str | None:
+    device = _vulkan_device(host, index, facts)
+    return device.name if device is not None else None
+
+
+def _is_uma(host: Host, index: int, facts: HostFacts | None) -> bool:
+    """Whether the device shares the host's RAM: Apple's Metal, or an integrated Vulkan GPU."""
+    if host.rpc_backend == "metal":
+        return True
+    device = _vulkan_device(host, index, facts)
+    return device is not None and device.type == VULKAN_INTEGRATED_TYPE
 
 
 def _disagrees(a: int, b: int, total: int) -> bool:
@@ -162,6 +222,7 @@ def compute_capacity(
         raise ValueError(f"cpu_share must be at least 1, got {cpu_share}")
     if not rpc_result.ok:
         return ()
+    host = with_backend_decided(host, facts)
     endpoint = rpc_result.endpoint
     devices: list[DeviceCapacity] = []
     for dev in rpc_result.devices:
@@ -170,15 +231,28 @@ def compute_capacity(
         kind: DeviceKind = "cpu" if target == "cpu" else "gpu"
         if kind == "gpu" and _looks_like_cpu(dev.free, dev.total, facts):
             warnings.append(
-                f"backend {host.backend}: the device reports free == total == the host's RAM, "
+                f"backend {host.rpc_backend}: the device reports free == total == the host's RAM, "
                 "so it is the CPU (did the server find no GPU?)"
             )
             kind = "cpu"
         free = dev.free
         source: SourceOfFree = "rpc"
+        rule = "device" if kind == "gpu" else "server"
         description = ""
         unmeasured: str | None = None
-        if kind == "cpu":
+        uma = kind == "gpu" and _is_uma(host, dev.index, facts)
+        if uma and facts is not None and facts.memory is not None and facts.memory.available is not None:
+            # An iGPU's "VRAM" is the host's RAM: it takes its share of MemAvailable like a CPU device
+            # (cpu_shares counts it), so the two are never both planned on the whole of it.
+            free = min(facts.memory.available // cpu_share, dev.free)
+            source, rule = "meminfo", "uma"
+            description = _vulkan_name(host, dev.index, facts) or ""
+            if cpu_share > 1:
+                warnings.append(
+                    f"unified memory: MemAvailable ({format_size(facts.memory.available)}) is shared among "
+                    f"the {cpu_share} CPU and UMA devices of this machine: {format_size(free)} each"
+                )
+        elif kind == "cpu":
             description = (facts.cpu_model if facts else None) or "CPU"
             if facts is None:
                 unmeasured = "no host facts"
@@ -186,7 +260,7 @@ def compute_capacity(
                 unmeasured = "MemAvailable unreadable"
             else:
                 free = min(facts.memory.available // cpu_share, dev.total)
-                source = "meminfo"
+                source, rule = "meminfo", "meminfo"
                 if cpu_share > 1:
                     warnings.append(
                         f"MemAvailable ({format_size(facts.memory.available)}) is shared among the "
@@ -212,8 +286,10 @@ def compute_capacity(
                     )
             elif report is not None and report.present and not report.error:
                 warnings.append(f"{tool} lists no GPU {gpu_index}")
+        if not description and kind == "gpu":
+            description = _vulkan_name(host, dev.index, facts) or ""
         if not description:
-            description = f"{host.backend} device {dev.index}"
+            description = f"{host.rpc_backend} device {dev.index}"
         usable = usable_bytes(free, host.memory_reserve, host.memory_limit)
         untrusted = None
         if unmeasured is not None and trust_rpc_memory:
@@ -235,7 +311,7 @@ def compute_capacity(
                 index=dev.index,
                 name=f"{endpoint}#{dev.index}",
                 description=description,
-                backend=host.backend,
+                backend=host.rpc_backend,
                 kind=kind,
                 total=dev.total,
                 free=free,
@@ -247,6 +323,9 @@ def compute_capacity(
                 measured=unmeasured is None,
                 untrusted=untrusted,
                 shared_by=cpu_share if source == "meminfo" else 1,
+                memory_rule=rule,
+                alignment=dev.alignment,
+                max_size=dev.max_size,
             )
         )
     return tuple(devices)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 from orchestrator.core.errors import UnreachableError
 from orchestrator.engine.executor import HostContext
 from orchestrator.facts.base import Fact, gather
-from orchestrator.facts.gpus import Gpu, GpuReport, NvidiaGpuFact, RocmGpuFact
+from orchestrator.facts.gpus import Gpu, GpuReport, GpuRuntime, GpuRuntimeFact, NvidiaGpuFact, RocmGpuFact
 from orchestrator.facts.server import RpcClientsFact
 from orchestrator.facts.system import CpuCountFact, MachineIdFact, MemInfo, MemoryFact
 from orchestrator.inventory.model import Host
@@ -49,6 +49,7 @@ class HostFacts:
     rocm: GpuReport | None = None
     rpc_clients: tuple[str, ...] | None = None  # peers connected to the rpc port; None: no `ss`
     machine_id: str | None = None  # `MachineIdFact`: hosts with the same one share one machine's RAM
+    gpu_runtime: GpuRuntime | None = None  # `GpuRuntimeFact`: NVIDIA driver, Vulkan loader and devices
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> HostFacts:
@@ -61,6 +62,7 @@ class HostFacts:
             rocm=values.get(RocmGpuFact.name),
             rpc_clients=values.get(RpcClientsFact.name),
             machine_id=values.get(MachineIdFact.name),
+            gpu_runtime=values.get(GpuRuntimeFact.name),
         )
 
     def gpus(self, vendor: Literal["nvidia", "amd"]) -> dict[int, Gpu]:
@@ -97,6 +99,7 @@ def probe_facts(host: Host) -> list[Fact[Any]]:
         RocmGpuFact(),
         RpcClientsFact(host.rpc_port),
         MachineIdFact(),
+        GpuRuntimeFact(),
     ]
 
 

@@ -33,6 +33,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from orchestrator.core.target import Target
 from orchestrator.rpc.errors import error_for
@@ -49,13 +50,16 @@ from orchestrator.rpc.records import (
     parse_endpoint,
 )
 from orchestrator.rpc.wire import (
+    BUFFER_LIMIT_REPLY_SIZE,
     DEVICE_COUNT_REPLY_SIZE,
     DEVICE_MEMORY_REPLY_SIZE,
     HELLO_REPLY_SIZE,
     LEGACY_HELLO_REPLY_SIZE,
     SIZE_HEADER,
     ReplyError,
+    alignment_request,
     check_reply_header,
+    decode_buffer_limit,
     decode_device_count,
     decode_device_memory,
     decode_hello,
@@ -64,6 +68,7 @@ from orchestrator.rpc.wire import (
     device_memory_request,
     hello_request,
     legacy_hello_request,
+    max_size_request,
 )
 
 
@@ -255,7 +260,16 @@ async def probe_endpoint(
                 reply = await talk.exchange(
                     device_memory_request(index), DEVICE_MEMORY_REPLY_SIZE, f"GET_DEVICE_MEMORY({index})"
                 )
-                devices.append(decode_device_memory(reply, index))
+                memory = decode_device_memory(reply, index)
+                alignment = decode_buffer_limit(
+                    await talk.exchange(alignment_request(index), BUFFER_LIMIT_REPLY_SIZE, "GET_ALIGNMENT"),
+                    "GET_ALIGNMENT",
+                )
+                max_size = decode_buffer_limit(
+                    await talk.exchange(max_size_request(index), BUFFER_LIMIT_REPLY_SIZE, "GET_MAX_SIZE"),
+                    "GET_MAX_SIZE",
+                )
+                devices.append(replace(memory, alignment=alignment, max_size=max_size))
         graceful = True
         if hello_only:
             return result(Outcome.OK, f"protocol {version}")

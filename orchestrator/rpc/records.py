@@ -74,6 +74,10 @@ class DeviceMemory:
     index: int
     free: int
     total: int
+    # The device's buffer alignment and largest single buffer (GET_ALIGNMENT, GET_MAX_SIZE): tensors are
+    # padded to the one, and ggml splits a weight buffer above the other. None: not asked.
+    alignment: int | None = None
+    max_size: int | None = None
 
     # The names of the Java binding's RpcDeviceMemory (freeBytes, totalBytes, usedBytes()).
     @property

@@ -6,6 +6,16 @@ import struct
 
 from orchestrator.rpc.records import DeviceMemory, Outcome, ProtocolVersion
 
+CMD_GET_ALIGNMENT = 1
+
+
+CMD_GET_MAX_SIZE = 2
+
+
+# GET_ALIGNMENT / GET_MAX_SIZE reply: one u64 (the device's buffer alignment, its largest buffer)
+BUFFER_LIMIT_REPLY_SIZE = 8
+
+
 CMD_GET_DEVICE_MEMORY = 11
 
 
@@ -72,6 +82,20 @@ def device_count_request() -> bytes:
 
 def device_memory_request(index: int) -> bytes:
     return encode_request(CMD_GET_DEVICE_MEMORY, struct.pack("<I", index))
+
+
+def alignment_request(index: int) -> bytes:
+    return encode_request(CMD_GET_ALIGNMENT, struct.pack("<I", index))
+
+
+def max_size_request(index: int) -> bytes:
+    return encode_request(CMD_GET_MAX_SIZE, struct.pack("<I", index))
+
+
+def decode_buffer_limit(reply: bytes, what: str) -> int:
+    """A whole GET_ALIGNMENT or GET_MAX_SIZE reply (size header + u64) -> the value."""
+    (value,) = struct.unpack("<Q", _payload(reply, BUFFER_LIMIT_REPLY_SIZE, what))
+    return int(value)
 
 
 def check_reply_header(header: bytes, expected: int, what: str) -> None:

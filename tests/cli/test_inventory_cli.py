@@ -34,7 +34,11 @@ def test_list_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [line.split() for line in out.splitlines() if line.strip() and not line.strip().startswith("─")]
     assert rows[0] == ["host", "address", "connection", "endpoint", "backend", "groups"]
     assert rows[1] == ["bastion", "192.0.2.10", "local", "192.0.2.10:50052", "cpu", "ungrouped"]
-    assert rows[2] == ["a100-01", "a100-01", "ssh", "a100-01:50060", "cuda", "gpu,", "rack_east,", "gpu_a100"]
+    # two GPUs in rpc_devices: a server of each, on rpc_port and the next
+    assert rows[2] == [
+        "a100-01", "a100-01", "ssh", "a100-01:50060", "(a100-01/cuda0:", "CUDA0),", "a100-01:50061",
+        "(a100-01/cuda1:", "CUDA1)", "cuda", "gpu,", "rack_east,", "gpu_a100",
+    ]  # fmt: skip
     assert [row[0] for row in rows[1:]] == [
         "bastion", "a100-01", "a100-02", "a100-03", "mia", "mib", "epyc01", "epyc02"
     ]  # fmt: skip
@@ -75,13 +79,21 @@ GRAPH = """\
   |--@gpu:
   |  |--@gpu_a100:
   |  |  |--a100-01
+  |  |  |  |--a100-01:50060 (a100-01/cuda0: CUDA0)
+  |  |  |  |--a100-01:50061 (a100-01/cuda1: CUDA1)
   |  |  |--a100-02
+  |  |  |  |--a100-02:50052 (a100-02/cuda0: CUDA0)
+  |  |  |  |--a100-02:50053 (a100-02/cuda1: CUDA1)
   |  |  |--a100-03
+  |  |  |  |--a100-03:50052 (a100-03/cuda0: CUDA0)
+  |  |  |  |--a100-03:50053 (a100-03/cuda1: CUDA1)
   |  |--@gpu_rocm:
   |  |  |--mia
   |  |  |--mib
   |--@rack_east:
   |  |--a100-01
+  |  |  |--a100-01:50060 (a100-01/cuda0: CUDA0)
+  |  |  |--a100-01:50061 (a100-01/cuda1: CUDA1)
   |  |--epyc01
   |--@ungrouped:
   |  |--bastion
@@ -102,8 +114,14 @@ def test_graph_of_one_group_and_json(capsys: pytest.CaptureFixture[str]) -> None
         "@gpu:\n"
         "  |--@gpu_a100:\n"
         "  |  |--a100-01\n"
+        "  |  |  |--a100-01:50060 (a100-01/cuda0: CUDA0)\n"
+        "  |  |  |--a100-01:50061 (a100-01/cuda1: CUDA1)\n"
         "  |  |--a100-02\n"
+        "  |  |  |--a100-02:50052 (a100-02/cuda0: CUDA0)\n"
+        "  |  |  |--a100-02:50053 (a100-02/cuda1: CUDA1)\n"
         "  |  |--a100-03\n"
+        "  |  |  |--a100-03:50052 (a100-03/cuda0: CUDA0)\n"
+        "  |  |  |--a100-03:50053 (a100-03/cuda1: CUDA1)\n"
         "  |--@gpu_rocm:\n"
         "  |  |--mia\n"
         "  |  |--mib\n"
@@ -113,7 +131,18 @@ def test_graph_of_one_group_and_json(capsys: pytest.CaptureFixture[str]) -> None
         "name": "gpu",
         "hosts": [],
         "children": [
-            {"name": "gpu_a100", "hosts": ["a100-01", "a100-02", "a100-03"], "children": []},
+            {
+                "name": "gpu_a100",
+                "hosts": ["a100-01", "a100-02", "a100-03"],
+                "children": [],
+                "servers": {
+                    f"a100-0{n}": [
+                        f"a100-0{n}:{p} (a100-0{n}/cuda0: CUDA0)",
+                        f"a100-0{n}:{p + 1} (a100-0{n}/cuda1: CUDA1)",
+                    ]
+                    for n, p in ((1, 50060), (2, 50052), (3, 50052))
+                },
+            },
             {"name": "gpu_rocm", "hosts": ["mia", "mib"], "children": []},
         ],
     }
@@ -129,11 +158,15 @@ def test_show(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "inventory", "show", "-i", FLEET, "a100-01")
     assert status == 0
     lines = out.splitlines()
-    assert lines[0] == (f"a100-01 ({FLEET}:24:13)  groups: gpu, rack_east, gpu_a100  endpoint: a100-01:50060")
+    assert lines[0] == (
+        f"a100-01 ({FLEET}:24:13)  groups: gpu, rack_east, gpu_a100  endpoints: "
+        "a100-01:50060 (a100-01/cuda0: CUDA0), a100-01:50061 (a100-01/cuda1: CUDA1)"
+    )
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:] if line.strip()}
     assert rows["rpc_port"] == ["50060", "group", "rack_east"]
     assert rows["memory_reserve"] == ["2.00", "GiB", "(2147483648", "B)", "group", "gpu_a100"]
-    assert rows["backend"] == ["cuda", "group", "gpu"]
+    assert rows["rpc_backend"] == ["cuda", "group", "gpu"]
+    assert rows["rpc_servers"][-7:] == ["default", "(one", "server", "per", "GPU", "of", "rpc_devices)"]
     assert rows["ssh_user"] == ["deploy", "all"]
     assert rows["rpc_host"] == ["a100-01", "default", "(address)"]
     assert rows["keep_versions"] == ["3", "default"]

@@ -49,8 +49,8 @@ FLEET_EXPECTED = [
 def test_real_world_fleet_resolves_identically_in_every_format(name: str) -> None:
     inventory = load_inventory(DATA / name)
     got = [
-        (h.name, h.address, h.connection, h.endpoint, h.backend, h.groups, h.rpc_devices, h.memory_reserve,
-         h.rpc_threads, h.ssh_port)
+        (h.name, h.address, h.connection, h.endpoint, h.rpc_backend, h.groups, h.rpc_devices,
+         h.memory_reserve, h.rpc_threads, h.ssh_port)
         for h in inventory.hosts
     ]  # fmt: skip
     assert got == FLEET_EXPECTED
@@ -81,7 +81,7 @@ def test_shipped_examples_load_cleanly(name: str) -> None:
     assert len(inventory.hosts) >= 8
     assert {"gpu", "cpu"} <= set(inventory.groups)
     assert any(g.children for name, g in inventory.groups.items() if name != "all")  # groups of groups
-    assert {h.backend for h in inventory.hosts} >= {"cpu", "cuda"}
+    assert {h.rpc_backend for h in inventory.hosts} >= {"cpu", "cuda"}
 
 
 @pytest.mark.parametrize(
@@ -133,7 +133,7 @@ def test_a_host_listed_in_several_places_is_one_host_with_merged_vars() -> None:
     inventory = load("[a]\nh1 rpc_port=6000\n[b]\nh1 backend=cuda\nh2\n", "inv.ini")
     assert inventory.host_names() == ("h1", "h2")
     h1 = inventory.host("h1")
-    assert (h1.rpc_port, h1.backend, h1.groups) == (6000, "cuda", ("a", "b"))
+    assert (h1.rpc_port, h1.rpc_backend, h1.groups) == (6000, "cuda", ("a", "b"))
 
 
 def test_yaml_anchors_and_merge_keys() -> None:
@@ -141,7 +141,7 @@ def test_yaml_anchors_and_merge_keys() -> None:
         "vars: {}\nhosts:\n  a: &gpu {backend: cuda, rpc_devices: CUDA0}\n"
         "  b:\n    <<: *gpu\n    rpc_port: 6000\n"
     )
-    assert inventory.host("b").backend == "cuda"
+    assert inventory.host("b").rpc_backend == "cuda"
     assert inventory.host("b").rpc_port == 6000
 
 
@@ -269,13 +269,13 @@ PRECEDENCE = [
     (
         "siblings at one depth merge alphabetically (the later name wins)",
         "[beta]\nh\n[alpha]\nh\n[alpha:vars]\nbackend=cuda\n[beta:vars]\nbackend=rocm\n",
-        "h", "backend", "rocm", "group beta",
+        "h", "rpc_backend", "rocm", "group beta",
     ),
     (
         "depth beats the alphabet",
         "[zeta]\nh\n[p:children]\na_child\n[a_child]\nh\n[zeta:vars]\nbackend=rocm\n[a_child:vars]\n"
         "backend=vulkan\n",
-        "h", "backend", "vulkan", "group a_child",
+        "h", "rpc_backend", "vulkan", "group a_child",
     ),
     (
         "depth is the longest path from all",
@@ -319,7 +319,7 @@ def test_defaults() -> None:
     host = load("hosts: {h1: }\n").host("h1")
     assert host == Host(name="h1", address="h1", rpc_host="h1", groups=("ungrouped",), vars=host.vars)
     assert host.vars["rpc_port"] == 50052  # vars hold every resolved variable
-    assert (host.ssh_port, host.connection, host.rpc_port, host.backend) == (22, "ssh", 50052, "cpu")
+    assert (host.ssh_port, host.connection, host.rpc_port, host.rpc_backend) == (22, "ssh", 50052, "cpu")
     assert (host.install_dir, host.memory_reserve, host.memory_limit) == (DEFAULT_INSTALL_DIR, 0, None)
     assert (host.ssh_known_hosts, host.ssh_host_key_checking, host.ssh_connect_timeout) == (None, True, 10.0)
     assert (host.rpc_artifact, host.allow_public_bind, host.rpc_debug, host.keep_versions) == (
@@ -350,6 +350,8 @@ rpc_host=0.0.0.0
 rpc_port=6000
 rpc_devices=CUDA0,CUDA1
 rpc_threads=12
+rpc_server_per_gpu=no
+rpc_env={"GGML_VK_VISIBLE_DEVICES":"0,1"}
 rpc_cache=yes
 backend=vulkan
 install_dir=/opt/rpcfleet
@@ -378,8 +380,10 @@ def test_every_variable_is_parsed_and_typed() -> None:
         rpc_port=6000,
         rpc_devices=("CUDA0", "CUDA1"),
         rpc_threads=12,
+        rpc_server_per_gpu=False,
+        rpc_env=(("GGML_VK_VISIBLE_DEVICES", "0,1"),),
         rpc_cache=True,
-        backend="vulkan",
+        rpc_backend="vulkan",
         install_dir="/opt/rpcfleet",
         memory_reserve=512 << 20,
         memory_limit=int(1.5 * (1 << 30)),
@@ -436,7 +440,7 @@ def test_address_defaults(text: str, address: str, rpc_host: str, endpoint: str)
 )
 def test_value_coercion(raw: str, expected: Any) -> None:
     key = raw.split(":")[0]
-    field_name = {"ansible_connection": "connection"}.get(key, key)
+    field_name = {"ansible_connection": "connection", "backend": "rpc_backend"}.get(key, key)
     host = load(f"hosts:\n  h:\n    {raw}\n").host("h")
     assert getattr(host, field_name) == expected
 
@@ -521,7 +525,7 @@ ERRORS = [
      "inv.ini:4:16: memory_reserve: expected a size such as 8GiB, 512MiB or 1.5G, got 'lots'\n"
      "    memory_reserve=lots"),
     ("backend", "inv.yml", "hosts:\n  a: {backend: cdua}\n",
-     "inv.yml:2:16: backend: expected one of cpu, cuda, rocm, vulkan, metal, got 'cdua' (did you mean"
+     "inv.yml:2:16: backend: expected one of auto, cpu, cuda, rocm, vulkan, metal, got 'cdua' (did you mean"
      " 'cuda'?)\n    a: {backend: cdua}"),
     ("connection", "inv.yml", "hosts:\n  a: {ansible_connection: winrm}\n",
      "inv.yml:2:27: ansible_connection: expected one of ssh, local, got 'winrm'\n"
@@ -619,7 +623,7 @@ def test_all_errors_are_collected_once_each() -> None:
     assert [str(err).split("\n")[0] for err in info.value.errors] == [
         "inv.yml:1:18: rpc_port: expected an integer, got 'abc'",  # reported once, not once per host
         "inv.yml:3:17: ssh_port: port 0 is out of range (1-65535)",
-        "inv.yml:4:16: backend: expected one of cpu, cuda, rocm, vulkan, metal, got 'tpu'",
+        "inv.yml:4:16: backend: expected one of auto, cpu, cuda, rocm, vulkan, metal, got 'tpu'",
     ]
     assert str(info.value) == "\n".join(str(err) for err in info.value.errors)
     assert info.value.location == info.value.errors[0].location

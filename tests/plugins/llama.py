@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,14 @@ class DebugServer(LocalServer):
         return model_allocations(parse_server_log(self.log_since(offset)))
 
 
-def start_debug_server(binary: Path, log_dir: Path, *extra: str) -> DebugServer:
-    """Start `binary` on 127.0.0.1 and a free port with GGML_RPC_DEBUG=1, SIGPIPE ignored."""
-    env = {**os.environ, "GGML_RPC_DEBUG": "1"}
+def start_debug_server(
+    binary: Path, log_dir: Path, *extra: str, env: Mapping[str, str] | None = None, port: int | None = None
+) -> DebugServer:
+    """Start `binary` on 127.0.0.1 and `port` (default: a free one) with GGML_RPC_DEBUG=1 (and `env`),
+    SIGPIPE ignored."""
+    env = {**os.environ, **(env or {}), "GGML_RPC_DEBUG": "1"}
     server = launch_rpc_server(
-        binary, log_dir, *extra, env=env, wrapper=("stdbuf", "-oL"), log_prefix="rpc-debug"
+        binary, log_dir, *extra, env=env, wrapper=("stdbuf", "-oL"), log_prefix="rpc-debug", port=port
     )
     return DebugServer(server.host, server.port, server.process, server.log)
 

@@ -144,7 +144,7 @@ CAPACITY_CASES: list[
     ),
     (
         "gpu node: RPC numbers, names from nvidia-smi, agreeing",
-        {"backend": "cuda", "memory_reserve": 1 * GiB},
+        {"rpc_backend": "cuda", "memory_reserve": 1 * GiB},
         [(23 * GiB, 24 * GiB), (70 * GiB, 80 * GiB)],
         GPU_FACTS,
         [
@@ -154,28 +154,28 @@ CAPACITY_CASES: list[
     ),
     (
         "gpu node: nvidia-smi disagrees on free beyond the tolerance",
-        {"backend": "cuda"},
+        {"rpc_backend": "cuda"},
         [(10 * GiB, 24 * GiB)],
         GPU_FACTS,
         [("gpu", "NVIDIA L4", 10 * GiB, 10 * GiB, "rpc", ("nvidia-smi says free 23",))],
     ),
     (
         "gpu node: small differences are within the tolerance",
-        {"backend": "cuda"},
+        {"rpc_backend": "cuda"},
         [(23 * GiB - 100 * MiB, 24 * GiB - 12 * MiB)],
         GPU_FACTS,
         [("gpu", "NVIDIA L4", 23 * GiB - 100 * MiB, 23 * GiB - 100 * MiB, "rpc", ())],
     ),
     (
         "rpc_devices CUDA1: device 0 is nvidia GPU 1",
-        {"backend": "cuda", "rpc_devices": ("CUDA1",)},
+        {"rpc_backend": "cuda", "rpc_devices": ("CUDA1",)},
         [(70 * GiB, 80 * GiB)],
         GPU_FACTS,
         [("gpu", "NVIDIA A100", 70 * GiB, 70 * GiB, "rpc", ())],
     ),
     (
         "rpc_devices CUDA0,CPU: the second is the CPU",
-        {"backend": "cuda", "rpc_devices": ("CUDA0", "CPU")},
+        {"rpc_backend": "cuda", "rpc_devices": ("CUDA0", "CPU")},
         [(23 * GiB, 24 * GiB), (RAM, RAM)],
         GPU_FACTS,
         [
@@ -185,35 +185,35 @@ CAPACITY_CASES: list[
     ),
     (
         "nvidia-smi lists no such GPU",
-        {"backend": "cuda", "rpc_devices": ("CUDA5",)},
+        {"rpc_backend": "cuda", "rpc_devices": ("CUDA5",)},
         [(23 * GiB, 24 * GiB)],
         GPU_FACTS,
         [("gpu", "cuda device 0", 23 * GiB, 23 * GiB, "rpc", ("lists no GPU 5",))],
     ),
     (
         "gpu node without facts: RPC numbers, generic description",
-        {"backend": "cuda", "memory_limit": 16 * GiB},
+        {"rpc_backend": "cuda", "memory_limit": 16 * GiB},
         [(23 * GiB, 24 * GiB)],
         None,
         [("gpu", "cuda device 0", 23 * GiB, 16 * GiB, "rpc", ())],
     ),
     (
         "a cuda host whose server found no GPU: free == total == RAM is the CPU",
-        {"backend": "cuda"},
+        {"rpc_backend": "cuda"},
         [(RAM, RAM)],
         HostFacts(memory=MemInfo(total=RAM, available=20 * GiB), nvidia=GpuReport("nvidia-smi", False)),
         [("cpu", "CPU", 20 * GiB, 20 * GiB, "meminfo", ("so it is the CPU",))],
     ),
     (
         "rocm node: names from rocm-smi",
-        {"backend": "rocm"},
+        {"rpc_backend": "rocm"},
         [(60 * GiB, 64 * GiB)],
         HostFacts(rocm=GpuReport("rocm-smi", True, (Gpu("amd", 0, "MI210", 64 * GiB, 60 * GiB),))),
         [("gpu", "MI210", 60 * GiB, 60 * GiB, "rpc", ())],
     ),
     (
         "vulkan node: no tool to cross-check",
-        {"backend": "vulkan"},
+        {"rpc_backend": "vulkan"},
         [(7 * GiB, 8 * GiB)],
         CPU_FACTS,
         [("gpu", "vulkan device 0", 7 * GiB, 7 * GiB, "rpc", ())],
@@ -240,7 +240,7 @@ def test_compute_capacity(
         assert len(cap.warnings) == len(exp[5]), cap.warnings
         for fragment, warning in zip(exp[5], cap.warnings, strict=True):
             assert fragment in warning
-        assert (cap.host, cap.endpoint, cap.backend) == (h.name, h.endpoint, h.backend)
+        assert (cap.host, cap.endpoint, cap.backend) == (h.name, h.endpoint, h.rpc_backend)
         assert cap.name == f"{h.endpoint}#{cap.index}"
         assert (cap.reserve, cap.limit) == (h.memory_reserve, h.memory_limit)
     assert [c.total for c in caps] == [total for _free, total in devices]
@@ -330,7 +330,7 @@ def cap(h: Host, index: int, free: int, total: int, usable: int, **kw: Any) -> D
         index=index,
         name=f"{h.endpoint}#{index}",
         description=kw.pop("description", "AMD EPYC"),
-        backend=h.backend,
+        backend=h.rpc_backend,
         kind=kw.pop("kind", "cpu"),
         total=total,
         free=free,
@@ -355,7 +355,7 @@ def node(h: Host, result: ProbeResult, facts: HostFacts | None = None, **kw: Any
 
 
 A = host("a", address="10.0.0.1", rpc_port=50052, memory_reserve=GiB)
-B = host("b", address="10.0.0.2", rpc_port=50052, backend="cuda")
+B = host("b", address="10.0.0.2", rpc_port=50052, rpc_backend="cuda")
 C = host("c", address="10.0.0.3", rpc_port=50052)
 A_TWIN = host("a2", address="10.0.0.1", rpc_port=50052)
 
@@ -438,7 +438,7 @@ def test_cpu_devices_of_one_machine_share_its_mem_available(case: str) -> None:
     rows, usable = SHARE_CASES[case]
     probed = []
     for name, port, machine, backend, reserve in rows:
-        h = host(name, address="10.0.0.1", rpc_port=port, backend=backend, memory_reserve=reserve)
+        h = host(name, address="10.0.0.1", rpc_port=port, rpc_backend=backend, memory_reserve=reserve)
         if backend == "cpu":
             result = ok_result(h.endpoint, (RAM, RAM))
         else:
@@ -556,6 +556,9 @@ GOLDEN: dict[str, Any] = {
                     "limit": None,
                     "usable": 5 * GiB,
                     "source_of_free": "meminfo",
+                    "memory_rule": "meminfo",
+                    "alignment": None,
+                    "max_size": None,
                     "warnings": [],
                     "measured": True,
                     "untrusted": None,
@@ -603,6 +606,9 @@ GOLDEN: dict[str, Any] = {
                     "limit": None,
                     "usable": free,
                     "source_of_free": "rpc",
+                    "memory_rule": "device",
+                    "alignment": None,
+                    "max_size": None,
                     "warnings": [],
                     "measured": True,
                     "untrusted": None,
@@ -666,6 +672,9 @@ GOLDEN: dict[str, Any] = {
                     "limit": None,
                     "usable": 6 * GiB,
                     "source_of_free": "meminfo",
+                    "memory_rule": "meminfo",
+                    "alignment": None,
+                    "max_size": None,
                     "warnings": [],
                     "measured": True,
                     "untrusted": None,
@@ -719,7 +728,7 @@ def test_cpu_memory_that_was_not_measured_is_not_trusted() -> None:
     # Measured memory and GPU memory (the driver's numbers) need no trust.
     (measured,) = compute_capacity(h, result, CPU_FACTS)
     assert (measured.usable, measured.measured, measured.untrusted) == (16 * GiB, True, None)
-    gpu = host(backend="cuda")
+    gpu = host(rpc_backend="cuda")
     (card,) = compute_capacity(gpu, ok_result(gpu.endpoint, (23 * GiB, 24 * GiB)), None)
     assert (card.usable, card.measured, card.untrusted) == (23 * GiB, True, None)
 

@@ -58,6 +58,8 @@ from orchestrator.rpc.wire import (
 from tests.fakerpc import FakeRpcServer, GiB, Handler, drip, hello_payload, protocol, raw_after_hello, silent
 
 V7 = ProtocolVersion(7, 0, 0)
+# What the fake server (like a real CPU server) answers GET_ALIGNMENT and GET_MAX_SIZE with.
+CPU_LIMITS = (32, (1 << 64) - 1)
 
 
 class Timeouts(TypedDict):
@@ -250,11 +252,24 @@ async def test_ok_reads_every_device_and_closes_gracefully(fake: MakeFake) -> No
     result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.OK and result.ok
     assert result.version == V7
-    assert result.devices == (DeviceMemory(0, 3 * GiB, 4 * GiB), DeviceMemory(1, 10, 20))
+    assert result.devices == (
+        DeviceMemory(0, 3 * GiB, 4 * GiB, *CPU_LIMITS),
+        DeviceMemory(1, 10, 20, *CPU_LIMITS),
+    )
     assert (result.free, result.total) == (3 * GiB + 10, 4 * GiB + 20)
     assert result.endpoint == server.endpoint
     await asyncio.to_thread(server.wait_idle)
-    assert server.connections[0].commands == [14, 15, 11, 11]
+    # HELLO, DEVICE_COUNT, then the memory, alignment and largest buffer of each device
+    assert server.connections[0].commands == [
+        14,
+        15,
+        11,
+        1,
+        2,
+        11,
+        1,
+        2,
+    ]  # memory, alignment, max size of each
     assert server.connections[0].ended == "eof"
 
 
@@ -368,7 +383,7 @@ async def test_device_index_error_closes(fake: MakeFake) -> None:
     result = await probe_endpoint(server.endpoint, **FAST)
     assert result.outcome is Outcome.CLOSED
     assert "GET_DEVICE_MEMORY(1)" in result.message
-    assert result.version == V7 and result.devices == (DeviceMemory(0, 1, 2),)
+    assert result.version == V7 and result.devices == (DeviceMemory(0, 1, 2, *CPU_LIMITS),)
 
 
 async def test_absurd_device_count(fake: MakeFake) -> None:

@@ -44,7 +44,7 @@ class ArtifactChooser:
 
     async def __call__(self, host: Host, state: InstallState) -> Source:
         spec = self.override or host.rpc_artifact or ""
-        key = (spec, host.backend, state.os, state.arch, host.rpc_cmake_args)
+        key = (spec, server_backend(host, state), state.os, state.arch, host.rpc_cmake_args)
         try:
             return await self._chosen.get(key, lambda: asyncio.to_thread(self._resolve, *key))
         except ArtifactError as exc:
@@ -66,6 +66,39 @@ class ArtifactChooser:
         if self.verify:
             verify_artifact(artifact)  # a corrupted local cache is refused before any upload
         return artifact
+
+
+def server_backend(host: Host, state: InstallState) -> str:
+    """The backend of the server `host` gets: its `rpc_backend`, or `auto`'s pick from the node's GPU
+    facts. Raises InstallError, naming the host, where the inventory set it and the fix, when the node
+    cannot run that backend or has no such device as `rpc_devices` names: nothing is switched then."""
+    runtime = state.gpu_runtime
+    where = f"rpc_backend: {host.rpc_backend} ({host.var_sources.get('rpc_backend', 'default')}"
+    where += f", {host.location})" if host.location is not None else ")"
+    if runtime is None:
+        if host.rpc_backend == "auto":
+            raise InstallError(f"{where}: the node's GPU facts were not read", host=host.name)
+        return host.rpc_backend
+    try:
+        backend, _why = runtime.backend_for(host.rpc_backend)
+    except ValueError as exc:
+        raise InstallError(f"{where}: {exc}", host=host.name) from None
+    env = dict(host.rpc_env)
+    problem = runtime.cannot_run(backend, env)
+    if problem is not None:
+        raise InstallError(f"{problem[0]}; {where}", host=host.name, hint=problem[1])
+    offered = runtime.device_names(backend, env)
+    if offered is not None and not runtime.error:
+        wanted = {d.upper(): d for d in host.rpc_devices}
+        unknown = [d for key, d in wanted.items() if key not in {o.upper() for o in offered}]
+        if unknown:
+            raise InstallError(
+                f"rpc_devices {','.join(unknown)}: no such device on this node for the {backend} backend "
+                f"(it offers {', '.join(offered)}); {where}",
+                host=host.name,
+                hint="name devices as llama.cpp does (a wrong name makes ggml-rpc-server list its own)",
+            )
+    return backend
 
 
 ProgressFactory = Callable[[Host, InstallChange], Progress | None]

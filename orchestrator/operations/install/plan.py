@@ -35,6 +35,7 @@ from orchestrator.connectors.base import Connection
 from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.core.units import format_size
 from orchestrator.facts.base import Fact, gather
+from orchestrator.facts.gpus import GpuRuntime, GpuRuntimeFact
 from orchestrator.facts.server import (
     CurrentLinkFact,
     HistoryFact,
@@ -98,6 +99,7 @@ class InstallState:
     free_bytes: int | None  # free space where the install lives (or would be created)
     manifest: Manifest | None  # current/manifest.json, when readable
     problems: tuple[str, ...] = ()  # e.g. a `current` link to a missing folder
+    gpu_runtime: GpuRuntime | None = None  # the node's GPU runtimes (None: not read)
 
     @property
     def installed(self) -> bool:
@@ -125,6 +127,7 @@ def install_facts(install_dir: str) -> list[Fact[Any]]:
         HistoryFact(install_dir),
         FreeSpaceFact(install_dir),
         InstalledManifestFact(install_dir),
+        GpuRuntimeFact(),
     ]
 
 
@@ -170,6 +173,7 @@ def install_state_from_facts(host: str, values: Mapping[str, Any]) -> InstallSta
         free_bytes=values.get(FreeSpaceFact.name),
         manifest=manifest,
         problems=tuple(problems),
+        gpu_runtime=values.get(GpuRuntimeFact.name),
     )
 
 

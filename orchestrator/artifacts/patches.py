@@ -1,0 +1,169 @@
+# ruff: noqa: E501 (the patches hold C++ text as it appears in llama.cpp)
+"""Build-time patches to the vendored llama.cpp: each one named, its text hashed into the build key and
+recorded in the manifest (`patches`), so an artifact says exactly how it differs from upstream.
+
+A patch is a literal replacement of one anchor in one file, applied to the freshly extracted source of
+a build folder of its own (never to the sdist). Applying is idempotent: a source that already holds the
+replacement is left alone, so an incremental rebuild in the same folder does not patch twice.
+
+- `keepalive`: every accepted RPC connection gets SO_KEEPALIVE (15 s idle, 5 s interval, 3 probes) and
+  TCP_USER_TIMEOUT (30 s). The vendored server serves one client at a time and sets only TCP_NODELAY,
+  so a client that vanished without a FIN (a cut cable, a laptop closed, a controller behind NAT that
+  lost its mapping) held it until someone proved the client gone. With the patch the kernel proves it:
+  an idle dead client is dropped after 15 + 3 x 5 = 30 s, one that stopped acknowledging data after
+  30 s, and the server accepts the next client, without rpcfleet or privileges. A live client, even idle
+  for hours, answers the probes in its kernel and is never cut.
+- `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
+  instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
+  block is compiled only where the headers have it, else the instance is created without those settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.core.errors import ArtifactError
+
+KEEPALIVE_IDLE_S = 15
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
+USER_TIMEOUT_MS = 30_000
+
+
+@dataclass(frozen=True)
+class SourcePatch:
+    """Replace `anchor` (which must occur once) in `path` (relative to vendor/llama.cpp) by `replacement`.
+
+    `backends`: the backends it applies to (empty: all). `optional`: a source without the anchor (an
+    older llama.cpp, laid out differently) is built without it, and its manifest does not list it."""
+
+    name: str
+    path: str
+    anchor: str
+    replacement: str
+    backends: tuple[str, ...] = ()
+    optional: bool = False
+
+    @property
+    def digest(self) -> str:
+        data = "\0".join((self.path, self.anchor, self.replacement)).encode()
+        return hashlib.sha256(data).hexdigest()[:12]
+
+    @property
+    def label(self) -> str:
+        """How the manifest records it: `name@digest`."""
+        return f"{self.name}@{self.digest}"
+
+    def applies_to(self, backend: str) -> bool:
+        return not self.backends or backend in self.backends
+
+
+_KEEPALIVE_ANCHOR = """    if (!set_no_delay(client_socket_fd)) {
+        GGML_LOG_ERROR("Failed to set TCP_NODELAY\\n");
+        return nullptr;
+    }
+"""
+
+_KEEPALIVE = (
+    _KEEPALIVE_ANCHOR
+    + f"""#ifndef _WIN32
+    {{
+        // rpcfleet keepalive patch: a client that vanished without a FIN frees the server by itself.
+        int on = 1, idle = {KEEPALIVE_IDLE_S}, interval = {KEEPALIVE_INTERVAL_S}, probes = {KEEPALIVE_PROBES};
+        if (setsockopt(client_socket_fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on)) != 0) {{
+            GGML_LOG_ERROR("Failed to set SO_KEEPALIVE\\n");
+        }}
+#  ifdef TCP_KEEPIDLE
+        setsockopt(client_socket_fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+#  elif defined(TCP_KEEPALIVE)
+        setsockopt(client_socket_fd, IPPROTO_TCP, TCP_KEEPALIVE, &idle, sizeof(idle));
+#  endif
+#  ifdef TCP_KEEPINTVL
+        setsockopt(client_socket_fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+#  endif
+#  ifdef TCP_KEEPCNT
+        setsockopt(client_socket_fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
+#  endif
+#  ifdef TCP_USER_TIMEOUT
+        unsigned int user_timeout_ms = {USER_TIMEOUT_MS};
+        setsockopt(client_socket_fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+#  endif
+        (void) idle; (void) interval; (void) probes;
+    }}
+#endif
+"""
+)
+
+_LAYER_SETTINGS_ANCHOR = """    VkBool32 enable_best_practice = layer_settings;
+    std::vector<vk::LayerSettingEXT> settings = {
+        {
+            "VK_LAYER_KHRONOS_validation",
+            "validate_best_practices",
+            vk::LayerSettingTypeEXT::eBool32,
+            1,
+            &enable_best_practice
+        },
+    };
+    vk::LayerSettingsCreateInfoEXT layer_setting_info(settings);
+    vk::InstanceCreateInfo instance_create_info(vk::InstanceCreateFlags{}, &app_info, layers, extensions, &layer_setting_info);
+"""
+
+_LAYER_SETTINGS = (
+    "#ifdef VK_EXT_layer_settings  // rpcfleet patch: headers older than Vulkan 1.3.261 lack it\n"
+    + _LAYER_SETTINGS_ANCHOR
+    + "#else\n"
+    + "    (void) layer_settings;\n"
+    + "    vk::InstanceCreateInfo instance_create_info(vk::InstanceCreateFlags{}, &app_info, layers, extensions);\n"
+    + "#endif\n"
+)
+
+PATCHES: tuple[SourcePatch, ...] = (
+    SourcePatch(
+        "keepalive",
+        "ggml/src/ggml-rpc/transport.cpp",
+        _KEEPALIVE_ANCHOR,
+        _KEEPALIVE,
+        optional=True,  # llama.cpp before the transport split (protocol 2, the skew tests' server)
+    ),
+    SourcePatch(
+        "vulkan-layer-settings",
+        "ggml/src/ggml-vulkan/ggml-vulkan.cpp",
+        _LAYER_SETTINGS_ANCHOR,
+        _LAYER_SETTINGS,
+        backends=("vulkan",),
+        optional=True,  # an older ggml-vulkan has no layer settings at all
+    ),
+)
+
+
+def patches_for(backend: str) -> tuple[SourcePatch, ...]:
+    return tuple(p for p in PATCHES if p.applies_to(backend))
+
+
+def apply_patches(llama_dir: Path, patches: Sequence[SourcePatch]) -> tuple[str, ...]:
+    """Apply `patches` to the vendored llama.cpp at `llama_dir`; the labels of those that apply (already
+    applied counts). A required patch whose anchor is missing, or an anchor found twice, is an error."""
+    applied: list[str] = []
+    for patch in patches:
+        path = llama_dir / patch.path
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            text = ""
+        if patch.replacement in text:
+            applied.append(patch.label)
+            continue
+        count = text.count(patch.anchor)
+        if count == 0 and patch.optional:
+            continue
+        if count != 1:
+            raise ArtifactError(
+                f"patch {patch.name}: {patch.path} holds its anchor {count} times (expected once)",
+                hint="this llama.cpp differs from the one the patch was written for",
+            )
+        path.write_text(text.replace(patch.anchor, patch.replacement))
+        applied.append(patch.label)
+    return tuple(applied)
