@@ -475,13 +475,18 @@ def finish_command(hosts: Sequence[str]) -> str:
 
 
 def exit_status(runs: Sequence[RunResult[Any]]) -> int:
-    """130 when interrupted, 3 when a host was locked by another operator, 1 on any failure, else 0."""
+    """130 when interrupted, 3 when a host was locked by another operator, 2 when every failure is the
+    inventory's (a node asked for what it cannot run), 1 on any other failure, else 0."""
+    from orchestrator.core.errors import InputError
     from orchestrator.operations.lock import HostLockedError
 
     if any(run.interrupted for run in runs):
         return INTERRUPTED_EXIT
     if any(isinstance(r.error, HostLockedError) for run in runs for r in run.results):
         return LOCKED_EXIT
+    failed = [r for run in runs for r in run.failed]
+    if failed and all(isinstance(r.error, InputError) for r in failed):
+        return 2
     return 0 if all(run.ok for run in runs) else 1
 
 

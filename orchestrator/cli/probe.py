@@ -61,6 +61,10 @@ def _state_cell(state: str, clients: tuple[str, ...] | None) -> str:
     return text
 
 
+def _backend_label(backend: str) -> str:
+    return "" if backend == "cpu" else f"{backend}: "
+
+
 def _print_table(fleet: FleetProbe) -> None:
     from rich import box
     from rich.console import Console
@@ -69,7 +73,9 @@ def _print_table(fleet: FleetProbe) -> None:
     from orchestrator.core.units import format_size
 
     table = Table(box=box.SIMPLE_HEAD)
-    for column in ("host", "endpoint", "protocol", "device", "total", "free", "usable", "state"):
+    # memory: the rule that gave `free` (device: the GPU's own figure; meminfo: the host's MemAvailable
+    # share; uma: a GPU sharing the host's RAM, inside that share)
+    for column in ("host", "endpoint", "protocol", "device", "total", "free", "memory", "usable", "state"):
         numeric = column in ("total", "free", "usable")
         table.add_column(column, justify="right" if numeric else "left", no_wrap=column != "device")
     notes: list[str] = []
@@ -85,6 +91,7 @@ def _print_table(fleet: FleetProbe) -> None:
                 "-",
                 "-",
                 "-",
+                "-",
                 state,
             )
         for device in node.devices:
@@ -93,9 +100,10 @@ def _print_table(fleet: FleetProbe) -> None:
                 escape(node.host),
                 escape(f"{node.endpoint} ({node.transport})"),
                 protocol,
-                escape(f"#{device.index} {device.description}"),
+                escape(f"#{device.index} {_backend_label(device.backend)}{device.description}"),
                 format_size(device.total),
                 free,
+                device.memory_rule,
                 format_size(device.usable),
                 state,
             )
@@ -112,6 +120,7 @@ def _print_table(fleet: FleetProbe) -> None:
         f"{totals.devices} device(s)",
         format_size(totals.total),
         format_size(totals.free),
+        "",
         format_size(totals.usable),
         "",
     )

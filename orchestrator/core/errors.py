@@ -250,6 +250,11 @@ class InstallError(HostError):
     """Installing an artifact on a host failed; the previous version is left in place."""
 
 
+class NodeMismatchError(InputError, InstallError):
+    """The inventory asks a node for what it cannot run (a backend without its driver, a device it does
+    not have): the user's to correct, named at the inventory's line; nothing is installed or switched."""
+
+
 class ServiceError(HostError):
     """Starting, stopping or checking an rpc-server failed."""
 

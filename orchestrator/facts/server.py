@@ -326,10 +326,12 @@ class LaunchFact(Fact[Launch | None]):
     process, or /proc is not readable)."""
 
     pid_file: str
+    # The inventory's own variables (`rpc_env`) read besides LAUNCH_ENV: names of letters, digits and _.
+    env_names: tuple[str, ...] = ()
     name: ClassVar[str] = "launch"
 
     def command(self) -> str:
-        keys = "|".join(LAUNCH_ENV)
+        keys = "|".join(dict.fromkeys([*LAUNCH_ENV, *(n for n in self.env_names if n.isidentifier())]))
         return "\n".join(
             [
                 f"pf={shell_path(self.pid_file)}",

@@ -124,7 +124,7 @@ async def test_the_artifact_chooser_tries_a_failing_artifact_once_per_run(
 
     monkeypatch.setattr(ensure, "resolve_artifact", resolve)
     chooser = ensure.ArtifactChooser("missing")
-    state = SimpleNamespace(os="linux", arch="x86_64")
+    state = SimpleNamespace(os="linux", arch="x86_64", gpu_runtime=None)
     hosts = [Host(name=f"n{i}", address="127.0.0.1", connection="local") for i in range(3)]
     for host in hosts:
         with pytest.raises(InstallError, match="no artifact 'missing'") as info:

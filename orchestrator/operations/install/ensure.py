@@ -12,7 +12,7 @@ from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
 from orchestrator.artifacts.store import verify_artifact
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.connectors.nodescript import Planned, would_run
-from orchestrator.core.errors import ArtifactError, InstallError
+from orchestrator.core.errors import ArtifactError, InstallError, NodeMismatchError
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
@@ -70,33 +70,36 @@ class ArtifactChooser:
 
 def server_backend(host: Host, state: InstallState) -> str:
     """The backend of the server `host` gets: its `rpc_backend`, or `auto`'s pick from the node's GPU
-    facts. Raises InstallError, naming the host, where the inventory set it and the fix, when the node
-    cannot run that backend or has no such device as `rpc_devices` names: nothing is switched then."""
+    facts. Raises NodeMismatchError, naming the host, where the inventory set it and the fix, when the
+    node cannot run that backend or has no such device as `rpc_devices` names: nothing is switched then."""
     runtime = state.gpu_runtime
-    where = f"rpc_backend: {host.rpc_backend} ({host.var_sources.get('rpc_backend', 'default')}"
-    where += f", {host.location})" if host.location is not None else ")"
+
+    def mismatch(message: str, hint: str | None = None) -> NodeMismatchError:
+        source = host.var_sources.get("rpc_backend", "default")
+        text = f"{message} (rpc_backend: {host.rpc_backend}, from {source})"
+        return NodeMismatchError(text, host.location, hint=hint).with_host(host.name)
+
     if runtime is None:
         if host.rpc_backend == "auto":
-            raise InstallError(f"{where}: the node's GPU facts were not read", host=host.name)
+            raise mismatch("rpc_backend auto: the node's GPU facts were not read")
         return host.rpc_backend
     try:
         backend, _why = runtime.backend_for(host.rpc_backend)
     except ValueError as exc:
-        raise InstallError(f"{where}: {exc}", host=host.name) from None
+        raise mismatch(str(exc)) from None
     env = dict(host.rpc_env)
     problem = runtime.cannot_run(backend, env)
     if problem is not None:
-        raise InstallError(f"{problem[0]}; {where}", host=host.name, hint=problem[1])
+        raise mismatch(*problem)
     offered = runtime.device_names(backend, env)
-    if offered is not None and not runtime.error:
-        wanted = {d.upper(): d for d in host.rpc_devices}
-        unknown = [d for key, d in wanted.items() if key not in {o.upper() for o in offered}]
+    if offered is not None and runtime.error is None:
+        known = {name.upper() for name in offered}
+        unknown = [d for d in host.rpc_devices if d.upper() not in known]
         if unknown:
-            raise InstallError(
+            raise mismatch(
                 f"rpc_devices {','.join(unknown)}: no such device on this node for the {backend} backend "
-                f"(it offers {', '.join(offered)}); {where}",
-                host=host.name,
-                hint="name devices as llama.cpp does (a wrong name makes ggml-rpc-server list its own)",
+                f"(it offers {', '.join(offered)})",
+                "name devices as llama.cpp does (a wrong name makes ggml-rpc-server list its own)",
             )
     return backend
 

@@ -254,7 +254,7 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         RpcClientsFact(port),
         PortOwnersFact(port),
         ServerProcessFact(node_path(host.install_dir, files.pid)),
-        LaunchFact(node_path(host.install_dir, files.pid)),
+        LaunchFact(node_path(host.install_dir, files.pid), tuple(name for name, _ in host.rpc_env)),
         LogMatchFact(node_path(host.install_dir, files.log), LOG_MARKER, BIND_FAILED),
         SupervisorFact(
             node_path(host.install_dir, files.supervisor_pid),

@@ -1,0 +1,125 @@
+"""Tier 2: a lab with GPU nodes. Nodes 1 and 2 run the Vulkan artifact on Mesa's software Vulkan device
+(llvmpipe: `lab up --var N:rpc_backend=vulkan` adds GGML_VK_VISIBLE_DEVICES=0), nodes 3 and 4 the CPU
+one. Deploy picks each node's artifact, probe reads each device's memory by its rule (the Vulkan heap
+for the GPU nodes, MemAvailable shared for the CPU ones), and `run` serves the real Gemma 3 270M over the
+four. The Vulkan nodes come first, so the output layer (262k-token vocabulary) lands on a CPU node:
+llvmpipe computes it slowly. A node asked for a backend it cannot run is refused at deploy, at the
+inventory's line, and nothing of it is switched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.lab.lifecycle import lab_down, lab_up
+from orchestrator.lab.state import Lab
+from tests.plugins.lab import require_lab_privileges, session_lab_name
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 1 << 30
+
+
+def rpcfleet(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def gpu_lab() -> Iterator[Lab]:
+    require_lab_privileges()
+    name = session_lab_name("gpu")
+    vulkan = {"rpc_backend": "vulkan"}
+    made = lab_up(4, name=name, owner_pid=os.getpid(), node_variables={"1": vulkan, "2": vulkan})
+    try:
+        done = rpcfleet("deploy", "-i", str(made.inventory))
+        assert done.returncode == 0, done.stdout + done.stderr
+        yield made
+    finally:
+        lab_down(name)
+
+
+@pytest.mark.lab
+def test_the_lab_writes_the_software_device_for_its_vulkan_nodes(gpu_lab: Lab) -> None:
+    hosts = yaml.safe_load(gpu_lab.inventory.read_text())["hosts"]
+    assert [h.get("rpc_backend", "cpu") for h in hosts.values()] == ["vulkan", "vulkan", "cpu", "cpu"]
+    assert [h.get("rpc_env") for h in hosts.values()] == [{"GGML_VK_VISIBLE_DEVICES": "0"}] * 2 + [None] * 2
+
+
+@pytest.mark.lab
+def test_each_node_runs_its_backends_artifact_and_probe_reads_memory_by_its_rule(gpu_lab: Lab) -> None:
+    done = rpcfleet("probe", "-i", str(gpu_lab.inventory), "--json")
+    assert done.returncode == 0, done.stderr
+    nodes = json.loads(done.stdout)["nodes"]
+    devices = [node["devices"][0] for node in nodes]
+    assert [d["backend"] for d in devices] == ["vulkan", "vulkan", "cpu", "cpu"]
+    for gpu in devices[:2]:
+        # llvmpipe's device-local heap, not the host's RAM: the device's own figure
+        assert (gpu["kind"], gpu["memory_rule"], gpu["total"], gpu["free"]) == (
+            "gpu",
+            "device",
+            2 * GiB,
+            2 * GiB,
+        )
+        assert gpu["description"].startswith("llvmpipe") and gpu["alignment"] == 16
+    for cpu in devices[2:]:
+        assert (cpu["kind"], cpu["memory_rule"], cpu["alignment"]) == ("cpu", "meminfo", 32)
+    # the two CPU servers share the machine's MemAvailable; the Vulkan devices take no share of it
+    # (read a moment apart: MemAvailable moves a little)
+    assert abs(devices[2]["free"] - devices[3]["free"]) < GiB // 16
+    assert devices[2]["free"] <= devices[2]["total"] // 2
+    again = rpcfleet("deploy", "-i", str(gpu_lab.inventory))
+    assert again.returncode == 0 and "changed" not in again.stdout.split("recap")[0], again.stdout
+
+
+@pytest.mark.lab
+@pytest.mark.llama
+def test_run_serves_real_text_over_cpu_and_vulkan_nodes(gpu_lab: Lab, gemma_model: Path) -> None:
+    done = rpcfleet(
+        "run", "-i", str(gpu_lab.inventory), "-m", str(gemma_model),
+        "-p", "The capital of France is the city of", "-n", "6", "--temp", "0", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["text"].startswith(" Paris"), result["text"]
+    devices = result["placement"]["devices"]
+    assert all(d["layers_as_planned"] if "layers_as_planned" in d else True for d in devices)
+    assert (
+        sum(1 for d in devices if d.get("endpoint") in {n.address + ":50052" for n in gpu_lab.nodes[:2]}) == 2
+    )
+
+
+@pytest.mark.lab
+def test_a_backend_the_node_cannot_run_is_refused_at_the_inventory_line(gpu_lab: Lab, tmp_path: Path) -> None:
+    inventory = yaml.safe_load(gpu_lab.inventory.read_text())
+    names = list(inventory["hosts"])
+    inventory["hosts"][names[2]]["rpc_backend"] = "cuda"  # no NVIDIA driver in the lab
+    inventory["hosts"][names[0]]["rpc_devices"] = ["Vulkan3"]  # llvmpipe is Vulkan0
+    bad = tmp_path / "bad.yml"
+    bad.write_text(yaml.safe_dump(inventory, sort_keys=False))
+    before = json.loads(rpcfleet("status", "-i", str(gpu_lab.inventory), "--json").stdout)
+    done = rpcfleet("deploy", "-i", str(bad))
+    assert done.returncode == 2, done.stdout + done.stderr
+    text = " ".join((done.stdout + done.stderr).split())  # the table wraps its cells
+    assert f"{bad}:" in text and "the cuda server cannot run: no /dev/nvidia* device" in text
+    assert "install the NVIDIA driver, or set rpc_backend to vulkan or cpu" in text
+    assert (
+        "rpc_devices Vulkan3: no such device on this node for the vulkan backend (it offers Vulkan0, CPU)"
+        in text
+    )
+    after = json.loads(rpcfleet("status", "-i", str(gpu_lab.inventory), "--json").stdout)
+    assert after == before  # nothing switched, stopped or restarted
