@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.artifacts.cuda import PYPI_TOOLKIT_DEFINES, cuda_toolkit, system_toolkit, toolkit_key
 from orchestrator.artifacts.manifest import (
     BACKENDS,
     SERVER_NAME,
@@ -85,6 +86,8 @@ def effective_cmake_args(backend: str, cmake_args: Sequence[str] = ()) -> tuple[
     if backend not in BACKENDS:
         raise ArtifactChoiceError(f"unknown backend {backend!r}", hint=f"one of: {', '.join(BACKENDS)}")
     defines = {**BASE_DEFINES, **BACKEND_DEFINES[backend]}
+    if backend == "cuda" and system_toolkit() is None:
+        defines.update(PYPI_TOOLKIT_DEFINES)  # the PyPI toolkit (artifacts.cuda) has no driver stub
     others: list[str] = []
     for arg in cmake_args:
         split = _split_define(arg)
@@ -111,9 +114,11 @@ def build_key(
     the source patches for the backend)."""
     host_os, host_arch = host_platform()
     patches = [p.label for p in patches_for(backend)]
-    data = json.dumps(
-        ["build", version, backend, sorted(cmake_args), os_name or host_os, arch or host_arch, patches]
-    ).encode()
+    parts: list[Any] = ["build", version, backend, sorted(cmake_args), os_name or host_os, arch or host_arch]
+    parts.append(patches)
+    if backend == "cuda":  # which nvcc built it
+        parts.append("system" if system_toolkit() is not None else f"pypi-{toolkit_key()}")
+    data = json.dumps(parts).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -207,10 +212,16 @@ def build_artifact(
         protocol = read_protocol_version(llama / "ggml" / "include" / "ggml-rpc.h")
         build_dir = workdir / "build"
         log_path = workdir / "build.log"
+        env = backend_environment(backend, args, say)
         with log_path.open("w") as log:
             say(f"configuring llama.cpp ({backend}) in {build_dir}")
             _run_logged(
-                ["cmake", "-S", str(llama), "-B", str(build_dir), *args], log, say, CONFIGURE_TIMEOUT_S
+                ["cmake", "-S", str(llama), "-B", str(build_dir), *args],
+                log,
+                say,
+                CONFIGURE_TIMEOUT_S,
+                env=env,
+                what=f"configuring llama.cpp ({backend})",
             )
             target = server_target(llama)
             say(f"building {target} (log: {log_path})")
@@ -220,6 +231,7 @@ def build_artifact(
                 log,
                 say,
                 BUILD_TIMEOUT_S,
+                env=env,
             )
         os_name, arch = host_platform()
         with tempfile.TemporaryDirectory(dir=workdir, prefix="stage-") as tmp:
@@ -259,8 +271,30 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def backend_environment(backend: str, args: Sequence[str], say: Progress) -> dict[str, str] | None:
+    """The build's environment: a CUDA build finds its toolkit (the system's nvcc, else PyPI's) and
+    must name its architectures, since no GPU may be there to detect them; others inherit ours."""
+    if backend != "cuda":
+        return None
+    if not any((_split_define(a) or ("", ""))[0] == "CMAKE_CUDA_ARCHITECTURES" for a in args):
+        raise ArtifactChoiceError(
+            "a cuda build needs its GPU architectures",
+            hint="rpcfleet artifact build --backend cuda --cuda-arch 89 (the compute capability without "
+            "its dot, as `nvidia-smi --query-gpu=compute_cap --format=csv` prints it)",
+        )
+    toolkit = cuda_toolkit(say)
+    say(f"CUDA toolkit: {toolkit.root} ({toolkit.source.split(':')[0]})")
+    return toolkit.environment()
+
+
 def _run_logged(
-    command: list[str], log: Any, say: Progress, timeout: float, *, what: str = "building the rpc-server"
+    command: list[str],
+    log: Any,
+    say: Progress,
+    timeout: float,
+    *,
+    what: str = "building the rpc-server",
+    env: dict[str, str] | None = None,
 ) -> None:
     """Run `command`, copying its output to `log` and cmake's `[ NN%]` lines to `say`."""
     log.write(f"$ {shlex.join(command)}\n")
@@ -268,7 +302,7 @@ def _run_logged(
     tail: list[str] = []
     deadline = time.monotonic() + timeout
     with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:

@@ -25,6 +25,12 @@ def register(subparsers: Any) -> None:
         help="extra cmake argument, e.g. --cmake-arg=-DGGML_NATIVE=ON (repeatable)",
     )
     build.add_argument(
+        "--cuda-arch",
+        default=None,
+        metavar="ARCH",
+        help="cuda: the GPU architectures to build for, e.g. 89 or 86;90 (CMAKE_CUDA_ARCHITECTURES)",
+    )
+    build.add_argument(
         "--quiet-if-cached", action="store_true", help="print nothing when the artifact is already cached"
     )
     _common.add_json_arg(build)
@@ -52,8 +58,18 @@ def register(subparsers: Any) -> None:
 
 def handle_build(args: argparse.Namespace) -> int:
     from orchestrator.artifacts.build import build_artifact, cached_build
+    from orchestrator.artifacts.cuda import check_cuda_architectures
     from orchestrator.artifacts.manifest import llama_cpp_python_version
+    from orchestrator.core.errors import UsageError
 
+    if args.cuda_arch is not None:
+        if args.backend != "cuda":
+            raise UsageError("--cuda-arch is for --backend cuda")
+        try:
+            arches = check_cuda_architectures(args.cuda_arch)
+        except ValueError as exc:
+            raise UsageError(f"--cuda-arch: {exc}") from None
+        args.cmake_args = [*args.cmake_args, f"-DCMAKE_CUDA_ARCHITECTURES={arches}"]
     cached = cached_build(args.backend, args.cmake_args)
     if cached is not None and args.quiet_if_cached:
         return 0
@@ -122,6 +138,8 @@ def handle_show(args: argparse.Namespace) -> int:
         ("llama-cpp-python", m.llama_cpp_python_version or "-"),
         ("source", m.source),
         ("cmake args", " ".join(m.cmake_args) or "-"),
+        ("patches", ", ".join(m.patches) or "-"),
+        *([("cuda archs", ";".join(m.cuda_architectures) or "-")] if m.backend == "cuda" else []),
     ]
     out = _common.console
     for name, value in rows:

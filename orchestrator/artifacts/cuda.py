@@ -1,0 +1,163 @@
+"""The CUDA toolkit for building the `cuda` artifact, from PyPI: NVIDIA's CUDA 13 wheels lay out one
+toolkit under `site-packages/nvidia/cu13` (bin/nvcc, nvvm/bin/cicc, include, lib), which cmake takes as
+`CUDAToolkit_ROOT`. It is installed once into a virtual environment of its own under
+`$RPCFLEET_HOME/toolchains/`, keyed by the pinned versions; a system nvcc on PATH is used instead when
+there is one. Debian's main archive has no CUDA toolkit, and the registries are this project's only
+network.
+
+The wheels hold no driver stub (`lib/stubs/libcuda.so`), so the build links no driver library
+(GGML_CUDA_NO_VMM=ON: ggml's legacy memory pool instead of the virtual-memory one); the node's driver is
+loaded by libcudart at run time. CUDA 13 needs a driver of the 580 series or newer on the node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.core.errors import ArtifactError
+from orchestrator.core.paths import rpcfleet_home
+
+# The CUDA 13.5 toolkit's packages (cublas and cccl version on their own; all share nvidia/cu13).
+CUDA_PACKAGES: tuple[str, ...] = (
+    "nvidia-cuda-nvcc==13.5.37",
+    "nvidia-cuda-crt==13.5.37",
+    "nvidia-nvvm==13.5.37",
+    "nvidia-cuda-runtime==13.5.37",
+    "nvidia-cuda-cccl==13.3.5.0.6",
+    "nvidia-cublas==13.10.0.20",
+)
+
+# Defines a build with the PyPI toolkit needs: no driver stub to link (see the module's text).
+PYPI_TOOLKIT_DEFINES: dict[str, str] = {"GGML_CUDA_NO_VMM": "ON"}
+
+_ARCH_RE = re.compile(r"^(\d{2,3}[af]?)(-(real|virtual))?$")
+
+
+def check_cuda_architectures(value: str) -> str:
+    """`89`, `90a`, `86;89` or `86,89`: CMAKE_CUDA_ARCHITECTURES' form; raises ValueError otherwise."""
+    parts = [p.strip() for p in re.split(r"[;,]", value) if p.strip()]
+    bad = [p for p in parts if not _ARCH_RE.match(p)]
+    if not parts or bad:
+        raise ValueError(
+            f"{value!r} is not a CUDA architecture list such as 89 or 86;90 (the compute capability "
+            "without its dot: `nvidia-smi --query-gpu=compute_cap --format=csv` prints 8.9 for 89)"
+        )
+    return ";".join(parts)
+
+
+@dataclass(frozen=True)
+class CudaToolkit:
+    root: Path  # CUDAToolkit_ROOT: bin/nvcc, include, lib
+    source: str  # "system" or "pypi:<pins>"
+
+    @property
+    def nvcc(self) -> Path:
+        return self.root / "bin" / "nvcc"
+
+    def environment(self) -> dict[str, str]:
+        """What cmake needs to find this toolkit (the compiler and its root), on top of os.environ."""
+        path = f"{self.root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+        return {**os.environ, "CUDACXX": str(self.nvcc), "CUDAToolkit_ROOT": str(self.root), "PATH": path}
+
+    @property
+    def defines(self) -> dict[str, str]:
+        return dict(PYPI_TOOLKIT_DEFINES) if self.source.startswith("pypi") else {}
+
+
+def toolkit_key(packages: tuple[str, ...] = CUDA_PACKAGES) -> str:
+    return hashlib.sha256(json.dumps(sorted(packages)).encode()).hexdigest()[:12]
+
+
+def system_toolkit() -> CudaToolkit | None:
+    """A complete toolkit installed on this machine: nvcc on PATH, with cuBLAS beside it (ggml-cuda links
+    it; a toolkit of the compiler alone, such as this project's machine image has, is not enough)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    for real in (Path(nvcc).resolve(), *_wrapped(Path(nvcc))):
+        root = real.parent.parent
+        if any(root.glob("lib*/libcublas.so*")) or any(root.glob("targets/*/lib/libcublas.so*")):
+            return CudaToolkit(root, "system")
+    return None
+
+
+def _wrapped(path: Path) -> list[Path]:
+    """The nvcc a wrapper script execs (`exec /usr/local/cuda-13.0/bin/nvcc "$@"`), if it is one."""
+    try:
+        head = path.read_bytes()[:512]
+    except OSError:
+        return []
+    return [Path(m.decode()) for m in re.findall(rb"exec\s+(/\S+/nvcc)\b", head)]
+
+
+def pypi_toolkit_dir(packages: tuple[str, ...] = CUDA_PACKAGES) -> Path:
+    return rpcfleet_home() / "toolchains" / f"cuda-{toolkit_key(packages)}"
+
+
+def cuda_toolkit(
+    progress: Callable[[str], None] | None = None, *, packages: tuple[str, ...] = CUDA_PACKAGES
+) -> CudaToolkit:
+    """The system's CUDA toolkit, else the PyPI one (installed on first use, about 600 MB)."""
+    found = system_toolkit()
+    if found is not None:
+        return found
+    say = progress or (lambda _line: None)
+    folder = pypi_toolkit_dir(packages)
+    source = "pypi:" + ",".join(packages)
+    if (folder / ".complete").is_file():
+        return CudaToolkit(Path((folder / ".complete").read_text().strip()), source)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        say(f"installing the CUDA toolkit from PyPI into {folder} (about 600 MB, once)")
+        _run([sys.executable, "-m", "venv", str(staging)], "making the CUDA toolkit's environment")
+        python = staging / "bin" / "python"
+        _run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages],
+            f"installing {' '.join(packages)}",
+        )
+        roots = list(staging.glob("lib/python*/site-packages/nvidia/cu13"))
+        if not roots or not (roots[0] / "bin" / "nvcc").is_file():
+            raise ArtifactError(
+                "the CUDA wheels installed no nvidia/cu13/bin/nvcc", hint=f"packages: {packages}"
+            )
+        _link_unversioned(roots[0] / "lib")
+        relative = roots[0].relative_to(staging)
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.replace(folder)
+        root = folder / relative
+        (folder / ".complete").write_text(f"{root}\n")
+        return CudaToolkit(root, source)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _link_unversioned(lib: Path) -> None:
+    """`libcudart.so` -> `libcudart.so.13` and so on: cmake's FindCUDAToolkit looks for the plain names,
+    which the wheels do not ship."""
+    for path in lib.glob("lib*.so.*"):
+        plain = lib / (path.name.split(".so.")[0] + ".so")
+        if not plain.exists():
+            plain.symlink_to(path.name)
+
+
+def _run(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise ArtifactError(
+            f"{what} failed",
+            command=" ".join(command),
+            exit_status=done.returncode,
+            stderr=done.stderr or done.stdout,
+            hint="the CUDA wheels come from PyPI: check that it is reachable",
+        )
