@@ -46,9 +46,12 @@ class LabFaults:
     def restore_link(self, node: str | int | LabNode) -> None:
         run(["ip", "link", "set", self._netns(node).veth or "", "up"])
 
-    def firewall_drop(self, node: str | int | LabNode) -> None:
-        """Every packet into the node is dropped (connects time out)."""
+    def firewall_drop(self, node: str | int | LabNode, *, outgoing: bool = False) -> None:
+        """Every packet into the node is dropped (connects time out); `outgoing`: every packet out of it
+        too (the node vanished: not even a FIN or RST of its leaves)."""
         self._iptables(node, ["-I", "INPUT", "-j", "DROP"])
+        if outgoing:
+            self._iptables(node, ["-I", "OUTPUT", "-j", "DROP"])
 
     def firewall_reject(self, node: str | int | LabNode) -> None:
         """Every TCP connect to the node is reset (connects are refused at once)."""
@@ -56,6 +59,7 @@ class LabFaults:
 
     def firewall_clear(self, node: str | int | LabNode) -> None:
         self._iptables(node, ["-F", "INPUT"])
+        self._iptables(node, ["-F", "OUTPUT"])
 
     def _iptables(self, node: str | int | LabNode, args: list[str]) -> None:
         found = self._netns(node)
