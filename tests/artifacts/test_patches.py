@@ -28,7 +28,7 @@ def test_the_pinned_source_takes_every_patch_once_and_again_changes_nothing(llam
     applied = apply_patches(llama, patches_for("vulkan"))
     assert [label.split("@")[0] for label in applied] == ["keepalive", "vulkan-layer-settings"]
     transport = (llama / "ggml/src/ggml-rpc/transport.cpp").read_text()
-    assert transport.count("SO_KEEPALIVE") == 1 and "TCP_USER_TIMEOUT" in transport
+    assert transport.count("rpcfleet keepalive patch") == 1 and "TCP_USER_TIMEOUT" in transport
     assert "#ifdef VK_EXT_layer_settings" in (llama / "ggml/src/ggml-vulkan/ggml-vulkan.cpp").read_text()
     assert apply_patches(llama, patches_for("vulkan")) == applied
     assert (llama / "ggml/src/ggml-rpc/transport.cpp").read_text() == transport
