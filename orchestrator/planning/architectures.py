@@ -326,10 +326,18 @@ def family_compute(
         first, last = min(repeating), max(repeating)
         spill = 0
         if rules.is_recurrent(first) and first > 0 and rules.is_recurrent(first - 1):
-            spill += 2 * rules.ssm_inner * n_tok * f32
+            # the earlier layer's input projection (z, xBC, dt) comes in whole, and a state-wide row:
+            # measured on Mamba-2 shapes from 1 group of 16 states to 8 groups of 128 (2 x d_inner, the
+            # rule before, was 30 % under with 8 groups)
+            d_state = rules.n_embd_s // rules.ssm_inner if rules.ssm_inner else 0
+            spill += (rules.ssm_in + d_state) * n_tok * f32
         if rules.is_recurrent(last) and last + 1 < profile.n_layer and rules.is_recurrent(last + 1):
             spill += rules.ssm_inner * n_tok * f32
         inputs += spill * copies
+        # The scan's states beside its rows: the states read for each sequence and the scan's copy of
+        # them, 1.5 states per sequence and one more (measured on the shapes above at 1 and 4 sequences;
+        # without it a wide state, 128 x d_inner, was 10 % under at 4 sequences)
+        inputs += rules.n_embd_s * f32 * (3 * max(1, opts.parallel) + 2) // 2
         peak = (5 if len(recurrent) == 1 else 6) * rules.ssm_in * n_tok * f32 // 2
     if attn:
         if opts.flash_attn:

@@ -46,7 +46,7 @@ def _load_and_compare(
     allocated compute, diagnostics) after asserting weights and KV + state to the byte."""
     profile = profile_model(model)
     servers = servers[: len(split)] if split else servers
-    opts = PlanOptions(n_ctx=1024, flash_attn=flash_attn, tensor_split=split, **options)
+    opts = PlanOptions(flash_attn=flash_attn, tensor_split=split, **{"n_ctx": 1024, **options})
     plan = make_plan(plan_devices(servers), profile, opts)
     offsets = [s.log_offset() for s in servers]
     llm = load_llama(plan, model)
@@ -335,3 +335,38 @@ def test_plan_cli_plans_a_pure_recurrent_model_and_notes_an_unknown_architecture
     captured = capsys.readouterr()
     assert "fits" in captured.out
     assert "note: unverified: architecture 'frobnicator' is planned with the generic rules" in captured.err
+
+
+MAMBA2_SHAPES = [  # n_embd (d_inner is twice it), d_state, SSM heads, groups: the tiny family's, then wider
+    (128, 16, 4, 1),
+    (256, 64, 8, 2),
+    (256, 128, 16, 1),
+    (512, 128, 8, 8),
+]
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("parallel", [1, 4])
+@pytest.mark.parametrize("shape", MAMBA2_SHAPES, ids=lambda s: "embd{}-state{}-heads{}-groups{}".format(*s))
+def test_mamba2_compute_of_other_shapes_is_never_under(
+    debug_rpc_servers: list[DebugServer],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, int, int, int],
+    parallel: int,
+) -> None:
+    """Mamba-2 models of shapes of their own at a 4k context over three servers: the compute buffer is
+    never under what the servers allocate (the rule before was 30 % under with 8 groups of 128 states)."""
+    from orchestrator.planning import synth_arch
+
+    embd, state, heads, groups = shape
+    for name, value in (("_EMBD", embd), ("_D_INNER", 2 * embd), ("_D_STATE", state), ("_SSM_HEADS", heads),
+                        ("_GROUPS", groups)):  # fmt: skip
+        monkeypatch.setattr(synth_arch, name, value)
+    model = write_arch_model(tmp_path / "mamba2.gguf", "mamba2")
+    for label, predicted, allocated, sizes in _load_and_compare(
+        debug_rpc_servers, model, False, None, n_ctx=4096, parallel=parallel
+    ):
+        error = (predicted - allocated) / allocated
+        # one of these eight, 8 groups of 128 states at 4 sequences, is +12 % on its first device
+        assert 0 <= error <= 0.15, (label, predicted, allocated, f"{error:+.1%}", sizes)
