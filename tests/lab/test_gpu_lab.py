@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import yaml
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.state import Lab
 from tests.plugins.lab import require_lab_privileges, session_lab_name
+from tests.plugins.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
@@ -92,6 +97,7 @@ def test_run_serves_real_text_over_cpu_and_vulkan_nodes(gpu_lab: Lab, gemma_mode
     done = rpcfleet(
         "run", "-i", str(gpu_lab.inventory), "-m", str(gemma_model),
         "-p", "The capital of France is the city of", "-n", "2", "--ctx", "1024", "--temp", "0", "--json",
+        "--flash-attn", "off",  # as serve below: an llvmpipe server switched between the two can crash
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -127,3 +133,72 @@ def test_a_backend_the_node_cannot_run_is_refused_at_the_inventory_line(gpu_lab:
     )
     after = json.loads(rpcfleet("status", "-i", str(gpu_lab.inventory), "--json").stdout)
     assert after == before  # nothing switched, stopped or restarted
+
+
+KEY = "gpu-lab"
+
+
+def get(base: str, path: str, body: object = None, timeout: float = 600) -> tuple[int, object]:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(base + path, data, headers), timeout=timeout
+        ) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.mark.lab
+@pytest.mark.llama
+def test_serve_runs_formations_of_the_real_gemma_on_cpu_and_vulkan_nodes(
+    gpu_lab: Lab, gemma_model: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "orchestrator", "serve", "-i", str(gpu_lab.inventory), "-m", str(gemma_model),
+        "--model-name", "gemma", "--port", str(port), "--ctx", "1024", "--parallel", "2",
+        "--flash-attn", "off", "--replicas", "auto",
+    ]  # fmt: skip
+    env = {**os.environ, "RPCFLEET_HOME": str(tmp_path / "home"), "RPCFLEET_API_KEY": KEY}
+    base = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 600  # llvmpipe compiles a fresh engine's shaders on its first graph
+        health: object = {}
+        while time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()[-4000:]
+            try:
+                _, health = get(base, "/health", timeout=10)
+            except (urllib.error.URLError, ConnectionError):
+                health = {}
+            formations = health.get("formations", []) if isinstance(health, dict) else []
+            if formations and all(f["state"] == "ready" for f in formations):
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"formations not ready: {health}\n{log.read_text()[-4000:]}")
+        assert isinstance(health, dict)
+        nodes = {node for f in health["formations"] for node in f["nodes"]}
+        gpus = {f"{n.address}:50052" for n in gpu_lab.nodes[:2]}
+        assert gpus <= nodes, health  # the Vulkan nodes serve too
+        answers = [
+            get(
+                base,
+                "/v1/completions",
+                {"model": "gemma", "prompt": "The capital of France is", "max_tokens": 4},
+            )
+            for _ in range(2 * len(health["formations"]))
+        ]
+        assert [status for status, _ in answers] == [200] * len(answers), answers
+        assert all(body["choices"][0]["text"] for _, body in answers)  # type: ignore[index]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
