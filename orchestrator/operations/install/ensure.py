@@ -13,6 +13,7 @@ from orchestrator.artifacts.store import verify_artifact
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.connectors.nodescript import Planned, would_run
 from orchestrator.core.errors import ArtifactError, InstallError, NodeMismatchError
+from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.engine.shared import Shared
 from orchestrator.inventory.model import Host
@@ -84,9 +85,11 @@ def server_backend(host: Host, state: InstallState) -> str:
             raise mismatch("rpc_backend auto: the node's GPU facts were not read")
         return host.rpc_backend
     try:
-        backend, _why = runtime.backend_for(host.rpc_backend)
+        backend, why = runtime.backend_for(host.rpc_backend)
     except ValueError as exc:
         raise mismatch(str(exc)) from None
+    if host.rpc_backend == "auto":
+        get_logger().info("backend_decided", host=host.name, backend=backend, why=why)
     env = dict(host.rpc_env)
     problem = runtime.cannot_run(backend, env)
     if problem is not None:
