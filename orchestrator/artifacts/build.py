@@ -18,7 +18,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.artifacts.cuda import PYPI_TOOLKIT_DEFINES, cuda_toolkit, system_toolkit, toolkit_key
+from orchestrator.artifacts.cuda import (
+    PYPI_TOOLKIT_DEFINES,
+    cuda_toolkit,
+    system_toolkit,
+    toolkit_key,
+    toolkit_release,
+)
 from orchestrator.artifacts.manifest import (
     BACKENDS,
     SERVER_NAME,
@@ -213,6 +219,7 @@ def build_artifact(
         build_dir = workdir / "build"
         log_path = workdir / "build.log"
         env = backend_environment(backend, args, say)
+        cuda_version = toolkit_release(cuda_toolkit().nvcc) if backend == "cuda" else None
         with log_path.open("w") as log:
             say(f"configuring llama.cpp ({backend}) in {build_dir}")
             _run_logged(
@@ -251,6 +258,7 @@ def build_artifact(
                 llama_cpp_python_version=version,
                 source=f"build:llama-cpp-python=={version}",
                 patches=patched,
+                cuda_version=cuda_version,
             )
             artifact = store(stage, manifest)
         remember(key, artifact)

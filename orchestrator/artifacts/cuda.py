@@ -74,6 +74,36 @@ class CudaToolkit:
         return dict(PYPI_TOOLKIT_DEFINES) if self.source.startswith("pypi") else {}
 
 
+# The oldest Linux driver each CUDA major release runs on (NVIDIA's CUDA Toolkit release notes, table 3).
+MIN_DRIVER: dict[int, str] = {12: "525.60.13", 13: "580.65.06"}
+
+
+def toolkit_release(nvcc: Path) -> str | None:
+    """`13.5` from `nvcc --version` ("Cuda compilation tools, release 13.5, V13.5.37"), None if unknown."""
+    done = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    found = re.search(r"release (\d+\.\d+)", done.stdout)
+    return found.group(1) if found else None
+
+
+def driver_too_old(cuda_version: str | None, driver_line: str | None) -> str | None:
+    """Why a driver (/proc/driver/nvidia/version's first line) cannot run a build of `cuda_version`, or
+    None (also when either is not known)."""
+    if not cuda_version or not driver_line:
+        return None
+    driver = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)*)", driver_line)
+    needed = MIN_DRIVER.get(int(cuda_version.split(".")[0]))
+    if driver is None or needed is None:
+        return None
+    if _numbers(driver.group(1)) >= _numbers(needed):
+        return None
+    have = driver.group(1)
+    return f"the NVIDIA driver {have} is too old for a CUDA {cuda_version} build (it needs {needed} or newer)"
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
 def toolkit_key(packages: tuple[str, ...] = CUDA_PACKAGES) -> str:
     return hashlib.sha256(json.dumps(sorted(packages)).encode()).hexdigest()[:12]
 

@@ -110,6 +110,9 @@ class Manifest:
     llama_cpp_python_version: str | None = None
     source: str = ""  # how it was made: "build:llama-cpp-python==0.3.36", "url:...", "path:..."
     patches: tuple[str, ...] = ()  # source patches applied at build time, `name@digest` (artifacts.patches)
+    cuda_version: str | None = (
+        None  # a cuda build's toolkit release ("13.5"): the node's driver must support it
+    )
     schema: int = SCHEMA
 
     @property
@@ -159,6 +162,7 @@ class Manifest:
             data["patches"] = list(self.patches)
         if self.backend == "cuda":
             data["cuda_architectures"] = list(self.cuda_architectures)
+            data["cuda_version"] = self.cuda_version
         return data
 
     def to_bytes(self) -> bytes:
@@ -181,6 +185,7 @@ class Manifest:
                 cmake_args=tuple(str(a) for a in data.get("cmake_args", ())),
                 source=str(data.get("source", "")),
                 patches=tuple(str(p) for p in data.get("patches", ())),
+                cuda_version=_opt_str(data.get("cuda_version")),
                 files=tuple(FileEntry.from_dict(f) for f in data["files"]),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -52,7 +52,8 @@ def handle(args: argparse.Namespace) -> int:
         )
         return 0 if run.ok else 1
     table = Table(box=box.SIMPLE_HEAD)
-    for column in ("host", "address", "status", "os", "arch", "distribution", "user", "connect", "latency"):
+    columns = ("host", "address", "status", "os", "arch", "distribution", "user", "backend", "gpus")
+    for column in (*columns, "connect", "latency"):
         table.add_column(column)
     for r in run.results:
         p = r.value if isinstance(r.value, PingResult) else None
@@ -64,6 +65,8 @@ def handle(args: argparse.Namespace) -> int:
             p.arch if p else "-",
             (p.distribution or "-") if p else "-",
             p.user if p else "-",
+            p.backend if p else "-",
+            escape(p.gpus or "-") if p else "-",
             f"{p.connect_seconds * 1000:.0f} ms" if p else "-",
             f"{p.latency_seconds * 1000:.1f} ms" if p else "-",
         )
@@ -78,6 +81,8 @@ def _ping_json(p: PingResult) -> dict[str, Any]:
         "arch": p.arch,
         "distribution": p.distribution,
         "user": p.user,
+        "backend": p.backend,
+        "gpus": p.gpus,
         "connect_seconds": round(p.connect_seconds, 4),
         "latency_seconds": round(p.latency_seconds, 4),
     }

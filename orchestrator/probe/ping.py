@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
 from orchestrator.core.errors import HostError
 from orchestrator.engine.executor import HostContext, StepOutcome
 from orchestrator.facts.base import gather
+from orchestrator.facts.gpus import GpuRuntime, GpuRuntimeFact
 from orchestrator.facts.system import OsFact, OsInfo, UserFact
 
 
@@ -19,13 +21,28 @@ class PingResult:
     distribution: str | None  # PRETTY_NAME of /etc/os-release
     connect_seconds: float
     latency_seconds: float  # one command round trip on the open connection
+    backend: str = "cpu"  # the host's rpc_backend, `auto` decided from the node's GPU runtimes
+    gpus: str = ""  # what GPU runtimes the node has: "NVIDIA driver ...", "Vulkan: <device>", or ""
+
+
+def describe_gpus(runtime: GpuRuntime | None) -> str:
+    """The node's GPU runtimes in a few words (empty: none)."""
+    if runtime is None or runtime.error:
+        return "?"
+    parts = []
+    if runtime.has_nvidia:
+        version = re.search(r"Kernel Module\s+(\S+)", runtime.nvidia_driver or "")
+        parts.append(f"NVIDIA driver {version.group(1) if version else ''}".strip())
+    if runtime.vulkan_loader and runtime.vulkan_devices:
+        parts.append("Vulkan: " + ", ".join(d.name for d in runtime.vulkan_devices))
+    return "; ".join(parts)
 
 
 async def ping_step(context: HostContext) -> StepOutcome[PingResult]:
     started = time.monotonic()
     connection = await context.connection()
     connected = time.monotonic()
-    values = await gather(connection, [OsFact(), UserFact()], timeout=10)
+    values = await gather(connection, [OsFact(), UserFact(), GpuRuntimeFact()], timeout=10)
     finished = time.monotonic()
     os_info: OsInfo = values[OsFact.name]
     user: str | None = values[UserFact.name]
@@ -33,8 +50,20 @@ async def ping_step(context: HostContext) -> StepOutcome[PingResult]:
         raise HostError(
             "the host did not say its kernel, machine and user (uname, id)", host=context.host.name
         )
+    runtime: GpuRuntime = values[GpuRuntimeFact.name]
+    try:
+        backend = runtime.backend_for(context.host.rpc_backend)[0]
+    except ValueError:
+        backend = "?"
     ping = PingResult(
-        os_info.system, os_info.machine, user, os_info.pretty_name, connected - started, finished - connected
+        os_info.system,
+        os_info.machine,
+        user,
+        os_info.pretty_name,
+        connected - started,
+        finished - connected,
+        backend,
+        describe_gpus(runtime),
     )
     return StepOutcome(
         ping, message=f"{ping.os}/{ping.arch} as {user} in {ping.latency_seconds * 1000:.1f} ms"

@@ -86,3 +86,29 @@ def test_the_cuda_recipe_configures_and_nvcc_compiles_a_ggml_cuda_source(tmp_pat
     assert objects and objects[0].stat().st_size > 0
     # nvcc was asked for that architecture's code, with the toolkit's own compiler
     assert "sm_90" in compiled.stdout and str(toolkit.nvcc) in compiled.stdout, compiled.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("cuda", "driver", "refused"),
+    [
+        ("13.5", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024",
+         "the NVIDIA driver 550.54.14 is too old for a CUDA 13.5 build (it needs 580.65.06 or newer)"),
+        ("13.5", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build", None),
+        ("12.9", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 2024", None),
+        ("12.9", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024",
+         "the NVIDIA driver 470.256.02 is too old for a CUDA 12.9 build (it needs 525.60.13 or newer)"),
+        (None, "NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02", None),  # not known: imported
+    ],
+)  # fmt: skip
+def test_a_driver_too_old_for_the_builds_cuda_is_named(
+    cuda: str | None, driver: str, refused: str | None
+) -> None:
+    from orchestrator.artifacts.cuda import driver_too_old
+
+    assert driver_too_old(cuda, driver) == refused
+
+
+def test_the_toolkit_says_its_release() -> None:
+    from orchestrator.artifacts.cuda import toolkit_release
+
+    assert toolkit_release(cuda_toolkit().nvcc) == "13.5"

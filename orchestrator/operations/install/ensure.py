@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.artifacts.cuda import driver_too_old
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.artifacts.node_build import NodeBuild, node_build
 from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
@@ -128,6 +129,13 @@ async def ensure_installed(
     node first for a `build: on_node` spec; the returned change then carries the built manifest)."""
     state = state or await read_install_state(conn, host)
     source = await choose(host, state)
+    if isinstance(source, Artifact) and source.manifest.backend == "cuda" and state.gpu_runtime is not None:
+        old = driver_too_old(source.manifest.cuda_version, state.gpu_runtime.nvidia_driver)
+        if old is not None:
+            fix = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
+            raise NodeMismatchError(f"artifact {source.id}: {old}", host.location, hint=fix).with_host(
+                host.name
+            )
     if isinstance(source, NodeBuild):
         change = plan_node_build(state, source, keep_versions=host.keep_versions, force=force)
         if change.action == "install" and not check:
