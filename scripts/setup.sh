@@ -109,7 +109,11 @@ if [ ! -f "$SDIST" ]; then
   say "downloading the llama-cpp-python $LLAMA_VERSION source (also used to build the matching rpc-server)"
   mkdir -p "$RPCFLEET_HOME/src"
   staging=$(mktemp -d "$RPCFLEET_HOME/src/.download-XXXXXX")
-  quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$staging"
+  # pip checks the pinned hash as it downloads, before it prepares the sdist's metadata: other bytes
+  # never reach a build backend (none of their code runs); verify_sdist checks the file again.
+  printf 'llama-cpp-python==%s --hash=sha256:%s\n' "$LLAMA_VERSION" "$SDIST_SHA256" >"$staging/requirements.txt"
+  quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: --require-hashes \
+    -r "$staging/requirements.txt" -d "$staging"
   (verify_sdist "$staging/${SDIST##*/}" "the download" "it was deleted") || { rm -rf "$staging"; exit 1; }
   mv -f "$staging/${SDIST##*/}" "$SDIST"; rm -rf "$staging"
 fi

@@ -104,17 +104,28 @@ def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None, pinn
         return sdist
     sdist.parent.mkdir(parents=True, exist_ok=True)
     say(f"downloading the llama-cpp-python {version} source with pip")
-    # Into a folder of its own, moved into the cache only once its sha256 is right.
+    # Into a folder of its own, moved into the cache only once its sha256 is right. pip checks the hash
+    # itself (--require-hashes) as it downloads, before it prepares the sdist's metadata: other bytes never
+    # reach a build backend, so none of their code runs.
     with tempfile.TemporaryDirectory(prefix=".download-", dir=sdist.parent) as staging:
+        requirements = Path(staging) / "requirements.txt"
+        requirements.write_text(f"llama-cpp-python=={version} --hash=sha256:{expected.lower()}\n")
         command = [
             sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-            f"llama-cpp-python=={version}", "-d", staging,
+            "--require-hashes", "-r", str(requirements), "-d", staging,
         ]  # fmt: skip
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired as exc:
             raise ArtifactError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s") from exc
         fetched = Path(staging) / sdist.name
+        mismatch = re.search(r"Got\s+([0-9a-f]{64})", done.stderr)
+        if done.returncode != 0 and mismatch is not None:
+            got = mismatch.group(1)
+            raise ArtifactError(
+                f"{sdist.name}: the downloaded file has sha256 {got}, but {by} pins {expected}: not used",
+                hint="the registry served other bytes (refused by pip before any build; it was deleted)",
+            )
         if done.returncode != 0 or not fetched.is_file():
             raise ArtifactError(
                 f"could not download the llama-cpp-python {version} sdist",

@@ -456,6 +456,11 @@ def _fake_sdist(folder: Path, version: str) -> Path:
         'build-backend = "setuptools.build_meta"\n'
         f'[project]\nname = "llama_cpp_python"\nversion = "{version}"\n',
         "PKG-INFO": f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n",
+        # Code of the sdist's own: run by any build step (metadata included), it leaves a mark.
+        "setup.py": "import os, pathlib, setuptools\n"
+        "mark = os.environ.get('RPCFLEET_SDIST_RAN')\n"
+        "if mark: pathlib.Path(mark).write_text('ran')\n"
+        "setuptools.setup()\n",
     }
     path = folder / f"{root}.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
@@ -477,13 +482,16 @@ def test_a_download_that_does_not_match_its_pin_is_deleted(
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
     monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # pip's inverted switch: no isolation (offline)
+    mark = tmp_path / "sdist-code-ran"
+    monkeypatch.setenv("RPCFLEET_SDIST_RAN", str(mark))
     lines: list[str] = []
     with pytest.raises(ArtifactError) as refused:
         ensure_sdist("0.3.36", lines.append)
+    assert not mark.exists()  # refused before any code of it ran (pip checks the hash, then builds)
     assert lines == ["downloading the llama-cpp-python 0.3.36 source with pip"]
     message = str(refused.value)
     assert f"the downloaded file has sha256 {sha256_of(served.read_bytes())}" in message, message
-    assert f"but rpcfleet pins {SDIST_SHA256['0.3.36']}: it is not used" in message
+    assert f"but rpcfleet pins {SDIST_SHA256['0.3.36']}: " in message and "not used" in message
     assert "it was deleted" in message
     cache = sdist_path("0.3.36").parent
     assert list(cache.iterdir()) == []  # neither the file nor its download folder is left
