@@ -1,7 +1,8 @@
 """Plans on Vulkan devices against what real Vulkan servers allocate (Mesa's llvmpipe, a software Vulkan
 device, stands in for a GPU: `make setup` builds the Vulkan artifact).
 
-The planner's devices come from a real probe: each server's free memory is the device's own (llvmpipe's
+The loads run in a child process (one process registers at most 16 endpoints). The planner's devices
+come from a real probe: each server's free memory is the device's own (llvmpipe's
 2 GiB device-local heap, not the host's MemAvailable), its buffer alignment (16) and its largest buffer
 (1 GiB) come over RPC (GET_ALIGNMENT, GET_MAX_SIZE). Weights and KV + recurrent state must equal the
 GGML_RPC_DEBUG allocations to the byte; the compute buffer must be within 10 % and never under.
@@ -15,9 +16,12 @@ The recurrent families do not run on this device at all (no ssm_scan pipeline): 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import concurrent.futures
+import multiprocessing
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +29,7 @@ from orchestrator.artifacts.build import local_server_binary
 from orchestrator.llama.native.loader import load_llama
 from orchestrator.llama.observed_placement import placement_of
 from orchestrator.planning.architectures import VERIFIED_ON
-from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
+from orchestrator.planning.plan import PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.planning.synth_arch import ARCHES, write_arch_model
@@ -71,19 +75,19 @@ def vulkan_servers(
             server.stop()
 
 
-def probed_devices(servers: list[DebugServer]) -> list[PlanDevice]:
+def probed_devices(endpoints: list[str]) -> list[PlanDevice]:
     """The planner's devices as a probe reports them: the device's memory, alignment and largest buffer."""
     devices = []
-    for server in servers:
-        result = asyncio.run(probe_endpoint(server.endpoint))
+    for endpoint in endpoints:
+        result = asyncio.run(probe_endpoint(endpoint))
         assert result.ok, result.message
         (dev,) = result.devices
         assert dev.alignment is not None
         devices.append(
             PlanDevice(
-                endpoint=server.endpoint,
+                endpoint=endpoint,
                 index=0,
-                name=f"{server.endpoint}#0",
+                name=f"{endpoint}#0",
                 total=dev.total,
                 free=dev.free,
                 usable=dev.free,
@@ -96,13 +100,18 @@ def probed_devices(servers: list[DebugServer]) -> list[PlanDevice]:
 
 
 def load_and_compare(
-    servers: list[DebugServer], model: Path, prompt: bytes, **options: object
-) -> tuple[Plan, str]:
-    """Load `model` as planned on the Vulkan servers, generate a few tokens, check weights and KV to the
-    byte and compute within the tolerance and never under; return the plan and the text."""
-    plan = make_plan(probed_devices(servers), profile_model(model), PlanOptions(**options))  # type: ignore[arg-type]
+    servers: list[tuple[str, Path]], model: Path, prompt: bytes, **options: object
+) -> tuple[tuple[int, ...], tuple[str, ...], str]:
+    """Load `model` as planned on the Vulkan servers (endpoint, log), generate a few tokens, check weights
+    and KV to the byte and compute within the tolerance and never under; return the plan's layer counts,
+    its notes and the text. Run in a child process (`in_child`): one process registers 16 endpoints at
+    most, and the suite's process has registered others before."""
+    from orchestrator.llama.logs import model_allocations, parse_server_log
+
+    devices = probed_devices([endpoint for endpoint, _ in servers])
+    plan = make_plan(devices, profile_model(model), PlanOptions(**options))  # type: ignore[arg-type]
     assert not any("unverified" in note for note in plan.notes), plan.notes
-    offsets = [s.log_offset() for s in servers]
+    offsets = [log.stat().st_size for _, log in servers]
     llm = load_llama(plan, model)
     try:
         tokens = []
@@ -112,9 +121,15 @@ def load_and_compare(
                 break
         text = llm.detokenize(tokens).decode(errors="replace")
         placement = placement_of(llm)
-        allocations = [s.allocations_since(o).get(0, []) for s, o in zip(servers, offsets, strict=True)]
     finally:
         llm.close()
+    allocations = []
+    for (_, log), offset in zip(servers, offsets, strict=True):
+        with log.open("rb") as f:
+            f.seek(offset)
+            allocations.append(
+                model_allocations(parse_server_log(f.read().decode("utf-8", "replace"))).get(0, [])
+            )
     assert placement.layers_as_planned
     for dev, sizes in zip(plan.devices, allocations, strict=True):
         weights, *cache, compute = sizes
@@ -124,14 +139,27 @@ def load_and_compare(
         assert sum(cache) == m.kv, (label, m)
         error = (m.compute - compute) / compute
         assert 0 <= error <= COMPUTE_TOLERANCE, (label, m.compute, compute, f"{error:+.1%}")
-    return plan, text
+    return plan.layer_counts, plan.notes, text
+
+
+@pytest.fixture(scope="module")
+def in_child() -> Iterator[Callable[..., Any]]:
+    """`in_child(servers, model, prompt, **options)`: `load_and_compare` in a process of its own (spawned
+    once for the module), its assertion errors raised here."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+
+        def run(servers: list[DebugServer], model: Path, prompt: bytes, **options: object) -> Any:
+            targets = [(s.endpoint, s.log) for s in servers]
+            return pool.submit(load_and_compare, targets, model, prompt, **options).result(timeout=600)
+
+        yield run
 
 
 @pytest.mark.llama
 def test_a_vulkan_server_reports_the_device_memory_and_its_buffer_limits(
     vulkan_servers: list[DebugServer],
 ) -> None:
-    (dev,) = probed_devices(vulkan_servers[:1])
+    (dev,) = probed_devices([vulkan_servers[0].endpoint])
     # llvmpipe's device-local heap, not the host's RAM; minStorageBufferOffsetAlignment; ggml-vulkan's
     # 1 GiB suballocation block
     assert (dev.total, dev.free, dev.alignment, dev.max_size) == (2 * GiB, 2 * GiB, 16, GiB)
@@ -139,12 +167,12 @@ def test_a_vulkan_server_reports_the_device_memory_and_its_buffer_limits(
 
 @pytest.mark.llama
 def test_gemma_on_vulkan_devices_is_planned_to_the_byte(
-    vulkan_servers: list[DebugServer], gemma_model: Path
+    vulkan_servers: list[DebugServer], gemma_model: Path, in_child: Callable[..., Any]
 ) -> None:
-    plan, text = load_and_compare(
+    counts, _, text = in_child(
         vulkan_servers, gemma_model, b"The capital of France is the city of", n_ctx=2048
     )
-    assert len(plan.layer_counts) == 2 and min(plan.layer_counts) > 0  # split over both devices
+    assert len(counts) == 2 and min(counts) > 0  # split over both devices
     assert text.startswith(" Paris"), text
 
 
@@ -158,9 +186,13 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["fa-off", "fa-on"])
 @pytest.mark.parametrize("arch", sorted(VERIFIED_ON["vulkan"]))
 def test_family_on_vulkan_devices_is_planned_to_the_byte(
-    vulkan_servers: list[DebugServer], family_models: dict[str, Path], arch: str, flash_attn: bool
+    vulkan_servers: list[DebugServer],
+    family_models: dict[str, Path],
+    in_child: Callable[..., Any],
+    arch: str,
+    flash_attn: bool,
 ) -> None:
-    load_and_compare(vulkan_servers, family_models[arch], b"hello world", n_ctx=1024, flash_attn=flash_attn)
+    in_child(vulkan_servers, family_models[arch], b"hello world", n_ctx=1024, flash_attn=flash_attn)
 
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHES) - VERIFIED_ON["vulkan"]))
