@@ -91,7 +91,7 @@ def handle(args: argparse.Namespace) -> int:
     from fastapi import FastAPI
 
     from orchestrator.observe.collect import Collector
-    from orchestrator.observe.web import Exporter, mount
+    from orchestrator.observe.web import Exporter, HttpGuard, mount
 
     collector = Collector(
         hosts,
@@ -102,6 +102,7 @@ def handle(args: argparse.Namespace) -> int:
     )
     app = FastAPI(title="rpcfleet exporter", docs_url=None, redoc_url=None, openapi_url=None)
     mount(app, Exporter(collector), api_key=api_key, metrics=True)
+    app.add_middleware(HttpGuard, check_host=api_key is None)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     )

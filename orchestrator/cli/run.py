@@ -150,7 +150,6 @@ def handle(args: argparse.Namespace) -> int:
         n_predict=args.n_predict,
         temperature=args.temp,
         seed=args.seed,
-        release=not args.endpoint,  # a load lets go of an inventory server held by a client proven gone
         force=args.force,
         verify_cache=args.verify_cache,
         warm=args.warm,

@@ -27,6 +27,7 @@ from orchestrator.core.units import format_size
 
 DEFAULT_PARALLEL = 4  # = orchestrator.serve.engine.DEFAULT_PARALLEL (not imported: the CLI starts fast)
 KEY_ENV = "RPCFLEET_API_KEY"  # the key from the environment: argv is world-readable (`ps`), this is not
+ADMIN_KEY_ENV = "RPCFLEET_ADMIN_KEY"  # the admin routes' own key (`--admin-key-file`)
 
 
 def register(subparsers: Any) -> None:
@@ -76,6 +77,13 @@ def register(subparsers: Any) -> None:
         type=Path,
         default=None,
         help=f"a file whose first line is the key (or set {KEY_ENV})",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help=f"a file whose first line is the admin key (or set {ADMIN_KEY_ENV}): /admin/* then takes only "
+        "it; without one the API key may reload, never with a rolling restart of the fleet",
     )
     parser.add_argument(
         "--model-name", default=None, help="the model's id in the API (default: the file's stem)"
@@ -151,21 +159,38 @@ def seconds_or_zero(value: str) -> float:
 def api_key_of(args: argparse.Namespace) -> str | None:
     """The key from --api-key-file, --api-key or RPCFLEET_API_KEY, in that order (None: no key)."""
     if args.api_key_file is not None:
-        try:
-            lines = args.api_key_file.read_text().splitlines()
-        except OSError as exc:
-            raise UsageError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise UsageError(f"--api-key-file {args.api_key_file}:1: the first line is empty")
-        return key
+        return _key_file("--api-key-file", args.api_key_file)
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
     if args.api_key:
         return str(args.api_key).strip()
-    from_env = os.environ.get(KEY_ENV)
+    return _key_env(KEY_ENV)
+
+
+def admin_key_of(args: argparse.Namespace, api_key: str | None) -> str | None:
+    """The admin key from --admin-key-file or RPCFLEET_ADMIN_KEY (None: none); never the API key."""
+    path = args.admin_key_file
+    key = _key_file("--admin-key-file", path) if path is not None else _key_env(ADMIN_KEY_ENV)
+    if key is not None and key == api_key:
+        raise UsageError("the admin key is the API key: give the admin routes a key of their own")
+    return key
+
+
+def _key_file(flag: str, path: Path) -> str:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise UsageError(f"{flag} {path}:1: the first line is empty")
+    return key
+
+
+def _key_env(name: str) -> str | None:
+    from_env = os.environ.get(name)
     if from_env is not None and not from_env.strip():
-        raise UsageError(f"{KEY_ENV} is set but empty")
+        raise UsageError(f"{name} is set but empty")
     return from_env.strip() if from_env else None
 
 
@@ -219,6 +244,7 @@ def handle(args: argparse.Namespace) -> int:
             f"--host {args.host} is not a loopback address: serving it without an API key is refused",
             hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
         )
+    admin_key = admin_key_of(args, api_key)
     import dataclasses
 
     import uvicorn
@@ -254,7 +280,7 @@ def handle(args: argparse.Namespace) -> int:
         local_devices=request.local_devices,
     )
     started = time.monotonic()
-    probe = whole.probe_released()  # one probe of every server; the formations are chosen from it
+    probe = whole.probe()  # one probe of every server; the formations are chosen from it
     probe_seconds = time.monotonic() - started
     states = states_of(probe)
     try:  # a model that does not fit at start is an error, not a wait
@@ -344,7 +370,7 @@ def handle(args: argparse.Namespace) -> int:
         )
         exporter.collector.start()
         exporter.collector.first_round.wait(_common.probe_timeout(args) * 4 + 5)
-    app = create_app(router, api_key=api_key, model_name=model_name, exporter=exporter)
+    app = create_app(router, api_key=api_key, admin_key=admin_key, model_name=model_name, exporter=exporter)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

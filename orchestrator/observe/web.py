@@ -2,16 +2,23 @@
 
 Key rules (serve's): without a configured key everything is open (the listener is then on loopback);
 with one, `/fleet.json` and `/metrics` need `Authorization: Bearer KEY` or the page's cookie, and `/`
-shows a login form until the browser has that cookie. The form posts the key to `/login`; `/?key=KEY`
-does the same in one step (for a bookmark or a link: the answer redirects to `/`, so the key leaves
-the address bar). The cookie (`rpcfleet_page`, HttpOnly, SameSite=Strict) holds an HMAC of the key,
-not the key: it opens the page and its JSON, never the API.
+shows a login form until the browser has that cookie. The form posts the key to `/login`, the only way
+in: a key never travels in an address (no `/?key=`), so it stays out of logs, history and Referer. The
+cookie (`rpcfleet_page`, HttpOnly, SameSite=Strict) holds an HMAC of the key, not the key: it opens
+the page and its JSON, never the API.
+
+`HttpGuard`, in front of serve's and the exporter's apps: without a key (the loopback default), a
+request must name a loopback host (`localhost`, 127.0.0.0/8, ::1) in its Host header, so a web page
+that rebinds its DNS name to 127.0.0.1 cannot drive the API from a browser; and every request body is
+bounded (the OpenAI routes' by `max_body`, the others' by 4 KiB): 413 beyond.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import json
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -108,11 +115,6 @@ def mount(
 
     @app.get("/", response_model=None)
     async def page(request: Request) -> Response:
-        key = request.query_params.get("key")
-        if key is not None and api_key is not None:
-            if hmac.compare_digest(key.encode(), api_key.encode()):
-                return signed_in(str(request.url.remove_query_params("key")))
-            return login("wrong key")
         if not allowed(request):
             return login()
         return HTMLResponse(page_html(), headers={"Cache-Control": "no-store"})
@@ -158,3 +160,84 @@ class RequestTimer:
             await self.app(scope, receive, send)
         finally:
             self.histogram.observe(time.monotonic() - started)
+
+
+SMALL_BODY = 4096  # bytes: /login, /admin and every route but the OpenAI ones
+DEFAULT_MAX_BODY = 16 * 1024 * 1024  # bytes of an OpenAI request: long prompts, base64 images
+
+
+def is_loopback_name(host_header: str) -> bool:
+    """Pure: the Host header names this machine's loopback (`localhost`, 127.0.0.0/8, [::1]), port or
+    not."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1 : host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host in ("localhost", "localhost.") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class HttpGuard:
+    """ASGI middleware: the Host check of a key-less server (`check_host`) and the body bounds (see the
+    module's docstring). A body without a Content-Length (chunked) is read here up to its bound first."""
+
+    def __init__(
+        self, app: Any, *, check_host: bool, max_body: int = DEFAULT_MAX_BODY, large_prefix: str = "/v1/"
+    ) -> None:
+        self.app, self.check_host, self.max_body, self.large_prefix = app, check_host, max_body, large_prefix
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.check_host and not is_loopback_name(host):
+            message = (
+                f"Host {host or '(none)'!r} is not a loopback name: a server without an API key answers "
+                "only requests to localhost or 127.0.0.1 (start it with a key to serve other names)"
+            )
+            await _refuse(send, 403, "permission_denied", message)
+            return
+        path = str(scope.get("path", ""))
+        limit = self.max_body if path.startswith(self.large_prefix) else SMALL_BODY
+        length = headers.get(b"content-length")
+        too_large = f"the request body is over {limit} bytes, the most {path} takes"
+        if length is not None:
+            if not length.isdigit() or int(length) > limit:
+                await _refuse(send, 413, "invalid_request_error", too_large)
+                return
+            await self.app(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:  # no length given: read it here, never past the bound
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            body += message.get("body", b"")
+            more = bool(message.get("more_body"))
+            if len(body) > limit:
+                await _refuse(send, 413, "invalid_request_error", too_large)
+                return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _refuse(send: Any, status: int, kind: str, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -39,15 +39,14 @@ def launch_env(host: Host, install_dir: str) -> dict[str, str]:
 def run_as_user(host: Host, info: SystemdInfo | None) -> str | None:
     """The user the process supervisor runs the server as (None: unknown, the login user's).
 
-    `rpc_run_as` when the inventory says; else, connected as root over SSH, the dedicated unprivileged user
-    (as the systemd supervisor's system units): the RPC protocol has no authentication. Otherwise the
-    login user: already unprivileged, or (`connection: local`) the user the controller itself runs as."""
+    `rpc_run_as` when the inventory says; else, as root (over SSH or `connection: local` under a
+    controller that runs as root), the dedicated unprivileged user, as the systemd supervisor's system
+    units: the RPC protocol has no authentication. Otherwise the login user, already unprivileged."""
     if host.rpc_run_as:
         return host.rpc_run_as
-    login = info.login if info is not None else None
-    if host.connection == "ssh" and info is not None and info.root:
+    if info is not None and info.root:
         return SERVICE_USER
-    return login
+    return info.login if info is not None else None
 
 
 def desired_launch(host: Host, install_dir: str, version: str, user: str | None = None) -> Launch:

@@ -47,7 +47,7 @@ from orchestrator.operations.server.state import (
     probe_server,
     read_node_state,
 )
-from orchestrator.operations.server.steps import planned_start, without_stale_clients
+from orchestrator.operations.server.steps import planned_start
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import DeviceMemory
 
@@ -158,14 +158,10 @@ def make_restart_step(
         host = ctx.host
         warning = bind_policy(host)  # a bad bind is refused before anything is stopped
         state = await read_node_state(conn, host)
-        closed: tuple[str, ...] = ()
-        stale: tuple[str, ...] = ()
-        if not options.check:  # a connection whose client is proven gone is closed, not refused
-            state, closed, stale = await without_stale_clients(conn, host, state)
         status = classify(host, state, await probe_server(host, state))
         running = _has_process(status)
         root = run_as_warning(host, state)
-        warnings = ((warning,) if warning else ()) + ((root,) if root else ()) + closed
+        warnings = ((warning,) if warning else ()) + ((root,) if root else ())
         if options.check:
             if status.pid is not None and not options.force:
                 await refuse_if_busy(conn, host, "restart", busy_grace=options.busy_grace)
@@ -186,7 +182,6 @@ def make_restart_step(
             force=options.force,
             busy_grace=options.busy_grace,
             action="restart",
-            stale=stale,
         )
         stopped = time.monotonic()
         pid = await start_server(conn, host, state)

@@ -1,4 +1,4 @@
-"""Stale clients: a server connection whose client is proven gone, and closing exactly that connection.
+"""Stale clients: a server connection whose client is proven gone (a read-only hint for `status`).
 
 A server whose client vanished without a FIN (its link was cut, the client process died meanwhile, then
 the link came back) keeps the dead connection while it waits for the next command, and serves nobody
@@ -19,44 +19,30 @@ sees its connection and until it closes):
 
 Anything unreadable (not root for the conntrack table, no /proc) proves nothing: the server stays busy.
 
-Closing it (`close_stale`) needs no rights on the node: a SYN from the same address and port to the
-server hits its established connection, which answers with a challenge ACK (RFC 5961); this
-controller, having no socket for that ACK, answers with a reset carrying exactly the sequence number the
-node expects, and the node drops the connection: the server's read fails and it serves the next client.
-The bind itself is a last guard: it fails if any socket took that port since the proof. A TIME_WAIT
-socket of another connection on that port makes it fail too: then the same SYN goes out through a raw
-socket (root), and the kernel answers the challenge ACK with the reset as before (a live socket with the
-connection's own 4-tuple would take that ACK instead, so a live client is never reset). Should the node
-keep the connection (a middlebox eats the SYN), `ss -K` on the node for that 4-tuple and inode (root and
-CONFIG_INET_DIAG_DESTROY) is tried. Either way, the node is read again to say what was closed.
+This is a read-only hint (`status` shows `stale`): nothing here closes a connection, and a stale peer
+still counts as a client to every busy check (only `--force` overrides one). The servers rpcfleet builds
+free themselves: the `keepalive` patch (`artifacts.patches`) has the node's kernel end a connection whose
+peer stopped answering within about 45 s, whichever controller, laptop or NAT the client was behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import ipaddress
-import os
-import shlex
 import socket
 import struct
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from orchestrator.connectors.base import Connection
-from orchestrator.connectors.nodescript import NodeScript, run_script
-from orchestrator.core.errors import ServiceScriptError
-from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, StepOutcome
 from orchestrator.facts.base import NOT_FOUND, Fact
 from orchestrator.inventory.model import Host
 
 _CONNTRACK = Path("/proc/net/nf_conntrack")
 _CONNTRACK_MODULE = Path("/sys/module/nf_conntrack")
-_RESET_WAIT = 0.5  # seconds for the SYN, the challenge ACK and our reset to cross
 
 
 @dataclass(frozen=True)
@@ -65,7 +51,6 @@ class ServerConnection:
 
     local: str  # the server's end, address:port
     peer: str  # the client's end, address:port
-    inode: int | None = None  # the node's socket inode: the same connection, not a reused 4-tuple
 
     @property
     def peer_address(self) -> str:
@@ -74,12 +59,6 @@ class ServerConnection:
     @property
     def peer_port(self) -> int:
         return split_endpoint(self.peer)[1]
-
-    def ss_filter(self) -> str:
-        """The `ss` filter for exactly this 4-tuple."""
-        local, lport = split_endpoint(self.local)
-        peer, pport = split_endpoint(self.peer)
-        return f"( src {local} and sport = :{lport} and dst {peer} and dport = :{pport} )"
 
 
 def split_endpoint(text: str) -> tuple[str, int]:
@@ -95,7 +74,7 @@ def split_endpoint(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class ServerConnectionsFact(Fact[tuple[ServerConnection, ...] | None]):
-    """Established connections to local port `port`, with both ends and the socket inode (None: no `ss`)."""
+    """Established connections to local port `port`, with both ends (None: no `ss`)."""
 
     port: int
     name: ClassVar[str] = "rpc_connections"
@@ -104,7 +83,7 @@ class ServerConnectionsFact(Fact[tuple[ServerConnection, ...] | None]):
         port = int(self.port)  # an int, so nothing else can reach the shell
         return (
             f"command -v ss >/dev/null 2>&1 || exit {NOT_FOUND}; "
-            f"ss -Htne state established '( sport = :{port} )'"
+            f"ss -Htn state established '( sport = :{port} )'"
         )
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> tuple[ServerConnection, ...] | None:
@@ -114,18 +93,17 @@ class ServerConnectionsFact(Fact[tuple[ServerConnection, ...] | None]):
 
 
 def parse_connections(text: str) -> tuple[ServerConnection, ...]:
-    """Lines of `ss -Htne state established` (Recv-Q Send-Q Local Peer ... ino:N ...)."""
+    """Lines of `ss -Htn state established` (Recv-Q Send-Q Local Peer ...)."""
     found = []
     for line in text.splitlines():
         fields = line.split()
         if len(fields) < 4 or not fields[0].isdigit() or not fields[1].isdigit():
             continue
-        inode = next((int(f[4:]) for f in fields[4:] if f.startswith("ino:") and f[4:].isdigit()), None)
         try:
             split_endpoint(fields[2]), split_endpoint(fields[3])
         except ValueError:
             continue
-        found.append(ServerConnection(fields[2], fields[3], inode))
+        found.append(ServerConnection(fields[2], fields[3]))
     return tuple(found)
 
 
@@ -280,158 +258,3 @@ async def find_stale(conn: Connection, host: Host) -> tuple[ServerConnection, ..
     if not connections:
         return ()
     return stale_connections(connections, await asyncio.to_thread(read_local_view))
-
-
-def _reset_from_here(connection: ServerConnection, target: tuple[str, int]) -> str:
-    """Send one SYN from the stale connection's own address and port to `target` (the server's
-    endpoint); see the module's docstring. Returns "" or why it was not sent."""
-    address, port = connection.peer_address, connection.peer_port
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        # No SO_REUSEADDR: the bind fails if any socket of this machine took the port since the proof.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        try:
-            sock.bind((address, port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or holds_port(_local_sockets(), address, port):
-                raise
-            return _raw_syn((address, port), target)  # only a TIME_WAIT socket holds the port
-        sock.setblocking(False)
-        code = sock.connect_ex(target)
-        if code not in (0, errno.EINPROGRESS):
-            return f"connect: {os.strerror(code)}"
-        time.sleep(_RESET_WAIT)
-        return ""
-    except OSError as exc:
-        return f"{address}:{port}: {exc.strerror}"
-    finally:
-        # The kernel retries the SYN at once after its reset, so the server (free again) may have
-        # accepted us: SO_LINGER 0 resets that connection too, as abandoned probes are.
-        sock.close()
-
-
-def _raw_syn(source: tuple[str, int], target: tuple[str, int]) -> str:
-    """`_reset_from_here`'s SYN built by hand and sent through a raw socket (needs CAP_NET_RAW)."""
-    (address, port), (server, server_port) = source, target
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    seq = int.from_bytes(os.urandom(4), "big")
-    # TCP header: ports, seq, ack 0, data offset 5 words, SYN, window, checksum (filled below), urgent 0
-    segment = struct.pack("!HHIIBBHHH", port, server_port, seq, 0, 5 << 4, 0x02, 64240, 0, 0)
-    ends = socket.inet_pton(family, address) + socket.inet_pton(family, server)
-    pseudo = (
-        ends + struct.pack("!BBH", 0, socket.IPPROTO_TCP, len(segment))
-        if family == socket.AF_INET
-        else ends + struct.pack("!I3xB", len(segment), socket.IPPROTO_TCP)
-    )
-    segment = segment[:16] + struct.pack("!H", internet_checksum(pseudo + segment)) + segment[18:]
-    try:
-        with socket.socket(family, socket.SOCK_RAW, socket.IPPROTO_TCP) as raw:
-            raw.bind((address, 0))  # the IP header's source: the stale connection's address
-            raw.sendto(segment, (server, 0))
-    except OSError as exc:
-        return f"{address}:{port}: a TIME_WAIT socket holds the port and a raw SYN failed: {exc.strerror}"
-    time.sleep(_RESET_WAIT)
-    return ""
-
-
-def internet_checksum(data: bytes) -> int:
-    """RFC 1071: the ones' complement of the ones' complement sum of the 16-bit words."""
-    if len(data) % 2:
-        data += b"\0"
-    total: int = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
-
-
-def _still_there_script(port: int, connections: Sequence[ServerConnection], kill: bool) -> str:
-    """Print the connections still on the node (`@left <peer>`); with `kill`, `ss -K` each first, only
-    while its inode is the one seen (never a new connection on a reused 4-tuple)."""
-    lines = []
-    for c in connections:
-        filt = shlex.quote(f"sport = :{int(port)} and {c.ss_filter()}")
-        inode = f"ino:{int(c.inode)} " if c.inode is not None else ""
-        seen = f"ss -Htne state established {filt} 2>/dev/null | grep -q -- {shlex.quote(inode or ' ')}"
-        if kill and inode:
-            lines.append(f"if {seen}; then ss -K -Htn state established {filt} >/dev/null 2>&1; fi")
-        lines.append(f"if {seen}; then echo {shlex.quote('@left ' + c.peer)}; fi")
-    return "\n".join(lines) or ":"
-
-
-@dataclass(frozen=True)
-class Closed:
-    """What `close_stale` did: the peers closed and those left (with why)."""
-
-    closed: tuple[str, ...]
-    left: tuple[str, ...] = ()
-    problems: tuple[str, ...] = ()
-
-
-async def close_stale(conn: Connection, host: Host, stale: Sequence[ServerConnection]) -> Closed:
-    """Close the server's connections in `stale` (proven gone by `find_stale`): a reset from here, then
-    `ss -K` on the node for those it keeps; the node is read again for the result."""
-    if not stale:
-        return Closed(())
-    target_host, _, target_port = host.endpoint.rpartition(":")
-    problems = []
-    for c in stale:
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                target_host.strip("[]"), int(target_port), type=socket.SOCK_STREAM
-            )
-            target = infos[0][4][:2]
-        except (OSError, ValueError) as exc:
-            problems.append(f"{host.endpoint}: {exc}")
-            continue
-        why = await asyncio.to_thread(_reset_from_here, c, (str(target[0]), int(target[1])))
-        if why:
-            problems.append(why)
-    left = await _left(conn, host, stale, kill=False)
-    if left:
-        left = await _left(conn, host, [c for c in stale if c.peer in left], kill=True)
-        if left:
-            problems.append("ss -K did not close it (needs root and CONFIG_INET_DIAG_DESTROY on the node)")
-    return Closed(tuple(c.peer for c in stale if c.peer not in left), left, tuple(problems))
-
-
-async def _left(
-    conn: Connection, host: Host, connections: Sequence[ServerConnection], *, kill: bool
-) -> tuple[str, ...]:
-    text = _still_there_script(host.rpc_port, connections, kill)
-    script = NodeScript(
-        "stale-close" if kill else "stale-left",
-        text,
-        15,
-        "closing stale connections" if kill else "reading the server's connections",
-        ServiceScriptError,
-        ok_exits=None,  # only its `@left` lines say anything
-    )
-    return (await run_script(conn, script)).values("left")
-
-
-async def release_stale(conn: Connection, host: Host) -> Closed:
-    """Find the host's stale connections and close them (nothing when none is proven stale)."""
-    return await close_stale(conn, host, await find_stale(conn, host))
-
-
-async def release_stale_step(ctx: HostContext) -> StepOutcome[Closed]:
-    """The executor step of `release_stale` (no node lock: it closes only a connection of nobody's)."""
-    closed = await release_stale(await ctx.connection(), ctx.host)
-    summary = f"closed the stale connection of {', '.join(closed.closed)}" if closed.closed else "none stale"
-    if closed.left:
-        summary += f"; still held: {', '.join(closed.left)} ({'; '.join(closed.problems)})"
-    return StepOutcome(closed, bool(closed.closed), summary)
-
-
-async def release_stale_on(
-    hosts: Sequence[Host], *, forks: int | None = None, session: Session | None = None
-) -> list[str]:
-    """`release_stale` on every host (an unreachable one is skipped: nothing is proven there); returns
-    `host peer` for each connection closed. `session`: the command's (its connections), else one here."""
-    if session is not None:
-        run = await session.run(hosts, release_stale_step, name="release_stale")
-    else:
-        async with Session(forks=forks or DEFAULT_FORKS) as own:
-            run = await own.run(hosts, release_stale_step, name="release_stale")
-    return [f"{r.host.name} {peer}" for r in run.results if r.value is not None for peer in r.value.closed]

@@ -299,7 +299,11 @@ def _serve_reload(args: Mapping[str, Any], play: Play) -> Step:
     url, rolling = args["url"], args["rolling_restart"]
     shared = SharedCall(
         lambda: serve_reload_async(
-            url, read_key(args["api_key_file"]), rolling_restart=rolling, limit=args["timeout"]
+            url,
+            read_key(args["api_key_file"]),
+            rolling_restart=rolling,
+            limit=args["timeout"],
+            admin_key=read_key(args["admin_key_file"], "RPCFLEET_ADMIN_KEY", "admin_key_file"),
         )
     )
 
@@ -495,6 +499,12 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                     Arg("url", fields.text, "http://127.0.0.1:8080", help="serve's base URL"),
                     Arg(
                         "api_key_file", fields.optional(fields.text), None, help="a file holding the API key"
+                    ),
+                    Arg(
+                        "admin_key_file",
+                        fields.optional(fields.text),
+                        None,
+                        help="a file holding serve's admin key (a rolling restart needs it)",
                     ),
                     Arg("rolling_restart", fields.boolean, True),
                     Arg("timeout", fields.seconds, 600.0, help="seconds until serve must serve again"),

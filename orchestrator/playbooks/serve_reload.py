@@ -1,7 +1,8 @@
 """The `serve_reload` step: ask a running `rpcfleet serve` to reload, and wait until it serves again.
 
-`POST {url}/admin/reload` with the API key (`api_key_file`, else `RPCFLEET_API_KEY`: serve refuses its
-admin routes without one) drains the requests in flight, unloads, restarts every node one at a time
+`POST {url}/admin/reload` with the admin key (`admin_key_file`, else `RPCFLEET_ADMIN_KEY`; without one
+the API key, `api_key_file` else `RPCFLEET_API_KEY`, which serve lets reload but never restart the
+fleet's servers) drains the requests in flight, unloads, restarts every node one at a time
 when `rolling_restart` (the `restart` step of `restart --rolling`, run by serve itself: it holds the
 nodes, so only it can restart them without killing a request), re-plans and loads.
 Then `/health` is polled until it reports the new reload serving again, within `timeout`.
@@ -40,27 +41,31 @@ def _http(url: str, key: str | None, body: bytes | None = None, timeout: float =
         raise ServiceError(f"serve at {url} does not answer: {getattr(exc, 'reason', exc)}") from None
 
 
-def read_key(path: str | None) -> str | None:
-    """The first line of `path`; without a path, RPCFLEET_API_KEY (serve's own variable), or None."""
+def read_key(path: str | None, variable: str = "RPCFLEET_API_KEY", what: str = "api_key_file") -> str | None:
+    """The first line of `path` (the step's argument `what`); without a path, the environment's
+    `variable` (serve's own), or None."""
     if not path:
-        return os.environ.get("RPCFLEET_API_KEY", "").strip() or None
+        return os.environ.get(variable, "").strip() or None
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise UsageError(f"api_key_file {path}: {exc.strerror}") from None
+        raise UsageError(f"{what} {path}: {exc.strerror}") from None
     if not lines or not lines[0].strip():
-        raise UsageError(f"api_key_file {path}:1: the first line is empty")
+        raise UsageError(f"{what} {path}:1: the first line is empty")
     return lines[0].strip()
 
 
-def serve_reload(url: str, key: str | None, *, rolling_restart: bool, timeout: float) -> dict[str, Any]:
-    """Reload serve at `url`; returns its /health once it serves again (ServiceError past `timeout`)."""
+def serve_reload(
+    url: str, key: str | None, *, rolling_restart: bool, timeout: float, admin_key: str | None = None
+) -> dict[str, Any]:
+    """Reload serve at `url` (with `admin_key`, else `key`); returns its /health once it serves again
+    (ServiceError past `timeout`)."""
     base = url.rstrip("/")
     started = time.monotonic()
     _, before = _http(f"{base}/health", key)  # without the key, /health has no reload count
     reloads = int(before.get("reloads", 0)) if isinstance(before, dict) else 0
     code, answer = _http(
-        f"{base}/admin/reload", key, json.dumps({"rolling_restart": rolling_restart}).encode()
+        f"{base}/admin/reload", admin_key or key, json.dumps({"rolling_restart": rolling_restart}).encode()
     )
     if code != 202:
         message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
@@ -79,6 +84,8 @@ def serve_reload(url: str, key: str | None, *, rolling_restart: bool, timeout: f
 
 
 async def serve_reload_async(
-    url: str, key: str | None, *, rolling_restart: bool, limit: float
+    url: str, key: str | None, *, rolling_restart: bool, limit: float, admin_key: str | None = None
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(serve_reload, url, key, rolling_restart=rolling_restart, timeout=limit)
+    return await asyncio.to_thread(
+        serve_reload, url, key, rolling_restart=rolling_restart, timeout=limit, admin_key=admin_key
+    )

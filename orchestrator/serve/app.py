@@ -13,7 +13,9 @@ with Retry-After (loading, recovering, draining, a lost node, named). A stream w
 with one error event naming the lost node.
 
 `/health` answers anyone with its state only; the model path, pids, plan and endpoints need the key (when
-one is set). `/admin/*` always needs one: a server started without a key refuses them (SIGHUP reloads).
+one is set). `/admin/*` always needs a key: a server started without one refuses them (SIGHUP reloads).
+With an admin key (`--admin-key-file`) the admin routes take only it; without one the API key may
+reload the engines, never with a rolling restart of the fleet's servers (403).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.engine.threads import thread_pool
-from orchestrator.observe.web import Exporter, RequestTimer, mount
+from orchestrator.observe.web import Exporter, HttpGuard, RequestTimer, mount
 from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
 from orchestrator.serve.router import Router, get
@@ -101,7 +103,12 @@ class _Usage:
 
 
 def create_app(
-    backend: Backend | Router, *, api_key: str | None, model_name: str, exporter: Exporter | None = None
+    backend: Backend | Router,
+    *,
+    api_key: str | None,
+    model_name: str,
+    exporter: Exporter | None = None,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """The front over `backend` (one formation) or a router of formations (`serve.router`)."""
     app = FastAPI(title="rpcfleet serve", version="0.2.0", docs_url=None, redoc_url=None)
@@ -111,12 +118,13 @@ def create_app(
     # Threads that wait for a slot (a blocking wait on the backend's condition): one per admitted request.
     waiters = thread_pool(router.capacity + 2, "serve-slot")
 
+    def bearer(request: Request, key: str) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
     def has_key(request: Request) -> bool:
         """The request carries the configured key (always true when none is configured)."""
-        if api_key is None:
-            return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+        return api_key is None or bearer(request, api_key)
 
     def authorize(request: Request) -> None:
         if not has_key(request):
@@ -124,13 +132,18 @@ def create_app(
 
     def authorize_admin(request: Request) -> None:
         # Without a key anyone who reaches the port could drain and reload the fleet: refused outright.
-        if api_key is None:
+        if api_key is None and admin_key is None:
             raise HTTPException(
                 403,
                 "the admin routes need an API key: start serve with --api-key-file or RPCFLEET_API_KEY "
                 "(without one, reload with SIGHUP)",
             )
-        authorize(request)
+        if admin_key is None:
+            authorize(request)
+        elif not bearer(request, admin_key):
+            if api_key is not None and bearer(request, api_key):
+                raise HTTPException(403, "the API key may not use the admin routes: they take the admin key")
+            raise HTTPException(401, "invalid admin key")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -188,6 +201,13 @@ def create_app(
             return _error(400, 'the body must be JSON: {"rolling_restart": true|false}')
         if not isinstance(options, dict) or not isinstance(options.get("rolling_restart", False), bool):
             return _error(400, 'the body must be {"rolling_restart": true|false}')
+        if options.get("rolling_restart") and admin_key is None:  # the fleet's servers: not the API key's
+            metrics.record_request("/admin/reload", 403)
+            return _error(
+                403,
+                "a rolling restart of the fleet's servers needs the admin key: start serve with "
+                "--admin-key-file or RPCFLEET_ADMIN_KEY",
+            )
         router.reload(rolling_restart=options.get("rolling_restart", False))
         metrics.record_request("/admin/reload", 202)
         return JSONResponse(
@@ -258,11 +278,11 @@ def create_app(
             engine_url, engine_key = got.engine.url, got.engine.api_key
 
             async def alive() -> bool:
-                """Its main loop still takes tasks (/metrics is one): busy generating, not stuck."""
+                """Its main loop still takes tasks (/metrics is one): busy generating, not stuck. The loop
+                takes one between two decode steps, and one step of a slow device (llvmpipe on a loaded
+                machine: seconds a token) may outlast any short wait: the same `event_timeout` bounds it."""
                 try:
-                    return (await get(engine_url, "/metrics", min(10.0, config.event_timeout), engine_key))[
-                        0
-                    ] == 200
+                    return (await get(engine_url, "/metrics", config.event_timeout, engine_key))[0] == 200
                 except UpstreamError:
                     return False
 
@@ -342,6 +362,7 @@ def create_app(
     if exporter is not None:  # the live fleet page at `/`, behind the same key rules
         mount(app, exporter, api_key=api_key, has_key=has_key)
         app.add_middleware(RequestTimer, histogram=exporter.histogram(model_name, "latency"))
+    app.add_middleware(HttpGuard, check_host=api_key is None)  # outermost: before any route's work
     return app
 
 

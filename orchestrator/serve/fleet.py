@@ -88,21 +88,17 @@ class ServeFleet:
         timeout, a server with a client is `busy` and is left alone."""
         return run_sync(probe_hosts(self.hosts if hosts is None else hosts, self.probe_settings))
 
-    def probe_released(self) -> FleetProbe:
-        """Probe every host; a node held by a dead client of ours is released and probed again."""
-        return run_sync(probe_hosts(self.hosts, self.probe_settings, release=True))
-
     def plan_round(self, *, spare: bool = True) -> PlanRound:
-        """Probe every host (releasing the servers held by a dead client of ours); plan on those that
-        answer `ok`. No fitting plan (`fitting` None) when none answer or it does not fit: then a spare,
-        when there is one (and `spare`), joins and the round is made again."""
+        """Probe every host; plan on those that answer `ok` (a server still held by a dead worker of
+        ours is `busy` until its keepalive drops that connection). No fitting plan (`fitting` None) when
+        none answer or it does not fit: then a spare, when there is one (and `spare`), joins and the
+        round is made again."""
         round_ = run_sync(
             plan_for_fleet(
                 self.hosts,
                 self.profile(),
                 self.options,
                 probe=self.probe_settings,
-                release=True,
                 local_devices=self.local_devices,
                 local_gpus=self.local_gpus,
                 failed="skip",
@@ -142,19 +138,18 @@ class ServeFleet:
             self.spares.put(hosts)
 
     def probe_spares(self, hosts: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
-        """Probe free spares (a busy one held by a dead worker of ours is released first): their states
-        and the devices of those that answer."""
-        probe = run_sync(probe_hosts(hosts, self.probe_settings, release=True))
+        """Probe free spares: their states and the devices of those that answer."""
+        probe = run_sync(probe_hosts(hosts, self.probe_settings))
         return states_of(probe), to_plan_devices(probe, failed="skip")
 
     def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
-        """The probe states of `endpoints` only (serve's watch of the nodes it does not use). A busy one
-        held by a dead worker of ours (a cut link hid its reset) is released first, as `plan_round` does:
-        nothing else would ever free it."""
+        """The probe states of `endpoints` only (serve's watch of the nodes it does not use). One held by
+        a dead worker of ours (a cut link hid its reset) stays `busy` until the server's keepalive drops
+        that connection (about 45 s)."""
         hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
         if not hosts:
             return {}
-        return states_of(run_sync(probe_hosts(hosts, self.probe_settings, release=True)))
+        return states_of(run_sync(probe_hosts(hosts, self.probe_settings)))
 
     def prepare_cache(self, plan: Plan) -> CachePrep | None:
         """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from orchestrator.core.errors import PlanError, ProbeError, RpcfleetError, UsageError
-from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import Session
 from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host
@@ -53,42 +52,23 @@ class PlanRound:
         return self.plan if self.plan is not None and self.misfit is None else None
 
 
-def busy_hosts(hosts: Sequence[Host], fleet: FleetProbe) -> list[Host]:
-    return [h for h in hosts if any(n.host == h.name and n.state == "busy" for n in fleet.nodes)]
-
-
 async def probe_hosts(
     hosts: Sequence[Host],
     probe: ProbeSettings,
     *,
     session: Session | None = None,
-    release: bool = False,
 ) -> FleetProbe:
-    """Probe `hosts` with `probe`'s settings; `release`: a busy server whose client is proven gone is let
-    go (`operations.stale`), then probed again (for a load, not for the read-only commands)."""
-    from orchestrator.operations.stale import release_stale_on
-
+    """Probe `hosts` with `probe`'s settings."""
     if not hosts:
         raise UsageError("no hosts selected")
-
-    async def once() -> FleetProbe:
-        return await probe_fleet(
-            hosts,
-            timeout=probe.timeout,
-            facts=probe.facts,
-            forks=probe.forks,
-            session=session,
-            trust_rpc_memory=probe.trust_rpc_memory,
-        )
-
-    fleet = await once()
-    busy = busy_hosts(hosts, fleet)
-    if release and busy:
-        closed = await release_stale_on(busy, forks=probe.forks, session=session)
-        if closed:
-            get_logger().info("stale_closed", closed=closed)
-            fleet = await once()
-    return fleet
+    return await probe_fleet(
+        hosts,
+        timeout=probe.timeout,
+        facts=probe.facts,
+        forks=probe.forks,
+        session=session,
+        trust_rpc_memory=probe.trust_rpc_memory,
+    )
 
 
 def ordered_devices(
@@ -119,7 +99,6 @@ async def plan_for_fleet(
     *,
     probe: ProbeSettings,
     session: Session | None = None,
-    release: bool = False,
     local_devices: Sequence[str] | None = None,
     local_gpus: LocalGpus | None = None,
     failed: Literal["raise", "skip"] = "raise",
@@ -135,7 +114,7 @@ async def plan_for_fleet(
     refusal)."""
     started = time.monotonic()
     if fleet is None:
-        fleet = await probe_hosts(hosts, probe, session=session, release=release)
+        fleet = await probe_hosts(hosts, probe, session=session)
     probed = time.monotonic()
     states = states_of(fleet)
     try:

@@ -45,7 +45,6 @@ class RunRequest:
     n_predict: int
     temperature: float = 0.0
     seed: int = 0
-    release: bool = True  # let go of a server held by a client proven gone (inventory servers only)
     force: bool = False  # load a plan that does not fit (its refusal becomes a warning)
     verify_cache: bool = False
     warm: WarmChoice = "auto"
@@ -113,7 +112,6 @@ def run_on_fleet(request: RunRequest, events: RunEvents, *, forks: int | None = 
                     request.options,
                     probe=request.probe,
                     session=runtime.session,
-                    release=request.release,
                     local_devices=request.local_devices,
                     local_gpus=worker.local_gpus,
                 )

@@ -193,7 +193,8 @@ def test_serve_runs_formations_of_the_real_gemma_on_cpu_and_vulkan_nodes(
             )
             for _ in range(2 * len(health["formations"]))
         ]
-        assert [status for status, _ in answers] == [200] * len(answers), answers
+        refused = [answer for answer in answers if answer[0] != 200]
+        assert not refused, f"{refused}\n{log.read_text()[-6000:]}"
         assert all(body["choices"][0]["text"] for _, body in answers)  # type: ignore[index]
     finally:
         process.send_signal(signal.SIGINT)

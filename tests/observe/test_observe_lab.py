@@ -248,7 +248,7 @@ def test_the_page_shows_every_node_and_device_as_probe_does(observed: Observed) 
     for _ in range(3):
         observed.complete()
     with chromium(observed.tmp / "profile") as browser:
-        browser.open(f"{observed.base}/?key={KEY}")  # -> the cookie, then the page without the key
+        browser.sign_in(observed.base, KEY)  # the form -> the cookie, then the page
         browser.wait_for(
             "document.querySelector('[data-formation]') && document.querySelector('tr.layers')", 30
         )
@@ -324,7 +324,7 @@ def test_prometheus_and_the_page_see_a_killed_server_and_a_restart(observed: Obs
 
     # 2. a server killed with its supervisor: nothing restarts it; the page shows it down
     with chromium(observed.tmp / "profile2") as browser:
-        browser.open(f"{observed.base}/?key={KEY}")
+        browser.sign_in(observed.base, KEY)
         browser.wait_for(f'document.querySelector(\'td.server[data-host="{third.name}"][data-up="1"]\')', 30)
         for process in _procs(lab, third, "rpc-supervise.sh"):
             process.send_signal(signal.SIGKILL)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import getpass
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,9 @@ async def test_follow_prints_new_complete_lines_without_noise(tmp_path: Path) ->
     log = tmp_path / "log" / "rpc-server.log"
     log.parent.mkdir()
     log.write_text("old line, already shown by the tail\n")
+    user = getpass.getuser()
     host = Host(name="node1", address="127.0.0.1", connection="local", install_dir=str(tmp_path))
+    host = dataclasses.replace(host, rpc_run_as=user)
     seen: list[str] = []
     marks: list[str] = []
     stop = asyncio.Event()

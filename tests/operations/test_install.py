@@ -4,6 +4,7 @@ run for real (local shell)."""
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import json
 import shutil
 from pathlib import Path
@@ -173,7 +174,13 @@ def test_parse_apply_output(cpu_artifact: Artifact) -> None:
 
 @pytest.fixture
 def local_host(tmp_path: Path) -> Host:
-    return Host(name="local1", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "inst"))
+    return Host(
+        name="local1",
+        address="127.0.0.1",
+        connection="local",
+        install_dir=str(tmp_path / "inst"),
+        rpc_run_as=getpass.getuser(),
+    )
 
 
 def _exists(path: str | Path) -> bool:

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import getpass
 import itertools
 import json
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -98,7 +102,7 @@ def test_the_user_the_process_supervisor_runs_the_server_as() -> None:
     assert run_as_user(H, lab) == "lab"  # already unprivileged
     assert run_as_user(dataclasses.replace(H, rpc_run_as="root"), root) == "root"
     assert run_as_user(dataclasses.replace(H, rpc_run_as="svc"), lab) == "svc"
-    assert run_as_user(dataclasses.replace(H, connection="local"), root) == "root"  # the controller's user
+    assert run_as_user(dataclasses.replace(H, connection="local"), root) == "rpcfleet"  # root locally too
     assert run_as_user(H, None) is None
     # The same user: nothing to switch; root keeps the dirs; another user: made, given the dirs, switched.
     assert "setpriv" not in launch_script(H, "/i", "v1", user="lab", login="lab")
@@ -246,6 +250,7 @@ def local_host(tmp_path: Path) -> Iterator[Host]:
         rpc_host=address,
         rpc_port=free_port(address),
         install_dir=str(tmp_path / "inst"),
+        rpc_run_as=getpass.getuser(),  # this machine's own account: no dedicated user made here
     )
     yield host
     _kill_from_pid_file(host)
@@ -470,6 +475,7 @@ def test_cli_deploy_status_stop(
         f"    rpc_port: {local_host.rpc_port}\n"
         f"    install_dir: {local_host.install_dir}\n"
         f"    rpc_artifact: {cpu_artifact.id}\n"
+        f"    rpc_run_as: {getpass.getuser()}\n"
     )
     assert main(["deploy", "-i", str(inventory), "--check"]) == 0
     assert "would change" in capsys.readouterr().out and not Path(local_host.install_dir).exists()
@@ -492,3 +498,36 @@ def test_cli_deploy_status_stop(
     inventory.write_text(public)
     assert main(["start", "-i", str(inventory)]) == 1
     assert "refusing to bind" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule is about a controller that runs as root")
+def test_a_local_host_deployed_by_root_runs_its_server_as_the_dedicated_user(
+    local_host: Host, cpu_artifact: Artifact, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Never root unless the inventory says `rpc_run_as: root`: a `connection: local` host under a
+    controller running as root gets the unprivileged `rpcfleet` user, as an SSH host reached as root."""
+    folder = Path(tempfile.mkdtemp(prefix="rpcfleet-run-as-"))  # reachable by another user, unlike tmp_path
+    folder.chmod(0o755)
+    existed = subprocess.run(["id", "-u", "rpcfleet"], capture_output=True).returncode == 0
+    inventory = tmp_path_factory.mktemp("inv") / "inventory.yml"
+    install = folder / "inst"
+    inventory.write_text(
+        "hosts:\n"
+        "  l1:\n"
+        "    connection: local\n"
+        f"    rpc_host: {local_host.rpc_host}\n"
+        f"    rpc_port: {local_host.rpc_port}\n"
+        f"    install_dir: {install}\n"
+        f"    rpc_artifact: {cpu_artifact.id}\n"
+    )
+    try:
+        assert main(["deploy", "-i", str(inventory)]) == 0
+        pid = int((install / "run" / "rpc-server.pid").read_text())
+        uid = Path(f"/proc/{pid}").stat().st_uid  # the process's user
+        assert uid != 0 and pwd.getpwuid(uid).pw_name == "rpcfleet"
+    finally:
+        main(["stop", "-i", str(inventory), "--force"])
+        kill_supervised(file_reader(install))
+        if not existed:
+            subprocess.run(["userdel", "rpcfleet"], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -4,6 +4,7 @@ tests)."""
 
 from __future__ import annotations
 
+import getpass
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def local_host(name: str, install: Path, **kw: object) -> Host:
+    kw.setdefault("rpc_run_as", getpass.getuser())  # this machine's own account: no dedicated user here
     return Host(name=name, address="127.0.0.1", connection="local", install_dir=str(install), **kw)  # type: ignore[arg-type]
 
 

@@ -41,6 +41,7 @@ from tests.plugins.servers import free_port
 
 FAULTS = ("kill9", "cut", "sshd", "reboot", "rolling", "deploy")
 KEY = "chaos-key"
+ADMIN_KEY = "chaos-admin-key"  # a rolling restart needs it (the API key may not)
 MODEL_NAME = "gemma"
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -180,7 +181,8 @@ class Chaos:
             return err.code, json.loads(err.read() or b"{}")
 
     def post(self, path: str, body: dict[str, Any]) -> int:
-        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        key = ADMIN_KEY if path.startswith("/admin/") else KEY
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         data = json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
         try:
@@ -221,7 +223,7 @@ class Chaos:
         argv += ["--ctx", "1024", "--port", str(port), "--model-name", MODEL_NAME, "--split"]
         argv += ["--link-timeout", "4", "--timeout", "2", "--recover-timeout", "300"]
         log = (self.workdir / "serve.log").open("wb")
-        env = {**os.environ, "RPCFLEET_API_KEY": KEY}
+        env = {**os.environ, "RPCFLEET_API_KEY": KEY, "RPCFLEET_ADMIN_KEY": ADMIN_KEY}
         self.serve = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         log.close()
         self.say("serve: waiting for the whole fleet")

@@ -112,13 +112,16 @@ def start_rpc_server(rpc_server_binary: Path, tmp_path: Path) -> Iterator[Callab
 
 def write_local_inventory(path: Path, hosts: dict[str, dict[str, object]]) -> Path:
     """A native inventory of `connection: local` hosts on 127.0.0.1 (servers on this machine): each
-    entry's variables (rpc_port, memory_limit...) on top of those defaults, in the order given."""
+    entry's variables (rpc_port, memory_limit...) on top of those defaults, in the order given. The
+    server runs as this machine's own account (`rpc_run_as`): no dedicated user is made here."""
+    import getpass
+
     import yaml
 
+    local = {"connection": "local", "address": "127.0.0.1", "rpc_host": "127.0.0.1"}
     document = {
         "hosts": {
-            name: {"connection": "local", "address": "127.0.0.1", "rpc_host": "127.0.0.1", **variables}
-            for name, variables in hosts.items()
+            name: {**local, "rpc_run_as": getpass.getuser(), **variables} for name, variables in hosts.items()
         }
     }
     path.write_text(yaml.safe_dump(document, sort_keys=False))

@@ -277,7 +277,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
         router.start()
         for rig_ in rigs.values():
             rig_.wait_state({"ready"})
-        client = TestClient(create_app(router, api_key="k", model_name="a"))
+        client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name="a"))
         client.headers["Authorization"] = "Bearer k"
         client.router = router  # type: ignore[attr-defined]
         made.append((client, router))
@@ -422,7 +422,9 @@ def test_a_reload_goes_one_formation_at_a_time_and_the_model_never_answers_503(
     for thread in threads:
         thread.start()
     _wait(lambda: len(codes) > 10)
-    reload = client.post("/admin/reload", json={"rolling_restart": True})
+    reload = client.post(
+        "/admin/reload", json={"rolling_restart": True}, headers={"Authorization": "Bearer adm"}
+    )
     assert reload.status_code == 202
     _wait(lambda: all(r.fleet.restarts == 1 and r.backend.state == "ready" for r in rigs.values()))
     time.sleep(0.1)

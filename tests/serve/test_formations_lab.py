@@ -42,6 +42,7 @@ from tests.plugins.servers import free_port
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
 KEY = "f0rmations"
+ADMIN_KEY = "f0rmations-admin"
 SERVERS = "[50052, {port: 50053, name: b}]"
 READY = 420.0  # seconds for every formation to load: Gemma on 0.6-CPU nodes of a busy machine
 
@@ -74,7 +75,8 @@ class Served:
     log: Path
 
     def request(self, path: str, body: Any = None, timeout: float = 300) -> tuple[int, Any]:
-        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        key = ADMIN_KEY if path.startswith("/admin/") else KEY
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.base + path, data=data, headers=headers)
         try:
@@ -145,7 +147,12 @@ def serve(flab: Lab, tmp_path: Path) -> Iterator[Callable[..., Served]]:
         log = tmp_path / f"serve-{port}.log"
         command = [sys.executable, "-m", "orchestrator", "serve", "-i", str(flab.inventory)]
         command += ["--port", str(port), "--ctx", "1024", "--parallel", "2", "--rejoin-interval", "1", *argv]
-        env = {**os.environ, "RPCFLEET_HOME": str(tmp_path / "home"), "RPCFLEET_API_KEY": KEY}
+        env = {
+            **os.environ,
+            "RPCFLEET_HOME": str(tmp_path / "home"),
+            "RPCFLEET_API_KEY": KEY,
+            "RPCFLEET_ADMIN_KEY": ADMIN_KEY,
+        }
         with log.open("wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         served = Served(process, f"http://127.0.0.1:{port}", log)

@@ -4,6 +4,7 @@ serve over a real local rpc-server, and a long stream of a random model on a loc
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -663,3 +664,87 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
     fitting = joined.plan_round().fitting
     assert fitting is not None and fitting.fit.fits and spare.endpoint in fitting.endpoints
     assert joined.endpoints == (small.endpoint, spare.endpoint) and pool.hosts == []
+
+
+def _raw(
+    base: str,
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    body: bytes | None = None,
+    chunks: list[bytes] | None = None,
+) -> tuple[int, Any]:
+    """One request as written: any Host header, a body as given or sent in chunks (no Content-Length)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.putrequest(method, path, skip_host="Host" in headers, skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        if chunks is not None:
+            conn.putheader("Transfer-Encoding", "chunked")
+        elif body and "Content-Length" not in headers:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders()
+        if body:
+            conn.send(body)
+        for chunk in chunks or []:
+            conn.send(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        if chunks is not None:
+            conn.send(b"0\r\n\r\n")
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_a_keyless_serve_answers_only_loopback_names_and_bounds_every_body(
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name as Host; the
+    key-less loopback default refuses it. Every route's body is bounded, /login and /admin included."""
+    _, base = local_serve()
+    port = base.rsplit(":", 1)[1]
+    for host in ("attacker.example", f"attacker.example:{port}", "10.0.0.1", ""):
+        code, answer = _raw(base, "GET", "/health", {"Host": host})
+        assert code == 403 and "not a loopback name" in answer["error"]["message"], (host, answer)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.2", "[::1]"):
+        assert _raw(base, "GET", "/health", {"Host": host})[0] == 200, host
+    local = {"Host": f"127.0.0.1:{port}", "Content-Type": "application/json"}
+    huge = {**local, "Content-Length": str(17 * 1024 * 1024)}  # refused on the header: nothing is read
+    code, answer = _raw(base, "POST", "/v1/completions", huge)
+    assert code == 413 and "over 16777216 bytes" in answer["error"]["message"], answer
+    code, answer = _raw(base, "POST", "/admin/reload", local, b"{" + b" " * 5000 + b"}")
+    assert code == 413 and "/admin/reload" in answer["error"]["message"], answer
+    code, answer = _raw(base, "POST", "/login", local, chunks=[b"key=" + b"x" * 3000, b"x" * 3000])
+    assert code == 413, answer  # chunked: counted as it comes
+    prompt = json.dumps({"prompt": "hi " * 20000, "max_tokens": 1}).encode()  # 60 kB: an API body
+    code, answer = _raw(base, "POST", "/v1/completions", local, prompt)
+    assert code != 413, answer
+
+
+def test_the_api_key_cannot_restart_the_fleet_and_an_admin_key_is_the_only_admin_one(
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]], tiny_model: Path, tmp_path: Path
+) -> None:
+    _, base = local_serve(env={"RPCFLEET_API_KEY": KEY})
+    code, answer = _http(f"{base}/admin/reload", KEY, json.dumps({"rolling_restart": True}).encode())
+    assert code == 403 and "needs the admin key" in answer["error"]["message"], answer
+    assert _http(f"{base}/health", KEY)[1]["reloads"] == 0  # refused: nothing drained
+    code, _ = _raw(base, "GET", "/health", {"Host": "attacker.example"})
+    assert code == 200  # with a key the Host is free (a key is what guards it then)
+    admin = tmp_path / "admin.key"
+    admin.write_text("4dm1n-key\n")
+    process, base = local_serve("--admin-key-file", str(admin), env={"RPCFLEET_API_KEY": KEY})
+    code, answer = _http(f"{base}/admin/reload", KEY, b"{}")
+    assert code == 403 and "may not use the admin routes" in answer["error"]["message"], answer
+    assert _http(f"{base}/admin/reload", "wrong", b"{}")[0] == 401
+    assert _http(f"{base}/v1/models", "4dm1n-key")[0] == 401  # the admin key is not an API key
+    code, answer = _http(f"{base}/admin/reload", "4dm1n-key", b"{}")
+    assert code == 202, answer
+    assert "4dm1n-key" not in Path(f"/proc/{process.pid}/cmdline").read_text()
+    same = tmp_path / "same.key"
+    same.write_text(f"{KEY}\n")
+    inventory = str(tmp_path / "inv.yml")  # local_serve's
+    keys = ["--api-key-file", str(same), "--admin-key-file", str(same)]
+    refused = _serve("-i", inventory, "-m", str(tiny_model), *keys, home=tmp_path)
+    assert refused.returncode == 2 and "the admin key is the API key" in refused.stderr, refused.stderr

@@ -38,6 +38,7 @@ from tests.plugins.servers import free_port
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
 KEY = "s3cret"
+ADMIN_KEY = "serve-lab-admin"  # /admin/* takes only it
 LONG = 3000  # tokens: a stream that lasts (greedy on the tiny model: text all along)
 
 
@@ -83,7 +84,8 @@ class Served:
         return _http(urllib.request.Request(self.base + path, headers=headers))
 
     def post(self, path: str, body: bytes) -> tuple[int, str]:
-        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        key = ADMIN_KEY if path.startswith("/admin/") else KEY
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         return _http(urllib.request.Request(self.base + path, data=body, headers=headers, method="POST"))
 
     def health(self) -> dict[str, Any]:
@@ -123,6 +125,7 @@ def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -
         argv += ["-m", str(tiny_model), "--ctx", "4096", "--port", str(port)]
         argv += ["--model-name", "tiny", "--split", *extra]
         env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "RPCFLEET_API_KEY": KEY}
+        env["RPCFLEET_ADMIN_KEY"] = ADMIN_KEY
         with log.open("wb") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         served = Served(process, f"http://127.0.0.1:{port}", log)
@@ -310,10 +313,12 @@ def test_a_reload_with_a_rolling_restart_lets_the_streaming_request_finish_first
         .text
     )
     # The playbook does the same through the API (reload 2, with the rolling restart)
-    key_file = tmp_path / "serve.key"
+    key_file, admin_file = tmp_path / "serve.key", tmp_path / "admin.key"
     key_file.write_text(f"{KEY}\n")
+    admin_file.write_text(f"{ADMIN_KEY}\n")
     play = ["run-playbook", "playbooks/serve-reload.yml", "-i", str(serve_lab.inventory), "--json"]
     play += ["-e", f"url={served.base}", "-e", f"api_key_file={key_file}"]
+    play += ["-e", f"admin_key_file={admin_file}"]
     assert main(play) == 0, capsys.readouterr()
     result = json.loads(capsys.readouterr().out)
     assert served.health()["reloads"] == 2 and served.health()["status"] == "ready", result
@@ -378,143 +383,71 @@ def _lose_the_client_behind_a_drop(lab: Lab, served: Served, victim: Host) -> st
     return held[0]
 
 
-def test_a_client_gone_behind_a_dropped_port_is_stale_and_the_node_serves_again(
-    serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
+def _wait_free(lab: Lab, host: Host, peer: str, limit: float) -> float:
+    """Seconds until the node's server no longer holds `peer` (no rpcfleet command run meanwhile)."""
+    started = time.monotonic()
+    while peer in _peers(lab, host):
+        assert time.monotonic() - started < limit, f"{host.name} still holds {peer} after {limit} s"
+        time.sleep(1)
+    return time.monotonic() - started
+
+
+def test_a_client_gone_behind_a_dropped_port_frees_the_node_by_itself_and_serve_takes_it_back(
+    serve_lab: Lab, fleet: list[Host], serve: Any
 ) -> None:
-    # no watch: its probes of the stale node would be among the peers that the test reads
+    """The server's keepalive drops the dead worker's connection (its probes meet this controller's
+    reset once the rule is gone); serve's next load plans on the three nodes again, the same server."""
     served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "0")
     victim = fleet[1]
     server_pid = _server_pid(serve_lab, victim)
-
-    # 1. Stale, then serve's next recovery (a reload) closes that connection and plans on 3 nodes again.
     dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
-    status = _status(serve_lab, victim, capsys)
-    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
-    assert f"stale client {dead}" in status["message"], status
-    assert _status(serve_lab, victim, capsys)["state"] == "stale"  # status only reads: still held
-    started = time.monotonic()
-    assert served.post("/admin/reload", b"{}")[0] == 202
-    health, _, took = served.wait({"ready"}, 60)
-    assert health["plan"]["endpoints"] == [h.endpoint for h in fleet], health
-    assert time.monotonic() - started < 30, took
-    assert _server_pid(serve_lab, victim) == server_pid  # the connection was closed, not the server
-    assert dead not in _peers(serve_lab, victim)
-    assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
-
-    # 2. Stale again; `restart` without --force closes it and restarts, within a bounded time.
-    dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
-    status = _status(serve_lab, victim, capsys)
-    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
-    started = time.monotonic()
-    capsys.readouterr()
-    code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
-    restarted = json.loads(capsys.readouterr().out)[0]
-    assert code == 0 and restarted["status"] == "changed", restarted
-    assert f"closed the stale connection of {dead}" in restarted["result"]["warnings"][0], restarted
-    assert time.monotonic() - started < 20
-    assert _status(serve_lab, victim, capsys)["state"] == "running"
-    assert _server_pid(serve_lab, victim) != server_pid and dead not in _peers(serve_lab, victim)
-    # a new load (serve's reload) uses the node
+    _wait_free(serve_lab, victim, dead, 60)
     assert served.post("/admin/reload", b"{}")[0] == 202
     health, _, _ = served.wait({"ready"}, 60)
     assert health["plan"]["endpoints"] == [h.endpoint for h in fleet], health
+    assert _server_pid(serve_lab, victim) == server_pid  # the connection went, not the server
+    assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
 
 
-def test_a_new_load_uses_a_node_whose_client_is_gone(
-    serve_lab: Lab, fleet: list[Host], serve: Any, tiny_model: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "0")
-    victim = fleet[2]
-    dead = _lose_the_client_behind_a_drop(serve_lab, served, victim)
-    served.process.send_signal(signal.SIGINT)  # the other two servers are free for the load
-    served.process.wait(30)
-    status = _status(serve_lab, victim, capsys)
-    assert status["state"] == "stale", (status, _why_not_stale(victim, dead))
-    started = time.monotonic()
-    argv = ["-i", str(serve_lab.inventory), "run", "-m", str(tiny_model), "-p", "hi", "-n", "4"]
-    assert main([*argv, "--ctx", "512", "--timeout", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["text"] and victim.endpoint in {d["endpoint"] for d in out["placement"]["devices"]}, out
-    assert time.monotonic() - started < 60
-    assert dead not in _peers(serve_lab, victim)
-
-
-def test_a_stale_connection_that_cannot_be_closed_does_not_make_a_restart_refuse(
+def test_a_stale_client_is_a_hint_a_restart_without_force_still_refuses(
     serve_lab: Lab,
     fleet: list[Host],
     hold_server: Callable[[str], socket.socket],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The node never answers the reset's SYN (its challenge ACK to the dead port is dropped) and the
-    lab's SSH user may not `ss -K`: the connection stays, proven stale, and `restart` (no --force)
-    restarts the server without counting it as a client."""
+    """A client of this controller dies behind a dropped port; the node's answers to it are dropped
+    too, so its keepalive needs its whole 30 s. Meanwhile `status` names the stale client (reading
+    only), and `restart` without --force refuses, as for any client. Then, with no command, the server
+    frees itself."""
     victim = fleet[0]
     namespace = serve_lab.node(victim.name).namespace
     assert namespace is not None
-    held = hold_server(victim.endpoint)  # a client, which then dies behind a dropped port
+    held = hold_server(victim.endpoint)
     address, port = held.getsockname()[:2]
-    _rpc_drop(serve_lab, victim, "-A")
-    gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
-    subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)
-    _rpc_drop(serve_lab, victim, "-D")
     peer = f"{address}:{port}"
-    assert _peers(serve_lab, victim) == [peer]
-    assert _status(serve_lab, victim, capsys)["state"] == "stale"
     block = ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"]
     iptables = ["ip", "netns", "exec", namespace, "iptables", "-w"]
     subprocess.run([*iptables, "-A", *block], check=True)
     try:
+        _rpc_drop(serve_lab, victim, "-A")
+        gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
+        subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)  # no FIN reaches it
+        _rpc_drop(serve_lab, victim, "-D")
         server_pid = _server_pid(serve_lab, victim)
+        for _ in range(2):  # status only reads: still held
+            status = _status(serve_lab, victim, capsys)
+            assert status["state"] == "stale", (status, _why_not_stale(victim, peer))
+            assert f"stale client {peer}" in status["message"], status
         capsys.readouterr()
         code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
-        restarted = json.loads(capsys.readouterr().out)[0]
+        refused = json.loads(capsys.readouterr().out)[0]
+        assert code != 0 and "refusing to restart a busy server" in refused["error"], refused
+        assert _peers(serve_lab, victim) == [peer]
     finally:
         subprocess.run([*iptables, "-D", *block], check=True)
-    assert code == 0 and restarted["status"] == "changed", restarted
-    said = " ".join(restarted["result"]["warnings"])
-    assert f"could not close the stale connection of {peer}" in said and "ss -K" in said, restarted
-    assert _server_pid(serve_lab, victim) != server_pid and _peers(serve_lab, victim) == []
+    _wait_free(serve_lab, victim, peer, 60)
+    assert _server_pid(serve_lab, victim) == server_pid
     assert _status(serve_lab, victim, capsys)["state"] == "running"
-
-
-def test_a_stale_client_whose_port_another_connection_left_in_time_wait_is_closed(
-    serve_lab: Lab,
-    fleet: list[Host],
-    hold_server: Callable[[str], socket.socket],
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """A busy controller's short connections leave TIME_WAIT sockets on any port: one on the dead
-    client's port (to another destination) is no live client, and the reset still goes out (the bind
-    refuses that port, so the SYN is sent raw). CI once saw this collision by chance."""
-    victim = fleet[1]
-    held = hold_server(victim.endpoint)
-    address, port = held.getsockname()[:2]
-    _rpc_drop(serve_lab, victim, "-A")
-    gone = f"dst {victim.address} and dport = :{victim.rpc_port} and sport = :{port}"
-    subprocess.run(["ss", "-K", "-Htn", gone], check=True, capture_output=True)
-    _rpc_drop(serve_lab, victim, "-D")
-    peer = f"{address}:{port}"
-    assert _peers(serve_lab, victim) == [peer]
-    with socket.socket() as listener:  # another connection from the same address and port, closed first
-        listener.bind((address, 0))
-        listener.listen()
-        other = socket.socket()
-        other.bind((address, port))
-        other.connect(listener.getsockname())
-        accepted, _ = listener.accept()
-        other.close()
-        accepted.close()
-    waiting = subprocess.run(["ss", "-Htn", "state", "time-wait", f"sport = :{port}"], capture_output=True)
-    assert peer in waiting.stdout.decode(), waiting.stdout
-    status = _status(serve_lab, victim, capsys)
-    assert status["state"] == "stale" and f"stale client {peer}" in status["message"], status
-    server_pid = _server_pid(serve_lab, victim)
-    capsys.readouterr()
-    code = main(["-i", str(serve_lab.inventory), "restart", "-l", victim.name, "--json"])
-    restarted = json.loads(capsys.readouterr().out)[0]
-    assert code == 0 and restarted["status"] == "changed", restarted
-    assert f"closed the stale connection of {peer}" in restarted["result"]["warnings"][0], restarted
-    assert _server_pid(serve_lab, victim) != server_pid and _peers(serve_lab, victim) == []
 
 
 def test_a_live_client_is_never_taken_for_a_stale_one(
@@ -658,7 +591,7 @@ def test_a_node_behind_a_cut_link_is_taken_back_once_the_link_is_up_again(
     serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The cut hides the killed worker's reset: the node's server still holds that dead client once the
-    link is back (stale, `busy` to a probe). The watch closes it, as a recovery does, and takes the node
+    link is back (stale, `busy` to a probe) until its keepalive drops it; the watch then takes the node
     back without an operator."""
     served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "1")
     victim = fleet[2]
@@ -667,11 +600,11 @@ def test_a_node_behind_a_cut_link_is_taken_back_once_the_link_is_up_again(
     assert victim.endpoint in out["error"] and out["health"]["status"] == "degraded", out
     serve_lab.restore_link(victim.name)
     restored = time.monotonic()
-    health, seen, _ = served.wait({"ready"}, 45)
+    health, seen, _ = served.wait({"ready"}, 75)
     assert health["plan"]["endpoints"] == [h.endpoint for h in fleet] and health["reloads"] == 0, health
     assert health["last_rejoin"]["back"] == [victim.endpoint], health
-    assert time.monotonic() - restored < 45, seen
-    assert _server_pid(serve_lab, victim) == server_pid  # its connection was closed, not the server
+    assert time.monotonic() - restored < 75, seen
+    assert _server_pid(serve_lab, victim) == server_pid  # its connection went, not the server
     assert _status(serve_lab, victim, capsys)["state"] == "busy"  # serve's new worker holds it
     assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
 

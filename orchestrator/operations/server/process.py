@@ -182,12 +182,10 @@ def launch_drift(host: Host, state: NodeState) -> tuple[str, ...]:
 
 
 def run_as_warning(host: Host, state: NodeState) -> str | None:
-    """A warning when the process supervisor runs the server as root (only when the inventory says so,
-    or the controller itself runs as root on a `connection: local` host)."""
+    """A warning when the process supervisor runs the server as root (only when the inventory says so)."""
     if state.supervisor != "process" or run_as_user(host, state.systemd) != "root":
         return None
-    why = "rpc_run_as: root" if host.rpc_run_as else "connection: local as root; set rpc_run_as to change it"
-    return f"the rpc-server runs as root ({why}): anyone who reaches its port drives a root process"
+    return "the rpc-server runs as root (rpc_run_as: root): anyone who reaches its port drives a root process"
 
 
 @dataclass(frozen=True)
@@ -211,20 +209,18 @@ class BusyServerError(ServiceError):
     """A client is connected to the server: stopping it would kill that client's model mid-inference."""
 
 
-def busy_script(port: int, busy_grace: float = BUSY_GRACE, stale: tuple[str, ...] = ()) -> str:
+def busy_script(port: int, busy_grace: float = BUSY_GRACE) -> str:
     """Shell lines that print `@busy <peers>` and exit when a client holds the server: a connection to
     `port` seen in every sample for `busy_grace` seconds (samples every 0.1 s).
 
     A model holds one connection, same peer port, for its whole life; probes come and go with new
     ports, so a stream of them (a monitor probing every 20 ms) never makes a server busy. Sampling ends
-    at once when nothing is connected, and after `3 * busy_grace` of probes only. `stale`: peers proven
-    gone (`operations.stale`), not counted.
+    at once when nothing is connected, and after `3 * busy_grace` of probes only. Every peer counts, one
+    that `status` calls stale too: only `--force` stops a server that a client holds.
     """
     port = int(port)
     steps = max(1, round(busy_grace * 10))
     peers = f"ss -Htn state established '( sport = :{port} )' 2>/dev/null | awk '{{print $4}}'"
-    if stale:
-        peers += " | grep -v -x -F" + "".join(f" -e {shlex.quote(p)}" for p in stale)
     # `seen` holds "peer count" lines: how many consecutive samples each peer has been connected.
     count = (
         'awk -v s="$seen" \'BEGIN{n=split(s,a,"\\n"); for(k=1;k<=n;k++){split(a[k],f," "); c[f[1]]=f[2]}} '
@@ -252,7 +248,6 @@ def stop_script(
     busy_grace: float = BUSY_GRACE,
     grace: float = STOP_GRACE,
     unit: UnitControl | None = None,
-    stale: tuple[str, ...] = (),
     server: str = "",
 ) -> str:
     """Stop our server, and any orphan of this install listening on its port, in one step on the node.
@@ -313,7 +308,7 @@ def stop_script(
         "collect",
     ]
     if not force:  # the check and the stop: one step on the node
-        lines += ['if [ -n "$targets" ]; then', busy_script(port, busy_grace, stale), "fi"]
+        lines += ['if [ -n "$targets" ]; then', busy_script(port, busy_grace), "fi"]
     lines += [
         # The loop goes before the server, so it restarts nothing; then what it may have started since.
         *stop_loop_lines(files),
@@ -364,11 +359,10 @@ async def stop_server(
     force: bool = False,
     busy_grace: float = BUSY_GRACE,
     action: str = "stop",
-    stale: tuple[str, ...] = (),
 ) -> StopResult:
     """Stop our server (and this install's orphans on its port, and its systemd unit); refuse a busy one
-    unless `force` (`stale`: clients proven gone, which do not make it busy)."""
-    script = stop_node_script(host, state, force=force, busy_grace=busy_grace, stale=stale)
+    unless `force`."""
+    script = stop_node_script(host, state, force=force, busy_grace=busy_grace)
     return parse_stop_output(host, action, await run_script(conn, script))
 
 
@@ -378,7 +372,6 @@ def stop_node_script(
     *,
     force: bool = False,
     busy_grace: float = BUSY_GRACE,
-    stale: tuple[str, ...] = (),
 ) -> NodeScript:
     text = stop_script(
         state.install.install_dir,
@@ -386,7 +379,6 @@ def stop_node_script(
         force=force,
         busy_grace=busy_grace,
         unit=unit_control(state),
-        stale=stale,
         server=host.server,
     )
     return server_script("stop", text, STOP_GRACE + 15, "stopping the rpc-server")

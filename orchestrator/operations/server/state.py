@@ -57,7 +57,7 @@ from orchestrator.operations.systemd import (
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import Outcome, ProbeResult, ProtocolVersion
 
-# stale: every client it holds is proven gone (`operations.stale`); the next restart or load closes it.
+# stale: every client it holds is proven gone (`operations.stale`); a hint, it still counts as busy.
 ServerState = Literal[
     "running", "stopped", "crashed", "crash-looping", "unhealthy", "busy", "stale", "orphan"
 ]
@@ -394,7 +394,8 @@ def classify(
         server = "stale"
         message = (
             f"stale client {', '.join(svc.clients)}: its socket on this controller is gone "
-            "(`restart` or the next load closes the connection)"
+            "(the keepalive of the servers rpcfleet builds drops it within about 45 s; "
+            "`restart --force` stops the server now)"
         )
     elif svc.clients:
         server, message = "busy", f"serving {', '.join(svc.clients)}"

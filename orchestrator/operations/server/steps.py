@@ -54,7 +54,6 @@ from orchestrator.operations.server.state import (
     server_files,
     server_status,
 )
-from orchestrator.operations.stale import release_stale
 from orchestrator.operations.systemd import journal_command, plan_unit, remove_unit_script
 
 ServiceAction = Literal["none", "start", "restart", "stop"]
@@ -165,10 +164,6 @@ async def ensure_state(
     root = run_as_warning(host, state) if want != "stopped" else None
     if root:
         warnings.append(root)
-    stale: tuple[str, ...] = ()
-    if not check:
-        state, closed, stale = await without_stale_clients(conn, host, state)
-        warnings += closed
     status = classify(host, state, await probe_server(host, state))
     change = plan_service(status, want, current=state.install.current, drift=launch_drift(host, state))
     change = dataclasses.replace(change, warnings=tuple(warnings), check=check)
@@ -187,9 +182,7 @@ async def ensure_state(
             await apply_firewall(conn, host, install_dir, install=want != "stopped")
         return change
     if change.action in ("stop", "restart"):
-        await stop_server(
-            conn, host, state, force=force, busy_grace=busy_grace, action=change.action, stale=stale
-        )
+        await stop_server(conn, host, state, force=force, busy_grace=busy_grace, action=change.action)
         if change.action == "stop":  # the rules go with the server
             await apply_firewall(conn, host, install_dir, install=False)
     if change.action in ("start", "restart"):
@@ -227,28 +220,6 @@ def planned_start(host: Host, state: NodeState) -> list[NodeScript | Planned]:
     if not state.install.installed:  # a version only the install would make: its files are not read yet
         return [Planned(host.name, "start", "# start the version the install makes current")]
     return [start_node_script(host, state)]
-
-
-async def without_stale_clients(
-    conn: Connection, host: Host, state: NodeState
-) -> tuple[NodeState, tuple[str, ...], tuple[str, ...]]:
-    """Close the server's connections whose client is proven gone (`operations.stale`; only those, so
-    the server is idle again) and read the state anew. Returns it, what was done (said), and the peers
-    proven gone whose connection stayed open: a stop does not count them as clients (`stop_server`)."""
-    if not (state.service.clients and state.service.ours):
-        return state, (), ()
-    closed = await release_stale(conn, host)
-    said = []
-    if closed.closed:
-        said.append(f"closed the stale connection of {', '.join(closed.closed)} (its client is gone)")
-        state = await read_node_state(conn, host)
-    if closed.left:
-        why = "; ".join(closed.problems)
-        said.append(
-            f"could not close the stale connection of {', '.join(closed.left)} ({why}): a stop does not "
-            "count it as a client"
-        )
-    return state, tuple(said), closed.left
 
 
 def _unit_plan(host: Host, state: NodeState) -> str:
@@ -401,8 +372,6 @@ async def deploy(
     """
     warning = bind_policy(host)  # refuse a bad bind before changing anything
     state = await read_node_state(conn, host)
-    if not check:  # a dead client's connection is no reason to refuse the deploy
-        state, _, _ = await without_stale_clients(conn, host, state)
     if state.service.clients and state.service.ours and not force:
         # Refuse before switching versions: a switch that cannot be followed by a restart is half a deploy.
         source = await choose(host, state.install)
@@ -438,7 +407,7 @@ async def deploy(
         )
         state = dataclasses.replace(state, install=install)
     service = await ensure_state(conn, host, "running", check=check, force=force, state=state)
-    # The server's warnings (root, closed stale clients) too; the bind's only once.
+    # The server's warnings (root) too; the bind's only once.
     warnings = tuple(dict.fromkeys([*((warning,) if warning else ()), *service.warnings]))
     return DeployResult(change, service, service.after or service.status, warnings)
 
