@@ -14,8 +14,9 @@ from orchestrator.core.errors import RpcfleetError
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path, *, parents: bool = False) -> Iterator[Path]:
-    """A uniquely named temporary path in `path`'s folder, for the block to write; renamed over `path`
-    when the block ends, removed when it raises (its exception goes on unchanged).
+    """A uniquely named temporary path in `path`'s folder, for the block to write; flushed to disk and
+    renamed over `path` when the block ends (the folder flushed too, so a crash leaves the old file or
+    the whole new one), removed when it raises (its exception goes on unchanged).
 
     `parents`: create missing folders first. For writers that stream (a download, a copy, a generated
     model); `write_atomic` for a text or bytes already in memory.
@@ -30,7 +31,7 @@ def atomic_path(path: str | Path, *, parents: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         tmp.chmod(0o644)  # mkstemp makes it 0600: give it what an ordinary write would
-        tmp.replace(path)
+        replace_durably(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -42,10 +43,21 @@ def write_atomic(path: str | Path, data: str | bytes, *, parents: bool = False) 
     try:
         with atomic_path(path, parents=parents) as tmp, tmp.open("wb") as out:
             out.write(data.encode() if isinstance(data, str) else data)
-            out.flush()
-            os.fsync(out.fileno())
     except OSError as exc:
         raise RpcfleetError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def replace_durably(source: Path, target: Path) -> None:
+    """Rename `source` over `target` (one file system) with both on disk first: the file's bytes before
+    the rename, the folder's entry after it."""
+    with source.open("rb") as f:
+        os.fsync(f.fileno())
+    source.replace(target)
+    folder = os.open(target.parent if str(target.parent) else ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def sha256_file(path: Path, *, chunk: int = 1 << 20) -> str:

@@ -38,7 +38,7 @@ echo $$ > "$sp"
 # Not the recorded loop any more (stopped, or replaced by a newer start): restart nothing.
 mine() {{ [ "$(head -n 1 "$sp" 2>/dev/null)" = "$$" ]; }}
 note() {{ echo "=== rpcfleet supervisor: $* ===" >> "$log"; }}
-state() {{ printf '%s\\n' "$@" > "$st.tmp" && mv -f "$st.tmp" "$st"; }}
+state() {{ printf '%s\\n' "$@" > "$st.tmp" && {{ sync "$st.tmp" 2>/dev/null; mv -f "$st.tmp" "$st"; }}; }}
 fails="" delay={RESTART_SEC} restarts=0 last=""
 while :; do
   started=$(date +%s)

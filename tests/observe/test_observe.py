@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +35,7 @@ from orchestrator.observe.snapshot import (
     formation_changes,
     with_held,
 )
-from orchestrator.observe.web import COOKIE, Exporter, mount, page_token
+from orchestrator.observe.web import COOKIE, Exporter, is_loopback_name, mount, page_token
 from orchestrator.serve.metrics import Metrics, Recovery
 from tests.plugins.servers import free_port
 from tests.waits import wait_until
@@ -434,3 +435,45 @@ def test_a_cache_shared_by_the_servers_of_one_install_counts_once() -> None:
         'rpcfleet_cache_files{host="h1",install_dir="~/.local/lib/rpcfleet"} 12',
         'rpcfleet_cache_files{host="h2",install_dir="/opt/rpcfleet"} 4',
     ]
+
+
+def test_only_loopback_names_pass_the_host_check() -> None:
+    for host in ("localhost", "localhost:9464", "LOCALHOST.", "app.localhost", "127.0.0.1:80", "127.9.9.9"):
+        assert is_loopback_name(host), host
+    for host in ("[::1]:9464", "::1"):
+        assert is_loopback_name(host), host
+    for host in ("", "evil.example", "evil.example:9464", "127.0.0.1.evil.example", "10.0.0.1", "[fd00::1]"):
+        assert not is_loopback_name(host), host
+
+
+def test_the_keyless_exporter_refuses_a_foreign_host_and_bounds_the_login_body(
+    silent_host: Callable[[], Host], tmp_path: Path
+) -> None:
+    """The real `rpcfleet exporter` command (the guard is in front of its app, not in a test's)."""
+    host = silent_host()
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(
+        f"hosts:\n  {host.name}:\n    address: {host.address}\n    ssh_port: {host.ssh_port}\n"
+        f"    ssh_user: {host.ssh_user}\n    ssh_known_hosts: {host.ssh_known_hosts}\n"
+    )
+    port = free_port()
+    argv = [sys.executable, "-m", "orchestrator", "exporter", "-i", str(inventory), "--port", str(port)]
+    argv += ["--interval", "60", "--timeout", "60", "--no-cache"]
+    env = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
+    env["RPCFLEET_HOME"] = str(tmp_path / "home")
+    process = subprocess.Popen(argv, env=env, cwd=ROOT)
+    try:
+        wait_until(lambda: _is_listening(port), what="the exporter's port", limit=60)
+        code, _, body = _get(port, "/metrics", {"Host": "rebound.example"})
+        assert code == 403 and "not a loopback name" in body, body
+        assert _get(port, "/metrics", {"Host": f"localhost:{port}"})[0] == 200
+        code, _, body = _post(port, "/login", b"key=" + b"x" * 5000)
+        assert code == 413 and "over 4096 bytes" in body, body
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(60)
+
+
+def _is_listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0

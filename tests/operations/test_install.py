@@ -294,3 +294,16 @@ async def test_ensure_installed_check_mode_changes_nothing(local_host: Host, cpu
     assert change.action == "install" and (Path(local_host.install_dir) / "current").exists()
     assert (await ensure_installed(conn, local_host, chooser)).action == "none"
     shutil.rmtree(local_host.install_dir)
+
+
+def test_the_version_is_on_disk_before_current_switches_to_it_and_the_switch_after() -> None:
+    from orchestrator.operations.install.apply import switch_script
+    from orchestrator.operations.install.plan import InstallChange
+
+    change = InstallChange("n1", "switch", "v2", None, "/opt/rf", "v1")
+    lines = switch_script(change, "n0nce").splitlines()
+    first_sync = next(i for i, line in enumerate(lines) if line.startswith('sync -f "$D/versions/$ID"'))
+    link = next(i for i, line in enumerate(lines) if line.startswith('ln -s "versions/$ID"'))
+    switch = next(i for i, line in enumerate(lines) if 'mv -T "$D/current.n0nce" "$D/current"' in line)
+    last_sync = next(i for i, line in enumerate(lines) if line.startswith('sync -f "$D/current"'))
+    assert first_sync < link < switch < last_sync

@@ -38,11 +38,15 @@ def guarded_script(change: InstallChange, nonce: str, cleanup: Sequence[str], bo
         f'fail() {{ rm -rf {" ".join(cleanup)} "$D/current.{nonce}" "$D/history.{nonce}"; '
         'echo "@error $1 failed while installing $ID: $2"; exit 3; }',
         *body,
+        # On disk before the switch (a power cut must not leave `current` on files never written),
+        # and the switch itself after it. `sync -f`: the file system of that path (coreutils 8.24).
+        'sync -f "$D/versions/$ID" 2>/dev/null || sync',
         f'ln -s "versions/$ID" "$D/current.{nonce}" || fail switch "cannot create the link"',
         f'mv -T "$D/current.{nonce}" "$D/current" || fail switch "cannot switch current"',
         # History: the new id last, without duplicates; written aside and renamed.
         f'{{ grep -vxF "$ID" "$D/history" 2>/dev/null; echo "$ID"; }} > "$D/history.{nonce}"'
         f' && mv -f "$D/history.{nonce}" "$D/history" || echo "@warning history not updated"',
+        'sync -f "$D/current" 2>/dev/null || sync',
     ]
     for version in change.prune:
         lines.append(f'rm -rf "$D/versions/"{q(version)} || echo "@warning cannot remove {version}"')
