@@ -13,6 +13,11 @@ replacement is left alone, so an incremental rebuild in the same folder does not
   an idle dead client is dropped after 15 + 3 x 5 = 30 s, one that stopped acknowledging data after
   30 s, and the server accepts the next client, without rpcfleet or privileges. A live client, even idle
   for hours, answers the probes in its kernel and is never cut.
+- `exit-status`: the vendored rpc-server returns 0 when `ggml_backend_rpc_start_server` returns, which
+  it does only when it could not serve (its bind failed: an address not up yet at boot, a taken port).
+  Neither `Restart=on-failure` nor the process supervisor retries a clean exit, so an address that
+  appeared a second late left the server down. With the patch that end is status 1: both supervisors
+  retry it (`operations.supervise` tells a port another program holds apart, and stops there).
 - `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
   instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
   block is compiled only where the headers have it, else the instance is created without those settings.
@@ -97,6 +102,15 @@ _KEEPALIVE = (
 """
 )
 
+_EXIT_STATUS_ANCHOR = """    start_server_fn(endpoint.c_str(), cache_dir, params.n_threads, devices.size(), devices.data());
+    return 0;
+"""
+
+_EXIT_STATUS = """    start_server_fn(endpoint.c_str(), cache_dir, params.n_threads, devices.size(), devices.data());
+    // rpcfleet exit-status patch: the server returns only when it could not serve (a failed bind)
+    return 1;
+"""
+
 _LAYER_SETTINGS_ANCHOR = """    VkBool32 enable_best_practice = layer_settings;
     std::vector<vk::LayerSettingEXT> settings = {
         {
@@ -127,6 +141,13 @@ PATCHES: tuple[SourcePatch, ...] = (
         _KEEPALIVE_ANCHOR,
         _KEEPALIVE,
         optional=True,  # llama.cpp before the transport split (protocol 2, the skew tests' server)
+    ),
+    SourcePatch(
+        "exit-status",
+        "tools/rpc/rpc-server.cpp",
+        _EXIT_STATUS_ANCHOR,
+        _EXIT_STATUS,
+        optional=True,  # an older llama.cpp lays its server out differently (the skew tests' server)
     ),
     SourcePatch(
         "vulkan-layer-settings",

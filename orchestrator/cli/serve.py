@@ -305,6 +305,18 @@ def handle(args: argparse.Namespace) -> int:
             _common.err_console.print(
                 f"[yellow]warning:[/yellow] {escape(who + template.warning)}", highlight=False
             )
+    from orchestrator.core.log import get_logger
+    from orchestrator.engine.children import socket_access_denied
+
+    denied = socket_access_denied()
+    if denied:  # the link timeout is set on the engine's own sockets: without them, the stall detector
+        _common.err_console.print(
+            f"[yellow]warning:[/yellow] serve may not take the engine's sockets ({escape(denied)}): "
+            f"--link-timeout {args.link_timeout:g} does nothing; a cut link is found when a request "
+            f"gets nothing for {ServeConfig.event_timeout:g} s (the stall detector)",
+            highlight=False,
+        )
+        get_logger().warning("serve_link_timeout_off", why=denied)
     engines = {
         model.name: default_engines(
             model.path,

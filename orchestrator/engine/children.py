@@ -185,6 +185,36 @@ def _foreign_descriptors(pid: int) -> Iterator[int]:
         os.close(pidfd)
 
 
+def socket_access_denied() -> str | None:
+    """Why this process may not take a duplicate of its children's descriptors (None: it may).
+
+    `pidfd_getfd` needs ptrace rights over the child: Yama's `ptrace_scope` 2 or 3 and Docker's default
+    seccomp profile deny them, and then `connections_to(pid=...)` finds nothing: no link timeout is set
+    on an engine's RPC connections. Asked of a `sleep` child of this process, its stdin."""
+    child = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        pidfd = os.pidfd_open(child.pid)
+        try:
+            fd = _syscall().syscall(_SYS_PIDFD_GETFD, pidfd, 0, 0)
+            if fd >= 0:
+                os.close(fd)
+                return None
+            code = ctypes.get_errno()
+        finally:
+            os.close(pidfd)
+    except OSError as exc:
+        code = exc.errno or 0
+    finally:
+        child.kill()
+        child.wait()
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    try:
+        yama = f"; kernel.yama.ptrace_scope is {scope.read_text().strip()}"
+    except OSError:
+        yama = ""
+    return f"pidfd_getfd: {os.strerror(code)} (a seccomp filter, or Yama's ptrace_scope 2 or 3{yama})"
+
+
 def connections_to(
     wanted: set[tuple[str, int]], pid: int | None = None
 ) -> Iterator[tuple[tuple[str, int], socket.socket]]:

@@ -7,8 +7,9 @@ starts at boot. The unit runs the same launch line and environment as the proces
 (`server_argv`, `LLAMA_CACHE`, `GGML_RPC_DEBUG`; SIGPIPE ignored: systemd's `IgnoreSIGPIPE=yes`, said
 explicitly), hardened, restarted on failure within a start limit.
 
-The server exits 0 after a failed bind: `Restart=on-failure` does not loop on a taken port, and readiness
-is a HELLO (process.wait_ready), never `systemctl is-active`.
+The servers rpcfleet builds exit 1 after a failed bind (`exit-status` patch): `Restart=on-failure` retries
+an address that comes up late, within the start limit (a taken port: `failed` after it, its log naming
+the bind). Readiness is a HELLO (process.wait_ready), never `systemctl is-active`.
 """
 
 from __future__ import annotations
