@@ -10,13 +10,16 @@ process, and lets 4 clients (the official `openai` client) stream completions wi
 to 40 s (seeded) a random fault, healed before the next: a server killed with SIGKILL (the supervisor
 restarts it), a cut link for `--cut-seconds` (veth down, then up), sshd killed (`rpcfleet lab repair`), a
 power cut of a node (`lab repair`, then `rpcfleet start` for it), a rolling restart through serve
-(`POST /admin/reload`), a second operator's `rpcfleet deploy` from another process. The harness and its
+(`POST /admin/reload`), a second operator's `rpcfleet deploy` from another process, a foreign client
+that takes a restarted server and vanishes (its packets dropped, no rpcfleet command frees it: the
+server's keepalive does). The harness and its
 checks are tests/plugins/chaos.py (tests/serve/test_chaos_lab.py runs each fault once).
 
 Pass: nothing hangs past its timeout, every request ends (answered, refused with 503 + Retry-After, or
 failed with a 503 naming the faulted node while in flight at its fault), the fleet is whole (ready on 3
 nodes) after each heal, serve keeps its pid and its descriptors, no server is left an orphan (no node's
-rpc-server, no llama-server beside serve's one engine). Exit status
+rpc-server, no llama-server beside serve's one engine), and at least 90% of the requests sent outside
+every fault's window (its injection to `--recovery` seconds after its heal) are answered. Exit status
 0 on a pass, 1 otherwise.
 """
 
@@ -48,6 +51,7 @@ def yes(flag: bool) -> str:
 
 def render(result: Result, args: argparse.Namespace, load: float, clients: int, tokens: int) -> str:
     minutes, seed, cut, parallel = args.minutes, args.seed, args.cut_seconds, DEFAULT_PARALLEL
+    answered, outside = result.available
     rows = [
         f"| requests sent | {len(result.requests)} |",
         f"| answered | {result.count('answered')} |",
@@ -63,6 +67,11 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
         f"| {result.engines} |",
         f"| llama-server processes beside serve's engine at the end "
         f"| {', '.join(map(str, result.stray_engines)) or 'none'} |",
+        f"| availability: answered of those sent outside the faults' windows (each to "
+        f"{args.recovery:g} s after its heal; the rule: 90%) | {answered} of {outside}"
+        f" ({answered / outside:.0%}) |"
+        if outside
+        else "| availability: no request sent outside the faults' windows | - |",
     ]
     started = min((r.sent for r in result.requests), default=0.0)
     faults = []
@@ -70,7 +79,7 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
         back = "**not whole**" if fault.whole_after is None else f"{fault.whole_after:.1f} s"
         faults.append(
             f"| {i} | {fault.injected - started:.0f} s | {fault.kind} | {fault.node or 'fleet'} | "
-            f"{fault.failed} | {fault.healed - fault.injected:.1f} s | {back} |"
+            f"{fault.failed} | {fault.healed - fault.injected:.1f} s | {back} | {'; '.join(fault.notes)} |"
         )
     verdict = "**pass**" if result.passed else "**fail**"
     lines = [
@@ -87,8 +96,9 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
         "|---|---|",
         *rows,
         "",
-        "| # | at | fault | node | requests failed | fault + heal | whole fleet back after the heal |",
-        "|---|---|---|---|---|---|---|",
+        "| # | at | fault | node | requests failed | fault + heal | whole fleet back after the heal "
+        "| notes |",
+        "|---|---|---|---|---|---|---|---|",
         *faults,
         "",
         f"Result: {verdict}, {len(result.violations)} violation(s)."
@@ -103,6 +113,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of load (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="the faults' schedule (default 0)")
     parser.add_argument("--cut-seconds", type=float, default=20.0, help="a cut link lasts (default 20 s)")
+    parser.add_argument(
+        "--recovery", type=float, default=60.0, help="seconds after a heal outside the availability rule (60)"
+    )
     args = parser.parse_args()
     if not privileged():
         print("bench/chaos.py needs root (network namespaces)", file=sys.stderr)
@@ -122,7 +135,9 @@ def main() -> int:
     lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid())
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            chaos = Chaos(lab, model, Path(scratch), cut_seconds=args.cut_seconds, say=say)
+            chaos = Chaos(
+                lab, model, Path(scratch), cut_seconds=args.cut_seconds, recovery_s=args.recovery, say=say
+            )
             try:
                 chaos.start()
                 deadline = time.monotonic() + args.minutes * 60

@@ -15,9 +15,10 @@ replacement is left alone, so an incremental rebuild in the same folder does not
   for hours, answers the probes in its kernel and is never cut.
 - `exit-status`: the vendored rpc-server returns 0 when `ggml_backend_rpc_start_server` returns, which
   it does only when it could not serve (its bind failed: an address not up yet at boot, a taken port).
-  Neither `Restart=on-failure` nor the process supervisor retries a clean exit, so an address that
-  appeared a second late left the server down. With the patch that end is status 1: both supervisors
-  retry it (`operations.supervise` tells a port another program holds apart, and stops there).
+  The process supervisor never retries a clean exit, so an address that appeared a second late left the
+  server down, and systemd showed a failed bind as a clean stop. With the patch that end is status 1:
+  the process supervisor retries it (`operations.supervise`: it stops at a port another program holds),
+  the systemd unit shows it `failed` (`operations.systemd`).
 - `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
   instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
   block is compiled only where the headers have it, else the instance is created without those settings.

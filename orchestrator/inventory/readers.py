@@ -119,6 +119,15 @@ class Builder:
         if previous is not None and previous.key != key and previous.location != location:
             self.error(f"{key!r} and {previous.key!r} both set {canonical!r} here; keep one", location)
             return
+        if key == "ansible_become" and str(value).strip().lower() in ("true", "yes", "1", "on"):
+            # Refused, not ignored: the steps would run as the login user while the inventory says root.
+            self.error(
+                "ansible_become: rpcfleet does not escalate with sudo; connect as root (ansible_user: root) "
+                "for system units and the dedicated server user, or drop it to install and supervise as "
+                "the login user",
+                location,
+            )
+            return
         if canonical == key and key not in VARIABLES_BY_NAME and key not in ANSIBLE_VARS:
             hint = variable_hint(key)
             if hint:

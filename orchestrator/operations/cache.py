@@ -232,8 +232,10 @@ def upload_script(host: Host, name: str, size: int) -> str:
             f"D={cache_path(host)}",
             'mkdir -p "$D" || exit 1',
             f"trap 'rm -f {tmp}' HUP INT TERM",
-            f'if cat > {tmp} && [ "$(wc -c < {tmp})" -eq {int(size)} ]; then mv -f {tmp} "$D"/{name}; '
-            f'else rm -f {tmp}; df -k "$D" >&2; exit 1; fi',
+            # A fresh file, never through a name planted in the server user's folder (noclobber: O_EXCL).
+            f"rm -f {tmp} || exit 1",
+            f'if (set -C; exec > {tmp} && cat) && [ "$(wc -c < {tmp})" -eq {int(size)} ]; '
+            f'then mv -f {tmp} "$D"/{name}; else rm -f {tmp}; df -k "$D" >&2; exit 1; fi',
         ]
     )
 

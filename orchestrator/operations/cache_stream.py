@@ -65,8 +65,11 @@ def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
         "trap 'exit 1' HUP INT TERM PIPE",
         "take() {",
         f'  tmp="$D/{TEMP_PREFIX}$1.$$"; n=$(($2 / {BLOCK})); r=$(($2 % {BLOCK}))',
-        f'  ( [ "$n" -eq 0 ] || dd bs={BLOCK} count="$n" iflag=fullblock status=none || exit 1',
-        '    [ "$r" -eq 0 ] || dd bs="$r" count=1 iflag=fullblock status=none ) > "$tmp" \\',
+        # A fresh file, never through a name planted in the server user's folder (noclobber: O_EXCL).
+        '  rm -f "$tmp" || exit 1',
+        '  ( set -C; exec > "$tmp" || exit 1',
+        f'    [ "$n" -eq 0 ] || dd bs={BLOCK} count="$n" iflag=fullblock status=none || exit 1',
+        '    [ "$r" -eq 0 ] || dd bs="$r" count=1 iflag=fullblock status=none ) \\',
         '    || { df -k "$D" >&2; exit 1; }',
         '  [ "$(wc -c < "$tmp")" -eq "$2" ] || { echo "short input for $1" >&2; exit 1; }',
         '  mv -f "$tmp" "$D/$1" && tmp= && echo "ok $1"',

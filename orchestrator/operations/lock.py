@@ -1,6 +1,6 @@
 """The host lock: one operator changes an install at a time.
 
-The lock is a `flock` on `<install_dir>/run/lock`, taken by a shell that an SSH channel keeps alive
+The lock is a `flock` on `<install_dir>/lock`, taken by a shell that an SSH channel keeps alive
 (`Connection.hold`). A watchdog in that shell reads the channel: the controller writes a heartbeat byte
 every `HEARTBEAT_S`; end of file (released, or the connection closed) or `SILENCE_S` without a byte (the
 controller's link was cut, and sshd would keep the session until TCP gives up, for hours) ends the whole
@@ -8,7 +8,7 @@ command, a `flock` still waiting included, and the kernel drops the lock. A lock
 controller by more than `SILENCE_S` cannot happen, whatever the node's sshd keepalive settings.
 
 The lock file is owner-only: whoever can open it can `flock` it and block every change. Who holds it is
-written to `run/lock.info` after taking it, so a second operator learns "changed by root@ctl (pid 4242,
+written to `lock.info` after taking it, so a second operator learns "changed by root@ctl (pid 4242,
 deploy, since 12:01:03)".
 
 Read-only commands never take it; every change to a node takes it through `operations.layer`.
@@ -30,8 +30,10 @@ from orchestrator.connectors.nodescript import NodeScript, parse_key_line
 from orchestrator.core.errors import CommandTimeoutError, ServiceError, ServiceScriptError
 from orchestrator.inventory.model import Host
 
-LOCK_FILE = "run/lock"
-LOCK_INFO = "run/lock.info"
+# In the install dir itself, not in run/: run/ belongs to the server's user when rpcfleet connects as
+# root, and a compromised server could plant a link there for root's chmod and truncation to follow.
+LOCK_FILE = "lock"
+LOCK_INFO = "lock.info"
 LOCKED_EXIT = 3  # the CLI's exit status when a host is locked by someone else
 _ANSWER_SLACK = 10.0  # beyond the wait: connecting the channel and the node's shell starting
 HEARTBEAT = "."  # not a newline: the watchdog's `$(...)` would strip it
@@ -72,7 +74,7 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
     return "\n".join(
         [
             f"D={directory}",
-            'mkdir -p "$D/run" || { echo "@error cannot create $D/run"; exit 1; }',
+            'mkdir -p "$D" || { echo "@error cannot create $D"; exit 1; }',
             "for c in flock/util-linux timeout/coreutils head/coreutils; do",
             '  command -v "${c%/*}" >/dev/null 2>&1 ||',
             '    { echo "@error ${c%/*} (${c#*/}) is not installed"; exit 1; }',

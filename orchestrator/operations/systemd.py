@@ -7,9 +7,10 @@ starts at boot. The unit runs the same launch line and environment as the proces
 (`server_argv`, `LLAMA_CACHE`, `GGML_RPC_DEBUG`; SIGPIPE ignored: systemd's `IgnoreSIGPIPE=yes`, said
 explicitly), hardened, restarted on failure within a start limit.
 
-The servers rpcfleet builds exit 1 after a failed bind (`exit-status` patch): `Restart=on-failure` retries
-an address that comes up late, within the start limit (a taken port: `failed` after it, its log naming
-the bind). Readiness is a HELLO (process.wait_ready), never `systemctl is-active`.
+The servers rpcfleet builds exit 1 after a failed bind (`exit-status` patch): the unit says `failed`
+(not a clean stop) and is not restarted for it (`RestartPreventExitStatus=1`: a port another program
+holds is no loop); it starts after network-online.target, so a late address is waited for before.
+Readiness is a HELLO (process.wait_ready), never `systemctl is-active`.
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def render_unit(
         # Line-buffered stdout, as the process supervisor's log: the journal gets each line at once.
         "ExecStart=" + " ".join(_exec_quote(a) for a in ["stdbuf", "-oL", *argv]),
         "Restart=on-failure",
+        # Status 1 is a failed bind (the exit-status patch) or a bad flag: shown as `failed`, never looped
+        # on (a port another program holds). A late address is network-online.target's to wait for.
+        "RestartPreventExitStatus=1",
         f"RestartSec={RESTART_SEC}",
         "TimeoutStopSec=5",
         "IgnoreSIGPIPE=yes",
@@ -148,11 +152,43 @@ def render_unit(
         f"BindPaths={_exec_quote(cache)}",
         f"ReadWritePaths={_exec_quote(cache)}",
         "PrivateTmp=yes",
+        *([] if user else _system_hardening(argv[0])),
         "",
         "[Install]",
         f"WantedBy={'default.target' if user else 'multi-user.target'}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _system_hardening(binary: str) -> list[str]:
+    """A system unit's sandbox beyond the user unit's (a user manager cannot apply most of it without
+    unprivileged user namespaces). No capabilities, the address families a server and its libraries use,
+    the system calls of a service, no kernel tunables, modules, logs, clock or namespaces. W^X memory only
+    for the CPU build: llvmpipe's Vulkan and CUDA's PTX compile code at run time. Devices stay visible:
+    a GPU server needs /dev/dri or /dev/nvidia*. `systemd-analyze security` grades the result
+    (bench/security.py)."""
+    cpu_only = "-cpu-" in binary  # the artifact's id is in its path: versions/rpc-server-P-BACKEND-...
+    return [
+        "CapabilityBoundingSet=",
+        "AmbientCapabilities=",
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+        "SystemCallFilter=@system-service",
+        "SystemCallArchitectures=native",
+        "LockPersonality=yes",
+        *(["MemoryDenyWriteExecute=yes"] if cpu_only else []),
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "RemoveIPC=yes",
+        "UMask=0077",  # the cache's files are the server's alone
+    ]
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ def test_sigterm_during_a_deploy(int_lab: Lab, tmp_path: Path) -> None:
         inventory = tmp_path / f"inv{round_no}.yml"
         inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
         command = Command(["deploy", "-i", str(inventory), "--forks", "1"])
-        info = NodeView(int_lab, hosts[0]).root / "run/lock.info"
+        info = NodeView(int_lab, hosts[0]).root / "lock.info"
         command.wait_for(lambda c=command, i=info: i.exists() and str(c.proc.pid) in i.read_text())
         status = command.terminate()
         err = command.text()

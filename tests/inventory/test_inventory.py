@@ -701,3 +701,16 @@ def test_select_hosts_errors(fleet: Any, pattern: str, message: str) -> None:
     with pytest.raises(HostPatternError) as info:
         select_hosts(fleet, pattern)
     assert str(info.value) == message
+
+
+def test_ansible_become_is_refused_with_the_way_out_not_ignored() -> None:
+    """A login user with sudo would have run every step unprivileged while the inventory said root."""
+    for text, name, where in [
+        ("all:\n  hosts:\n    a:\n      ansible_become: true\n", "inv.yml", "inv.yml:4:23: "),
+        ("[g]\na ansible_become=yes\n", "inv.ini", "inv.ini:2:18: "),
+    ]:
+        with pytest.raises(InventoryError) as info:
+            load(text, name)
+        assert str(info.value).startswith(where + "ansible_become: rpcfleet does not escalate"), info.value
+        assert "ansible_user: root" in str(info.value)
+    assert load("all:\n  hosts:\n    a:\n      ansible_become: false\n").hosts[0].name == "a"

@@ -25,22 +25,9 @@ from orchestrator.artifacts.store import load_artifact
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.state import Lab
 from orchestrator.rpc.client import probe_endpoint
-from tests.plugins.lab import require_lab_privileges, session_lab_name
+from tests.plugins.lab import hold_from, require_lab_privileges, session_lab_name
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# A client that connects, completes HELLO (protocol 7: 9-byte header, 24 zero bytes of capabilities),
-# reads the reply and then holds the connection without a byte more, printing "held".
-HOLD = """
-import socket, struct, sys, time
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
-s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))
-got = b""
-while len(got) < 8 + 28:
-    got += s.recv(64)
-print("held", flush=True)
-time.sleep(3600)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +46,11 @@ def keepalive_lab() -> Iterator[Lab]:
         lab_down(name)
 
 
-def hold_from(lab: Lab, node: int, endpoint: tuple[str, int]) -> subprocess.Popen[str]:
-    """A client holding `endpoint` from inside node `node`'s namespaces."""
-    holder = lab.nodes[node - 1].holder_pid()
-    assert holder is not None
-    proc = subprocess.Popen(
-        ["nsenter", "-t", str(holder), "-n", "--", sys.executable, "-c", HOLD, endpoint[0], str(endpoint[1])],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
+def hold(lab: Lab, node: int, address: str) -> subprocess.Popen[str]:
+    """A client in node `node` holding `address`'s server."""
+    client = hold_from(lab, node, address, 50052)
+    assert client is not None, "the server was busy"
+    return client
 
 
 def hello(endpoint: str) -> str:
@@ -89,7 +71,7 @@ def test_the_deployed_server_is_built_with_the_keepalive_patch(keepalive_lab: La
 def test_a_vanished_foreign_client_frees_the_server_within_60_s(keepalive_lab: Lab) -> None:
     server = keepalive_lab.nodes[0]
     endpoint = f"{server.address}:50052"
-    client = hold_from(keepalive_lab, 2, (server.address, 50052))
+    client = hold(keepalive_lab, 2, server.address)
     try:
         assert hello(endpoint) == "busy"  # it serves the other node's client
         keepalive_lab.firewall_drop(2, outgoing=True)  # node 2 vanishes: nothing of it reaches the server
@@ -109,7 +91,7 @@ def test_a_vanished_foreign_client_frees_the_server_within_60_s(keepalive_lab: L
 def test_a_live_idle_client_is_never_cut(keepalive_lab: Lab) -> None:
     server = keepalive_lab.nodes[0]
     endpoint = f"{server.address}:50052"
-    client = hold_from(keepalive_lab, 2, (server.address, 50052))
+    client = hold(keepalive_lab, 2, server.address)
     try:
         time.sleep(45)  # past 15 s idle + 3 probes x 5 s, and past the 30 s user timeout
         assert client.poll() is None

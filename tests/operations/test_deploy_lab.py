@@ -235,14 +235,15 @@ async def test_a_port_taken_after_a_crash_is_a_reason_not_a_loop(
     os.kill(pid, signal.SIGKILL)
     squatter = _squat(lab, host)  # before the supervisor's restart, 1 s after the kill
     try:
-        wait_gone(loop, limit=5)  # one restart, a failed bind (exit status 0): the loop ends
+        wait_gone(loop, limit=5)  # one restart, a failed bind (status 1), the port another's: the loop ends
         status = (await _states([host]))[host.name]
         assert status.state == "crashed" and "could not bind its port" in status.message, status
         assert f"port {host.rpc_port} is taken" in status.message  # by root's squatter, unseen by the user
-        assert (status.restarts, status.last_exit) == (1, "exited with status 0")
+        taken = f"could not bind: port {host.rpc_port} is taken by another program"
+        assert (status.restarts, status.last_exit) == (1, taken)
         log = _node_read(lab, host, "rpcfleet/log/rpc-server.log")
         assert log.count("(restart ") == 1 and "Failed to create server socket" in log
-        assert "exited with status 0: not restarted" in log
+        assert f"{taken}: not restarted" in log
     finally:
         lab.node_exec(host.name, ["kill", str(squatter)], check=False)
     back = (await _run([host], make_deploy_step(chooser), "deploy")).results[0]

@@ -155,7 +155,7 @@ async def test_the_lock_file_is_owner_only_so_no_other_user_can_block_changes(op
     try:
         lock = await acquire(LocalConnection(host), host, "deploy")
         await lock.release()
-        made = open_dir / "rf" / "run" / "lock"
+        made = open_dir / "rf" / "lock"
         assert stat.S_IMODE(made.stat().st_mode) == 0o600
         assert not _someone_else_can_flock(made)
 
@@ -198,7 +198,7 @@ async def test_the_lock_records_an_odd_owner_and_folder_verbatim(tmp_path: Path)
     conn = LocalConnection(host, home=tmp_path)
     held = await conn.hold(f"sh -c {shlex.quote(lock_script(host.install_dir, owner, 0))}")
     assert await held.readline(5.0) == "@locked"
-    assert (folder / "run" / "lock.info").read_text().split(" ", 1)[1] == owner.describe() + "\n"
+    assert (folder / "lock.info").read_text().split(" ", 1)[1] == owner.describe() + "\n"
     assert not (tmp_path / "pwned").exists()
     await held.release()
 
@@ -208,7 +208,7 @@ async def test_a_holder_that_lets_go_while_it_is_looked_up_is_still_named(tmp_pa
     is the one that held it, not "another operator". Held here by a bare flock whose recorded shell is a
     pid that no longer exists, which is what a holder that just let go leaves behind."""
     host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
-    run = tmp_path / "rf" / "run"
+    run = tmp_path / "rf"  # the lock and its info: in the install dir itself
     run.mkdir(parents=True)
     gone = await asyncio.create_subprocess_exec("true")
     await gone.wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shlex
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,8 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab.state import Lab
+from orchestrator.operations.cache import cache_path, upload_script
+from orchestrator.operations.cache_stream import TEMP_PREFIX
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions
@@ -31,6 +34,7 @@ from tests.plugins.lab import lab_hosts_of, own_lab
 pytestmark = pytest.mark.lab
 
 INSTALL = "/opt/rpcfleet"  # outside every home: reachable for the dedicated user
+AS_SERVER_USER = ["setpriv", "--reuid=rpcfleet", "--regid=rpcfleet", "--init-groups", "sh", "-c"]
 
 
 class FixedArtifact(ArtifactChooser):
@@ -195,3 +199,43 @@ async def test_what_cannot_run_as_the_user_is_a_clear_error(
         assert "rpc_run_as: rpcfleet needs rpcfleet to connect as root" in str(failed.error), failed.error
     finally:
         await _run([as_lab_user], make_service_step("stopped", OperationOptions(force=True)), "stop")
+
+
+async def test_root_never_writes_through_a_link_the_server_user_planted(
+    ra_lab: Lab, root_host: Host, chooser: ArtifactChooser
+) -> None:
+    """The server's user owns run/, log/ and cache/. A compromised server plants links there to files
+    only root may change; the next deploy, start, lock and cache warm (as root) leave those files as
+    they were: the lock lives in the install dir, the log marker and the loop's script are written as the
+    server's user, and the cache takes fresh files only (noclobber)."""
+    deployed = (await _run([root_host], make_deploy_step(chooser), "deploy")).results[0]
+    assert deployed.status == "changed", deployed.message
+    await _run([root_host], make_service_step("stopped", OperationOptions(force=True)), "stop")
+    targets = {f"/etc/rpcfleet-target-{i}": f"a file of root, {i}" for i in range(5)}
+    for path, text in targets.items():
+        ra_lab.node_exec(1, ["sh", "-c", f"printf %s '{text}' > {path} && chmod 644 {path}"])
+
+    def plant(link: str, target: str) -> None:
+        ra_lab.node_exec(
+            1, [*AS_SERVER_USER, f'mkdir -p "$(dirname {link})" && rm -f {link} && ln -s {target} {link}']
+        )
+
+    plant(f"{INSTALL}/run/lock", "/etc/rpcfleet-target-0")  # the old lock's place: chmod 600 followed it
+    plant(f"{INSTALL}/run/lock.info", "/etc/rpcfleet-target-1")
+    started = await _run([root_host], make_service_step("running", OperationOptions()), "start")
+    assert started.results[0].status == "changed", started.results[0].message
+    await _run([root_host], make_service_step("stopped", OperationOptions(force=True)), "stop")
+    for link, target in [("log/rpc-server.log", 2), ("run/rpc-supervise.sh.tmp", 3)]:
+        plant(f"{INSTALL}/{link}", f"/etc/rpcfleet-target-{target}")  # the start is refused: written as
+        refused = await _run([root_host], make_service_step("running", OperationOptions()), "start")
+        assert refused.results[0].status == "failed", refused.results[0].message  # the user, it may not
+        ra_lab.node_exec(1, ["rm", "-f", f"{INSTALL}/{link}"])
+    # The cache warm's upload: a link planted at its temporary name is not written through.
+    script = upload_script(root_host, "0123456789abcdef", 4).replace("$$", "77")
+    tmp = f"{cache_path(root_host)}/{TEMP_PREFIX}0123456789abcdef.77"
+    plant(tmp, "/etc/rpcfleet-target-4")
+    ra_lab.node_exec(1, ["sh", "-c", f"printf abcd | sh -c {shlex.quote(script)}"])
+    for path, text in targets.items():
+        got = ra_lab.node_exec(1, ["stat", "-c", "%a %U", path]).stdout.split()
+        assert got == ["644", "root"], (path, got)
+        assert ra_lab.node_exec(1, ["cat", path]).stdout == text, path

@@ -245,7 +245,7 @@ def test_sigint_to_the_cli_during_a_deploy_prints_the_recap_and_the_finishing_co
 
         deadline = time.monotonic() + 60
         # The deploy takes every host's lock (each lock file names it) before it changes any.
-        infos = [NodeView(lab, h).root / "run/lock.info" for h in fleet]
+        infos = [NodeView(lab, h).root / "lock.info" for h in fleet]
         while not all(info.exists() and str(child.pid) in info.read_text() for info in infos):
             assert child.poll() is None and time.monotonic() < deadline, "the deploy never held its locks"
             time.sleep(0.01)
@@ -532,7 +532,7 @@ def _holder(lab: Lab, host: Host, *, wait_s: float = 0.0, expect: str = "locked"
 
 def _held_on_node(lab: Lab, host: Host) -> bool:
     """Whether someone holds the lock, asked of the kernel (a flock of its own, not rpcfleet's answer)."""
-    path = NodeView(lab, host).root / "run/lock"
+    path = NodeView(lab, host).root / "lock"
     return subprocess.run(["flock", "-n", str(path), "true"], check=False, timeout=10).returncode != 0
 
 
@@ -596,7 +596,7 @@ async def test_a_controller_cut_off_loses_its_lock_within_the_silence_limit(
             await lock.release()
         assert took < SILENCE_S + 10.0, took  # the silence rule (headroom for load), before wait_s
         # The node's lock file is owner-only (issue 20): no other local user can block changes with it.
-        assert ((NodeView(lab, host).root / "run/lock").stat().st_mode & 0o777) == 0o600
+        assert ((NodeView(lab, host).root / "lock").stat().st_mode & 0o777) == 0o600
     finally:
         for rule in rules:
             lab.node_exec(host.name, ["iptables", "-w", "-D", *rule], check=False)
@@ -641,7 +641,7 @@ async def test_a_deploy_cut_off_mid_run_loses_its_lock_and_another_operator_gets
     rules: list[list[str]] = []
     try:
         deadline = time.monotonic() + 60
-        lock_file = NodeView(lab, host).root / "run/lock"
+        lock_file = NodeView(lab, host).root / "lock"
         while not (lock_file.exists() and _held_on_node(lab, host)):
             assert deploy.poll() is None, f"deploy ended before it held the lock: {deploy.stderr}"
             assert time.monotonic() < deadline, "deploy never took the node's lock"
@@ -729,5 +729,5 @@ async def test_a_waiter_whose_controller_dies_leaves_nothing_waiting_on_the_node
         assert poll(lambda: not _waiting_flocks(lab, host) or None, timeout=5.0, interval=0.05)
         await lock.release()
         third = await acquire(conn, host, "third")  # at once: no leftover waiter took it
-        assert "third" in (NodeView(lab, host).root / "run/lock.info").read_text()
+        assert "third" in (NodeView(lab, host).root / "lock.info").read_text()
         await third.release()

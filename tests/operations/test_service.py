@@ -88,9 +88,11 @@ def test_server_argv_and_launch_line() -> None:
     ]
     script = launch_script(host, "/home/lab/i", "v1")
     assert "trap '' PIPE" in script
-    loop = 'setsid nohup $as sh "$D/run/rpc-supervise.sh" "$D" v1 '  # the loop (as $as) runs the line
+    # the loop, as $as, opens its log itself and runs the line
+    loop = """setsid nohup $as sh -c 'exec >>"$1" 2>&1; shift; exec sh "$@"' sh "$D/log/rpc-server.log" """
+    loop += '"$D/run/rpc-supervise.sh" "$D" v1 '
     assert loop + "env LLAMA_CACHE=/home/lab/i/cache GGML_RPC_DEBUG=1 stdbuf -oL " in script
-    assert '</dev/null >>"$D/log/rpc-server.log" 2>&1 &\ni=0' in script  # never `&& ... &`
+    assert "</dev/null >/dev/null 2>&1 &\ni=0" in script  # never `&& ... &`
     assert "GGML_RPC_DEBUG" not in launch_script(H, "/i", "v1")
     assert "-d" not in server_argv(H, "/i", "v1") and "-c" not in server_argv(H, "/i", "v1")
 

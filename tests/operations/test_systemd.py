@@ -290,3 +290,28 @@ def test_a_unit_whose_server_exited_by_itself_on_a_taken_port_failed_to_bind() -
     assert stopped.state == "stopped"  # killed by systemctl stop's SIGTERM: not a failure
     gave_up = classify(H, _state(_host_unit("x", _props("failed", code="1", status="1"))), None)
     assert gave_up.state == "crashed" and "exited with status 1" in gave_up.message
+
+
+def test_the_system_unit_is_sandboxed_and_wx_memory_is_denied_to_the_cpu_build_only() -> None:
+    host = Host(name="n1", address="10.0.0.1")
+    cpu = render_unit(
+        host, "/opt/rf", ["/opt/rf/versions/rpc-server-7.0.0-cpu-linux-x86_64-1/bin/s"], {}, user=False
+    )
+    vulkan = render_unit(
+        host, "/opt/rf", ["/opt/rf/versions/rpc-server-7.0.0-vulkan-linux-x86_64-1/bin/s"], {}, user=False
+    )
+    for key, value in [
+        ("CapabilityBoundingSet", ""),
+        ("RestrictAddressFamilies", "AF_INET AF_INET6 AF_UNIX"),
+        ("SystemCallFilter", "@system-service"),
+        ("LockPersonality", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelLogs", "yes"),
+        ("RestrictNamespaces", "yes"),
+    ]:
+        assert _lines(cpu, key) == [value] and _lines(vulkan, key) == [value], key
+    assert _lines(cpu, "MemoryDenyWriteExecute") == ["yes"]
+    assert _lines(vulkan, "MemoryDenyWriteExecute") == []  # llvmpipe and CUDA compile code at run time
+    user_unit = render_unit(host, "/home/lab/rf", ["/home/lab/rf/versions/x-cpu-y/bin/s"], {}, user=True)
+    assert _lines(user_unit, "CapabilityBoundingSet") == []  # a user manager cannot apply most of it

@@ -11,7 +11,13 @@ Faults (`FAULTS`): `kill9` (SIGKILL of a node's server; the process supervisor r
 node's veth down for `cut_seconds`, then up), `sshd` (the node's sshd killed; `rpcfleet lab repair`),
 `reboot` (a power cut of the node; `lab repair`, then `rpcfleet start` for it: the process supervisor
 died with the node), `rolling` (serve's `POST /admin/reload` with a rolling restart), `deploy` (a second
-operator's `rpcfleet deploy` from another process: it must change nothing, or refuse busy servers).
+operator's `rpcfleet deploy` from another process: it must change nothing, or refuse busy servers),
+`foreign` (the node's server killed, and a client on the next node takes it as the supervisor restarts it,
+then vanishes: its packets dropped both ways, its process killed; the rule stays `foreign_seconds`, longer
+than the server's keepalive, so no rpcfleet command and no FIN frees the server: its own kernel must).
+
+Availability is a rule: of the requests sent outside every fault's window (from its injection to
+`recovery_s` after its heal, serve's target to serve again), at least `availability` are answered.
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ import psutil
 
 from orchestrator.inventory.model import Host
 from orchestrator.lab.state import Lab
-from tests.plugins.lab import lab_hosts_of
+from tests.plugins.lab import hold_from, lab_hosts_of
 from tests.plugins.servers import free_port
 
-FAULTS = ("kill9", "cut", "sshd", "reboot", "rolling", "deploy")
+FAULTS = ("kill9", "cut", "sshd", "reboot", "rolling", "deploy", "foreign")
 KEY = "chaos-key"
 ADMIN_KEY = "chaos-admin-key"  # a rolling restart needs it (the API key may not)
 MODEL_NAME = "gemma"
@@ -82,6 +88,7 @@ class Result:
     seconds: float
     engines: int = 0  # llama-server processes serve started during the soak (one per load)
     stray_engines: list[int] = field(default_factory=list)  # others dialing the lab at the end
+    available: tuple[int, int] = (0, 0)  # answered, sent: the requests sent outside every fault's window
 
     def count(self, outcome: str) -> int:
         return sum(r.outcome == outcome for r in self.requests)
@@ -118,8 +125,12 @@ class Chaos:
         request_timeout: float = 60.0,
         command_timeout: float = 180.0,
         max_tokens: int = 48,
+        recovery_s: float = 60.0,
+        availability: float = 0.9,
+        foreign_seconds: float = 40.0,
         say: Callable[[str], None] = lambda _: None,
     ) -> None:
+        self.recovery_s, self.availability, self.foreign_seconds = recovery_s, availability, foreign_seconds
         self.lab, self.model, self.workdir = lab, model, workdir
         self.clients, self.cut_seconds, self.whole_limit = clients, cut_seconds, whole_limit
         self.request_timeout, self.command_timeout, self.max_tokens = (
@@ -411,7 +422,7 @@ class Chaos:
 
     def fault(self, kind: str, node: str) -> Fault:
         """Inject `kind` (on `node` where it has one), heal it, and wait for the whole fleet."""
-        endpoint = self.host(node).endpoint if kind in ("kill9", "cut", "reboot") else None
+        endpoint = self.host(node).endpoint if kind in ("kill9", "cut", "reboot", "foreign") else None
         if endpoint is not None and not self.wait_streaming(60):
             self.say(f"{kind}: no request streaming after 60 s; the fault lands on none")
         engine_before = self.engine_pid()
@@ -508,6 +519,37 @@ class Chaos:
         if after != before:
             self.violation(f"deploy by a second operator changed the servers: {before} -> {after}")
 
+    def _foreign(self, record: Fault, node: str) -> None:
+        target = self.host(node)
+        names = [h.name for h in self.hosts]
+        client_node = names[(names.index(node) + 1) % len(names)]
+        pid = _rpc_server_pid(self.lab, node)
+        if pid is None:
+            raise RuntimeError(f"no rpc-server on {node}")
+        os.kill(pid, signal.SIGKILL)  # the supervisor restarts it after 1 s: the client is there first
+        client = hold_from(self.lab, client_node, target.address, target.rpc_port, seconds=10)
+        if client is None:
+            record.notes.append("serve took the server back first: no foreign client")
+            return
+        port = f"{target.rpc_port}"
+        rules = [
+            ["OUTPUT", "-p", "tcp", "-d", target.address, "--dport", port, "-j", "DROP"],
+            ["INPUT", "-p", "tcp", "-s", target.address, "--sport", port, "-j", "DROP"],
+        ]
+        namespace = self.lab.node(client_node).namespace
+        assert namespace is not None
+        iptables = ["ip", "netns", "exec", namespace, "iptables", "-w"]
+        for rule in rules:  # the client's node vanishes for this server: no FIN, no RST, no probe answer
+            subprocess.run([*iptables, "-I", *rule], check=True)
+        try:
+            client.kill()
+            client.wait()
+            record.notes.append(f"held from {client_node}, then gone")
+            time.sleep(self.foreign_seconds)
+        finally:
+            for rule in rules:
+                subprocess.run([*iptables, "-D", *rule], check=False)
+
     # -- the end
     def finish(self) -> Result:
         """Stop the clients, let serve settle, and run the end's checks."""
@@ -517,6 +559,7 @@ class Chaos:
             if thread.is_alive():
                 self.violation(f"{thread.name} did not end within {self.request_timeout + 15:g} s")
         self._check_failures()
+        available = self._availability()
         assert self.serve is not None
         pid_kept = self.serve.poll() is None and int(self.health()["pid"]) == self.pid == self.serve.pid
         if not pid_kept:
@@ -544,7 +587,21 @@ class Chaos:
             time.monotonic() - self._started,
             len(self.engine_pids),
             stray,
+            available,
         )
+
+    def _availability(self) -> tuple[int, int]:
+        """Answered and sent among the requests sent outside every fault's window; a violation below the
+        rule."""
+        windows = [(f.injected, f.healed + self.recovery_s) for f in self.faults]
+        outside = [r for r in self.requests if not any(a <= r.sent <= b for a, b in windows)]
+        answered = sum(r.outcome == "answered" for r in outside)
+        if outside and answered < self.availability * len(outside):
+            self.violation(
+                f"availability: {answered} of the {len(outside)} requests sent outside the faults' windows "
+                f"(each to {self.recovery_s:g} s after its heal) answered, under {self.availability:.0%}"
+            )
+        return answered, len(outside)
 
     def _check_failures(self) -> None:
         """Each failed request: a 503 naming the faulted node, in flight at that fault."""

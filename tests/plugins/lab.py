@@ -17,6 +17,7 @@ import itertools
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -127,3 +128,46 @@ def leftovers(lab: Lab) -> list[str]:
     cgroup = Path("/sys/fs/cgroup")  # a node's own cgroups (systemd nodes, --cpus), in every hierarchy
     found += [f"cgroup {p}" for p in [*cgroup.glob(f"rfl{lab.slot}-*"), *cgroup.glob(f"*/rfl{lab.slot}-*")]]
     return found
+
+
+# A client that connects, completes HELLO (protocol 7: 9-byte header, 24 zero bytes of capabilities),
+# reads the reply and then holds the connection without a byte more, printing "held". A server busy
+# with another client answers no HELLO: it tries again until `seconds` have passed ("busy" then).
+_HOLD = """
+import socket, struct, sys, time
+deadline = time.monotonic() + float(sys.argv[3])
+while True:
+    try:
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)
+        s.sendall(struct.pack("<BQ", 14, 24) + bytes(24))
+        got = b""
+        while len(got) < 8 + 28:
+            chunk = s.recv(64)
+            if not chunk:
+                raise OSError("closed")
+            got += chunk
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            print("busy", flush=True)
+            sys.exit(1)
+        time.sleep(0.05)
+print("held", flush=True)
+time.sleep(3600)
+"""
+
+
+def hold_from(
+    lab: Lab, node: str | int, address: str, port: int, seconds: float = 10
+) -> subprocess.Popen[str] | None:
+    """A client in node `node`'s network namespace holding the server at `address:port` (None: it did
+    not get the server within `seconds`). Kill it to let go."""
+    holder = lab.node(node).holder_pid()
+    assert holder is not None
+    argv = ["nsenter", "-t", str(holder), "-n", "--", sys.executable, "-c", _HOLD, address, str(port)]
+    proc = subprocess.Popen([*argv, str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() == "held":
+        return proc
+    proc.wait()
+    return None

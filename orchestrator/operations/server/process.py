@@ -87,13 +87,21 @@ def launch_script(
             *_retire_loop(files),
             _taken_check(port),
             f'if [ -f {log} ] && [ "$(wc -c < {log})" -gt {LOG_ROTATE_BYTES} ]; then mv -f {log} {log}.1; fi',
-            f'echo "{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ===" >> {log}',
-            f"printf '%s' {q(supervise_sh(files))} > {script}.tmp && mv -f {script}.tmp {script} || exit 1",
             f"rm -f {pid_file}",
             *as_user_lines(user, login, f"{install_dir}/versions/{version}/bin/{SERVER_BINARY}"),
+            # Written as the server's user ($as): root never writes through a name in that user's folders
+            # (a link planted there would make root write wherever it points).
+            f'marker="{LOG_MARKER} {version} at $(date -u +%Y-%m-%dT%H:%M:%SZ) ==="',
+            f"""$as sh -c 'echo "$1" >> "$2"' sh "$marker" {log} ||""",
+            '  { echo "@error the server\'s user cannot write its log (a link planted there?)"; exit 0; }',
+            f"""$as sh -c 'printf "%s" "$1" > "$2.tmp" && mv -f "$2.tmp" "$2"' sh {q(supervise_sh(files))} """
+            f"{script} ||",
+            '  { echo "@error the server\'s user cannot write its loop\'s script in run/"; exit 0; }',
             'if [ -n "$as" ]; then cd /; else cd ~ || cd /; fi',  # another user may not enter this HOME
             "trap '' PIPE",
-            f'setsid nohup $as sh {script} "$D" {q(version)} {command} </dev/null >>{log} 2>&1 &',
+            # The log is opened by the loop itself, as its user: never by root through a planted link.
+            f"""setsid nohup $as sh -c 'exec >>"$1" 2>&1; shift; exec sh "$@"' sh {log} {script} "$D" """
+            f"{q(version)} {command} </dev/null >/dev/null 2>&1 &",
             f"i=0; while [ ! -s {pid_file} ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done",
             f"pid=$(head -n 1 {pid_file} 2>/dev/null)",
             'if [ -n "$pid" ]; then echo "@started $pid"; else echo "@pid 0"; fi',
