@@ -18,7 +18,7 @@ checks are tests/plugins/chaos.py (tests/serve/test_chaos_lab.py runs each fault
 Pass: nothing hangs past its timeout, every request ends (answered, refused with 503 + Retry-After, or
 failed with a 503 naming the faulted node while in flight at its fault), the fleet is whole (ready on 3
 nodes) after each heal, serve keeps its pid and its descriptors, no server is left an orphan (no node's
-rpc-server, no llama-server beside serve's one engine), and at least 90% of the requests sent outside
+rpc-server, no llama-server beside serve's one engine), and at least 90% of the requests clear of
 every fault's window (its injection to `--recovery` seconds after its heal) are answered. Exit status
 0 on a pass, 1 otherwise.
 """
@@ -67,11 +67,11 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
         f"| {result.engines} |",
         f"| llama-server processes beside serve's engine at the end "
         f"| {', '.join(map(str, result.stray_engines)) or 'none'} |",
-        f"| availability: answered of those sent outside the faults' windows (each to "
+        f"| availability: answered of the requests clear of the faults' windows (each to "
         f"{args.recovery:g} s after its heal; the rule: 90%) | {answered} of {outside}"
         f" ({answered / outside:.0%}) |"
         if outside
-        else "| availability: no request sent outside the faults' windows | - |",
+        else "| availability: no request clear of the faults' windows | - |",
     ]
     started = min((r.sent for r in result.requests), default=0.0)
     faults = []

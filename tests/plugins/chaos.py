@@ -16,8 +16,9 @@ operator's `rpcfleet deploy` from another process: it must change nothing, or re
 then vanishes: its packets dropped both ways, its process killed; the rule stays `foreign_seconds`, longer
 than the server's keepalive, so no rpcfleet command and no FIN frees the server: its own kernel must).
 
-Availability is a rule: of the requests sent outside every fault's window (from its injection to
-`recovery_s` after its heal, serve's target to serve again), at least `availability` are answered.
+Availability is a rule: of the requests whose life (sent to ended) is clear of every fault's window (from
+its injection to `recovery_s` after its heal, serve's target to serve again), at least `availability` are
+answered.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Result:
     seconds: float
     engines: int = 0  # llama-server processes serve started during the soak (one per load)
     stray_engines: list[int] = field(default_factory=list)  # others dialing the lab at the end
-    available: tuple[int, int] = (0, 0)  # answered, sent: the requests sent outside every fault's window
+    available: tuple[int, int] = (0, 0)  # answered, all: the requests clear of every fault's window
 
     def count(self, outcome: str) -> int:
         return sum(r.outcome == outcome for r in self.requests)
@@ -591,14 +592,15 @@ class Chaos:
         )
 
     def _availability(self) -> tuple[int, int]:
-        """Answered and sent among the requests sent outside every fault's window; a violation below the
+        """Answered and all among the requests clear of every fault's window; a violation below the
         rule."""
         windows = [(f.injected, f.healed + self.recovery_s) for f in self.faults]
-        outside = [r for r in self.requests if not any(a <= r.sent <= b for a, b in windows)]
+        # Outside: its whole life (sent to ended) clear of every window, so one in flight at a fault is in.
+        outside = [r for r in self.requests if not any(r.sent <= b and r.ended >= a for a, b in windows)]
         answered = sum(r.outcome == "answered" for r in outside)
         if outside and answered < self.availability * len(outside):
             self.violation(
-                f"availability: {answered} of the {len(outside)} requests sent outside the faults' windows "
+                f"availability: {answered} of the {len(outside)} requests clear of the faults' windows "
                 f"(each to {self.recovery_s:g} s after its heal) answered, under {self.availability:.0%}"
             )
         return answered, len(outside)
