@@ -96,7 +96,7 @@ def launch_script(
             '  { echo "@error the server\'s user cannot write its log (a link planted there?)"; exit 0; }',
             f"""$as sh -c 'printf "%s" "$1" > "$2.tmp" && mv -f "$2.tmp" "$2"' sh {q(supervise_sh(files))} """
             f"{script} ||",
-            '  { echo "@error the server\'s user cannot write its loop\'s script in run/"; exit 0; }',
+            "  { echo \"@error the server's user cannot write its loop's script in run/\"; exit 0; }",
             'if [ -n "$as" ]; then cd /; else cd ~ || cd /; fi',  # another user may not enter this HOME
             "trap '' PIPE",
             # The log is opened by the loop itself, as its user: never by root through a planted link.
