@@ -268,6 +268,17 @@ def test_a_scrape_never_waits_on_the_fleet(
         collector.stop()
 
 
+def _exporter_argv(host: Host, tmp_path: Path, port: int) -> list[str]:
+    """`rpcfleet exporter` on an inventory of `host` alone, rounds of 60 s."""
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(
+        f"hosts:\n  {host.name}:\n    address: {host.address}\n    ssh_port: {host.ssh_port}\n"
+        f"    ssh_user: {host.ssh_user}\n    ssh_known_hosts: {host.ssh_known_hosts}\n"
+    )
+    argv = [sys.executable, "-m", "orchestrator", "exporter", "-i", str(inventory), "--port", str(port)]
+    return [*argv, "--interval", "60", "--timeout", "60", "--no-cache"]
+
+
 def test_the_exporter_command_serves_and_probes_on_one_loop_and_stops_at_once(
     silent_host: Callable[[], Host], tmp_path: Path
 ) -> None:
@@ -275,14 +286,8 @@ def test_the_exporter_command_serves_and_probes_on_one_loop_and_stops_at_once(
     their own): scrapes during a round held by a silent host still answer at once (the round awaits, it
     never blocks the loop), and Ctrl-C ends the command, the round in progress cancelled, silently."""
     host = silent_host()
-    inventory = tmp_path / "inventory.yml"
-    inventory.write_text(
-        f"hosts:\n  {host.name}:\n    address: {host.address}\n    ssh_port: {host.ssh_port}\n"
-        f"    ssh_user: {host.ssh_user}\n    ssh_known_hosts: {host.ssh_known_hosts}\n"
-    )
     port = free_port()
-    argv = [sys.executable, "-m", "orchestrator", "exporter", "-i", str(inventory), "--port", str(port)]
-    argv += ["--interval", "60", "--timeout", "60", "--no-cache"]
+    argv = _exporter_argv(host, tmp_path, port)
     env = {**os.environ, "RPCFLEET_HOME": str(tmp_path / "home")}
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     try:
@@ -451,14 +456,8 @@ def test_the_keyless_exporter_refuses_a_foreign_host_and_bounds_the_login_body(
 ) -> None:
     """The real `rpcfleet exporter` command (the guard is in front of its app, not in a test's)."""
     host = silent_host()
-    inventory = tmp_path / "inventory.yml"
-    inventory.write_text(
-        f"hosts:\n  {host.name}:\n    address: {host.address}\n    ssh_port: {host.ssh_port}\n"
-        f"    ssh_user: {host.ssh_user}\n    ssh_known_hosts: {host.ssh_known_hosts}\n"
-    )
     port = free_port()
-    argv = [sys.executable, "-m", "orchestrator", "exporter", "-i", str(inventory), "--port", str(port)]
-    argv += ["--interval", "60", "--timeout", "60", "--no-cache"]
+    argv = _exporter_argv(host, tmp_path, port)
     env = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
     env["RPCFLEET_HOME"] = str(tmp_path / "home")
     process = subprocess.Popen(argv, env=env, cwd=ROOT)
