@@ -85,8 +85,8 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
     lines = [
         f"## {SECTION}",
         "",
-        f"`bench/chaos.py --minutes {minutes:g} --seed {seed} --recovery {args.recovery:g}`: `rpcfleet serve` "
-        "(engine: llama-server, "
+        f"`bench/chaos.py --minutes {minutes:g} --seed {seed} --recovery {args.recovery:g}`: "
+        "`rpcfleet serve` (engine: llama-server, "
         f"{parallel} slots) with Gemma 3 270M Q4_K_M on a lab of 3 network-namespace nodes (real OpenSSH, "
         f"CPU `ggml-rpc-server`s under the process supervisor), {clients} clients streaming {tokens}-token "
         "completions without a pause (the official `openai` client), a random fault every 20-40 s "
