@@ -115,7 +115,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the faults' schedule (default 0)")
     parser.add_argument("--cut-seconds", type=float, default=20.0, help="a cut link lasts (default 20 s)")
     parser.add_argument(
-        "--recovery", type=float, default=60.0, help="seconds after a heal outside the availability rule (60)"
+        "--recovery", type=float, default=20.0, help="seconds after a heal outside the availability rule (20)"
     )
     args = parser.parse_args()
     if not privileged():
