@@ -375,6 +375,29 @@ class PortOwner:
 
 
 @dataclass(frozen=True)
+class FirewallRulesFact(Fact[int | None]):
+    """How many of rpcfleet's rules for `port` are in INPUT (operations.firewall: the comment
+    `rpcfleet <install dir> <port>`, quoted by `iptables -S` as it holds spaces); None when they cannot
+    be read (no iptables, not root)."""
+
+    port: int
+    name: ClassVar[str] = "firewall_rules"
+
+    def command(self) -> str:
+        port = int(self.port)
+        return (
+            "IPT=$(command -v iptables || ls /usr/sbin/iptables /sbin/iptables 2>/dev/null | head -n 1); "
+            '[ -n "$IPT" ] && [ "$(id -u)" = 0 ] || exit 3; '
+            '"$IPT" -w -S INPUT | grep -e "^-A " | sed "s/\\$/ /" | grep -F -e " --dport '
+            f"{port} \" | grep -F -e '--comment \"rpcfleet ' | grep -c -F -e ' {port}\" ' || true"
+        )
+
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> int | None:
+        count = stdout.strip()
+        return int(count) if exit_status == 0 and count.isdigit() else None
+
+
+@dataclass(frozen=True)
 class PortOwnersFact(Fact[tuple[PortOwner, ...]]):
     """The processes listening on local TCP `port` that this user can see, each with its argv0."""
 

@@ -106,6 +106,11 @@ class Host:
         )
 
     @property
+    def firewalled(self) -> bool:
+        """Whether rpcfleet keeps iptables rules for the server's port (`rpc_allow_from`, tcp only)."""
+        return self.rpc_transport == "tcp" and self.rpc_allow_from is not None
+
+    @property
     def tunneled(self) -> bool:
         """Whether the controller reaches the server through an SSH local forward."""
         return self.rpc_transport == "ssh" and self.connection == "ssh"

@@ -11,7 +11,8 @@ for `/root`, the lab user's home (`/home/<user>`, over a tmpfs `/home`) and `/op
 A small bash loop (`<node dir>/boot.sh`, argv[0] `<node dir>/boot`) moves itself into the node's own
 cgroup (`rfl<k>-<node>` in every writable hierarchy: otherwise all containers share one `/payload` tree)
 and runs nspawn (argv[0] `<node dir>/nspawn`), booting again when the node reboots itself (exit 133).
-The veth peer gets a fixed MAC derived from the address, so the host's ARP entry survives a reboot.
+The veth peer gets a fixed MAC derived from the address, so the host's ARP entry survives a reboot;
+the namespace's iptables rules do not (each boot flushes them, as a real boot starts with none).
 
 Stop = SIGTERM to nspawn (an orderly poweroff of the node's systemd), then whatever is left in the
 namespace is killed. The root stays mounted while a node is down (a reboot); `lab down` unmounts it.
@@ -196,6 +197,8 @@ def _boot_script(lab: Lab, node: LabNode) -> str:
         f"--network-namespace-path=/run/netns/{node.namespace}",
         "--register=no",
         "--keep-unit",
+        # root of a machine may change its own firewall (rpc_allow_from); the namespace is the node's
+        "--capability=CAP_NET_ADMIN",
         "--console=read-only",
         f"--bind={node.dir / 'roothome'}:/root",
         "--tmpfs=/home:mode=0755",
@@ -215,6 +218,10 @@ def _boot_script(lab: Lab, node: LabNode) -> str:
             *(cpu_groups.join_lines(machine(node), lab.cpus) if lab.cpus is not None else []),
             "while :; do",
             '  echo "=== $(date +%T.%N) boot"',
+            # A machine's firewall rules live in its kernel, lost at each boot unless something saves
+            # them; the node's namespace outlives its container, so a boot forgets them here.
+            f"  for t in filter nat mangle raw; do ip netns exec {q(node.namespace or '')} "
+            "iptables -w -t $t -F 2>/dev/null; done",
             f'  ( exec -a "$D/nspawn" {shlex.join(nspawn)} ) &',
             '  echo $! > "$D/nspawn.pid"; wait $!; rc=$?',
             '  echo "=== $(date +%T.%N) nspawn exit $rc"',

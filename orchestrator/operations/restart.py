@@ -32,6 +32,7 @@ from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, node_operation
 from orchestrator.operations.server.process import (
+    planned_start,
     refuse_if_busy,
     run_as_warning,
     start_server,
@@ -47,7 +48,6 @@ from orchestrator.operations.server.state import (
     probe_server,
     read_node_state,
 )
-from orchestrator.operations.server.steps import planned_start
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import DeviceMemory
 

@@ -115,11 +115,19 @@ def _env_quote(assignment: str) -> str:
 
 
 def render_unit(
-    host: Host, install_dir: str, argv: Sequence[str], env: Mapping[str, str], *, user: bool
+    host: Host,
+    install_dir: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    user: bool,
+    firewall: str | None = None,
 ) -> str:
     """Pure: the unit's text for the server started by `argv` with `env` (launch.server_argv and
     launch_env: the process supervisor's line) from `install_dir` (absolute, as the node expanded it).
-    `user`: a user unit (no User=, wanted by default.target)."""
+    `user`: a user unit (no User=, wanted by default.target). `firewall`: rpc_allow_from's rules script
+    (operations.firewall), run as root before every start, a boot's included; a start fails when it
+    cannot install them, so the port is never open to all."""
     cache = f"{install_dir}/cache"
     lines = [
         "# Written by rpcfleet: changes here are replaced by the next deploy.",
@@ -133,6 +141,8 @@ def render_unit(
         "[Service]",
         "Type=exec",
         *([] if user else [f"User={SERVICE_USER}", f"Group={SERVICE_USER}"]),
+        # `+`: with full privileges, outside the sandbox below (iptables needs root and netlink).
+        *([f"ExecStartPre=+/bin/sh {_exec_quote(firewall)}"] if firewall else []),
         *(f"Environment={_env_quote(f'{key}={value}')}" for key, value in sorted(env.items())),
         # Line-buffered stdout, as the process supervisor's log: the journal gets each line at once.
         "ExecStart=" + " ".join(_exec_quote(a) for a in ["stdbuf", "-oL", *argv]),

@@ -39,7 +39,7 @@ from orchestrator.operations.server.steps import (
 from orchestrator.operations.systemd import SERVICE_USER_MARK, unit_name
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import Outcome
-from tests.plugins.lab import lab_hosts_of, leftovers, own_lab
+from tests.plugins.lab import connect_from_node, lab_hosts_of, leftovers, own_lab
 from tests.waits import wait_until
 
 pytestmark = pytest.mark.lab
@@ -184,6 +184,27 @@ async def test_kill_9_comes_back_counted_and_a_reboot_starts_it_again(
     assert logs.ok and "Started rpcfleet-" in text and "client connection" not in text.lower(), text
     noisy = await _run([hosts[1]], make_logs_step(20, noise=True), "logs")
     assert str(noisy.results[0].value).lower().count("client connection") == 20
+
+
+async def test_after_a_reboot_the_port_is_closed_to_others_before_any_rpcfleet_command(
+    hosts: list[Host], sd_lab: Lab, chooser: ArtifactChooser
+) -> None:
+    """A reboot forgets every iptables rule; the enabled unit starts the server at boot, and its
+    ExecStartPre puts rpc_allow_from's rules back before the server listens."""
+    host = dataclasses.replace(hosts[1], rpc_allow_from=("controller",))
+    other = sd_lab.nodes[0]
+    try:
+        deployed = await _run([host], make_deploy_step(chooser), "deploy")
+        assert deployed.ok, [str(r.error) for r in deployed.failed]
+        assert connect_from_node(sd_lab, other, host.address, host.rpc_port) == "refused"
+        sd_lab.reboot(host.name)  # no rpcfleet command afterwards
+        await _until_hello(host, 10.0)  # the controller is let in
+        assert connect_from_node(sd_lab, other, host.address, host.rpc_port) == "refused"
+        assert (await _states([host]))[host.name].firewall == "ok"
+        sd_lab.node_exec(host.name, ["iptables", "-w", "-F", "INPUT"])
+        assert (await _states([host]))[host.name].firewall == "missing"
+    finally:
+        sd_lab.node_exec(host.name, ["iptables", "-w", "-F", "INPUT"])
 
 
 def _main_pid(lab: Lab, host: Host) -> int:

@@ -12,9 +12,10 @@ from orchestrator.connectors.tunnel import Tunnels, openssh_argv
 from orchestrator.core.errors import InventoryError, ServiceError
 from orchestrator.core.target import Target
 from orchestrator.inventory.load import load_inventory_text
-from orchestrator.operations.firewall import firewall_script
+from orchestrator.operations.firewall import CANNOT, firewall_script, rules_path, rules_script
 from orchestrator.operations.server.process import server_argv
-from orchestrator.operations.server.state import bind_policy
+from orchestrator.operations.server.state import bind_policy, firewall_state
+from orchestrator.operations.systemd import render_unit
 
 INVENTORY = """\
 vars:
@@ -86,11 +87,33 @@ def test_a_tcp_host_is_dialed_at_its_own_endpoint_without_a_forward() -> None:
 
 def test_firewall_script_tags_its_rules_and_resolves_the_controller() -> None:
     host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")
-    script = firewall_script(host, "~/rpcfleet", install=True)
-    assert "TAG='rpcfleet ~/rpcfleet 50052'" in script
-    assert "${SSH_CONNECTION%% *}" in script
-    assert "-s 10.0.0.0/24 --dport 50052 -j ACCEPT" in script
-    assert "--dport 50052 -j REJECT --reject-with tcp-reset" in script
-    assert "@noright" in script and "@notool" in script
-    removal = firewall_script(host, "~/rpcfleet", install=False)
+    script = firewall_script(host, "/home/u/rpcfleet", install=True)
+    assert "${SSH_CONNECTION%% *}" in script and "@nocontroller" in script
+    assert "F=/home/u/rpcfleet/firewall.sh" in script and 'exec sh "$F"' in script
+    rules = rules_script(host, "/home/u/rpcfleet")
+    assert "TAG='rpcfleet /home/u/rpcfleet 50052'" in rules
+    lines = [line for line in rules.splitlines() if "-I INPUT" in line]
+    assert "--ctstate ESTABLISHED,RELATED -j ACCEPT" in lines[0]  # a live client is never reset
+    assert '-s "$CTL" --dport 50052 -j ACCEPT' in lines[1]
+    assert "-s 10.0.0.0/24 --dport 50052 -j ACCEPT" in lines[2]
+    assert "--dport 50052 -j REJECT --reject-with tcp-reset" in lines[-1]
+    assert "@noright" in rules and f"@notool; exit {CANNOT}" in rules  # the unit's start fails then
+    removal = firewall_script(host, "/home/u/rpcfleet", install=False)
     assert "ACCEPT" not in removal and "-D INPUT" in removal
+
+
+def test_a_system_unit_installs_the_rules_before_every_start() -> None:
+    host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")
+    argv = ["/opt/r/versions/v/bin/rpc-server", "-p", "50052"]
+    text = render_unit(host, "/opt/r", argv, {}, user=False, firewall=rules_path(host, "/opt/r"))
+    assert "ExecStartPre=+/bin/sh /opt/r/firewall.sh\n" in text
+    assert "ExecStartPre" not in render_unit(host, "/opt/r", argv, {}, user=False)
+
+
+@pytest.mark.parametrize(
+    ("rules", "said"), [(None, "unknown"), (0, "missing"), (2, "partial"), (5, "ok"), (6, "partial")]
+)
+def test_status_counts_the_rules_the_inventory_asks_for(rules: int | None, said: str) -> None:
+    host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")  # 3 sources: 5 rules
+    assert firewall_state(host, rules) == said
+    assert firewall_state(load_inventory_text(INVENTORY, Path("inv.yml")).host("a"), rules) is None

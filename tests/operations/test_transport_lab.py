@@ -40,7 +40,8 @@ from orchestrator.lab.state import Lab, LabNode
 from orchestrator.operations.firewall import apply_firewall
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import Outcome
-from tests.plugins.lab import own_lab
+from orchestrator.rpc.wire import HELLO_REPLY_SIZE, device_count_request, hello_request
+from tests.plugins.lab import connect_from_controller, connect_from_node, own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
@@ -58,30 +59,6 @@ def _write_inventory(lab: Lab, path: Path, **common: Any) -> Path:
     doc["vars"].update(common)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
-
-
-def _connect_from_controller(address: str, port: int) -> str:
-    with socket.socket() as sock:
-        sock.settimeout(3)
-        try:
-            sock.connect((address, port))
-        except ConnectionRefusedError:
-            return "refused"
-        except TimeoutError:
-            return "timeout"
-    return "connected"
-
-
-_CONNECT = (
-    "import socket,sys\ns=socket.socket();s.settimeout(3)\n"
-    "try:\n s.connect((sys.argv[1],int(sys.argv[2])));print('connected')\n"
-    "except ConnectionRefusedError: print('refused')\nexcept TimeoutError: print('timeout')\n"
-)
-
-
-def _connect_from_node(lab: Lab, node: LabNode, address: str, port: int) -> str:
-    out = lab.node_exec(node, [sys.executable, "-c", _CONNECT, address, str(port)])
-    return out.stdout.strip()
 
 
 def _forwarders(pid: int) -> list[psutil.Process]:
@@ -116,9 +93,9 @@ def test_ssh_transport_deploys_on_loopback_only_and_run_generates_through_the_fo
         listening = [line.split()[3] for line in lines]  # the local address of each listener
         assert listening == [f"127.0.0.1:{RPC_PORT}"], lines
         # Nothing answers on the node's address: neither here nor from another lab node.
-        assert _connect_from_controller(node.address, RPC_PORT) == "refused"
+        assert connect_from_controller(node.address, RPC_PORT) == "refused"
         other = (i + 1) % len(nodes)
-        assert _connect_from_node(transport_lab, nodes[other], node.address, RPC_PORT) == "refused"
+        assert connect_from_node(transport_lab, nodes[other], node.address, RPC_PORT) == "refused"
     capsys.readouterr()
     assert main(["-i", str(ssh_inventory), "status", "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
@@ -274,19 +251,20 @@ def test_rpc_allow_from_admits_the_controller_only_and_goes_with_the_server(
     assert main(["-i", str(inventory), "deploy"]) == 0, capsys.readouterr()
     rules = _tagged_rules(transport_lab, node)
     controller = node.address.rsplit(".", 1)[0] + ".1"  # the bridge: the controller as the node sees it
-    assert len(rules) == 2, rules
-    assert f"-s {controller}/32" in rules[0], rules
-    assert "-j ACCEPT" in rules[0] and "--dport 50053" in rules[0] and "-j REJECT" in rules[1], rules
-    assert _connect_from_controller(node.address, 50053) == "connected"
-    assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"
-    assert _connect_from_node(transport_lab, other, node.address, 22) == "connected"  # only the RPC port
+    assert len(rules) == 3, rules
+    assert "--ctstate RELATED,ESTABLISHED" in rules[0] and "-j ACCEPT" in rules[0], rules
+    assert f"-s {controller}/32" in rules[1], rules
+    assert "-j ACCEPT" in rules[1] and "--dport 50053" in rules[1] and "-j REJECT" in rules[2], rules
+    assert connect_from_controller(node.address, 50053) == "connected"
+    assert connect_from_node(transport_lab, other, node.address, 50053) == "refused"
+    assert connect_from_node(transport_lab, other, node.address, 22) == "connected"  # only the RPC port
     # Idempotent: a second deploy leaves the same rules.
     assert main(["-i", str(inventory), "deploy"]) == 0
     assert _tagged_rules(transport_lab, node) == rules
     # The rule goes with the server.
     assert main(["-i", str(inventory), "stop"]) == 0
     assert _tagged_rules(transport_lab, node) == []
-    assert _connect_from_node(transport_lab, other, node.address, 50053) == "refused"  # nothing listens
+    assert connect_from_node(transport_lab, other, node.address, 50053) == "refused"  # nothing listens
 
 
 def _comment_of(rule: str) -> str:
@@ -315,8 +293,8 @@ def test_a_hostile_install_dir_runs_nothing_and_its_rules_stay_right(
     host = load_inventory(inventory).hosts[0]
     pwned = tmp_path / "pwned"
     hostile = [
-        f"/opt/rf$(touch {pwned})`touch {pwned}`",  # no quote: the listing shows it as is
-        f"/opt/rf \"$(touch {pwned})\" 'x' \\ $HOME;touch {pwned}",  # quotes and backslashes, escaped
+        f"{tmp_path}/rf$(touch {pwned})`touch {pwned}`",  # no quote: the listing shows it as is
+        f"{tmp_path}/rf \"$(touch {pwned})\" 'x' \\ $HOME;touch {pwned}",  # quotes, backslashes: escaped
     ]
     wider = dataclasses.replace(host, rpc_allow_from=("controller", "10.77.0.0/16"))
 
@@ -331,14 +309,73 @@ def test_a_hostile_install_dir_runs_nothing_and_its_rules_stay_right(
             return [r for r in _tagged_rules(transport_lab, node) if _comment_of(r) == tag]
 
         assert asyncio.run(apply(host, install_dir, install=True)) == "installed"
-        assert len(ours()) == 2 and "-j ACCEPT" in ours()[0] and "-j REJECT" in ours()[1], ours()
+        assert len(ours()) == 3 and "-j ACCEPT" in ours()[1] and "-j REJECT" in ours()[2], ours()
         assert asyncio.run(apply(host, install_dir, install=True)) == "unchanged"  # found again
         assert asyncio.run(apply(wider, install_dir, install=True)) == "installed"  # replaced: read back
-        assert len(ours()) == 3 and "-s 10.77.0.0/16" in ours()[1], ours()
+        assert len(ours()) == 4 and "-s 10.77.0.0/16" in ours()[2], ours()
         assert asyncio.run(apply(host, install_dir, install=False)) == "removed"
         assert ours() == [] and _tagged_rules(transport_lab, node) == []
         assert not pwned.exists()
         assert transport_lab.node_exec(node, ["test", "-e", str(pwned)], check=False).returncode == 1
+
+
+def test_a_live_client_is_not_reset_when_another_operators_deploy_replaces_the_list(
+    transport_lab: Lab, cpu_artifact: Artifact, root_node: tuple[LabNode, Path]
+) -> None:
+    """`controller` is whoever deploys: another operator's no-op deploy replaces the ACCEPT, and the
+    established connection of the first operator's client must live on (the state rule)."""
+    node, inventory = root_node
+    assert main(["-i", str(inventory), "deploy"]) == 0
+    host = load_inventory(inventory).hosts[0]
+    other_operator = dataclasses.replace(host, rpc_allow_from=("192.0.2.9",))
+
+    async def replace_list() -> str:
+        async with await connect(other_operator) as conn:
+            result = await apply_firewall(conn, other_operator, host.install_dir, install=True)
+            return result.outcome
+
+    with socket.create_connection((node.address, 50053), timeout=5) as live:
+        live.sendall(hello_request())
+        assert len(_receive(live, 8 + HELLO_REPLY_SIZE)) == 8 + HELLO_REPLY_SIZE
+        assert asyncio.run(replace_list()) == "installed"
+        assert connect_from_controller(node.address, 50053) == "refused"  # the new list holds
+        live.sendall(device_count_request())  # reset here without the state rule
+        assert len(_receive(live, 8 + 4)) == 12
+    assert main(["-i", str(inventory), "stop"]) == 0
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    got = b""
+    while len(got) < size:
+        chunk = sock.recv(size - len(got))
+        assert chunk, f"closed after {len(got)} bytes"
+        got += chunk
+    return got
+
+
+def test_status_says_firewall_missing_and_a_restart_installs_it_again(
+    transport_lab: Lab,
+    cpu_artifact: Artifact,
+    root_node: tuple[LabNode, Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node, inventory = root_node
+    other = transport_lab.nodes[2]
+
+    def firewall() -> str:
+        capsys.readouterr()
+        assert main(["-i", str(inventory), "status", "--json"]) == 0
+        return str(json.loads(capsys.readouterr().out)[0]["result"]["firewall"])
+
+    assert main(["-i", str(inventory), "deploy"]) == 0
+    assert firewall() == "ok"
+    transport_lab.node_exec(node, ["iptables", "-w", "-F", "INPUT"])  # as a reboot or an admin would
+    assert firewall() == "missing"
+    assert connect_from_node(transport_lab, other, node.address, 50053) == "connected"
+    assert main(["-i", str(inventory), "restart", "--rolling"]) == 0  # operations.restart starts it
+    assert firewall() == "ok"
+    assert connect_from_node(transport_lab, other, node.address, 50053) == "refused"
+    assert main(["-i", str(inventory), "stop"]) == 0
 
 
 def test_rpc_allow_from_without_root_is_a_clear_error(
@@ -496,4 +533,4 @@ def test_a_controller_killed_with_sigkill_leaves_no_forward(ssh_inventory: Path)
     controller.wait(5)
     forward.wait(10)  # psutil.TimeoutExpired if the forward outlived its controller
     host, port = dialed.rsplit(":", 1)
-    assert _connect_from_controller(host, int(port)) == "refused"
+    assert connect_from_controller(host, int(port)) == "refused"

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
-from orchestrator.lab.state import Lab, NodeInit
+from orchestrator.lab.state import Lab, LabNode, NodeInit
 
 _counter = itertools.count(1)
 
@@ -171,3 +172,31 @@ def hold_from(
         return proc
     proc.wait()
     return None
+
+
+def connect_from_controller(address: str, port: int) -> str:
+    """ "connected", "refused" or "timeout": a TCP connect from this machine."""
+    with socket.socket() as sock:
+        sock.settimeout(3)
+        try:
+            sock.connect((address, port))
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+    return "connected"
+
+
+_CONNECT = (
+    "import socket,sys\ns=socket.socket();s.settimeout(3)\n"
+    "try:\n s.connect((sys.argv[1],int(sys.argv[2])));print('connected')\n"
+    "except ConnectionRefusedError: print('refused')\nexcept TimeoutError: print('timeout')\n"
+)
+
+
+def connect_from_node(lab: Lab, node: str | int | LabNode, address: str, port: int) -> str:
+    """`connect_from_controller`, from inside lab node `node`'s network namespace."""
+    namespace = lab.node(node).namespace
+    assert namespace is not None
+    argv = ["ip", "netns", "exec", namespace, sys.executable, "-c", _CONNECT, address, str(port)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout.strip()

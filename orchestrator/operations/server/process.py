@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.connectors.base import Connection
-from orchestrator.connectors.nodescript import NodeScript, ScriptOutput, run_script
+from orchestrator.connectors.nodescript import NodeScript, Planned, ScriptOutput, run_script
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import ServiceError, ServiceScriptError, tail
 from orchestrator.facts.server import (
@@ -24,6 +24,7 @@ from orchestrator.facts.server import (
 from orchestrator.facts.systemd import SERVICE_USER, USER_ENV
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
+from orchestrator.operations.firewall import apply_firewall, planned_firewall, rules_path
 from orchestrator.operations.launch import (
     desired_launch,
     launch_diff,
@@ -164,7 +165,8 @@ def unit_text(host: Host, state: NodeState) -> str | None:
         return None
     install_dir = state.install.install_dir
     argv, env = server_argv(host, install_dir, version), launch_env(host, install_dir)
-    return render_unit(host, install_dir, argv, env, user=unit.user)
+    firewall = rules_path(host, install_dir) if host.firewalled and not unit.user else None
+    return render_unit(host, install_dir, argv, env, user=unit.user, firewall=firewall)
 
 
 def supervisor_drift(host: Host, state: NodeState) -> tuple[str, ...]:
@@ -493,8 +495,18 @@ def start_node_script(host: Host, state: NodeState) -> NodeScript:
     return server_script("start", script, START_TIMEOUT, "starting the rpc-server")
 
 
+def planned_start(host: Host, state: NodeState) -> list[NodeScript | Planned]:
+    """Check mode: the scripts `start_server` would run."""
+    firewall: list[NodeScript | Planned] = [*planned_firewall(host, state.install.install_dir, install=True)]
+    if not state.install.installed:  # a version only the install would make: its files are not read yet
+        return [*firewall, Planned(host.name, "start", "# start the version the install makes current")]
+    return [*firewall, start_node_script(host, state)]
+
+
 async def start_server(conn: Connection, host: Host, state: NodeState) -> int:
-    """Launch the current version detached; returns its pid. Refuses a taken port, naming its owner."""
+    """Install rpc_allow_from's rules, then launch the current version detached; returns its pid.
+    Refuses a taken port, naming its owner."""
+    await apply_firewall(conn, host, state.install.install_dir, install=True)  # before it listens
     out = await run_script(conn, start_node_script(host, state))
     log_file = server_files(host.server).log
     taken = out.get("taken")

@@ -27,6 +27,7 @@ from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError, ServiceError
 from orchestrator.facts.base import Fact, gather
 from orchestrator.facts.server import (
+    FirewallRulesFact,
     Launch,
     LaunchFact,
     Listener,
@@ -95,17 +96,21 @@ class ServerFiles:
     supervisor_state: str
     supervisor_script: str
     log: str
+    firewall: str  # rpc_allow_from's rules script (operations.firewall): root's, at the install dir's top
 
 
 def server_files(server: str = "") -> ServerFiles:
     if not server:
-        return ServerFiles(PID_FILE, SUPERVISOR_PID_FILE, SUPERVISOR_STATE_FILE, SUPERVISOR_SCRIPT, LOG_FILE)
+        return ServerFiles(
+            PID_FILE, SUPERVISOR_PID_FILE, SUPERVISOR_STATE_FILE, SUPERVISOR_SCRIPT, LOG_FILE, "firewall.sh"
+        )
     return ServerFiles(
         f"run/rpc-server-{server}.pid",
         f"run/rpc-supervisor-{server}.pid",
         f"run/rpc-supervisor-{server}.state",
         f"run/rpc-supervise-{server}.sh",
         f"log/rpc-server-{server}.log",
+        f"firewall-{server}.sh",
     )
 
 
@@ -227,6 +232,7 @@ class NodeState:
     unit: UnitState | None = None  # this install's systemd unit, read whatever the supervisor
     systemd: SystemdInfo | None = None
     pid_file_pid: int | None = None  # the pid file's live process, whatever the supervisor
+    firewall_rules: int | None = None  # rpcfleet's rules for the port in INPUT (None: not read)
 
     def foreign_supervisor(self, pid: int) -> str:
         """Which other supervisor runs our server `pid` ("" when none): under systemd the process
@@ -264,6 +270,7 @@ def node_facts(host: Host) -> list[Fact[Any]]:
         ),
         SystemdFact(),
         UnitFact(unit_name(host.install_dir, host.server), BIND_FAILED),
+        *([FirewallRulesFact(port)] if host.firewalled else []),
     ]
 
 
@@ -293,7 +300,8 @@ def node_state_from_facts(host: str, values: Mapping[str, Any], supervisor: str 
         values.get(PortOwnersFact.name) or (),
         values.get(SupervisorFact.name) or SupervisorLoop(),
     )
-    return NodeState(install, service, chosen, unit, info, pid_file_pid)
+    rules = values.get(FirewallRulesFact.name)
+    return NodeState(install, service, chosen, unit, info, pid_file_pid, rules)
 
 
 async def read_node_state(conn: Connection, host: Host) -> NodeState:
@@ -320,6 +328,9 @@ class ServerStatus:
     last_exit: str = ""  # how the server last ended (systemd: with the unit's Result)
     transport: str = "tcp"  # rpc_transport: how the controller reaches the server
     user: str | None = None  # the user the running server runs as (None: not running, or unknown)
+    # rpc_allow_from's rules: "ok", "missing", "partial" (not as many as the inventory's list makes),
+    # "unknown" (not readable: no iptables, not root); None when the inventory asks for none
+    firewall: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -337,6 +348,7 @@ class ServerStatus:
             "restarts": self.restarts,
             "last_exit": self.last_exit,
             "user": self.user,
+            "firewall": self.firewall,
         }
 
 
@@ -422,6 +434,10 @@ def classify(
         user = (state.systemd.login if state.systemd else None) if state.unit.user else SERVICE_USER
     elif svc.ours and svc.launch is not None:
         user = svc.launch.user
+    # a server that does not run needs no rule (a stop removes them)
+    firewall = firewall_state(host, state.firewall_rules) if pid is not None else None
+    if firewall in ("missing", "partial"):
+        message = "; ".join(filter(None, [message, f"firewall: {firewall} (`rpcfleet deploy` installs it)"]))
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
@@ -437,7 +453,19 @@ def classify(
         restarts=restarts,
         last_exit=last_exit,
         user=user,
+        firewall=firewall,
     )
+
+
+def firewall_state(host: Host, rules: int | None) -> str | None:
+    """Pure: what `status` says of rpc_allow_from's rules, from how many of them are in INPUT."""
+    if not host.firewalled:
+        return None
+    if rules is None:
+        return "unknown"
+    # operations.firewall: established connections, each source, the REJECT
+    expected = len(host.rpc_allow_from or ()) + 2
+    return "ok" if rules == expected else "missing" if rules == 0 else "partial"
 
 
 def _crash_loop_message(loop: SupervisorLoop, note: str) -> str:

@@ -34,9 +34,9 @@ from orchestrator.operations.install.plan import (
 from orchestrator.operations.layer import DEFAULT_OPTIONS, OperationOptions, first_of_install, node_operation
 from orchestrator.operations.server.process import (
     launch_drift,
+    planned_start,
     refuse_if_busy,
     run_as_warning,
-    start_node_script,
     start_server,
     stop_node_script,
     stop_server,
@@ -186,8 +186,7 @@ async def ensure_state(
         if change.action == "stop":  # the rules go with the server
             await apply_firewall(conn, host, install_dir, install=False)
     if change.action in ("start", "restart"):
-        await apply_firewall(conn, host, install_dir, install=True)  # before it listens
-        pid = await start_server(conn, host, state)
+        pid = await start_server(conn, host, state)  # rpc_allow_from's rules first
         await wait_ready(conn, host, state, pid)
     return dataclasses.replace(change, after=await server_status(conn, host))
 
@@ -211,15 +210,8 @@ def planned_service(
         if change.action == "stop":
             planned += planned_firewall(host, install_dir, install=False)
     if change.action in ("start", "restart"):
-        planned += planned_firewall(host, install_dir, install=True)
         planned += planned_start(host, state)
     return planned
-
-
-def planned_start(host: Host, state: NodeState) -> list[NodeScript | Planned]:
-    if not state.install.installed:  # a version only the install would make: its files are not read yet
-        return [Planned(host.name, "start", "# start the version the install makes current")]
-    return [start_node_script(host, state)]
 
 
 def _unit_plan(host: Host, state: NodeState) -> str:
