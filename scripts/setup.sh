@@ -105,6 +105,12 @@ verify_sdist() {
   [ "$actual" = "$SDIST_SHA256" ] \
     || die "$1 ($2) has sha256 $actual, but $SDIST_SHA256 is pinned: it is not used${3:+; $3}"
 }
+# The sdist's build backend, pinned by sha256 (orchestrator/artifacts/buildenv.py): pip's metadata step and
+# the wheel build run it with --no-build-isolation, never a version the registry offers at that moment.
+if [ ! -f "$SDIST" ] || ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
+  BUILD_PYTHON=$("$PYTHON" "$ROOT/orchestrator/artifacts/buildenv.py" "$RPCFLEET_HOME") \
+    || die "making the pinned build environment failed (above)"
+fi
 if [ ! -f "$SDIST" ]; then
   say "downloading the llama-cpp-python $LLAMA_VERSION source (also used to build the matching rpc-server)"
   mkdir -p "$RPCFLEET_HOME/src"
@@ -112,7 +118,7 @@ if [ ! -f "$SDIST" ]; then
   # pip checks the pinned hash as it downloads, before it prepares the sdist's metadata: other bytes
   # never reach a build backend (none of their code runs); verify_sdist checks the file again.
   printf 'llama-cpp-python==%s --hash=sha256:%s\n' "$LLAMA_VERSION" "$SDIST_SHA256" >"$staging/requirements.txt"
-  quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: --require-hashes \
+  quiet "$BUILD_PYTHON" -m pip download -q --no-deps --no-binary :all: --no-build-isolation --require-hashes \
     -r "$staging/requirements.txt" -d "$staging"
   (verify_sdist "$staging/${SDIST##*/}" "the download" "it was deleted") || { rm -rf "$staging"; exit 1; }
   mv -f "$staging/${SDIST##*/}" "$SDIST"; rm -rf "$staging"
@@ -123,7 +129,8 @@ if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
   stage="$WHEEL_DIR.partial"
   rm -rf "$stage"; mkdir -p "$stage"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    "$PYTHON" -m pip wheel -q --no-deps "$SDIST" -w "$stage" >"$RPCFLEET_HOME/llama-wheel-build.log" 2>&1 \
+    "$BUILD_PYTHON" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w "$stage" \
+    >"$RPCFLEET_HOME/llama-wheel-build.log" 2>&1 \
     || die "building llama-cpp-python failed; see $RPCFLEET_HOME/llama-wheel-build.log"
   rm -rf "$WHEEL_DIR"; mv "$stage" "$WHEEL_DIR"
   built+=(llama-cpp-python)

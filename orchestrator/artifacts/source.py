@@ -6,12 +6,12 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.artifacts.buildenv import ensure_build_env
 from orchestrator.artifacts.store import Progress
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.files import sha256_file
@@ -107,12 +107,18 @@ def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None, pinn
     # Into a folder of its own, moved into the cache only once its sha256 is right. pip checks the hash
     # itself (--require-hashes) as it downloads, before it prepares the sdist's metadata: other bytes never
     # reach a build backend, so none of their code runs.
+    # Its metadata step runs the pinned build backend (buildenv), never one the registry offers now.
+    try:
+        python = ensure_build_env(rpcfleet_home())
+    except RuntimeError as exc:
+        hint = "pip's index must serve the wheels that build-requirements.txt pins"
+        raise ArtifactError(str(exc), hint=hint) from exc
     with tempfile.TemporaryDirectory(prefix=".download-", dir=sdist.parent) as staging:
         requirements = Path(staging) / "requirements.txt"
         requirements.write_text(f"llama-cpp-python=={version} --hash=sha256:{expected.lower()}\n")
         command = [
-            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-            "--require-hashes", "-r", str(requirements), "-d", staging,
+            str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+            "--no-build-isolation", "--require-hashes", "-r", str(requirements), "-d", staging,
         ]  # fmt: skip
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)

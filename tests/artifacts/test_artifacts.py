@@ -31,6 +31,7 @@ from orchestrator.artifacts.build import (
     effective_cmake_args,
     local_server_binary,
 )
+from orchestrator.artifacts.buildenv import BUILD_REQUIREMENTS, ensure_build_env
 from orchestrator.artifacts.imports import import_artifact
 from orchestrator.artifacts.manifest import (
     Artifact,
@@ -449,18 +450,27 @@ def test_a_cached_sdist_that_does_not_match_its_pin_is_not_used(artifact_home: P
 
 
 def _fake_sdist(folder: Path, version: str) -> Path:
-    """A small installable sdist named like llama-cpp-python's: what a registry could serve instead."""
+    """A small sdist named like llama-cpp-python's: what a registry could serve instead. Its build
+    backend is its own code (in the tree): importing it, as any build step does (metadata included),
+    leaves a mark."""
     root = f"llama_cpp_python-{version}"
     files = {
-        "pyproject.toml": '[build-system]\nrequires = ["setuptools"]\n'
-        'build-backend = "setuptools.build_meta"\n'
+        "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n'
         f'[project]\nname = "llama_cpp_python"\nversion = "{version}"\n',
         "PKG-INFO": f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n",
-        # Code of the sdist's own: run by any build step (metadata included), it leaves a mark.
-        "setup.py": "import os, pathlib, setuptools\n"
+        # The mark says whether the pinned backend's environment is the one it runs in (not isolated).
+        "backend.py": "import importlib.util, os, pathlib\n"
         "mark = os.environ.get('RPCFLEET_SDIST_RAN')\n"
-        "if mark: pathlib.Path(mark).write_text('ran')\n"
-        "setuptools.setup()\n",
+        "pinned = importlib.util.find_spec('scikit_build_core') is not None\n"
+        "if mark: pathlib.Path(mark).write_text(f'ran, pinned backend importable: {pinned}')\n"
+        "def get_requires_for_build_wheel(config_settings=None): return []\n"
+        "def prepare_metadata_for_build_wheel(directory, config_settings=None):\n"
+        f"    info = pathlib.Path(directory) / 'llama_cpp_python-{version}.dist-info'\n"
+        "    info.mkdir()\n"
+        "    (info / 'METADATA').write_text(pathlib.Path('PKG-INFO').read_text())\n"
+        "    return info.name\n"
+        "def build_wheel(directory, config_settings=None, metadata_directory=None): raise SystemExit(1)\n"
+        "def build_sdist(directory, config_settings=None): raise SystemExit(1)\n",
     }
     path = folder / f"{root}.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
@@ -479,9 +489,9 @@ def test_a_download_that_does_not_match_its_pin_is_deleted(
     index = tmp_path / "index"
     index.mkdir()
     served = _fake_sdist(index, "0.3.36")
+    ensure_build_env(artifact_home)  # the pinned backend's environment, from the registry
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
-    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # pip's inverted switch: no isolation (offline)
     mark = tmp_path / "sdist-code-ran"
     monkeypatch.setenv("RPCFLEET_SDIST_RAN", str(mark))
     lines: list[str] = []
@@ -498,6 +508,24 @@ def test_a_download_that_does_not_match_its_pin_is_deleted(
     # The same bytes under a pin that matches them are taken (the check passes what it should).
     assert ensure_sdist("0.3.36", lines.append, sha256=sha256_of(served.read_bytes())) == sdist_path("0.3.36")
     assert sdist_path("0.3.36").read_bytes() == served.read_bytes()
+    # pip's metadata step ran the file's code (the mark shows it would), in the pinned environment
+    assert mark.read_text() == "ran, pinned backend importable: True"
+
+
+def test_the_build_backend_is_pinned_by_hash_and_runs_without_isolation(artifact_home: Path) -> None:
+    """pip's build isolation would install today's scikit-build-core: every pip step on the sdist runs
+    the pinned one instead, from a build environment holding exactly build-requirements.txt."""
+    pins = [line for line in BUILD_REQUIREMENTS.read_text().splitlines() if line and not line.startswith("#")]
+    assert pins and all(re.fullmatch(r"[a-z-]+==[0-9.]+ --hash=sha256:[0-9a-f]{64}", p) for p in pins), pins
+    python = ensure_build_env(artifact_home)
+    frozen = subprocess.run(
+        [str(python), "-m", "pip", "freeze", "--all"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert {p.split()[0] for p in pins} <= {f.replace("_", "-").lower() for f in frozen}, frozen
+    assert ensure_build_env(artifact_home) == python  # made once
+    setup = (Path(__file__).parents[2] / "scripts" / "setup.sh").read_text()
+    steps = [line for line in setup.splitlines() if "-m pip download" in line or "-m pip wheel" in line]
+    assert len(steps) == 2 and all('"$BUILD_PYTHON"' in s and "--no-build-isolation" in s for s in steps)
 
 
 # ---------------------------------------------------------------- spec files
