@@ -123,6 +123,16 @@ class Connection(Protocol):
         dies (its stdin then reaches end of file): what a lock that must die with its holder needs."""
         ...
 
+    async def another(self) -> Connection:
+        """A second connection to the same host with the same options: its own TCP connection, so that
+        nothing queued on this one (an upload filling the SSH window) delays what is sent on it."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the connection at once: what is still queued for the host is never sent (a TCP reset),
+        so no command of it can start there later, when a cut link comes back."""
+        ...
+
     async def close(self) -> None: ...
 
     async def __aenter__(self) -> Self: ...

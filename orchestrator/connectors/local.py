@@ -114,6 +114,12 @@ class LocalConnection(BaseConnection):
     async def get(self, remote: str, local: Path) -> None:
         await _copy(self._path(remote), local, None, self.host, f"cannot download {remote} to {local}")
 
+    async def another(self) -> LocalConnection:
+        return LocalConnection(self.host, self.options, home=self.home)
+
+    def abort(self) -> None:
+        return None  # no link to drop: its commands are this machine's processes
+
     async def close(self) -> None:
         return None
 

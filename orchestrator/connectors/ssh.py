@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +309,17 @@ class SSHConnection(BaseConnection):
             await sftp.get(path, str(local))
         except (asyncssh.Error, OSError) as exc:
             raise self._transfer_error(f"cannot download {remote} to {local}", exc) from None
+
+    async def another(self) -> SSHConnection:
+        return await SSHConnection.open(self.host, self.options)
+
+    def abort(self) -> None:
+        sock = self._conn.get_extra_info("socket")
+        if sock is not None:  # linger 0: close() resets, dropping the unsent bytes the kernel holds
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._sftp = None
+        self._conn.abort()
 
     async def close(self) -> None:
         if self._sftp is not None:

@@ -6,7 +6,8 @@ four guarantees:
    a second operator waits (`wait_lock`) or fails with `HostLockedError`. A run takes the locks of all
    its hosts before it changes any (`HostLocks`, the executor's run gate), one after the other in one
    order: of two runs started at once over the same hosts one gets every host and the other waits, or
-   changes nothing and fails (exit 3), instead of each getting some;
+   changes nothing and fails (exit 3), instead of each getting some. A change whose lock stops being
+   acknowledged is stopped before the node can give the lock away (`HostLock.guard`, `LockLostError`);
 2. busy protection: a server with a client connected is never stopped without `force` (the stop itself
    re-checks on the node, `operations.server.process.stop_script`);
 3. check mode: the node is read and the change computed, nothing is locked or changed;
@@ -107,6 +108,9 @@ class HostLocks:
 
     def holds(self, host: Host) -> bool:
         return host.name in self._members.get(host.install_key, ())
+
+    def lock_of(self, host: Host) -> HostLock:
+        return self._locks[host.install_key]
 
     def serial(self, host: Host) -> asyncio.Lock:
         """Held while one server of an install is changed: its other servers wait their turn."""
@@ -217,7 +221,8 @@ class NodeOperation(Generic[T]):
             async with ctx.gate.serial(ctx.host):
                 if ctx.session.interrupted is not None:
                     raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
-                return await run_to_completion(self.body(ctx, conn))
+                lock = ctx.gate.lock_of(ctx.host)
+                return await run_to_completion(lock.guard(self.body(ctx, conn), conn))
         # Run without the gate (called directly): this host's lock alone, for this change.
         options = self.options
 
@@ -231,7 +236,7 @@ class NodeOperation(Generic[T]):
         try:
             if ctx.session.interrupted is not None:
                 raise NotStartedError(f"not started: {ctx.session.interrupted}", host=ctx.host.name)
-            return await run_to_completion(self.body(ctx, conn), ctx.log)
+            return await run_to_completion(lock.guard(self.body(ctx, conn), conn), ctx.log)
         finally:
             await lock.release()
 

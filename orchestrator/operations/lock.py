@@ -1,11 +1,18 @@
 """The host lock: one operator changes an install at a time.
 
 The lock is a `flock` on `<install_dir>/lock`, taken by a shell that an SSH channel keeps alive
-(`Connection.hold`). A watchdog in that shell reads the channel: the controller writes a heartbeat byte
-every `HEARTBEAT_S`; end of file (released, or the connection closed) or `SILENCE_S` without a byte (the
-controller's link was cut, and sshd would keep the session until TCP gives up, for hours) ends the whole
-command, a `flock` still waiting included, and the kernel drops the lock. A lock that outlives its
-controller by more than `SILENCE_S` cannot happen, whatever the node's sshd keepalive settings.
+(`Connection.hold`), on a connection of its own (`Connection.another`): on the step's connection its
+heartbeats would queue behind an upload's 2 MiB SSH window, 17 s at 1 Mbit/s. A watchdog in that shell
+reads the channel: the controller writes a heartbeat byte every `HEARTBEAT_S`; end of file (released, or
+the connection closed) or `SILENCE_S` without a byte (the controller's link was cut, and sshd would keep
+the session until TCP gives up, for hours) ends the whole command, a `flock` still waiting included, and
+the kernel drops the lock. A lock that outlives its controller by more than `SILENCE_S` cannot happen,
+whatever the node's sshd keepalive settings.
+
+The holder must stop first: the watchdog acknowledges each heartbeat (`@ack <byte>`), and when the last
+acknowledged one was sent `LOST_S` ago (less than `SILENCE_S`: the node cannot have given the lock away
+yet) the lock counts as lost. `HostLock.guard` then cancels the host step and drops the step's connection
+with a reset, so no command it queued can start on the node once the link is back (`LockLostError`).
 
 The lock file is owner-only: whoever can open it can `flock` it and block every change. Who holds it is
 written to `lock.info` after taking it, so a second operator learns "changed by root@ctl (pid 4242,
@@ -18,17 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import itertools
 import os
 import shlex
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from orchestrator.connectors.base import Connection, HeldCommand, shell_path
 from orchestrator.connectors.nodescript import NodeScript, parse_key_line
-from orchestrator.core.errors import CommandTimeoutError, ServiceError, ServiceScriptError
+from orchestrator.core.errors import CommandTimeoutError, RpcfleetError, ServiceError, ServiceScriptError
 from orchestrator.inventory.model import Host
+
+T = TypeVar("T")
 
 # In the install dir itself, not in run/: run/ belongs to the server's user when rpcfleet connects as
 # root, and a compromised server could plant a link there for root's chmod and truncation to follow.
@@ -36,13 +47,20 @@ LOCK_FILE = "lock"
 LOCK_INFO = "lock.info"
 LOCKED_EXIT = 3  # the CLI's exit status when a host is locked by someone else
 _ANSWER_SLACK = 10.0  # beyond the wait: connecting the channel and the node's shell starting
-HEARTBEAT = "."  # not a newline: the watchdog's `$(...)` would strip it
+# Heartbeat bytes, in turn, so that an acknowledgement names the heartbeat it answers. Not a newline:
+# the watchdog's `$(...)` would strip it.
+HEARTBEATS = "abcdefghijklmnopqrstuvwxyz"
 HEARTBEAT_S = 2.0  # the controller writes a heartbeat this often
 SILENCE_S = 15.0  # the holder gives up after this long without one (the SSH keepalive's 5 s x 3 alike)
+LOST_S = 10.0  # the controller stops when its last acknowledged heartbeat was sent this long ago
 
 
 class HostLockedError(ServiceError):
     """Another operator is changing this host (and `--wait-lock` ran out, or was 0); the CLI exits 3."""
+
+
+class LockLostError(ServiceError):
+    """This controller stopped hearing that the node holds its lock: the host step was stopped."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +101,14 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
             f'(umask 077 && : >>"$D/{LOCK_FILE}") && chmod 600 "$D/{LOCK_FILE}" ||',
             f'  {{ echo "@error cannot make $D/{LOCK_FILE} owner-only"; exit 1; }}',
             f'exec 9>>"$D/{LOCK_FILE}" || {{ echo "@error cannot open $D/{LOCK_FILE}"; exit 1; }}',
-            # The watchdog: a heartbeat byte keeps it reading; end of file or silence ends the command's
-            # whole process group (this shell, a waiting flock): `hold` starts it in a group of its own
-            # (sshd's session, LocalConnection's new session). sh gives a background job /dev/null as
-            # its stdin unless told otherwise: hence fd 3. It must not hold the lock's fd 9.
+            # The watchdog: a heartbeat byte keeps it reading, and is acknowledged; end of file or silence
+            # ends the command's whole process group (this shell, a waiting flock): `hold` starts it in a
+            # group of its own (sshd's session, LocalConnection's new session). sh gives a background job
+            # /dev/null as its stdin unless told otherwise: hence fd 3. It must not hold the lock's fd 9.
             "exec 3<&0",
-            "( while b=$(timeout " + f"{silence_s:g}" + ' head -c 1 2>/dev/null) && [ -n "$b" ]; do :; done',
-            "  kill -TERM 0 ) <&3 >/dev/null 2>&1 9>&- &",
+            "( while b=$(timeout " + f"{silence_s:g}" + ' head -c 1 2>/dev/null) && [ -n "$b" ]; do',
+            '    echo "@ack $b"; done',
+            "  kill -TERM 0 ) <&3 2>/dev/null 9>&- &",
             "w=$!",
             "trap 'kill $w 2>/dev/null' EXIT",
             # The holder writes "<its shell's pid> <owner>" just after taking the lock: an info file whose
@@ -115,33 +134,113 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
     )
 
 
-async def _heartbeat(held: HeldCommand, every_s: float) -> None:
-    """Tell the holder this controller is alive, until the command can no longer be written to."""
-    while True:
-        if not await held.send(HEARTBEAT):
-            return
-        await asyncio.sleep(every_s)
+class _Heartbeats:
+    """Writes heartbeats to the lock's command and reads their acknowledgements: `lost` is set (with why)
+    once the last acknowledged heartbeat was sent `lost_s` ago, or the command ended."""
+
+    def __init__(self, held: HeldCommand, every_s: float, lost_s: float) -> None:
+        self._held = held
+        self._every_s = every_s
+        self._lost_s = lost_s
+        self._sent: dict[str, float] = {}
+        self.acked_sent_at = time.monotonic()  # taking the lock counts as a first acknowledgement
+        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def acknowledged(self, line_value: str) -> None:
+        sent = self._sent.get(line_value[:1])
+        if sent is not None and sent > self.acked_sent_at:
+            self.acked_sent_at = sent
+
+    async def send(self) -> None:
+        """Until the command can no longer be written to."""
+        for beat in itertools.cycle(HEARTBEATS):
+            self._sent[beat] = time.monotonic()
+            if not await self._held.send(beat):
+                return
+            await asyncio.sleep(self._every_s)
+
+    async def watch(self) -> None:
+        """Read acknowledgements once the lock is held; set `lost` when they stop or the command ends."""
+        self.acked_sent_at = time.monotonic()
+        while True:
+            left = self.acked_sent_at + self._lost_s - time.monotonic()
+            if left <= 0:
+                return self._lose(f"no heartbeat acknowledged for {self._lost_s:g} s")
+            try:
+                line = await self._held.readline(left)
+            except CommandTimeoutError:
+                continue
+            except RpcfleetError as exc:
+                return self._lose(exc.message)
+            if line is None:
+                return self._lose("the lock's command ended")
+            key, value = parse_key_line(line) or ("", "")
+            if key == "ack":
+                self.acknowledged(value)
+
+    def _lose(self, why: str) -> None:
+        if not self.lost.done():
+            self.lost.set_result(why)
 
 
 class HostLock:
-    """A held lock; `release()` (idempotent) lets the next operator in."""
+    """A held lock; `guard` runs a host step under it, `release()` (idempotent) lets the next operator in."""
 
     def __init__(
-        self, host: Host, held: HeldCommand, owner: LockOwner, heartbeat: asyncio.Future[None]
+        self,
+        host: Host,
+        conn: Connection,
+        held: HeldCommand,
+        owner: LockOwner,
+        heartbeats: _Heartbeats,
+        tasks: list[asyncio.Future[None]],
     ) -> None:
         self.host = host
         self.owner = owner
-        self._held: HeldCommand | None = held
-        self._heartbeat = heartbeat
+        self._conn: Connection | None = conn
+        self._held = held
+        self._heartbeats = heartbeats
+        self._tasks = tasks
+
+    @property
+    def lost(self) -> asyncio.Future[str]:
+        return self._heartbeats.lost
+
+    @property
+    def connection(self) -> Connection | None:
+        """The lock's own connection (None once released): when it closes, as a dying controller's
+        does, the node lets the lock go at once."""
+        return self._conn
+
+    async def guard(self, work: Awaitable[T], step_conn: Connection) -> T:
+        """Await `work` (a host step on `step_conn`) while the lock holds. When it is lost first, the step
+        is cancelled and `step_conn` dropped with a reset (nothing it queued reaches the node later), and
+        LockLostError says so: the node gives the lock away only `SILENCE_S` after the last heartbeat it
+        read, and this happens `LOST_S` after the last one it acknowledged was sent."""
+        task = asyncio.ensure_future(work)
+        either: list[asyncio.Future[Any]] = [task, self.lost]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        step_conn.abort()
+        await _stop(task)
+        raise LockLostError(
+            f"lost the host lock: {self.lost.result()}; the step was stopped and its connection dropped, "
+            f"before the node could give the lock to another operator ({SILENCE_S:g} s)",
+            host=self.host.name,
+            hint="the node may be half-changed: check it (`rpcfleet status`) and run the change again",
+        )
 
     async def release(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            await _stop(self._heartbeat)
-            await held.release()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            for task in self._tasks:
+                await _stop(task)
+            await self._held.release()
+            await conn.close()
 
 
-async def _stop(task: asyncio.Future[None]) -> None:
+async def _stop(task: asyncio.Future[None] | asyncio.Future[Any]) -> None:
     task.cancel()
     await asyncio.wait([task])  # its cancellation is not this caller's: nothing is raised
 
@@ -156,9 +255,11 @@ async def acquire(
     asked_wait_s: float | None = None,
     heartbeat_s: float = HEARTBEAT_S,
     silence_s: float = SILENCE_S,
+    lost_s: float = LOST_S,
 ) -> HostLock:
-    """Take `host`'s lock for `operation`, or raise HostLockedError naming who has it. `asked_wait_s`:
-    the wait the operator asked for, when `wait_s` is what is left of it (the message names it)."""
+    """Take `host`'s lock for `operation` (on a connection of its own, opened from `conn`), or raise
+    HostLockedError naming who has it. `asked_wait_s`: the wait the operator asked for, when `wait_s` is
+    what is left of it (the message names it)."""
     owner = LockOwner.here(operation)
     # Held, not run: the lock lives as long as the command, so its lines are read as they come.
     script = NodeScript(
@@ -168,9 +269,15 @@ async def acquire(
         "cannot take the host lock",
         ServiceScriptError,
     )
-    held = await conn.hold(script.shell_command)
+    lock_conn = await conn.another()
+    try:
+        held = await lock_conn.hold(script.shell_command)
+    except BaseException:
+        await lock_conn.close()
+        raise
+    heartbeats = _Heartbeats(held, heartbeat_s, lost_s)
     # From the start: the watchdog reads heartbeats while this waits for another operator, too.
-    heartbeat = asyncio.ensure_future(_heartbeat(held, heartbeat_s))
+    sender = asyncio.ensure_future(heartbeats.send())
     holder = "another operator"
     deadline = time.monotonic() + script.timeout
     try:
@@ -185,7 +292,8 @@ async def acquire(
                 raise ServiceError("the lock command ended without taking the lock", host=host.name)
             key, value = parse_key_line(line) or ("", "")
             if key == "locked":
-                return HostLock(host, held, owner, heartbeat)
+                watcher = asyncio.ensure_future(heartbeats.watch())
+                return HostLock(host, lock_conn, held, owner, heartbeats, [sender, watcher])
             if key == "held":
                 holder = value or holder
                 if on_wait is not None:
@@ -201,6 +309,7 @@ async def acquire(
             elif key == "error":
                 raise script.reported(host.name, value)
     except BaseException:
-        await _stop(heartbeat)
+        await _stop(sender)
         await held.release()
+        await lock_conn.close()
         raise

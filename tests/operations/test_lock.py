@@ -12,11 +12,13 @@ test_safe_ops_lab.py: the fake hosts kill a dropped command's process group, whi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -24,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 from structlog.testing import capture_logs
 
@@ -34,7 +37,7 @@ from orchestrator.core.errors import NotStartedError, ServiceError
 from orchestrator.engine.executor import HostContext, HostResult, Recap, RunResult, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import Body, OperationOptions, node_operation, run_to_completion
-from orchestrator.operations.lock import HostLockedError, LockOwner, acquire, lock_script
+from orchestrator.operations.lock import HostLockedError, LockLostError, LockOwner, acquire, lock_script
 from tests.plugins.fakehosts import FakeHost
 
 FakeHosts = Callable[..., list[FakeHost]]
@@ -126,6 +129,51 @@ async def test_heartbeats_keep_the_lock_past_the_silence_limit(tmp_path: Path) -
     await lock.release()
     again = await acquire(second, host, "restart")
     await again.release()
+
+
+def _freeze_lock_holder(lock_file: Path) -> int:
+    """SIGSTOP the process group of the shell holding `lock_file` (its watchdog included): the node stops
+    acknowledging heartbeats, as a cut link looks from the controller. Returns the group."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if any(f.path == str(lock_file) for f in proc.open_files()):
+                group = os.getpgid(proc.pid)
+                os.killpg(group, signal.SIGSTOP)
+                return group
+    raise AssertionError(f"nobody holds {lock_file}")
+
+
+async def test_a_holder_whose_heartbeats_go_unanswered_stops_its_step_before_the_node_lets_go(
+    tmp_path: Path,
+) -> None:
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    conn = LocalConnection(host)
+    lock = await acquire(conn, host, "deploy", heartbeat_s=0.1, silence_s=30.0, lost_s=1.0)
+    changes = tmp_path / "changes"
+
+    async def step() -> str:
+        while True:  # a change of the node that goes on and on
+            with changes.open("a") as out:
+                out.write(f"{time.monotonic()}\n")
+            await asyncio.sleep(0.05)
+
+    async def held_step() -> str:
+        await asyncio.sleep(0.5)
+        return "done"
+
+    assert await lock.guard(held_step(), conn) == "done"  # acknowledged: the step runs to its end
+    group = _freeze_lock_holder(tmp_path / "rf" / "lock")
+    try:
+        frozen = time.monotonic()
+        with pytest.raises(LockLostError, match=r"no heartbeat acknowledged for 1 s; the step was stopped"):
+            await lock.guard(step(), conn)
+        assert 0.8 < time.monotonic() - frozen < 4.0  # lost_s, well before the node's silence_s
+        size = changes.stat().st_size
+        await asyncio.sleep(0.3)
+        assert changes.stat().st_size == size  # the step changes nothing more
+    finally:
+        os.killpg(group, signal.SIGCONT)
+        await lock.release()
 
 
 @pytest.fixture

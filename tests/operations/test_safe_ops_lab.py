@@ -552,17 +552,6 @@ def _ssh_ports_of(pid: int, host: Host) -> list[tuple[str, int]]:
     return found
 
 
-def _ssh_port_of(pid: int, host: Host) -> tuple[str, int]:
-    """The controller side (address, port) of `pid`'s SSH connection to `host`."""
-    sockets = subprocess.run(["ss", "-Htnp"], capture_output=True, text=True, check=True).stdout
-    for line in sockets.splitlines():
-        fields = line.split()
-        if f"pid={pid}," in line and fields[4] == f"{host.address}:22":
-            address, _, port = fields[3].rpartition(":")
-            return address, int(port)
-    raise AssertionError(f"no SSH connection of pid {pid} to {host.address}")
-
-
 async def test_a_controller_cut_off_loses_its_lock_within_the_silence_limit(
     lab: Lab, fresh_nodes: list[Host]
 ) -> None:
@@ -574,12 +563,16 @@ async def test_a_controller_cut_off_loses_its_lock_within_the_silence_limit(
 
     host = fresh_nodes[0]
     child = _holder(lab, host)
-    address, port = _ssh_port_of(child.pid, host)
-    # Cut that one connection inside the node, both ways: it stays cut, like a machine that is gone (a
-    # healed link would let the dead controller's kernel retransmit its FIN). Other connections pass.
+    # Cut its connections inside the node (the step's and the lock's own), both ways: they stay cut,
+    # like a machine that is gone (a healed link would let the dead controller's kernel retransmit its
+    # FIN). Other connections pass.
     rules = [
-        ["INPUT", "-p", "tcp", "-s", address, "--sport", str(port), "-j", "DROP"],
-        ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"],
+        rule
+        for address, port in _ssh_ports_of(child.pid, host)
+        for rule in (
+            ["INPUT", "-p", "tcp", "-s", address, "--sport", str(port), "-j", "DROP"],
+            ["OUTPUT", "-p", "tcp", "-d", address, "--dport", str(port), "-j", "DROP"],
+        )
     ]
     for rule in rules:
         lab.node_exec(host.name, ["iptables", "-w", "-I", *rule])
@@ -673,6 +666,113 @@ async def test_a_deploy_cut_off_mid_run_loses_its_lock_and_another_operator_gets
             deploy.wait(10)
 
 
+async def test_a_holder_cut_off_for_17_s_stops_its_step_before_the_node_gives_its_lock_away(
+    lab: Lab, fresh_nodes: list[Host]
+) -> None:
+    """Issue 31: the node gives the lock up 15 s after the last heartbeat it read; a cut of 17 s outlasts
+    that. The holder stops its step (and drops its connection) before, so once the link is back nothing
+    of it runs on the node while another operator holds the lock."""
+    from orchestrator.connectors.base import shell_path
+    from orchestrator.connectors.connect import connect
+    from orchestrator.engine.executor import HostContext, StepOutcome
+    from orchestrator.operations.layer import node_operation
+    from orchestrator.operations.lock import SILENCE_S, LockLostError, acquire
+
+    host = fresh_nodes[0]
+    node = lab.node(host.name)
+    changes = NodeView(lab, host).root / "changes"
+    cut: list[float] = []
+    was_cut = asyncio.Event()
+
+    async def body(ctx: HostContext, conn: Any) -> StepOutcome[str]:
+        for step in range(400):  # a change made of many commands
+            await conn.run(f"date +%s.%N >> {shell_path(host.install_dir)}/changes", timeout=120)
+            if step == 3:
+                lab.cut_link(node)
+                cut.append(time.monotonic())
+                was_cut.set()
+            await asyncio.sleep(0.2)
+        return StepOutcome("done", True, "done")
+
+    async def heal() -> None:
+        await was_cut.wait()
+        await asyncio.sleep(17.0 - (time.monotonic() - cut[0]))
+        lab.restore_link(node)
+
+    healer = asyncio.ensure_future(heal())
+    try:
+        async with Session() as session:
+            run = await session.run([host], node_operation("deploy", body, OperationOptions()))
+        stopped = time.monotonic() - cut[0]
+        (result,) = run.results
+        assert isinstance(result.error, LockLostError), result
+        assert stopped < SILENCE_S, stopped  # before the node could give the lock away
+        await healer
+        async with await connect(host) as conn:
+            second = await acquire(conn, host, "second", wait_s=10.0)
+            taken = time.time()
+            await asyncio.sleep(3.0)  # what the first holder queued would land by now
+            await second.release()
+        written = [float(line) for line in changes.read_text().split()]
+        assert len(written) >= 4 and max(written) < taken, (written, taken)
+    finally:
+        lab.restore_link(node)
+        healer.cancel()
+
+
+async def test_heartbeats_are_not_held_up_by_an_upload_at_1_mbit_s(
+    lab: Lab, fresh_nodes: list[Host], tmp_path: Path
+) -> None:
+    """Issue 31: on the step's connection a heartbeat would wait behind the upload's 2 MiB SSH window
+    (17 s at 1 Mbit/s, past the node's 15 s). On the lock's own connection it does not: a second operator
+    is refused all along a 30 s upload, and the upload ends with the lock held."""
+    from orchestrator.connectors.connect import connect
+    from orchestrator.engine.executor import HostContext, StepOutcome
+    from orchestrator.operations.layer import node_operation
+    from orchestrator.operations.lock import SILENCE_S, HostLockedError, acquire
+
+    host = fresh_nodes[0]
+    veth = lab.node(host.name).veth
+    assert veth is not None
+    payload = tmp_path / "payload"
+    payload.write_bytes(os.urandom(4 << 20))  # 33 s at 1 Mbit/s
+    uploading = asyncio.Event()
+    done = asyncio.Event()
+
+    async def body(ctx: HostContext, conn: Any) -> StepOutcome[str]:
+        uploading.set()
+        await conn.put(payload, f"{host.install_dir}/payload")
+        done.set()
+        return StepOutcome("uploaded", True, "uploaded")
+
+    refused: list[float] = []
+
+    async def second_operator() -> None:
+        await uploading.wait()
+        started = time.monotonic()
+        async with await connect(host) as other:
+            while not done.is_set():
+                try:
+                    lock = await acquire(other, host, "second")
+                except HostLockedError:
+                    refused.append(time.monotonic() - started)
+                    await asyncio.sleep(2.0)
+                    continue
+                await lock.release()
+                raise AssertionError(f"the second operator got the lock during the upload, at {refused}")
+
+    _shape(veth, "1mbit")
+    try:
+        async with Session() as session:
+            run, _ = await asyncio.gather(
+                session.run([host], node_operation("deploy", body, OperationOptions())), second_operator()
+            )
+        assert run.ok, [str(r.error) for r in run.failed]
+        assert refused and max(refused) > SILENCE_S + 5.0, refused  # refused long past the node's limit
+    finally:
+        _shape(veth, None)
+
+
 async def test_a_killed_controller_and_a_closed_connection_release_at_once(
     lab: Lab, fresh_nodes: list[Host]
 ) -> None:
@@ -689,8 +789,9 @@ async def test_a_killed_controller_and_a_closed_connection_release_at_once(
         started = time.monotonic()
         lock = await acquire(conn, host, "second", wait_s=10.0)
         assert time.monotonic() - started < 6.0  # at once (headroom for load), not after SILENCE_S
-        # ... and a connection closed without releasing the lock.
-        await conn.close()
+        # ... and the lock's connection closed without releasing the lock.
+        assert lock.connection is not None
+        await lock.connection.close()
     async with await connect(host) as conn:
         started = time.monotonic()
         again = await acquire(conn, host, "third", wait_s=10.0)
