@@ -133,7 +133,8 @@ def main() -> int:
     def say(line: str) -> None:
         print(f"{time.monotonic() - started:7.1f} s  {line}", file=sys.stderr, flush=True)
 
-    lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid())
+    # Node 1 boots systemd: a reboot there is followed by no rpcfleet command (its unit starts the server).
+    lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid(), node_init={1: "systemd"})
     try:
         with tempfile.TemporaryDirectory() as scratch:
             chaos = Chaos(

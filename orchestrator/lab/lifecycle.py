@@ -99,6 +99,7 @@ def lab_up(
     variables: Mapping[str, Any] | None = None,
     node_variables: Mapping[str, Mapping[str, Any]] | None = None,
     cpus: float | None = None,
+    node_init: Mapping[int, NodeInit] | None = None,
 ) -> Lab:
     """Bring a lab of `nodes` nodes up, write its key, known_hosts and inventory, and return it.
 
@@ -107,6 +108,7 @@ def lab_up(
     `variables`: inventory variables for every node (`--var rpc_cache=true`), checked before anything
     is made; `node_variables`: a node's own, by its number (`--var 2:rpc_servers=[50052, 50053]`).
     `cpus`: each node's CPU share, a cgroup quota (lab/cgroups.py; network-namespace labs).
+    `node_init`: a node's own init by its number, over `init` (a lab of plain and systemd nodes).
     """
     check_name(name)
     extra = check_variables(variables or {})
@@ -119,10 +121,12 @@ def lab_up(
         cpu_groups.check_cpus(cpus)
         cpu_groups.node_groups(f"{PREFIX}check")  # no cpu controller: said before anything is made
     kind: LabKind = "local" if local else "netns"
-    if local and init != "none":
+    inits = {index: (node_init or {}).get(index, init) for index in range(1, nodes + 1)}
+    booting: NodeInit = "systemd" if "systemd" in inits.values() else "none"
+    if local and booting != "none":
         raise LabError("--init systemd needs a network-namespace lab, not --local")
     if kind == "netns":
-        check_netns_prerequisites(init)
+        check_netns_prerequisites(booting)
     owner = Owner.of(owner_pid) if owner_pid is not None else None
     started = time.monotonic()
     with _lock():
@@ -143,7 +147,7 @@ def lab_up(
         if existing is not None or lab_dir(name).exists():
             teardown(existing, lab_dir(name))
         slot = _free_slot(name, kind)
-        lab = replace(_plan(name, kind, slot, nodes, owner, init), cpus=cpus)
+        lab = replace(_plan(name, kind, slot, owner, inits), cpus=cpus)
         lab.dir.mkdir(parents=True, mode=0o700)
         lab.save()
     try:
@@ -423,10 +427,10 @@ def reap_stale() -> list[str]:
     return removed
 
 
-def _plan(name: str, kind: LabKind, slot: int, count: int, owner: Owner | None, init: NodeInit) -> Lab:
+def _plan(name: str, kind: LabKind, slot: int, owner: Owner | None, inits: Mapping[int, NodeInit]) -> Lab:
     directory = lab_dir(name)
     nodes = []
-    for index in range(1, count + 1):
+    for index in inits:
         node = f"{name}n{index}"
         if kind == "netns":
             address = f"10.77.{slot}.{10 + index}"
@@ -438,7 +442,7 @@ def _plan(name: str, kind: LabKind, slot: int, count: int, owner: Owner | None, 
                     directory / "nodes" / node,
                     namespace=f"{PREFIX}{slot}-{node}",
                     veth=f"{PREFIX}{slot}v{index}",
-                    init=init,
+                    init=inits[index],
                 )
             )
         else:

@@ -9,12 +9,14 @@ names, after each heal and at the end).
 
 Faults (`FAULTS`): `kill9` (SIGKILL of a node's server; the process supervisor restarts it), `cut` (the
 node's veth down for `cut_seconds`, then up), `sshd` (the node's sshd killed; `rpcfleet lab repair`),
-`reboot` (a power cut of the node; `lab repair`, then `rpcfleet start` for it: the process supervisor
-died with the node), `rolling` (serve's `POST /admin/reload` with a rolling restart), `deploy` (a second
-operator's `rpcfleet deploy` from another process: it must change nothing, or refuse busy servers),
-`foreign` (the node's server killed, and a client on the next node takes it as the supervisor restarts it,
-then vanishes: its packets dropped both ways, its process killed; the rule stays `foreign_seconds`, longer
-than the server's keepalive, so no rpcfleet command and no FIN frees the server: its own kernel must).
+`reboot` (on a node that boots systemd: a reboot, and no rpcfleet command after it, as the server's
+enabled unit starts it at boot; on a plain node: a power cut, `lab repair`, then `rpcfleet start` for it,
+as the process supervisor died with the node), `rolling` (serve's `POST /admin/reload` with a rolling
+restart), `deploy` (a second operator's `rpcfleet deploy` from another process: it must change nothing,
+or refuse busy servers), `foreign` (the node's server killed, and a client on the next node takes it as
+the supervisor restarts it, then vanishes: its packets dropped both ways, its process killed; the rule
+stays `foreign_seconds`, longer than the server's keepalive, so no rpcfleet command and no FIN frees the
+server: its own kernel must).
 
 Availability is a rule: of the requests whose life (sent to ended) is clear of every fault's window (from
 its injection to `recovery_s` after its heal, serve's target to serve again), at least `availability` are
@@ -480,6 +482,10 @@ class Chaos:
             self.violation(f"sshd: the server on {node} changed while only its sshd was killed")
 
     def _reboot(self, record: Fault, node: str) -> None:
+        if self.lab.node(node).init == "systemd":  # the enabled unit starts the server at boot
+            self.lab.reboot(node)
+            record.notes.append("rebooted; no rpcfleet command after it")
+            return
         self.lab.kill_node(node)
         time.sleep(2)  # the fault lasts: the node is down for 2 s
         self.rpcfleet("lab", "repair", "--name", self.lab.name)

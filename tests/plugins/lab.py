@@ -19,7 +19,7 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -54,11 +54,13 @@ def lab_hosts_of(lab: Lab) -> list[Host]:
 
 
 @contextlib.contextmanager
-def own_lab(nodes: int, suffix: str = "", *, init: NodeInit = "none") -> Iterator[Lab]:
+def own_lab(
+    nodes: int, suffix: str = "", *, init: NodeInit = "none", node_init: Mapping[int, NodeInit] | None = None
+) -> Iterator[Lab]:
     """A namespaced lab owned by this test session (reaped if the session dies), down on exit."""
     require_lab_privileges()
     name = session_lab_name(suffix)
-    made = lab_up(nodes, name=name, owner_pid=os.getpid(), init=init)
+    made = lab_up(nodes, name=name, owner_pid=os.getpid(), init=init, node_init=node_init)
     try:
         yield made
     finally:
@@ -163,9 +165,9 @@ def hold_from(
 ) -> subprocess.Popen[str] | None:
     """A client in node `node`'s network namespace holding the server at `address:port` (None: it did
     not get the server within `seconds`). Kill it to let go."""
-    holder = lab.node(node).holder_pid()
-    assert holder is not None
-    argv = ["nsenter", "-t", str(holder), "-n", "--", sys.executable, "-c", _HOLD, address, str(port)]
+    namespace = lab.node(node).namespace
+    assert namespace is not None
+    argv = ["ip", "netns", "exec", namespace, sys.executable, "-c", _HOLD, address, str(port)]
     proc = subprocess.Popen([*argv, str(seconds)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     if proc.stdout.readline().strip() == "held":

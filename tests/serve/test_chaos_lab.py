@@ -25,7 +25,8 @@ ORDER = [("kill9", 0), ("cut", 1), ("sshd", 2), ("reboot", 0), ("rolling", 0), (
 
 @pytest.fixture
 def chaos_lab() -> Iterator[Lab]:
-    with own_lab(3, "ch") as made:
+    # Node 1 boots systemd: its reboot is followed by no rpcfleet command (the unit starts the server).
+    with own_lab(3, "ch", node_init={1: "systemd"}) as made:
         yield made
 
 
