@@ -5,15 +5,16 @@
     .venv/bin/python bench/chaos.py --write              # and replace its section of BENCHMARKS.md
 
 Brings up a lab of 3 network-namespace nodes with real OpenSSH, deploys the pinned CPU artifact (the
-process supervisor runs each server), starts `rpcfleet serve` with the real Gemma 3 270M in its own
-process, and lets 4 clients (the official `openai` client) stream completions without a pause. Every 20
-to 40 s (seeded) a random fault, healed before the next: a server killed with SIGKILL (the supervisor
-restarts it), a cut link for `--cut-seconds` (veth down, then up), sshd killed (`rpcfleet lab repair`), a
-power cut of a node (`lab repair`, then `rpcfleet start` for it), a rolling restart through serve
-(`POST /admin/reload`), a second operator's `rpcfleet deploy` from another process, a foreign client
-that takes a restarted server and vanishes (its packets dropped, no rpcfleet command frees it: the
-server's keepalive does). The harness and its
-checks are tests/plugins/chaos.py (tests/serve/test_chaos_lab.py runs each fault once).
+process supervisor runs each server; node 1 boots systemd, and its enabled unit runs it there), starts
+`rpcfleet serve` with the real Gemma 3 270M in its own process, and lets 4 clients (the official `openai`
+client) stream completions without a pause. Every 20 to 40 s (seeded) a random fault, healed before the
+next: a server killed with SIGKILL (the supervisor restarts it), a cut link for `--cut-seconds` (veth
+down, then up), sshd killed (`rpcfleet lab repair`), a reboot of node 1 with no rpcfleet command after
+it, or a power cut of another node (`lab repair`, then `rpcfleet start` for it), a rolling restart
+through serve (`POST /admin/reload`), a second operator's `rpcfleet deploy` from another process, a
+foreign client that takes a restarted server and vanishes (its packets dropped, no rpcfleet command frees
+it: the server's keepalive does). The harness and its checks are tests/plugins/chaos.py
+(tests/serve/test_chaos_lab.py runs each fault once).
 
 Pass: nothing hangs past its timeout, every request ends (answered, refused with 503 + Retry-After, or
 failed with a 503 naming the faulted node while in flight at its fault), the fleet is whole (ready on 3
@@ -88,7 +89,8 @@ def render(result: Result, args: argparse.Namespace, load: float, clients: int, 
         f"`bench/chaos.py --minutes {minutes:g} --seed {seed} --recovery {args.recovery:g}`: "
         "`rpcfleet serve` (engine: llama-server, "
         f"{parallel} slots) with Gemma 3 270M Q4_K_M on a lab of 3 network-namespace nodes (real OpenSSH, "
-        f"CPU `ggml-rpc-server`s under the process supervisor), {clients} clients streaming {tokens}-token "
+        f"CPU `ggml-rpc-server`s: node 1's under systemd, whose reboot is followed by no rpcfleet command, "
+        f"the others' under the process supervisor), {clients} clients streaming {tokens}-token "
         "completions without a pause (the official `openai` client), a random fault every 20-40 s "
         f"(cut link: {cut:g} s), each healed before the next. "
         f"{stamp()}; 1-min load average {load:.1f} at the start; {result.seconds / 60:.1f} minutes of load.",
