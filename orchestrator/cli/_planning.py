@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
     from collections.abc import Sequence
 
     from orchestrator.inventory.model import Host
+    from orchestrator.planning.formations import Formations
     from orchestrator.planning.plan import PlanDevice, PlanOptions
     from orchestrator.probe.fleet import FleetProbe
     from orchestrator.workflows.options import ProbeSettings
@@ -149,57 +150,17 @@ def formations(
     devices: Sequence[PlanDevice],
     models: Sequence[tuple[str, str, Any]],
     options: PlanOptions,
-) -> tuple[list[Any], list[Host]]:
+) -> Formations:
     """The formations serve would choose for `models` ((path, name, profile)) with --replicas on the probed
-    `devices`; a model that gets none: PlanError."""
-    from orchestrator.core.errors import PlanError
-    from orchestrator.serve.formations import FormationError
-    from orchestrator.serve.forming import ServedModel, form
+    `devices` (workflows.plan.plan_formations); a model that gets none: PlanError."""
+    from orchestrator.planning.formations import ServedModel
+    from orchestrator.workflows.options import local_device_selection
+    from orchestrator.workflows.plan import plan_formations
 
     replicas = args.replicas if isinstance(args.replicas, int) else None
     served = [ServedModel(path, name, profile, options, replicas) for path, name, profile in models]
-    rpc = [d for d in devices if d.ok and d.endpoint is not None]
-    local = [d for d in devices if d.endpoint is None]
-    try:
-        from orchestrator.workflows.options import local_device_selection
-
-        selection = local_device_selection(args.local_devices) if hasattr(args, "local_devices") else []
-        return form(served, hosts, rpc, local, selection)
-    except FormationError as exc:
-        raise PlanError(f"no formations: {exc}") from None
-
-
-def formations_lines(formed: Sequence[Any], spares: Sequence[Host], replicas: Any) -> list[str]:
-    """The formations as text: one line each (nodes, fit, headroom), then the spares."""
-    from orchestrator.core.units import format_size
-    from orchestrator.planning.plan import largest_ctx_text
-
-    lines = [f"formations (--replicas {replicas}): {len(formed)}"]
-    for one in formed:
-        plan = one.plan
-        headroom = min((d.memory.headroom for d in plan.devices), default=0)
-        lines.append(
-            f"  {one.choice.name}: {len(one.choice.endpoints)} node(s) {', '.join(one.choice.endpoints)} · "
-            f"n_ctx {plan.n_ctx} x {plan.options.parallel} sequence(s) · headroom {format_size(headroom)} · "
-            f"{largest_ctx_text(plan.fit)}"
-        )
-    lines.append(f"spares: {', '.join(h.endpoint for h in spares) or 'none'}")
-    return lines
-
-
-def formations_json(formed: Sequence[Any], spares: Sequence[Host]) -> dict[str, Any]:
-    return {
-        "formations": [
-            {
-                "name": one.choice.name,
-                "model": one.model.name,
-                "endpoints": list(one.choice.endpoints),
-                "plan": one.plan.to_json(),
-            }
-            for one in formed
-        ],
-        "spares": [h.endpoint for h in spares],
-    }
+    selection = local_device_selection(args.local_devices) if hasattr(args, "local_devices") else []
+    return plan_formations(served, hosts, devices, str(args.replicas), local_devices=selection)
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,13 @@ def print_formations(args: argparse.Namespace, profile: Any, options: Any, fmt: 
     _, hosts = _common.load_hosts(args)
     devices = _planning.probe_devices(args, hosts)
     name = args.model.stem
-    formed, spares = _planning.formations(args, hosts, devices, [(str(args.model), name, profile)], options)
+    from orchestrator.report.formations import formations_json, formations_lines
+
+    formations = _planning.formations(args, hosts, devices, [(str(args.model), name, profile)], options)
     if fmt == "json":
-        sys.stdout.write(json.dumps(_planning.formations_json(formed, spares), indent=2) + "\n")
+        sys.stdout.write(json.dumps(formations_json(formations), indent=2) + "\n")
     else:
-        for line in _planning.formations_lines(formed, spares, args.replicas):
+        for line in formations_lines(formations):
             _common.console.print(escape(line), highlight=False)
     return 0
 

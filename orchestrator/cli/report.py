@@ -74,36 +74,18 @@ def handle(args: argparse.Namespace) -> int:
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         inventory=str(_common.inventory_path(args)),
     )
-    report = build_report(fleet, models, contexts, options)
-    text = render(report, args.format)
+    formations = None
     if args.replicas is not None:  # the formations serve would choose, at the first context
-        text = with_formations(args, text, hosts, fleet, models, plan_options)
+        from orchestrator.planning.devices import to_plan_devices
+
+        named = [(path, Path(path).stem, profile) for path, profile in models]
+        devices = to_plan_devices(fleet, failed="skip")
+        formations = _planning.formations(args, hosts, devices, named, plan_options)
+    report = build_report(fleet, models, contexts, options, formations)
+    text = render(report, args.format)
     if args.output is not None:
         _common.write_output(args.output, text)
         _common.err_console.print(f"report written to {args.output}", highlight=False)
     else:
         sys.stdout.write(text)
     return 0
-
-
-def with_formations(
-    args: argparse.Namespace, text: str, hosts: list[Any], fleet: Any, models: list[Any], options: Any
-) -> str:
-    """The report with the formations of --replicas: a `formations` key in JSON, a section otherwise."""
-    import html
-    import json
-
-    from orchestrator.planning.devices import to_plan_devices
-
-    devices = to_plan_devices(fleet, failed="skip")
-    named = [(path, Path(path).stem, profile) for path, profile in models]
-    formed, spares = _planning.formations(args, hosts, devices, named, options)
-    if args.format == "json":
-        return json.dumps({**json.loads(text), **_planning.formations_json(formed, spares)}, indent=2) + "\n"
-    lines = _planning.formations_lines(formed, spares, args.replicas)
-    if args.format == "html":
-        block = "<h2>Formations</h2>\n<pre>" + html.escape("\n".join(lines)) + "</pre>\n"
-        return text.replace("</body>", block + "</body>") if "</body>" in text else text + block
-    if args.format == "md":
-        return text + "\n## Formations\n\n```\n" + "\n".join(lines) + "\n```\n"
-    return text + "\n" + "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """`rpcfleet serve`: an OpenAI-compatible endpoint on the fleet that survives losing a node.
 
 Probe, choose the formations (`--replicas auto|N`, `--split`; several models: `-m` repeated or `--models`;
-`orchestrator.serve.formations`), and for each: plan, run llama-server on the plan
+`orchestrator.planning.formations`), and for each: plan, run llama-server on the plan
 (`orchestrator.serve.engine`, on loopback, `--parallel` slots) and serve its OpenAI routes through serve's
 own front (`/v1/completions`, `/v1/chat/completions`, streaming, `/v1/models`, `/v1/embeddings`, `/slots`),
 with `/health` and `/metrics` (`orchestrator.serve`). SIGHUP or `POST /admin/reload` reloads: drain, unload,
@@ -250,15 +250,15 @@ def handle(args: argparse.Namespace) -> int:
     import uvicorn
 
     from orchestrator.cli._progress import LoadBars
+    from orchestrator.core.errors import PlanError
     from orchestrator.planning.devices import to_plan_devices
+    from orchestrator.planning.formations import ServedModel
     from orchestrator.serve.app import create_app
     from orchestrator.serve.backend import Backend, ServeConfig
     from orchestrator.serve.fleet import ServeFleet
-    from orchestrator.serve.formations import FormationError
-    from orchestrator.serve.forming import ServedModel, SparePool, form
     from orchestrator.serve.router import Formation, Router
-    from orchestrator.serve.spares import SpareWatch
-    from orchestrator.workflows.plan import states_of
+    from orchestrator.serve.spares import SparePool, SpareWatch
+    from orchestrator.workflows.plan import plan_formations, states_of
 
     inventory, hosts = _common.load_hosts(args)
     if not hosts:
@@ -284,18 +284,17 @@ def handle(args: argparse.Namespace) -> int:
     probe_seconds = time.monotonic() - started
     states = states_of(probe)
     try:  # a model that does not fit at start is an error, not a wait
-        formed, spare_hosts = form(
+        chosen = plan_formations(
             served,
             hosts,
-            to_plan_devices(probe, failed="skip"),
-            whole.local_gpus(),
-            request.local_devices,
+            [*to_plan_devices(probe, failed="skip"), *whole.local_gpus()],
+            "split" if args.split else str(args.replicas),
+            local_devices=request.local_devices,
         )
-    except FormationError as exc:
-        from orchestrator.core.errors import PlanError
-
+    except PlanError as exc:
         listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
-        raise PlanError(f"cannot serve: {exc} ({listed})", hint="rpcfleet plan shows why") from None
+        raise PlanError(f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why") from None
+    formed, spare_hosts = list(chosen.formed), list(chosen.spares)
     plan_seconds = time.monotonic() - started - probe_seconds
     from orchestrator.serve.engine import default_engines
 
@@ -450,13 +449,13 @@ def handle(args: argparse.Namespace) -> int:
 def served_model(
     args: argparse.Namespace, inventory: Any, hosts: list[Any], entry: Any, profile: Any, options: Any
 ) -> Any:
-    """A models-file or -m entry as `forming.ServedModel`: serve's flags where it sets nothing, its
-    hosts among the selected ones (a pattern that selects none of them: exit 2, naming the line)."""
+    """A models-file or -m entry as `planning.formations.ServedModel`: serve's flags where it sets nothing,
+    its hosts among the selected ones (a pattern that selects none of them: exit 2, naming the line)."""
     import dataclasses
 
     from orchestrator.core.errors import InputError
     from orchestrator.inventory.model import select_servers
-    from orchestrator.serve.forming import ServedModel
+    from orchestrator.planning.formations import ServedModel
 
     where = f"{args.models}:{entry.line}: " if entry.line is not None else ""
     endpoints = None

@@ -30,6 +30,7 @@ from orchestrator.core.errors import PlanError
 from orchestrator.core.search import first_true
 from orchestrator.core.units import format_size
 from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.formations import Formations
 from orchestrator.planning.plan import (
     CTX_PAD,
     MAX_DEVICES,
@@ -121,6 +122,7 @@ class Report:
     cases: tuple[Case, ...]  # models × contexts, model-major
     options: ReportOptions
     notes: tuple[str, ...] = ()
+    formations: Formations | None = None  # `report --replicas`: the formations serve would choose
 
     def host_of(self, endpoint: str | None) -> str | None:
         for dev in self.devices:
@@ -213,9 +215,11 @@ def build_report(
     models: Sequence[tuple[str, ModelProfile]],
     contexts: Sequence[int],
     options: ReportOptions | None = None,
+    formations: Formations | None = None,
 ) -> Report:
     """Plan every model at every context on the fleet's ok devices; find the smallest change where a plan
-    does not fit. Pure: no I/O, no clock."""
+    does not fit; carry `formations` (decided by workflows.plan.plan_formations) for the renderers. Pure:
+    no I/O, no clock."""
     ro = options or ReportOptions()
     if not contexts:
         raise PlanError("no context sizes to report on")
@@ -256,6 +260,7 @@ def build_report(
         cases=tuple(cases),
         options=ro,
         notes=tuple(notes),
+        formations=formations,
     )
 
 

@@ -10,6 +10,7 @@ from orchestrator.planning.plan import (
     PlannedDevice,
 )
 from orchestrator.report.build import Case, DeviceChange, Report
+from orchestrator.report.formations import formations_json
 from orchestrator.report.text import reserve_total
 
 
@@ -165,6 +166,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         ],
         "contexts": list(report.contexts),
         "cases": [_case_json(report, c) for c in report.cases],
+        **(formations_json(report.formations) if report.formations is not None else {}),
     }
 
 

@@ -10,6 +10,7 @@ from orchestrator.planning.plan import (
     PlannedDevice,
 )
 from orchestrator.report.build import Report, size_up
+from orchestrator.report.formations import formations_lines
 from orchestrator.report.text import (
     DEVICE_HEADERS,
     FLEET_HEADERS,
@@ -197,5 +198,8 @@ def render_html(report: Report) -> str:
                     for line in recommendation_lines(case.recommendation, case_shortfall(case))
                 ]
             b.append("</section>")
+    if report.formations is not None:
+        lines = "\n".join(formations_lines(report.formations))
+        b += ["<h2>Formations</h2>", f"<pre>{_e(lines)}</pre>"]
     b.append("</body></html>")
     return "\n".join(b) + "\n"

@@ -12,6 +12,7 @@ from orchestrator.planning.plan import (
 )
 from orchestrator.probe.fleet import FleetProbe, NodeProbe
 from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, ReportModel, size_up
+from orchestrator.report.formations import formations_lines
 
 
 def size(n: int | None) -> str:
@@ -240,6 +241,8 @@ def render_text(report: Report) -> str:
                 out += [
                     "    " + line for line in recommendation_lines(case.recommendation, case_shortfall(case))
                 ]
+    if report.formations is not None:
+        out += ["", *formations_lines(report.formations)]
     return "\n".join(out) + "\n"
 
 
@@ -287,4 +290,6 @@ def render_markdown(report: Report) -> str:
                         for line in recommendation_lines(case.recommendation, case_shortfall(case))
                     ),
                 ]
+    if report.formations is not None:
+        out += ["", "## Formations", "", "```", *formations_lines(report.formations), "```"]
     return "\n".join(out) + "\n"

@@ -1,28 +1,65 @@
-"""serve's watch of its spare servers (models served with `--replicas auto`).
+"""serve's spare servers: their pool, and the watch of them (models served with `--replicas auto`).
 
 A server that did not answer when serve started is a spare (as is one left over); so is a spare that a
 formation took after a loss and gave back once its own node returned. Every `interval` seconds the watch
 probes the spares (bounded by the probe's timeout); when the answering ones are not those of the last
-round, `forming.grow` decides (pure, by the rules of the start) whether they make new formations: those
-are taken from the pool, made by `make` and added to the router (which sends them requests once they
-serve). Spares that make none stay in the pool, free for the next loss.
+round, `planning.formations.grow` decides (pure, by the rules of the start) whether they make new
+formations: those are taken from the pool, made by `make` and added to the router (which sends them
+requests once they serve). Spares that make none stay in the pool, free for the next loss.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.threads import start_thread
 from orchestrator.inventory.model import Host
+from orchestrator.planning.formations import Formed, ServedModel, grow
 from orchestrator.planning.plan import PlanDevice
-from orchestrator.serve.forming import Formed, ServedModel, SparePool, grow
 from orchestrator.serve.router import Formation, Router
 
 Probe = Callable[[Sequence[Host]], tuple[dict[str, str], list[PlanDevice]]]
 Make = Callable[[Formed, str], Formation]  # a formation chosen, its name -> the formation to add
+
+
+@dataclass
+class SparePool:
+    """Servers no formation holds: a formation that no longer fits on its own nodes takes one (and gives
+    it back once its own node returns); answering spares that hold a model make a new formation
+    (`grow`). `order`: the inventory's endpoints, the order the pool keeps (given-back spares too)."""
+
+    hosts: list[Host] = field(default_factory=list)
+    order: Sequence[str] = ()
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self) -> Host | None:
+        with self._lock:
+            return self.hosts.pop(0) if self.hosts else None
+
+    def take_these(self, endpoints: Sequence[str]) -> list[Host] | None:
+        """The spares of `endpoints`, all taken at once; None (none taken) when one is no longer free."""
+        with self._lock:
+            chosen = [h for h in self.hosts if h.endpoint in endpoints]
+            if len(chosen) != len(set(endpoints)):
+                return None
+            self.hosts = [h for h in self.hosts if h.endpoint not in endpoints]
+            return chosen
+
+    def put(self, hosts: Sequence[Host]) -> None:
+        """Spares given back (a formation took back its own node), in the inventory's order."""
+        rank = {ep: i for i, ep in enumerate(self.order)}
+        with self._lock:
+            known = {h.endpoint for h in self.hosts}
+            self.hosts += [h for h in hosts if h.endpoint not in known]
+            self.hosts.sort(key=lambda h: rank.get(h.endpoint, len(rank)))
+
+    def snapshot(self) -> list[Host]:
+        with self._lock:
+            return list(self.hosts)
 
 
 class SpareWatch:

@@ -14,6 +14,7 @@ from orchestrator.engine.executor import Session
 from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host
 from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.formations import FormationError, Formations, ServedModel, form
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
@@ -148,3 +149,22 @@ def plan_model(
         )
     )
     return profile, round_
+
+
+def plan_formations(
+    models: Sequence[ServedModel],
+    hosts: Sequence[Host],
+    devices: Sequence[PlanDevice],
+    replicas: str,
+    *,
+    local_devices: Sequence[str] | None = None,
+) -> Formations:
+    """The formations of `models` on the probed `devices` (this machine's GPUs among them join the first
+    formation), as `plan`, `report` and `serve` show them. A model that gets none: PlanError."""
+    rpc = [d for d in devices if d.ok and d.endpoint is not None]
+    local = [d for d in devices if d.endpoint is None]
+    try:
+        formed, spares = form(models, hosts, rpc, local, local_devices)
+    except FormationError as exc:
+        raise PlanError(f"no formations: {exc}") from None
+    return Formations(tuple(formed), tuple(spares), replicas)

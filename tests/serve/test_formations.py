@@ -1,7 +1,7 @@
-"""Tier 1 for serve's formations (issue 24): the choice of formations (pure, and with the real planner),
-the router's decisions, the models file, and the router behind the real front with fake engines (two
-formations: least-loaded, 429, 503, 404, streams pinned, a lost node ending only its formation's streams,
-reloads one formation at a time)."""
+"""Tier 1 for serve's formations (issue 24): the router's decisions, the models file, and the router
+behind the real front with fake engines (two formations: least-loaded, 429, 503, 404, streams pinned, a
+lost node ending only its formation's streams, reloads one formation at a time). The choice of the
+formations is planning's: tests/planning/test_formations.py."""
 
 from __future__ import annotations
 
@@ -19,114 +19,19 @@ from orchestrator.cli import main
 from orchestrator.core.errors import UsageError
 from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
+from orchestrator.planning.formations import (
+    Formed,
+    ServedModel,
+    grow,
+)
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.serve.backend import Backend, ServeConfig
-from orchestrator.serve.formations import MAX_RPC_DEVICES, FormationError, Node, Want, choose
-from orchestrator.serve.forming import Formed, ServedModel, SparePool, form, grow, nodes_of
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.router import Formation, Router, candidates, overall
+from orchestrator.serve.spares import SparePool
 from tests.plugins.llama import GiB, plan_devices
 from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
-
-# -- the choice (pure)
-
-
-def needs(sizes: Mapping[str, int]) -> Callable[[str, tuple[str, ...]], bool]:
-    """A fit verdict: model -> bytes it needs; nodes hold their `usable` (the Node list's)."""
-    usable: dict[str, int] = {}
-
-    def fits(model: str, endpoints: tuple[str, ...]) -> bool:
-        return sum(usable[ep] for ep in endpoints) >= sizes[model]
-
-    fits.usable = usable  # type: ignore[attr-defined]
-    return fits
-
-
-def _choose(wants: list[Want], nodes: list[Node], sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
-    fits = needs(sizes)
-    fits.usable.update({n.endpoint: n.usable for n in nodes})  # type: ignore[attr-defined]
-    return [(c.name, *c.endpoints) for c in choose(wants, nodes, fits)]
-
-
-def nodes(*usable: int, devices: int = 1) -> list[Node]:
-    return [Node(f"n{i}:1", devices, u) for i, u in enumerate(usable)]
-
-
-def test_auto_takes_the_fewest_nodes_that_hold_the_model_then_as_many_groups_as_the_fleet_holds() -> None:
-    assert _choose([Want("m")], nodes(10, 10, 10), {"m": 8}) == [
-        ("m#0", "n0:1"),
-        ("m#1", "n1:1"),
-        ("m#2", "n2:1"),
-    ]
-    # needs two nodes: one formation of two, the third node is a spare
-    assert _choose([Want("m")], nodes(10, 10, 10), {"m": 15}) == [("m#0", "n0:1", "n1:1")]
-    # the largest node alone holds it; the two small ones together make a second formation
-    assert _choose([Want("m")], nodes(6, 20, 10, 10), {"m": 18}) == [
-        ("m#0", "n1:1"),
-        ("m#1", "n2:1", "n3:1"),
-    ]
-    assert _choose([Want("m", split=True)], nodes(10, 10, 10), {"m": 8}) == [("m#0", "n0:1", "n1:1", "n2:1")]
-
-
-def test_replicas_n_makes_n_groups_or_says_the_fleet_holds_fewer() -> None:
-    assert _choose([Want("m", replicas=2)], nodes(10, 10, 10), {"m": 8}) == [("m#0", "n0:1"), ("m#1", "n1:1")]
-    with pytest.raises(FormationError, match=r"m: --replicas 4 asked, the nodes hold 3 formation\(s\) of 1"):
-        _choose([Want("m", replicas=4)], nodes(10, 10, 10), {"m": 8})
-    with pytest.raises(FormationError, match="does not fit on the 3 node"):
-        _choose([Want("m")], nodes(10, 10, 10), {"m": 31})
-    with pytest.raises(FormationError, match="no node answers"):
-        _choose([Want("m")], [], {"m": 1})
-
-
-def test_a_formation_takes_at_most_15_rpc_devices() -> None:
-    four = nodes(*[10] * 5, devices=4)  # 20 devices: one formation of 3 nodes (12) is the most
-    with pytest.raises(FormationError, match="does not fit"):
-        _choose([Want("m")], four, {"m": 41})  # would need 5 nodes = 20 devices
-    assert _choose([Want("m")], four, {"m": 30}) == [("m#0", "n0:1", "n1:1", "n2:1")]
-    with pytest.raises(FormationError, match=f"at most {MAX_RPC_DEVICES}"):
-        _choose([Want("m", split=True)], four, {"m": 30})
-
-
-def test_several_models_take_disjoint_groups_in_turns_and_keep_to_their_hosts() -> None:
-    got = _choose([Want("a"), Want("b")], nodes(10, 10, 10, 10, 10), {"a": 8, "b": 15})
-    assert got == [("a#0", "n0:1"), ("a#1", "n3:1"), ("a#2", "n4:1"), ("b#0", "n1:1", "n2:1")]
-    held = [ep for _, *eps in got for ep in eps]
-    assert len(held) == len(set(held))  # never one server in two formations
-    got = _choose(
-        [Want("a", endpoints=("n2:1",)), Want("b", replicas=1)], nodes(10, 10, 10), {"a": 8, "b": 8}
-    )
-    assert got == [("a#0", "n2:1"), ("b#0", "n0:1")]
-
-
-def test_the_planner_decides_with_real_plans(tiny_model: Path) -> None:
-    """`form` asks the planner: the tiny model fits one 8 GiB node (3 formations), not one of 1 MiB."""
-    profile = profile_model(tiny_model)
-    endpoints = ["10.1.0.1:50052", "10.1.0.2:50052", "10.1.0.3:50052"]
-    hosts = [Host(name=f"n{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(endpoints)]
-    model = ServedModel(str(tiny_model), "tiny", profile, PlanOptions(n_ctx=512, parallel=2))
-    formed, spares = form([model], hosts, plan_devices(endpoints))
-    assert [f.choice.endpoints for f in formed] == [(ep,) for ep in endpoints] and spares == []
-    assert all(f.plan.fit.fits and f.plan.endpoints == f.choice.endpoints for f in formed)
-    split, _ = form(
-        [ServedModel(str(tiny_model), "tiny", profile, PlanOptions(n_ctx=512), split=True)],
-        hosts,
-        plan_devices(endpoints),
-    )
-    assert [f.choice.endpoints for f in split] == [tuple(endpoints)]
-    small = plan_devices(endpoints, [8 * GiB, 1024 * 1024, 8 * GiB])
-    formed, spares = form([model], hosts, small)
-    assert [f.choice.endpoints for f in formed] == [(endpoints[0],), (endpoints[2],)]
-    assert [h.name for h in spares] == ["n1"]
-    assert [n.usable for n in nodes_of(small)] == [8 * GiB, 1024 * 1024, 8 * GiB]
-    # a server silent at start: a split keeps it (to take it back once it answers), auto leaves it spare
-    silent = [*hosts, Host(name="n3", address="10.1.0.4", rpc_port=50052)]
-    split, spares = form([dataclasses.replace(model, split=True)], silent, plan_devices(endpoints))
-    assert [h.name for h in split[0].hosts] == ["n0", "n1", "n2", "n3"] and spares == []
-    assert split[0].plan.endpoints == tuple(endpoints)
-    formed, spares = form([model], silent, plan_devices(endpoints))
-    assert len(formed) == 3 and [h.name for h in spares] == ["n3"]
-
 
 # -- the router's decisions (pure)
 
@@ -443,7 +348,7 @@ def test_a_formation_whose_nodes_are_gone_takes_a_free_spare(
 ) -> None:
     """a#1's only node is lost: it re-plans with the spare (ServeFleet.with_spare) and serves again;
     the spare is then no one else's."""
-    from orchestrator.serve.forming import SparePool
+    from orchestrator.serve.spares import SparePool
 
     client, rigs = routed({"a": PARTS["a"]})
     spare = Host(name="spare", address="10.8.0.9", rpc_port=50052)
@@ -699,6 +604,12 @@ def test_plan_and_report_with_replicas_print_the_formations_serve_would_choose(
     assert (len(report["formations"]) == 3 and "models" in report) or "fleet" in report, list(report)
     assert main(["report", *base, "--replicas", "auto"]) == 0
     assert "formations (--replicas auto): 3" in capsys.readouterr().out
+    # each format's own renderer draws the section (the report carries the formations)
+    assert main(["report", *base, "--replicas", "auto", "--format", "md"]) == 0
+    assert "\n## Formations\n\n```\nformations (--replicas auto): 3\n" in capsys.readouterr().out
+    assert main(["report", *base, "--replicas", "auto", "--format", "html"]) == 0
+    page = capsys.readouterr().out
+    assert page.index("<h2>Formations</h2>") < page.index("</body></html>") and page.count("</body>") == 1
 
 
 def test_the_exporter_gets_each_formation_with_its_own_requests_and_slots(

@@ -1,0 +1,82 @@
+"""planning.formations: the choice of formations as data (tests/data/formations/<case>.json: the nodes'
+usable sizes, what each model asks for and needs, and the formations expected or the error), and `form`
+with the real planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.inventory.model import Host
+from orchestrator.planning.formations import FormationError, Node, ServedModel, Want, choose, form, nodes_of
+from orchestrator.planning.plan import PlanOptions
+from orchestrator.planning.profile import profile_model
+from tests.plugins.llama import GiB, plan_devices
+
+CASES = sorted((Path(__file__).parents[1] / "data" / "formations").glob("*.json"))
+
+
+def test_there_are_cases() -> None:
+    assert len(CASES) >= 10
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
+def test_the_choice(case: Path) -> None:
+    doc: dict[str, Any] = json.loads(case.read_text())
+    nodes = [Node(f"n{i}:1", doc.get("devices", 1), usable) for i, usable in enumerate(doc["nodes"])]
+    usable = {n.endpoint: n.usable for n in nodes}
+    needs: dict[str, int] = doc["needs"]
+    wants = [
+        Want(
+            w["model"],
+            w.get("replicas"),
+            w.get("split", False),
+            tuple(w["endpoints"]) if "endpoints" in w else None,
+        )
+        for w in doc["wants"]
+    ]
+
+    def fits(model: str, endpoints: tuple[str, ...]) -> bool:  # the planner's verdict, as a sum
+        return sum(usable[ep] for ep in endpoints) >= needs[model]
+
+    if "error" in doc:
+        with pytest.raises(FormationError, match=doc["error"]):
+            choose(wants, nodes, fits)
+        return
+    got = [[c.name, *c.endpoints] for c in choose(wants, nodes, fits)]
+    assert got == doc["expected"], doc["doc"]
+    held = [ep for _, *eps in got for ep in eps]
+    assert len(held) == len(set(held))  # never one server in two formations
+
+
+def test_the_planner_decides_with_real_plans(tiny_model: Path) -> None:
+    """`form` asks the planner: the tiny model fits one 8 GiB node (3 formations), not one of 1 MiB."""
+    profile = profile_model(tiny_model)
+    endpoints = ["10.1.0.1:50052", "10.1.0.2:50052", "10.1.0.3:50052"]
+    hosts = [Host(name=f"n{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(endpoints)]
+    model = ServedModel(str(tiny_model), "tiny", profile, PlanOptions(n_ctx=512, parallel=2))
+    formed, spares = form([model], hosts, plan_devices(endpoints))
+    assert [f.choice.endpoints for f in formed] == [(ep,) for ep in endpoints] and spares == []
+    assert all(f.plan.fit.fits and f.plan.endpoints == f.choice.endpoints for f in formed)
+    split, _ = form(
+        [ServedModel(str(tiny_model), "tiny", profile, PlanOptions(n_ctx=512), split=True)],
+        hosts,
+        plan_devices(endpoints),
+    )
+    assert [f.choice.endpoints for f in split] == [tuple(endpoints)]
+    small = plan_devices(endpoints, [8 * GiB, 1024 * 1024, 8 * GiB])
+    formed, spares = form([model], hosts, small)
+    assert [f.choice.endpoints for f in formed] == [(endpoints[0],), (endpoints[2],)]
+    assert [h.name for h in spares] == ["n1"]
+    assert [n.usable for n in nodes_of(small)] == [8 * GiB, 1024 * 1024, 8 * GiB]
+    # a server silent at start: a split keeps it (to take it back once it answers), auto leaves it spare
+    silent = [*hosts, Host(name="n3", address="10.1.0.4", rpc_port=50052)]
+    split, spares = form([dataclasses.replace(model, split=True)], silent, plan_devices(endpoints))
+    assert [h.name for h in split[0].hosts] == ["n0", "n1", "n2", "n3"] and spares == []
+    assert split[0].plan.endpoints == tuple(endpoints)
+    formed, spares = form([model], silent, plan_devices(endpoints))
+    assert len(formed) == 3 and [h.name for h in spares] == ["n3"]
