@@ -38,7 +38,7 @@ from _common import arg_parser, load_average, stamp, write_section
 
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
-from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
+from orchestrator.models.catalogue import GEMMA3_270M, cached_path
 from orchestrator.serve.engine import DEFAULT_PARALLEL
 from tests.plugins.chaos import FAULTS, Chaos, Result
 

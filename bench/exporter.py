@@ -42,11 +42,11 @@ from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.state import Lab
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.observe.collect import Collector
 from orchestrator.observe.web import Exporter, mount
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
-from orchestrator.planning.synth import write_tiny_llama
 
 LAB_NAME = "benchexp"
 MODES = (("off", 0.0), ("on, every 15 s (default)", 15.0), ("on, every 1 s", 1.0))

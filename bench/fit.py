@@ -36,11 +36,11 @@ configure_logging("text", "WARNING")  # before the modules below make their logg
 
 from orchestrator.llama.logs import model_allocations, parse_server_log
 from orchestrator.llama.native.loader import load_llama
-from orchestrator.planning.catalogue import CATALOGUE, cached_path, is_fetched
+from orchestrator.models.catalogue import CATALOGUE, cached_path, is_fetched
+from orchestrator.models.synth_arch import write_arch_model
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth_arch import write_arch_model
 from orchestrator.rpc.client import probe_endpoints
 
 SECTION = "fit"

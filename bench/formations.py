@@ -56,7 +56,7 @@ from _common import (
 
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.state import Lab
-from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
+from orchestrator.models.catalogue import GEMMA3_270M, cached_path
 
 SECTION = "formations"
 LAB_NAME = "benchform"

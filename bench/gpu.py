@@ -172,7 +172,7 @@ def argparse_suppress() -> str:
 
 def run_check(gpu: Gpu, arch: str, tokens: int, model: Path | None, write: Path | None) -> int:
     from orchestrator.llama.logs import model_allocations, parse_server_log
-    from orchestrator.planning.catalogue import CATALOGUE, cached_path
+    from orchestrator.models.catalogue import CATALOGUE, cached_path
 
     load = load_average()
     model = model or cached_path(CATALOGUE["gemma3-270m"])

@@ -37,23 +37,23 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
+from orchestrator.caches.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
+from orchestrator.caches.prep import check_caches, warm_items, warm_misses
 from orchestrator.core.fnv import hash_file_range
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
-from orchestrator.llama.cache.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
-from orchestrator.llama.cache.prep import check_caches, warm_items, warm_misses
 from orchestrator.llama.worker.load_progress import LoadProgress, planned_bytes
 from orchestrator.llama.worker.parent import Worker
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.operations.cache import cache_step, warm_step
 from orchestrator.operations.layer import OperationOptions
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 from orchestrator.playbooks.reader import load_playbook
 from orchestrator.playbooks.runner import run_playbook
 from orchestrator.probe.fleet import probe_fleet

@@ -42,11 +42,11 @@ configure_logging("text", "WARNING")  # before the modules below make their logg
 from orchestrator.llama.logs import model_allocations, parse_server_log
 from orchestrator.llama.native.loader import load_llama
 from orchestrator.llama.observed_placement import placement_of
-from orchestrator.planning.catalogue import CATALOGUE, cached_path
+from orchestrator.models.catalogue import CATALOGUE, cached_path
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.planning.plan import PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 
 SECTION = "memory: predicted vs allocated"
 VULKAN_SECTION = "memory on Vulkan devices: predicted vs allocated"

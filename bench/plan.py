@@ -42,10 +42,10 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")  # before the modules below make their loggers
 
+from orchestrator.models.synth import write_sparse_70b_header, write_tiny_llama
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import KV_CACHE_TYPES, profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
 
 SECTION = "plan"
 GiB = 1 << 30

@@ -49,7 +49,7 @@ from _common import (
     write_section,
 )
 
-from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
+from orchestrator.models.catalogue import GEMMA3_270M, cached_path
 
 SECTION = "serve"
 

@@ -30,10 +30,10 @@ from orchestrator.core.log import configure_logging
 configure_logging("text", "WARNING")
 
 from orchestrator.llama.worker.parent import Done, Token, Worker
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.planning.plan import PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 
 SECTION = "stream"
 GiB = 1 << 30

@@ -37,13 +37,13 @@ from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up
 from orchestrator.lab.state import Lab
 from orchestrator.llama.worker.parent import Done, Worker
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.server.steps import make_deploy_step
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 from orchestrator.probe.fleet import probe_fleet
 
 SECTION = "transport"

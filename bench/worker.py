@@ -33,10 +33,10 @@ from orchestrator.core.log import configure_logging
 configure_logging("text", "WARNING")
 
 from orchestrator.llama.worker.parent import Done, Worker
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 
 SECTION = "worker"
 GiB = 1 << 30

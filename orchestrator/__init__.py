@@ -83,8 +83,8 @@ _API: dict[str, str] = {
     "make_plan": "orchestrator.planning.strategy",
     "order_devices": "orchestrator.planning.layer_assignment",
     "to_plan_devices": "orchestrator.planning.devices",
-    "write_tiny_llama": "orchestrator.planning.synth",
-    "write_tiny_mmproj": "orchestrator.planning.synth_mm",
+    "write_tiny_llama": "orchestrator.models.synth",
+    "write_tiny_mmproj": "orchestrator.models.synth_mm",
     "Llama": "orchestrator.workflows.dropin",
     "MultimodalError": "orchestrator.llama.native.multimodal",
     "load_llama": "orchestrator.llama.native.loader",
@@ -100,8 +100,8 @@ _API: dict[str, str] = {
     "placement_of": "orchestrator.llama.observed_placement",
     "Placement": "orchestrator.llama.observed_placement",
     "Worker": "orchestrator.llama.worker.parent",
-    "plan_cache": "orchestrator.llama.cache.plan",
-    "CacheTensor": "orchestrator.llama.cache.plan",
+    "plan_cache": "orchestrator.caches.plan",
+    "CacheTensor": "orchestrator.caches.plan",
     "hash_file_range": "orchestrator.core.fnv",
     "WorkerError": "orchestrator.llama.worker.parent",
     "NodeLostError": "orchestrator.llama.worker.parent",
@@ -122,6 +122,8 @@ if TYPE_CHECKING:
     from orchestrator.artifacts.build import default_artifact as default_artifact
     from orchestrator.artifacts.imports import import_artifact as import_artifact
     from orchestrator.artifacts.manifest import Artifact as Artifact
+    from orchestrator.caches.plan import CacheTensor as CacheTensor
+    from orchestrator.caches.plan import plan_cache as plan_cache
     from orchestrator.connectors.base import CommandResult as CommandResult
     from orchestrator.connectors.base import Connection as Connection
     from orchestrator.connectors.base import ConnectOptions as ConnectOptions
@@ -159,8 +161,6 @@ if TYPE_CHECKING:
     from orchestrator.inventory.model import select_hosts as select_hosts
     from orchestrator.lab.lifecycle import lab_down as lab_down
     from orchestrator.lab.lifecycle import lab_up as lab_up
-    from orchestrator.llama.cache.plan import CacheTensor as CacheTensor
-    from orchestrator.llama.cache.plan import plan_cache as plan_cache
     from orchestrator.llama.native.loader import load_llama as load_llama
     from orchestrator.llama.native.preflight import preflight as preflight
     from orchestrator.llama.native.registry import RpcDevice as RpcDevice
@@ -176,6 +176,7 @@ if TYPE_CHECKING:
     from orchestrator.llama.worker.parent import NodeLostError as NodeLostError
     from orchestrator.llama.worker.parent import Worker as Worker
     from orchestrator.llama.worker.parent import WorkerError as WorkerError
+    from orchestrator.models.synth import write_tiny_llama as write_tiny_llama
     from orchestrator.planning.devices import to_plan_devices as to_plan_devices
     from orchestrator.planning.layer_assignment import order_devices as order_devices
     from orchestrator.planning.plan import Plan as Plan
@@ -184,7 +185,6 @@ if TYPE_CHECKING:
     from orchestrator.planning.profile import ModelProfile as ModelProfile
     from orchestrator.planning.profile import profile_model as profile_model
     from orchestrator.planning.strategy import make_plan as make_plan
-    from orchestrator.planning.synth import write_tiny_llama as write_tiny_llama
     from orchestrator.playbooks.reader import load_playbook as load_playbook
     from orchestrator.playbooks.runner import run_playbook as run_playbook
     from orchestrator.probe.fleet import FleetProbe as FleetProbe

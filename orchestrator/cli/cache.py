@@ -80,7 +80,7 @@ def handle(args: argparse.Namespace) -> int:
     warmed = warm_fleet(hosts, _model_planning(args), options, batches)
     _report(args, warmed.change.run, "warm", phases=warmed.phases)
     if not args.json and not any(warmed.items.values()):
-        from orchestrator.llama.cache.plan import HASH_THRESHOLD
+        from orchestrator.caches.plan import HASH_THRESHOLD
 
         _common.err_console.print(
             f"nothing to warm: no tensor of {escape(str(args.model))} planned for these nodes is larger than "

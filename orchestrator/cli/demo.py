@@ -38,8 +38,8 @@ def register(subparsers: Any) -> None:
 
 def demo_model() -> Path:
     """Gemma 3 270M from the cache, fetched first (sha256 checked) when `make setup` has not done it."""
-    from orchestrator.planning.catalogue import GEMMA3_270M, is_fetched
-    from orchestrator.planning.fetch import fetch_model
+    from orchestrator.models.catalogue import GEMMA3_270M, is_fetched
+    from orchestrator.models.fetch import fetch_model
 
     if not is_fetched(GEMMA3_270M):
         _common.console.rule(f"model fetch {GEMMA3_270M.name}: once, into the cache")

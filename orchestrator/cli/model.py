@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering st
     from orchestrator.planning.profile import ModelProfile
 
 _PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
-WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.planning.synth.WeightType (tests/cli/test_cli.py checks)
-# orchestrator.planning.synth_arch.ARCHES (tests/planning/test_families.py checks)
+WEIGHT_TYPES = ("f16", "f32", "q8_0")  # orchestrator.models.synth.WeightType (tests/cli/test_cli.py checks)
+# orchestrator.models.synth_arch.ARCHES (tests/planning/test_families.py checks)
 SYNTH_ARCHES = ("llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2")
 
 
@@ -80,7 +80,7 @@ def register(subparsers: Any) -> None:
     _common.add_json_arg(info)
     info.set_defaults(handler=handle_info)
 
-    from orchestrator.planning.catalogue import CATALOGUE  # a dataclass and a dict: cheap
+    from orchestrator.models.catalogue import CATALOGUE  # a dataclass and a dict: cheap
 
     fetch = commands.add_parser(
         "fetch",
@@ -125,8 +125,8 @@ SYNTH_SHAPE_FLAGS = {
 def handle_synth(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import ModelError, UsageError
     from orchestrator.core.files import atomic_path
-    from orchestrator.planning.synth import write_tiny_llama
-    from orchestrator.planning.synth_arch import write_arch_model
+    from orchestrator.models.synth import write_tiny_llama
+    from orchestrator.models.synth_arch import write_arch_model
 
     out: Path = args.output or args.output_opt
     given = [flag for flag, dest in SYNTH_SHAPE_FLAGS.items() if getattr(args, dest) not in (None, False)]
@@ -268,8 +268,8 @@ def _print_info(data: dict[str, Any], arch_rows: list[tuple[str, str]]) -> None:
 
 def handle_fetch(args: argparse.Namespace) -> int:
     from orchestrator.core.errors import UsageError
-    from orchestrator.planning.catalogue import CATALOGUE
-    from orchestrator.planning.fetch import fetch_model
+    from orchestrator.models.catalogue import CATALOGUE
+    from orchestrator.models.fetch import fetch_model
 
     if args.list:
         return handle_list(args)
@@ -306,7 +306,7 @@ def handle_fetch(args: argparse.Namespace) -> int:
 
 def handle_list(args: argparse.Namespace) -> int:
     from orchestrator.core.units import format_size
-    from orchestrator.planning.catalogue import CATALOGUE, cached_path, is_fetched
+    from orchestrator.models.catalogue import CATALOGUE, cached_path, is_fetched
 
     rows: list[dict[str, Any]] = [
         {

@@ -24,8 +24,8 @@ from orchestrator.core.units import format_size
 if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
     from collections.abc import Sequence
 
+    from orchestrator.caches.prep import CachePrep
     from orchestrator.inventory.model import Host
-    from orchestrator.llama.cache.prep import CachePrep
     from orchestrator.llama.observed_placement import Placement
     from orchestrator.llama.worker.wire import Done
     from orchestrator.planning.plan import Plan

@@ -256,8 +256,9 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.serve.app import create_app
     from orchestrator.serve.backend import Backend, ServeConfig
     from orchestrator.serve.fleet import ServeFleet
+    from orchestrator.serve.pool import SparePool
     from orchestrator.serve.router import Formation, Router
-    from orchestrator.serve.spares import SparePool, SpareWatch
+    from orchestrator.serve.spares import SpareWatch
     from orchestrator.workflows.plan import plan_formations, states_of
 
     inventory, hosts = _common.load_hosts(args)

@@ -265,8 +265,8 @@ def _cache_warm(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.operations.cache import WarmItem, warm_step
 
     async def make() -> dict[str, list[WarmItem]]:
-        from orchestrator.llama.cache.plan import plan_cache
-        from orchestrator.llama.cache.prep import warm_item
+        from orchestrator.caches.plan import plan_cache
+        from orchestrator.caches.prep import warm_item
         from orchestrator.planning.profile import profile_model
 
         plan = play.state.plan

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from orchestrator.caches.prep import CachePrep
 from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
 from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.prep import CachePrep
 from orchestrator.llama.worker.parent import list_local_gpus
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
@@ -24,7 +24,7 @@ from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.playbooks.reader import rolling_restart_playbook
 from orchestrator.playbooks.runner import run_playbook
 from orchestrator.probe.fleet import FleetProbe
-from orchestrator.serve.spares import SparePool
+from orchestrator.serve.pool import SparePool
 from orchestrator.workflows.fit import SERVE_WORDS
 from orchestrator.workflows.load import fleet_targets, prepare_load
 from orchestrator.workflows.options import ProbeSettings
@@ -49,7 +49,7 @@ class ServeFleet:
     trust_rpc_memory: bool = False
     forks: int | None = None
     local_devices: list[str] | None = field(default_factory=list)
-    # Servers no formation holds (`spares.SparePool`): one is taken when the model no longer fits here.
+    # Servers no formation holds (`pool.SparePool`): one is taken when the model no longer fits here.
     spares: SparePool | None = None
     # The spares this formation took (`with_spare`): given back once it fits on its own nodes again.
     borrowed: list[Host] = field(default_factory=list)

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from orchestrator.caches.plan import plan_cache
+from orchestrator.caches.prep import warm_items
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.plan import plan_cache
-from orchestrator.llama.cache.prep import warm_items
 from orchestrator.operations.cache import WarmItem, cache_step, status_step, warm_step
 from orchestrator.operations.layer import OperationOptions
 from orchestrator.workflows.change import Batches, FleetChange, change_fleet

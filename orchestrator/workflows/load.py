@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.caches.prep import CachePrep, WarmChoice, prepare_caches
 from orchestrator.connectors.tunnel import default_tunnels
 from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, RunResult, Session
 from orchestrator.engine.runtime import Runtime, run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.prep import CachePrep, WarmChoice, prepare_caches
 from orchestrator.planning.plan import Plan
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from orchestrator.workflows.load import FleetLoad, load_on_fleet
 from orchestrator.workflows.plan import plan_for_fleet
 
 if TYPE_CHECKING:
+    from orchestrator.caches.prep import CachePrep, WarmChoice
     from orchestrator.inventory.model import Host
-    from orchestrator.llama.cache.prep import CachePrep, WarmChoice
     from orchestrator.llama.observed_placement import Placement
     from orchestrator.llama.worker.load_progress import LoadProgress
     from orchestrator.planning.plan import PlanOptions

@@ -327,8 +327,8 @@ def test_choices_copied_into_the_cli_match_their_source() -> None:
     from typing import get_args
 
     from orchestrator.cli import model, probe, report
+    from orchestrator.models.synth import WeightType
     from orchestrator.planning.profile import KV_CACHE_TYPES
-    from orchestrator.planning.synth import WeightType
     from orchestrator.probe.fleet import FAIL_ON
     from orchestrator.probe.host import DEFAULT_TIMEOUT
     from orchestrator.report.render import FORMATS

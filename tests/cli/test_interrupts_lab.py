@@ -25,7 +25,7 @@ from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from orchestrator.lab.lifecycle import inventory_document
 from orchestrator.lab.state import Lab
-from orchestrator.planning.synth import write_tiny_llama
+from orchestrator.models.synth import write_tiny_llama
 from tests.plugins.lab import lab_hosts_of, own_lab
 from tests.plugins.playbooks import NodeView
 

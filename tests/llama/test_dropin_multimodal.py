@@ -1,7 +1,7 @@
 """The drop-in spec's multimodal example (llama-cpp-python-rpc.md, "Multimodal input") against a real
 server.
 
-No real model can be downloaded here, so both files are generated (orchestrator.planning.synth and
+No real model can be downloaded here, so both files are generated (orchestrator.models.synth and
 synth_mm): a tiny llama text model with a Qwen3-style chat template (its `enable_thinking` switch) and
 a tiny LLaVA-type projector whose output width is the text model's. The weights are random: the test
 checks what ran where (mtmd's log, the server's GGML_RPC_DEBUG allocations and graph computes), not the
@@ -20,8 +20,8 @@ import pytest
 
 import orchestrator
 from orchestrator.core.errors import ModelError
-from orchestrator.planning.synth import write_tiny_llama
-from orchestrator.planning.synth_mm import CHAT_TEMPLATE, png_bytes, write_tiny_mmproj
+from orchestrator.models.synth import write_tiny_llama
+from orchestrator.models.synth_mm import CHAT_TEMPLATE, png_bytes, write_tiny_mmproj
 from tests.plugins.llama import DebugServer
 
 # The drop-in spec's second example, verbatim but for the import line; the file paths and the server

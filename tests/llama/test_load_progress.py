@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.caches.plan import plan_cache
 from orchestrator.core.log import configure_logging
 from orchestrator.core.target import Target
-from orchestrator.llama.cache.plan import plan_cache
 from orchestrator.llama.worker.child import bytes_acked, endpoint_peers
 from orchestrator.llama.worker.load_progress import (
     LoadProgress,

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.caches.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
 from orchestrator.connectors.connect import connect
 from orchestrator.core import fnv
 from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
 from orchestrator.operations.cache import (
     CacheFile,
     WarmItem,

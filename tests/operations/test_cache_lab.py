@@ -18,7 +18,7 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.lab.state import Lab
-from orchestrator.planning.synth import write_tiny_llama
+from orchestrator.models.synth import write_tiny_llama
 from tests.plugins.lab import own_lab
 from tests.plugins.playbooks import PLAYBOOKS
 

@@ -18,11 +18,11 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.llama.native.loader import load_llama
 from orchestrator.llama.observed_placement import placement_of
+from orchestrator.models.synth_arch import ARCHES, write_arch_model
 from orchestrator.planning.architectures import VERIFIED
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth_arch import ARCHES, write_arch_model
 from tests.plugins.llama import DebugServer, plan_devices
 from tests.plugins.servers import LocalServer, write_local_inventory
 
@@ -357,7 +357,7 @@ def test_mamba2_compute_of_other_shapes_is_never_under(
 ) -> None:
     """Mamba-2 models of shapes of their own at a 4k context over three servers: the compute buffer is
     never under what the servers allocate (the rule before was 30 % under with 8 groups of 128 states)."""
-    from orchestrator.planning import synth_arch
+    from orchestrator.models import synth_arch
 
     embd, state, heads, groups = shape
     for name, value in (("_EMBD", embd), ("_D_INNER", 2 * embd), ("_D_STATE", state), ("_SSM_HEADS", heads),

@@ -9,8 +9,8 @@ import gguf
 import pytest
 
 from orchestrator.core.errors import ModelError
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.planning.profile import KV_CACHE_TYPES, iter_metadata, profile_model, row_bytes
-from orchestrator.planning.synth import write_tiny_llama
 
 
 def _reader_sizes(paths: tuple[Path, ...]) -> dict[str, int]:

@@ -14,11 +14,11 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.llama.native.loader import load_llama
 from orchestrator.llama.observed_placement import placement_of
+from orchestrator.models.synth_arch import write_arch_model
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth_arch import write_arch_model
 from tests.plugins.llama import DebugServer, plan_devices
 from tests.plugins.servers import LocalServer, write_local_inventory
 

@@ -28,11 +28,11 @@ import pytest
 from orchestrator.artifacts.build import local_server_binary
 from orchestrator.llama.native.loader import load_llama
 from orchestrator.llama.observed_placement import placement_of
+from orchestrator.models.synth_arch import ARCHES, write_arch_model
 from orchestrator.planning.architectures import VERIFIED_ON
 from orchestrator.planning.plan import PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth_arch import ARCHES, write_arch_model
 from orchestrator.rpc.client import probe_endpoint
 from tests.plugins.llama import DebugServer, start_debug_server
 from tests.plugins.servers import free_port

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.caches.plan import HASH_THRESHOLD
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.plan import HASH_THRESHOLD
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.operations.cache import WarmItem
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 from tests.plugins.llama import plan_devices
 from tests.plugins.servers import LocalServer, launch_rpc_server
 
@@ -71,7 +71,7 @@ def plan_on_nodes(nodes: list[Node], model: Path) -> Plan:
 
 
 def warm_items(model: Path) -> list[WarmItem]:
-    from orchestrator.llama.cache.plan import gguf_tensors, hash_tensors
+    from orchestrator.caches.plan import gguf_tensors, hash_tensors
 
     big = [t for t in gguf_tensors([model]) if t.size > HASH_THRESHOLD]
     return [WarmItem(c.file, c.tensor.path, c.tensor.offset, c.tensor.size) for c in hash_tensors(big)]

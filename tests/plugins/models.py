@@ -1,4 +1,4 @@
-"""Generated GGUF models (orchestrator.planning.synth), written once per test session into a session
+"""Generated GGUF models (orchestrator.models.synth), written once per test session into a session
 tmp dir, and the one real model, Gemma 3 270M, that `make setup` fetches into the cache."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from orchestrator.core.files import sha256_file
-from orchestrator.planning.catalogue import GEMMA3_270M, cached_path
-from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
+from orchestrator.models.catalogue import GEMMA3_270M, cached_path
+from orchestrator.models.synth import write_sparse_70b_header, write_tiny_llama
 
 TinyModelFactory = Callable[..., Path]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +116,25 @@ def test_the_tests_mirror_the_stages() -> None:
             if re.fullmatch(r"tests(\.\w+)*\.test_\w+", module):
                 wrong.append(f"{where}:{line}: imports the test module {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_architecture_page_lists_the_stages_of_the_import_contract() -> None:
+    """pyproject.toml's layers contract is the one list of the stages, in flow order; the walk test reads
+    it, and docs/architecture.md's table must say the same (every package is a stage)."""
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    layers = [name.removeprefix("orchestrator.") for name in contract["layers"]]
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = re.findall(r"^\| `(\w+)/` \|", page, flags=re.MULTILINE)
+    assert table == layers, (table, layers)
+    packages = {p.name for p in (ROOT / "orchestrator").iterdir() if (p / "__init__.py").is_file()}
+    assert set(layers) == packages, set(layers) ^ packages
+    undocumented = [
+        name
+        for name in sorted(packages)
+        if len(ast.get_docstring(ast.parse((ROOT / "orchestrator" / name / "__init__.py").read_text())) or "")
+        < 40
+    ]
+    assert not undocumented, f"packages whose docstring does not say what the stage holds: {undocumented}"
 
 
 def test_every_test_file_cited_exists() -> None:

@@ -63,7 +63,7 @@ def test_the_wheel_installs_a_working_rpcfleet(tmp_path: Path) -> None:
     for module in (
         "orchestrator/cli/__init__.py",
         "orchestrator/cli/model.py",
-        "orchestrator/planning/synth.py",
+        "orchestrator/models/synth.py",
     ):
         assert module in names  # the subpackages are in the wheel (it once held orchestrator/ alone)
     assert "orchestrator/py.typed" in names and not any(n.startswith("tests/") for n in names)

@@ -22,10 +22,10 @@ from gguf import GGUFReader
 from orchestrator.cli import main
 from orchestrator.cli.report import parse_contexts
 from orchestrator.core.errors import PlanError, UsageError
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.planning.synth import write_tiny_llama
 from orchestrator.probe.fleet import FleetProbe
 from orchestrator.report.build import (
     NEW_NODE_ENDPOINT,
@@ -656,7 +656,7 @@ def test_report_shows_the_architecture_as_model_info_does(
 ) -> None:
     """Family, sliding window, experts, recurrent state and KV per token: the report's text, Markdown, HTML
     and JSON carry what `model info` prints for the same model and cache types (issue 22, item 6)."""
-    from orchestrator.planning.synth_arch import write_arch_model
+    from orchestrator.models.synth_arch import write_arch_model
 
     archs = ("gemma3", "qwen3moe", "mamba2")
     paths = {arch: write_arch_model(tmp_path / f"{arch}.gguf", arch) for arch in archs}

@@ -28,8 +28,8 @@ from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.serve.backend import Backend, ServeConfig
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
+from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router, candidates, overall
-from orchestrator.serve.spares import SparePool
 from tests.plugins.llama import GiB, plan_devices
 from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
 
@@ -348,7 +348,7 @@ def test_a_formation_whose_nodes_are_gone_takes_a_free_spare(
 ) -> None:
     """a#1's only node is lost: it re-plans with the spare (ServeFleet.with_spare) and serves again;
     the spare is then no one else's."""
-    from orchestrator.serve.spares import SparePool
+    from orchestrator.serve.pool import SparePool
 
     client, rigs = routed({"a": PARTS["a"]})
     spare = Host(name="spare", address="10.8.0.9", rpc_port=50052)

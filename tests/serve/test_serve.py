@@ -636,7 +636,7 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
     from orchestrator.core.errors import RpcfleetError
     from orchestrator.serve.backend import Backend, ServeConfig
     from orchestrator.serve.fleet import ServeFleet
-    from orchestrator.serve.spares import SparePool
+    from orchestrator.serve.pool import SparePool
 
     small, spare = start_rpc_server(), start_rpc_server()
     options = PlanOptions(n_ctx=512)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from orchestrator.core.errors import ModelError
-from orchestrator.planning.synth import write_sparse_70b_header, write_tiny_llama
+from orchestrator.models.synth import write_sparse_70b_header, write_tiny_llama
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> object:

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.planning import catalogue
-from orchestrator.planning.catalogue import CatalogueModel, cached_path
-from orchestrator.planning.fetch import fetch_model
+from orchestrator.models import catalogue
+from orchestrator.models.catalogue import CatalogueModel, cached_path
+from orchestrator.models.fetch import fetch_model
 
 VERSION = "1.0.0"
 
@@ -292,8 +292,8 @@ def test_list_names_the_catalogue(
 # model added to its catalogue.
 _CLI = """
 import json, sys
-from orchestrator.planning import catalogue
-from orchestrator.planning.catalogue import CatalogueModel
+from orchestrator.models import catalogue
+from orchestrator.models.catalogue import CatalogueModel
 entry = CatalogueModel(**{**json.loads(sys.argv[1]), "packages": tuple(json.loads(sys.argv[1])["packages"])})
 catalogue.CATALOGUE[entry.name] = entry
 sys.argv = ["rpcfleet", "model", "fetch", entry.name]

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from orchestrator.caches.plan import CacheTensor, plan_cache
 from orchestrator.core.errors import LoaderError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.llama.cache.plan import CacheTensor, plan_cache
 from orchestrator.operations.cache import CacheChange, CacheCheck, WarmItem, check_step, warm_step
 from orchestrator.operations.layer import OperationOptions
 from orchestrator.planning.plan import Plan

@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 
 from orchestrator.core.errors import ModelError
-from orchestrator.planning.synth import add_spm_tokenizer
+from orchestrator.models.synth import add_spm_tokenizer
 
 ARCHES = ("llama", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "granitehybrid", "mamba2")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from orchestrator.core.errors import FetchError
 from orchestrator.core.files import replace_durably, sha256_file
 from orchestrator.core.units import format_size
-from orchestrator.planning.catalogue import CatalogueModel, cached_path
+from orchestrator.models.catalogue import CatalogueModel, cached_path
 
 Say = Callable[[str], None]
 
