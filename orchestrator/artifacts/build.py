@@ -48,6 +48,7 @@ from orchestrator.artifacts.store import Progress, artifacts_dir, recall, rememb
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.children import open_child, run_child
 
 # cmake -D definitions every build gets; the user's --cmake-arg overrides them by variable name.
 BASE_DEFINES: dict[str, str] = {
@@ -309,7 +310,7 @@ def _run_logged(
     log.flush()
     tail: list[str] = []
     deadline = time.monotonic() + timeout
-    with subprocess.Popen(
+    with open_child(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env
     ) as proc:
         assert proc.stdout is not None
@@ -364,7 +365,7 @@ def _check_runpath(bin_dir: Path) -> None:
     for path in sorted(bin_dir.iterdir()):
         if path.is_symlink() or not path.is_file():
             continue
-        out = subprocess.run(
+        out = run_child(
             [readelf, "-d", str(path)], capture_output=True, text=True, timeout=30, check=False
         ).stdout
         for match in re.finditer(r"\((?:RUNPATH|RPATH)\).*?\[(.*)\]", out):

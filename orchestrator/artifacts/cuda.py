@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.children import run_child
 
 # The CUDA 13.5 toolkit's packages (cublas and cccl version on their own; all share nvidia/cu13).
 CUDA_PACKAGES: tuple[str, ...] = (
@@ -80,7 +80,7 @@ MIN_DRIVER: dict[int, str] = {12: "525.60.13", 13: "580.65.06"}
 
 def toolkit_release(nvcc: Path) -> str | None:
     """`13.5` from `nvcc --version` ("Cuda compilation tools, release 13.5, V13.5.37"), None if unknown."""
-    done = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    done = run_child([str(nvcc), "--version"], capture_output=True, text=True, timeout=60, check=False)
     found = re.search(r"release (\d+\.\d+)", done.stdout)
     return found.group(1) if found else None
 
@@ -182,7 +182,7 @@ def _link_unversioned(lib: Path) -> None:
 
 
 def _run(command: list[str], what: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    done = run_child(command, capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode != 0:
         raise ArtifactError(
             f"{what} failed",

@@ -39,6 +39,7 @@ from orchestrator.core.errors import ArtifactError
 from orchestrator.core.files import atomic_path, sha256_file, write_atomic
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.core.poll import poll
+from orchestrator.engine.children import open_child
 from orchestrator.engine.runtime import run_sync
 from orchestrator.rpc.client import probe_endpoint
 
@@ -241,7 +242,7 @@ def probe_protocol(binary: Path, *, timeout: float = 10.0) -> str:
         port = int(sock.getsockname()[1])
     with tempfile.TemporaryDirectory(prefix="rpcfleet-probe-") as cache:
         env = {**os.environ, "LLAMA_CACHE": cache}
-        proc = subprocess.Popen(
+        proc = open_child(
             [str(binary), "-H", "127.0.0.1", "-p", str(port)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -16,6 +16,7 @@ from orchestrator.artifacts.store import Progress
 from orchestrator.core.errors import ArtifactError
 from orchestrator.core.files import sha256_file
 from orchestrator.core.paths import rpcfleet_home
+from orchestrator.engine.children import run_child
 
 PIP_TIMEOUT_S = 600.0
 
@@ -121,7 +122,7 @@ def ensure_sdist(version: str, say: Progress, *, sha256: str | None = None, pinn
             "--no-build-isolation", "--require-hashes", "-r", str(requirements), "-d", staging,
         ]  # fmt: skip
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+            done = run_child(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired as exc:
             raise ArtifactError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s") from exc
         fetched = Path(staging) / sdist.name

@@ -21,6 +21,7 @@ from orchestrator.core.errors import (
     TransferError,
     UnreachableError,
 )
+from orchestrator.engine.children import start_shell_child  # the runtime's (pyproject)
 from orchestrator.inventory.model import Host
 
 
@@ -48,7 +49,7 @@ class LocalConnection(BaseConnection):
     async def _execute(self, command: str, limit: float, data: bytes | None) -> tuple[int, bytes, bytes]:
         env = None if self.home == Path.home() else {**os.environ, "HOME": str(self.home)}
         try:
-            process = await asyncio.create_subprocess_shell(
+            process = await start_shell_child(
                 command,
                 executable="/bin/bash",
                 stdin=asyncio.subprocess.PIPE if data else asyncio.subprocess.DEVNULL,
@@ -92,7 +93,7 @@ class LocalConnection(BaseConnection):
     async def hold(self, command: str) -> _HeldLocalCommand:
         env = None if self.home == Path.home() else {**os.environ, "HOME": str(self.home)}
         try:
-            process = await asyncio.create_subprocess_shell(
+            process = await start_shell_child(
                 command,
                 executable="/bin/bash",
                 stdin=asyncio.subprocess.PIPE,

@@ -137,15 +137,16 @@ def spawn_bound(argv: list[str], *, stderr: IO[bytes]) -> subprocess.Popen[bytes
     own session: a Ctrl-C at the terminal reaches rpcfleet, which closes it. Linux sends the parent-death
     signal when the *thread* that forked the child ends: forwards are started by the runtime's one
     long-lived spawner thread (`engine.children.on_spawner_thread`)."""
-    from orchestrator.engine.children import on_spawner_thread  # the runtime's (a layer above: pyproject)
+    from orchestrator.engine.children import on_spawner_thread, open_child  # the runtime's (pyproject)
 
     if shutil.which("setpriv") is not None:
         argv = ["setpriv", "--pdeathsig", "TERM", "--", *argv]
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
+        process: subprocess.Popen[bytes] = open_child(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
         )
+        return process
 
     return on_spawner_thread(start)
 
@@ -197,7 +198,9 @@ class OpenSSHTunnel:
         raise UnreachableError("could not bind a local port for the SSH forward", host=host.name)
 
     def _check(self) -> bool:
-        check = subprocess.run(
+        from orchestrator.engine.children import run_child  # the runtime's (a layer above: pyproject)
+
+        check = run_child(
             ["ssh", "-S", str(self.control), "-O", "check", "x"],
             capture_output=True,
             timeout=5,

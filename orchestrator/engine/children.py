@@ -1,6 +1,11 @@
-"""The runtime's child processes: how rpcfleet starts a long-lived child (the llama.cpp worker, serve's
-llama-server), where its log goes, how its end is told, and how its TCP connections to the nodes are
-found, tuned and measured from this side.
+"""The runtime's child processes, the one place that starts them (tests/project/test_children_home.py):
+how rpcfleet starts a long-lived child (the llama.cpp worker, serve's llama-server), a tool it runs to
+its end (`run_child`), one whose output it reads as it comes (`open_child`, `start_child` on the loop),
+where a log goes, how an end is told, and how a child's TCP connections to the nodes are found, tuned and
+measured from this side.
+
+Each start is logged (`child_started`: the program and the pid; never the arguments, which may hold a
+secret), so a run's log says what it ran.
 
 * `spawn_child`: a new session (a Ctrl-C at the terminal reaches the parent only); with
   `die_with_parent`, PR_SET_PDEATHSIG (SIGKILL) set between fork and exec. Linux fires that signal when
@@ -14,6 +19,7 @@ found, tuned and measured from this side.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import queue
@@ -26,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from orchestrator.core.log import get_logger
 from orchestrator.core.paths import rpcfleet_home
 
 KEEP_LOGS = 20  # logs of one kind kept under $RPCFLEET_HOME/logs
@@ -106,6 +113,37 @@ class _Spawner:
 
 _spawner: _Spawner | None = None
 _spawner_lock = threading.Lock()
+
+
+def run_child(argv: Sequence[str], **options: Any) -> subprocess.CompletedProcess[Any]:
+    """`subprocess.run(argv, **options)`: a tool run to its end (its `timeout`, `check`, ... as given)."""
+    _log_start(argv, None)
+    return subprocess.run(list(argv), **options)
+
+
+def open_child(argv: Sequence[str], **options: Any) -> subprocess.Popen[Any]:
+    """`subprocess.Popen(argv, **options)`: a child whose output the caller reads as it comes."""
+    process = subprocess.Popen(list(argv), **options)
+    _log_start(argv, process.pid)
+    return process
+
+
+async def start_child(argv: Sequence[str], **options: Any) -> asyncio.subprocess.Process:
+    """`asyncio.create_subprocess_exec(*argv, **options)` on the running loop (the runtime's)."""
+    process = await asyncio.create_subprocess_exec(*argv, **options)
+    _log_start(argv, process.pid)
+    return process
+
+
+async def start_shell_child(command: str, **options: Any) -> asyncio.subprocess.Process:
+    """`asyncio.create_subprocess_shell(command, **options)` on the running loop."""
+    process = await asyncio.create_subprocess_shell(command, **options)
+    _log_start(["sh"], process.pid)
+    return process
+
+
+def _log_start(argv: Sequence[str], pid: int | None) -> None:
+    get_logger().debug("child_started", program=Path(argv[0]).name if argv else "", pid=pid)
 
 
 def spawn_child(

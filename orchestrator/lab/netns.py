@@ -13,6 +13,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
+from orchestrator.engine.children import run_child
 from orchestrator.lab import cgroups, systemd
 from orchestrator.lab.procs import (
     SSHD,
@@ -176,7 +177,7 @@ def _start_node(lab: Lab, node: LabNode) -> None:
     argv = ["setsid", "-f", *cgroups.in_share(node.namespace, lab.cpus, argv)]
     with node.log.open("ab") as out:
         # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
-        subprocess.run(
+        run_child(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=child_env(), check=True, timeout=10
         )
 
@@ -203,7 +204,7 @@ def restore_holder(node: LabNode, sshd: int, cpus: float | None = None) -> None:
     argv = ["nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
     argv = ["setsid", "-f", *cgroups.in_share(node.namespace or "", cpus, argv)]
     with node.log.open("ab") as out:
-        subprocess.run(
+        run_child(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=child_env(), check=False, timeout=10
         )
     if not poll(lambda: node.holder_pid() is not None or None, timeout=5.0, interval=0.01):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.poll import poll
+from orchestrator.engine.children import open_child, run_child
 
 SSHD = "/usr/sbin/sshd"
 
@@ -196,7 +197,7 @@ def run(
     argv: Sequence[str], *, input: str | None = None, check: bool = True, timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:
     try:
-        result = subprocess.run(
+        result = run_child(
             list(argv),
             input=input,
             capture_output=True,
@@ -226,7 +227,7 @@ def run_all(argvs: Sequence[Sequence[str]], *, inputs: Sequence[str] | None = No
     procs: list[tuple[Sequence[str], subprocess.Popen[str], str | None]] = []
     for i, argv in enumerate(argvs):
         try:
-            proc = subprocess.Popen(
+            proc = open_child(
                 list(argv),
                 stdin=subprocess.PIPE if inputs else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import LabError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.poll import poll
+from orchestrator.engine.children import run_child
 from orchestrator.lab import systemd
 from orchestrator.lab.procs import SSHD, SSHD_COMMON, is_sshd, proc_alive, read_pid, tail, tcp_open
 
@@ -38,7 +38,7 @@ def adopt_listening_sshd(node: LabNode) -> int | None:
     is written back."""
     if node.namespace is None:
         return None
-    listening = subprocess.run(
+    listening = run_child(
         ["ip", "netns", "exec", node.namespace, "ss", "-Hltnp", f"sport = :{SSH_PORT}"],
         capture_output=True,
         text=True,
@@ -59,7 +59,7 @@ def sshd_argv(node: LabNode) -> list[str]:
 
 def sshd_extra_options() -> list[str]:
     # OpenSSH >= 9.8 penalises sources that fail auth or close early: the controller is one source.
-    probe = subprocess.run([SSHD, "-V"], capture_output=True, text=True, check=False, timeout=5)
+    probe = run_child([SSHD, "-V"], capture_output=True, text=True, check=False, timeout=5)
     match = re.search(r"OpenSSH_(\d+)\.(\d+)", probe.stderr + probe.stdout)
     if match and (int(match.group(1)), int(match.group(2))) >= (9, 8):
         return ["PerSourcePenalties no"]

