@@ -130,13 +130,18 @@ class HostLocks:
             installs.setdefault(host.install_key, []).append(host)
         ordered = [servers[0] for servers in installs.values()]  # one lock per install
 
-        async def reach(host: Host) -> Connection | None:
+        async def reach(host: Host) -> tuple[Connection, Connection | None] | None:
             try:
-                return await session.connection(host)
+                conn = await session.connection(host)
             except RpcfleetError:
                 return None  # the session keeps the failure: the host's step reports it
+            try:
+                return conn, await conn.another()  # the lock's own connection
+            except RpcfleetError:
+                return conn, None  # `acquire` tries again, and says why it cannot
 
-        # Connecting is the slow part and takes no lock: all at once; then one lock after the other.
+        # Connecting is the slow part and takes no lock: all at once (the lock's own connections too);
+        # then one lock after the other.
         connections = await gather_bounded([functools.partial(reach, h) for h in ordered], session.forks)
         wait = self.options.wait_lock
         deadline = time.monotonic() + wait
@@ -147,9 +152,15 @@ class HostLocks:
                 log = get_logger(host=host.name, run_id=session.run_id)
                 log.warning("host_lock_waiting", holder=holder, wait_s=wait)
 
-        for host, conn in zip(ordered, connections, strict=True):
-            if conn is None:
+        unused: list[Connection] = [
+            pair[1] for pair in connections if pair is not None and pair[1] is not None
+        ]
+        for host, pair in zip(ordered, connections, strict=True):
+            if pair is None:
                 continue
+            conn, lock_conn = pair
+            if lock_conn is not None:
+                unused.remove(lock_conn)  # the lock owns it from here: released with the lock
             try:
                 # Waiting for another operator's lock changes nothing: an interrupt ends the wait.
                 lock = await session.unless_interrupted(
@@ -160,9 +171,12 @@ class HostLocks:
                         wait_s=max(0.0, deadline - time.monotonic()) if wait > 0 else 0.0,
                         on_wait=waiting,
                         asked_wait_s=wait,
+                        lock_conn=lock_conn,
                     )
                 )
             except (HostLockedError, NotStartedError) as exc:
+                for left in unused:  # the hosts not reached: their lock connections go unused
+                    await left.close()
                 await self.close()
                 return {
                     h.name: exc if h.install_key == host.install_key else _not_started(h, exc) for h in hosts

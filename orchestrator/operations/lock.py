@@ -256,10 +256,11 @@ async def acquire(
     heartbeat_s: float = HEARTBEAT_S,
     silence_s: float = SILENCE_S,
     lost_s: float = LOST_S,
+    lock_conn: Connection | None = None,
 ) -> HostLock:
-    """Take `host`'s lock for `operation` (on a connection of its own, opened from `conn`), or raise
-    HostLockedError naming who has it. `asked_wait_s`: the wait the operator asked for, when `wait_s` is
-    what is left of it (the message names it)."""
+    """Take `host`'s lock for `operation` (on a connection of its own: `lock_conn`, opened already, or
+    one opened from `conn`), or raise HostLockedError naming who has it. `asked_wait_s`: the wait the
+    operator asked for, when `wait_s` is what is left of it (the message names it)."""
     owner = LockOwner.here(operation)
     # Held, not run: the lock lives as long as the command, so its lines are read as they come.
     script = NodeScript(
@@ -269,7 +270,8 @@ async def acquire(
         "cannot take the host lock",
         ServiceScriptError,
     )
-    lock_conn = await conn.another()
+    if lock_conn is None:
+        lock_conn = await conn.another()
     try:
         held = await lock_conn.hold(script.shell_command)
     except BaseException:
