@@ -706,6 +706,7 @@ async def test_a_holder_cut_off_for_17_s_stops_its_step_before_the_node_gives_it
         stopped = time.monotonic() - cut[0]
         (result,) = run.results
         assert isinstance(result.error, LockLostError), result
+        print(f"the step stopped {stopped:.1f} s after the cut")  # shown with -s
         assert stopped < SILENCE_S, stopped  # before the node could give the lock away
         await healer
         async with await connect(host) as conn:
@@ -768,6 +769,7 @@ async def test_heartbeats_are_not_held_up_by_an_upload_at_1_mbit_s(
                 session.run([host], node_operation("deploy", body, OperationOptions())), second_operator()
             )
         assert run.ok, [str(r.error) for r in run.failed]
+        print(f"the second operator was refused at {[round(t, 1) for t in refused]} s")  # shown with -s
         assert refused and max(refused) > SILENCE_S + 5.0, refused  # refused long past the node's limit
     finally:
         _shape(veth, None)
