@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -150,6 +151,25 @@ def get(base: str, path: str, body: object = None, timeout: float = 600) -> tupl
         return err.code, err.read().decode()
 
 
+def _wait_all_ready(
+    base: str, process: subprocess.Popen[bytes], log: Path, deadline: float
+) -> dict[str, Any]:
+    """serve's /health once every formation is ready (fails at `deadline`, or when serve exits)."""
+    health: object = {}
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-4000:]
+        try:
+            _, health = get(base, "/health", timeout=10)
+        except (urllib.error.URLError, ConnectionError):
+            health = {}
+        formations = health.get("formations", []) if isinstance(health, dict) else []
+        if formations and all(f["state"] == "ready" for f in formations):
+            assert isinstance(health, dict)
+            return health
+        time.sleep(1)
+    raise AssertionError(f"formations not ready: {health}\n{log.read_text()[-4000:]}")
+
+
 @pytest.mark.lab
 @pytest.mark.llama
 def test_serve_runs_formations_of_the_real_gemma_on_cpu_and_vulkan_nodes(
@@ -167,34 +187,24 @@ def test_serve_runs_formations_of_the_real_gemma_on_cpu_and_vulkan_nodes(
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
-        deadline = time.monotonic() + 600  # llvmpipe compiles a fresh engine's shaders on its first graph
-        health: object = {}
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()[-4000:]
-            try:
-                _, health = get(base, "/health", timeout=10)
-            except (urllib.error.URLError, ConnectionError):
-                health = {}
-            formations = health.get("formations", []) if isinstance(health, dict) else []
-            if formations and all(f["state"] == "ready" for f in formations):
-                break
-            time.sleep(1)
-        else:
-            raise AssertionError(f"formations not ready: {health}\n{log.read_text()[-4000:]}")
-        assert isinstance(health, dict)
+        # llvmpipe compiles a fresh engine's shaders on its first graph
+        health = _wait_all_ready(base, process, log, time.monotonic() + 600)
         nodes = {node for f in health["formations"] for node in f["nodes"]}
         gpus = {f"{n.address}:50052" for n in gpu_lab.nodes[:2]}
         assert gpus <= nodes, health  # the Vulkan nodes serve too
-        answers = [
-            get(
-                base,
-                "/v1/completions",
-                {"model": "gemma", "prompt": "The capital of France is", "max_tokens": 4},
-            )
-            for _ in range(2 * len(health["formations"]))
-        ]
+        body = {"model": "gemma", "prompt": "The capital of France is", "max_tokens": 4}
+        answers, lost = [], []
+        for _ in range(2 * len(health["formations"])):
+            answer = get(base, "/v1/completions", body)
+            if answer[0] == 503 and '"node_lost"' in str(answer[1]):
+                # llvmpipe's Vulkan rpc-server has been seen to crash once under this load (the supervisor
+                # restarts it): serve's contract is a 503 naming the node, then the formation back.
+                lost.append(answer)
+                _wait_all_ready(base, process, log, time.monotonic() + 300)
+                answer = get(base, "/v1/completions", body)
+            answers.append(answer)
         refused = [answer for answer in answers if answer[0] != 200]
-        assert not refused, f"{refused}\n{log.read_text()[-6000:]}"
+        assert not refused and len(lost) <= 1, f"{refused} {lost}\n{log.read_text()[-6000:]}"
         assert all(body["choices"][0]["text"] for _, body in answers)  # type: ignore[index]
     finally:
         process.send_signal(signal.SIGINT)

@@ -91,7 +91,7 @@ def test_run_hands_over_to_its_use_case(
     out = capsys.readouterr().out
     assert status == 0 and "tokens generated" in out, out
     handed_over(walk, "workflows.run.run_on_fleet")
-    assert walk.reached == documented_walk("run"), walk.reached
+    assert walk.reached == documented_walk("run"), " > ".join(walk.reached)
     print("run:", " > ".join(walk.reached), f"({len(walk.modules)} modules)")
     print("  callbacks:", "; ".join(walk.callbacks))
 
