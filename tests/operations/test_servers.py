@@ -190,8 +190,12 @@ async def test_the_servers_of_one_host_take_its_lock_once_and_run_one_at_a_time(
         taken.append(host.node_name)
         return _Lock(taken, host.node_name)
 
+    class FakeConnection:
+        async def another(self) -> FakeConnection:  # the lock's own connection
+            return FakeConnection()
+
     async def fake_connection(self: Session, host: Any) -> Any:
-        return object()
+        return FakeConnection()
 
     monkeypatch.setattr(layer, "acquire", fake_acquire)
     monkeypatch.setattr(Session, "connection", fake_connection)
