@@ -216,7 +216,7 @@ def main() -> None:
         finally:
             lab_down(LAB_NAME)
         # One client without quotas: a share holds a node's bursts shorter than the kernel's tick only
-        # loosely (README), so a split's nodes, idle between them, run faster than their share. On equal
+        # loosely (docs/lab.md), so a split's nodes, idle between them, run faster than their share. On equal
         # nodes with no quota, the formation's size is all that differs.
         lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid())
         try:

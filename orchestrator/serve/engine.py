@@ -54,7 +54,7 @@ from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.records import Outcome, ProbeResult, parse_endpoint
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 
-DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see the README
+DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see docs/serve.md
 LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
 KEY_ENV = "LLAMA_API_KEY"  # llama-server's --api-key, from its environment (owner-only in /proc)
 

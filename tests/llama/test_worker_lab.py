@@ -71,7 +71,7 @@ def test_the_dropin_example_plans_remote_cpu_servers_with_the_inventorys_facts(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The README's Python example, with the lab's endpoints: the inventory rpcfleet's commands would
+    """docs/python.md's example, with the lab's endpoints: the inventory rpcfleet's commands would
     use measures the nodes, as `rpcfleet plan` does; without one they are refused as not measured."""
     from orchestrator.core.errors import PlanError
     from orchestrator.workflows.dropin import Llama

@@ -225,7 +225,7 @@ async def test_the_servers_of_one_host_take_its_lock_once_and_run_one_at_a_time(
 def test_a_server_pattern_selects_its_machine_where_machines_are_listed(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    # `inventory list` and `ping` work on machines: `-l h1/gpu1` (as the README writes it) was
+    # `inventory list` and `ping` work on machines: `-l h1/gpu1` (as docs/inventories.md writes it) was
     # "host pattern 'h1/gpu1' matches no host or group"
     path = tmp_path / "inv.yml"
     path.write_text(TWO)

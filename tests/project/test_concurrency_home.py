@@ -1,4 +1,5 @@
-"""engine/ is the one place that makes event loops and threads (issue 19, item 2; README "How it is built").
+"""engine/ is the one place that makes event loops and threads (issue 19, item 2; docs/development.md,
+"How it is built").
 
 Outside orchestrator/engine/ no module names a maker of loops or threads: `asyncio.run`,
 `asyncio.new_event_loop`, `asyncio.Runner`, `asyncio.run_coroutine_threadsafe` (a bridge from a thread to
