@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.plugins.names import annotations, dotted
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "orchestrator"
 HOME = Path(PACKAGE) / "engine" / "children.py"
@@ -42,24 +44,6 @@ def _starter(qualified: str) -> bool:
     return qualified in STARTERS or qualified.startswith(PREFIXES)
 
 
-def _dotted(node: ast.expr) -> list[str] | None:
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
-
-
-def _annotations(tree: ast.AST) -> list[ast.expr]:
-    found: list[ast.expr] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
-            found.append(node.annotation)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
-            found.append(node.returns)
-    return found
-
-
 def scan(source: str, rel: str) -> list[str]:
     tree = ast.parse(source, filename=rel)
     bound: dict[str, str] = {}
@@ -76,13 +60,13 @@ def scan(source: str, rel: str) -> list[str]:
                 bound[alias.asname or alias.name] = full
                 if _starter(full):
                     found.append(f"{rel}:{node.lineno}: from {node.module} import {alias.name}")
-    typed = {id(n) for a in _annotations(tree) for n in ast.walk(a)}  # a type names, it starts nothing
+    typed = {id(n) for a in annotations(tree) for n in ast.walk(a)}  # a type names, it starts nothing
     for node in ast.walk(tree):
         if id(node) in typed:
             continue
         if not isinstance(node, ast.Attribute | ast.Name) or not isinstance(node.ctx, ast.Load):
             continue
-        chain = _dotted(node)
+        chain = dotted(node)
         if chain is None or chain[0] not in bound:
             continue
         qualified = ".".join([bound[chain[0]], *chain[1:]])

@@ -16,6 +16,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.plugins.names import annotations, dotted
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "orchestrator"
 HOME = "engine"  # orchestrator/engine/: the runtime
@@ -50,29 +52,8 @@ class Violation:
         return f"{self.path}:{self.line}: {self.text}"
 
 
-def _dotted(node: ast.expr) -> list[str] | None:
-    """`a.b.c` -> ["a", "b", "c"]; None for anything not a plain chain of names."""
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return [node.id, *reversed(parts)]
-
-
 def _forbidden(qualified: str) -> bool:
     return qualified in MAKERS or any(qualified == m or qualified.startswith(m + ".") for m in MODULES)
-
-
-def _annotations(tree: ast.AST) -> list[ast.expr]:
-    found: list[ast.expr] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
-            found.append(node.annotation)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
-            found.append(node.returns)
-    return found
 
 
 def scan(path: Path, rel: str) -> list[Violation]:
@@ -96,7 +77,7 @@ def scan(path: Path, rel: str) -> list[Violation]:
                 if _forbidden(full) or _forbidden(node.module):
                     found.append(Violation(rel, node.lineno, f"from {node.module} import {alias.name}"))
     seen: set[tuple[int, str]] = set()
-    typed = {id(n) for a in _annotations(tree) for n in ast.walk(a)}  # a type names, it makes nothing
+    typed = {id(n) for a in annotations(tree) for n in ast.walk(a)}  # a type names, it makes nothing
     for node in ast.walk(tree):
         if id(node) in typed:
             continue
@@ -105,7 +86,7 @@ def scan(path: Path, rel: str) -> list[Violation]:
             continue
         if not isinstance(node, ast.Attribute | ast.Name) or not isinstance(node.ctx, ast.Load):
             continue
-        chain = _dotted(node)
+        chain = dotted(node)
         if chain is None or chain[0] not in bound:
             continue
         qualified = ".".join([bound[chain[0]], *chain[1:]])
