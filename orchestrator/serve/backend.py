@@ -44,9 +44,8 @@ from orchestrator.engine.threads import start_thread
 from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, default_engines, lost_message
-from orchestrator.serve.fleet import ServeFleet
+from orchestrator.serve.fleet import FormationFleet, Round
 from orchestrator.serve.metrics import Metrics, Recovery, Rejoin
-from orchestrator.workflows.plan import PlanRound
 
 SERVING = frozenset({"ready", "degraded"})
 
@@ -88,6 +87,15 @@ class Failure:
     retry_after: int | None = None
 
 
+@dataclass(frozen=True)
+class NoRound:
+    """A round that could not be made (the error's message): the states known before it."""
+
+    states: dict[str, str]
+    reason: str
+    fitting: None = None
+
+
 @dataclass(eq=False)
 class Running:
     """The engine serving now, and how it ended (set once, by its watch)."""
@@ -116,7 +124,7 @@ class Ticket:
 class Backend:
     def __init__(
         self,
-        fleet: ServeFleet,
+        fleet: FormationFleet,
         config: ServeConfig,
         engines: EngineFactory | None = None,
         metrics: Metrics | None = None,
@@ -413,11 +421,11 @@ class Backend:
             )
         )
 
-    def _plan_round(self, *, spare: bool = True) -> PlanRound:
+    def _plan_round(self, *, spare: bool = True) -> Round:
         try:
-            result = self.fleet.plan_round() if spare else self.fleet.plan_round(spare=False)
+            result = self.fleet.plan_round(spare=spare)
         except RpcfleetError as exc:
-            return PlanRound(None, dict(self.nodes), 0.0, 0.0, exc.message)
+            return NoRound(dict(self.nodes), exc.message)
         self.nodes = {ep: result.states.get(ep, "unknown") for ep in self.fleet.endpoints}
         return result
 
@@ -582,7 +590,7 @@ class Backend:
             get_logger().warning("serve_rejoin_failed", back=list(back), reason=self.reason)
             self._recover(None)
 
-    def _own_round(self, back: tuple[str, ...]) -> PlanRound | None:
+    def _own_round(self, back: tuple[str, ...]) -> Round | None:
         """When this formation took spares and a node of its own is back: a round on its own nodes only;
         if the model fits there, the spares go back to the pool (the engine holding them is stopped). None:
         no spare taken, or its own nodes do not hold the model (it keeps the spares)."""

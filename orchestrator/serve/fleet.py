@@ -1,179 +1,62 @@
-"""The fleet as `serve` sees it: hosts → endpoints, probe and plan on the nodes that answer (the
-workflows' `plan_for_fleet`, `probe_hosts`, `prepare_load` and `fleet_targets`, on `run_sync`), and the
-rolling restart of `restart --rolling` (the same playbook step, through the operations layer).
-
-`endpoint_of` is the one place that turns a host into the endpoint the worker connects to: a transport
-that forwards endpoints (an SSH tunnel) replaces that function and nothing else.
-"""
+"""What a formation needs of its fleet (`Backend`'s view): its endpoints, a probe-and-plan round, the
+caches' check before a load, the targets the engine dials, a watch of the nodes it leaves out, the spares
+it took, and the fleet's rolling restart. `workflows.serving.ServeFleet` is the fleet serve runs on; the
+tests' fleets answer as a test says."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import Protocol
 
 from orchestrator.caches.prep import CachePrep
-from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target
-from orchestrator.engine.executor import DEFAULT_FORKS, Session
-from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
-from orchestrator.llama.worker.parent import list_local_gpus
-from orchestrator.planning.devices import to_plan_devices
-from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
-from orchestrator.planning.profile import ModelProfile, profile_model
-from orchestrator.playbooks.reader import rolling_restart_playbook
-from orchestrator.playbooks.runner import run_playbook
-from orchestrator.probe.fleet import FleetProbe
-from orchestrator.serve.pool import SparePool
-from orchestrator.workflows.fit import SERVE_WORDS
-from orchestrator.workflows.load import fleet_targets, prepare_load
-from orchestrator.workflows.options import ProbeSettings
-from orchestrator.workflows.plan import PlanRound, plan_for_fleet, probe_hosts, states_of
+from orchestrator.planning.plan import Plan
 
 
-def endpoint_of(host: Host) -> str:
-    """The endpoint that names `host` in plans, health and errors (the only host → endpoint mapping of
-    serve); with `rpc_transport: ssh` the engine dials a forward instead (`ServeFleet.targets`)."""
-    return host.endpoint
+class Round(Protocol):
+    """One probe and plan (`workflows.plan.PlanRound`): the plan to load (None: none fits), each
+    endpoint's probe state, and why there is no plan to load."""
+
+    @property
+    def fitting(self) -> Plan | None: ...
+
+    @property
+    def states(self) -> dict[str, str]: ...
+
+    @property
+    def reason(self) -> str: ...
 
 
-@dataclass
-class ServeFleet:
-    """The selected hosts and how to probe and plan them. Every probe is bounded by `probe_timeout`."""
-
-    hosts: Sequence[Host]
+class FormationFleet(Protocol):
     model_path: str
-    options: PlanOptions
-    probe_timeout: float = 3.0
-    facts: bool = True
-    trust_rpc_memory: bool = False
-    forks: int | None = None
-    local_devices: list[str] | None = field(default_factory=list)
-    # Servers no formation holds (`pool.SparePool`): one is taken when the model no longer fits here.
-    spares: SparePool | None = None
-    # The spares this formation took (`with_spare`): given back once it fits on its own nodes again.
-    borrowed: list[Host] = field(default_factory=list)
-    _profile: ModelProfile | None = None
-    _local_gpus: list[PlanDevice] | None = None
-
-    def local_gpus(self) -> list[PlanDevice]:
-        """This machine's GPUs, listed once by a worker child (this process never loads libllama), and
-        only when some are wanted. Once: a later listing would count serve's own worker's allocations
-        as used memory."""
-        if self.local_devices == []:
-            return []
-        if self._local_gpus is None:
-            self._local_gpus = list_local_gpus()
-        return self._local_gpus
-
-    def targets(self) -> dict[str, Target]:
-        """Plan endpoint -> its target, what the engine dials (`workflows.load.fleet_targets`)."""
-        return fleet_targets(self.hosts)
+    borrowed: list[Host]
 
     @property
-    def endpoints(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(endpoint_of(h) for h in self.hosts))
+    def endpoints(self) -> tuple[str, ...]: ...
 
-    def profile(self) -> ModelProfile:
-        if self._profile is None:
-            self._profile = profile_model(self.model_path)
-        return self._profile
-
-    @property
-    def probe_settings(self) -> ProbeSettings:
-        return ProbeSettings(self.probe_timeout, self.facts, self.forks, self.trust_rpc_memory)
-
-    def probe(self, hosts: Sequence[Host] | None = None) -> FleetProbe:
-        """Probe `hosts` (default: every selected host) with the probe's own rules: bounded by the
-        timeout, a server with a client is `busy` and is left alone."""
-        return run_sync(probe_hosts(self.hosts if hosts is None else hosts, self.probe_settings))
-
-    def plan_round(self, *, spare: bool = True) -> PlanRound:
-        """Probe every host; plan on those that answer `ok` (a server still held by a dead worker of
-        ours is `busy` until its keepalive drops that connection). No fitting plan (`fitting` None) when
-        none answer or it does not fit: then a spare, when there is one (and `spare`), joins and the
-        round is made again."""
-        round_ = run_sync(
-            plan_for_fleet(
-                self.hosts,
-                self.profile(),
-                self.options,
-                probe=self.probe_settings,
-                local_devices=self.local_devices,
-                local_gpus=self.local_gpus,
-                failed="skip",
-                words=SERVE_WORDS,
-            )
-        )
-        if round_.fitting is None and round_.error is None and spare:  # none answers, or it does not fit
-            return self.with_spare() or round_
-        return round_
-
-    def with_spare(self) -> PlanRound | None:
-        """A plan with one more server, a spare no formation holds (None: no spare left)."""
-        spare = self.spares.take() if self.spares is not None else None
-        if spare is None:
-            return None
-        get_logger().info("serve_spare_taken", spare=endpoint_of(spare))
-        self.hosts = [*self.hosts, spare]
-        self.borrowed.append(spare)
-        return self.plan_round()
-
-    def lay_down_borrowed(self) -> list[Host]:
-        """The spares this formation took, out of its hosts (not yet back in the pool: `give_back`, or
-        `keep_borrowed` to take them again)."""
-        borrowed, self.borrowed = self.borrowed, []
-        gone = {h.endpoint for h in borrowed}
-        self.hosts = [h for h in self.hosts if h.endpoint not in gone]
-        return borrowed
-
-    def keep_borrowed(self, hosts: Sequence[Host]) -> None:
-        self.hosts = [*self.hosts, *hosts]
-        self.borrowed += hosts
-
-    def give_back(self, hosts: Sequence[Host]) -> None:
-        """Spares laid down, back in the pool (free for the next loss, or for a new formation)."""
-        if hosts and self.spares is not None:
-            get_logger().info("serve_spare_given_back", spares=[endpoint_of(h) for h in hosts])
-            self.spares.put(hosts)
-
-    def probe_spares(self, hosts: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
-        """Probe free spares: their states and the devices of those that answer."""
-        probe = run_sync(probe_hosts(hosts, self.probe_settings))
-        return states_of(probe), to_plan_devices(probe, failed="skip")
+    def plan_round(self, *, spare: bool = True) -> Round:
+        """Probe every node and plan on those that answer (a spare joins when it no longer fits, if
+        `spare`). Raises RpcfleetError when no round could be made."""
+        ...
 
     def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
-        """The probe states of `endpoints` only (serve's watch of the nodes it does not use). One held by
-        a dead worker of ours (a cut link hid its reset) stays `busy` until the server's keepalive drops
-        that connection (about 45 s)."""
-        hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
-        if not hosts:
-            return {}
-        return states_of(run_sync(probe_hosts(hosts, self.probe_settings)))
+        """The probe states of `endpoints` only."""
+        ...
 
     def prepare_cache(self, plan: Plan) -> CachePrep | None:
-        """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the
-        host) and warm the misses of the `rpc_cache` hosts when two nodes or more lack files."""
+        """Before loading `plan`: the caches' check and warm (what it found: `hit_bytes`), None without
+        caches; raises RpcfleetError for a cache file that would break the load."""
+        ...
 
-        async def go() -> CachePrep | None:
-            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
-                return (await prepare_load(session, self.hosts, plan, self.model_path)).cache
+    def targets(self) -> dict[str, Target]: ...
 
-        return run_sync(go())
+    def lay_down_borrowed(self) -> list[Host]: ...
+
+    def keep_borrowed(self, hosts: Sequence[Host]) -> None: ...
+
+    def give_back(self, hosts: Sequence[Host]) -> None: ...
 
     def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
-        """`restart --rolling` on the selected hosts; returns the failures (host: message), empty when
-        every node restarted."""
-
-        async def go() -> list[str]:
-            playbook = rolling_restart_playbook(serial=serial, max_fail_percentage=0.0, force=force)
-            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
-                result = await run_playbook(playbook, list(self.hosts), session=session)
-            failed = []
-            for step_run in result.steps:
-                failed += [
-                    f"{r.host.name}: {r.message}" for r in step_run.run.results if r.status == "failed"
-                ]
-            return failed
-
-        return run_sync(go())
+        """`restart --rolling` on the fleet; the failures (host: message)."""
+        ...

@@ -74,10 +74,15 @@ def formations_of(router: Router, *, probes_itself: bool = True) -> tuple[Format
 
 
 def observe(
-    router: Router, hosts: Sequence[Host], *, interval: float, timeout: float, forks: int | None
+    router: Router,
+    hosts: Sequence[Host],
+    *,
+    interval: float,
+    timeout: float,
+    forks: int | None,
+    trust_rpc_memory: bool = False,
 ) -> Exporter:
     """An exporter of the serve's hosts with the serve's formations (started by the caller)."""
-    first = router.formations[0].backend
     collector = Collector(
         hosts,
         interval=interval,
@@ -86,7 +91,7 @@ def observe(
         # The first round (before the load) reads every node's devices over RPC; later rounds read the
         # nodes over SSH only: serve's own probes (re-plans, rejoins) must never meet one of the exporter's.
         formations=lambda: formations_of(router, probes_itself=collector.first_round.is_set()),
-        trust_rpc_memory=first.fleet.trust_rpc_memory,
+        trust_rpc_memory=trust_rpc_memory,
     )
     exporter = Exporter(collector, collector.formations)
     router.metrics.on_ttft = exporter.histogram(router.formations[0].model, "ttft").observe

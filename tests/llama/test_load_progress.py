@@ -219,7 +219,7 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanOptions
     from orchestrator.serve.backend import Backend, ServeConfig
-    from orchestrator.serve.fleet import ServeFleet
+    from orchestrator.workflows.serving import ServeFleet
 
     hosts = [
         Host(

@@ -20,8 +20,8 @@ from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.backend import Backend
-from orchestrator.serve.fleet import ServeFleet
 from orchestrator.workflows.plan import PlanRound
+from orchestrator.workflows.serving import ServeFleet
 from tests.plugins.llama import plan_devices
 
 ENDPOINTS = ("10.9.0.1:50052", "10.9.0.2:50052", "10.9.0.3:50052")
@@ -39,7 +39,7 @@ class FakeFleet(ServeFleet):
         self.rounds = 0
         self.restarts = 0
 
-    def plan_round(self) -> PlanRound:
+    def plan_round(self, *, spare: bool = True) -> PlanRound:
         self.rounds += 1
         states = {ep: ("ok" if ep in self.answering else "refused") for ep in ENDPOINTS}
         up = [ep for ep in ENDPOINTS if ep in self.answering]

@@ -635,8 +635,8 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
     joins and the model fits on both."""
     from orchestrator.core.errors import RpcfleetError
     from orchestrator.serve.backend import Backend, ServeConfig
-    from orchestrator.serve.fleet import ServeFleet
     from orchestrator.serve.pool import SparePool
+    from orchestrator.workflows.serving import ServeFleet
 
     small, spare = start_rpc_server(), start_rpc_server()
     options = PlanOptions(n_ctx=512)

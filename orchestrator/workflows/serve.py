@@ -1,0 +1,414 @@
+"""`serve_fleet`: the use case of `rpcfleet serve`, its whole start and life in flow order: read the models
+(their GGUF headers and chat templates, so a bad file fails before anything starts), read the hosts, probe
+once and plan the formations (`planning.formations`), start each formation's engine (llama-server on its
+plan, `serve.backend`), serve the OpenAI API in front of them (`serve.app`, on the command's one loop) with
+the fleet exporter beside it; while it serves, each formation watches its engine and recovers from a lost
+node, takes nodes back (rejoin), reloads on SIGHUP, and the spare watch grows new formations.
+
+The front end gives a typed `ServeRequest` and `ServeEvents` for what it shows, and prints the
+`ServeOutcome`; it holds no orchestration of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.core import signals
+from orchestrator.core.errors import InputError, PlanError, UsageError
+from orchestrator.core.log import get_logger
+from orchestrator.engine.children import socket_access_denied
+from orchestrator.engine.runtime import run_once
+from orchestrator.inventory.model import Host, Inventory, select_servers
+from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.formations import Formed, ServedModel
+from orchestrator.planning.profile import ModelProfile, profile_model
+from orchestrator.serve.backend import Backend, ServeConfig
+from orchestrator.serve.engine import EngineFactory, default_engines
+from orchestrator.serve.models_file import ModelEntry, parse_models_file
+from orchestrator.serve.pool import SparePool
+from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.spares import SpareWatch
+from orchestrator.serve.templates import ChatTemplate, model_chat_template
+from orchestrator.workflows.plan import plan_formations, states_of
+from orchestrator.workflows.serving import ServeFleet
+
+if TYPE_CHECKING:
+    from orchestrator.llama.worker.load_progress import LoadProgress
+    from orchestrator.planning.plan import Plan, PlanOptions
+    from orchestrator.workflows.options import ProbeSettings
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """What `rpcfleet serve` was asked, parsed once: the models (-m files, a --models file, the one
+    model's API name), how to read the hosts, how to plan and probe, the formations wanted (`replicas`:
+    "auto", a number, or "split"), the socket bound for the API, its keys, and the serving limits
+    (`limits`: each formation's `ServeConfig`, its `parallel` from its model's plan options)."""
+
+    model_paths: Sequence[Path]
+    models_file: Path | None
+    model_name: str | None
+    hosts: Callable[[], tuple[Inventory, list[Host]]]
+    options: PlanOptions
+    probe: ProbeSettings
+    local_devices: Sequence[str] | None
+    replicas: str
+    listen: socket.socket
+    host: str
+    port: int
+    api_key: str | None = None
+    admin_key: str | None = None
+    chat_template: str | None = None
+    limits: ServeConfig = field(default_factory=ServeConfig)
+    reload_rolling: bool = False
+    observe_interval: float = 15.0
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A formation serving after a load: its name (None when it is the only one), its state, its nodes,
+    the phases' seconds (the first load also the probe's and the plan's), bytes from the nodes' caches."""
+
+    formation: str | None
+    state: str
+    nodes: int
+    phases: dict[str, float]
+    cache_hits: int
+
+
+@dataclass(frozen=True)
+class ServeEvents:
+    """What the front end is told (each optional): a warning before serving, the formations chosen (with
+    the URL), each load's progress while one formation loads, and each load's end."""
+
+    warning: Callable[[str], None] | None = None
+    formed: Callable[[Sequence[Formed], str], None] | None = None
+    progress: Callable[[LoadProgress], None] | None = None
+    loaded: Callable[[Loaded], None] | None = None
+    engine_build: Callable[[str], None] | None = None  # llama-server's build, when it is built first
+
+
+@dataclass
+class Ending:
+    """Ends serving once every formation has given up recovering (the others still serve)."""
+
+    router: Router | None = None
+    stop: Callable[[], None] | None = None
+
+    def formation_failed(self) -> None:
+        if self.router is not None and self.stop is not None and self.failed():
+            self.stop()
+
+    def failed(self) -> bool:
+        return self.router is not None and all(f.backend.state == "failed" for f in self.router.formations)
+
+
+@dataclass(frozen=True)
+class ServeOutcome:
+    """How serving ended: `failed` when every formation gave up recovering (`reasons` says why each)."""
+
+    failed: bool
+    reasons: str = ""
+
+
+def read_models(request: ServeRequest) -> list[ModelEntry]:
+    """The models to serve: the -m files, then the --models file's (errors name the file and line)."""
+    entries = [ModelEntry(path) for path in request.model_paths]
+    if request.models_file is not None:
+        try:
+            text = request.models_file.read_text()
+        except OSError as exc:
+            raise UsageError(f"--models {request.models_file}: {exc.strerror}") from None
+        entries += parse_models_file(request.models_file, text)
+    if not entries:
+        raise UsageError("no model to serve", hint="give -m FILE (several: one per model) or --models FILE")
+    if request.model_name is not None:
+        if len(entries) > 1:
+            raise UsageError("--model-name names one model; name several in a --models file")
+        entries[0] = ModelEntry(entries[0].model, name=request.model_name)
+    names: dict[str, Path] = {}
+    for entry in entries:
+        name = entry.name or entry.model.stem
+        if name in names:
+            raise UsageError(
+                f"two models named {name!r} ({names[name]} and {entry.model})",
+                hint="name them in a --models file (name: ...)",
+            )
+        names[name] = entry.model
+    return entries
+
+
+def serve_fleet(request: ServeRequest, events: ServeEvents) -> ServeOutcome:
+    """Serve until interrupted (outcome not failed), or until every formation gave up (failed)."""
+    entries = read_models(request)
+    profiles, templates = read_profiles(request, entries)
+    inventory, hosts = request.hosts()
+    if not hosts:
+        raise UsageError("no hosts selected")
+    served = [
+        served_model(request, inventory, hosts, entry, profile)
+        for entry, profile in zip(entries, profiles, strict=True)
+    ]
+    whole = ServeFleet(
+        hosts,
+        served[0].path,
+        request.options,
+        probe_timeout=request.probe.timeout,
+        facts=request.probe.facts,
+        trust_rpc_memory=request.probe.trust_rpc_memory,
+        forks=request.probe.forks,
+        local_devices=None if request.local_devices is None else list(request.local_devices),
+    )
+    started = time.monotonic()
+    probe = whole.probe()  # one probe of every server; the formations are chosen from it
+    probe_seconds = time.monotonic() - started
+    states = states_of(probe)
+    try:  # a model that does not fit at start is an error, not a wait
+        chosen = plan_formations(
+            served,
+            hosts,
+            [*to_plan_devices(probe, failed="skip"), *whole.local_gpus()],
+            request.replicas,
+            local_devices=request.local_devices,
+        )
+    except PlanError as exc:
+        listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
+        raise PlanError(f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why") from None
+    formed = list(chosen.formed)
+    first_times = {"probe": probe_seconds, "plan": time.monotonic() - started - probe_seconds}
+    warn(request, served, templates, events)
+    engines = {
+        model.name: engine_factory(request, model, events)
+        for model in served  # llama-server is built here on a fresh machine (its lines: engine_build)
+    }
+    spares = SparePool(list(chosen.spares), order=whole.endpoints)
+    several = len(formed) > 1
+    ending = Ending()
+
+    def make_formation(one: Formed, name: str, times: dict[str, float], *, local: bool = False) -> Formation:
+        fleet = dataclasses.replace(
+            whole,
+            hosts=list(one.hosts),
+            model_path=one.model.path,
+            options=one.model.options,
+            local_devices=whole.local_devices if local else [],
+            spares=spares,
+            borrowed=[],
+            _profile=one.model.profile,
+        )
+        backend = Backend(
+            fleet,
+            dataclasses.replace(request.limits, parallel=one.model.options.parallel),
+            engines[one.model.name],
+        )
+        template = templates[served.index(one.model)]
+        backend.template = {"source": template.source, "warning": template.warning}
+        backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
+        backend.on_loaded = loaded_reporter(backend, name if several or not times else None, times, events)
+        backend.on_failed = ending.formation_failed
+        return Formation(name, one.model.name, backend)
+
+    formations = [
+        make_formation(one, one.model.name if not several else one.choice.name, first_times, local=i == 0)
+        for i, one in enumerate(formed)
+    ]
+    if not several and events.progress is not None:  # one load's bars; several loads print a line each
+        formations[0].backend.on_progress = events.progress
+    router = ending.router = make_router(request, served, formations, spares)
+    # A node silent at start (or a spare given back) that answers again makes a new formation when the
+    # answering spares hold a model served with --replicas auto (`serve.spares`).
+    watch = SpareWatch(
+        router,
+        spares,
+        served,
+        whole.probe_spares,
+        lambda one, name: make_formation(one, name, {}),  # the start's times are not its own
+        request.limits.rejoin_interval,
+    )
+    return run_formations(request, router, watch, hosts, formed, events, ending)
+
+
+def read_profiles(
+    request: ServeRequest, entries: Sequence[ModelEntry]
+) -> tuple[list[ModelProfile], list[ChatTemplate]]:
+    """Each model's GGUF profile and chat template (a file that is no model fails before the probe)."""
+    profiles, templates = [], []
+    for entry in entries:
+        where = f"{request.models_file}:{entry.line}: " if entry.line is not None else ""
+        if not entry.model.is_file():
+            what = "does not exist" if not entry.model.exists() else "is not a file"
+            raise UsageError(f"{where}model {entry.model} {what}")
+        try:
+            profiles.append(profile_model(entry.model))
+        except UsageError as exc:
+            raise UsageError(f"{where}{exc.message}") from None
+        templates.append(model_chat_template(entry.model, request.chat_template))  # bad: exit 2
+    return profiles, templates
+
+
+def served_model(
+    request: ServeRequest, inventory: Inventory, hosts: list[Host], entry: ModelEntry, profile: ModelProfile
+) -> ServedModel:
+    """A models-file or -m entry as a `ServedModel`: serve's flags where it sets nothing, its hosts among
+    the selected ones (a pattern that selects none of them: exit 2, naming the line)."""
+    where = f"{request.models_file}:{entry.line}: " if entry.line is not None else ""
+    endpoints = None
+    if entry.hosts is not None:
+        try:
+            picked = {h.endpoint for h in select_servers(inventory, entry.hosts)}
+        except InputError as exc:  # a bad host pattern, or one that matches nothing
+            raise UsageError(f"{where}hosts: {exc.message}") from None
+        endpoints = tuple(h.endpoint for h in hosts if h.endpoint in picked)
+        if not endpoints:
+            raise UsageError(f"{where}hosts {entry.hosts!r} selects none of the selected servers")
+    replicas: str | int = entry.replicas if entry.replicas is not None else request.replicas
+    options = request.options
+    return ServedModel(
+        path=str(entry.model),
+        name=entry.name or entry.model.stem,
+        profile=profile,
+        options=dataclasses.replace(
+            options,
+            n_ctx=entry.context if entry.context is not None else options.n_ctx,
+            parallel=entry.parallel if entry.parallel is not None else options.parallel,
+        ),
+        replicas=int(replicas) if str(replicas).isdigit() else None,
+        split=replicas == "split",
+        endpoints=endpoints,
+    )
+
+
+def warn(
+    request: ServeRequest,
+    served: Sequence[ServedModel],
+    templates: Sequence[ChatTemplate],
+    events: ServeEvents,
+) -> None:
+    """The warnings before serving: a chat template guessed, and a link timeout that cannot be set."""
+    if events.warning is None:
+        return
+    for model, template in zip(served, templates, strict=True):
+        if template.warning:
+            who = f"{model.name}: " if len(served) > 1 else ""
+            events.warning(who + template.warning)
+    denied = socket_access_denied()
+    if denied:  # the link timeout is set on the engine's own sockets: without them, the stall detector
+        link = request.limits.link_timeout
+        events.warning(
+            f"serve may not take the engine's sockets ({denied}): --link-timeout {link:g} does nothing; a "
+            f"cut link is found when a request gets nothing for {request.limits.event_timeout:g} s (the "
+            "stall detector)"
+        )
+        get_logger().warning("serve_link_timeout_off", why=denied)
+
+
+def engine_factory(request: ServeRequest, model: ServedModel, events: ServeEvents) -> EngineFactory:
+    """llama-server engines for `model` (`serve.engine.default_engines`)."""
+    factory, _template = default_engines(
+        model.path,
+        model.name,
+        parallel=model.options.parallel,
+        link_timeout=request.limits.link_timeout,
+        chat_template=request.chat_template,
+        progress=events.engine_build,
+    )
+    return factory
+
+
+def loaded_reporter(
+    backend: Backend, name: str | None, first_times: dict[str, float], events: ServeEvents
+) -> Callable[[Plan, dict[str, float]], None]:
+    """The `Loaded` event after each load of `backend` (its first with the probe's and plan's times)."""
+    loads = 0
+
+    def on_loaded(plan: Plan, phases: dict[str, float]) -> None:
+        nonlocal loads
+        times = first_times if loads == 0 else {}
+        loads += 1
+        if events.loaded is not None:
+            hits = sum(backend.skipped.values())
+            events.loaded(Loaded(name, backend.state, len(plan.endpoints), {**times, **phases}, hits))
+
+    return on_loaded
+
+
+def make_router(
+    request: ServeRequest, served: Sequence[ServedModel], formations: list[Formation], spares: SparePool
+) -> Router:
+    """The router over the formations. One formation: the front counts on its backend's metrics, as
+    before formations; unless the spare watch may add formations (--replicas auto): the front's counters
+    must then be its own."""
+    growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
+    shared = len(formations) == 1 and not growing
+    router = Router(formations, formations[0].backend.metrics if shared else None)
+    router.spares = lambda: [h.endpoint for h in spares.snapshot()]
+    return router
+
+
+def run_formations(
+    request: ServeRequest,
+    router: Router,
+    watch: SpareWatch,
+    hosts: Sequence[Host],
+    formed: Sequence[Formed],
+    events: ServeEvents,
+    ending: Ending,
+) -> ServeOutcome:
+    """Serve: the exporter, the app on the command's one loop, SIGHUP as a reload, each formation's first
+    load and the spare watch started; all stopped when serving ends."""
+    import uvicorn
+
+    from orchestrator.serve.app import create_app
+    from orchestrator.serve.observed import observe
+
+    exporter = None
+    if request.observe_interval:  # its first round reads the nodes before the load holds them
+        exporter = observe(
+            router,
+            hosts,
+            interval=request.observe_interval,
+            timeout=request.probe.timeout,
+            forks=request.probe.forks,
+            trust_rpc_memory=request.probe.trust_rpc_memory,
+        )
+        exporter.collector.start()
+        exporter.collector.first_round.wait(request.probe.timeout * 4 + 5)
+    app = create_app(
+        router,
+        api_key=request.api_key,
+        admin_key=request.admin_key,
+        model_name=router.formations[0].model,
+        exporter=exporter,
+    )
+    config = uvicorn.Config(
+        app,
+        host=request.host,
+        port=request.port,
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    ending.stop = lambda: setattr(server, "should_exit", True)
+    if events.formed is not None:
+        events.formed(formed, f"http://{request.host}:{request.port}/v1")
+    reload = signals.handling(signal.SIGHUP, lambda *_: router.reload(rolling_restart=request.reload_rolling))
+    with reload:  # until serve ends: SIGHUP reloads
+        router.start([one.plan for one in formed])
+        watch.start()
+        try:
+            run_once(server.serve(sockets=[request.listen]))  # the command's one loop
+        finally:
+            watch.stop()
+            if exporter is not None:
+                exporter.collector.stop()
+            router.stop()
+    if ending.failed():
+        return ServeOutcome(True, "; ".join(f"{f.name}: {f.backend.reason}" for f in router.formations))
+    return ServeOutcome(False)
