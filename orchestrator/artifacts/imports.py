@@ -53,19 +53,22 @@ def fetch_url(url: str, sha256: str, *, timeout: float = FETCH_TIMEOUT_S) -> Pat
     target = downloads / sha256
     if target.is_file():
         return target
-    import urllib.error
-    import urllib.request
+    import httpx
 
     try:
         with atomic_path(target, parents=True) as tmp:
             digest = hashlib.sha256()
-            with tmp.open("wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-                while chunk := response.read(CHUNK):
+            with (
+                tmp.open("wb") as out,
+                httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as response,
+            ):
+                response.raise_for_status()
+                for chunk in response.iter_bytes(CHUNK):
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != sha256:
                 raise ArtifactError(f"{url}: sha256 is {digest.hexdigest()}, expected {sha256}")
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except (httpx.HTTPError, OSError) as exc:
         raise ArtifactError(f"cannot fetch {url}: {exc}") from exc
     finally:
         with contextlib.suppress(OSError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -21,4 +21,19 @@ def poll(check: Callable[[], T | None], *, timeout: float, interval: float) -> T
         retry_error_callback=lambda state: None,
     )
     answer: T | None = retrying(check)
+    return answer
+
+
+async def poll_async(check: Callable[[], Awaitable[T | None]], *, limit: float, interval: float) -> T | None:
+    """`poll` for async code: await `check()` every `interval` seconds until it gives something other
+    than None, and return that; None once `limit` seconds have passed (`check` runs at least once)."""
+    import tenacity
+
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_delay(limit),
+        wait=tenacity.wait_fixed(interval),
+        retry=tenacity.retry_if_result(lambda answer: answer is None),
+        retry_error_callback=lambda state: None,
+    )
+    answer: T | None = await retrying(check)
     return answer

@@ -18,7 +18,6 @@ own functions (`read_node_state`, `classify`, `stop_server`, `start_server`, `wa
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from orchestrator.connectors.base import Connection
 from orchestrator.connectors.nodescript import would_run
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import ServiceError
+from orchestrator.core.poll import poll_async
 from orchestrator.core.units import format_size
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
@@ -222,18 +222,21 @@ async def _wait_memory(
     """Poll the devices' free memory until it is back to `baseline` (nothing to wait for without one)."""
     if not baseline:
         return ()
-    deadline = time.monotonic() + limit_s
     why = "no answer"
-    while True:
+
+    async def back() -> tuple[DeviceMemory, ...] | None:
+        nonlocal why
         now = await _device_memory(host)
-        if now is not None:
-            missing = memory_back(baseline, now, tolerance=tolerance, tolerance_min=tolerance_min)
-            if missing is None:
-                return now
-            why = missing
-        if time.monotonic() >= deadline:
-            raise MemoryNotBackError(
-                f"the restarted server answers, but its memory is not back within {limit_s:g} s: {why}",
-                host=host.name,
-            )
-        await asyncio.sleep(0.25)
+        if now is None:
+            return None
+        missing = memory_back(baseline, now, tolerance=tolerance, tolerance_min=tolerance_min)
+        why = missing or why
+        return now if missing is None else None
+
+    now = await poll_async(back, limit=limit_s, interval=0.25)
+    if now is None:
+        raise MemoryNotBackError(
+            f"the restarted server answers, but its memory is not back within {limit_s:g} s: {why}",
+            host=host.name,
+        )
+    return now

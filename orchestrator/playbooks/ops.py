@@ -294,11 +294,11 @@ def _cache_warm(args: Mapping[str, Any], play: Play) -> Step:
 
 
 def _serve_reload(args: Mapping[str, Any], play: Play) -> Step:
-    from orchestrator.playbooks.serve_reload import read_key, serve_reload_async
+    from orchestrator.playbooks.serve_reload import read_key, serve_reload
 
     url, rolling = args["url"], args["rolling_restart"]
     shared = SharedCall(
-        lambda: serve_reload_async(
+        lambda: serve_reload(
             url,
             read_key(args["api_key_file"]),
             rolling_restart=rolling,

@@ -10,35 +10,33 @@ Then `/health` is polled until it reports the new reload serving again, within `
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from orchestrator.core.errors import ServiceError, UsageError
+from orchestrator.core.poll import poll_async
 
 _POLL = 0.25  # seconds between two /health reads
 
 
-def _http(url: str, key: str | None, body: bytes | None = None, timeout: float = 10.0) -> tuple[int, Any]:
+async def _http(
+    client: httpx.AsyncClient, url: str, key: str | None, body: bytes | None = None
+) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(
-        url, data=body, headers=headers, method="POST" if body is not None else "GET"
-    )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return answer.status, json.loads(answer.read() or b"null")
-    except urllib.error.HTTPError as err:
-        try:
-            return err.code, json.loads(err.read() or b"null")
-        except ValueError:
-            return err.code, None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ServiceError(f"serve at {url} does not answer: {getattr(exc, 'reason', exc)}") from None
+        answer = await client.request(
+            "POST" if body is not None else "GET", url, content=body, headers=headers
+        )
+    except httpx.HTTPError as exc:
+        raise ServiceError(f"serve at {url} does not answer: {exc}") from None
+    try:
+        return answer.status_code, json.loads(answer.content or b"null")
+    except ValueError:
+        return answer.status_code, None
 
 
 def read_key(path: str | None, variable: str = "RPCFLEET_API_KEY", what: str = "api_key_file") -> str | None:
@@ -55,37 +53,36 @@ def read_key(path: str | None, variable: str = "RPCFLEET_API_KEY", what: str = "
     return lines[0].strip()
 
 
-def serve_reload(
-    url: str, key: str | None, *, rolling_restart: bool, timeout: float, admin_key: str | None = None
+async def serve_reload(
+    url: str, key: str | None, *, rolling_restart: bool, limit: float, admin_key: str | None = None
 ) -> dict[str, Any]:
     """Reload serve at `url` (with `admin_key`, else `key`); returns its /health once it serves again
-    (ServiceError past `timeout`)."""
+    (ServiceError past `limit` seconds)."""
     base = url.rstrip("/")
-    started = time.monotonic()
-    _, before = _http(f"{base}/health", key)  # without the key, /health has no reload count
-    reloads = int(before.get("reloads", 0)) if isinstance(before, dict) else 0
-    code, answer = _http(
-        f"{base}/admin/reload", admin_key or key, json.dumps({"rolling_restart": rolling_restart}).encode()
-    )
-    if code != 202:
-        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
-        raise ServiceError(f"serve at {url} refused the reload: HTTP {code} {message or ''}".rstrip())
-    health: Any = None
-    while time.monotonic() - started < timeout:
-        _, health = _http(f"{base}/health", key)
-        if isinstance(health, dict):
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        _, before = await _http(client, f"{base}/health", key)  # without the key, /health has no reloads
+        reloads = int(before.get("reloads", 0)) if isinstance(before, dict) else 0
+        body = json.dumps({"rolling_restart": rolling_restart}).encode()
+        code, answer = await _http(client, f"{base}/admin/reload", admin_key or key, body)
+        if code != 202:
+            message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
+            raise ServiceError(f"serve at {url} refused the reload: HTTP {code} {message or ''}".rstrip())
+        last: dict[str, Any] = {}
+
+        async def serving_again() -> dict[str, Any] | None:
+            _, health = await _http(client, f"{base}/health", key)
+            if not isinstance(health, dict):
+                return None
+            last.update(health)
             if health.get("status") == "failed":
                 raise ServiceError(f"serve at {url} failed to reload: {health.get('reason')}")
             if health.get("reloads", 0) > reloads and health.get("status") in ("ready", "degraded"):
                 return dict(health)
-        time.sleep(_POLL)
-    status = health.get("status") if isinstance(health, dict) else None
-    raise ServiceError(f"serve at {url} is not serving again after {timeout:g} s (status {status})")
+            return None
 
-
-async def serve_reload_async(
-    url: str, key: str | None, *, rolling_restart: bool, limit: float, admin_key: str | None = None
-) -> dict[str, Any]:
-    return await asyncio.to_thread(
-        serve_reload, url, key, rolling_restart=rolling_restart, timeout=limit, admin_key=admin_key
-    )
+        health = await poll_async(serving_again, limit=limit, interval=_POLL)
+    if health is None:
+        raise ServiceError(
+            f"serve at {url} is not serving again after {limit:g} s (status {last.get('status')})"
+        )
+    return health

@@ -27,7 +27,6 @@ import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,8 +37,8 @@ from orchestrator.engine.threads import thread_pool
 from orchestrator.observe.web import Exporter, HttpGuard, RequestTimer, mount
 from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
-from orchestrator.serve.router import Router, get
-from orchestrator.serve.upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
+from orchestrator.serve.router import Router
+from orchestrator.serve.upstream import Answer, UpstreamError, UpstreamTimeout
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -115,6 +114,7 @@ def create_app(
     router = backend if isinstance(backend, Router) else Router.single(backend, model_name)
     metrics = router.metrics
     config = router.config
+    upstream = router.upstream
     # Threads that wait for a slot (a blocking wait on the backend's condition): one per admitted request.
     waiters = thread_pool(router.capacity + 2, "serve-slot")
 
@@ -282,21 +282,30 @@ def create_app(
                 takes one between two decode steps, and one step of a slow device (llvmpipe on a loaded
                 machine: seconds a token) may outlast any short wait: the same `event_timeout` bounds it."""
                 try:
-                    return (await get(engine_url, "/metrics", config.event_timeout, engine_key))[0] == 200
+                    return (await upstream.get(engine_url, "/metrics", config.event_timeout, engine_key))[
+                        0
+                    ] == 200
                 except UpstreamError:
                     return False
 
-            upstream = Upstream(
-                *_address(engine_url), timeout=config.event_timeout, alive=alive, key=engine_key
-            )
+            held = contextlib.AsyncExitStack()  # the engine's answer, open until its body is read
             try:
-                await upstream.__aenter__()
-                answer = await upstream.request("POST", route, body)
+                answer = await held.enter_async_context(
+                    upstream.request(
+                        engine_url,
+                        "POST",
+                        route,
+                        body,
+                        key=engine_key,
+                        silence=config.event_timeout,
+                        alive=alive,
+                    )
+                )
                 backend.answered()
                 if stream and answer.status == 200:
                     handed = True
                     return StreamingResponse(
-                        _stream(route, backend, ticket, got, upstream, answer),
+                        _stream(route, backend, ticket, got, held, answer),
                         media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     )
@@ -305,7 +314,7 @@ def create_app(
                 return _failure(route, await _lost(backend, got, exc))
             finally:
                 if not handed:
-                    await upstream.__aexit__(None, None, None)
+                    await held.aclose()
             backend.answered()
             if answer.status == 200:
                 usage = _Usage()
@@ -330,7 +339,12 @@ def create_app(
         )
 
     async def _stream(
-        route: str, backend: Backend, ticket: Ticket, running: Running, upstream: Upstream, answer: Answer
+        route: str,
+        backend: Backend,
+        ticket: Ticket,
+        running: Running,
+        held: contextlib.AsyncExitStack,
+        answer: Answer,
     ) -> AsyncIterator[bytes]:
         code = 499  # the client went away before the end
         usage = _Usage()
@@ -355,7 +369,7 @@ def create_app(
                 code = failure.status
                 yield b"data: " + json.dumps(_failure_body(failure)).encode() + b"\n\n"
         finally:
-            await upstream.__aexit__(None, None, None)
+            await held.aclose()
             backend.release(ticket)
             router.counters(backend).record_request(route, code)
 
@@ -364,11 +378,6 @@ def create_app(
         app.add_middleware(RequestTimer, histogram=exporter.histogram(model_name, "latency"))
     app.add_middleware(HttpGuard, check_host=api_key is None)  # outermost: before any route's work
     return app
-
-
-def _address(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 def _problems(errors: Any) -> str:

@@ -26,12 +26,12 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import httpx
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
@@ -246,9 +246,8 @@ class LlamaServer:
 
     def _ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except (urllib.error.URLError, OSError, ValueError):
+            return httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
             return False
 
     def tune_and_count(self) -> dict[str, int]:

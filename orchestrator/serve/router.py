@@ -81,6 +81,7 @@ class Router:
         self._scraped: dict[str, tuple[float, str]] = {}  # engine url -> (when, its /metrics text)
         self._adding = threading.Lock()
         self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
+        self.upstream = Upstream()  # the one HTTP client to the engines (closed when serving ends)
         for formation in self.formations:
             formation.backend.others_serving = functools.partial(self.others_serving, formation)
 
@@ -256,8 +257,9 @@ class Router:
             if cached is not None and now - cached[0] < ENGINE_SCRAPE_CACHE:
                 return EngineScrape(formation.name, formation.model, cached[1], served)
             try:
-                asked = get(engine.url, "/metrics", ENGINE_SCRAPE_TIMEOUT, engine.api_key)
-                body = (await asyncio.wait_for(asked, ENGINE_SCRAPE_TIMEOUT))[1]  # the whole answer
+                body = (
+                    await self.upstream.get(engine.url, "/metrics", ENGINE_SCRAPE_TIMEOUT, engine.api_key)
+                )[1]
                 engine_text = body.decode("utf-8", "replace")
             except (UpstreamError, TimeoutError, OSError):
                 engine_text = ""
@@ -312,7 +314,7 @@ class Router:
             engine = self.formations[0].backend.engine
             if engine is None:
                 raise Rejected(503, str(self.health()["status"]), self.config.retry_after)
-            return await get(engine.url, "/slots", 5.0, engine.api_key)
+            return await self.upstream.get(engine.url, "/slots", 5.0, engine.api_key)
         out: dict[str, Any] = {}
         for formation in self.formations:
             engine = formation.backend.engine
@@ -320,7 +322,8 @@ class Router:
                 out[formation.name] = None
                 continue
             try:
-                out[formation.name] = json.loads((await get(engine.url, "/slots", 5.0, engine.api_key))[1])
+                got = await self.upstream.get(engine.url, "/slots", 5.0, engine.api_key)
+                out[formation.name] = json.loads(got[1])
             except (UpstreamError, ValueError):
                 out[formation.name] = None
         return 200, json.dumps({"formations": out}).encode()
@@ -366,14 +369,3 @@ class Counters:
     def record_done(self, prompt: int, completion: int, tokens_per_second: float, ttft: float | None) -> None:
         for target in self.targets:
             target.record_done(prompt, completion, tokens_per_second, ttft)
-
-
-async def get(url: str, path: str, seconds: float, key: str | None) -> tuple[int, bytes]:
-    """GET `path` of the engine at `url` with its `key` (status, body)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    async with Upstream(host, port, timeout=seconds, key=key) as upstream:
-        answer = await upstream.request("GET", path)
-        return answer.status, await answer.read()

@@ -1,8 +1,9 @@
-"""A small HTTP/1.1 client for serve's engine on loopback (asyncio and h11, uvicorn's own HTTP parser):
-one connection per request, the answer's body read as it comes (a stream passes through piece by piece).
+"""serve's one HTTP client to its engines (llama-server on loopback): one `httpx.AsyncClient`, made on the
+loop that serves and closed when serving ends, for the proxied requests (streams too: the body passes
+through piece by piece as it comes), `/slots`, `/metrics` and the engine's liveness check.
 
 Any failure of the connection (refused, reset, closed before the body's end) is `UpstreamError`; no
-answer for `timeout` seconds is `UpstreamTimeout`.
+answer for `timeout` seconds is `UpstreamTimeout` (unless `alive()` says the engine is busy, not stuck).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from types import TracebackType
+from typing import TypeVar
 
-import h11
+import httpx
+
+T = TypeVar("T")
 
 
 class UpstreamError(Exception):
@@ -26,105 +29,114 @@ class UpstreamTimeout(UpstreamError):
 
 @dataclass
 class Answer:
+    """The engine's answer: status, headers, and its body as it comes (`body`, `read`)."""
+
     status: int
-    headers: dict[str, str]
-    _connection: Upstream
+    headers: httpx.Headers
+    response: httpx.Response
+    timeout: float
+    alive: Callable[[], Awaitable[bool]] | None = None
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The body's pieces as they arrive."""
+        """The body's pieces as they arrive (silences judged as `patiently` does)."""
+        pieces = self.response.aiter_raw()
         while True:
-            event = await self._connection.next_event()
-            if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+            try:
+                piece = await patiently(anext(pieces), self.timeout, self.alive)
+            except StopAsyncIteration:
                 return
-            else:
-                raise UpstreamError(f"unexpected {type(event).__name__} from the engine")
+            except httpx.TransportError as exc:
+                raise UpstreamError(f"the engine's answer broke off: {exc}") from exc
+            yield piece
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.body()])
 
 
-class Upstream:
-    """One request to the engine: `async with Upstream(host, port, timeout) as up: answer = await
-    up.request(...)`."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        timeout: float,
-        alive: Callable[[], Awaitable[bool]] | None = None,
-        key: str | None = None,
-    ) -> None:
-        """`timeout`: seconds of silence before `alive()` is asked whether the engine still works (a
-        whole answer is silent until it is complete); without `alive`, or when it says no, the silence is
-        `UpstreamTimeout`. `key`: the engine's own API key, sent as `Authorization: Bearer`."""
-        self.host, self.port, self.timeout, self.alive, self.key = host, port, timeout, alive, key
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._h11 = h11.Connection(h11.CLIENT)
-
-    async def __aenter__(self) -> Upstream:
-        try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), self.timeout
-            )
-        except TimeoutError as exc:
-            raise UpstreamTimeout(f"connecting to the engine took over {self.timeout:g} s") from exc
-        except OSError as exc:
-            raise UpstreamError(f"cannot connect to the engine: {exc.strerror or exc}") from exc
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(OSError, TimeoutError):
-                await asyncio.wait_for(self._writer.wait_closed(), 1.0)
-
-    async def request(self, method: str, path: str, body: bytes = b"", content_type: str = "") -> Answer:
-        assert self._writer is not None
-        headers = [("Host", f"{self.host}:{self.port}"), ("Connection", "close")]
-        if self.key is not None:
-            headers.append(("Authorization", f"Bearer {self.key}"))
-        if method != "GET":
-            headers += [
-                ("Content-Length", str(len(body))),
-                ("Content-Type", content_type or "application/json"),
-            ]
-        try:
-            self._writer.write(
-                self._h11.send(h11.Request(method=method, target=path, headers=headers)) or b""
-            )
-            if body:
-                self._writer.write(self._h11.send(h11.Data(data=body)) or b"")
-            self._writer.write(self._h11.send(h11.EndOfMessage()) or b"")
-            await self._writer.drain()
-        except OSError as exc:
-            raise UpstreamError(f"sending to the engine failed: {exc.strerror or exc}") from exc
-        event = await self.next_event()
-        if not isinstance(event, h11.Response):
-            raise UpstreamError(f"unexpected {type(event).__name__} from the engine")
-        headers_out = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
-        return Answer(event.status_code, headers_out, self)
-
-    async def next_event(self) -> h11.Event | type[h11.PAUSED]:
-        assert self._reader is not None
+async def patiently(
+    awaitable: Awaitable[T], silence: float, alive: Callable[[], Awaitable[bool]] | None
+) -> T:
+    """`awaitable`'s result. A silence of `silence` seconds asks `alive()` whether the engine still works
+    (a whole answer is silent until it is complete): the wait goes on while it says yes, else it is
+    `UpstreamTimeout`. The awaited read is never cancelled while the wait goes on, so nothing is lost."""
+    task = asyncio.ensure_future(awaitable)
+    try:
         while True:
-            try:
-                event = self._h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise UpstreamError(f"the engine's answer broke off: {exc}") from exc
-            if event is not h11.NEED_DATA:
-                return event  # type: ignore[return-value]
-            try:
-                data = await asyncio.wait_for(self._reader.read(65536), self.timeout)
-            except TimeoutError as exc:
-                if self.alive is not None and await self.alive():
-                    continue  # busy, not stuck: wait on
-                raise UpstreamTimeout(f"the engine answered nothing for {self.timeout:g} s") from exc
-            except OSError as exc:
-                raise UpstreamError(f"the engine's connection failed: {exc.strerror or exc}") from exc
-            self._h11.receive_data(data)  # b"": the engine closed the connection
+            done, _ = await asyncio.wait({task}, timeout=silence)
+            if done:
+                return task.result()
+            if alive is None or not await alive():
+                raise UpstreamTimeout(f"the engine answered nothing for {silence:g} s")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class Upstream:
+    """The client: `async with upstream.request(url, "POST", path, body, key=...) as answer: ...`."""
+
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """Made on first use, on the loop that serves (a client belongs to one loop)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                # no read timeout: the body's silences are judged by `Answer.body`; as many connections as
+                # requests in flight (the router bounds them), kept alive between requests
+                timeout=httpx.Timeout(10.0, read=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                trust_env=False,  # loopback: never through a proxy from the environment
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        key: str | None = None,
+        silence: float,
+        alive: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[Answer]:
+        """One request to the engine at `url` (its own API key `key`, sent as `Authorization: Bearer`);
+        every silence (connecting, the head, the body) is judged by `patiently`."""
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        if method != "GET":
+            headers["Content-Type"] = "application/json"
+        built = self.client.build_request(
+            method, url + path, content=body if method != "GET" else None, headers=headers
+        )
+        try:  # llama-server sends a whole answer's head only once it is complete: a silence, judged so
+            response = await patiently(self.client.send(built, stream=True), silence, alive)
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"connecting to the engine took over {silence:g} s") from exc
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"cannot reach the engine: {exc}") from exc
+        try:
+            yield Answer(response.status_code, response.headers, response, silence, alive)
+        finally:
+            await response.aclose()
+
+    async def get(self, url: str, path: str, seconds: float, key: str | None) -> tuple[int, bytes]:
+        """GET `path` of the engine at `url` (status, body), all of it within `seconds`."""
+
+        async def whole() -> tuple[int, bytes]:
+            async with self.request(url, "GET", path, key=key, silence=seconds) as answer:
+                return answer.status, await answer.read()
+
+        try:
+            return await asyncio.wait_for(whole(), seconds)
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"the engine answered nothing for {seconds:g} s") from exc

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.core import signals
 from orchestrator.core.errors import InputError, PlanError, UsageError
@@ -403,7 +403,7 @@ def run_formations(
         router.start([one.plan for one in formed])
         watch.start()
         try:
-            run_once(server.serve(sockets=[request.listen]))  # the command's one loop
+            run_once(serving(server, router, request.listen))  # the command's one loop
         finally:
             watch.stop()
             if exporter is not None:
@@ -412,3 +412,11 @@ def run_formations(
     if ending.failed():
         return ServeOutcome(True, "; ".join(f"{f.name}: {f.backend.reason}" for f in router.formations))
     return ServeOutcome(False)
+
+
+async def serving(server: Any, router: Router, listen: socket.socket) -> None:
+    """uvicorn's server on `listen`; then the router's HTTP client is closed, on the loop it was made on."""
+    try:
+        await server.serve(sockets=[listen])
+    finally:
+        await router.upstream.aclose()
