@@ -28,16 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     import pkgutil
 
     from orchestrator import __version__
-    from orchestrator.cli import _common
+    from orchestrator.cli import _globals, _parser
 
-    parser = _common.ArgumentParser(
+    parser = _parser.ArgumentParser(
         prog="rpcfleet",
         description="Orchestrate fleets of llama.cpp ggml-rpc-server nodes.",
         epilog="-i/-l/-f/--json/-v/--log-format may also come before the command "
         "(`rpcfleet -i inv.yml ping`). `rpcfleet COMMAND --help` shows a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"rpcfleet {__version__}")
-    _common.add_global_options(parser)
+    _globals.add_global_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if module_info.name.startswith("_"):
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         module.register(subparsers)
     for command in command_parsers(parser):
-        _common.add_every_command_options(command)
+        _globals.add_every_command_options(command)
     return parser
 
 
@@ -64,15 +64,15 @@ def command_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPa
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line as a namespace; usage errors raise `_common.UsageExit` (after printing)."""
-    from orchestrator.cli import _common
+    """The command line as a namespace; usage errors raise `_parser.UsageExit` (after printing)."""
+    from orchestrator.cli import _globals, _parser
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    command: _common.ArgumentParser = args._parser
+    command: _parser.ArgumentParser = args._parser
     if extra:
         command.unknown_arguments(extra)
-    _common.merge_global_options(args, command)
+    _globals.merge_global_options(args, command)
     return args
 
 
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from orchestrator.cli import _common
+    from orchestrator.cli import _output, _parser
     from orchestrator.core.errors import InputError, RpcfleetError
     from orchestrator.core.log import configure_logging
 
@@ -96,7 +96,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     try:
         args = parse_args(argv)
-    except _common.UsageExit as exc:
+    except _parser.UsageExit as exc:
         return exc.status
     level = ["WARNING", "INFO", "DEBUG"][min(args.verbose, 2)]
     configure_logging(args.log_format, level)
@@ -104,10 +104,10 @@ def _main(argv: Sequence[str] | None) -> int:
         status: int = args.handler(args)
         return status
     except InputError as exc:
-        _common.print_error(exc)
+        _output.print_error(exc)
         return 2
     except RpcfleetError as exc:
-        _common.print_error(exc)
+        _output.print_error(exc)
         return 1
     finally:
         # SSH forwards (rpc_transport: ssh) live as long as the command; imported only if one was used

@@ -7,7 +7,7 @@ import argparse
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from orchestrator.cli import _common
+from orchestrator.cli import _output, _running
 
 if TYPE_CHECKING:
     from orchestrator.inventory.model import Host
@@ -32,14 +32,14 @@ def follow(args: argparse.Namespace, hosts: list[Host]) -> int:
     def show(host: str, lines: list[str]) -> None:
         now = datetime.now().strftime("%H:%M:%S")
         for line in lines:
-            _common.console.print(f"{now} {host:<{width}} | {line}", highlight=False, markup=False)
+            _output.console.print(f"{now} {host:<{width}} | {line}", highlight=False, markup=False)
 
     async def go() -> None:
         async with Session(forks=max(args.forks, len(hosts))) as session:
             await session.run(hosts, make_follow_step(show, noise=args.noise), name="follow")
 
     try:
-        _common.run_async(go())
+        _running.run_async(go())
     except KeyboardInterrupt:  # the way a follow ends
         return 0
     return 0

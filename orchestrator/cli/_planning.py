@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _parser
 from orchestrator.core import fields
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
@@ -41,13 +41,13 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     if ctx:
         parser.add_argument(
             "--ctx",
-            type=_common.flag(fields.context),
+            type=_parser.flag(fields.context),
             default=4096,
             help="context size: 8192, 8k, 128k (default: 4096; 0 = the model's training context)",
         )
     parser.add_argument(
         "--margin",
-        type=_common.flag(fields.size),
+        type=_parser.flag(fields.size),
         default=None,
         help="headroom kept free per device (default: 256MiB)",
     )
@@ -72,7 +72,7 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     parser.add_argument(
         "--parallel",
         "-np",
-        type=_common.flag(fields.integer(minimum=1, maximum=256)),  # LLAMA_MAX_SEQ
+        type=_parser.flag(fields.integer(minimum=1, maximum=256)),  # LLAMA_MAX_SEQ
         default=1,
         metavar="N",
         help="parallel sequences (n_seq_max; serve: llama-server's slots, served at once and batched "
@@ -85,13 +85,13 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     )
     parser.add_argument(
         "--n-cpu-moe",
-        type=_common.flag(fields.integer(minimum=0)),
+        type=_parser.flag(fields.integer(minimum=0)),
         default=0,
         metavar="N",
         help="keep the expert (MoE) weights of the first N layers on this machine's CPU (default: 0)",
     )
     parser.add_argument(
-        "--ubatch", type=_common.flag(fields.integer(minimum=1)), default=512, help="n_ubatch (default: 512)"
+        "--ubatch", type=_parser.flag(fields.integer(minimum=1)), default=512, help="n_ubatch (default: 512)"
     )
     parser.add_argument(
         "--strategy",
@@ -112,7 +112,33 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
             metavar="NAMES",
             help="local GPUs after the RPC devices: absent = all, '' = none, 'CUDA0,CUDA1' = those in order",
         )
-    _common.add_probe_args(parser)
+    add_probe_args(parser)
+
+
+def add_probe_args(parser: argparse.ArgumentParser) -> None:
+    """--timeout and --no-facts, for every command that probes the fleet."""
+    parser.add_argument(
+        "--timeout",
+        type=_parser.flag(fields.seconds),
+        default=None,
+        metavar="S",
+        help="seconds per host for the RPC probe and the facts (default: 3)",
+    )
+    parser.add_argument(
+        "--no-facts",
+        action="store_true",
+        help="RPC only: no SSH (CPU devices then show the server's free figure, which is total RAM)",
+    )
+
+
+def probe_timeout(args: argparse.Namespace) -> float:
+    """--timeout, or the probe's default (imported here: registering the flag stays cheap)."""
+    if args.timeout is None:
+        from orchestrator.probe.host import DEFAULT_TIMEOUT
+
+        return DEFAULT_TIMEOUT
+    timeout: float = args.timeout
+    return timeout
 
 
 def replicas(value: str) -> int | str:
@@ -129,7 +155,7 @@ def add_replicas_args(parser: argparse.ArgumentParser, *, serve: bool = True) ->
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--replicas",
-        type=_common.flag(replicas),
+        type=_parser.flag(replicas),
         default="auto" if serve else None,
         metavar="auto|N",
         help="formations of the model, each on its own nodes: auto = the fewest nodes it fits on, as "
@@ -180,7 +206,7 @@ def planning_args(args: argparse.Namespace, *, n_ctx: int | None = None, facts: 
     from orchestrator.workflows.options import ProbeSettings, local_device_selection, plan_options
 
     probe = ProbeSettings(
-        timeout=_common.probe_timeout(args),
+        timeout=probe_timeout(args),
         facts=facts and not args.no_facts,
         forks=args.forks,
         trust_rpc_memory=args.trust_rpc_memory,

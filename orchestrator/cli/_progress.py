@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from orchestrator.cli import _common
+from orchestrator.cli import _output
 from orchestrator.connectors.base import Progress as ProgressCallback
 from orchestrator.core.units import format_size
 from orchestrator.inventory.model import Host
@@ -34,7 +34,7 @@ def _bars(enabled: bool, *columns: ProgressColumn) -> Progress:
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         *columns,
-        console=_common.err_console,
+        console=_output.err_console,
         transient=True,
         disable=not enabled,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _output
 
 
 def register(subparsers: Any) -> None:
@@ -33,16 +33,16 @@ def register(subparsers: Any) -> None:
     build.add_argument(
         "--quiet-if-cached", action="store_true", help="print nothing when the artifact is already cached"
     )
-    _common.add_json_arg(build)
+    _output.add_json_arg(build)
     build.set_defaults(handler=handle_build)
 
     listing = sub.add_parser("list", help="the artifacts in the cache")
-    _common.add_json_arg(listing)
+    _output.add_json_arg(listing)
     listing.set_defaults(handler=handle_list)
 
     show = sub.add_parser("show", help="print an artifact's manifest")
     show.add_argument("id", metavar="ID")
-    _common.add_json_arg(show)
+    _output.add_json_arg(show)
     show.set_defaults(handler=handle_show)
 
     verify = sub.add_parser("verify", help="re-hash artifacts and every file in them (default: all)")
@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
     add = sub.add_parser("add", help="add an artifact from a spec file (url/path + sha256) to the cache")
     add.add_argument("spec", metavar="SPEC", help="YAML/JSON spec file")
     add.add_argument("--backend", default="cpu")
-    _common.add_json_arg(add)
+    _output.add_json_arg(add)
     add.set_defaults(handler=handle_add)
 
 
@@ -74,20 +74,20 @@ def handle_build(args: argparse.Namespace) -> int:
     if cached is not None and args.quiet_if_cached:
         return 0
     if cached is None:
-        _common.err_console.print(
+        _output.err_console.print(
             f"building ggml-rpc-server ({args.backend}) for llama-cpp-python "
             f"{llama_cpp_python_version()}: a few minutes, once",
             highlight=False,
         )
 
     def progress(line: str) -> None:
-        _common.err_console.print(f"  {line}", style="dim", highlight=False, markup=False, soft_wrap=True)
+        _output.err_console.print(f"  {line}", style="dim", highlight=False, markup=False, soft_wrap=True)
 
     artifact = cached or build_artifact(args.backend, args.cmake_args, progress=progress)
     if args.json:
-        _common.print_json(artifact.to_dict())
+        _output.print_json(artifact.to_dict())
     else:
-        _common.console.print(f"{artifact.id}  {artifact.archive}", highlight=False, soft_wrap=True)
+        _output.console.print(f"{artifact.id}  {artifact.archive}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -100,10 +100,10 @@ def handle_list(args: argparse.Namespace) -> int:
 
     found = list_artifacts()
     if args.json:
-        _common.print_json([a.to_dict() for a in found])
+        _output.print_json([a.to_dict() for a in found])
         return 0
     if not found:
-        _common.err_console.print(f"no artifacts in {artifacts_dir()}")
+        _output.err_console.print(f"no artifacts in {artifacts_dir()}")
         return 0
     # The id already names protocol, backend, os and arch; `show` has the rest.
     table = Table(box=box.SIMPLE_HEAD)
@@ -113,7 +113,7 @@ def handle_list(args: argparse.Namespace) -> int:
     for a in found:
         m = a.manifest
         table.add_row(a.id, m.llama_cpp_commit or "-", "yes" if m.native else "no", format_size(a.size))
-    _common.console.print(table)
+    _output.console.print(table)
     return 0
 
 
@@ -122,7 +122,7 @@ def handle_show(args: argparse.Namespace) -> int:
 
     artifact = load_artifact(args.id)
     if args.json:
-        _common.print_json(artifact.to_dict())
+        _output.print_json(artifact.to_dict())
         return 0
     m = artifact.manifest
     rows = [
@@ -141,7 +141,7 @@ def handle_show(args: argparse.Namespace) -> int:
         ("patches", ", ".join(m.patches) or "-"),
         *([("cuda archs", ";".join(m.cuda_architectures) or "-")] if m.backend == "cuda" else []),
     ]
-    out = _common.console
+    out = _output.console
     for name, value in rows:
         out.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
     out.print("files:")
@@ -164,11 +164,11 @@ def handle_verify(args: argparse.Namespace) -> int:
             verify_artifact(artifact)
         except ArtifactError as exc:
             failed += 1
-            _common.console.print(f"[red]FAILED[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            _output.console.print(f"[red]FAILED[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         else:
-            _common.console.print(f"[green]ok[/green]     {artifact.id}", highlight=False, soft_wrap=True)
+            _output.console.print(f"[green]ok[/green]     {artifact.id}", highlight=False, soft_wrap=True)
     if not targets:
-        _common.err_console.print(f"no artifacts in {artifacts_dir()}")
+        _output.err_console.print(f"no artifacts in {artifacts_dir()}")
     return 1 if failed else 0
 
 
@@ -181,7 +181,7 @@ def handle_add(args: argparse.Namespace) -> int:
     spec = read_artifact_spec(Path(args.spec))
     artifact = import_artifact(spec, backend=args.backend)
     if args.json:
-        _common.print_json(artifact.to_dict())
+        _output.print_json(artifact.to_dict())
     else:
-        _common.console.print(f"{artifact.id}  {artifact.archive}", highlight=False, soft_wrap=True)
+        _output.console.print(f"{artifact.id}  {artifact.archive}", highlight=False, soft_wrap=True)
     return 0

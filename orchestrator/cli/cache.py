@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common, _planning
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _planning, _running
+from orchestrator.cli._output import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
@@ -39,11 +39,11 @@ def register(subparsers: Any) -> None:
         ("warm", "plan MODEL, then put each node's share of its tensors into that node's cache"),
     ):
         p = sub.add_parser(action, help=text, description=text)
-        _common.add_inventory_args(p)
-        _common.add_json_arg(p)
+        _inputs.add_inventory_args(p)
+        _output.add_json_arg(p)
         if action != "status":
             p.add_argument("--check", action="store_true", help="print what would change, change nothing")
-            _common.add_operation_args(p)
+            _running.add_operation_args(p)
         if action == "warm":
             p.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
             _planning.add_plan_option_args(p)
@@ -62,16 +62,16 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.workflows.cache import cache_fleet, warm_fleet
 
-    _, hosts = _common.load_hosts(args)
+    _, hosts = _inputs.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")
     action = args.cache_action
-    options, batches = _common.operation_options(args), _common.batches(args)
+    options, batches = _running.operation_options(args), _running.batches(args)
     if action != "warm":
         keep_for = _model_planning(args) if action == "prune" and args.model is not None else None
         run = cache_fleet(hosts, action, options, batches, keep_for=keep_for).run
         _report(args, run, action)
-        return _common.exit_status([run])
+        return _running.exit_status([run])
     if not any(h.rpc_cache for h in hosts):
         raise UsageError(
             "no selected host has rpc_cache: true (its server would not read the cache)",
@@ -82,12 +82,12 @@ def handle(args: argparse.Namespace) -> int:
     if not args.json and not any(warmed.items.values()):
         from orchestrator.caches.plan import HASH_THRESHOLD
 
-        _common.err_console.print(
+        _output.err_console.print(
             f"nothing to warm: no tensor of {escape(str(args.model))} planned for these nodes is larger than "
             f"{format_size(HASH_THRESHOLD)}, and llama.cpp sends smaller ones as they are (never cached)",
             highlight=False,
         )
-    return _common.exit_status([warmed.change.run])
+    return _running.exit_status([warmed.change.run])
 
 
 def _model_planning(args: argparse.Namespace) -> ModelPlanning:
@@ -95,7 +95,7 @@ def _model_planning(args: argparse.Namespace) -> ModelPlanning:
 
     request = _planning.planning_args(args)
     return ModelPlanning(
-        _common.require_model(args.model), request.options, request.probe, request.local_devices
+        _inputs.require_model(args.model), request.options, request.probe, request.local_devices
     )
 
 
@@ -135,7 +135,7 @@ def _report(
         rows.append((r.host, row))
     merged = rows_by_install(rows)
     if args.json:
-        _common.print_json({"action": action, "hosts": merged, "phases": phases or {}})
+        _output.print_json({"action": action, "hosts": merged, "phases": phases or {}})
         return
     from rich import box
     from rich.table import Table
@@ -168,10 +168,10 @@ def _report(
             format_size(row["max_bytes"]) if row.get("max_bytes") else "-",
             escape(what),
         )
-    _common.console.print(table, highlight=False)
+    _output.console.print(table, highlight=False)
     if phases:
-        _common.console.print(" · ".join(f"{k} {v:.2f} s" for k, v in phases.items()), highlight=False)
-    _common.print_interrupted([run])
+        _output.console.print(" · ".join(f"{k} {v:.2f} s" for k, v in phases.items()), highlight=False)
+    _running.print_interrupted([run])
 
 
 _WORST = ("failed", "unreachable", "changed", "ok", "skipped")  # the status a merged row shows, first found

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _inputs, _output
 from orchestrator.cli.lab import lab_name, lab_nodes
 
 DEMO_LAB = "demo"
@@ -42,10 +42,10 @@ def demo_model() -> Path:
     from orchestrator.models.fetch import fetch_model
 
     if not is_fetched(GEMMA3_270M):
-        _common.console.rule(f"model fetch {GEMMA3_270M.name}: once, into the cache")
+        _output.console.rule(f"model fetch {GEMMA3_270M.name}: once, into the cache")
 
     def say(line: str) -> None:
-        _common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        _output.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     return fetch_model(GEMMA3_270M, say=say).path
 
@@ -58,10 +58,10 @@ def handle(args: argparse.Namespace) -> int:
     if args.model is not None:  # a model that cannot be planned fails here, not after the lab is up
         from orchestrator.planning.profile import profile_model
 
-        profile_model(_common.require_model(args.model))
+        profile_model(_inputs.require_model(args.model))
     model = args.model or demo_model()
     kind = "local-connection (not root)" if local else "network-namespace"
-    _common.console.rule(f"lab up: {args.nodes} {kind} nodes")
+    _output.console.rule(f"lab up: {args.nodes} {kind} nodes")
     lab = lab_up(args.nodes, name=args.lab_name, local=local)
     inventory = ["-i", str(lab.inventory)]
     steps: list[tuple[str, list[str]]] = [
@@ -79,17 +79,17 @@ def handle(args: argparse.Namespace) -> int:
     ]
     try:
         for title, argv in steps:
-            _common.console.rule(title)
+            _output.console.rule(title)
             status = main(argv)
             if status != 0:
-                _common.err_console.print(f"[red]demo stopped: `rpcfleet {' '.join(argv)}` failed[/red]")
+                _output.err_console.print(f"[red]demo stopped: `rpcfleet {' '.join(argv)}` failed[/red]")
                 return status
         return 0
     finally:
         if args.keep:
-            _common.console.print(
+            _output.console.print(
                 f"lab kept: rpcfleet -i {lab.inventory} ...; `rpcfleet lab down --name {args.lab_name}`"
             )
         else:
-            _common.console.rule("lab down")
+            _output.console.rule("lab down")
             lab_down(args.lab_name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common, _follow
+from orchestrator.cli import _follow, _inputs, _output, _parser, _running
 from orchestrator.core import fields
 
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
         "--artifact", default=None, help="artifact id or spec file (default: each host's rpc_artifact)"
     )
     deploy.add_argument("--reinstall", action="store_true", help="upload and unpack even when installed")
-    _common.add_operation_args(deploy)
+    _running.add_operation_args(deploy)
     deploy.set_defaults(handler=handle_deploy)
 
     for name, help_text, description, force_help in (
@@ -63,7 +63,7 @@ def register(subparsers: Any) -> None:
     ):
         parser = subparsers.add_parser(name, help=help_text, description=description)
         _add_run_args(parser, check=True)
-        _common.add_operation_args(parser, force_help=force_help)
+        _running.add_operation_args(parser, force_help=force_help)
         if name == "stop":
             parser.add_argument(
                 "--undeclared",
@@ -96,11 +96,11 @@ def register(subparsers: Any) -> None:
         "systemd), without the lines every probe's connection writes (--noise keeps them); "
         "-f/--follow then prints new lines as they come.",
     )
-    _common.add_inventory_args(logs, forks_short=False)  # -f is --follow here, as in tail and journalctl
+    _inputs.add_inventory_args(logs, forks_short=False)  # -f is --follow here, as in tail and journalctl
     logs.add_argument(
         "-n",
         "--lines",
-        type=_common.flag(fields.integer(minimum=1)),
+        type=_parser.flag(fields.integer(minimum=1)),
         default=40,
         help="lines per host, after leaving out probe connections (default: 40)",
     )
@@ -112,13 +112,13 @@ def register(subparsers: Any) -> None:
     )
     _add_run_args(rollback, check=True)
     rollback.add_argument("--to", default=None, help="the version id to return to (default: the previous)")
-    _common.add_operation_args(rollback)
+    _running.add_operation_args(rollback)
     rollback.set_defaults(handler=handle_rollback)
 
 
 def _add_run_args(parser: argparse.ArgumentParser, *, check: bool, batches: bool = True) -> None:
-    _common.add_inventory_args(parser)
-    _common.add_json_arg(parser)
+    _inputs.add_inventory_args(parser)
+    _output.add_json_arg(parser)
     if check:
         parser.add_argument("--check", action="store_true", help="print what would change, change nothing")
         parser.add_argument(
@@ -132,7 +132,7 @@ def _add_run_args(parser: argparse.ArgumentParser, *, check: bool, batches: bool
     parser.add_argument("--serial", default=None, help="hosts per batch: a number or a percentage")
     parser.add_argument(
         "--max-fail-percentage",
-        type=_common.flag(fields.percentage),
+        type=_parser.flag(fields.percentage),
         default=None,
         help="stop after a batch with more failures",
     )
@@ -142,8 +142,8 @@ def _warn_undeclared(found: list[tuple[Host, LiveServer]]) -> None:
     from orchestrator.operations.undeclared import describe
 
     for machine, live in found:
-        _common.err_console.print(
-            f"[yellow]warning:[/yellow] {_common.escape(describe(machine, live))}", highlight=False
+        _output.err_console.print(
+            f"[yellow]warning:[/yellow] {_output.escape(describe(machine, live))}", highlight=False
         )
 
 
@@ -157,12 +157,12 @@ def _print_changes(run: RunResult[Any], check: bool) -> None:
     for r in run.results:
         what = r.message if r.error is None else str(r.error.message)
         table.add_row(r.host.name, r.status, what)
-    _common.console.print(table, highlight=False)
+    _output.console.print(table, highlight=False)
     for r in run.results:
         value = r.value
         warnings = getattr(value, "warnings", ())
         for warning in warnings:
-            _common.err_console.print(f"[yellow]warning:[/yellow] {r.host.name}: {warning}", highlight=False)
+            _output.err_console.print(f"[yellow]warning:[/yellow] {r.host.name}: {warning}", highlight=False)
 
 
 def _json_value(value: Any) -> Any:
@@ -177,7 +177,7 @@ def _json_value(value: Any) -> Any:
 
 
 def _print_json(run: RunResult[Any]) -> None:
-    _common.print_json(
+    _output.print_json(
         [
             {
                 "host": r.host.name,
@@ -198,20 +198,20 @@ def _finish(args: argparse.Namespace, run: RunResult[Any]) -> int:
         _print_json(run)
     else:
         _print_changes(run, getattr(args, "check", False))
-        _common.print_recap(Recap().add(run))
-        _common.print_interrupted([run])
-    return _common.exit_status([run])
+        _running.print_recap(Recap().add(run))
+        _running.print_interrupted([run])
+    return _running.exit_status([run])
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
     from orchestrator.cli._progress import Uploads
     from orchestrator.workflows.change import deploy_fleet
 
-    inventory, hosts = _common.load_hosts(args)
-    options, batches = _common.operation_options(args), _common.batches(args)
+    inventory, hosts = _inputs.load_hosts(args)
+    options, batches = _running.operation_options(args), _running.batches(args)
     uploads = Uploads(enabled=not args.json and not args.check)
     with uploads.progress:
-        change = _common.with_diff(
+        change = _running.with_diff(
             args,
             [h.name for h in hosts],
             lambda: deploy_fleet(
@@ -237,13 +237,13 @@ def handle_service(args: argparse.Namespace) -> int:
         return handle_rolling_restart(args)
     from orchestrator.workflows.change import service_fleet
 
-    inventory, hosts = _common.load_hosts(args)
-    options = _common.operation_options(args)
+    inventory, hosts = _inputs.load_hosts(args)
+    options = _running.operation_options(args)
     if args.action == "stop" and args.undeclared:
         return _stop_undeclared(args, inventory, hosts)
     names = [h.name for h in hosts]
-    change = _common.with_diff(
-        args, names, lambda: service_fleet(hosts, args.action, options, _common.batches(args))
+    change = _running.with_diff(
+        args, names, lambda: service_fleet(hosts, args.action, options, _running.batches(args))
     )
     return _finish(args, change.run)
 
@@ -254,18 +254,18 @@ def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list
     from orchestrator.operations.undeclared import server_view
     from orchestrator.workflows.change import find_undeclared, service_fleet
 
-    found, interrupted = find_undeclared(inventory, hosts, _common.batches(args))
+    found, interrupted = find_undeclared(inventory, hosts, _running.batches(args))
     if interrupted:
-        _common.err_console.print("[yellow]interrupted[/yellow]: nothing stopped", highlight=False)
-        return _common.INTERRUPTED_EXIT
+        _output.err_console.print("[yellow]interrupted[/yellow]: nothing stopped", highlight=False)
+        return _running.INTERRUPTED_EXIT
     views = [server_view(machine, live) for machine, live in found]
     if not views:
-        _common.err_console.print("no undeclared server runs on the selected hosts", highlight=False)
+        _output.err_console.print("no undeclared server runs on the selected hosts", highlight=False)
         return 0
-    options = _common.operation_options(args)
+    options = _running.operation_options(args)
     names = [h.name for h in views]
-    change = _common.with_diff(
-        args, names, lambda: service_fleet(views, "stop", options, _common.batches(args))
+    change = _running.with_diff(
+        args, names, lambda: service_fleet(views, "stop", options, _running.batches(args))
     )
     return _finish(args, change.run)
 
@@ -273,11 +273,11 @@ def _stop_undeclared(args: argparse.Namespace, inventory: Inventory, hosts: list
 def handle_rollback(args: argparse.Namespace) -> int:
     from orchestrator.workflows.change import rollback_fleet
 
-    _, hosts = _common.load_hosts(args)
-    options = _common.operation_options(args)
+    _, hosts = _inputs.load_hosts(args)
+    options = _running.operation_options(args)
     names = [h.name for h in hosts]
-    change = _common.with_diff(
-        args, names, lambda: rollback_fleet(hosts, options, _common.batches(args), to=args.to)
+    change = _running.with_diff(
+        args, names, lambda: rollback_fleet(hosts, options, _running.batches(args), to=args.to)
     )
     return _finish(args, change.run)
 
@@ -302,8 +302,8 @@ def handle_status(args: argparse.Namespace) -> int:
     from orchestrator.operations.undeclared import server_view
     from orchestrator.workflows.change import status_fleet
 
-    inventory, hosts = _common.load_hosts(args)
-    change = status_fleet(inventory, hosts, _common.batches(args))
+    inventory, hosts = _inputs.load_hosts(args)
+    change = status_fleet(inventory, hosts, _running.batches(args))
     run, found = change.run, change.undeclared
     if args.json:
         _print_json(run)
@@ -348,26 +348,26 @@ def handle_status(args: argparse.Namespace) -> int:
             "-",
             "not in the inventory (rpc_servers)",
         )
-    _common.console.print(table, highlight=False)
+    _output.console.print(table, highlight=False)
     _warn_undeclared(found)
     for r in run.results:
         if r.error is not None:
-            error = _common.escape(r.error.describe(with_host=False))
-            _common.err_console.print(f"[red]{_common.escape(r.host.name)}[/red]: {error}", highlight=False)
+            error = _output.escape(r.error.describe(with_host=False))
+            _output.err_console.print(f"[red]{_output.escape(r.host.name)}[/red]: {error}", highlight=False)
     return 0 if run.ok else 1
 
 
 def handle_logs(args: argparse.Namespace) -> int:
     from orchestrator.workflows.change import logs_fleet
 
-    _, hosts = _common.load_hosts(args)
-    run = logs_fleet(hosts, args.lines, _common.batches(args), noise=args.noise).run
+    _, hosts = _inputs.load_hosts(args)
+    run = logs_fleet(hosts, args.lines, _running.batches(args), noise=args.noise).run
     for r in run.results:
-        _common.console.rule(f"{r.host.name} ({r.status})")
+        _output.console.rule(f"{r.host.name} ({r.status})")
         if isinstance(r.value, str):
-            _common.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
+            _output.console.print(r.value.rstrip("\n"), highlight=False, markup=False)
         elif r.error is not None:
-            _common.err_console.print(str(r.error), highlight=False, markup=False)
+            _output.err_console.print(str(r.error), highlight=False, markup=False)
     if args.follow:
         return _follow.follow(args, hosts)
     return 0 if run.ok else 1

@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _parser, _planning, _running
+from orchestrator.cli._output import escape
 from orchestrator.cli.serve import KEY_ENV, api_key_of
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
@@ -32,14 +32,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--host", type=_common.address, default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
+        "--host", type=_parser.address, default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
     )
     parser.add_argument(
-        "--port", type=_common.flag(fields.port), default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+        "--port", type=_parser.flag(fields.port), default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
     )
     parser.add_argument(
         "--interval",
-        type=_common.flag(fields.seconds),
+        type=_parser.flag(fields.seconds),
         default=15.0,
         metavar="S",
         help="seconds between two probe rounds (default: 15)",
@@ -61,12 +61,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=_common.flag(fields.seconds),
+        type=_parser.flag(fields.seconds),
         default=None,
         metavar="S",
         help="seconds per host for the RPC probe and the SSH reads (default: 3)",
     )
-    _common.add_inventory_args(parser)
+    _inputs.add_inventory_args(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -80,10 +80,10 @@ def handle(args: argparse.Namespace) -> int:
             "is refused",
             hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
         )
-    _, hosts = _common.load_hosts(args)
+    _, hosts = _inputs.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")
-    sock = _common.listen_socket(args.host, args.port)
+    sock = _inputs.listen_socket(args.host, args.port)
     import asyncio
     import contextlib
 
@@ -96,7 +96,7 @@ def handle(args: argparse.Namespace) -> int:
     collector = Collector(
         hosts,
         interval=args.interval,
-        timeout=_common.probe_timeout(args),
+        timeout=_planning.probe_timeout(args),
         forks=args.forks,
         cache=not args.no_cache,
     )
@@ -106,7 +106,7 @@ def handle(args: argparse.Namespace) -> int:
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     )
-    _common.err_console.print(
+    _output.err_console.print(
         f"exporter on http://{escape(args.host)}:{args.port}/ "
         f"({len(hosts)} host(s), every {args.interval:g} s)",
         highlight=False,
@@ -122,5 +122,5 @@ def handle(args: argparse.Namespace) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 await rounds  # its connections closed
 
-    _common.run_async(serve_and_probe())
+    _running.run_async(serve_and_probe())
     return 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output
+from orchestrator.cli._output import escape
 
 if TYPE_CHECKING:  # the stages are imported by the handlers: registering stays cheap
     from orchestrator.inventory.model import Host, Inventory
@@ -19,25 +19,25 @@ def register(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="inventory_command", metavar="ACTION", required=True)
 
     listing = commands.add_parser("list", help="one line per host: address, connection, endpoint, groups")
-    _common.add_inventory_args(listing, forks=False)  # reads the inventory only: nothing to fork
-    _common.add_json_arg(listing)
+    _inputs.add_inventory_args(listing, forks=False)  # reads the inventory only: nothing to fork
+    _output.add_json_arg(listing)
     listing.set_defaults(handler=handle_list)
 
     graph = commands.add_parser("graph", help="the group tree, like ansible-inventory --graph")
-    _common.add_inventory_args(graph, limit=False, forks=False)
-    _common.add_json_arg(graph)
+    _inputs.add_inventory_args(graph, limit=False, forks=False)
+    _output.add_json_arg(graph)
     graph.add_argument("group", nargs="?", default="all", help="the group to start from (default: all)")
     graph.set_defaults(handler=handle_graph)
 
     show = commands.add_parser("show", help="every resolved variable of one host and where it comes from")
-    _common.add_inventory_args(show, limit=False, forks=False)
-    _common.add_json_arg(show)
+    _inputs.add_inventory_args(show, limit=False, forks=False)
+    _output.add_json_arg(show)
     show.add_argument("host", help="host name")
     show.set_defaults(handler=handle_show)
 
 
 def _load(args: argparse.Namespace) -> tuple[Inventory, list[Host]]:
-    return _common.load_hosts(args, servers=False)  # machines; each shows its servers
+    return _inputs.load_hosts(args, servers=False)  # machines; each shows its servers
 
 
 def handle_list(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def handle_list(args: argparse.Namespace) -> int:
 
     _, hosts = _load(args)
     if args.json:
-        _common.print_json([host_to_dict(host) for host in hosts])
+        _output.print_json([host_to_dict(host) for host in hosts])
         return 0
     table = Table(box=box.SIMPLE_HEAD)
     for column in ("host", "address", "connection", "endpoint", "backend", "groups"):
@@ -67,7 +67,7 @@ def handle_list(args: argparse.Namespace) -> int:
                 )
             )
         )
-    _common.console.print(table)
+    _output.console.print(table)
     return 0
 
 
@@ -124,9 +124,9 @@ def handle_graph(args: argparse.Namespace) -> int:
         raise InventoryError(f"no group {args.group!r} in the inventory")
     tree = graph_tree(inventory, args.group)
     if args.json:
-        _common.print_json(tree)
+        _output.print_json(tree)
     else:
-        _common.console.print("\n".join(graph_lines(tree)), highlight=False, markup=False)
+        _output.console.print("\n".join(graph_lines(tree)), highlight=False, markup=False)
     return 0
 
 
@@ -164,10 +164,10 @@ def handle_show(args: argparse.Namespace) -> int:
         data = host_to_dict(host)
         data["sources"] = dict(host.var_sources)
         data["location"] = str(host.location) if host.location else None
-        _common.print_json(data)
+        _output.print_json(data)
         return 0
     where = f" ({host.location})" if host.location else ""
-    _common.console.print(
+    _output.console.print(
         f"{host.name}{where}  groups: {', '.join(host.groups) or '-'}  "
         + (
             f"endpoints: {', '.join(server_label(server) for server in servers_of(host))}"
@@ -190,5 +190,5 @@ def handle_show(args: argparse.Namespace) -> int:
         )
     for key, value in extra.items():
         table.add_row(escape(key), escape(_display(key, value)), escape(host.var_sources.get(key, "-")))
-    _common.console.print(table)
+    _output.console.print(table)
     return 0

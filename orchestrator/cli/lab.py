@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _output, _parser
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.paths import DEFAULT_LAB
@@ -56,13 +56,13 @@ def register(subparsers: Any) -> None:
     )
     up.add_argument(
         "--cpus",
-        type=_common.flag(_cpus),
+        type=_parser.flag(_cpus),
         default=None,
         metavar="CPUS",
         help="each node's CPU share, a cgroup quota (cpu.max): 0.6 is 60 ms of every 100 ms for all the "
         "node's processes (sshd, the servers)",
     )
-    _common.add_json_arg(up)
+    _output.add_json_arg(up)
     up.set_defaults(handler=handle_up)
 
     down = commands.add_parser("down", help="tear a lab down completely")
@@ -72,14 +72,14 @@ def register(subparsers: Any) -> None:
 
     status = commands.add_parser("status", help="nodes, addresses, sshd, reachability on :22")
     _add_name(status)
-    _common.add_json_arg(status)
+    _output.add_json_arg(status)
     status.set_defaults(handler=handle_status)
 
     repair = commands.add_parser(
         "repair", help="bring dead nodes back (sshd, the whole node), leave healthy ones alone"
     )
     _add_name(repair)
-    _common.add_json_arg(repair)
+    _output.add_json_arg(repair)
     repair.set_defaults(handler=handle_repair)
 
 
@@ -87,7 +87,7 @@ def lab_nodes(text: str) -> int:
     """--nodes, checked as it is parsed (a usage error, exit status 2)."""
     from orchestrator.lab.state import MAX_NODES
 
-    return _common.flag(fields.integer(minimum=1, maximum=MAX_NODES))(text)
+    return _parser.flag(fields.integer(minimum=1, maximum=MAX_NODES))(text)
 
 
 def lab_name(text: str) -> str:
@@ -178,14 +178,14 @@ def handle_up(args: argparse.Namespace) -> int:
     )
     seconds = time.monotonic() - started
     if args.json:
-        _common.print_json({**lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})
+        _output.print_json({**lab_status(made.name).to_dict(), "seconds": round(seconds, 3)})
         return 0
     if reaped:
-        _common.err_console.print(f"reaped {len(reaped)} leftovers of dead labs", highlight=False)
+        _output.err_console.print(f"reaped {len(reaped)} leftovers of dead labs", highlight=False)
     kind = "network namespaces with OpenSSH" if made.kind == "netns" else "local connections"
     if args.init == "systemd":
         kind = "network namespaces booting systemd, OpenSSH as a service"
-    _common.console.print(
+    _output.console.print(
         f"lab [bold]{made.name}[/bold]: {len(made.nodes)} nodes ({kind})"
         + (f", {made.cpus:g} CPU each" if made.cpus is not None else "")
         + f" up in {seconds:.2f} s",
@@ -196,19 +196,19 @@ def handle_up(args: argparse.Namespace) -> int:
         table.add_column(column)
     for node in made.nodes:
         table.add_row(node.name, node.address, str(node.home))
-    _common.console.print(table)
-    _common.console.print(f"inventory: {made.inventory}", highlight=False)
+    _output.console.print(table)
+    _output.console.print(f"inventory: {made.inventory}", highlight=False)
     for extra in made.outputs:
-        _common.console.print(f"inventory copy: {extra}", highlight=False)
+        _output.console.print(f"inventory copy: {extra}", highlight=False)
     if made.kind == "netns":
         first = made.nodes[0]
-        _common.console.print(
+        _output.console.print(
             f"ssh: ssh -i {made.client_key} -o UserKnownHostsFile={made.known_hosts} "
             f"{made.user}@{first.address}",
             highlight=False,
         )
     flag = "" if made.name == DEFAULT_LAB else f" --name {made.name}"
-    _common.console.print(f"tear down: rpcfleet lab down{flag}", highlight=False)
+    _output.console.print(f"tear down: rpcfleet lab down{flag}", highlight=False)
     return 0
 
 
@@ -219,17 +219,17 @@ def handle_down(args: argparse.Namespace) -> int:
     if args.all:
         removed = lab_down_all()
         for item in removed:
-            _common.console.print(f"  removed {item}", highlight=False)
-        _common.console.print(
+            _output.console.print(f"  removed {item}", highlight=False)
+        _output.console.print(
             f"{len(removed)} removed in {time.monotonic() - started:.2f} s", highlight=False
         )
         for name in list_labs():
-            _common.console.print(f"  kept lab {name}: owned by a running process (a test session)")
+            _output.console.print(f"  kept lab {name}: owned by a running process (a test session)")
         return 0
     if not lab_down(args.name):
-        _common.err_console.print(f"no lab named {args.name!r}: nothing to do", highlight=False)
+        _output.err_console.print(f"no lab named {args.name!r}: nothing to do", highlight=False)
         return 0
-    _common.console.print(f"lab {args.name} down in {time.monotonic() - started:.2f} s", highlight=False)
+    _output.console.print(f"lab {args.name} down in {time.monotonic() - started:.2f} s", highlight=False)
     return 0
 
 
@@ -246,9 +246,9 @@ def handle_status(args: argparse.Namespace) -> int:
         raise UsageError(exc.message, hint=exc.hint) from None
     status = lab_status(args.name)
     if args.json:
-        _common.print_json(status.to_dict())
+        _output.print_json(status.to_dict())
         return 0 if status.healthy else 1
-    _common.console.print(
+    _output.console.print(
         f"lab [bold]{status.name}[/bold] ({status.kind}, 10.77.{status.slot}.0/24)"
         if status.kind == "netns"
         else f"lab [bold]{status.name}[/bold] (local connections)",
@@ -270,10 +270,10 @@ def handle_status(args: argparse.Namespace) -> int:
             _mark(node.reachable, "open" if node.reachable else "closed"),
             str(node.home),
         )
-    _common.console.print(table)
-    _common.console.print(f"inventory: {status.inventory}", highlight=False)
+    _output.console.print(table)
+    _output.console.print(f"inventory: {status.inventory}", highlight=False)
     if not status.healthy:
-        _common.console.print(f"repair: rpcfleet lab repair{_flag(status.name)}", highlight=False)
+        _output.console.print(f"repair: rpcfleet lab repair{_flag(status.name)}", highlight=False)
     return 0 if status.healthy else 1
 
 
@@ -294,7 +294,7 @@ def handle_repair(args: argparse.Namespace) -> int:
     broken = [r for r in results if r.fault is not None]
     failed = [r for r in results if not r.ok]
     if args.json:
-        _common.print_json(
+        _output.print_json(
             {
                 "name": args.name,
                 "repaired": [r.name for r in broken if r.ok],
@@ -305,7 +305,7 @@ def handle_repair(args: argparse.Namespace) -> int:
         )
         return 1 if failed else 0
     if not broken:
-        _common.console.print(
+        _output.console.print(
             f"lab {args.name}: all {len(results)} nodes healthy, nothing to repair", highlight=False
         )
         return 0
@@ -319,11 +319,11 @@ def handle_repair(args: argparse.Namespace) -> int:
             _mark(r.ok, r.action or "nothing"),
             f"pid {r.sshd_pid}" if r.sshd_pid else "-",
         )
-    _common.console.print(table)
+    _output.console.print(table)
     for r in failed:
-        _common.err_console.print(f"{r.name}: {r.error}", highlight=False)
+        _output.err_console.print(f"{r.name}: {r.error}", highlight=False)
     left = len(results) - len(broken)
-    _common.console.print(
+    _output.console.print(
         f"lab {args.name}: {len(broken) - len(failed)} of {len(broken)} broken nodes repaired in "
         f"{seconds:.2f} s; {left} healthy left alone",
         highlight=False,

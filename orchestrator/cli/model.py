@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common, _planning
+from orchestrator.cli import _inputs, _output, _parser, _planning
 from orchestrator.core import fields
 
 if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering stays cheap
@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
         help="a tiny model of this family (its own fixed shapes; only --seed applies): "
         + ", ".join(SYNTH_ARCHES),
     )
-    size = _common.flag(fields.integer(minimum=1))
+    size = _parser.flag(fields.integer(minimum=1))
     synth.add_argument("--layers", type=size, default=None, help="transformer blocks (default: 8)")
     synth.add_argument("--embd", type=size, default=None, help="embedding width (default: 512)")
     synth.add_argument("--heads", type=size, default=None, help="attention heads (default: 8)")
@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
     synth.add_argument("--vocab", type=size, default=None, help="vocabulary size (default: 300)")
     synth.add_argument(
         "--ctx-train",
-        type=_common.flag(fields.context),
+        type=_parser.flag(fields.context),
         default=None,
         help="training context recorded in the model: 4096, 32k (default: 4096)",
     )
@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
     synth.add_argument("--tied", action="store_true", help="no output.weight: reuse token_embd")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.add_argument("--force", action="store_true", help="overwrite OUT.gguf when it exists")
-    _common.add_json_arg(synth)
+    _output.add_json_arg(synth)
     synth.set_defaults(handler=handle_synth)
 
     info = commands.add_parser(
@@ -72,12 +72,12 @@ def register(subparsers: Any) -> None:
     info.add_argument("model", type=Path, metavar="M.gguf", help="the model (first shard of a split one)")
     info.add_argument(
         "--ctx",
-        type=_common.flag(fields.context),
+        type=_parser.flag(fields.context),
         default=None,
         help="also show the KV cache at this context",
     )
     _planning.add_kv_type_args(info)
-    _common.add_json_arg(info)
+    _output.add_json_arg(info)
     info.set_defaults(handler=handle_info)
 
     from orchestrator.models.catalogue import CATALOGUE  # a dataclass and a dict: cheap
@@ -100,11 +100,11 @@ def register(subparsers: Any) -> None:
     fetch.add_argument(
         "--quiet-if-cached", action="store_true", help="print nothing when it is already cached"
     )
-    _common.add_json_arg(fetch)
+    _output.add_json_arg(fetch)
     fetch.set_defaults(handler=handle_fetch)
 
     listing = commands.add_parser("list", help="the models `model fetch` knows, and whether they are cached")
-    _common.add_json_arg(listing)
+    _output.add_json_arg(listing)
     listing.set_defaults(handler=handle_list)
 
 
@@ -169,10 +169,10 @@ def _synth_written(args: argparse.Namespace, path: Path) -> int:
 
     size = path.stat().st_size
     if args.json:
-        _common.print_json({"path": str(path), "bytes": size})
+        _output.print_json({"path": str(path), "bytes": size})
         return 0
-    _common.console.print(f"wrote {path} ({format_size(size)})", highlight=False, markup=False)
-    _common.console.print(
+    _output.console.print(f"wrote {path} ({format_size(size)})", highlight=False, markup=False)
+    _output.console.print(
         f"next: rpcfleet model info {path}; rpcfleet plan -m {path}", highlight=False, markup=False
     )
     return 0
@@ -181,10 +181,10 @@ def _synth_written(args: argparse.Namespace, path: Path) -> int:
 def handle_info(args: argparse.Namespace) -> int:
     from orchestrator.planning.profile import profile_model
 
-    profile = profile_model(_common.require_model(args.model))
+    profile = profile_model(_inputs.require_model(args.model))
     data = model_info(profile, args.ctx, args.type_k, args.type_v)
     if args.json:
-        _common.print_json(data)
+        _output.print_json(data)
     else:
         from orchestrator.planning.memory import architecture_rows
 
@@ -263,7 +263,7 @@ def _print_info(data: dict[str, Any], arch_rows: list[tuple[str, str]]) -> None:
             kv += f" ({format_size(data['kv_bytes_swa_full'])} with --swa-full)"
         rows.append(("KV cache", kv))
     for name, value in rows:
-        _common.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
+        _output.console.print(f"{name + ':':<18}{value}", highlight=False, markup=False, soft_wrap=True)
 
 
 def handle_fetch(args: argparse.Namespace) -> int:
@@ -278,13 +278,13 @@ def handle_fetch(args: argparse.Namespace) -> int:
     model = CATALOGUE[args.name]
 
     def say(line: str) -> None:
-        _common.err_console.print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
+        _output.err_console.print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
 
     result = fetch_model(model, verify=args.verify, say=say)
     if args.quiet_if_cached and not result.fetched:
         return 0
     if args.json:
-        _common.print_json(
+        _output.print_json(
             {
                 "name": model.name,
                 "path": str(result.path),
@@ -322,11 +322,11 @@ def handle_list(args: argparse.Namespace) -> int:
         for model in CATALOGUE.values()
     ]
     if args.json:
-        _common.print_json(rows)
+        _output.print_json(rows)
         return 0
     for row in rows:
         where = row["path"] if row["cached"] else f"not fetched (rpcfleet model fetch {row['name']})"
-        _common.console.print(
+        _output.console.print(
             f"{row['name']:<14}{format_size(row['bytes']):>11}  {row['description']}\n{'':<16}{where}",
             highlight=False,
             markup=False,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _running
+from orchestrator.cli._output import escape
 
 if TYPE_CHECKING:  # imported by the handler: registering stays cheap
     from orchestrator.probe.ping import PingResult
@@ -19,8 +19,8 @@ def register(subparsers: Any) -> None:
         description="Connect to every selected host over its connection (SSH or local) and report its OS, "
         "architecture, distribution, user, connect time and round-trip latency. Changes nothing.",
     )
-    _common.add_inventory_args(parser)
-    _common.add_json_arg(parser)
+    _inputs.add_inventory_args(parser)
+    _output.add_json_arg(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -31,15 +31,15 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.engine.executor import Recap, Session
     from orchestrator.probe.ping import PingResult, ping_step
 
-    _, hosts = _common.load_hosts(args, servers=False)  # a machine answers once, whatever it serves
+    _, hosts = _inputs.load_hosts(args, servers=False)  # a machine answers once, whatever it serves
 
     async def go() -> Any:
         async with Session(forks=args.forks) as session:
             return await session.run(hosts, ping_step, name="ping")
 
-    run = _common.run_async(go())
+    run = _running.run_async(go())
     if args.json:
-        _common.print_json(
+        _output.print_json(
             [
                 {
                     "host": r.host.name,
@@ -70,8 +70,8 @@ def handle(args: argparse.Namespace) -> int:
             f"{p.connect_seconds * 1000:.0f} ms" if p else "-",
             f"{p.latency_seconds * 1000:.1f} ms" if p else "-",
         )
-    _common.console.print(table)
-    _common.print_recap(Recap().add(run))
+    _output.console.print(table)
+    _running.print_recap(Recap().add(run))
     return 0 if run.ok else 1
 
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common, _planning
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _planning
+from orchestrator.cli._output import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
@@ -37,8 +37,8 @@ def register(subparsers: Any) -> None:
     _planning.add_replicas_args(parser, serve=False)
     parser.add_argument("--format", choices=FORMATS, default="table", help="output (default: table)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON here")
-    _common.add_inventory_args(parser)
-    _common.add_json_arg(parser)
+    _inputs.add_inventory_args(parser)
+    _output.add_json_arg(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -48,18 +48,18 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.workflows.plan import plan_model
 
     fmt = "json" if args.json else args.format
-    _common.require_model(args.model)
+    _inputs.require_model(args.model)
     request = _planning.planning_args(args)
     if args.replicas is not None:  # the formations serve would choose
         from orchestrator.planning.profile import profile_model
 
         return print_formations(args, profile_model(args.model), request.options, fmt)
     planning = ModelPlanning(args.model, request.options, request.probe, request.local_devices)
-    _, round_ = plan_model(planning, lambda: _common.load_hosts(args)[1])
+    _, round_ = plan_model(planning, lambda: _inputs.load_hosts(args)[1])
     plan, devices = round_.plan, round_.devices
     assert plan is not None  # failed="raise": no plan is an error
     if args.output is not None:
-        _common.write_output(args.output, plan.to_text())
+        _output.write_output(args.output, plan.to_text())
     if fmt == "json":
         sys.stdout.write(plan.to_text() + "\n")
     elif fmt in ("llama-cli", "python"):
@@ -69,9 +69,9 @@ def handle(args: argparse.Namespace) -> int:
             sys.stdout.write(python_snippet(plan, args.model, args.output))  # embeds the plan without -o
         # stdout is for the command or the code: why the exit status is 1, and the notes, go to stderr
         if not plan.fit.fits:
-            _common.err_console.print(f"does not fit: {_shortfall(plan)}", highlight=False, markup=False)
+            _output.err_console.print(f"does not fit: {_shortfall(plan)}", highlight=False, markup=False)
         for note in plan.notes:
-            _common.err_console.print(f"note: {note}", highlight=False, markup=False)
+            _output.err_console.print(f"note: {note}", highlight=False, markup=False)
     else:
         print_plan(plan, devices)
     return 0 if plan.fit.fits else 1
@@ -84,7 +84,7 @@ def print_formations(args: argparse.Namespace, profile: Any, options: Any, fmt: 
 
     if fmt not in ("table", "json"):  # before the probe
         raise UsageError(f"--replicas prints the formations as a table or JSON, not --format {fmt}")
-    _, hosts = _common.load_hosts(args)
+    _, hosts = _inputs.load_hosts(args)
     devices = _planning.probe_devices(args, hosts)
     name = args.model.stem
     from orchestrator.report.formations import formations_json, formations_lines
@@ -94,7 +94,7 @@ def print_formations(args: argparse.Namespace, profile: Any, options: Any, fmt: 
         sys.stdout.write(json.dumps(formations_json(formations), indent=2) + "\n")
     else:
         for line in formations_lines(formations):
-            _common.console.print(escape(line), highlight=False)
+            _output.console.print(escape(line), highlight=False)
     return 0
 
 
@@ -140,15 +140,15 @@ def print_plan(plan: Plan, probed: Sequence[PlanDevice] = ()) -> None:
     h = plan.host
     host = (h.weights, h.kv, h.compute, h.output, h.total)  # the total is the sum of the columns shown
     table.add_row("host (CPU)", "", *(format_size(x) for x in host), "", "")
-    _common.console.print(table)
+    _output.console.print(table)
     split = ",".join(f"{x:g}" for x in plan.tensor_split)
-    _common.console.print(
+    _output.console.print(
         f"n_ctx {plan.n_ctx} · n_gpu_layers {plan.n_gpu_layers} · split_mode layer · tensor_split {split}",
         highlight=False,
     )
     if plan.fit.fits:
-        _common.console.print(f"[green]fits[/green]; {largest_ctx_text(plan.fit)}", highlight=False)
+        _output.console.print(f"[green]fits[/green]; {largest_ctx_text(plan.fit)}", highlight=False)
     else:
-        _common.console.print(f"[red]does not fit[/red]: {escape(_shortfall(plan))}", highlight=False)
+        _output.console.print(f"[red]does not fit[/red]: {escape(_shortfall(plan))}", highlight=False)
     for note in plan.notes:
-        _common.err_console.print(f"note: {escape(note)}", highlight=False)
+        _output.err_console.print(f"note: {escape(note)}", highlight=False)

@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _running
+from orchestrator.cli._output import escape
 
 if TYPE_CHECKING:
     from orchestrator.playbooks.model import Playbook, PlaybookResult, StepRun
@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
         "`serial`, stopping at its failure threshold. Ends with the per-host recap.",
     )
     parser.add_argument("playbook", type=Path, help="the playbook file (see playbooks/)")
-    _common.add_inventory_args(parser)
+    _inputs.add_inventory_args(parser)
     parser.add_argument("--check", action="store_true", help="print every change it would make, make none")
     parser.add_argument(
         "-e",
@@ -38,8 +38,8 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="set a playbook variable (repeatable; wins over the playbook's vars)",
     )
-    _common.add_json_arg(parser)
-    _common.add_wait_lock_arg(parser)
+    _output.add_json_arg(parser)
+    _running.add_wait_lock_arg(parser)
     parser.set_defaults(handler=handle_run_playbook)
 
 
@@ -59,7 +59,7 @@ def handle_rolling_restart(args: argparse.Namespace) -> int:
         max_fail_percentage=0.0 if max_fail is None else max_fail,
         force=bool(getattr(args, "force", False)),
     )
-    return _common.with_diff(args, [], lambda: _run(args, playbook))
+    return _running.with_diff(args, [], lambda: _run(args, playbook))
 
 
 def handle_run_playbook(args: argparse.Namespace) -> int:
@@ -73,16 +73,16 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
     from orchestrator.playbooks.runner import play_hosts, run_playbook
     from orchestrator.workflows.change import fleet_session
 
-    inventory = _common.load_inventory(args)
+    inventory = _inputs.load_inventory(args)
     hosts = play_hosts(playbook, inventory, getattr(args, "limit", None))
     check = bool(getattr(args, "check", False))
     mode = " [yellow](check mode: nothing is changed)[/yellow]" if check else ""
     if not getattr(args, "json", False):
-        _common.console.print(
+        _output.console.print(
             f"[bold]PLAY {escape(playbook.name)}[/bold] on {len(hosts)} host(s){mode}", highlight=False
         )
 
-    wait_lock = _common.operation_options(args).wait_lock
+    wait_lock = _running.operation_options(args).wait_lock
     as_json = bool(getattr(args, "json", False))
 
     from orchestrator.cli._progress import PlayProgress
@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
         playbook.name,
         len(playbook.steps),
         len(hosts),
-        enabled=not as_json and _common.err_console.is_terminal,
+        enabled=not as_json and _output.err_console.is_terminal,
     )
 
     def step_done(step_run: StepRun) -> None:
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
             _print_step(step_run)
 
     async def go() -> PlaybookResult:
-        async with fleet_session(_common.batches(args)) as session:
+        async with fleet_session(_running.batches(args)) as session:
             return await run_playbook(
                 playbook,
                 hosts,
@@ -112,14 +112,14 @@ def _run(args: argparse.Namespace, playbook: Playbook) -> int:
             )
 
     with shown.progress:
-        result = _common.run_async(go())
+        result = _running.run_async(go())
     runs = [step_run.run for step_run in result.steps]
     if as_json:
-        _common.print_json(result.to_json())
+        _output.print_json(result.to_json())
     else:
         _finish(result)
-        _common.print_interrupted(runs)
-    status = _common.exit_status(runs)
+        _running.print_interrupted(runs)
+    status = _running.exit_status(runs)
     return status if status else (0 if result.ok else 1)
 
 
@@ -134,21 +134,21 @@ def _print_step(step_run: StepRun) -> None:
     for r in run.results:
         style = _STYLE[r.status]
         table.add_row(r.host.name, f"[{style}]{r.status}[/{style}]", escape(r.message))
-    _common.console.print(table, highlight=False)
+    _output.console.print(table, highlight=False)
     for r in run.results:
         for warning in getattr(r.value, "warnings", ()) or ():
-            _common.err_console.print(f"[yellow]warning:[/yellow] {escape(r.host.name)}: {escape(warning)}")
+            _output.err_console.print(f"[yellow]warning:[/yellow] {escape(r.host.name)}: {escape(warning)}")
 
 
 def _finish(result: PlaybookResult) -> None:
     for document in result.documents:
         if document.path is not None:
-            _common.console.print(f"{document.kind} written to {escape(document.path)}", highlight=False)
+            _output.console.print(f"{document.kind} written to {escape(document.path)}", highlight=False)
         elif document.kind == "report" or result.check:
-            _common.console.rule(f"{document.kind} ({document.step})")
-            _common.console.print(document.text.rstrip("\n"), highlight=False, markup=False)
+            _output.console.rule(f"{document.kind} ({document.step})")
+            _output.console.print(document.text.rstrip("\n"), highlight=False, markup=False)
     if result.aborted:
-        _common.err_console.print("[red]the failure threshold was reached: the play stopped[/red]")
+        _output.err_console.print("[red]the failure threshold was reached: the play stopped[/red]")
     elif len(result.steps) < len(result.playbook.steps):
-        _common.err_console.print("[red]no hosts left in play: the remaining steps did not run[/red]")
-    _common.print_recap(result.recap)
+        _output.err_console.print("[red]no hosts left in play: the remaining steps did not run[/red]")
+    _running.print_recap(result.recap)

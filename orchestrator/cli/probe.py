@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _planning, _running
+from orchestrator.cli._output import escape
 
 if TYPE_CHECKING:  # imported by the handler: registering stays cheap
     from orchestrator.probe.fleet import FleetProbe
@@ -27,9 +27,9 @@ def register(subparsers: Any) -> None:
             "Exit status 1 when nodes are not ok (see --fail-on)."
         ),
     )
-    _common.add_inventory_args(parser)
-    _common.add_json_arg(parser)
-    _common.add_probe_args(parser)
+    _inputs.add_inventory_args(parser)
+    _output.add_json_arg(parser)
+    _planning.add_probe_args(parser)
     parser.add_argument(
         "--fail-on",
         choices=FAIL_ON,
@@ -42,12 +42,12 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from orchestrator.probe.fleet import fleet_failed, probe_fleet
 
-    _, hosts = _common.load_hosts(args)
-    fleet = _common.run_async(
-        probe_fleet(hosts, timeout=_common.probe_timeout(args), facts=not args.no_facts, forks=args.forks)
+    _, hosts = _inputs.load_hosts(args)
+    fleet = _running.run_async(
+        probe_fleet(hosts, timeout=_planning.probe_timeout(args), facts=not args.no_facts, forks=args.forks)
     )
     if args.json:
-        _common.print_json(fleet.to_json())
+        _output.print_json(fleet.to_json())
     else:
         _print_table(fleet)
     return 1 if fleet_failed(fleet, args.fail_on) else 0
@@ -125,13 +125,13 @@ def _print_table(fleet: FleetProbe) -> None:
         "",
     )
     # Piped output has no terminal width to fit: print the table whole rather than folded into 80 columns.
-    out = _common.console if _common.console.is_terminal else Console(width=_PIPE_WIDTH)
+    out = _output.console if _output.console.is_terminal else Console(width=_PIPE_WIDTH)
     out.print(table)
     footnote = free_footnote(fleet)
     if footnote:
         out.print(footnote, highlight=False, markup=False)
     for note in notes:
-        _common.err_console.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False)
+        _output.err_console.print(f"[yellow]warning:[/yellow] {escape(note)}", highlight=False)
 
 
 def free_footnote(fleet: FleetProbe) -> str:

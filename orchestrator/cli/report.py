@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common, _planning
+from orchestrator.cli import _inputs, _output, _planning
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 
@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
         "(--ctx 4k,32k): the fleet's memory per device, and per case whether it fits, where each layer "
         "goes and what to change when it does not. Text, Markdown, JSON or a self-contained HTML page.",
     )
-    _common.add_inventory_args(parser)
+    _inputs.add_inventory_args(parser)
     parser.add_argument(
         "-m", "--model", action="extend", nargs="+", default=[], metavar="GGUF", help="model file(s) to plan"
     )
@@ -66,13 +66,13 @@ def handle(args: argparse.Namespace) -> int:
     contexts = parse_contexts(args.ctx)
     plan_options = _planning.planning_args(args, n_ctx=contexts[0]).options
     # read before probing: fail fast on a typo
-    models = [(str(m), profile_model(_common.require_model(Path(m)))) for m in args.model]
-    _, hosts = _common.load_hosts(args)
+    models = [(str(m), profile_model(_inputs.require_model(Path(m)))) for m in args.model]
+    _, hosts = _inputs.load_hosts(args)
     fleet = _planning.probe(args, hosts)
     options = ReportOptions(
         plan=plan_options,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        inventory=str(_common.inventory_path(args)),
+        inventory=str(_inputs.inventory_path(args)),
     )
     formations = None
     if args.replicas is not None:  # the formations serve would choose, at the first context
@@ -84,8 +84,8 @@ def handle(args: argparse.Namespace) -> int:
     report = build_report(fleet, models, contexts, options, formations)
     text = render(report, args.format)
     if args.output is not None:
-        _common.write_output(args.output, text)
-        _common.err_console.print(f"report written to {args.output}", highlight=False)
+        _output.write_output(args.output, text)
+        _output.err_console.print(f"report written to {args.output}", highlight=False)
     else:
         sys.stdout.write(text)
     return 0

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli import _common, _planning
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _planning, _running
+from orchestrator.cli._output import escape
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
 
@@ -80,8 +80,8 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="re-hash on each node the cache files the load will read (default: their sizes are checked)",
     )
-    _common.add_inventory_args(parser)
-    _common.add_json_arg(parser)
+    _inputs.add_inventory_args(parser)
+    _output.add_json_arg(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -120,7 +120,7 @@ def run_hosts(args: argparse.Namespace) -> tuple[list[Host], list[Host]]:
     if args.endpoint:
         return endpoint_hosts(args.endpoint), []
     try:
-        _, hosts = _common.load_hosts(args)
+        _, hosts = _inputs.load_hosts(args)
     except (InputError, LabError):
         if args.plan is not None:
             return [], []
@@ -135,7 +135,7 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.n_predict < 1:
         raise UsageError(f"-n must be at least 1, got {args.n_predict}")
-    _common.require_model(args.model)
+    _inputs.require_model(args.model)
     # Facts are read on this machine for loopback --endpoint servers; others are probed over RPC only.
     remote = any(not is_loopback(parse_endpoint(text).host) for text in args.endpoint)
     planning = _planning.planning_args(args, facts=not remote)
@@ -159,11 +159,11 @@ def handle(args: argparse.Namespace) -> int:
     placement, done = outcome.placement, outcome.done
     if outcome.load.interrupted or placement is None or done is None:  # Ctrl-C during the caches' check
         sys.stderr.write("interrupted\n")  # the last line, as for a signal anywhere else (cli.main)
-        return _common.INTERRUPTED_EXIT
+        return _running.INTERRUPTED_EXIT
     plan, phases = outcome.plan, outcome.phases
     stats = _generation_stats(done)
     if args.json:
-        _common.print_json(
+        _output.print_json(
             {
                 "text": done.text,
                 **stats,
@@ -175,7 +175,7 @@ def handle(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    _common.console.print()
+    _output.console.print()
     _print_placement(placement)
     n = stats["completion_tokens"]
     speed = (
@@ -183,10 +183,10 @@ def handle(args: argparse.Namespace) -> int:
         if stats["decode_seconds"] > 0
         else " (from the prompt's evaluation: no decoding step)"
     )
-    _common.console.print(
+    _output.console.print(
         " · ".join(f"{k} {v:.2f} s" for k, v in phases.items()) + " · ready", highlight=False
     )
-    _common.console.print(
+    _output.console.print(
         # llama.cpp's own load time, inside the load phase above (which adds the worker's round trip):
         # two figures both called "load" read as a contradiction
         f"llama.cpp's load {placement.load_seconds:.2f} s · prompt {stats['prompt_tokens']} tokens in "
@@ -212,7 +212,7 @@ class RunScreen:
         from orchestrator.workflows.run import RunEvents
 
         return RunEvents(
-            interrupt=_common.on_interrupt,
+            interrupt=_running.on_interrupt,
             fit_warning=self.fit_warning,
             planned=self.planned,
             checked=self.checked,
@@ -226,26 +226,26 @@ class RunScreen:
 
     def fit_warning(self, warning: str) -> None:
         if self.echo:
-            _common.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+            _output.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
 
     def planned(self, plan: Plan, cache_hosts: Sequence[Host]) -> None:
         from orchestrator.cli._progress import LoadBars
 
         names = {h.endpoint: h.name for h in cache_hosts if h.endpoint in plan.endpoints}
-        self.bars = LoadBars(_common.err_console.is_terminal and self.echo, names=names)
+        self.bars = LoadBars(_output.err_console.is_terminal and self.echo, names=names)
 
     def checked(self, prep: CachePrep) -> None:
         if self.echo:
-            _common.err_console.print(
+            _output.err_console.print(
                 f"[dim]tensor cache: {prep.hits} hits, {prep.misses} misses "
                 f"({format_size(prep.miss_bytes)} to send)[/dim]",
                 highlight=False,
             )
 
     def loading(self, plan: Plan) -> None:
-        if _common.err_console.is_terminal and self.echo:  # a phase line while the weights travel
+        if _output.err_console.is_terminal and self.echo:  # a phase line while the weights travel
             where = f"{len(plan.devices)} device(s)" if plan.devices else "this machine's CPU"
-            _common.err_console.print(
+            _output.err_console.print(
                 f"[dim]loading {escape(str(self.args.model))} on {where}, n_ctx {plan.n_ctx}...[/dim]",
                 highlight=False,
             )
@@ -264,17 +264,17 @@ def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
     if run is not None:
         for r in run.results:
             if not r.succeeded:  # to stderr even with --json: the load goes on, sending those tensors
-                _common.err_console.print(
+                _output.err_console.print(
                     f"[yellow]warning:[/yellow] {escape(r.host.name)}: warming failed "
                     f"({escape(str(r.error))}); the load sends its tensors itself",
                     highlight=False,
                 )
         if run.interrupted:
-            _common.print_interrupted([run])
+            _running.print_interrupted([run])
     if done.interrupted:  # Ctrl-C during the check or the warm: no load
         return
     if run is not None and prep is not None and not args.json:
-        _common.err_console.print(
+        _output.err_console.print(
             f"[dim]warmed {len(run.results)} node(s) in parallel in {done.phases['warm']:.2f} s; "
             f"{prep.misses} misses left[/dim]",
             highlight=False,
@@ -313,7 +313,7 @@ def _print_placement(placement: Placement) -> None:
         if row[3] == "actual" and label in moved:
             cells[2] = f"[red]{cells[2]}[/red]"
         table.add_row(*cells)
-    _common.console.print(table)
+    _output.console.print(table)
 
 
 def _placement_json(placement: Placement) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common, _planning
-from orchestrator.cli._common import escape
+from orchestrator.cli import _inputs, _output, _parser, _planning
+from orchestrator.cli._output import escape
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.units import format_size
@@ -60,9 +60,9 @@ def register(subparsers: Any) -> None:
     # llama-server's slots are the plan's sequences: the plan sizes their KV and compute
     parser.set_defaults(parallel=DEFAULT_PARALLEL)
     parser.add_argument(
-        "--host", type=_common.address, default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
+        "--host", type=_parser.address, default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
     )
-    parser.add_argument("--port", type=_common.flag(fields.port), default=8080, help="port (default: 8080)")
+    parser.add_argument("--port", type=_parser.flag(fields.port), default=8080, help="port (default: 8080)")
     key = parser.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key",
@@ -95,34 +95,34 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--queue",
-        type=_common.flag(fields.integer(minimum=0)),
+        type=_parser.flag(fields.integer(minimum=0)),
         default=8,
         help="requests that may wait for a slot beyond the --parallel served; more get 429 (default: 8)",
     )
     parser.add_argument(
         "--queue-timeout",
-        type=_common.flag(fields.seconds),
+        type=_parser.flag(fields.seconds),
         default=120.0,
         metavar="S",
         help="seconds a request may wait in the queue (default: 120)",
     )
     parser.add_argument(
         "--recover-timeout",
-        type=_common.flag(fields.seconds),
+        type=_parser.flag(fields.seconds),
         default=600.0,
         metavar="S",
         help="seconds to get serving again after a lost node before exiting with status 1 (default: 600)",
     )
     parser.add_argument(
         "--link-timeout",
-        type=_common.flag(fields.seconds),
+        type=_parser.flag(fields.seconds),
         default=10.0,
         metavar="S",
         help="seconds a cut link may stall llama-server before it is declared lost (default: 10)",
     )
     parser.add_argument(
         "--rejoin-interval",
-        type=_common.flag(seconds_or_zero),
+        type=_parser.flag(seconds_or_zero),
         default=5.0,
         metavar="S",
         help="while degraded, seconds between two probes of the nodes left out; one that answers again "
@@ -136,13 +136,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="default sampling seed (default: 0)")
     parser.add_argument(
         "--observe-interval",
-        type=_common.flag(seconds_or_zero),
+        type=_parser.flag(seconds_or_zero),
         default=15.0,
         metavar="S",
         help="seconds between two probe rounds of the fleet exporter (the page at /, the fleet's series on "
         "/metrics); 0: off (default: 15)",
     )
-    _common.add_inventory_args(parser)
+    _inputs.add_inventory_args(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -217,12 +217,12 @@ def handle(args: argparse.Namespace) -> int:
         model_paths=args.model or (),
         models_file=args.models,
         model_name=args.model_name,
-        hosts=lambda: _common.load_hosts(args),
+        hosts=lambda: _inputs.load_hosts(args),
         options=planning.options,
         probe=planning.probe,
         local_devices=planning.local_devices,
         replicas="split" if args.split else str(args.replicas),
-        listen=_common.listen_socket(args.host, args.port),  # before the fleet is probed or a model loaded
+        listen=_inputs.listen_socket(args.host, args.port),  # before the fleet is probed or a model loaded
         host=args.host,
         port=args.port,
         api_key=api_key,
@@ -232,11 +232,11 @@ def handle(args: argparse.Namespace) -> int:
         reload_rolling=args.reload_rolling,
         observe_interval=args.observe_interval,
     )
-    bars = LoadBars(_common.err_console.is_terminal, names={})
+    bars = LoadBars(_output.err_console.is_terminal, names={})
     with bars:
         outcome = serve_fleet(request, ServeScreen(bars).events())
     if outcome.failed:
-        _common.err_console.print(f"[red]error:[/red] {escape(outcome.reasons)}", highlight=False)
+        _output.err_console.print(f"[red]error:[/red] {escape(outcome.reasons)}", highlight=False)
         return 1
     return 0
 
@@ -259,7 +259,7 @@ class ServeScreen:
         )
 
     def say(self, markup: str) -> None:
-        _common.err_console.print(markup, highlight=False)
+        _output.err_console.print(markup, highlight=False)
 
     def formed(self, formed: Any, url: str) -> None:
         self.bars.names = {h.endpoint: h.name for one in formed for h in one.hosts}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import _common, _planning, main, parse_args
+from orchestrator.cli import _parser, _planning, main, parse_args
 from orchestrator.core import fields
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.log import render_text
@@ -280,7 +280,7 @@ def test_a_port_in_use_is_said_before_anything_is_announced_or_loaded(
 
 
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    with pytest.raises(_common.UsageExit):
+    with pytest.raises(_parser.UsageExit):
         parse_args([*argv, "--help"])
     return capsys.readouterr().out
 
@@ -336,7 +336,7 @@ def test_choices_copied_into_the_cli_match_their_source() -> None:
     assert probe.FAIL_ON == FAIL_ON and report.FORMATS == FORMATS
     assert tuple(KV_CACHE_TYPES) == _planning.KV_TYPES and get_args(WeightType) == model.WEIGHT_TYPES
     args = parse_args(["probe"])
-    assert args.timeout is None and _common.probe_timeout(args) == DEFAULT_TIMEOUT
+    assert args.timeout is None and _planning.probe_timeout(args) == DEFAULT_TIMEOUT
     assert f"(default: {DEFAULT_TIMEOUT:g})" in " ".join(
         a.help or "" for a in args._parser._actions if a.dest == "timeout"
     )
@@ -387,7 +387,7 @@ def test_a_signal_at_any_moment_of_start_up_says_interrupted_and_exits_130() -> 
 
 _INTERRUPT_IN_A_TASK = """\
 import asyncio, gc, sys
-from orchestrator.cli._common import run_async
+from orchestrator.cli._running import run_async
 
 async def victim() -> None:
     await asyncio.sleep(0)

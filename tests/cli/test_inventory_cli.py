@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import _common, main
+from orchestrator.cli import _output, main
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import host_to_dict
 
@@ -18,8 +18,8 @@ FLEET = str(DATA / "fleet_ansible.yml")
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
     # tables are laid out for an 80-column pipe otherwise; the tests read whole cells
-    monkeypatch.setattr(_common.console, "_width", 200)
-    monkeypatch.setattr(_common.err_console, "_width", 300)
+    monkeypatch.setattr(_output.console, "_width", 200)
+    monkeypatch.setattr(_output.err_console, "_width", 300)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.cli import _common, build_parser
+from orchestrator.cli import _parser, build_parser
 from orchestrator.core import fields
 from orchestrator.core.errors import InputError
 from orchestrator.inventory.load import load_inventory_text
@@ -84,7 +84,7 @@ def _flag(command: list[str], flag: str) -> FrontEnd:
         capsys.readouterr()
         try:
             args = build_parser().parse_args([*command, f"{flag}={text}"])
-        except _common.UsageExit as exc:
+        except _parser.UsageExit as exc:
             assert exc.status == 2
             raise Refused(capsys.readouterr().err) from exc
         return getattr(args, flag.lstrip("-").replace("-", "_"))

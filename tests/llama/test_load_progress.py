@@ -69,16 +69,16 @@ def test_the_bars_follow_a_second_load_with_other_nodes() -> None:
 
     from rich.console import Console
 
-    from orchestrator.cli import _common, _progress
+    from orchestrator.cli import _output, _progress
     from orchestrator.llama.worker.load_progress import NodeProgress
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=120)
-    original, _common.err_console = _common.err_console, console
+    original, _output.err_console = _output.err_console, console
     try:
         bars = _progress.LoadBars(True, names={"a:1": "alpha"})
     finally:
-        _common.err_console = original
+        _output.err_console = original
     bars(LoadProgress(0.5, 2.0, (NodeProgress("a:1", 30, 100, 60, 15.0),)))
     task = bars.progress.tasks[1]
     assert (task.description.strip(), task.completed, task.total) == ("alpha", 30, 60)  # 100 - 40 hits
@@ -185,10 +185,10 @@ def test_run_shows_the_load_per_node_on_a_terminal(
 
     from rich.console import Console
 
-    from orchestrator.cli import _common, _progress, main
+    from orchestrator.cli import _output, _progress, main
 
     screen = io.StringIO()
-    monkeypatch.setattr(_common, "err_console", Console(file=screen, force_terminal=True, width=150))
+    monkeypatch.setattr(_output, "err_console", Console(file=screen, force_terminal=True, width=150))
     updates: list[LoadProgress] = []
 
     class Recording(_progress.LoadBars):

@@ -438,7 +438,7 @@ async def _until_the_other_tried(
 async def test_two_runs_at_once_never_split_the_hosts(fake_hosts: FakeHosts) -> None:
     """Failing fast, one run gets every host and the other changes nothing (exit 3); waiting, the second
     runs after the first on every host: never some hosts each."""
-    from orchestrator.cli._common import LOCKED_EXIT, exit_status
+    from orchestrator.cli._running import LOCKED_EXIT, exit_status
 
     hosts = [_with_dir(f.host, "~/rf") for f in fake_hosts(3)]
     names = {h.name for h in hosts}

@@ -144,7 +144,7 @@ async def test_concurrent_version_switching_deploys_leave_one_true_server(
 ) -> None:
     """Two deploys at the same instant: one gets every host; the other fails at once having changed
     nothing (exit 3), or waits and deploys every host after it. Never some hosts each (issue 21)."""
-    from orchestrator.cli._common import LOCKED_EXIT, exit_status
+    from orchestrator.cli._running import LOCKED_EXIT, exit_status
 
     async def operator(artifact: Artifact, wait: float) -> RunResult[Any]:
         async with Session() as session:

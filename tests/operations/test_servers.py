@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.cli import _common, main
+from orchestrator.cli import _output, main
 from orchestrator.core.errors import InventoryError
 from orchestrator.engine.executor import Session
 from orchestrator.inventory.load import load_inventory_text
@@ -241,7 +241,7 @@ def test_a_server_pattern_selects_its_machine_where_machines_are_listed(
 def test_inventory_list_graph_and_show_name_the_servers(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_common.console, "width", 200)
+    monkeypatch.setattr(_output.console, "width", 200)
     path = tmp_path / "inv.yml"
     path.write_text(TWO)
     assert main(["inventory", "list", "-i", str(path), "--json"]) == 0

@@ -120,11 +120,11 @@ def test_a_rolling_restart_shows_its_progress_on_a_terminal(
 
     from rich.console import Console
 
-    from orchestrator.cli import _common, _progress
+    from orchestrator.cli import _output, _progress
 
     screen = io.StringIO()
     monkeypatch.setattr(
-        _common, "err_console", Console(file=screen, force_terminal=True, width=120), raising=False
+        _output, "err_console", Console(file=screen, force_terminal=True, width=120), raising=False
     )
     seen: list[int] = []
 

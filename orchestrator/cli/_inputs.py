@@ -1,0 +1,119 @@
+"""What a command reads before it works: the inventory (-i, -l, -f) and its hosts, a model file, the
+socket `serve` and `exporter` listen on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.cli import _output
+from orchestrator.cli._output import escape
+from orchestrator.cli._parser import flag
+from orchestrator.core import fields
+from orchestrator.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from orchestrator.inventory.model import Host, Inventory
+
+DEFAULT_INVENTORY_ENV = "RPCFLEET_INVENTORY"
+
+
+def add_inventory_args(
+    parser: argparse.ArgumentParser, *, limit: bool = True, forks: bool = True, forks_short: bool = True
+) -> None:
+    """-i, -l (unless `limit` is false) and -f/--forks (for commands that work on hosts at once; only
+    --forks where `-f` means something else: `logs -f` follows, as `tail -f` does)."""
+    parser.add_argument(
+        "-i",
+        "--inventory",
+        type=Path,
+        default=None,
+        help=f"inventory file (default: ${DEFAULT_INVENTORY_ENV}, else ./inventory.yml, else the lab's)",
+    )
+    if limit:
+        parser.add_argument(
+            "-l", "--limit", default=None, help="host pattern: names, groups, globs, !exclude, &intersect"
+        )
+    if not forks:
+        return
+    parser.add_argument(
+        *(("-f", "--forks") if forks_short else ("--forks",)),
+        type=flag(fields.integer(minimum=1)),
+        default=16,
+        help="hosts worked on at once (default: 16)",
+    )
+
+
+def inventory_path(args: argparse.Namespace) -> Path:
+    """The inventory to use: -i, then $RPCFLEET_INVENTORY, then ./inventory.yml, then the running lab's."""
+    if args.inventory is not None:
+        return Path(args.inventory)
+    if os.environ.get(DEFAULT_INVENTORY_ENV):
+        return Path(os.environ[DEFAULT_INVENTORY_ENV])
+    if Path("inventory.yml").exists():
+        return Path("inventory.yml")
+    from orchestrator.core.errors import LabError
+    from orchestrator.lab.lifecycle import default_lab_inventory
+
+    try:
+        path: Path = default_lab_inventory()
+    except LabError as exc:  # no inventory named and none found: the user's to give (exit status 2)
+        raise UsageError(exc.message, hint=exc.hint) from None
+    return path
+
+
+def load_inventory(args: argparse.Namespace) -> Inventory:
+    """The inventory named by the flags; its warnings are printed."""
+    from orchestrator.inventory.load import load_inventory as load
+
+    inventory = load(inventory_path(args))
+    for warning in inventory.warnings:
+        _output.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+    return inventory
+
+
+def load_hosts(args: argparse.Namespace, *, servers: bool = True) -> tuple[Inventory, list[Host]]:
+    """The inventory named by the flags and what --limit selects (all when absent): every rpc-server
+    as a host of its own (a host with `rpc_servers` is one per server, `HOST/SERVER`), or with
+    `servers=False` the machines."""
+    from orchestrator.inventory.model import select_servers
+
+    inventory = load_inventory(args)
+    pattern = getattr(args, "limit", None)
+    if servers:
+        return inventory, select_servers(inventory, pattern)
+    if not pattern:
+        return inventory, list(inventory.hosts)
+    # `-l gpu1/second` names a server: its machine is selected (a pattern of hosts selects the same)
+    machines = {server.node_name for server in select_servers(inventory, pattern)}
+    return inventory, [host for host in inventory.hosts if host.name in machines]
+
+
+def require_model(path: Path) -> Path:
+    """`path` when it is a file; else the usage error every command that reads a model gives."""
+    if not path.exists():
+        raise UsageError(f"model {path} does not exist")
+    if not path.is_file():
+        raise UsageError(f"model {path} is not a file")
+    return path
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The socket `serve` and `exporter` hand to uvicorn, bound before anything is announced or loaded:
+    a port another program holds is the user's to change (exit status 2), where uvicorn would log its
+    own error after the announcement and exit 3 (this CLI's "locked" status)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", hint="choose another --host or --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
