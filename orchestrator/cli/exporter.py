@@ -17,6 +17,7 @@ from orchestrator.cli._output import escape
 from orchestrator.cli.serve import KEY_ENV, api_key_of
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
+from orchestrator.workflows.options import TIMEOUT
 
 DEFAULT_PORT = 9464  # the port Prometheus' registry of default ports lists for exporters of this kind
 
@@ -59,12 +60,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--no-cache", action="store_true", help="do not list the nodes' tensor caches each round"
     )
-    parser.add_argument(
-        "--timeout",
-        type=_parser.flag(fields.seconds),
-        default=None,
-        metavar="S",
-        help="seconds per host for the RPC probe and the SSH reads (default: 3)",
+    _planning.add_options(
+        parser,
+        [TIMEOUT],
+        helps={TIMEOUT.name: TIMEOUT.help.replace("the facts", "the SSH reads")},
     )
     _inputs.add_inventory_args(parser)
     parser.set_defaults(handler=handle)
@@ -96,7 +95,7 @@ def handle(args: argparse.Namespace) -> int:
     collector = Collector(
         hosts,
         interval=args.interval,
-        timeout=_planning.probe_timeout(args),
+        timeout=args.timeout,
         forks=args.forks,
         cache=not args.no_cache,
     )

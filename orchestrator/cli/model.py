@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _inputs, _output, _parser, _planning
 from orchestrator.core import fields
+from orchestrator.workflows.options import CTX, TYPE_K, TYPE_V
 
 if TYPE_CHECKING:  # numpy and gguf are imported by the handlers: registering stays cheap
     from orchestrator.planning.profile import ModelProfile
@@ -70,13 +71,12 @@ def register(subparsers: Any) -> None:
         description="Read a GGUF's metadata and tensor table (never its weights) as the planner does.",
     )
     info.add_argument("model", type=Path, metavar="M.gguf", help="the model (first shard of a split one)")
-    info.add_argument(
-        "--ctx",
-        type=_parser.flag(fields.context),
-        default=None,
-        help="also show the KV cache at this context",
+    _planning.add_options(
+        info,
+        [CTX, TYPE_K, TYPE_V],
+        defaults={"ctx": None},
+        helps={"ctx": "also show the KV cache at this context"},
     )
-    _planning.add_kv_type_args(info)
     _output.add_json_arg(info)
     info.set_defaults(handler=handle_info)
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import _inputs, _output, _planning, _running
 from orchestrator.cli._output import escape
+from orchestrator.workflows.options import FACTS, TIMEOUT
 
 if TYPE_CHECKING:  # imported by the handler: registering stays cheap
     from orchestrator.probe.fleet import FleetProbe
@@ -29,7 +30,7 @@ def register(subparsers: Any) -> None:
     )
     _inputs.add_inventory_args(parser)
     _output.add_json_arg(parser)
-    _planning.add_probe_args(parser)
+    _planning.add_options(parser, [TIMEOUT, FACTS])
     parser.add_argument(
         "--fail-on",
         choices=FAIL_ON,
@@ -43,9 +44,7 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.probe.fleet import fleet_failed, probe_fleet
 
     _, hosts = _inputs.load_hosts(args)
-    fleet = _running.run_async(
-        probe_fleet(hosts, timeout=_planning.probe_timeout(args), facts=not args.no_facts, forks=args.forks)
-    )
+    fleet = _running.run_async(probe_fleet(hosts, timeout=args.timeout, facts=args.facts, forks=args.forks))
     if args.json:
         _output.print_json(fleet.to_json())
     else:

@@ -16,18 +16,19 @@ from typing import Any
 from orchestrator.cli import _inputs, _output, _planning
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
+from orchestrator.workflows.options import CTX
 
 
 def parse_contexts(values: list[str] | None) -> list[int]:
     """'4096,32k' (repeatable) -> [4096, 32768]; k means 1024. Duplicates are dropped, order kept."""
     try:
-        parsed = [n for value in values or ["4096"] for n in _CONTEXTS(value)]
+        parsed = [n for value in values or [str(CTX.default)] for n in _CONTEXTS(value)]
     except ValueError as exc:
         raise UsageError(f"--ctx: {exc}") from None
     return list(dict.fromkeys(parsed))
 
 
-_CONTEXTS = fields.list_of(fields.context)
+_CONTEXTS = fields.list_of(CTX.parse)
 
 
 FORMATS = ("text", "md", "json", "html")  # orchestrator.report.render.FORMATS (tests/cli/test_cli.py checks)
@@ -45,11 +46,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "-m", "--model", action="extend", nargs="+", default=[], metavar="GGUF", help="model file(s) to plan"
     )
-    parser.add_argument(
-        "--ctx",
-        action="append",
-        default=None,
-        help="context sizes, comma-separated (default 4096; 32k = 32768)",
+    _planning.add_options(
+        parser,
+        [CTX],
+        repeated=[CTX.name],
+        helps={CTX.name: f"context sizes, comma-separated (default {CTX.default}; 32k = 32768)"},
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     _planning.add_replicas_args(parser, serve=False)

@@ -15,7 +15,6 @@ from orchestrator.planning.plan import (
     CTX_PAD,
     MAX_DEVICES,
     MAX_RPC_DEVICES,
-    MAX_SEQ,
     SCHED_MAX_COPIES,
     HostMemory,
     PlanDevice,
@@ -23,6 +22,7 @@ from orchestrator.planning.plan import (
     PlanOptions,
 )
 from orchestrator.planning.profile import KV_CACHE_TYPES, ModelProfile, row_bytes
+from orchestrator.planning.settings import MAX_SEQ, STRATEGIES
 
 
 def context_size(n_ctx: int, opts: PlanOptions) -> int:
@@ -290,8 +290,8 @@ def validate(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOpt
         )
     if opts.split_mode != "layer":
         raise PlanError(f"unknown split mode {opts.split_mode!r}; rpcfleet plans use 'layer'")
-    if opts.strategy not in ("proportional", "fewest"):
-        raise PlanError(f"unknown strategy {opts.strategy!r}; expected 'proportional' or 'fewest'")
+    if opts.strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {opts.strategy!r}; expected {' or '.join(map(repr, STRATEGIES))}")
     for kind, value in (("type_k", opts.type_k), ("type_v", opts.type_v)):
         if value not in KV_CACHE_TYPES:
             raise PlanError(f"unknown KV cache {kind} {value!r}; expected one of {', '.join(KV_CACHE_TYPES)}")

@@ -24,18 +24,16 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from orchestrator.core.errors import PlanError, PlanFileError
+from orchestrator.planning.settings import DEFAULT_MARGIN, STRATEGIES, Strategy
 from orchestrator.rpc.records import EndpointError, parse_endpoint
 
 SCHEMA_VERSION = 1
 
 
 MAX_DEVICES = 16  # llama_max_devices(): tensor_split entries
-
-
-MAX_SEQ = 256  # LLAMA_MAX_SEQ (llama-cparams.h): n_seq_max above it is refused
 
 
 MAX_RPC_DEVICES = 15  # the scheduler takes 16 backends including the CPU
@@ -49,15 +47,6 @@ SCHED_MAX_COPIES = 4  # GGML_SCHED_MAX_COPIES: input copies with pipeline parall
 
 
 MiB = 1024 * 1024
-
-
-# Headroom kept free on every device on top of its usable bytes: covers the compute-buffer estimate's
-# error and small backend allocations. llama.cpp's own fitting (common_fit_params) keeps 1 GiB; usable
-# already excludes the inventory's memory_reserve, so a smaller default is enough.
-DEFAULT_MARGIN = 256 * MiB
-
-
-Strategy = Literal["proportional", "fewest"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +92,7 @@ class PlanOptions:
     flash_attn: bool = False
     n_gpu_layers: int = -1  # -1 = all (including the output layer)
     margin: int = DEFAULT_MARGIN
-    strategy: Strategy = "proportional"
+    strategy: Strategy = STRATEGIES[0]
     split_mode: str = "layer"
     main_gpu: int = 0
     tensor_split: tuple[float, ...] | None = None  # user-given split: overrides the strategy

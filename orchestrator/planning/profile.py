@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from orchestrator.core.errors import ModelError
 from orchestrator.planning.architectures import GENERIC, RECURRENT, ArchRules, arch_rules
+from orchestrator.planning.settings import KV_CACHE_TYPE_NAMES
 
 GGUF_MAGIC = b"GGUF"
 
@@ -30,17 +31,9 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 
-# KV cache types llama.cpp accepts for --cache-type-k/-v (common/arg.cpp kv_cache_types).
+# The ggml type of each KV cache type llama.cpp accepts (planning.settings.KV_CACHE_TYPE_NAMES).
 KV_CACHE_TYPES: dict[str, GGMLQuantizationType] = {
-    "f32": GGMLQuantizationType.F32,
-    "f16": GGMLQuantizationType.F16,
-    "bf16": GGMLQuantizationType.BF16,
-    "q8_0": GGMLQuantizationType.Q8_0,
-    "q4_0": GGMLQuantizationType.Q4_0,
-    "q4_1": GGMLQuantizationType.Q4_1,
-    "iq4_nl": GGMLQuantizationType.IQ4_NL,
-    "q5_0": GGMLQuantizationType.Q5_0,
-    "q5_1": GGMLQuantizationType.Q5_1,
+    name: GGMLQuantizationType[name.upper()] for name in KV_CACHE_TYPE_NAMES
 }
 
 

@@ -23,12 +23,13 @@ from orchestrator.engine.executor import (
 )
 from orchestrator.engine.shared import SharedCall
 from orchestrator.operations import BUSY_GRACE
+from orchestrator.workflows.options import CTX, FACTS, PLAN_OPTIONS, TIMEOUT, plan_options, probe_settings
 
 if TYPE_CHECKING:  # imported lazily at run time: planning pulls in numpy
     from orchestrator.operations.layer import OperationOptions
     from orchestrator.planning.plan import Plan
     from orchestrator.probe.fleet import FleetProbe
-from orchestrator.playbooks.args import Arg
+from orchestrator.playbooks.args import Arg, option_arg
 from orchestrator.playbooks.load_check import LOAD_CHECK_TIMEOUT, LoadCheckResult, load_check
 from orchestrator.playbooks.model import Document, Play, Scope, Step
 
@@ -132,9 +133,11 @@ def _wait_ready(args: Mapping[str, Any], play: Play) -> Step:
 def _probe_of(play: Play, args: Mapping[str, Any]) -> SharedCall[FleetProbe]:
     from orchestrator.probe.fleet import probe_fleet
 
+    settings = probe_settings(args)
+
     async def make() -> FleetProbe:
         fleet = await probe_fleet(
-            play.hosts, timeout=args["timeout"], facts=args["facts"], session=play.session
+            play.hosts, timeout=settings.timeout, facts=settings.facts, session=play.session
         )
         play.state.probe = fleet
         return fleet
@@ -164,7 +167,7 @@ def _latest_probe(play: Play) -> SharedCall[FleetProbe]:
 
     previous = play.state.probe
     if previous is None:
-        return _probe_of(play, {"timeout": 3.0, "facts": True})
+        return _probe_of(play, {})  # the declared defaults
     names = {h.name for h in play.hosts}
 
     async def reuse() -> FleetProbe:
@@ -179,7 +182,7 @@ def _latest_probe(play: Play) -> SharedCall[FleetProbe]:
 def _plan(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.planning.profile import profile_model
     from orchestrator.workflows.fit import PLAYBOOK_WORDS
-    from orchestrator.workflows.options import ProbeSettings, plan_options
+    from orchestrator.workflows.options import ProbeSettings
     from orchestrator.workflows.plan import plan_for_fleet
 
     fleet_of = _latest_probe(play)
@@ -327,7 +330,6 @@ def _report(args: Mapping[str, Any], play: Play) -> Step:
     from orchestrator.planning.profile import profile_model
     from orchestrator.report.build import ReportOptions, build_report
     from orchestrator.report.render import render
-    from orchestrator.workflows.options import plan_options
 
     fleet_of = _latest_probe(play)
 
@@ -369,36 +371,8 @@ _ARTIFACT = Arg(
 )
 
 
-_TIMEOUT_PROBE = Arg("timeout", fields.seconds, 3.0, help="probe timeout per host, seconds")
-
-
-_KV_TYPE = fields.choice(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"))
-
-
-_FLASH_ATTN_WORDS = fields.choice(
-    ("on", "off", "auto"), {"true": "on", "yes": "on", "false": "off", "no": "off"}
-)
-
-
-def _flash_attn(value: Any) -> str:
-    """llama.cpp's -fa on|off|auto, or a YAML boolean (true = on)."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return _FLASH_ATTN_WORDS(value)
-
-
-_PLAN_ARGS = (
-    Arg("type_k", _KV_TYPE, "f16"),
-    Arg("type_v", _KV_TYPE, "f16"),
-    Arg("ubatch", fields.integer(minimum=1), 512, help="n_ubatch"),
-    Arg("flash_attn", _flash_attn, "auto", help="flash attention, -fa on|off|auto (auto plans it on)"),
-    Arg("swa_full", fields.boolean, False, help="full-context cache for sliding-window layers"),
-    Arg("parallel", fields.integer(minimum=1, maximum=256), 1, help="parallel sequences (n_seq_max)"),
-    Arg("kv_unified", fields.boolean, False, help="one KV cache shared by all sequences"),
-    Arg("n_cpu_moe", fields.integer(minimum=0), 0, help="expert weights of the first N layers on the CPU"),
-    Arg("margin", fields.optional(fields.size), None, help="headroom kept free per device (default 256MiB)"),
-    Arg("strategy", fields.choice(("proportional", "fewest")), "proportional"),
-)
+# The planning options but the context (`plan` takes one, `report` several), as the command line's flags.
+_PLAN_ARGS = tuple(option_arg(option) for option in PLAN_OPTIONS if option is not CTX)
 
 
 REGISTRY: Mapping[str, Op] = MappingProxyType(
@@ -454,7 +428,7 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "probe",
                 "fleet",
                 "probe every server (RPC and host facts)",
-                (_TIMEOUT_PROBE, Arg("facts", fields.boolean, True)),
+                (option_arg(TIMEOUT), option_arg(FACTS)),
                 _probe,
             ),
             Op(
@@ -463,7 +437,7 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                 "plan a model's placement on the probed devices (fails when it does not fit)",
                 (
                     Arg("model", fields.text, required=True, help="the GGUF model"),
-                    Arg("ctx", fields.context, 4096),
+                    option_arg(CTX),
                     Arg(
                         "output",
                         fields.optional(fields.text),
@@ -522,7 +496,7 @@ REGISTRY: Mapping[str, Op] = MappingProxyType(
                         (),
                         help="GGUF models (a list, or comma-separated)",
                     ),
-                    Arg("ctx", fields.list_of(fields.context), (4096,)),
+                    option_arg(CTX, many=True),
                     Arg("format", fields.choice(("text", "md", "json", "html")), "text"),
                     Arg("output", fields.optional(fields.text), None, help="write the report to this file"),
                     *_PLAN_ARGS,

@@ -71,7 +71,8 @@ from orchestrator.engine.executor import DEFAULT_FORKS, HostContext, Session, St
 from orchestrator.engine.shared import gather_bounded
 from orchestrator.inventory.model import Host
 from orchestrator.probe.capacity import DeviceCapacity, fleet_capacity, without_own_connection
-from orchestrator.probe.host import DEFAULT_TIMEOUT, HostFacts, read_facts
+from orchestrator.probe.host import HostFacts, read_facts
+from orchestrator.probe.settings import DEFAULT_TIMEOUT
 from orchestrator.rpc.client import probe_endpoint
 from orchestrator.rpc.records import (
     AggregateMemory,

@@ -14,8 +14,7 @@ from orchestrator.facts.gpus import Gpu, GpuReport, GpuRuntime, GpuRuntimeFact, 
 from orchestrator.facts.server import RpcClientsFact
 from orchestrator.facts.system import CpuCountFact, MachineIdFact, MemInfo, MemoryFact
 from orchestrator.inventory.model import Host
-
-DEFAULT_TIMEOUT = 3.0  # seconds, per host, for the RPC probe and for the facts alike
+from orchestrator.probe.settings import DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)

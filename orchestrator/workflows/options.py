@@ -1,15 +1,205 @@
-"""The typed options of a planning request, built once at a front end's edge (argparse's namespace, a
-playbook step's arguments, serve's flags): no state travels on the parser's namespace."""
+"""The planning options, declared once, and the typed options of a planning request built from them at a
+front end's edge (argparse's namespace, a playbook step's arguments, serve's flags): no state travels on
+the parser's namespace.
+
+Each option (`Option`) is one declaration: its name (a playbook step's argument and the namespace's
+attribute), its command-line flags (llama.cpp's own spellings where it has one: `-fa`, `-np`,
+`--swa-full`), its parser (a field parser of `orchestrator.core.fields`: a value means the same in a flag
+and in YAML), its default, its choices and its help. The command line's flags (`cli/_planning.py:
+add_options`) and the playbook steps' arguments (`playbooks/args.py: option_arg`) are made from them.
+Cheap to import (the command line reads it at start-up): the planner is imported where options are built.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.planning.plan import DEFAULT_MARGIN, PlanOptions
-from orchestrator.probe.host import DEFAULT_TIMEOUT
+from orchestrator.core import fields
+from orchestrator.planning.settings import (
+    DEFAULT_MARGIN,
+    FLASH_ATTN_MODES,
+    KV_CACHE_TYPE_NAMES,
+    MAX_SEQ,
+    STRATEGIES,
+)
+from orchestrator.probe.settings import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from orchestrator.planning.plan import PlanOptions
+
+
+@dataclass(frozen=True)
+class Option:
+    """One planning or probe option. `choices`: the words a flag takes (argparse lists them and suggests
+    the closest); `parse` takes them too, and in a playbook YAML's forms (`flash_attn: true`). `bare`: the
+    value of the flag given alone (`-fa` = on). `switch`: a flag without a value that sets the opposite of
+    `default` (`--swa-full`, `--no-facts`); the playbook's argument is a boolean."""
+
+    name: str
+    flags: tuple[str, ...]
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+    bare: str | None = None
+    switch: bool = False
+
+
+def flash_attn_mode(value: Any) -> str:
+    """llama.cpp's -fa on|off|auto, or a YAML boolean (true = on)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return _FLASH_ATTN_WORDS(value)
+
+
+_FLASH_ATTN_WORDS = fields.choice(FLASH_ATTN_MODES, {"true": "on", "yes": "on", "false": "off", "no": "off"})
+
+
+def device_names(text: str) -> list[str]:
+    """`--local-devices`: '' = none, 'CUDA0,CUDA1' = those in order."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _kv_type(which: str) -> Option:
+    return Option(
+        f"type_{which}",
+        (f"--type-{which}",),
+        fields.choice(KV_CACHE_TYPE_NAMES),
+        "f16",
+        f"KV cache type of {which.upper()}: {', '.join(KV_CACHE_TYPE_NAMES)} (default: f16)",
+        choices=KV_CACHE_TYPE_NAMES,
+        metavar="TYPE",
+    )
+
+
+CTX = Option(
+    "ctx",
+    ("--ctx",),
+    fields.context,
+    4096,
+    "context size: 8192, 8k, 128k (default: 4096; 0 = the model's training context)",
+)
+MARGIN = Option(
+    "margin",
+    ("--margin",),
+    fields.size,
+    None,  # None: the planner's DEFAULT_MARGIN
+    f"headroom kept free per device (default: {DEFAULT_MARGIN >> 20}MiB)",
+)
+TYPE_K = _kv_type("k")
+TYPE_V = _kv_type("v")
+FLASH_ATTN = Option(
+    "flash_attn",
+    ("--flash-attn", "-fa"),
+    flash_attn_mode,
+    "auto",  # llama-server's -fa default
+    "flash attention, llama.cpp's -fa (default: auto, llama-server's: on where the devices run it; the plan "
+    "assumes on and passes -fa on, so that what is planned is what runs)",
+    choices=FLASH_ATTN_MODES,
+    metavar="|".join(FLASH_ATTN_MODES),
+    bare="on",
+)
+SWA_FULL = Option(
+    "swa_full",
+    ("--swa-full",),
+    fields.boolean,
+    False,
+    "full-context cache for sliding-window layers, as llama.cpp's C default (default: the small SWA cache, "
+    "as llama-server)",
+    switch=True,
+)
+PARALLEL = Option(
+    "parallel",
+    ("--parallel", "-np"),
+    fields.integer(minimum=1, maximum=MAX_SEQ),
+    1,
+    "parallel sequences (n_seq_max; serve: llama-server's slots, served at once and batched together): "
+    "each gets --ctx/N unless --kv-unified (default: 1; serve: 4)",
+    metavar="N",
+)
+KV_UNIFIED = Option(
+    "kv_unified",
+    ("--kv-unified",),
+    fields.boolean,
+    False,
+    "one KV cache shared by all sequences (each may use the whole context)",
+    switch=True,
+)
+N_CPU_MOE = Option(
+    "n_cpu_moe",
+    ("--n-cpu-moe",),
+    fields.integer(minimum=0),
+    0,
+    "keep the expert (MoE) weights of the first N layers on this machine's CPU (default: 0)",
+    metavar="N",
+)
+UBATCH = Option("ubatch", ("--ubatch",), fields.integer(minimum=1), 512, "n_ubatch (default: 512)")
+STRATEGY = Option(
+    "strategy",
+    ("--strategy",),
+    fields.choice(STRATEGIES),
+    STRATEGIES[0],
+    "layers proportional to usable memory (default), or on the fewest devices",
+    choices=STRATEGIES,
+)
+
+# What a plan is made with (`plan_options`), in the order the command line lists them.
+PLAN_OPTIONS = (
+    CTX,
+    MARGIN,
+    TYPE_K,
+    TYPE_V,
+    FLASH_ATTN,
+    SWA_FULL,
+    PARALLEL,
+    KV_UNIFIED,
+    N_CPU_MOE,
+    UBATCH,
+    STRATEGY,
+)
+
+TRUST_RPC_MEMORY = Option(
+    "trust_rpc_memory",
+    ("--trust-rpc-memory",),
+    fields.boolean,
+    False,
+    "plan on a CPU server's own memory figure (total RAM) when its host facts cannot be read (default: such "
+    "a node is refused)",
+    switch=True,
+)
+LOCAL_DEVICES = Option(
+    "local_devices",
+    ("--local-devices",),
+    device_names,
+    None,  # None: all
+    "local GPUs after the RPC devices: absent = all, '' = none, 'CUDA0,CUDA1' = those in order",
+    metavar="NAMES",
+)
+TIMEOUT = Option(
+    "timeout",
+    ("--timeout",),
+    fields.seconds,
+    DEFAULT_TIMEOUT,
+    f"seconds per host for the RPC probe and the facts (default: {DEFAULT_TIMEOUT:g})",
+    metavar="S",
+)
+FACTS = Option(
+    "facts",
+    ("--no-facts",),
+    fields.boolean,
+    True,
+    "RPC only: no SSH (CPU devices then show the server's free figure, which is total RAM)",
+    switch=True,
+)
+
+# How the fleet is probed for a plan (`ProbeSettings`, the local GPUs), in the command line's order.
+PROBE_OPTIONS = (TRUST_RPC_MEMORY, LOCAL_DEVICES, TIMEOUT, FACTS)
+
+OPTIONS: Mapping[str, Option] = {option.name: option for option in (*PLAN_OPTIONS, *PROBE_OPTIONS)}
 
 
 @dataclass(frozen=True)
@@ -17,10 +207,10 @@ class ProbeSettings:
     """How a plan's probe runs: per-host timeout, host facts over SSH or RPC only, hosts at once, and
     whether a CPU server's own memory figure is trusted when its host facts cannot be read."""
 
-    timeout: float = DEFAULT_TIMEOUT
-    facts: bool = True
+    timeout: float = TIMEOUT.default
+    facts: bool = FACTS.default
     forks: int | None = None
-    trust_rpc_memory: bool = False
+    trust_rpc_memory: bool = TRUST_RPC_MEMORY.default
 
 
 @dataclass(frozen=True)
@@ -34,23 +224,6 @@ class ModelPlanning:
     local_devices: Sequence[str] | None = None
 
 
-# The planning options by the CLI's flag names (`--ctx` -> "ctx"), with the CLI's defaults; a playbook
-# step's arguments use the same names.
-PLAN_OPTION_DEFAULTS: Mapping[str, Any] = {
-    "ctx": 4096,
-    "type_k": "f16",
-    "type_v": "f16",
-    "ubatch": 512,
-    "flash_attn": "auto",  # llama-server's -fa default
-    "swa_full": False,
-    "parallel": 1,
-    "kv_unified": False,
-    "n_cpu_moe": 0,
-    "margin": None,
-    "strategy": "proportional",
-}
-
-
 def flash_attn_planned(value: bool | str) -> bool:
     """Whether the plan assumes flash attention for `-fa VALUE` (a playbook's boolean too). llama.cpp's
     `auto` turns it on unless a layer's device lacks the kernel (llama_context::resolve_fused_ops); the CPU,
@@ -61,14 +234,16 @@ def flash_attn_planned(value: bool | str) -> bool:
 
 
 def plan_options(values: Mapping[str, Any], *, n_ctx: int | None = None) -> PlanOptions:
-    """The one builder of `PlanOptions` from the planning flags by name (`PLAN_OPTION_DEFAULTS` for an
-    absent or None one, `margin` None = the default margin); `n_ctx` overrides "ctx" (the report plans
-    several contexts)."""
+    """The one builder of `PlanOptions` from the planning options by name (`PLAN_OPTIONS`' default for an
+    absent or None one, `margin` None = the planner's default margin); `n_ctx` overrides "ctx" (the
+    report plans several contexts)."""
+    from orchestrator.planning.plan import PlanOptions
 
     def get(name: str) -> Any:
         value = values.get(name)
-        return PLAN_OPTION_DEFAULTS[name] if value is None else value
+        return OPTIONS[name].default if value is None else value
 
+    margin = get("margin")
     return PlanOptions(
         n_ctx=get("ctx") if n_ctx is None else n_ctx,
         type_k=get("type_k"),
@@ -79,13 +254,24 @@ def plan_options(values: Mapping[str, Any], *, n_ctx: int | None = None) -> Plan
         parallel=get("parallel"),
         kv_unified=bool(get("kv_unified")),
         n_cpu_moe=get("n_cpu_moe"),
-        margin=values["margin"] if values.get("margin") is not None else DEFAULT_MARGIN,
+        margin=DEFAULT_MARGIN if margin is None else margin,
         strategy=get("strategy"),
     )
 
 
-def local_device_selection(text: str | None) -> list[str] | None:
-    """`--local-devices`: absent = all (None), '' = none, 'CUDA0,CUDA1' = those in order."""
-    if text is None:
-        return None
-    return [name.strip() for name in text.split(",") if name.strip()]
+def probe_settings(
+    values: Mapping[str, Any], *, forks: int | None = None, facts: bool = True
+) -> ProbeSettings:
+    """The probe's settings from the probe options by name (`PROBE_OPTIONS`' default for an absent one);
+    `facts=False` reads no host facts whatever the options say."""
+
+    def get(name: str) -> Any:
+        value = values.get(name)
+        return OPTIONS[name].default if value is None else value
+
+    return ProbeSettings(
+        timeout=get("timeout"),
+        facts=facts and bool(get("facts")),
+        forks=forks,
+        trust_rpc_memory=bool(get("trust_rpc_memory")),
+    )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import _parser, _planning, main, parse_args
+from orchestrator.cli import _parser, main, parse_args
 from orchestrator.core import fields
 from orchestrator.core.errors import ServiceError
 from orchestrator.core.log import render_text
@@ -328,15 +328,14 @@ def test_choices_copied_into_the_cli_match_their_source() -> None:
 
     from orchestrator.cli import model, probe, report
     from orchestrator.models.synth import WeightType
-    from orchestrator.planning.profile import KV_CACHE_TYPES
     from orchestrator.probe.fleet import FAIL_ON
-    from orchestrator.probe.host import DEFAULT_TIMEOUT
+    from orchestrator.probe.settings import DEFAULT_TIMEOUT
     from orchestrator.report.render import FORMATS
 
     assert probe.FAIL_ON == FAIL_ON and report.FORMATS == FORMATS
-    assert tuple(KV_CACHE_TYPES) == _planning.KV_TYPES and get_args(WeightType) == model.WEIGHT_TYPES
+    assert get_args(WeightType) == model.WEIGHT_TYPES
     args = parse_args(["probe"])
-    assert args.timeout is None and _planning.probe_timeout(args) == DEFAULT_TIMEOUT
+    assert args.timeout == DEFAULT_TIMEOUT
     assert f"(default: {DEFAULT_TIMEOUT:g})" in " ".join(
         a.help or "" for a in args._parser._actions if a.dest == "timeout"
     )
