@@ -80,6 +80,34 @@ def _command(path: str, parser: argparse.ArgumentParser, level: int) -> list[str
     return lines
 
 
+def _declared_options() -> list[str]:
+    """The planning and probe options' one declaration, with the playbook steps' arguments made from it."""
+    from orchestrator.playbooks.ops import REGISTRY
+    from orchestrator.workflows.options import PLAN_OPTIONS, PROBE_OPTIONS
+
+    steps: dict[str, list[str]] = {}
+    for op in REGISTRY.values():
+        for arg in op.args:
+            if arg.option is not None:
+                steps.setdefault(arg.option.name, []).append(op.name)
+    lines = [
+        "## Planning and probe options",
+        "",
+        "Declared once (`orchestrator/workflows/options.py`): the flags above and the playbook steps' "
+        "arguments are made from it, with the same names, defaults and values.",
+        "",
+        "| flags | playbook argument (steps) | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for option in (*PLAN_OPTIONS, *PROBE_OPTIONS):
+        used = steps.get(option.name)
+        argument = f"`{option.name}` ({', '.join(used)})" if used else "-"
+        default = "unset" if option.default is None else f"`{option.default}`"
+        flags = _cell(", ".join(option.flags))
+        lines.append(f"| `{flags}` | {argument} | {default} | {_cell(_one_line(option.help))} |")
+    return [*lines, ""]
+
+
 def generate() -> str:
     """The block's text, markers excluded."""
     from orchestrator.cli import build_parser
@@ -90,6 +118,7 @@ def generate() -> str:
     lines += ["Commands: " + ", ".join(f"[`{name}`](#rpcfleet-{name})" for name, _ in top) + ".", ""]
     for name, sub in top:
         lines += _command(f"rpcfleet {name}", sub, 2)
+    lines += _declared_options()
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
