@@ -24,6 +24,7 @@ from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.probe.fleet import FleetProbe
+from orchestrator.probe.settings import DEFAULT_TIMEOUT
 from orchestrator.serve.pool import SparePool
 from orchestrator.workflows.fit import SERVE_WORDS
 from orchestrator.workflows.load import fleet_targets, prepare_load
@@ -44,7 +45,7 @@ class ServeFleet:
     hosts: Sequence[Host]
     model_path: str
     options: PlanOptions
-    probe_timeout: float = 3.0
+    probe_timeout: float = DEFAULT_TIMEOUT
     facts: bool = True
     trust_rpc_memory: bool = False
     forks: int | None = None
