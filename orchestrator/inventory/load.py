@@ -100,7 +100,9 @@ def _render(value: Any, host: str) -> Any:
     return _TEMPLATE.sub(substitute, value)
 
 
-def _resolve(builder: Builder) -> Inventory:
+def resolve(builder: Builder) -> Inventory:
+    """The typed inventory of what a reader put in `builder` (groups, hosts, raw variables): every
+    variable resolved by precedence and checked; InventoryError listing every error found."""
     everyone = builder.group("all", builder.groups["all"].location if "all" in builder.groups else None)
     _check_cycles(builder)
     parents: dict[str, set[str]] = {name: set() for name in builder.groups}
@@ -332,7 +334,7 @@ def load_inventory_text(text: str, path: Path | None = None, fmt: InventoryForma
         parse_yaml(builder, text)
     if "all" not in builder.groups:
         builder.group("all", None)
-    return _resolve(builder)
+    return resolve(builder)
 
 
 def load_inventory(path: Path) -> Inventory:

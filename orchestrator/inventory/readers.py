@@ -135,7 +135,7 @@ class Builder:
         scope[canonical] = RawVar(key, value, location)
 
 
-def _yaml_items(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
+def yaml_items(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node, yaml.Node]]:
     """(key, key node, value node) of a mapping node, in document order; null is an empty mapping."""
     if is_null(node):
         return
@@ -162,12 +162,12 @@ def _node_kind(node: yaml.Node) -> str:
     return f"{kind} {node_value(node)!r}" if isinstance(node, yaml.ScalarNode) else kind
 
 
-def _yaml_vars(builder: Builder, scope: dict[str, RawVar], node: yaml.Node, what: str) -> None:
-    for key, _key_node, value_node in _yaml_items(builder, node, what):
+def yaml_vars(builder: Builder, scope: dict[str, RawVar], node: yaml.Node, what: str) -> None:
+    for key, _key_node, value_node in yaml_items(builder, node, what):
         builder.set_var(scope, key, node_value(value_node), builder.source.node(value_node))
 
 
-def _yaml_names(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node]]:
+def yaml_names(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[str, yaml.Node]]:
     """Names from a list (or a mapping whose values are ignored by the caller)."""
     if is_null(node):
         return
@@ -184,9 +184,9 @@ def _yaml_names(builder: Builder, node: yaml.Node, what: str) -> Iterator[tuple[
 
 def _yaml_group_hosts(builder: Builder, group: _RawGroup | None, node: yaml.Node, what: str) -> None:
     """`hosts:` as a mapping name -> vars (declares hosts)."""
-    for name, key_node, value_node in _yaml_items(builder, node, what):
+    for name, key_node, value_node in yaml_items(builder, node, what):
         for host in builder.add_hosts(name, builder.source.node(key_node), group):
-            _yaml_vars(builder, host.vars, value_node, f"variables of host {host.name!r}")
+            yaml_vars(builder, host.vars, value_node, f"variables of host {host.name!r}")
 
 
 _GROUP_KEYS = ("hosts", "children", "vars")
@@ -205,18 +205,18 @@ def _ansible_group(
             builder.source.node(node),
         )
         return
-    for key, sub_key, value in _yaml_items(builder, node, f"group {name!r}"):
+    for key, sub_key, value in yaml_items(builder, node, f"group {name!r}"):
         if key == "hosts":
             if isinstance(value, yaml.SequenceNode):
-                for host_name, item in _yaml_names(builder, value, f"hosts of group {name!r}"):
+                for host_name, item in yaml_names(builder, value, f"hosts of group {name!r}"):
                     builder.add_hosts(host_name, builder.source.node(item), group)
             else:
                 _yaml_group_hosts(builder, group, value, f"hosts of group {name!r}")
         elif key == "children":
-            for child, child_key, child_node in _yaml_items(builder, value, f"children of group {name!r}"):
+            for child, child_key, child_node in yaml_items(builder, value, f"children of group {name!r}"):
                 _ansible_group(builder, child, child_node, child_key, group)
         elif key == "vars":
-            _yaml_vars(builder, group.vars, value, f"vars of group {name!r}")
+            yaml_vars(builder, group.vars, value, f"vars of group {name!r}")
         else:
             builder.warn(
                 f"unexpected key {key!r} in group {name!r} is ignored (only hosts, children and vars)"
@@ -232,13 +232,13 @@ def _native(builder: Builder, root: yaml.MappingNode) -> None:
     everyone = builder.group("all", None)
     group_refs: list[tuple[_RawGroup, str, SourceLocation]] = []
     host_refs: list[tuple[_RawGroup, str, SourceLocation]] = []
-    for key, key_node, value in _yaml_items(builder, root, "the inventory"):
+    for key, key_node, value in yaml_items(builder, root, "the inventory"):
         if key == "vars":
-            _yaml_vars(builder, everyone.vars, value, "vars")
+            yaml_vars(builder, everyone.vars, value, "vars")
         elif key == "hosts":
             _yaml_group_hosts(builder, None, value, "hosts")
         elif key == "groups":
-            for name, name_node, body in _yaml_items(builder, value, "groups"):
+            for name, name_node, body in yaml_items(builder, value, "groups"):
                 if name in ("all", "ungrouped"):
                     builder.error(
                         f"group {name!r} is implicit; use top-level vars/hosts",
@@ -246,23 +246,29 @@ def _native(builder: Builder, root: yaml.MappingNode) -> None:
                     )
                     continue
                 group = builder.group(name, builder.source.node(name_node))
-                for gkey, gkey_node, gvalue in _yaml_items(builder, body, f"group {name!r}"):
+                for gkey, gkey_node, gvalue in yaml_items(builder, body, f"group {name!r}"):
                     what = f"{gkey} of group {name!r}"
                     if gkey == "hosts" and isinstance(gvalue, yaml.MappingNode):
                         _yaml_group_hosts(builder, group, gvalue, what)
                     elif gkey == "hosts":
-                        for host, item in _yaml_names(builder, gvalue, what):
+                        for host, item in yaml_names(builder, gvalue, what):
                             host_refs.append((group, host, builder.source.node(item)))
                     elif gkey == "children":
-                        for child, item in _yaml_names(builder, gvalue, what):
+                        for child, item in yaml_names(builder, gvalue, what):
                             group_refs.append((group, child, builder.source.node(item)))
                     elif gkey == "vars":
-                        _yaml_vars(builder, group.vars, gvalue, what)
+                        yaml_vars(builder, group.vars, gvalue, what)
                     else:
                         builder.error(
                             f"unknown key {gkey!r} in group {name!r}{near_miss(gkey, _GROUP_KEYS)}",
                             builder.source.node(gkey_node),
                         )
+        elif key == "slurm":
+            builder.error(
+                "a `slurm:` section makes this a Slurm inventory (the nodes of a job): rpcfleet's command "
+                "line reads it (`-i FILE`), Python with orchestrator.inventory.slurm.read_slurm_inventory",
+                builder.source.node(key_node),
+            )
         else:
             builder.error(
                 f"unknown top-level key {key!r}{near_miss(key, _NATIVE_KEYS)}"
@@ -307,9 +313,10 @@ def _is_native(root: yaml.MappingNode) -> bool:
     return not keys
 
 
-def parse_yaml(builder: Builder, text: str) -> None:
+def compose_document(builder: Builder, text: str) -> yaml.Node | None:
+    """The YAML document's root node; InventoryError (file, line, column) when it is not YAML."""
     try:
-        root = compose(text)
+        return compose(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or "cannot be parsed"
@@ -318,6 +325,10 @@ def parse_yaml(builder: Builder, text: str) -> None:
         raise InventoryError(f"invalid YAML: {problem}", builder.source.mark(mark)) from None
     except yaml.YAMLError as exc:
         raise InventoryError(f"invalid YAML: {exc}", builder.loc(None)) from None
+
+
+def parse_yaml(builder: Builder, text: str) -> None:
+    root = compose_document(builder, text)
     if root is None or is_null(root):
         builder.warn("the inventory is empty", builder.loc(None))
         return
@@ -329,7 +340,7 @@ def parse_yaml(builder: Builder, text: str) -> None:
     if _is_native(root):
         _native(builder, root)
         return
-    for name, key_node, body in _yaml_items(builder, root, "the inventory"):
+    for name, key_node, body in yaml_items(builder, root, "the inventory"):
         _ansible_group(builder, name, body, key_node, None)
 
 
