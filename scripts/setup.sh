@@ -53,6 +53,13 @@ need systemd-analyze systemd
 need chromium chromium
 need prometheus prometheus  # the exporter's tests run their own `prometheus` and `promtool`
 need promtool prometheus
+# Slurm as an inventory source: tests/lab/test_slurm_lab.py runs a slurmctld and a slurmd per lab node
+# (munge authenticates them); the unit tests ask scontrol to expand node lists where it is installed.
+need /usr/sbin/slurmctld slurmctld
+need /usr/sbin/slurmd slurmd
+need scontrol slurm-client
+need sbatch slurm-client
+need /usr/sbin/munged munge
 # The Vulkan artifact: the loader and headers, the shader compiler, SPIR-V headers, and Mesa's drivers
 # (llvmpipe: a Vulkan device on the CPU, the lab's "GPU"); vulkaninfo for `rpc_backend: auto`.
 need glslc glslc
@@ -77,7 +84,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     [ -z "$policy" ] || rm -f /usr/sbin/policy-rc.d
     if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
-      systemctl disable --now prometheus >/dev/null 2>&1 || true  # enabled by the package: not ours
+      # enabled by their packages: not ours (the tests start their own, with their own configuration)
+      systemctl disable --now prometheus slurmctld slurmd munge >/dev/null 2>&1 || true
     fi
     apt_installed=("${missing[@]}")
   else

@@ -24,6 +24,7 @@ class GlobalOption:
 
 GLOBAL_OPTIONS = (
     GlobalOption(("-i", "--inventory"), "inventory", {"type": Path, "metavar": "INVENTORY"}),
+    GlobalOption(("--slurm-job",), "slurm_job", {"metavar": "JOBID"}),
     GlobalOption(("-l", "--limit"), "limit", {"metavar": "PATTERN"}),
     GlobalOption(("-f", "--forks"), "forks", {"type": flag(fields.integer(minimum=1)), "metavar": "N"}),
     GlobalOption(("--json",), "json", {"action": "store_true"}),

@@ -31,7 +31,14 @@ def add_inventory_args(
         "--inventory",
         type=Path,
         default=None,
-        help=f"inventory file (default: ${DEFAULT_INVENTORY_ENV}, else ./inventory.yml, else the lab's)",
+        help=f"inventory file, or slurm: / slurm:JOBID for a Slurm job's nodes (default: "
+        f"${DEFAULT_INVENTORY_ENV}, else ./inventory.yml, else the lab's)",
+    )
+    parser.add_argument(
+        "--slurm-job",
+        default=None,
+        metavar="JOBID",
+        help="the Slurm job whose nodes are the hosts (with -i: a Slurm overlay file giving their variables)",
     )
     if limit:
         parser.add_argument(
@@ -48,9 +55,12 @@ def add_inventory_args(
 
 
 def inventory_path(args: argparse.Namespace) -> Path:
-    """The inventory to use: -i, then $RPCFLEET_INVENTORY, then ./inventory.yml, then the running lab's."""
+    """The inventory to use: -i, then $RPCFLEET_INVENTORY, then ./inventory.yml, then the running lab's
+    (`--slurm-job` alone: `slurm:JOBID`)."""
     if args.inventory is not None:
         return Path(args.inventory)
+    if getattr(args, "slurm_job", None) is not None:
+        return Path(f"slurm:{args.slurm_job}")
     if os.environ.get(DEFAULT_INVENTORY_ENV):
         return Path(os.environ[DEFAULT_INVENTORY_ENV])
     if Path("inventory.yml").exists():
@@ -66,10 +76,10 @@ def inventory_path(args: argparse.Namespace) -> Path:
 
 
 def load_inventory(args: argparse.Namespace) -> Inventory:
-    """The inventory named by the flags; its warnings are printed."""
-    from orchestrator.inventory.load import load_inventory as load
+    """The inventory named by the flags (a file, or a Slurm job's nodes); its warnings are printed."""
+    from orchestrator.cli._sources import read_inventory
 
-    inventory = load(inventory_path(args))
+    inventory = read_inventory(args, inventory_path(args))
     for warning in inventory.warnings:
         _output.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     return inventory
