@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import _common, main
+from orchestrator.cli import _output, main
 
 OVERLAY = """\
 slurm:
@@ -30,8 +30,8 @@ groups:
 
 @pytest.fixture(autouse=True)
 def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(_common.console, "_width", 200)
-    monkeypatch.setattr(_common.err_console, "_width", 300)
+    monkeypatch.setattr(_output.console, "_width", 200)
+    monkeypatch.setattr(_output.err_console, "_width", 300)
     for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "RPCFLEET_INVENTORY"):
         monkeypatch.delenv(name, raising=False)
     if shutil.which("scontrol"):
