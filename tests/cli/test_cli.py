@@ -224,6 +224,19 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ("artifact show", ["artifact", "show", "nosuch"], "no artifact 'nosuch'"),
     ("artifact verify", ["artifact", "verify", "nosuch"], "no artifact 'nosuch'"),
     ("artifact add", ["artifact", "add", "{tmp}/missing-spec.yml"], "{tmp}/missing-spec.yml"),
+    (
+        "export lws",
+        ["export", "lws", "-m", "{tmp}/not.gguf", "--node-memory", "1GiB", "-o", "{tmp}/k8s"],
+        "not a GGUF file",
+    ),
+    ("lws worker", ["lws", "worker", "--port", "99999"], "port 99999 is out of range"),
+    (
+        "lws plan",
+        ["lws", "plan", "--config", "{tmp}/nosuch", "--out", "{tmp}/a.json"],
+        "nosuch/settings.json",
+    ),
+    ("lws serve", ["lws", "serve", "--args", "{tmp}/file"], "{tmp}/file: not JSON"),
+    ("lws hello", ["lws", "hello", "--port", "0"], "port 0 is out of range"),
 ]
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 # What a ```sh block may hold: `rpcfleet` with these first words (they connect to nothing), or --help.
-SAFE = [("--help",), ("--version",), ("inventory",), ("model", "synth"), ("model", "info")]
+SAFE = [("--help",), ("--version",), ("inventory",), ("model", "synth"), ("model", "info"), ("export", "lws")]
 
 
 def test_the_guide_builds_strictly(tmp_path: Path) -> None:

@@ -1,0 +1,140 @@
+"""`rpcfleet export lws`: a formation as Kubernetes manifests (LeaderWorkerSet, Service, ConfigMap)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli import _common, _planning
+from orchestrator.core import fields
+
+BACKENDS = ("cpu", "cuda", "rocm", "vulkan")  # orchestrator.kube.group.BACKENDS (tests/kube checks)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("export", help="write a formation as another system's configuration")
+    sub = parser.add_subparsers(dest="export_command", metavar="FORMAT", required=True)
+    lws = sub.add_parser(
+        "lws",
+        help="Kubernetes manifests: a LeaderWorkerSet of rpc-server pods whose leader runs llama-server",
+        description=(
+            "Plan the model for a group of identical pods (each one rpc-server with one device of "
+            "--node-memory; the leader also runs llama-server) and write a LeaderWorkerSet, a Service and "
+            "a ConfigMap into -o DIR. Nothing is probed here: the leader's init step probes the pods and "
+            "plans again when they differ. See docs/kubernetes.md."
+        ),
+    )
+    lws.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
+    lws.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="where to write")
+    lws.add_argument(
+        "--node-memory",
+        type=_common.flag(fields.size),
+        required=True,
+        metavar="SIZE",
+        help="each pod's device: a GPU's memory, or a CPU pod's memory limit (8GiB, 24GB...)",
+    )
+    lws.add_argument(
+        "--backend", choices=BACKENDS, default="cpu", help="the pods' rpc-server build (default: cpu)"
+    )
+    lws.add_argument(
+        "--gpu-resource",
+        default=None,
+        metavar="NAME",
+        help="the GPU's extended resource (default: nvidia.com/gpu for cuda, amd.com/gpu for rocm)",
+    )
+    lws.add_argument(
+        "--nodes-per-group",
+        type=_common.flag(fields.integer(minimum=1, maximum=15)),
+        default=None,
+        metavar="K",
+        help="pods per group (default: the fewest on which the model fits)",
+    )
+    lws.add_argument(
+        "--replicas",
+        type=_common.flag(_planning.replicas),
+        default="auto",
+        metavar="auto|N",
+        help="groups, each a copy of the model (default: auto = 1; `kubectl scale lws/NAME` for more)",
+    )
+    lws.add_argument(
+        "--ctx",
+        type=_common.flag(fields.context),
+        default=4096,
+        help="context size, shared by the slots: 8192, 8k (default: 4096)",
+    )
+    lws.add_argument(
+        "--parallel",
+        "-np",
+        type=_common.flag(fields.integer(minimum=1, maximum=256)),
+        default=4,
+        metavar="N",
+        help="llama-server's slots (default: 4, as serve)",
+    )
+    _planning.add_kv_type_args(lws)
+    lws.add_argument(
+        "--flash-attn", "-fa", choices=_planning.FLASH_ATTN, default="auto", metavar="on|off|auto"
+    )
+    lws.add_argument(
+        "--margin",
+        type=_common.flag(fields.size),
+        default=None,
+        help="headroom kept free per device (default: 256MiB)",
+    )
+    lws.add_argument("--name", default=None, help="the LeaderWorkerSet's name (default: from the model's)")
+    lws.add_argument("--namespace", default=None, help="the objects' namespace (default: none set)")
+    lws.add_argument("--image", default=None, help="the image (default: rpcfleet:VERSION-BACKEND)")
+    lws.add_argument(
+        "--model-claim",
+        default=None,
+        metavar="PVC",
+        help="the PersistentVolumeClaim holding the model, mounted at /models (default: NAME-models)",
+    )
+    lws.add_argument(
+        "--chat-template", default=None, metavar="NAME", help="one of llama-server's template names"
+    )
+    lws.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from orchestrator import __version__
+    from orchestrator.core.units import format_size
+    from orchestrator.kube.export import ExportRequest, export_lws
+    from orchestrator.workflows.options import plan_options
+
+    _common.require_model(args.model)
+    request = ExportRequest(
+        model=args.model,
+        options=plan_options(vars(args)),
+        node_memory=args.node_memory,
+        out=args.output,
+        image=args.image or f"rpcfleet:{__version__}-{args.backend}",
+        backend=args.backend,
+        nodes_per_group=args.nodes_per_group,
+        replicas=args.replicas if isinstance(args.replicas, int) else None,
+        name=args.name,
+        namespace=args.namespace,
+        model_claim=args.model_claim,
+        gpu_resource=args.gpu_resource,
+        chat_template=args.chat_template,
+    )
+    result = export_lws(request)
+    spec, plan = result.spec, result.spec.plan
+    settings = spec.settings
+    out = _common.console
+    out.print(
+        f"{settings.name}: {spec.replicas} group(s) of {settings.group_size} pod(s), {settings.backend}, "
+        f"{format_size(settings.node_memory)} each; context {plan.n_ctx}, {plan.options.parallel} slot(s)",
+        highlight=False,
+        markup=False,
+    )
+    for device in plan.devices:
+        m = device.memory
+        out.print(
+            f"  {device.label}: layers {device.layers_label}, {format_size(m.total)} planned",
+            highlight=False,
+            markup=False,
+        )
+    for path in result.files:
+        out.print(f"wrote {path}", highlight=False, markup=False)
+    return 0

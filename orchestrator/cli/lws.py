@@ -1,0 +1,89 @@
+"""`rpcfleet lws worker|plan|serve|hello`: the entry points of the pods `rpcfleet export lws` describes
+(orchestrator/kube/pods.py). They read LeaderWorkerSet's variables (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE,
+LWS_WORKER_INDEX) and the ConfigMap the export wrote."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli import _common
+from orchestrator.core import fields
+
+RPC_PORT = 50052  # orchestrator.kube.group.RPC_PORT
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"rpcfleet: {line}\n")
+    sys.stderr.flush()
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "lws", help="the entry points of the pods of `export lws` (LeaderWorkerSet)"
+    )
+    sub = parser.add_subparsers(dest="lws_command", metavar="STEP", required=True)
+    port = _common.flag(fields.port)
+
+    worker = sub.add_parser("worker", help="run this pod's rpc-server (every pod)")
+    worker.add_argument("--port", type=port, default=RPC_PORT, help=f"its port (default: {RPC_PORT})")
+    worker.set_defaults(handler=handle_worker)
+
+    plan = sub.add_parser(
+        "plan",
+        help="the leader's init step: wait for the group, probe, plan again if needed, write the arguments",
+    )
+    plan.add_argument("--config", type=Path, required=True, help="the ConfigMap's folder")
+    plan.add_argument(
+        "--models", type=Path, default=Path("/models"), help="the models volume (default: /models)"
+    )
+    plan.add_argument("--out", type=Path, required=True, help="where llama-server's arguments go (JSON)")
+    plan.add_argument(
+        "--wait",
+        type=_common.flag(fields.seconds),
+        default=None,
+        metavar="SECONDS",
+        help="how long to wait for the group's servers (default: the settings', 600 s)",
+    )
+    plan.set_defaults(handler=handle_plan)
+
+    serve = sub.add_parser("serve", help="run llama-server with the init step's arguments (the leader)")
+    serve.add_argument("--args", type=Path, required=True, help="the file `lws plan --out` wrote")
+    serve.set_defaults(handler=handle_serve)
+
+    hello = sub.add_parser("hello", help="one HELLO to an rpc-server: exit 0 when it answers or is busy")
+    hello.add_argument("--host", default="127.0.0.1", help="its address (default: 127.0.0.1)")
+    hello.add_argument("--port", type=port, default=RPC_PORT, help=f"its port (default: {RPC_PORT})")
+    hello.set_defaults(handler=handle_hello)
+
+
+def handle_worker(args: argparse.Namespace) -> int:
+    from orchestrator.kube.pods import run_worker
+
+    return run_worker(args.port, os.environ, _say)
+
+
+def handle_plan(args: argparse.Namespace) -> int:
+    from orchestrator.kube.pods import plan_step, write_leader_args
+
+    leader = plan_step(args.config, args.models, os.environ, _say, seconds=args.wait)
+    write_leader_args(args.out, leader)
+    _say(f"wrote {args.out}")
+    return 0
+
+
+def handle_serve(args: argparse.Namespace) -> int:
+    from orchestrator.kube.pods import serve_step
+
+    return serve_step(args.args, os.environ, _say)
+
+
+def handle_hello(args: argparse.Namespace) -> int:
+    from orchestrator.kube.pods import ALIVE, hello
+
+    result = _common.run_async(hello(args.host, args.port))
+    _say(f"{args.host}:{args.port}: {result.outcome}: {result.message}")
+    return 0 if result.outcome in ALIVE else 1

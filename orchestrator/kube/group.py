@@ -1,0 +1,255 @@
+"""A formation as a group of identical pods (pure): its settings, the plan on the devices the group is
+assumed to have, the devices its servers report once running, and whether those differ enough to plan
+again.
+
+Every pod of a group runs one rpc-server (the leader's beside llama-server), so a group of K pods is a
+formation of K nodes, planned by the one planner (`planning.strategy.make_plan`). The exported plan
+names its servers `pod-0:PORT` ... `pod-<K-1>:PORT` (pod 0 is the leader): the leader's init step puts
+the addresses it found in their place.
+
+What a pod's device may hold: a GPU's own free memory as its server reports it; for a CPU pod the
+server reports the node's RAM, of which the container may use only its memory limit, so the lower of the
+two (the limit is the export's `--node-memory`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from orchestrator.core.errors import InputError, PlanError, ProbeError
+from orchestrator.core.units import format_size
+from orchestrator.planning.formations import MAX_RPC_DEVICES
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions, largest_ctx_text
+from orchestrator.planning.profile import ModelProfile
+from orchestrator.planning.strategy import make_plan
+from orchestrator.probe.capacity import ALIGNMENT
+from orchestrator.rpc.records import ProbeResult
+
+BACKENDS = ("cpu", "cuda", "rocm", "vulkan")
+# The device plugins' resource names. Vulkan has none of its own: it runs on any vendor's GPU.
+GPU_RESOURCES = {"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"}
+DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan"}
+RPC_PORT = 50052
+HTTP_PORT = 8080
+WAIT_SECONDS = 600.0  # how long the leader's init step waits for the group's servers
+MiB = 1024 * 1024
+# A pod's memory "differs" from the assumption by more than this fraction of it, or TOLERANCE_MIN bytes.
+TOLERANCE = 0.01
+TOLERANCE_MIN = 16 * MiB
+
+
+class ExportError(InputError):
+    """The formation asked cannot be exported (bad input: exit status 2)."""
+
+
+def gpu_resource(backend: str, override: str | None = None) -> str | None:
+    """The extended resource a pod of `backend` asks for one GPU (None: a CPU pod); ExportError for a GPU
+    backend whose resource name is not known (Vulkan) and not given."""
+    if override:
+        return override
+    if backend == "cpu":
+        return None
+    known = GPU_RESOURCES.get(backend)
+    if known is None:
+        names = ", ".join(f"{v} ({k})" for k, v in GPU_RESOURCES.items())
+        raise ExportError(
+            f"backend {backend} has no known GPU resource name (it runs on any vendor's GPU)",
+            hint=f"name your device plugin's resource with --gpu-resource: {names}, gpu.intel.com/i915...",
+        )
+    return known
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """What the pods need besides the plan (the ConfigMap's `settings.json`)."""
+
+    name: str
+    group_size: int
+    backend: str
+    node_memory: int  # bytes of each pod's device: a GPU's memory, or the CPU pod's memory limit
+    model: str  # the model's file in the models volume (its first shard), relative to it
+    rpc_port: int = RPC_PORT
+    http_port: int = HTTP_PORT
+    chat_template: str | None = None
+    wait_seconds: float = WAIT_SECONDS
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str, where: str) -> GroupSettings:
+        """The settings in `text` (read from `where`, named in the error); InputError when malformed."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: not JSON: {exc.msg} at line {exc.lineno}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{where}: the settings must be a JSON object")
+        try:
+            settings = cls(**data)
+        except TypeError as exc:
+            raise InputError(f"{where}: {exc}") from None
+        checks = {
+            "name": isinstance(settings.name, str) and bool(settings.name),
+            "group_size": isinstance(settings.group_size, int) and 0 < settings.group_size <= MAX_RPC_DEVICES,
+            "backend": settings.backend in BACKENDS,
+            "node_memory": isinstance(settings.node_memory, int) and settings.node_memory > 0,
+            "model": isinstance(settings.model, str)
+            and bool(settings.model)
+            and not settings.model.startswith("/")
+            and ".." not in settings.model.split("/"),
+            "rpc_port": isinstance(settings.rpc_port, int) and 0 < settings.rpc_port < 65536,
+            "http_port": isinstance(settings.http_port, int) and 0 < settings.http_port < 65536,
+            "wait_seconds": isinstance(settings.wait_seconds, int | float) and settings.wait_seconds > 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            values = ", ".join(f"{name}={getattr(settings, name)!r}" for name in bad)
+            raise InputError(f"{where}: invalid {values}")
+        return settings
+
+
+def pod_endpoint(index: int, port: int = RPC_PORT) -> str:
+    """The exported plan's name of pod `index`'s server (the leader's init step replaces it)."""
+    return f"pod-{index}:{port}"
+
+
+def pod_index(endpoint: str) -> int | None:
+    """The pod an exported plan's endpoint names (`pod-2:50052` -> 2; None: not such a name)."""
+    name, _, port = endpoint.rpartition(":")
+    number = name.removeprefix("pod-")
+    return int(number) if name.startswith("pod-") and number.isdigit() and port.isdigit() else None
+
+
+def assumed_devices(size: int, node_memory: int, backend: str, port: int = RPC_PORT) -> list[PlanDevice]:
+    """The devices of a group of `size` pods as assumed: one device of `node_memory` bytes each."""
+    name = DEVICE_NAMES[backend] + ("" if backend == "cpu" else "0")
+    return [
+        PlanDevice(
+            endpoint=pod_endpoint(i, port),
+            index=0,
+            name=name,
+            description=f"pod {i}: {backend}, {format_size(node_memory)} assumed",
+            total=node_memory,
+            free=node_memory,
+            usable=node_memory,
+            alignment=ALIGNMENT.get(backend, 32),
+            backend=backend,
+        )
+        for i in range(size)
+    ]
+
+
+def plan_group(profile: ModelProfile, options: PlanOptions, settings: GroupSettings) -> Plan:
+    """The plan on the group's assumed devices (it may not fit: `plan.fit`); PlanError when the planner
+    can make none (no device has memory beyond the margin)."""
+    devices = assumed_devices(settings.group_size, settings.node_memory, settings.backend, settings.rpc_port)
+    return make_plan(devices, profile, options)
+
+
+def _misfit(profile: ModelProfile, options: PlanOptions, settings: GroupSettings) -> tuple[Plan | None, str]:
+    """(the plan when it fits, else None; why it does not)."""
+    try:
+        plan = plan_group(profile, options, settings)
+    except (PlanError, ProbeError) as exc:
+        return None, exc.message
+    if plan.fit.fits:
+        return plan, ""
+    binding = plan.devices[plan.fit.binding_device or 0]
+    short = format_size(plan.fit.shortfall)
+    return None, f"{binding.label} is short by {short}; {largest_ctx_text(plan.fit)}"
+
+
+def choose_group(
+    profile: ModelProfile, options: PlanOptions, settings: GroupSettings, *, fixed: bool
+) -> tuple[GroupSettings, Plan]:
+    """The group and its plan: `settings.group_size` pods when `fixed`, else the fewest pods (1 to 15, the
+    most RPC devices one llama-server takes) on which the model fits. ExportError when it fits no such
+    group, saying how many pods would hold it when some would."""
+    size = format_size(settings.node_memory)
+    if fixed:
+        plan, why = _misfit(profile, options, settings)
+        if plan is not None:
+            return settings, plan
+        enough = next(
+            (
+                k
+                for k in range(settings.group_size + 1, MAX_RPC_DEVICES + 1)
+                if _misfit(profile, options, replace(settings, group_size=k))[0] is not None
+            ),
+            None,
+        )
+        more = f"--nodes-per-group {enough}, " if enough else ""
+        raise ExportError(
+            f"the model fits no group of {settings.group_size} pod(s) of {size} at --ctx {options.n_ctx}: "
+            + why,
+            hint=f"use {more}a larger --node-memory, or a smaller --ctx or --parallel",
+        )
+    why = ""
+    for k in range(1, MAX_RPC_DEVICES + 1):
+        tried = replace(settings, group_size=k)
+        plan, why = _misfit(profile, options, tried)
+        if plan is not None:
+            return tried, plan
+    raise ExportError(
+        f"the model fits no group of up to {MAX_RPC_DEVICES} pods of {size} at --ctx {options.n_ctx} (one "
+        f"llama-server takes at most {MAX_RPC_DEVICES} RPC devices): with {MAX_RPC_DEVICES}, {why}",
+        hint="use a larger --node-memory, or a smaller --ctx or --parallel",
+    )
+
+
+def measured_devices(
+    results: Sequence[ProbeResult], settings: GroupSettings, dial: Mapping[str, str] | None = None
+) -> list[PlanDevice]:
+    """The planner's devices from the group's probes (in pod order, every one `ok`): a GPU's free memory
+    as reported; a CPU pod's the lower of its server's figure (the node's RAM) and its memory limit.
+    `dial` names each result's endpoint as the plan should (default: as probed)."""
+    devices: list[PlanDevice] = []
+    for pod, result in enumerate(results):
+        endpoint = (dial or {}).get(result.endpoint, result.endpoint)
+        for device in result.devices:
+            cpu = settings.backend == "cpu"
+            usable = min(device.free, settings.node_memory) if cpu else device.free
+            name = DEVICE_NAMES[settings.backend] + ("" if cpu else str(device.index))
+            devices.append(
+                PlanDevice(
+                    endpoint=endpoint,
+                    index=device.index,
+                    name=name,
+                    description=f"pod {pod}: {settings.backend}",
+                    total=device.total,
+                    free=device.free,
+                    usable=usable,
+                    alignment=device.alignment or ALIGNMENT.get(settings.backend, 32),
+                    max_size=device.max_size,
+                    backend=settings.backend,
+                )
+            )
+    return devices
+
+
+def differences(devices: Sequence[PlanDevice], settings: GroupSettings) -> list[str]:
+    """How the measured `devices` differ from the group's assumption (one device of `node_memory` per
+    pod), one line each; empty: close enough to keep the exported plan."""
+    lines: list[str] = []
+    per_pod: dict[str, list[PlanDevice]] = {}
+    for device in devices:
+        per_pod.setdefault(device.endpoint or "", []).append(device)
+    if len(per_pod) != settings.group_size:
+        lines.append(f"{len(per_pod)} server(s) answer, the plan assumed {settings.group_size}")
+    assumed = settings.node_memory
+    slack = max(TOLERANCE_MIN, int(TOLERANCE * assumed))
+    for endpoint, found in per_pod.items():
+        if len(found) != 1:
+            lines.append(f"{endpoint} reports {len(found)} devices, the plan assumed 1")
+        for device in found:
+            if abs(device.usable - assumed) > slack:
+                has, had = format_size(device.usable), format_size(assumed)
+                lines.append(f"{device.label} may use {has}, the plan assumed {had}")
+    return lines

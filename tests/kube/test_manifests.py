@@ -1,0 +1,233 @@
+"""`rpcfleet export lws` (issue 35, item 1): the manifests validate offline against Kubernetes' schemas
+(kubernetes-validate, strict: an unknown field fails) and the vendored LeaderWorkerSet CRD's
+openAPIV3Schema (jsonschema, made as strict); the checks fail on a broken manifest; bad input is a clear
+error with exit status 2.
+
+kubernetes-validate finds schemas only among its own (by kind and apiVersion), so it cannot take a CRD's:
+the LeaderWorkerSet is checked with jsonschema against the CRD, and its two pod templates, wrapped as
+core PodTemplates, with kubernetes-validate too."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from orchestrator.kube.export import ExportRequest, export_lws
+from orchestrator.workflows.options import plan_options
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "deploy" / "schemas" / "lws" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+CRD_SHA256 = "c5dcad8ed943e495490241f00b9a1b45d51203b6d484020db3636d5bf553568e"  # v0.10.0
+KUBERNETES = "1.33"  # native sidecars (restartPolicy in an init container) are on by default since 1.29
+GiB = 1 << 30
+
+
+def _strict(node: Any) -> Any:
+    """The CRD's schema with `additionalProperties: false` on every object that lists its properties and
+    does not keep unknown fields, as the API server's strict field validation treats them."""
+    if isinstance(node, dict):
+        out = {k: _strict(v) for k, v in node.items()}
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(node, list):
+        return [_strict(v) for v in node]
+    return node
+
+
+@cache
+def lws_schema() -> dict[str, Any]:
+    crd = yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema: dict[str, Any] = _strict(version["schema"]["openAPIV3Schema"])
+    return schema
+
+
+def validate_lws(obj: dict[str, Any]) -> None:
+    jsonschema.Draft7Validator(lws_schema()).validate(obj)
+
+
+def validate_core(obj: dict[str, Any]) -> None:
+    kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+
+
+def pod_templates(lws: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    template = lws["spec"]["leaderWorkerTemplate"]
+    for key in ("leaderTemplate", "workerTemplate"):
+        yield {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": key.lower()},
+            "template": template[key],
+        }
+
+
+def validate_all(objects: dict[str, dict[str, Any]]) -> None:
+    for name, obj in objects.items():
+        if obj["kind"] == "LeaderWorkerSet":
+            validate_lws(obj)
+            for template in pod_templates(obj):
+                validate_core(template)
+        else:
+            validate_core(obj)
+        assert name == f"{obj['kind'].lower()}.yaml"
+
+
+def export(model: Path, out: Path, **kw: Any) -> dict[str, dict[str, Any]]:
+    options = plan_options({"ctx": kw.pop("ctx", 1024), "parallel": kw.pop("parallel", 2)})
+    request = ExportRequest(model=model, options=options, out=out, image="rpcfleet:test", **kw)
+    result = export_lws(request)
+    return {path.name: yaml.safe_load(path.read_text()) for path in result.files}
+
+
+def test_the_vendored_crd_is_lws_v0_10_0_with_its_licence() -> None:
+    assert hashlib.sha256(CRD.read_bytes()).hexdigest() == CRD_SHA256
+    assert "Apache License" in (CRD.parent / "LICENSE").read_text()
+    assert "v0.10.0" in (CRD.parent / "README.md").read_text()
+
+
+def test_a_cpu_export_validates_and_says_what_the_pods_run(tiny_model: Path, tmp_path: Path) -> None:
+    objects = export(tiny_model, tmp_path, node_memory=GiB, nodes_per_group=3, replicas=2)
+    validate_all(objects)
+    lws = objects["leaderworkerset.yaml"]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert lws["spec"]["replicas"] == 2 and template["size"] == 3
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    leader = template["leaderTemplate"]["spec"]
+    sidecar, init = leader["initContainers"]
+    assert sidecar["restartPolicy"] == "Always" and sidecar["command"][:3] == ["rpcfleet", "lws", "worker"]
+    assert init["command"][:3] == ["rpcfleet", "lws", "plan"]
+    (engine,) = leader["containers"]
+    assert engine["command"][:3] == ["rpcfleet", "lws", "serve"]
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert sidecar["livenessProbe"]["exec"]["command"][:3] == ["rpcfleet", "lws", "hello"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    assert worker["resources"]["limits"] == {"memory": "1024Mi"}  # the assumed node memory
+    assert "nvidia.com/gpu" not in str(objects)
+    config = objects["configmap.yaml"]["data"]
+    assert '"group_size": 3' in config["settings.json"] and '"n_layer"' in config["plan.json"]
+    service = objects["service.yaml"]
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+
+
+@pytest.mark.parametrize(("backend", "resource"), [("cuda", "nvidia.com/gpu"), ("rocm", "amd.com/gpu")])
+def test_a_gpu_export_asks_for_the_backends_gpu_resource(
+    tiny_model: Path, tmp_path: Path, backend: str, resource: str
+) -> None:
+    objects = export(tiny_model, tmp_path, node_memory=8 * GiB, backend=backend, namespace="llm")
+    validate_all(objects)
+    template = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]
+    sidecar = template["leaderTemplate"]["spec"]["initContainers"][0]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    for container in (sidecar, worker):
+        assert container["resources"]["limits"][resource] == "1"
+    assert all(obj["metadata"]["namespace"] == "llm" for obj in objects.values())
+
+
+def test_the_checks_fail_on_a_broken_manifest(tiny_model: Path, tmp_path: Path) -> None:
+    objects = export(tiny_model, tmp_path, node_memory=GiB)
+    lws = objects["leaderworkerset.yaml"]
+    typo = copy.deepcopy(lws)
+    container = typo["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    container["comand"] = container.pop("command")
+    with pytest.raises(jsonschema.ValidationError, match="comand"):
+        validate_lws(typo)
+    with pytest.raises(kubernetes_validate.ValidationError, match="comand"):
+        validate_core(list(pod_templates(typo))[1])
+    wrong = copy.deepcopy(lws)
+    wrong["spec"]["leaderWorkerTemplate"]["size"] = "three"
+    with pytest.raises(jsonschema.ValidationError, match="three"):
+        validate_lws(wrong)
+    policy = copy.deepcopy(lws)
+    policy["spec"]["startupPolicy"] = "WorkersFirst"
+    with pytest.raises(jsonschema.ValidationError, match="WorkersFirst"):
+        validate_lws(policy)
+    service = copy.deepcopy(objects["service.yaml"])
+    service["spec"]["ports"][0]["port"] = "http"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_core(service)
+
+
+def rpcfleet(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package, from any folder
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_command_writes_the_three_files(tiny_model: Path, tmp_path: Path) -> None:
+    done = rpcfleet(
+        "export", "lws", "-m", str(tiny_model), "--node-memory", "1GiB", "-o", "k8s", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == [
+        "configmap.yaml",
+        "leaderworkerset.yaml",
+        "service.yaml",
+    ]
+    assert "1 group(s) of 1 pod(s)" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--node-memory", "8GiB", "--backend", "vulkan"], "backend vulkan has no known GPU resource name"),
+        (["--node-memory", "300MiB"], "fits no group of up to 15 pods of 300.00 MiB"),
+        (["--node-memory", "100MiB", "--nodes-per-group", "1"], "fits no group of 1 pod(s) of 100.00 MiB"),
+        (["--node-memory", "1GiB", "--name", "Not_A_Label"], "--name 'Not_A_Label': not a DNS label"),
+        (["--node-memory", "1GiB", "--chat-template", "nosuch"], "--chat-template nosuch"),
+        (["--node-memory", "lots"], "--node-memory"),
+        (["--node-memory", "1GiB", "--nodes-per-group", "16"], "--nodes-per-group"),
+    ],
+)
+def test_bad_input_is_a_clear_error_with_exit_status_2(
+    sparse_or_tiny: Path, tmp_path: Path, extra: list[str], says: str
+) -> None:
+    done = rpcfleet("export", "lws", "-m", str(sparse_or_tiny), "-o", "k8s", *extra, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "k8s").exists()
+
+
+@pytest.fixture
+def sparse_or_tiny(tiny_model_factory: Any) -> Path:
+    """A small llama whose output layer alone is larger than 100 MiB (so that 300 MiB pods with the
+    256 MiB margin hold no group): 32k vocabulary at n_embd 2048, f16."""
+    path: Path = tiny_model_factory(n_vocab=32000, n_embd=2048, n_head=16, n_head_kv=16, n_layer=2)
+    return path
+
+
+def test_a_model_that_is_not_there_is_named(tmp_path: Path) -> None:
+    done = rpcfleet("export", "lws", "-m", "nope.gguf", "--node-memory", "1GiB", "-o", "k8s", cwd=tmp_path)
+    assert done.returncode == 2 and "model nope.gguf does not exist" in done.stderr
+
+
+def test_the_command_lines_constants_are_the_stages() -> None:
+    """cli/ repeats two constants to stay light at start-up; they must be the stage's."""
+    from orchestrator.cli import export as export_cli
+    from orchestrator.cli import lws as lws_cli
+    from orchestrator.kube import group
+
+    assert export_cli.BACKENDS == group.BACKENDS
+    assert lws_cli.RPC_PORT == group.RPC_PORT

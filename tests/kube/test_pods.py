@@ -1,0 +1,159 @@
+"""The pods' entry points without a lab: the LWS variables and the workers' names they imply, the
+decision to plan again, and the leader's init step against a real rpc-server on loopback (a group of
+one: the leader's own server, which a pod reaches at 127.0.0.1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.errors import InputError
+from orchestrator.kube.export import ExportRequest, export_lws
+from orchestrator.kube.group import GroupSettings, differences, measured_devices
+from orchestrator.kube.lws_env import group_addresses, read_lws_env, worker_address
+from orchestrator.kube.pods import plan_step, read_leader_args
+from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult
+from orchestrator.workflows.options import plan_options
+from tests.plugins.servers import LocalServer
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 1 << 30
+LWS = {"LWS_LEADER_ADDRESS": "gemma-2.gemma.llm", "LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": "0"}
+
+
+def test_the_workers_are_named_as_the_lws_headless_service_names_them() -> None:
+    lws = read_lws_env(LWS)
+    assert lws.is_leader and lws.group_size == 3
+    assert group_addresses(lws) == ["127.0.0.1", "gemma-2-1.gemma.llm", "gemma-2-2.gemma.llm"]
+    assert worker_address("solo-0", 4) == "solo-0-4"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"LWS_LEADER_ADDRESS": ""}, "LWS_LEADER_ADDRESS is not set"),
+        ({"LWS_GROUP_SIZE": "three"}, "LWS_GROUP_SIZE='three' is not a whole number"),
+        ({"LWS_WORKER_INDEX": "3"}, "LWS_WORKER_INDEX=3 is not below LWS_GROUP_SIZE=3"),
+        ({"LWS_LEADER_ADDRESS": "10.0.0.1:80"}, "is not a DNS name"),
+    ],
+)
+def test_a_bad_lws_variable_is_named(change: dict[str, str], says: str) -> None:
+    with pytest.raises(InputError, match=says.replace("(", r"\(")):
+        read_lws_env({**LWS, **change})
+
+
+def _result(endpoint: str, *free: int) -> ProbeResult:
+    devices = tuple(DeviceMemory(i, f, f) for i, f in enumerate(free))
+    return ProbeResult(endpoint, Outcome.OK, None, devices, "ok", 0.0)
+
+
+def test_a_cpu_pod_is_capped_at_its_limit_and_a_gpu_pod_differs_by_its_own_figure() -> None:
+    cpu = GroupSettings("m", 2, "cpu", 8 * GiB, "m.gguf")
+    devices = measured_devices([_result("a:1", 64 * GiB), _result("b:1", 64 * GiB)], cpu)
+    assert [d.usable for d in devices] == [8 * GiB, 8 * GiB]  # the node's RAM, within the pod's limit
+    assert differences(devices, cpu) == []
+    small = measured_devices([_result("a:1", 64 * GiB), _result("b:1", 6 * GiB)], cpu)
+    assert differences(small, cpu) == ["b:1#0 may use 6.00 GiB, the plan assumed 8.00 GiB"]
+    gpu = dataclasses.replace(cpu, backend="cuda", node_memory=24 * GiB)
+    found = measured_devices([_result("a:1", 22 * GiB), _result("b:1", 24 * GiB, 24 * GiB)], gpu)
+    assert differences(found, gpu) == [
+        "a:1#0 may use 22.00 GiB, the plan assumed 24.00 GiB",
+        "b:1 reports 2 devices, the plan assumed 1",
+    ]
+    assert differences(found[:1], gpu)[0] == "1 server(s) answer, the plan assumed 2"
+
+
+def test_a_settings_file_that_is_wrong_is_named() -> None:
+    with pytest.raises(InputError, match=r"cfg/settings.json: invalid group_size=0"):
+        GroupSettings.from_text(
+            json.dumps(GroupSettings("m", 0, "cpu", GiB, "m.gguf").to_json()), "cfg/settings.json"
+        )
+    with pytest.raises(InputError, match=r"s.json: not JSON"):
+        GroupSettings.from_text("{", "s.json")
+    with pytest.raises(InputError, match=r"invalid model='../m.gguf'"):
+        GroupSettings.from_text(json.dumps(GroupSettings("m", 1, "cpu", GiB, "../m.gguf").to_json()), "s")
+
+
+def _config(model: Path, tmp_path: Path, node_memory: int, port: int) -> Path:
+    """The ConfigMap's files of an export of `model` for one pod, its server on `port`."""
+    result = export_lws(
+        ExportRequest(
+            model,
+            plan_options({"ctx": 512, "parallel": 3}),
+            node_memory,
+            tmp_path / "k8s",
+            image="i",
+            name="m",
+        )
+    )
+    import yaml
+
+    data = yaml.safe_load((tmp_path / "k8s" / "configmap.yaml").read_text())["data"]
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "plan.json").write_text(data["plan.json"])
+    settings = dataclasses.replace(result.spec.settings, rpc_port=port, wait_seconds=10)
+    (config / "settings.json").write_text(settings.to_text())
+    return config
+
+
+@pytest.mark.parametrize(("memory", "replanned"), [(GiB, False), (1 << 50, True)])
+def test_the_init_step_probes_the_group_and_plans_again_only_when_it_differs(
+    tiny_model: Path,
+    tmp_path: Path,
+    start_rpc_server: Callable[..., LocalServer],
+    memory: int,
+    replanned: bool,
+) -> None:
+    """A CPU server reports the machine's RAM: a 1 GiB pod (less than the RAM) is as the plan assumed and
+    the exported plan is kept; a 1 PiB one is not there, so the init step plans on what is."""
+    server = start_rpc_server()
+    config = _config(tiny_model, tmp_path, memory, server.port)
+    said: list[str] = []
+    env = {"LWS_LEADER_ADDRESS": "m-0.m.default", "LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"}
+    leader = plan_step(config, tiny_model.parent, env, said.append)
+    assert bool(leader.replanned) is replanned, said
+    assert leader.endpoints == (f"127.0.0.1:{server.port}",)
+    args = list(leader.args)
+    assert args[args.index("--rpc") + 1] == f"127.0.0.1:{server.port}"
+    assert args[args.index("-m") + 1] == str(tiny_model)
+    assert args[args.index("--host") + 1] == "0.0.0.0" and args[args.index("--port") + 1] == "8080"
+    assert args[args.index("--parallel") + 1] == "3"  # the export's slots
+    assert ("planned again" in " ".join(said)) is replanned, said
+
+
+def test_the_init_step_refuses_a_group_of_another_size_and_a_silent_server(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _config(tiny_model, tmp_path, GiB, 9)  # nothing listens on port 9
+    env = {"LWS_LEADER_ADDRESS": "m-0.m.default", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}
+    with pytest.raises(InputError, match=r"LWS_GROUP_SIZE=2, but .*settings.json plans a group of 1"):
+        plan_step(config, tiny_model.parent, env, print)
+    argv = [sys.executable, "-m", "orchestrator", "lws", "plan", "--config", str(config)]
+    argv += ["--models", str(tiny_model.parent), "--out", str(tmp_path / "args.json"), "--wait", "2"]
+    done = subprocess.run(
+        argv,
+        env={**os.environ, **env, "LWS_GROUP_SIZE": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "pod 0 did not answer within 2 s" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    with pytest.raises(InputError, match=r"args\.json: no list of arguments"):
+        (tmp_path / "args.json").write_text("{}")
+        read_leader_args(tmp_path / "args.json")
+
+
+def test_a_program_the_image_lacks_is_named(tmp_path: Path) -> None:
+    from orchestrator.kube.pods import run_worker
+
+    with pytest.raises(InputError, match=r"nosuch does not exist \(set RPCFLEET_RPC_SERVER"):
+        run_worker(50052, {"RPCFLEET_RPC_SERVER": str(tmp_path / "nosuch")}, print)
