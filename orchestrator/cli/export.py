@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common, _planning
+from orchestrator.cli import _inputs, _output, _parser, _planning
 from orchestrator.core import fields
 
 BACKENDS = ("cpu", "cuda", "rocm", "vulkan")  # orchestrator.kube.group.BACKENDS (tests/kube checks)
@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
     lws.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="where to write")
     lws.add_argument(
         "--node-memory",
-        type=_common.flag(fields.size),
+        type=_parser.flag(fields.size),
         required=True,
         metavar="SIZE",
         help="each pod's device: a GPU's memory, or a CPU pod's memory limit (8GiB, 24GB...)",
@@ -45,42 +45,22 @@ def register(subparsers: Any) -> None:
     )
     lws.add_argument(
         "--nodes-per-group",
-        type=_common.flag(fields.integer(minimum=1, maximum=15)),
+        type=_parser.flag(fields.integer(minimum=1, maximum=15)),
         default=None,
         metavar="K",
         help="pods per group (default: the fewest on which the model fits)",
     )
     lws.add_argument(
         "--replicas",
-        type=_common.flag(_planning.replicas),
+        type=_parser.flag(_planning.replicas),
         default="auto",
         metavar="auto|N",
         help="groups, each a copy of the model (default: auto = 1; `kubectl scale lws/NAME` for more)",
     )
-    lws.add_argument(
-        "--ctx",
-        type=_common.flag(fields.context),
-        default=4096,
-        help="context size, shared by the slots: 8192, 8k (default: 4096)",
-    )
-    lws.add_argument(
-        "--parallel",
-        "-np",
-        type=_common.flag(fields.integer(minimum=1, maximum=256)),
-        default=4,
-        metavar="N",
-        help="llama-server's slots (default: 4, as serve)",
-    )
-    _planning.add_kv_type_args(lws)
-    lws.add_argument(
-        "--flash-attn", "-fa", choices=_planning.FLASH_ATTN, default="auto", metavar="on|off|auto"
-    )
-    lws.add_argument(
-        "--margin",
-        type=_common.flag(fields.size),
-        default=None,
-        help="headroom kept free per device (default: 256MiB)",
-    )
+    from orchestrator.workflows.options import CTX, FLASH_ATTN, MARGIN, PARALLEL, TYPE_K, TYPE_V
+
+    # llama-server's slots: 4, as serve
+    _planning.add_options(lws, (CTX, PARALLEL, TYPE_K, TYPE_V, FLASH_ATTN, MARGIN), defaults={"parallel": 4})
     lws.add_argument("--name", default=None, help="the LeaderWorkerSet's name (default: from the model's)")
     lws.add_argument("--namespace", default=None, help="the objects' namespace (default: none set)")
     lws.add_argument("--image", default=None, help="the image (default: rpcfleet:VERSION-BACKEND)")
@@ -102,7 +82,7 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.kube.export import ExportRequest, export_lws
     from orchestrator.workflows.options import plan_options
 
-    _common.require_model(args.model)
+    _inputs.require_model(args.model)
     request = ExportRequest(
         model=args.model,
         options=plan_options(vars(args)),
@@ -121,7 +101,7 @@ def handle(args: argparse.Namespace) -> int:
     result = export_lws(request)
     spec, plan = result.spec, result.spec.plan
     settings = spec.settings
-    out = _common.console
+    out = _output.console
     out.print(
         f"{settings.name}: {spec.replicas} group(s) of {settings.group_size} pod(s), {settings.backend}, "
         f"{format_size(settings.node_memory)} each; context {plan.n_ctx}, {plan.options.parallel} slot(s)",

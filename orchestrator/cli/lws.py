@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli import _common
+from orchestrator.cli import _parser, _running
 from orchestrator.core import fields
 
 RPC_PORT = 50052  # orchestrator.kube.group.RPC_PORT
@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
         "lws", help="the entry points of the pods of `export lws` (LeaderWorkerSet)"
     )
     sub = parser.add_subparsers(dest="lws_command", metavar="STEP", required=True)
-    port = _common.flag(fields.port)
+    port = _parser.flag(fields.port)
 
     worker = sub.add_parser("worker", help="run this pod's rpc-server (every pod)")
     worker.add_argument("--port", type=port, default=RPC_PORT, help=f"its port (default: {RPC_PORT})")
@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
     plan.add_argument("--out", type=Path, required=True, help="where llama-server's arguments go (JSON)")
     plan.add_argument(
         "--wait",
-        type=_common.flag(fields.seconds),
+        type=_parser.flag(fields.seconds),
         default=None,
         metavar="SECONDS",
         help="how long to wait for the group's servers (default: the settings', 600 s)",
@@ -84,6 +84,6 @@ def handle_serve(args: argparse.Namespace) -> int:
 def handle_hello(args: argparse.Namespace) -> int:
     from orchestrator.kube.pods import ALIVE, hello
 
-    result = _common.run_async(hello(args.host, args.port))
+    result = _running.run_async(hello(args.host, args.port))
     _say(f"{args.host}:{args.port}: {result.outcome}: {result.message}")
     return 0 if result.outcome in ALIVE else 1

@@ -13,6 +13,7 @@ from orchestrator.workflows.options import OPTIONS, PLAN_OPTIONS, PROBE_OPTIONS,
 # What a command changes of a declared option, on purpose.
 CHANGED = {
     ("rpcfleet serve", "parallel"): {"default"},  # llama-server's slots: 4
+    ("rpcfleet export lws", "parallel"): {"default"},  # llama-server's slots: 4, as serve
     ("rpcfleet model info", "ctx"): {"default", "help"},  # optional: also show the KV cache at it
     ("rpcfleet report", "ctx"): {"default", "help"},  # several contexts, comma-separated or repeated
     ("rpcfleet exporter", "timeout"): {"help"},  # the exporter's rounds read over SSH more than facts
