@@ -184,6 +184,35 @@ def spawn_child(
     return on_spawner_thread(lambda: start(die_with_parent_now))
 
 
+async def process_ended(process: subprocess.Popen[Any], limit: float | None = None) -> int | None:
+    """Await a child's end without a thread (its pidfd is readable once it ended, Linux 5.3+): its
+    return code, reaped; None when it still runs after `limit` seconds."""
+    if process.poll() is not None:
+        return process.returncode
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except ProcessLookupError:  # reaped meanwhile
+        return process.wait()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    try:
+        loop.add_reader(pidfd, readable)
+        try:
+            await asyncio.wait_for(ended, limit)
+        except TimeoutError:
+            return None
+        finally:
+            loop.remove_reader(pidfd)
+    finally:
+        os.close(pidfd)
+    return process.wait()
+
+
 def on_spawner_thread(job: Callable[[], T]) -> T:
     """`job()` on the one long-lived thread that starts the children that die with their parent (the
     parent-death signal is the forking thread's: see the module), its result or exception returned here.

@@ -294,6 +294,17 @@ class Session:
         failed connect fails every later step on the host alike (`Shared`'s rule)."""
         return await self._connections.get(host.name, lambda: connect(host, self.options))
 
+    async def drop(self, host: Host) -> None:
+        """Forget the host's connection (closed, or its failed connect): the next step connects anew (a
+        long-lived session's way back to a host that was lost)."""
+        attempt = self._connections.forget(host.name)
+        if attempt is None:
+            return
+        if not attempt.done():
+            attempt.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await (await attempt).close()
+
     async def close(self) -> None:
         for conn in await self._connections.clear():
             await conn.close()

@@ -39,6 +39,10 @@ class Shared(Generic[K, T]):
             self._attempts[key] = attempt
         return await asyncio.shield(attempt)
 
+    def forget(self, key: K) -> asyncio.Future[T] | None:
+        """Forget one key (the next caller starts anew); its attempt, for the owner to release."""
+        return self._attempts.pop(key, None)
+
     async def clear(self) -> list[T]:
         """Forget every key: cancel the attempts still running, wait for them, and return the values of
         those that succeeded (for the owner to release, e.g. connections to close)."""
@@ -76,3 +80,28 @@ async def gather_bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int
             return await call()
 
     return list(await asyncio.gather(*(one(c) for c in calls)))
+
+
+class Pulse:
+    """A condition variable for one loop: `notify()` (from the loop's code) wakes every `wait`; a waiter
+    checks its condition, then waits (nothing runs in between on one loop, so no wake-up is missed)."""
+
+    def __init__(self) -> None:
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def notify(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self, limit: float | None = None) -> None:
+        """Until the next `notify`, or `limit` seconds (None: no limit)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait_for(waiter, limit)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(waiter)

@@ -1,5 +1,5 @@
 """The exporter's probe loop: one round every `interval` seconds, on the command's loop (`rpcfleet
-exporter`: beside its HTTP server) or on a `LoopThread` of the runtime's (`serve`'s fleet view).
+exporter` and `serve`: beside the HTTP server) or on a `LoopThread` of the runtime's (`start`).
 
 A round reads each node over its SSH connection (kept open from round to round; a round with an
 unreachable host opens fresh ones next time), in one round trip: the server's state as `rpcfleet status`

@@ -1,11 +1,13 @@
-"""`rpcfleet serve`: the OpenAI API on a fleet, through llama-server (stage after playbooks).
+"""The serving machinery a formation is made of (stage below workflows: `workflows/serve.py` composes
+it), all of it on the one loop that serves: no thread here.
 
-`fleet` (hosts → endpoints, probe and plan, rolling restart), `engine` (llama-server on a plan, behind the
-`Engine` interface), `templates` (the chat template it uses), `backend` (one formation: slots, queue,
-recovery, rejoin, reload), `spares` (the servers no formation holds; which servers hold which copy of
-which model is decided in planning.formations),
-`models_file` (serve's --models), `router` (the formations behind the front: which one takes a request),
-`metrics` (counters, Prometheus text), `upstream` (the HTTP client to the engine), `requests` (the OpenAI
-request bodies), `app` (FastAPI routes; imports fastapi, so only `serve` loads it). No module here imports
-llama_cpp.
+`fleet` (what a formation needs of its fleet: `workflows.serving.ServeFleet` is the real one), `engine`
+(llama-server on a plan, behind the `Engine` interface), `templates` (the chat template it uses),
+`backend` (one formation: slots, queue, recovery, rejoin, reload), `pool` and `spares` (the servers no
+formation holds, and their watch; which servers hold which copy of which model is decided in
+planning.formations), `models_file` (serve's --models), `router` (the formations behind the front: which
+one takes a request), `metrics` (counters, Prometheus text), `upstream` (the one HTTP client to the
+engines), `requests` (the OpenAI request bodies), `routes` (the OpenAI routes: Router → formation →
+engine), `app` (the front: keys, health, metrics, admin; imports fastapi, so only `serve` loads it),
+`observed` (the formations as the fleet exporter shows them). No module here imports llama_cpp.
 """

@@ -30,20 +30,21 @@ answering once.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.engine.threads import start_thread
+from orchestrator.engine.shared import Pulse
 from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan
-from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, default_engines, lost_message
+from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, lost_message
 from orchestrator.serve.fleet import FormationFleet, Round
 from orchestrator.serve.metrics import Metrics, Recovery, Rejoin
 
@@ -103,9 +104,9 @@ class Running:
     engine: Engine
     plan: Plan
     stopping: bool = False  # stopped on purpose (reload, rejoin, shutdown): no recovery
-    busy: int = 0  # requests holding one of its slots (under the backend's condition)
+    busy: int = 0  # requests holding one of its slots
     failure: Failure | None = None
-    ended: threading.Event = field(default_factory=threading.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(eq=False)
@@ -126,21 +127,13 @@ class Backend:
         self,
         fleet: FormationFleet,
         config: ServeConfig,
-        engines: EngineFactory | None = None,
+        engines: EngineFactory,
         metrics: Metrics | None = None,
     ) -> None:
-        """`engines` makes the engine for a plan (default: llama-server, `engine.default_engines`)."""
+        """`engines` makes the engine for a plan (llama-server: `engine.default_engines`). Everything
+        runs on the loop that serves: `start` there, the rest from its tasks and routes."""
         self.fleet = fleet
         self.config = config
-        if engines is None:
-            from pathlib import Path
-
-            engines, _template = default_engines(
-                fleet.model_path,
-                Path(fleet.model_path).stem,
-                parallel=config.parallel,
-                link_timeout=config.link_timeout,
-            )
         self.engines = engines
         self.metrics = metrics or Metrics()
         self.state = "loading"
@@ -160,32 +153,51 @@ class Backend:
         self.skipped: dict[str, int] = {}  # per endpoint, bytes of cache hits of the load under way
         self.template: dict[str, Any] | None = None  # the chat template in use (for /health)
         self._running: Running | None = None
-        self._cond = threading.Condition()
+        self._changed = Pulse()  # wakes the requests waiting for a slot, and a drain, on every change
         self._admitted = 0  # requests admitted (served and waiting)
         self._hold = 0  # a rejoin holds the slots: none is given out
-        self._control = threading.Lock()  # one load, recovery or reload at a time
-        self._stopping = threading.Event()
+        self._control = asyncio.Lock()  # one load, recovery or reload at a time
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()  # its work in flight: loads, watches, reloads
         self.rejoining: dict[str, Any] | None = None  # the rejoin under way: endpoints, phase
         self._declined: set[str] = set()  # answered, yet a rejoin's plan left them out
         self._last_answer = time.monotonic()
 
     # -- life
-    def start(self, plan: Plan | None = None) -> threading.Thread:
-        """Load `plan` (default: probe and plan) in a thread (`loading` meanwhile); should that load fail,
-        the thread goes on as a recovery does. It ends serving, or `failed`."""
-        thread = start_thread(self._first_load, plan, name="serve-load")
+    def start(self, plan: Plan | None = None) -> asyncio.Task[None]:
+        """Load `plan` (default: probe and plan) in a task (`loading` meanwhile); should that load fail,
+        the task goes on as a recovery does. It ends serving, or `failed`. On the serving loop."""
+        task = self.spawn(self._first_load(plan), "serve-load")
         if self.config.rejoin_interval > 0:
-            start_thread(self._watch, name="serve-watch")
-        return thread
+            self.spawn(self._watch(), "serve-watch")
+        return task
 
-    def stop(self) -> None:
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """`work` as a task of this backend's (cancelled by `stop`); its failure is logged."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+
+        def done(finished: asyncio.Task[Any]) -> None:
+            self._tasks.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                get_logger().error("serve_task_failed", task=name, error=repr(finished.exception()))
+
+        task.add_done_callback(done)
+        return task
+
+    async def stop(self) -> None:
+        """Stop: its tasks cancelled (a load under way kills its engine), the engine closed."""
         self._stopping.set()
-        with self._cond:
-            running, self._running = self._running, None
-            self._cond.notify_all()
+        running, self._running = self._running, None
+        self._changed.notify()
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if running is not None:
             running.stopping = True
-            running.engine.close()
+            await running.engine.close()
+            running.ended.set()
 
     @property
     def engine(self) -> Engine | None:
@@ -198,10 +210,7 @@ class Backend:
         return engine.pid if engine is not None else None
 
     def health(self) -> dict[str, Any]:
-        with self._cond:  # one snapshot: a state change (under `_cond`) shows whole or not at all
-            return self._health()
-
-    def _health(self) -> dict[str, Any]:
+        """One snapshot (one loop: a state change shows whole or not at all)."""
         plan = self.plan
         last = self.metrics.recoveries[-1] if self.metrics.recoveries else None
         rejoin = self.metrics.rejoins[-1] if self.metrics.rejoins else None
@@ -251,16 +260,15 @@ class Backend:
     # -- requests
     def admit(self) -> Ticket:
         """Admit a request (or raise Rejected: 503 when not serving, 429 when the queue is full)."""
-        with self._cond:
-            if self.state not in SERVING:
-                raise Rejected(503, self._unavailable(), self.config.retry_after)
-            if self._admitted >= self.config.queue_size + self.config.parallel:
-                raise Rejected(
-                    429,
-                    f"the queue is full ({self.config.queue_size} waiting and {self.config.parallel} served)",
-                )
-            self._admitted += 1
-            return Ticket()
+        if self.state not in SERVING:
+            raise Rejected(503, self._unavailable(), self.config.retry_after)
+        if self._admitted >= self.config.queue_size + self.config.parallel:
+            raise Rejected(
+                429,
+                f"the queue is full ({self.config.queue_size} waiting and {self.config.parallel} served)",
+            )
+        self._admitted += 1
+        return Ticket()
 
     @property
     def _busy(self) -> int:
@@ -281,49 +289,47 @@ class Backend:
         why = f": {self.reason}" if self.reason else ""
         return f"the model is {self.state}{why}"
 
-    def acquire(self, ticket: Ticket) -> Running | Failure:
+    async def acquire(self, ticket: Ticket) -> Running | Failure:
         """Wait (at most `queue_timeout`) for a slot of a serving engine: the engine to send the request
-        to, or the Failure to answer. Blocking: call it from a thread."""
+        to, or the Failure to answer."""
         deadline = ticket.admitted + self.config.queue_timeout
-        with self._cond:
-            while True:
-                # A drain serves what it admitted, those waiting for a slot too.
-                if self.state not in (*SERVING, "draining"):
-                    return Failure(
-                        503, self._unavailable(), "unavailable", retry_after=self.config.retry_after
-                    )
-                running = self._running
-                if running is not None and not self._hold and running.busy < self.config.parallel:
-                    running.busy += 1
-                    ticket.running = running
-                    return running
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return Failure(
-                        503,
-                        f"waited {self.config.queue_timeout:g} s for a slot",
-                        "unavailable",
-                        retry_after=self.config.retry_after,
-                    )
-                self._cond.wait(left)
+        while True:
+            # A drain serves what it admitted, those waiting for a slot too.
+            if self.state not in (*SERVING, "draining"):
+                return Failure(503, self._unavailable(), "unavailable", retry_after=self.config.retry_after)
+            running = self._running
+            if running is not None and not self._hold and running.busy < self.config.parallel:
+                running.busy += 1
+                ticket.running = running
+                return running
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Failure(
+                    503,
+                    f"waited {self.config.queue_timeout:g} s for a slot",
+                    "unavailable",
+                    retry_after=self.config.retry_after,
+                )
+            await self._changed.wait(left)
 
     def release(self, ticket: Ticket) -> None:
         """The request is over (answered, failed or gone): its slot and its place in the queue."""
-        with self._cond:
-            if ticket.running is not None:
-                ticket.running.busy -= 1
-                ticket.running = None
-            self._admitted -= 1
-            self._cond.notify_all()
+        if ticket.running is not None:
+            ticket.running.busy -= 1
+            ticket.running = None
+        self._admitted -= 1
+        self._changed.notify()
 
     def answered(self) -> None:
         """The engine answered something (the detection time of a loss counts from the last answer)."""
         self._last_answer = time.monotonic()
 
-    def failure_of(self, running: Running, error: str) -> Failure:
+    async def failure_of(self, running: Running, error: str) -> Failure:
         """A request's connection to the engine broke (`error`): the engine's end as its watch diagnosed
         it (the lost nodes named), waiting for that diagnosis at most `diagnose_timeout`."""
-        if not running.ended.wait(self.config.diagnose_timeout):
+        try:
+            await asyncio.wait_for(running.ended.wait(), self.config.diagnose_timeout)
+        except TimeoutError:
             return Failure(502, f"the engine broke the request off: {error}", "server_error")
         failure = running.failure
         if failure is None:  # stopped on purpose under the request (a drain past its timeout)
@@ -334,77 +340,75 @@ class Backend:
         """A request got nothing from the engine for `event_timeout`: the engine is stuck, end it (its
         watch diagnoses and recovers)."""
         get_logger().warning("serve_engine_stalled", pid=running.engine.pid)
-        running.engine.kill()
+        self.spawn(running.engine.kill(), "serve-kill-stalled")
 
     # -- the engine's end
-    def _watch_engine(self, running: Running) -> None:
-        how = running.engine.wait()
+    async def _watch_engine(self, running: Running) -> None:
+        how = await running.engine.wait()
         if running.stopping or self._stopping.is_set():
             running.ended.set()
             return
         detection = time.monotonic() - self._last_answer
-        lost = running.engine.diagnose()
+        lost = await running.engine.diagnose()
         message = lost_message(lost, "serving", how)
         endpoints = tuple(ep for ep, _ in lost)
         failure = Failure(
             503, message, "node_lost" if endpoints else "server_error", endpoints, self.config.retry_after
         )
-        with self._cond:
-            running.failure = failure
-            if self._running is running:
-                self._running = None
-                self.state = "recovering"
-                self.lost = endpoints
-                self.reason = message
-                for ep in endpoints:
-                    self.nodes[ep] = "lost"
-            self._cond.notify_all()
+        running.failure = failure
+        if self._running is running:
+            self._running = None
+            self.state = "recovering"
+            self.lost = endpoints
+            self.reason = message
+            for ep in endpoints:
+                self.nodes[ep] = "lost"
+        self._changed.notify()
         running.ended.set()
         tail = running.engine.log_tail()
         get_logger().warning("serve_node_lost", lost=list(endpoints), error=message, engine_log=tail)
-        self._recover((endpoints, detection, time.time()))
+        await self._recover((endpoints, detection, time.time()))
 
     # -- recovery and reload
-    def _first_load(self, plan: Plan | None) -> None:
+    async def _first_load(self, plan: Plan | None) -> None:
         if plan is not None:
-            with self._control:
-                if self._load(plan):
+            async with self._control:
+                if await self._load(plan):
                     return
-        self._recover(None)
+        await self._recover(None)
 
-    def _recover(self, lost: tuple[tuple[str, ...], float, float] | None) -> None:
+    async def _recover(self, lost: tuple[tuple[str, ...], float, float] | None) -> None:
         """Probe, plan and load until serving (bounded by recover_timeout); `lost`: after a loss."""
-        with self._control:
+        async with self._control:
             started = time.monotonic()
             replan = 0.0
             while not self._stopping.is_set():
                 if self.state in SERVING:  # another recovery (a reload's) got there first
                     return
                 round_started = time.monotonic()
-                result = self._plan_round()
+                result = await self._plan_round()
                 plan = result.fitting
+                replan += time.monotonic() - round_started
                 if plan is not None:
-                    replan += time.monotonic() - round_started
                     record = None
                     if lost is not None:
                         record = functools.partial(
                             self._record_recovery, lost, replan, time.monotonic(), started
                         )
-                    if self._load(plan, before_serving=record):
+                    if await self._load(plan, before_serving=record):
                         return
                 else:
-                    replan += time.monotonic() - round_started
                     self.reason = f"waiting for the fleet: {result.reason}"
                 if time.monotonic() - started > self.config.recover_timeout:
-                    with self._cond:
-                        self.state = "failed"
-                        self.reason = f"gave up after {self.config.recover_timeout:g} s: {self.reason}"
-                        self._cond.notify_all()
+                    self.state = "failed"
+                    self.reason = f"gave up after {self.config.recover_timeout:g} s: {self.reason}"
+                    self._changed.notify()
                     get_logger().error("serve_failed", reason=self.reason)
                     if self.on_failed is not None:
                         self.on_failed()
                     return
-                self._stopping.wait(self.config.retry_interval)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self.config.retry_interval)
 
     def _record_recovery(
         self, lost: tuple[tuple[str, ...], float, float], replan: float, load_started: float, started: float
@@ -421,20 +425,20 @@ class Backend:
             )
         )
 
-    def _plan_round(self, *, spare: bool = True) -> Round:
+    async def _plan_round(self, *, spare: bool = True) -> Round:
         try:
-            result = self.fleet.plan_round(spare=spare)
+            result = await self.fleet.plan_round(spare=spare)
         except RpcfleetError as exc:
             return NoRound(dict(self.nodes), exc.message)
         self.nodes = {ep: result.states.get(ep, "unknown") for ep in self.fleet.endpoints}
         return result
 
-    def _load(self, plan: Plan, before_serving: Callable[[], None] | None = None) -> bool:
+    async def _load(self, plan: Plan, before_serving: Callable[[], None] | None = None) -> bool:
         """Check the caches, start the engine on `plan` and serve it; `before_serving` runs just before
         the new state shows (a recovery's record, so that /health never shows one without the other)."""
         started = time.monotonic()
         try:
-            prep = self.fleet.prepare_cache(plan)
+            prep = await self.fleet.prepare_cache(plan)
         except RpcfleetError as exc:  # a truncated cache file: refused before llama.cpp reads it
             self.reason = f"loading failed: {exc}"
             get_logger().warning("serve_load_failed", error=str(exc))
@@ -448,54 +452,56 @@ class Backend:
             self.reason = f"loading failed: {exc.message}"
             return False
         try:
-            seconds = engine.load(self.config.load_timeout, self._progress, self.skipped)
+            seconds = await engine.load(self.config.load_timeout, self._progress, self.skipped)
         except RpcfleetError as exc:
-            engine.kill()
+            await engine.kill()
             self.reason = f"loading failed: {exc.message}"
             get_logger().warning("serve_load_failed", error=exc.message, engine_log=exc.stderr_tail)
             return False
         finally:
             self.load_progress = None
         running = Running(engine, plan)
-        self._stop_engine()  # none should be left; never two
+        await self._stop_engine()  # none should be left; never two
         if self._stopping.is_set():
             running.stopping = True
-            engine.close()
+            await engine.close()
             return True
-        with self._cond:
-            if before_serving is not None:
-                before_serving()
-            self._running = running
-            self.plan = plan
-            self.load_seconds = round(seconds, 3)
-            for ep in plan.endpoints:
-                self.nodes[ep] = "serving"
-            self.lost = tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
-            self.state = "degraded" if self.lost else "ready"
-            self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
-            self._cond.notify_all()
-        start_thread(self._watch_engine, running, name="serve-engine")
+        if before_serving is not None:
+            before_serving()
+        self._running = running
+        self.plan = plan
+        self.load_seconds = round(seconds, 3)
+        for ep in plan.endpoints:
+            self.nodes[ep] = "serving"
+        self.lost = tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
+        self.state = "degraded" if self.lost else "ready"
+        self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
+        self._changed.notify()
+        self.spawn(self._watch_engine(running), "serve-engine")
         get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=engine.pid)
         if self.on_loaded is not None:
             self.on_loaded(plan, {**phases, "load": time.monotonic() - started})
         return True
 
-    def _stop_engine(self) -> None:
+    async def _stop_engine(self) -> None:
         """Stop the engine on purpose (its watch starts no recovery). Under `_control`."""
-        with self._cond:
-            running, self._running = self._running, None
+        running, self._running = self._running, None
         if running is not None:
             running.stopping = True
-            running.engine.close()
+            await running.engine.close()
             running.ended.set()
 
     # -- the watch of the nodes left out, and their rejoin
-    def _watch(self) -> None:
+    async def _watch(self) -> None:
         """Every `rejoin_interval` seconds until stopped: one watch round (bounded by the probe's
         timeout), and a rejoin when a node left out answers."""
-        while not self._stopping.wait(self.config.rejoin_interval):
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.rejoin_interval)
+            if self._stopping.is_set():
+                return
             try:
-                self._watch_round()
+                await self._watch_round()
             except Exception as exc:  # one failed round must not end the watch
                 get_logger().warning("serve_watch_failed", error=repr(exc))
 
@@ -505,27 +511,26 @@ class Backend:
             return ()
         return tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
 
-    def _watch_round(self) -> None:
+    async def _watch_round(self) -> None:
         left_out = self._left_out()
         if not left_out:
             return
         try:
-            states = self.fleet.watch(left_out)
+            states = await self.fleet.watch(left_out)
         except RpcfleetError as exc:
             get_logger().warning("serve_watch_failed", error=exc.message)
             return
-        with self._cond:
-            if self._left_out() != left_out:  # a recovery or reload ran meanwhile: its states are newer
-                return
-            for ep in left_out:
-                self.nodes[ep] = states.get(ep, "unknown")
+        if self._left_out() != left_out:  # a recovery or reload ran meanwhile: its states are newer
+            return
+        for ep in left_out:
+            self.nodes[ep] = states.get(ep, "unknown")
         answering = {ep for ep in left_out if states.get(ep) == "ok"}
         self._declined &= answering  # one that stopped answering is tried again when it is back
         back = tuple(ep for ep in left_out if ep in answering and ep not in self._declined)
         if back:
-            self._rejoin(back)
+            await self._rejoin(back)
 
-    def _rejoin(self, back: tuple[str, ...]) -> None:
+    async def _rejoin(self, back: tuple[str, ...]) -> None:
         """Take the nodes back: stop the engine, re-plan on every node that answers and start it again (a
         failed load goes on as a recovery). Meanwhile, when another formation of the model serves
         (`others_serving`), this one is out of the router as in a reload (it serves what it admitted, then
@@ -534,63 +539,62 @@ class Backend:
         to the pool."""
         started = time.monotonic()
         get_logger().info("serve_rejoin_waiting", back=list(back))
-        with self._cond:
-            # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
-            if self.state != "degraded" or self._stopping.is_set() or not self._control.acquire(False):
-                return
-            out = self.others_serving is not None and self.others_serving()
-            self.rejoining = {"back": list(back), "phase": "waiting for the engine"}
-            if out:
-                self.state, self.reason = "draining", f"taking back {', '.join(back)}"
-            else:
-                self._hold += 1
-            waiting = "draining" if out else "degraded"
-            deadline = time.monotonic() + self.config.queue_timeout
+        # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
+        if self.state != "degraded" or self._stopping.is_set() or self._control.locked():
+            return
+        await self._control.acquire()  # free: taken at once, nothing ran in between
+        out = self.others_serving is not None and self.others_serving()
+        self.rejoining = {"back": list(back), "phase": "waiting for the engine"}
+        if out:
+            self.state, self.reason = "draining", f"taking back {', '.join(back)}"
+        else:
+            self._hold += 1
+        waiting = "draining" if out else "degraded"
+        deadline = time.monotonic() + self.config.queue_timeout
 
-            def pending() -> int:
-                return self._admitted if out else self._busy
+        def pending() -> int:
+            return self._admitted if out else self._busy
 
-            self._cond.notify_all()
-            while pending() and time.monotonic() < deadline and self.state == waiting:
-                self._cond.wait(max(0.0, deadline - time.monotonic()))
-            if pending() or self.state != waiting:  # the engine was lost meanwhile, or never idle
-                self.rejoining = None
-                if out and self.state == "draining":
-                    self.state, self.reason = "degraded", self._left_out_reason()
-                if not out:
-                    self._hold -= 1
-                self._cond.notify_all()
-                self._control.release()
-                return
-            self.rejoining = {"back": list(back), "phase": "loading"}
-            if out:
-                self.state = "recovering"  # out of the router until it serves again
+        self._changed.notify()
+        while pending() and time.monotonic() < deadline and self.state == waiting:
+            await self._changed.wait(max(0.0, deadline - time.monotonic()))
+        if pending() or self.state != waiting:  # the engine was lost meanwhile, or never idle
+            self.rejoining = None
+            if out and self.state == "draining":
+                self.state, self.reason = "degraded", self._left_out_reason()
+            if not out:
+                self._hold -= 1
+            self._changed.notify()
+            self._control.release()
+            return
+        self.rejoining = {"back": list(back), "phase": "loading"}
+        if out:
+            self.state = "recovering"  # out of the router until it serves again
         idle = time.monotonic() - started
         loaded = False
         try:
-            self._stop_engine()
-            result = self._own_round(back) or self._plan_round()
+            await self._stop_engine()
+            result = await self._own_round(back) or await self._plan_round()
             record = functools.partial(self._record_rejoin, back, idle, time.monotonic())
             plan = result.fitting
-            loaded = plan is not None and self._load(plan, before_serving=record)
+            loaded = plan is not None and await self._load(plan, before_serving=record)
             if loaded and plan is not None:
                 self._declined |= {ep for ep in back if ep not in plan.endpoints}
             elif plan is None:
                 self.reason = f"waiting for the fleet: {result.reason}"
         finally:
-            with self._cond:
-                self.rejoining = None
-                if not out:
-                    self._hold -= 1
-                if not loaded:
-                    self.state = "recovering"  # the requests waiting for a slot get 503
-                self._cond.notify_all()
+            self.rejoining = None
+            if not out:
+                self._hold -= 1
+            if not loaded:
+                self.state = "recovering"  # the requests waiting for a slot get 503
+            self._changed.notify()
             self._control.release()
         if not loaded:
             get_logger().warning("serve_rejoin_failed", back=list(back), reason=self.reason)
-            self._recover(None)
+            await self._recover(None)
 
-    def _own_round(self, back: tuple[str, ...]) -> Round | None:
+    async def _own_round(self, back: tuple[str, ...]) -> Round | None:
         """When this formation took spares and a node of its own is back: a round on its own nodes only;
         if the model fits there, the spares go back to the pool (the engine holding them is stopped). None:
         no spare taken, or its own nodes do not hold the model (it keeps the spares)."""
@@ -598,13 +602,12 @@ class Backend:
         if not borrowed or all(ep in borrowed for ep in back):
             return None
         laid = self.fleet.lay_down_borrowed()
-        result = self._plan_round(spare=False)
+        result = await self._plan_round(spare=False)
         if result.fitting is None:
             self.fleet.keep_borrowed(laid)
             return None
-        with self._cond:
-            for host in laid:
-                self.nodes.pop(host.endpoint, None)
+        for host in laid:
+            self.nodes.pop(host.endpoint, None)
         self.fleet.give_back(laid)
         return result
 
@@ -612,8 +615,8 @@ class Backend:
         return f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
 
     def _record_rejoin(self, back: tuple[str, ...], idle: float, load_started: float) -> None:
-        """Just before the new state shows (under `_cond`): the rejoin is over and recorded, so /health
-        never shows the new plan with the rejoin still under way."""
+        """Just before the new state shows: the rejoin is over and recorded, so /health never shows the
+        new plan with the rejoin still under way."""
         self.rejoining = None
         self.metrics.record_rejoin(
             Rejoin(
@@ -632,37 +635,30 @@ class Backend:
             except Exception as exc:  # a display's bug must not stop the load (nor leave us recovering)
                 get_logger().warning("serve_progress_failed", error=repr(exc))
 
-    def reload(self, *, rolling_restart: bool = False, wait: bool = False) -> threading.Thread:
+    async def reload(self, *, rolling_restart: bool = False) -> None:
         """Drain (admitted requests finish, new ones get 503), stop the engine, optionally restart every
-        node one at a time (`restart --rolling`), re-plan and start it. In a thread; `wait` joins it."""
-        thread = start_thread(self._reload, rolling_restart, name="serve-reload")
-        if wait:
-            thread.join()
-        return thread
-
-    def _reload(self, rolling_restart: bool) -> None:
-        with self._control:
+        node one at a time (`restart --rolling`), re-plan and start it; returns once it serves again (or
+        gave up)."""
+        async with self._control:
             self.metrics.record_reload()
-            with self._cond:
-                self.state, self.reason = "draining", "reloading"
-                self._cond.notify_all()
-                deadline = time.monotonic() + self.config.drain_timeout
-                while self._admitted and time.monotonic() < deadline:
-                    self._cond.wait(max(0.0, deadline - time.monotonic()))
-                self.state = "recovering"
-                self._cond.notify_all()
+            self.state, self.reason = "draining", "reloading"
+            self._changed.notify()
+            deadline = time.monotonic() + self.config.drain_timeout
+            while self._admitted and time.monotonic() < deadline:
+                await self._changed.wait(max(0.0, deadline - time.monotonic()))
+            self.state = "recovering"
+            self._changed.notify()
             # a request still admitted past the drain timeout is ended by the stop (a 503)
-            self._stop_engine()
+            await self._stop_engine()
             if rolling_restart:
                 self.reason = "rolling restart of the fleet"
-                failed = self.fleet.rolling_restart()
+                failed = await self.fleet.rolling_restart()
                 if failed:
                     get_logger().warning("serve_rolling_restart_failed", failed=failed)
                     self.reason = f"rolling restart failed: {'; '.join(failed)}"
-        self._recover(None)
+        await self._recover(None)
 
     # -- the engine's counters
     def engine_states(self) -> Mapping[str, Any]:
         """Slots and queue as the backend sees them (for /metrics)."""
-        with self._cond:
-            return {"admitted": self._admitted, "served": self._busy, "parallel": self.config.parallel}
+        return {"admitted": self._admitted, "served": self._busy, "parallel": self.config.parallel}

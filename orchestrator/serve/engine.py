@@ -19,19 +19,17 @@ their sockets are found, tuned and measured with `engine.children` too, as the w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-import httpx
 
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
@@ -41,18 +39,18 @@ from orchestrator.engine.children import (
     connections_to,
     exit_description,
     peers_of,
+    process_ended,
     socket_bytes_acked,
     spawn_child,
     tune_socket,
 )
-from orchestrator.engine.runtime import run_sync
-from orchestrator.engine.threads import start_thread
 from orchestrator.llama.worker.load_progress import LoadProgress, ProgressTracker, planned_bytes
 from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.records import Outcome, ProbeResult, parse_endpoint
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
+from orchestrator.serve.upstream import Upstream, UpstreamError
 
 DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see docs/serve.md
 LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
@@ -97,26 +95,27 @@ class Engine(Protocol):
     @property
     def log_path(self) -> Path | None: ...
 
-    def load(
+    async def load(
         self,
-        timeout: float,
+        limit: float,
         on_progress: Callable[[LoadProgress], None] | None,
         cache_hits: Mapping[str, int],
     ) -> float:
-        """Start and wait until it serves (returns the seconds it took); EngineError naming lost nodes."""
+        """Start and wait until it serves (returns the seconds it took); EngineError naming lost nodes.
+        Cancelled, it kills the process."""
         ...
 
-    def wait(self) -> str:
-        """Block until the process ends; returns how it ended ("signal SIGABRT", "exit status 1")."""
+    async def wait(self) -> str:
+        """Until the process ends; how it ended ("signal SIGABRT", "exit status 1")."""
         ...
 
-    def diagnose(self) -> tuple[tuple[str, str], ...]:
+    async def diagnose(self) -> tuple[tuple[str, str], ...]:
         """(endpoint, probe outcome) of the plan's endpoints that no longer answer (bounded probes)."""
         ...
 
-    def kill(self) -> None: ...
+    async def kill(self) -> None: ...
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop it (SIGTERM, then SIGKILL) and reap it. Idempotent."""
         ...
 
@@ -162,8 +161,11 @@ class LlamaServer:
 
     SAMPLE_INTERVAL = 0.25  # seconds between two looks at the engine during its load (and its sockets)
 
-    def __init__(self, plan: Plan, targets: Mapping[str, Target], options: EngineOptions) -> None:
+    def __init__(
+        self, plan: Plan, targets: Mapping[str, Target], options: EngineOptions, http: Upstream
+    ) -> None:
         self.plan = plan
+        self.http = http
         self.targets = {t.endpoint: t for t in targets_for(plan.endpoints, targets)}
         self.options = options
         self.port = _free_port()
@@ -180,7 +182,7 @@ class LlamaServer:
         self._peers = peers_of({ep: (address.host, address.port) for ep, address in dialed.items()})
         self._tuned: set[tuple[str, int, int]] = set()  # (address, port, local port) already tuned
         self._closing = False
-        self._tuner: threading.Thread | None = None
+        self._tuner: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -202,16 +204,16 @@ class LlamaServer:
     def argv(self) -> list[str]:
         return [str(self.options.binary), *engine_args(self.plan, self.targets, self.options, self.port)]
 
-    def load(
+    async def load(
         self,
-        timeout: float,
+        limit: float,
         on_progress: Callable[[LoadProgress], None] | None = None,
         cache_hits: Mapping[str, int] | None = None,
     ) -> float:
         started = time.monotonic()
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         get_logger().info("engine_start", argv=self.argv, log=str(self._log_path))
-        self._process = spawn_child(
+        process = self._process = spawn_child(
             self.argv,
             # GGML_NO_BACKTRACE: no debugger attached on an abort
             env={**os.environ, "GGML_NO_BACKTRACE": "1", KEY_ENV: self._api_key},
@@ -221,33 +223,39 @@ class LlamaServer:
         )
         tracker = ProgressTracker(planned_bytes(self.plan), dict(cache_hits or {}))
         to_send = sum(max(0, n - (cache_hits or {}).get(ep, 0)) for ep, n in planned_bytes(self.plan).items())
-        while True:
-            if self._process.poll() is not None:
-                raise self._died("loading the model")
-            if self._ready():
-                break
-            if time.monotonic() - started > timeout:
-                self.kill()
-                raise EngineError(
-                    f"llama-server did not serve within {timeout:g} s (killed)", stderr=self.log_tail()
-                )
-            sent = self.tune_and_count()  # a fresh process: every byte on its connections is this load's
-            if on_progress is not None:
-                fraction = min(0.99, sum(sent.values()) / to_send) if to_send else 0.0
-                on_progress(tracker.update(fraction, time.monotonic() - started, sent))
-            time.sleep(self.SAMPLE_INTERVAL)
+        try:
+            while True:
+                if process.poll() is not None:
+                    raise await self._died("loading the model")
+                if await self._ready():
+                    break
+                if time.monotonic() - started > limit:
+                    await self.kill()
+                    raise EngineError(
+                        f"llama-server did not serve within {limit:g} s (killed)", stderr=self.log_tail()
+                    )
+                sent = self.tune_and_count()  # a fresh process: every byte on its connections is this load's
+                if on_progress is not None:
+                    fraction = min(0.99, sum(sent.values()) / to_send) if to_send else 0.0
+                    on_progress(tracker.update(fraction, time.monotonic() - started, sent))
+                await asyncio.sleep(self.SAMPLE_INTERVAL)
+        except asyncio.CancelledError:  # serve ends during the load: the process goes with it
+            self._closing = True
+            if process.poll() is None:
+                process.kill()
+            raise
         sent = self.tune_and_count()
         if on_progress is not None:  # the last sample: every byte of the load, 100%
             on_progress(tracker.update(1.0, time.monotonic() - started, sent))
-        self._tuner = start_thread(self._keep_tuning, name="engine-tuner")
+        self._tuner = asyncio.create_task(self._keep_tuning(), name="engine-tuner")
         seconds = time.monotonic() - started
         get_logger().info("engine_ready", pid=self.pid, url=self.url, seconds=round(seconds, 3))
         return seconds
 
-    def _ready(self) -> bool:
+    async def _ready(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200
-        except httpx.HTTPError:
+            return (await self.http.get(self.url, "/health", 2.0, None))[0] == 200
+        except UpstreamError:
             return False
 
     def tune_and_count(self) -> dict[str, int]:
@@ -265,56 +273,53 @@ class LlamaServer:
                 sent[self._peers[peer]] += socket_bytes_acked(sock)
         return sent
 
-    def _keep_tuning(self) -> None:
+    async def _keep_tuning(self) -> None:
         """While it serves: tune connections it opens later (ggml-rpc may reconnect)."""
         process = self._process
         while process is not None and process.poll() is None and not self._closing:
-            time.sleep(1.0)
+            await asyncio.sleep(1.0)
             with contextlib.suppress(Exception):
                 self.tune_and_count()
 
-    def _died(self, doing: str) -> EngineError:
+    async def _died(self, doing: str) -> EngineError:
         assert self._process is not None
-        how = exit_description(self._process.wait())
-        lost = self.diagnose()
+        how = exit_description(await process_ended(self._process))
+        lost = await self.diagnose()
         return EngineError(
             lost_message(lost, doing, how), stderr=self.log_tail(), lost=tuple(ep for ep, _ in lost)
         )
 
-    def wait(self) -> str:
+    async def wait(self) -> str:
         assert self._process is not None
-        return exit_description(self._process.wait())
+        return exit_description(await process_ended(self._process))
 
-    def probes(self) -> list[ProbeResult]:
+    async def probes(self) -> list[ProbeResult]:
         t = self.options.probe_timeout
         if not self.targets:
             return []
-        return run_sync(
-            probe_endpoints(self.targets.values(), connect_timeout=t, read_timeout=t, deadline=t + 1)
-        )
+        return await probe_endpoints(self.targets.values(), connect_timeout=t, read_timeout=t, deadline=t + 1)
 
-    def diagnose(self) -> tuple[tuple[str, str], ...]:
+    async def diagnose(self) -> tuple[tuple[str, str], ...]:
         """(endpoint, outcome) of every plan endpoint that no longer answers."""
-        return tuple((r.endpoint, str(r.outcome)) for r in self.probes() if r.outcome in LOST_OUTCOMES)
+        return tuple((r.endpoint, str(r.outcome)) for r in await self.probes() if r.outcome in LOST_OUTCOMES)
 
-    def kill(self) -> None:
+    async def kill(self) -> None:
         self._closing = True
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-        if self._process is not None:
-            self._process.wait()
+        process = self._process
+        if process is not None:
+            if process.poll() is None:
+                process.kill()
+            await process_ended(process)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._closing = True
         process = self._process
         if process is None or process.poll() is not None:
             return
         process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
+        if await process_ended(process, 5.0) is None:
             process.kill()
-            process.wait()
+            await process_ended(process)
 
     def log_tail(self) -> str | None:
         try:
@@ -331,9 +336,9 @@ class LlamaServer:
         return tail("\n".join(telling), 4) or tail(text, 4) or None
 
 
-def llama_server_factory(options: EngineOptions) -> EngineFactory:
+def llama_server_factory(options: EngineOptions, http: Upstream) -> EngineFactory:
     def make(plan: Plan, targets: Mapping[str, Target]) -> Engine:
-        return LlamaServer(plan, targets, options)
+        return LlamaServer(plan, targets, options, http)
 
     return make
 
@@ -341,6 +346,7 @@ def llama_server_factory(options: EngineOptions) -> EngineFactory:
 def default_engines(
     model_path: str,
     model_name: str,
+    http: Upstream,
     *,
     parallel: int = DEFAULT_PARALLEL,
     link_timeout: float = 10.0,
@@ -348,7 +354,7 @@ def default_engines(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[EngineFactory, ChatTemplate]:
     """llama-server engines for a model (built on first use from the binding's source; setup builds it),
-    with the model's chat template (see `templates`)."""
+    with the model's chat template (see `templates`); `http`: serve's one client to its engines."""
     from orchestrator.artifacts.build import llama_server_binary
 
     template = model_chat_template(model_path, chat_template)
@@ -360,4 +366,4 @@ def default_engines(
         template_args=template.args,
         link_timeout=link_timeout,
     )
-    return llama_server_factory(options), template
+    return llama_server_factory(options, http), template

@@ -35,16 +35,16 @@ class FormationFleet(Protocol):
     @property
     def endpoints(self) -> tuple[str, ...]: ...
 
-    def plan_round(self, *, spare: bool = True) -> Round:
+    async def plan_round(self, *, spare: bool = True) -> Round:
         """Probe every node and plan on those that answer (a spare joins when it no longer fits, if
         `spare`). Raises RpcfleetError when no round could be made."""
         ...
 
-    def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
+    async def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
         """The probe states of `endpoints` only."""
         ...
 
-    def prepare_cache(self, plan: Plan) -> CachePrep | None:
+    async def prepare_cache(self, plan: Plan) -> CachePrep | None:
         """Before loading `plan`: the caches' check and warm (what it found: `hit_bytes`), None without
         caches; raises RpcfleetError for a cache file that would break the load."""
         ...
@@ -57,6 +57,6 @@ class FormationFleet(Protocol):
 
     def give_back(self, hosts: Sequence[Host]) -> None: ...
 
-    def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
+    async def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
         """`restart --rolling` on the fleet; the failures (host: message)."""
         ...

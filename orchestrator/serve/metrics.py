@@ -6,7 +6,6 @@ is a summary (`_sum`, `_count`), per-endpoint up/down is a gauge with an `endpoi
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ class Rejoin:
 
 @dataclass
 class Metrics:
-    """Thread-safe counters. `record_*` are called by the backend and the routes."""
+    """Serving counters, on the serving loop: `record_*` are called by the backend and the routes."""
 
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)  # (route, status code)
     prompt_tokens: int = 0
@@ -49,85 +48,78 @@ class Metrics:
     recoveries: list[Recovery] = field(default_factory=list)
     rejoins: list[Rejoin] = field(default_factory=list)
     on_ttft: Callable[[float], None] | None = None  # each time to first token (the exporter's histogram)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_request(self, route: str, code: int) -> None:
-        with self._lock:
-            self.requests[(route, code)] += 1
+        self.requests[(route, code)] += 1
 
     def record_done(self, prompt: int, completion: int, tokens_per_second: float, ttft: float | None) -> None:
-        with self._lock:
-            self.prompt_tokens += prompt
-            self.completion_tokens += completion
-            if tokens_per_second > 0:
-                self.decode_tokens_per_second = tokens_per_second
-            if ttft is not None:
-                self.ttft_sum += ttft
-                self.ttft_count += 1
-                if self.on_ttft is not None:
-                    self.on_ttft(ttft)
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        if tokens_per_second > 0:
+            self.decode_tokens_per_second = tokens_per_second
+        if ttft is not None:
+            self.ttft_sum += ttft
+            self.ttft_count += 1
+            if self.on_ttft is not None:
+                self.on_ttft(ttft)
 
     def record_reload(self) -> None:
-        with self._lock:
-            self.reloads += 1
+        self.reloads += 1
 
     def record_recovery(self, recovery: Recovery) -> None:
-        with self._lock:
-            self.recoveries.append(recovery)
+        self.recoveries.append(recovery)
 
     def record_rejoin(self, rejoin: Rejoin) -> None:
-        with self._lock:
-            self.rejoins.append(rejoin)
+        self.rejoins.append(rejoin)
 
     def render(self, endpoints: Mapping[str, bool], state: str) -> str:
         """The Prometheus text: `endpoints` maps every endpoint of the fleet to up (True) or down."""
-        with self._lock:
-            lines = [
-                "# HELP rpcfleet_requests_total HTTP requests answered, by route and status code.",
-                "# TYPE rpcfleet_requests_total counter",
-            ]
-            for (route, code), n in sorted(self.requests.items()):
-                lines.append(f'rpcfleet_requests_total{{route="{_label(route)}",code="{code}"}} {n}')
-            lines += [
-                "# HELP rpcfleet_tokens_total Tokens evaluated (prompt) and generated (completion).",
-                "# TYPE rpcfleet_tokens_total counter",
-                f'rpcfleet_tokens_total{{kind="prompt"}} {self.prompt_tokens}',
-                f'rpcfleet_tokens_total{{kind="completion"}} {self.completion_tokens}',
-                "# HELP rpcfleet_tokens_per_second Decoding speed of the last request (llama.cpp's timings).",
-                "# TYPE rpcfleet_tokens_per_second gauge",
-                f"rpcfleet_tokens_per_second {self.decode_tokens_per_second:.6g}",
-                "# HELP rpcfleet_time_to_first_token_seconds From admission to the first generated text.",
-                "# TYPE rpcfleet_time_to_first_token_seconds summary",
-                f"rpcfleet_time_to_first_token_seconds_sum {self.ttft_sum:.6g}",
-                f"rpcfleet_time_to_first_token_seconds_count {self.ttft_count}",
-                "# HELP rpcfleet_endpoint_up 1 when the endpoint answers its probes or serves the model.",
-                "# TYPE rpcfleet_endpoint_up gauge",
-            ]
-            for endpoint, up in endpoints.items():
-                lines.append(f'rpcfleet_endpoint_up{{endpoint="{_label(endpoint)}"}} {int(up)}')
-            lines += [
-                "# HELP rpcfleet_state 1 for the serving state the endpoint is in.",
-                "# TYPE rpcfleet_state gauge",
-            ]
-            for name in ("loading", "ready", "degraded", "recovering", "draining", "failed"):
-                lines.append(f'rpcfleet_state{{state="{name}"}} {int(name == state)}')
-            lines += [
-                "# HELP rpcfleet_reloads_total Reloads (SIGHUP, POST /admin/reload).",
-                "# TYPE rpcfleet_reloads_total counter",
-                f"rpcfleet_reloads_total {self.reloads}",
-                "# HELP rpcfleet_recoveries_total Recoveries after a lost node or a dead worker.",
-                "# TYPE rpcfleet_recoveries_total counter",
-                f"rpcfleet_recoveries_total {len(self.recoveries)}",
-                "# HELP rpcfleet_rejoins_total Returns to more nodes once nodes left out answered again.",
-                "# TYPE rpcfleet_rejoins_total counter",
-                f"rpcfleet_rejoins_total {len(self.rejoins)}",
-                "# HELP rpcfleet_recovery_seconds The last recovery, by phase.",
-                "# TYPE rpcfleet_recovery_seconds gauge",
-            ]
-            if self.recoveries:
-                last = self.recoveries[-1]
-                for phase in ("detection", "replan", "reload", "total"):
-                    lines.append(f'rpcfleet_recovery_seconds{{phase="{phase}"}} {getattr(last, phase):.6g}')
+        lines = [
+            "# HELP rpcfleet_requests_total HTTP requests answered, by route and status code.",
+            "# TYPE rpcfleet_requests_total counter",
+        ]
+        for (route, code), n in sorted(self.requests.items()):
+            lines.append(f'rpcfleet_requests_total{{route="{_label(route)}",code="{code}"}} {n}')
+        lines += [
+            "# HELP rpcfleet_tokens_total Tokens evaluated (prompt) and generated (completion).",
+            "# TYPE rpcfleet_tokens_total counter",
+            f'rpcfleet_tokens_total{{kind="prompt"}} {self.prompt_tokens}',
+            f'rpcfleet_tokens_total{{kind="completion"}} {self.completion_tokens}',
+            "# HELP rpcfleet_tokens_per_second Decoding speed of the last request (llama.cpp's timings).",
+            "# TYPE rpcfleet_tokens_per_second gauge",
+            f"rpcfleet_tokens_per_second {self.decode_tokens_per_second:.6g}",
+            "# HELP rpcfleet_time_to_first_token_seconds From admission to the first generated text.",
+            "# TYPE rpcfleet_time_to_first_token_seconds summary",
+            f"rpcfleet_time_to_first_token_seconds_sum {self.ttft_sum:.6g}",
+            f"rpcfleet_time_to_first_token_seconds_count {self.ttft_count}",
+            "# HELP rpcfleet_endpoint_up 1 when the endpoint answers its probes or serves the model.",
+            "# TYPE rpcfleet_endpoint_up gauge",
+        ]
+        for endpoint, up in endpoints.items():
+            lines.append(f'rpcfleet_endpoint_up{{endpoint="{_label(endpoint)}"}} {int(up)}')
+        lines += [
+            "# HELP rpcfleet_state 1 for the serving state the endpoint is in.",
+            "# TYPE rpcfleet_state gauge",
+        ]
+        for name in ("loading", "ready", "degraded", "recovering", "draining", "failed"):
+            lines.append(f'rpcfleet_state{{state="{name}"}} {int(name == state)}')
+        lines += [
+            "# HELP rpcfleet_reloads_total Reloads (SIGHUP, POST /admin/reload).",
+            "# TYPE rpcfleet_reloads_total counter",
+            f"rpcfleet_reloads_total {self.reloads}",
+            "# HELP rpcfleet_recoveries_total Recoveries after a lost node or a dead worker.",
+            "# TYPE rpcfleet_recoveries_total counter",
+            f"rpcfleet_recoveries_total {len(self.recoveries)}",
+            "# HELP rpcfleet_rejoins_total Returns to more nodes once nodes left out answered again.",
+            "# TYPE rpcfleet_rejoins_total counter",
+            f"rpcfleet_rejoins_total {len(self.rejoins)}",
+            "# HELP rpcfleet_recovery_seconds The last recovery, by phase.",
+            "# TYPE rpcfleet_recovery_seconds gauge",
+        ]
+        if self.recoveries:
+            last = self.recoveries[-1]
+            for phase in ("detection", "replan", "reload", "total"):
+                lines.append(f'rpcfleet_recovery_seconds{{phase="{phase}"}} {getattr(last, phase):.6g}')
         return "\n".join(lines) + "\n"
 
 

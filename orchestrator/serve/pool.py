@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,35 +10,31 @@ from orchestrator.inventory.model import Host
 
 @dataclass
 class SparePool:
-    """Servers no formation holds: a formation that no longer fits on its own nodes takes one (and gives
-    it back once its own node returns); answering spares that hold a model make a new formation
-    (`grow`). `order`: the inventory's endpoints, the order the pool keeps (given-back spares too)."""
+    """Servers no formation holds (on the serving loop): a formation that no longer fits on its own nodes
+    takes one (and gives it back once its own node returns); answering spares that hold a model make a
+    new formation (`grow`). `order`: the inventory's endpoints, the order the pool keeps (given-back
+    spares too)."""
 
     hosts: list[Host] = field(default_factory=list)
     order: Sequence[str] = ()
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def take(self) -> Host | None:
-        with self._lock:
-            return self.hosts.pop(0) if self.hosts else None
+        return self.hosts.pop(0) if self.hosts else None
 
     def take_these(self, endpoints: Sequence[str]) -> list[Host] | None:
         """The spares of `endpoints`, all taken at once; None (none taken) when one is no longer free."""
-        with self._lock:
-            chosen = [h for h in self.hosts if h.endpoint in endpoints]
-            if len(chosen) != len(set(endpoints)):
-                return None
-            self.hosts = [h for h in self.hosts if h.endpoint not in endpoints]
-            return chosen
+        chosen = [h for h in self.hosts if h.endpoint in endpoints]
+        if len(chosen) != len(set(endpoints)):
+            return None
+        self.hosts = [h for h in self.hosts if h.endpoint not in endpoints]
+        return chosen
 
     def put(self, hosts: Sequence[Host]) -> None:
         """Spares given back (a formation took back its own node), in the inventory's order."""
         rank = {ep: i for i, ep in enumerate(self.order)}
-        with self._lock:
-            known = {h.endpoint for h in self.hosts}
-            self.hosts += [h for h in hosts if h.endpoint not in known]
-            self.hosts.sort(key=lambda h: rank.get(h.endpoint, len(rank)))
+        known = {h.endpoint for h in self.hosts}
+        self.hosts += [h for h in hosts if h.endpoint not in known]
+        self.hosts.sort(key=lambda h: rank.get(h.endpoint, len(rank)))
 
     def snapshot(self) -> list[Host]:
-        with self._lock:
-            return list(self.hosts)
+        return list(self.hosts)

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import json
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.log import get_logger
-from orchestrator.engine.threads import start_thread
 from orchestrator.serve.backend import SERVING, Backend, Rejected, ServeConfig, Ticket
 from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, label_value
 from orchestrator.serve.upstream import Upstream, UpstreamError
@@ -69,19 +67,24 @@ def overall(states: Sequence[str]) -> str:
 class Router:
     """The formations of every model served, in the order given (each model's formations together)."""
 
-    def __init__(self, formations: Sequence[Formation], metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        formations: Sequence[Formation],
+        metrics: Metrics | None = None,
+        upstream: Upstream | None = None,
+    ) -> None:
         if not formations:
             raise ValueError("a router needs one formation at least")
         self.formations = list(formations)
         self.metrics = metrics or Metrics()  # the front's: requests, tokens, time to first token
         self.config: ServeConfig = formations[0].backend.config
-        self._reloading = threading.Lock()
+        self._reloading = asyncio.Lock()
+        self._reload: asyncio.Task[None] | None = None
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
         self._turn = -1  # ties between formations go in turns
         self._scraped: dict[str, tuple[float, str]] = {}  # engine url -> (when, its /metrics text)
-        self._adding = threading.Lock()
         self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
-        self.upstream = Upstream()  # the one HTTP client to the engines (closed when serving ends)
+        self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
         for formation in self.formations:
             formation.backend.others_serving = functools.partial(self.others_serving, formation)
 
@@ -101,11 +104,10 @@ class Router:
         """A new formation (made while serving, on spares that answered): after its model's others, and
         started (`plan`: its first load's; requests reach it once it serves)."""
         formation.backend.others_serving = functools.partial(self.others_serving, formation)
-        with self._adding:
-            after = max((i for i, f in enumerate(self.formations) if f.model == formation.model), default=-1)
-            at = after + 1 if after >= 0 else len(self.formations)
-            # a new list, not a change of the one a request may be reading
-            self.formations = [*self.formations[:at], formation, *self.formations[at:]]
+        after = max((i for i, f in enumerate(self.formations) if f.model == formation.model), default=-1)
+        at = after + 1 if after >= 0 else len(self.formations)
+        # a new list, not a change of the one a request may be reading
+        self.formations = [*self.formations[:at], formation, *self.formations[at:]]
         formation.backend.start(plan)
 
     def next_index(self, model: str) -> int:
@@ -330,30 +332,27 @@ class Router:
 
     # -- life
     def start(self, plans: Sequence[Any] | None = None) -> None:
+        """Every formation's first load (on the serving loop)."""
         for i, formation in enumerate(self.formations):
             formation.backend.start(plans[i] if plans is not None else None)
 
-    def stop(self) -> None:
-        for formation in self.formations:
-            formation.backend.stop()
+    async def stop(self) -> None:
+        await asyncio.gather(*(f.backend.stop() for f in self.formations))
+        if self._reload is not None:
+            self._reload.cancel()
 
-    def reload(
-        self, *, rolling_restart: bool = False, wait: bool = False, on_done: Callable[[], None] | None = None
-    ) -> threading.Thread:
-        """Reload every formation, one at a time (the next once the previous serves again, or gave up)."""
+    def reload(self, *, rolling_restart: bool = False) -> asyncio.Task[None]:
+        """Reload every formation, one at a time (the next once the previous serves again, or gave up),
+        in a task of the serving loop; a second reload waits for the first."""
 
-        def run() -> None:
-            with self._reloading:  # a second reload waits for the first
+        async def run() -> None:
+            async with self._reloading:
                 for formation in self.formations:
                     get_logger().info("serve_reload_formation", formation=formation.name)
-                    formation.backend.reload(rolling_restart=rolling_restart, wait=True)
-            if on_done is not None:
-                on_done()
+                    await formation.backend.reload(rolling_restart=rolling_restart)
 
-        thread = start_thread(run, name="serve-reload-all")
-        if wait:
-            thread.join()
-        return thread
+        self._reload = asyncio.get_running_loop().create_task(run(), name="serve-reload-all")
+        return self._reload
 
 
 class Counters:

@@ -10,19 +10,19 @@ requests once they serve). Spares that make none stay in the pool, free for the 
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.engine.threads import start_thread
 from orchestrator.inventory.model import Host
 from orchestrator.planning.formations import Formed, ServedModel, grow
 from orchestrator.planning.plan import PlanDevice
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 
-Probe = Callable[[Sequence[Host]], tuple[dict[str, str], list[PlanDevice]]]
+Probe = Callable[[Sequence[Host]], Awaitable[tuple[dict[str, str], list[PlanDevice]]]]
 Make = Callable[[Formed, str], Formation]  # a formation chosen, its name -> the formation to add
 
 
@@ -44,34 +44,37 @@ class SpareWatch:
         self.interval = interval
         self.states: dict[str, str] = {}  # the spares' last probe states (for /health's nodes)
         self._answered: frozenset[str] = frozenset()  # the answering spares the last decision saw
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        """The watch, as a task of the serving loop."""
         if not self.models or self.interval <= 0:
             return
-        self._thread = start_thread(self._run, name="serve-spares")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="serve-spares")
 
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(30)
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-    def _run(self) -> None:
-        while not self._stopping.wait(self.interval):
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
             try:
-                self.round()
+                await self.round()
             except Exception as exc:  # one failed round must not end the watch
                 get_logger().warning("serve_spares_failed", error=repr(exc))
 
-    def round(self) -> list[Formation]:
+    async def round(self) -> list[Formation]:
         """One probe of the spares, and the formations it made (added and started)."""
         spares = self.pool.snapshot()
         if not spares:
             self._answered = frozenset()
             return []
         try:
-            states, devices = self.probe(spares)
+            states, devices = await self.probe(spares)
         except RpcfleetError as exc:
             get_logger().warning("serve_spares_failed", error=exc.message)
             return []

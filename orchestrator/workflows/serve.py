@@ -10,6 +10,7 @@ The front end gives a typed `ServeRequest` and `ServeEvents` for what it shows, 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import signal
 import socket
@@ -17,11 +18,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from orchestrator.core import signals
 from orchestrator.core.errors import InputError, PlanError, UsageError
 from orchestrator.core.log import get_logger
+from orchestrator.core.poll import poll_async
 from orchestrator.engine.children import socket_access_denied
 from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host, Inventory, select_servers
@@ -35,6 +37,7 @@ from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 from orchestrator.serve.spares import SpareWatch
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
+from orchestrator.serve.upstream import Upstream
 from orchestrator.workflows.plan import plan_formations, states_of
 from orchestrator.workflows.serving import ServeFleet
 
@@ -165,73 +168,99 @@ def serve_fleet(request: ServeRequest, events: ServeEvents) -> ServeOutcome:
         forks=request.probe.forks,
         local_devices=None if request.local_devices is None else list(request.local_devices),
     )
-    started = time.monotonic()
-    probe = whole.probe()  # one probe of every server; the formations are chosen from it
-    probe_seconds = time.monotonic() - started
-    states = states_of(probe)
-    try:  # a model that does not fit at start is an error, not a wait
-        chosen = plan_formations(
+    whole.local_gpus()  # listed once, by a worker child, before the loop runs
+    return run_once(life(request, events, served, templates, hosts, whole))  # serve's one loop
+
+
+async def life(
+    request: ServeRequest,
+    events: ServeEvents,
+    served: list[ServedModel],
+    templates: list[ChatTemplate],
+    hosts: list[Host],
+    whole: ServeFleet,
+) -> ServeOutcome:
+    """Everything from the first probe on, on one loop: one SSH session (`whole.shared`) and one HTTP
+    client to the engines (`http`) for serve's whole life, closed at its end."""
+    http = Upstream()
+    try:
+        started = time.monotonic()
+        probe = await whole.probe()  # one probe of every server; the formations are chosen from it
+        probe_seconds = time.monotonic() - started
+        states = states_of(probe)
+        try:  # a model that does not fit at start is an error, not a wait
+            chosen = plan_formations(
+                served,
+                hosts,
+                [*to_plan_devices(probe, failed="skip"), *whole.local_gpus()],
+                request.replicas,
+                local_devices=request.local_devices,
+            )
+        except PlanError as exc:
+            listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
+            raise PlanError(
+                f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why"
+            ) from None
+        formed = list(chosen.formed)
+        first_times = {"probe": probe_seconds, "plan": time.monotonic() - started - probe_seconds}
+        warn(request, served, templates, events)
+        engines = {
+            model.name: engine_factory(request, model, events, http)
+            for model in served  # llama-server is built here on a fresh machine (its lines: engine_build)
+        }
+        spares = SparePool(list(chosen.spares), order=whole.endpoints)
+        several = len(formed) > 1
+        ending = Ending()
+
+        def make_formation(
+            one: Formed, name: str, times: dict[str, float], *, local: bool = False
+        ) -> Formation:
+            fleet = dataclasses.replace(
+                whole,
+                hosts=list(one.hosts),
+                model_path=one.model.path,
+                options=one.model.options,
+                local_devices=whole.local_devices if local else [],
+                spares=spares,
+                borrowed=[],
+                _profile=one.model.profile,
+            )
+            backend = Backend(
+                fleet,
+                dataclasses.replace(request.limits, parallel=one.model.options.parallel),
+                engines[one.model.name],
+            )
+            template = templates[served.index(one.model)]
+            backend.template = {"source": template.source, "warning": template.warning}
+            backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
+            backend.on_loaded = loaded_reporter(
+                backend, name if several or not times else None, times, events
+            )
+            backend.on_failed = ending.formation_failed
+            return Formation(name, one.model.name, backend)
+
+        formations = [
+            make_formation(one, one.model.name if not several else one.choice.name, first_times, local=i == 0)
+            for i, one in enumerate(formed)
+        ]
+        if not several and events.progress is not None:  # one load's bars; several loads print a line each
+            formations[0].backend.on_progress = events.progress
+        router = ending.router = make_router(request, served, formations, spares, http)
+        # A node silent at start (or a spare given back) that answers again makes a new formation when the
+        # answering spares hold a model served with --replicas auto (`serve.spares`).
+        watch = SpareWatch(
+            router,
+            spares,
             served,
-            hosts,
-            [*to_plan_devices(probe, failed="skip"), *whole.local_gpus()],
-            request.replicas,
-            local_devices=request.local_devices,
+            whole.probe_spares,
+            lambda one, name: make_formation(one, name, {}),  # the start's times are not its own
+            request.limits.rejoin_interval,
         )
-    except PlanError as exc:
-        listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
-        raise PlanError(f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why") from None
-    formed = list(chosen.formed)
-    first_times = {"probe": probe_seconds, "plan": time.monotonic() - started - probe_seconds}
-    warn(request, served, templates, events)
-    engines = {
-        model.name: engine_factory(request, model, events)
-        for model in served  # llama-server is built here on a fresh machine (its lines: engine_build)
-    }
-    spares = SparePool(list(chosen.spares), order=whole.endpoints)
-    several = len(formed) > 1
-    ending = Ending()
-
-    def make_formation(one: Formed, name: str, times: dict[str, float], *, local: bool = False) -> Formation:
-        fleet = dataclasses.replace(
-            whole,
-            hosts=list(one.hosts),
-            model_path=one.model.path,
-            options=one.model.options,
-            local_devices=whole.local_devices if local else [],
-            spares=spares,
-            borrowed=[],
-            _profile=one.model.profile,
-        )
-        backend = Backend(
-            fleet,
-            dataclasses.replace(request.limits, parallel=one.model.options.parallel),
-            engines[one.model.name],
-        )
-        template = templates[served.index(one.model)]
-        backend.template = {"source": template.source, "warning": template.warning}
-        backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
-        backend.on_loaded = loaded_reporter(backend, name if several or not times else None, times, events)
-        backend.on_failed = ending.formation_failed
-        return Formation(name, one.model.name, backend)
-
-    formations = [
-        make_formation(one, one.model.name if not several else one.choice.name, first_times, local=i == 0)
-        for i, one in enumerate(formed)
-    ]
-    if not several and events.progress is not None:  # one load's bars; several loads print a line each
-        formations[0].backend.on_progress = events.progress
-    router = ending.router = make_router(request, served, formations, spares)
-    # A node silent at start (or a spare given back) that answers again makes a new formation when the
-    # answering spares hold a model served with --replicas auto (`serve.spares`).
-    watch = SpareWatch(
-        router,
-        spares,
-        served,
-        whole.probe_spares,
-        lambda one, name: make_formation(one, name, {}),  # the start's times are not its own
-        request.limits.rejoin_interval,
-    )
-    return run_formations(request, router, watch, hosts, formed, events, ending)
+        return await run_formations(request, router, watch, hosts, formed, events, ending)
+    finally:
+        assert whole.shared is not None
+        await whole.shared.close()
+        await http.aclose()
 
 
 def read_profiles(
@@ -308,11 +337,14 @@ def warn(
         get_logger().warning("serve_link_timeout_off", why=denied)
 
 
-def engine_factory(request: ServeRequest, model: ServedModel, events: ServeEvents) -> EngineFactory:
+def engine_factory(
+    request: ServeRequest, model: ServedModel, events: ServeEvents, http: Upstream
+) -> EngineFactory:
     """llama-server engines for `model` (`serve.engine.default_engines`)."""
     factory, _template = default_engines(
         model.path,
         model.name,
+        http,
         parallel=model.options.parallel,
         link_timeout=request.limits.link_timeout,
         chat_template=request.chat_template,
@@ -339,19 +371,23 @@ def loaded_reporter(
 
 
 def make_router(
-    request: ServeRequest, served: Sequence[ServedModel], formations: list[Formation], spares: SparePool
+    request: ServeRequest,
+    served: Sequence[ServedModel],
+    formations: list[Formation],
+    spares: SparePool,
+    http: Upstream,
 ) -> Router:
     """The router over the formations. One formation: the front counts on its backend's metrics, as
     before formations; unless the spare watch may add formations (--replicas auto): the front's counters
     must then be its own."""
     growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
     shared = len(formations) == 1 and not growing
-    router = Router(formations, formations[0].backend.metrics if shared else None)
+    router = Router(formations, formations[0].backend.metrics if shared else None, http)
     router.spares = lambda: [h.endpoint for h in spares.snapshot()]
     return router
 
 
-def run_formations(
+async def run_formations(
     request: ServeRequest,
     router: Router,
     watch: SpareWatch,
@@ -360,14 +396,15 @@ def run_formations(
     events: ServeEvents,
     ending: Ending,
 ) -> ServeOutcome:
-    """Serve: the exporter, the app on the command's one loop, SIGHUP as a reload, each formation's first
-    load and the spare watch started; all stopped when serving ends."""
+    """Serve: the exporter's rounds, the app, SIGHUP as a reload, each formation's first load and the
+    spare watch, all tasks of this one loop; all stopped when serving ends."""
     import uvicorn
 
     from orchestrator.serve.app import create_app
     from orchestrator.serve.observed import observe
 
-    exporter = None
+    loop = asyncio.get_running_loop()
+    exporter, rounds = None, None
     if request.observe_interval:  # its first round reads the nodes before the load holds them
         exporter = observe(
             router,
@@ -377,8 +414,13 @@ def run_formations(
             forks=request.probe.forks,
             trust_rpc_memory=request.probe.trust_rpc_memory,
         )
-        exporter.collector.start()
-        exporter.collector.first_round.wait(request.probe.timeout * 4 + 5)
+        rounds = loop.create_task(exporter.collector.run(), name="serve-observe")
+        first_round = exporter.collector.first_round
+
+        async def first_round_done() -> bool | None:
+            return True if first_round.is_set() or rounds.done() else None
+
+        await poll_async(first_round_done, limit=request.probe.timeout * 4 + 5, interval=0.05)
     app = create_app(
         router,
         api_key=request.api_key,
@@ -398,25 +440,21 @@ def run_formations(
     ending.stop = lambda: setattr(server, "should_exit", True)
     if events.formed is not None:
         events.formed(formed, f"http://{request.host}:{request.port}/v1")
-    reload = signals.handling(signal.SIGHUP, lambda *_: router.reload(rolling_restart=request.reload_rolling))
-    with reload:  # until serve ends: SIGHUP reloads
+
+    def reload(*_: object) -> None:  # the signal lands between two of the loop's steps: hand it over
+        loop.call_soon_threadsafe(lambda: router.reload(rolling_restart=request.reload_rolling))
+
+    with signals.handling(signal.SIGHUP, reload):  # until serve ends: SIGHUP reloads
         router.start([one.plan for one in formed])
         watch.start()
         try:
-            run_once(serving(server, router, request.listen))  # the command's one loop
+            await server.serve(sockets=[request.listen])
         finally:
-            watch.stop()
-            if exporter is not None:
+            await watch.stop()
+            if exporter is not None and rounds is not None:
                 exporter.collector.stop()
-            router.stop()
+                await asyncio.gather(rounds, return_exceptions=True)
+            await router.stop()
     if ending.failed():
         return ServeOutcome(True, "; ".join(f"{f.name}: {f.backend.reason}" for f in router.formations))
     return ServeOutcome(False)
-
-
-async def serving(server: Any, router: Router, listen: socket.socket) -> None:
-    """uvicorn's server on `listen`; then the router's HTTP client is closed, on the loop it was made on."""
-    try:
-        await server.serve(sockets=[listen])
-    finally:
-        await router.upstream.aclose()

@@ -2,6 +2,10 @@
 plan on the nodes that answer (`plan_for_fleet`, `probe_hosts`, `prepare_load` and `fleet_targets`), and
 the rolling restart of `restart --rolling` (the same operation, in batches of one).
 
+Every probe, plan and cache check of serve's life runs on the serving loop over one `SharedSession`: the
+SSH connections of the first probe are those of every later round (a host's is opened anew once it
+failed, so a node that comes back is reached again).
+
 `endpoint_of` is the one place that turns a host into the endpoint the worker connects to: a transport
 that forwards endpoints (an SSH tunnel) replaces that function and nothing else.
 """
@@ -12,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.caches.prep import CachePrep
+from orchestrator.connectors.base import ConnectOptions
 from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target
 from orchestrator.engine.executor import DEFAULT_FORKS, Session
-from orchestrator.engine.runtime import run_sync
 from orchestrator.inventory.model import Host
 from orchestrator.llama.worker.parent import list_local_gpus
 from orchestrator.operations.layer import OperationOptions
@@ -38,6 +42,36 @@ def endpoint_of(host: Host) -> str:
     return host.endpoint
 
 
+class SharedSession:
+    """One executor session for serve's whole life (made on first use, on the serving loop): its probes,
+    plans, cache checks and rolling restarts share its SSH connections."""
+
+    def __init__(self, forks: int | None, connect_timeout: float) -> None:
+        self.forks = forks or DEFAULT_FORKS
+        self.connect_timeout = connect_timeout
+        self._session: Session | None = None
+
+    def get(self) -> Session:
+        if self._session is None:
+            options = ConnectOptions(connect_timeout=self.connect_timeout)
+            self._session = Session(forks=self.forks, options=options)
+        return self._session
+
+    async def settle(self, hosts: Sequence[Host], states: dict[str, str]) -> None:
+        """After a probe: the connections of the hosts that did not answer are dropped (a failed connect
+        sticks to a session), so the next round connects to them anew."""
+        if self._session is None:
+            return
+        for host in hosts:
+            if states.get(endpoint_of(host)) not in ("ok", "busy"):
+                await self._session.drop(host)
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
 @dataclass
 class ServeFleet:
     """The selected hosts and how to probe and plan them. Every probe is bounded by `probe_timeout`."""
@@ -54,8 +88,19 @@ class ServeFleet:
     spares: SparePool | None = None
     # The spares this formation took (`with_spare`): given back once it fits on its own nodes again.
     borrowed: list[Host] = field(default_factory=list)
+    # The connections every formation's rounds share (copies of a fleet share its session).
+    shared: SharedSession | None = None
     _profile: ModelProfile | None = None
     _local_gpus: list[PlanDevice] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shared is None:
+            self.shared = SharedSession(self.forks, self.probe_timeout)
+
+    @property
+    def session(self) -> Session:
+        assert self.shared is not None
+        return self.shared.get()
 
     def local_gpus(self) -> list[PlanDevice]:
         """This machine's GPUs, listed once by a worker child (this process never loads libllama), and
@@ -84,33 +129,38 @@ class ServeFleet:
     def probe_settings(self) -> ProbeSettings:
         return ProbeSettings(self.probe_timeout, self.facts, self.forks, self.trust_rpc_memory)
 
-    def probe(self, hosts: Sequence[Host] | None = None) -> FleetProbe:
+    async def probe(self, hosts: Sequence[Host] | None = None) -> FleetProbe:
         """Probe `hosts` (default: every selected host) with the probe's own rules: bounded by the
         timeout, a server with a client is `busy` and is left alone."""
-        return run_sync(probe_hosts(self.hosts if hosts is None else hosts, self.probe_settings))
+        hosts = self.hosts if hosts is None else hosts
+        probe = await probe_hosts(hosts, self.probe_settings, session=self.session)
+        assert self.shared is not None
+        await self.shared.settle(hosts, states_of(probe))
+        return probe
 
-    def plan_round(self, *, spare: bool = True) -> PlanRound:
-        """Probe every host; plan on those that answer `ok` (a server still held by a dead worker of
+    async def plan_round(self, *, spare: bool = True) -> PlanRound:
+        """Probe every host; plan on those that answer `ok` (a server still held by a dead engine of
         ours is `busy` until its keepalive drops that connection). No fitting plan (`fitting` None) when
         none answer or it does not fit: then a spare, when there is one (and `spare`), joins and the
         round is made again."""
-        round_ = run_sync(
-            plan_for_fleet(
-                self.hosts,
-                self.profile(),
-                self.options,
-                probe=self.probe_settings,
-                local_devices=self.local_devices,
-                local_gpus=self.local_gpus,
-                failed="skip",
-                words=SERVE_WORDS,
-            )
+        round_ = await plan_for_fleet(
+            self.hosts,
+            self.profile(),
+            self.options,
+            probe=self.probe_settings,
+            local_devices=self.local_devices,
+            local_gpus=self.local_gpus,
+            failed="skip",
+            words=SERVE_WORDS,
+            session=self.session,
         )
+        assert self.shared is not None
+        await self.shared.settle(self.hosts, round_.states)
         if round_.fitting is None and round_.error is None and spare:  # none answers, or it does not fit
-            return self.with_spare() or round_
+            return await self.with_spare() or round_
         return round_
 
-    def with_spare(self) -> PlanRound | None:
+    async def with_spare(self) -> PlanRound | None:
         """A plan with one more server, a spare no formation holds (None: no spare left)."""
         spare = self.spares.take() if self.spares is not None else None
         if spare is None:
@@ -118,7 +168,7 @@ class ServeFleet:
         get_logger().info("serve_spare_taken", spare=endpoint_of(spare))
         self.hosts = [*self.hosts, spare]
         self.borrowed.append(spare)
-        return self.plan_round()
+        return await self.plan_round()
 
     def lay_down_borrowed(self) -> list[Host]:
         """The spares this formation took, out of its hosts (not yet back in the pool: `give_back`, or
@@ -138,40 +188,30 @@ class ServeFleet:
             get_logger().info("serve_spare_given_back", spares=[endpoint_of(h) for h in hosts])
             self.spares.put(hosts)
 
-    def probe_spares(self, hosts: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
+    async def probe_spares(self, hosts: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
         """Probe free spares: their states and the devices of those that answer."""
-        probe = run_sync(probe_hosts(hosts, self.probe_settings))
+        probe = await self.probe(hosts)
         return states_of(probe), to_plan_devices(probe, failed="skip")
 
-    def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
+    async def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
         """The probe states of `endpoints` only (serve's watch of the nodes it does not use). One held by
-        a dead worker of ours (a cut link hid its reset) stays `busy` until the server's keepalive drops
+        a dead engine of ours (a cut link hid its reset) stays `busy` until the server's keepalive drops
         that connection (about 45 s)."""
         hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
         if not hosts:
             return {}
-        return states_of(run_sync(probe_hosts(hosts, self.probe_settings)))
+        return states_of(await self.probe(hosts))
 
-    def prepare_cache(self, plan: Plan) -> CachePrep | None:
+    async def prepare_cache(self, plan: Plan) -> CachePrep | None:
         """Before loading `plan`: refuse a truncated cache file it would read (LoaderError naming the
         host) and warm the misses of the `rpc_cache` hosts when two nodes or more lack files."""
+        return (await prepare_load(self.session, self.hosts, plan, self.model_path)).cache
 
-        async def go() -> CachePrep | None:
-            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
-                return (await prepare_load(session, self.hosts, plan, self.model_path)).cache
-
-        return run_sync(go())
-
-    def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
+    async def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
         """`restart --rolling` on the selected hosts; returns the failures (host: message), empty when
         every node restarted."""
-
-        async def go() -> list[str]:
-            step = make_restart_step(OperationOptions(force=force))
-            async with Session(forks=self.forks or DEFAULT_FORKS) as session:
-                run = await session.run(
-                    list(self.hosts), step, name="restart", serial=serial, max_fail_percentage=0.0
-                )
-            return [f"{r.host.name}: {r.message}" for r in run.results if r.status == "failed"]
-
-        return run_sync(go())
+        step = make_restart_step(OperationOptions(force=force))
+        run = await self.session.run(
+            list(self.hosts), step, name="restart", serial=serial, max_fail_percentage=0.0
+        )
+        return [f"{r.host.name}: {r.message}" for r in run.results if r.status == "failed"]

@@ -4,6 +4,7 @@ rates and ETA made of them, and the `load_progress` log events; real loads over 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -216,9 +217,12 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
     nodes: list[Node],
     big_model: Path,
 ) -> None:
+    from orchestrator.core.poll import poll_async
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanOptions
     from orchestrator.serve.backend import Backend, ServeConfig
+    from orchestrator.serve.engine import default_engines
+    from orchestrator.serve.upstream import Upstream
     from orchestrator.workflows.serving import ServeFleet
 
     hosts = [
@@ -234,36 +238,49 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
         for n in nodes
         if (s := n.server) is not None
     ]
-    fleet = ServeFleet(hosts, str(big_model), PlanOptions(n_ctx=256))
-    backend = Backend(fleet, ServeConfig())
     during: list[dict] = []  # type: ignore[type-arg]
     loaded: list[dict[str, float]] = []
-    backend.on_progress = lambda _progress: during.append(backend.health())
-    backend.on_loaded = lambda _plan, phases: loaded.append(phases)
-    first = fleet.plan_round()
-    assert first.plan is not None
-    cached = plan_cache(first.plan, [big_model])
-    backend.start(first.plan)
-    try:
-        deadline = time.monotonic() + 120
-        while backend.state != "ready" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert backend.state == "ready", backend.reason
-        assert during and all(h["status"] == "loading" for h in during)
-        last = during[-1]["loading"]
-        assert last["percent"] == 100.0 and set(last["nodes"]) == {h.endpoint for h in hosts}
-        assert len(loaded) == 1 and set(loaded[0]) == {"cache", "load"} and loaded[0]["load"] > 0
-        assert backend.health()["loading"] is None  # only while a load is under way
-        # The empty caches of both nodes were warmed before the load: every cached tensor was a hit.
-        assert backend.skipped == {ep: sum(c.tensor.size for c in cs) for ep, cs in cached.items()}
-        for endpoint, node in last["nodes"].items():
-            assert node["sent"] <= node["planned"] - backend.skipped[endpoint] + (2 << 20)
-    finally:
-        backend.stop()
-    # A file truncated under its own name: the next load is refused before llama.cpp reads it.
-    victim = nodes[0].install / "cache" / "rpc" / cached[hosts[0].endpoint][0].file
-    victim.write_bytes(victim.read_bytes()[:4096])
-    assert backend._load(first.plan) is False
+
+    async def scenario() -> tuple[Backend, bool]:
+        http = Upstream()
+        engines, _template = default_engines(str(big_model), big_model.stem, http)
+        fleet = ServeFleet(hosts, str(big_model), PlanOptions(n_ctx=256))
+        backend = Backend(fleet, ServeConfig(), engines)
+        backend.on_progress = lambda _progress: during.append(backend.health())
+        backend.on_loaded = lambda _plan, phases: loaded.append(phases)
+        first = await fleet.plan_round()
+        assert first.plan is not None
+        cached = plan_cache(first.plan, [big_model])
+        backend.start(first.plan)
+        try:
+
+            async def ready() -> bool | None:
+                return True if backend.state == "ready" else None
+
+            await poll_async(ready, limit=120, interval=0.05)
+            assert backend.state == "ready", backend.reason
+            assert during and all(h["status"] == "loading" for h in during)
+            last = during[-1]["loading"]
+            assert last["percent"] == 100.0 and set(last["nodes"]) == {h.endpoint for h in hosts}
+            assert len(loaded) == 1 and set(loaded[0]) == {"cache", "load"} and loaded[0]["load"] > 0
+            assert backend.health()["loading"] is None  # only while a load is under way
+            # The empty caches of both nodes were warmed before the load: every cached tensor was a hit.
+            assert backend.skipped == {ep: sum(c.tensor.size for c in cs) for ep, cs in cached.items()}
+            for endpoint, node in last["nodes"].items():
+                assert node["sent"] <= node["planned"] - backend.skipped[endpoint] + (2 << 20)
+        finally:
+            await backend.stop()
+        # A file truncated under its own name: the next load is refused before llama.cpp reads it.
+        victim = nodes[0].install / "cache" / "rpc" / cached[hosts[0].endpoint][0].file
+        victim.write_bytes(victim.read_bytes()[:4096])
+        refused = await backend._load(first.plan)
+        assert fleet.shared is not None
+        await fleet.shared.close()
+        await http.aclose()
+        return backend, refused
+
+    backend, refused = asyncio.run(scenario())
+    assert refused is False
     assert "truncated or corrupt" in backend.reason and nodes[0].name in backend.reason
 
 

@@ -1,6 +1,10 @@
 """serve's fast rig: a fake fleet whose nodes answer or not as a test says (`FakeFleet.answering`), fake
 engines that load in a moment and end when told, one that speaks HTTP as llama-server does (`HttpEngine`),
-and `Rig`, a backend with its fleet and engines (test_serve_engine.py, test_formations.py)."""
+and `Rig`, a backend with its fleet and engines (test_serve_engine.py, test_formations.py).
+
+The backend runs on one event loop, as in serve: a test on another thread reaches it through an anyio
+portal (`Rig.call`: a function, async or not, run on that loop; the portal of the app's TestClient when
+the front is tested, so that the routes and the backend share the loop)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.poll import poll_async
 from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 from orchestrator.llama.worker.load_progress import LoadProgress
@@ -39,7 +44,7 @@ class FakeFleet(ServeFleet):
         self.rounds = 0
         self.restarts = 0
 
-    def plan_round(self, *, spare: bool = True) -> PlanRound:
+    async def plan_round(self, *, spare: bool = True) -> PlanRound:
         self.rounds += 1
         states = {ep: ("ok" if ep in self.answering else "refused") for ep in ENDPOINTS}
         up = [ep for ep in ENDPOINTS if ep in self.answering]
@@ -48,16 +53,16 @@ class FakeFleet(ServeFleet):
         plan = make_plan(plan_devices(up), self.profile(), self.options)
         return PlanRound(plan, states, 0.0, 0.0)
 
-    def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
+    async def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
         return {ep: ("ok" if ep in self.answering else "refused") for ep in endpoints}
 
-    def prepare_cache(self, plan: Plan) -> None:
+    async def prepare_cache(self, plan: Plan) -> None:
         return None
 
     def targets(self) -> dict[str, Target]:
         return {}
 
-    def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
+    async def rolling_restart(self, *, serial: int = 1, force: bool = False) -> list[str]:
         self.restarts += 1
         return []
 
@@ -89,9 +94,9 @@ class FakeEngine:
     def log_path(self) -> Path | None:
         return None
 
-    def load(
+    async def load(
         self,
-        timeout: float,
+        limit: float,
         on_progress: Callable[[LoadProgress], None] | None,
         cache_hits: Mapping[str, int],
     ) -> float:
@@ -105,18 +110,21 @@ class FakeEngine:
         self.how = how
         self.ended.set()
 
-    def wait(self) -> str:
-        self.ended.wait()
+    async def wait(self) -> str:
+        async def ended() -> bool | None:  # set by `die`, from any thread
+            return True if self.ended.is_set() else None
+
+        await poll_async(ended, limit=3600, interval=0.001)
         return self.how
 
-    def diagnose(self) -> tuple[tuple[str, str], ...]:
+    async def diagnose(self) -> tuple[tuple[str, str], ...]:
         return tuple((ep, "refused") for ep in self.plan.endpoints if ep not in self.fleet.answering)
 
-    def kill(self) -> None:
+    async def kill(self) -> None:
         self.killed = True
         self.die("signal SIGKILL")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.die("exit status 0")
 
     def log_tail(self) -> str | None:
@@ -128,6 +136,11 @@ class Rig:
     backend: Backend
     fleet: FakeFleet
     engines: list[FakeEngine]
+    portal: Any  # anyio's BlockingPortal of the loop the backend runs on
+
+    def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(*args)` on the backend's loop (awaited when async), from this thread."""
+        return self.portal.call(function, *args)
 
     def wait_state(self, states: set[str], limit: float = 5.0) -> None:
         deadline = time.monotonic() + limit

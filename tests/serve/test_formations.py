@@ -127,7 +127,7 @@ class PartFleet(FakeFleet):
         self.hosts = [Host(name=f"h-{ep}", address=ep.split(":")[0], rpc_port=50052) for ep in endpoints]
         self.answering = set(endpoints)
 
-    def plan_round(self, *, spare: bool = True) -> Any:
+    async def plan_round(self, *, spare: bool = True) -> Any:
         from orchestrator.planning.strategy import make_plan
         from orchestrator.workflows.plan import PlanRound
 
@@ -135,11 +135,11 @@ class PartFleet(FakeFleet):
         states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}
         up = [ep for ep in self.endpoints if ep in self.answering]
         if not up:  # as ServeFleet's: a free spare, when there is one
-            taken = self.with_spare() if spare else None
+            taken = await self.with_spare() if spare else None
             return taken or PlanRound(None, states, 0.0, 0.0, "no node answers")
         return PlanRound(make_plan(plan_devices(up), self.profile(), self.options), states, 0.0, 0.0)
 
-    def watch(self, endpoints: Any) -> dict[str, str]:
+    async def watch(self, endpoints: Any) -> dict[str, str]:
         return {ep: ("ok" if ep in self.answering else "refused") for ep in endpoints}
 
 
@@ -176,13 +176,16 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
                 options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
                 backend = Backend(fleet, ServeConfig(**options), factory)
                 name = f"{model}#{i}"
-                rigs[name] = Rig(backend, fleet, engines)
+                rigs[name] = Rig(backend, fleet, engines, None)
                 formations.append(Formation(name, model, backend))
         router = Router(formations)
-        router.start()
+        client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name="a"))
+        client.__enter__()  # one loop for the routes and the backends, as in serve
+        for rig_ in rigs.values():
+            rig_.portal = client.portal
+        client.portal.call(router.start)
         for rig_ in rigs.values():
             rig_.wait_state({"ready"})
-        client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name="a"))
         client.headers["Authorization"] = "Bearer k"
         client.router = router  # type: ignore[attr-defined]
         made.append((client, router))
@@ -190,8 +193,8 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
 
     yield make
     for client, router in made:
-        client.close()
-        router.stop()
+        client.portal.call(router.stop)
+        client.__exit__(None, None, None)
 
 
 def _stream(client: Any, model: str, tokens: int, results: list[Any]) -> None:
@@ -429,7 +432,7 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
     pool = SparePool([Host(name="late", address="10.8.0.2", rpc_port=50052)], order=["10.8.0.1:50052", late])
     answers: dict[str, int] = {}  # endpoint -> its usable bytes, for those that answer
 
-    def probe(hosts: Any) -> tuple[dict[str, str], list[Any]]:
+    async def probe(hosts: Any) -> tuple[dict[str, str], list[Any]]:
         up = [h.endpoint for h in hosts if h.endpoint in answers]
         states = {h.endpoint: ("ok" if h.endpoint in answers else "refused") for h in hosts}
         return states, plan_devices(up, [answers[ep] for ep in up]) if up else []
@@ -443,19 +446,19 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
             return engines[-1]  # type: ignore[no-any-return]
 
         backend = Backend(fleet, ServeConfig(retry_interval=0.005, rejoin_interval=0.0), factory)
-        rigs[name] = Rig(backend, fleet, engines)
+        rigs[name] = Rig(backend, fleet, engines, client.portal)
         return Formation(name, one.model.name, backend)
 
     model = ServedModel(str(tiny_model), "a", profile_model(tiny_model), PlanOptions(n_ctx=512))
     watch = SpareWatch(router, pool, [model], probe, make, interval=0.0)
-    assert watch.round() == [] and len(router.formations) == 1  # silent: nothing to decide
+    assert client.portal.call(watch.round) == [] and len(router.formations) == 1  # silent: nothing to decide
     answers[late] = 1024 * 1024  # it answers, too small for the model: it stays a spare
-    assert watch.round() == [] and [h.endpoint for h in pool.snapshot()] == [late]
-    assert watch.round() == []  # nothing new: not decided again
+    assert client.portal.call(watch.round) == [] and [h.endpoint for h in pool.snapshot()] == [late]
+    assert client.portal.call(watch.round) == []  # nothing new: not decided again
     del answers[late]
-    assert watch.round() == []
+    assert client.portal.call(watch.round) == []
     answers[late] = 8 * GiB  # back, and it holds the model
-    added = watch.round()
+    added = client.portal.call(watch.round)
     assert [f.name for f in added] == ["a#1"] and pool.snapshot() == []
     assert [f.name for f in router.formations] == ["a#0", "a#1"]
     rigs["a#1"].wait_state({"ready"})
@@ -469,7 +472,7 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
         ("a#0", ["10.8.0.1:50052"], "ready"),
         ("a#1", [late], "ready"),
     ]
-    assert watch.round() == []  # no spare left
+    assert client.portal.call(watch.round) == []  # no spare left
     # A formation takes the spare (a loss) between the watch's probe and its take: nothing is formed,
     # and the watch decides again once the spare is back.
     other = "10.8.0.3:50052"
@@ -477,17 +480,21 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
     answers[other] = 8 * GiB
     taken: list[Any] = []
 
-    def probe_then_lose(hosts: Any) -> tuple[dict[str, str], list[Any]]:
-        seen = probe(hosts)
+    async def probe_then_lose(hosts: Any) -> tuple[dict[str, str], list[Any]]:
+        seen = await probe(hosts)
         taken.append(pool.take())  # the loss's `with_spare`, in the meantime
         return seen
 
     watch.probe = probe_then_lose
-    assert watch.round() == [] and [h.endpoint for h in taken] == [other] and pool.snapshot() == []
+    assert (
+        client.portal.call(watch.round) == []
+        and [h.endpoint for h in taken] == [other]
+        and pool.snapshot() == []
+    )
     assert [f.name for f in router.formations] == ["a#0", "a#1"]
     watch.probe = probe
     pool.put(taken)  # given back
-    assert [f.name for f in watch.round()] == ["a#2"] and pool.snapshot() == []
+    assert [f.name for f in client.portal.call(watch.round)] == ["a#2"] and pool.snapshot() == []
     rigs["a#2"].wait_state({"ready"})
     # the pure rule: the spares in the inventory's order, one formation per model in turns, disjoint
     eps = ["10.8.0.3:50052", "10.8.0.4:50052", "10.8.0.5:50052"]

@@ -4,6 +4,7 @@ serve over a real local rpc-server, and a long stream of a random model on a loc
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -640,28 +641,35 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
 
     small, spare = start_rpc_server(), start_rpc_server()
     options = PlanOptions(n_ctx=512)
-    alone = ServeFleet([_local_host("small", small.port, 260 << 20)], str(tiny_model), options)
-    misfit = alone.plan_round()
-    assert misfit.plan is not None and misfit.fitting is None and misfit.misfit is not None, misfit
-    assert misfit.reason.startswith("the model does not fit") and small.endpoint in misfit.reason
-    assert misfit.misfit.host == small.endpoint and "--ctx" in (misfit.misfit.hint or "")
-    assert "--force" not in (misfit.misfit.hint or "")
-
     made: list[object] = []
 
     def engines(plan: Any, dial: Any) -> Any:
         made.append(plan)
         raise RpcfleetError("no engine may start for a plan that does not fit")
 
-    config = ServeConfig(recover_timeout=1.0, retry_interval=0.2, rejoin_interval=0)
-    backend = Backend(alone, config, engines)
-    backend.start().join(60)
+    async def rounds() -> tuple[Any, Backend, Any, ServeFleet, SparePool]:
+        alone = ServeFleet([_local_host("small", small.port, 260 << 20)], str(tiny_model), options)
+        misfit = await alone.plan_round()
+        config = ServeConfig(recover_timeout=1.0, retry_interval=0.2, rejoin_interval=0)
+        backend = Backend(alone, config, engines)
+        await asyncio.wait_for(backend.start(), 60)
+        pool = SparePool([_local_host("spare", spare.port)])
+        joined = ServeFleet(
+            [_local_host("small", small.port, 260 << 20)], str(tiny_model), options, spares=pool
+        )
+        fitting = (await joined.plan_round()).fitting
+        for fleet in (alone, joined):
+            assert fleet.shared is not None
+            await fleet.shared.close()
+        return misfit, backend, fitting, joined, pool
+
+    misfit, backend, fitting, joined, pool = asyncio.run(rounds())
+    assert misfit.plan is not None and misfit.fitting is None and misfit.misfit is not None, misfit
+    assert misfit.reason.startswith("the model does not fit") and small.endpoint in misfit.reason
+    assert misfit.misfit.host == small.endpoint and "--ctx" in (misfit.misfit.hint or "")
+    assert "--force" not in (misfit.misfit.hint or "")
     assert backend.state == "failed" and made == [], (backend.state, made)
     assert "waiting for the fleet: the model does not fit" in backend.reason, backend.reason
-
-    pool = SparePool([_local_host("spare", spare.port)])
-    joined = ServeFleet([_local_host("small", small.port, 260 << 20)], str(tiny_model), options, spares=pool)
-    fitting = joined.plan_round().fitting
     assert fitting is not None and fitting.fit.fits and spare.endpoint in fitting.endpoints
     assert joined.endpoints == (small.endpoint, spare.endpoint) and pool.hosts == []
 

@@ -5,6 +5,8 @@ llama-server's arguments from a plan, the chat template's choice, the engine's m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import subprocess
 import threading
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from anyio.from_thread import start_blocking_portal
 
 from orchestrator.cli import _planning, parse_args
 from orchestrator.core.errors import UsageError
@@ -31,7 +34,8 @@ from tests.plugins.serve_rig import ENDPOINTS, FakeEngine, FakeFleet, HttpEngine
 
 @pytest.fixture
 def rig(tiny_model: Path) -> Iterator[Callable[..., Rig]]:
-    made: list[Backend] = []
+    made: list[Rig] = []
+    loops = contextlib.ExitStack()
 
     def make(**config: Any) -> Rig:
         fleet = FakeFleet(tiny_model)
@@ -43,37 +47,38 @@ def rig(tiny_model: Path) -> Iterator[Callable[..., Rig]]:
 
         options = {"retry_interval": 0.005, "rejoin_interval": 0.0, "diagnose_timeout": 5.0, **config}
         backend = Backend(fleet, ServeConfig(**options), factory)
-        made.append(backend)
-        backend.start()
-        made_rig = Rig(backend, fleet, engines)
+        made_rig = Rig(backend, fleet, engines, loops.enter_context(start_blocking_portal()))
+        made.append(made_rig)
+        made_rig.call(backend.start)
         made_rig.wait_state({"ready"})
         return made_rig
 
-    yield make
-    for backend in made:
-        backend.stop()
+    with loops:
+        yield make
+        for made_rig in made:
+            made_rig.call(made_rig.backend.stop)
 
 
-def _acquire(backend: Backend) -> tuple[Any, Running | Failure]:
-    ticket = backend.admit()
-    return ticket, backend.acquire(ticket)
+def _acquire(r: Rig) -> tuple[Any, Running | Failure]:
+    ticket = r.call(r.backend.admit)
+    return ticket, r.call(r.backend.acquire, ticket)
 
 
 def test_the_slots_serve_parallel_requests_and_the_queue_waits_then_429(rig: Callable[..., Rig]) -> None:
     r = rig(parallel=2, queue_size=1, queue_timeout=5.0)
     backend = r.backend
-    served = [_acquire(backend) for _ in range(2)]
+    served = [_acquire(r) for _ in range(2)]
     assert all(isinstance(got, Running) for _, got in served)
-    waiting = backend.admit()  # the queue's one place
+    waiting = r.call(backend.admit)  # the queue's one place
     with pytest.raises(Exception, match="the queue is full") as refused:
-        backend.admit()
+        r.call(backend.admit)
     assert getattr(refused.value, "status", None) == 429
     got: list[Any] = []
-    thread = threading.Thread(target=lambda: got.append(backend.acquire(waiting)))
+    thread = threading.Thread(target=lambda: got.append(r.call(backend.acquire, waiting)))
     thread.start()
     time.sleep(0.05)
     assert not got  # both slots are held
-    backend.release(served[0][0])
+    r.call(backend.release, served[0][0])
     thread.join(5)
     assert isinstance(got[0], Running) and got[0] is served[1][1]
     assert backend.health()["queue"] == {"admitted": 2, "served": 2, "parallel": 2, "size": 1}
@@ -81,9 +86,9 @@ def test_the_slots_serve_parallel_requests_and_the_queue_waits_then_429(rig: Cal
 
 def test_a_request_waits_at_most_the_queue_timeout_for_a_slot(rig: Callable[..., Rig]) -> None:
     r = rig(parallel=1, queue_size=1, queue_timeout=0.1)
-    _acquire(r.backend)
+    _acquire(r)
     started = time.monotonic()
-    _, got = _acquire(r.backend)
+    _, got = _acquire(r)
     assert isinstance(got, Failure) and got.status == 503 and "waited 0.1 s for a slot" in got.message
     assert 0.05 < time.monotonic() - started < 10  # its 0.1 s, not forever (headroom for a busy machine)
 
@@ -100,21 +105,22 @@ def test_a_lost_node_ends_every_request_in_flight_with_a_503_naming_it_and_servi
         victim = ENDPOINTS[round_ % 3]
         r.fleet.answering = set(ENDPOINTS)
         if backend.plan is None or len(backend.plan.endpoints) != 3:
-            backend.reload(wait=True)
+            r.call(backend.reload)
             r.wait_state({"ready"})
         before = r.engine
-        held = [_acquire(backend) for _ in range(4)]
+        held = [_acquire(r) for _ in range(4)]
         assert all(isinstance(got, Running) for _, got in held), (round_, held, backend.state)
-        waiting = [backend.admit() for _ in range(2)]
+        waiting = [r.call(backend.admit) for _ in range(2)]
         results: list[Any] = []
         threads = [
-            threading.Thread(target=lambda t=t, out=results: out.append(backend.acquire(t))) for t in waiting
+            threading.Thread(target=lambda t=t, out=results: out.append(r.call(backend.acquire, t)))
+            for t in waiting
         ]
         for thread in threads:
             thread.start()
         r.fleet.answering = set(ENDPOINTS) - {victim}
         before.die()
-        failures = [backend.failure_of(got, "reset by peer") for _, got in held]  # type: ignore[arg-type]
+        failures = [r.call(backend.failure_of, got, "reset by peer") for _, got in held]
         for failure in failures:
             assert failure.status == 503 and failure.lost == (victim,), (round_, failure)
             assert f"lost {victim} (refused) while serving" in failure.message
@@ -122,9 +128,9 @@ def test_a_lost_node_ends_every_request_in_flight_with_a_503_naming_it_and_servi
             thread.join(5)
         assert len(results) == 2 and all(isinstance(x, Failure) or x.engine is not before for x in results)
         for ticket, _ in held:
-            backend.release(ticket)
+            r.call(backend.release, ticket)
         for ticket in waiting:
-            backend.release(ticket)
+            r.call(backend.release, ticket)
         r.wait_state({"degraded"})
         assert backend.plan is not None and victim not in backend.plan.endpoints, round_
         assert r.engine is not before and backend.lost == (victim,)
@@ -135,25 +141,25 @@ def test_a_lost_node_ends_every_request_in_flight_with_a_503_naming_it_and_servi
 
 def test_a_stalled_engine_is_killed_and_diagnosed(rig: Callable[..., Rig]) -> None:
     r = rig()
-    ticket, got = _acquire(r.backend)
+    ticket, got = _acquire(r)
     assert isinstance(got, Running)
     r.fleet.answering = {ENDPOINTS[0], ENDPOINTS[1]}  # a cut link: the third does not answer
     stuck = r.engine
-    r.backend.stalled(got)
-    failure = r.backend.failure_of(got, "the engine answered nothing for 120 s")
+    r.call(r.backend.stalled, got)
+    failure = r.call(r.backend.failure_of, got, "the engine answered nothing for 120 s")
     assert stuck.killed and failure.lost == (ENDPOINTS[2],) and "signal SIGKILL" in failure.message
-    r.backend.release(ticket)
+    r.call(r.backend.release, ticket)
     r.wait_state({"degraded"})
 
 
 def test_the_engines_death_with_every_node_answering_is_a_server_error(rig: Callable[..., Rig]) -> None:
     r = rig()
-    ticket, got = _acquire(r.backend)
+    ticket, got = _acquire(r)
     r.engine.die("exit status 1")
-    failure = r.backend.failure_of(got, "closed")  # type: ignore[arg-type]
+    failure = r.call(r.backend.failure_of, got, "closed")
     assert failure.status == 503 and failure.kind == "server_error" and failure.lost == ()
     assert "every node still answers" in failure.message
-    r.backend.release(ticket)
+    r.call(r.backend.release, ticket)
     r.wait_state({"ready"})  # restarted on all three
 
 
@@ -163,40 +169,40 @@ def test_a_returned_node_is_taken_back_once_the_requests_being_served_end(rig: C
     r.fleet.answering = set(ENDPOINTS[:2])
     r.engine.die()
     r.wait_state({"degraded"})
-    ticket, got = _acquire(backend)
+    ticket, got = _acquire(r)
     assert isinstance(got, Running)
     r.fleet.answering = set(ENDPOINTS)  # back
     deadline = time.monotonic() + 5
     while (backend.rejoining or {}).get("phase") != "waiting for the engine":
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    queued = backend.admit()
+    queued = r.call(backend.admit)
     later: list[Any] = []
-    thread = threading.Thread(target=lambda: later.append(backend.acquire(queued)))
+    thread = threading.Thread(target=lambda: later.append(r.call(backend.acquire, queued)))
     thread.start()
     time.sleep(0.05)
     assert not later and backend.state == "degraded"  # held: the new request waits for the new engine
-    backend.release(ticket)  # the request being served ends: the rejoin goes on
+    r.call(backend.release, ticket)  # the request being served ends: the rejoin goes on
     thread.join(5)
     assert isinstance(later[0], Running) and later[0].plan.endpoints == ENDPOINTS
     assert backend.state == "ready" and backend.metrics.rejoins[-1].back == (ENDPOINTS[2],)
-    backend.release(queued)
+    r.call(backend.release, queued)
 
 
 def test_a_reload_drains_restarts_the_fleet_and_starts_a_new_engine(rig: Callable[..., Rig]) -> None:
     r = rig(parallel=2)
     backend = r.backend
-    ticket, _ = _acquire(backend)
+    ticket, _ = _acquire(r)
     first = r.engine
-    thread = backend.reload(rolling_restart=True)
+    reload = r.portal.start_task_soon(functools.partial(backend.reload, rolling_restart=True))
     r.wait_state({"draining"})
     with pytest.raises(Exception, match="draining") as refused:
-        backend.admit()
+        r.call(backend.admit)
     assert getattr(refused.value, "status", None) == 503
     time.sleep(0.05)
     assert not first.ended.is_set()  # the request in flight is served to its end
-    backend.release(ticket)
-    thread.join(5)
+    r.call(backend.release, ticket)
+    reload.result(5)
     r.wait_state({"ready"})
     assert first.ended.is_set() and r.engine is not first and r.fleet.restarts == 1
     assert backend.metrics.reloads == 1 and not backend.metrics.recoveries  # on purpose: no recovery
@@ -209,22 +215,21 @@ def test_a_drain_past_its_timeout_stops_the_engine_under_the_request_and_the_rel
     (its answer: 503 "the engine was stopped", not a lost node), the new engine serves, no recovery."""
     r = rig(parallel=2, drain_timeout=0.05)
     backend = r.backend
-    ticket, got = _acquire(backend)
+    ticket, got = _acquire(r)
     assert isinstance(got, Running)
     first = r.engine
-    thread = backend.reload()
-    thread.join(5)
-    assert not thread.is_alive()  # the reload ended although the request still holds its slot
+    reload = r.portal.start_task_soon(backend.reload)
+    reload.result(5)  # the reload ended although the request still holds its slot
     r.wait_state({"ready"})
     assert first.ended.is_set() and r.engine is not first
-    failure = backend.failure_of(got, "reset by peer")
+    failure = r.call(backend.failure_of, got, "reset by peer")
     assert (failure.status, failure.message) == (503, "the engine was stopped"), failure
-    backend.release(ticket)
+    r.call(backend.release, ticket)
     assert backend.health()["queue"]["admitted"] == 0
     assert backend.metrics.reloads == 1 and not backend.metrics.recoveries
-    again, served = _acquire(backend)
+    again, served = _acquire(r)
     assert isinstance(served, Running) and served.engine is r.engine
-    backend.release(again)
+    r.call(backend.release, again)
 
 
 def test_a_recovery_that_outlasts_its_timeout_gives_up_failed_and_says_so(rig: Callable[..., Rig]) -> None:
@@ -240,7 +245,7 @@ def test_a_recovery_that_outlasts_its_timeout_gives_up_failed_and_says_so(rig: C
     assert told == ["failed"] and r.fleet.rounds >= 2  # it retried before giving up
     assert backend.reason.startswith("gave up after 0.05 s: waiting for the fleet: no node answers")
     with pytest.raises(Exception, match="the model is failed: gave up") as refused:
-        backend.admit()
+        r.call(backend.admit)
     assert getattr(refused.value, "status", None) == 503
     rounds = r.fleet.rounds
     r.fleet.answering = set(ENDPOINTS)
@@ -365,7 +370,7 @@ def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
 
     from orchestrator.serve.app import create_app
 
-    made: list[tuple[Any, Backend]] = []
+    made: list[tuple[Any, Rig]] = []
 
     def make(**config: Any) -> tuple[Any, Rig]:
         fleet = FakeFleet(tiny_model)
@@ -377,18 +382,19 @@ def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
 
         options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
         backend = Backend(fleet, ServeConfig(**options), factory)
-        backend.start()
-        rig_ = Rig(backend, fleet, engines)
-        rig_.wait_state({"ready"})
         client = TestClient(create_app(backend, api_key="k", model_name="fake"))
+        client.__enter__()  # one loop for the routes and the backend, as in serve
         client.headers["Authorization"] = "Bearer k"
-        made.append((client, backend))
+        rig_ = Rig(backend, fleet, engines, client.portal)
+        made.append((client, rig_))
+        rig_.call(backend.start)
+        rig_.wait_state({"ready"})
         return client, rig_
 
     yield make
-    for client, backend in made:
-        client.close()
-        backend.stop()
+    for client, rig_ in made:
+        rig_.call(rig_.backend.stop)
+        client.__exit__(None, None, None)
 
 
 def _events(lines: Iterator[str]) -> list[Any]:

@@ -1,0 +1,263 @@
+"""serve's OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`): a request is
+checked with the fields of llama-cpp-python's server models (`serve.requests`: a bad field is a 400 here),
+admitted by the router on the least-loaded serving formation of its model, given a slot of that
+formation's backend, and sent to its engine (llama-server on loopback) as the client wrote it, so every
+llama-server field (tools, grammars, response formats...) works; answers, streams (server-sent events,
+piece by piece) and the engine's own errors pass through as they are. Router → formation → engine: nothing
+here climbs back.
+
+Errors of serve's own are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 400 (bad JSON or
+fields), 404 (a model not served), 429 (queue full), 503 with Retry-After (loading, recovering, draining,
+a lost node, named). A stream whose engine is lost ends with one error event naming the lost node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
+from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
+from orchestrator.serve.router import Router
+from orchestrator.serve.upstream import Answer, UpstreamError, UpstreamTimeout
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    429: "rate_limit_exceeded",
+}
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's for completions; llama-server's own default is unlimited
+_TEXT = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk with text in it (the time to first token)
+
+
+def error_response(
+    status: int, message: str, kind: str | None = None, retry_after: int | None = None, **extra: Any
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": kind or _ERROR_TYPES.get(status, "server_error"),
+            "code": status,
+            **extra,
+        }
+    }
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def failure_body(failure: Failure) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": failure.message, "type": failure.kind, "code": failure.status}
+    if failure.lost:
+        error["lost"] = list(failure.lost)
+    return {"error": error}
+
+
+class _Usage:
+    """Token counts from the engine's answers: `usage` of a whole answer, `timings` of a stream's end."""
+
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.completion = 0
+        self.tokens_per_second = 0.0
+        self._rest = b""
+
+    def whole(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        usage, timings = data.get("usage") or {}, data.get("timings") or {}
+        self.prompt = int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0)
+        self.completion = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
+        self.tokens_per_second = float(timings.get("predicted_per_second") or 0.0)
+
+    def feed(self, piece: bytes) -> None:
+        """A piece of a stream: the event that carries `timings` (the last) is read."""
+        lines = (self._rest + piece).split(b"\n")
+        self._rest = lines.pop()[-65536:]
+        for line in lines:
+            if line.startswith(b"data: ") and b'"timings"' in line:
+                with contextlib.suppress(ValueError):
+                    self.whole(json.loads(line[len(b"data: ") :]))
+
+
+def openai_routes(router: Router, authorize: Callable[[Request], None]) -> APIRouter:
+    """The OpenAI routes over `router`'s formations, behind `authorize` (the API key)."""
+    api = APIRouter(dependencies=[Depends(authorize)])
+    metrics = router.metrics
+    config = router.config
+    upstream = router.upstream
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _openai(request, "/v1/completions", CompletionRequest)
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await _openai(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @api.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        return await _openai(request, "/v1/embeddings", None)
+
+    def _failed(
+        route: str,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        retry_after: int | None = None,
+        **extra: Any,
+    ) -> JSONResponse:
+        metrics.record_request(route, status)
+        return error_response(status, message, kind, retry_after, **extra)
+
+    def _failure(route: str, failure: Failure) -> JSONResponse:
+        extra = {"lost": list(failure.lost)} if failure.lost else {}
+        return _failed(route, failure.status, failure.message, failure.kind, failure.retry_after, **extra)
+
+    async def _openai(request: Request, route: str, model: type[BaseModel] | None) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            return _failed(route, 400, f"invalid request: the body is not JSON: {exc}")
+        if not isinstance(data, dict):
+            return _failed(route, 400, "invalid request: the body must be a JSON object")
+        if model is not None:
+            try:
+                model.model_validate(data)
+            except ValidationError as exc:
+                return _failed(route, 400, f"invalid request: {problems(exc.errors())}")
+            if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+                data["max_tokens"] = DEFAULT_MAX_TOKENS
+            limit = data.get("max_tokens", data.get("max_completion_tokens"))
+            if isinstance(limit, int) and limit < 1:
+                return _failed(route, 400, "max_tokens must be at least 1")
+            if data.get("seed") is None:
+                data["seed"] = config.seed
+        model_id = data.get("model") if isinstance(data.get("model"), str) else None
+        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id)
+
+    async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None) -> Any:
+        try:  # the least-loaded serving formation of the model; a stream stays on it
+            backend, ticket = router.admit(model_id)
+        except Rejected as exc:
+            extra = {"param": "model"} if exc.status == 404 else {}
+            return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
+        handed = False  # to the stream, which then releases the ticket
+        try:
+            got = await backend.acquire(ticket)
+            if isinstance(got, Failure):
+                return _failure(route, got)
+            engine_url, engine_key = got.engine.url, got.engine.api_key
+
+            async def alive() -> bool:
+                """Its main loop still takes tasks (/metrics is one): busy generating, not stuck. The loop
+                takes one between two decode steps, and one step of a slow device (llvmpipe on a loaded
+                machine: seconds a token) may outlast any short wait: the same `event_timeout` bounds it."""
+                try:
+                    return (await upstream.get(engine_url, "/metrics", config.event_timeout, engine_key))[
+                        0
+                    ] == 200
+                except UpstreamError:
+                    return False
+
+            held = contextlib.AsyncExitStack()  # the engine's answer, open until its body is read
+            try:
+                answer = await held.enter_async_context(
+                    upstream.request(
+                        engine_url,
+                        "POST",
+                        route,
+                        body,
+                        key=engine_key,
+                        silence=config.event_timeout,
+                        alive=alive,
+                    )
+                )
+                backend.answered()
+                if stream and answer.status == 200:
+                    handed = True
+                    return StreamingResponse(
+                        _stream(route, backend, ticket, got, held, answer),
+                        media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    )
+                whole = await answer.read()
+            except UpstreamError as exc:
+                return _failure(route, await _lost(backend, got, exc))
+            finally:
+                if not handed:
+                    await held.aclose()
+            backend.answered()
+            if answer.status == 200:
+                usage = _Usage()
+                with contextlib.suppress(ValueError):
+                    usage.whole(json.loads(whole))
+                ticket.saw_text()
+                router.counters(backend).record_done(
+                    usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
+                )
+            router.counters(backend).record_request(route, answer.status)
+            media = answer.headers.get("content-type", "application/json")
+            return Response(whole, status_code=answer.status, media_type=media)
+        finally:
+            if not handed:
+                backend.release(ticket)
+
+    async def _lost(backend: Backend, running: Running, exc: UpstreamError) -> Failure:
+        if isinstance(exc, UpstreamTimeout):
+            backend.stalled(running)
+        return await backend.failure_of(running, str(exc))
+
+    async def _stream(
+        route: str,
+        backend: Backend,
+        ticket: Ticket,
+        running: Running,
+        held: contextlib.AsyncExitStack,
+        answer: Answer,
+    ) -> AsyncIterator[bytes]:
+        code = 499  # the client went away before the end
+        usage = _Usage()
+        last = b""  # the stream's end so far: an OpenAI stream of llama-server's ends with [DONE]
+        try:
+            try:
+                async for piece in answer.body():
+                    backend.answered()
+                    if ticket.first_token is None and _TEXT.search(piece):
+                        ticket.saw_text()
+                    usage.feed(piece)
+                    last = (last + piece)[-32:]
+                    yield piece
+                if b"data: [DONE]" not in last:  # closed early, whatever its framing said
+                    raise UpstreamError("the engine's stream ended before [DONE]")
+                code = 200
+                router.counters(backend).record_done(
+                    usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
+                )
+            except UpstreamError as exc:
+                failure = await _lost(backend, running, exc)
+                code = failure.status
+                yield b"data: " + json.dumps(failure_body(failure)).encode() + b"\n\n"
+        finally:
+            await held.aclose()
+            backend.release(ticket)
+            router.counters(backend).record_request(route, code)
+
+    return api
+
+
+def problems(errors: Any) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors
+    )
