@@ -44,6 +44,7 @@ from orchestrator.core.log import get_logger
 from orchestrator.engine.shared import Pulse
 from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan
+from orchestrator.serve import settings
 from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine, EngineFactory, lost_message
 from orchestrator.serve.fleet import FormationFleet, Round
 from orchestrator.serve.metrics import Metrics, Recovery, Rejoin
@@ -54,18 +55,18 @@ SERVING = frozenset({"ready", "degraded"})
 @dataclass(frozen=True)
 class ServeConfig:
     parallel: int = DEFAULT_PARALLEL  # requests the engine serves at once (llama-server's --parallel)
-    queue_size: int = 8  # requests waiting for a slot beyond those served
-    queue_timeout: float = 120.0  # seconds a request may wait for a slot
+    queue_size: int = settings.QUEUE_SIZE  # requests waiting for a slot beyond those served
+    queue_timeout: float = settings.QUEUE_TIMEOUT  # seconds a request may wait for a slot
     load_timeout: float = 300.0
     event_timeout: float = 120.0  # seconds between two answers of the engine within a request
-    link_timeout: float = 10.0
-    recover_timeout: float = 600.0  # seconds of recovery before giving up
+    link_timeout: float = settings.LINK_TIMEOUT
+    recover_timeout: float = settings.RECOVER_TIMEOUT  # seconds of recovery before giving up
     retry_interval: float = 1.0  # seconds between two recovery rounds
     drain_timeout: float = 300.0  # seconds a reload waits for admitted requests
     retry_after: int = 2  # the Retry-After of a 503 (seconds)
-    rejoin_interval: float = 5.0  # seconds between two probes of the nodes left out (0: no watch)
+    rejoin_interval: float = settings.REJOIN_INTERVAL  # seconds between two probes of the nodes left out
     diagnose_timeout: float = 15.0  # seconds a request waits for the diagnosis of a dead engine
-    seed: int = 0
+    seed: int = settings.SEED
 
 
 class Rejected(RpcfleetError):

@@ -49,10 +49,10 @@ from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan
 from orchestrator.rpc.client import probe_endpoints
 from orchestrator.rpc.records import Outcome, ProbeResult, parse_endpoint
+from orchestrator.serve.settings import DEFAULT_PARALLEL as DEFAULT_PARALLEL  # llama-server's slots
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 from orchestrator.serve.upstream import Upstream, UpstreamError
 
-DEFAULT_PARALLEL = 4  # llama-server's own default for `--parallel` auto; see docs/serve.md
 LOST_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.TIMEOUT, Outcome.CLOSED})
 KEY_ENV = "LLAMA_API_KEY"  # llama-server's --api-key, from its environment (owner-only in /proc)
 

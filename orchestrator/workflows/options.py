@@ -26,6 +26,7 @@ from orchestrator.planning.settings import (
     STRATEGIES,
 )
 from orchestrator.probe.settings import DEFAULT_TIMEOUT
+from orchestrator.serve.settings import DEFAULT_PARALLEL
 
 if TYPE_CHECKING:
     from orchestrator.planning.plan import PlanOptions
@@ -118,7 +119,7 @@ PARALLEL = Option(
     fields.integer(minimum=1, maximum=MAX_SEQ),
     1,
     "parallel sequences (n_seq_max; serve: llama-server's slots, served at once and batched together): "
-    "each gets --ctx/N unless --kv-unified (default: 1; serve: 4)",
+    f"each gets --ctx/N unless --kv-unified (default: 1; serve: {DEFAULT_PARALLEL})",
     metavar="N",
 )
 KV_UNIFIED = Option(
