@@ -1,5 +1,5 @@
 """What a command reads before it works: the inventory (-i, -l, -f) and its hosts, a model file, the
-socket `serve` and `exporter` listen on."""
+socket `serve` and `exporter` listen on, and their keys (files and environment variables)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from orchestrator.cli._output import escape
 from orchestrator.cli._parser import flag
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
+from orchestrator.workflows.serve_options import ADMIN_KEY_ENV, KEY_ENV
 
 if TYPE_CHECKING:
     from orchestrator.inventory.model import Host, Inventory
@@ -127,3 +128,55 @@ def listen_socket(host: str, port: int) -> socket.socket:
         ) from None
     sock.set_inheritable(True)
     return sock
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or RPCFLEET_API_KEY, in that order (None: no key)."""
+    if args.api_key_file is not None:
+        return _key_file("--api-key-file", args.api_key_file)
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")
+    if args.api_key:
+        return str(args.api_key).strip()
+    return _key_env(KEY_ENV)
+
+
+def listen_key_of(args: argparse.Namespace, serving: str) -> str | None:
+    """The API key (`api_key_of`), which only a loopback --host may go without: `serving` (what is served)
+    on another address without one is refused (a usage error)."""
+    from orchestrator.inventory.model import is_loopback
+
+    api_key = api_key_of(args)
+    if api_key is None and not is_loopback(args.host):
+        raise UsageError(
+            f"--host {args.host} is not a loopback address: serving {serving} without an API key is refused",
+            hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
+        )
+    return api_key
+
+
+def admin_key_of(args: argparse.Namespace, api_key: str | None) -> str | None:
+    """The admin key from --admin-key-file or RPCFLEET_ADMIN_KEY (None: none); never the API key."""
+    path = args.admin_key_file
+    key = _key_file("--admin-key-file", path) if path is not None else _key_env(ADMIN_KEY_ENV)
+    if key is not None and key == api_key:
+        raise UsageError("the admin key is the API key: give the admin routes a key of their own")
+    return key
+
+
+def _key_file(flag: str, path: Path) -> str:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise UsageError(f"{flag} {path}:1: the first line is empty")
+    return key
+
+
+def _key_env(name: str) -> str | None:
+    from_env = os.environ.get(name)
+    if from_env is not None and not from_env.strip():
+        raise UsageError(f"{name} is set but empty")
+    return from_env.strip() if from_env else None

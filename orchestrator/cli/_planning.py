@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 from orchestrator.cli import _parser
-from orchestrator.core import fields
 from orchestrator.workflows.options import CTX, LOCAL_DEVICES, PLAN_OPTIONS, PROBE_OPTIONS, Option
+from orchestrator.workflows.serve_options import REPLICAS, REPLICAS_HELP
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
     from collections.abc import Sequence
@@ -34,13 +34,18 @@ def add_options(
     defaults: Mapping[str, Any] | None = None,
     helps: Mapping[str, str] | None = None,
     repeated: Iterable[str] = (),
+    exclusive: Iterable[Iterable[str]] = (),
 ) -> None:
     """The flags of declared options, in the given order: a switch is a flag without a value, an option
     with choices takes one of them (argparse lists them and suggests the closest), any other its parser's
-    value (`_parser.flag`). `defaults` and `helps` change an option's default or help for this command
-    (`model info --ctx` is optional); an option in `repeated` may be given several times (its values,
-    strings, are collected in a list: `report --ctx 4k,32k --ctx 8k`)."""
+    value (`_parser.flag`); a `repeat` option's values are collected in a list. `defaults` and `helps`
+    change an option's default or help for this command (`model info --ctx` is optional); an option in
+    `repeated` may be given several times (its values, strings, are collected in a list: `report --ctx
+    4k,32k --ctx 8k`). Each group of names in `exclusive` takes one of its flags at most (argparse's
+    mutually exclusive group: `serve --api-key | --api-key-file`)."""
     defaults, helps, repeated = defaults or {}, helps or {}, set(repeated)
+    group_of = {name: tuple(group) for group in map(tuple, exclusive) for name in group}
+    groups: dict[tuple[str, ...], Any] = {}
     for option in options:
         kwargs: dict[str, Any] = {"dest": option.name, "help": helps.get(option.name, option.help)}
         if option.switch:
@@ -53,11 +58,19 @@ def add_options(
                 kwargs["choices"] = option.choices
             else:
                 kwargs["type"] = _parser.flag(option.parse)
+            if option.repeat:
+                kwargs["action"] = "append"
             if option.metavar is not None:
                 kwargs["metavar"] = option.metavar
             if option.bare is not None:
                 kwargs.update(nargs="?", const=option.bare)
-        _MADE[parser.add_argument(*option.flags, **kwargs)] = option
+        where: Any = parser
+        group = group_of.get(option.name)
+        if group is not None:
+            if group not in groups:
+                groups[group] = parser.add_mutually_exclusive_group()
+            where = groups[group]
+        _MADE[where.add_argument(*option.flags, **kwargs)] = option
 
 
 def declaration_of(action: argparse.Action) -> Option | None:
@@ -73,33 +86,11 @@ def add_plan_option_args(parser: argparse.ArgumentParser, *, ctx: bool = True, l
     add_options(parser, [o for o in (*PLAN_OPTIONS, *PROBE_OPTIONS) if o.name not in leave_out])
 
 
-def replicas(value: str) -> int | str:
-    """--replicas: auto or a number of formations."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    return fields.integer(minimum=1, maximum=1024)(value)
-
-
-def add_replicas_args(parser: argparse.ArgumentParser, *, serve: bool = True) -> None:
-    """--replicas auto|N and (serve) --split: how many formations (engines, each with a copy of the model
-    on its own servers). `plan` and `report` take --replicas alone: with it they print the formations
-    serve would choose."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--replicas",
-        type=_parser.flag(replicas),
-        default="auto" if serve else None,
-        metavar="auto|N",
-        help="formations of the model, each on its own nodes: auto = the fewest nodes it fits on, as "
-        "many such groups as the nodes hold; N = N such groups"
-        + (" (default: auto)" if serve else "; prints the formations serve would choose"),
-    )
-    if serve:
-        group.add_argument(
-            "--split",
-            action="store_true",
-            help="one formation over every selected node (the model split across all of them)",
-        )
+def add_replicas_arg(parser: argparse.ArgumentParser) -> None:
+    """`plan` and `report` take serve's --replicas (`workflows/serve_options.py`) without a default: with
+    it they print the formations serve would choose."""
+    help_text = f"{REPLICAS_HELP}; prints the formations serve would choose"
+    add_options(parser, [REPLICAS], defaults={REPLICAS.name: None}, helps={REPLICAS.name: help_text})
 
 
 def formations(

@@ -14,10 +14,10 @@ from typing import Any
 
 from orchestrator.cli import _inputs, _output, _parser, _planning, _running
 from orchestrator.cli._output import escape
-from orchestrator.cli.serve import KEY_ENV, api_key_of
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.workflows.options import TIMEOUT
+from orchestrator.workflows.serve_options import KEY_ENV
 
 DEFAULT_PORT = 9464  # the port Prometheus' registry of default ports lists for exporters of this kind
 
@@ -70,15 +70,7 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from orchestrator.inventory.model import is_loopback
-
-    api_key = api_key_of(args)
-    if api_key is None and not is_loopback(args.host):
-        raise UsageError(
-            f"--host {args.host} is not a loopback address: serving the fleet's metrics without an API key "
-            "is refused",
-            hint=f"add --api-key-file or {KEY_ENV}, or bind 127.0.0.1",
-        )
+    api_key = _inputs.listen_key_of(args, "the fleet's metrics")
     _, hosts = _inputs.load_hosts(args)
     if not hosts:
         raise UsageError("no hosts selected")

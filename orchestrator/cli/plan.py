@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--model", "-m", type=Path, required=True, help="the GGUF model (first shard)")
     _planning.add_plan_option_args(parser)
-    _planning.add_replicas_args(parser, serve=False)
+    _planning.add_replicas_arg(parser)
     parser.add_argument("--format", choices=FORMATS, default="table", help="output (default: table)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON here")
     _inputs.add_inventory_args(parser)

@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
         helps={CTX.name: f"context sizes, comma-separated (default {CTX.default}; 32k = 32768)"},
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
-    _planning.add_replicas_args(parser, serve=False)
+    _planning.add_replicas_arg(parser)
     parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
     _planning.add_plan_option_args(parser, ctx=False, local=False)
     parser.set_defaults(handler=handle)

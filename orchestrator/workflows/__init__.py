@@ -2,6 +2,8 @@
 asks of the fleet, each walking the stages below in flow order once.
 
 * `options`: the typed options of a planning request (probe settings, the one builder of `PlanOptions`);
+* `serve_options`: serve's own options, declared once (`rpcfleet serve`'s flags are made from them), and
+  the one builder of its limits (`ServeConfig`);
 * `fit`: the one fit policy (does the plan fit; the error, or the warning under `--force`);
 * `plan`: `plan_for_fleet` -> `PlanRound` (probe, devices, local GPUs through the worker, plan, fit), and
   `plan_model` (read the model, then the hosts, then `plan_for_fleet`: `rpcfleet plan`, `cache warm`);

@@ -34,10 +34,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Option:
-    """One planning or probe option. `choices`: the words a flag takes (argparse lists them and suggests
-    the closest); `parse` takes them too, and in a playbook YAML's forms (`flash_attn: true`). `bare`: the
-    value of the flag given alone (`-fa` = on). `switch`: a flag without a value that sets the opposite of
-    `default` (`--swa-full`, `--no-facts`); the playbook's argument is a boolean."""
+    """One option of a command (planning and probe here, serve's own in `serve_options`). `choices`: the
+    words a flag takes (argparse lists them and suggests the closest); `parse` takes them too, and in a
+    playbook YAML's forms (`flash_attn: true`). `bare`: the value of the flag given alone (`-fa` = on).
+    `switch`: a flag without a value that sets the opposite of `default` (`--swa-full`, `--no-facts`); the
+    playbook's argument is a boolean. `repeat`: the flag may be given several times, its values parsed
+    and collected in a list (`serve -m A -m B`; None when never given)."""
 
     name: str
     flags: tuple[str, ...]
@@ -48,6 +50,7 @@ class Option:
     metavar: str | None = None
     bare: str | None = None
     switch: bool = False
+    repeat: bool = False
 
 
 def flash_attn_mode(value: Any) -> str:
