@@ -108,6 +108,27 @@ def _declared_options() -> list[str]:
     return [*lines, ""]
 
 
+def _serve_options() -> list[str]:
+    """serve's own options' one declaration (the planning ones are above)."""
+    from orchestrator.workflows.serve_options import OWN_OPTIONS
+
+    lines = [
+        "## Serve options",
+        "",
+        "Declared once (`orchestrator/workflows/serve_options.py`): `rpcfleet serve`'s flags (and `plan`'s "
+        "and `report`'s --replicas) are made from it; its defaults are the serving limits' "
+        "(`orchestrator/serve/settings.py`).",
+        "",
+        "| flags | default | meaning |",
+        "|---|---|---|",
+    ]
+    for option in OWN_OPTIONS:
+        default = "unset" if option.default is None else f"`{option.default}`"
+        flags = _cell(", ".join(option.flags))
+        lines.append(f"| `{flags}` | {default} | {_cell(_one_line(option.help))} |")
+    return [*lines, ""]
+
+
 def generate() -> str:
     """The block's text, markers excluded."""
     from orchestrator.cli import build_parser
@@ -119,6 +140,7 @@ def generate() -> str:
     for name, sub in top:
         lines += _command(f"rpcfleet {name}", sub, 2)
     lines += _declared_options()
+    lines += _serve_options()
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
