@@ -50,14 +50,11 @@ def register(subparsers: Any) -> None:
         metavar="K",
         help="pods per group (default: the fewest on which the model fits)",
     )
-    lws.add_argument(
-        "--replicas",
-        type=_parser.flag(_planning.replicas),
-        default="auto",
-        metavar="auto|N",
-        help="groups, each a copy of the model (default: auto = 1; `kubectl scale lws/NAME` for more)",
-    )
     from orchestrator.workflows.options import CTX, FLASH_ATTN, MARGIN, PARALLEL, TYPE_K, TYPE_V
+    from orchestrator.workflows.serve_options import REPLICAS
+
+    replicas_help = "groups, each a copy of the model (default: auto = 1; `kubectl scale lws/NAME` for more)"
+    _planning.add_options(lws, (REPLICAS,), helps={"replicas": replicas_help})
 
     # llama-server's slots: 4, as serve
     _planning.add_options(lws, (CTX, PARALLEL, TYPE_K, TYPE_V, FLASH_ATTN, MARGIN), defaults={"parallel": 4})

@@ -24,6 +24,7 @@ from orchestrator.workflows.serve_options import (
 # What a command changes of a declared option, on purpose.
 CHANGED = {
     ("rpcfleet export lws", "parallel"): {"default"},  # llama-server's slots: 4, as serve
+    ("rpcfleet export lws", "replicas"): {"help"},  # groups of pods; `kubectl scale` for more
     ("rpcfleet model info", "ctx"): {"default", "help"},  # optional: also show the KV cache at it
     ("rpcfleet report", "ctx"): {"default", "help"},  # several contexts, comma-separated or repeated
     ("rpcfleet exporter", "timeout"): {"help"},  # the exporter's rounds read over SSH more than facts
@@ -32,7 +33,7 @@ CHANGED = {
 }
 PLANNING_COMMANDS = ("plan", "run", "serve", "report", "cache warm", "cache prune")
 # The flags of `rpcfleet serve` that no declaration of its own makes: every command's.
-SERVE_BY_HAND = ["help", "inventory", "limit", "forks", "verbose", "log_format"]
+SERVE_BY_HAND = ["help", "inventory", "slurm_job", "limit", "forks", "verbose", "log_format"]
 
 
 def _flags() -> dict[str, str]:
