@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,10 +182,10 @@ def slurm_cluster(lab: Lab, directory: Path) -> Iterator[SlurmCluster]:
         shutil.rmtree(spool, ignore_errors=True)
 
 
-def _wait(ready: object, what: str, log: Path, timeout: float = 30) -> None:
+def _wait(ready: Callable[[], bool], what: str, log: Path, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if ready():  # type: ignore[operator]
+        if ready():
             return
         time.sleep(0.2)
     tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
