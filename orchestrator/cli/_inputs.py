@@ -56,12 +56,15 @@ def add_inventory_args(
 
 
 def inventory_path(args: argparse.Namespace) -> Path:
-    """The inventory to use: -i, then $RPCFLEET_INVENTORY, then ./inventory.yml, then the running lab's
-    (`--slurm-job` alone: `slurm:JOBID`)."""
+    """The inventory to use: -i, then $RPCFLEET_INVENTORY, then ./inventory.yml, then the running lab's.
+    `--slurm-job` without -i: the overlay $RPCFLEET_INVENTORY names when it names a Slurm overlay file (the
+    job's nodes with its variables), else `slurm:JOBID` (the flag asks for Slurm: another default
+    inventory, or a `slurm:` spec naming another job, gives way to it)."""
     if args.inventory is not None:
         return Path(args.inventory)
     if getattr(args, "slurm_job", None) is not None:
-        return Path(f"slurm:{args.slurm_job}")
+        default = _slurm_overlay(os.environ.get(DEFAULT_INVENTORY_ENV, ""))
+        return default if default is not None else Path(f"slurm:{args.slurm_job}")
     if os.environ.get(DEFAULT_INVENTORY_ENV):
         return Path(os.environ[DEFAULT_INVENTORY_ENV])
     if Path("inventory.yml").exists():
@@ -74,6 +77,19 @@ def inventory_path(args: argparse.Namespace) -> Path:
     except LabError as exc:  # no inventory named and none found: the user's to give (exit status 2)
         raise UsageError(exc.message, hint=exc.hint) from None
     return path
+
+
+def _slurm_overlay(name: str) -> Path | None:
+    """`name` when it is a file holding a Slurm overlay (a `slurm:` section), else None."""
+    if not name or name.startswith("slurm:"):
+        return None
+    from orchestrator.inventory.slurm import is_slurm_document
+
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None  # not readable: not an overlay, and --slurm-job reads the job alone
+    return Path(name) if is_slurm_document(text) else None
 
 
 def load_inventory(args: argparse.Namespace) -> Inventory:

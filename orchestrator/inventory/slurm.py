@@ -152,11 +152,13 @@ def read_settings(text: str, path: Path | None) -> SlurmSettings:
 
 
 def parse_job(output: str, job: str) -> str:
-    """The node list of a job from `scontrol show job JOB` (one or several records: a het job's
-    components, an array's tasks; their lists are joined); InventoryError when the job holds no node."""
+    """The node list of a job from `scontrol show job JOB` (one record, or a het job's components, whose
+    lists are joined: one allocation); InventoryError when the job holds no node, or when JOB is a job
+    array's id (see `_refuse_array`)."""
     records = [record for record in re.split(r"(?m)^(?=JobId=)", output) if record.strip()]
     if not records:
         raise InventoryError(f"slurm job {job}: scontrol show job printed no job record")
+    _refuse_array(records, job)
     lists: list[str] = []
     states: list[str] = []
     for record in records:
@@ -174,6 +176,32 @@ def parse_job(output: str, job: str) -> str:
             f"from a job that is {held})"
         )
     return ",".join(lists)
+
+
+def _refuse_array(records: Sequence[str], job: str) -> None:
+    """InventoryError when `job` names a job array rather than one of its tasks: `scontrol show job` of
+    the array's id prints every task, and each task is an allocation of its own (its nodes run another
+    task's work), so joining them would make one fleet of unrelated allocations. One task's own id
+    (`12345_7`, or its JobId) names one allocation; an array of one task is that task."""
+    tasks = [
+        (_field(record, "ArrayTaskId") or "?", _field(record, "JobState") or "UNKNOWN")
+        for record in records
+        if _field(record, "ArrayJobId") == job
+    ]
+    if not tasks or (len(records) == 1 and tasks[0][0].isdigit()):
+        return
+    # as Slurm writes them: `12345_7`, pending ones `12345_[8-20]`
+    listed = ", ".join(
+        f"{job}_{task if task.isdigit() else f'[{task}]'} {state}" for task, state in tasks[:8]
+    )
+    more = f" and {len(tasks) - 8} more" if len(tasks) > 8 else ""
+    example = next((task for task, state in tasks if task.isdigit() and state in HOLDING_STATES), None)
+    example = example or next((task for task, _ in tasks if task.isdigit()), "1")
+    raise InventoryError(
+        f"slurm job {job} is a job array ({listed}{more}): each task is an allocation of its own, and "
+        "rpcfleet takes the nodes of one",
+        hint=f"give one task's id, JOBID_TASK: -i slurm:{job}_{example} or --slurm-job {job}_{example}",
+    )
 
 
 def _field(record: str, name: str) -> str | None:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from orchestrator.cli import _output, main
+
+DATA = Path(__file__).parents[1] / "data" / "slurm"
 
 OVERLAY = """\
 slurm:
@@ -157,3 +160,58 @@ def test_the_file_reader_points_an_overlay_to_the_slurm_reader() -> None:
 
     with pytest.raises(InventoryError, match=r"1:1: a `slurm:` section makes this a Slurm inventory.*"):
         load_inventory_text(OVERLAY, Path("slurm.yml"))
+
+
+def fake_scontrol(monkeypatch: pytest.MonkeyPatch, jobs: dict[str, str]) -> None:
+    """scontrol answering `show job JOB` with `jobs[JOB]` (the records it would print) and `show hostnames`
+    with rpcfleet's own expansion: a job without a slurmctld."""
+    from orchestrator.cli import _sources
+    from orchestrator.inventory.hostlist import expand_hostlist
+    from orchestrator.inventory.slurm import CommandOutput
+
+    def scontrol(arguments: Sequence[str]) -> CommandOutput:
+        if list(arguments[:2]) == ["show", "job"]:
+            return CommandOutput(jobs[arguments[2]], "", 0)
+        return CommandOutput("".join(f"{name}\n" for name in expand_hostlist(arguments[2])), "", 0)
+
+    monkeypatch.setattr(_sources, "scontrol_runner", lambda: scontrol)
+
+
+def job_record(job: str, nodelist: str, extra: str = "") -> str:
+    return (
+        (DATA / "show-job-running.txt")
+        .read_text()
+        .replace("JobId=3 ", f"JobId={job} {extra}")
+        .replace("NodeList=slurmtryn[1-2]", f"NodeList={nodelist}")
+    )
+
+
+def test_slurm_job_takes_the_overlay_rpcfleet_inventory_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_scontrol(monkeypatch, {"5": job_record("5", "gpu[01-02]")})
+    monkeypatch.setenv("RPCFLEET_INVENTORY", overlay(tmp_path))
+    status, out, err = run(capsys, "inventory", "list", "--json", "--slurm-job", "5")
+    assert (status, err) == (0, "")
+    hosts = [(h["name"], h["endpoint"], h["ssh_user"]) for h in json.loads(out)]
+    assert hosts == [("gpu01", "gpu01:50300", "ops"), ("gpu02", "gpu02:50300", "ops")]  # the job's nodes
+    plain = tmp_path / "plain.yml"  # a default inventory that is no overlay gives way to the flag
+    plain.write_text("hosts:\n  n1: {address: 192.0.2.1}\n")
+    monkeypatch.setenv("RPCFLEET_INVENTORY", str(plain))
+    status, out, err = run(capsys, "inventory", "list", "--json", "--slurm-job", "5")
+    assert (status, err) == (0, "")
+    assert [(h["name"], h["ssh_user"]) for h in json.loads(out)] == [("gpu01", None), ("gpu02", None)]
+
+
+def test_a_job_arrays_id_is_a_message_and_status_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = job_record("8", "n1", "ArrayJobId=8 ArrayTaskId=1 ")
+    second = job_record("9", "n2", "ArrayJobId=8 ArrayTaskId=2 ")
+    fake_scontrol(monkeypatch, {"8": first + "\n" + second, "8_2": second})
+    status, out, err = run(capsys, "inventory", "list", "--slurm-job", "8")
+    assert status == 2 and out == "" and "Traceback" not in err
+    assert "slurm job 8 is a job array (8_1 RUNNING, 8_2 RUNNING)" in err
+    assert "give one task's id, JOBID_TASK: -i slurm:8_1 or --slurm-job 8_1" in err
+    status, out, err = run(capsys, "inventory", "list", "--json", "-i", "slurm:8_2")
+    assert status == 0 and [h["name"] for h in json.loads(out)] == ["n2"]

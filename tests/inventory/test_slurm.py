@@ -66,6 +66,28 @@ def test_the_records_of_a_heterogeneous_job_are_joined() -> None:
     assert parse_job(first + "\n" + pending, "3") == "slurmtryn[1-2]"  # a pending component holds nothing
 
 
+def test_a_job_arrays_id_is_refused_naming_a_task_to_give() -> None:
+    """`scontrol show job ARRAY` prints every task of the array, each an allocation of its own: joining
+    them would make one fleet of unrelated allocations. (Records made from the running one, as Slurm
+    writes an array task's; the Slurm lab test asks a live slurmctld.)"""
+    running = recorded("show-job-running.txt")
+    task1 = running.replace("JobId=3 ", "JobId=3 ArrayJobId=3 ArrayTaskId=1 ")
+    task2 = running.replace("JobId=3 ", "JobId=4 ArrayJobId=3 ArrayTaskId=2 ").replace(
+        "NodeList=slurmtryn[1-2]", "NodeList=slurmtryn3"
+    )
+    rest = recorded("show-job-pending.txt").replace("JobId=4 ", "JobId=5 ArrayJobId=3 ArrayTaskId=3-9 ")
+    with pytest.raises(
+        InventoryError, match=r"slurm job 3 is a job array \(3_1 RUNNING, 3_2 RUNNING, 3_\[3-9\] PENDING\)"
+    ) as err:
+        parse_job("\n".join([task1, task2, rest]), "3")
+    assert err.value.hint == "give one task's id, JOBID_TASK: -i slurm:3_1 or --slurm-job 3_1"
+    assert parse_job(task2, "3_2") == "slurmtryn3"  # one task, by its JOBID_TASK
+    assert parse_job(task2, "4") == "slurmtryn3"  # or by its own JobId
+    assert parse_job(task1, "3") == "slurmtryn[1-2]"  # an array of one task is that task
+    with pytest.raises(InventoryError, match="slurm job 3 is a job array"):
+        parse_job(rest, "3")  # pending tasks only: still the array, not one allocation
+
+
 def test_an_unknown_job_is_scontrols_error() -> None:
     answer = CommandOutput("", recorded("show-job-invalid.stderr"), 1)
     scontrol = replay({("show", "job", "999"): answer})

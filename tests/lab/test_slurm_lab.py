@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,38 @@ def test_a_slurm_jobs_nodes_are_the_inventory(
         assert (
             "slurm job 999999: scontrol show job 999999 failed: slurm_load_jobs error: Invalid job id" in err
         )
+
+        # a job array: each task an allocation of one node; the array's id is refused, a task's is read
+        array = array_of_two(slurm)
+        try:
+            status, out, err = run(capsys, "inventory", "list", "-i", f"slurm:{array}")
+            assert status == 2 and out == "" and "Traceback" not in err
+            assert f"slurm job {array} is a job array ({array}_" in err and "RUNNING" in err, err
+            assert "give one task's id, JOBID_TASK: -i slurm:" in err
+            status, out, err = run(capsys, "inventory", "list", "--json", "-i", f"slurm:{array}_1")
+            assert status == 0 and len(json.loads(out)) == 1, err
+            # --slurm-job alone takes the overlay $RPCFLEET_INVENTORY names: the task's node, its address
+            monkeypatch.setenv("RPCFLEET_INVENTORY", path)
+            status, out, err = run(capsys, "inventory", "list", "--json", "--slurm-job", f"{array}_2")
+            assert status == 0, err
+            ((name, address),) = [(h["name"], h["address"]) for h in json.loads(out)]
+            assert address == {node.name: node.address for node in lab.nodes}[name]
+        finally:
+            slurm.run("scancel", array)
+
+
+def array_of_two(slurm: SlurmCluster) -> str:
+    """`sbatch --array=1-2 -N 1`, its two tasks running (one node each): the array's id."""
+    done = slurm.run(
+        "sbatch", "--parsable", "--array=1-2", "-N", "1", "-o", "/dev/null", "--wrap", "sleep 300"
+    )
+    assert done.returncode == 0, done.stderr
+    array = done.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        shown = slurm.run("scontrol", "show", "job", array).stdout
+        if shown.count("JobState=RUNNING") == 2:
+            return array
+        time.sleep(0.3)
+    slurm.run("scancel", array)
+    raise AssertionError(f"array {array}: its two tasks are not running in 30 s\n{shown}")
