@@ -8,8 +8,7 @@ from typing import Any
 
 from orchestrator.cli import _inputs, _output, _parser, _planning
 from orchestrator.core import fields
-
-BACKENDS = ("cpu", "cuda", "rocm", "vulkan")  # orchestrator.kube.group.BACKENDS (tests/kube checks)
+from orchestrator.kube.constants import BACKENDS
 
 
 def register(subparsers: Any) -> None:
@@ -32,7 +31,8 @@ def register(subparsers: Any) -> None:
         type=_parser.flag(fields.size),
         required=True,
         metavar="SIZE",
-        help="each pod's device: a GPU's memory, or a CPU pod's memory limit (8GiB, 24GB...)",
+        help="each pod's device: a GPU's memory, or the memory a CPU pod's server may fill (its limit adds "
+        "the largest tensor it receives and 128 MiB) (8GiB, 24GB...)",
     )
     lws.add_argument(
         "--backend", choices=BACKENDS, default="cpu", help="the pods' rpc-server build (default: cpu)"
@@ -41,7 +41,8 @@ def register(subparsers: Any) -> None:
         "--gpu-resource",
         default=None,
         metavar="NAME",
-        help="the GPU's extended resource (default: nvidia.com/gpu for cuda, amd.com/gpu for rocm)",
+        help="the GPU's extended resource, domain/name (default: nvidia.com/gpu for cuda, amd.com/gpu for "
+        "rocm; not with --backend cpu)",
     )
     lws.add_argument(
         "--nodes-per-group",

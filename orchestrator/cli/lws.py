@@ -1,4 +1,4 @@
-"""`rpcfleet lws worker|plan|serve|hello`: the entry points of the pods `rpcfleet export lws` describes
+"""`rpcfleet lws worker|plan|serve|hello|alive`: the entry points of the pods `rpcfleet export lws` describes
 (orchestrator/kube/pods.py). They read LeaderWorkerSet's variables (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE,
 LWS_WORKER_INDEX) and the ConfigMap the export wrote."""
 
@@ -12,8 +12,7 @@ from typing import Any
 
 from orchestrator.cli import _parser, _running
 from orchestrator.core import fields
-
-RPC_PORT = 50052  # orchestrator.kube.group.RPC_PORT
+from orchestrator.kube.constants import PID_FILE, RPC_PORT
 
 
 def _say(line: str) -> None:
@@ -30,6 +29,13 @@ def register(subparsers: Any) -> None:
 
     worker = sub.add_parser("worker", help="run this pod's rpc-server (every pod)")
     worker.add_argument("--port", type=port, default=RPC_PORT, help=f"its port (default: {RPC_PORT})")
+    worker.add_argument(
+        "--pid-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"where its process id goes while it runs, for `lws alive` (the manifests: {PID_FILE})",
+    )
     worker.set_defaults(handler=handle_worker)
 
     plan = sub.add_parser(
@@ -54,6 +60,15 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--args", type=Path, required=True, help="the file `lws plan --out` wrote")
     serve.set_defaults(handler=handle_serve)
 
+    alive = sub.add_parser(
+        "alive",
+        help="whether `lws worker`'s rpc-server runs (its pid file; never connects): the probes' check",
+    )
+    alive.add_argument(
+        "--pid-file", type=Path, default=Path(PID_FILE), help=f"the worker's pid file (default: {PID_FILE})"
+    )
+    alive.set_defaults(handler=handle_alive)
+
     hello = sub.add_parser("hello", help="one HELLO to an rpc-server: exit 0 when it answers or is busy")
     hello.add_argument("--host", default="127.0.0.1", help="its address (default: 127.0.0.1)")
     hello.add_argument("--port", type=port, default=RPC_PORT, help=f"its port (default: {RPC_PORT})")
@@ -63,7 +78,7 @@ def register(subparsers: Any) -> None:
 def handle_worker(args: argparse.Namespace) -> int:
     from orchestrator.kube.pods import run_worker
 
-    return run_worker(args.port, os.environ, _say)
+    return run_worker(args.port, os.environ, _say, args.pid_file)
 
 
 def handle_plan(args: argparse.Namespace) -> int:
@@ -87,3 +102,11 @@ def handle_hello(args: argparse.Namespace) -> int:
     result = _running.run_async(hello(args.host, args.port))
     _say(f"{args.host}:{args.port}: {result.outcome}: {result.message}")
     return 0 if result.outcome in ALIVE else 1
+
+
+def handle_alive(args: argparse.Namespace) -> int:
+    from orchestrator.kube.pods import rpc_server_alive
+
+    alive, why = rpc_server_alive(args.pid_file)
+    _say(why)
+    return 0 if alive else 1

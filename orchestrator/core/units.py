@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+MiB = 1024**2
+GiB = 1024**3
+
 _UNITS = {
     "": 1,
     "b": 1,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.files import write_atomic
-from orchestrator.kube.group import ExportError, GroupSettings, choose_group, gpu_resource
+from orchestrator.kube.group import ExportError, GroupSettings, choose_group, gpu_resource, largest_tensors
 from orchestrator.kube.manifests import ExportSpec, manifests, to_yaml
 from orchestrator.planning.plan import PlanOptions
 from orchestrator.planning.profile import profile_model
@@ -95,6 +95,7 @@ def export_lws(request: ExportRequest) -> ExportResult:
         model_claim=request.model_claim or f"{name}-models",
         gpu_resource=resource,
         namespace=request.namespace,
+        largest_tensors=largest_tensors(profile, plan, settings.group_size),
     )
     written: list[Path] = []
     try:

@@ -15,12 +15,14 @@ two (the limit is the export's `--node-memory`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from orchestrator.core.errors import InputError, PlanError, ProbeError
-from orchestrator.core.units import format_size
+from orchestrator.core.units import MiB, format_size
+from orchestrator.kube.constants import BACKENDS, HTTP_PORT, RPC_PORT
 from orchestrator.planning.formations import MAX_RPC_DEVICES
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions, largest_ctx_text
 from orchestrator.planning.profile import ModelProfile
@@ -28,14 +30,10 @@ from orchestrator.planning.strategy import make_plan
 from orchestrator.probe.capacity import ALIGNMENT
 from orchestrator.rpc.records import ProbeResult
 
-BACKENDS = ("cpu", "cuda", "rocm", "vulkan")
 # The device plugins' resource names. Vulkan has none of its own: it runs on any vendor's GPU.
 GPU_RESOURCES = {"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"}
 DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan"}
-RPC_PORT = 50052
-HTTP_PORT = 8080
 WAIT_SECONDS = 600.0  # how long the leader's init step waits for the group's servers
-MiB = 1024 * 1024
 # A pod's memory "differs" from the assumption by more than this fraction of it, or TOLERANCE_MIN bytes.
 TOLERANCE = 0.01
 TOLERANCE_MIN = 16 * MiB
@@ -45,13 +43,49 @@ class ExportError(InputError):
     """The formation asked cannot be exported (bad input: exit status 2)."""
 
 
+# Kubernetes' validation of an extended resource's name (apimachinery's IsQualifiedName with a prefix,
+# k8s.io/kubernetes' IsExtendedResourceName): `domain/name`, the domain a DNS subdomain outside
+# kubernetes.io, the name at most 63 characters.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_RESOURCE_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def check_gpu_resource(name: str) -> str:
+    """`name` when Kubernetes takes it as an extended resource (`vendor.example/gpu`); ExportError
+    otherwise (the API server would refuse the LeaderWorkerSet only when it is applied)."""
+    domain, slash, resource = name.partition("/")
+    wrong = ""
+    if not slash or not domain or not _DNS_SUBDOMAIN.fullmatch(domain) or len(domain) > 253:
+        wrong = "its domain (before the '/') must be a DNS subdomain: lower-case letters, digits, '-' and '.'"
+    elif domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        wrong = "the kubernetes.io domain is Kubernetes' own, not a device plugin's"
+    elif not _RESOURCE_NAME.fullmatch(resource) or len(resource) > 63:
+        wrong = (
+            "its name (after the '/') must be at most 63 letters, digits, '-', '_' or '.', from and to a "
+            "letter or digit"
+        )
+    if wrong:
+        raise ExportError(
+            f"--gpu-resource {name!r} is not an extended resource name: {wrong}",
+            hint="name your device plugin's resource as domain/name: nvidia.com/gpu, amd.com/gpu, "
+            "gpu.intel.com/i915",
+        )
+    return name
+
+
 def gpu_resource(backend: str, override: str | None = None) -> str | None:
-    """The extended resource a pod of `backend` asks for one GPU (None: a CPU pod); ExportError for a GPU
-    backend whose resource name is not known (Vulkan) and not given."""
-    if override:
-        return override
+    """The extended resource a pod of `backend` asks for one GPU (None: a CPU pod); ExportError for a
+    resource given to a CPU backend, a name Kubernetes would refuse, or a GPU backend whose resource name
+    is not known (Vulkan) and not given."""
     if backend == "cpu":
+        if override is not None:
+            raise ExportError(
+                f"--gpu-resource {override} with --backend cpu: a CPU pod asks for no GPU",
+                hint="drop --gpu-resource, or choose a GPU --backend (cuda, rocm, vulkan)",
+            )
         return None
+    if override is not None:
+        return check_gpu_resource(override)
     known = GPU_RESOURCES.get(backend)
     if known is None:
         names = ", ".join(f"{v} ({k})" for k, v in GPU_RESOURCES.items())
@@ -106,6 +140,8 @@ class GroupSettings:
             and ".." not in settings.model.split("/"),
             "rpc_port": isinstance(settings.rpc_port, int) and 0 < settings.rpc_port < 65536,
             "http_port": isinstance(settings.http_port, int) and 0 < settings.http_port < 65536,
+            "chat_template": settings.chat_template is None
+            or (isinstance(settings.chat_template, str) and bool(settings.chat_template)),
             "wait_seconds": isinstance(settings.wait_seconds, int | float) and settings.wait_seconds > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
@@ -125,6 +161,16 @@ def pod_index(endpoint: str) -> int | None:
     name, _, port = endpoint.rpartition(":")
     number = name.removeprefix("pod-")
     return int(number) if name.startswith("pod-") and number.isdigit() and port.isdigit() else None
+
+
+def largest_tensors(profile: ModelProfile, plan: Plan, size: int) -> tuple[int, ...]:
+    """Per pod of a group of `size` (pod order): bytes of the largest tensor `plan` puts on its server."""
+    layers: list[set[int]] = [set() for _ in range(size)]
+    for device in plan.devices:
+        pod = pod_index(device.endpoint or "")
+        if pod is not None and pod < size:
+            layers[pod].update(device.layers)
+    return tuple(profile.largest_tensor(sorted(held)) for held in layers)
 
 
 def assumed_devices(size: int, node_memory: int, backend: str, port: int = RPC_PORT) -> list[PlanDevice]:

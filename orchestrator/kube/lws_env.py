@@ -51,6 +51,14 @@ def read_lws_env(env: Mapping[str, str]) -> LwsEnv:
     first = address.split(".", 1)[0]
     if not first or any(c.isspace() for c in address) or ":" in address:
         raise InputError(f"{LEADER_ADDRESS}={address!r} is not a DNS name (<lws>-<group>.<service>...)")
+    if first.isdigit():
+        # an IP address: the workers' names are derived from the first label (`10` -> `10-1.0.0.1`), which
+        # would resolve nowhere and fail only when the wait for the group runs out
+        raise InputError(
+            f"{LEADER_ADDRESS}={address!r} is an address, not the leader's DNS name: the workers' names are "
+            "derived from its first label (<lws>-<group>-<index>.<service>...)",
+            hint="LeaderWorkerSet sets it to the leader's name in its headless service; do not override it",
+        )
     size = _integer(env, GROUP_SIZE, 1)
     index = _integer(env, WORKER_INDEX, 0)
     if index >= size:

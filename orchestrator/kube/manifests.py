@@ -10,16 +10,30 @@
   (`rpcfleet lws serve`). `startupPolicy: LeaderCreated`: the workers start with the leader, whose init
   step waits for them (`LeaderReady` would wait for a leader that waits for its workers).
   `restartPolicy: RecreateGroupOnPodRestart`: llama-server aborts when a server is lost, and the group
-  comes back whole, probed and planned again.
+  comes back whole, probed and planned again. A group of one pod has only the leader: its spec is the
+  `workerTemplate` (LWS makes leaders from it when there is no `leaderTemplate`), not a template for a
+  worker that does not exist.
 - Service `<name>-api`: the leaders' llama-server (the OpenAI API) on port `http_port`. LWS makes the
   headless service `<name>` that names the pods itself.
 
-Probes: an rpc-server's startup, readiness and liveness are a HELLO (`rpcfleet lws hello`: a server
-busy with its one client, llama-server, counts as alive); llama-server's are its `/health`.
-Resources: a CPU pod's rpc-server asks for what the plan puts on its device and is limited to the
-assumed `--node-memory`; a GPU pod's asks for one GPU of the backend's resource and a fixed host
-allowance; llama-server asks for the plan's host memory (what stays on the leader's CPU) and an allowance
-for the process.
+Probes: an rpc-server's startup probe is a HELLO (`rpcfleet lws hello`), which passes before
+llama-server connects; its readiness and liveness are `rpcfleet lws alive`, which checks the server's
+process from the pid file `lws worker` writes in the pod's `run` volume and never connects. A HELLO
+cannot be them: rpc-server serves one client and listens with a backlog of 1, so once llama-server holds
+it a HELLO is answered "busy" and the next ones wait in the accept queue until they time out; the
+kubelet would mark the leader NotReady and restart a healthy server, which recreates the group, again
+and again. llama-server's probes are its `/health`.
+
+Resources: an rpc-server receives each tensor whole into memory of its own before copying it into its
+device's buffer, so a load needs, beside what the plan puts on the pod, the largest tensor planned there.
+A CPU pod's rpc-server requests what the plan puts on its device and the process allowance; its limit is
+`--node-memory` (what the plan may fill) plus the largest tensor and the process allowance. That buffer
+is added to the limit rather than taken from the memory the planner is given: it depends on where the
+plan puts the tensors (known only after planning), and `--node-memory` stays the figure the init step
+compares the pods' servers with. A GPU pod's asks for one GPU of the backend's resource and host memory
+for the largest tensor plus the runtime's allowance. llama-server asks for the plan's host memory (what
+stays on the leader's CPU) and an allowance for the process. The resources are the export's plan's: the
+init step may plan again on the pods it finds, but it cannot change its own pods' resources.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from typing import Any
 
 import yaml
 
+from orchestrator.core.units import MiB
+from orchestrator.kube.constants import PID_FILE, RUN_DIR
 from orchestrator.kube.group import GroupSettings, pod_endpoint
 from orchestrator.planning.plan import Plan
 
@@ -38,13 +54,14 @@ LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 CONFIG_DIR = "/etc/rpcfleet"
-RUN_DIR = "/run/rpcfleet"
 MODELS_DIR = "/models"
 ARGS_FILE = f"{RUN_DIR}/llama-server.json"
-MiB = 1024 * 1024
 ENGINE_ALLOWANCE = 512 * MiB  # llama-server's own process: HTTP server, slots, tokenizer
-GPU_HOST_REQUEST = 512 * MiB  # a GPU pod's rpc-server on the host side (transfers pass through it)
-GPU_HOST_LIMIT = 2048 * MiB
+RPC_ALLOWANCE = 128 * MiB  # a CPU rpc-server's own process: the program, ggml's libraries, thread stacks
+# a GPU rpc-server's host side besides the tensor it receives: the CUDA/ROCm runtime and driver (hundreds
+# of MiB at start), more allowed above the request as they grow with the device's work
+GPU_HOST_REQUEST = 512 * MiB
+GPU_HOST_LIMIT = 1536 * MiB
 INIT_REQUEST, INIT_LIMIT = 128 * MiB, 512 * MiB  # the init step: Python, a GGUF header, the planner
 
 
@@ -59,6 +76,9 @@ class ExportSpec:
     model_claim: str  # the PersistentVolumeClaim holding the model, mounted read-only at /models
     gpu_resource: str | None = None
     namespace: str | None = None
+    # per pod (pod order): bytes of the largest tensor the plan puts on its server, which the server holds
+    # twice while it receives it (`ModelProfile.largest_tensor`); empty: none known
+    largest_tensors: tuple[int, ...] = ()
 
 
 def quantity(n_bytes: int) -> str:
@@ -83,46 +103,55 @@ def _pod_bytes(plan: Plan, pods: Sequence[int], port: int) -> int:
     return max(sizes, default=0)
 
 
+def _receive_bytes(spec: ExportSpec, pods: Sequence[int]) -> int:
+    """The largest tensor the plan puts on one of `pods`: the memory a load adds to the plan's there."""
+    sizes = spec.largest_tensors
+    return max((sizes[i] for i in pods if i < len(sizes)), default=0)
+
+
 def _rpc_resources(spec: ExportSpec, pods: Sequence[int]) -> dict[str, Any]:
     settings = spec.settings
+    receive = _receive_bytes(spec, pods)
     if spec.gpu_resource is None:
         planned = min(_pod_bytes(spec.plan, pods, settings.rpc_port), settings.node_memory)
         return {
-            "requests": {"memory": quantity(planned)},
-            "limits": {"memory": quantity(settings.node_memory)},
+            "requests": {"memory": quantity(planned + RPC_ALLOWANCE)},
+            "limits": {"memory": quantity(settings.node_memory + receive + RPC_ALLOWANCE)},
         }
     return {
-        "requests": {"memory": quantity(GPU_HOST_REQUEST), spec.gpu_resource: "1"},
-        "limits": {"memory": quantity(GPU_HOST_LIMIT), spec.gpu_resource: "1"},
+        "requests": {"memory": quantity(GPU_HOST_REQUEST + receive), spec.gpu_resource: "1"},
+        "limits": {"memory": quantity(GPU_HOST_LIMIT + receive), spec.gpu_resource: "1"},
     }
 
 
-def _hello_probe(port: int, period: int, failures: int) -> dict[str, Any]:
+def _exec_probe(command: list[str], period: int, failures: int) -> dict[str, Any]:
     return {
-        "exec": {"command": ["rpcfleet", "lws", "hello", "--port", str(port)]},
+        "exec": {"command": command},
         "periodSeconds": period,
         "timeoutSeconds": 10,
         "failureThreshold": failures,
     }
 
 
-def _env(spec: ExportSpec) -> list[dict[str, str]]:
+def _env() -> list[dict[str, str]]:
     return [{"name": "RPCFLEET_HOME", "value": f"{RUN_DIR}/home"}]
 
 
 def rpc_server_container(spec: ExportSpec, pods: Sequence[int], *, sidecar: bool = False) -> dict[str, Any]:
     """The rpc-server of pods `pods` (the leader's: a native sidecar)."""
     port = spec.settings.rpc_port
+    alive = ["rpcfleet", "lws", "alive", "--pid-file", PID_FILE]
     container: dict[str, Any] = {
         "name": "rpc-server",
         "image": spec.image,
-        "command": ["rpcfleet", "lws", "worker", "--port", str(port)],
-        "env": _env(spec),
+        "command": ["rpcfleet", "lws", "worker", "--port", str(port), "--pid-file", PID_FILE],
+        "env": _env(),
         "ports": [{"name": "rpc", "containerPort": port, "protocol": "TCP"}],
         "resources": _rpc_resources(spec, pods),
-        "startupProbe": _hello_probe(port, 2, 60),
-        "readinessProbe": _hello_probe(port, 10, 3),
-        "livenessProbe": _hello_probe(port, 20, 3),
+        # a HELLO only until the server is up: once llama-server holds it, HELLOs fail (see the module)
+        "startupProbe": _exec_probe(["rpcfleet", "lws", "hello", "--port", str(port)], 2, 60),
+        "readinessProbe": _exec_probe(alive, 10, 3),
+        "livenessProbe": _exec_probe(alive, 20, 3),
         "volumeMounts": [{"name": "run", "mountPath": RUN_DIR}],
     }
     if sidecar:
@@ -146,7 +175,7 @@ def plan_container(spec: ExportSpec) -> dict[str, Any]:
             "--out",
             ARGS_FILE,
         ],
-        "env": _env(spec),
+        "env": _env(),
         "resources": {
             "requests": {"memory": quantity(INIT_REQUEST)},
             "limits": {"memory": quantity(INIT_LIMIT)},
@@ -175,7 +204,7 @@ def llama_server_container(spec: ExportSpec) -> dict[str, Any]:
         "name": "llama-server",
         "image": spec.image,
         "command": ["rpcfleet", "lws", "serve", "--args", ARGS_FILE],
-        "env": _env(spec),
+        "env": _env(),
         "ports": [{"name": "http", "containerPort": spec.settings.http_port, "protocol": "TCP"}],
         "resources": {"requests": {"memory": quantity(host)}, "limits": {"memory": quantity(host)}},
         # /health answers 503 while the model loads: the startup probe gives the load 30 minutes
@@ -190,6 +219,7 @@ def llama_server_container(spec: ExportSpec) -> dict[str, Any]:
 
 
 def leader_template(spec: ExportSpec) -> dict[str, Any]:
+    """Pod 0: its rpc-server (a sidecar), the init step, llama-server."""
     name = spec.settings.name
     claim = {"claimName": spec.model_claim, "readOnly": True}
     return {
@@ -207,7 +237,10 @@ def leader_template(spec: ExportSpec) -> dict[str, Any]:
 
 
 def worker_template(spec: ExportSpec) -> dict[str, Any]:
-    pods = range(1, max(2, spec.settings.group_size))
+    """Pods 1 to size-1 (a group of two pods or more): each an rpc-server."""
+    pods = range(1, spec.settings.group_size)
+    if not pods:
+        raise ValueError("a group of one pod has no worker")
     return {
         "metadata": {
             "labels": {
@@ -222,6 +255,17 @@ def worker_template(spec: ExportSpec) -> dict[str, Any]:
     }
 
 
+def templates(spec: ExportSpec) -> dict[str, Any]:
+    """The `leaderWorkerTemplate`: a leader's and a worker's pod; a group of one pod has only the leader,
+    whose spec is then the `workerTemplate` (the one LWS requires; it makes leaders from it when no
+    `leaderTemplate` is given)."""
+    size = spec.settings.group_size
+    policy = {"size": size, "restartPolicy": "RecreateGroupOnPodRestart"}
+    if size == 1:
+        return {**policy, "workerTemplate": leader_template(spec)}
+    return {**policy, "leaderTemplate": leader_template(spec), "workerTemplate": worker_template(spec)}
+
+
 def leaderworkerset(spec: ExportSpec) -> dict[str, Any]:
     return {
         "apiVersion": LWS_API,
@@ -230,12 +274,7 @@ def leaderworkerset(spec: ExportSpec) -> dict[str, Any]:
         "spec": {
             "replicas": spec.replicas,
             "startupPolicy": "LeaderCreated",
-            "leaderWorkerTemplate": {
-                "size": spec.settings.group_size,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": leader_template(spec),
-                "workerTemplate": worker_template(spec),
-            },
+            "leaderWorkerTemplate": templates(spec),
         },
     }
 

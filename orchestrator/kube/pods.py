@@ -7,7 +7,9 @@
   assumption and planned again when they differ (the one planner, the one fit policy), and
   llama-server's arguments written for `serve_step`.
 - `serve_step` (the leader's container): llama-server with those arguments, until it ends.
-- `hello`: one HELLO for the probes: a server that answers, or is busy with its one client, is alive.
+- `hello`: one HELLO, the startup probe: a server that answers, or is busy with its one client, is up.
+- `rpc_server_alive`: the readiness and liveness probes' check: the rpc-server's process, from the pid
+  file `run_worker` writes (it never connects: see the function).
 
 The programs come from the image: `RPCFLEET_RPC_SERVER` and `RPCFLEET_LLAMA_SERVER` (deploy/Containerfile
 sets them), else the image's paths. Children start through `engine.children`, as every child does.
@@ -72,19 +74,65 @@ def supervise(process: subprocess.Popen[bytes], grace: float = 30.0) -> int:
         raise
 
 
-def run_worker(port: int, env: Mapping[str, str], say: Say) -> int:
-    """The pod's rpc-server on 0.0.0.0:`port`, until it ends (its exit status)."""
+def run_worker(port: int, env: Mapping[str, str], say: Say, pid_file: Path | None = None) -> int:
+    """The pod's rpc-server on 0.0.0.0:`port`, until it ends (its exit status); its process id and
+    program in `pid_file` while it runs (what `rpc_server_alive` checks)."""
     binary = program(env, RPC_SERVER_ENV, IMAGE_RPC_SERVER)
     threads = len(os.sched_getaffinity(0))
     argv = [str(binary), "-H", "0.0.0.0", "-p", str(port), "-t", str(threads)]
     say(f"rpc-server on 0.0.0.0:{port}, {threads} thread(s): {binary}")
-    # bash only to ignore SIGPIPE before the exec (Popen gives children the default disposition)
+    # bash only to ignore SIGPIPE before the exec (Popen gives children the default disposition); the
+    # exec keeps the process id, so the pid file names rpc-server itself
     process = spawn_child(["bash", "-c", "trap '' PIPE; exec \"$@\"", "rpc-server", *argv], env=dict(env))
-    return supervise(process)
+    try:
+        if pid_file is not None:
+            record = {"pid": process.pid, "program": str(binary)}
+            try:
+                write_atomic(pid_file, json.dumps(record) + "\n", parents=True)
+            except RpcfleetError as exc:
+                process.terminate()
+                process.wait()
+                raise InputError(exc.message) from None
+        return supervise(process)
+    finally:
+        if pid_file is not None:
+            pid_file.unlink(missing_ok=True)
+
+
+# /proc/PID/stat's states of a process that does not serve: dead, a zombie, stopped (SIGSTOP, a tracer)
+_NOT_SERVING = {"X": "dead", "x": "dead", "Z": "a zombie", "T": "stopped", "t": "stopped by a tracer"}
+
+
+def rpc_server_alive(pid_file: Path) -> tuple[bool, str]:
+    """Whether the rpc-server `run_worker` recorded in `pid_file` runs, and why not: the process exists,
+    is that program (a process id reused after a restart is not) and is not stopped or a zombie.
+
+    The probes' check once the server has started. It never connects: rpc-server serves one client and
+    listens with a backlog of 1, so while llama-server holds it a HELLO is answered "busy" and then the
+    next ones wait in the accept queue until they time out (a probe that fails on a healthy server)."""
+    try:
+        record = json.loads(pid_file.read_text(encoding="utf-8"))
+        pid, binary = int(record["pid"]), str(record["program"])
+    except FileNotFoundError:
+        return False, f"{pid_file} does not exist: no rpc-server was started here (`rpcfleet lws worker`)"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        return False, f"{pid_file}: not a pid file of `rpcfleet lws worker` ({exc})"
+    proc = Path("/proc") / str(pid)
+    try:
+        stat = (proc / "stat").read_text(encoding="utf-8", errors="replace")
+        argv0 = (proc / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return False, f"rpc-server (pid {pid}) is not running"
+    state = stat.rpartition(")")[2].split()[0] if ")" in stat else "?"
+    if state in _NOT_SERVING:
+        return False, f"rpc-server (pid {pid}) is {_NOT_SERVING[state]}"
+    if argv0 != binary:
+        return False, f"pid {pid} is {argv0 or 'no program'}, not the rpc-server {binary}"
+    return True, f"rpc-server (pid {pid}) is running (state {state})"
 
 
 async def hello(host: str, port: int, limit: float = 5.0) -> ProbeResult:
-    """One HELLO to `host:port` (the probes' check), in at most `limit` seconds."""
+    """One HELLO to `host:port` (the startup probe's check), in at most `limit` seconds."""
     return await probe_endpoint(
         f"{host}:{port}", connect_timeout=limit, read_timeout=limit, deadline=limit, hello_only=True
     )

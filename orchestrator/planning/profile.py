@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -233,6 +233,19 @@ class ModelProfile:
         if self.rope_freqs_bytes:
             sizes.append(self.rope_freqs_bytes)
         return sum(_pad(n, alignment) for n in sizes)
+
+    def largest_tensor(self, layers: Iterable[int]) -> int:
+        """Bytes of the largest single tensor of `layers` (index n_layer: the output layer; 0: none). An
+        rpc-server receives each tensor in one message, read whole into memory of its own before it is
+        copied into the device's buffer: the most a load adds to what the plan puts on the server."""
+        head = self.token_embd_bytes if self.output_tied else self.output_bytes
+        sizes = [0]
+        for il in layers:
+            if il >= self.n_layer:
+                sizes += [head, self.output_norm_bytes]
+            else:
+                sizes += [t.n_bytes for t in self._layer_tensors[il]] + [self.rope_freqs_bytes]
+        return max(sizes)
 
     def expert_bytes_aligned(self, il: int, alignment: int = 1) -> int:
         """Bytes of layer `il`'s expert tensors, the ones --n-cpu-moe keeps on the CPU (common.h

@@ -14,9 +14,10 @@ namespace), from the manifests `rpcfleet export lws` wrote:
   (run to its end: it must probe the three servers, find that the pods differ from the export's assumed
   64 GiB (a CPU pod's server reports the machine's RAM) and plan again), then llama-server.
 
-Then the probes the manifests declare answer (HELLO on every rpc-server, busy with llama-server as its
-client; /health), and a chat completion through the leader's port returns text from the real Gemma 3
-270M.
+Then every rpc-server holds part of the model (its resident memory grew by its planned weights); the
+readiness and liveness probes the manifests declare (`lws alive` on every rpc-server, /health) pass three
+rounds while llama-server holds every server as its client, and once more after a chat completion
+through the leader's port returns text from the real Gemma 3 270M.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.llama]
 ROOT = Path(__file__).resolve().parents[2]
 NAME, NAMESPACE, GROUP = "gemma", "default", 0
 READY = 420.0  # seconds for llama-server to load Gemma over RPC on a busy 2-core machine
+PROBE_ROUNDS = 3
 
 
 class Pod:
@@ -103,10 +105,9 @@ class Pod:
             self.argv(container), env=self.env(container), capture_output=True, text=True, timeout=timeout
         )
 
-    def probe(self, probe: dict[str, Any]) -> int:
-        """A container's exec probe, run in the pod as the kubelet would: its exit status."""
-        done = self.run({"name": "probe", "command": probe["exec"]["command"]}, timeout=30)
-        return done.returncode
+    def probe(self, probe: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        """A container's exec probe, run in the pod as the kubelet would."""
+        return self.run({"name": "probe", "command": probe["exec"]["command"]}, timeout=30)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -126,16 +127,27 @@ def hosts_file(namespace: str, lines: list[str]) -> Iterator[None]:
     parent = Path("/etc/netns")
     made_parent = not parent.exists()
     folder = parent / namespace
-    folder.mkdir(parents=True)
+    # a crashed run may have left the folder (its hosts file is overwritten below)
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         (folder / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{line}\n" for line in lines))
         yield
     finally:
         (folder / "hosts").unlink(missing_ok=True)
-        folder.rmdir()
+        with contextlib.suppress(OSError):  # not empty: something else put a file there; leave it
+            folder.rmdir()
         if made_parent:
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+def rss(pid_file: Path) -> int:
+    """Resident bytes of the rpc-server a worker's pid file names (`rpcfleet lws worker --pid-file`)."""
+    pid = json.loads(pid_file.read_text())["pid"]
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def get(url: str, timeout: float = 10) -> tuple[int, bytes]:
@@ -144,6 +156,28 @@ def get(url: str, timeout: float = 10) -> tuple[int, bytes]:
             return answer.status, answer.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
+
+
+def probe_rounds(
+    containers: list[tuple[Pod, dict[str, Any]]],
+    engine: dict[str, Any],
+    base: str,
+    rounds: int = PROBE_ROUNDS,
+) -> None:
+    """Every probe the containers declare after start-up (readiness, liveness), `rounds` times, as the
+    kubelet runs them for as long as the pod lives: each must pass every time. Quicker than their
+    periods (a round every few seconds), which asks more of them, not less."""
+    assert {"readinessProbe", "livenessProbe"} <= set(engine)
+    for round_ in range(rounds):
+        for pod, container in containers:
+            for kind in ("readinessProbe", "livenessProbe"):
+                done = pod.probe(container[kind])
+                where = f"round {round_ + 1}: pod {pod.index}'s {container['name']} {kind}"
+                assert done.returncode == 0, f"{where}: exit status {done.returncode}: {done.stderr}"
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert engine[kind]["httpGet"]["path"] == "/health"
+            assert get(base + "/health", timeout=engine[kind]["timeoutSeconds"])[0] == 200, (round_, kind)
+        time.sleep(2)
 
 
 def wait_healthy(url: str, engine: subprocess.Popen[bytes], log: Path) -> None:
@@ -223,19 +257,32 @@ def test_the_exported_pods_entry_points_serve_gemma_in_lab_namespaces(
                 assert (
                     written["replanned"] and written["args"][written["args"].index("--parallel") + 1] == "2"
                 )
+                split = written["args"][written["args"].index("--tensor-split") + 1].split(",")
+                assert len(split) == size and all(float(share) > 0 for share in split), split
+                assert all(device["layers"] for device in written["plan"]["devices"]), written["plan"]
 
+                idle = {pod.index: rss(tmp_path / f"pod{pod.index}-run" / "rpc-server.pid") for pod in pods}
                 served = leader.start(engine)
                 port = engine["ports"][0]["containerPort"]
                 assert service["spec"]["ports"][0]["targetPort"] == engine["ports"][0]["name"]
                 base = f"http://{leader.node.address}:{port}"
                 wait_healthy(base, served, logs / "pod0-llama-server.log")
 
-                # the probes of the manifests: HELLO on every rpc-server (busy: llama-server is its client)
-                assert leader.probe(sidecar["livenessProbe"]) == 0
-                for pod in pods[1:]:
-                    assert pod.probe(worker["livenessProbe"]) == 0
-                    assert pod.probe(worker["readinessProbe"]) == 0
-                assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+                # every pod holds part of the model: each rpc-server's resident memory (found by the pid
+                # file its worker wrote) has grown by at least the weights the plan puts on it
+                for pod, device in zip(pods, written["plan"]["devices"], strict=True):
+                    resident = rss(tmp_path / f"pod{pod.index}-run" / "rpc-server.pid")
+                    weights = device["memory"]["weights"]
+                    assert weights > 0 and resident - idle[pod.index] >= weights, (
+                        pod.index,
+                        resident,
+                        device,
+                    )
+
+                # the probes of the manifests, repeatedly (the kubelet runs them every period for the pod's
+                # life) while llama-server holds every rpc-server as its client
+                containers = [(leader, sidecar)] + [(pod, worker) for pod in pods[1:]]
+                probe_rounds(containers, engine, base)
 
                 body = {
                     "model": NAME,
@@ -261,6 +308,7 @@ def test_the_exported_pods_entry_points_serve_gemma_in_lab_namespaces(
                 assert any(c.isalpha() for c in text), reply
                 assert reply["usage"]["completion_tokens"] > 0
                 assert text.startswith("The capital of France is Paris."), text
+                probe_rounds(containers, engine, base, rounds=1)  # and after it served
         finally:
             for pod in pods:
                 pod.stop()

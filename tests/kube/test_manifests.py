@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from orchestrator.core.units import MiB
 from orchestrator.kube.export import ExportRequest, export_lws
+from orchestrator.planning.plan import Plan
 from orchestrator.workflows.options import plan_options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +73,8 @@ def validate_core(obj: dict[str, Any]) -> None:
 def pod_templates(lws: dict[str, Any]) -> Iterator[dict[str, Any]]:
     template = lws["spec"]["leaderWorkerTemplate"]
     for key in ("leaderTemplate", "workerTemplate"):
+        if key not in template:  # a group of one pod: its leader's is the workerTemplate
+            continue
         yield {
             "apiVersion": "v1",
             "kind": "PodTemplate",
@@ -79,6 +84,7 @@ def pod_templates(lws: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def validate_all(objects: dict[str, dict[str, Any]]) -> None:
+    assert "'0Mi'" not in str(objects)  # every memory request and limit is something
     for name, obj in objects.items():
         if obj["kind"] == "LeaderWorkerSet":
             validate_lws(obj)
@@ -116,9 +122,16 @@ def test_a_cpu_export_validates_and_says_what_the_pods_run(tiny_model: Path, tmp
     (engine,) = leader["containers"]
     assert engine["command"][:3] == ["rpcfleet", "lws", "serve"]
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert sidecar["livenessProbe"]["exec"]["command"][:3] == ["rpcfleet", "lws", "hello"]
     (worker,) = template["workerTemplate"]["spec"]["containers"]
-    assert worker["resources"]["limits"] == {"memory": "1024Mi"}  # the assumed node memory
+    for container in (sidecar, worker):
+        pid_file = ["--pid-file", "/run/rpcfleet/rpc-server.pid"]
+        assert container["command"][-2:] == pid_file
+        # HELLO only as the startup probe; the later probes check the process and never connect (a busy
+        # rpc-server holds HELLOs in its accept queue until they time out)
+        assert container["startupProbe"]["exec"]["command"][:3] == ["rpcfleet", "lws", "hello"]
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert container[kind]["exec"]["command"] == ["rpcfleet", "lws", "alive", *pid_file]
+        assert {"name": "run", "mountPath": "/run/rpcfleet"} in container["volumeMounts"]
     assert "nvidia.com/gpu" not in str(objects)
     config = objects["configmap.yaml"]["data"]
     assert '"group_size": 3' in config["settings.json"] and '"n_layer"' in config["plan.json"]
@@ -130,7 +143,9 @@ def test_a_cpu_export_validates_and_says_what_the_pods_run(tiny_model: Path, tmp
 def test_a_gpu_export_asks_for_the_backends_gpu_resource(
     tiny_model: Path, tmp_path: Path, backend: str, resource: str
 ) -> None:
-    objects = export(tiny_model, tmp_path, node_memory=8 * GiB, backend=backend, namespace="llm")
+    objects = export(
+        tiny_model, tmp_path, node_memory=8 * GiB, backend=backend, namespace="llm", nodes_per_group=2
+    )
     validate_all(objects)
     template = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]
     sidecar = template["leaderTemplate"]["spec"]["initContainers"][0]
@@ -140,8 +155,46 @@ def test_a_gpu_export_asks_for_the_backends_gpu_resource(
     assert all(obj["metadata"]["namespace"] == "llm" for obj in objects.values())
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_an_rpc_servers_memory_holds_the_largest_tensor_it_receives(
+    sparse_or_tiny: Path, tmp_path: Path, backend: str
+) -> None:
+    """rpc-server reads a whole SET_TENSOR message into memory of its own before copying it: the pod that
+    holds the output layer (125 MiB, f16 32000 x 2048) needs that much more than the plan puts on it."""
+    objects = export(sparse_or_tiny, tmp_path, node_memory=GiB, nodes_per_group=2, backend=backend)
+    validate_all(objects)
+    template = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]
+    sidecar = template["leaderTemplate"]["spec"]["initContainers"][0]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    plan = Plan.from_text(objects["configmap.yaml"]["data"]["plan.json"])
+    assert plan.devices[1].has_output and not plan.devices[0].has_output
+    output = math.ceil(32000 * 2048 * 2 / MiB)  # 125 MiB
+    memory = {
+        name: {k: int(v["memory"].removesuffix("Mi")) for k, v in container["resources"].items()}
+        for name, container in (("leader", sidecar), ("worker", worker))
+    }
+    if backend == "cpu":
+        # the limit: --node-memory (what the plan fills) + the largest tensor + the process's allowance
+        assert memory["worker"]["limits"] == 1024 + output + 128
+        assert 1024 + 128 < memory["leader"]["limits"] < memory["worker"]["limits"]  # a layer's tensors
+    else:
+        assert memory["worker"] == {"requests": 512 + output, "limits": 1536 + output}
+        assert memory["leader"]["requests"] < memory["worker"]["requests"]
+
+
+def test_a_group_of_one_pod_is_its_leader_only(tiny_model: Path, tmp_path: Path) -> None:
+    objects = export(tiny_model, tmp_path, node_memory=GiB, nodes_per_group=1)
+    validate_all(objects)
+    template = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 1 and "leaderTemplate" not in template  # no worker pod to describe
+    pod = template["workerTemplate"]
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "leader"
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["rpc-server", "plan"]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["llama-server"]
+
+
 def test_the_checks_fail_on_a_broken_manifest(tiny_model: Path, tmp_path: Path) -> None:
-    objects = export(tiny_model, tmp_path, node_memory=GiB)
+    objects = export(tiny_model, tmp_path, node_memory=GiB, nodes_per_group=2)
     lws = objects["leaderworkerset.yaml"]
     typo = copy.deepcopy(lws)
     container = typo["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
@@ -199,6 +252,23 @@ def test_the_command_writes_the_three_files(tiny_model: Path, tmp_path: Path) ->
         (["--node-memory", "1GiB", "--chat-template", "nosuch"], "--chat-template nosuch"),
         (["--node-memory", "lots"], "--node-memory"),
         (["--node-memory", "1GiB", "--nodes-per-group", "16"], "--nodes-per-group"),
+        (["--node-memory", "1GiB", "--gpu-resource", "nvidia.com/gpu"], "with --backend cpu: a CPU pod"),
+        (
+            ["--node-memory", "8GiB", "--backend", "cuda", "--gpu-resource", "not a name!"],
+            "--gpu-resource 'not a name!' is not an extended resource name: its domain",
+        ),
+        (
+            ["--node-memory", "8GiB", "--backend", "vulkan", "--gpu-resource", "gpu"],
+            "--gpu-resource 'gpu' is not an extended resource name",
+        ),
+        (
+            ["--node-memory", "8GiB", "--backend", "rocm", "--gpu-resource", "kubernetes.io/gpu"],
+            "the kubernetes.io domain is Kubernetes' own",
+        ),
+        (
+            ["--node-memory", "8GiB", "--backend", "cuda", "--gpu-resource", "nvidia.com/-gpu"],
+            "its name (after the '/') must be",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error_with_exit_status_2(
@@ -223,11 +293,10 @@ def test_a_model_that_is_not_there_is_named(tmp_path: Path) -> None:
     assert done.returncode == 2 and "model nope.gguf does not exist" in done.stderr
 
 
-def test_the_command_lines_constants_are_the_stages() -> None:
-    """cli/ repeats two constants to stay light at start-up; they must be the stage's."""
-    from orchestrator.cli import export as export_cli
-    from orchestrator.cli import lws as lws_cli
-    from orchestrator.kube import group
-
-    assert export_cli.BACKENDS == group.BACKENDS
-    assert lws_cli.RPC_PORT == group.RPC_PORT
+def test_a_valid_gpu_resource_is_taken(tiny_model: Path, tmp_path: Path) -> None:
+    objects = export(
+        tiny_model, tmp_path, node_memory=8 * GiB, backend="vulkan", gpu_resource="gpu.intel.com/i915"
+    )
+    validate_all(objects)
+    leader = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]  # one pod
+    assert leader["spec"]["initContainers"][0]["resources"]["limits"]["gpu.intel.com/i915"] == "1"

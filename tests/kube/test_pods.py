@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,10 +21,10 @@ from orchestrator.core.errors import InputError
 from orchestrator.kube.export import ExportRequest, export_lws
 from orchestrator.kube.group import GroupSettings, differences, measured_devices
 from orchestrator.kube.lws_env import group_addresses, read_lws_env, worker_address
-from orchestrator.kube.pods import plan_step, read_leader_args
+from orchestrator.kube.pods import plan_step, read_leader_args, rpc_server_alive
 from orchestrator.rpc.records import DeviceMemory, Outcome, ProbeResult
 from orchestrator.workflows.options import plan_options
-from tests.plugins.servers import LocalServer
+from tests.plugins.servers import LocalServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
@@ -157,3 +160,88 @@ def test_a_program_the_image_lacks_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(InputError, match=r"nosuch does not exist \(set RPCFLEET_RPC_SERVER"):
         run_worker(50052, {"RPCFLEET_RPC_SERVER": str(tmp_path / "nosuch")}, print)
+
+
+def test_the_leader_address_must_be_a_name_not_an_ip_address() -> None:
+    """Workers are named from the leader's first label: `10.0.0.1` would give `10-1.0.0.1`, found only when
+    the init step's wait runs out; it is refused at once."""
+    with pytest.raises(InputError, match=r"LWS_LEADER_ADDRESS='10.0.0.1' is an address, not the leader's"):
+        read_lws_env({**LWS, "LWS_LEADER_ADDRESS": "10.0.0.1"})
+    assert read_lws_env({**LWS, "LWS_LEADER_ADDRESS": "m1-0.m1.llm"}).leader_address == "m1-0.m1.llm"
+
+
+def test_a_settings_files_chat_template_must_be_a_name() -> None:
+    data = GroupSettings("m", 1, "cpu", GiB, "m.gguf").to_json()
+    with pytest.raises(InputError, match=r"s.json: invalid chat_template=\['chatml'\]"):
+        GroupSettings.from_text(json.dumps({**data, "chat_template": ["chatml"]}), "s.json")
+    assert (
+        GroupSettings.from_text(json.dumps({**data, "chat_template": "chatml"}), "s").chat_template
+        == "chatml"
+    )
+
+
+def lws_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "lws", *argv],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_probes_check_follows_the_rpc_server_process_and_never_connects(
+    rpc_server_binary: Path, tmp_path: Path
+) -> None:
+    """`lws alive` (the readiness and liveness probes) passes while a client holds the server, as
+    llama-server does (a HELLO then waits in the accept queue), and fails once the server is stopped or
+    gone, or the pid file names another program."""
+    pid_file = tmp_path / "run" / "rpc-server.pid"
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "lws",
+        "worker",
+        "--port",
+        str(port),
+        "--pid-file",
+        str(pid_file),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RPCFLEET_RPC_SERVER": str(rpc_server_binary)}
+    worker = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not rpc_server_alive(pid_file)[0] and time.monotonic() < deadline:
+            assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+            time.sleep(0.1)
+        pid = json.loads(pid_file.read_text())["pid"]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            time.sleep(0.3)  # accepted: the server now serves this client only
+            for _ in range(3):
+                alive, why = rpc_server_alive(pid_file)
+                assert alive and why.startswith(f"rpc-server (pid {pid}) is running"), why
+            done = lws_cli("alive", "--pid-file", str(pid_file))
+            assert done.returncode == 0, done.stderr
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10  # the signal stops it once it is scheduled
+            while rpc_server_alive(pid_file)[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert rpc_server_alive(pid_file) == (False, f"rpc-server (pid {pid}) is stopped")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+        worker.wait(30)
+        assert not pid_file.exists()  # the worker removes it when its server ends
+        done = lws_cli("alive", "--pid-file", str(pid_file))
+        assert done.returncode == 1 and "does not exist: no rpc-server was started here" in done.stderr
+        assert "Traceback" not in done.stderr
+        pid_file.write_text(json.dumps({"pid": os.getpid(), "program": str(rpc_server_binary)}))
+        alive, why = rpc_server_alive(pid_file)
+        assert not alive and why.endswith(f"not the rpc-server {rpc_server_binary}"), why
+    finally:
+        if worker.poll() is None:
+            worker.terminate()
+            worker.wait(30)
