@@ -237,6 +237,7 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ),
     ("lws serve", ["lws", "serve", "--args", "{tmp}/file"], "{tmp}/file: not JSON"),
     ("lws hello", ["lws", "hello", "--port", "0"], "port 0 is out of range"),
+    ("lws alive", ["lws", "alive", "--pid-file"], "argument --pid-file: expected one argument"),
 ]
 
 
