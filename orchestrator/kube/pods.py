@@ -22,7 +22,6 @@ import json
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 from orchestrator.core.errors import InputError, PlanError, ProbeError, RpcfleetError
 from orchestrator.core.files import write_atomic
+from orchestrator.core.poll import poll_async
 from orchestrator.engine.children import spawn_child
 from orchestrator.kube.group import GroupSettings, differences, measured_devices, pod_index
 from orchestrator.kube.lws_env import group_addresses, read_lws_env
@@ -173,26 +173,28 @@ async def _resolve(host: str, port: int) -> str:
 async def wait_for_group(hosts: Sequence[str], port: int, seconds: float, say: Say) -> list[ProbeResult]:
     """Each host's server probed once it resolves and answers (in the hosts' order); ProbeError naming
     the pods still silent after `seconds`, RpcfleetError at once for a server of another protocol."""
-    deadline = time.monotonic() + seconds
     last: dict[int, str] = {}
 
     async def one(pod: int, host: str) -> ProbeResult:
-        while True:
+        async def answered() -> ProbeResult | None:
             try:
                 endpoint = await _resolve(host, port)
             except OSError as exc:
                 last[pod] = f"{host} does not resolve ({exc})"
-            else:
-                result = await probe_endpoint(endpoint)
-                if result.ok:
-                    say(f"pod {pod}: {host} -> {endpoint}: {result.message}")
-                    return result
-                if result.outcome is Outcome.VERSION_MISMATCH:
-                    raise RpcfleetError(f"pod {pod} ({host}, {endpoint}): {result.message}", host=endpoint)
-                last[pod] = f"{endpoint}: {result.outcome} ({result.message})"
-            if time.monotonic() >= deadline:
-                raise ProbeError(f"pod {pod} did not answer within {seconds:g} s: {last[pod]}", host=host)
-            await asyncio.sleep(RETRY_SECONDS)
+                return None
+            result = await probe_endpoint(endpoint)
+            if result.ok:
+                say(f"pod {pod}: {host} -> {endpoint}: {result.message}")
+                return result
+            if result.outcome is Outcome.VERSION_MISMATCH:
+                raise RpcfleetError(f"pod {pod} ({host}, {endpoint}): {result.message}", host=endpoint)
+            last[pod] = f"{endpoint}: {result.outcome} ({result.message})"
+            return None
+
+        result = await poll_async(answered, limit=seconds, interval=RETRY_SECONDS)
+        if result is None:
+            raise ProbeError(f"pod {pod} did not answer within {seconds:g} s: {last[pod]}", host=host)
+        return result
 
     return list(await asyncio.gather(*(one(pod, host) for pod, host in enumerate(hosts))))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import shlex
 import time
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from orchestrator.connectors.base import Connection
 from orchestrator.connectors.nodescript import NodeScript, Planned, ScriptOutput, run_script
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import ServiceError, ServiceScriptError, tail
+from orchestrator.core.poll import poll_async
 from orchestrator.facts.server import (
     PID_IS_NUMBER,
     PROC_ARGV0,
@@ -538,10 +538,13 @@ async def wait_ready(
     expected = expected_protocol(state.install)
     install_dir = state.install.install_dir
     log_file = server_files(host.server).log
-    deadline = time.monotonic() + limit_s
-    next_check = time.monotonic() + 0.3
+    started = time.monotonic()
+    next_check = started + 0.3
     last: ProbeResult | None = None
-    while True:
+    listening = False  # a loopback-only server on a remote node: listening is all we can see
+
+    async def answered() -> ProbeResult | bool | None:
+        nonlocal last, next_check, listening
         if target is not None:
             last = await probe_endpoint(
                 await target_of(host),
@@ -562,7 +565,7 @@ async def wait_ready(
             next_check = now + 0.5
             svc = (await read_node_state(conn, host)).service
             # Until the exec chain (setsid, nohup, env, stdbuf) reaches the server, argv0 is theirs.
-            launching = svc.pid == pid and svc.alive and now < deadline - limit_s + 3.0
+            launching = svc.pid == pid and svc.alive and now < started + 3.0
             if (svc.pid != pid or not svc.ours) and not launching:
                 log = await _log_tail(conn, install_dir, state=state, log_file=log_file)
                 if BIND_FAILED in log or svc.log_failed_bind:
@@ -575,12 +578,18 @@ async def wait_ready(
                     )
                 raise ServiceError("the rpc-server exited right after starting", host=host.name, stderr=log)
             if target is None and any(lst.pid == pid for lst in svc.listeners):
-                return None  # loopback-only server on a remote node: listening is all we can see
-        if time.monotonic() >= deadline:
-            why = last.message if last else "no listener"
-            raise ServiceError(
-                f"the rpc-server did not answer HELLO within {limit_s:g} s ({why})",
-                host=host.name,
-                stderr=await _log_tail(conn, install_dir, state=state, log_file=log_file),
-            )
-        await asyncio.sleep(0.02)
+                listening = True
+                return True
+        return None
+
+    ready = await poll_async(answered, limit=limit_s, interval=0.02)
+    if isinstance(ready, ProbeResult):
+        return ready
+    if ready is None and not listening:
+        why = last.message if last else "no listener"
+        raise ServiceError(
+            f"the rpc-server did not answer HELLO within {limit_s:g} s ({why})",
+            host=host.name,
+            stderr=await _log_tail(conn, install_dir, state=state, log_file=log_file),
+        )
+    return None
