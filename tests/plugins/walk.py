@@ -69,6 +69,9 @@ class Walk:
 
     calls: list[tuple[str, str, str, bool]] = field(default_factory=list)
     modules: set[str] = field(default_factory=set)
+    # every call from one module to another, in order, stages alike (within a stage too): (caller module,
+    # callee module, callee function); a request's path through serve/ is read from it
+    module_calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def reached(self) -> list[str]:
@@ -98,9 +101,9 @@ class Walk:
         return list(dict.fromkeys(name for _, callee, name, own in self.calls if own and callee == stage))
 
 
-def trace(command: Callable[[], Any]) -> tuple[Walk, Any]:
-    """Run `command` traced; its walk and what it returned."""
-    walk = Walk()
+def trace(command: Callable[[], Any], walk: Walk | None = None) -> tuple[Walk, Any]:
+    """Run `command` traced; its walk (`walk`, filled as it runs, when given) and what it returned."""
+    walk = walk if walk is not None else Walk()
 
     def profile(frame: FrameType, event: str, _: Any) -> None:
         if event != "call" or not frame.f_code.co_flags & CO_NEWLOCALS:
@@ -116,6 +119,9 @@ def trace(command: Callable[[], Any]) -> tuple[Walk, Any]:
             return
         caller = stage_of(caller_frame)
         assert caller is not None
+        caller_module, callee_module = module_of(caller_frame), module_of(frame)
+        if caller_module != callee_module:
+            walk.module_calls.append((caller_module, callee_module, frame.f_code.co_name))
         if caller == callee:
             return
         # the front end's own code: a cli frame with no other stage under it (not a callback)

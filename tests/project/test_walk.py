@@ -1,11 +1,19 @@
-"""A newcomer's walk of `run` and of `deploy` (issue 19's "done when"): the front end reads its input (the
-flags, the inventory), hands the whole job to its one use case in `workflows/`, and goes on only to print
-what came back; below it, the stages are reached in the order docs/architecture.md gives. Traced in-process
-(`tests/plugins/walk.py`) over a real rpc-server, a real model load and a real deploy on this machine."""
+"""A newcomer's walk of `run`, `deploy` and `serve` (issue 19's and issue 32's "done when"): the front end
+reads its input (the flags, the inventory), hands the whole job to its one use case in `workflows/`, and
+goes on only to print what came back; below it, the stages are reached in the order docs/architecture.md
+gives; a request to serve goes route > router > formation (backend) > engine (the HTTP client), never back
+up. Traced in-process (`tests/plugins/walk.py`) over a real rpc-server, a real model load, a real deploy
+and a real llama-server on this machine."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import threading
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,10 +22,10 @@ import pytest
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.cli import main
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
-from tests.plugins.walk import PACKAGE, Walk, trace
+from tests.plugins.walk import LAYERS, PACKAGE, Walk, trace
 
 INPUT = {"core", "inventory"}  # the flags and the inventory, read by the front end before it hands over
-OPTIONS = "workflows.options."  # the one builder of typed options, at the front end's edge
+OPTIONS = ("workflows.options.", "workflows.serve_options.")  # the builders of typed options, at the edge
 
 
 def documented_walk(command: str) -> list[str]:
@@ -122,3 +130,121 @@ def test_deploy_hands_over_to_its_use_case(
     assert walk.reached == documented_walk("deploy"), walk.reached
     print("deploy:", " > ".join(walk.reached), f"({len(walk.modules)} modules)")
     print("  callbacks:", "; ".join(walk.callbacks))
+
+
+def _serve_ready(base: str, limit: float = 120.0) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as answer:
+                if json.loads(answer.read()).get("status") == "ready":
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+REQUEST_PATH = ("serve.routes", "serve.router", "serve.backend", "serve.upstream")
+
+
+def request_walk(calls: list[tuple[str, str, str]]) -> list[str]:
+    """The modules of serve/ a request's calls first reach, in order (a call within a module is none)."""
+    order: list[str] = []
+    for _, callee, _ in calls:
+        if callee in REQUEST_PATH and callee not in order:
+            order.append(callee)
+    return order
+
+
+def test_the_request_check_names_a_call_back_up() -> None:
+    """The check can fail: a request whose backend calls back into workflows/."""
+    calls = [
+        ("serve.app", "serve.routes", "completions"),
+        ("serve.routes", "serve.router", "admit"),
+        ("serve.router", "serve.backend", "admit"),
+        ("serve.backend", "workflows.serving", "plan_round"),
+        ("serve.routes", "serve.upstream", "request"),
+    ]
+    assert request_walk(calls) == list(REQUEST_PATH)
+    assert _climbs(calls) == ["serve.backend -> workflows.serving.plan_round"]
+
+
+def _climbs(calls: list[tuple[str, str, str]]) -> list[str]:
+    """The calls from serve/ (or below) to a stage above it."""
+    above = LAYERS[: LAYERS.index("serve")]
+    return [
+        f"{caller} -> {callee}.{name}"
+        for caller, callee, name in calls
+        if callee.split(".")[0] in above and caller.split(".")[0] not in above
+    ]
+
+
+@pytest.mark.llama
+def test_serve_hands_over_to_its_use_case_and_a_request_goes_router_formation_engine(
+    start_rpc_server: Callable[..., LocalServer],
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """serve's start (read the models and hosts, probe, plan the formations, start llama-server, serve)
+    and one completion, traced; SIGINT ends it, as a user's Ctrl-C (uvicorn takes it, then hands it to
+    the handler from before: here the test's own, which does nothing)."""
+    server = start_rpc_server()
+    inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": server.port}})
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = ["serve", "-i", str(inventory), "-m", str(tiny_model), "--ctx", "512", "--port", str(port)]
+    argv += ["--observe-interval", "0", "--rejoin-interval", "0", "--local-devices", ""]
+    window: dict[str, int] = {}
+    answers: list[object] = []
+    walks: list[Walk] = []
+
+    def ask_then_stop() -> None:
+        try:
+            if not _serve_ready(base):
+                answers.append("serve never got ready")
+                return
+            body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
+            request = urllib.request.Request(
+                f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            window["start"] = len(walks[0].module_calls) if walks else 0
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                answers.append(json.loads(answer.read()))
+            window["end"] = len(walks[0].module_calls) if walks else 0
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def serve_once() -> int:
+        asker = threading.Thread(target=ask_then_stop)
+        asker.start()
+        try:
+            return main(argv)
+        finally:
+            asker.join(180)
+
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        assert serve_once() == 0, capsys.readouterr().err  # untraced first: imports are no part of the walk
+        assert answers and isinstance(answers[-1], dict), answers
+        capsys.readouterr()
+        answers.clear()
+
+        def traced() -> int:
+            return serve_once()
+
+        walk = Walk()
+        walks.append(walk)
+        walked, status = trace(traced, walk)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert status == 0 and answers and isinstance(answers[-1], dict), (answers, capsys.readouterr().err)
+    assert answers[-1]["choices"][0]["text"] is not None  # type: ignore[index]
+    handed_over(walked, "workflows.serve.serve_fleet")
+    assert walked.reached == documented_walk("serve"), " > ".join(walked.reached)
+    request = walked.module_calls[window["start"] : window["end"]]
+    assert request_walk(request) == list(REQUEST_PATH), request_walk(request)
+    assert not _climbs(request), _climbs(request)
+    print("serve:", " > ".join(walked.reached), f"({len(walked.modules)} modules)")
+    print("  a request:", " > ".join(request_walk(request)))
