@@ -22,9 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from orchestrator.observe.web import Exporter, HttpGuard, RequestTimer, mount
-from orchestrator.serve.backend import Backend, Rejected
+from orchestrator.serve.backend import Backend
 from orchestrator.serve.router import Router
 from orchestrator.serve.routes import error_response, openai_routes, problems
+from orchestrator.serve.states import Rejected
 from orchestrator.serve.upstream import UpstreamError
 
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.log import get_logger
-from orchestrator.serve.backend import SERVING, Backend, Rejected, ServeConfig, Ticket
+from orchestrator.serve.backend import Backend
 from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, label_value
+from orchestrator.serve.states import SERVING, Rejected, ServeConfig, Ticket
 from orchestrator.serve.upstream import Upstream, UpstreamError
 
 ENGINE_SCRAPE_TIMEOUT = 2.0  # seconds a scrape waits for one engine's /metrics

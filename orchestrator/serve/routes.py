@@ -23,9 +23,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.serve.backend import Backend, Failure, Rejected, Running, Ticket
+from orchestrator.serve.backend import Backend
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
 from orchestrator.serve.router import Router
+from orchestrator.serve.states import Failure, Rejected, Running, Ticket
 from orchestrator.serve.upstream import Answer, UpstreamError, UpstreamTimeout
 
 _ERROR_TYPES = {

@@ -30,12 +30,13 @@ from orchestrator.inventory.model import Host, Inventory, select_servers
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.formations import Formed, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model
-from orchestrator.serve.backend import Backend, ServeConfig
+from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineFactory, default_engines
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 from orchestrator.serve.spares import SpareWatch
+from orchestrator.serve.states import ServeConfig
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 from orchestrator.serve.upstream import Upstream
 from orchestrator.workflows.plan import plan_formations, states_of

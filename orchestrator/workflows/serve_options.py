@@ -20,7 +20,7 @@ from orchestrator.serve import settings
 from orchestrator.workflows.options import PARALLEL, PLAN_OPTIONS, PROBE_OPTIONS, Option
 
 if TYPE_CHECKING:
-    from orchestrator.serve.backend import ServeConfig
+    from orchestrator.serve.states import ServeConfig
 
 KEY_ENV = "RPCFLEET_API_KEY"  # the key from the environment: argv is world-readable (`ps`), this is not
 ADMIN_KEY_ENV = "RPCFLEET_ADMIN_KEY"  # the admin routes' own key (`--admin-key-file`)
@@ -236,7 +236,7 @@ LIMITS: Mapping[str, Option] = {
 def serve_config(values: Mapping[str, Any]) -> ServeConfig:
     """The one builder of the serving limits (`ServeConfig`) from serve's options by name (the declared
     default for an absent or None one)."""
-    from orchestrator.serve.backend import ServeConfig
+    from orchestrator.serve.states import ServeConfig
 
     def get(option: Option) -> Any:
         value = values.get(option.name)

@@ -118,8 +118,8 @@ def test_every_serve_flag_comes_from_its_declaration() -> None:
 
 def test_serve_defaults_are_one_number_each() -> None:
     """The flags' defaults are the serving limits' (`ServeConfig`), the engine's slots and the request's."""
-    from orchestrator.serve.backend import ServeConfig
     from orchestrator.serve.engine import DEFAULT_PARALLEL
+    from orchestrator.serve.states import ServeConfig
     from orchestrator.workflows.serve import ServeRequest
 
     config = ServeConfig()

@@ -220,8 +220,9 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
     from orchestrator.core.poll import poll_async
     from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanOptions
-    from orchestrator.serve.backend import Backend, ServeConfig
+    from orchestrator.serve.backend import Backend
     from orchestrator.serve.engine import default_engines
+    from orchestrator.serve.states import ServeConfig
     from orchestrator.serve.upstream import Upstream
     from orchestrator.workflows.serving import ServeFleet
 
@@ -273,7 +274,7 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
         # A file truncated under its own name: the next load is refused before llama.cpp reads it.
         victim = nodes[0].install / "cache" / "rpc" / cached[hosts[0].endpoint][0].file
         victim.write_bytes(victim.read_bytes()[:4096])
-        refused = await backend._load(first.plan)
+        refused = await backend.load(first.plan)
         assert fleet.shared is not None
         await fleet.shared.close()
         await http.aclose()

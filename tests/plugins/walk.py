@@ -1,9 +1,10 @@
 """A newcomer's walk of a command (issue 19): the stages its calls pass through, in the order they are
 reached, traced in-process with `sys.setprofile` while the command runs.
 
-Only orchestrator's own functions count (not module bodies, class bodies or generated code), and only on
-the command's thread (a worker process and the tunnels' thread are their own walks). A call's caller is
-the nearest orchestrator frame below it, whatever library code lies between (asyncio's loop, argparse).
+Only orchestrator's own functions count (not module bodies, class bodies or generated code; a coroutine
+or generator once, when it starts, not at each resumption), and only on the command's thread (a worker
+process and the tunnels' thread are their own walks). A call's caller is the nearest orchestrator frame
+below it, whatever library code lies between (asyncio's loop, argparse).
 A call into a stage from a stage below it in the layer order (pyproject's import contract) is a callback:
 the executor running an operation's step, a progress bar. It reaches no stage: the stage was reached when
 the callback was handed down.
@@ -19,7 +20,7 @@ import sys
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from inspect import CO_NEWLOCALS
+from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_NEWLOCALS
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -104,6 +105,9 @@ class Walk:
 def trace(command: Callable[[], Any], walk: Walk | None = None) -> tuple[Walk, Any]:
     """Run `command` traced; its walk (`walk`, filled as it runs, when given) and what it returned."""
     walk = walk if walk is not None else Walk()
+    # A coroutine or generator reports a "call" each time it is resumed: only its start is a call (its
+    # frames are kept for the trace's length, so that no id is reused).
+    started: dict[int, FrameType] = {}
 
     def profile(frame: FrameType, event: str, _: Any) -> None:
         if event != "call" or not frame.f_code.co_flags & CO_NEWLOCALS:
@@ -111,6 +115,10 @@ def trace(command: Callable[[], Any], walk: Walk | None = None) -> tuple[Walk, A
         callee = stage_of(frame)
         if callee is None:
             return
+        if frame.f_code.co_flags & (CO_COROUTINE | CO_GENERATOR | CO_ASYNC_GENERATOR):
+            if id(frame) in started:
+                return
+            started[id(frame)] = frame
         walk.modules.add(module_of(frame))
         caller_frame = frame.f_back
         while caller_frame is not None and stage_of(caller_frame) is None:

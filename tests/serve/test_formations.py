@@ -26,10 +26,11 @@ from orchestrator.planning.formations import (
 )
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
-from orchestrator.serve.backend import Backend, ServeConfig
+from orchestrator.serve.backend import Backend
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router, candidates, overall
+from orchestrator.serve.states import ServeConfig
 from tests.plugins.llama import GiB, plan_devices
 from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
 

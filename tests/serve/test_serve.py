@@ -635,8 +635,9 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
     no `--force`), the backend waits for the fleet and starts no engine; a spare no formation holds then
     joins and the model fits on both."""
     from orchestrator.core.errors import RpcfleetError
-    from orchestrator.serve.backend import Backend, ServeConfig
+    from orchestrator.serve.backend import Backend
     from orchestrator.serve.pool import SparePool
+    from orchestrator.serve.states import ServeConfig
     from orchestrator.workflows.serving import ServeFleet
 
     small, spare = start_rpc_server(), start_rpc_server()

@@ -24,9 +24,10 @@ from orchestrator.core.target import Target
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.serve.backend import Backend, Failure, Running, ServeConfig
+from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineOptions, engine_args, lost_message
 from orchestrator.serve.metrics import EngineScrape, engine_metrics
+from orchestrator.serve.states import Failure, Running, ServeConfig
 from orchestrator.serve.templates import BUILTIN_TEMPLATES, resolve_chat_template
 from tests.plugins.llama import plan_devices
 from tests.plugins.serve_rig import ENDPOINTS, FakeEngine, FakeFleet, HttpEngine, Rig
