@@ -6,6 +6,7 @@ is a summary (`_sum`, `_count`), per-endpoint up/down is a gauge with an `endpoi
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,40 @@ class EngineScrape:
     model: str
     text: str
     served: int
+    slots: str = ""  # llama-server's /slots JSON (empty when it did not answer)
+
+
+@dataclass(frozen=True)
+class KvUsed:
+    """A formation's KV cache in use: tokens held over context, all slots together, and per slot id."""
+
+    ratio: float
+    slots: tuple[tuple[int, float], ...]
+
+
+def kv_used(slots_json: str) -> KvUsed | None:
+    """The KV cache in use from llama-server's `/slots` (a list of slots: `id`, `n_ctx` its context,
+    `n_prompt_tokens` the tokens its cache holds, prompt and generated, absent while never used); None
+    when the text is not such a list. Not `--kv-unified` (serve's engines): each slot has its own `n_ctx`
+    cells, so the formation's share is the tokens held over the contexts' sum."""
+    try:
+        slots = json.loads(slots_json) if slots_json else None
+    except ValueError:
+        return None
+    if not isinstance(slots, list) or not slots:
+        return None
+    held = total = 0
+    per_slot: list[tuple[int, float]] = []
+    for i, slot in enumerate(slots):
+        if not isinstance(slot, dict) or not isinstance(slot.get("n_ctx"), int) or slot["n_ctx"] <= 0:
+            return None
+        tokens = slot.get("n_prompt_tokens")
+        tokens = min(tokens, slot["n_ctx"]) if isinstance(tokens, int) and tokens > 0 else 0
+        held += tokens
+        total += slot["n_ctx"]
+        slot_id = slot.get("id")
+        per_slot.append((slot_id if isinstance(slot_id, int) else i, tokens / slot["n_ctx"]))
+    return KvUsed(held / total, tuple(per_slot))
 
 
 def _with_labels(sample: str, labels: str) -> str:

@@ -1,14 +1,16 @@
 """serve's router: the formations behind the front, and which one takes a request.
 
 Each formation is one `Backend` (one engine on its own servers: slots, queue, recovery, rejoin, reload).
-A request goes to the least-loaded serving formation of its model (admitted = slots busy + queue),
-skipping those that are loading, recovering or draining; a stream stays on the formation that admitted it
+A request goes to a serving formation of its model, skipping those that are loading, recovering or
+draining: with `--routing affine` (the default) the one its prompt's prefix maps to while that one has a
+free slot, so that a conversation's turns find their prefix in its engine's KV cache, else the least-loaded
+(admitted = slots busy + queue; `serve.affinity`). A stream stays on the formation that admitted it
 (the route holds that backend). When every serving formation's queue is full: 429; when none serves:
 503 with Retry-After. A model the front does not serve: 404 naming the served ones (with a single model
 served, any name goes to it, as llama-server itself does).
 
 Reloads and rolling restarts go one formation at a time: the next starts once the previous serves again,
-so a model served by two formations or more always has one answering. The decisions (`candidates`,
+so a model served by two formations or more always has one answering. The decisions (`serve.affinity`,
 `overall`) are pure; the rest reads the backends.
 """
 
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.log import get_logger
+from orchestrator.serve.affinity import AFFINE, FALLBACK, LEAST_LOADED, Load, reason, route
 from orchestrator.serve.backend import Backend
-from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, label_value
+from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, kv_used, label_value
 from orchestrator.serve.states import SERVING, Rejected, ServeConfig, Ticket
 from orchestrator.serve.upstream import Upstream, UpstreamError
 
@@ -43,13 +46,6 @@ class Formation:
     name: str
     model: str
     backend: Backend
-
-
-def candidates(loads: Sequence[tuple[str, int]], turn: int = 0) -> list[int]:
-    """The formations to try for a request, by index: the serving ones (state, admitted), least loaded
-    first; ties in turns, from the `turn`-th on (so that a light load still reaches every formation)."""
-    serving = [i for i, (state, _) in enumerate(loads) if state in SERVING]
-    return sorted(serving, key=lambda i: (loads[i][1], (i - turn) % len(loads)))
 
 
 def overall(states: Sequence[str]) -> str:
@@ -82,8 +78,9 @@ class Router:
         self._reloading = asyncio.Lock()
         self._reload: asyncio.Task[None] | None = None
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
+        self.routed_by: Counter[tuple[str, str]] = Counter()  # (formation name, why: serve.affinity.reason)
         self._turn = -1  # ties between formations go in turns
-        self._scraped: dict[str, tuple[float, str]] = {}  # engine url -> (when, its /metrics text)
+        self._scraped: dict[str, tuple[float, str, str]] = {}  # engine url -> (when, /metrics, /slots)
         self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
         for formation in self.formations:
@@ -136,18 +133,23 @@ class Router:
             raise Rejected(404, f"{named} (served: {', '.join(models)})")
         return chosen
 
-    def admit(self, model: str | None) -> tuple[Backend, Ticket]:
-        """Admit a request of `model` on the least-loaded serving formation: its backend and ticket.
+    def admit(self, model: str | None, key: str | None = None) -> tuple[Backend, Ticket]:
+        """Admit a request of `model` (affinity `key`: `serve.affinity.affinity_key`) on the formation
+        routing picks (`--routing`: affine, else the least-loaded serving one): its backend and ticket.
         Rejected: 404 (model), 429 (every queue full), 503 (none serving)."""
         formations = self.of_model(model)
         self._turn += 1
-        order = candidates([(f.backend.state, f.backend.admitted) for f in formations], self._turn)
+        loads = [
+            Load(f.name, f.backend.state, f.backend.admitted, f.backend.config.parallel) for f in formations
+        ]
+        order, best = route(loads, key, self.config.routing, self._turn)
         full: Rejected | None = None
         for index in order:
             backend = formations[index].backend
             try:
                 ticket = backend.admit()
                 self.routed[formations[index].name] += 1
+                self.routed_by[(formations[index].name, reason(index, best))] += 1
                 return backend, ticket
             except Rejected as exc:  # it stopped serving or filled up meanwhile: the next one
                 if exc.status == 429:
@@ -235,21 +237,31 @@ class Router:
     async def prometheus(self, *, formations: bool = True) -> str:
         """serve's Prometheus text: the front's counters, the slots with every formation's engine families
         (`formation` and `model` labels), then one series per formation (`formations`; the fleet exporter,
-        when on, shows them under the same names, so it alone does then)."""
+        when on, shows them under the same names, so it alone does then), and the router's own: requests
+        routed by reason and each formation's KV cache in use (from its engine's `/slots`)."""
         text = self.combined_metrics().render(self.endpoint_up(), self.state)
         parallel = admitted = 0
         for formation in self.formations:
             states = formation.backend.engine_states()
             parallel += states["parallel"]
             admitted += states["admitted"]
-        text += engine_metrics(await self.engine_scrapes(), parallel, admitted)
-        return text + self.formation_metrics() if formations else text
+        scrapes = await self.engine_scrapes()
+        text += engine_metrics(scrapes, parallel, admitted)
+        text += self.formation_metrics() if formations else ""
+        return text + self.routing_metrics(scrapes)
 
     async def engine_scrapes(self) -> list[EngineScrape]:
-        """Every formation's engine `/metrics`, asked all at once, each bounded by `ENGINE_SCRAPE_TIMEOUT`
-        (an engine busy past it is left out of this scrape: a scrape never waits on one), and kept
-        `ENGINE_SCRAPE_CACHE` seconds per engine (scrapes in a burst ask each engine once)."""
+        """Every formation's engine `/metrics` and `/slots`, asked all at once, each bounded by
+        `ENGINE_SCRAPE_TIMEOUT` (an engine busy past it is left out of this scrape: a scrape never waits on
+        one), and kept `ENGINE_SCRAPE_CACHE` seconds per engine (scrapes in a burst ask each engine once)."""
         now = time.monotonic()
+
+        async def get(url: str, path: str, key: str | None) -> str:
+            try:
+                body = (await self.upstream.get(url, path, ENGINE_SCRAPE_TIMEOUT, key))[1]
+                return body.decode("utf-8", "replace")
+            except (UpstreamError, TimeoutError, OSError):
+                return ""
 
         async def one(formation: Formation) -> EngineScrape:
             served = formation.backend.engine_states()["served"]
@@ -258,16 +270,12 @@ class Router:
                 return EngineScrape(formation.name, formation.model, "", served)
             cached = self._scraped.get(engine.url)
             if cached is not None and now - cached[0] < ENGINE_SCRAPE_CACHE:
-                return EngineScrape(formation.name, formation.model, cached[1], served)
-            try:
-                body = (
-                    await self.upstream.get(engine.url, "/metrics", ENGINE_SCRAPE_TIMEOUT, engine.api_key)
-                )[1]
-                engine_text = body.decode("utf-8", "replace")
-            except (UpstreamError, TimeoutError, OSError):
-                engine_text = ""
-            self._scraped[engine.url] = (time.monotonic(), engine_text)
-            return EngineScrape(formation.name, formation.model, engine_text, served)
+                return EngineScrape(formation.name, formation.model, cached[1], served, cached[2])
+            engine_text, slots_text = await asyncio.gather(
+                get(engine.url, "/metrics", engine.api_key), get(engine.url, "/slots", engine.api_key)
+            )
+            self._scraped[engine.url] = (time.monotonic(), engine_text, slots_text)
+            return EngineScrape(formation.name, formation.model, engine_text, served, slots_text)
 
         formations = list(self.formations)
         scrapes = await asyncio.gather(*(one(f) for f in formations))
@@ -275,6 +283,44 @@ class Router:
         for url in [u for u in self._scraped if u not in live]:  # engines gone
             self._scraped.pop(url, None)
         return list(scrapes)
+
+    def routing_metrics(self, scrapes: Sequence[EngineScrape]) -> str:
+        """Requests routed to each formation by reason (`serve.affinity`), and the share of each formation's
+        KV cache its slots hold (llama-server's `/slots`: tokens held / context, all slots together and
+        each slot; left out where the engine did not answer)."""
+        lines = [
+            "# HELP rpcfleet_formation_routed_total Requests the router gave the formation, by reason: "
+            "affine (the formation of its prompt's prefix), fallback (that one was saturated or not "
+            "serving), least_loaded (--routing least-loaded, or a request without a prefix).",
+            "# TYPE rpcfleet_formation_routed_total counter",
+        ]
+        for formation in self.formations:
+            labels = f'formation="{label_value(formation.name)}",model="{label_value(formation.model)}"'
+            for why in (AFFINE, FALLBACK, LEAST_LOADED):
+                n = self.routed_by[(formation.name, why)]
+                lines.append(f'rpcfleet_formation_routed_total{{{labels},reason="{why}"}} {n}')
+        used = [(scrape, kv_used(scrape.slots)) for scrape in scrapes]
+        lines += [
+            "# HELP rpcfleet_formation_kv_used_ratio Share of the formation's KV cache (all its slots' "
+            "contexts) holding tokens, from llama-server's /slots.",
+            "# TYPE rpcfleet_formation_kv_used_ratio gauge",
+        ]
+        for scrape, kv in used:
+            if kv is not None:
+                labels = f'formation="{label_value(scrape.formation)}",model="{label_value(scrape.model)}"'
+                lines.append(f"rpcfleet_formation_kv_used_ratio{{{labels}}} {kv.ratio:.6g}")
+        lines += [
+            "# HELP rpcfleet_formation_slot_kv_used_ratio Share of one slot's context holding tokens.",
+            "# TYPE rpcfleet_formation_slot_kv_used_ratio gauge",
+        ]
+        for scrape, kv in used:
+            if kv is not None:
+                labels = f'formation="{label_value(scrape.formation)}",model="{label_value(scrape.model)}"'
+                lines += [
+                    f'rpcfleet_formation_slot_kv_used_ratio{{{labels},slot="{slot}"}} {ratio:.6g}'
+                    for slot, ratio in kv.slots
+                ]
+        return "\n".join(lines) + "\n"
 
     def formation_metrics(self) -> str:
         families: dict[str, tuple[str, str, list[str]]] = {
@@ -284,7 +330,6 @@ class Router:
             "slots": ("gauge", "Slots of the formation's engine (--parallel).", []),
             "slots_busy": ("gauge", "Requests holding a slot of the formation's engine.", []),
             "requests_admitted": ("gauge", "Requests admitted by the formation: served and waiting.", []),
-            "routed_total": ("counter", "Requests the router gave the formation.", []),
             "recoveries_total": ("counter", "Recoveries of the formation after a lost node.", []),
             "reloads_total": ("counter", "Reloads of the formation.", []),
             "rejoins_total": ("counter", "Returns of the formation to more nodes.", []),
@@ -300,7 +345,6 @@ class Router:
             families["slots"][2].append(f"{{{labels}}} {summary['slots']}")
             families["slots_busy"][2].append(f"{{{labels}}} {summary['slots_busy']}")
             families["requests_admitted"][2].append(f"{{{labels}}} {summary['admitted']}")
-            families["routed_total"][2].append(f"{{{labels}}} {summary['requests']}")
             families["recoveries_total"][2].append(f"{{{labels}}} {summary['recoveries']}")
             families["reloads_total"][2].append(f"{{{labels}}} {summary['reloads']}")
             families["rejoins_total"][2].append(f"{{{labels}}} {summary['rejoins']}")

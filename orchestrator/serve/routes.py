@@ -1,6 +1,7 @@
 """serve's OpenAI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`): a request is
 checked with the fields of llama-cpp-python's server models (`serve.requests`: a bad field is a 400 here),
-admitted by the router on the least-loaded serving formation of its model, given a slot of that
+admitted by the router on a serving formation of its model (the one its prompt's prefix maps to, or the
+least-loaded: `serve.affinity`), given a slot of that
 formation's backend, and sent to its engine (llama-server on loopback) as the client wrote it, so every
 llama-server field (tools, grammars, response formats...) works; answers, streams (server-sent events,
 piece by piece) and the engine's own errors pass through as they are. Router → formation → engine: nothing
@@ -23,6 +24,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from orchestrator.serve.affinity import affinity_key
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
 from orchestrator.serve.router import Router
@@ -145,11 +147,12 @@ def openai_routes(router: Router, authorize: Callable[[Request], None]) -> APIRo
             if data.get("seed") is None:
                 data["seed"] = config.seed
         model_id = data.get("model") if isinstance(data.get("model"), str) else None
-        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id)
+        key = affinity_key(route, data)
+        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id, key)
 
-    async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None) -> Any:
-        try:  # the least-loaded serving formation of the model; a stream stays on it
-            backend, ticket = router.admit(model_id)
+    async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None, key: str | None) -> Any:
+        try:  # the formation of the prompt's prefix, or the least-loaded; a stream stays on it
+            backend, ticket = router.admit(model_id, key)
         except Rejected as exc:
             extra = {"param": "model"} if exc.status == 404 else {}
             return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)

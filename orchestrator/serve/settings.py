@@ -11,3 +11,4 @@ RECOVER_TIMEOUT = 600.0  # seconds of recovery before giving up
 LINK_TIMEOUT = 10.0  # seconds a cut link may stall the engine before it is declared lost
 REJOIN_INTERVAL = 5.0  # seconds between two probes of the nodes left out (0: no watch)
 SEED = 0  # the default sampling seed
+ROUTING = "affine"  # prefix-affine routing between a model's formations (serve.affinity)

@@ -30,6 +30,7 @@ class ServeConfig:
     rejoin_interval: float = settings.REJOIN_INTERVAL  # seconds between two probes of the nodes left out
     diagnose_timeout: float = 15.0  # seconds a request waits for the diagnosis of a dead engine
     seed: int = settings.SEED
+    routing: str = settings.ROUTING  # which formation of a model takes a request: affine or least-loaded
 
 
 class Rejected(RpcfleetError):

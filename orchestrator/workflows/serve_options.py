@@ -177,6 +177,16 @@ RELOAD_ROLLING = Option(
     switch=True,
 )
 SEED = Option("seed", ("--seed",), seed, settings.SEED, f"default sampling seed (default: {settings.SEED})")
+ROUTING = Option(
+    "routing",
+    ("--routing",),
+    fields.choice(("affine", "least-loaded")),
+    settings.ROUTING,
+    "which formation of a model takes a request: affine = the one whose slots hold its prompt's prefix "
+    "(its `user` field, else a hash of its first messages), the least-loaded when that one's slots are all "
+    f"busy; least-loaded = always the least-loaded (default: {settings.ROUTING})",
+    choices=("affine", "least-loaded"),
+)
 OBSERVE_INTERVAL = Option(
     "observe_interval",
     ("--observe-interval",),
@@ -207,6 +217,7 @@ OWN_OPTIONS = (
     REJOIN_INTERVAL,
     RELOAD_ROLLING,
     SEED,
+    ROUTING,
     OBSERVE_INTERVAL,
 )
 # Every option of `rpcfleet serve`, in the command line's order: the models and formations, the planning
@@ -230,6 +241,7 @@ LIMITS: Mapping[str, Option] = {
     "link_timeout": LINK_TIMEOUT,
     "rejoin_interval": REJOIN_INTERVAL,
     "seed": SEED,
+    "routing": ROUTING,
 }
 
 

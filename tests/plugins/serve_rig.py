@@ -186,6 +186,8 @@ class _FakeHandler(BaseHTTPRequestHandler):
             gauge = "llamacpp:requests_processing"
             text = self.engine.metrics_text or f"# TYPE {gauge} gauge\n{gauge} {self.engine.active}\n"
             self._send(200, text.encode(), "text/plain")
+        elif self.path == "/slots" and self.engine.slots_text:
+            self._send(200, self.engine.slots_text.encode())
         else:
             self._send(404, b'{"error":{"code":404,"message":"not found","type":"not_found_error"}}')
 
@@ -234,6 +236,7 @@ class HttpEngine(FakeEngine):
     active: int = 0
     metrics_text: str = ""  # its /metrics (default: requests_processing only)
     metrics_asked: int = 0
+    slots_text: str = ""  # its /slots (default: none, a 404)
     bodies: list[Any] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # paths asked without the engine's key
     server: ThreadingHTTPServer | None = None

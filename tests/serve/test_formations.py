@@ -9,6 +9,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from orchestrator.planning.profile import profile_model
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.pool import SparePool
-from orchestrator.serve.router import Formation, Router, candidates, overall
+from orchestrator.serve.router import Formation, Router, overall
 from orchestrator.serve.states import ServeConfig
 from tests.plugins.llama import GiB, plan_devices
 from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
@@ -37,11 +38,8 @@ from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
 # -- the router's decisions (pure)
 
 
-def test_the_least_loaded_serving_formation_is_tried_first() -> None:
-    assert candidates([("ready", 3), ("degraded", 1), ("recovering", 0), ("ready", 1)]) == [1, 3, 0]
-    assert candidates([("ready", 3), ("degraded", 1), ("recovering", 0), ("ready", 1)], 2) == [3, 1, 0]
-    assert [candidates([("ready", 0)] * 3, turn)[0] for turn in range(4)] == [0, 1, 2, 0]  # ties in turns
-    assert candidates([("loading", 0), ("draining", 0), ("failed", 0)]) == []
+def test_the_state_of_several_formations_is_the_one_closest_to_serving() -> None:
+    # which formation takes a request (least-loaded, affine): tests/serve/test_affinity.py
     assert overall(["ready", "ready"]) == "ready"
     assert overall(["ready", "recovering"]) == "degraded"
     assert overall(["failed", "recovering"]) == "recovering"
@@ -244,6 +242,99 @@ def test_requests_go_to_the_least_loaded_formation_of_their_model_and_streams_st
     assert len(a0.bodies) == len(a1.bodies) == 2
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["a", "b"]
+
+
+THREE = {"a": (("10.8.0.1:50052",), ("10.8.0.2:50052",), ("10.8.0.3:50052",))}
+
+
+def _chat(client: Any, system: str, turns: int) -> list[dict[str, str]]:
+    """One conversation of `turns` turns, one after the other, each repeating the history before it."""
+    messages = [{"role": "system", "content": system}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        answer = client.post(
+            "/v1/chat/completions", json={"model": "a", "messages": messages, "max_tokens": 2}
+        )
+        assert answer.status_code == 200, answer.text
+        messages.append({"role": "assistant", "content": answer.json()["choices"][0]["text"]})
+    return messages
+
+
+def _served_by(rigs: Mapping[str, Rig]) -> dict[str, list[str]]:
+    """Each system prompt -> the formations that served its turns, in order."""
+    served: dict[str, list[str]] = {}
+    for name, rig_ in rigs.items():
+        for body in rig_.engine.bodies:
+            served.setdefault(body["messages"][0]["content"], []).append(name)
+    return served
+
+
+def _routed(text: str) -> dict[tuple[str, str], int]:
+    found: dict[tuple[str, str], int] = {}
+    for line in text.splitlines():
+        if line.startswith("rpcfleet_formation_routed_total{"):
+            labels, value = line.split("} ")
+            formation = labels.split('formation="')[1].split('"')[0]
+            found[(formation, labels.split('reason="')[1].split('"')[0])] = int(value)
+    return found
+
+
+def test_a_conversations_turns_all_land_on_one_formation_and_system_prompts_spread(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """--routing affine (the default): every turn of a chat goes to the formation of its first messages,
+    different conversations spread over the three formations, and /metrics counts them as affine; with
+    --routing least-loaded the same conversations' turns go round the formations."""
+    client, rigs = routed(THREE)
+    systems = [f"system prompt {i}: " + "be brief. " * 40 for i in range(12)]
+    for system in systems:
+        _chat(client, system, 4)
+    served = _served_by(rigs)
+    assert {system: len(set(names)) for system, names in served.items()} == dict.fromkeys(systems, 1)
+    homes = Counter(names[0] for names in served.values())
+    assert len(homes) == 3, homes  # 12 conversations over all three formations
+    counted = _routed(client.get("/metrics").text)
+    assert {k: v for k, v in counted.items() if v} == {(name, "affine"): 4 * n for name, n in homes.items()}
+
+    client, rigs = routed(THREE, routing="least-loaded")
+    for system in systems[:3]:
+        _chat(client, system, 3)
+    served = _served_by(rigs)
+    assert all(len(set(names)) == 3 for names in served.values()), served  # idle formations in turns
+    counted = _routed(client.get("/metrics").text)
+    assert {k: v for k, v in counted.items() if v} == {(name, "least_loaded"): 3 for name in rigs}
+
+
+def test_a_turn_whose_formation_is_saturated_goes_to_the_least_loaded_one(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    client, rigs = routed(THREE, parallel=1, queue_size=1)
+    system = "the one conversation"
+    _chat(client, system, 1)
+    (home,) = _served_by(rigs)[system]
+    rigs[home].engine.delay = 0.05
+    results: list[Any] = []
+    body = {
+        "model": "a",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "question 0"}],
+    }
+
+    def stream() -> None:
+        with client.stream(
+            "POST", "/v1/chat/completions", json={**body, "max_tokens": 20, "stream": True}
+        ) as s:
+            results.append((s.status_code, list(s.iter_lines())))
+
+    holder = threading.Thread(target=stream)
+    holder.start()
+    _wait(lambda: rigs[home].engine.active == 1)  # its one slot busy: saturated
+    answer = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    holder.join(20)
+    assert answer.status_code == 200 and results[0][0] == 200
+    served = _served_by(rigs)[system]
+    assert served[:2] == [home, home] and served[2] != home, served
+    counted = _routed(client.get("/metrics").text)
+    assert counted[(home, "affine")] == 2 and counted[(served[2], "fallback")] == 1
 
 
 def test_an_unknown_model_is_404_naming_the_served_ones(
@@ -464,10 +555,10 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
     assert [f.name for f in router.formations] == ["a#0", "a#1"]
     rigs["a#1"].wait_state({"ready"})
     assert rigs["a#1"].backend.plan.endpoints == (late,)  # type: ignore[union-attr]
-    for _ in range(4):
-        answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
+    for i in range(8):  # 8 prompts: the new formation takes the keys it wins (rendezvous: 2 of these)
+        answer = client.post("/v1/completions", json={"model": "a", "prompt": f"x{i}", "max_tokens": 2})
         assert answer.status_code == 200
-    assert len(rigs["a#0"].engine.bodies) == len(rigs["a#1"].engine.bodies) == 2  # in turns
+    assert (len(rigs["a#0"].engine.bodies), len(rigs["a#1"].engine.bodies)) == (6, 2)
     health = client.get("/health").json()
     assert [(f["name"], f["nodes"], f["state"]) for f in health["formations"]] == [
         ("a#0", ["10.8.0.1:50052"], "ready"),
@@ -549,7 +640,14 @@ def test_metrics_show_every_formations_engine_counters_under_its_formation_label
         rigs[name].engine.metrics_text = LLAMA_METRICS.format(
             prompt=prompt, predicted=predicted, processing=processing
         )
+    slots = [{"id": 0, "n_ctx": 512, "n_prompt_tokens": 128}, {"id": 1, "n_ctx": 512}]
+    rigs["a#0"].engine.slots_text = json.dumps(slots)  # a#1's /slots answers 404: no KV series
+    rigs["b#0"].engine.slots_text = json.dumps(slots[1:])
     text = client.get("/metrics").text
+    assert 'rpcfleet_formation_kv_used_ratio{formation="a#0",model="a"} 0.125\n' in text
+    assert 'rpcfleet_formation_slot_kv_used_ratio{formation="a#0",model="a",slot="0"} 0.25\n' in text
+    assert 'rpcfleet_formation_kv_used_ratio{formation="b#0",model="b"} 0\n' in text
+    assert 'kv_used_ratio{formation="a#1"' not in text
     for name, (prompt, predicted, processing) in values.items():
         labels = f'formation="{name}",model="{name[0]}"'
         assert f"rpcfleet_engine_prompt_tokens_total{{{labels}}} {prompt}" in text, text
@@ -626,8 +724,8 @@ def test_the_exporter_gets_each_formation_with_its_own_requests_and_slots(
     from orchestrator.serve.observed import formations_of
 
     client, rigs = routed(parallel=3)
-    for model in ("a", "a", "b"):
-        answer = client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+    for model, prompt in (("a", "x0"), ("a", "x2"), ("b", "x")):  # x0's formation is a#0, x2's a#1
+        answer = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2})
         assert answer.status_code == 200
     router = Router([Formation(name, name.split("#")[0], rig_.backend) for name, rig_ in rigs.items()])
     seen = {f.name: f for f in formations_of(router)}

@@ -211,6 +211,31 @@ def test_the_engine_behind_serve_answers_no_one_without_its_own_key(
     )  # the engine's counters, read with its key
 
 
+def test_the_kv_cache_in_use_is_read_from_the_engines_slots_after_a_long_prompt(
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    """rpcfleet_formation_kv_used_ratio comes from llama-server's own /slots (its fields as the pinned
+    llama.cpp writes them): 0 before any request, the prompt and answer's share of the context after
+    one, and promtool accepts the text."""
+    _, base = local_serve("--parallel", "1", env={"RPCFLEET_API_KEY": KEY})
+    before = _get_text(f"{base}/metrics", KEY)
+    assert 'rpcfleet_formation_kv_used_ratio{formation="tiny-default",model="tiny-default"} 0\n' in before
+    prompt = " ".join(f"word{i}" for i in range(40))  # about 240 tokens of this model's
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    code, answer = _http(f"{base}/v1/completions", KEY, body)
+    assert code == 200, answer
+    tokens = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+    slots = _http(f"{base}/slots", KEY)[1]
+    assert [s["n_ctx"] for s in slots] == [512] and slots[0]["n_prompt_tokens"] >= tokens - 1, slots
+    time.sleep(1.1)  # past the scrape cache (ENGINE_SCRAPE_CACHE)
+    text = _get_text(f"{base}/metrics", KEY)
+    ratio = [float(line.rpartition(" ")[2]) for line in text.splitlines() if "_kv_used_ratio{" in line]
+    assert len(ratio) == 2 and ratio[0] == ratio[1] == pytest.approx(slots[0]["n_prompt_tokens"] / 512), ratio
+    assert ratio[0] > 0.1  # a long prompt: a good share of the 512 cells
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+
+
 def _get_text(url: str, key: str) -> str:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(request, timeout=30) as answer:
