@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.serve.backend import SERVING
+from orchestrator.serve.states import SERVING
 
 POLICIES = ("affine", "least-loaded")
 PROMPT_PREFIX_CHARS = 2048  # a completion's prompt: its first characters (about 500 tokens) make the key
