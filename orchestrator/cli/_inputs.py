@@ -14,7 +14,7 @@ from orchestrator.cli._output import escape
 from orchestrator.cli._parser import flag
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
-from orchestrator.workflows.serve_options import ADMIN_KEY_ENV, KEY_ENV
+from orchestrator.workflows.serve_options import ADMIN_KEY_ENV, KEY_ENV, KEYS_EXCLUDES, OPTIONS
 
 if TYPE_CHECKING:
     from orchestrator.inventory.model import Host, Inventory
@@ -162,6 +162,9 @@ def listen_key_of(args: argparse.Namespace, serving: str) -> str | None:
     on another address without one is refused (a usage error)."""
     from orchestrator.inventory.model import is_loopback
 
+    if getattr(args, "keys", None) is not None:  # per-user keys: the keys file guards every address
+        keys_alone(args)
+        return None
     api_key = api_key_of(args)
     if api_key is None and not is_loopback(args.host):
         raise UsageError(
@@ -171,8 +174,24 @@ def listen_key_of(args: argparse.Namespace, serving: str) -> str | None:
     return api_key
 
 
+def keys_alone(args: argparse.Namespace) -> None:
+    """--keys replaces every other key: one given beside it (a flag or the environment) is refused, so
+    that no one believes it still opens something."""
+    for name in KEYS_EXCLUDES:
+        if getattr(args, name, None):
+            raise UsageError(f"--keys excludes {OPTIONS[name].flags[0]}", hint=_KEYS_HINT)
+    for env in (KEY_ENV, ADMIN_KEY_ENV):
+        if os.environ.get(env):
+            raise UsageError(f"--keys replaces {env}, which is set: unset it", hint=_KEYS_HINT)
+
+
+_KEYS_HINT = "give each user a line in the keys file; an admin-scoped key reloads with POST /admin/reload"
+
+
 def admin_key_of(args: argparse.Namespace, api_key: str | None) -> str | None:
     """The admin key from --admin-key-file or RPCFLEET_ADMIN_KEY (None: none); never the API key."""
+    if getattr(args, "keys", None) is not None:
+        return None
     path = args.admin_key_file
     key = _key_file("--admin-key-file", path) if path is not None else _key_env(ADMIN_KEY_ENV)
     if key is not None and key == api_key:

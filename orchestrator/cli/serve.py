@@ -7,7 +7,7 @@ own front (`/v1/completions`, `/v1/chat/completions`, streaming, `/v1/models`, `
 with `/health` and `/metrics` (`orchestrator.serve`). SIGHUP or `POST /admin/reload` reloads: drain, unload,
 optionally a rolling restart of the fleet (the step of `restart --rolling`), re-plan, load. Binds loopback
 by default; any other address needs an API key. The key comes from `--api-key-file`, `RPCFLEET_API_KEY` or
-`--api-key` (which `ps` shows to every user).
+`--api-key` (which `ps` shows to every user), or per-user keys from `--keys FILE` (`orchestrator.serve.keys`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def serve_request(args: argparse.Namespace) -> ServeRequest:
         port=args.port,
         api_key=api_key,
         admin_key=admin_key,
+        keys_file=args.keys,
         chat_template=args.chat_template,
         limits=serve_config(vars(args)),
         reload_rolling=args.reload_rolling,

@@ -77,6 +77,27 @@ _LOGIN = """<!doctype html><html><head><meta charset="utf-8"><title>rpcfleet: si
 <button type="submit">Open</button></form></body></html>"""
 
 
+class PageGate:
+    """Who signs in to the page: one key (`api_key`; None: the page is open to all), its cookie an HMAC
+    of it. Serve's per-user keys bring their own (`serve.app.UserKeysPage`)."""
+
+    def __init__(self, api_key: str | None = None) -> None:
+        self.api_key = api_key
+
+    @property
+    def open(self) -> bool:
+        return self.api_key is None
+
+    def sign_in(self, key: str) -> str | None:
+        """The cookie `key` opens the page with (None: it does not)."""
+        if self.api_key is None or hmac.compare_digest(key.encode(), self.api_key.encode()):
+            return page_token(self.api_key) if self.api_key is not None else ""
+        return None
+
+    def cookie_ok(self, cookie: str) -> bool:
+        return self.api_key is None or hmac.compare_digest(cookie.encode(), page_token(self.api_key).encode())
+
+
 def mount(
     app: FastAPI,
     exporter: Exporter,
@@ -84,10 +105,12 @@ def mount(
     api_key: str | None,
     has_key: Callable[[Request], bool] | None = None,
     metrics: bool = False,
+    gate: PageGate | None = None,
 ) -> None:
     """Add `/`, `/login`, `/fleet.json` (and `/metrics` when `metrics`) to `app`. `has_key`: the app's
-    own check of a request's key (default: `Authorization: Bearer` against `api_key`)."""
-    token = page_token(api_key) if api_key is not None else None
+    own check of a request's key (default: `Authorization: Bearer` against `api_key`); `gate`: who signs
+    in to the page (default: `api_key`)."""
+    gate = gate or PageGate(api_key)
 
     def bearer(request: Request) -> bool:
         if api_key is None:
@@ -98,14 +121,13 @@ def mount(
     check = has_key or bearer
 
     def allowed(request: Request) -> bool:
-        if token is None or check(request):
+        if gate.open or check(request):
             return True
-        cookie = request.cookies.get(COOKIE, "")
-        return hmac.compare_digest(cookie.encode(), token.encode())
+        return gate.cookie_ok(request.cookies.get(COOKIE, ""))
 
-    def signed_in(target: str) -> Response:
+    def signed_in(target: str, token: str) -> Response:
         response = RedirectResponse(target, status_code=303)
-        if token is not None:
+        if not gate.open:
             response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
         return response
 
@@ -122,9 +144,9 @@ def mount(
     @app.post("/login", response_model=None)
     async def post_login(request: Request) -> Response:
         form = urllib.parse.parse_qs((await request.body()).decode(errors="replace"))
-        key = (form.get("key") or [""])[0]
-        if api_key is None or hmac.compare_digest(key.encode(), api_key.encode()):
-            return signed_in("./")
+        token = gate.sign_in((form.get("key") or [""])[0])
+        if token is not None:
+            return signed_in("./", token)
         return login("wrong key")
 
     @app.get("/fleet.json")

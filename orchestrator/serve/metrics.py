@@ -40,6 +40,7 @@ class Metrics:
     """Serving counters, on the serving loop: `record_*` are called by the backend and the routes."""
 
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)  # (route, status code)
+    key_requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)  # (key's name, route, code)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     decode_tokens_per_second: float = 0.0  # llama.cpp's, of the last request
@@ -52,6 +53,10 @@ class Metrics:
 
     def record_request(self, route: str, code: int) -> None:
         self.requests[(route, code)] += 1
+
+    def record_key_request(self, name: str, route: str, code: int) -> None:
+        """A request of a per-user key (`--keys`), by its name: never the key."""
+        self.key_requests[(name, route, code)] += 1
 
     def record_done(self, prompt: int, completion: int, tokens_per_second: float, ttft: float | None) -> None:
         self.prompt_tokens += prompt
@@ -81,6 +86,14 @@ class Metrics:
         ]
         for (route, code), n in sorted(self.requests.items()):
             lines.append(f'rpcfleet_requests_total{{route="{_label(route)}",code="{code}"}} {n}')
+        if self.key_requests:  # serve with --keys only
+            lines += [
+                "# HELP rpcfleet_key_requests_total HTTP requests answered, by key name, route and code.",
+                "# TYPE rpcfleet_key_requests_total counter",
+            ]
+            for (name, route, code), n in sorted(self.key_requests.items()):
+                labels = f'key="{_label(name)}",route="{_label(route)}",code="{code}"'
+                lines.append(f"rpcfleet_key_requests_total{{{labels}}} {n}")
         lines += [
             "# HELP rpcfleet_tokens_total Tokens evaluated (prompt) and generated (completion).",
             "# TYPE rpcfleet_tokens_total counter",

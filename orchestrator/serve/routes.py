@@ -92,8 +92,13 @@ class _Usage:
                     self.whole(json.loads(line[len(b"data: ") :]))
 
 
-def openai_routes(router: Router, authorize: Callable[[Request], None]) -> APIRouter:
-    """The OpenAI routes over `router`'s formations, behind `authorize` (the API key)."""
+def openai_routes(
+    router: Router,
+    authorize: Callable[[Request], None],
+    model_refused: Callable[[Request, str | None], str | None] | None = None,
+) -> APIRouter:
+    """The OpenAI routes over `router`'s formations, behind `authorize` (the API key); `model_refused`:
+    why the request's key may not use the model it names (a per-user key's list: 403), None if it may."""
     api = APIRouter(dependencies=[Depends(authorize)])
     metrics = router.metrics
     config = router.config
@@ -147,6 +152,9 @@ def openai_routes(router: Router, authorize: Callable[[Request], None]) -> APIRo
             if data.get("seed") is None:
                 data["seed"] = config.seed
         model_id = data.get("model") if isinstance(data.get("model"), str) else None
+        refused = model_refused(request, model_id) if model_refused is not None else None
+        if refused is not None:
+            return _failed(route, 403, refused, param="model")
         key = affinity_key(route, data)
         return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id, key)
 

@@ -32,6 +32,7 @@ from orchestrator.planning.formations import Formed, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineFactory, default_engines
+from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
@@ -68,6 +69,7 @@ class ServeRequest:
     port: int
     api_key: str | None = None
     admin_key: str | None = None
+    keys_file: Path | None = None  # per-user keys (`serve.keys`), in place of the two keys above
     chat_template: str | None = None
     limits: ServeConfig = field(default_factory=ServeConfig)
     reload_rolling: bool = False
@@ -151,6 +153,7 @@ def read_models(request: ServeRequest) -> list[ModelEntry]:
 def serve_fleet(request: ServeRequest, events: ServeEvents) -> ServeOutcome:
     """Serve until interrupted (outcome not failed), or until every formation gave up (failed)."""
     entries = read_models(request)
+    ring = read_keys(request, [entry.name or entry.model.stem for entry in entries], events)
     profiles, templates = read_profiles(request, entries)
     inventory, hosts = request.hosts()
     if not hosts:
@@ -170,7 +173,46 @@ def serve_fleet(request: ServeRequest, events: ServeEvents) -> ServeOutcome:
         local_devices=None if request.local_devices is None else list(request.local_devices),
     )
     whole.local_gpus()  # listed once, by a worker child, before the loop runs
-    return run_once(life(request, events, served, templates, hosts, whole))  # serve's one loop
+    return run_once(life(request, events, served, templates, hosts, whole, ring))  # serve's one loop
+
+
+def read_keys(request: ServeRequest, models: Sequence[str], events: ServeEvents) -> KeyRing | None:
+    """The per-user keys (None: no --keys), read before anything starts: a bad line is exit 2 naming the
+    file and line. A file that holds keys in clear and that others may read is a warning, not a refusal:
+    mounted secrets (Kubernetes' default mode 0644, Docker's) are readable so inside a one-user container,
+    where refusing would only stop serve."""
+    if request.keys_file is None:
+        return None
+    if request.reload_rolling:
+        raise UsageError(
+            "--reload-rolling is a SIGHUP reload's, and with --keys SIGHUP re-reads the keys",
+            hint='reload with POST /admin/reload {"rolling_restart": true} and an admin-scoped key',
+        )
+    keys = read_keys_file(request.keys_file, models)
+    why = exposed(keys)
+    if why is not None:
+        get_logger().warning("serve_keys_exposed", path=str(keys.path))
+        if events.warning is not None:
+            events.warning(why)
+    return KeyRing(keys)
+
+
+def reload_keys(ring: KeyRing, models: Sequence[str]) -> bool:
+    """Re-read the keys file (SIGHUP with --keys): the new keys replace the old ones whole; a bad file is
+    logged with its file and line and the keys in force stay (nothing half-changed)."""
+    path = ring.keys.path
+    try:
+        keys = read_keys_file(path, models)
+    except UsageError as exc:
+        get_logger().error("serve_keys_reload_refused", error=exc.message, kept=len(ring.keys.entries))
+        return False
+    ring.keys = keys
+    get_logger().warning(  # the answer to the operator's SIGHUP: shown at the default level
+        "serve_keys_reloaded", path=str(path), keys=[entry.name for entry in keys.entries]
+    )
+    if exposed(keys) is not None:
+        get_logger().warning("serve_keys_exposed", path=str(path))
+    return True
 
 
 async def life(
@@ -180,6 +222,7 @@ async def life(
     templates: list[ChatTemplate],
     hosts: list[Host],
     whole: ServeFleet,
+    ring: KeyRing | None = None,
 ) -> ServeOutcome:
     """Everything from the first probe on, on one loop: one SSH session (`whole.shared`) and one HTTP
     client to the engines (`http`) for serve's whole life, closed at its end."""
@@ -257,7 +300,7 @@ async def life(
             lambda one, name: make_formation(one, name, {}),  # the start's times are not its own
             request.limits.rejoin_interval,
         )
-        return await run_formations(request, router, watch, hosts, formed, events, ending)
+        return await run_formations(request, router, watch, hosts, formed, events, ending, ring)
     finally:
         assert whole.shared is not None
         await whole.shared.close()
@@ -396,9 +439,12 @@ async def run_formations(
     formed: Sequence[Formed],
     events: ServeEvents,
     ending: Ending,
+    ring: KeyRing | None = None,
 ) -> ServeOutcome:
     """Serve: the exporter's rounds, the app, SIGHUP as a reload, each formation's first load and the
-    spare watch, all tasks of this one loop; all stopped when serving ends."""
+    spare watch, all tasks of this one loop; all stopped when serving ends. With per-user keys (`ring`)
+    SIGHUP re-reads them and reloads no engine (an admin-scoped key's POST /admin/reload does): a
+    change of who may call must not drain every formation."""
     import uvicorn
 
     from orchestrator.serve.app import create_app
@@ -426,6 +472,7 @@ async def run_formations(
         router,
         api_key=request.api_key,
         admin_key=request.admin_key,
+        keys=ring,
         model_name=router.formations[0].model,
         exporter=exporter,
     )
@@ -442,10 +489,15 @@ async def run_formations(
     if events.formed is not None:
         events.formed(formed, f"http://{request.host}:{request.port}/v1")
 
-    def reload(*_: object) -> None:  # the signal lands between two of the loop's steps: hand it over
-        loop.call_soon_threadsafe(lambda: router.reload(rolling_restart=request.reload_rolling))
+    models = router.models
 
-    with signals.handling(signal.SIGHUP, reload):  # until serve ends: SIGHUP reloads
+    def reload(*_: object) -> None:  # the signal lands between two of the loop's steps: hand it over
+        if ring is not None:
+            loop.call_soon_threadsafe(lambda: reload_keys(ring, models))
+        else:
+            loop.call_soon_threadsafe(lambda: router.reload(rolling_restart=request.reload_rolling))
+
+    with signals.handling(signal.SIGHUP, reload):  # until serve ends: SIGHUP reloads (keys or engines)
         router.start([one.plan for one in formed])
         watch.start()
         try:

@@ -112,6 +112,16 @@ ADMIN_KEY_FILE = Option(
     f"a file whose first line is the admin key (or set {ADMIN_KEY_ENV}): /admin/* then takes only it; "
     "without one the API key may reload, never with a rolling restart of the fleet",
 )
+KEYS = Option(
+    "keys",
+    ("--keys",),
+    Path,
+    None,
+    "per-user keys, one a line: NAME KEY SCOPES [MODELS] (scopes: inference, metrics, admin; a key may be "
+    "sha256:HEX); replaces the API and admin keys; SIGHUP then re-reads it (the old keys stay if it is "
+    "bad) and reloads no engine: POST /admin/reload does",
+    metavar="FILE",
+)
 MODEL_NAME = Option(
     "model_name", ("--model-name",), str, None, "the model's id in the API (default: the file's stem)"
 )
@@ -208,6 +218,7 @@ OWN_OPTIONS = (
     API_KEY,
     API_KEY_FILE,
     ADMIN_KEY_FILE,
+    KEYS,
     MODEL_NAME,
     CHAT_TEMPLATE,
     QUEUE,
@@ -229,7 +240,9 @@ SERVE_OPTIONS = (
     *OWN_OPTIONS[4:],
 )
 # Options that exclude each other: one of each group at most.
-EXCLUSIVE = ((REPLICAS.name, SPLIT.name), (API_KEY.name, API_KEY_FILE.name))
+EXCLUSIVE = ((REPLICAS.name, SPLIT.name), (API_KEY.name, API_KEY_FILE.name, KEYS.name))
+# What --keys replaces besides (argparse puts a flag in one exclusive group: the CLI checks these).
+KEYS_EXCLUDES = (ADMIN_KEY_FILE.name, RELOAD_ROLLING.name)
 OPTIONS: Mapping[str, Option] = {option.name: option for option in SERVE_OPTIONS}
 
 # The serving limits: `ServeConfig`'s field -> the option that sets it (`parallel` is each formation's,
