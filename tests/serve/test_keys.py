@@ -228,6 +228,9 @@ def test_each_scope_opens_its_routes_and_no_other(keyed: Callable[..., tuple[Any
     # /health: anyone its state; a metrics key its details; an inference key the state only
     assert set(client.get("/health", headers=_as(ALICE)).json()) == {"status"}
     assert "formations" in client.get("/health", headers=_as(GRAFANA)).json()
+    # an admin-scoped key is the admin key: it may restart the fleet's servers too
+    rolling = client.post("/admin/reload", json={"rolling_restart": True}, headers=_as(OPS))
+    assert rolling.status_code == 202 and rolling.json()["rolling_restart"] is True, rolling.text
     # /slots holds every user's prompts: the admin scope's
     assert client.get("/slots", headers=_as(BOB)).status_code == 403
     assert client.get("/slots", headers=_as(OPS)).status_code == 200

@@ -782,3 +782,94 @@ def test_the_api_key_cannot_restart_the_fleet_and_an_admin_key_is_the_only_admin
     keys = ["--api-key-file", str(same), "--admin-key-file", str(same)]
     refused = _serve("-i", inventory, "-m", str(tiny_model), *keys, home=tmp_path)
     assert refused.returncode == 2 and "the admin key is the API key" in refused.stderr, refused.stderr
+
+
+def _wait_code(url: str, key: str, code: int, process: subprocess.Popen[bytes], limit: float = 30) -> None:
+    deadline = time.monotonic() + limit
+    while _http(url, key)[0] != code:
+        assert time.monotonic() < deadline and process.poll() is None, (url, code)
+        time.sleep(0.02)
+
+
+def test_per_user_keys_scope_the_routes_and_sighup_rereads_them_without_reloading_the_engine(
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]], tiny_model: Path, tmp_path: Path
+) -> None:
+    """A real serve with --keys: each scope's routes, the name (never the key) in the metrics and the log;
+    SIGHUP re-reads the file (a new key works, a removed one is 401, a broken file keeps the keys in
+    force) and reloads no engine; 20 rounds of re-reads under requests never refuse a valid key; an
+    admin-scoped key reloads the engines."""
+    from orchestrator.serve.keys import hashed
+
+    model = tiny_model.stem
+    alice, bob, carol = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdefgh", "sk-carol-0123456789abcd"
+    ops, grafana = "sk-ops-0123456789abcdefgh", "sk-grafana-0123456789ab"
+    keys = tmp_path / "serve.keys"
+    head = f"ops {hashed(ops)} admin,metrics\ngrafana {grafana} metrics\n"
+
+    def write(text: str) -> None:  # renamed over, as an editor does: serve never reads half a file
+        new = tmp_path / "serve.keys.new"
+        new.write_text(text)
+        new.chmod(0o600)
+        new.replace(keys)
+
+    write(head + f"alice {alice} inference {model}\n")
+    process, base = local_serve("--keys", str(keys), "-v")
+    log = tmp_path / f"serve-{base.rsplit(':', 1)[1]}.log"
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    code, answer = _http(f"{base}/v1/completions", alice, body)
+    assert code == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    assert [m["id"] for m in _http(f"{base}/v1/models", alice)[1]["data"]] == [model]
+    code, answer = _http(f"{base}/metrics", alice)
+    assert code == 403 and answer["error"]["message"] == "the key 'alice' has no metrics scope: /metrics"
+    assert _http(f"{base}/v1/models", grafana)[0] == 403 and _http(f"{base}/v1/models", bob)[0] == 401
+    assert _http(f"{base}/admin/reload", grafana, b"{}")[0] == 403
+    assert _http(f"{base}/health", grafana)[1]["plan"]["endpoints"]  # the details: metrics scope
+    # SIGHUP: bob in, alice out; the engine is not reloaded
+    write(head + f"bob {bob} inference\n")
+    process.send_signal(signal.SIGHUP)
+    _wait_code(f"{base}/v1/models", bob, 200, process)
+    assert _http(f"{base}/v1/models", alice)[0] == 401
+    write(head + f"bob {bob} inference\ncarol {carol} inferense\n")  # broken: line 4
+    process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while "serve_keys_reload_refused" not in log.read_text():
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.02)
+    assert f"{keys}:4: carol: unknown scope 'inferense'" in log.read_text()
+    assert _http(f"{base}/v1/models", bob)[0] == 200 and _http(f"{base}/v1/models", carol)[0] == 401
+    # 20 rounds: carol comes and goes while bob's requests go on, none refused
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        while not stop.is_set():
+            codes.append(_http(f"{base}/v1/models", bob)[0])
+
+    asking = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in asking:
+        thread.start()
+    try:
+        for round_ in range(20):
+            write(head + f"bob {bob} inference\n" + (f"carol {carol} inference\n" if round_ % 2 == 0 else ""))
+            process.send_signal(signal.SIGHUP)
+            _wait_code(f"{base}/v1/models", carol, 200 if round_ % 2 == 0 else 401, process)
+    finally:
+        stop.set()
+        for thread in asking:
+            thread.join(30)
+    assert len(codes) >= 20 and set(codes) == {200}, sorted(set(codes))
+    health = _http(f"{base}/health", grafana)[1]
+    assert health["reloads"] == 0 and health["status"] == "ready", health  # SIGHUP reloaded no engine
+    metrics = _get_text(f"{base}/metrics", grafana)
+    assert 'rpcfleet_key_requests_total{key="alice",route="/v1/completions",code="200"} 1' in metrics
+    assert 'rpcfleet_key_requests_total{key="alice",route="/metrics",code="403"} 1' in metrics
+    code, answer = _http(f"{base}/admin/reload", ops, json.dumps({"rolling_restart": False}).encode())
+    assert code == 202, answer
+    deadline = time.monotonic() + 60
+    while (health := _http(f"{base}/health", ops)[1])["reloads"] != 1 or health["status"] != "ready":
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.1)
+    logged = log.read_text()
+    assert "serve_key_request key=alice route=/v1/completions code=200" in logged, logged[-3000:]
+    for secret in (alice, bob, carol, ops, grafana):
+        assert secret not in logged and secret not in metrics, secret
