@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import json
 import math
 import os
 import platform
@@ -17,9 +18,11 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -242,3 +245,20 @@ def servers(n: int, log_dir: Path, *extra: str) -> Iterator[list[int]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    """A GET's JSON answer (OSError when the server does not answer)."""
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def local_inventory(folder: Path, ports: Sequence[int]) -> Path:
+    """An inventory of `connection: local` hosts, one per server on 127.0.0.1 (`servers`' ports)."""
+    hosts = {
+        f"n{i}": {"connection": "local", "address": "127.0.0.1", "rpc_host": "127.0.0.1", "rpc_port": port}
+        for i, port in enumerate(ports)
+    }
+    inventory = folder / "inventory.yml"
+    inventory.write_text(json.dumps({"hosts": hosts}))
+    return inventory

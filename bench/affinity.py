@@ -36,7 +36,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, arg_parser, free_port, load_average, median, p95, servers, stamp, write_section
+from _common import (
+    ROOT,
+    arg_parser,
+    free_port,
+    get_json,
+    load_average,
+    local_inventory,
+    median,
+    p95,
+    servers,
+    stamp,
+    write_section,
+)
 
 from orchestrator.models.catalogue import GEMMA3_270M, cached_path
 
@@ -62,11 +74,6 @@ def question(user: int, turn: int) -> str:
     return f"I am visitor {user}. Question {turn + 1}: tell me about the {topic} you saw on day {turn + 3}."
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return json.loads(answer.read())
-
-
 def _text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as answer:
         return str(answer.read().decode())
@@ -77,7 +84,7 @@ def wait_formations(base: str, formations: int, limit: float = 240) -> dict[str,
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         try:
-            data: dict[str, Any] = _get(f"{base}/health")
+            data: dict[str, Any] = get_json(f"{base}/health")
             ready = [f for f in data.get("formations", []) if f["state"] == "ready"]
             if len(ready) >= formations:
                 return data
@@ -209,17 +216,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         with servers(3, folder) as ports:
-            inventory = folder / "inventory.yml"
-            hosts = {
-                f"n{i}": {
-                    "connection": "local",
-                    "address": "127.0.0.1",
-                    "rpc_host": "127.0.0.1",
-                    "rpc_port": p,
-                }
-                for i, p in enumerate(ports)
-            }
-            inventory.write_text(json.dumps({"hosts": hosts}))
+            inventory = local_inventory(folder, ports)
             for i in range(args.rounds):  # affine first in odd rounds, least-loaded first in even ones
                 for policy in POLICIES if i % 2 == 0 else POLICIES[::-1]:
                     print(f"round {i + 1}: --routing {policy}", file=sys.stderr, flush=True)

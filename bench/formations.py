@@ -47,6 +47,7 @@ from _common import (
     ROOT,
     arg_parser,
     free_port,
+    get_json,
     load_average,
     measure,
     median,
@@ -66,18 +67,13 @@ MODES = {"auto": ["--replicas", "auto"], "split": ["--split"]}
 TIMEOUT = 900  # seconds the client waits for one request
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as answer:
-        return json.loads(answer.read())
-
-
 def wait_ready(base: str, process: subprocess.Popen[bytes], limit: float = 600) -> dict[str, Any]:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"serve exited with {process.returncode}")
         try:
-            data: dict[str, Any] = _get(f"{base}/health")
+            data: dict[str, Any] = get_json(f"{base}/health", 30)
             if data.get("status") == "ready":
                 return data
         except OSError:
@@ -146,7 +142,7 @@ def node_kill(lab: Lab, model: Path, folder: Path, parallel: int, tokens: int) -
                 started.wait(600)
             victim = lab.nodes[-1]
             endpoint = f"{victim.address}:50052"
-            health = _get(f"{base}/health")
+            health = get_json(f"{base}/health", 30)
             lost = [f for f in health["formations"] if any(victim.address in n for n in f["nodes"])]
             in_flight = lost[0]["slots_busy"] if lost else 0
             os.kill(server_pid(lab, victim.name), signal.SIGKILL)

@@ -22,7 +22,6 @@ engine's load time.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -40,7 +39,9 @@ from _common import (
     ROOT,
     arg_parser,
     free_port,
+    get_json,
     load_average,
+    local_inventory,
     measure,
     median,
     ms,
@@ -57,16 +58,11 @@ SECTION = "serve"
 TIMEOUT = 600  # seconds the client waits for one request
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return json.loads(answer.read())
-
-
 def wait_serving(base: str, limit: float = 180, health: bool = True) -> dict[str, Any]:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         try:
-            data: dict[str, Any] = _get(f"{base}/health")
+            data: dict[str, Any] = get_json(f"{base}/health")
             if not health or data.get("status") in ("ready", "degraded", "ok"):
                 return data
         except OSError:
@@ -126,7 +122,7 @@ def recovery(base: str, pids: dict[str, int], tokens: int) -> dict[str, Any]:
     import openai
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
-    before = _get(f"{base}/health")
+    before = get_json(f"{base}/health")
     victim = before["plan"]["endpoints"][-1]
     going = threading.Barrier(5)
     errors: list[float] = []
@@ -188,17 +184,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         with servers(3, folder) as ports:
-            inventory = folder / "inventory.yml"
-            hosts = {
-                f"n{i}": {
-                    "connection": "local",
-                    "address": "127.0.0.1",
-                    "rpc_host": "127.0.0.1",
-                    "rpc_port": p,
-                }
-                for i, p in enumerate(ports)
-            }
-            inventory.write_text(json.dumps({"hosts": hosts}))
+            inventory = local_inventory(folder, ports)
             pids = _server_pids(ports)
             health: dict[str, Any] = {}
 
