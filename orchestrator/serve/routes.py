@@ -238,9 +238,19 @@ def openai_routes(
         held: contextlib.AsyncExitStack,
         answer: Answer,
     ) -> AsyncIterator[bytes]:
-        code = 499  # the client went away before the end
         usage = _Usage()
         last = b""  # the stream's end so far: an OpenAI stream of llama-server's ends with [DONE]
+        settled = False
+
+        def settle(code: int) -> None:
+            # Counted and released before the client can read the end, so a client that has its
+            # answer also sees it in /metrics and /health.
+            nonlocal settled
+            if not settled:
+                settled = True
+                backend.release(ticket)
+                router.counters(backend).record_request(route, code)
+
         try:
             try:
                 async for piece in answer.body():
@@ -249,21 +259,23 @@ def openai_routes(
                         ticket.saw_text()
                     usage.feed(piece)
                     last = (last + piece)[-32:]
+                    if b"data: [DONE]" in last:
+                        router.counters(backend).record_done(
+                            usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
+                        )
+                        settle(200)
                     yield piece
-                if b"data: [DONE]" not in last:  # closed early, whatever its framing said
+                    if settled:
+                        break  # the answer is whole; what follows [DONE] is the connection's end
+                if not settled:  # closed early, whatever its framing said
                     raise UpstreamError("the engine's stream ended before [DONE]")
-                code = 200
-                router.counters(backend).record_done(
-                    usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
-                )
             except UpstreamError as exc:
                 failure = await _lost(backend, running, exc)
-                code = failure.status
+                settle(failure.status)
                 yield b"data: " + json.dumps(failure_body(failure)).encode() + b"\n\n"
         finally:
             await held.aclose()
-            backend.release(ticket)
-            router.counters(backend).record_request(route, code)
+            settle(499)  # the client went away before the end
 
     return api
 
