@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.cli import _output
@@ -30,10 +31,12 @@ class ServeScreen:
     def say(self, markup: str) -> None:
         _output.err_console.print(markup, highlight=False)
 
-    def formed(self, formed: Any, url: str) -> None:
+    def formed(self, formed: Any, url: str, on_demand: Sequence[str] = ()) -> None:
         self.bars.names = {h.endpoint: h.name for one in formed for h in one.hosts}
         models = list(dict.fromkeys(one.model.name for one in formed))
-        self.say(f"serving {escape(', '.join(models))} on {escape(url)} (loading...)")
+        models += [f"{name} (on demand)" for name in on_demand]
+        loading = " (loading...)" if formed else ""
+        self.say(f"serving {escape(', '.join(models))} on {escape(url)}{loading}")
         for one in formed:
             self.say(
                 f"  {escape(one.choice.name)}: {len(one.choice.endpoints)} node(s) "

@@ -99,6 +99,23 @@ def seconds(value: Any) -> float:
     return number
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(value: Any) -> float:
+    """Seconds, as a number or with a unit: `90`, `30s`, `10m`, `1.5h`."""
+    if isinstance(value, str) and value.strip()[-1:].lower() in _UNITS:
+        unit = _UNITS[value.strip()[-1].lower()]
+        try:
+            return seconds(value.strip()[:-1]) * unit
+        except ValueError:
+            raise ValueError(f"expected a duration (90, 30s, 10m, 1h), got {_got(value)}") from None
+    try:
+        return seconds(value)
+    except ValueError:
+        raise ValueError(f"expected a duration (90, 30s, 10m, 1h), got {_got(value)}") from None
+
+
 def size(value: Any) -> int:
     """Bytes: an integer, or a size such as 8GiB, 512MB or 1.5G (bare K/M/G/T are binary)."""
     if isinstance(value, float) and not isinstance(value, bool) and 0 <= value < math.inf:

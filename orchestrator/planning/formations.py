@@ -203,6 +203,8 @@ class ServedModel:
     replicas: int | None = None
     split: bool = False
     endpoints: tuple[str, ...] | None = None
+    on_demand: bool = False  # loaded by its first request (one formation), not at start
+    idle_unload: float | None = None  # seconds idle before an on-demand model is unloaded (None: never)
 
 
 @dataclass(frozen=True)

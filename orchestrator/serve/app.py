@@ -159,7 +159,14 @@ def create_app(
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "owned_by": "rpcfleet", "permissions": []}
+                {
+                    "id": name,
+                    "object": "model",
+                    "owned_by": "rpcfleet",
+                    "permissions": [],
+                    "state": router.model_state(name),  # loaded, loading, unloaded (on demand)...
+                    "load": "on-demand" if router.demand and name in router.demand.models else "always",
+                }
                 for name in router.models
                 if found is None or found.allows_model(name)
             ],

@@ -30,6 +30,7 @@ class Round(Protocol):
 
 class FormationFleet(Protocol):
     model_path: str
+    hosts: list[Host]  # its own servers (an on-demand formation's go back to the pool when unloaded)
     borrowed: list[Host]
 
     @property

@@ -9,6 +9,12 @@ out; errors name the file and line).
         replicas: auto                     # auto, a number, or split (default: serve's --replicas/--split)
         hosts: "n1,n2"                     # a host pattern, as --limit (default: every selected server)
         groups: [gpu]                      # or inventory groups
+        load: on-demand                    # always (default: loaded at start) or on-demand
+        idle_unload: 10m                   # on-demand: unloaded after this long without a request
+
+An on-demand model is loaded by the first request that names it, on the nodes that are free (or that an
+idle on-demand model frees: `serve.on_demand`); without `idle_unload` it stays loaded until another
+model needs its nodes.
 
 A list of such entries at the top level is read the same.
 """
@@ -24,7 +30,8 @@ from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.yamlsource import Source, compose, did_you_mean, node_kind, node_value
 
-KEYS = ("model", "name", "context", "parallel", "replicas", "hosts", "groups")
+KEYS = ("model", "name", "context", "parallel", "replicas", "hosts", "groups", "load", "idle_unload")
+LOADS = ("always", "on-demand")
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class ModelEntry:
     replicas: str | int | None = None
     hosts: str | None = None  # a host pattern (groups are joined into one)
     line: int | None = None  # where it is declared
+    on_demand: bool = False  # `load: on-demand`: loaded by its first request, not at start
+    idle_unload: float | None = None  # seconds without a request before an on-demand model is unloaded
 
 
 def replicas_value(value: object) -> str | int:
@@ -99,6 +108,13 @@ def _entry(item: yaml.Node, source: Source, path: Path) -> ModelEntry:
             raise UsageError(f"{key}: {exc}", source.node(value_node)) from None
     if "model" not in values:
         raise UsageError("a model entry needs `model: FILE`", source.node(item))
+    on_demand = values.get("load") == "on-demand"
+    if "idle_unload" in values and not on_demand:
+        raise UsageError("idle_unload is for a model with `load: on-demand`", source.node(item))
+    if on_demand and values.get("replicas", 1) != 1:
+        raise UsageError(
+            "an on-demand model is loaded as one formation: leave out replicas (or give 1)", source.node(item)
+        )
     model = Path(str(values["model"])).expanduser()
     if not model.is_absolute():  # relative to the file, as a playbook's paths are
         model = path.parent / model
@@ -114,6 +130,8 @@ def _entry(item: yaml.Node, source: Source, path: Path) -> ModelEntry:
         replicas=values.get("replicas"),  # type: ignore[arg-type]
         hosts=",".join(hosts) or None,
         line=item.start_mark.line + 1,
+        on_demand=on_demand,
+        idle_unload=values.get("idle_unload"),  # type: ignore[arg-type]
     )
 
 
@@ -129,6 +147,10 @@ def _field(key: str, value: object) -> object:
         return fields.integer(minimum=1, maximum=256)(value)
     if key == "replicas":
         return replicas_value(value)
+    if key == "load":
+        return fields.choice(LOADS, {"on_demand": "on-demand", "ondemand": "on-demand"})(value)
+    if key == "idle_unload":
+        return fields.duration(value)
     if isinstance(value, str):  # groups: one name or a list
         return (value,)
     return fields.list_of(fields.text)(value)

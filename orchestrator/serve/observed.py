@@ -54,7 +54,7 @@ def formation_of(
 
 def formations_of(router: Router, *, probes_itself: bool = True) -> tuple[Formation, ...]:
     """Every formation of the router (a single one: the front's request and token counters)."""
-    if len(router.formations) == 1:
+    if len(router.formations) == 1 and router.demand is None:
         only = router.formations[0]
         one = formation_of(only.backend, only.name, model=only.model, probes_itself=probes_itself)
         front = router.metrics
@@ -94,5 +94,5 @@ def observe(
         trust_rpc_memory=trust_rpc_memory,
     )
     exporter = Exporter(collector, collector.formations)
-    router.metrics.on_ttft = exporter.histogram(router.formations[0].model, "ttft").observe
+    router.metrics.on_ttft = exporter.histogram(router.models[0], "ttft").observe
     return exporter

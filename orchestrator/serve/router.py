@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.core.log import get_logger
 from orchestrator.serve.affinity import AFFINE, FALLBACK, LEAST_LOADED, Load, reason, route
@@ -33,6 +33,9 @@ from orchestrator.serve.backend import Backend
 from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, kv_used, label_value
 from orchestrator.serve.states import SERVING, Rejected, ServeConfig, Ticket
 from orchestrator.serve.upstream import Upstream, UpstreamError
+
+if TYPE_CHECKING:
+    from orchestrator.serve.on_demand import OnDemand
 
 ENGINE_SCRAPE_TIMEOUT = 2.0  # seconds a scrape waits for one engine's /metrics
 ENGINE_SCRAPE_CACHE = 1.0  # seconds one engine's /metrics text serves the scrapes that follow
@@ -69,12 +72,19 @@ class Router:
         formations: Sequence[Formation],
         metrics: Metrics | None = None,
         upstream: Upstream | None = None,
+        *,
+        config: ServeConfig | None = None,
+        models: Sequence[str] = (),
     ) -> None:
-        if not formations:
-            raise ValueError("a router needs one formation at least")
+        """`models`: every model served, in order (default: those of `formations`); with on-demand models
+        there may be no formation yet (`config` then says the serving limits)."""
+        if not formations and config is None:
+            raise ValueError("a router needs one formation at least, or its config")
         self.formations = list(formations)
         self.metrics = metrics or Metrics()  # the front's: requests, tokens, time to first token
-        self.config: ServeConfig = formations[0].backend.config
+        self.config: ServeConfig = config if config is not None else formations[0].backend.config
+        self.configured = list(models)
+        self.demand: OnDemand | None = None  # the on-demand models' loads and unloads, if any
         self._reloading = asyncio.Lock()
         self._reload: asyncio.Task[None] | None = None
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
@@ -108,6 +118,10 @@ class Router:
         self.formations = [*self.formations[:at], formation, *self.formations[at:]]
         formation.backend.start(plan)
 
+    def remove(self, formation: Formation) -> None:
+        """Take `formation` out: no request reaches it from now on (its backend is the caller's)."""
+        self.formations = [f for f in self.formations if f is not formation]  # a new list, as `add`
+
     def next_index(self, model: str) -> int:
         """The number of the next formation of `model` (`MODEL#N`)."""
         taken = [f.name.rpartition("#")[2] for f in self.formations if f.model == model]
@@ -115,7 +129,15 @@ class Router:
 
     @property
     def models(self) -> list[str]:
-        return list(dict.fromkeys(f.model for f in self.formations))
+        return self.configured or list(dict.fromkeys(f.model for f in self.formations))
+
+    def model_state(self, model: str) -> str:
+        """A model as /v1/models shows it: an on-demand one loaded, loading or unloaded; one loaded at
+        start loaded while a formation of it serves, else its formations' state (recovering...)."""
+        if self.demand is not None and model in self.demand.models:
+            return self.demand.state(model)
+        state = overall([f.backend.state for f in self.formations if f.model == model])
+        return "loaded" if state in SERVING else state
 
     @property
     def capacity(self) -> int:
@@ -128,16 +150,28 @@ class Router:
         if len(models) == 1:
             return self.formations
         chosen = [f for f in self.formations if f.model == model]
-        if not chosen:
+        if not chosen and model not in models:
             named = "the request names no model" if model is None else f"the model {model!r} is not served"
             raise Rejected(404, f"{named} (served: {', '.join(models)})")
         return chosen
+
+    async def loaded(self, model: str | None) -> None:
+        """Before `admit`: an on-demand model the request names is loaded if no formation serves it (the
+        request waits, at most --queue-timeout; Rejected 503 with the reason when it cannot be)."""
+        if self.demand is None:
+            return
+        models = self.models
+        name = models[0] if len(models) == 1 else model
+        if name in self.demand.models:
+            await self.demand.ensure(name, self.config.queue_timeout)
 
     def admit(self, model: str | None, key: str | None = None) -> tuple[Backend, Ticket]:
         """Admit a request of `model` (affinity `key`: `serve.affinity.affinity_key`) on the formation
         routing picks (`--routing`: affine, else the least-loaded serving one): its backend and ticket.
         Rejected: 404 (model), 429 (every queue full), 503 (none serving)."""
         formations = self.of_model(model)
+        if not formations:  # an on-demand model unloaded since `OnDemand.ensure`
+            raise Rejected(503, f"the model {model!r} is not loaded", self.config.retry_after)
         self._turn += 1
         loads = [
             Load(f.name, f.backend.state, f.backend.admitted, f.backend.config.parallel) for f in formations
@@ -167,7 +201,15 @@ class Router:
     # -- state
     @property
     def state(self) -> str:
-        return overall([f.backend.state for f in self.formations])
+        """Over the formations loaded at start and the on-demand ones serving (one that loads or fails
+        to load does not make serve degraded: /health names it); none of them: ready (loads on demand)."""
+        states = [f.backend.state for f in self.counted()]
+        return overall(states) if states or self.demand is None else "ready"
+
+    def counted(self) -> list[Formation]:
+        """The formations serve's state is judged on (`state`)."""
+        on_demand = self.demand.models if self.demand is not None else {}
+        return [f for f in self.formations if f.model not in on_demand or f.backend.state in SERVING]
 
     def summary(self, formation: Formation) -> dict[str, Any]:
         """A formation as /health shows it: model, nodes, state, slots busy, recoveries..."""
@@ -197,16 +239,21 @@ class Router:
         the overall state, the models and each formation."""
         formations = [self.summary(f) for f in self.formations]
         spares = {} if self.spares is None else {"spares": self.spares()}
-        if len(self.formations) == 1:
+        if len(self.formations) == 1 and self.demand is None:
             return {**self.formations[0].backend.health(), "formations": formations, **spares}
-        state = overall([f["state"] for f in formations])
         reasons = [f"{f['name']}: {f['reason']}" for f in formations if f["reason"]]
+        on_demand: dict[str, Any] = {}
+        if self.demand is not None:
+            loading = self.demand.loading()
+            reasons = [f"loading {model}" for model in loading] + reasons
+            on_demand = {"loading": loading, "on_demand": self.demand.health()}
         return {
-            "status": state,
+            "status": self.state,
             "reason": "; ".join(reasons) or None,
             "pid": os.getpid(),
             "models": self.models,
             "formations": formations,
+            **on_demand,
             **spares,
         }
 
@@ -357,7 +404,7 @@ class Router:
 
     async def slots(self) -> tuple[int, bytes]:
         """llama-server's /slots: one formation's as it is; several: by formation name."""
-        if len(self.formations) == 1:
+        if len(self.formations) == 1 and self.demand is None:
             engine = self.formations[0].backend.engine
             if engine is None:
                 raise Rejected(503, str(self.health()["status"]), self.config.retry_after)

@@ -160,6 +160,7 @@ def openai_routes(
 
     async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None, key: str | None) -> Any:
         try:  # the formation of the prompt's prefix, or the least-loaded; a stream stays on it
+            await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
             backend, ticket = router.admit(model_id, key)
         except Rejected as exc:
             extra = {"param": "model"} if exc.status == 404 else {}

@@ -28,12 +28,13 @@ from orchestrator.engine.children import socket_access_denied
 from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host, Inventory, select_servers
 from orchestrator.planning.devices import to_plan_devices
-from orchestrator.planning.formations import Formed, ServedModel
+from orchestrator.planning.formations import Formations, Formed, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineFactory, default_engines
 from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
+from orchestrator.serve.on_demand import OnDemand
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 from orchestrator.serve.spares import SpareWatch
@@ -45,7 +46,7 @@ from orchestrator.workflows.serving import ServeFleet
 
 if TYPE_CHECKING:
     from orchestrator.llama.worker.load_progress import LoadProgress
-    from orchestrator.planning.plan import Plan, PlanOptions
+    from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
     from orchestrator.workflows.options import ProbeSettings
 
 
@@ -94,7 +95,7 @@ class ServeEvents:
     the URL), each load's progress while one formation loads, and each load's end."""
 
     warning: Callable[[str], None] | None = None
-    formed: Callable[[Sequence[Formed], str], None] | None = None
+    formed: Callable[[Sequence[Formed], str, Sequence[str]], None] | None = None  # + the on-demand models
     progress: Callable[[LoadProgress], None] | None = None
     loaded: Callable[[Loaded], None] | None = None
     engine_build: Callable[[str], None] | None = None  # llama-server's build, when it is built first
@@ -232,13 +233,19 @@ async def life(
         probe = await whole.probe()  # one probe of every server; the formations are chosen from it
         probe_seconds = time.monotonic() - started
         states = states_of(probe)
+        devices = to_plan_devices(probe, failed="skip")
+        at_start = loaded_at_start(served)
         try:  # a model that does not fit at start is an error, not a wait
-            chosen = plan_formations(
-                served,
-                hosts,
-                [*to_plan_devices(probe, failed="skip"), *whole.local_gpus()],
-                request.replicas,
-                local_devices=request.local_devices,
+            chosen = (
+                Formations((), tuple(hosts), request.replicas)
+                if not at_start
+                else plan_formations(
+                    at_start,
+                    hosts,
+                    [*devices, *whole.local_gpus()],
+                    request.replicas,
+                    local_devices=request.local_devices,
+                )
             )
         except PlanError as exc:
             listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
@@ -246,6 +253,7 @@ async def life(
                 f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why"
             ) from None
         formed = list(chosen.formed)
+        on_demand = [model for model in served if model.on_demand]
         first_times = {"probe": probe_seconds, "plan": time.monotonic() - started - probe_seconds}
         warn(request, served, templates, events)
         engines = {
@@ -253,7 +261,7 @@ async def life(
             for model in served  # llama-server is built here on a fresh machine (its lines: engine_build)
         }
         spares = SparePool(list(chosen.spares), order=whole.endpoints)
-        several = len(formed) > 1
+        several = len(formed) > 1 or bool(on_demand)
         ending = Ending()
 
         def make_formation(
@@ -280,7 +288,8 @@ async def life(
             backend.on_loaded = loaded_reporter(
                 backend, name if several or not times else None, times, events
             )
-            backend.on_failed = ending.formation_failed
+            # an on-demand formation that fails to load is unloaded by its requests, serve goes on
+            backend.on_failed = None if one.model.on_demand else ending.formation_failed
             return Formation(name, one.model.name, backend)
 
         formations = [
@@ -290,12 +299,27 @@ async def life(
         if not several and events.progress is not None:  # one load's bars; several loads print a line each
             formations[0].backend.on_progress = events.progress
         router = ending.router = make_router(request, served, formations, spares, http)
+        if on_demand:
+            known: dict[str, list[PlanDevice]] = {}
+            for device in devices:
+                if device.endpoint is not None:
+                    known.setdefault(device.endpoint, []).append(device)
+            router.demand = OnDemand(
+                router,
+                spares,
+                on_demand,
+                hosts,
+                whole.probe_spares,
+                lambda one, name: make_formation(one, name, {}),
+                known,
+            )
         # A node silent at start (or a spare given back) that answers again makes a new formation when the
-        # answering spares hold a model served with --replicas auto (`serve.spares`).
+        # answering spares hold a model served with --replicas auto (`serve.spares`); with on-demand
+        # models the free nodes are theirs.
         watch = SpareWatch(
             router,
             spares,
-            served,
+            [] if on_demand else served,
             whole.probe_spares,
             lambda one, name: make_formation(one, name, {}),  # the start's times are not its own
             request.limits.rejoin_interval,
@@ -305,6 +329,18 @@ async def life(
         assert whole.shared is not None
         await whole.shared.close()
         await http.aclose()
+
+
+def loaded_at_start(served: Sequence[ServedModel]) -> list[ServedModel]:
+    """The models loaded at start (not `load: on-demand`). Beside on-demand models, `--replicas auto`
+    takes one formation, not every node: the nodes left are the on-demand models' pool."""
+    if not any(model.on_demand for model in served):
+        return list(served)
+    return [
+        dataclasses.replace(model, replicas=1) if model.replicas is None and not model.split else model
+        for model in served
+        if not model.on_demand
+    ]
 
 
 def read_profiles(
@@ -354,6 +390,8 @@ def served_model(
         replicas=int(replicas) if str(replicas).isdigit() else None,
         split=replicas == "split",
         endpoints=endpoints,
+        on_demand=entry.on_demand,
+        idle_unload=entry.idle_unload,
     )
 
 
@@ -425,8 +463,14 @@ def make_router(
     before formations; unless the spare watch may add formations (--replicas auto): the front's counters
     must then be its own."""
     growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
-    shared = len(formations) == 1 and not growing
-    router = Router(formations, formations[0].backend.metrics if shared else None, http)
+    shared = len(formations) == 1 and not growing and not any(m.on_demand for m in served)
+    router = Router(
+        formations,
+        formations[0].backend.metrics if shared else None,
+        http,
+        config=request.limits,
+        models=[m.name for m in served],
+    )
     router.spares = lambda: [h.endpoint for h in spares.snapshot()]
     return router
 
@@ -473,7 +517,7 @@ async def run_formations(
         api_key=request.api_key,
         admin_key=request.admin_key,
         keys=ring,
-        model_name=router.formations[0].model,
+        model_name=router.models[0],
         exporter=exporter,
     )
     config = uvicorn.Config(
@@ -487,7 +531,8 @@ async def run_formations(
     server = uvicorn.Server(config)
     ending.stop = lambda: setattr(server, "should_exit", True)
     if events.formed is not None:
-        events.formed(formed, f"http://{request.host}:{request.port}/v1")
+        on_demand = list(router.demand.models) if router.demand is not None else []
+        events.formed(formed, f"http://{request.host}:{request.port}/v1", on_demand)
 
     models = router.models
 
@@ -500,10 +545,14 @@ async def run_formations(
     with signals.handling(signal.SIGHUP, reload):  # until serve ends: SIGHUP reloads (keys or engines)
         router.start([one.plan for one in formed])
         watch.start()
+        if router.demand is not None:
+            router.demand.start()
         try:
             await server.serve(sockets=[request.listen])
         finally:
             await watch.stop()
+            if router.demand is not None:
+                await router.demand.stop()
             if exporter is not None and rounds is not None:
                 exporter.collector.stop()
                 await asyncio.gather(rounds, return_exceptions=True)

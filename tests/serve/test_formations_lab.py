@@ -10,7 +10,9 @@ One 3-node lab for the module; node 1 runs two servers (ports 50052 and 50053, t
 - node 1's two servers hold two formations;
 - a rolling reload of 2 formations never answers 503;
 - a node stopped at start, then started: a new formation of it (and its engine counters on /metrics);
-- a formation that took the spare takes its own node back without a 503; the spare is free again.
+- a formation that took the spare takes its own node back without a 503; the spare is free again;
+- on-demand models (Gemma and the synthetic one on one node): each loaded by a request in turn, swapped
+  out for the other, requests for both at once all answered, unloaded when idle, the node reused.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def all_ready(health: dict[str, Any]) -> bool:
 def serve(flab: Lab, tmp_path: Path) -> Iterator[Callable[..., Served]]:
     started: list[Served] = []
 
-    def start(*argv: str) -> Served:
+    def start(*argv: str, ready: Callable[[dict[str, Any]], bool] = all_ready) -> Served:
         port = free_port()
         log = tmp_path / f"serve-{port}.log"
         command = [sys.executable, "-m", "orchestrator", "serve", "-i", str(flab.inventory)]
@@ -157,7 +159,7 @@ def serve(flab: Lab, tmp_path: Path) -> Iterator[Callable[..., Served]]:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         served = Served(process, f"http://127.0.0.1:{port}", log)
         started.append(served)
-        served.wait(all_ready)
+        served.wait(ready)
         return served
 
     yield start
@@ -414,3 +416,47 @@ def test_a_formation_takes_its_node_back_from_the_spare_it_took_without_a_503(
         assert _by_name(health)["gemma#1"]["rejoins"] == 1, health
     finally:
         _rpcfleet(flab, tmp_path, "start", "-l", node_name(flab, victim))
+
+
+def test_on_demand_models_load_swap_and_unload_on_a_shared_node_without_a_failed_request(
+    flab: Lab, serve: Callable[..., Served], gemma_model: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    node = node_name(flab, 2)  # both may use node 3 only: they cannot be loaded together
+    models = tmp_path / "models.yml"
+    models.write_text(
+        f"models:\n"
+        f"  - model: {gemma_model}\n    name: gemma\n    hosts: {node}\n    load: on-demand\n"
+        f"    idle_unload: 8s\n"
+        f"  - model: {tiny_model}\n    name: tiny\n    hosts: {node}\n    load: on-demand\n"
+        f"    idle_unload: 8s\n    parallel: 1\n"
+    )
+
+    def listed(health: dict[str, Any]) -> bool:
+        return health.get("status") == "ready"
+
+    served = serve("--models", str(models), "--queue-timeout", "300", ready=listed)
+
+    def states() -> dict[str, str]:
+        status, body = served.request("/v1/models")
+        assert status == 200, body
+        return {m["id"]: m["state"] for m in body["data"]}
+
+    assert states() == {"gemma": "unloaded", "tiny": "unloaded"}
+    assert endpoint(flab, 2) in served.health()["spares"]
+    for model in ("gemma", "tiny", "gemma"):  # each in turn: the other one swapped out
+        status, body = served.complete(model)
+        assert status == 200 and body["choices"][0]["text"], (model, body)
+        assert states()[model] == "loaded"
+        assert [(f["model"], f["nodes"]) for f in served.health()["formations"]] == [
+            (model, [endpoint(flab, 2)])
+        ]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # both at once: each waits its turn on the node
+        answers = list(pool.map(served.complete, ["tiny", "gemma", "tiny", "gemma"]))
+    assert [status for status, _ in answers] == [200] * 4, answers
+    on_demand = served.wait(lambda h: not h["formations"], 120)  # idle past 8 s: unloaded
+    assert on_demand["on_demand"]["gemma"]["unloads"] >= 2 and on_demand["on_demand"]["tiny"]["unloads"] >= 1
+    assert endpoint(flab, 2) in on_demand["spares"] and states() == {"gemma": "unloaded", "tiny": "unloaded"}
+    status, body = served.complete("tiny")  # the node reused
+    assert status == 200 and body["choices"][0]["text"], body
+    log = served.log.read_text()
+    assert "Traceback" not in log, log[-4000:]

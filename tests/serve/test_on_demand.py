@@ -1,0 +1,239 @@
+"""Tier 1 for serve's on-demand models (issue 34): the models file's `load:` and `idle_unload:`, the
+swap's decision (pure), and on-demand models behind the real front with fake engines: loaded by their first
+request, listed with their state, swapped out for a model that needs their node, unloaded when idle, and a
+503 naming the holders when the nodes cannot hold the model. The lab test with real engines and the real
+Gemma: tests/serve/test_formations_lab.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.core.errors import UsageError
+from orchestrator.core.target import Target
+from orchestrator.inventory.model import Host
+from orchestrator.planning.formations import Formed, ServedModel
+from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
+from orchestrator.planning.profile import profile_model
+from orchestrator.serve.backend import Backend
+from orchestrator.serve.models_file import parse_models_file
+from orchestrator.serve.on_demand import Holder, OnDemand, swap
+from orchestrator.serve.pool import SparePool
+from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.states import ServeConfig
+from tests.plugins.llama import plan_devices
+from tests.plugins.serve_rig import HttpEngine
+from tests.serve.test_formations import PartFleet
+
+NODES = ("10.8.0.1:50052", "10.8.0.2:50052", "10.8.0.3:50052")
+
+
+def _host(endpoint: str) -> Host:
+    return Host(name=f"h-{endpoint}", address=endpoint.split(":")[0], rpc_port=50052)
+
+
+# -- the models file
+
+
+def test_load_and_idle_unload_are_read_and_their_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "models.yml"
+    entries = parse_models_file(
+        path,
+        "- model: a.gguf\n  load: on-demand\n  idle_unload: 10m\n"
+        "- model: b.gguf\n  load: on-demand\n"
+        "- model: c.gguf\n  load: always\n",
+    )
+    assert [(e.on_demand, e.idle_unload) for e in entries] == [(True, 600.0), (True, None), (False, None)]
+    assert (
+        parse_models_file(path, "- model: a.gguf\n  load: on-demand\n  idle_unload: 90\n")[0].idle_unload
+        == 90
+    )
+    bad = {
+        "- model: a.gguf\n  load: sometimes\n": (2, "load: expected one of always, on-demand"),
+        "- model: a.gguf\n  load: on-demand\n  idle_unload: soon\n": (3, "expected a duration"),
+        "- model: a.gguf\n  idle_unload: 5m\n": (1, "idle_unload is for a model with `load: on-demand`"),
+        "- model: a.gguf\n  load: on-demand\n  replicas: 2\n": (1, "loaded as one formation"),
+    }
+    for body, (line, message) in bad.items():
+        with pytest.raises(UsageError) as caught:
+            parse_models_file(path, body)
+        assert f"{path}:{line}" in str(caught.value) and message in str(caught.value), (
+            body,
+            str(caught.value),
+        )
+
+
+# -- the swap (pure)
+
+
+def _model(tiny_model: Path, name: str, endpoints: tuple[str, ...] | None = None) -> ServedModel:
+    return ServedModel(
+        str(tiny_model),
+        name,
+        profile_model(tiny_model),
+        PlanOptions(n_ctx=512),
+        endpoints=endpoints,
+        on_demand=True,
+    )
+
+
+def test_the_swap_frees_the_least_recently_used_idle_formation_waits_for_busy_ones_and_names_holders(
+    tiny_model: Path,
+) -> None:
+    hosts = [_host(ep) for ep in NODES]
+    known = {d.endpoint or "": [d] for d in plan_devices(list(NODES))}
+    only_3 = _model(tiny_model, "c", (NODES[2],))
+    assert swap(only_3, [hosts[2]], [], hosts, known).unload == ()  # fits on the free node: nothing to do
+    older = Holder("a#0", "a", (NODES[2],), True, True, last_used=1.0)
+    newer = Holder("b#0", "b", (NODES[1],), True, True, last_used=2.0)
+    anywhere = _model(tiny_model, "c")
+    assert swap(anywhere, [], [newer, older], hosts, known).unload == ("a#0",)  # least recently used
+    busy = dataclasses.replace(older, idle=False, admitted=2)
+    waited = swap(only_3, [], [busy, newer], hosts, known)
+    assert (
+        waited.unload == () and waited.wait is not None and "a#0 (2 request(s)) holds 10.8.0.3" in waited.wait
+    )
+    always = Holder("z#0", "z", (NODES[2],), False, False, last_used=0.0)
+    never = swap(only_3, [hosts[0]], [always], hosts, known)
+    assert never.never is not None and "always loaded: z#0 holds 10.8.0.3:50052" in never.never, never
+    small = {
+        ep: [dataclasses.replace(d, usable=1024, free=1024, total=1024) for d in ds]
+        for ep, ds in known.items()
+    }
+    assert swap(anywhere, hosts, [], hosts, small).never is not None  # no node large enough: at once
+
+
+# -- behind the front, with fake engines
+
+
+@pytest.fixture
+def on_demand(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Router]]]:
+    from fastapi.testclient import TestClient
+
+    from orchestrator.serve.app import create_app
+
+    made: list[tuple[Any, Router]] = []
+
+    def make(
+        models: Sequence[ServedModel], always: Mapping[str, tuple[str, ...]] = {}, **config: Any
+    ) -> tuple[Any, Router]:
+        options = ServeConfig(
+            **{"retry_interval": 0.005, "rejoin_interval": 0.0, "queue_timeout": 10.0, **config}
+        )
+        hosts = [_host(ep) for ep in NODES]
+
+        def backend_on(endpoints: tuple[str, ...]) -> Backend:
+            fleet = PartFleet(tiny_model, endpoints)
+            engines: list[Any] = []
+
+            def factory(plan: Plan, targets: Mapping[str, Target]) -> HttpEngine:
+                engines.append(HttpEngine(plan, fleet, len(engines)))
+                return engines[-1]  # type: ignore[no-any-return]
+
+            return Backend(fleet, options, factory)
+
+        formations = [Formation(f"{m}#0", m, backend_on(eps)) for m, eps in always.items()]
+        held = {ep for eps in always.values() for ep in eps}
+        pool = SparePool([h for h in hosts if h.endpoint not in held], order=NODES)
+        router = Router(formations, None, config=options, models=[*always, *(m.name for m in models)])
+
+        async def probe(free: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
+            return {h.endpoint: "ok" for h in free}, plan_devices([h.endpoint for h in free])
+
+        def formation(one: Formed, name: str) -> Formation:
+            return Formation(name, one.model.name, backend_on(one.choice.endpoints))
+
+        known = {d.endpoint or "": [d] for d in plan_devices(list(NODES))}
+        router.spares = lambda: [h.endpoint for h in pool.snapshot()]
+        router.demand = OnDemand(router, pool, models, hosts, probe, formation, known)
+        client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name=router.models[0]))
+        client.__enter__()  # one loop for the routes and the backends, as in serve
+        client.portal.call(router.start)
+        client.portal.call(router.demand.start)
+        client.headers["Authorization"] = "Bearer k"
+        made.append((client, router))
+        return client, router
+
+    yield make
+    for client, router in made:
+        assert router.demand is not None
+        client.portal.call(router.demand.stop)
+        client.portal.call(router.stop)
+        client.__exit__(None, None, None)
+
+
+def _states(client: Any) -> dict[str, str]:
+    listed = client.get("/v1/models").json()["data"]
+    return {m["id"]: m["state"] for m in listed}
+
+
+def _ask(client: Any, model: str) -> Any:
+    return client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+
+
+def test_a_request_loads_its_model_another_swaps_it_out_and_idle_ones_are_unloaded(
+    on_demand: Callable[..., tuple[Any, Router]], tiny_model: Path
+) -> None:
+    one_node = (NODES[0],)  # both may use node 1 only: they cannot be loaded together
+    a = _model(tiny_model, "a", one_node)
+    b = dataclasses.replace(_model(tiny_model, "b", one_node), idle_unload=0.3)
+    client, router = on_demand([a, b])
+    assert _states(client) == {"a": "unloaded", "b": "unloaded"}
+    assert client.get("/health").json()["status"] == "ready"  # nothing loaded: ready to load on demand
+    answer = _ask(client, "a")
+    assert answer.status_code == 200, answer.text
+    assert _states(client) == {"a": "loaded", "b": "unloaded"}
+    assert [(f.name, f.backend.fleet.endpoints) for f in router.formations] == [("a#0", one_node)]
+    answer = _ask(client, "b")  # a is idle: swapped out for b on the same node
+    assert answer.status_code == 200, answer.text
+    assert [f.name for f in router.formations] == ["b#0"]
+    assert router.demand is not None and router.demand.unloads["a"] == 1
+    health = client.get("/health").json()
+    assert health["on_demand"]["a"]["state"] == "unloaded" and health["on_demand"]["b"]["state"] == "loaded"
+    deadline = time.monotonic() + 10
+    while _states(client)["b"] != "unloaded":  # idle past 0.3 s: unloaded, its node back in the pool
+        assert time.monotonic() < deadline, client.get("/health").json()
+        time.sleep(0.05)
+    assert router.formations == [] and NODES[0] in client.get("/health").json()["spares"]
+    assert _ask(client, "a").status_code == 200  # the pool reused
+    assert _ask(client, "unknown").status_code == 404
+
+
+def test_a_model_the_open_nodes_cannot_hold_is_503_at_once_naming_who_holds_what(
+    on_demand: Callable[..., tuple[Any, Router]], tiny_model: Path
+) -> None:
+    only_3 = _model(tiny_model, "c", (NODES[2],))
+    client, _router = on_demand([only_3], always={"z": (NODES[2],)})
+    started = time.monotonic()
+    answer = _ask(client, "c")
+    assert answer.status_code == 503 and answer.headers["Retry-After"], answer.text
+    assert "always loaded: z#0 holds 10.8.0.3:50052" in answer.json()["error"]["message"], answer.text
+    assert time.monotonic() - started < 5  # not a wait for the queue timeout
+    assert _states(client) == {"z": "loaded", "c": "unloaded"}
+    assert _ask(client, "z").status_code == 200
+
+
+def test_a_request_waits_for_a_busy_model_to_finish_then_swaps_it_out(
+    on_demand: Callable[..., tuple[Any, Router]], tiny_model: Path
+) -> None:
+    import concurrent.futures
+
+    one_node = (NODES[0],)
+    client, router = on_demand([_model(tiny_model, "a", one_node), _model(tiny_model, "b", one_node)])
+    assert _ask(client, "a").status_code == 200
+    engine = router.formations[0].backend.engine
+    assert isinstance(engine, HttpEngine)
+    engine.whole_delay = 1.0  # a's next answer takes a second: a is busy meanwhile
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(_ask, client, "a")
+        time.sleep(0.3)
+        waiting = pool.submit(_ask, client, "b")
+        assert slow.result().status_code == 200
+        answer = waiting.result()
+    assert answer.status_code == 200, answer.text
+    assert [f.name for f in router.formations] == ["b#0"]
