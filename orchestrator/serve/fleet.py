@@ -30,8 +30,12 @@ class Round(Protocol):
 
 class FormationFleet(Protocol):
     model_path: str
-    hosts: list[Host]  # its own servers (an on-demand formation's go back to the pool when unloaded)
     borrowed: list[Host]
+
+    @property
+    def hosts(self) -> Sequence[Host]:
+        """Its own servers (an on-demand formation's go back to the pool when it is unloaded)."""
+        ...
 
     @property
     def endpoints(self) -> tuple[str, ...]: ...

@@ -264,3 +264,27 @@ class HttpEngine(FakeEngine):
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+
+
+class PartFleet(FakeFleet):
+    """A fake fleet of some of the endpoints (one formation's)."""
+
+    def __init__(self, model: Path, endpoints: tuple[str, ...]) -> None:
+        super().__init__(model)
+        self.hosts = [Host(name=f"h-{ep}", address=ep.split(":")[0], rpc_port=50052) for ep in endpoints]
+        self.answering = set(endpoints)
+
+    async def plan_round(self, *, spare: bool = True) -> Any:
+        from orchestrator.planning.strategy import make_plan
+        from orchestrator.workflows.plan import PlanRound
+
+        self.rounds += 1
+        states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}
+        up = [ep for ep in self.endpoints if ep in self.answering]
+        if not up:  # as ServeFleet's: a free spare, when there is one
+            taken = await self.with_spare() if spare else None
+            return taken or PlanRound(None, states, 0.0, 0.0, "no node answers")
+        return PlanRound(make_plan(plan_devices(up), self.profile(), self.options), states, 0.0, 0.0)
+
+    async def watch(self, endpoints: Any) -> dict[str, str]:
+        return {ep: ("ok" if ep in self.answering else "refused") for ep in endpoints}

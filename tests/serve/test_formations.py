@@ -33,7 +33,7 @@ from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router, overall
 from orchestrator.serve.states import ServeConfig
 from tests.plugins.llama import GiB, plan_devices
-from tests.plugins.serve_rig import FakeFleet, HttpEngine, Rig
+from tests.plugins.serve_rig import HttpEngine, PartFleet, Rig
 
 # -- the router's decisions (pure)
 
@@ -116,30 +116,6 @@ def test_serve_refuses_a_bad_models_file_and_bad_replicas_with_exit_2(
 
 
 # -- the router behind the front, with fake engines
-
-
-class PartFleet(FakeFleet):
-    """A fake fleet of some of the endpoints (one formation's)."""
-
-    def __init__(self, model: Path, endpoints: tuple[str, ...]) -> None:
-        super().__init__(model)
-        self.hosts = [Host(name=f"h-{ep}", address=ep.split(":")[0], rpc_port=50052) for ep in endpoints]
-        self.answering = set(endpoints)
-
-    async def plan_round(self, *, spare: bool = True) -> Any:
-        from orchestrator.planning.strategy import make_plan
-        from orchestrator.workflows.plan import PlanRound
-
-        self.rounds += 1
-        states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}
-        up = [ep for ep in self.endpoints if ep in self.answering]
-        if not up:  # as ServeFleet's: a free spare, when there is one
-            taken = await self.with_spare() if spare else None
-            return taken or PlanRound(None, states, 0.0, 0.0, "no node answers")
-        return PlanRound(make_plan(plan_devices(up), self.profile(), self.options), states, 0.0, 0.0)
-
-    async def watch(self, endpoints: Any) -> dict[str, str]:
-        return {ep: ("ok" if ep in self.answering else "refused") for ep in endpoints}
 
 
 PARTS = {"a": (("10.8.0.1:50052",), ("10.8.0.2:50052",)), "b": (("10.8.0.3:50052",),)}

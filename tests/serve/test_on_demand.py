@@ -27,8 +27,7 @@ from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 from orchestrator.serve.states import ServeConfig
 from tests.plugins.llama import plan_devices
-from tests.plugins.serve_rig import HttpEngine
-from tests.serve.test_formations import PartFleet
+from tests.plugins.serve_rig import HttpEngine, PartFleet
 
 NODES = ("10.8.0.1:50052", "10.8.0.2:50052", "10.8.0.3:50052")
 
