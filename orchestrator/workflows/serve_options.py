@@ -75,7 +75,7 @@ MODELS = Option(
     ("--models",),
     Path,
     None,
-    "a YAML file of models to serve (model, name, context, parallel, replicas, hosts, groups)",
+    "a YAML file of models to serve (model, name, context, parallel, replicas, hosts, groups, load, idle_unload)",
     metavar="FILE",
 )
 REPLICAS = Option(
