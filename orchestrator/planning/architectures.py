@@ -237,8 +237,8 @@ def _ffn_widths(profile: ModelProfile, il: int) -> tuple[int, int, int]:
     """(dense n_ff, one expert's n_ff, shared experts' n_ff) of layer `il`, from its tensors."""
     dense = expert = shared = 0
     prefix = f"blk.{il}."
-    for t in profile.tensors:
-        if not t.name.startswith(prefix) or len(t.shape) < 2:
+    for t in profile.layer_tensors(il):
+        if len(t.shape) < 2:
             continue
         base = t.name[len(prefix) :]
         if base == "ffn_up.weight":

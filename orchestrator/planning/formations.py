@@ -30,6 +30,7 @@ from orchestrator.inventory.model import Host
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile
+from orchestrator.planning.strategy import fits as plan_fits
 from orchestrator.planning.strategy import make_plan
 
 MAX_RPC_DEVICES = 15  # GGML_SCHED_MAX_BACKENDS (16) less the CPU
@@ -266,9 +267,19 @@ def form(
             plans[key] = plan
         return plans[key]
 
+    verdicts: dict[tuple[str, tuple[str, ...]], bool] = {}
+
     def fits(model: str, endpoints: tuple[str, ...]) -> bool:
-        plan = plan_of(model, endpoints)
-        return plan is not None and plan.fit.fits
+        key = (model, endpoints)
+        if key not in verdicts:  # the verdict alone: the whole plan only for the groups chosen
+            chosen = [d for d in devices if d.endpoint in endpoints]
+            try:
+                verdicts[key] = plan_fits(
+                    order_devices(chosen, (), []), by_name[model].profile, by_name[model].options
+                )
+            except ProbeError:
+                verdicts[key] = False
+        return verdicts[key]
 
     wants = [Want(m.name, m.replicas, m.split, m.endpoints) for m in models]
     choices = choose(wants, nodes_of(devices), fits)

@@ -226,6 +226,10 @@ class ModelProfile:
                 per[int(m.group(1))].append(t)
         return tuple(tuple(x) for x in per)
 
+    def layer_tensors(self, il: int) -> tuple[TensorInfo, ...]:
+        """The tensors of layer `il` (`blk.<il>.*`), grouped once: the planner asks for every trial split."""
+        return self._layer_tensors[il]
+
     def layer_bytes_aligned(self, il: int, alignment: int = 1) -> int:
         """Bytes of layer `il` in a backend buffer: each tensor padded to `alignment`, plus rope_freqs
         (llama.cpp creates a copy of rope_freqs in every layer's buffer)."""

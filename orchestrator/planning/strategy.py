@@ -299,6 +299,24 @@ def kv_notes(profile: ModelProfile, n_ctx: int, opts: PlanOptions) -> list[str]:
     return notes
 
 
+def fits(devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOptions | None = None) -> bool:
+    """`make_plan(...).fit.fits` without the rest of the plan (the search for the largest context, eight
+    trial splits or more): the verdict that choosing formations asks of many groups of nodes."""
+    opts = options or PlanOptions()
+    all_devices = tuple(devices)
+    try:
+        validate(all_devices, profile, opts)
+        for il in range(profile.n_layer):
+            kv_layer_bytes(profile, il, CTX_PAD, opts, 1)
+        ngl = resolve_n_gpu_layers(opts.n_gpu_layers, profile.n_layer) if all_devices else 0
+        n_ctx = context_size(pad_ctx(opts.n_ctx or profile.n_ctx_train), opts)
+        chosen = _choose_split(profile, all_devices, n_ctx, opts, ngl)
+    except PlanError:
+        return False
+    pred = predict(profile, chosen.devices, chosen.assignment, n_ctx, opts, ngl)
+    return all(m.headroom >= 0 for m in pred.memories)
+
+
 def make_plan(
     devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOptions | None = None
 ) -> Plan:

@@ -80,3 +80,27 @@ def test_the_planner_decides_with_real_plans(tiny_model: Path) -> None:
     assert split[0].plan.endpoints == tuple(endpoints)
     formed, spares = form([model], silent, plan_devices(endpoints))
     assert len(formed) == 3 and [h.name for h in spares] == ["n3"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "mamba2"])
+def test_the_verdict_alone_is_the_whole_plans_verdict_from_too_small_to_roomy(
+    arch: str, tmp_path: Path
+) -> None:
+    # form() asks strategy.fits of many groups and plans only those chosen: both must agree everywhere
+    from orchestrator.models.synth_arch import write_arch_model
+    from orchestrator.planning.strategy import fits, make_plan
+
+    profile = profile_model(write_arch_model(tmp_path / f"{arch}.gguf", arch))
+    options = PlanOptions(n_ctx=4096)
+    needed = make_plan(plan_devices(["a:1"], [64 * GiB]), profile, options).devices[0].memory.total
+    verdicts = set()
+    for n in (1, 2, 3):
+        for size in range(needed // 4, needed * 2, max(needed // 16, 1)):
+            devices = plan_devices([f"10.0.0.{i}:50052" for i in range(n)], [size + (256 << 20)] * n)
+            try:
+                whole = make_plan(devices, profile, options).fit.fits
+            except Exception:
+                whole = False
+            assert fits(devices, profile, options) == whole, (n, size)
+            verdicts.add(whole)
+    assert verdicts == {True, False}  # both sides of the line were crossed

@@ -1,0 +1,173 @@
+"""Benchmark: the planner's time from 2 to 64 devices, for every model family (the planner alone, no server).
+
+    .venv/bin/python bench/plan_scaling.py            # print the curves
+    .venv/bin/python bench/plan_scaling.py --write    # and replace its section of BENCHMARKS.md
+
+Each family's tiny model (`rpcfleet model synth --arch FAMILY`) and the 70B-class sparse header (80 layers,
+723 tensors) are profiled once. One engine takes at most 15 RPC devices (llama.cpp's 16 scheduler
+backends less the CPU; the planner refuses more), so 64 devices are a fleet's, planned as formations:
+- **one plan**: `make_plan` on 2, 4, 8 and 15 devices of equal size (each 1.5x the model's bytes over
+  the devices, so that every device takes layers), n_ctx 8192;
+- **formations**: `planning.formations.form` (`--replicas auto`, what `plan --replicas auto` and serve
+  decide) on 2, 4, 8, 16, 32 and 64 nodes, each the smallest size (in 10% steps from 0.6x of what one
+  device would need) on which the model needs two: the fleet makes n/2 formations, each planned.
+The device counts are measured in turns (all of them, then again) so that a busy moment of the machine
+falls on every point; each point is the median of `--runs`, with its p95.
+
+Verdicts, computed: the target (under 50 ms at 64 devices, for every family: the formations' curve) and
+each curve's shape, from the slope of log(time) over log(devices) between the first and last point: flat
+under 0.3, linear up to 1.2, worse above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from _common import arg_parser, load_average, median, ms, p95, stamp, write_section
+
+from orchestrator.core.log import configure_logging
+
+configure_logging("text", "WARNING")  # before the modules below make their loggers
+
+from orchestrator.core.errors import PlanError
+from orchestrator.inventory.model import Host
+from orchestrator.models.synth import write_sparse_70b_header
+from orchestrator.models.synth_arch import ARCHES, write_arch_model
+from orchestrator.planning.formations import ServedModel, form
+from orchestrator.planning.plan import PlanDevice, PlanOptions
+from orchestrator.planning.profile import ModelProfile, profile_model
+from orchestrator.planning.strategy import make_plan
+
+SECTION = "plan scaling"
+ONE_PLAN = (2, 4, 8, 15)
+FORMATIONS = (2, 4, 8, 16, 32, 64)
+N_CTX = 8192
+TARGET = 0.050  # seconds at 64 devices
+FLAT, LINEAR = 0.3, 1.2  # log-log slopes
+MARGIN = 256 << 20  # the planner's default margin per device
+
+
+def devices(n: int, usable: int) -> list[PlanDevice]:
+    return [
+        PlanDevice(
+            endpoint=f"10.9.{i // 250}.{i % 250 + 1}:50052",
+            index=0,
+            name="CPU",
+            description=f"node {i}",
+            total=usable,
+            free=usable,
+            usable=usable,
+        )
+        for i in range(n)
+    ]
+
+
+def two_node_size(profile: ModelProfile, options: PlanOptions) -> int:
+    """A node size on which the model needs two nodes (one if no size between makes it need two)."""
+    needed = make_plan(devices(1, 1 << 40), profile, options).devices[0].memory.total + MARGIN
+    size = needed * 6 // 10
+    while size < needed:
+        with contextlib.suppress(PlanError):
+            if make_plan(devices(2, size), profile, options).fit.fits:
+                return size
+        size = size * 11 // 10
+    return needed + (64 << 20)
+
+
+def shape(slope: float) -> str:
+    return "flat" if slope < FLAT else "linear" if slope <= LINEAR else "worse than linear"
+
+
+def curve(
+    title: str, counts: tuple[int, ...], times: dict[tuple[str, int], list[float]], names: list[str]
+) -> tuple[list[str], dict[str, str], float]:
+    """The table of one curve, each family's shape, and the worst p95 at its last point."""
+    header = " | ".join(f"{n}" for n in counts)
+    rows = [f"| {title} | {header} | p95 at {counts[-1]} | slope (shape) |", "|---" * (len(counts) + 3) + "|"]
+    shapes: dict[str, str] = {}
+    worst = 0.0
+    for name in names:
+        medians = [median(times[(name, n)]) for n in counts]
+        slope = math.log(medians[-1] / medians[0]) / math.log(counts[-1] / counts[0])
+        shapes[name] = shape(slope)
+        last = p95(times[(name, counts[-1])])
+        worst = max(worst, last)
+        cells = " | ".join(ms(m) for m in medians)
+        rows.append(f"| {name} | {cells} | {ms(last)} | {slope:.2f} ({shapes[name]}) |")
+    return rows, shapes, worst
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--runs", type=int, default=15, help="measurements per point (default 15)")
+    args = parser.parse_args()
+    load = load_average()
+    with tempfile.TemporaryDirectory() as folder:
+        models: dict[str, ModelProfile] = {
+            arch: profile_model(write_arch_model(Path(folder) / f"{arch}.gguf", arch)) for arch in ARCHES
+        }
+        sparse = Path(folder) / "sparse70b.gguf"
+        write_sparse_70b_header(sparse)
+        models["70B sparse header"] = profile_model(sparse)
+    options = PlanOptions(n_ctx=N_CTX)
+    sizes = {name: two_node_size(profile, options) for name, profile in models.items()}
+    plans: dict[tuple[str, int], list[float]] = {}
+    formations: dict[tuple[str, int], list[float]] = {}
+    made: dict[tuple[str, int], int] = {}
+    for _ in range(args.runs):
+        for n in ONE_PLAN:  # in turns: a busy moment falls on every point
+            for name, profile in models.items():
+                fleet = devices(n, profile.total_bytes * 3 // (2 * n) + (256 << 20))
+                started = time.perf_counter()
+                make_plan(fleet, profile, options)
+                plans.setdefault((name, n), []).append(time.perf_counter() - started)
+        for n in FORMATIONS:
+            for name, profile in models.items():
+                fleet = devices(n, sizes[name])
+                hosts = [
+                    Host(name=f"n{i}", address=d.endpoint.split(":")[0], rpc_port=50052)
+                    for i, d in enumerate(fleet)
+                    if d.endpoint
+                ]
+                served = ServedModel(str(profile.path), name, profile, options)
+                started = time.perf_counter()
+                formed, _ = form([served], hosts, fleet)
+                formations.setdefault((name, n), []).append(time.perf_counter() - started)
+                made[(name, n)] = len(formed)
+    names = list(models)
+    one_rows, one_shapes, one_worst = curve("one plan: family / devices", ONE_PLAN, plans, names)
+    form_rows, form_shapes, worst = curve("formations: family / nodes", FORMATIONS, formations, names)
+    verdict = "met" if worst < TARGET else "missed"
+    at_64 = sorted({made[(name, FORMATIONS[-1])] for name in names})
+    body = "\n".join(
+        [
+            f"## {SECTION}",
+            "",
+            f"{stamp()}, load average {load:.2f} at the start; `bench/plan_scaling.py`, {args.runs} "
+            f"measurements per point, the counts in turns, n_ctx {N_CTX}.",
+            "",
+            *one_rows,
+            "",
+            *form_rows,
+            "",
+            f"At 64 nodes the formations' planning made {', '.join(map(str, at_64))} formation(s) per "
+            f"family (each planned). Target: every family under {ms(TARGET)} at 64 devices: **{verdict}** "
+            f"(worst p95 {ms(worst)}; one plan at 15 devices: worst p95 {ms(one_worst)}). Shapes (log-log "
+            f"slope; flat < {FLAT}, linear <= {LINEAR}): one plan "
+            + ", ".join(f"{name} {s}" for name, s in one_shapes.items())
+            + "; formations "
+            + ", ".join(f"{name} {s}" for name, s in form_shapes.items())
+            + ".",
+        ]
+    )
+    print(body)
+    if args.write is not None:
+        write_section(args.write, SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
