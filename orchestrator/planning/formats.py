@@ -72,7 +72,22 @@ def llama_cli_args(plan: Plan, model_path: str | Path | None = None) -> list[str
         args.append("--kv-unified")
     if opts.n_cpu_moe:
         args += ["--n-cpu-moe", str(opts.n_cpu_moe)]
-    return args
+    return args + draft_args(plan)
+
+
+def draft_args(plan: Plan) -> list[str]:
+    """llama-server's speculative decoding flags for the plan's draft model (none without one). A plain
+    GGUF draft needs `--spec-type draft-simple`: llama-server infers a type only for MTP/DFlash drafts and
+    otherwise loads the draft without using it. The device is always given: without `--spec-draft-device`
+    the draft follows `--device` (split over the target's devices, unplanned)."""
+    draft = plan.draft
+    if draft is None:
+        return []
+    args = ["--spec-type", "draft-simple", "--spec-draft-model", draft.model_path]
+    args += ["--spec-draft-n-max", str(draft.n_max), "--spec-draft-n-min", str(draft.n_min)]
+    if draft.device == "first" and plan.devices:
+        return [*args, "--spec-draft-device", cli_device_names(plan)[0], "--spec-draft-ngl", "all"]
+    return [*args, "--spec-draft-device", "none"]
 
 
 def python_snippet(

@@ -188,6 +188,30 @@ def largest_ctx_text(fit: Fit) -> str:
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """A draft model for speculative decoding (llama-server's `--spec-draft-model`), planned beside the
+    target: `device` is "none" (llama-server's word: not offloaded, on this machine's CPU) or "first" (all
+    its layers on the plan's first device, whose usable memory it took before the target's layers were
+    placed). `weights`, `kv` and `compute` are on that device (the CPU for "none"); `host` is what it
+    keeps on this machine besides (its token_embd, inputs and logits; everything for "none")."""
+
+    model_path: str
+    model_name: str | None
+    device: str
+    n_max: int
+    n_min: int
+    weights: int
+    kv: int
+    compute: int
+    host: int
+
+    @property
+    def total(self) -> int:
+        """Bytes of the draft on its device (on the CPU for "none": then with its host bytes)."""
+        return self.weights + self.kv + self.compute + (self.host if self.device == "none" else 0)
+
+
+@dataclass(frozen=True)
 class Plan:
     schema_version: int
     model_path: str
@@ -204,6 +228,7 @@ class Plan:
     fit: Fit
     options: PlanOptions
     notes: tuple[str, ...] = field(default=())
+    draft: DraftPlan | None = None  # speculative decoding's draft model, planned with the target
 
     @property
     def layer_counts(self) -> tuple[int, ...]:
@@ -317,4 +342,5 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         fit=Fit(**d["fit"]),
         options=PlanOptions(**opts),
         notes=tuple(d.get("notes", ())),
+        draft=DraftPlan(**d["draft"]) if d.get("draft") else None,  # plans saved before drafts: none
     )

@@ -572,3 +572,70 @@ def iter_metadata(path: str | Path) -> Iterator[tuple[str, Any]]:
             yield key, f"<array of {value.count}>"
         else:
             yield key, value
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What llama.cpp compares of two vocabularies before it speculates with a draft model
+    (`common_speculative_are_compatible`): the tokenizer's type, BOS/EOS and whether they are added, and
+    the token texts."""
+
+    model: str  # tokenizer.ggml.model: llama (SPM), gpt2 (BPE), ...
+    tokens: tuple[bytes, ...]
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    add_eos: bool
+
+
+_TOKENS = "tokenizer.ggml.tokens"
+
+
+def read_vocab(path: str | Path) -> Vocab:
+    """The vocabulary of a GGUF model (its first shard holds it), read from the header like the profile
+    (the only string array decoded is the tokens'); raises ModelError."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != GGUF_MAGIC:
+                raise ModelError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+            cur = _Cursor(buf, path)
+            cur.pos = 8
+            cur.scalar("Q")  # tensors
+            n_kv = cur.scalar("Q")
+            meta: dict[str, Any] = {}
+            tokens: tuple[bytes, ...] = ()
+            for _ in range(min(n_kv, len(buf))):
+                key = cur.string()
+                vtype = cur.scalar("I")
+                if key == _TOKENS and vtype == _ARRAY and cur.scalar("I") == _STRING:
+                    tokens = tuple(_raw_strings(cur, cur.scalar("Q")))
+                    continue
+                if key == _TOKENS:
+                    raise ModelError(f"{path}: {_TOKENS} is not a list of strings")
+                meta[key] = cur.value(vtype)
+    except (OSError, ValueError) as exc:  # ValueError: mmap of an empty file
+        raise ModelError(f"{path}: cannot read model: {getattr(exc, 'strerror', None) or exc}") from None
+
+    def token_id(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return value if isinstance(value, int) else None
+
+    model = meta.get("tokenizer.ggml.model")
+    return Vocab(
+        model=model if isinstance(model, str) else "",
+        tokens=tokens,
+        bos=token_id("bos"),
+        eos=token_id("eos"),
+        # llama-vocab.cpp's defaults when the key is absent: SPM adds BOS, no tokenizer adds EOS
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
+
+
+def _raw_strings(cur: _Cursor, count: int) -> Iterator[bytes]:
+    for _ in range(count):
+        n = cur.scalar("Q")
+        cur._need(n)
+        yield bytes(cur.buf[cur.pos : cur.pos + n])
+        cur.pos += n

@@ -26,3 +26,10 @@ MAX_SEQ = 256  # LLAMA_MAX_SEQ (llama-cparams.h): n_seq_max above it is refused
 # error and small backend allocations. llama.cpp's own fitting (common_fit_params) keeps 1 GiB; usable
 # already excludes the inventory's memory_reserve, so a smaller default is enough.
 DEFAULT_MARGIN = 256 * 1024 * 1024
+
+
+# Where a draft model for speculative decoding goes: llama-server's `--spec-draft-device none` (not
+# offloaded: this machine's CPU, the default), or the formation's first device.
+DRAFT_DEVICES = ("none", "first")
+DRAFT_N_MAX = 3  # llama-server's --spec-draft-n-max default (common/common.h)
+DRAFT_N_MIN = 0  # llama-server's --spec-draft-n-min default

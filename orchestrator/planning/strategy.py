@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from orchestrator.core.errors import PlanError
 from orchestrator.core.units import format_size
 from orchestrator.planning.architectures import backend_notes, unverified_note
+from orchestrator.planning.draft import DraftModel, draft_note, plan_draft, target_output_rows
 from orchestrator.planning.layer_assignment import (
     largest_remainder,
     llama_cpp_assignment,
@@ -27,6 +28,7 @@ from orchestrator.planning.plan import (
     CTX_PAD,
     MAX_CTX,
     SCHEMA_VERSION,
+    DraftPlan,
     Fit,
     Plan,
     PlanDevice,
@@ -299,9 +301,35 @@ def kv_notes(profile: ModelProfile, n_ctx: int, opts: PlanOptions) -> list[str]:
     return notes
 
 
-def fits(devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOptions | None = None) -> bool:
+def _draft_on_first(
+    draft: DraftModel, devices: tuple[PlanDevice, ...], n_ctx: int, opts: PlanOptions
+) -> tuple[tuple[PlanDevice, ...], DraftPlan]:
+    """The draft planned on the first device, and the devices with its bytes taken from that one's usable
+    memory (before the target's layers are placed)."""
+    if not devices:
+        raise PlanError(
+            "the draft model goes on the formation's first device, and there is none",
+            hint="put it on this machine's CPU (--device-draft none)",
+        )
+    first = devices[0]
+    drafted = plan_draft(draft, first, n_ctx, opts)
+    return (replace(first, usable=max(0, first.usable - drafted.total)), *devices[1:]), drafted
+
+
+def fits(
+    devices: Sequence[PlanDevice],
+    profile: ModelProfile,
+    options: PlanOptions | None = None,
+    draft: DraftModel | None = None,
+) -> bool:
     """`make_plan(...).fit.fits` without the rest of the plan (the search for the largest context, eight
-    trial splits or more): the verdict that choosing formations asks of many groups of nodes."""
+    trial splits or more): the verdict that choosing formations asks of many groups of nodes. With a
+    draft model, the whole plan's verdict (the draft changes the devices and the host's share)."""
+    if draft is not None:
+        try:
+            return make_plan(devices, profile, options, draft).fit.fits
+        except PlanError:
+            return False
     opts = options or PlanOptions()
     all_devices = tuple(devices)
     try:
@@ -318,7 +346,10 @@ def fits(devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOpti
 
 
 def make_plan(
-    devices: Sequence[PlanDevice], profile: ModelProfile, options: PlanOptions | None = None
+    devices: Sequence[PlanDevice],
+    profile: ModelProfile,
+    options: PlanOptions | None = None,
+    draft: DraftModel | None = None,
 ) -> Plan:
     """Decide layers per device, predict memory and give a fit verdict. `devices` are already ordered
     (see `order_devices`).
@@ -326,7 +357,12 @@ def make_plan(
     "proportional" weighs each device by usable - margin - (compute buffer + output layer), the fixed
     costs predicted for the previous split, starting from the split by usable - margin; the candidate
     with the largest smallest headroom wins. "fewest" fills devices in order; a given `tensor_split` is
-    used as is."""
+    used as is.
+
+    With a `draft` model (speculative decoding, `planning.draft`): on the first device, its weights, KV
+    and compute are taken from that device's usable memory before the layers are placed (at the plan's
+    context: the largest-context search keeps that figure); on this machine's CPU, the host's total
+    (target and draft) is checked against `draft.host_available` when known."""
     opts = options or PlanOptions()
     all_devices = tuple(devices)
     validate(all_devices, profile, opts)
@@ -337,9 +373,20 @@ def make_plan(
     n_ctx = context_size(pad_ctx(opts.n_ctx or profile.n_ctx_train), opts)
     notes: list[str] = [n for n in (unverified_note(profile.rules),) if n]  # never silently
     notes += backend_notes(profile.rules, [d.backend for d in all_devices])
+    drafted: DraftPlan | None = None
+    if draft is not None and draft.device == "first":
+        all_devices, drafted = _draft_on_first(draft, all_devices, n_ctx, opts)
+    elif draft is not None:
+        drafted = plan_draft(draft, None, n_ctx, opts)
     chosen = _choose_split(profile, all_devices, n_ctx, opts, ngl)
     devices = chosen.devices
     assignment = chosen.assignment
+    if drafted is not None and drafted.device == "first" and devices[:1] != all_devices[:1]:
+        raise PlanError(
+            f"the draft model's device {all_devices[0].label} is left without layers of the target "
+            f"(the draft takes {format_size(drafted.total)} of it)",
+            hint="put the draft on this machine's CPU (--device-draft none), or add memory",
+        )
     if chosen.left_out:
         notes.append("devices without layers left out: " + ", ".join(chosen.left_out))
     if opts.tensor_split is not None:
@@ -351,6 +398,10 @@ def make_plan(
     main_gpu = opts.main_gpu if devices else 0
 
     pred = predict(profile, devices, assignment, n_ctx, opts, ngl)
+    host = pred.host
+    if drafted is not None:  # the target verifies each drafted token: one more logits row for each
+        host = replace(host, output=profile.n_vocab * target_output_rows(opts, drafted.n_max) * 4)
+        notes.append(draft_note(drafted, devices[0].label if devices else None))
     layers_of: list[list[int]] = [[] for _ in devices]
     for il, dev in enumerate(assignment):
         if dev is not None:
@@ -372,6 +423,16 @@ def make_plan(
         shortfall = max(0, -planned[binding].memory.headroom)
     else:
         binding, shortfall = None, 0
+    if drafted is not None and drafted.device == "none" and draft is not None and draft.host_available:
+        # this machine holds the target's host part and the whole draft: its available memory bounds them
+        host_need = host.total + drafted.total + opts.margin
+        if host_need > draft.host_available and shortfall == 0:
+            binding, shortfall = None, host_need - draft.host_available
+            notes.append(
+                f"this machine needs {format_size(host.total + drafted.total)} (the target's host part and "
+                f"the draft) plus a margin of {format_size(opts.margin)} but has "
+                f"{format_size(draft.host_available)} available"
+            )
     cap = context_cap(profile, n_ctx, opts)
     start = max(profile.n_ctx_train, n_ctx, CTX_PAD)
     known = n_ctx if shortfall == 0 and n_ctx % CTX_PAD == 0 else 0
@@ -412,10 +473,11 @@ def make_plan(
         main_gpu=main_gpu,
         n_ctx=n_ctx,
         pipeline_parallel=pred.pipeline_parallel,
-        host=pred.host,
+        host=host,
         fit=fit,
         options=replace(
             opts, tensor_split=tuple(opts.tensor_split) if opts.tensor_split is not None else None
         ),
         notes=tuple(notes),
+        draft=drafted,
     )
