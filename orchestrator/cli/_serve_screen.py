@@ -43,6 +43,11 @@ class ServeScreen:
                 f"({escape(', '.join(one.choice.endpoints))}), llama-server with "
                 f"{one.model.options.parallel} slot(s)"
             )
+            if one.plan.draft is not None:
+                from orchestrator.planning.draft import draft_note
+
+                first = one.plan.devices[0].label if one.plan.devices else None
+                self.say(f"    {escape(draft_note(one.plan.draft, first))}")
 
     def loaded(self, loaded: Any) -> None:
         self.bars.finish()

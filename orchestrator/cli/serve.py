@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
 def serve_request(args: argparse.Namespace) -> ServeRequest:
     """serve's flags as the typed request, read once: the keys, the planning, the limits, and the socket
     (bound last, before the fleet is probed or a model loaded)."""
-    from orchestrator.workflows.serve import ServeRequest
+    from orchestrator.workflows.serve import ServeRequest, SpeculativeRequest
 
     api_key = _inputs.listen_key_of(args, "it")
     admin_key = _inputs.admin_key_of(args, api_key)
@@ -67,6 +67,7 @@ def serve_request(args: argparse.Namespace) -> ServeRequest:
         limits=serve_config(vars(args)),
         reload_rolling=args.reload_rolling,
         observe_interval=args.observe_interval,
+        draft=SpeculativeRequest(args.draft, args.draft_max, args.draft_min, args.device_draft),
     )
 
 

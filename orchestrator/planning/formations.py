@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from orchestrator.core.errors import PlanError, ProbeError
 from orchestrator.inventory.model import Host
+from orchestrator.planning.draft import DraftModel
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile
@@ -195,7 +196,8 @@ def next_group(
 @dataclass(frozen=True)
 class ServedModel:
     """One model to serve: its file, API id, plan options (context, --parallel...), the formations asked
-    (`replicas` None: auto; `split`) and the servers it may use (None: every selected one)."""
+    (`replicas` None: auto; `split`), the servers it may use (None: every selected one) and its draft
+    model for speculative decoding (planned in each formation's memory)."""
 
     path: str
     name: str
@@ -206,6 +208,7 @@ class ServedModel:
     endpoints: tuple[str, ...] | None = None
     on_demand: bool = False  # loaded by its first request (one formation), not at start
     idle_unload: float | None = None  # seconds idle before an on-demand model is unloaded (None: never)
+    draft: DraftModel | None = None
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,7 @@ def form(
                     order_devices(chosen, local_gpus if local else (), local_devices if local else []),
                     served.profile,
                     served.options,
+                    served.draft,
                 )
             except (PlanError, ProbeError):
                 plan = None

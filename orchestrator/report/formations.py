@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.core.units import format_size
+from orchestrator.planning.draft import draft_note
 from orchestrator.planning.formations import Formations
 from orchestrator.planning.plan import largest_ctx_text
 
@@ -20,6 +21,8 @@ def formations_lines(formations: Formations) -> list[str]:
             f"n_ctx {plan.n_ctx} x {plan.options.parallel} sequence(s) · headroom {format_size(headroom)} · "
             f"{largest_ctx_text(plan.fit)}"
         )
+        if plan.draft is not None:
+            lines.append(f"    {draft_note(plan.draft, plan.devices[0].label if plan.devices else None)}")
     lines.append(f"spares: {', '.join(h.endpoint for h in formations.spares) or 'none'}")
     return lines
 

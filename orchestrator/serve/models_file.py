@@ -15,6 +15,8 @@ out; errors name the file and line).
 An on-demand model is loaded by the first request that names it, on the nodes that are free (or that an
 idle on-demand model frees: `serve.on_demand`); without `idle_unload` it stays loaded until another
 model needs its nodes.
+        draft: /models/gemma-3-270m.gguf   # a draft model for speculative decoding (default: serve's --draft)
+        draft-max: 4                       # --draft-max, --draft-min, --device-draft (default: serve's)
 
 A list of such entries at the top level is read the same.
 """
@@ -29,9 +31,11 @@ import yaml
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.yamlsource import Source, compose, did_you_mean, node_kind, node_value
+from orchestrator.planning.settings import DRAFT_DEVICES
 
 KEYS = ("model", "name", "context", "parallel", "replicas", "hosts", "groups", "load", "idle_unload")
 LOADS = ("always", "on-demand")
+DRAFT_KEYS = ("draft", "draft-max", "draft-min", "device-draft")  # speculative decoding (serve's --draft...)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,10 @@ class ModelEntry:
     line: int | None = None  # where it is declared
     on_demand: bool = False  # `load: on-demand`: loaded by its first request, not at start
     idle_unload: float | None = None  # seconds without a request before an on-demand model is unloaded
+    draft: Path | None = None  # its draft model (relative to the file, as `model`)
+    draft_max: int | None = None
+    draft_min: int | None = None
+    device_draft: str | None = None
 
 
 def replicas_value(value: object) -> str | int:
@@ -97,9 +105,10 @@ def _entry(item: yaml.Node, source: Source, path: Path) -> ModelEntry:
     values: dict[str, object] = {}
     for key_node, value_node in item.value:
         key = node_value(key_node)
-        if key not in KEYS:
+        if key not in KEYS + DRAFT_KEYS:
+            known = KEYS + DRAFT_KEYS
             raise UsageError(
-                f"unknown key {key!r}{did_you_mean(key, KEYS)} (known: {', '.join(KEYS)})",
+                f"unknown key {key!r}{did_you_mean(key, known)} (known: {', '.join(known)})",
                 source.node(key_node),
             )
         try:
@@ -115,9 +124,8 @@ def _entry(item: yaml.Node, source: Source, path: Path) -> ModelEntry:
         raise UsageError(
             "an on-demand model is loaded as one formation: leave out replicas (or give 1)", source.node(item)
         )
-    model = Path(str(values["model"])).expanduser()
-    if not model.is_absolute():  # relative to the file, as a playbook's paths are
-        model = path.parent / model
+    model, draft = (_path(values[key], path) if key in values else None for key in ("model", "draft"))
+    assert model is not None
     hosts = [str(values["hosts"])] if "hosts" in values else []
     groups = values.get("groups")
     if isinstance(groups, tuple):
@@ -132,11 +140,21 @@ def _entry(item: yaml.Node, source: Source, path: Path) -> ModelEntry:
         line=item.start_mark.line + 1,
         on_demand=on_demand,
         idle_unload=values.get("idle_unload"),  # type: ignore[arg-type]
+        draft=draft,
+        draft_max=values.get("draft-max"),  # type: ignore[arg-type]
+        draft_min=values.get("draft-min"),  # type: ignore[arg-type]
+        device_draft=values.get("device-draft"),  # type: ignore[arg-type]
     )
 
 
+def _path(value: object, path: Path) -> Path:
+    """A file named in the models file: relative to the file, as a playbook's paths are."""
+    named = Path(str(value)).expanduser()
+    return named if named.is_absolute() else path.parent / named
+
+
 def _field(key: str, value: object) -> object:
-    if key in ("model", "name", "hosts"):
+    if key in ("model", "name", "hosts", "draft"):
         text = fields.text(value)
         if not text.strip():
             raise ValueError("is empty")
@@ -151,6 +169,10 @@ def _field(key: str, value: object) -> object:
         return fields.choice(LOADS, {"on_demand": "on-demand", "ondemand": "on-demand"})(value)
     if key == "idle_unload":
         return fields.duration(value)
+    if key in ("draft-max", "draft-min"):
+        return fields.integer(minimum=1 if key == "draft-max" else 0, maximum=256)(value)
+    if key == "device-draft":
+        return fields.choice(DRAFT_DEVICES)(value)
     if isinstance(value, str):  # groups: one name or a list
         return (value,)
     return fields.list_of(fields.text)(value)

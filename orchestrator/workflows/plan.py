@@ -14,6 +14,7 @@ from orchestrator.engine.executor import Session
 from orchestrator.engine.runtime import run_once
 from orchestrator.inventory.model import Host
 from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.draft import DraftModel
 from orchestrator.planning.formations import FormationError, Formations, ServedModel, form
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
@@ -105,6 +106,7 @@ async def plan_for_fleet(
     failed: Literal["raise", "skip"] = "raise",
     fleet: FleetProbe | None = None,
     words: FitWords = CLI_WORDS,
+    draft: DraftModel | None = None,
 ) -> PlanRound:
     """Probe `hosts` (or take `fleet`, a probe already made), plan `profile` on their devices, and judge
     the fit (`fit.misfit_error` in the front end's `words`).
@@ -122,7 +124,7 @@ async def plan_for_fleet(
         devices = ordered_devices(fleet, failed=failed, local_devices=local_devices, local_gpus=local_gpus)
         if failed == "skip" and not devices:
             return PlanRound(None, states, probed - started, 0.0, "no node answers", fleet)
-        plan = make_plan(devices, profile, options)
+        plan = make_plan(devices, profile, options, draft)
     except (PlanError, ProbeError) as exc:
         if failed == "raise":
             raise

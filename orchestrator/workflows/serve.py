@@ -26,10 +26,13 @@ from orchestrator.core.log import get_logger
 from orchestrator.core.poll import poll_async
 from orchestrator.engine.children import socket_access_denied
 from orchestrator.engine.runtime import run_once
+from orchestrator.facts.system import parse_meminfo
 from orchestrator.inventory.model import Host, Inventory, select_servers
 from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.draft import DraftModel, vocab_mismatch
 from orchestrator.planning.formations import Formations, Formed, ServedModel
-from orchestrator.planning.profile import ModelProfile, profile_model
+from orchestrator.planning.profile import ModelProfile, profile_model, read_vocab
+from orchestrator.planning.settings import DRAFT_DEVICES, DRAFT_N_MAX, DRAFT_N_MIN
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineFactory, default_engines
 from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
@@ -75,6 +78,18 @@ class ServeRequest:
     limits: ServeConfig = field(default_factory=ServeConfig)
     reload_rolling: bool = False
     observe_interval: float = 15.0
+    draft: SpeculativeRequest | None = None  # --draft: each model's draft unless its entry names one
+
+
+@dataclass(frozen=True)
+class SpeculativeRequest:
+    """serve's speculative decoding flags: the draft model (None: none unless a models-file entry names
+    one), llama-server's draft lengths, and where the draft goes ("none": this machine's CPU)."""
+
+    draft: Path | None = None
+    n_max: int = DRAFT_N_MAX
+    n_min: int = DRAFT_N_MIN
+    device: str = DRAFT_DEVICES[0]
 
 
 @dataclass(frozen=True)
@@ -156,12 +171,13 @@ def serve_fleet(request: ServeRequest, events: ServeEvents) -> ServeOutcome:
     entries = read_models(request)
     ring = read_keys(request, [entry.name or entry.model.stem for entry in entries], events)
     profiles, templates = read_profiles(request, entries)
+    drafts = read_drafts(request, entries)
     inventory, hosts = request.hosts()
     if not hosts:
         raise UsageError("no hosts selected")
     served = [
-        served_model(request, inventory, hosts, entry, profile)
-        for entry, profile in zip(entries, profiles, strict=True)
+        dataclasses.replace(served_model(request, inventory, hosts, entry, profile), draft=draft)
+        for entry, profile, draft in zip(entries, profiles, drafts, strict=True)
     ]
     whole = ServeFleet(
         hosts,
@@ -276,6 +292,7 @@ async def life(
                 spares=spares,
                 borrowed=[],
                 _profile=one.model.profile,
+                draft=one.model.draft,
             )
             backend = Backend(
                 fleet,
@@ -359,6 +376,52 @@ def read_profiles(
             raise UsageError(f"{where}{exc.message}") from None
         templates.append(model_chat_template(entry.model, request.chat_template))  # bad: exit 2
     return profiles, templates
+
+
+def read_drafts(request: ServeRequest, entries: Sequence[ModelEntry]) -> list[DraftModel | None]:
+    """Each model's draft for speculative decoding (its entry's `draft:`, else --draft; None: none), read
+    before the probe: a draft that is no GGUF, or whose vocabulary llama-server would refuse for its model
+    ("the target and draft vocabs are not compatible": it would start and never speculate), is exit 2
+    naming it. A draft on this machine's CPU is planned against its available memory."""
+    flags = request.draft or SpeculativeRequest()
+    drafts: list[DraftModel | None] = []
+    available: int | None = None
+    for entry in entries:
+        path = entry.draft or flags.draft
+        if path is None:
+            drafts.append(None)
+            continue
+        where = f"{request.models_file}:{entry.line}: " if entry.line is not None else ""
+        if not path.is_file():
+            what = "does not exist" if not path.exists() else "is not a file"
+            raise UsageError(f"{where}draft model {path} {what}")
+        try:
+            profile = profile_model(path)
+            mismatch = vocab_mismatch(read_vocab(entry.model), read_vocab(path))
+        except InputError as exc:  # not a GGUF, or one rpcfleet cannot read
+            raise UsageError(f"{where}draft model {exc.message}") from None
+        if mismatch is not None:
+            raise UsageError(
+                f"{where}draft model {path} cannot draft for {entry.model}: {mismatch}",
+                hint="llama-server speculates only with a draft of the model's own vocabulary",
+            )
+        n_max = entry.draft_max if entry.draft_max is not None else flags.n_max
+        n_min = entry.draft_min if entry.draft_min is not None else flags.n_min
+        if n_min > n_max:
+            raise UsageError(f"{where}--draft-min {n_min} is more than --draft-max {n_max}")
+        device = entry.device_draft or flags.device
+        if device == "none" and available is None:
+            available = host_available()
+        drafts.append(DraftModel(profile, device, n_max, n_min, available))
+    return drafts
+
+
+def host_available() -> int | None:
+    """This machine's available memory (MemAvailable), None when it cannot be read."""
+    try:
+        return parse_meminfo(Path("/proc/meminfo").read_text()).get("MemAvailable")
+    except OSError:
+        return None
 
 
 def served_model(

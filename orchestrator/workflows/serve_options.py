@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.core import fields
+from orchestrator.planning import settings as planning_settings
 from orchestrator.serve import settings
 from orchestrator.workflows.options import PARALLEL, PLAN_OPTIONS, PROBE_OPTIONS, Option
 
@@ -75,7 +76,8 @@ MODELS = Option(
     ("--models",),
     Path,
     None,
-    "a YAML file of models to serve (model, name, context, parallel, replicas, hosts, groups, load, idle_unload)",
+    "a YAML file of models to serve (model, name, context, parallel, replicas, hosts, groups, load, "
+    "idle_unload, draft...)",
     metavar="FILE",
 )
 REPLICAS = Option(
@@ -133,6 +135,44 @@ CHAT_TEMPLATE = Option(
     "the chat format: one of llama-server's template names (gemma, chatml, llama3...) or a jinja file "
     "(default: the GGUF's template; without one, its architecture's known template)",
     metavar="NAME|FILE",
+)
+# Speculative decoding (llama-server's --spec-type draft-simple): a draft model planned in each formation.
+DRAFT = Option(
+    "draft",
+    ("--draft", "--model-draft", "-md", "--spec-draft-model"),
+    Path,
+    None,
+    "a draft model for speculative decoding (llama-server's --spec-draft-model): a small GGUF with the "
+    "model's vocabulary, planned in each formation's memory, its own KV and compute included",
+    metavar="FILE",
+)
+DRAFT_MAX = Option(
+    "draft_max",
+    ("--draft-max", "--spec-draft-n-max"),
+    fields.integer(minimum=1, maximum=256),
+    planning_settings.DRAFT_N_MAX,
+    f"tokens the draft proposes at most per step (llama-server's --spec-draft-n-max; default: "
+    f"{planning_settings.DRAFT_N_MAX})",
+    metavar="N",
+)
+DRAFT_MIN = Option(
+    "draft_min",
+    ("--draft-min", "--spec-draft-n-min"),
+    fields.integer(minimum=0, maximum=256),
+    planning_settings.DRAFT_N_MIN,
+    f"fewest drafted tokens worth verifying (llama-server's --spec-draft-n-min; default: "
+    f"{planning_settings.DRAFT_N_MIN})",
+    metavar="N",
+)
+DEVICE_DRAFT = Option(
+    "device_draft",
+    ("--device-draft", "--spec-draft-device", "-devd"),
+    fields.choice(planning_settings.DRAFT_DEVICES),
+    planning_settings.DRAFT_DEVICES[0],
+    "where the draft runs: none = this machine's CPU (llama-server's word: not offloaded; checked "
+    "against its available memory), first = the formation's first device (taken from its memory before "
+    "the model's layers are placed) (default: none)",
+    choices=planning_settings.DRAFT_DEVICES,
 )
 QUEUE = Option(
     "queue",
@@ -221,6 +261,10 @@ OWN_OPTIONS = (
     KEYS,
     MODEL_NAME,
     CHAT_TEMPLATE,
+    DRAFT,
+    DRAFT_MAX,
+    DRAFT_MIN,
+    DEVICE_DRAFT,
     QUEUE,
     QUEUE_TIMEOUT,
     RECOVER_TIMEOUT,

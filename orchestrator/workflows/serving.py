@@ -25,6 +25,7 @@ from orchestrator.llama.worker.parent import list_local_gpus
 from orchestrator.operations.layer import OperationOptions
 from orchestrator.operations.restart import make_restart_step
 from orchestrator.planning.devices import to_plan_devices
+from orchestrator.planning.draft import DraftModel
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.probe.fleet import FleetProbe
@@ -91,6 +92,7 @@ class ServeFleet:
     # The connections every formation's rounds share (copies of a fleet share its session).
     shared: SharedSession | None = None
     _profile: ModelProfile | None = None
+    draft: DraftModel | None = None  # speculative decoding's draft, planned with the model each round
     _local_gpus: list[PlanDevice] | None = None
 
     def __post_init__(self) -> None:
@@ -153,6 +155,7 @@ class ServeFleet:
             failed="skip",
             words=SERVE_WORDS,
             session=self.session,
+            draft=self.draft,
         )
         assert self.shared is not None
         await self.shared.settle(self.hosts, round_.states)
