@@ -277,9 +277,10 @@ def form(
         key = (model, endpoints)
         if key not in verdicts:  # the verdict alone: the whole plan only for the groups chosen
             chosen = [d for d in devices if d.endpoint in endpoints]
+            served = by_name[model]
             try:
                 verdicts[key] = plan_fits(
-                    order_devices(chosen, (), []), by_name[model].profile, by_name[model].options
+                    order_devices(chosen, (), []), served.profile, served.options, served.draft
                 )
             except ProbeError:
                 verdicts[key] = False
