@@ -10,7 +10,8 @@ backends less the CPU; the planner refuses more), so 64 devices are a fleet's, p
   the devices, so that every device takes layers), n_ctx 8192;
 - **formations**: `planning.formations.form` (`--replicas auto`, what `plan --replicas auto` and serve
   decide) on 2, 4, 8, 16, 32 and 64 nodes, each the smallest size (in 10% steps from 0.6x of what one
-  device would need) on which the model needs two: the fleet makes n/2 formations, each planned.
+  device would need) on which the model needs two: the fleet makes n/2 formations, each with its plan
+  (groups of equal nodes share one, renamed: `planning.formations.form`).
 The device counts are measured in turns (all of them, then again) so that a busy moment of the machine
 falls on every point; each point is the median of `--runs`, with its p95.
 
@@ -155,7 +156,7 @@ def main() -> None:
             *form_rows,
             "",
             f"At 64 nodes the formations' planning made {', '.join(map(str, at_64))} formation(s) per "
-            f"family (each planned). Target: every family under {ms(TARGET)} at 64 devices: **{verdict}** "
+            f"family, each with its plan. Target: every family under {ms(TARGET)} at 64 devices: **{verdict}** "
             f"(worst p95 {ms(worst)}; one plan at 15 devices: worst p95 {ms(one_worst)}). Shapes (log-log "
             f"slope; flat < {FLAT}, linear <= {LINEAR}): one plan "
             + ", ".join(f"{name} {s}" for name, s in one_shapes.items())

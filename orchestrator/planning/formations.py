@@ -251,21 +251,28 @@ def form(
     left over; FormationError when a model gets none (or fewer than its --replicas)."""
     by_name = {m.name: m for m in models}
     plans: dict[tuple[str, tuple[str, ...]], Plan | None] = {}
+    # a plan made for devices like these (in order, but for their names): equal nodes plan alike
+    alike: dict[tuple[str, tuple[object, ...]], tuple[Plan | None, list[PlanDevice]]] = {}
 
     def plan_of(model: str, endpoints: tuple[str, ...], local: bool = False) -> Plan | None:
         key = (model, endpoints)
         if key not in plans or local:
             served = by_name[model]
             chosen = [d for d in devices if d.endpoint in endpoints]
-            try:
-                plan = make_plan(
-                    order_devices(chosen, local_gpus if local else (), local_devices if local else []),
-                    served.profile,
-                    served.options,
-                    served.draft,
-                )
-            except (PlanError, ProbeError):
-                plan = None
+            ordered = order_devices(chosen, local_gpus if local else (), local_devices if local else [])
+            shape = (model, tuple(_unnamed(d) for d in ordered))
+            made = alike.get(shape) if not local else None
+            if made is not None and made[0] is None:
+                plan = None  # devices like these did not hold it
+            else:
+                plan = _renamed(made[0], made[1], ordered) if made is not None and made[0] else None
+                if plan is None:
+                    try:
+                        plan = make_plan(ordered, served.profile, served.options, served.draft)
+                    except (PlanError, ProbeError):
+                        plan = None
+                    if not local:
+                        alike[shape] = (plan, list(ordered))
             if local:
                 return plan
             plans[key] = plan
@@ -316,6 +323,31 @@ def form(
     held = {h.endpoint for f in formed for h in f.hosts}
     spares = [h for h in hosts if h.endpoint not in held]
     return formed, spares
+
+
+def _unnamed(device: PlanDevice) -> tuple[object, ...]:
+    """What of a device a plan depends on: all but its endpoint, host and description."""
+    return tuple(
+        getattr(device, f.name)
+        for f in dataclasses.fields(device)
+        if f.name not in ("endpoint", "host", "description")
+    )
+
+
+def _renamed(plan: Plan, made_for: Sequence[PlanDevice], devices: Sequence[PlanDevice]) -> Plan | None:
+    """`plan` (made for `made_for`) for the devices `devices`, alike but for their names: each planned
+    device renamed to its counterpart. None when a note names a device (planned afresh then)."""
+    names = {(d.endpoint, d.index): n for d, n in zip(made_for, devices, strict=True)}
+    labels = [d.endpoint for d in made_for if d.endpoint is not None]
+    if any(label in note for note in plan.notes for label in labels):
+        return None
+    renamed = []
+    for planned in plan.devices:
+        new = names.get((planned.endpoint, planned.index))
+        if new is None:
+            return None
+        renamed.append(dataclasses.replace(planned, endpoint=new.endpoint, description=new.description))
+    return dataclasses.replace(plan, devices=tuple(renamed))
 
 
 def grow(models: Sequence[ServedModel], hosts: Sequence[Host], devices: Sequence[PlanDevice]) -> list[Formed]:

@@ -104,3 +104,37 @@ def test_the_verdict_alone_is_the_whole_plans_verdict_from_too_small_to_roomy(
             assert fits(devices, profile, options) == whole, (n, size)
             verdicts.add(whole)
     assert verdicts == {True, False}  # both sides of the line were crossed
+
+
+def test_equal_nodes_get_the_plan_each_would_get_on_its_own(tmp_path: Path) -> None:
+    # form() plans one group of equal nodes and renames it for the next: the same as planning each afresh
+    from orchestrator.models.synth import write_sparse_70b_header
+    from orchestrator.planning.layer_assignment import order_devices
+    from orchestrator.planning.strategy import fits, make_plan
+
+    profile = profile_model(write_sparse_70b_header(tmp_path / "70b.gguf"))  # large: it needs two nodes
+    options = PlanOptions(n_ctx=4096)
+    endpoints = [f"10.0.0.{i}:50052" for i in range(8)]
+
+    def smallest(n: int) -> int:  # the smallest node size on which n nodes hold it
+        low, high = 1 << 20, 64 * GiB
+        while high - low > 1 << 20:
+            mid = (low + high) // 2
+            low, high = (
+                (low, mid) if fits(plan_devices(endpoints[:n], [mid] * n), profile, options) else (mid, high)
+            )
+        return high
+
+    size = smallest(2)
+    assert size < smallest(1)  # on nodes of this size it needs two
+    devices = plan_devices(endpoints, [size] * 8)
+    hosts = [Host(name=f"n{i}", address=f"10.0.0.{i}", rpc_port=50052) for i in range(8)]
+    formed, spares = form([ServedModel(str(profile.path), "big", profile, options)], hosts, devices)
+    assert len(formed) == 4 and not spares
+    for one in formed:
+        alone = make_plan(
+            order_devices([d for d in devices if d.endpoint in one.choice.endpoints], (), []),
+            profile,
+            options,
+        )
+        assert one.plan == alone and one.plan.endpoints == one.choice.endpoints
