@@ -156,9 +156,9 @@ def main() -> None:
             *form_rows,
             "",
             f"At 64 nodes the formations' planning made {', '.join(map(str, at_64))} formation(s) per "
-            f"family, each with its plan. Target: every family under {ms(TARGET)} at 64 devices: **{verdict}** "
-            f"(worst p95 {ms(worst)}; one plan at 15 devices: worst p95 {ms(one_worst)}). Shapes (log-log "
-            f"slope; flat < {FLAT}, linear <= {LINEAR}): one plan "
+            f"family, each with its plan. Target: every family under {ms(TARGET)} at 64 devices: "
+            f"**{verdict}** (worst p95 {ms(worst)}; one plan at 15 devices: worst p95 {ms(one_worst)}). "
+            f"Shapes (log-log slope; flat < {FLAT}, linear <= {LINEAR}): one plan "
             + ", ".join(f"{name} {s}" for name, s in one_shapes.items())
             + "; formations "
             + ", ".join(f"{name} {s}" for name, s in form_shapes.items())
