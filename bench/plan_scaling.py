@@ -6,8 +6,8 @@
 Each family's tiny model (`rpcfleet model synth --arch FAMILY`) and the 70B-class sparse header (80 layers,
 723 tensors) are profiled once. One engine takes at most 15 RPC devices (llama.cpp's 16 scheduler
 backends less the CPU; the planner refuses more), so 64 devices are a fleet's, planned as formations:
-- **one plan**: `make_plan` on 2, 4, 8 and 15 devices of equal size (each 1.5x the model's bytes over
-  the devices, so that every device takes layers), n_ctx 8192;
+- **one plan**: `make_plan` on 2, 4, 8 and 15 devices of equal size (each twice the model's bytes over
+  the devices and 1 GiB, so that every device takes layers and the model fits), n_ctx 8192;
 - **formations**: `planning.formations.form` (`--replicas auto`, what `plan --replicas auto` and serve
   decide) on 2, 4, 8, 16, 32 and 64 nodes, each the smallest size (in 10% steps from 0.6x of what one
   device would need) on which the model needs two: the fleet makes n/2 formations, each with its plan
@@ -122,10 +122,11 @@ def main() -> None:
     for _ in range(args.runs):
         for n in ONE_PLAN:  # in turns: a busy moment falls on every point
             for name, profile in models.items():
-                fleet = devices(n, profile.total_bytes * 3 // (2 * n) + (256 << 20))
+                fleet = devices(n, profile.total_bytes * 2 // n + (1 << 30))
                 started = time.perf_counter()
-                make_plan(fleet, profile, options)
+                plan = make_plan(fleet, profile, options)
                 plans.setdefault((name, n), []).append(time.perf_counter() - started)
+                assert plan.fit.fits, (name, n)  # a plan that does not fit also searches its largest context
         for n in FORMATIONS:
             for name, profile in models.items():
                 fleet = devices(n, sizes[name])

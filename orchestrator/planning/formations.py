@@ -278,20 +278,18 @@ def form(
             plans[key] = plan
         return plans[key]
 
-    verdicts: dict[tuple[str, tuple[str, ...]], bool] = {}
+    verdicts: dict[tuple[str, tuple[object, ...]], bool] = {}
 
     def fits(model: str, endpoints: tuple[str, ...]) -> bool:
-        key = (model, endpoints)
-        if key not in verdicts:  # the verdict alone: the whole plan only for the groups chosen
-            chosen = [d for d in devices if d.endpoint in endpoints]
-            served = by_name[model]
+        served = by_name[model]
+        ordered = order_devices([d for d in devices if d.endpoint in endpoints], (), [])
+        shape = (model, tuple(_unnamed(d) for d in ordered))  # equal nodes: one verdict
+        if shape not in verdicts:  # the verdict alone: the whole plan only for the groups chosen
             try:
-                verdicts[key] = plan_fits(
-                    order_devices(chosen, (), []), served.profile, served.options, served.draft
-                )
+                verdicts[shape] = plan_fits(ordered, served.profile, served.options, served.draft)
             except ProbeError:
-                verdicts[key] = False
-        return verdicts[key]
+                verdicts[shape] = False
+        return verdicts[shape]
 
     wants = [Want(m.name, m.replicas, m.split, m.endpoints) for m in models]
     choices = choose(wants, nodes_of(devices), fits)
