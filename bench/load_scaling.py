@@ -1,0 +1,171 @@
+"""Benchmark: load and warm as the fleet grows: 1, 3 and 6 nodes, a 250 MB model and a 2 GB one, at
+1 Gbit/s and 10 Gbit/s links.
+
+    .venv/bin/python bench/load_scaling.py            # print the curves (needs root: network namespaces)
+    .venv/bin/python bench/load_scaling.py --write    # and replace its section of BENCHMARKS.md
+
+For each node count, one lab (real OpenSSH, CPU `ggml-rpc-server`s); the models: the real Gemma 3 270M
+(Q4_K_M, fetched by set-up) and a generated f16 llama of about 2 GB. For each model and link rate (`tc
+tbf` on both ends of every node's link, as bench/load.py):
+- **wire limits**, measured in the same run by plain TCP over the same path (bench/load.py's
+  `wire_limits`): the plan's bytes one node after the other, and to all nodes at once;
+- **load without a cache** (servers without `-c`): a fresh worker's load phase;
+- **warm**: `cache warm` of the emptied caches, all nodes in parallel (servers with `-c`), then the
+  **warm load** (every big tensor a hit).
+Each figure is one measurement (a lab per node count; the rates alternate inside it).
+
+Verdicts, computed per curve (time over nodes, log-log slope from 1 to 6 nodes): flat within +-0.3,
+falls below (more nodes, less time: each node's share shrinks), grows above; and each point against its
+measured limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import arg_parser, load_average, stamp, write_section
+from load import cache_op, deploy, make_lab_plan, shape, timed_load, wire_limits
+
+from orchestrator.caches.plan import plan_cache
+from orchestrator.caches.prep import warm_items
+from orchestrator.inventory.load import load_inventory
+from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
+from orchestrator.lab.netns import privileged
+from orchestrator.llama.worker.load_progress import planned_bytes
+from orchestrator.models.catalogue import CATALOGUE, cached_path, is_fetched
+from orchestrator.models.synth import write_tiny_llama
+from orchestrator.operations.cache import cache_step, warm_step
+from orchestrator.operations.layer import OperationOptions
+
+SECTION = "load scaling"
+LAB_NAME = "bscale"
+NODES = (1, 3, 6)
+RATES = ("1gbit", "10gbit")
+BIG: dict[str, Any] = {"n_layer": 8, "n_embd": 3072, "n_head": 24, "n_head_kv": 24, "n_ff": 8192, "seed": 9}
+FLAT = 0.3
+
+
+@dataclasses.dataclass
+class Point:
+    wire: float  # one node after the other
+    wire_parallel: float  # all at once
+    no_cache: float = 0.0
+    warm: float = 0.0
+    warm_load: float = 0.0
+
+
+def trend(slope: float) -> str:
+    if slope < -FLAT:
+        return "falls"
+    return "flat" if slope <= FLAT else "grows"
+
+
+def measure(nodes: int, models: dict[str, Path], rates: tuple[str, ...]) -> dict[tuple[str, str], Point]:
+    lab = lab_up(nodes, name=LAB_NAME, owner_pid=os.getpid())
+    points: dict[tuple[str, str], Point] = {}
+    options = OperationOptions()
+    try:
+        base = list(load_inventory(lab.inventory).hosts)
+        plain = [dataclasses.replace(h, rpc_cache=False) for h in base]
+        cached = [dataclasses.replace(h, rpc_cache=True) for h in base]
+        asyncio.run(deploy(plain))
+        plans = {name: asyncio.run(make_lab_plan(plain, path)) for name, path in models.items()}
+        for name, path in models.items():
+            for rate in rates:
+                shape(lab, rate, None)
+                wire, parallel = wire_limits(lab, planned_bytes(plans[name]))
+                points[(name, rate)] = Point(wire, parallel, no_cache=timed_load(plans[name], path))
+        asyncio.run(deploy(cached))
+        for name, path in models.items():
+            items = warm_items(plan_cache(plans[name], [path]), cached)
+            for rate in rates:
+                shape(lab, rate, None)
+                asyncio.run(cache_op(cached, cache_step("clear", options)))
+                started = time.monotonic()
+                asyncio.run(cache_op(cached, warm_step(items, options)))
+                points[(name, rate)].warm = time.monotonic() - started
+                points[(name, rate)].warm_load = timed_load(plans[name], path)
+    finally:
+        lab_down(LAB_NAME)
+    return points
+
+
+def main() -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--big", type=Path, default=Path("/tmp/rpcfleet-bench-load/big.gguf"))
+    parser.add_argument("--nodes", default=",".join(map(str, NODES)), help="node counts (default 1,3,6)")
+    args = parser.parse_args()
+    if not privileged():
+        print("bench/load_scaling.py needs root (network namespaces)", file=sys.stderr)
+        return 2
+    gemma = CATALOGUE["gemma3-270m"]
+    if not is_fetched(gemma):
+        print("the real Gemma is not fetched: rpcfleet model fetch gemma3-270m", file=sys.stderr)
+        return 2
+    if not args.big.exists():
+        args.big.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_llama(args.big, **BIG)
+    models = {"Gemma 3 270M": cached_path(gemma), "f16 llama": args.big}
+    sizes = {name: path.stat().st_size for name, path in models.items()}
+    counts = tuple(int(n) for n in args.nodes.split(","))
+    reap_stale()
+    load = load_average()
+    results = {n: measure(n, models, RATES) for n in counts}
+
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"`bench/load_scaling.py`, {stamp()}; load average {load:.2f} at the start. One lab per node count "
+        f"(CPU servers, real sshd), links shaped with tbf; models: "
+        + ", ".join(f"{name} ({size / 1e6:.0f} MB)" for name, size in sizes.items())
+        + ". Seconds; in brackets the time over the wire limit measured in the same run (plain TCP, the "
+        "same bytes and path: one node after the other for a load, all at once for a warm).",
+        "",
+        "| model | link | nodes | wire limit (one at a time / all at once) | load without a cache | warm, "
+        "all nodes in parallel | warm load |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for name in models:
+        for rate in RATES:
+            for n in counts:
+                p = results[n][(name, rate)]
+                lines.append(
+                    f"| {name} | {rate} | {n} | {p.wire:.2f} / {p.wire_parallel:.2f} | {p.no_cache:.2f} "
+                    f"({p.no_cache / p.wire:.2f}x) | {p.warm:.2f} ({p.warm / p.wire_parallel:.2f}x) | "
+                    f"{p.warm_load:.2f} |"
+                )
+            if len(counts) > 1:
+                first, last = results[counts[0]][(name, rate)], results[counts[-1]][(name, rate)]
+                span = math.log(counts[-1] / counts[0])
+                shapes = {
+                    what: trend(math.log(getattr(last, what) / getattr(first, what)) / span)
+                    for what in ("no_cache", "warm", "warm_load")
+                }
+                verdicts.append(
+                    f"{name} at {rate}: load without a cache {shapes['no_cache']}, warm {shapes['warm']}, "
+                    f"warm load {shapes['warm_load']}"
+                )
+    lines += [
+        "",
+        f"Shapes from {counts[0]} to {counts[-1]} nodes (log-log slope; flat within +-{FLAT}): "
+        + "; ".join(verdicts)
+        + ". A load sends one node after the other, so its wire limit stays the model's bytes over one "
+        "link; a warm fills every link at once, so its limit falls with the largest node's share.",
+    ]
+    section = "\n".join(lines)
+    print(section)
+    if args.write is not None:
+        write_section(args.write, SECTION, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
