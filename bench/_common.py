@@ -39,6 +39,19 @@ def p95(xs: Sequence[float]) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+FLAT, LINEAR = 0.3, 1.2  # log-log slopes: flat under 0.3, linear up to 1.2, worse above
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The slope of log(y) over log(x) between the first and the last point: 0 flat, 1 linear."""
+    return math.log(ys[-1] / ys[0]) / math.log(xs[-1] / xs[0])
+
+
+def shape(slope: float) -> str:
+    """A curve's shape from its log-log slope (`loglog_slope`)."""
+    return "flat" if slope < FLAT else "linear" if slope <= LINEAR else "worse than linear"
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 

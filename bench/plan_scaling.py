@@ -23,12 +23,23 @@ under 0.3, linear up to 1.2, worse above.
 from __future__ import annotations
 
 import contextlib
-import math
 import tempfile
 import time
 from pathlib import Path
 
-from _common import arg_parser, load_average, median, ms, p95, stamp, write_section
+from _common import (
+    FLAT,
+    LINEAR,
+    arg_parser,
+    load_average,
+    loglog_slope,
+    median,
+    ms,
+    p95,
+    shape,
+    stamp,
+    write_section,
+)
 
 from orchestrator.core.log import configure_logging
 
@@ -48,7 +59,6 @@ ONE_PLAN = (2, 4, 8, 15)
 FORMATIONS = (2, 4, 8, 16, 32, 64)
 N_CTX = 8192
 TARGET = 0.050  # seconds at 64 devices
-FLAT, LINEAR = 0.3, 1.2  # log-log slopes
 MARGIN = 256 << 20  # the planner's default margin per device
 
 
@@ -79,10 +89,6 @@ def two_node_size(profile: ModelProfile, options: PlanOptions) -> int:
     return needed + (64 << 20)
 
 
-def shape(slope: float) -> str:
-    return "flat" if slope < FLAT else "linear" if slope <= LINEAR else "worse than linear"
-
-
 def curve(
     title: str, counts: tuple[int, ...], times: dict[tuple[str, int], list[float]], names: list[str]
 ) -> tuple[list[str], dict[str, str], float]:
@@ -93,7 +99,7 @@ def curve(
     worst = 0.0
     for name in names:
         medians = [median(times[(name, n)]) for n in counts]
-        slope = math.log(medians[-1] / medians[0]) / math.log(counts[-1] / counts[0])
+        slope = loglog_slope(counts, medians)
         shapes[name] = shape(slope)
         last = p95(times[(name, counts[-1])])
         worst = max(worst, last)
