@@ -13,17 +13,30 @@ For each length (`--tokens`), alternating rounds (streamed, not streamed, ...; `
   (B) not streamed: `Done` only.
 tokens/s: completion tokens over the wall time from the request to `Done` (the caller's clock), and
 llama.cpp's own decoding speed (tokens evaluated / eval time). Both must stay flat as n grows (linear time).
+
+Target, computed: linear time, streamed and not: the log-log slope of the wall time over the tokens
+(first to last length) at most 1.2 (`_common.shape`: flat under 0.3, linear up to 1.2, worse above).
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import arg_parser, load_average, median, ms, servers, stamp, write_section
+from _common import (
+    LINEAR,
+    arg_parser,
+    load_average,
+    loglog_slope,
+    median,
+    ms,
+    servers,
+    shape,
+    stamp,
+    write_section,
+)
 
 from orchestrator.core.log import configure_logging
 
@@ -84,8 +97,8 @@ def main() -> None:
             with Worker.start(plan, model, {"seed": 0}, folder / "worker.log") as worker:
                 one(worker, 1, False)  # the prompt's first evaluation, out of the rounds
                 for n in lengths:
-                    for _ in range(args.rounds):
-                        for stream in (True, False):
+                    for i in range(args.rounds):
+                        for stream in (True, False) if i % 2 == 0 else (False, True):  # alternating
                             results.setdefault((n, stream), []).append(one(worker, n, stream))
     load_after = load_average()
 
@@ -101,7 +114,18 @@ def main() -> None:
             f"| {ms(med(n, True, 'first'))} | {med(n, True, 'pieces'):.0f} | {med(n, True, 'chars'):.0f} |"
         )
     kept = [med(n, stream, "kept") * 100 for n in lengths for stream in (True, False)]
-    busy = load_before > (os.cpu_count() or 1)
+    slopes = {
+        stream: loglog_slope(lengths, [n / med(n, stream, "rate") for n in lengths])
+        if len(lengths) > 1
+        else 0.0
+        for stream in (True, False)
+    }
+    met = len(lengths) > 1 and all(slope <= LINEAR for slope in slopes.values())
+    spread = [
+        max(r["rate"] for r in results[(n, stream)]) / min(r["rate"] for r in results[(n, stream)]) - 1
+        for n in lengths
+        for stream in (True, False)
+    ]
     body = "\n".join(
         [
             f"## {SECTION}",
@@ -109,12 +133,11 @@ def main() -> None:
             f"{stamp()}; load average {load_before:.2f} at the start, {load_after:.2f} at the end. "
             f"`bench/stream.py --rounds {args.rounds} --tokens {args.tokens}`: one `ggml-rpc-server` on "
             "loopback, the tests' random-weight tiny llama (4 layers, n_embd 256, 300-token vocabulary, "
-            "256 of them byte tokens), one worker, greedy; medians of alternating rounds (streamed, not "
-            "streamed). tokens/s: completion tokens over the caller's wall time from the request to "
-            "`Done`. The greedy text is mostly bytes that never complete a UTF-8 character (the "
-            "characters column against the tokens), the case where llama-cpp-python's own streaming "
-            "was cubic: before this change, 2,000 tokens streamed did not finish in 150 s (the test's "
-            "bound; hours by its count), and `rpcfleet run -n 1500` ran 20 minutes on a 6-layer model.",
+            "256 of them byte tokens), one worker, greedy; medians of alternating rounds (streamed first "
+            "in odd rounds, not streamed first in even ones). tokens/s: completion tokens over the "
+            "caller's wall time from the request to `Done`. The greedy text is mostly bytes that never "
+            "complete a UTF-8 character (the characters column against the tokens), the case where "
+            "llama-cpp-python's own streaming was cubic.",
             "",
             "| tokens | streamed (tok/s) | not streamed (tok/s) | streamed vs not | streamed, of "
             "llama.cpp's rate | not streamed, of llama.cpp's rate | first text (streamed) | pieces "
@@ -123,16 +146,14 @@ def main() -> None:
             *rows,
             "",
             "Of llama.cpp's rate: the caller's tokens/s over llama.cpp's own decoding speed in the same "
-            f"request, {min(kept):.0f}-{max(kept):.0f} % at every length, streamed or not: the time "
-            "outside decoding (detokenizing, the pipe, Python) grows with the tokens as decoding does, "
-            "linearly. Streaming costs one JSON line per piece of text on the worker's pipe."
-            + (
-                f" The machine was busy (load average {load_before:.1f} on {os.cpu_count()} cores, other "
-                "test runs): the tokens/s columns swing by tens of percent from one request to the next "
-                "(llama.cpp's own rate with them); the ratio to llama.cpp's rate is the steadier figure."
-                if busy
-                else ""
-            ),
+            f"request, {min(kept):.0f}-{max(kept):.0f} % at every length, streamed or not. Streaming costs "
+            "one JSON line per piece of text on the worker's pipe. The rounds of one length and mode "
+            f"spread by up to {max(spread) * 100:.0f} % in tokens/s (largest over smallest).",
+            "",
+            f"Target (linear time: the wall time's log-log slope over the tokens, {lengths[0]} to "
+            f"{lengths[-1]}, at most {LINEAR}): **{'met' if met else 'not met'}**: streamed "
+            f"{slopes[True]:.2f} ({shape(slopes[True])}), not streamed {slopes[False]:.2f} "
+            f"({shape(slopes[False])}).",
         ]
     )
     print(body)
