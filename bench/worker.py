@@ -11,13 +11,16 @@ one plan. Alternating rounds (in-process, worker, in-process, worker, ...; `--ro
       and the same load) and the same completion read from the worker's pipe.
 Decoding speed is measured by the reader of the stream (wall clock from the first piece of text to the last,
 over the tokens after the first), and also as llama.cpp counts it (tokens evaluated / eval time).
-Both generate the same text (checked).
+Both generate the same text (checked). The three's order rotates each round.
+
+Target, computed (the natural one: as `rpcfleet run` uses it, pre-spawned, the worker costs no more than
+the noise): the pre-spawned worker's load within 10 % of the in-process load's time, and its decoding
+(llama.cpp's count) within 10 % of the in-process tokens/s; each against the in-process rounds' spread.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -39,6 +42,7 @@ from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 
 SECTION = "worker"
+TARGET = 0.10  # the pre-spawned worker within 10 % of in-process: load time and decoding
 GiB = 1 << 30
 PROMPT = "The quick brown fox"
 
@@ -128,10 +132,14 @@ def main() -> None:
             b: list[dict[str, Any]] = []
             c: list[dict[str, Any]] = []
             log = folder / "worker.log"
-            for _ in range(args.rounds):
-                a.append(in_process(plan, model, args.tokens))
-                b.append(in_worker(plan, model, args.tokens, log, prespawned=False))
-                c.append(in_worker(plan, model, args.tokens, log, prespawned=True))
+            kinds = [
+                (a, lambda: in_process(plan, model, args.tokens)),
+                (b, lambda: in_worker(plan, model, args.tokens, log, prespawned=False)),
+                (c, lambda: in_worker(plan, model, args.tokens, log, prespawned=True)),
+            ]
+            for i in range(args.rounds):
+                for runs_of, run in kinds[i % 3 :] + kinds[: i % 3]:  # the order rotated each round
+                    runs_of.append(run())
     runs = a + b + c
     assert len({r["text"] for r in runs}) == 1, "the worker and the in-process load generated different text"
     assert {r["finish"] for r in runs} == {"length"}  # every run generated exactly --tokens tokens
@@ -145,6 +153,23 @@ def main() -> None:
 
     def pct(x: float, y: float) -> str:
         return f"{(x / y - 1) * 100:+.1f} %"
+
+    def against(value: float, rs: list[dict[str, Any]], key: str) -> str:
+        values = [r[key] for r in rs]
+        low, high = min(values), max(values)
+        return "within" if low <= value <= high else "outside"
+
+    load_c, perf_spread = med(c, "load"), [r["perf"] for r in a]
+    load_met = load_c <= load_a * (1 + TARGET)
+    perf_met = perf["c"] >= perf["a"] * (1 - TARGET)
+    verdict = (
+        f"Target (pre-spawned worker: load within {TARGET * 100:.0f} % of in-process, decoding within "
+        f"{TARGET * 100:.0f} %): **{'met' if load_met and perf_met else 'not met'}**: load {ms(load_c)} "
+        f"against {ms(load_a)} ({pct(load_c, load_a)}, {against(load_c, a, 'load')} the in-process rounds' "
+        f"{ms(min(r['load'] for r in a))}-{ms(max(r['load'] for r in a))}), decoding {perf['c']:.1f} "
+        f"against {perf['a']:.1f} tok/s ({pct(perf['c'], perf['a'])}, {against(perf['c'], a, 'perf')} "
+        f"their {min(perf_spread):.1f}-{max(perf_spread):.1f})."
+    )
 
     rows = [
         ("load: call to loaded model", ms(load_a), ms(med(b, "load")), ms(med(c, "load"))),
@@ -175,8 +200,8 @@ def main() -> None:
             f"{stamp()}; load average {load_before:.2f} at the start. `bench/worker.py` "
             f"(`--rounds {args.rounds} --tokens {args.tokens}`): two `ggml-rpc-server`s on loopback, a "
             f"generated 8-layer llama (n_embd 1024, {size / 2**20:.0f} MiB), n_ctx 2048, temperature 0; "
-            "medians of alternating rounds. In-process: `load_llama` and a streamed completion in a fresh "
-            "process (imports not timed). Worker: `Worker.spawn` + `load` and the same completion read "
+            "medians of rounds in a rotating order. In-process: `load_llama` and a streamed completion in a "
+            "fresh process (imports not timed). Worker: `Worker.spawn` + `load` and the same completion read "
             "from the worker's pipe; cold: the clock starts before the child, pre-spawned: once its "
             "imports are done. Same text in every run.",
             "",
@@ -188,13 +213,9 @@ def main() -> None:
             "numpy and the loader. `rpcfleet run` spawns the worker before it probes and plans, so that "
             "time overlaps with the probe (the pre-spawned column: the child's imports are done when the "
             "clock starts); what remains is the plan and the placement crossing the pipe. Generation "
-            "pays one JSON line per token on a pipe."
-            + (
-                f" The machine was busy (load average {load_before:.1f} on {os.cpu_count()} cores, other "
-                "test runs): differences of 10-20 % between columns are within the noise of one round."
-                if load_before > (os.cpu_count() or 1)
-                else ""
-            ),
+            "pays one JSON line per token on a pipe.",
+            "",
+            verdict,
         ]
     )
     print(body)
