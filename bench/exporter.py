@@ -1,20 +1,29 @@
-"""Benchmark: what the fleet exporter costs, on a lab of 16 nodes (namespaces, real sshd, real servers).
+"""Benchmark: what the fleet exporter costs, and how it scales, on a lab of up to 32 nodes (namespaces, real
+sshd, real servers).
 
     .venv/bin/python bench/exporter.py            # print the results
+    .venv/bin/python bench/exporter.py --nodes 4,8 --rounds 2 --scrapes 5 --pairs 1 --requests 1  # shorter
     .venv/bin/python bench/exporter.py --write    # and replace the "exporter" section of BENCHMARKS.md
 
-Measured:
+One lab of the largest `--nodes` count; each count N uses the lab's first N nodes. Measured per count,
+the counts in turns (all of them, then again, `--turns` times) so that a busy moment falls on every one:
 
-* a probe round of 16 nodes (`Collector.round`: one SSH round trip per node on kept connections, one
-  RPC probe per idle server), median and max of `--rounds` rounds back to back;
+* a probe round of N nodes (`Collector.round`: one SSH round trip per node on kept connections, one
+  RPC probe per idle server), median and max of the turns' `--rounds` rounds back to back;
 * a scrape of `/metrics` and of `/fleet.json` from `rpcfleet exporter`'s app on loopback while its
-  rounds run every second: median and p95 of `--scrapes` scrapes (they read the snapshot only);
-* the probe traffic per round: bytes in and out of the 16 nodes' interfaces and TCP connections they
-  accepted (`PassiveOpens` of each node's namespace), over `--rounds` rounds, per round;
+  rounds run every second: median and p95 of `--scrapes` scrapes per turn (they read the snapshot only);
+* the probe traffic per round: bytes in and out of the N nodes' interfaces and TCP connections they
+  accepted (`PassiveOpens` of each node's namespace), over the rounds, per round;
 * tokens/s of `rpcfleet serve` on 3 of the nodes with the exporter off (`--observe-interval 0`), on
-  at the default interval (15 s) and on every second (15 times the default rate), in turn `--pairs`
-  times: each run `--requests` greedy completions of `--tokens` tokens; the client's rate (completion
-  tokens over the requests' wall time) and llama.cpp's decoding rate (`rpcfleet_tokens_per_second`).
+  at the default interval (15 s) and on every second (15 times the default rate), `--pairs` times, the
+  modes' order rotated each time (off, 15 s, 1 s; then 15 s, 1 s, off; ...): each run `--requests`
+  greedy completions of `--tokens` tokens; the client's rate (completion tokens over the requests' wall
+  time) and llama.cpp's decoding rate (`rpcfleet_tokens_per_second`).
+
+Verdicts, computed: the shape of the round time and of the scrape time against the node count (the
+log-log slope between the first and last count: flat under 0.3, linear up to 1.2, worse above), and for
+each mode whether its median lies within the spread (min-max) of the runs with the exporter off or how far
+outside it.
 """
 
 from __future__ import annotations
@@ -30,10 +39,24 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
 import uvicorn
-from _common import arg_parser, free_port, load_average, median, ms, p95, stamp, write_section
+from _common import (
+    FLAT,
+    LINEAR,
+    arg_parser,
+    free_port,
+    load_average,
+    loglog_slope,
+    median,
+    ms,
+    p95,
+    shape,
+    stamp,
+    write_section,
+)
 from fastapi import FastAPI
 
 from orchestrator.artifacts.build import default_artifact
@@ -65,10 +88,11 @@ def deploy(hosts: list[Host]) -> None:
     asyncio.run(go())
 
 
-def node_counters(lab: Lab) -> tuple[int, int]:
-    """Bytes in + out of every node's interfaces (loopback excluded) and TCP connections accepted."""
+def node_counters(lab: Lab, count: int) -> tuple[int, int]:
+    """Bytes in + out of the first `count` nodes' interfaces (loopback excluded) and TCP connections
+    they accepted."""
     total_bytes = opens = 0
-    for node in lab.nodes:
+    for node in lab.nodes[:count]:
         ns = node.namespace
         dev = subprocess.run(
             ["ip", "netns", "exec", ns, "cat", "/proc/net/dev"], capture_output=True, text=True
@@ -87,12 +111,14 @@ def node_counters(lab: Lab) -> tuple[int, int]:
     return total_bytes, opens
 
 
-def rounds_and_traffic(lab: Lab, hosts: list[Host], rounds: int) -> dict[str, float]:
+def rounds_and_traffic(lab: Lab, hosts: list[Host], rounds: int) -> dict[str, Any]:
+    """`rounds` probe rounds of `hosts` (the lab's first nodes): each round's time, the controller's CPU
+    and the nodes' traffic per round."""
     collector = Collector(hosts, interval=1.0, timeout=5.0, forks=16)
 
     async def go() -> tuple[list[float], int, int]:
         await collector.round()  # connections opened, first readings: not counted
-        bytes0, opens0 = node_counters(lab)
+        bytes0, opens0 = node_counters(lab, len(hosts))
         times = []
         cpu0 = time.process_time()
         for _ in range(rounds):
@@ -101,22 +127,21 @@ def rounds_and_traffic(lab: Lab, hosts: list[Host], rounds: int) -> dict[str, fl
             times.append(time.monotonic() - started)
             assert all(n.up for n in snap.nodes), [(n.host, n.state, n.message) for n in snap.nodes]
         cpu.append((time.process_time() - cpu0) / rounds)
-        bytes1, opens1 = node_counters(lab)
+        bytes1, opens1 = node_counters(lab, len(hosts))
         await collector.close()
         return times, bytes1 - bytes0, opens1 - opens0
 
     cpu: list[float] = []
     times, sent, opens = asyncio.run(go())
     return {
+        "times": times,
         "cpu_per_round": cpu[0],
-        "round_median": median(times),
-        "round_max": max(times),
         "bytes_per_round": sent / rounds,
         "connections_per_round": opens / rounds,
     }
 
 
-def scrapes(hosts: list[Host], count: int) -> dict[str, float]:
+def scrapes(hosts: list[Host], count: int) -> dict[str, Any]:
     collector = Collector(hosts, interval=1.0, timeout=5.0, forks=16)
     app = FastAPI()
     mount(app, Exporter(collector), api_key=None, metrics=True)
@@ -125,7 +150,7 @@ def scrapes(hosts: list[Host], count: int) -> dict[str, float]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     collector.start()
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     try:
         collector.first_round.wait(60)
         while not server.started:
@@ -138,7 +163,7 @@ def scrapes(hosts: list[Host], count: int) -> dict[str, float]:
                     size = len(answer.read())
                 times.append(time.monotonic() - started)
                 time.sleep(0.02)
-            out[f"{path}_median"], out[f"{path}_p95"], out[f"{path}_bytes"] = median(times), p95(times), size
+            out[path], out[f"{path}_bytes"] = times, size
         out["rounds"] = collector.snapshot.rounds
     finally:
         collector.stop()
@@ -201,29 +226,51 @@ def serve_run(
             process.wait()
 
 
+def against_off(runs: dict[str, list[tuple[float, float]]], name: str, index: int) -> str:
+    """Where mode `name`'s median lies against the spread (min-max) of the runs with the exporter off."""
+    off = [r[index] for r in runs["off"]]
+    value = median([r[index] for r in runs[name]])
+    low, high = min(off), max(off)
+    if len(off) < 2:
+        return "one off run: no spread"
+    if low <= value <= high:
+        return "within the off spread"
+    if value < low:
+        return f"outside: {(low - value) / low * 100:.1f}% under the lowest off run"
+    return f"outside: {(value - high) / high * 100:.1f}% over the highest off run"
+
+
 def main() -> int:
     parser = arg_parser(__doc__)
-    parser.add_argument("--nodes", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--scrapes", type=int, default=50)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--nodes", default="4,16,32", help="node counts, comma-separated (default 4,16,32)")
+    parser.add_argument("--turns", type=int, default=2, help="turns over the node counts (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="probe rounds per count and turn (default 5)")
+    parser.add_argument("--scrapes", type=int, default=25, help="scrapes per path, count, turn (default 25)")
+    parser.add_argument("--pairs", type=int, default=3, help="runs of each exporter mode (default 3)")
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
+    counts = sorted(int(n) for n in args.nodes.split(","))
     reap_stale()
     load = load_average()
-    lab = lab_up(args.nodes, name=LAB_NAME, owner_pid=os.getpid())
+    lab = lab_up(counts[-1], name=LAB_NAME, owner_pid=os.getpid())
+    rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
+    scraped: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in MODES}
     try:
         hosts = list(load_inventory(lab.inventory).hosts)
         deploy(hosts)
-        traffic = rounds_and_traffic(lab, hosts, args.rounds)
-        scraped = scrapes(hosts, args.scrapes)
+        for turn in range(args.turns):
+            for n in counts if turn % 2 == 0 else counts[::-1]:  # in turns, the order reversed each turn
+                print(f"turn {turn + 1}: {n} nodes", file=sys.stderr, flush=True)
+                rounds[n].append(rounds_and_traffic(lab, hosts[:n], args.rounds))
+                scraped[n].append(scrapes(hosts[:n], args.scrapes))
         with tempfile.TemporaryDirectory() as folder:
             model = write_tiny_llama(Path(folder) / "bench.gguf", n_layer=8, n_embd=512, n_head=8, n_ff=1408)
-            runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in MODES}
-            for _ in range(args.pairs):
-                for name, interval in MODES:
-                    limit = ",".join(h.name for h in hosts[:3])
+            limit = ",".join(h.name for h in hosts[:3])
+            for i in range(args.pairs):
+                for name, interval in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:  # rotated
+                    print(f"serve {i + 1}: exporter {name}", file=sys.stderr, flush=True)
                     runs[name].append(
                         serve_run(lab.inventory, limit, model, interval, args.requests, args.tokens)
                     )
@@ -233,51 +280,77 @@ def main() -> int:
     def rate(name: str, index: int) -> float:
         return median([r[index] for r in runs[name]])
 
-    kib = {k: v / 1024 for k, v in scraped.items() if k.endswith("_bytes")}
-    per_round = traffic["bytes_per_round"] / 1024
+    def all_of(of: list[dict[str, Any]], key: str) -> list[float]:
+        return [t for one in of for t in one[key]]
+
+    def mean(of: list[dict[str, Any]], key: str) -> float:
+        return sum(one[key] for one in of) / len(of)
+
+    round_medians = [median(all_of(rounds[n], "times")) for n in counts]
+    scrape_medians = [median(all_of(scraped[n], "/metrics")) for n in counts]
+    curve_rows = []
+    for n in counts:
+        times, per_round = all_of(rounds[n], "times"), mean(rounds[n], "bytes_per_round") / 1024
+        metrics, fleet = all_of(scraped[n], "/metrics"), all_of(scraped[n], "/fleet.json")
+        kib = {path: scraped[n][-1][f"{path}_bytes"] / 1024 for path in ("/metrics", "/fleet.json")}
+        curve_rows.append(
+            f"| {n} | {ms(median(times))} ({ms(max(times))}) | {ms(mean(rounds[n], 'cpu_per_round'))} "
+            f"| {ms(median(metrics))} ({ms(p95(metrics))}), {kib['/metrics']:.1f} KiB "
+            f"| {ms(median(fleet))} ({ms(p95(fleet))}), {kib['/fleet.json']:.1f} KiB "
+            f"| {per_round:.1f} KiB ({per_round / n:.1f} KiB per node), "
+            f"{mean(rounds[n], 'connections_per_round'):.1f} connections |"
+        )
+    if len(counts) > 1:
+        round_slope = loglog_slope(counts, round_medians)
+        scrape_slope = loglog_slope(counts, scrape_medians)
+        shapes = (
+            f"Shapes from {counts[0]} to {counts[-1]} nodes (log-log slope of the medians; flat < {FLAT}, "
+            f"linear <= {LINEAR}): probe round {round_slope:.2f} (**{shape(round_slope)}**), scrape of "
+            f"`/metrics` {scrape_slope:.2f} (**{shape(scrape_slope)}**)."
+        )
+    else:
+        shapes = f"One node count ({counts[0]}): no shape."
+    largest = counts[-1]
+    per_round = mean(rounds[largest], "bytes_per_round") / 1024
     off = (rate("off", 0), rate("off", 1))
     lines = [
         "## exporter",
         "",
-        f"{stamp()}; load average {load:.2f} at the start. `bench/exporter.py --nodes {args.nodes} --rounds "
-        f"{args.rounds} --scrapes {args.scrapes} --pairs {args.pairs} --requests {args.requests} --tokens "
-        f"{args.tokens}`: a lab of {args.nodes} nodes (namespaces, real sshd, CPU rpc-servers), nothing "
-        "serving them for the first three rows.",
+        f"{stamp()}; load average {load:.2f} at the start. `bench/exporter.py --nodes {args.nodes} --turns "
+        f"{args.turns} --rounds {args.rounds} --scrapes {args.scrapes} --pairs {args.pairs} --requests "
+        f"{args.requests} --tokens {args.tokens}`: a lab of {largest} nodes (namespaces, real sshd, CPU "
+        "rpc-servers), each count its first nodes, the counts in turns, nothing serving them for the "
+        "first table.",
         "",
-        "| | median | max / p95 |",
-        "|---|---|---|",
-        f"| probe round, {args.nodes} nodes (SSH read + RPC probe each) | {ms(traffic['round_median'])} | "
-        f"{ms(traffic['round_max'])} (max) |",
-        f"| controller CPU per round (this process) | {ms(traffic['cpu_per_round'])} | |",
-        f"| scrape `/metrics` ({kib['/metrics_bytes']:.1f} KiB) | {ms(scraped['/metrics_median'])} | "
-        f"{ms(scraped['/metrics_p95'])} (p95) |",
-        f"| `/fleet.json` ({kib['/fleet.json_bytes']:.1f} KiB) | {ms(scraped['/fleet.json_median'])} | "
-        f"{ms(scraped['/fleet.json_p95'])} (p95) |",
+        "| nodes | probe round: median (max) | controller CPU per round (this process) "
+        "| scrape `/metrics`: median (p95), size | `/fleet.json`: median (p95), size "
+        "| probe traffic per round (in + out of the nodes), TCP connections accepted |",
+        "|---|---|---|---|---|---|",
+        *curve_rows,
         "",
-        f"Probe traffic per round, {args.nodes} nodes: {per_round:.1f} KiB in and out of "
-        f"the nodes ({per_round / args.nodes:.1f} KiB per node), "
-        f"{traffic['connections_per_round']:.1f} TCP connections accepted (the RPC probes; the SSH "
-        "connections stay open from round to round). At the default interval (15 s) that is "
-        f"{per_round / 15:.1f} KiB/s for the fleet.",
+        shapes
+        + " The connections accepted are the RPC probes; the SSH connections stay open from round to round. "
+        f"At the default interval (15 s), {largest} nodes' probe traffic is {per_round / 15:.1f} KiB/s.",
         "",
         f"serve on 3 of the nodes (8-layer n_embd 512 model, greedy, {args.requests} x {args.tokens} tokens "
-        f"per run), the exporter off (`--observe-interval 0`) and on, in turn, {args.pairs} times; medians:",
+        f"per run), the exporter off (`--observe-interval 0`) and on, {args.pairs} runs of each, the order "
+        "rotated every time; medians, and each against the spread of the off runs:",
         "",
-        "| exporter | tokens/s (client) | vs off | tokens/s (llama.cpp) | vs off | runs (client) |",
-        "|---|---|---|---|---|---|",
+        "| exporter | tokens/s (client) | vs off | against the off runs | tokens/s (llama.cpp) | vs off "
+        "| against the off runs | runs (client) |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {name} | {rate(name, 0):.1f} | {(rate(name, 0) - off[0]) / off[0] * 100:+.1f}% | "
+            f"{against_off(runs, name, 0)} | "
             f"{rate(name, 1):.1f} | {(rate(name, 1) - off[1]) / off[1] * 100:+.1f}% | "
-            + ", ".join(f"{r[0]:.1f}" for r in runs[name])
-            + " |"
+            f"{against_off(runs, name, 1)} | " + ", ".join(f"{r[0]:.1f}" for r in runs[name]) + " |"
             for name, _ in MODES
         ),
         "",
         f"The runs with the exporter off spread from {min(r[0] for r in runs['off']):.1f} to "
         f"{max(r[0] for r in runs['off']):.1f} tokens/s on this machine (load average {load_average():.2f} "
-        "at the end): a difference within that spread is noise, not the exporter. Inside serve a round "
-        "reads serve's nodes over SSH only (no RPC probe after the first round); its cost is the "
-        "controller's CPU above, in serve's process, once per interval.",
+        "at the end). Inside serve a round reads serve's nodes over SSH only (no RPC probe after the first "
+        "round); its cost is the controller's CPU above, in serve's process, once per interval.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
