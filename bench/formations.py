@@ -22,6 +22,11 @@ differs.
 Node kill: `--replicas auto` with 8 streaming clients; when every stream has its first token, the
 formations' busy slots are read from /health and one node's server gets SIGKILL; the streams that end
 with an error are counted against the lost formation's requests in flight.
+
+Targets, computed (the natural ones of issue 24: replicas serve more at once, and a lost node costs only
+its formation's requests): `--replicas auto` above `--split` in aggregate tokens/s (median ratio over 1)
+at every concurrency of at least 3 clients (one per formation); at the node kill, no more streams ended
+with an error than the lost formation had in flight.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from orchestrator.models.catalogue import GEMMA3_270M, cached_path
 SECTION = "formations"
 LAB_NAME = "benchform"
 MODES = {"auto": ["--replicas", "auto"], "split": ["--split"]}
+FORMATIONS = 3  # one per node: the concurrencies from which auto should serve more than split
 
 
 TIMEOUT = 900  # seconds the client waits for one request
@@ -233,10 +239,24 @@ def main() -> None:
             f"{a['tps'] / b['tps']:.2f}" for a, b in zip(of["auto"][c], of["split"][c], strict=True)
         )
         ratio = med(of, "auto", c, "tps") / med(of, "split", c, "tps")
-        return f"| {label} | {auto} | {split} | {ratio:.2f}x | {each} |"
+        ratios[label] = ratio
+        target = f"**{'met' if ratio > 1 else 'not met'}**" if label.isdigit() and c >= FORMATIONS else "-"
+        return f"| {label} | {auto} | {split} | {ratio:.2f}x | {each} | {target} |"
 
+    ratios: dict[str, float] = {}
     rows = [row(runs, c, str(c)) for c in concurrencies]
     rows.append(row(unquoted, 1, "1, no CPU quota"))
+    judged = [c for c in concurrencies if c >= FORMATIONS]
+    missed = [c for c in judged if ratios[str(c)] <= 1]
+    if not judged:
+        throughput = f"no concurrency of {FORMATIONS} clients or more: not judged"
+    else:
+        throughput = f"**{'met' if not missed else 'not met'}**" + (
+            f" (not at {', '.join(map(str, missed))} clients)"
+            if missed
+            else f" at {len(judged)} of {len(judged)}"
+        )
+    kill_met = kill["errors"] <= kill["in_flight"]
     body = [
         f"## {SECTION}",
         "",
@@ -248,14 +268,19 @@ def main() -> None:
         "in even ones). The last row: the same lab without `--cpus`, 1 client.",
         "",
         "| clients | --replicas auto (3 formations): tok/s (p50 / p95) | --split (1 formation) "
-        "| auto / split (medians) | each round's |",
-        "|---|---|---|---|---|",
+        f"| auto / split (medians) | each round's | target: auto above split from {FORMATIONS} clients |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
         f"Node kill (`--replicas auto`, {kill['streams']} streams of {args.tokens * 4} tokens, SIGKILL of "
         f"one node's server, {kill['victim']}): {kill['errors']} stream(s) ended with an error; the lost "
         f"formation had {kill['in_flight']} in flight; then 6 requests at {kill['after_tps']:.1f} tok/s, "
         "all answered.",
+        "",
+        f"Targets: `--replicas auto` above `--split` in tokens/s at {FORMATIONS} clients or more: "
+        f"{throughput}; "
+        f"a node kill ends no more streams than the lost formation had in flight ({kill['errors']} against "
+        f"{kill['in_flight']}): **{'met' if kill_met else 'not met'}**.",
     ]
     text = "\n".join(body) + "\n"
     print(text)
