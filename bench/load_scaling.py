@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import arg_parser, load_average, stamp, write_section
-from load import cache_op, deploy, make_lab_plan, shape, timed_load, wire_limits
+from _common import FLAT, arg_parser, load_average, loglog_slope, stamp, write_section
+from load import cache_op, deploy, make_lab_plan, timed_load, wire_limits
+from load import shape as shape_links
 
 from orchestrator.caches.plan import plan_cache
 from orchestrator.caches.prep import warm_items
@@ -49,7 +49,6 @@ LAB_NAME = "bscale"
 NODES = (1, 3, 6)
 RATES = ("1gbit", "10gbit")
 BIG: dict[str, Any] = {"n_layer": 8, "n_embd": 3072, "n_head": 24, "n_head_kv": 24, "n_ff": 8192, "seed": 9}
-FLAT = 0.3
 
 
 @dataclasses.dataclass
@@ -79,14 +78,14 @@ def measure(nodes: int, models: dict[str, Path], rates: tuple[str, ...]) -> dict
         plans = {name: asyncio.run(make_lab_plan(plain, path)) for name, path in models.items()}
         for name, path in models.items():
             for rate in rates:
-                shape(lab, rate, None)
+                shape_links(lab, rate, None)
                 wire, parallel = wire_limits(lab, planned_bytes(plans[name]))
                 points[(name, rate)] = Point(wire, parallel, no_cache=timed_load(plans[name], path))
         asyncio.run(deploy(cached))
         for name, path in models.items():
             items = warm_items(plan_cache(plans[name], [path]), cached)
             for rate in rates:
-                shape(lab, rate, None)
+                shape_links(lab, rate, None)
                 asyncio.run(cache_op(cached, cache_step("clear", options)))
                 started = time.monotonic()
                 asyncio.run(cache_op(cached, warm_step(items, options)))
@@ -143,10 +142,9 @@ def main() -> int:
                     f"{p.warm_load:.2f} |"
                 )
             if len(counts) > 1:
-                first, last = results[counts[0]][(name, rate)], results[counts[-1]][(name, rate)]
-                span = math.log(counts[-1] / counts[0])
+                curve = [results[n][(name, rate)] for n in counts]
                 shapes = {
-                    what: trend(math.log(getattr(last, what) / getattr(first, what)) / span)
+                    what: trend(loglog_slope(counts, [getattr(p, what) for p in curve]))
                     for what in ("no_cache", "warm", "warm_load")
                 }
                 verdicts.append(
