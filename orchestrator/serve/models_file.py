@@ -35,6 +35,7 @@ from orchestrator.planning.settings import DRAFT_DEVICES
 
 KEYS = ("model", "name", "context", "parallel", "replicas", "hosts", "groups", "load", "idle_unload")
 LOADS = ("always", "on-demand")
+MIN_IDLE_UNLOAD = 1.0  # seconds
 DRAFT_KEYS = ("draft", "draft-max", "draft-min", "device-draft")  # speculative decoding (serve's --draft...)
 
 
@@ -168,7 +169,12 @@ def _field(key: str, value: object) -> object:
     if key == "load":
         return fields.choice(LOADS, {"on_demand": "on-demand", "ondemand": "on-demand"})(value)
     if key == "idle_unload":
-        return fields.duration(value)
+        seconds = fields.duration(value)
+        if (
+            seconds < MIN_IDLE_UNLOAD
+        ):  # the idle watch looks at a quarter of the shortest, at most each second
+            raise ValueError(f"at least {MIN_IDLE_UNLOAD:g} s, got {value!r}")
+        return seconds
     if key in ("draft-max", "draft-min"):
         return fields.integer(minimum=1 if key == "draft-max" else 0, maximum=256)(value)
     if key == "device-draft":

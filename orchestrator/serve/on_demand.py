@@ -133,7 +133,9 @@ class OnDemand:
         self.last_used: dict[str, float] = dict.fromkeys(self.models, time.monotonic())
         self.waiting: Counter[str] = Counter()  # requests waiting in `ensure`, by model
         self.loads: dict[str, asyncio.Task[None]] = {}
-        self.refused: dict[asyncio.Task[None], str] = {}  # loads that placed nothing: why
+        self.refused: dict[asyncio.Task[None], tuple[float, str]] = {}  # loads that placed nothing: when, why
+        self.deadlines: dict[str, float] = {}  # by model: when its last waiting request gives up
+        self.stopping: set[asyncio.Task[None]] = set()  # engines being stopped by an unload
         self.failures: dict[str, str] = {}  # the last failure to load, by model (for /health)
         self.unloads: Counter[str] = Counter()  # idle unloads and swaps, by model
         self._deciding = asyncio.Lock()
@@ -141,13 +143,18 @@ class OnDemand:
 
     # -- state
     def state(self, model: str) -> str:
-        """loaded (a formation serves), loading, or unloaded."""
+        """loaded (a formation serves), loading, unloaded; or, for a formation that neither serves nor
+        loads, its own state (recovering, draining, failed: unloaded by the next request or swap)."""
         formations = [f for f in self.router.formations if f.model == model]
-        if any(f.backend.state in SERVING for f in formations):
+        states = {f.backend.state for f in formations}
+        if states & SERVING:
             return "loaded"
         task = self.loads.get(model)
-        if formations or (task is not None and not task.done()):
+        if "loading" in states or (not formations and task is not None and not task.done()):
             return "loading"
+        for state in ("recovering", "draining", "failed"):
+            if state in states:
+                return state
         return "unloaded"
 
     def loading(self) -> list[str]:
@@ -170,7 +177,9 @@ class OnDemand:
     async def ensure(self, name: str, wait: float) -> None:
         """Return once a formation of the on-demand model `name` serves (loading it if none does); raise
         Rejected 503 with the reason when it cannot be loaded, or is still loading after `wait` seconds."""
-        deadline = time.monotonic() + wait
+        started = time.monotonic()
+        deadline = started + wait
+        self.deadlines[name] = max(self.deadlines.get(name, 0.0), deadline)  # its load waits for us all
         retry_after = self.router.config.retry_after
         self.waiting[name] += 1
         try:
@@ -179,19 +188,22 @@ class OnDemand:
                 formations = [f for f in self.router.formations if f.model == name]
                 if any(f.backend.state in SERVING for f in formations):
                     return
-                for gone in [f for f in formations if f.backend.state == "failed"]:
-                    self.failures[name] = f"{gone.name} failed to load: {gone.backend.reason}"
-                    await self.unload(gone, why="its load failed")
+                failed = [f for f in formations if f.backend.state == "failed"]
+                if failed:
+                    self.failures[name] = f"{failed[0].name} failed to load: {failed[0].backend.reason}"
+                    await self.unload(failed, why="its load failed")
                     raise Rejected(503, self.failures[name], retry_after)
                 task = self.loads.get(name)
                 if task is not None and task.done() and not formations:  # it placed nothing
-                    del self.loads[name]
-                    if task in self.refused:  # this request's answer: the next one tries again
-                        raise Rejected(503, self.refused.pop(task), retry_after)
+                    refusal = self.refused.get(task)
+                    if refusal is not None and refusal[0] >= started:  # refused while we waited
+                        raise Rejected(503, refusal[1], retry_after)
+                    del self.loads[name]  # done before this request came, or its formation went
+                    self.refused.pop(task, None)
                     task = None
                 if task is None and not formations:
                     self.loads[name] = asyncio.get_running_loop().create_task(
-                        self._bring_up(self.models[name], deadline), name=f"serve-on-demand-{name}"
+                        self._bring_up(self.models[name]), name=f"serve-on-demand-{name}"
                     )
                 if time.monotonic() >= deadline:
                     raise Rejected(
@@ -203,9 +215,10 @@ class OnDemand:
         finally:
             self.waiting[name] -= 1
 
-    async def _bring_up(self, model: ServedModel, deadline: float) -> None:
-        """Place `model` (unloading idle ones if that makes room, waiting for busy ones until `deadline`)
-        and start its formation; a placement that cannot be made leaves its reason in `refused`."""
+    async def _bring_up(self, model: ServedModel) -> None:
+        """Place `model` (unloading idle ones if that makes room, waiting for busy ones while a request
+        for it still waits: `deadlines`) and start its formation; a placement that cannot be made leaves
+        its reason in `refused`, for the requests waiting then."""
         task = asyncio.current_task()
         assert task is not None
         while True:
@@ -214,11 +227,15 @@ class OnDemand:
                     blocked = await self._place(model)
             except RpcfleetError as exc:
                 blocked = Swap(never=f"{model.name} could not be placed: {exc.message}")
+            except Exception as exc:  # a bug must answer the waiting requests, not end the task unseen
+                get_logger().error("serve_on_demand_failed", model=model.name, error=repr(exc))
+                blocked = Swap(never=f"{model.name} could not be placed: {exc!r}")
             if blocked is None:
                 return
-            if blocked.never is not None or time.monotonic() >= deadline:
+            if blocked.never is not None or time.monotonic() >= self.deadlines.get(model.name, 0.0):
                 why = blocked.never or blocked.wait or model.name
-                self.refused[task] = self.failures[model.name] = why
+                self.refused[task] = (time.monotonic(), why)
+                self.failures[model.name] = why
                 get_logger().warning("serve_on_demand_refused", model=model.name, why=why)
                 return
             await asyncio.sleep(WAIT_STEP * 5)
@@ -231,10 +248,8 @@ class OnDemand:
         decision = swap(model, self.pool.snapshot(), self.holders(), self.hosts, self.known)
         if decision.wait is not None or decision.never is not None:
             return decision
-        for name in decision.unload:  # idle, so nothing to drain; their nodes back in the pool
-            formation = next((f for f in self.router.formations if f.name == name), None)
-            if formation is not None:
-                await self.unload(formation, why=f"swapped out for {model.name}")
+        chosen = [f for f in self.router.formations if f.name in decision.unload]
+        await self.unload(chosen, why=f"swapped out for {model.name}")  # idle: nothing to drain
         if decision.unload and await self._place_on_free(model):
             return None
         # a freed server still letting go of its client, or memory that moved since the last probe
@@ -254,8 +269,17 @@ class OnDemand:
             return False
         name = f"{model.name}#{self.router.next_index(model.name)}"
         get_logger().info("serve_on_demand_load", formation=name, nodes=list(formed.choice.endpoints))
-        self.router.add(self.make(dataclasses.replace(formed, model=model), name), formed.plan)
+        formation = self.make(dataclasses.replace(formed, model=model), name)
+        formation.backend.on_failed = lambda: self._failed(formation)
+        self.router.add(formation, formed.plan)
         return True
+
+    def _failed(self, formation: Formation) -> None:
+        """Its recovery gave up: unloaded now, its nodes back in the pool (the next request tries again)."""
+        self.failures[formation.model] = f"{formation.name} failed: {formation.backend.reason}"
+        asyncio.get_running_loop().create_task(
+            self.unload([formation], why="it failed"), name=f"serve-unload-{formation.name}"
+        )
 
     def holders(self) -> list[Holder]:
         on_demand = set(self.models)
@@ -282,15 +306,22 @@ class OnDemand:
             )
         return held
 
-    async def unload(self, formation: Formation, why: str = "idle") -> None:
-        """Take `formation` out of the router (no new request reaches it), stop its engine, and put its
-        nodes back in the pool."""
-        self.router.remove(formation)
-        await formation.backend.stop()
-        fleet = formation.backend.fleet
-        self.pool.put([*fleet.hosts, *fleet.borrowed])
-        self.unloads[formation.model] += 1
-        get_logger().info("serve_on_demand_unload", formation=formation.name, why=why)
+    async def unload(self, formations: Sequence[Formation], why: str = "idle") -> None:
+        """Take `formations` out of the router, all before the first wait (no request reaches one of them
+        from then on), then stop their engines and put their nodes back in the pool. A stop runs to its
+        end even when this is cancelled (serve ending): `stop` waits for it."""
+        gone = [f for f in formations if f in self.router.formations]
+        for formation in gone:
+            self.router.remove(formation)
+        for formation in gone:
+            stopping = asyncio.get_running_loop().create_task(formation.backend.stop())
+            self.stopping.add(stopping)
+            stopping.add_done_callback(self.stopping.discard)
+            await asyncio.shield(stopping)
+            fleet = formation.backend.fleet
+            self.pool.put([*fleet.hosts, *fleet.borrowed])
+            self.unloads[formation.model] += 1
+            get_logger().info("serve_on_demand_unload", formation=formation.name, why=why)
 
     # -- idle unloads
     def start(self) -> None:
@@ -303,6 +334,7 @@ class OnDemand:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.stopping, return_exceptions=True)  # engines being unloaded: closed
 
     async def _idle_watch(self) -> None:
         limits = [m.idle_unload for m in self.models.values() if m.idle_unload is not None]
@@ -326,7 +358,6 @@ class OnDemand:
                 if not holder.idle:
                     self.last_used[holder.model] = now
                 elif now - self.last_used[holder.model] >= model.idle_unload:
-                    formation = next(f for f in self.router.formations if f.name == holder.name)
-                    await self.unload(formation, why=f"idle {model.idle_unload:g} s")
                     done.append(holder.name)
+            await self.unload([f for f in self.router.formations if f.name in done], why="idle")
         return done

@@ -56,6 +56,7 @@ def test_load_and_idle_unload_are_read_and_their_errors_name_the_line(tmp_path: 
         "- model: a.gguf\n  load: sometimes\n": (2, "load: expected one of always, on-demand"),
         "- model: a.gguf\n  load: on-demand\n  idle_unload: soon\n": (3, "expected a duration"),
         "- model: a.gguf\n  idle_unload: 5m\n": (1, "idle_unload is for a model with `load: on-demand`"),
+        "- model: a.gguf\n  load: on-demand\n  idle_unload: 0.5\n": (3, "at least 1 s"),
         "- model: a.gguf\n  load: on-demand\n  replicas: 2\n": (1, "loaded as one formation"),
     }
     for body, (line, message) in bad.items():
