@@ -19,6 +19,13 @@ replacement is left alone, so an incremental rebuild in the same folder does not
   server down, and systemd showed a failed bind as a clean stop. With the patch that end is status 1:
   the process supervisor retries it (`operations.supervise`: it stops at a port another program holds),
   the systemd unit shows it `failed` (`operations.systemd`).
+- `warm-wait`: a server with a cache (`-c`) asked for a file it lacks waits while rpcfleet is warming
+  that file: the warm stream first writes a marker `.warm-wait-NAME` holding its shell's pid for every file
+  it will send, and removes each as its file lands. So a load can start as soon as the warm does and trail
+  it tensor by tensor, each tensor read from the cache, instead of starting after the whole warm or
+  sending the tensor a second time. The wait ends when the file lands, its marker goes, the marker's
+  process is gone (a warm killed before its trap ran) or after WARM_WAIT_MAX_S; then, as stock, a missing
+  file is a miss and the client sends the tensor itself.
 - `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
   instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
   block is compiled only where the headers have it, else the instance is created without those settings.
@@ -37,6 +44,9 @@ KEEPALIVE_IDLE_S = 15
 KEEPALIVE_INTERVAL_S = 5
 KEEPALIVE_PROBES = 3
 USER_TIMEOUT_MS = 30_000
+WARM_WAIT_MAX_S = 600  # the longest one request waits for one file being warmed
+WARM_WAIT = "warm-wait"  # the patch's name, as manifests list it
+WARM_WAIT_PREFIX = ".warm-wait-"  # the marker of a file being warmed (operations/cache_stream.py)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,36 @@ _EXIT_STATUS = """    start_server_fn(endpoint.c_str(), cache_dir, params.n_thre
     return 1;
 """
 
+_WARM_WAIT_ANCHOR = """    fs::path cache_file = fs::path(cache_dir) / hash_str;
+    std::error_code ec;
+    if (!fs::exists(cache_file, ec)) {
+        return false;
+    }
+"""
+
+_WARM_WAIT = (
+    """    fs::path cache_file = fs::path(cache_dir) / hash_str;
+    std::error_code ec;
+    {
+        // rpcfleet warm-wait patch: while the warm that holds this file's marker lives, wait for the file.
+"""
+    + f'        fs::path marker = fs::path(cache_dir) / (std::string("{WARM_WAIT_PREFIX}") + hash_str);\n'
+    + f"        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds({WARM_WAIT_MAX_S});\n"
+    + """        while (!fs::exists(cache_file, ec) && std::chrono::steady_clock::now() < deadline) {
+            std::ifstream marked(marker);
+            long pid = 0;
+            if (!(marked >> pid) || pid <= 0 || !fs::exists(fs::path("/proc") / std::to_string(pid), ec)) {
+                break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+    }
+    if (!fs::exists(cache_file, ec)) {
+        return false;
+    }
+"""
+)
+
 _LAYER_SETTINGS_ANCHOR = """    VkBool32 enable_best_practice = layer_settings;
     std::vector<vk::LayerSettingEXT> settings = {
         {
@@ -149,6 +189,13 @@ PATCHES: tuple[SourcePatch, ...] = (
         _EXIT_STATUS_ANCHOR,
         _EXIT_STATUS,
         optional=True,  # an older llama.cpp lays its server out differently (the skew tests' server)
+    ),
+    SourcePatch(
+        WARM_WAIT,
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _WARM_WAIT_ANCHOR,
+        _WARM_WAIT,
+        optional=True,  # an older llama.cpp reads its cache differently (the skew tests' server)
     ),
     SourcePatch(
         "vulkan-layer-settings",

@@ -171,7 +171,11 @@ def handle(args: argparse.Namespace) -> int:
                 "plan": {"tensor_split": plan.tensor_split, "n_ctx": plan.n_ctx, "fits": plan.fit.fits},
                 "log": str(outcome.log_path) if outcome.log_path else None,
                 "phases": {k: round(v, 3) for k, v in phases.items()},
-                "cache": outcome.load.cache.as_json() if outcome.load.cache is not None else None,
+                "cache": (
+                    {**outcome.load.cache.as_json(), "load_beside_warm": outcome.load.overlapped}
+                    if outcome.load.cache is not None
+                    else None
+                ),
             }
         )
         return 0
@@ -219,6 +223,7 @@ class RunScreen:
             prepared=lambda done: report_cache(self.args, done),
             loading=self.loading,
             progress=lambda progress: self.bars(progress),
+            warmed=lambda done: report_cache(self.args, done),
             load_ended=self.shown.close,
             text=self.text,
             text_ended=lambda: self.text("\n"),
@@ -259,8 +264,17 @@ class RunScreen:
 
 def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
     """After the caches' check and warm: the warm's failures (the load sends those tensors itself), an
-    interrupt (no load follows: exit 130), the warm's summary."""
+    interrupt (no load follows: exit 130), the warm's summary; for a load beside the warm, at its start
+    that the warm goes on, and these at its end."""
     run, prep = done.warm, done.cache
+    if done.overlapped and run is None:
+        if not args.json:
+            _output.err_console.print(
+                "[dim]warming the misses of every node in parallel; the load reads each file as it "
+                "lands[/dim]",
+                highlight=False,
+            )
+        return
     if run is not None:
         for r in run.results:
             if not r.succeeded:  # to stderr even with --json: the load goes on, sending those tensors

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.artifacts.patches import WARM_WAIT
 from orchestrator.connectors.base import Connection, shell_path
 from orchestrator.core.errors import CommandError, HostError
 from orchestrator.core.fnv import helper_binary, tools_dir
@@ -115,8 +116,24 @@ def choose_evictions(
     return out, max(0, total - max_bytes)
 
 
-async def read_cache(conn: Connection, host: Host) -> tuple[list[CacheFile], list[str]]:
-    done = await conn.run(list_script(host), timeout=60)
+WAITS_WORD = "server-waits-for-warm"
+
+
+def waits_script(host: Host) -> str:
+    """Says WAITS_WORD when the node's installed server has the `warm-wait` patch (its manifest lists it)."""
+    manifest = f"{shell_path(host.install_dir)}/current/manifest.json"
+    return f"grep -qs '\"{WARM_WAIT}@' {manifest} && echo {WAITS_WORD}; true"
+
+
+async def read_cache(
+    conn: Connection, host: Host, *, waits: list[bool] | None = None
+) -> tuple[list[CacheFile], list[str]]:
+    """The cache's files and other names; `waits` (in the same script) gets whether the node's server
+    waits for files being warmed."""
+    script = list_script(host) if waits is None else f"{waits_script(host)}; {list_script(host)}"
+    done = await conn.run(script, timeout=60)
+    if waits is not None:
+        waits.append(WAITS_WORD in done.stdout.splitlines())
     if not done.ok:
         raise CommandError(
             "cannot list the tensor cache",
@@ -257,11 +274,36 @@ async def warm(
     *,
     ctx: HostContext | None = None,
     check: bool = False,
+    on_ready: Callable[[], None] | None = None,
 ) -> CacheChange:
     """Upload the items the node's cache lacks (one stream for all, `cache_stream`: an OpenSSH session,
     or a local shell; without the `ssh` binary, a `cat` per file over the connection; always a temp
     name, then a rename), touch those it has (their last use), then prune to `rpc_cache_max` keeping
-    every item."""
+    every item. `on_ready` is called once: when the stream has marked the files it will send (a server
+    with the `warm-wait` patch then waits for them), else when the warm ends, however it ends."""
+    called = False
+
+    def ready() -> None:
+        nonlocal called
+        if not called and on_ready is not None:
+            called = True
+            on_ready()
+
+    try:
+        return await _warm(conn, host, items, ctx=ctx, check=check, on_ready=ready)
+    finally:
+        ready()
+
+
+async def _warm(
+    conn: Connection,
+    host: Host,
+    items: Sequence[WarmItem],
+    *,
+    ctx: HostContext | None,
+    check: bool,
+    on_ready: Callable[[], None],
+) -> CacheChange:
     import time
 
     started = time.monotonic()
@@ -303,7 +345,7 @@ async def warm(
 
     command = stream_command(host, conn, stream_script(cache_path(host), missing)) if missing else None
     if command is not None:  # one stream for all (an ssh process of its own: the link's speed)
-        await stream_items(host, command, missing, stopping=stopping, on_file=uploaded)
+        await stream_items(host, command, missing, stopping=stopping, on_file=uploaded, on_ready=on_ready)
     for item in missing if command is None else ():  # asyncssh only: a `cat` per file
         if stopping():
             break
@@ -360,11 +402,19 @@ def cache_step(action: str, options: OperationOptions, **kwargs: object) -> Step
     return node_operation(f"cache-{action}", body, options)
 
 
-def warm_step(items: Mapping[str, Sequence[WarmItem]], options: OperationOptions) -> Step[CacheChange]:
-    """Warm each host's cache with `items[host.name]` (hosts run in parallel in the executor)."""
+def warm_step(
+    items: Mapping[str, Sequence[WarmItem]],
+    options: OperationOptions,
+    on_ready: Callable[[Host], None] | None = None,
+) -> Step[CacheChange]:
+    """Warm each host's cache with `items[host.name]` (hosts run in parallel in the executor);
+    `on_ready(host)` as `warm` says."""
 
     async def body(ctx: HostContext, conn: Connection) -> StepOutcome[CacheChange]:
-        change = await warm(conn, ctx.host, items.get(ctx.host.name, ()), ctx=ctx, check=options.check)
+        ready = None if on_ready is None else (lambda: on_ready(ctx.host))
+        change = await warm(
+            conn, ctx.host, items.get(ctx.host.name, ()), ctx=ctx, check=options.check, on_ready=ready
+        )
         return StepOutcome(
             change,
             changed=bool(change.added or change.removed),
@@ -401,6 +451,7 @@ class CacheCheck:
     hits: tuple[str, ...]
     misses: tuple[str, ...]
     bad: tuple[str, ...]
+    waits: bool = False  # the server waits for files being warmed (`warm-wait`): a load may overlap the warm
 
 
 def check_step(expected: dict[str, dict[str, int]], *, full: bool = False) -> Step[CacheCheck]:
@@ -410,7 +461,8 @@ def check_step(expected: dict[str, dict[str, int]], *, full: bool = False) -> St
     async def step(ctx: HostContext) -> StepOutcome[CacheCheck]:
         conn = await ctx.connection()
         want = expected.get(ctx.host.name, {})
-        files, _ = await read_cache(conn, ctx.host)
+        waits: list[bool] = []
+        files, _ = await read_cache(conn, ctx.host, waits=waits)
         have = {f.name: f.size for f in files}
         hits = tuple(n for n in want if n in have)
         bad = [n for n in hits if have[n] != want[n]]
@@ -419,7 +471,8 @@ def check_step(expected: dict[str, dict[str, int]], *, full: bool = False) -> St
             bad += [n for n, h in hashes.items() if h != n]
         misses = tuple(n for n in want if n not in have)
         return StepOutcome(
-            CacheCheck(hits, misses, tuple(bad)), message=f"{len(hits)} hits, {len(misses)} misses"
+            CacheCheck(hits, misses, tuple(bad), waits=waits[0]),
+            message=f"{len(hits)} hits, {len(misses)} misses",
         )
 
     return step

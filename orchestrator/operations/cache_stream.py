@@ -7,6 +7,11 @@ stdin (`dd iflag=fullblock`, whole blocks and then the remainder, never reading 
 under a temporary name, checks its size, renames it and says `ok NAME`. A file is never visible under its
 hash name before it is whole; a session cut mid-file leaves only a temporary name (removed by its trap, or
 as a stray by the next warm). A `connection: local` host runs the same script in a local shell.
+
+Before the first byte the script marks every file it will send (`.warm-wait-NAME`, holding its pid) and
+says `ready`; each mark goes as its file lands, and its trap removes the rest. A server built with the
+`warm-wait` patch (`artifacts.patches`) asked for a marked file waits for it, so a load may start at
+`ready` and trail the warm tensor by tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.artifacts.patches import WARM_WAIT_PREFIX
 from orchestrator.connectors.base import Connection
 from orchestrator.connectors.local import LocalConnection
 from orchestrator.connectors.tunnel import ssh_options
@@ -58,12 +64,18 @@ def stream_command(host: Host, conn: Connection, script: str) -> StreamCommand |
 
 def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
     """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word)."""
+    names = " ".join(shlex.quote(i.name) for i in items)
     lines = [
         f"D={folder}",
         'mkdir -p "$D" || exit 1',
         "tmp=",
-        """trap '[ -z "$tmp" ] || rm -f "$tmp"' EXIT""",
+        f"W={shlex.quote(names)}",
+        f"M={WARM_WAIT_PREFIX}",
+        """trap '[ -z "$tmp" ] || rm -f "$tmp"; for f in $W; do rm -f "$D/$M$f"; done' EXIT""",
         "trap 'exit 1' HUP INT TERM PIPE",
+        # The marks, each a fresh file (noclobber), then `ready`: a load may start now.
+        'for f in $W; do rm -f "$D/$M$f" && (set -C; echo $$ > "$D/$M$f") || exit 1; done',
+        "echo ready",
         "take() {",
         f'  tmp="$D/{TEMP_PREFIX}$1.$$"; n=$(($2 / {BLOCK})); r=$(($2 % {BLOCK}))',
         # A fresh file, never through a name planted in the server user's folder (noclobber: O_EXCL).
@@ -73,7 +85,7 @@ def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
         '    [ "$r" -eq 0 ] || dd bs="$r" count=1 iflag=fullblock status=none ) \\',
         '    || { df -k "$D" >&2; exit 1; }',
         '  [ "$(wc -c < "$tmp")" -eq "$2" ] || { echo "short input for $1" >&2; exit 1; }',
-        '  mv -f "$tmp" "$D/$1" && tmp= && echo "ok $1"',
+        '  mv -f "$tmp" "$D/$1" && tmp= && rm -f "$D/$M$1" && echo "ok $1"',
         "}",
     ]
     lines += [f"take {shlex.quote(i.name)} {int(i.size)}" for i in items]
@@ -87,11 +99,13 @@ async def stream_items(
     *,
     stopping: Callable[[], bool],
     on_file: Callable[[WarmItem], None],
+    on_ready: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """Send `items` to the node's cache through `command` (running `stream_script` for them); returns
-    the names now there (in order). Between files, `stopping()` ends the stream early (the files done
-    stay). A failure is a HostError naming the file (a full disk says so); cancelling kills the session
-    (no partial file keeps a hash name). The bytes go through in blocks: no tensor is held in memory."""
+    the names now there (in order); `on_ready` once every file is marked as coming. Between files,
+    `stopping()` ends the stream early (the files done stay). A failure is a HostError naming the file
+    (a full disk says so); cancelling kills the session (no partial file keeps a hash name). The bytes
+    go through in blocks: no tensor is held in memory."""
     process = await start_child(
         command.argv,
         stdin=asyncio.subprocess.PIPE,
@@ -137,7 +151,9 @@ async def stream_items(
         assert process.stdout is not None
         async for line in process.stdout:
             word, _, name = line.decode(errors="replace").strip().partition(" ")
-            if word == "ok" and name in by_name:
+            if word == "ready":
+                on_ready()
+            elif word == "ok" and name in by_name:
                 done.append(name)
                 on_file(by_name[name])
 

@@ -56,8 +56,9 @@ class RunEvents:
     """What the front end is told as the run goes (each optional), in this order: the signal a session
     caught (any time), the fit warning under `force`, the plan made (with the hosts the load goes
     through), the caches checked, the caches prepared (an interrupted check or warm ends the run there:
-    nothing is loaded), the load starting, its progress, its end (also when it failed), each piece of
-    text, the text's end (also when it failed)."""
+    nothing is loaded; a load beside the warm starts as the warm does), the load starting, its progress,
+    the warm's end (a load beside it), the load's end (also when it failed), each piece of text, the
+    text's end (also when it failed)."""
 
     interrupt: Callable[[str, int], None] | None = None
     fit_warning: Callable[[str], None] | None = None
@@ -66,6 +67,7 @@ class RunEvents:
     prepared: Callable[[FleetLoad], None] | None = None
     loading: Callable[[Plan], None] | None = None
     progress: Callable[[LoadProgress], None] | None = None
+    warmed: Callable[[FleetLoad], None] | None = None
     load_ended: Callable[[], None] | None = None
     text: Callable[[str], None] | None = None
     text_ended: Callable[[], None] | None = None
@@ -146,6 +148,7 @@ def run_on_fleet(request: RunRequest, events: RunEvents, *, forks: int | None = 
                 llama_kwargs={"seed": request.seed},
                 on_checked=events.checked,
                 on_prepared=prepared,
+                on_warmed=events.warmed,
                 on_progress=events.progress,
             )
         finally:

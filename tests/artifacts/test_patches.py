@@ -26,14 +26,20 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_pinned_source_takes_every_patch_once_and_again_changes_nothing(llama: Path) -> None:
     applied = apply_patches(llama, patches_for("vulkan"))
-    assert [label.split("@")[0] for label in applied] == ["keepalive", "exit-status", "vulkan-layer-settings"]
+    assert [label.split("@")[0] for label in applied] == [
+        "keepalive",
+        "exit-status",
+        "warm-wait",
+        "vulkan-layer-settings",
+    ]
     transport = (llama / "ggml/src/ggml-rpc/transport.cpp").read_text()
     assert transport.count("rpcfleet keepalive patch") == 1 and "TCP_USER_TIMEOUT" in transport
     assert "#ifdef VK_EXT_layer_settings" in (llama / "ggml/src/ggml-vulkan/ggml-vulkan.cpp").read_text()
     assert "    return 1;\n}" in (llama / "tools/rpc/rpc-server.cpp").read_text()  # exit-status
+    assert (llama / "ggml/src/ggml-rpc/ggml-rpc.cpp").read_text().count("rpcfleet warm-wait patch") == 1
     assert apply_patches(llama, patches_for("vulkan")) == applied
     assert (llama / "ggml/src/ggml-rpc/transport.cpp").read_text() == transport
-    assert [p.name for p in patches_for("cpu")] == ["keepalive", "exit-status"]
+    assert [p.name for p in patches_for("cpu")] == ["keepalive", "exit-status", "warm-wait"]
 
 
 def test_a_source_the_patch_does_not_fit_is_refused(tmp_path: Path) -> None:

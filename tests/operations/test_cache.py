@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.artifacts.patches import WARM_WAIT_PREFIX
 from orchestrator.caches.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
 from orchestrator.connectors.connect import connect
 from orchestrator.core import fnv
@@ -31,6 +32,7 @@ from orchestrator.operations.cache import (
     verify,
     warm,
 )
+from orchestrator.operations.cache_stream import TEMP_PREFIX
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
@@ -165,6 +167,10 @@ def test_prune_keeps_the_plan_and_clear(big_model: Path, tmp_path: Path) -> None
 
 def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path) -> None:
     items = warm_items(big_model)
+
+    def is_temp(name: str) -> bool:  # a file being written (not a mark: `.warm-wait-NAME`)
+        return name.startswith(TEMP_PREFIX) and not name.startswith(WARM_WAIT_PREFIX)
+
     host = local_host("i", tmp_path / "i")
 
     async def interrupted() -> None:
@@ -172,9 +178,7 @@ def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path
         folder = tmp_path / "i" / "cache" / "rpc"
         temps: list[str] = []
         for _ in range(20000):  # until the first upload is under way
-            temps = (
-                [p.name for p in folder.iterdir() if p.name.startswith(".warm-")] if folder.exists() else []
-            )
+            temps = [p.name for p in folder.iterdir() if is_temp(p.name)] if folder.exists() else []
             if temps:
                 break
             await asyncio.sleep(0.001)

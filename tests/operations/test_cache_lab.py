@@ -129,7 +129,8 @@ def test_warm_run_verify_deploy_prune_clear(
     capsys.readouterr()
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)
 
-    # `run` on empty caches of both nodes warms them first (in parallel, over SSH); its load is warm.
+    # `run` on empty caches of both nodes warms them (in parallel, over SSH); the servers rpcfleet builds
+    # wait for the files being warmed, so the load runs beside the warm and every tensor is a hit.
     def hits_so_far() -> int:  # the servers' own count of cache hits (their debug log)
         return sum(h["hits_since_start"] for h in _json(capsys, ["cache", "status", *inv, "--json"])["hosts"])
 
@@ -138,6 +139,7 @@ def test_warm_run_verify_deploy_prune_clear(
     warmed = _json(capsys, run)
     assert set(warmed["phases"]) == {"probe", "plan", "cache check", "warm", "load"}
     assert {k: warmed["cache"][k] for k in ("hits", "misses")} == {"hits": 6, "misses": 0}
+    assert warmed["cache"]["load_beside_warm"] is True
     assert warmed["text"] == first["text"]
     assert hits_so_far() - before == 6  # every cached tensor of the load was a hit on its server
     assert {p.name for i in range(2) for p in _folder(cache_lab, i).iterdir()} == set(mtimes)

@@ -54,7 +54,8 @@ def test_the_script_takes_exactly_each_files_bytes(tmp_path: Path) -> None:
     script = stream_script(str(folder), items)
     done = subprocess.run(["sh", "-c", script], input=_stdin(items), capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.decode().split() == [w for i in items for w in ("ok", i.name)]
+    # `ready` once every file is marked as coming; each mark goes as its file lands (none is left).
+    assert done.stdout.decode().split() == ["ready", *(w for i in items for w in ("ok", i.name))]
     for item in items:
         path = folder / item.name
         assert path.stat().st_size == item.size
@@ -68,7 +69,7 @@ def test_a_stream_that_ends_early_leaves_only_whole_files(tmp_path: Path) -> Non
     cut = _stdin(items)[: items[0].size + BLOCK]  # the second file is cut short
     done = subprocess.run(["sh", "-c", stream_script(str(folder), items)], input=cut, capture_output=True)
     assert done.returncode == 1 and b"short input for " + items[1].name.encode() in done.stderr
-    assert [p.name for p in folder.iterdir()] == [items[0].name]
+    assert [p.name for p in folder.iterdir()] == [items[0].name]  # the trap removed the second's mark
 
 
 def test_the_stream_runs_over_ssh_or_a_local_shell_else_none(

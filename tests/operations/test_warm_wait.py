@@ -1,0 +1,167 @@
+"""A load beside the warm: the `warm-wait` patch of the servers rpcfleet builds, against real servers with
+`-c` on this machine (the cached CPU artifact's), and `load_on_fleet` choosing to overlap.
+
+- A server asked for a file whose mark a live warm holds waits for the file, then reads it as a hit.
+- A mark whose process is gone (a warm killed before its trap ran) holds nothing: the tensor is sent.
+- `load_on_fleet` runs the load beside the warm where every warming node's installed server has the patch
+  (its manifest lists it): the big tensors never cross the RPC link, and no mark is left behind. Without
+  the patch in the manifest, the load waits for the warm's end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from orchestrator.artifacts.patches import PATCHES, WARM_WAIT, WARM_WAIT_PREFIX
+from orchestrator.caches.plan import CacheTensor, plan_cache
+from orchestrator.inventory.model import Host
+from orchestrator.llama.worker.load_progress import LoadProgress, planned_bytes
+from orchestrator.llama.worker.parent import Worker
+from orchestrator.planning.plan import Plan
+from orchestrator.workflows.load import load_on_fleet
+from tests.plugins.cache import Node, plan_on_nodes
+from tests.waits import wait_until
+
+pytestmark = pytest.mark.llama
+
+
+def _folder(node: Node) -> Path:
+    return node.install / "cache" / "rpc"
+
+
+def _hosts(nodes: list[Node], *, patched: bool) -> list[Host]:
+    """The nodes as `rpc_cache` hosts, each with an installed manifest that lists the server's patches
+    (as `deploy` leaves it), with or without `warm-wait`."""
+    label = next(p.label for p in PATCHES if p.name == WARM_WAIT)
+    hosts = []
+    for node in nodes:
+        assert node.server is not None
+        current = node.install / "current"
+        current.mkdir(exist_ok=True)
+        (current / "manifest.json").write_text(json.dumps({"patches": [label] if patched else []}))
+        hosts.append(
+            Host(
+                name=node.name,
+                address="127.0.0.1",
+                connection="local",
+                install_dir=str(node.install),
+                rpc_host="127.0.0.1",
+                rpc_port=node.server.port,
+                rpc_cache=True,
+            )
+        )
+    return hosts
+
+
+def _cached_sent(
+    seen: list[LoadProgress], plan: Plan, cached: dict[str, list[CacheTensor]]
+) -> dict[str, float]:
+    """Per endpoint, the share of its cached tensors' bytes that crossed the link: the bytes sent beyond
+    those of the other tensors (near 0: every cached tensor a hit; near 1: every one sent)."""
+    last = {n.endpoint: n for n in seen[-1].nodes}
+    planned = planned_bytes(plan)
+    shares = {}
+    for endpoint, tensors in cached.items():
+        hits = sum(c.tensor.size for c in tensors)
+        shares[endpoint] = (last[endpoint].sent - (planned[endpoint] - hits)) / hits
+    return shares
+
+
+def _load_in_thread(
+    pool: ThreadPoolExecutor, plan: Plan, model: Path, seen: list[LoadProgress]
+) -> Future[None]:
+    def load() -> None:
+        with Worker.start(plan, model, {"seed": 0}, on_progress=seen.append) as worker:
+            assert worker.placement is not None
+
+    return pool.submit(load)
+
+
+def _land(node: Node, tensor: CacheTensor) -> None:
+    """Put one file in place as the warm does: whole under a temporary name, then renamed."""
+    with tensor.tensor.path.open("rb") as fh:
+        fh.seek(tensor.tensor.offset)
+        data = fh.read(tensor.tensor.size)
+    temp = _folder(node) / f".warm-{tensor.file}.test"
+    temp.write_bytes(data)
+    temp.rename(_folder(node) / tensor.file)
+    (_folder(node) / f"{WARM_WAIT_PREFIX}{tensor.file}").unlink()
+
+
+def test_a_mark_holds_the_server_while_its_warm_lives_and_not_after(
+    nodes: list[Node], big_model: Path
+) -> None:
+    plan = plan_on_nodes(nodes, big_model)
+    cached = plan_cache(plan, [big_model])
+    by_endpoint = {n.server.endpoint: n for n in nodes if n.server is not None}
+    holder = subprocess.Popen(["sleep", "600"])  # stands for a live warm's shell
+    try:
+        for endpoint, tensors in cached.items():
+            for c in tensors:
+                (_folder(by_endpoint[endpoint]) / f"{WARM_WAIT_PREFIX}{c.file}").write_text(f"{holder.pid}\n")
+        seen: list[LoadProgress] = []
+        with ThreadPoolExecutor(1) as pool:
+            loading = _load_in_thread(pool, plan, big_model, seen)
+            wait_until(lambda: any(p.sent > 0 for p in seen), 60, "the load to start sending")
+            time.sleep(3.0)  # a load of this model takes about a second when nothing holds it
+            assert not loading.done() and seen[-1].fraction < 1.0  # held at the first marked file
+            for endpoint, tensors in cached.items():  # the warm lands every file: the load goes on
+                for c in tensors:
+                    _land(by_endpoint[endpoint], c)
+            loading.result(timeout=120)
+        assert all(share < 0.1 for share in _cached_sent(seen, plan, cached).values())  # every one a hit
+    finally:
+        holder.kill()
+        holder.wait()
+
+    # Marks of a warm that is gone (its pid dead) hold nothing: the servers take the tensors themselves.
+    for node in nodes:
+        for path in _folder(node).iterdir():
+            path.unlink()
+    for endpoint, tensors in cached.items():
+        for c in tensors:
+            (_folder(by_endpoint[endpoint]) / f"{WARM_WAIT_PREFIX}{c.file}").write_text(f"{holder.pid}\n")
+    seen = []
+    with ThreadPoolExecutor(1) as pool:
+        _load_in_thread(pool, plan, big_model, seen).result(timeout=120)
+    assert all(share > 0.9 for share in _cached_sent(seen, plan, cached).values())
+    for endpoint, tensors in cached.items():  # written by the server on its misses
+        names = {p.name for p in _folder(by_endpoint[endpoint]).iterdir()}
+        assert {c.file for c in tensors} <= names
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["warm-wait", "stock"])
+def test_load_on_fleet_runs_the_load_beside_the_warm_only_on_servers_that_wait(
+    nodes: list[Node], big_model: Path, patched: bool
+) -> None:
+    plan = plan_on_nodes(nodes, big_model)
+    cached = plan_cache(plan, [big_model])
+    hosts = _hosts(nodes, patched=patched)
+    seen: list[LoadProgress] = []
+    phases: list[tuple[str, bool]] = []
+    with Worker.spawn() as worker:
+        done = load_on_fleet(
+            plan,
+            hosts,
+            worker,
+            big_model,
+            warm="always",
+            on_prepared=lambda d: phases.append(("prepared", d.warm is None)),
+            on_warmed=lambda d: phases.append(("warmed", d.warm is None)),
+            on_progress=seen.append,
+        )
+    assert done.placement is not None and done.warm is not None and done.warm.ok
+    assert done.cache is not None and done.cache.misses == 0
+    assert done.overlapped is patched
+    # Beside the warm, the front end hears of the load before the warm ends, and of the warm's end after.
+    assert phases == ([("prepared", True), ("warmed", False)] if patched else [("prepared", False)])
+    assert all(share < 0.1 for share in _cached_sent(seen, plan, cached).values())  # all hits either way
+    for node, host in zip(nodes, hosts, strict=True):
+        names = {p.name for p in _folder(node).iterdir()}
+        assert names == {c.file for c in cached[host.endpoint]}  # whole files, no mark left
