@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, arg_parser, load_average, stamp, write_section
+from _common import ROOT, arg_parser, busy_cpu_seconds, load_average, stamp, write_section
 
 from orchestrator.core.log import configure_logging
 
@@ -119,9 +119,10 @@ def send_raw(address: str, count: int) -> float:
     return time.monotonic() - started
 
 
-def wire_limits(lab: Any, per_node: dict[str, int]) -> tuple[float, float]:
+def wire_limits(lab: Any, per_node: dict[str, int]) -> tuple[float, float, float]:
     """The measured wire limits of these bytes: each node's bytes to it one node after the other (one link
-    at a time), then to all nodes at once (seconds until the last is read)."""
+    at a time), then to all nodes at once (seconds until the last is read), and the CPU seconds the
+    machine spent on the latter."""
     by_endpoint = {f"{n.address}:50052": n for n in lab.nodes}
     sinks = [
         subprocess.Popen(
@@ -136,10 +137,11 @@ def wire_limits(lab: Any, per_node: dict[str, int]) -> tuple[float, float]:
             assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
         addresses = {by_endpoint[ep].address: count for ep, count in per_node.items()}
         one_at_a_time = sum(send_raw(address, count) for address, count in addresses.items())
+        busy = busy_cpu_seconds()
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(addresses)) as pool:
             list(pool.map(lambda item: send_raw(*item), addresses.items()))
-        return one_at_a_time, time.monotonic() - started
+        return one_at_a_time, time.monotonic() - started, busy_cpu_seconds() - busy
     finally:
         for sink in sinks:
             sink.kill()
@@ -196,6 +198,7 @@ def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -
     `beside`: as on servers with the `warm-wait` patch (the load runs beside the warm), else as on stock
     servers (the load starts when the warm has ended). Returns the total and `load_on_fleet`'s phases."""
     os.utime(model)  # the remembered hashes no longer apply: hashed again, as on a first load
+    busy = busy_cpu_seconds()
     started = time.monotonic()
     with Worker.spawn() as worker:
         if beside:
@@ -206,11 +209,12 @@ def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -
             worker.load(plan, model, {"seed": 0}, cache_hits=done.cache.hit_bytes if done.cache else None)
             done.phases["load"] = time.monotonic() - loaded
     total = time.monotonic() - started
+    cpu = busy_cpu_seconds() - busy
     if done.warm is None or not done.warm.ok or done.cache is None or done.cache.misses:
         raise RuntimeError(f"warming failed: {done.warm and [str(r.error) for r in done.warm.failed]}")
     if done.overlapped is not beside:
         raise RuntimeError(f"the load ran {'beside' if done.overlapped else 'after'} the warm")
-    return {"total": total, **done.phases}
+    return {"total": total, **done.phases, "cpu": cpu}
 
 
 async def prepare_load_alone(hosts: list[Host], plan: Plan, model: Path) -> FleetLoad:
@@ -257,22 +261,26 @@ def main() -> int:
         cached = [dataclasses.replace(h, rpc_cache=True) for h in base]
         asyncio.run(deploy(plain))
         plan = asyncio.run(make_lab_plan(plain, model))
-        wire, wire_parallel = wire_limits(lab, planned_bytes(plan))
+        wire, wire_parallel, wire_cpu = wire_limits(lab, planned_bytes(plan))
         samples: list[LoadProgress] = []
         results["no cache"] = timed_load(plan, model, samples)
         asyncio.run(deploy(cached))
         options = OperationOptions()
         asyncio.run(cache_op(cached, cache_step("clear", options)))
         results["cold (-c, empty cache)"] = timed_load(plan, model)
+        busy = busy_cpu_seconds()
         results["warm (-c, every big tensor a hit)"] = timed_load(plan, model)
+        warm_load_cpu = busy_cpu_seconds() - busy
         asyncio.run(cache_op(cached, cache_step("clear", options)))
         started = time.monotonic()
         per_endpoint = plan_cache(plan, [model], memo=False)
         hash_s = time.monotonic() - started
         items = warm_items(per_endpoint, cached)
+        busy = busy_cpu_seconds()
         started = time.monotonic()
         run = asyncio.run(cache_op(cached, warm_step(items, options)))
         warm_s = time.monotonic() - started
+        warm_cpu = busy_cpu_seconds() - busy
         node_warm = {r.host.name: (r.value.bytes_sent, r.value.seconds) for r in run.results}
         results["pre-warmed first load"] = timed_load(plan, model)
         asyncio.run(cache_op(cached, cache_step("clear", options)))
@@ -320,13 +328,15 @@ def main() -> int:
         )
     prewarmed = results["pre-warmed first load"]
     ours = results[BESIDE]
+    cores = os.cpu_count() or 1
     best = {b: min(runs, key=lambda r: r["total"]) for b, runs in throughs.items()}
 
     def spread(beside: bool) -> str:
         return " and ".join(f"{r['total']:.2f}" for r in throughs[beside])
 
     def phases(run: dict[str, float]) -> str:
-        return ", ".join(f"{k} {v:.2f} s" for k, v in run.items() if k != "total")
+        cpu = f"; the {cores} cores busy {run['cpu'] / run['total'] / cores:.0%}"
+        return ", ".join(f"{k} {v:.2f} s" for k, v in run.items() if k not in ("total", "cpu")) + cpu
 
     per_node_text = ", ".join(
         f"{n} {b / 1e6:.0f} MB in {s:.2f} s ({b / s / 1e6:.0f} MB/s)" for n, (b, s) in node_warm.items()
@@ -374,13 +384,20 @@ def main() -> int:
         "The rest of a warm load is the servers reading their cache files and copying them into their "
         "buffers, plus the worker's start and context set-up; of a cold one, the wire and the servers "
         "hashing and writing their files (on a miss, each server hashes the tensor again before it writes).",
+        f"- CPU work measured in this run (the machine's busy core-seconds): the plain-TCP send to all "
+        f"nodes at once {wire_cpu:.1f}, `cache warm` of all nodes {warm_cpu:.1f} (its bytes over plain "
+        f"TCP: these nodes have `rpc_transport: tcp`), a warm load {warm_load_cpu:.1f}, the cold load "
+        f"beside the warm {best[True]['cpu']:.1f}: on {cores} cores at least "
+        f"{best[True]['cpu'] / cores:.2f} s, {best[True]['cpu'] / cores / wire_parallel:.2f}x the "
+        f"{len(per_node)}-link limit.",
         "- What limits it on 2 cores: llama.cpp's load is sequential: per tensor the client hashes (one "
         "core), asks the server, sends, and the server (on a miss with -c) hashes and writes its file before "
         "it answers the next request, so a cold load adds both hashes and the write to the wire time; the "
         "three servers, the tbf shapers, the worker and sshd share the 2 cores. Warming streams each node's "
-        "files through one OpenSSH session of its own (AES-GCM preferred), so encryption for the three nodes "
-        "runs in three processes and the three links fill at once, which llama.cpp never does; the nodes' "
-        "sshd decrypt on the same 2 cores.",
+        "files in one stream of its own (a plain TCP link the node opens back with a one-time token for "
+        "`rpc_transport: tcp` nodes, an OpenSSH session for `ssh` ones), so the three links fill at once, "
+        "which llama.cpp never does; and the servers rpcfleet builds wait for a file being warmed, so the "
+        "load runs beside the warm, each tensor read from the cache as it lands.",
         "",
     ]
     section = "\n".join(lines)

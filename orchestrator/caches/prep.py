@@ -94,13 +94,28 @@ class CachePrep:
 
 
 async def check_caches(
-    session: Session, hosts: Sequence[Host], per_endpoint: Mapping[str, Sequence[CacheTensor]], *, full: bool
+    session: Session,
+    hosts: Sequence[Host],
+    per_endpoint: Mapping[str, Sequence[CacheTensor]] | asyncio.Future[dict[str, list[CacheTensor]]],
+    *,
+    full: bool,
 ) -> CachePrep:
-    """Read each host's cache against the files `per_endpoint` says its share needs; raise LoaderError
-    naming the host when one the load would read is truncated (or, with `full`, corrupt)."""
-    items = warm_items(per_endpoint, hosts)
-    expected = {name: {i.name: i.size for i in host_items} for name, host_items in items.items()}
-    run = await session.run(list(hosts), check_step(expected, full=full), name="cache-check")
+    """Read each host's cache against the files `per_endpoint` says its share needs (a future: the
+    hashing still under way while the nodes list their caches); raise LoaderError naming the host when
+    one the load would read is truncated (or, with `full`, corrupt)."""
+
+    async def table() -> Mapping[str, Sequence[CacheTensor]]:
+        return per_endpoint if isinstance(per_endpoint, Mapping) else await per_endpoint
+
+    async def expected_files() -> dict[str, dict[str, int]]:
+        return {name: {i.name: i.size for i in its} for name, its in warm_items(await table(), hosts).items()}
+
+    expected = asyncio.ensure_future(expected_files())
+    try:
+        run = await session.run(list(hosts), check_step(expected, full=full), name="cache-check")
+        items = warm_items(await table(), hosts)  # a hashing that failed raises its own error here
+    finally:
+        expected.cancel()
     hit_bytes: dict[str, int] = {}
     missing: dict[str, tuple[WarmItem, ...]] = {}
     hits = 0
@@ -208,8 +223,12 @@ async def prepare_caches(
     if not cached:
         return None, None
     paths = (await asyncio.to_thread(profile_model, model or plan.model_path)).paths
-    per_endpoint = await asyncio.to_thread(plan_cache, plan, paths)
-    prep = await check_caches(session, cached, per_endpoint, full=full)
+    hashing = asyncio.ensure_future(asyncio.to_thread(plan_cache, plan, paths))  # beside the nodes' listing
+    try:
+        prep = await check_caches(session, cached, hashing, full=full)
+    finally:
+        if not hashing.done():
+            hashing.cancel()
     if on_checked is not None:
         on_checked(prep)
     if session.interrupted is not None or not prep.worth_warming(warm):

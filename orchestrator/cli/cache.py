@@ -130,6 +130,7 @@ def _report(
                 "hits": list(value.hits),
                 "bytes_sent": value.bytes_sent,
                 "seconds": round(value.seconds, 3),
+                "via": value.via,
                 "kept_over_quota": value.kept_over_quota,
             }
         rows.append((r.host, row))
@@ -149,7 +150,8 @@ def _report(
         elif action == "warm":
             mbps = row["bytes_sent"] / row["seconds"] / 1e6 if row.get("seconds") else 0.0
             sent = format_size(row["bytes_sent"])
-            what = f"{len(row['added'])} added ({sent}, {mbps:.0f} MB/s), {len(row['hits'])} hits"
+            via = f" over {row['via']}" if row.get("via") else ""
+            what = f"{len(row['added'])} added ({sent}{via}, {mbps:.0f} MB/s), {len(row['hits'])} hits"
         elif action == "status":
             hits = row.get("hits_since_start")
             what = f"{hits} hits since the server started" if hits is not None else ""
@@ -201,6 +203,7 @@ def rows_by_install(rows: Sequence[tuple[Host, dict[str, Any]]]) -> list[dict[st
         for key in ("bytes_sent", "seconds"):
             if key in row:
                 first[key] = first.get(key, 0) + row[key]
+        first["via"] = first.get("via") or row.get("via")
         if row.get("hits_since_start") is not None:  # each server's own log
             first["hits_since_start"] = (first.get("hits_since_start") or 0) + row["hits_since_start"]
         if "kept_over_quota" in row:

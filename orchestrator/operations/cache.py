@@ -13,6 +13,7 @@ Every change runs as `operations.layer.node_operation` (the host lock, check mod
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,7 +26,7 @@ from orchestrator.core.errors import CommandError, HostError
 from orchestrator.core.fnv import helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
-from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_command, stream_items, stream_script
+from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_to_cache
 from orchestrator.operations.layer import OperationOptions, node_operation
 from orchestrator.operations.server.state import CACHE_DIR, LOG_MARKER, server_files
 
@@ -60,6 +61,7 @@ class CacheChange:
     hits: tuple[str, ...] = ()
     bytes_sent: int = 0
     seconds: float = 0.0
+    via: str | None = None  # how a warm's bytes went: "plain tcp", "ssh", "local shell", "a file at a time"
     kept_over_quota: int = 0  # bytes over rpc_cache_max kept because the current plan needs them
     after: CacheState | None = field(default=None)
 
@@ -343,10 +345,16 @@ async def _warm(
     def stopping() -> bool:
         return ctx is not None and ctx.session.interrupted is not None
 
-    command = stream_command(host, conn, stream_script(cache_path(host), missing)) if missing else None
-    if command is not None:  # one stream for all (an ssh process of its own: the link's speed)
-        await stream_items(host, command, missing, stopping=stopping, on_file=uploaded, on_ready=on_ready)
-    for item in missing if command is None else ():  # asyncssh only: a `cat` per file
+    via = (
+        await stream_to_cache(
+            host, conn, cache_path(host), missing, stopping=stopping, on_file=uploaded, on_ready=on_ready
+        )
+        if missing
+        else None
+    )
+    if missing and via is None:
+        via = "a file at a time"
+    for item in missing if via == "a file at a time" else ():  # asyncssh only: a `cat` per file
         if stopping():
             break
         with item.path.open("rb") as fh:
@@ -372,6 +380,7 @@ async def _warm(
         removed=pruned.removed,
         bytes_sent=sent,
         seconds=time.monotonic() - started,
+        via=via,
         kept_over_quota=pruned.kept_over_quota,
         after=pruned.after,
     )
@@ -454,15 +463,21 @@ class CacheCheck:
     waits: bool = False  # the server waits for files being warmed (`warm-wait`): a load may overlap the warm
 
 
-def check_step(expected: dict[str, dict[str, int]], *, full: bool = False) -> Step[CacheCheck]:
-    """Read-only: for each host, its cache against `expected[host.name]` (file name -> size). A file of
-    the wrong size is truncated; `full` also re-hashes the hits on the node (as `verify` does)."""
+def check_step(
+    expected: Mapping[str, Mapping[str, int]] | asyncio.Future[dict[str, dict[str, int]]],
+    *,
+    full: bool = False,
+) -> Step[CacheCheck]:
+    """Read-only: for each host, its cache against `expected[host.name]` (file name -> size; a future:
+    the node lists its cache meanwhile). A file of the wrong size is truncated; `full` also re-hashes
+    the hits on the node (as `verify` does)."""
 
     async def step(ctx: HostContext) -> StepOutcome[CacheCheck]:
         conn = await ctx.connection()
-        want = expected.get(ctx.host.name, {})
         waits: list[bool] = []
         files, _ = await read_cache(conn, ctx.host, waits=waits)
+        table = expected if isinstance(expected, Mapping) else await asyncio.shield(expected)
+        want = table.get(ctx.host.name, {})
         have = {f.name: f.size for f in files}
         hits = tuple(n for n in want if n in have)
         bad = [n for n in hits if have[n] != want[n]]

@@ -8,6 +8,14 @@ under a temporary name, checks its size, renames it and says `ok NAME`. A file i
 hash name before it is whole; a session cut mid-file leaves only a temporary name (removed by its trap, or
 as a stray by the next warm). A `connection: local` host runs the same script in a local shell.
 
+For an `rpc_transport: tcp` host, whose weights cross the RPC link unencrypted anyway, the bytes take a
+plain TCP connection instead (`PlainLink`): encrypting them costs this machine and the node's sshd
+several CPU seconds per GB, which a load beside the warm needs. The node connects back to a listener
+opened for this warm alone, on this machine's address facing the node, and must first present a one-time
+token that went to it over the SSH session's stdin (never in a command line); the listener sends nothing
+before that and closes once the node is connected. A node that cannot connect back within
+PLAIN_ACCEPT_S (a firewall, NAT, no bash) is warmed over the SSH session as before.
+
 Before the first byte the script marks every file it will send (`.warm-wait-NAME`, holding its pid) and
 says `ready`; each mark goes as its file lands, and its trap removes the rest. A server built with the
 `warm-wait` patch (`artifacts.patches`) asked for a marked file waits for it, so a load may start at
@@ -18,9 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
+import secrets
 import shlex
 import shutil
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +50,7 @@ if TYPE_CHECKING:
 
 BLOCK = 1 << 20  # bytes per dd block and per write into the session
 TEMP_PREFIX = ".warm-"
+PLAIN_ACCEPT_S = 10.0  # how long a node has to connect back and present its token
 
 
 @dataclass(frozen=True)
@@ -58,16 +70,93 @@ def stream_command(host: Host, conn: Connection, script: str) -> StreamCommand |
         return StreamCommand(("/bin/bash", "-c", script), conn.home, env)
     if host.connection == "ssh" and shutil.which("ssh") is not None:
         argv = ["ssh", *ssh_options(host, host.ssh_connect_timeout), "--", host.address]
-        return StreamCommand((*argv, "exec sh -c " + shlex.quote(script)))
+        return StreamCommand((*argv, "exec bash -c " + shlex.quote(script)))
     return None
 
 
-def stream_script(folder: str, items: Sequence[WarmItem]) -> str:
-    """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word)."""
+def plain_link_wanted(host: Host, conn: Connection) -> bool:
+    """Whether a warm of `host` tries a plain TCP link: its weights cross the RPC link unencrypted anyway
+    (`rpc_transport: tcp`), and its stream would otherwise be an OpenSSH session."""
+    return host.rpc_transport == "tcp" and not isinstance(conn, LocalConnection) and host.connection == "ssh"
+
+
+class PlainLinkRefused(Exception):
+    """The node did not connect back with its token in time (or its script ended first)."""
+
+
+class PlainLink:
+    """A listener for one node's warm: the first connection that presents `token` (within
+    PLAIN_ACCEPT_S of the start) is the link; any other is closed without a byte sent."""
+
+    def __init__(self, server: asyncio.Server, address: str, port: int, token: str) -> None:
+        self.address, self.port, self.token = address, port, token
+        self._server = server
+        self.accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
+
+    @classmethod
+    async def open(cls, toward: str) -> PlainLink:
+        """Listen on this machine's address facing `toward` (the route's source address), any port."""
+        local = await _local_address_toward(toward)
+        token = secrets.token_hex(16)
+        holder: list[PlainLink] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            link = holder[0]
+            try:
+                line = await asyncio.wait_for(reader.readline(), PLAIN_ACCEPT_S)
+            except (TimeoutError, OSError, ValueError):
+                line = b""
+            if not link.accepted.done() and hmac.compare_digest(line.strip(), token.encode()):
+                link.accepted.set_result(writer)
+                link._server.close()  # one node, one connection: nobody else may connect now
+            else:
+                writer.close()
+
+        server = await asyncio.start_server(handle, host=local, port=0)
+        port = server.sockets[0].getsockname()[1]
+        holder.append(cls(server, local, port, token))
+        return holder[0]
+
+    def close(self) -> None:
+        """Stop listening and drop the connection at once: a stream that ended has flushed and closed
+        it already; one cut short must not wait for its buffer (the node then reads an end, and its
+        trap removes the partial file)."""
+        self._server.close()
+        if self.accepted.done() and not self.accepted.cancelled() and self.accepted.exception() is None:
+            transport = self.accepted.result().transport
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.fileno() != -1:  # not closed yet (else abort fails in 3.11)
+                transport.abort()
+        else:
+            self.accepted.cancel()
+
+
+async def _local_address_toward(address: str) -> str:
+    """This machine's source address toward `address` (a UDP socket's connect sends nothing)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(address, 9, type=socket.SOCK_DGRAM)
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return str(probe.getsockname()[0])
+
+
+def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | None = None) -> str:
+    """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word).
+    With `plain`: stdin's first line is the token; the bytes come over a connection back to the link
+    (exit status 3 before the first mark when it cannot be made)."""
     names = " ".join(shlex.quote(i.name) for i in items)
     lines = [
         f"D={folder}",
         'mkdir -p "$D" || exit 1',
+    ]
+    if plain is not None:
+        lines += [
+            "IFS= read -r T || exit 3",
+            f"exec 3<>/dev/tcp/{plain.address}/{plain.port} || exit 3",
+            """printf '%s\\n' "$T" >&3 || exit 3""",
+            "exec 0<&3 3<&-",
+        ]
+    lines += [
         "tmp=",
         f"W={shlex.quote(names)}",
         f"M={WARM_WAIT_PREFIX}",
@@ -100,12 +189,14 @@ async def stream_items(
     stopping: Callable[[], bool],
     on_file: Callable[[WarmItem], None],
     on_ready: Callable[[], None] = lambda: None,
+    plain: PlainLink | None = None,
 ) -> list[str]:
-    """Send `items` to the node's cache through `command` (running `stream_script` for them); returns
-    the names now there (in order); `on_ready` once every file is marked as coming. Between files,
-    `stopping()` ends the stream early (the files done stay). A failure is a HostError naming the file
-    (a full disk says so); cancelling kills the session (no partial file keeps a hash name). The bytes
-    go through in blocks: no tensor is held in memory."""
+    """Send `items` to the node's cache through `command` (running `stream_script` for them, with
+    `plain` if given: then the bytes go over it, and PlainLinkRefused says the node did not connect
+    back); returns the names now there (in order); `on_ready` once every file is marked as coming.
+    Between files, `stopping()` ends the stream early (the files done stay). A failure is a HostError
+    naming the file (a full disk says so); cancelling kills the session (no partial file keeps a hash
+    name). The bytes go through in blocks: no tensor is held in memory."""
     process = await start_child(
         command.argv,
         stdin=asyncio.subprocess.PIPE,
@@ -121,9 +212,28 @@ async def stream_items(
     sent: list[WarmItem] = []
     stopped = False
 
+    async def sink() -> asyncio.StreamWriter:
+        """Where the bytes go: the session's stdin, or the plain link once the node has connected."""
+        assert process.stdin is not None
+        if plain is None:
+            return process.stdin
+        process.stdin.write(plain.token.encode() + b"\n")
+        await process.stdin.drain()
+        process.stdin.close()
+        ended: asyncio.Future[Any] = asyncio.ensure_future(process.wait())
+        accepted: asyncio.Future[Any] = plain.accepted
+        try:
+            await asyncio.wait({accepted, ended}, timeout=PLAIN_ACCEPT_S, return_when="FIRST_COMPLETED")
+        finally:
+            ended.cancel()
+        if not plain.accepted.done():
+            raise PlainLinkRefused(host.name)
+        return plain.accepted.result()
+
     async def feed() -> None:
         nonlocal stopped
         assert process.stdin is not None
+        out = await sink()
         try:
             for item in items:
                 if stopping():
@@ -136,16 +246,16 @@ async def stream_items(
                         chunk = fh.read(min(BLOCK, left))
                         if not chunk:
                             raise HostError(f"{item.path} ends inside tensor {item.name}", host=host.name)
-                        process.stdin.write(chunk)
-                        await process.stdin.drain()
+                        out.write(chunk)
+                        await out.drain()
                         left -= len(chunk)
                 sent.append(item)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the remote side stopped: its exit status and stderr say why
         finally:
-            process.stdin.close()
+            out.close()
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                await process.stdin.wait_closed()
+                await out.wait_closed()
 
     async def collect() -> None:
         assert process.stdout is not None
@@ -176,6 +286,8 @@ async def stream_items(
         if isinstance(exc, OSError):  # the model file here could not be read
             raise HostError(f"cannot read the tensors to warm: {exc}", host=host.name) from None
         raise
+    if plain is not None and not plain.accepted.done():  # the script ended before connecting back
+        raise PlainLinkRefused(host.name)
     stderr = errors.result().decode(errors="replace")
     if status != 0 and not (stopped and len(done) == len(sent)):
         failed = next((i for i in items if i.name not in done), items[-1])
@@ -188,3 +300,37 @@ async def stream_items(
             hint="free space, lower rpc_cache_max or run `rpcfleet cache prune`" if full else None,
         )
     return done
+
+
+async def stream_to_cache(
+    host: Host,
+    conn: Connection,
+    folder: str,
+    items: Sequence[WarmItem],
+    *,
+    stopping: Callable[[], bool],
+    on_file: Callable[[WarmItem], None],
+    on_ready: Callable[[], None] = lambda: None,
+) -> str | None:
+    """`items` into the node's cache `folder` in one stream: over a plain TCP link where
+    `plain_link_wanted` (and the node connects back), else over the session itself. Returns how the
+    bytes went ("plain tcp", "ssh", "local shell"); None: no stream can be made here (an SSH host
+    without the `ssh` binary), nothing was sent."""
+    if plain_link_wanted(host, conn):
+        link = await PlainLink.open(host.address)
+        try:
+            command = stream_command(host, conn, stream_script(folder, items, link))
+            if command is not None:
+                await stream_items(
+                    host, command, items, stopping=stopping, on_file=on_file, on_ready=on_ready, plain=link
+                )
+                return "plain tcp"
+        except PlainLinkRefused:
+            pass  # a firewall, NAT or no bash on the node: the session carries the bytes
+        finally:
+            link.close()
+    command = stream_command(host, conn, stream_script(folder, items))
+    if command is None:
+        return None
+    await stream_items(host, command, items, stopping=stopping, on_file=on_file, on_ready=on_ready)
+    return "local shell" if isinstance(conn, LocalConnection) else "ssh"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import subprocess
 import time
@@ -20,7 +21,7 @@ from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
 from orchestrator.lab.state import Lab
 from orchestrator.operations.cache import WarmItem, warm
-from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, stream_command, stream_script
+from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, PlainLink, stream_command, stream_script
 from tests.plugins.cache import warm_items
 from tests.plugins.lab import lab_hosts_of, own_lab
 
@@ -88,7 +89,7 @@ def test_the_stream_runs_over_ssh_or_a_local_shell_else_none(
     monkeypatch.setattr(cache_stream.shutil, "which", lambda name: f"/usr/bin/{name}")
     command = stream_command(remote, conn, "echo hi")
     assert command is not None and command.argv[0] == "ssh" and command.argv[-2] == "10.0.0.1"
-    assert command.argv[-1] == "exec sh -c 'echo hi'" and "2222" in command.argv and "u" in command.argv
+    assert command.argv[-1] == "exec bash -c 'echo hi'" and "2222" in command.argv and "u" in command.argv
     monkeypatch.setattr(cache_stream.shutil, "which", lambda name: None)
     assert stream_command(remote, conn, "echo hi") is None  # asyncssh's `cat` per file then
 
@@ -98,9 +99,9 @@ def test_warm_without_the_ssh_binary_sends_a_file_at_a_time(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from orchestrator.operations import cache
+    from orchestrator.operations import cache_stream
 
-    monkeypatch.setattr(cache, "stream_command", lambda *args: None)
+    monkeypatch.setattr(cache_stream, "stream_command", lambda *args: None)
     items = warm_items(big_model)
     host = Host(name="f", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "f"))
 
@@ -110,6 +111,7 @@ def test_warm_without_the_ssh_binary_sends_a_file_at_a_time(
 
     change = asyncio.run(go())
     assert set(change.added) == {i.name for i in items}  # type: ignore[attr-defined]
+    assert change.via == "a file at a time"  # type: ignore[attr-defined]
     _whole(tmp_path / "f" / "cache" / "rpc")
 
 
@@ -208,3 +210,59 @@ def test_an_interrupted_stream_leaves_no_partial_file(
     assert change.corrupt == (items[1].name,) and set(change.added) == {items[1].name}
     _whole(folder)
     assert short.stat().st_size == items[1].size
+
+
+def test_a_plain_link_takes_only_the_node_with_its_token_and_then_no_one() -> None:
+    async def scenario() -> None:
+        link = await PlainLink.open("127.0.0.1")
+        assert link.address == "127.0.0.1" and len(link.token) == 32
+        reader, writer = await asyncio.open_connection(link.address, link.port)
+        writer.write(b"not-the-token\n")
+        await writer.drain()
+        assert await reader.read() == b""  # closed without a byte
+        assert not link.accepted.done()
+        reader, writer = await asyncio.open_connection(link.address, link.port)
+        writer.write(link.token.encode() + b"\n")
+        await writer.drain()
+        accepted = await asyncio.wait_for(link.accepted, 5)
+        accepted.write(b"weights")
+        await accepted.drain()
+        assert await reader.readexactly(7) == b"weights"
+        with pytest.raises(OSError):  # the listener closed once the node was connected
+            await asyncio.open_connection(link.address, link.port)
+        link.close()
+        assert await reader.read() == b""
+        writer.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.lab
+def test_a_tcp_host_is_warmed_over_a_plain_link_else_over_ssh(
+    node: tuple[Lab, Host],
+    big_model: Path,
+) -> None:
+    """`rpc_transport: tcp`: the bytes take a plain TCP link the node opened back with its token; a node
+    that cannot connect back (its new outbound connections refused) and an `rpc_transport: ssh` host
+    are warmed over the SSH session. Every time the files are whole and no mark is left."""
+    lab, host = node
+    items = warm_items(big_model)
+    folder = _folder(lab)
+
+    def warmed(target: Host) -> str | None:
+        for path in folder.glob("*") if folder.exists() else ():
+            path.unlink()
+        change = asyncio.run(_warm(target, items))
+        assert set(change.added) == {i.name for i in items}
+        _whole(folder)
+        return change.via  # type: ignore[no-any-return]
+
+    assert host.rpc_transport == "tcp"
+    assert warmed(host) == "plain tcp"
+    assert warmed(dataclasses.replace(host, rpc_transport="ssh")) == "ssh"
+    refuse = ["iptables", "-I", "OUTPUT", "-p", "tcp", "--syn", "-j", "REJECT", "--reject-with", "tcp-reset"]
+    lab.node_exec(1, refuse)
+    try:
+        assert warmed(host) == "ssh"
+    finally:
+        lab.node_exec(1, ["iptables", "-D", *refuse[2:]])
