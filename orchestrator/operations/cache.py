@@ -322,8 +322,16 @@ async def _warm(
     missing = [item for n, item in wanted.items() if n not in hits]
     if check:
         return CacheChange(added=tuple(i.name for i in missing), hits=hits, corrupt=truncated)
-    if strays:
-        await _remove(conn, host, strays)
+    # Room first: the cache as it will be once warm, pruned to rpc_cache_max now (never a wanted file),
+    # so the files land in the room made and nothing is left to do after the last one (a load beside
+    # the warm waits for it).
+    now = time.time()
+    coming = [CacheFile(i.name, i.size, now) for i in missing]
+    missing_names = {i.name for i in missing}
+    will_be = [f for f in files if f.name not in wanted] + [f for f in files if f.name in hits] + coming
+    evict, over = choose_evictions(will_be, host.rpc_cache_max, wanted)
+    if strays or evict:
+        await _remove(conn, host, [*strays, *(f.name for f in evict)])
     if hits:
         await conn.run(f"cd {cache_path(host)} && touch -c -- {' '.join(hits)}", timeout=60)
     added: list[str] = []
@@ -372,17 +380,19 @@ async def _warm(
             )
         uploaded(item)
     sent = sum(wanted[n].size for n in added)
-    pruned = await prune(conn, host, keep=wanted)
+    gone = {f.name for f in evict}
+    landed = set(added)
+    after = [f for f in will_be if f.name not in gone and (f.name not in missing_names or f.name in landed)]
     return CacheChange(
         added=tuple(added),
         hits=hits,
         corrupt=truncated,
-        removed=pruned.removed,
+        removed=tuple(f.name for f in evict),
         bytes_sent=sent,
         seconds=time.monotonic() - started,
         via=via,
-        kept_over_quota=pruned.kept_over_quota,
-        after=pruned.after,
+        kept_over_quota=over,
+        after=CacheState(tuple(after), host.rpc_cache_max),
     )
 
 

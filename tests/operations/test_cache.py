@@ -164,6 +164,15 @@ def test_prune_keeps_the_plan_and_clear(big_model: Path, tmp_path: Path) -> None
     assert set(_cache_files(tmp_path / "q")) == {items[0].name, items[4].name, items[5].name}
     assert len(_run(_with(host, clear)).removed) == 3 and _cache_files(tmp_path / "q") == {}
 
+    # A warm makes its room before its files land: the least recently used files not wanted go first.
+    _run(_with(host, warm, items[:3]))
+    for age, item in enumerate(items[:3]):
+        os.utime(folder / item.name, (1000 + age, 1000 + age))
+    change = _run(_with(host, warm, [items[1], items[3]]))
+    assert change.removed == (items[0].name,) and change.added == (items[3].name,)
+    assert set(_cache_files(tmp_path / "q")) == {items[1].name, items[2].name, items[3].name}
+    assert change.after is not None and {f.name for f in change.after.files} == set(_cache_files(tmp_path / "q"))
+
 
 def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path) -> None:
     items = warm_items(big_model)
