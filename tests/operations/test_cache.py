@@ -171,7 +171,8 @@ def test_prune_keeps_the_plan_and_clear(big_model: Path, tmp_path: Path) -> None
     change = _run(_with(host, warm, [items[1], items[3]]))
     assert change.removed == (items[0].name,) and change.added == (items[3].name,)
     assert set(_cache_files(tmp_path / "q")) == {items[1].name, items[2].name, items[3].name}
-    assert change.after is not None and {f.name for f in change.after.files} == set(_cache_files(tmp_path / "q"))
+    assert change.after is not None
+    assert {f.name for f in change.after.files} == set(_cache_files(tmp_path / "q"))
 
 
 def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path) -> None:
