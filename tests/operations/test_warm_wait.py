@@ -5,12 +5,15 @@
 - A mark whose process is gone (a warm killed before its trap ran) holds nothing: the tensor is sent.
 - `load_on_fleet` runs the load beside the warm where every warming node's installed server has the patch
   (its manifest lists it): the big tensors never cross the RPC link, and no mark is left behind. Without
-  the patch in the manifest, the load waits for the warm's end.
+  the patch in the manifest, the load waits for the warm's end. A signal during a load beside the warm
+  stops the worker.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -165,3 +168,28 @@ def test_load_on_fleet_runs_the_load_beside_the_warm_only_on_servers_that_wait(
     for node, host in zip(nodes, hosts, strict=True):
         names = {p.name for p in _folder(node).iterdir()}
         assert names == {c.file for c in cached[host.endpoint]}  # whole files, no mark left
+
+
+def test_a_signal_during_a_load_beside_the_warm_stops_both(nodes: list[Node], big_model: Path) -> None:
+    """SIGINT as the load starts beside the warm: the worker is stopped (it was mid-load: nothing is
+    loaded), the warm stops at its next file, and no mark is left behind. 20 rounds."""
+    plan = plan_on_nodes(nodes, big_model)
+    hosts = _hosts(nodes, patched=True)
+    for round_ in range(20):
+        for node in nodes:
+            for path in _folder(node).iterdir():
+                path.unlink()
+        with Worker.spawn() as worker:
+            done = load_on_fleet(
+                plan,
+                hosts,
+                worker,
+                big_model,
+                warm="always",
+                interruptible=True,
+                on_prepared=lambda _done: os.kill(os.getpid(), signal.SIGINT),
+            )
+            assert done.overlapped and done.interrupted and done.placement is None, round_
+            assert not worker.alive, round_  # the interrupt landed: the load's worker is gone
+        for node in nodes:  # the files that landed are whole; the marks are gone
+            assert not [p for p in _folder(node).iterdir() if p.name.startswith(WARM_WAIT_PREFIX)], round_
