@@ -282,6 +282,7 @@ def main() -> int:
         warm_s = time.monotonic() - started
         warm_cpu = busy_cpu_seconds() - busy
         node_warm = {r.host.name: (r.value.bytes_sent, r.value.seconds) for r in run.results}
+        warm_via = sorted({str(r.value.via) for r in run.results})
         results["pre-warmed first load"] = timed_load(plan, model)
         asyncio.run(cache_op(cached, cache_step("clear", options)))
         largest = max(items, key=lambda name: sum(i.size for i in items[name]))
@@ -385,8 +386,8 @@ def main() -> int:
         "buffers, plus the worker's start and context set-up; of a cold one, the wire and the servers "
         "hashing and writing their files (on a miss, each server hashes the tensor again before it writes).",
         f"- CPU work measured in this run (the machine's busy core-seconds): the plain-TCP send to all "
-        f"nodes at once {wire_cpu:.1f}, `cache warm` of all nodes {warm_cpu:.1f} (its bytes over plain "
-        f"TCP: these nodes have `rpc_transport: tcp`), a warm load {warm_load_cpu:.1f}, the cold load "
+        f"nodes at once {wire_cpu:.1f}, `cache warm` of all nodes {warm_cpu:.1f} (its bytes over "
+        f"{' and '.join(warm_via)}), a warm load {warm_load_cpu:.1f}, the cold load "
         f"beside the warm {best[True]['cpu']:.1f}: on {cores} cores at least "
         f"{best[True]['cpu'] / cores:.2f} s, {best[True]['cpu'] / cores / wire_parallel:.2f}x the "
         f"{len(per_node)}-link limit.",
