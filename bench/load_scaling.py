@@ -79,7 +79,7 @@ def measure(nodes: int, models: dict[str, Path], rates: tuple[str, ...]) -> dict
         for name, path in models.items():
             for rate in rates:
                 shape_links(lab, rate, None)
-                wire, parallel = wire_limits(lab, planned_bytes(plans[name]))
+                wire, parallel, _cpu = wire_limits(lab, planned_bytes(plans[name]))
                 points[(name, rate)] = Point(wire, parallel, no_cache=timed_load(plans[name], path))
         asyncio.run(deploy(cached))
         for name, path in models.items():

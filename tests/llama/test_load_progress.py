@@ -24,7 +24,7 @@ from orchestrator.llama.worker.load_progress import (
     progress_sample,
 )
 from orchestrator.llama.worker.parent import Worker
-from tests.plugins.cache import Node, plan_on_nodes
+from tests.plugins.cache import Node, cache_hosts, plan_on_nodes
 
 
 def test_rates_eta_and_what_is_left_to_send() -> None:
@@ -218,7 +218,6 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
     big_model: Path,
 ) -> None:
     from orchestrator.core.poll import poll_async
-    from orchestrator.inventory.model import Host
     from orchestrator.planning.plan import PlanOptions
     from orchestrator.serve.backend import Backend
     from orchestrator.serve.engine import default_engines
@@ -226,19 +225,7 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
     from orchestrator.serve.upstream import Upstream
     from orchestrator.workflows.serving import ServeFleet
 
-    hosts = [
-        Host(
-            name=n.name,
-            address="127.0.0.1",
-            connection="local",
-            install_dir=str(n.install),
-            rpc_host="127.0.0.1",
-            rpc_port=s.port,
-            rpc_cache=True,
-        )
-        for n in nodes
-        if (s := n.server) is not None
-    ]
+    hosts = cache_hosts(nodes)
     during: list[dict] = []  # type: ignore[type-arg]
     loaded: list[dict[str, float]] = []
 

@@ -28,7 +28,7 @@ from orchestrator.llama.worker.load_progress import LoadProgress, planned_bytes
 from orchestrator.llama.worker.parent import Worker
 from orchestrator.planning.plan import Plan
 from orchestrator.workflows.load import load_on_fleet
-from tests.plugins.cache import Node, plan_on_nodes
+from tests.plugins.cache import Node, cache_hosts, plan_on_nodes
 from tests.waits import wait_until
 
 pytestmark = pytest.mark.llama
@@ -42,24 +42,17 @@ def _hosts(nodes: list[Node], *, patched: bool) -> list[Host]:
     """The nodes as `rpc_cache` hosts, each with an installed manifest that lists the server's patches
     (as `deploy` leaves it), with or without `warm-wait`."""
     label = next(p.label for p in PATCHES if p.name == WARM_WAIT)
-    hosts = []
     for node in nodes:
-        assert node.server is not None
         current = node.install / "current"
         current.mkdir(exist_ok=True)
         (current / "manifest.json").write_text(json.dumps({"patches": [label] if patched else []}))
-        hosts.append(
-            Host(
-                name=node.name,
-                address="127.0.0.1",
-                connection="local",
-                install_dir=str(node.install),
-                rpc_host="127.0.0.1",
-                rpc_port=node.server.port,
-                rpc_cache=True,
-            )
-        )
-    return hosts
+    return cache_hosts(nodes)
+
+
+def _empty(nodes: list[Node]) -> None:
+    for node in nodes:
+        for path in _folder(node).iterdir():
+            path.unlink()
 
 
 def _cached_sent(
@@ -124,9 +117,7 @@ def test_a_mark_holds_the_server_while_its_warm_lives_and_not_after(
         holder.wait()
 
     # Marks of a warm that is gone (its pid dead) hold nothing: the servers take the tensors themselves.
-    for node in nodes:
-        for path in _folder(node).iterdir():
-            path.unlink()
+    _empty(nodes)
     for endpoint, tensors in cached.items():
         for c in tensors:
             (_folder(by_endpoint[endpoint]) / f"{WARM_WAIT_PREFIX}{c.file}").write_text(f"{holder.pid}\n")
@@ -175,20 +166,11 @@ def test_a_signal_during_a_load_beside_the_warm_stops_both(nodes: list[Node], bi
     loaded), the warm stops at its next file, and no mark is left behind. 20 rounds."""
     plan = plan_on_nodes(nodes, big_model)
     hosts = _hosts(nodes, patched=True)
+    interrupt = lambda _done: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
     for round_ in range(20):
-        for node in nodes:
-            for path in _folder(node).iterdir():
-                path.unlink()
+        _empty(nodes)
         with Worker.spawn() as worker:
-            done = load_on_fleet(
-                plan,
-                hosts,
-                worker,
-                big_model,
-                warm="always",
-                interruptible=True,
-                on_prepared=lambda _done: os.kill(os.getpid(), signal.SIGINT),
-            )
+            done = load_on_fleet(plan, hosts, worker, big_model, interruptible=True, on_prepared=interrupt)
             assert done.overlapped and done.interrupted and done.placement is None, round_
             assert not worker.alive, round_  # the interrupt landed: the load's worker is gone
         for node in nodes:  # the files that landed are whole; the marks are gone

@@ -54,6 +54,23 @@ class Node:
             self.server = None
 
 
+def cache_hosts(nodes: list[Node]) -> list[Host]:
+    """The running nodes as `rpc_cache` hosts of an inventory: a local connection, their server's port."""
+    return [
+        Host(
+            name=n.name,
+            address="127.0.0.1",
+            connection="local",
+            install_dir=str(n.install),
+            rpc_host="127.0.0.1",
+            rpc_port=n.server.port,
+            rpc_cache=True,
+        )
+        for n in nodes
+        if n.server is not None
+    ]
+
+
 @pytest.fixture
 def nodes(rpc_server_binary: Path, tmp_path: Path) -> Iterator[list[Node]]:
     made = [Node(rpc_server_binary, tmp_path, f"n{i}") for i in range(2)]
