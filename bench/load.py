@@ -366,7 +366,8 @@ def main() -> int:
         f"{no_cache:.2f} s load.",
         f"- Targets: a cold load through rpcfleet within 1.5x the measured limit of the links it uses: "
         f"{ours:.2f} s, the best of {spread(True)} s (phases from the start: {phases(best[True])}; the "
-        f"check includes hashing the plan's tensors; the warm's phase ends after the load) is "
+        f"check hashes only the tensors a cached file could be, none on empty caches, and the warm names "
+        f"the others as it sends them; the warm's phase ends after the load) is "
         f"{ours / wire_parallel:.2f}x the {len(per_node)}-link limit: {verdict(ours / wire_parallel <= 1.5)} "
         f"({ours / wire:.2f}x the one-link limit). Alternated with it, the load after the warm (stock "
         f"servers): {results[AFTER]:.2f} s, the best of {spread(False)} s ({phases(best[False])}), "

@@ -19,13 +19,13 @@ replacement is left alone, so an incremental rebuild in the same folder does not
   server down, and systemd showed a failed bind as a clean stop. With the patch that end is status 1:
   the process supervisor retries it (`operations.supervise`: it stops at a port another program holds),
   the systemd unit shows it `failed` (`operations.systemd`).
-- `warm-wait`: a server with a cache (`-c`) asked for a file it lacks waits while rpcfleet is warming
-  that file: the warm stream first writes a marker `.warm-wait-NAME` holding its shell's pid for every file
-  it will send, and removes each as its file lands. So a load can start as soon as the warm does and trail
-  it tensor by tensor, each tensor read from the cache, instead of starting after the whole warm or
-  sending the tensor a second time. The wait ends when the file lands, its marker goes, the marker's
-  process is gone (a warm killed before its trap ran) or after WARM_WAIT_MAX_S; then, as stock, a missing
-  file is a miss and the client sends the tensor itself.
+- `warm-wait`: a server with a cache (`-c`) asked for a file it lacks waits while rpcfleet warms its
+  cache: the warm stream first writes `.warm-wait` in the cache folder, holding its shell's pid, and
+  removes it when it ends. So a load can start as soon as the warm does and trail it tensor by tensor,
+  each tensor read from the cache as it lands, instead of starting after the whole warm or sending the
+  tensor a second time. The wait ends when the file lands, the mark goes, the mark's process is gone
+  (a warm killed before its trap ran) or after WARM_WAIT_MAX_S; then, as stock, a missing file is a
+  miss and the client sends the tensor itself.
 - `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
   instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
   block is compiled only where the headers have it, else the instance is created without those settings.
@@ -46,7 +46,7 @@ KEEPALIVE_PROBES = 3
 USER_TIMEOUT_MS = 30_000
 WARM_WAIT_MAX_S = 600  # the longest one request waits for one file being warmed
 WARM_WAIT = "warm-wait"  # the patch's name, as manifests list it
-WARM_WAIT_PREFIX = ".warm-wait-"  # the marker of a file being warmed (operations/cache_stream.py)
+WARM_WAIT_MARK = ".warm-wait"  # in a cache folder while a warm streams into it (operations/cache_stream.py)
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,9 @@ _WARM_WAIT = (
     """    fs::path cache_file = fs::path(cache_dir) / hash_str;
     std::error_code ec;
     {
-        // rpcfleet warm-wait patch: while the warm that holds this file's marker lives, wait for the file.
+        // rpcfleet warm-wait patch: while a warm of this cache lives (its mark holds its pid), wait.
 """
-    + f'        fs::path marker = fs::path(cache_dir) / (std::string("{WARM_WAIT_PREFIX}") + hash_str);\n'
+    + f'        fs::path marker = fs::path(cache_dir) / "{WARM_WAIT_MARK}";\n'
     + f"        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds({WARM_WAIT_MAX_S});\n"
     + """        while (!fs::exists(cache_file, ec) && std::chrono::steady_clock::now() < deadline) {
             std::ifstream marked(marker);

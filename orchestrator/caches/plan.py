@@ -103,6 +103,26 @@ def _write_memo(path: Path, hashes: dict[str, int]) -> None:
         write_atomic(_memo_path(path), text, parents=True)
 
 
+def remembered(tensors: Iterable[TensorSlice]) -> dict[TensorSlice, str]:
+    """The cache names the memo holds for `tensors` (none is hashed)."""
+    items = list(tensors)
+    known = {p: _read_memo(p) for p in {t.path for t in items}}
+    found = {t: known[t.path].get(f"{t.offset}:{t.size}") for t in items}
+    return {t: cache_name(h) for t, h in found.items() if h is not None}
+
+
+def remember(named: Iterable[tuple[Path, int, int, str]]) -> None:
+    """Add names learned elsewhere (a warm names what it sends: `path, offset, size, name`) to the memo."""
+    by_path: dict[Path, dict[str, int]] = {}
+    for path, offset, size, name in named:
+        by_path.setdefault(path, {})[f"{offset}:{size}"] = int(name, 16)
+    for path, hashes in by_path.items():
+        known = _read_memo(path)
+        if any(k not in known for k in hashes):
+            with contextlib.suppress(OSError):
+                _write_memo(path, {**known, **hashes})
+
+
 def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool = True) -> list[CacheTensor]:
     """Cache names for `tensors`, hashed natively in `threads` parallel threads (the C loop drops the GIL).
     With `memo`, hashes are remembered per model file (`$RPCFLEET_HOME/hashes/`, keyed by path, size and
@@ -124,11 +144,16 @@ def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool
     return [CacheTensor(cache_name(h), t) for h, t in zip(hashes, items, strict=True)]
 
 
+def plan_tensors(plan: Plan, model_paths: Iterable[Path]) -> dict[str, list[TensorSlice]]:
+    """Per endpoint, the tensors a load of `plan` asks its cache for (not hashed: `hash_tensors`)."""
+    return endpoint_tensors(plan, gguf_tensors(model_paths))
+
+
 def plan_cache(
     plan: Plan, model_paths: Iterable[Path], *, threads: int = 2, memo: bool = True
 ) -> dict[str, list[CacheTensor]]:
     """Per endpoint, the cache files a load of `plan` asks for (each hashed once even if shared)."""
-    per_endpoint = endpoint_tensors(plan, gguf_tensors(model_paths))
+    per_endpoint = plan_tensors(plan, model_paths)
     unique = {(t.path, t.offset, t.size): t for ts in per_endpoint.values() for t in ts}
     hashed = {
         (c.tensor.path, c.tensor.offset, c.tensor.size): c

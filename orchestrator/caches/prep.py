@@ -1,13 +1,17 @@
 """Before a load on `rpc_cache` hosts: the cache files it will hit and miss, and warming the misses first.
 
 llama.cpp sends tensors one at a time, one node after the other, so a cold load uses one link at a time
-and makes each server hash and write its files on the way. Warming the misses over SSH (`cache warm`'s
-operation, every node in parallel) uses all the links at once; the load is then a warm one. Where every
-node's server waits for the files being warmed (the `warm-wait` patch of the servers rpcfleet builds),
-the load starts as soon as the warm has marked its files and trails it tensor by tensor
-(`overlaps`); with any other server it starts when the warm has ended. A hit
-that is truncated (or, with `full`, corrupt) is refused before any load: llama.cpp would read it back as
-weights without a check.
+and makes each server hash and write its files on the way. Warming the misses (`cache warm`'s operation,
+every node in parallel) uses all the links at once; the load is then a warm one. Where every node's
+server waits while its cache is being warmed (the `warm-wait` patch of the servers rpcfleet builds), the
+load starts as soon as the warm has marked the folders and trails it tensor by tensor (`overlaps`);
+with any other server it starts when the warm has ended.
+
+Nothing is hashed before the warm that need not be: the check lists each node's cache, and only a tensor
+a file there could be (that size, or shorter: a truncated copy) needs its name, from the memo or hashed
+here; the others are misses whatever their name, and the warm's stream names them as it sends them (the
+names then go to the memo). A hit that is truncated (or, with `full`, corrupt) is refused before any
+load: llama.cpp would read it back as weights without a check.
 """
 
 from __future__ import annotations
@@ -18,11 +22,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from orchestrator.caches.plan import CacheTensor, plan_cache
+from orchestrator.caches.plan import (
+    CacheTensor,
+    TensorSlice,
+    hash_tensors,
+    plan_tensors,
+    remember,
+    remembered,
+)
 from orchestrator.core.errors import LoaderError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
-from orchestrator.operations.cache import CacheChange, CacheCheck, WarmItem, check_step, warm_step
+from orchestrator.operations.cache import (
+    CacheChange,
+    CacheListing,
+    WarmItem,
+    listing_step,
+    rehash_step,
+    warm_step,
+)
 from orchestrator.operations.layer import OperationOptions
 from orchestrator.planning.plan import Plan
 
@@ -93,53 +111,70 @@ class CachePrep:
         }
 
 
+def could_be_there(tensor: TensorSlice, sizes: Iterable[int]) -> bool:
+    """Whether a file of a node's cache could be `tensor`'s: one of its size, or shorter (a truncated
+    copy under its name). Only such a tensor needs its name before the load; the others are misses
+    whatever their name, and the warm names them as it sends them."""
+    return any(size <= tensor.size for size in sizes)
+
+
 async def check_caches(
-    session: Session,
-    hosts: Sequence[Host],
-    per_endpoint: Mapping[str, Sequence[CacheTensor]] | asyncio.Future[dict[str, list[CacheTensor]]],
-    *,
-    full: bool,
+    session: Session, hosts: Sequence[Host], per_endpoint: Mapping[str, Sequence[TensorSlice]], *, full: bool
 ) -> CachePrep:
-    """Read each host's cache against the files `per_endpoint` says its share needs (a future: the
-    hashing still under way while the nodes list their caches); raise LoaderError naming the host when
-    one the load would read is truncated (or, with `full`, corrupt)."""
-
-    async def table() -> Mapping[str, Sequence[CacheTensor]]:
-        return per_endpoint if isinstance(per_endpoint, Mapping) else await per_endpoint
-
-    async def expected_files() -> dict[str, dict[str, int]]:
-        return {name: {i.name: i.size for i in its} for name, its in warm_items(await table(), hosts).items()}
-
-    expected = asyncio.ensure_future(expected_files())
-    try:
-        run = await session.run(list(hosts), check_step(expected, full=full), name="cache-check")
-        items = warm_items(await table(), hosts)  # a hashing that failed raises its own error here
-    finally:
-        expected.cancel()
+    """Read each host's cache against the tensors `per_endpoint` says its share needs; hash (here, or
+    from the memo) only the tensors a file there could be; raise LoaderError naming the host when a
+    file the load would read is truncated (or, with `full`, corrupt)."""
+    run = await session.run(list(hosts), listing_step(), name="cache-check")
+    listings = {r.host.name: r.value for r in run.results if isinstance(r.value, CacheListing)}
+    for r in run.results:
+        if r.status != "skipped" and r.host.name not in listings:
+            raise LoaderError(f"cannot read the tensor cache: {r.error}", host=r.host.name)
+    by_host = {h.name: list(per_endpoint.get(h.endpoint, ())) for h in hosts if h.name in listings}
+    memo = await asyncio.to_thread(remembered, {t for ts in by_host.values() for t in ts})
+    to_hash = {
+        t
+        for name, ts in by_host.items()
+        for t in ts
+        if t not in memo and could_be_there(t, listings[name].files.values())
+    }
+    hashed = {c.tensor: c.file for c in await asyncio.to_thread(hash_tensors, to_hash)} if to_hash else {}
+    names = {**memo, **hashed}
     hit_bytes: dict[str, int] = {}
     missing: dict[str, tuple[WarmItem, ...]] = {}
     hits = 0
-    waiting: set[str] = set()
-    for r in run.results:
-        if r.status == "skipped":  # an interrupt stopped the check first: the caller sees session.interrupted
+    hit_names: dict[str, list[str]] = {}
+    for host in hosts:
+        if host.name not in by_host:
             continue
-        if not isinstance(r.value, CacheCheck):
-            raise LoaderError(f"cannot read the tensor cache: {r.error}", host=r.host.name)
-        if r.value.bad:
-            raise LoaderError(
-                f"the tensor cache holds {len(r.value.bad)} truncated or corrupt file(s) this load "
-                f"would read ({', '.join(r.value.bad[:3])})",
-                host=r.host.name,
-                hint=f"run `rpcfleet cache verify -l {r.host.name}` (it removes them), then load again",
-            )
-        absent = set(r.value.misses)
-        host_items = items.get(r.host.name, [])
-        hit_bytes[r.host.endpoint] = sum(i.size for i in host_items if i.name not in absent)
-        missing[r.host.name] = tuple(i for i in host_items if i.name in absent)
-        hits += len(r.value.hits)
-        if r.value.waits:
-            waiting.add(r.host.name)
-    return CachePrep(tuple(hosts), hit_bytes, missing, hits, frozenset(waiting))
+        files = listings[host.name].files
+        items = [WarmItem(names.get(t), t.path, t.offset, t.size) for t in by_host[host.name]]
+        bad = [i.name for i in items if i.name in files and files[i.name] != i.size]
+        _refuse(host, [n for n in bad if n])
+        there = [i for i in items if i.name is not None and files.get(i.name) == i.size]
+        hit_names[host.name] = [str(i.name) for i in there]
+        hit_bytes[host.endpoint] = sum(i.size for i in there)
+        missing[host.name] = tuple(i for i in items if i not in there)
+        hits += len(there)
+    if full and any(hit_names.values()):
+        rehashed = await session.run(list(hosts), rehash_step(hit_names), name="cache-verify")
+        for done in rehashed.results:
+            if done.status == "skipped":
+                continue
+            if not isinstance(done.value, tuple):
+                raise LoaderError(f"cannot re-hash the tensor cache: {done.error}", host=done.host.name)
+            _refuse(done.host, list(done.value))
+    waiting = frozenset(name for name, listing in listings.items() if listing.waits)
+    return CachePrep(tuple(hosts), hit_bytes, missing, hits, waiting)
+
+
+def _refuse(host: Host, bad: Sequence[str]) -> None:
+    if bad:
+        raise LoaderError(
+            f"the tensor cache holds {len(bad)} truncated or corrupt file(s) this load "
+            f"would read ({', '.join(bad[:3])})",
+            host=host.name,
+            hint=f"run `rpcfleet cache verify -l {host.name}` (it removes them), then load again",
+        )
 
 
 def warming_hosts(prep: CachePrep) -> list[Host]:
@@ -162,14 +197,21 @@ async def warm_misses(
     hit_bytes = dict(prep.hit_bytes)
     missing = dict(prep.missing)
     hits = prep.hits
+    learned = [
+        (i.path, i.offset, i.size, str(i.name))
+        for r in run.results
+        if isinstance(r.value, CacheChange)
+        for i in r.value.landed
+    ]
+    await asyncio.to_thread(remember, learned)  # the next check of these caches need not hash them
     for r in run.results:
         if not r.succeeded or not isinstance(r.value, CacheChange):
             continue
-        there = set(r.value.added) | set(r.value.hits)
-        now_hits = [i for i in missing[r.host.name] if i.name in there]
+        there = {(i.path, i.offset, i.size) for i in r.value.landed} | set(r.value.hits)
+        now_hits = [i for i in missing[r.host.name] if (i.path, i.offset, i.size) in there or i.name in there]
         hit_bytes[r.host.endpoint] += sum(i.size for i in now_hits)
         hits += len(now_hits)
-        missing[r.host.name] = tuple(i for i in missing[r.host.name] if i.name not in there)
+        missing[r.host.name] = tuple(i for i in missing[r.host.name] if i not in now_hits)
     return run, CachePrep(prep.hosts, hit_bytes, missing, hits, prep.waiting)
 
 
@@ -223,12 +265,8 @@ async def prepare_caches(
     if not cached:
         return None, None
     paths = (await asyncio.to_thread(profile_model, model or plan.model_path)).paths
-    hashing = asyncio.ensure_future(asyncio.to_thread(plan_cache, plan, paths))  # beside the nodes' listing
-    try:
-        prep = await check_caches(session, cached, hashing, full=full)
-    finally:
-        if not hashing.done():
-            hashing.cancel()
+    per_endpoint = await asyncio.to_thread(plan_tensors, plan, paths)
+    prep = await check_caches(session, cached, per_endpoint, full=full)
     if on_checked is not None:
         on_checked(prep)
     if session.interrupted is not None or not prep.worth_warming(warm):

@@ -159,8 +159,9 @@ def fnv1a64_py(data: bytes, h: int = OFFSET_BASIS) -> int:
     return h
 
 
-def fnv1a64(data: bytes) -> int:
-    return int(_library().rf_fnv1a(data, len(data), OFFSET_BASIS))
+def fnv1a64(data: bytes, h: int = OFFSET_BASIS) -> int:
+    """FNV-1a-64 of `data`, natively; `h`: the hash of the bytes before it (a stream hashed as it goes)."""
+    return int(_library().rf_fnv1a(data, len(data), h))
 
 
 def hash_file_range(path: Path | str, offset: int, size: int) -> int:

@@ -13,7 +13,7 @@ Every change runs as `operations.layer.node_operation` (the host lock, check mod
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,7 +23,7 @@ from pathlib import Path
 from orchestrator.artifacts.patches import WARM_WAIT
 from orchestrator.connectors.base import Connection, shell_path
 from orchestrator.core.errors import CommandError, HostError
-from orchestrator.core.fnv import helper_binary, tools_dir
+from orchestrator.core.fnv import cache_name, fnv1a64, helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_to_cache
@@ -62,6 +62,7 @@ class CacheChange:
     bytes_sent: int = 0
     seconds: float = 0.0
     via: str | None = None  # how a warm's bytes went: "plain tcp", "ssh", "local shell", "a file at a time"
+    landed: tuple[WarmItem, ...] = ()  # a warm's files now there, each with its name
     kept_over_quota: int = 0  # bytes over rpc_cache_max kept because the current plan needs them
     after: CacheState | None = field(default=None)
 
@@ -261,9 +262,11 @@ def upload_script(host: Host, name: str, size: int) -> str:
 
 @dataclass(frozen=True)
 class WarmItem:
-    """One file to put into a node's cache: its name (hash) and where its bytes are on this machine."""
+    """One file to put into a node's cache: its name (hash) and where its bytes are on this machine.
+    No name: a file no cache can hold yet (the load's check found none it could be), named by the
+    warm's stream as it sends it (`cache_stream`), so nothing is hashed before the warm starts."""
 
-    name: str
+    name: str | None
     path: Path
     offset: int
     size: int
@@ -314,37 +317,39 @@ async def _warm(
     strays = [o for o in others if o.startswith(TEMP_PREFIX)]
     wanted: dict[str, WarmItem] = {}
     for item in items:
-        wanted.setdefault(item.name, item)
+        if item.name is not None:
+            wanted.setdefault(item.name, item)
+    unnamed = [item for item in items if item.name is None]
     hits = tuple(n for n, i in wanted.items() if have.get(n) == i.size)
     # A file of the wrong size (llama.cpp writes its files in place: a crash truncates one) is uploaded
     # again: the rename replaces it.
     truncated = tuple(n for n, i in wanted.items() if n in have and have[n] != i.size)
-    missing = [item for n, item in wanted.items() if n not in hits]
+    missing = [item for n, item in wanted.items() if n not in hits] + unnamed
     if check:
-        return CacheChange(added=tuple(i.name for i in missing), hits=hits, corrupt=truncated)
+        return CacheChange(added=tuple(i.name for i in missing if i.name), hits=hits, corrupt=truncated)
     # Room first: the cache as it will be once warm, pruned to rpc_cache_max now (never a wanted file),
     # so the files land in the room made and nothing is left to do after the last one (a load beside
-    # the warm waits for it).
+    # the warm waits for it). A file still without a name stands in under a name no file has.
     now = time.time()
-    coming = [CacheFile(i.name, i.size, now) for i in missing]
-    missing_names = {i.name for i in missing}
+    coming = [CacheFile(i.name or f"?{k}", i.size, now) for k, i in enumerate(missing)]
+    keep = set(wanted) | {f.name for f in coming}
     will_be = [f for f in files if f.name not in wanted] + [f for f in files if f.name in hits] + coming
-    evict, over = choose_evictions(will_be, host.rpc_cache_max, wanted)
+    evict, over = choose_evictions(will_be, host.rpc_cache_max, keep)
     if strays or evict:
         await _remove(conn, host, [*strays, *(f.name for f in evict)])
     if hits:
         await conn.run(f"cd {cache_path(host)} && touch -c -- {' '.join(hits)}", timeout=60)
-    added: list[str] = []
+    landed: list[WarmItem] = []
 
     def uploaded(item: WarmItem) -> None:  # structured progress: one event per file, bytes so far, rate
-        added.append(item.name)
+        landed.append(item)
         if ctx is not None:
             elapsed = time.monotonic() - started
-            sent = sum(wanted[n].size for n in added)
+            sent = sum(i.size for i in landed)
             ctx.log.info(
                 "cache_warm_progress",
                 file=item.name,
-                done=len(added),
+                done=len(landed),
                 of=len(missing),
                 bytes=sent,
                 mb_per_s=round(sent / elapsed / 1e6, 1) if elapsed > 0 else None,
@@ -368,6 +373,9 @@ async def _warm(
         with item.path.open("rb") as fh:
             fh.seek(item.offset)
             data = fh.read(item.size)
+        if item.name is None:
+            item = dataclasses.replace(item, name=cache_name(fnv1a64(data)))
+        assert item.name is not None
         done = await conn.run(upload_script(host, item.name, item.size), input=data, timeout=3600)
         if not done.ok:
             full = "No space left" in done.stderr
@@ -379,20 +387,20 @@ async def _warm(
                 hint="free space, lower rpc_cache_max or run `rpcfleet cache prune`" if full else None,
             )
         uploaded(item)
-    sent = sum(wanted[n].size for n in added)
     gone = {f.name for f in evict}
-    landed = set(added)
-    after = [f for f in will_be if f.name not in gone and (f.name not in missing_names or f.name in landed)]
+    after = [f for f in will_be if f.name not in gone and f.name not in {c.name for c in coming}]
+    after += [CacheFile(str(i.name), i.size, now) for i in landed]
     return CacheChange(
-        added=tuple(added),
+        added=tuple(str(i.name) for i in landed),
         hits=hits,
         corrupt=truncated,
         removed=tuple(f.name for f in evict),
-        bytes_sent=sent,
+        bytes_sent=sum(i.size for i in landed),
         seconds=time.monotonic() - started,
         via=via,
         kept_over_quota=over,
         after=CacheState(tuple(after), host.rpc_cache_max),
+        landed=tuple(landed),
     )
 
 
@@ -463,41 +471,38 @@ async def status_step(ctx: HostContext) -> StepOutcome[CacheState]:
 
 
 @dataclass(frozen=True)
-class CacheCheck:
-    """A node's cache against what a load will ask it for: hits, misses, and files that would be read
-    back wrong (wrong size, or with `full` a hash that is not their name)."""
+class CacheListing:
+    """A node's cache as a load sees it: its files (name -> size) and whether its server waits for the
+    files being warmed (`warm-wait`: a load may run beside the warm)."""
 
-    hits: tuple[str, ...]
-    misses: tuple[str, ...]
-    bad: tuple[str, ...]
-    waits: bool = False  # the server waits for files being warmed (`warm-wait`): a load may overlap the warm
+    files: dict[str, int]
+    waits: bool
 
 
-def check_step(
-    expected: Mapping[str, Mapping[str, int]] | asyncio.Future[dict[str, dict[str, int]]],
-    *,
-    full: bool = False,
-) -> Step[CacheCheck]:
-    """Read-only: for each host, its cache against `expected[host.name]` (file name -> size; a future:
-    the node lists its cache meanwhile). A file of the wrong size is truncated; `full` also re-hashes
-    the hits on the node (as `verify` does)."""
+def listing_step() -> Step[CacheListing]:
+    """Read-only: each host's cache files and whether its installed server waits for a warm (one
+    script per node, on the connection already open)."""
 
-    async def step(ctx: HostContext) -> StepOutcome[CacheCheck]:
+    async def step(ctx: HostContext) -> StepOutcome[CacheListing]:
         conn = await ctx.connection()
         waits: list[bool] = []
         files, _ = await read_cache(conn, ctx.host, waits=waits)
-        table = expected if isinstance(expected, Mapping) else await asyncio.shield(expected)
-        want = table.get(ctx.host.name, {})
-        have = {f.name: f.size for f in files}
-        hits = tuple(n for n in want if n in have)
-        bad = [n for n in hits if have[n] != want[n]]
-        if full:
-            hashes = await hash_on_node(conn, ctx.host, [n for n in hits if n not in bad])
-            bad += [n for n, h in hashes.items() if h != n]
-        misses = tuple(n for n in want if n not in have)
         return StepOutcome(
-            CacheCheck(hits, misses, tuple(bad), waits=waits[0]),
-            message=f"{len(hits)} hits, {len(misses)} misses",
+            CacheListing({f.name: f.size for f in files}, waits[0]), message=f"{len(files)} files"
         )
+
+    return step
+
+
+def rehash_step(names: Mapping[str, Sequence[str]]) -> Step[tuple[str, ...]]:
+    """Read-only: re-hash `names[host.name]` on each node (as `verify` does); the value is those whose
+    hash is not their name (corrupt)."""
+
+    async def step(ctx: HostContext) -> StepOutcome[tuple[str, ...]]:
+        conn = await ctx.connection()
+        chosen = list(names.get(ctx.host.name, ()))
+        hashes = await hash_on_node(conn, ctx.host, chosen)
+        bad = tuple(n for n in chosen if hashes.get(n) != n)
+        return StepOutcome(bad, message=f"{len(bad)} corrupt")
 
     return step

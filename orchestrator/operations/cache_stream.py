@@ -4,7 +4,9 @@ asyncssh encrypts in this process, on one event loop for every node (about 170 M
 BENCHMARKS.md); the `ssh` binary encrypts in its own process, one per node, so the nodes' links fill in
 parallel. One session per node carries all its files: the remote script takes exactly each file's size from
 stdin (`dd iflag=fullblock`, whole blocks and then the remainder, never reading past the file), writes it
-under a temporary name, checks its size, renames it and says `ok NAME`. A file is never visible under its
+under a temporary name, checks its size, then reads the file's name (a line after its bytes: the FNV-1a
+this process computed as it sent them, so a load need not hash a tensor before it is sent), renames it
+and says `ok NAME`. A file is never visible under its
 hash name before it is whole; a session cut mid-file leaves only a temporary name (removed by its trap, or
 as a stray by the next warm). A `connection: local` host runs the same script in a local shell.
 
@@ -16,16 +18,17 @@ token that went to it over the SSH session's stdin (never in a command line); th
 before that and closes once the node is connected. A node that cannot connect back within
 PLAIN_ACCEPT_S (a firewall, NAT, no bash) is warmed over the SSH session as before.
 
-Before the first byte the script marks every file it will send (`.warm-wait-NAME`, holding its pid) and
-says `ready`; each mark goes as its file lands, and its trap removes the rest. A server built with the
-`warm-wait` patch (`artifacts.patches`) asked for a marked file waits for it, so a load may start at
-`ready` and trail the warm tensor by tensor.
+Before the first byte the script writes `.warm-wait` in the folder (holding its pid) and says `ready`;
+its trap removes the mark at the end. A server built with the `warm-wait` patch (`artifacts.patches`)
+asked for a file it lacks waits while the mark's warm lives, so a load may start at `ready` and trail the
+warm tensor by tensor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import os
 import secrets
@@ -37,11 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.artifacts.patches import WARM_WAIT_PREFIX
+from orchestrator.artifacts.patches import WARM_WAIT_MARK
 from orchestrator.connectors.base import Connection
 from orchestrator.connectors.local import LocalConnection
 from orchestrator.connectors.tunnel import ssh_options
 from orchestrator.core.errors import HostError
+from orchestrator.core.fnv import OFFSET_BASIS, cache_name, fnv1a64
 from orchestrator.engine.children import start_child
 from orchestrator.inventory.model import Host
 
@@ -141,10 +145,9 @@ async def _local_address_toward(address: str) -> str:
 
 
 def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | None = None) -> str:
-    """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word).
-    With `plain`: stdin's first line is the token; the bytes come over a connection back to the link
-    (exit status 3 before the first mark when it cannot be made)."""
-    names = " ".join(shlex.quote(i.name) for i in items)
+    """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word),
+    then its name (a line). With `plain`: stdin's first line is the token; the rest comes over a
+    connection back to the link (exit status 3 before the mark when it cannot be made)."""
     lines = [
         f"D={folder}",
         'mkdir -p "$D" || exit 1',
@@ -158,12 +161,14 @@ def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | Non
         ]
     lines += [
         "tmp=",
-        f"W={shlex.quote(names)}",
-        f"M={WARM_WAIT_PREFIX}",
-        """trap '[ -z "$tmp" ] || rm -f "$tmp"; for f in $W; do rm -f "$D/$M$f"; done' EXIT""",
+        f"M={WARM_WAIT_MARK}",
+        # At the end: the partial file, and the mark if it is still this warm's.
+        'end() { [ -z "$tmp" ] || rm -f "$tmp"',
+        '  [ "$(cat "$D/$M" 2>/dev/null)" != $$ ] || rm -f "$D/$M"; }',
+        "trap end EXIT",
         "trap 'exit 1' HUP INT TERM PIPE",
-        # The marks, each a fresh file (noclobber), then `ready`: a load may start now.
-        'for f in $W; do rm -f "$D/$M$f" && (set -C; echo $$ > "$D/$M$f") || exit 1; done',
+        # The mark, a fresh file (noclobber), then `ready`: a load may start now.
+        'rm -f "$D/$M" && (set -C; echo $$ > "$D/$M") || exit 1',
         "echo ready",
         "take() {",
         f'  tmp="$D/{TEMP_PREFIX}$1.$$"; n=$(($2 / {BLOCK})); r=$(($2 % {BLOCK}))',
@@ -173,11 +178,14 @@ def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | Non
         f'    [ "$n" -eq 0 ] || dd bs={BLOCK} count="$n" iflag=fullblock status=none || exit 1',
         '    [ "$r" -eq 0 ] || dd bs="$r" count=1 iflag=fullblock status=none ) \\',
         '    || { df -k "$D" >&2; exit 1; }',
-        '  [ "$(wc -c < "$tmp")" -eq "$2" ] || { echo "short input for $1" >&2; exit 1; }',
-        '  mv -f "$tmp" "$D/$1" && tmp= && rm -f "$D/$M$1" && echo "ok $1"',
+        '  [ "$(wc -c < "$tmp")" -eq "$2" ] || { echo "short input for file $1" >&2; exit 1; }',
+        '  IFS= read -r name || { echo "no name for file $1" >&2; exit 1; }',
+        '  case "$name" in ????????????????) ;; *) echo "bad name for file $1" >&2; exit 1;; esac',
+        '  case "$name" in *[!0-9a-f]*) echo "bad name for file $1" >&2; exit 1;; esac',
+        '  mv -f "$tmp" "$D/$name" && tmp= && echo "ok $name"',
         "}",
     ]
-    lines += [f"take {shlex.quote(i.name)} {int(i.size)}" for i in items]
+    lines += [f"take {k} {int(i.size)}" for k, i in enumerate(items)]
     return "\n".join(lines)
 
 
@@ -190,10 +198,11 @@ async def stream_items(
     on_file: Callable[[WarmItem], None],
     on_ready: Callable[[], None] = lambda: None,
     plain: PlainLink | None = None,
-) -> list[str]:
+) -> list[WarmItem]:
     """Send `items` to the node's cache through `command` (running `stream_script` for them, with
     `plain` if given: then the bytes go over it, and PlainLinkRefused says the node did not connect
-    back); returns the names now there (in order); `on_ready` once every file is marked as coming.
+    back); returns the items now there, in order, each with its name (an item without one is named by
+    the FNV-1a of its bytes, computed as they are sent); `on_ready` once the folder is marked.
     Between files, `stopping()` ends the stream early (the files done stay). A failure is a HostError
     naming the file (a full disk says so); cancelling kills the session (no partial file keeps a hash
     name). The bytes go through in blocks: no tensor is held in memory."""
@@ -207,8 +216,7 @@ async def stream_items(
         start_new_session=True,  # a Ctrl-C at the terminal reaches rpcfleet, which stops between files
     )
     assert process.stdin is not None and process.stdout is not None and process.stderr is not None
-    by_name = {i.name: i for i in items}
-    done: list[str] = []
+    done: list[WarmItem] = []
     sent: list[WarmItem] = []
     stopped = False
 
@@ -239,17 +247,22 @@ async def stream_items(
                 if stopping():
                     stopped = True  # the remote side then finds stdin ended: not a failure
                     break
+                h = OFFSET_BASIS
                 with item.path.open("rb") as fh:
                     fh.seek(item.offset)
                     left = item.size
                     while left > 0:
                         chunk = fh.read(min(BLOCK, left))
                         if not chunk:
-                            raise HostError(f"{item.path} ends inside tensor {item.name}", host=host.name)
+                            raise HostError(f"{item.path} ends inside a tensor", host=host.name)
                         out.write(chunk)
+                        if item.name is None:
+                            h = fnv1a64(chunk, h)
                         await out.drain()
                         left -= len(chunk)
-                sent.append(item)
+                named = item if item.name is not None else dataclasses.replace(item, name=cache_name(h))
+                out.write(f"{named.name}\n".encode())
+                sent.append(named)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the remote side stopped: its exit status and stderr say why
         finally:
@@ -263,9 +276,9 @@ async def stream_items(
             word, _, name = line.decode(errors="replace").strip().partition(" ")
             if word == "ready":
                 on_ready()
-            elif word == "ok" and name in by_name:
-                done.append(name)
-                on_file(by_name[name])
+            elif word == "ok" and len(done) < len(sent) and sent[len(done)].name == name:
+                done.append(sent[len(done)])
+                on_file(done[-1])
 
     errors = asyncio.ensure_future(process.stderr.read())
     tasks: list[asyncio.Future[Any]] = [
@@ -290,10 +303,10 @@ async def stream_items(
         raise PlainLinkRefused(host.name)
     stderr = errors.result().decode(errors="replace")
     if status != 0 and not (stopped and len(done) == len(sent)):
-        failed = next((i for i in items if i.name not in done), items[-1])
+        failed = items[min(len(done), len(items) - 1)]
         full = "No space left" in stderr
         raise HostError(
-            f"warming the tensor cache failed at {failed.name} ({failed.size} bytes): "
+            f"warming the tensor cache failed at {failed.name or 'a file'} ({failed.size} bytes): "
             + ("the node's disk is full" if full else f"ssh exit status {status}"),
             host=host.name,
             stderr=stderr,

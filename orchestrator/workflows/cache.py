@@ -74,5 +74,5 @@ def cache_fleet(
         return change_fleet(hosts, status_step, "cache-status", batches)
     keep: dict[str, list[str]] = {}
     if action == "prune" and keep_for is not None:
-        keep = {h: [i.name for i in items] for h, items in cache_items(hosts, keep_for).items()}
+        keep = {h: [i.name for i in items if i.name] for h, items in cache_items(hosts, keep_for).items()}
     return change_fleet(hosts, cache_step(action, options, keep=keep), f"cache-{action}", batches)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.artifacts.patches import WARM_WAIT_PREFIX
+from orchestrator.artifacts.patches import WARM_WAIT_MARK
 from orchestrator.caches.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
 from orchestrator.connectors.connect import connect
 from orchestrator.core import fnv
@@ -178,8 +178,8 @@ def test_prune_keeps_the_plan_and_clear(big_model: Path, tmp_path: Path) -> None
 def test_interrupted_warm_leaves_no_partial_file(big_model: Path, tmp_path: Path) -> None:
     items = warm_items(big_model)
 
-    def is_temp(name: str) -> bool:  # a file being written (not a mark: `.warm-wait-NAME`)
-        return name.startswith(TEMP_PREFIX) and not name.startswith(WARM_WAIT_PREFIX)
+    def is_temp(name: str) -> bool:  # a file being written (not the warm's mark)
+        return name.startswith(TEMP_PREFIX) and name != WARM_WAIT_MARK
 
     host = local_host("i", tmp_path / "i")
 

@@ -16,12 +16,20 @@ from pathlib import Path
 import pytest
 
 from orchestrator.connectors.connect import connect
+from orchestrator.connectors.local import LocalConnection
 from orchestrator.core import fnv
 from orchestrator.core.errors import HostError
 from orchestrator.inventory.model import Host
 from orchestrator.lab.state import Lab
 from orchestrator.operations.cache import WarmItem, warm
-from orchestrator.operations.cache_stream import BLOCK, TEMP_PREFIX, PlainLink, stream_command, stream_script
+from orchestrator.operations.cache_stream import (
+    BLOCK,
+    TEMP_PREFIX,
+    PlainLink,
+    stream_command,
+    stream_items,
+    stream_script,
+)
 from tests.plugins.cache import warm_items
 from tests.plugins.lab import lab_hosts_of, own_lab
 
@@ -40,11 +48,12 @@ def _source(tmp_path: Path, sizes: list[int]) -> list[WarmItem]:
 
 
 def _stdin(items: list[WarmItem]) -> bytes:
+    """What the stream sends: each file's bytes, then its name on a line."""
     out = b""
     for item in items:
         with item.path.open("rb") as fh:
             fh.seek(item.offset)
-            out += fh.read(item.size)
+            out += fh.read(item.size) + f"{item.name}\n".encode()
     return out
 
 
@@ -55,8 +64,8 @@ def test_the_script_takes_exactly_each_files_bytes(tmp_path: Path) -> None:
     script = stream_script(str(folder), items)
     done = subprocess.run(["sh", "-c", script], input=_stdin(items), capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    # `ready` once every file is marked as coming; each mark goes as its file lands (none is left).
-    assert done.stdout.decode().split() == ["ready", *(w for i in items for w in ("ok", i.name))]
+    # `ready` once the folder is marked; the mark goes at the end (none is left).
+    assert done.stdout.decode().split() == ["ready", *(w for i in items for w in ("ok", str(i.name)))]
     for item in items:
         path = folder / item.name
         assert path.stat().st_size == item.size
@@ -67,10 +76,31 @@ def test_the_script_takes_exactly_each_files_bytes(tmp_path: Path) -> None:
 def test_a_stream_that_ends_early_leaves_only_whole_files(tmp_path: Path) -> None:
     items = _source(tmp_path, [BLOCK + 5, 3 * BLOCK])
     folder = tmp_path / "cache"
-    cut = _stdin(items)[: items[0].size + BLOCK]  # the second file is cut short
+    cut = _stdin(items)[: items[0].size + 17 + BLOCK]  # the second file is cut short
     done = subprocess.run(["sh", "-c", stream_script(str(folder), items)], input=cut, capture_output=True)
-    assert done.returncode == 1 and b"short input for " + items[1].name.encode() in done.stderr
-    assert [p.name for p in folder.iterdir()] == [items[0].name]  # the trap removed the second's mark
+    assert done.returncode == 1 and b"short input for file 1" in done.stderr
+    assert [p.name for p in folder.iterdir()] == [items[0].name]  # the trap removed the mark too
+
+
+def test_a_file_without_a_name_is_named_by_its_bytes_and_a_bad_name_is_refused(tmp_path: Path) -> None:
+    items = _source(tmp_path, [BLOCK + 3, 5000])
+    folder = tmp_path / "cache"
+
+    async def stream(sent: list[WarmItem]) -> list[WarmItem]:
+        host = Host(name="l", address="127.0.0.1", connection="local")
+        command = stream_command(host, LocalConnection(host, home=tmp_path), stream_script(str(folder), sent))
+        assert command is not None
+        return await stream_items(host, command, sent, stopping=lambda: False, on_file=lambda _i: None)
+
+    landed = asyncio.run(stream([dataclasses.replace(i, name=None) for i in items]))
+    assert [i.name for i in landed] == [i.name for i in items]  # FNV-1a of the bytes, computed as sent
+    _whole(folder)
+    bad = _stdin(items[:1]).replace(str(items[0].name).encode(), b"../../etc/passwd")
+    done = subprocess.run(
+        ["sh", "-c", stream_script(str(folder / "b"), items[:1])], input=bad, capture_output=True
+    )
+    assert done.returncode == 1 and b"bad name for file 0" in done.stderr
+    assert list((folder / "b").iterdir()) == []
 
 
 def test_the_stream_runs_over_ssh_or_a_local_shell_else_none(

@@ -1,7 +1,8 @@
 """A load beside the warm: the `warm-wait` patch of the servers rpcfleet builds, against real servers with
 `-c` on this machine (the cached CPU artifact's), and `load_on_fleet` choosing to overlap.
 
-- A server asked for a file whose mark a live warm holds waits for the file, then reads it as a hit.
+- A server asked for a file it lacks while its cache's mark names a live warm waits for the file, then
+  reads it as a hit.
 - A mark whose process is gone (a warm killed before its trap ran) holds nothing: the tensor is sent.
 - `load_on_fleet` runs the load beside the warm where every warming node's installed server has the patch
   (its manifest lists it): the big tensors never cross the RPC link, and no mark is left behind. Without
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.artifacts.patches import PATCHES, WARM_WAIT, WARM_WAIT_PREFIX
-from orchestrator.caches.plan import CacheTensor, plan_cache
+from orchestrator.artifacts.patches import PATCHES, WARM_WAIT, WARM_WAIT_MARK
+from orchestrator.caches.plan import CacheTensor, TensorSlice, plan_cache, plan_tensors
+from orchestrator.caches.prep import CachePrep, check_caches, warm_misses
 from orchestrator.inventory.model import Host
 from orchestrator.llama.worker.load_progress import LoadProgress, planned_bytes
 from orchestrator.llama.worker.parent import Worker
@@ -87,7 +90,6 @@ def _land(node: Node, tensor: CacheTensor) -> None:
     temp = _folder(node) / f".warm-{tensor.file}.test"
     temp.write_bytes(data)
     temp.rename(_folder(node) / tensor.file)
-    (_folder(node) / f"{WARM_WAIT_PREFIX}{tensor.file}").unlink()
 
 
 def test_a_mark_holds_the_server_while_its_warm_lives_and_not_after(
@@ -98,15 +100,14 @@ def test_a_mark_holds_the_server_while_its_warm_lives_and_not_after(
     by_endpoint = {n.server.endpoint: n for n in nodes if n.server is not None}
     holder = subprocess.Popen(["sleep", "600"])  # stands for a live warm's shell
     try:
-        for endpoint, tensors in cached.items():
-            for c in tensors:
-                (_folder(by_endpoint[endpoint]) / f"{WARM_WAIT_PREFIX}{c.file}").write_text(f"{holder.pid}\n")
+        for node in nodes:
+            (_folder(node) / WARM_WAIT_MARK).write_text(f"{holder.pid}\n")
         seen: list[LoadProgress] = []
         with ThreadPoolExecutor(1) as pool:
             loading = _load_in_thread(pool, plan, big_model, seen)
             wait_until(lambda: any(p.sent > 0 for p in seen), 60, "the load to start sending")
             time.sleep(3.0)  # a load of this model takes about a second when nothing holds it
-            assert not loading.done() and seen[-1].fraction < 1.0  # held at the first marked file
+            assert not loading.done() and seen[-1].fraction < 1.0  # held at the first file it lacks
             for endpoint, tensors in cached.items():  # the warm lands every file: the load goes on
                 for c in tensors:
                     _land(by_endpoint[endpoint], c)
@@ -118,9 +119,8 @@ def test_a_mark_holds_the_server_while_its_warm_lives_and_not_after(
 
     # Marks of a warm that is gone (its pid dead) hold nothing: the servers take the tensors themselves.
     _empty(nodes)
-    for endpoint, tensors in cached.items():
-        for c in tensors:
-            (_folder(by_endpoint[endpoint]) / f"{WARM_WAIT_PREFIX}{c.file}").write_text(f"{holder.pid}\n")
+    for node in nodes:
+        (_folder(node) / WARM_WAIT_MARK).write_text(f"{holder.pid}\n")
     seen = []
     with ThreadPoolExecutor(1) as pool:
         _load_in_thread(pool, plan, big_model, seen).result(timeout=120)
@@ -174,4 +174,42 @@ def test_a_signal_during_a_load_beside_the_warm_stops_both(nodes: list[Node], bi
             assert done.overlapped and done.interrupted and done.placement is None, round_
             assert not worker.alive, round_  # the interrupt landed: the load's worker is gone
         for node in nodes:  # the files that landed are whole; the marks are gone
-            assert not [p for p in _folder(node).iterdir() if p.name.startswith(WARM_WAIT_PREFIX)], round_
+            assert not (_folder(node) / WARM_WAIT_MARK).exists(), round_
+
+
+def test_the_check_names_only_what_a_cached_file_could_be(
+    nodes: list[Node], big_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Empty caches: nothing is hashed, every tensor is an unnamed miss (the warm names it). A file on a
+    node that could be one of its tensors (no larger than it: a truncated copy?) makes that node's
+    tensors be hashed, and only that node's; a warm's names go to the memo."""
+    from orchestrator.caches import prep
+    from orchestrator.engine.executor import Session
+
+    os.utime(big_model)  # nothing remembered for this file
+    plan = plan_on_nodes(nodes, big_model)
+    hosts = _hosts(nodes, patched=True)
+    slices = plan_tensors(plan, [big_model])
+    hashed: list[TensorSlice] = []
+    real = prep.hash_tensors
+    monkeypatch.setattr(prep, "hash_tensors", lambda ts: (hashed.extend(ts), real(ts))[1])
+
+    async def check() -> CachePrep:
+        async with Session() as session:
+            return await check_caches(session, hosts, slices, full=False)
+
+    cold = asyncio.run(check())
+    assert not hashed and cold.hits == 0
+    assert all(i.name is None for items in cold.missing.values() for i in items)
+    (_folder(nodes[0]) / "0123456789abcdef").write_bytes(b"x")
+    assert asyncio.run(check()).hits == 0
+    assert sorted(hashed, key=str) == sorted(slices[hosts[0].endpoint], key=str)  # node 0's only
+
+    async def warm_all() -> None:
+        async with Session() as session:
+            await warm_misses(session, await check_caches(session, hosts, slices, full=False))
+
+    hashed.clear()
+    asyncio.run(warm_all())
+    warm = asyncio.run(check())  # every name from the memo: the warm's, and the hashes above
+    assert warm.misses == 0 and warm.hits == sum(len(ts) for ts in slices.values()) and not hashed
