@@ -398,8 +398,8 @@ def main() -> int:
         "three servers, the tbf shapers, the worker and sshd share the 2 cores. Warming streams each node's "
         "files in one stream of its own (a plain TCP link the node opens back with a one-time token for "
         "`rpc_transport: tcp` nodes, an OpenSSH session for `ssh` ones), so the three links fill at once, "
-        "which llama.cpp never does; and the servers rpcfleet builds wait for a file being warmed, so the "
-        "load runs beside the warm, each tensor read from the cache as it lands.",
+        "which llama.cpp never does; and the servers rpcfleet builds wait for a file while their cache is "
+        "being warmed, so the load runs beside the warm, each tensor read from the cache as it lands.",
         "",
     ]
     section = "\n".join(lines)
