@@ -193,11 +193,12 @@ def node_rates(samples: list[LoadProgress]) -> dict[str, tuple[float, float, flo
 
 
 def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -> dict[str, float]:
-    """`rpcfleet run --warm auto` on empty caches (`load_on_fleet`), timed from the start: the worker
-    spawned first (its imports overlap), hash (no memo: the model's mtime changes), check, warm, load.
-    `beside`: as on servers with the `warm-wait` patch (the load runs beside the warm), else as on stock
-    servers (the load starts when the warm has ended). Returns the total and `load_on_fleet`'s phases."""
-    os.utime(model)  # the remembered hashes no longer apply: hashed again, as on a first load
+    """`rpcfleet run --warm auto` on empty caches (`load_on_fleet`), timed from the start to the model
+    loaded (as the other loads, not the worker's end): the worker spawned first (its imports overlap),
+    check (nothing remembered: the model's mtime changes), warm, load. `beside`: as on servers with the
+    `warm-wait` patch (the load runs beside the warm), else as on stock servers (the load starts when
+    the warm has ended). Returns the total and `load_on_fleet`'s phases."""
+    os.utime(model)  # no name remembered for this file: as on a first load
     busy = busy_cpu_seconds()
     started = time.monotonic()
     with Worker.spawn() as worker:
@@ -208,8 +209,8 @@ def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -
             loaded = time.monotonic()
             worker.load(plan, model, {"seed": 0}, cache_hits=done.cache.hit_bytes if done.cache else None)
             done.phases["load"] = time.monotonic() - loaded
-    total = time.monotonic() - started
-    cpu = busy_cpu_seconds() - busy
+        total = time.monotonic() - started
+        cpu = busy_cpu_seconds() - busy
     if done.warm is None or not done.warm.ok or done.cache is None or done.cache.misses:
         raise RuntimeError(f"warming failed: {done.warm and [str(r.error) for r in done.warm.failed]}")
     if done.overlapped is not beside:
