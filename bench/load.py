@@ -11,8 +11,11 @@ worker process (`Worker.load`, what `rpcfleet run` does) from the same plan:
   2. cold: servers with `-c`, caches cleared (the load writes the files);
   3. warm: the same again (every big tensor a hit);
   4. pre-warmed: caches cleared, `cache warm` (all nodes in parallel), then the load;
-  5. cold through rpcfleet: caches cleared, what `rpcfleet run --warm auto` does (hash the plan's tensors,
-     check each node's cache, warm the misses over SSH in parallel, load), timed end to end.
+  5. cold through rpcfleet: caches cleared, the phases of `rpcfleet run --warm auto` after its plan
+     (`load_on_fleet` on the command's runtime, its SSH connections open as the probe leaves them): check
+     each node's cache, warm the misses in parallel, load (beside the warm on the servers rpcfleet
+     builds; alternated with the same on stock servers' terms: the load after the warm), timed to the
+     model loaded.
 Per node, the rate while its bytes moved comes from the load's own progress samples (bytes acknowledged),
 from the sample where the node had 1% of its bytes to the one where it had 99% (a node's window opens
 when its turn comes, not when the load starts). `cache warm` is also timed for the largest node alone.
@@ -50,8 +53,8 @@ configure_logging("text", "WARNING")
 from orchestrator.caches.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
 from orchestrator.caches.prep import warm_items
 from orchestrator.core.fnv import hash_file_range
-from orchestrator.engine.executor import Session
-from orchestrator.engine.runtime import run_sync
+from orchestrator.engine.executor import HostContext, Session, StepOutcome
+from orchestrator.engine.runtime import Runtime
 from orchestrator.inventory.load import load_inventory
 from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
@@ -68,7 +71,7 @@ from orchestrator.planning.strategy import make_plan
 from orchestrator.playbooks.reader import load_playbook
 from orchestrator.playbooks.runner import run_playbook
 from orchestrator.probe.fleet import probe_fleet
-from orchestrator.workflows.load import FleetLoad, load_on_fleet, prepare_load
+from orchestrator.workflows.load import load_on_fleet, prepare_load
 
 SECTION = "load"
 BESIDE = "cold through rpcfleet (`run --warm auto`: check, warm in parallel, the load beside the warm)"
@@ -193,19 +196,22 @@ def node_rates(samples: list[LoadProgress]) -> dict[str, tuple[float, float, flo
 
 
 def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -> dict[str, float]:
-    """`rpcfleet run --warm auto` on empty caches (`load_on_fleet`), timed from the start to the model
-    loaded (as the other loads, not the worker's end): the worker spawned first (its imports overlap),
-    check (nothing remembered: the model's mtime changes), warm, load. `beside`: as on servers with the
-    `warm-wait` patch (the load runs beside the warm), else as on stock servers (the load starts when
-    the warm has ended). Returns the total and `load_on_fleet`'s phases."""
+    """`rpcfleet run --warm auto` on empty caches, its phases after the plan (`load_on_fleet` on the
+    command's runtime, whose session holds one SSH connection per node, as the probe leaves it), timed to
+    the model loaded: check (nothing remembered: the model's mtime changes), warm, load. The worker was
+    spawned before (its imports overlap with the probe). `beside`: as on servers with the `warm-wait`
+    patch (the load runs beside the warm), else as on stock servers (the load starts when the warm has
+    ended). Returns the total and `load_on_fleet`'s phases."""
     os.utime(model)  # no name remembered for this file: as on a first load
-    busy = busy_cpu_seconds()
-    started = time.monotonic()
-    with Worker.spawn() as worker:
+    with Runtime(forks=8) as runtime, Worker.spawn() as worker:
+        runtime.run(connected(runtime.session, hosts))
+        worker.wait_ready()
+        busy = busy_cpu_seconds()
+        started = time.monotonic()
         if beside:
-            done = load_on_fleet(plan, hosts, worker, model, warm="auto", forks=8)
+            done = load_on_fleet(plan, hosts, worker, model, runtime=runtime)
         else:
-            done = run_sync(prepare_load_alone(hosts, plan, model))
+            done = runtime.run(prepare_load(runtime.session, hosts, plan, model, warm="auto"))
             loaded = time.monotonic()
             worker.load(plan, model, {"seed": 0}, cache_hits=done.cache.hit_bytes if done.cache else None)
             done.phases["load"] = time.monotonic() - loaded
@@ -218,9 +224,16 @@ def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -
     return {"total": total, **done.phases, "cpu": cpu}
 
 
-async def prepare_load_alone(hosts: list[Host], plan: Plan, model: Path) -> FleetLoad:
-    async with Session(forks=8) as session:
-        return await prepare_load(session, hosts, plan, model, warm="auto")
+async def connected(session: Session, hosts: list[Host]) -> None:
+    """Open the session's connection to every host (what the probe does before a load)."""
+
+    async def connect(ctx: HostContext) -> StepOutcome[None]:
+        await ctx.connection()
+        return StepOutcome(None)
+
+    run = await session.run(hosts, connect, name="connect")
+    if not run.ok:
+        raise RuntimeError(f"cannot connect: {[str(r.error) for r in run.failed]}")
 
 
 def main() -> int:
