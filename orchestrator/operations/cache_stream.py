@@ -38,10 +38,10 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orchestrator.artifacts.patches import WARM_WAIT_MARK
-from orchestrator.connectors.base import Connection
+from orchestrator.connectors.base import Connection, HeldCommand
 from orchestrator.connectors.local import LocalConnection
 from orchestrator.connectors.tunnel import ssh_options
 from orchestrator.core.errors import HostError
@@ -189,9 +189,99 @@ def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | Non
     return "\n".join(lines)
 
 
+class Remote(Protocol):
+    """The script's side of a stream: a child process here (`ssh`, or a local shell), or a command held
+    on the connection already open (its stderr joined to its stdout: the plain link carries the bytes)."""
+
+    def input(self) -> asyncio.StreamWriter | None:
+        """Where the bytes go without a plain link (None: this remote needs one)."""
+        ...
+
+    async def give_token(self, token: str) -> None: ...
+
+    async def readline(self) -> str | None:
+        """The script's next line of output; None once it has ended."""
+        ...
+
+    async def finish(self) -> tuple[int | None, str]:
+        """Its exit status (None: not known) and what it said on stderr."""
+        ...
+
+    async def stop(self) -> None: ...
+
+
+class ChildRemote:
+    """A child process here: `ssh` to the node, or a local shell (`stream_command`)."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        self.process, self.stdin, self.stdout = process, process.stdin, process.stdout
+        self.errors = asyncio.ensure_future(process.stderr.read())
+
+    @classmethod
+    async def start(cls, command: StreamCommand) -> ChildRemote:
+        process = await start_child(
+            command.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=command.cwd,
+            env=command.env,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches rpcfleet, which stops between files
+        )
+        return cls(process)
+
+    def input(self) -> asyncio.StreamWriter | None:
+        return self.stdin
+
+    async def give_token(self, token: str) -> None:
+        self.stdin.write(token.encode() + b"\n")
+        await self.stdin.drain()
+        self.stdin.close()
+
+    async def readline(self) -> str | None:
+        line = await self.stdout.readline()
+        return line.decode(errors="replace").strip() if line else None
+
+    async def finish(self) -> tuple[int | None, str]:
+        status = await self.process.wait()
+        return status, (await self.errors).decode(errors="replace")
+
+    async def stop(self) -> None:
+        self.errors.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        await self.process.wait()
+
+
+class HeldRemote:
+    """A command held on the connection already open (`Connection.hold`)."""
+
+    LINE_WAIT_S = 3600.0  # one file over a slow link may take long: the plain link's own end stops it
+
+    def __init__(self, held: HeldCommand) -> None:
+        self.held = held
+
+    def input(self) -> asyncio.StreamWriter | None:
+        return None
+
+    async def give_token(self, token: str) -> None:
+        await self.held.send(token + "\n")
+
+    async def readline(self) -> str | None:
+        line = await self.held.readline(self.LINE_WAIT_S)
+        return None if line is None else line.strip()
+
+    async def finish(self) -> tuple[int | None, str]:
+        return None, ""
+
+    async def stop(self) -> None:
+        await self.held.release()
+
+
 async def stream_items(
     host: Host,
-    command: StreamCommand,
+    remote: Remote,
     items: Sequence[WarmItem],
     *,
     stopping: Callable[[], bool],
@@ -199,53 +289,43 @@ async def stream_items(
     on_ready: Callable[[], None] = lambda: None,
     plain: PlainLink | None = None,
 ) -> list[WarmItem]:
-    """Send `items` to the node's cache through `command` (running `stream_script` for them, with
+    """Send `items` to the node's cache through `remote` (running `stream_script` for them, with
     `plain` if given: then the bytes go over it, and PlainLinkRefused says the node did not connect
     back); returns the items now there, in order, each with its name (an item without one is named by
     the FNV-1a of its bytes, computed as they are sent); `on_ready` once the folder is marked.
     Between files, `stopping()` ends the stream early (the files done stay). A failure is a HostError
     naming the file (a full disk says so); cancelling kills the session (no partial file keeps a hash
     name). The bytes go through in blocks: no tensor is held in memory."""
-    process = await start_child(
-        command.argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=command.cwd,
-        env=command.env,
-        start_new_session=True,  # a Ctrl-C at the terminal reaches rpcfleet, which stops between files
-    )
-    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
     done: list[WarmItem] = []
     sent: list[WarmItem] = []
+    said: list[str] = []  # what the script printed besides its progress (a held command's stderr)
     stopped = False
+    ended = asyncio.Event()
 
     async def sink() -> asyncio.StreamWriter:
         """Where the bytes go: the session's stdin, or the plain link once the node has connected."""
-        assert process.stdin is not None
         if plain is None:
-            return process.stdin
-        process.stdin.write(plain.token.encode() + b"\n")
-        await process.stdin.drain()
-        process.stdin.close()
-        ended: asyncio.Future[Any] = asyncio.ensure_future(process.wait())
+            out = remote.input()
+            assert out is not None, "a held command takes its bytes over a plain link"
+            return out
+        await remote.give_token(plain.token)
+        end: asyncio.Future[Any] = asyncio.ensure_future(ended.wait())
         accepted: asyncio.Future[Any] = plain.accepted
         try:
-            await asyncio.wait({accepted, ended}, timeout=PLAIN_ACCEPT_S, return_when="FIRST_COMPLETED")
+            await asyncio.wait({accepted, end}, timeout=PLAIN_ACCEPT_S, return_when="FIRST_COMPLETED")
         finally:
-            ended.cancel()
+            end.cancel()
         if not plain.accepted.done():
             raise PlainLinkRefused(host.name)
         return plain.accepted.result()
 
     async def feed() -> None:
         nonlocal stopped
-        assert process.stdin is not None
         out = await sink()
         try:
             for item in items:
                 if stopping():
-                    stopped = True  # the remote side then finds stdin ended: not a failure
+                    stopped = True  # the remote side then finds its input ended: not a failure
                     break
                 h = OFFSET_BASIS
                 with item.path.open("rb") as fh:
@@ -271,43 +351,43 @@ async def stream_items(
                 await out.wait_closed()
 
     async def collect() -> None:
-        assert process.stdout is not None
-        async for line in process.stdout:
-            word, _, name = line.decode(errors="replace").strip().partition(" ")
+        while (line := await remote.readline()) is not None:
+            word, _, name = line.partition(" ")
             if word == "ready":
                 on_ready()
             elif word == "ok" and len(done) < len(sent) and sent[len(done)].name == name:
                 done.append(sent[len(done)])
                 on_file(done[-1])
+            elif line:
+                said.append(line)
+        ended.set()
 
-    errors = asyncio.ensure_future(process.stderr.read())
-    tasks: list[asyncio.Future[Any]] = [
-        asyncio.ensure_future(feed()),
-        asyncio.ensure_future(collect()),
-        errors,
-    ]
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(feed()), asyncio.ensure_future(collect())]
     try:
         await asyncio.gather(*tasks)
-        status = await process.wait()
+        status, stderr = await remote.finish()
     except BaseException as exc:
         for task in tasks:
             task.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
+        if plain is not None:
+            plain.close()  # the node then reads an end at once, and its trap removes the partial file
+        await remote.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
         if isinstance(exc, OSError):  # the model file here could not be read
             raise HostError(f"cannot read the tensors to warm: {exc}", host=host.name) from None
         raise
+    else:
+        if status is None:
+            await remote.stop()
     if plain is not None and not plain.accepted.done():  # the script ended before connecting back
         raise PlainLinkRefused(host.name)
-    stderr = errors.result().decode(errors="replace")
-    if status != 0 and not (stopped and len(done) == len(sent)):
+    stderr = "\n".join([*said, stderr]).strip()
+    if (status not in (0, None) or len(done) < len(items)) and not (stopped and len(done) == len(sent)):
         failed = items[min(len(done), len(items) - 1)]
         full = "No space left" in stderr
+        why = "the node's disk is full" if full else (f"exit status {status}" if status else "it stopped")
         raise HostError(
-            f"warming the tensor cache failed at {failed.name or 'a file'} ({failed.size} bytes): "
-            + ("the node's disk is full" if full else f"ssh exit status {status}"),
+            f"warming the tensor cache failed at {failed.name or 'a file'} ({failed.size} bytes): {why}",
             host=host.name,
             stderr=stderr,
             hint="free space, lower rpc_cache_max or run `rpcfleet cache prune`" if full else None,
@@ -332,12 +412,13 @@ async def stream_to_cache(
     if plain_link_wanted(host, conn):
         link = await PlainLink.open(host.address)
         try:
-            command = stream_command(host, conn, stream_script(folder, items, link))
-            if command is not None:
-                await stream_items(
-                    host, command, items, stopping=stopping, on_file=on_file, on_ready=on_ready, plain=link
-                )
-                return "plain tcp"
+            # On the connection already open: the session carries only the token and the progress.
+            script = "exec 2>&1\n" + stream_script(folder, items, link)
+            held = HeldRemote(await conn.hold("exec bash -c " + shlex.quote(script)))
+            await stream_items(
+                host, held, items, stopping=stopping, on_file=on_file, on_ready=on_ready, plain=link
+            )
+            return "plain tcp"
         except PlainLinkRefused:
             pass  # a firewall, NAT or no bash on the node: the session carries the bytes
         finally:
@@ -345,5 +426,6 @@ async def stream_to_cache(
     command = stream_command(host, conn, stream_script(folder, items))
     if command is None:
         return None
-    await stream_items(host, command, items, stopping=stopping, on_file=on_file, on_ready=on_ready)
+    child = await ChildRemote.start(command)
+    await stream_items(host, child, items, stopping=stopping, on_file=on_file, on_ready=on_ready)
     return "local shell" if isinstance(conn, LocalConnection) else "ssh"

@@ -25,6 +25,7 @@ from orchestrator.operations.cache import WarmItem, warm
 from orchestrator.operations.cache_stream import (
     BLOCK,
     TEMP_PREFIX,
+    ChildRemote,
     PlainLink,
     stream_command,
     stream_items,
@@ -90,7 +91,8 @@ def test_a_file_without_a_name_is_named_by_its_bytes_and_a_bad_name_is_refused(t
         host = Host(name="l", address="127.0.0.1", connection="local")
         command = stream_command(host, LocalConnection(host, home=tmp_path), stream_script(str(folder), sent))
         assert command is not None
-        return await stream_items(host, command, sent, stopping=lambda: False, on_file=lambda _i: None)
+        child = await ChildRemote.start(command)
+        return await stream_items(host, child, sent, stopping=lambda: False, on_file=lambda _i: None)
 
     landed = asyncio.run(stream([dataclasses.replace(i, name=None) for i in items]))
     assert [i.name for i in landed] == [i.name for i in items]  # FNV-1a of the bytes, computed as sent
