@@ -74,7 +74,7 @@ def stream_command(host: Host, conn: Connection, script: str) -> StreamCommand |
         return StreamCommand(("/bin/bash", "-c", script), conn.home, env)
     if host.connection == "ssh" and shutil.which("ssh") is not None:
         argv = ["ssh", *ssh_options(host, host.ssh_connect_timeout), "--", host.address]
-        return StreamCommand((*argv, "exec bash -c " + shlex.quote(script)))
+        return StreamCommand((*argv, "exec sh -c " + shlex.quote(script)))
     return None
 
 

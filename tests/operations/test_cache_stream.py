@@ -121,7 +121,7 @@ def test_the_stream_runs_over_ssh_or_a_local_shell_else_none(
     monkeypatch.setattr(cache_stream.shutil, "which", lambda name: f"/usr/bin/{name}")
     command = stream_command(remote, conn, "echo hi")
     assert command is not None and command.argv[0] == "ssh" and command.argv[-2] == "10.0.0.1"
-    assert command.argv[-1] == "exec bash -c 'echo hi'" and "2222" in command.argv and "u" in command.argv
+    assert command.argv[-1] == "exec sh -c 'echo hi'" and "2222" in command.argv and "u" in command.argv
     monkeypatch.setattr(cache_stream.shutil, "which", lambda name: None)
     assert stream_command(remote, conn, "echo hi") is None  # asyncssh's `cat` per file then
 
