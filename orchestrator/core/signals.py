@@ -1,13 +1,14 @@
 """The one owner of signal handlers. SIGINT and SIGTERM are KeyboardInterrupt (`install`), never inside
-a finalizer or the import machinery's callbacks; a phase that wants them otherwise (an interruptible
-executor session on its loop, serve's SIGHUP) takes them with `loop_handlers` / `handling`, which give
-them back to the handlers from before.
+a finalizer, a weakref callback or the import machinery's callbacks; a phase that wants them otherwise
+(an interruptible executor session on its loop, serve's SIGHUP) takes them with `loop_handlers` /
+`handling`, which give them back to the handlers from before.
 
 CPython runs a Python signal handler between two bytecodes of whatever runs, including a module lock's
-weakref callback in `importlib._bootstrap` and an object's `__del__` (a socket, a transport, a process
-collected by the garbage collector); an exception raised there is printed ("Exception ignored in ...",
-a traceback) and dropped, so the signal would be lost and the user would see a traceback. A signal that
-lands inside one of them is handled again a moment later, outside it.
+weakref callback in `importlib._bootstrap`, a weak dictionary's (asyncio's selector maps file descriptors
+in one) and an object's `__del__` (a socket, a transport, a process collected by the garbage collector);
+an exception raised there is printed ("Exception ignored in ...", a traceback) and dropped, so the signal
+would be lost and the user would see a traceback. A signal that lands inside one of them is handled
+again a moment later, outside it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ if TYPE_CHECKING:  # not imported: `rpcfleet --help` loads no asyncio
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 _IMPORT_MACHINERY = "<frozen importlib"
+# Where weakref callbacks live: WeakValueDictionary's and WeakKeyDictionary's `remove`, WeakSet's `_remove`,
+# `finalize`. A signal that lands in one is dropped like one in `__del__` (`logs --follow` hung so, once
+# in 30 Ctrl-Cs, its SIGINT lost in the selector's weak map).
+_WEAKREF_MODULES = ("/weakref.py", "/_weakrefset.py")
 _RETRY = 0.002  # seconds until a deferred signal is handled again
 _STACK_DEPTH = 64  # frames looked at for a finalizer (one runs from deep inside any code)
 _deferred: list[int] = []
@@ -35,9 +40,10 @@ _received: list[int] = []  # the signals this handler turned into KeyboardInterr
 
 
 def interrupt(signum: int, frame: FrameType | None) -> None:
-    """The handler: KeyboardInterrupt, unless `frame` is the import machinery's: then the signal is
-    handled again `_RETRY` seconds later (SIGALRM), by when that callback is over. Not by sending the
-    signal again at once: its handler would run inside this one, still within the callback."""
+    """The handler: KeyboardInterrupt, unless `frame` is in a callback whose exceptions CPython drops:
+    then the signal is handled again `_RETRY` seconds later (SIGALRM), by when that callback is over.
+    Not by sending the signal again at once: its handler would run inside this one, still within the
+    callback."""
     if _in_a_callback_that_drops_exceptions(frame):
         _deferred[:] = [signum]
         signal.signal(signal.SIGALRM, _again)
@@ -48,12 +54,17 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _in_a_callback_that_drops_exceptions(frame: FrameType | None) -> bool:
-    """Whether `frame` runs inside an object's `__del__` or the import machinery, at any depth."""
+    """Whether `frame` runs inside an object's `__del__`, a weakref callback or the import machinery, at
+    any depth (a frame of a weakref module outside a callback is only handled 2 ms later)."""
     for _ in range(_STACK_DEPTH):
         if frame is None:
             return False
         code = frame.f_code
-        if code.co_name == "__del__" or code.co_filename.startswith(_IMPORT_MACHINERY):
+        if (
+            code.co_name == "__del__"
+            or code.co_filename.startswith(_IMPORT_MACHINERY)
+            or code.co_filename.endswith(_WEAKREF_MODULES)
+        ):
             return True
         frame = frame.f_back
     return False

@@ -613,6 +613,41 @@ def test_a_signal_inside_a_finalizer_is_not_lost() -> None:
         signals.forget()
 
 
+def test_a_signal_inside_a_weakref_callback_is_not_lost() -> None:
+    """A SIGTERM that lands in a weakref callback (CPython prints and drops what it raises; asyncio's
+    selector keeps its file descriptors in a weak dictionary, where a Ctrl-C of `logs --follow` was
+    lost) still interrupts the command, a moment later, outside it: 20 rounds, the real signal."""
+    import os
+    import time
+    import weakref
+
+    from orchestrator.core import signals
+
+    class Watched:
+        pass
+
+    def on_collected() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, in here
+        for _ in range(1000):
+            pass
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    signals.install()
+    try:
+        for round_ in range(20):
+            signals.forget()
+            with pytest.raises(KeyboardInterrupt):
+                weakref.finalize(Watched(), on_collected)  # collected at once: the callback runs here
+                deadline = time.monotonic() + 2
+                while time.monotonic() < deadline:
+                    time.sleep(0.001)
+                raise AssertionError(f"round {round_}: the signal was lost")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signals.forget()
+
+
 _AFTERMATH = """\
 import asyncio, gc, signal, sys, threading
 from orchestrator.core import signals
