@@ -102,6 +102,11 @@ class ArchRules:
             parts.append("MoE")
         return " + ".join(parts) or "dense"
 
+    @property
+    def hybrid(self) -> bool:
+        """Recurrent and attention layers (Granite 4 H, Jamba...), each followed by an FFN."""
+        return any(self.recurrent) and not all(self.recurrent)
+
     def is_recurrent(self, il: int) -> bool:
         return bool(self.recurrent) and self.recurrent[il]
 
@@ -301,7 +306,8 @@ def family_compute(
     - recurrent (Mamba-2) layers: the input projection, convolution and scan rows, 2.5 × ssm_in with one
       recurrent layer on the device, 3 × with more. Where two recurrent layers meet at a device
       boundary, ggml's scheduler runs part of the earlier layer on the later device (GGML_SCHED_DEBUG
-      shows the splits): 2 × d_inner rows more come in there, d_inner rows go back, each `copies` times;
+      shows the splits): 2 × d_inner rows more come in there, d_inner rows go back, each `copies` times.
+      A hybrid's recurrent layer that ends on a device with copies adds hidden rows for its FFN;
     - the output layer: the logits (n_vocab × n_tokens f32) and one row. With one copy (no pipeline
       parallelism) the inputs are graph tensors, freed after the last layer's attention, so the buffer
       is the larger of the layers' and the logits' (measured on Gemma 3 270M, one device and layers on
@@ -331,7 +337,8 @@ def family_compute(
             # rule before, was 30 % under with 8 groups)
             d_state = rules.n_embd_s // rules.ssm_inner if rules.ssm_inner else 0
             spill += (rules.ssm_in + d_state) * n_tok * f32
-        if rules.is_recurrent(last) and last + 1 < profile.n_layer and rules.is_recurrent(last + 1):
+        spills_out = rules.is_recurrent(last) and last + 1 < profile.n_layer and rules.is_recurrent(last + 1)
+        if spills_out:
             spill += rules.ssm_inner * n_tok * f32
         inputs += spill * copies
         # The scan's states beside its rows: the states read for each sequence and the scan's copy of
@@ -339,6 +346,12 @@ def family_compute(
         # without it a wide state, 128 x d_inner, was 10 % under at 4 sequences)
         inputs += rules.n_embd_s * f32 * (3 * max(1, opts.parallel) + 2) // 2
         peak = (5 if len(recurrent) == 1 else 6) * rules.ssm_in * n_tok * f32 // 2
+        if rules.hybrid and copies > 1 and len(recurrent) > spills_out:
+            # A hybrid's recurrent layer ends here (not on the next device) and its FFN follows: with
+            # pipeline copies two hidden rows more beside one recurrent layer, one beside several
+            # (measured on granitehybrid shapes, n_embd 128 and 256, n_ubatch 128 and 512, every split
+            # of its four layers over 1-3 devices; without them up to 6 % under)
+            peak += (2 if len(recurrent) == 1 else 1) * hidden
     if attn:
         if opts.flash_attn:
             peak = max(peak, 6 * row)
