@@ -22,7 +22,7 @@ from pathlib import Path
 from time import monotonic
 from typing import Any
 
-from _common import arg_parser, load_average, median, ms, stamp, write_section
+from _common import arg_parser, busy_cpu_seconds, load_average, median, ms, stamp, write_section
 
 from orchestrator.artifacts.build import default_artifact
 from orchestrator.connectors.base import ConnectOptions
@@ -39,12 +39,17 @@ TARGET = 0.10  # the deploy with the lock within 10 % of the same deploy without
 LAB_NAME = "benchlock"
 
 
-async def timed(hosts: list[Host], step: Any) -> float:
-    started = monotonic()
+CPU: dict[str, list[float]] = {}  # busy CPU-seconds of the whole machine per kind of deploy
+
+
+async def timed(hosts: list[Host], step: Any, kind: str | None = None) -> float:
+    started, busy = monotonic(), busy_cpu_seconds()
     async with Session(forks=16, options=ConnectOptions(connect_timeout=10)) as session:
         run = await session.run(hosts, step, name="deploy")
     if not run.ok:
         raise SystemExit(f"deploy failed: {[str(r.error) for r in run.failed]}")
+    if kind is not None:
+        CPU.setdefault(kind, []).append(busy_cpu_seconds() - busy)
     return monotonic() - started
 
 
@@ -67,13 +72,13 @@ async def measure(hosts: list[Host], repeat: int) -> dict[str, list[float]]:
         # which of the two no-op deploys goes first alternates too
         noop = [("locked", make_deploy_step), ("unlocked", unlocked_step)]
         for mode, make in noop if round_no % 2 == 0 else noop[::-1]:
-            times[f"noop-{mode}"].append(await timed(hosts, make(chooser)))
+            times[f"noop-{mode}"].append(await timed(hosts, make(chooser), f"noop-{mode}"))
         # A launch-line change (-t 2 added, then removed again), so every server restarts; which mode
         # goes first alternates. The fleet ends each round as it began, so the no-op deploys stay no-ops.
         modes = ("locked", "unlocked") if round_no % 2 == 0 else ("unlocked", "locked")
         for mode, target in zip(modes, (two_threads, hosts), strict=True):
             step = make_deploy_step(chooser) if mode == "locked" else unlocked_step(chooser)
-            times[f"real-{mode}"].append(await timed(target, step))
+            times[f"real-{mode}"].append(await timed(target, step, f"real-{mode}"))
     return times
 
 
@@ -93,6 +98,14 @@ def render(nodes: int, repeat: int, times: dict[str, list[float]], load: float) 
         )
 
     rows = [row("noop"), row("real")]
+    cores = os.cpu_count() or 1
+
+    def cpu(kind: str) -> str:
+        locked, unlocked = median(CPU[f"{kind}-locked"]), median(CPU[f"{kind}-unlocked"])
+        return (
+            f"{kind} {unlocked:.2f} without, {locked:.2f} with the lock: {locked - unlocked:+.2f} CPU-s, "
+            f"at least {ms((locked - unlocked) / cores)} of wall time on {cores} cores"
+        )
 
     return "\n".join(
         [
@@ -112,8 +125,13 @@ def render(nodes: int, repeat: int, times: dict[str, list[float]], load: float) 
             f"Target (the lock within {TARGET * 100:.0f}% of the deploy without it, no-op and real): "
             f"**{'met' if all(met.values()) else 'not met'}**.",
             "",
-            "The lock is one more SSH channel per host (a shell that takes a `flock` and holds it while the "
-            "channel lives), opened on the connection the deploy already has: no new TCP or SSH handshake.",
+            "Busy CPU of the whole machine (controller, sshd and nodes alike, from /proc/stat), medians: "
+            f"{cpu('noop')}; {cpu('real')}.",
+            "",
+            "The lock is a shell that takes a `flock` and holds it while its channel lives, on an SSH "
+            "connection of its own per host (on the deploy's connection its heartbeats would queue behind an "
+            "upload): the connections open and the shells get ready on every host at once, then the locks "
+            "are taken one host after the other, a round trip each.",
             "",
         ]
     )

@@ -294,6 +294,10 @@ class Session:
         failed connect fails every later step on the host alike (`Shared`'s rule)."""
         return await self._connections.get(host.name, lambda: connect(host, self.options))
 
+    async def unshared_connection(self, host: Host) -> Connection:
+        """A connection of the caller's own to `host` (the session's options; the caller closes it)."""
+        return await connect(host, self.options)
+
     async def drop(self, host: Host) -> None:
         """Forget the host's connection (closed, or its failed connect): the next step connects anew (a
         long-lived session's way back to a host that was lost)."""

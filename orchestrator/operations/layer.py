@@ -32,9 +32,12 @@ from orchestrator.engine.executor import HostContext, Session, StepOutcome
 from orchestrator.engine.shared import gather_bounded
 from orchestrator.inventory.model import Host
 from orchestrator.operations import BUSY_GRACE
-from orchestrator.operations.lock import HostLock, HostLockedError, acquire
+from orchestrator.operations.lock import HostLock, HostLockedError, ReadyLock, acquire, ready, take
 
 T = TypeVar("T")
+# How long a readied lock command waits for its turn beyond --wait-lock, per host locked before it (each
+# answers within lock._ANSWER_SLACK's 10 s or fails)
+_TURN_SLACK_S = 10.0
 
 Body = Callable[[HostContext, Connection], Awaitable[StepOutcome[T]]]
 
@@ -130,18 +133,28 @@ class HostLocks:
             installs.setdefault(host.install_key, []).append(host)
         ordered = [servers[0] for servers in installs.values()]  # one lock per install
 
-        async def reach(host: Host) -> tuple[Connection, Connection | None] | None:
-            try:
-                conn = await session.connection(host)
-            except RpcfleetError:
-                return None  # the session keeps the failure: the host's step reports it
-            try:
-                return conn, await conn.another()  # the lock's own connection
-            except RpcfleetError:
-                return conn, None  # `acquire` tries again, and says why it cannot
+        # Connecting and readying the locks is the slow part and takes no lock: all at once (the locks'
+        # own connections too); then one lock after the other, a round trip each.
+        turn_s = self.options.wait_lock + _TURN_SLACK_S * len(ordered)
 
-        # Connecting is the slow part and takes no lock: all at once (the lock's own connections too);
-        # then one lock after the other.
+        async def reach(host: Host) -> tuple[Connection, ReadyLock | RpcfleetError | None] | None:
+            conn, lock_conn = await asyncio.gather(
+                session.connection(host), session.unshared_connection(host), return_exceptions=True
+            )
+            for failed in (conn, lock_conn):
+                if isinstance(failed, BaseException) and not isinstance(failed, RpcfleetError):
+                    raise failed
+            if isinstance(conn, BaseException):
+                if not isinstance(lock_conn, BaseException):
+                    await lock_conn.close()
+                return None  # the session keeps the failure: the host's step reports it
+            if isinstance(lock_conn, BaseException):
+                return conn, None  # `acquire` tries again, and says why it cannot
+            try:
+                return conn, await ready(conn, host, self.name, turn_s=turn_s, lock_conn=lock_conn)
+            except RpcfleetError as exc:
+                return conn, exc  # reported at its turn
+
         connections = await gather_bounded([functools.partial(reach, h) for h in ordered], session.forks)
         wait = self.options.wait_lock
         deadline = time.monotonic() + wait
@@ -152,31 +165,25 @@ class HostLocks:
                 log = get_logger(host=host.name, run_id=session.run_id)
                 log.warning("host_lock_waiting", holder=holder, wait_s=wait)
 
-        unused: list[Connection] = [
-            pair[1] for pair in connections if pair is not None and pair[1] is not None
-        ]
+        unused = [pair[1] for pair in connections if pair is not None and isinstance(pair[1], ReadyLock)]
         for host, pair in zip(ordered, connections, strict=True):
             if pair is None:
                 continue
-            conn, lock_conn = pair
-            if lock_conn is not None:
-                unused.remove(lock_conn)  # the lock owns it from here: released with the lock
+            conn, prepared = pair
+            left = max(0.0, deadline - time.monotonic()) if wait > 0 else 0.0
             try:
+                if isinstance(prepared, RpcfleetError):
+                    raise prepared
+                if prepared is None:
+                    work = acquire(conn, host, self.name, wait_s=left, on_wait=waiting, asked_wait_s=wait)
+                else:
+                    unused.remove(prepared)  # the lock owns it from here: released with the lock
+                    work = take(prepared, wait_s=left, on_wait=waiting, asked_wait_s=wait)
                 # Waiting for another operator's lock changes nothing: an interrupt ends the wait.
-                lock = await session.unless_interrupted(
-                    acquire(
-                        conn,
-                        host,
-                        self.name,
-                        wait_s=max(0.0, deadline - time.monotonic()) if wait > 0 else 0.0,
-                        on_wait=waiting,
-                        asked_wait_s=wait,
-                        lock_conn=lock_conn,
-                    )
-                )
+                lock = await session.unless_interrupted(work)
             except (HostLockedError, NotStartedError) as exc:
-                for left in unused:  # the hosts not reached: their lock connections go unused
-                    await left.close()
+                for left_over in [*unused, *([prepared] if isinstance(prepared, ReadyLock) else [])]:
+                    await left_over.abandon()  # the hosts not locked: their lock commands go unused
                 await self.close()
                 return {
                     h.name: exc if h.install_key == host.install_key else _not_started(h, exc) for h in hosts

@@ -18,6 +18,10 @@ The lock file is owner-only: whoever can open it can `flock` it and block every 
 written to `lock.info` after taking it, so a second operator learns "changed by root@ctl (pid 4242,
 deploy, since 12:01:03)".
 
+A run readies the lock command on all its hosts at once (`ready`: the connection, the shell, the lock
+file open; nothing held) and then takes the locks one after the other in its order (`take`: one line
+sent, `@locked` back), so the part that must be serial is a round trip per host.
+
 Read-only commands never take it; every change to a node takes it through `operations.layer`.
 """
 
@@ -82,13 +86,15 @@ class LockOwner:
         return f"{self.user}@{self.controller} (pid {self.pid}, {self.operation}, since {since})"
 
 
-def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s: float = SILENCE_S) -> str:
-    """Take the lock (waiting up to `wait_s`), record the owner, say `@locked`, then hold it while the
-    controller's heartbeats arrive (see the module docstring). `@held <owner>` is printed first when
-    someone else has it; `@timeout` when waiting ran out."""
+def lock_script(install_dir: str, owner: LockOwner, turn_s: float, *, silence_s: float = SILENCE_S) -> str:
+    """Get ready (the folder, the lock file open), say `@ready`, then wait up to `turn_s` for the
+    controller's turn: a line with how long to wait for the lock. Take it (waiting that long), record
+    the owner, say `@locked`, then hold it while the controller's heartbeats arrive (see the module
+    docstring). `@held <owner>` is printed first when someone else has it; `@timeout` when waiting ran
+    out. The slow part (the channel, the shell, its checks) comes before the turn, so a run readies all
+    its hosts at once and takes their locks one after the other in a round trip each."""
     directory = shell_path(install_dir)
     info = shlex.quote(owner.describe())
-    wait = max(0.0, float(wait_s))
     return "\n".join(
         [
             f"D={directory}",
@@ -101,6 +107,11 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
             f'(umask 077 && : >>"$D/{LOCK_FILE}") && chmod 600 "$D/{LOCK_FILE}" ||',
             f'  {{ echo "@error cannot make $D/{LOCK_FILE} owner-only"; exit 1; }}',
             f'exec 9>>"$D/{LOCK_FILE}" || {{ echo "@error cannot open $D/{LOCK_FILE}"; exit 1; }}',
+            'echo "@ready"',
+            # The turn: one line, read byte by byte (sh's `read` on a pipe), so that no heartbeat byte
+            # after it is taken from the watchdog; end of file or no turn within `turn_s`: nothing held.
+            f"w=$(timeout {max(1.0, turn_s):g} sh -c 'IFS= read -r w && echo \"$w\"') || exit 1",
+            'case $w in ""|*[!0-9.]*) echo "@error the wait for the lock is not a number"; exit 1;; esac',
             # The watchdog: a heartbeat byte keeps it reading, and is acknowledged; end of file or silence
             # ends the command's whole process group (this shell, a waiting flock): `hold` starts it in a
             # group of its own (sshd's session, LocalConnection's new session). sh gives a background job
@@ -109,8 +120,8 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
             "( while b=$(timeout " + f"{silence_s:g}" + ' head -c 1 2>/dev/null) && [ -n "$b" ]; do',
             '    echo "@ack $b"; done',
             "  kill -TERM 0 ) <&3 2>/dev/null 9>&- &",
-            "w=$!",
-            "trap 'kill $w 2>/dev/null' EXIT",
+            "w_pid=$!",
+            "trap 'kill $w_pid 2>/dev/null' EXIT",
             # The holder writes "<its shell's pid> <owner>" just after taking the lock: an info file whose
             # shell is gone is the previous holder's, so wait a moment for the new one to write its own.
             # Still none alive: the holder may have let go meanwhile, and the last one written names it.
@@ -123,13 +134,11 @@ def lock_script(install_dir: str, owner: LockOwner, wait_s: float, *, silence_s:
             "}",
             "if ! flock -n 9; then",
             '  echo "@held $(who)"',
-            f'  flock -w {wait:g} 9 || {{ echo "@timeout"; exit {LOCKED_EXIT}; }}'
-            if wait > 0
-            else f'  echo "@timeout"; exit {LOCKED_EXIT}',
+            f'  [ "$w" != 0 ] && flock -w "$w" 9 || {{ echo "@timeout"; exit {LOCKED_EXIT}; }}',
             "fi",
             f'printf "%s %s\\n" "$$" {info} > "$D/{LOCK_INFO}"',
             'echo "@locked"',
-            'wait "$w"',  # hold: until the watchdog ends it all
+            'wait "$w_pid"',  # hold: until the watchdog ends it all
         ]
     )
 
@@ -245,6 +254,129 @@ async def _stop(task: asyncio.Future[None] | asyncio.Future[Any]) -> None:
     await asyncio.wait([task])  # its cancellation is not this caller's: nothing is raised
 
 
+class ReadyLock:
+    """A host's lock command started on the node and `@ready` there, holding nothing yet: `take` takes the
+    lock, `abandon` lets the command and its connection go unused (idempotent)."""
+
+    def __init__(
+        self, host: Host, owner: LockOwner, conn: Connection, held: HeldCommand, script: NodeScript
+    ) -> None:
+        self.host = host
+        self.owner = owner
+        self.conn = conn
+        self.held = held
+        self.script = script
+        self._abandoned = False
+
+    async def abandon(self) -> None:
+        if not self._abandoned:
+            self._abandoned = True
+            await self.held.release()
+            await self.conn.close()
+
+
+async def ready(
+    conn: Connection,
+    host: Host,
+    operation: str,
+    *,
+    turn_s: float = _ANSWER_SLACK,
+    silence_s: float = SILENCE_S,
+    lock_conn: Connection | None = None,
+) -> ReadyLock:
+    """Start `host`'s lock command for `operation` (on a connection of its own: `lock_conn`, opened
+    already, or one opened from `conn`) and wait for it to be ready; it waits `turn_s` for `take`."""
+    owner = LockOwner.here(operation)
+    # Held, not run: the lock lives as long as the command, so its lines are read as they come.
+    script = NodeScript(
+        "lock",
+        lock_script(host.install_dir, owner, turn_s, silence_s=silence_s),
+        _ANSWER_SLACK,
+        "cannot take the host lock",
+        ServiceScriptError,
+    )
+    if lock_conn is None:
+        lock_conn = await conn.another()
+    try:
+        held = await lock_conn.hold(script.shell_command)
+    except BaseException:
+        await lock_conn.close()
+        raise
+    prepared = ReadyLock(host, owner, lock_conn, held, script)
+    try:
+        line = await _answer(held, host, time.monotonic() + script.timeout)
+        key, value = parse_key_line(line) or ("", "")
+        if key == "error":
+            raise script.reported(host.name, value)
+        if key != "ready":
+            raise ServiceError(f"the lock command said {line!r} before it was ready", host=host.name)
+    except BaseException:
+        await prepared.abandon()
+        raise
+    return prepared
+
+
+async def take(
+    prepared: ReadyLock,
+    *,
+    wait_s: float = 0.0,
+    on_wait: Callable[[Host, str], None] | None = None,
+    asked_wait_s: float | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+    lost_s: float = LOST_S,
+) -> HostLock:
+    """Take the lock `prepared` readied (waiting up to `wait_s`), or raise HostLockedError naming who has
+    it. `asked_wait_s`: the wait the operator asked for, when `wait_s` is what is left of it (the message
+    names it). Its round trip is the whole of it when the lock is free."""
+    host, held = prepared.host, prepared.held
+    wait = max(0.0, float(wait_s))
+    heartbeats = _Heartbeats(held, heartbeat_s, lost_s)
+    sender: asyncio.Future[None] | None = None
+    holder = "another operator"
+    deadline = time.monotonic() + wait + _ANSWER_SLACK
+    try:
+        if not await held.send(f"{wait:.3f}\n" if wait > 0 else "0\n"):
+            raise ServiceError("the lock command ended before its turn", host=host.name)
+        # From the start: the watchdog reads heartbeats while this waits for another operator, too.
+        sender = asyncio.ensure_future(heartbeats.send())
+        while True:
+            line = await _answer(held, host, deadline)
+            key, value = parse_key_line(line) or ("", "")
+            if key == "locked":
+                watcher = asyncio.ensure_future(heartbeats.watch())
+                return HostLock(host, prepared.conn, held, prepared.owner, heartbeats, [sender, watcher])
+            if key == "held":
+                holder = value or holder
+                if on_wait is not None:
+                    on_wait(host, holder)
+            elif key == "timeout":
+                asked = wait if asked_wait_s is None else asked_wait_s
+                waited = f" after waiting {asked:g} s" if asked > 0 else ""
+                raise HostLockedError(
+                    f"{host.name} is being changed by {holder}{waited}",
+                    host=host.name,
+                    hint="wait for it to finish, or retry with --wait-lock SECONDS",
+                )
+            elif key == "error":
+                raise prepared.script.reported(host.name, value)
+    except BaseException:
+        if sender is not None:
+            await _stop(sender)
+        await prepared.abandon()
+        raise
+
+
+async def _answer(held: HeldCommand, host: Host, deadline: float) -> str:
+    """The lock command's next line by `deadline`."""
+    try:
+        line = await held.readline(max(0.1, deadline - time.monotonic()))
+    except CommandTimeoutError:
+        raise ServiceError(f"the lock did not answer within {_ANSWER_SLACK:g} s", host=host.name) from None
+    if line is None:
+        raise ServiceError("the lock command ended without taking the lock", host=host.name)
+    return line
+
+
 async def acquire(
     conn: Connection,
     host: Host,
@@ -258,60 +390,13 @@ async def acquire(
     lost_s: float = LOST_S,
     lock_conn: Connection | None = None,
 ) -> HostLock:
-    """Take `host`'s lock for `operation` (on a connection of its own: `lock_conn`, opened already, or
-    one opened from `conn`), or raise HostLockedError naming who has it. `asked_wait_s`: the wait the
-    operator asked for, when `wait_s` is what is left of it (the message names it)."""
-    owner = LockOwner.here(operation)
-    # Held, not run: the lock lives as long as the command, so its lines are read as they come.
-    script = NodeScript(
-        "lock",
-        lock_script(host.install_dir, owner, wait_s, silence_s=silence_s),
-        wait_s + _ANSWER_SLACK,
-        "cannot take the host lock",
-        ServiceScriptError,
+    """Take `host`'s lock for `operation` at once (`ready`, then `take`)."""
+    prepared = await ready(conn, host, operation, silence_s=silence_s, lock_conn=lock_conn)
+    return await take(
+        prepared,
+        wait_s=wait_s,
+        on_wait=on_wait,
+        asked_wait_s=asked_wait_s,
+        heartbeat_s=heartbeat_s,
+        lost_s=lost_s,
     )
-    if lock_conn is None:
-        lock_conn = await conn.another()
-    try:
-        held = await lock_conn.hold(script.shell_command)
-    except BaseException:
-        await lock_conn.close()
-        raise
-    heartbeats = _Heartbeats(held, heartbeat_s, lost_s)
-    # From the start: the watchdog reads heartbeats while this waits for another operator, too.
-    sender = asyncio.ensure_future(heartbeats.send())
-    holder = "another operator"
-    deadline = time.monotonic() + script.timeout
-    try:
-        while True:
-            try:
-                line = await held.readline(max(0.1, deadline - time.monotonic()))
-            except CommandTimeoutError:
-                raise HostLockedError(
-                    f"the lock did not answer within {script.timeout:g} s", host=host.name
-                ) from None
-            if line is None:
-                raise ServiceError("the lock command ended without taking the lock", host=host.name)
-            key, value = parse_key_line(line) or ("", "")
-            if key == "locked":
-                watcher = asyncio.ensure_future(heartbeats.watch())
-                return HostLock(host, lock_conn, held, owner, heartbeats, [sender, watcher])
-            if key == "held":
-                holder = value or holder
-                if on_wait is not None:
-                    on_wait(host, holder)
-            elif key == "timeout":
-                asked = wait_s if asked_wait_s is None else asked_wait_s
-                waited = f" after waiting {asked:g} s" if asked > 0 else ""
-                raise HostLockedError(
-                    f"{host.name} is being changed by {holder}{waited}",
-                    host=host.name,
-                    hint="wait for it to finish, or retry with --wait-lock SECONDS",
-                )
-            elif key == "error":
-                raise script.reported(host.name, value)
-    except BaseException:
-        await _stop(sender)
-        await held.release()
-        await lock_conn.close()
-        raise

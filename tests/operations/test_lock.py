@@ -37,7 +37,15 @@ from orchestrator.core.errors import NotStartedError, ServiceError
 from orchestrator.engine.executor import HostContext, HostResult, Recap, RunResult, Session, StepOutcome
 from orchestrator.inventory.model import Host
 from orchestrator.operations.layer import Body, OperationOptions, node_operation, run_to_completion
-from orchestrator.operations.lock import HostLockedError, LockLostError, LockOwner, acquire, lock_script
+from orchestrator.operations.lock import (
+    HostLockedError,
+    LockLostError,
+    LockOwner,
+    acquire,
+    lock_script,
+    ready,
+    take,
+)
 from tests.plugins.fakehosts import FakeHost
 
 FakeHosts = Callable[..., list[FakeHost]]
@@ -244,7 +252,9 @@ async def test_the_lock_records_an_odd_owner_and_folder_verbatim(tmp_path: Path)
     host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(folder))
     owner = LockOwner("o'brien", "ctl; touch pwned", 1, "deploy `id`", 0.0)
     conn = LocalConnection(host, home=tmp_path)
-    held = await conn.hold(f"sh -c {shlex.quote(lock_script(host.install_dir, owner, 0))}")
+    held = await conn.hold(f"sh -c {shlex.quote(lock_script(host.install_dir, owner, 5.0))}")
+    assert await held.readline(5.0) == "@ready"
+    assert await held.send("0\n")  # its turn, no wait for another holder
     assert await held.readline(5.0) == "@locked"
     assert (folder / "lock.info").read_text().split(" ", 1)[1] == owner.describe() + "\n"
     assert not (tmp_path / "pwned").exists()
@@ -503,3 +513,37 @@ async def test_a_step_run_inside_another_still_takes_its_hosts_lock(ssh_host: Fa
     async with await connect(host, FAST) as conn:  # and it let go
         free = await acquire(conn, host, "check")
         await free.release()
+
+
+async def test_a_readied_lock_holds_nothing_until_its_turn(tmp_path: Path) -> None:
+    """Readied (the slow part, for every host of a run at once), the lock is still free for anyone; at
+    its turn it is taken in a round trip, and refused as usual when someone else took it meanwhile."""
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    prepared = await ready(LocalConnection(host), host, "deploy")
+    other = await acquire(LocalConnection(host), host, "restart")  # nothing held by the readied one
+    with pytest.raises(HostLockedError, match=r"being changed by .*restart"):
+        await take(prepared)
+    await other.release()
+    second = await ready(LocalConnection(host), host, "deploy")
+    started = time.monotonic()
+    lock = await take(second)
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(HostLockedError):
+        await acquire(LocalConnection(host), host, "restart")
+    await lock.release()
+
+
+async def test_a_readied_lock_that_never_gets_its_turn_ends_and_an_abandoned_one_at_once(
+    tmp_path: Path,
+) -> None:
+    """No turn within `turn_s` (its controller stuck or gone): the node's command ends by itself; one
+    abandoned ends at once. Neither takes the lock."""
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    prepared = await ready(LocalConnection(host), host, "deploy", turn_s=1.0)
+    assert await prepared.held.readline(5.0) is None  # ended after its 1 s
+    await prepared.abandon()
+    abandoned = await ready(LocalConnection(host), host, "deploy")
+    await abandoned.abandon()
+    await abandoned.abandon()  # idempotent
+    lock = await acquire(LocalConnection(host), host, "restart")
+    await lock.release()
