@@ -197,8 +197,6 @@ class Remote(Protocol):
         """Where the bytes go without a plain link (None: this remote needs one)."""
         ...
 
-    async def give_token(self, token: str) -> None: ...
-
     async def readline(self) -> str | None:
         """The script's next line of output; None once it has ended."""
         ...
@@ -233,11 +231,6 @@ class ChildRemote:
 
     def input(self) -> asyncio.StreamWriter | None:
         return self.stdin
-
-    async def give_token(self, token: str) -> None:
-        self.stdin.write(token.encode() + b"\n")
-        await self.stdin.drain()
-        self.stdin.close()
 
     async def readline(self) -> str | None:
         line = await self.stdout.readline()
@@ -308,6 +301,7 @@ async def stream_items(
             out = remote.input()
             assert out is not None, "a held command takes its bytes over a plain link"
             return out
+        assert isinstance(remote, HeldRemote), "a plain link's token goes over the open connection"
         await remote.give_token(plain.token)
         end: asyncio.Future[Any] = asyncio.ensure_future(ended.wait())
         accepted: asyncio.Future[Any] = plain.accepted

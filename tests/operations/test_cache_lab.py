@@ -170,20 +170,29 @@ def test_run_connects_once_per_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One loop and one session for the whole command: the probe's SSH connection to each node serves
-    the cache check too (was: two per node, the probe's session and the check's)."""
+    the cache check and the warm too (was: two per node, the probe's session and the check's); the
+    warm's host lock has its own, one per node."""
     from orchestrator.engine import executor
 
     opened: list[str] = []
+    locks: list[str] = []
     real = executor.connect
 
     async def counted(host: Any, options: Any = None) -> Any:
         opened.append(host.name)
         return await real(host, options)
 
+    async def lock_connection(self: Any, host: Any) -> Any:
+        locks.append(host.name)
+        return await real(host, self.options)
+
     inv = ["-i", str(inventory)]
     assert main(["deploy", *inv]) == 0, capsys.readouterr().err
     capsys.readouterr()
     monkeypatch.setattr(executor, "connect", counted)
+    monkeypatch.setattr(executor.Session, "unshared_connection", lock_connection)
     done = _json(capsys, ["run", *inv, "-m", str(model), "-p", "Once", "-n", "2", "--ctx", "256", "--json"])
     assert "cache check" in done["phases"]  # the check ran, over SSH
-    assert sorted(opened) == sorted(node.name for node in cache_lab.nodes), opened
+    names = sorted(node.name for node in cache_lab.nodes)
+    assert sorted(opened) == names, opened
+    assert done["cache"]["load_beside_warm"] and sorted(locks) == names, (locks, done["cache"])
