@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -582,52 +583,14 @@ def test_a_signal_inside_the_import_machinery_is_handled_again_later_not_raised(
     assert signals.interrupted_by(error) and not signals.interrupted_by(RuntimeError("other"))
 
 
-def test_a_signal_inside_a_finalizer_is_not_lost() -> None:
-    """A SIGTERM that lands in an object's `__del__` (CPython prints and drops what it raises) still
-    interrupts the command, a moment later, outside it: 20 rounds, the real signal and handler."""
-    import os
-    import time
-
+def _signal_inside(callback_runs: Callable[[Callable[[], None]], None]) -> None:
+    """20 rounds: `callback_runs(send)` makes CPython run `send` in a callback whose exceptions it drops;
+    `send` sends a real SIGTERM, whose handler runs at the next bytecode, in there. The interrupt still
+    comes, a moment later, outside it."""
     from orchestrator.core import signals
 
-    class Finalized:
-        def __del__(self) -> None:
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, in here
-            for _ in range(1000):
-                pass
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
-    signals.install()
-    try:
-        for round_ in range(20):
-            signals.forget()
-            with pytest.raises(KeyboardInterrupt):
-                Finalized()  # collected at once: __del__ runs here
-                deadline = time.monotonic() + 2
-                while time.monotonic() < deadline:
-                    time.sleep(0.001)
-                raise AssertionError(f"round {round_}: the signal was lost")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        signals.forget()
-
-
-def test_a_signal_inside_a_weakref_callback_is_not_lost() -> None:
-    """A SIGTERM that lands in a weakref callback (CPython prints and drops what it raises; asyncio's
-    selector keeps its file descriptors in a weak dictionary, where a Ctrl-C of `logs --follow` was
-    lost) still interrupts the command, a moment later, outside it: 20 rounds, the real signal."""
-    import os
-    import time
-    import weakref
-
-    from orchestrator.core import signals
-
-    class Watched:
-        pass
-
-    def on_collected() -> None:
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, in here
+    def send() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(1000):
             pass
 
@@ -637,7 +600,7 @@ def test_a_signal_inside_a_weakref_callback_is_not_lost() -> None:
         for round_ in range(20):
             signals.forget()
             with pytest.raises(KeyboardInterrupt):
-                weakref.finalize(Watched(), on_collected)  # collected at once: the callback runs here
+                callback_runs(send)
                 deadline = time.monotonic() + 2
                 while time.monotonic() < deadline:
                     time.sleep(0.001)
@@ -646,6 +609,33 @@ def test_a_signal_inside_a_weakref_callback_is_not_lost() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         signals.forget()
+
+
+def test_a_signal_inside_a_finalizer_is_not_lost() -> None:
+    """A SIGTERM that lands in an object's `__del__` (a socket, a transport, a process collected)."""
+
+    def in_a_finalizer(send: Callable[[], None]) -> None:
+        class Finalized:
+            def __del__(self) -> None:
+                send()
+
+        Finalized()  # collected at once: __del__ runs here
+
+    _signal_inside(in_a_finalizer)
+
+
+def test_a_signal_inside_a_weakref_callback_is_not_lost() -> None:
+    """A SIGTERM that lands in a weakref callback: asyncio's selector keeps its file descriptors in a weak
+    dictionary, where a Ctrl-C of `logs --follow` was lost."""
+    import weakref
+
+    class Watched:
+        pass
+
+    def in_a_weakref_callback(send: Callable[[], None]) -> None:
+        weakref.finalize(Watched(), send)  # collected at once: the callback runs here
+
+    _signal_inside(in_a_weakref_callback)
 
 
 _AFTERMATH = """\
