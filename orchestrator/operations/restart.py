@@ -184,8 +184,7 @@ def make_restart_step(
             action="restart",
         )
         stopped = time.monotonic()
-        pid = await start_server(conn, host, state)
-        launched = time.monotonic()
+        pid = await start_server(conn, host, state)  # its launch script waits for the port to listen
         await wait_ready(conn, host, state, pid, limit_s=ready_timeout)
         ready = time.monotonic()
         after = await _wait_memory(host, baseline, memory_tolerance, memory_tolerance_min, memory_timeout)
@@ -198,7 +197,7 @@ def make_restart_step(
             baseline=baseline or (),
             after=after,
             stop_seconds=stopped - started,
-            start_to_ready=ready - launched,
+            start_to_ready=ready - stopped,
             stop_to_ready=time.monotonic() - started,
             warnings=warnings,
         )
