@@ -371,7 +371,7 @@ async def _answer(held: HeldCommand, host: Host, deadline: float) -> str:
     try:
         line = await held.readline(max(0.1, deadline - time.monotonic()))
     except CommandTimeoutError:
-        raise ServiceError(f"the lock did not answer within {_ANSWER_SLACK:g} s", host=host.name) from None
+        raise ServiceError("the lock did not answer in time", host=host.name) from None
     if line is None:
         raise ServiceError("the lock command ended without taking the lock", host=host.name)
     return line
