@@ -213,7 +213,7 @@ def build_artifact(
         sdist = ensure_sdist(version, say)
         source = extract_source(sdist, workdir / "src", say)
         llama = source / "vendor" / "llama.cpp"
-        patched = apply_patches(llama, patches_for(backend))
+        patched = apply_patches(llama, patches_for(backend, version))
         if patched:
             say(f"patched the source: {', '.join(patched)}")
         protocol = read_protocol_version(llama / "ggml" / "include" / "ggml-rpc.h")

@@ -6,6 +6,12 @@ A patch is a literal replacement of one anchor in one file, applied to the fresh
 a build folder of its own (never to the sdist). Applying is idempotent: a source that already holds the
 replacement is left alone, so an incremental rebuild in the same folder does not patch twice.
 
+Which patches a source must take: `keepalive` and `exit-status` are required in the pinned llama.cpp
+(`REQUIRED_IN`: a build of it without them is refused, never shipped), optional only for an older one
+laid out differently (llama-cpp-python 0.3.16's server, the version-skew tests'). `status` names a server
+whose manifest lacks them (`lacking`). `build: on_node` applies the same patches on the node
+(`artifacts.node_build`).
+
 - `keepalive`: every accepted RPC connection gets SO_KEEPALIVE (15 s idle, 5 s interval, 3 probes) and
   TCP_USER_TIMEOUT (30 s). The vendored server serves one client at a time and sets only TCP_NODELAY,
   so a client that vanished without a FIN (a cut cable, a laptop closed, a controller behind NAT that
@@ -34,10 +40,11 @@ replacement is left alone, so an incremental rebuild in the same folder does not
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from orchestrator.artifacts.manifest import DEFAULT_LLAMA_CPP_PYTHON_VERSION
 from orchestrator.core.errors import ArtifactError
 
 KEEPALIVE_IDLE_S = 15
@@ -47,6 +54,11 @@ USER_TIMEOUT_MS = 30_000
 WARM_WAIT_MAX_S = 600  # the longest one request waits for one file being warmed
 WARM_WAIT = "warm-wait"  # the patch's name, as manifests list it
 WARM_WAIT_MARK = ".warm-wait"  # in a cache folder while a warm streams into it (operations/cache_stream.py)
+# The llama-cpp-python versions whose source must take the server's own patches (below).
+REQUIRED_IN: tuple[str, ...] = (DEFAULT_LLAMA_CPP_PYTHON_VERSION,)
+# What a server needs to free itself of a vanished client and to report a failed bind: `status` warns
+# when the installed manifest lacks one.
+SERVER_PATCHES: tuple[str, ...] = ("keepalive", "exit-status")
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,8 @@ class SourcePatch:
     """Replace `anchor` (which must occur once) in `path` (relative to vendor/llama.cpp) by `replacement`.
 
     `backends`: the backends it applies to (empty: all). `optional`: a source without the anchor (an
-    older llama.cpp, laid out differently) is built without it, and its manifest does not list it."""
+    older llama.cpp, laid out differently) is built without it, and its manifest does not list it;
+    `required_in`: the llama-cpp-python versions whose source must take it even so."""
 
     name: str
     path: str
@@ -62,6 +75,7 @@ class SourcePatch:
     replacement: str
     backends: tuple[str, ...] = ()
     optional: bool = False
+    required_in: tuple[str, ...] = ()
 
     @property
     def digest(self) -> str:
@@ -182,6 +196,7 @@ PATCHES: tuple[SourcePatch, ...] = (
         _KEEPALIVE_ANCHOR,
         _KEEPALIVE,
         optional=True,  # llama.cpp before the transport split (protocol 2, the skew tests' server)
+        required_in=REQUIRED_IN,
     ),
     SourcePatch(
         "exit-status",
@@ -189,6 +204,7 @@ PATCHES: tuple[SourcePatch, ...] = (
         _EXIT_STATUS_ANCHOR,
         _EXIT_STATUS,
         optional=True,  # an older llama.cpp lays its server out differently (the skew tests' server)
+        required_in=REQUIRED_IN,
     ),
     SourcePatch(
         WARM_WAIT,
@@ -208,20 +224,33 @@ PATCHES: tuple[SourcePatch, ...] = (
 )
 
 
-def patches_for(backend: str) -> tuple[SourcePatch, ...]:
-    return tuple(p for p in PATCHES if p.applies_to(backend))
+def patches_for(backend: str, version: str | None = None) -> tuple[SourcePatch, ...]:
+    """The patches of a `backend` build; for llama-cpp-python `version`, those it requires are no
+    longer optional (labels, and so build keys, do not change)."""
+    chosen = tuple(p for p in PATCHES if p.applies_to(backend))
+    if version is None:
+        return chosen
+    return tuple(replace(p, optional=False) if version in p.required_in else p for p in chosen)
 
 
-def apply_patches(llama_dir: Path, patches: Sequence[SourcePatch]) -> tuple[str, ...]:
-    """Apply `patches` to the vendored llama.cpp at `llama_dir`; the labels of those that apply (already
-    applied counts). A required patch whose anchor is missing, or an anchor found twice, is an error."""
+def lacking(labels: Iterable[str]) -> tuple[str, ...]:
+    """Pure: the names of SERVER_PATCHES a manifest's `patches` (labels) does not list."""
+    names = {label.partition("@")[0] for label in labels}
+    return tuple(name for name in SERVER_PATCHES if name not in names)
+
+
+def patch_texts(
+    texts: Mapping[str, str], patches: Sequence[SourcePatch]
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Pure: apply `patches` to the source files `texts` (path relative to vendor/llama.cpp -> text; a
+    missing file is ""). Returns the files that changed (their new text) and the labels of the patches
+    that apply (already applied counts). A required patch whose anchor is missing, or an anchor found
+    twice, is an error."""
+    current = dict(texts)
+    changed: dict[str, str] = {}
     applied: list[str] = []
     for patch in patches:
-        path = llama_dir / patch.path
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            text = ""
+        text = current.get(patch.path, "")
         if patch.replacement in text:
             applied.append(patch.label)
             continue
@@ -233,6 +262,34 @@ def apply_patches(llama_dir: Path, patches: Sequence[SourcePatch]) -> tuple[str,
                 f"patch {patch.name}: {patch.path} holds its anchor {count} times (expected once)",
                 hint="this llama.cpp differs from the one the patch was written for",
             )
-        path.write_text(text.replace(patch.anchor, patch.replacement))
+        current[patch.path] = changed[patch.path] = text.replace(patch.anchor, patch.replacement)
         applied.append(patch.label)
-    return tuple(applied)
+    return changed, tuple(applied)
+
+
+def apply_patches(llama_dir: Path, patches: Sequence[SourcePatch]) -> tuple[str, ...]:
+    """Apply `patches` to the vendored llama.cpp at `llama_dir` (`patch_texts`); the labels of those that
+    apply. Nothing is written when one is refused."""
+    texts: dict[str, str] = {}
+    for patch in patches:
+        try:
+            texts[patch.path] = (llama_dir / patch.path).read_text()
+        except FileNotFoundError:
+            texts[patch.path] = ""
+    changed, applied = patch_texts(texts, patches)
+    for path, text in changed.items():
+        (llama_dir / path).write_text(text)
+    return applied
+
+
+def lacking_note(names: Sequence[str]) -> str:
+    """What `status` says of a server built without SERVER_PATCHES `names` (its manifest's word)."""
+    effects = {
+        "keepalive": "a client that vanishes without a FIN holds it until its TCP gives up (hours)",
+        "exit-status": "a failed bind ends it with status 0, which no supervisor restarts",
+    }
+    said = "; ".join(effects[name] for name in names if name in effects)
+    return (
+        f"built without the {', '.join(names)} patch{'es' if len(names) > 1 else ''} (its manifest): {said}; "
+        "a server rpcfleet builds from the pinned source has them"
+    )

@@ -22,7 +22,7 @@ Anything unreadable (not root for the conntrack table, no /proc) proves nothing:
 This is a read-only hint (`status` shows `stale`): nothing here closes a connection, and a stale peer
 still counts as a client to every busy check (only `--force` overrides one). The servers rpcfleet builds
 free themselves: the `keepalive` patch (`artifacts.patches`) has the node's kernel end a connection whose
-peer stopped answering within about 45 s, whichever controller, laptop or NAT the client was behind.
+peer stopped answering within about 30 s, whichever controller, laptop or NAT the client was behind.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ class ServeFleet:
     async def watch(self, endpoints: Sequence[str]) -> dict[str, str]:
         """The probe states of `endpoints` only (serve's watch of the nodes it does not use). One held by
         a dead engine of ours (a cut link hid its reset) stays `busy` until the server's keepalive drops
-        that connection (about 45 s)."""
+        that connection (about 30 s)."""
         hosts = [h for h in self.hosts if endpoint_of(h) in endpoints]
         if not hosts:
             return {}

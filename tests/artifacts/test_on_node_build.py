@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any
 import pytest
 
 from orchestrator.artifacts.manifest import ArtifactSpec, FileEntry, Manifest, llama_cpp_python_version
-from orchestrator.artifacts.node_build import NodeBuild, node_build
-from orchestrator.artifacts.source import read_sdist_info, sdist_path
+from orchestrator.artifacts.node_build import NodeBuild, node_build, patch_lines, source_edit
+from orchestrator.artifacts.patches import apply_patches, patches_for
+from orchestrator.artifacts.source import extract_source, read_sdist_info, sdist_path
 from orchestrator.core.errors import ArtifactError, InstallError
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
@@ -120,6 +122,65 @@ def test_parse_build_output() -> None:
     assert "timeout -k 10 1800 bash" in build_command("/rf", _build())
 
 
+def test_the_node_applies_the_same_source_patches_as_a_build_here(tmp_path: Path) -> None:
+    """The edits the node's script applies with coreutils turn the sdist's files into exactly what
+    `apply_patches` makes of them here; a rerun in the same tree changes nothing; a file that is not the
+    sdist's is refused, named. The manifest lists the patches, and they are part of the build's id."""
+    build = _build()
+    assert [label.split("@")[0] for label in build.patches] == ["keepalive", "exit-status", "warm-wait"]
+    assert build.patches == tuple(p.label for p in patches_for("cpu"))
+    assert build.manifest(()).patches == build.patches
+    assert {e.path for e in build.edits} == {p.path for p in patches_for("cpu")}
+    here = extract_source(SDIST, tmp_path / "here", lambda _line: None) / "vendor" / "llama.cpp"
+    node = tmp_path / "node"
+    for edit in build.edits:  # the node's tree: the sdist's files as they come
+        (node / edit.path).parent.mkdir(parents=True, exist_ok=True)
+        (node / edit.path).write_bytes((here / edit.path).read_bytes())
+    apply_patches(here, patches_for("cpu", build.version))
+    script = "set -euo pipefail\nllama=" + str(node) + "\n" + "\n".join(patch_lines(build.edits))
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    assert sorted(first.stdout.split("\n")[:-1]) == sorted(f"rpcfleet: patched {e.path}" for e in build.edits)
+    for edit in build.edits:
+        assert (node / edit.path).read_bytes() == (here / edit.path).read_bytes(), edit.path
+    assert run().stdout == ""  # already patched: left alone
+    transport = node / "ggml/src/ggml-rpc/transport.cpp"
+    transport.write_text(transport.read_text() + "// another source\n")
+    refused = run()
+    assert refused.returncode == 1
+    assert f"{transport} is not the file its source patch was made for" in refused.stderr
+    # In the build script: after the extraction, before cmake.
+    text = build.script("/w", "/s.tar.gz")
+    assert text.index("edit ggml/src/ggml-rpc/transport.cpp ") < text.index("cmake -S")
+    assert build.key != _key_without_patches(build)  # a node built without them builds again
+
+
+def _key_without_patches(build: NodeBuild) -> str:
+    """The id's key as it was made before the node applied the patches (a node built then rebuilds)."""
+    data = [
+        "node-build",
+        build.info.sha256,
+        build.version,
+        build.backend,
+        list(build.cmake_args),
+        "linux",
+        "x86_64",
+    ]
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+
+
+def test_the_edit_is_the_span_that_differs() -> None:
+    edit = source_edit("a.cpp", b"head anchor tail", b"head new text tail")
+    assert (edit.offset, edit.cut, edit.insert) == (5, 6, b"new text")
+    assert edit.before == hashlib.sha256(b"head anchor tail").hexdigest()
+    grown = source_edit("a", b"abc", b"abcabc")
+    assert (grown.offset, grown.cut, grown.insert) == (3, 0, b"abc")
+
+
 # ---------------------------------------------------------------- real builds on a lab node
 
 
@@ -198,6 +259,18 @@ async def test_a_real_on_node_build_serves_and_records_its_manifest(built: Built
     )
     assert manifest.native is False and "-DGGML_RPC=ON" in manifest.cmake_args
     assert manifest.llama_cpp_commit and manifest.ggml_version
+    # The source patches, as a build here applies them: listed, and in the binary. exit-status: a
+    # server that cannot bind (an address the node does not have) exits 1, where the stock one exits 0.
+    assert [label.split("@")[0] for label in manifest.patches] == ["keepalive", "exit-status", "warm-wait"]
+    assert (
+        "rpcfleet: patched tools/rpc/rpc-server.cpp"
+        in (rf / "build" / change.build.key / "build.log").read_text()
+    )
+    bind = subprocess.run(  # noqa: ASYNC221 (the fixture's build is done; this binary exits at once)
+        [str(rf / "current" / "bin" / "ggml-rpc-server"), "-H", "192.0.2.1", "-p", "50999"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bind.returncode == 1, bind.stdout[-1000:] + bind.stderr[-1000:]
     # Every file hashed on the node is what is installed.
     paths = {e.path for e in manifest.files}
     assert "bin/ggml-rpc-server" in paths and any("libggml" in p for p in paths)
@@ -233,8 +306,13 @@ async def test_a_failing_build_names_the_problem_and_the_built_version_keeps_ser
 ) -> None:
     rf = built.node_path("rf")
     pid = (rf / "run" / "rpc-server.pid").read_text().strip()
-    # No CUDA toolkit on this machine: cmake's configure step fails.
-    spec = _spec(tmp_path, "cuda.yml", "build: on_node\ncmake_args: [-DGGML_CUDA=ON]\nbuild_timeout: 300\n")
+    # A C compiler that does not exist: cmake's configure step fails, on any machine (with or without a
+    # CUDA toolkit).
+    spec = _spec(
+        tmp_path,
+        "broken.yml",
+        "build: on_node\ncmake_args: [-DCMAKE_C_COMPILER=/nonexistent/rpcfleet-cc]\nbuild_timeout: 300\n",
+    )
     host = dataclasses.replace(built.host, rpc_artifact=str(spec))
     run = await _deploy(host)
     assert not run.ok
@@ -243,7 +321,7 @@ async def test_a_failing_build_names_the_problem_and_the_built_version_keeps_ser
     version = built.result.install.version
     assert "failed (exit status" in error.message and "CMake Error" in error.message, error.message
     assert error.message.endswith(f"{version} stays installed")
-    assert error.stderr_tail and "CUDA" in error.stderr_tail
+    assert error.stderr_tail and "/nonexistent/rpcfleet-cc" in error.stderr_tail
     assert error.hint and "build.log" in error.hint
     # Nothing changed: the same version current, the same process serving.
     assert (rf / "current").readlink().as_posix() == f"versions/{version}"

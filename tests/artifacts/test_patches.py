@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.artifacts.build import build_key, cached_build
 from orchestrator.artifacts.manifest import DEFAULT_LLAMA_CPP_PYTHON_VERSION
-from orchestrator.artifacts.patches import PATCHES, SourcePatch, apply_patches, patches_for
+from orchestrator.artifacts.patches import PATCHES, SourcePatch, apply_patches, lacking, patches_for
 from orchestrator.artifacts.source import ensure_sdist, extract_source
 from orchestrator.core.errors import ArtifactError
 
@@ -61,3 +61,20 @@ def test_the_patches_are_part_of_the_build_key_and_the_artifact() -> None:
     assert artifact is not None, "run `make setup`"
     keepalive = next(p for p in PATCHES if p.name == "keepalive")
     assert keepalive.label in artifact.manifest.patches and artifact.manifest.has_patch("keepalive")
+
+
+def test_the_pinned_version_requires_the_servers_own_patches(tmp_path: Path) -> None:
+    """keepalive and exit-status are required in the pinned source (a build without them is refused,
+    never shipped without them), optional for the version-skew tests' 0.3.16 source; labels (and build
+    keys) do not depend on it."""
+    pinned = patches_for("cpu", DEFAULT_LLAMA_CPP_PYTHON_VERSION)
+    assert {p.name for p in pinned if not p.optional} == {"keepalive", "exit-status"}
+    assert all(p.optional for p in patches_for("cpu", "0.3.16"))
+    assert [p.label for p in pinned] == [p.label for p in patches_for("cpu")]
+    (tmp_path / "tools/rpc").mkdir(parents=True)
+    (tmp_path / "tools/rpc/rpc-server.cpp").write_text("int main() { return 0; }\n")  # laid out otherwise
+    with pytest.raises(ArtifactError, match=r"patch keepalive: .* holds its anchor 0 times"):
+        apply_patches(tmp_path, pinned)
+    assert apply_patches(tmp_path, patches_for("cpu", "0.3.16")) == ()
+    assert lacking(()) == ("keepalive", "exit-status")
+    assert lacking(p.label for p in pinned) == ()

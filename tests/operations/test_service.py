@@ -533,3 +533,25 @@ def test_a_local_host_deployed_by_root_runs_its_server_as_the_dedicated_user(
         if not existed:
             subprocess.run(["userdel", "rpcfleet"], capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_status_names_a_server_built_without_keepalive_or_exit_status() -> None:
+    """From the installed manifest: an artifact without the patches (imported, or built before they
+    were applied on the node) frees no vanished client and reports no failed bind: `status` says so."""
+    from orchestrator.artifacts.manifest import Manifest
+    from orchestrator.artifacts.patches import PATCHES
+
+    running = _node(clients=())
+
+    def with_patches(*names: str) -> NodeState:
+        labels = tuple(p.label for p in PATCHES if p.name in names)
+        manifest = Manifest("7.0.0", "cpu", "linux", "x86_64", False, (), patches=labels)
+        return replace(running, install=replace(running.install, manifest=manifest))
+
+    patched = classify(H, with_patches("keepalive", "exit-status", "warm-wait"), _probe(Outcome.OK))
+    assert "patch" not in patched.message, patched.message
+    bare = classify(H, with_patches(), _probe(Outcome.OK)).message
+    assert "built without the keepalive, exit-status patches (its manifest)" in bare, bare
+    assert "holds it until its TCP gives up" in bare and "no supervisor restarts" in bare
+    half = classify(H, with_patches("keepalive"), None).message
+    assert "without the exit-status patch (its manifest)" in half and "keepalive" not in half, half

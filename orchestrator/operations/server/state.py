@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from orchestrator.artifacts.patches import lacking, lacking_note
 from orchestrator.connectors.base import Connection
 from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError, ServiceError
@@ -406,7 +407,7 @@ def classify(
         server = "stale"
         message = (
             f"stale client {', '.join(svc.clients)}: its socket on this controller is gone "
-            "(the keepalive of the servers rpcfleet builds drops it within about 45 s; "
+            "(the keepalive of the servers rpcfleet builds drops it within about 30 s; "
             "`restart --force` stops the server now)"
         )
     elif svc.clients:
@@ -429,6 +430,8 @@ def classify(
         restarts, last_exit = state.unit.restarts, state.unit.last_exit()
     elif state.supervisor == "process" and svc.loop.state:
         restarts, last_exit = svc.loop.restarts, svc.loop.last
+    if inst.manifest is not None and (lacks := lacking(inst.manifest.patches)):
+        message = "; ".join(filter(None, [message, lacking_note(lacks)]))
     user = None
     if svc.ours and systemd and state.unit is not None:
         user = (state.systemd.login if state.systemd else None) if state.unit.user else SERVICE_USER
