@@ -1,9 +1,11 @@
 """The CUDA toolkit for building the `cuda` artifact, from PyPI: NVIDIA's CUDA 13 wheels lay out one
 toolkit under `site-packages/nvidia/cu13` (bin/nvcc, nvvm/bin/cicc, include, lib), which cmake takes as
 `CUDAToolkit_ROOT`. It is installed once into a virtual environment of its own under
-`$RPCFLEET_HOME/toolchains/`, keyed by the pinned versions; a system nvcc on PATH is used instead when
-there is one. Debian's main archive has no CUDA toolkit, and the registries are this project's only
-network.
+`$RPCFLEET_HOME/toolchains/`, keyed by the pins: every wheel pinned by sha256 in `cuda-requirements.txt`
+beside this file and installed with `--require-hashes --no-deps --only-binary :all:` (as the build
+backend's environment, `artifacts.buildenv`): no other file, no sdist, no unpinned dependency. A system
+nvcc on PATH is used instead when there is one. Debian's main archive has no CUDA toolkit, and the
+registries are this project's only network.
 
 The wheels hold no driver stub (`lib/stubs/libcuda.so`), so the build links no driver library
 (GGML_CUDA_NO_VMM=ON: ggml's legacy memory pool instead of the virtual-memory one); the node's driver is
@@ -13,7 +15,6 @@ loaded by libcudart at run time. CUDA 13 needs a driver of the 580 series or new
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -27,15 +28,9 @@ from orchestrator.core.errors import ArtifactError
 from orchestrator.core.paths import rpcfleet_home
 from orchestrator.engine.children import run_child
 
-# The CUDA 13.5 toolkit's packages (cublas and cccl version on their own; all share nvidia/cu13).
-CUDA_PACKAGES: tuple[str, ...] = (
-    "nvidia-cuda-nvcc==13.5.37",
-    "nvidia-cuda-crt==13.5.37",
-    "nvidia-nvvm==13.5.37",
-    "nvidia-cuda-runtime==13.5.37",
-    "nvidia-cuda-cccl==13.3.5.0.6",
-    "nvidia-cublas==13.10.0.20",
-)
+# The CUDA 13.5 toolkit's wheels, each pinned by sha256 per platform (cublas and cccl version on their own;
+# all share nvidia/cu13).
+CUDA_REQUIREMENTS = Path(__file__).with_name("cuda-requirements.txt")
 
 # Defines a build with the PyPI toolkit needs: no driver stub to link (see the module's text).
 PYPI_TOOLKIT_DEFINES: dict[str, str] = {"GGML_CUDA_NO_VMM": "ON"}
@@ -104,8 +99,28 @@ def _numbers(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in version.split("."))
 
 
-def toolkit_key(packages: tuple[str, ...] = CUDA_PACKAGES) -> str:
-    return hashlib.sha256(json.dumps(sorted(packages)).encode()).hexdigest()[:12]
+def toolkit_key(requirements: Path = CUDA_REQUIREMENTS) -> str:
+    """Names the toolkit's folder and goes into the cuda build key: a change of any pin is a new one."""
+    return hashlib.sha256(requirements.read_bytes()).hexdigest()[:12]
+
+
+def toolkit_pins(requirements: Path = CUDA_REQUIREMENTS) -> tuple[str, ...]:
+    """`name==version` of each pinned wheel, once each, in the file's order."""
+    pins: dict[str, None] = {}
+    for line in requirements.read_text().splitlines():
+        requirement = line.split("#", 1)[0].split(";", 1)[0].split(" --", 1)[0].strip()
+        if requirement:
+            pins[requirement] = None
+    return tuple(pins)
+
+
+def pinned_release(requirements: Path = CUDA_REQUIREMENTS) -> str:
+    """`13.5` from the pinned nvcc wheel (nvidia-cuda-nvcc==13.5.37): the release its nvcc says."""
+    for pin in toolkit_pins(requirements):
+        name, _, version = pin.partition("==")
+        if name == "nvidia-cuda-nvcc":
+            return ".".join(version.split(".")[:2])
+    raise ArtifactError(f"{requirements} pins no nvidia-cuda-nvcc")
 
 
 def system_toolkit() -> CudaToolkit | None:
@@ -130,20 +145,29 @@ def _wrapped(path: Path) -> list[Path]:
     return [Path(m.decode()) for m in re.findall(rb"exec\s+(/\S+/nvcc)\b", head)]
 
 
-def pypi_toolkit_dir(packages: tuple[str, ...] = CUDA_PACKAGES) -> Path:
-    return rpcfleet_home() / "toolchains" / f"cuda-{toolkit_key(packages)}"
+def pypi_toolkit_dir(requirements: Path = CUDA_REQUIREMENTS) -> Path:
+    return rpcfleet_home() / "toolchains" / f"cuda-{toolkit_key(requirements)}"
+
+
+def install_command(python: Path, requirements: Path = CUDA_REQUIREMENTS) -> list[str]:
+    """pip's command for the toolkit: the pinned wheels and nothing else (each checked by sha256)."""
+    return [
+        str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--require-hashes",
+        "--no-deps", "--only-binary", ":all:", "-r", str(requirements),
+    ]  # fmt: skip
 
 
 def cuda_toolkit(
-    progress: Callable[[str], None] | None = None, *, packages: tuple[str, ...] = CUDA_PACKAGES
+    progress: Callable[[str], None] | None = None, *, requirements: Path = CUDA_REQUIREMENTS
 ) -> CudaToolkit:
     """The system's CUDA toolkit, else the PyPI one (installed on first use, about 600 MB)."""
     found = system_toolkit()
     if found is not None:
         return found
     say = progress or (lambda _line: None)
-    folder = pypi_toolkit_dir(packages)
-    source = "pypi:" + ",".join(packages)
+    folder = pypi_toolkit_dir(requirements)
+    pins = toolkit_pins(requirements)
+    source = "pypi:" + ",".join(pins)
     if (folder / ".complete").is_file():
         return CudaToolkit(Path((folder / ".complete").read_text().strip()), source)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -152,14 +176,11 @@ def cuda_toolkit(
         say(f"installing the CUDA toolkit from PyPI into {folder} (about 600 MB, once)")
         _run([sys.executable, "-m", "venv", str(staging)], "making the CUDA toolkit's environment")
         python = staging / "bin" / "python"
-        _run(
-            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages],
-            f"installing {' '.join(packages)}",
-        )
+        _run(install_command(python, requirements), f"installing the wheels pinned in {requirements}")
         roots = list(staging.glob("lib/python*/site-packages/nvidia/cu13"))
         if not roots or not (roots[0] / "bin" / "nvcc").is_file():
             raise ArtifactError(
-                "the CUDA wheels installed no nvidia/cu13/bin/nvcc", hint=f"packages: {packages}"
+                "the CUDA wheels installed no nvidia/cu13/bin/nvcc", hint=f"pins: {requirements}"
             )
         _link_unversioned(roots[0] / "lib")
         relative = roots[0].relative_to(staging)
