@@ -26,7 +26,7 @@ from orchestrator.core.errors import CommandError, HostError
 from orchestrator.core.fnv import cache_name, fnv1a64, helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
-from orchestrator.operations.cache_stream import TEMP_PREFIX, stream_to_cache
+from orchestrator.operations.cache_stream import TEMP_PREFIX, as_cache_owner, stream_to_cache
 from orchestrator.operations.layer import OperationOptions, node_operation
 from orchestrator.operations.server.state import CACHE_DIR, LOG_MARKER, server_files
 
@@ -77,9 +77,10 @@ def helper_path(host: Host) -> str:
 
 
 def list_script(host: Host) -> str:
+    """Lists the cache; creates nothing (a folder made here as root would not be the server user's)."""
     return (
-        f'D={cache_path(host)}; mkdir -p "$D" && cd "$D" && '
-        "find . -maxdepth 1 -type f -printf '%f\\t%s\\t%T@\\t%A@\\n'"
+        f'D={cache_path(host)}; if [ -d "$D" ]; then cd "$D" && '
+        "find . -maxdepth 1 -type f -printf '%f\\t%s\\t%T@\\t%A@\\n'; fi"
     )
 
 
@@ -245,18 +246,20 @@ async def clear(conn: Connection, host: Host, *, check: bool = False) -> CacheCh
 
 
 def upload_script(host: Host, name: str, size: int) -> str:
-    """Write stdin to a temporary name, check its size, rename: the cache never holds a partial file."""
+    """Write stdin to a temporary name, check its size, rename: the cache never holds a partial file. As
+    the cache's owner (`cache_stream.as_cache_owner`: the server's user when connected as root)."""
     tmp = f'"$D"/{TEMP_PREFIX}{name}.$$'
-    return "\n".join(
+    return as_cache_owner(
+        cache_path(host),
         [
-            f"D={cache_path(host)}",
             'mkdir -p "$D" || exit 1',
             f"trap 'rm -f {tmp}' HUP INT TERM",
-            # A fresh file, never through a name planted in the server user's folder (noclobber: O_EXCL).
+            # A fresh file (noclobber), written as the folder's owner: a link planted there leads
+            # nowhere that user could not write anyway (noclobber alone opens a link to a device).
             f"rm -f {tmp} || exit 1",
             f'if (set -C; exec > {tmp} && cat) && [ "$(wc -c < {tmp})" -eq {int(size)} ]; '
             f'then mv -f {tmp} "$D"/{name}; else rm -f {tmp}; df -k "$D" >&2; exit 1; fi',
-        ]
+        ],
     )
 
 

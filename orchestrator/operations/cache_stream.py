@@ -22,6 +22,13 @@ Before the first byte the script writes `.warm-wait` in the folder (holding its 
 its trap removes the mark at the end. A server built with the `warm-wait` patch (`artifacts.patches`)
 asked for a file it lacks waits while the mark's warm lives, so a load may start at `ready` and trail the
 warm tensor by tensor.
+
+Connected as root, the script runs as the cache folder's owner (`as_cache_owner`): the server's user, the
+system unit's `rpcfleet` or `rpc_run_as`'s. The server must see the mark's process: the hardened unit's
+`ProtectProc=invisible` hides every process of another user, root's warm included, and a server that
+cannot see it takes the warm for dead and sends each tensor itself. And root never writes in a folder
+that user controls: noclobber refuses an existing regular file only, so a link planted there to a device
+would be opened and written through by root.
 """
 
 from __future__ import annotations
@@ -144,12 +151,42 @@ async def _local_address_toward(address: str) -> str:
         return str(probe.getsockname()[0])
 
 
+def as_cache_owner(folder: str, body: Sequence[str], shell: str = "sh") -> str:
+    """A script that runs `body` (shell lines, the folder in `$1`) in `shell` as the owner of `folder` (a
+    shell word; before it exists, of the folder above it, made when missing) when it is started as root,
+    else as is. It execs, so the body keeps the pid, stdin and stdout. The body starts in that folder and
+    names it relatively: a server user cannot pass a 0700 home above an install dir there (its unit binds
+    the install dir in), but works in a folder it owns once inside it. Exit status 1 with a line on
+    stderr when the owner cannot be taken on (neither setpriv nor runuser, both util-linux)."""
+    inner = "\n".join(['D="$1"', *body])
+    return "\n".join(
+        [
+            f"D={folder}",
+            'if [ -d "$D" ]; then o="$D"; r=.; else o="${D%/*}"; r="${D##*/}"; mkdir -p "$o" || exit 1; fi',
+            'cd "$o" || exit 1',
+            "as=",
+            "u=$(stat -c %u .) || exit 1",
+            'if [ "$(id -u)" = 0 ] && [ "$u" != 0 ]; then',
+            "  if command -v setpriv >/dev/null 2>&1; then",
+            '    as="setpriv --reuid=$u --regid=$(stat -c %g .) --clear-groups"',
+            "  elif command -v runuser >/dev/null 2>&1; then",
+            '    as="runuser -u $(stat -c %U .) --"',
+            "  else",
+            '    echo "cannot write as the owner of $o (uid $u): no setpriv or runuser (util-linux)" >&2',
+            "    exit 1",
+            "  fi",
+            "fi",
+            f'exec $as {shell} -c {shlex.quote(inner)} warm "$r"',
+        ]
+    )
+
+
 def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | None = None) -> str:
     """The remote side: for each item in order, exactly its size from stdin into `folder` (a shell word),
-    then its name (a line). With `plain`: stdin's first line is the token; the rest comes over a
-    connection back to the link (exit status 3 before the mark when it cannot be made)."""
+    then its name (a line), as the folder's owner (`as_cache_owner`). With `plain`: stdin's first line
+    is the token; the rest comes over a connection back to the link (exit status 3 before the mark when
+    it cannot be made)."""
     lines = [
-        f"D={folder}",
         'mkdir -p "$D" || exit 1',
     ]
     if plain is not None:
@@ -172,7 +209,8 @@ def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | Non
         "echo ready",
         "take() {",
         f'  tmp="$D/{TEMP_PREFIX}$1.$$"; n=$(($2 / {BLOCK})); r=$(($2 % {BLOCK}))',
-        # A fresh file, never through a name planted in the server user's folder (noclobber: O_EXCL).
+        # A fresh file (noclobber), written as the folder's owner: a link planted there leads
+        # nowhere that user could not write anyway (noclobber alone opens a link to a device).
         '  rm -f "$tmp" || exit 1',
         '  ( set -C; exec > "$tmp" || exit 1',
         f'    [ "$n" -eq 0 ] || dd bs={BLOCK} count="$n" iflag=fullblock status=none || exit 1',
@@ -186,7 +224,7 @@ def stream_script(folder: str, items: Sequence[WarmItem], plain: PlainLink | Non
         "}",
     ]
     lines += [f"take {k} {int(i.size)}" for k, i in enumerate(items)]
-    return "\n".join(lines)
+    return as_cache_owner(folder, lines, "bash" if plain is not None else "sh")
 
 
 class Remote(Protocol):
