@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,13 +20,17 @@ from typing import Any
 import pytest
 
 from orchestrator.artifacts.manifest import Artifact
+from orchestrator.artifacts.patches import WARM_WAIT_MARK
 from orchestrator.connectors.base import ConnectOptions
 from orchestrator.connectors.connect import connect
+from orchestrator.core.fnv import cache_name, fnv1a64
 from orchestrator.engine.executor import RunResult, Session
 from orchestrator.inventory.model import Host
 from orchestrator.lab import systemd
 from orchestrator.lab.lifecycle import lab_down, lab_repair, lab_status
 from orchestrator.lab.state import Lab
+from orchestrator.operations.cache import WarmItem, cache_path
+from orchestrator.operations.cache_stream import ChildRemote, stream_command, stream_script
 from orchestrator.operations.install.ensure import ArtifactChooser
 from orchestrator.operations.install.plan import InstallState
 from orchestrator.operations.layer import OperationOptions
@@ -470,6 +476,91 @@ async def test_repair_starts_a_stopped_sshd_and_boots_a_node_that_lost_power(sd_
     assert result.stdout.split()[1] in ("running", "degraded")
     assert (first.sshd_pid(), systemd.leader(first)) == kept  # the healthy node was not touched
     assert lab_status(sd_lab.name).healthy
+
+
+# ---------------------------------------------------------------- a warm beside a load, under the unit
+
+CMD_ALLOC_BUFFER, CMD_BUFFER_GET_BASE, CMD_SET_TENSOR_HASH = 0, 3, 7
+
+
+def _tensor(buffer: int, data: int, size: int) -> bytes:
+    """ggml-rpc's `rpc_tensor` (packed, 296 bytes): an F32 vector of `size` bytes at `data` in `buffer`."""
+    n = size // 4
+    return struct.pack(
+        "<QIQ4I4II16ii10QQQQ64si",
+        1, 0, buffer, n, 1, 1, 1, 4, size, size, size, 0, *([0] * 16), 0, *([0] * 10), 0, 0, data, b"", 0,
+    )  # fmt: skip
+
+
+async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cmd: int, payload: bytes) -> None:
+    writer.write(struct.pack("<BQ", cmd, len(payload)) + payload)
+    await writer.drain()
+
+
+async def _reply(reader: asyncio.StreamReader, size: int, limit_s: float) -> bytes:
+    header = await asyncio.wait_for(reader.readexactly(8), limit_s)
+    assert struct.unpack("<Q", header)[0] == size
+    return await asyncio.wait_for(reader.readexactly(size), limit_s)
+
+
+async def test_the_servers_unit_waits_for_a_warm_of_its_cache_as_root(
+    hosts: list[Host], sd_lab: Lab, chooser: ArtifactChooser, tmp_path: Path
+) -> None:
+    """The system unit (ProtectProc=invisible, User=rpcfleet) and a warm made as root: the warm writes
+    its mark and files as the server's user, so the server sees the warm's process and waits for the
+    file it is asked for (the `warm-wait` patch), then reads it as a hit. A warm of root's would be
+    invisible to it: a miss at once, and the tensor sent over the link."""
+    host = dataclasses.replace(hosts[1], rpc_cache=True)
+    deployed = await _run([host], make_deploy_step(chooser), "deploy")
+    assert deployed.ok, [str(r.error) for r in deployed.failed]
+    assert _main_user(sd_lab, host) == "rpcfleet"
+    data = os.urandom(1 << 20)
+    (tmp_path / "tensor.bin").write_bytes(data)
+    item = WarmItem(cache_name(fnv1a64(data)), tmp_path / "tensor.bin", 0, len(data))
+    assert item.name is not None
+    async with Session(forks=1) as session:
+        conn = await session.connection(host)
+        command = stream_command(host, conn, stream_script(cache_path(host), [item]))
+        assert command is not None
+        warm = await ChildRemote.start(command)
+        try:
+            assert await asyncio.wait_for(warm.readline(), 30) == "ready"
+            mark = f"{cache_path(host)}/{WARM_WAIT_MARK}"
+            seen = await conn.run(f'stat -c %U {mark} && grep ^Uid: "/proc/$(cat {mark})/status"', timeout=30)
+            assert seen.stdout.split()[:3] == ["rpcfleet", "Uid:", _uid(sd_lab, host, "rpcfleet")], seen
+
+            address, port = host.endpoint.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(address, int(port))
+            try:
+                await _ask(reader, writer, 14, bytes(24))  # HELLO, all-zero caps: plain TCP
+                assert (await _reply(reader, 28, 10))[:3] == bytes([7, 0, 0])
+                await _ask(reader, writer, CMD_ALLOC_BUFFER, struct.pack("<IQ", 0, len(data)))
+                buffer, _size = struct.unpack("<QQ", await _reply(reader, 16, 10))
+                await _ask(reader, writer, CMD_BUFFER_GET_BASE, struct.pack("<Q", buffer))
+                (base,) = struct.unpack("<Q", await _reply(reader, 8, 10))
+                request = _tensor(buffer, base, len(data)) + struct.pack("<QQ", 0, int(item.name, 16))
+                await _ask(reader, writer, CMD_SET_TENSOR_HASH, request)
+                with pytest.raises(TimeoutError):  # the server waits: the warm it sees is alive
+                    await _reply(reader, 1, 3.0)
+                stdin = warm.input()
+                assert stdin is not None
+                stdin.write(data + f"{item.name}\n".encode())
+                await stdin.drain()
+                assert await asyncio.wait_for(warm.readline(), 30) == f"ok {item.name}"
+                assert await _reply(reader, 1, 30) == b"\x01"  # the file that landed, read as a hit
+            finally:
+                writer.close()
+            stdin.close()
+            status, stderr = await asyncio.wait_for(warm.finish(), 30)
+            assert status == 0, stderr
+        finally:
+            await warm.stop()
+        owners = await conn.run(f"cd {cache_path(host)} && stat -c '%U %n' * && ls -A", timeout=30)
+    assert owners.stdout.split() == ["rpcfleet", item.name, item.name], owners  # no mark left
+
+
+def _uid(lab: Lab, host: Host, user: str) -> str:
+    return lab.node_exec(host.name, ["id", "-u", user]).stdout.strip()
 
 
 def test_zz_lab_down_of_a_systemd_lab_leaves_nothing(sd_lab: Lab) -> None:
