@@ -2,7 +2,7 @@
 # One-command, idempotent, unattended set-up (called by `make setup`).
 #  1. system packages (installed with apt-get when running as root, otherwise named)
 #  2. llama-cpp-python built with GGML_RPC=ON, cached as a wheel keyed by version and build flags
-#  3. a shared virtual environment keyed by the dependency versions, outside the checkout, and a
+#  3. a shared virtual environment from requirements.lock (pinned with hashes), outside the checkout, and a
 #     small .venv per checkout on top of it that runs that checkout's code (scripts/checkout-venv.sh)
 #  4. the CPU and Vulkan rpc-server artifacts built from the same llama.cpp source (cached); the lab's
 #     GPU nodes run the Vulkan one on Mesa's software device (llvmpipe)
@@ -146,21 +146,22 @@ fi
 WHEEL=$(compgen -G "$WHEEL_DIR/*.whl" | head -n1)
 
 # ---- 3. the virtual environments ------------------------------------------------------
-# One shared venv with every dependency (keyed by their versions, outside the checkout, never holding
-# rpcfleet itself), and per checkout a small .venv on top of it that runs this checkout's code.
-venv_key=$( { "$PYTHON" -VV; echo "$LLAMA_VERSION $flags_key"; \
-  sed -n '/^dependencies = \[/,/^\]/p;/^\[project.optional-dependencies\]/,/^\[project.scripts\]/p' "$ROOT/pyproject.toml"; } \
-  | sha256sum | cut -c1-12)
+# One shared venv with every dependency (keyed by the lock, outside the checkout, never holding rpcfleet
+# itself), and per checkout a small .venv on top of it that runs this checkout's code.
+LOCK="$ROOT/requirements.lock"
+venv_key=$( { "$PYTHON" -VV; echo "$LLAMA_VERSION $flags_key"; sha256sum <"$LOCK"; } | sha256sum | cut -c1-12)
 VENV="$RPCFLEET_HOME/venv/$venv_key"
 if [ ! -f "$VENV/.rpcfleet-ready" ]; then
   say "creating the shared virtual environment $VENV"
   rm -rf "$VENV"
   quiet "$PYTHON" -m venv "$VENV"
-  quiet "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
-  quiet "$VENV/bin/pip" install -q "$WHEEL"
-  # The dependencies of rpcfleet[llama,serve,dev], then rpcfleet itself out again: each checkout adds its own.
-  quiet "$VENV/bin/pip" install -q -e "$ROOT[llama,serve,dev]"
-  quiet "$VENV/bin/pip" uninstall -q -y rpcfleet
+  # Every package at the version and sha256 of requirements.lock (scripts/lock.sh makes it from
+  # pyproject.toml), wheels only: a fresh machine gets what the suite ran with, and runs no build backend.
+  quiet "$VENV/bin/python" -m pip install -q --require-hashes --no-deps --only-binary :all: -r "$LOCK"
+  # The binding built in step 2 stays out of the lock (its bytes differ from build to build); the lock
+  # holds its dependencies, and pip check sees that nothing is missing.
+  quiet "$VENV/bin/python" -m pip install -q --no-deps "$WHEEL"
+  quiet "$VENV/bin/python" -m pip check
   touch "$VENV/.rpcfleet-ready"
   built+=(venv)
 fi
