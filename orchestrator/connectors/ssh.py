@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import socket
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
-
-import asyncssh
 
 from orchestrator.connectors.base import (
     CLOSE_TIMEOUT,
@@ -29,6 +28,11 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
+
+# asyncssh (2.24) names cryptography's DSA types as it is imported, and cryptography 48+ warns on each
+# name: ten lines on every command, whatever keys are used. Only that warning, from asyncssh, is dropped.
+warnings.filterwarnings("ignore", message="DSA is deprecated", module=r"asyncssh(\.|$)")
+import asyncssh  # noqa: E402  (after the filter, which it needs at import)
 
 _RELEASE_TIMEOUT = 1.0
 
