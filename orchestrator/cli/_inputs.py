@@ -60,23 +60,36 @@ def inventory_path(args: argparse.Namespace) -> Path:
     `--slurm-job` without -i: the overlay $RPCFLEET_INVENTORY names when it names a Slurm overlay file (the
     job's nodes with its variables), else `slurm:JOBID` (the flag asks for Slurm: another default
     inventory, or a `slurm:` spec naming another job, gives way to it)."""
+    return _choose_inventory(args)[0]
+
+
+def _choose_inventory(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """`inventory_path`, and a note for the user when it is a lab's, which nothing on the command line
+    named: with two labs up, a deploy must not land on the other fleet unannounced."""
     if args.inventory is not None:
-        return Path(args.inventory)
+        return Path(args.inventory), None
     if getattr(args, "slurm_job", None) is not None:
         default = _slurm_overlay(os.environ.get(DEFAULT_INVENTORY_ENV, ""))
-        return default if default is not None else Path(f"slurm:{args.slurm_job}")
+        return (default if default is not None else Path(f"slurm:{args.slurm_job}")), None
     if os.environ.get(DEFAULT_INVENTORY_ENV):
-        return Path(os.environ[DEFAULT_INVENTORY_ENV])
+        return Path(os.environ[DEFAULT_INVENTORY_ENV]), None
     if Path("inventory.yml").exists():
-        return Path("inventory.yml")
+        return Path("inventory.yml"), None
     from orchestrator.core.errors import LabError
-    from orchestrator.lab.lifecycle import default_lab_inventory
+    from orchestrator.core.paths import DEFAULT_LAB
+    from orchestrator.lab.lifecycle import default_lab_inventory, labs_up
 
     try:
         path: Path = default_lab_inventory()
     except LabError as exc:  # no inventory named and none found: the user's to give (exit status 2)
         raise UsageError(exc.message, hint=exc.hint) from None
-    return path
+    note = (
+        f"using lab {DEFAULT_LAB!r}'s inventory {path} (no -i, ${DEFAULT_INVENTORY_ENV} or ./inventory.yml)"
+    )
+    others = [lab for lab in labs_up() if lab.name != DEFAULT_LAB]
+    if others:
+        note += "; also up: " + ", ".join(f"lab {lab.name!r} (-i {lab.inventory})" for lab in others)
+    return path, note
 
 
 def _slurm_overlay(name: str) -> Path | None:
@@ -96,7 +109,10 @@ def load_inventory(args: argparse.Namespace) -> Inventory:
     """The inventory named by the flags (a file, or a Slurm job's nodes); its warnings are printed."""
     from orchestrator.cli._sources import read_inventory
 
-    inventory = read_inventory(args, inventory_path(args))
+    path, note = _choose_inventory(args)
+    if note is not None:
+        _output.err_console.print(f"note: {note}", highlight=False, markup=False)
+    inventory = read_inventory(args, path)
     for warning in inventory.warnings:
         _output.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     return inventory

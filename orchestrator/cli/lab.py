@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import _output, _parser
+from orchestrator.cli._inputs import DEFAULT_INVENTORY_ENV
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.paths import DEFAULT_LAB
@@ -200,6 +201,9 @@ def handle_up(args: argparse.Namespace) -> int:
     _output.console.print(f"inventory: {made.inventory}", highlight=False)
     for extra in made.outputs:
         _output.console.print(f"inventory copy: {extra}", highlight=False)
+    if made.name != DEFAULT_LAB:  # a command given no inventory uses lab `lab`'s, never this one's
+        use = f"-i {made.inventory}, or export {DEFAULT_INVENTORY_ENV}={made.inventory}"
+        _output.console.print(f"use it: rpcfleet COMMAND {use}", highlight=False, soft_wrap=True)
     if made.kind == "netns":
         first = made.nodes[0]
         _output.console.print(

@@ -365,12 +365,17 @@ def _fix(lab: Lab, node: LabNode, fault: str) -> str:
     )
 
 
+def labs_up() -> list[Lab]:
+    """The labs that are up with an inventory, by name."""
+    labs = [lab for lab in map(_load, map(lab_dir, list_labs())) if lab is not None]
+    return [lab for lab in labs if lab.state == "up" and lab.inventory.exists()]
+
+
 def default_lab_inventory() -> Path:
     """The default lab's inventory (what commands use when no inventory is given)."""
     lab = _load(lab_dir(DEFAULT_LAB))
     if lab is None or lab.state != "up" or not lab.inventory.exists():
-        others = [other for other in map(_load, map(lab_dir, list_labs())) if other is not None]
-        named = [other for other in others if other.state == "up" and other.inventory.exists()]
+        named = labs_up()
         if named:  # "no lab is up" would be false: say which are, and how to use one
             raise LabError(
                 f"no inventory given and no lab named {DEFAULT_LAB!r} is up (commands use only that one)",
