@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,9 +114,31 @@ def load_inventory(args: argparse.Namespace) -> Inventory:
     if note is not None:
         _output.err_console.print(f"note: {note}", highlight=False, markup=False)
     inventory = read_inventory(args, path)
-    for warning in inventory.warnings:
+    for warning in [*inventory.warnings, *key_file_warnings(inventory.hosts)]:
         _output.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     return inventory
+
+
+def key_file_warnings(hosts: Sequence[Host]) -> list[str]:
+    """One warning per key file the hosts name (ssh_key, ssh_known_hosts) that other users may change:
+    they could swap the client key, or add a host key and stand in for a node. A warning, not a refusal:
+    a shared group's fleet may mean it."""
+    from orchestrator.core.files import loose_write_mode
+
+    named: dict[tuple[str, Path], list[str]] = {}
+    for host in hosts:
+        for variable in ("ssh_key", "ssh_known_hosts"):
+            value = getattr(host, variable)
+            if value:
+                named.setdefault((variable, Path(value).expanduser()), []).append(host.name)
+    warnings = []
+    for (variable, path), names in named.items():
+        mode = loose_write_mode(path)
+        if mode is not None:
+            whose = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            changed = f"may be changed by other users (mode {mode:o})"
+            warnings.append(f"{path} ({variable} of {whose}) {changed}: chmod go-w {path}")
+    return warnings
 
 
 def load_hosts(args: argparse.Namespace, *, servers: bool = True) -> tuple[Inventory, list[Host]]:

@@ -135,6 +135,10 @@ def _display(name: str, value: Any) -> str:
 
     if name in _SIZE_VARS and isinstance(value, int):
         return f"{format_size(value)} ({value} B)"
+    if name == "rpc_env":  # (name, value) pairs; a value named like a secret (HF_TOKEN) is masked
+        from orchestrator.inventory.variables import mask_secrets
+
+        return ",".join(f"{key}={item}" for key, item in mask_secrets(dict(value)).items()) or "-"
     if isinstance(value, tuple | list):
         return ",".join(_item(item) for item in value) or "-"
     return "-" if value is None else str(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,3 +68,13 @@ def sha256_file(path: Path, *, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def loose_write_mode(path: Path) -> int | None:
+    """`path`'s permission bits when its group or other users may write it, else None (missing or
+    unreadable too): a key file others may change lets them add a key of their own, or swap one."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+    return mode if mode & (stat.S_IWGRP | stat.S_IWOTH) else None

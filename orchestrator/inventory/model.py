@@ -311,12 +311,12 @@ def select_hosts(inventory: Inventory, pattern: str | None) -> list[Host]:
 
 def host_to_dict(host: Host) -> dict[str, Any]:
     """A host as plain JSON-able data: name, every known variable, groups, endpoint, extra variables
-    (those named like a secret masked: `is_secret`)."""
+    (those named like a secret masked: `is_secret`, as are such names of rpc_env)."""
     data: dict[str, Any] = {"name": host.name}
     for variable in VARIABLES:
         value = getattr(host, variable.name)
         data[variable.name] = list(value) if isinstance(value, tuple) else value
-    data["rpc_env"] = dict(host.rpc_env)
+    data["rpc_env"] = mask_secrets(dict(host.rpc_env))  # HF_TOKEN=... is a secret as an extra var is
     data["rpc_servers"] = [server.to_dict() for server in host.rpc_servers]
     data["endpoint"] = host.endpoint
     data["endpoints"] = [server.endpoint for server in servers_of(host)]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.core.errors import SourceLocation, UsageError
+from orchestrator.core.files import loose_write_mode
 from orchestrator.core.yamlsource import did_you_mean
 
 SCOPES = ("inference", "metrics", "admin")
@@ -148,19 +149,22 @@ def read_keys_file(path: Path, models: Sequence[str] | None = None) -> Keys:
 
 
 def exposed(keys: Keys) -> str | None:
-    """Why the file's clear keys may be read by other users (None: they may not, or none is in clear)."""
-    if not keys.clear:
-        return None
+    """Why other users may read the file's clear keys, or change the file (and so add a key of their own,
+    hashed or not); None when they may do neither."""
+    reasons = []
+    loose = loose_write_mode(keys.path)
+    if loose is not None:
+        reasons.append(f"{keys.path} may be changed by other users (mode {loose:o}): chmod go-w it")
     try:
         mode = keys.path.stat().st_mode
     except OSError:
-        return None
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        return (
+        mode = 0
+    if keys.clear and mode & (stat.S_IRGRP | stat.S_IROTH):
+        reasons.append(
             f"{keys.path} holds keys in clear and other users may read it (mode {stat.S_IMODE(mode):o}): "
             f"chmod 600 it, or write each key as sha256:HEX"
         )
-    return None
+    return "; ".join(reasons) or None
 
 
 def hashed(key: str) -> str:
