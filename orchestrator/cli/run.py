@@ -200,6 +200,9 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
+WAIT_LINE_S = 10.0  # seconds between two lines of a wait for the first token
+
+
 class RunScreen:
     """What `run` shows as it goes (stderr, none of it with --json but the warm's failures): the fit
     warning, the caches' counts, the load's phase line and bars, then the text as it comes (stdout)."""
@@ -211,6 +214,9 @@ class RunScreen:
         self.echo = not args.json
         self.bars = LoadBars(False, names={})
         self.shown = contextlib.ExitStack()
+        self.vulkan = False  # a Vulkan device in the plan: its server may compile shaders first
+        self.texted = False
+        self.told_at = 0.0  # the silence (seconds) last reported
 
     def events(self) -> RunEvents:
         from orchestrator.workflows.run import RunEvents
@@ -227,6 +233,7 @@ class RunScreen:
             load_ended=self.shown.close,
             text=self.text,
             text_ended=lambda: self.text("\n"),
+            waiting=self.waiting,
         )
 
     def fit_warning(self, warning: str) -> None:
@@ -238,6 +245,10 @@ class RunScreen:
 
         names = {h.endpoint: h.name for h in cache_hosts if h.endpoint in plan.endpoints}
         self.bars = LoadBars(_output.err_console.is_terminal and self.echo, names=names)
+        # the name a Vulkan server gives its device (Vulkan0), or the inventory's backend
+        self.vulkan = any(device.name.startswith("Vulkan") for device in plan.devices) or any(
+            h.rpc_backend == "vulkan" for h in cache_hosts if h.endpoint in plan.endpoints
+        )
 
     def checked(self, prep: CachePrep) -> None:
         if self.echo:
@@ -256,7 +267,21 @@ class RunScreen:
             )
         self.shown.enter_context(self.bars)
 
+    def waiting(self, seconds: float) -> None:
+        """Before the first token, a line every WAIT_LINE_S, terminal or not: a fresh Vulkan server
+        compiles its shaders on its first graph (two minutes for Gemma on llvmpipe), and a silent
+        command that long reads as a hung one."""
+        self.told_at = min(self.told_at, seconds)  # a new silence (after an answer) counts afresh
+        if not self.echo or self.texted or seconds - self.told_at < WAIT_LINE_S:
+            return
+        self.told_at = seconds
+        why = " (the Vulkan servers compile their shaders on their first graph, once)" if self.vulkan else ""
+        _output.err_console.print(
+            f"waiting for the first token: {seconds:.0f} s{why}", highlight=False, markup=False
+        )
+
     def text(self, piece: str) -> None:
+        self.texted = True
         if self.echo:
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -57,8 +57,8 @@ class RunEvents:
     caught (any time), the fit warning under `force`, the plan made (with the hosts the load goes
     through), the caches checked, the caches prepared (an interrupted check or warm ends the run there:
     nothing is loaded; a load beside the warm starts as the warm does), the load starting, its progress,
-    the warm's end (a load beside it), the load's end (also when it failed), each piece of text, the
-    text's end (also when it failed)."""
+    the warm's end (a load beside it), the load's end (also when it failed), each piece of text (and a
+    silence before one, every few seconds), the text's end (also when it failed)."""
 
     interrupt: Callable[[str, int], None] | None = None
     fit_warning: Callable[[str], None] | None = None
@@ -71,6 +71,9 @@ class RunEvents:
     load_ended: Callable[[], None] | None = None
     text: Callable[[str], None] | None = None
     text_ended: Callable[[], None] | None = None
+    # the generation's silence, every few seconds: seconds without an answer (the first token waits for
+    # the prompt's evaluation, in which a fresh Vulkan server compiles its shaders: minutes on llvmpipe)
+    waiting: Callable[[float], None] | None = None
 
 
 @dataclass
@@ -159,7 +162,13 @@ def run_on_fleet(request: RunRequest, events: RunEvents, *, forks: int | None = 
             return outcome
         try:
             outcome.done = generate(
-                worker, request.prompt, request.n_predict, request.temperature, request.seed, events.text
+                worker,
+                request.prompt,
+                request.n_predict,
+                request.temperature,
+                request.seed,
+                events.text,
+                on_wait=events.waiting,
             )
         finally:
             if events.text_ended is not None:
@@ -168,10 +177,19 @@ def run_on_fleet(request: RunRequest, events: RunEvents, *, forks: int | None = 
 
 
 def generate(
-    worker: Worker, prompt: str, n: int, temperature: float, seed: int, on_text: Callable[[str], None] | None
+    worker: Worker,
+    prompt: str,
+    n: int,
+    temperature: float,
+    seed: int,
+    on_text: Callable[[str], None] | None,
+    *,
+    on_wait: Callable[[float], None] | None = None,
 ) -> Done:
-    """Stream a completion from the worker (each piece to `on_text` as it comes); a signal ends it."""
-    for event in worker.complete(prompt, max_tokens=n, temperature=temperature, seed=seed):
+    """Stream a completion from the worker (each piece to `on_text` as it comes, the seconds of a silence
+    to `on_wait` every few seconds); a signal ends it."""
+    events = worker.complete(prompt, max_tokens=n, temperature=temperature, seed=seed, on_wait=on_wait)
+    for event in events:
         signals.raise_if_interrupted()
         if isinstance(event, Done):
             return event

@@ -80,6 +80,7 @@ E = TypeVar("E", bound=RpcfleetError)
 _ROOT = str(Path(__file__).resolve().parents[2])  # the checkout, on the child's path
 LOAD_TIMEOUT = 300.0  # seconds for the child to start and load
 EVENT_TIMEOUT = 300.0  # seconds between two answers of a request (the first token includes the prompt)
+WAIT_REPORT_S = 5.0  # seconds between two `on_wait` calls while a request's answer is awaited
 LINK_TIMEOUT = 10.0  # seconds a connection to a server may leave data unacknowledged (the child's sockets)
 PROBE_TIMEOUT = 2.0  # seconds per endpoint for the probe that finds the lost node
 
@@ -316,12 +317,15 @@ class Worker:
         seed: int | None = None,
         *,
         stream: bool = True,
+        on_wait: Callable[[float], None] | None = None,
     ) -> Iterator[Event]:
         """Generate from `prompt`: `Token` events as the text streams (unless `stream` is False), then one
         `Done`. Raises `NodeLostError` (a node died), `WorkerTimeoutError`, or `WorkerError` (the request
-        was refused; the worker keeps serving). Stopping the iteration early cancels the generation."""
+        was refused; the worker keeps serving). Stopping the iteration early cancels the generation.
+        `on_wait` gets the seconds of silence every few seconds while no answer comes (the first token
+        waits for the prompt's evaluation, and a fresh Vulkan server compiles its shaders then)."""
         request = {"op": "complete", "prompt": prompt}
-        return self._request(request, max_tokens, temperature, seed, stream)
+        return self._request(request, max_tokens, temperature, seed, stream, on_wait)
 
     def chat(
         self,
@@ -337,7 +341,13 @@ class Worker:
         return self._request(request, max_tokens, temperature, seed, stream)
 
     def _request(
-        self, request: dict[str, Any], max_tokens: int, temperature: float, seed: int | None, stream: bool
+        self,
+        request: dict[str, Any],
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        stream: bool,
+        on_wait: Callable[[float], None] | None = None,
     ) -> Iterator[Event]:
         if self._dead is not None:
             raise self._dead
@@ -349,13 +359,13 @@ class Worker:
         except BaseException:
             self._busy.release()
             raise
-        return self._events()
+        return self._events(on_wait)
 
-    def _events(self) -> Iterator[Event]:
+    def _events(self, on_wait: Callable[[float], None] | None = None) -> Iterator[Event]:
         finished = False
         try:
             while True:
-                answer = self._next(self.event_timeout, "generating")
+                answer = self._next(self.event_timeout, "generating", on_wait)
                 kind = answer.get("event")
                 if kind == "token":
                     text = str(answer.get("text", ""))
@@ -404,14 +414,24 @@ class Worker:
         except (BrokenPipeError, ValueError):
             raise self._fail("sending a request", None) from None
 
-    def _next(self, timeout: float, doing: str) -> dict[str, Any]:
-        """The child's next answer within `timeout`; on its death or silence, the diagnosis."""
+    def _next(
+        self, timeout: float, doing: str, on_wait: Callable[[float], None] | None = None
+    ) -> dict[str, Any]:
+        """The child's next answer within `timeout`; on its death or silence, the diagnosis. `on_wait`:
+        called with the seconds waited so far, every WAIT_REPORT_S without an answer."""
         if self._dead is not None:
             raise self._dead
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise self._fail(doing, timeout) from None
+        started = time.monotonic()
+        while True:
+            left = timeout - (time.monotonic() - started)
+            wait = min(left, WAIT_REPORT_S) if on_wait is not None else left
+            try:
+                line = self._lines.get(timeout=max(0.0, wait))
+                break
+            except queue.Empty:
+                if on_wait is None or wait >= left:
+                    raise self._fail(doing, timeout) from None
+                on_wait(time.monotonic() - started)
         if line is None:
             raise self._fail(doing, None)
         try:
