@@ -633,14 +633,15 @@ def test_repair_without_a_lab_is_a_usage_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.soak
 def test_an_sshd_listening_without_its_pid_file_is_the_nodes_not_a_second_one(
-    make_lab: MakeLab, capsys: pytest.CaptureFixture[str]
+    make_lab: MakeLab, capsys: pytest.CaptureFixture[str], rounds: int
 ) -> None:
     """sshd writes its pid file a moment after it listens: a check in between (a repair right after a
     power cut) once started a second sshd, which failed to bind, and left the node unrepairable. The
     listener is the node's own sshd: it is adopted, never doubled."""
     made = make_lab(2)
-    for round_no in range(20):
+    for round_no in range(rounds):  # each node once in the suite
         index = round_no % 2 + 1
         node = made.node(index)
         pid = node.sshd_pid()

@@ -282,11 +282,13 @@ def test_reading_the_sockets_leaks_no_descriptor() -> None:
 
 
 @pytest.mark.llama
+@pytest.mark.soak
 def test_twenty_loads_each_report_to_the_end_before_loaded(
     debug_rpc_servers: list,  # type: ignore[type-arg]
     tiny_model: Path,
+    rounds: int,
 ) -> None:
-    """The meter's thread and the loader both write to the worker's pipe: 20 loads, each of whose
+    """The meter's thread and the loader both write to the worker's pipe: 20 loads (soak), each of whose
     samples parse, run forward, and end at 100% before the worker says it is loaded."""
     from orchestrator.planning.plan import PlanOptions
     from orchestrator.planning.profile import profile_model
@@ -295,7 +297,7 @@ def test_twenty_loads_each_report_to_the_end_before_loaded(
 
     endpoints = [s.endpoint for s in debug_rpc_servers]
     plan = make_plan(plan_devices(endpoints), profile_model(tiny_model), PlanOptions(n_ctx=256))
-    for _ in range(20):
+    for _ in range(rounds):
         seen = _load(plan, tiny_model)
         assert seen and seen[-1].fraction == 1.0, seen
         assert [p.seconds for p in seen] == sorted(p.seconds for p in seen)

@@ -201,11 +201,14 @@ def test_a_full_disk_on_a_node_is_clear_and_leaves_whole_files(
 
 
 @pytest.mark.lab
+@pytest.mark.soak
 def test_an_interrupted_stream_leaves_no_partial_file(
     node: tuple[Lab, Host],
     big_model: Path,
+    rounds: int,
 ) -> None:
-    """Cancelled at 20 moments, from the first file under way to later: whatever is there is whole."""
+    """Cancelled at 20 moments (soak; the first and the last in the suite), from the first file under way
+    to 95 ms later: whatever is there is whole."""
     lab, host = node
     items = warm_items(big_model)
     folder = _folder(lab)
@@ -223,10 +226,10 @@ def test_an_interrupted_stream_leaves_no_partial_file(
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    for round_ in range(20):
+    for round_ in range(rounds):
         for path in folder.glob("*") if folder.exists() else ():
             path.unlink()
-        asyncio.run(interrupted(0.005 * round_))
+        asyncio.run(interrupted(0.095 * round_ / max(rounds - 1, 1)))
         for _ in range(100):  # sshd hangs up on the script: its trap removes the temporary file
             if not any(p.name.startswith(TEMP_PREFIX) for p in folder.iterdir()):
                 break

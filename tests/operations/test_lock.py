@@ -50,7 +50,6 @@ from tests.plugins.fakehosts import FakeHost
 
 FakeHosts = Callable[..., list[FakeHost]]
 FAST = ConnectOptions(connect_timeout=5.0, command_timeout=10.0)
-ROUNDS = 20
 
 
 async def until(check: Callable[[], bool], limit: float = 5.0) -> None:
@@ -445,14 +444,15 @@ async def _until_the_other_tried(
     await until(lambda: runs[other].done() or any(e["event"] == "host_lock_waiting" for e in logs), 30.0)
 
 
-async def test_two_runs_at_once_never_split_the_hosts(fake_hosts: FakeHosts) -> None:
+@pytest.mark.soak
+async def test_two_runs_at_once_never_split_the_hosts(fake_hosts: FakeHosts, rounds: int) -> None:
     """Failing fast, one run gets every host and the other changes nothing (exit 3); waiting, the second
     runs after the first on every host: never some hosts each."""
     from orchestrator.cli._running import LOCKED_EXIT, exit_status
 
     hosts = [_with_dir(f.host, "~/rf") for f in fake_hosts(3)]
     names = {h.name for h in hosts}
-    for round_no in range(ROUNDS):
+    for round_no in range(rounds):
         wait = 30.0 if round_no % 2 else 0.0
         changed: list[tuple[str, str]] = []
 
@@ -547,3 +547,63 @@ async def test_a_readied_lock_that_never_gets_its_turn_ends_and_an_abandoned_one
     await abandoned.abandon()  # idempotent
     lock = await acquire(LocalConnection(host), host, "restart")
     await lock.release()
+
+
+def _node_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    """A `flock` first on the node's PATH (a local host's commands inherit this process's) that runs
+    `body` instead: how a node misbehaves between its `@ready` and the lock. Its pid goes to the file
+    returned."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pid_file = tmp_path / "flock.pid"
+    flock = bin_dir / "flock"
+    flock.write_text(f"#!/bin/sh\necho $$ > {shlex.quote(str(pid_file))}\n{body}\n")
+    flock.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return pid_file
+
+
+async def test_a_lock_that_does_not_answer_in_time_says_so_and_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's flock hangs (a stuck filesystem): `take` gives up at the wait plus the slack for the
+    node's shell, says the lock did not answer (not that someone holds it, nor the slack's figure), and
+    the abandoned command takes its flock with it."""
+    from orchestrator.operations import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "_ANSWER_SLACK", 2.0)
+    pid_file = _node_flock(tmp_path, monkeypatch, "exec sleep 60")
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    prepared = await ready(LocalConnection(host), host, "deploy")
+    started = time.monotonic()
+    with pytest.raises(ServiceError) as failed:
+        await take(prepared, wait_s=0.5)
+    waited = time.monotonic() - started
+    assert type(failed.value) is ServiceError and failed.value.host == "here"
+    assert failed.value.message == "the lock did not answer in time"
+    assert 2.4 < waited < 6.0, waited  # the wait (0.5 s) and the slack (2 s)
+    pid = int(pid_file.read_text())
+    await until(lambda: _gone(pid))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_a_lock_command_that_ends_before_taking_the_lock_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's shell dies after its turn (killed, out of memory) with nothing printed: `take` says the
+    command ended without taking the lock, at once, not after the wait."""
+    _node_flock(tmp_path, monkeypatch, "kill -KILL 0")  # the whole command's process group
+    host = Host(name="here", address="127.0.0.1", connection="local", install_dir=str(tmp_path / "rf"))
+    prepared = await ready(LocalConnection(host), host, "deploy")
+    started = time.monotonic()
+    with pytest.raises(ServiceError) as failed:
+        await take(prepared, wait_s=30)
+    assert type(failed.value) is ServiceError and failed.value.host == "here"
+    assert failed.value.message == "the lock command ended without taking the lock"
+    assert time.monotonic() - started < 5.0

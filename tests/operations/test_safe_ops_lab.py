@@ -42,7 +42,6 @@ from tests.plugins.playbooks import PLAYBOOKS, NodeView
 pytestmark = pytest.mark.lab
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 20
 
 
 class _Fixed(ArtifactChooser):
@@ -139,8 +138,9 @@ def _inventory_with(lab: Lab, path: Path, **variables: Any) -> Path:
 # --- two operators at once ---------------------------------------------------------------------------------
 
 
+@pytest.mark.soak
 async def test_concurrent_version_switching_deploys_leave_one_true_server(
-    lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact]
+    lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact], rounds: int
 ) -> None:
     """Two deploys at the same instant: one gets every host; the other fails at once having changed
     nothing (exit 3), or waits and deploys every host after it. Never some hosts each (issue 21)."""
@@ -152,9 +152,10 @@ async def test_concurrent_version_switching_deploys_leave_one_true_server(
             return await session.run(fleet, step, name="deploy")
 
     views = [NodeView(lab, h) for h in fleet]
-    for round_no in range(ROUNDS):
+    for round_no in range(rounds):
         one, two = versions if round_no % 2 == 0 else versions[::-1]
-        wait = 60.0 if round_no % 4 < 2 else 0.0  # half the rounds wait for the lock, half fail fast
+        # half the rounds wait for the lock, half fail fast; the first two one of each, every order by 4
+        wait = 60.0 if round_no % 4 in (0, 3) else 0.0
         before = [truth(lab, h).current for h in fleet]
         starts = [v.starts() for v in views]
         first, second = await asyncio.gather(operator(one, wait), operator(two, wait))
@@ -179,8 +180,9 @@ async def test_concurrent_version_switching_deploys_leave_one_true_server(
 # --- interrupts ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.soak
 async def test_interrupts_at_random_moments_leave_every_host_old_or_new_never_stopped(
-    lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact]
+    lab: Lab, fleet: list[Host], versions: tuple[Artifact, Artifact], rounds: int
 ) -> None:
     rng = random.Random(13)
     # An uninterrupted deploy first: how long one takes here, so that every interrupt falls inside a run.
@@ -192,7 +194,7 @@ async def test_interrupts_at_random_moments_leave_every_host_old_or_new_never_st
     assert run.ok and not run.interrupted
     span = time.monotonic() - started
     landed = 0
-    for round_no in range(ROUNDS):
+    for round_no in range(rounds):
         target = versions[round_no % 2]
         before = {h.name: truth(lab, h).current for h in fleet}
         async with Session(forks=1) as session:  # one host at a time: an interrupt falls between hosts too
@@ -216,8 +218,8 @@ async def test_interrupts_at_random_moments_leave_every_host_old_or_new_never_st
             else:
                 pytest.fail(f"{result.host.name}: {result.status} {result.error}")
     # The loop proves something only if the interrupts came during the runs, not after them.
-    assert landed >= ROUNDS // 2, (
-        f"only {landed} of {ROUNDS} interrupts landed during a deploy ({span:.2f} s)"
+    assert landed >= rounds // 2, (
+        f"only {landed} of {rounds} interrupts landed during a deploy ({span:.2f} s)"
     )
 
 
@@ -315,8 +317,14 @@ def generating(lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) ->
     assert int(out.split()[-1]) > 0  # it generated, and finished its generation
 
 
+@pytest.mark.soak(quick=5)
 def test_restarts_against_a_generating_fleet_are_all_refused(
-    lab: Lab, fleet: list[Host], generating: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    lab: Lab,
+    fleet: list[Host],
+    generating: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    rounds: int,
 ) -> None:
     views = [NodeView(lab, h) for h in fleet]
     pids, starts = [v.pid() for v in views], [v.starts() for v in views]
@@ -329,7 +337,7 @@ def test_restarts_against_a_generating_fleet_are_all_refused(
         ["stop", "-i", inv],
         ["deploy", "-i", changed],  # a launch-line change would restart: refused while busy
     ]
-    for attempt in range(ROUNDS):
+    for attempt in range(rounds):  # the suite: each command once
         argv = attempts[attempt % len(attempts)]
         assert main(argv) == 1, argv
         out = capsys.readouterr()

@@ -161,13 +161,16 @@ def test_load_on_fleet_runs_the_load_beside_the_warm_only_on_servers_that_wait(
         assert names == {c.file for c in cached[host.endpoint]}  # whole files, no mark left
 
 
-def test_a_signal_during_a_load_beside_the_warm_stops_both(nodes: list[Node], big_model: Path) -> None:
+@pytest.mark.soak
+def test_a_signal_during_a_load_beside_the_warm_stops_both(
+    nodes: list[Node], big_model: Path, rounds: int
+) -> None:
     """SIGINT as the load starts beside the warm: the worker is stopped (it was mid-load: nothing is
-    loaded), the warm stops at its next file, and no mark is left behind. 20 rounds."""
+    loaded), the warm stops at its next file, and no mark is left behind. 20 rounds (soak)."""
     plan = plan_on_nodes(nodes, big_model)
     hosts = _hosts(nodes, patched=True)
     interrupt = lambda _done: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
-    for round_ in range(20):
+    for round_ in range(rounds):
         _empty(nodes)
         with Worker.spawn() as worker:
             done = load_on_fleet(plan, hosts, worker, big_model, interruptible=True, on_prepared=interrupt)

@@ -451,8 +451,9 @@ def test_a_stale_client_is_a_hint_a_restart_without_force_still_refuses(
     assert _status(serve_lab, victim, capsys)["state"] == "running"
 
 
+@pytest.mark.soak
 def test_a_live_client_is_never_taken_for_a_stale_one(
-    serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str]
+    serve_lab: Lab, fleet: list[Host], serve: Any, capsys: pytest.CaptureFixture[str], rounds: int
 ) -> None:
     served: Served = serve()
     worker = served.health()["worker_pid"]
@@ -460,7 +461,7 @@ def test_a_live_client_is_never_taken_for_a_stale_one(
     pids = {h.name: _server_pid(serve_lab, h) for h in fleet}
     assert all(len(peers) == 1 for peers in held.values()), held
     inventory = str(serve_lab.inventory)
-    for round_ in range(20):  # every round: status, then restart, of the three nodes at once
+    for round_ in range(rounds):  # every round: status, then restart, of the three nodes at once
         capsys.readouterr()
         assert main(["-i", inventory, "status", "--json"]) == 0
         states = [r["result"] for r in json.loads(capsys.readouterr().out)]
