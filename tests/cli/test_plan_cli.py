@@ -29,6 +29,7 @@ def two_servers(start_rpc_server: Callable[..., LocalServer]) -> list[LocalServe
     return [start_rpc_server(), start_rpc_server()]
 
 
+@pytest.mark.llama
 def test_plan_json_round_trips_and_follows_the_limits(
     two_servers: list[LocalServer],
     tiny_model_factory: Callable[..., Path],
@@ -51,6 +52,7 @@ def test_plan_json_round_trips_and_follows_the_limits(
     assert plan.fit.fits and plan.n_ctx == 1024
 
 
+@pytest.mark.llama
 def test_llama_cli_and_python_say_on_stderr_why_a_plan_fails(
     two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -65,6 +67,7 @@ def test_llama_cli_and_python_say_on_stderr_why_a_plan_fails(
         assert "note: n_ctx 65536 per sequence exceeds the model's training context" in " ".join(err.split())
 
 
+@pytest.mark.llama
 def test_plan_renders_llama_cli_args_and_python(
     two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -93,6 +96,7 @@ def test_plan_renders_llama_cli_args_and_python(
     assert Plan.from_path(saved).model_path == str(tiny_model)
 
 
+@pytest.mark.llama
 def test_plan_that_does_not_fit_names_the_short_device(
     two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -138,6 +142,7 @@ def test_local_gpus_are_only_gpus() -> None:
     assert [g.index for g in gpus] == list(range(len(gpus)))
 
 
+@pytest.mark.llama
 def test_run_refuses_a_plan_that_does_not_fit_unless_forced(
     two_servers: list[LocalServer], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -197,6 +197,7 @@ def processes() -> Iterator[Callable[[list[str]], subprocess.Popen[bytes]]]:
         process.wait(5)
 
 
+@pytest.mark.llama
 @pytest.mark.parametrize("shell", ["bash", "sh"])
 def test_gathered_facts_on_this_machine(
     shell: str,

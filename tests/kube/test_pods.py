@@ -107,6 +107,7 @@ def _config(model: Path, tmp_path: Path, node_memory: int, port: int) -> Path:
     return config
 
 
+@pytest.mark.llama
 @pytest.mark.parametrize(("memory", "replanned"), [(GiB, False), (1 << 50, True)])
 def test_the_init_step_probes_the_group_and_plans_again_only_when_it_differs(
     tiny_model: Path,
@@ -190,6 +191,7 @@ def lws_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+@pytest.mark.llama
 def test_the_probes_check_follows_the_rpc_server_process_and_never_connects(
     rpc_server_binary: Path, tmp_path: Path
 ) -> None:

@@ -28,6 +28,7 @@ from orchestrator.rpc.client import probe_endpoint
 from tests.plugins.lab import hold_from, require_lab_privileges, session_lab_name
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.lab
 
 
 @pytest.fixture(scope="module")

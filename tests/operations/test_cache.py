@@ -94,6 +94,7 @@ def test_lru_eviction_under_a_quota() -> None:
     assert choose_evictions(files, None)[0] == []
 
 
+@pytest.mark.llama
 def test_server_names_equal_plan_hashes_verify_and_warm(
     nodes: list[Node], big_model: Path, tmp_path: Path, rpc_server_binary: Path
 ) -> None:
@@ -281,6 +282,7 @@ def test_warm_replaces_a_truncated_file_under_its_name(big_model: Path, tmp_path
     assert fnv.hash_file_range(short, 0, items[0].size) == int(items[0].name, 16)
 
 
+@pytest.mark.llama
 def test_a_playbook_load_check_refuses_a_truncated_file(nodes: list[Node], big_model: Path) -> None:
     from orchestrator.core.errors import LoaderError
     from orchestrator.playbooks.load_check import load_check

@@ -318,6 +318,7 @@ def test_model_info_shows_experts_and_recurrent_state(
     assert "MLA: a K cache only (kv_lora_rank + rope wide), no V" in capsys.readouterr().out
 
 
+@pytest.mark.llama
 def test_plan_cli_plans_a_pure_recurrent_model_and_notes_an_unknown_architecture(
     start_rpc_server: Callable[..., LocalServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

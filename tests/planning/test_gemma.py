@@ -226,6 +226,7 @@ def test_plan_at_the_issues_limit_is_what_the_load_allocates(
             assert sum(sizes) <= 1280 * MiB, (dev.label, sum(sizes))
 
 
+@pytest.mark.llama
 def test_plan_cli_at_the_issues_limit_says_what_the_planner_says(
     start_rpc_server: Callable[..., LocalServer],
     gemma_model: Path,

@@ -103,6 +103,7 @@ def test_a_load_with_n_cpu_moe_allocates_what_the_plan_says(
     assert abs(error) <= COMPUTE_TOLERANCE, (host, f"{error:+.1%}")
 
 
+@pytest.mark.llama
 def test_plan_cli_takes_n_cpu_moe_and_refuses_a_negative_one(
     start_rpc_server: Callable[..., LocalServer],
     tmp_path: Path,

@@ -88,12 +88,16 @@ def lab_hosts(lab: Lab) -> list[Host]:
 
 
 @pytest.fixture
-def make_lab() -> Iterator[Callable[..., Lab]]:
-    """Factory: `make_lab(nodes=2, local=False)` -> a fresh lab of this session, down after the test."""
+def make_lab(request: pytest.FixtureRequest) -> Iterator[Callable[..., Lab]]:
+    """Factory: `make_lab(nodes=2, local=False)` -> a fresh lab of this session, down after the test. A
+    namespaced lab needs the test's `lab` mark (a local one does not: tests/plugins/tiers.py leaves this
+    fixture to say so when it is called)."""
     made: list[str] = []
 
     def make(nodes: int = 2, *, local: bool = False) -> Lab:
         if not local:
+            if request.node.get_closest_marker("lab") is None:
+                pytest.fail(f"{request.node.nodeid} makes a namespaced lab: mark it @pytest.mark.lab")
             require_lab_privileges()
         name = session_lab_name(f"x{next(_counter)}")
         made.append(name)

@@ -782,6 +782,7 @@ async def holder(server: LocalServer) -> AsyncIterator[str]:
         await writer.wait_closed()
 
 
+@pytest.mark.llama
 async def test_ok_node_uses_mem_available_and_stopped_node_is_refused(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     ok = local_host("up", server.port, memory_reserve=GiB, memory_limit=64 * GiB)
@@ -823,6 +824,7 @@ async def test_ok_node_uses_mem_available_and_stopped_node_is_refused(start_rpc_
     assert await query_fleet_memory([ok, small, down], timeout=2.0) is None
 
 
+@pytest.mark.llama
 async def test_busy_node_is_reported_and_keeps_serving(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     other = start_rpc_server()
@@ -870,6 +872,7 @@ def test_without_own_connection(clients: tuple[str, ...], own: str | None, left:
     assert without_own_connection(clients, own) == left
 
 
+@pytest.mark.llama
 async def test_remote_host_with_loopback_bind_is_not_probed_here(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     # An SSH host whose server binds its own loopback: 127.0.0.1 here is another machine's loopback.
@@ -952,6 +955,7 @@ def write_inventory(path: Path, ports: dict[str, int], **extra: str) -> Path:
     return write_local_inventory(path, {name: {"rpc_port": port, **extra} for name, port in ports.items()})
 
 
+@pytest.mark.llama
 def test_cli_json_and_exit_status(start_rpc_server: StartServer, tmp_path: Path) -> None:
     s1, s2 = start_rpc_server(), start_rpc_server()
     good = write_inventory(tmp_path / "good.yml", {"n1": s1.port, "n2": s2.port}, memory_reserve="512MiB")

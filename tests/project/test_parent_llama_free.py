@@ -19,6 +19,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from orchestrator.llama.worker.child import PARENT_ENV
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
@@ -61,6 +63,7 @@ def test_the_spy_sees_an_import_of_llama_cpp(tmp_path: Path) -> None:
     assert "imports llama_cpp" in record.read_text() and "local_gpus" in record.read_text()
 
 
+@pytest.mark.llama
 def test_run_loads_and_generates_with_no_llama_cpp_in_its_process(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -74,6 +77,7 @@ def test_run_loads_and_generates_with_no_llama_cpp_in_its_process(
     assert not record.exists(), record.read_text()
 
 
+@pytest.mark.llama
 def test_plan_lists_local_gpus_with_no_llama_cpp_in_its_process(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -96,6 +100,7 @@ def _health(base: str) -> str:
         return ""
 
 
+@pytest.mark.llama
 def test_serve_loads_with_no_llama_cpp_in_its_process(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
 ) -> None:

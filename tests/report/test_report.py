@@ -330,12 +330,86 @@ def _golden_report(models_dir: Path, sparse_70b: Path) -> Report:
     )
 
 
+def _golden_devices() -> list[PlanDevice]:
+    """The golden fleet's ok devices as the planner takes them, written out by hand (not by the report's
+    or the probe's code): gpu-a's two 24 GiB devices (2 GiB reserve), then epyc-b's 48 GiB one."""
+    rows = [("10.0.0.1:50052", 0, 24, 2), ("10.0.0.1:50052", 1, 24, 2), ("10.0.0.2:50052", 0, 48, 1)]
+    return [
+        PlanDevice(
+            endpoint=ep,
+            index=i,
+            name=f"{ep}#{i}",
+            description="AMD EPYC 9654",
+            total=(usable + reserve + 2) * GiB,
+            free=(usable + reserve) * GiB,
+            usable=usable * GiB,
+        )
+        for ep, i, usable, reserve in rows
+    ]
+
+
+def _check_golden_against_its_inputs(doc: dict[str, Any], models_dir: Path, sparse_70b: Path) -> None:
+    """What the golden document must say whatever was written to it: the fleet's sums from the fleet's
+    figures, the models from their GGUF files, and every case from the planner itself."""
+    fleet = doc["fleet"]
+    devices = [d for node in fleet["nodes"] for d in node["devices"]]
+    assert [(n["host"], n["state"], len(n["devices"])) for n in fleet["nodes"]] == [
+        ("gpu-a", "ok", 2),
+        ("epyc-b", "ok", 1),
+        ("epyc-c", "version_mismatch", 0),
+    ]
+    assert fleet["ok"] is False and fleet["totals"] == {
+        "endpoints": 3,
+        "ok_endpoints": 2,
+        "devices": 3,
+        "total": (28 + 28 + 51) * GiB,  # usable + reserve + 2 GiB the host keeps
+        "free": (26 + 26 + 49) * GiB,  # usable + reserve
+        "reserve": 5 * GiB,
+        "usable": 96 * GiB,
+    }
+    assert sum(d["usable"] for d in devices) == fleet["totals"]["usable"]
+    assert doc["notes"] == ["epyc-c (10.0.0.3:50052) is version_mismatch: its devices are not in the plans"]
+    paths = {
+        "models/tiny.gguf": models_dir / "golden" / "tiny.gguf",
+        "models/llama-70b-q4_K.gguf": sparse_70b,
+    }
+    for model in doc["models"]:
+        reader = GGUFReader(paths[model["path"]])
+        block = reader.fields["llama.block_count"]
+        assert model["n_layer"] == int(block.parts[block.data[0]][0])
+        assert model["weights"] == sum(int(t.n_bytes) for t in reader.tensors)
+    assert doc["contexts"] == [4096, 65536]
+    assert [(c["model"], c["n_ctx"]) for c in doc["cases"]] == [(m, n) for m in paths for n in (4096, 65536)]
+    for case in doc["cases"]:
+        plan = make_plan(
+            _golden_devices(), profile_model(paths[case["model"]]), PlanOptions(n_ctx=case["n_ctx"])
+        )
+        got = case["devices"]
+        assert case["fits"] == plan.fit.fits and case["n_gpu_layers"] == plan.n_gpu_layers
+        assert [d["device"] for d in got] == [d.label for d in plan.devices]
+        assert [d["layers"] for d in got] == [d.n_layers for d in plan.devices]
+        assert case["tensor_split"] == [float(d["layers"]) for d in got]
+        for dev, planned in zip(got, plan.devices, strict=True):
+            memory = planned.memory
+            assert (dev["weights"], dev["kv"], dev["compute"]) == (memory.weights, memory.kv, memory.compute)
+            assert dev["predicted"] == dev["weights"] + dev["kv"] + dev["compute"]
+            assert dev["headroom"] == dev["usable"] - dev["margin"] - dev["predicted"]
+            assert dev["last_layer"] - dev["first_layer"] + 1 == dev["layers"]
+        # the layers run in order over the devices, the output layer on the last
+        assert [d["first_layer"] for d in got] == [0, *[d["last_layer"] + 1 for d in got[:-1]]]
+        assert got[-1]["last_layer"] == plan.n_layer and [d["has_output"] for d in got][-1]
+
+
 def test_golden_json(models_dir: Path, sparse_70b: Path) -> None:
-    """The JSON is stable: byte for byte the checked-in document (RPCFLEET_UPDATE_GOLDEN=1 rewrites it)."""
+    """The JSON is stable: byte for byte the checked-in document, which must also agree with its inputs
+    as checked independently (RPCFLEET_UPDATE_GOLDEN=1 rewrites it, never in CI; the independent checks
+    run on what it writes)."""
     text = render_json(_golden_report(models_dir, sparse_70b))
     golden = DATA / "golden.json"
     if os.environ.get("RPCFLEET_UPDATE_GOLDEN"):
+        assert not os.environ.get("CI"), "RPCFLEET_UPDATE_GOLDEN rewrites the golden file: not in CI"
         golden.write_text(text)
+    _check_golden_against_its_inputs(json.loads(golden.read_text()), models_dir, sparse_70b)
     assert text == golden.read_text()
     assert render_json(_golden_report(models_dir, sparse_70b)) == text  # deterministic
     doc = json.loads(text)
@@ -558,6 +632,7 @@ def _inventory(tmp_path: Path, servers: Sequence[LocalServer], limits: Sequence[
     return write_local_inventory(tmp_path / "inventory.yml", hosts)
 
 
+@pytest.mark.llama
 def test_cli_end_to_end(
     start_rpc_server: Callable[..., LocalServer],
     tiny_model: Path,

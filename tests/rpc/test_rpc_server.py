@@ -8,6 +8,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import pytest
+
 from orchestrator.rpc.client import probe_endpoint, query_memory
 from orchestrator.rpc.records import AggregateMemory, Outcome, ProbeResult, ProtocolVersion
 from orchestrator.rpc.wire import HELLO_REPLY_SIZE, hello_request
@@ -41,6 +43,7 @@ async def wait_ok(endpoint: str) -> ProbeResult:
     return result
 
 
+@pytest.mark.llama
 async def test_ok(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     result = await probe_endpoint(server.endpoint)
@@ -56,6 +59,7 @@ async def test_ok(start_rpc_server: StartServer) -> None:
     assert server.alive()
 
 
+@pytest.mark.llama
 async def test_stopped_server_is_refused(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     server.stop()
@@ -64,6 +68,7 @@ async def test_stopped_server_is_refused(start_rpc_server: StartServer) -> None:
     assert await query_memory([server.endpoint]) is None
 
 
+@pytest.mark.llama
 async def test_busy_then_served_again(start_rpc_server: StartServer) -> None:
     server = start_rpc_server()
     async with holder(server):
@@ -79,6 +84,7 @@ async def test_busy_then_served_again(start_rpc_server: StartServer) -> None:
     assert "send failed" in server.log.read_text()
 
 
+@pytest.mark.llama
 async def test_busy_probe_does_not_kill_an_unguarded_server(start_rpc_server: StartServer) -> None:
     # Without `trap '' PIPE` a reply to a closed client raises SIGPIPE. The probe closes an abandoned
     # connection with a reset, so the late reply fails with ECONNRESET instead, which raises no signal.
@@ -91,6 +97,7 @@ async def test_busy_probe_does_not_kill_an_unguarded_server(start_rpc_server: St
     assert server.alive()
 
 
+@pytest.mark.llama
 async def test_why_the_reset_matters_a_graceful_close_kills_an_unguarded_server(
     start_rpc_server: StartServer,
 ) -> None:
@@ -111,6 +118,7 @@ async def test_why_the_reset_matters_a_graceful_close_kills_an_unguarded_server(
     assert await asyncio.to_thread(server.process.wait, 5) == -13  # killed by SIGPIPE
 
 
+@pytest.mark.llama
 async def test_full_accept_queue_times_out_at_connect(start_rpc_server: StartServer) -> None:
     # listen backlog 1: the kernel queues two more connections (not read by anyone), then drops SYNs.
     server = start_rpc_server()

@@ -61,6 +61,7 @@ async def test_a_reset_hello_is_asked_again_the_legacy_way() -> None:
         assert len(server.connections) == 2
 
 
+@pytest.mark.llama
 async def test_probe_names_the_old_servers_version(old_rpc_server: LocalServer) -> None:
     for _ in range(3):  # and the old server survives being asked
         result = await probe_endpoint(old_rpc_server.endpoint)
@@ -69,6 +70,7 @@ async def test_probe_names_the_old_servers_version(old_rpc_server: LocalServer) 
     assert old_rpc_server.alive()
 
 
+@pytest.mark.llama
 def test_cli_probe_reports_the_mismatch(
     old_rpc_server: LocalServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -116,6 +118,7 @@ def test_the_loader_refuses_an_old_server(old_rpc_server: LocalServer, tiny_mode
     assert old_rpc_server.alive()
 
 
+@pytest.mark.llama
 def test_an_archive_with_the_old_binary_name_is_imported(
     old_rpc_server_binary: Path, tmp_path: Path, artifact_home: Path
 ) -> None:

@@ -654,6 +654,7 @@ def test_metrics_show_every_formations_engine_counters_under_its_formation_label
 # -- plan and report --replicas, on real local servers
 
 
+@pytest.mark.llama
 def test_plan_and_report_with_replicas_print_the_formations_serve_would_choose(
     start_rpc_server: Callable[..., Any], tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -154,6 +154,7 @@ def local_serve(
                 process.wait()
 
 
+@pytest.mark.llama
 def test_a_key_from_the_environment_guards_the_health_details_and_the_admin_routes(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -177,6 +178,7 @@ def test_a_key_from_the_environment_guards_the_health_details_and_the_admin_rout
         time.sleep(0.1)
 
 
+@pytest.mark.llama
 def test_the_engine_behind_serve_answers_no_one_without_its_own_key(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -211,6 +213,7 @@ def test_the_engine_behind_serve_answers_no_one_without_its_own_key(
     )  # the engine's counters, read with its key
 
 
+@pytest.mark.llama
 def test_the_kv_cache_in_use_is_read_from_the_engines_slots_after_a_long_prompt(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -242,6 +245,7 @@ def _get_text(url: str, key: str) -> str:
         return str(answer.read().decode())
 
 
+@pytest.mark.llama
 def test_a_key_from_a_file_is_the_one_clients_send(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]], tmp_path: Path
 ) -> None:
@@ -253,6 +257,7 @@ def test_a_key_from_a_file_is_the_one_clients_send(
     assert set(_http(f"{base}/health")[1]) == {"status"} and "plan" in _http(f"{base}/health", KEY)[1]
 
 
+@pytest.mark.llama
 def test_without_a_key_the_admin_routes_are_refused_and_sighup_reloads(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -298,6 +303,7 @@ def _stream_events(base: str, key: str, tokens: int, first: threading.Event) -> 
     return events
 
 
+@pytest.mark.llama
 def test_a_reload_serves_the_queued_requests_it_waits_for(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -464,6 +470,7 @@ def _up(base: str) -> dict[str, int]:
     return up
 
 
+@pytest.mark.llama
 def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -527,6 +534,7 @@ def test_a_node_down_at_start_is_taken_back_once_its_server_answers(
             process.wait()
 
 
+@pytest.mark.llama
 def test_a_node_back_is_taken_back_under_continuous_load(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -651,6 +659,7 @@ def _local_host(name: str, port: int, memory_limit: int | None = None) -> Any:
     )
 
 
+@pytest.mark.llama
 def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path
 ) -> None:
@@ -732,6 +741,7 @@ def _raw(
         conn.close()
 
 
+@pytest.mark.llama
 def test_a_keyless_serve_answers_only_loopback_names_and_bounds_every_body(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
 ) -> None:
@@ -757,6 +767,7 @@ def test_a_keyless_serve_answers_only_loopback_names_and_bounds_every_body(
     assert code != 413, answer
 
 
+@pytest.mark.llama
 def test_the_api_key_cannot_restart_the_fleet_and_an_admin_key_is_the_only_admin_one(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]], tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -791,6 +802,7 @@ def _wait_code(url: str, key: str, code: int, process: subprocess.Popen[bytes], 
         time.sleep(0.02)
 
 
+@pytest.mark.llama
 def test_per_user_keys_scope_the_routes_and_sighup_rereads_them_without_reloading_the_engine(
     local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]], tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -112,6 +112,7 @@ def _host(name: str, port: int) -> Host:
     return Host(name=name, address="127.0.0.1", connection="local", rpc_host="127.0.0.1", rpc_port=port)
 
 
+@pytest.mark.llama
 def test_plan_for_fleet_skips_or_raises_on_a_node_that_is_down(
     start_rpc_server: Callable[..., LocalServer], tiny_model: Path
 ) -> None:
