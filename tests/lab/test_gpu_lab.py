@@ -4,12 +4,17 @@ one. Deploy picks each node's artifact, probe reads each device's memory by its 
 for the GPU nodes, MemAvailable shared for the CPU ones), and `run` serves the real Gemma 3 270M over the
 four. The Vulkan nodes come first, so the output layer (262k-token vocabulary) lands on a CPU node:
 llvmpipe computes it slowly. A node asked for a backend it cannot run is refused at deploy, at the
-inventory's line, and nothing of it is switched."""
+inventory's line, and nothing of it is switched.
+
+llvmpipe's known abort: a Vulkan server that ran one client's graphs can corrupt its heap on the next
+client's, and glibc aborts it (docs/gpu.md). Serve, after `run`, may meet it once; the test tolerates that
+abort only, found in the lost Vulkan node's server log, and fails on any other crash."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +29,7 @@ import pytest
 import yaml
 
 from orchestrator.lab.lifecycle import lab_down, lab_up
-from orchestrator.lab.state import Lab
+from orchestrator.lab.state import Lab, LabNode
 from tests.plugins.lab import require_lab_privileges, session_lab_name
 from tests.plugins.servers import free_port
 
@@ -137,6 +142,35 @@ def test_a_backend_the_node_cannot_run_is_refused_at_the_inventory_line(gpu_lab:
 
 
 KEY = "gpu-lab"
+# glibc's abort on a corrupted heap, as llvmpipe's Vulkan server dies after graphs of another client
+# (measured: "malloc(): unsorted double linked list corrupted"; docs/gpu.md): the device's bug.
+LLVMPIPE_ABORT = re.compile(
+    r"\b(malloc|free|realloc|malloc_consolidate)\(\): [^\n]*corrupt|double free or corruption"
+)
+
+
+def _server_log(node: LabNode) -> Path:
+    return node.home / "rpcfleet" / "log" / "rpc-server.log"  # the lab inventory's install_dir
+
+
+def _known_llvmpipe_abort(lab: Lab, error: object, offsets: dict[str, int]) -> str | None:
+    """None when every node the 503 names is a Vulkan node whose server log shows llvmpipe's known abort
+    since `offsets` (bytes per node address); else what was lost instead."""
+    lost = json.loads(error)["error"].get("lost", []) if isinstance(error, str) else []
+    if not lost:
+        return f"a node_lost answer that names no node: {error}"
+    vulkan = {node.address for node in lab.nodes[:2]}
+    for endpoint in lost:
+        address = endpoint.rsplit(":", 1)[0]
+        if address not in vulkan:
+            return f"{endpoint} is a CPU node: not llvmpipe's abort"
+        node = next(n for n in lab.nodes if n.address == address)
+        with _server_log(node).open("rb") as f:
+            f.seek(offsets[address])
+            since = f.read().decode("utf-8", "replace")
+        if not LLVMPIPE_ABORT.search(since):
+            return f"{endpoint}'s server ended without llvmpipe's heap abort:\n{since[-3000:]}"
+    return None
 
 
 def get(base: str, path: str, body: object = None, timeout: float = 600) -> tuple[int, object]:
@@ -193,18 +227,21 @@ def test_serve_runs_formations_of_the_real_gemma_on_cpu_and_vulkan_nodes(
         gpus = {f"{n.address}:50052" for n in gpu_lab.nodes[:2]}
         assert gpus <= nodes, health  # the Vulkan nodes serve too
         body = {"model": "gemma", "prompt": "The capital of France is", "max_tokens": 4}
+        offsets = {node.address: _server_log(node).stat().st_size for node in gpu_lab.nodes}
         answers, lost = [], []
         for _ in range(2 * len(health["formations"])):
             answer = get(base, "/v1/completions", body)
             if answer[0] == 503 and '"node_lost"' in str(answer[1]):
-                # llvmpipe's Vulkan rpc-server has been seen to crash once under this load (the supervisor
-                # restarts it): serve's contract is a 503 naming the node, then the formation back.
+                # llvmpipe's known abort (module docstring): serve's contract is a 503 naming the node, then
+                # the formation back. Only that abort, on a Vulkan node, and once: any other crash fails.
+                why = _known_llvmpipe_abort(gpu_lab, answer[1], offsets)
+                assert why is None and not lost, f"{why or 'a second crash'}\n{log.read_text()[-6000:]}"
                 lost.append(answer)
                 _wait_all_ready(base, process, log, time.monotonic() + 300)
                 answer = get(base, "/v1/completions", body)
             answers.append(answer)
         refused = [answer for answer in answers if answer[0] != 200]
-        assert not refused and len(lost) <= 1, f"{refused} {lost}\n{log.read_text()[-6000:]}"
+        assert not refused, f"{refused} {lost}\n{log.read_text()[-6000:]}"
         assert all(body["choices"][0]["text"] for _, body in answers)  # type: ignore[index]
     finally:
         process.send_signal(signal.SIGINT)
