@@ -70,16 +70,29 @@ def needed_marks(item: pytest.Item) -> dict[str, str]:
     return needs
 
 
+_MISSING = pytest.StashKey[str]()
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `make unit` checks every test
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     missing = []
     for item in items:
         have = {mark.name for mark in item.iter_markers()}
-        for mark, why in sorted(needed_marks(item).items()):
-            if mark not in have:
-                missing.append(f"{item.nodeid}: needs @pytest.mark.{mark} ({why})")
-    if missing:
+        lacks = [
+            f"@pytest.mark.{m} ({why})" for m, why in sorted(needed_marks(item).items()) if m not in have
+        ]
+        if lacks:
+            item.stash[_MISSING] = f"{item.nodeid}: needs " + ", ".join(lacks)
+            missing.append(item.stash[_MISSING])
+    if missing and not hasattr(config, "workerinput"):
         raise pytest.UsageError(
             "tests without the marks of what they use (`make unit` would run them):\n  "
             + "\n  ".join(missing)
         )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under pytest-xdist a worker's collection error is an internal error that hides the message: there
+    each such test fails, named, instead."""
+    if _MISSING in item.stash:
+        pytest.fail(item.stash[_MISSING], pytrace=False)
