@@ -321,7 +321,8 @@ async def test_a_failing_build_names_the_problem_and_the_built_version_keeps_ser
     version = built.result.install.version
     assert "failed (exit status" in error.message and "CMake Error" in error.message, error.message
     assert error.message.endswith(f"{version} stays installed")
-    assert error.stderr_tail and "/nonexistent/rpcfleet-cc" in error.stderr_tail
+    assert "CMAKE_C_COMPILER" in error.message, error.message  # the cause, not a missing toolkit
+    assert error.stderr_tail and "CMakeError.log" in error.stderr_tail
     assert error.hint and "build.log" in error.hint
     # Nothing changed: the same version current, the same process serving.
     assert (rf / "current").readlink().as_posix() == f"versions/{version}"
