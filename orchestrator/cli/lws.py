@@ -30,6 +30,13 @@ def register(subparsers: Any) -> None:
     worker = sub.add_parser("worker", help="run this pod's rpc-server (every pod)")
     worker.add_argument("--port", type=port, default=RPC_PORT, help=f"its port (default: {RPC_PORT})")
     worker.add_argument(
+        "--threads",
+        type=_parser.flag(fields.integer(minimum=1, maximum=1024)),
+        default=None,
+        metavar="N",
+        help="its threads (default: one per CPU this process may run on; the manifests: the pod's CPU limit)",
+    )
+    worker.add_argument(
         "--pid-file",
         type=Path,
         default=None,
@@ -58,6 +65,13 @@ def register(subparsers: Any) -> None:
 
     serve = sub.add_parser("serve", help="run llama-server with the init step's arguments (the leader)")
     serve.add_argument("--args", type=Path, required=True, help="the file `lws plan --out` wrote")
+    serve.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="llama-server's keys, one a line (the manifests: the Secret of `export lws --api-key-secret`)",
+    )
     serve.set_defaults(handler=handle_serve)
 
     alive = sub.add_parser(
@@ -78,7 +92,7 @@ def register(subparsers: Any) -> None:
 def handle_worker(args: argparse.Namespace) -> int:
     from orchestrator.kube.pods import run_worker
 
-    return run_worker(args.port, os.environ, _say, args.pid_file)
+    return run_worker(args.port, os.environ, _say, args.pid_file, args.threads)
 
 
 def handle_plan(args: argparse.Namespace) -> int:
@@ -93,7 +107,7 @@ def handle_plan(args: argparse.Namespace) -> int:
 def handle_serve(args: argparse.Namespace) -> int:
     from orchestrator.kube.pods import serve_step
 
-    return serve_step(args.args, os.environ, _say)
+    return serve_step(args.args, os.environ, _say, args.api_key_file)
 
 
 def handle_hello(args: argparse.Namespace) -> int:

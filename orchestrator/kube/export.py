@@ -1,5 +1,5 @@
 """`rpcfleet export lws`: plan a formation for a group of identical pods and write its LeaderWorkerSet,
-Service and ConfigMap.
+Service, ConfigMap and NetworkPolicies.
 
 The pods' memory is an assumption (`--node-memory`, `--backend`): the Kubernetes scheduler, not an
 inventory, decides where they run, so nothing is probed here. The leader's init step probes the real
@@ -9,13 +9,22 @@ pods and plans again when they differ (`kube/pods.py`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.files import write_atomic
-from orchestrator.kube.group import ExportError, GroupSettings, choose_group, gpu_resource, largest_tensors
-from orchestrator.kube.manifests import ExportSpec, manifests, to_yaml
+from orchestrator.kube.constants import NODE_CPUS
+from orchestrator.kube.group import (
+    ExportError,
+    GroupSettings,
+    check_secret_name,
+    choose_group,
+    gpu_resource,
+    largest_tensors,
+)
+from orchestrator.kube.manifests import MODELS_DIR, ExportSpec, manifests, to_yaml
 from orchestrator.planning.plan import PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.serve.templates import BUILTIN_TEMPLATES
@@ -39,6 +48,10 @@ class ExportRequest:
     model_claim: str | None = None
     gpu_resource: str | None = None
     chat_template: str | None = None
+    node_cpus: int = NODE_CPUS
+    http_from: Mapping[str, str] | None = None  # None: rpcfleet/client=<name>
+    http_from_namespace: Mapping[str, str] | None = None  # None: the objects' own namespace
+    api_key_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,8 @@ def export_lws(request: ExportRequest) -> ExportResult:
     name = check_name(request.name) if request.name else default_name(request.model)
     if request.namespace:
         check_name(request.namespace, "--namespace")
+    if request.api_key_secret is not None:
+        check_secret_name(request.api_key_secret)
     if request.chat_template is not None and request.chat_template not in BUILTIN_TEMPLATES:
         raise ExportError(
             f"--chat-template {request.chat_template}: not one of llama-server's template names (a file "
@@ -87,6 +102,8 @@ def export_lws(request: ExportRequest) -> ExportResult:
         chat_template=request.chat_template,
     )
     settings, plan = choose_group(profile, request.options, wanted, fixed=request.nodes_per_group is not None)
+    # the model as the pods see it, not this machine's path (the init step loads it from there)
+    plan = replace(plan, model_path=f"{MODELS_DIR}/{settings.model}")
     spec = ExportSpec(
         settings=settings,
         plan=plan,
@@ -96,13 +113,17 @@ def export_lws(request: ExportRequest) -> ExportResult:
         gpu_resource=resource,
         namespace=request.namespace,
         largest_tensors=largest_tensors(profile, plan, settings.group_size),
+        node_cpus=request.node_cpus,
+        http_from=request.http_from,
+        http_from_namespace=request.http_from_namespace,
+        api_key_secret=request.api_key_secret,
     )
     written: list[Path] = []
     try:
         request.out.mkdir(parents=True, exist_ok=True)
-        for file_name, obj in manifests(spec).items():
+        for file_name, objects in manifests(spec).items():
             path = request.out / file_name
-            write_atomic(path, to_yaml(obj))
+            write_atomic(path, to_yaml(objects))
             written.append(path)
     except OSError as exc:
         raise ExportError(f"cannot write into {request.out}: {exc.strerror or exc}") from None

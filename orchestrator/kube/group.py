@@ -73,6 +73,49 @@ def check_gpu_resource(name: str) -> str:
     return name
 
 
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+def _label_key_error(key: str) -> str:
+    """What is wrong with `key` as a label key (`[prefix/]name`, as apimachinery's IsQualifiedName); ""."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return "its prefix (before the '/') must be a DNS subdomain"
+    if not name or len(name) > 63 or not _RESOURCE_NAME.fullmatch(name):
+        return "its name must be 1 to 63 letters, digits, '-', '_' or '.', from and to a letter or digit"
+    return ""
+
+
+def parse_labels(text: str, flag: str) -> dict[str, str]:
+    """`key=value,key=value` as labels ("": none, which as a selector matches everything); ExportError
+    naming the pair Kubernetes would refuse."""
+    labels: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, equals, value = pair.partition("=")
+        wrong = "not key=value" if not equals else _label_key_error(key)
+        if not wrong and (len(value) > 63 or not _LABEL_VALUE.fullmatch(value)):
+            wrong = (
+                "its value must be at most 63 letters, digits, '-', '_' or '.', from and to a letter or digit"
+            )
+        if wrong:
+            raise ExportError(
+                f"{flag} {pair!r} is not a label: {wrong}",
+                hint=f"labels as key=value[,key=value], e.g. {flag} app.kubernetes.io/name=gateway",
+            )
+        labels[key] = value
+    return labels
+
+
+def check_secret_name(name: str) -> str:
+    """`name` when Kubernetes takes it as a Secret's name (a DNS subdomain); ExportError otherwise."""
+    if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
+        raise ExportError(
+            f"--api-key-secret {name!r} is not a Secret's name",
+            hint="a DNS subdomain: lower-case letters, digits, '-' and '.', from and to a letter or digit",
+        )
+    return name
+
+
 def gpu_resource(backend: str, override: str | None = None) -> str | None:
     """The extended resource a pod of `backend` asks for one GPU (None: a CPU pod); ExportError for a
     resource given to a CPU backend, a name Kubernetes would refuse, or a GPU backend whose resource name
@@ -199,17 +242,28 @@ def plan_group(profile: ModelProfile, options: PlanOptions, settings: GroupSetti
     return make_plan(devices, profile, options)
 
 
-def _misfit(profile: ModelProfile, options: PlanOptions, settings: GroupSettings) -> tuple[Plan | None, str]:
-    """(the plan when it fits, else None; why it does not)."""
+def _misfit(
+    profile: ModelProfile, options: PlanOptions, settings: GroupSettings
+) -> tuple[Plan | None, str, str]:
+    """(the plan when it fits, else None; why it does not; what of the options would make it smaller)."""
     try:
         plan = plan_group(profile, options, settings)
     except (PlanError, ProbeError) as exc:
-        return None, exc.message
+        return None, exc.message, _smaller(options, None)
     if plan.fit.fits:
-        return plan, ""
+        return plan, "", ""
     binding = plan.devices[plan.fit.binding_device or 0]
     short = format_size(plan.fit.shortfall)
-    return None, f"{binding.label} is short by {short}; {largest_ctx_text(plan.fit)}"
+    return None, f"{binding.label} is short by {short}; {largest_ctx_text(plan.fit)}", _smaller(options, plan)
+
+
+def _smaller(options: PlanOptions, plan: Plan | None) -> str:
+    """What of the plan's options would make it smaller: the context while some context fits; when none
+    does (the weights and the compute buffer alone are too large), only the batch the compute buffer is
+    sized for, --ubatch."""
+    if plan is not None and plan.fit.largest_n_ctx:
+        return "a smaller --ctx or --parallel"
+    return f"a smaller --ubatch (now {options.n_ubatch}: no context fits, the compute buffer is sized by it)"
 
 
 def choose_group(
@@ -220,7 +274,7 @@ def choose_group(
     group, saying how many pods would hold it when some would."""
     size = format_size(settings.node_memory)
     if fixed:
-        plan, why = _misfit(profile, options, settings)
+        plan, why, smaller = _misfit(profile, options, settings)
         if plan is not None:
             return settings, plan
         enough = next(
@@ -235,18 +289,18 @@ def choose_group(
         raise ExportError(
             f"the model fits no group of {settings.group_size} pod(s) of {size} at --ctx {options.n_ctx}: "
             + why,
-            hint=f"use {more}a larger --node-memory, or a smaller --ctx or --parallel",
+            hint=f"use {more}a larger --node-memory, or {smaller}",
         )
-    why = ""
+    why = smaller = ""
     for k in range(1, MAX_RPC_DEVICES + 1):
         tried = replace(settings, group_size=k)
-        plan, why = _misfit(profile, options, tried)
+        plan, why, smaller = _misfit(profile, options, tried)
         if plan is not None:
             return tried, plan
     raise ExportError(
         f"the model fits no group of up to {MAX_RPC_DEVICES} pods of {size} at --ctx {options.n_ctx} (one "
         f"llama-server takes at most {MAX_RPC_DEVICES} RPC devices): with {MAX_RPC_DEVICES}, {why}",
-        hint="use a larger --node-memory, or a smaller --ctx or --parallel",
+        hint=f"use a larger --node-memory, or {smaller}",
     )
 
 

@@ -74,11 +74,15 @@ def supervise(process: subprocess.Popen[bytes], grace: float = 30.0) -> int:
         raise
 
 
-def run_worker(port: int, env: Mapping[str, str], say: Say, pid_file: Path | None = None) -> int:
-    """The pod's rpc-server on 0.0.0.0:`port`, until it ends (its exit status); its process id and
-    program in `pid_file` while it runs (what `rpc_server_alive` checks)."""
+def run_worker(
+    port: int, env: Mapping[str, str], say: Say, pid_file: Path | None = None, threads: int | None = None
+) -> int:
+    """The pod's rpc-server on 0.0.0.0:`port` with `threads` threads (None: one per CPU the pod may run
+    on), until it ends (its exit status); its process id and program in `pid_file` while it runs (what
+    `rpc_server_alive` checks)."""
     binary = program(env, RPC_SERVER_ENV, IMAGE_RPC_SERVER)
-    threads = len(os.sched_getaffinity(0))
+    # a CPU limit is a quota, not an affinity: the manifests name the threads it pays for
+    threads = threads or len(os.sched_getaffinity(0))
     argv = [str(binary), "-H", "0.0.0.0", "-p", str(port), "-t", str(threads)]
     say(f"rpc-server on 0.0.0.0:{port}, {threads} thread(s): {binary}")
     # bash only to ignore SIGPIPE before the exec (Popen gives children the default disposition); the
@@ -201,13 +205,14 @@ async def wait_for_group(hosts: Sequence[str], port: int, seconds: float, say: S
 
 def leader_args(plan: Plan, settings: GroupSettings, model: Path, say: Say) -> list[str]:
     """llama-server's arguments for `plan` on `model` (what `plan --format llama-cli` prints), its slots,
-    on every address at the settings' port, with the model's chat template (its warning said)."""
+    on every address at the settings' port, with the model's chat template (its warning said), without
+    the /slots endpoint (it shows every slot's prompt to whoever asks)."""
     template = model_chat_template(model, settings.chat_template)
     if template.warning:
         say(f"warning: {template.warning}")
     args = llama_cli_args(plan, model)
     args += ["-b", str(plan.options.n_batch), "--host", "0.0.0.0", "--port", str(settings.http_port)]
-    args += ["--alias", settings.name, "--metrics", "--no-webui", *template.args]
+    args += ["--alias", settings.name, "--metrics", "--no-slots", "--no-webui", *template.args]
     return args
 
 
@@ -274,9 +279,14 @@ def read_leader_args(path: Path) -> list[str]:
     return args
 
 
-def serve_step(args_file: Path, env: Mapping[str, str], say: Say) -> int:
-    """llama-server with the init step's arguments, until it ends (its exit status)."""
+def serve_step(args_file: Path, env: Mapping[str, str], say: Say, api_key_file: Path | None = None) -> int:
+    """llama-server with the init step's arguments, and its keys from `api_key_file` (the Secret's,
+    mounted in this container only), until it ends (its exit status)."""
     args = read_leader_args(args_file)
+    if api_key_file is not None:
+        if not api_key_file.is_file():
+            raise InputError(f"{api_key_file} does not exist: the Secret holds no key 'api-key'")
+        args += ["--api-key-file", str(api_key_file)]
     binary = program(env, LLAMA_SERVER_ENV, IMAGE_LLAMA_SERVER)
     say(f"llama-server: {binary} {' '.join(args)}")
     return supervise(spawn_child([str(binary), *args], env=dict(env), die_with_parent=True))

@@ -23,8 +23,8 @@ from orchestrator.workflows.serve_options import (
 
 # What a command changes of a declared option, on purpose.
 CHANGED = {
-    ("rpcfleet export lws", "parallel"): {"default"},  # llama-server's slots: 4, as serve
-    ("rpcfleet export lws", "replicas"): {"help"},  # groups of pods; `kubectl scale` for more
+    ("rpcfleet export lws", "parallel"): {"default", "help"},  # llama-server's slots: 4, as serve
+    ("rpcfleet export lws", "replicas"): {"help"},  # groups of pods, each with its NetworkPolicy
     ("rpcfleet model info", "ctx"): {"default", "help"},  # optional: also show the KV cache at it
     ("rpcfleet report", "ctx"): {"default", "help"},  # several contexts, comma-separated or repeated
     ("rpcfleet exporter", "timeout"): {"help"},  # the exporter's rounds read over SSH more than facts

@@ -83,23 +83,31 @@ def pod_templates(lws: dict[str, Any]) -> Iterator[dict[str, Any]]:
         }
 
 
-def validate_all(objects: dict[str, dict[str, Any]]) -> None:
+def validate_all(objects: dict[str, Any]) -> None:
     assert "'0Mi'" not in str(objects)  # every memory request and limit is something
-    for name, obj in objects.items():
-        if obj["kind"] == "LeaderWorkerSet":
-            validate_lws(obj)
-            for template in pod_templates(obj):
-                validate_core(template)
-        else:
-            validate_core(obj)
-        assert name == f"{obj['kind'].lower()}.yaml"
+    for name, found in objects.items():
+        for obj in found if isinstance(found, list) else [found]:
+            if obj["kind"] == "LeaderWorkerSet":
+                validate_lws(obj)
+                for template in pod_templates(obj):
+                    validate_core(template)
+            else:
+                validate_core(obj)
+            assert name == f"{obj['kind'].lower()}.yaml"
 
 
-def export(model: Path, out: Path, **kw: Any) -> dict[str, dict[str, Any]]:
-    options = plan_options({"ctx": kw.pop("ctx", 1024), "parallel": kw.pop("parallel", 2)})
+def export(model: Path, out: Path, **kw: Any) -> dict[str, Any]:
+    """Each file's object, or its objects (a list) for networkpolicy.yaml."""
+    options = plan_options(
+        {"ctx": kw.pop("ctx", 1024), "parallel": kw.pop("parallel", 2), "ubatch": kw.pop("ubatch", None)}
+    )
     request = ExportRequest(model=model, options=options, out=out, image="rpcfleet:test", **kw)
     result = export_lws(request)
-    return {path.name: yaml.safe_load(path.read_text()) for path in result.files}
+    objects: dict[str, Any] = {}
+    for path in result.files:
+        found = list(yaml.safe_load_all(path.read_text()))
+        objects[path.name] = found if path.name == "networkpolicy.yaml" else found[0]
+    return objects
 
 
 def test_the_vendored_crd_is_lws_v0_10_0_with_its_licence() -> None:
@@ -152,7 +160,10 @@ def test_a_gpu_export_asks_for_the_backends_gpu_resource(
     (worker,) = template["workerTemplate"]["spec"]["containers"]
     for container in (sidecar, worker):
         assert container["resources"]["limits"][resource] == "1"
-    assert all(obj["metadata"]["namespace"] == "llm" for obj in objects.values())
+    everything = [
+        obj for found in objects.values() for obj in (found if isinstance(found, list) else [found])
+    ]
+    assert len(everything) == 5 and all(obj["metadata"]["namespace"] == "llm" for obj in everything)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
@@ -229,7 +240,7 @@ def rpcfleet(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_command_writes_the_three_files(tiny_model: Path, tmp_path: Path) -> None:
+def test_the_command_writes_the_four_files(tiny_model: Path, tmp_path: Path) -> None:
     done = rpcfleet(
         "export", "lws", "-m", str(tiny_model), "--node-memory", "1GiB", "-o", "k8s", cwd=tmp_path
     )
@@ -237,6 +248,7 @@ def test_the_command_writes_the_three_files(tiny_model: Path, tmp_path: Path) ->
     assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == [
         "configmap.yaml",
         "leaderworkerset.yaml",
+        "networkpolicy.yaml",
         "service.yaml",
     ]
     assert "1 group(s) of 1 pod(s)" in done.stdout
@@ -269,6 +281,17 @@ def test_the_command_writes_the_three_files(tiny_model: Path, tmp_path: Path) ->
             ["--node-memory", "8GiB", "--backend", "cuda", "--gpu-resource", "nvidia.com/-gpu"],
             "its name (after the '/') must be",
         ),
+        (
+            ["--node-memory", "1GiB", "--http-from", "gateway"],
+            "--http-from 'gateway' is not a label: not key",
+        ),
+        (
+            ["--node-memory", "1GiB", "--http-from-namespace", "Bad_Prefix/x=y"],
+            "--http-from-namespace 'Bad_Prefix/x=y' is not a label: its prefix",
+        ),
+        (["--node-memory", "1GiB", "--http-from", "app=-x"], "'app=-x' is not a label: its value"),
+        (["--node-memory", "1GiB", "--api-key-secret", "Keys!"], "--api-key-secret 'Keys!' is not a Secret"),
+        (["--node-memory", "1GiB", "--node-cpus", "0"], "--node-cpus: expected an integer >= 1, got 0"),
     ],
 )
 def test_bad_input_is_a_clear_error_with_exit_status_2(
@@ -300,3 +323,73 @@ def test_a_valid_gpu_resource_is_taken(tiny_model: Path, tmp_path: Path) -> None
     validate_all(objects)
     leader = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]  # one pod
     assert leader["spec"]["initContainers"][0]["resources"]["limits"]["gpu.intel.com/i915"] == "1"
+
+
+def test_the_files_read_as_a_reviewer_reads_them(tiny_model: Path, tmp_path: Path) -> None:
+    """The ConfigMap's JSON files as blocks (as they will be in the pod), no YAML anchors or aliases
+    (`&id001` for the probes' shared command), and no path of this machine: the plan names the model as
+    the pods see it."""
+    objects = export(tiny_model, tmp_path / "k8s", node_memory=GiB, nodes_per_group=2)
+    texts = {path.name: path.read_text() for path in (tmp_path / "k8s").iterdir()}
+    config = texts["configmap.yaml"]
+    assert "  plan.json: |\n    {\n" in config and "  settings.json: |\n    {\n" in config, config[:400]
+    assert "\\n" not in config  # no escaped one-line string
+    for name, text in texts.items():
+        assert "&id" not in text and "*id" not in text, name
+    data = objects["configmap.yaml"]["data"]
+    plan = Plan.from_text(data["plan.json"])
+    assert plan.model_path == f"/models/{tiny_model.name}"
+    assert str(tiny_model.parent) not in "".join(texts.values())
+    assert objects["configmap.yaml"]["data"]["settings.json"].endswith("}\n")
+
+
+@pytest.mark.parametrize(("backend", "memory"), [("cpu", GiB), ("cuda", 8 * GiB)])
+def test_every_container_asks_for_cpus_and_the_rpc_server_runs_that_many_threads(
+    tiny_model: Path, tmp_path: Path, backend: str, memory: int
+) -> None:
+    objects = export(
+        tiny_model, tmp_path, node_memory=memory, nodes_per_group=2, backend=backend, node_cpus=6
+    )
+    validate_all(objects)
+    template = objects["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]
+    sidecar, init = template["leaderTemplate"]["spec"]["initContainers"]
+    (engine,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    for server in (sidecar, worker):
+        assert server["resources"]["requests"]["cpu"] == server["resources"]["limits"]["cpu"] == "6"
+        command = server["command"]
+        assert command[command.index("--threads") + 1] == "6"  # no more threads than the limit pays for
+    assert engine["resources"]["requests"]["cpu"] == "1" and engine["resources"]["limits"]["cpu"] == "6"
+    assert init["resources"]["requests"]["cpu"] == "100m" and init["resources"]["limits"]["cpu"] == "1"
+    default = export(tiny_model, tmp_path / "default", node_memory=memory, backend=backend)
+    pod = default["leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+    assert pod["initContainers"][0]["resources"]["limits"]["cpu"] == "4"
+
+
+def test_where_no_context_fits_the_hint_is_the_ubatch_which_export_takes(
+    sparse_or_tiny: Path, tmp_path: Path
+) -> None:
+    """A pod of 520 MiB holds no context of this model at the default --ubatch 512 (the weights and the
+    compute buffer alone are too large): a smaller --ctx cannot help, the hint names --ubatch, which
+    export lws takes (at 32 the model fits); at 560 MiB a context of 2048 fits, and --ctx is the hint."""
+    argv = ["export", "lws", "-m", str(sparse_or_tiny), "--nodes-per-group", "1", "--ctx", "1024"]
+    done = rpcfleet(*argv, "--node-memory", "520MiB", "-o", "k8s", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no context fits" in done.stderr and "a smaller --ubatch (now 512" in done.stderr, done.stderr
+    assert "--ctx or --parallel" not in done.stderr and "Traceback" not in done.stderr
+    done = rpcfleet(*argv, "--node-memory", "520MiB", "--ubatch", "32", "-o", "k8s", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = yaml.safe_load((tmp_path / "k8s" / "configmap.yaml").read_text())["data"]["plan.json"]
+    assert Plan.from_text(plan).options.n_ubatch == 32
+    done = rpcfleet(*argv[:-1], "4096", "--node-memory", "560MiB", "-o", "more", cwd=tmp_path)
+    assert done.returncode == 2 and "the largest context that fits: 2048" in done.stderr, done.stderr
+    assert "a smaller --ctx or --parallel" in done.stderr and "--ubatch" not in done.stderr
+
+
+def test_the_help_says_the_slots_export_uses(tmp_path: Path) -> None:
+    done = rpcfleet("export", "lws", "--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "--parallel N, -np N llama-server's slots" in text and "(default: 4, as serve)" in text, text
+    assert "default: 1" not in text
+    assert "--ubatch" in text

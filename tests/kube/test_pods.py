@@ -4,16 +4,21 @@ one: the leader's own server, which a pod reaches at 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,6 +135,7 @@ def test_the_init_step_probes_the_group_and_plans_again_only_when_it_differs(
     assert args[args.index("-m") + 1] == str(tiny_model)
     assert args[args.index("--host") + 1] == "0.0.0.0" and args[args.index("--port") + 1] == "8080"
     assert args[args.index("--parallel") + 1] == "3"  # the export's slots
+    assert "--no-slots" in args  # /slots would show every slot's prompt to whoever asks
     assert ("planned again" in " ".join(said)) is replanned, said
 
 
@@ -247,3 +253,175 @@ def test_the_probes_check_follows_the_rpc_server_process_and_never_connects(
         if worker.poll() is None:
             worker.terminate()
             worker.wait(30)
+
+
+def contained(argv: list[str], writable: list[Path], read_only: list[Path]) -> list[str]:
+    """`argv` as the manifests' securityContext runs a container: in a mount namespace of its own whose
+    root filesystem is read-only (readOnlyRootFilesystem) except the volumes' folders, writable or
+    read-only as mounted, with no capability (drop ALL) and no new privileges (allowPrivilegeEscalation:
+    false). Stricter than the pod in one way: /tmp stays read-only (the pods mount an emptyDir there), so
+    a program that wrote there would fail here. Not emulated: the user 65532 (this checkout, its venv and
+    the cached builds are root's, under /root); a root without capabilities still meets the files' modes."""
+    script = ["set -e"]
+    for folder in writable:
+        script.append(f"mount --bind {shlex.quote(str(folder))} {shlex.quote(str(folder))}")
+    for folder in read_only:
+        quoted = shlex.quote(str(folder))
+        script += [f"mount --bind {quoted} {quoted}", f"mount -o remount,bind,ro {quoted}"]
+    script += [
+        "mount -o remount,bind,ro /",
+        'exec setpriv --no-new-privs --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- "$@"',
+    ]
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        "\n".join(script),
+        "sh",
+        *argv,
+    ]
+
+
+def _http(url: str, key: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+@pytest.mark.llama
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
+def test_the_leaders_containers_run_with_a_read_only_root_no_capabilities_and_the_secrets_key(
+    tiny_model: Path, tmp_path: Path, rpc_server_binary: Path
+) -> None:
+    """The exported leader of a group of one pod, each container run from the manifests (command, env,
+    volumes, read-only as mounted) under its securityContext (`contained`): the rpc-server sidecar, the
+    init step, then llama-server with the key of its Secret. Everything they write goes to the `run`
+    volume; llama-server serves /health without a key and the API only with it, and no /slots."""
+    from orchestrator.artifacts.build import cached_tools
+
+    tools = cached_tools()
+    assert tools is not None, "llama-server is not built: run `make setup`"
+    out = tmp_path / "k8s"
+    result = export_lws(
+        ExportRequest(
+            tiny_model,
+            plan_options({"ctx": 512, "parallel": 2}),
+            GiB,
+            out,
+            image="i",
+            name="m",
+            api_key_secret="m-keys",
+        )
+    )
+    import yaml
+
+    (lws,) = yaml.safe_load_all((out / "leaderworkerset.yaml").read_text())
+    spec = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]  # a group of one: the leader
+    sidecar, init = spec["initContainers"]
+    (engine,) = spec["containers"]
+    rpc_port, http_port = free_port(), free_port()
+    volumes = {name: tmp_path / name for name in ("config", "run", "tmp", "api-key")}
+    for folder in volumes.values():
+        folder.mkdir()
+    volumes["models"] = tiny_model.parent
+    (config_map,) = yaml.safe_load_all((out / "configmap.yaml").read_text())
+    (volumes["config"] / "plan.json").write_text(config_map["data"]["plan.json"])
+    settings = dataclasses.replace(
+        result.spec.settings, rpc_port=rpc_port, http_port=http_port, wait_seconds=30
+    )
+    (volumes["config"] / "settings.json").write_text(settings.to_text())
+    (volumes["api-key"] / "api-key").write_text("# llama-server's keys\nsecret-key\n")
+    names = {v["name"] for v in spec["volumes"]}
+    assert names == set(volumes), names
+
+    def paths(container: dict[str, Any]) -> dict[str, tuple[Path, bool]]:
+        return {
+            m["mountPath"]: (volumes[m["name"]], bool(m.get("readOnly"))) for m in container["volumeMounts"]
+        }
+
+    def local(word: str, mounts: dict[str, tuple[Path, bool]]) -> str:
+        for mount, (folder, _) in mounts.items():
+            if word == mount or word.startswith(mount + "/"):
+                return str(folder) + word[len(mount) :]
+        return word
+
+    def argv(container: dict[str, Any], command: list[str] | None = None) -> list[str]:
+        mounts = paths(container)
+        words = [local(w, mounts) for w in (command or container["command"])]
+        words = [str(rpc_port) if w == "50052" else w for w in words]  # a free port, not the pods' own
+        assert words[0] == "rpcfleet", words
+        writable = [f for f, ro in mounts.values() if not ro]
+        read_only = [f for f, ro in mounts.values() if ro]
+        return contained([sys.executable, "-m", "orchestrator", *words[1:]], writable, read_only)
+
+    def env(container: dict[str, Any]) -> dict[str, str]:
+        mounts = paths(container)
+        return {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "RPCFLEET_RPC_SERVER": str(rpc_server_binary),
+            "RPCFLEET_LLAMA_SERVER": str(tools / "llama-server"),
+            **{e["name"]: local(e["value"], mounts) for e in container["env"]},
+            "LWS_LEADER_ADDRESS": "m-0.m.default",
+            "LWS_GROUP_SIZE": "1",
+            "LWS_WORKER_INDEX": "0",
+        }
+
+    def run(container: dict[str, Any], command: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv(container, command), env=env(container), capture_output=True, text=True, timeout=120
+        )
+
+    started: list[subprocess.Popen[bytes]] = []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        with (logs / "rpc-server.log").open("wb") as log:
+            started.append(subprocess.Popen(argv(sidecar), env=env(sidecar), stdout=log, stderr=log))
+        deadline = time.monotonic() + 30
+        while run(sidecar, sidecar["readinessProbe"]["exec"]["command"]).returncode != 0:
+            assert started[0].poll() is None, (logs / "rpc-server.log").read_text()
+            assert time.monotonic() < deadline, (logs / "rpc-server.log").read_text()
+            time.sleep(0.5)
+        pid = json.loads((volumes["run"] / "rpc-server.pid").read_text())["pid"]
+        server_argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        assert server_argv[server_argv.index(b"-t") + 1] == b"4"  # the pod's CPU limit, not the node's CPUs
+        status = (Path("/proc") / str(pid) / "status").read_text()
+        assert "\nCapEff:\t0000000000000000\n" in status and "\nNoNewPrivs:\t1\n" in status, status
+        planned = run(init)
+        assert planned.returncode == 0, planned.stdout + planned.stderr
+        args = json.loads((volumes["run"] / "llama-server.json").read_text())["args"]
+        assert "--no-slots" in args
+        with (logs / "llama-server.log").open("wb") as log:
+            started.append(subprocess.Popen(argv(engine), env=env(engine), stdout=log, stderr=log))
+        base = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert started[1].poll() is None, (logs / "llama-server.log").read_text()[-4000:]
+            with contextlib.suppress(OSError):
+                if _http(base + "/health") == 200:  # the probes' path needs no key
+                    break
+            assert time.monotonic() < deadline, (logs / "llama-server.log").read_text()[-4000:]
+            time.sleep(1)
+        assert _http(base + "/v1/models") == 401
+        assert _http(base + "/v1/models", "wrong") == 401
+        assert _http(base + "/v1/models", "secret-key") == 200
+        assert _http(base + "/slots", "secret-key") != 200  # --no-slots
+        assert run(sidecar, sidecar["livenessProbe"]["exec"]["command"]).returncode == 0
+    finally:
+        for process in reversed(started):
+            if process.poll() is None:
+                process.terminate()
+        for process in started:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
