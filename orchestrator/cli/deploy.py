@@ -305,10 +305,12 @@ def handle_status(args: argparse.Namespace) -> int:
     inventory, hosts = _inputs.load_hosts(args)
     change = status_fleet(inventory, hosts, _running.batches(args))
     run, found = change.run, change.undeclared
+    # A running server whose port no REJECT closes is open to everyone: a failure, as a host's error is.
+    exposed = any(isinstance(r.value, ServerStatus) and r.value.exposed for r in run.results)
     if args.json:
         _print_json(run)
         _warn_undeclared(found)
-        return 0 if run.ok else 1
+        return 0 if run.ok and not exposed else 1
     table = Table(box=box.SIMPLE_HEAD)
     for column in ("host", "endpoint", "state", "supervisor", "pid", "version", "protocol", "detail"):
         table.add_column(column)
@@ -354,7 +356,7 @@ def handle_status(args: argparse.Namespace) -> int:
         if r.error is not None:
             error = _output.escape(r.error.describe(with_host=False))
             _output.err_console.print(f"[red]{_output.escape(r.host.name)}[/red]: {error}", highlight=False)
-    return 0 if run.ok else 1
+    return 0 if run.ok and not exposed else 1
 
 
 def handle_logs(args: argparse.Namespace) -> int:

@@ -375,10 +375,19 @@ class PortOwner:
 
 
 @dataclass(frozen=True)
-class FirewallRulesFact(Fact[int | None]):
-    """How many of rpcfleet's rules for `port` are in INPUT (operations.firewall: the comment
-    `rpcfleet <install dir> <port>`, quoted by `iptables -S` as it holds spaces); None when they cannot
-    be read (no iptables, not root)."""
+class FirewallRules:
+    """rpcfleet's rules for a port in INPUT: how many, and how many of them are its REJECT (none: the
+    port is open to everyone the rules do not name)."""
+
+    rules: int
+    rejects: int
+
+
+@dataclass(frozen=True)
+class FirewallRulesFact(Fact[FirewallRules | None]):
+    """rpcfleet's rules for `port` in INPUT (operations.firewall: the comment `rpcfleet <install dir>
+    <port>`, quoted by `iptables -S` as it holds spaces), counted, and the REJECTs among them; None when
+    they cannot be read (no iptables, not root)."""
 
     port: int
     name: ClassVar[str] = "firewall_rules"
@@ -388,13 +397,18 @@ class FirewallRulesFact(Fact[int | None]):
         return (
             "IPT=$(command -v iptables || ls /usr/sbin/iptables /sbin/iptables 2>/dev/null | head -n 1); "
             '[ -n "$IPT" ] && [ "$(id -u)" = 0 ] || exit 3; '
-            '"$IPT" -w -S INPUT | grep -e "^-A " | sed "s/\\$/ /" | grep -F -e " --dport '
-            f"{port} \" | grep -F -e '--comment \"rpcfleet ' | grep -c -F -e ' {port}\" ' || true"
+            'R=$("$IPT" -w -S INPUT | grep -e "^-A " | sed "s/\\$/ /" | grep -F -e " --dport '
+            f"{port} \" | grep -F -e '--comment \"rpcfleet ' | grep -F -e ' {port}\" ' || true); "
+            # the target follows the comment: a REJECT is the end of the line, never a comment's text
+            'printf "%s %s\\n" "$(printf "%s" "$R" | grep -c . || true)" '
+            '"$(printf "%s" "$R" | grep -c -e " -j REJECT --reject-with tcp-reset \\$" || true)"'
         )
 
-    def parse(self, stdout: str, stderr: str, exit_status: int) -> int | None:
-        count = stdout.strip()
-        return int(count) if exit_status == 0 and count.isdigit() else None
+    def parse(self, stdout: str, stderr: str, exit_status: int) -> FirewallRules | None:
+        counts = stdout.split()
+        if exit_status != 0 or len(counts) != 2 or not all(c.isdigit() for c in counts):
+            return None
+        return FirewallRules(int(counts[0]), int(counts[1]))
 
 
 @dataclass(frozen=True)

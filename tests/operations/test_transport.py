@@ -11,6 +11,7 @@ import pytest
 from orchestrator.connectors.tunnel import Tunnels, openssh_argv
 from orchestrator.core.errors import InventoryError, ServiceError
 from orchestrator.core.target import Target
+from orchestrator.facts.server import FirewallRules
 from orchestrator.inventory.load import load_inventory_text
 from orchestrator.operations.firewall import CANNOT, firewall_script, rules_path, rules_script
 from orchestrator.operations.server.process import server_argv
@@ -88,11 +89,11 @@ def test_a_tcp_host_is_dialed_at_its_own_endpoint_without_a_forward() -> None:
 def test_firewall_script_tags_its_rules_and_resolves_the_controller() -> None:
     host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")
     script = firewall_script(host, "/home/u/rpcfleet", install=True)
-    assert "${SSH_CONNECTION%% *}" in script and "@nocontroller" in script
+    assert "CTL=${SSH_CONNECTION:-}; CTL=${CTL%% *}" in script and "@nocontroller" in script
     assert "F=/home/u/rpcfleet/firewall.sh" in script and 'exec sh "$F"' in script
     rules = rules_script(host, "/home/u/rpcfleet")
     assert "TAG='rpcfleet /home/u/rpcfleet 50052'" in rules
-    lines = [line for line in rules.splitlines() if "-I INPUT" in line]
+    lines = [line for line in rules.splitlines() if "-I INPUT" in line and "fail_closed; exit 1" in line]
     assert "--ctstate ESTABLISHED,RELATED -j ACCEPT" in lines[0]  # a live client is never reset
     assert '-s "$CTL" --dport 50052 -j ACCEPT' in lines[1]
     assert "-s 10.0.0.0/24 --dport 50052 -j ACCEPT" in lines[2]
@@ -111,9 +112,18 @@ def test_a_system_unit_installs_the_rules_before_every_start() -> None:
 
 
 @pytest.mark.parametrize(
-    ("rules", "said"), [(None, "unknown"), (0, "missing"), (2, "partial"), (5, "ok"), (6, "partial")]
+    ("rules", "said"),
+    [
+        (None, "unknown"),
+        (FirewallRules(0, 0), "missing"),
+        (FirewallRules(2, 1), "partial"),
+        (FirewallRules(5, 1), "ok"),
+        (FirewallRules(6, 1), "partial"),
+        (FirewallRules(4, 0), "open"),  # the accepts without their REJECT: open to everyone
+        (FirewallRules(6, 2), "partial"),
+    ],
 )
-def test_status_counts_the_rules_the_inventory_asks_for(rules: int | None, said: str) -> None:
+def test_status_counts_the_rules_the_inventory_asks_for(rules: FirewallRules | None, said: str) -> None:
     host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")  # 3 sources: 5 rules
     assert firewall_state(host, rules) == said
     assert firewall_state(load_inventory_text(INVENTORY, Path("inv.yml")).host("a"), rules) is None

@@ -362,15 +362,15 @@ def test_status_says_firewall_missing_and_a_restart_installs_it_again(
     node, inventory = root_node
     other = transport_lab.nodes[2]
 
-    def firewall() -> str:
+    def firewall(exit_status: int = 0) -> str:
         capsys.readouterr()
-        assert main(["-i", str(inventory), "status", "--json"]) == 0
+        assert main(["-i", str(inventory), "status", "--json"]) == exit_status
         return str(json.loads(capsys.readouterr().out)[0]["result"]["firewall"])
 
     assert main(["-i", str(inventory), "deploy"]) == 0
     assert firewall() == "ok"
     transport_lab.node_exec(node, ["iptables", "-w", "-F", "INPUT"])  # as a reboot or an admin would
-    assert firewall() == "missing"
+    assert firewall(exit_status=1) == "missing"  # open to everyone: status fails
     assert connect_from_node(transport_lab, other, node.address, 50053) == "connected"
     assert main(["-i", str(inventory), "restart", "--rolling"]) == 0  # operations.restart starts it
     assert firewall() == "ok"

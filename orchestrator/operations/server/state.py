@@ -28,6 +28,7 @@ from orchestrator.connectors.tunnel import target_of
 from orchestrator.core.errors import RpcfleetError, ServiceError
 from orchestrator.facts.base import Fact, gather
 from orchestrator.facts.server import (
+    FirewallRules,
     FirewallRulesFact,
     Launch,
     LaunchFact,
@@ -233,7 +234,7 @@ class NodeState:
     unit: UnitState | None = None  # this install's systemd unit, read whatever the supervisor
     systemd: SystemdInfo | None = None
     pid_file_pid: int | None = None  # the pid file's live process, whatever the supervisor
-    firewall_rules: int | None = None  # rpcfleet's rules for the port in INPUT (None: not read)
+    firewall_rules: FirewallRules | None = None  # rpcfleet's rules for the port in INPUT (None: not read)
 
     def foreign_supervisor(self, pid: int) -> str:
         """Which other supervisor runs our server `pid` ("" when none): under systemd the process
@@ -329,9 +330,15 @@ class ServerStatus:
     last_exit: str = ""  # how the server last ended (systemd: with the unit's Result)
     transport: str = "tcp"  # rpc_transport: how the controller reaches the server
     user: str | None = None  # the user the running server runs as (None: not running, or unknown)
-    # rpc_allow_from's rules: "ok", "missing", "partial" (not as many as the inventory's list makes),
-    # "unknown" (not readable: no iptables, not root); None when the inventory asks for none
+    # rpc_allow_from's rules: "ok", "missing", "open" (some, but no REJECT), "partial" (not as many as
+    # the inventory's list makes), "unknown" (not readable: no iptables, not root); None when the
+    # inventory asks for none
     firewall: str | None = None
+
+    @property
+    def exposed(self) -> bool:
+        """A running server the inventory firewalls whose port no REJECT closes: `status` fails."""
+        return self.firewall in FIREWALL_OPEN
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -439,8 +446,10 @@ def classify(
         user = svc.launch.user
     # a server that does not run needs no rule (a stop removes them)
     firewall = firewall_state(host, state.firewall_rules) if pid is not None else None
-    if firewall in ("missing", "partial"):
-        message = "; ".join(filter(None, [message, f"firewall: {firewall} (`rpcfleet deploy` installs it)"]))
+    if firewall in ("missing", "open", "partial"):
+        exposed = " (no REJECT: the port is open to everyone)" if firewall in FIREWALL_OPEN else ""
+        note = f"firewall: {firewall}{exposed} (`rpcfleet deploy` installs it)"
+        message = "; ".join(filter(None, [message, note]))
     return ServerStatus(
         host=host.name,
         endpoint=host.endpoint,
@@ -460,15 +469,24 @@ def classify(
     )
 
 
-def firewall_state(host: Host, rules: int | None) -> str | None:
-    """Pure: what `status` says of rpc_allow_from's rules, from how many of them are in INPUT."""
+# What `firewall_state` says of a port no REJECT of ours closes.
+FIREWALL_OPEN = ("missing", "open")
+
+
+def firewall_state(host: Host, rules: FirewallRules | None) -> str | None:
+    """Pure: what `status` says of rpc_allow_from's rules, from how many of them, and of their REJECTs,
+    are in INPUT."""
     if not host.firewalled:
         return None
     if rules is None:
         return "unknown"
+    if rules.rules == 0:
+        return "missing"
+    if rules.rejects == 0:
+        return "open"
     # operations.firewall: established connections, each source, the REJECT
     expected = len(host.rpc_allow_from or ()) + 2
-    return "ok" if rules == expected else "missing" if rules == 0 else "partial"
+    return "ok" if rules.rules == expected and rules.rejects == 1 else "partial"
 
 
 def _crash_loop_message(loop: SupervisorLoop, note: str) -> str:
