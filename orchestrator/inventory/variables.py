@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -205,8 +206,9 @@ def parse_env(value: Any) -> tuple[tuple[str, str], ...]:
         if isinstance(item, bool) or not isinstance(item, str | int | float):
             raise ValueError(f"{name}: expected a string or a number, got {item!r}")
         text = str(item)
-        if "\n" in text or "\0" in text:
-            raise ValueError(f"{name}: a value cannot hold a newline or NUL")
+        bad = control_character(text)
+        if bad:  # it is written into the server's unit and launch line
+            raise ValueError(f"{name}: a value cannot hold a control character ({bad})")
         pairs.append((name, text))
     return tuple(sorted(pairs))
 
@@ -217,16 +219,41 @@ def is_gpu_device(name: str) -> bool:
 
 
 def _parse_source(value: Any) -> str:
-    """One `rpc_allow_from` entry: an IPv4/IPv6 address or network (CIDR), or `controller`."""
+    """One `rpc_allow_from` entry: an IPv4 address or network (CIDR), or `controller`. IPv6 is refused:
+    the server binds an IPv4 literal, so no IPv6 client reaches it, and the rules are iptables' (IPv4)."""
     text = fields.text(value).strip()
     if text == CONTROLLER:
         return text
     try:
-        return str(ipaddress.ip_network(text, strict=False))
+        network = ipaddress.ip_network(text, strict=False)
     except ValueError:
         raise ValueError(
             f"{text!r} is not an address or a network such as 10.0.0.0/24 (or `{CONTROLLER}`)"
         ) from None
+    if network.version != 4:
+        raise ValueError(
+            f"{text!r} is IPv6: the rpc-server listens on an IPv4 address only, so the firewall takes "
+            "IPv4 sources such as 10.0.0.0/24"
+        )
+    return str(network)
+
+
+def control_character(text: str) -> str | None:
+    """The first control character or line break of `text` as U+XXXX (None when it has none): such a
+    value would end a systemd unit's line, or a shell script's, early."""
+    for char in text:
+        if unicodedata.category(char) in ("Cc", "Zl", "Zp"):
+            return f"U+{ord(char):04X}"
+    return None
+
+
+def _parse_install_dir(value: Any) -> str:
+    """`install_dir`: a path; no control character (it is written into a root-run unit)."""
+    text = fields.text(value)
+    bad = control_character(text)
+    if bad:
+        raise ValueError(f"a path cannot hold a control character ({bad})")
+    return text
 
 
 @dataclass(frozen=True)
@@ -312,7 +339,7 @@ VARIABLES: tuple[Variable, ...] = (
         "cpu",
         "ggml backend of the server (auto: cuda with an NVIDIA driver, vulkan with a Vulkan GPU, else cpu)",
     ),
-    Variable("install_dir", (), fields.text, DEFAULT_INSTALL_DIR, "where artifacts are installed"),
+    Variable("install_dir", (), _parse_install_dir, DEFAULT_INSTALL_DIR, "where artifacts are installed"),
     Variable("memory_reserve", (), fields.size, 0, "memory kept free per device"),
     Variable("memory_limit", (), fields.optional(fields.size), None, "most memory used per device"),
     Variable("ssh_known_hosts", (), fields.optional(fields.text), None, "known_hosts file"),

@@ -32,7 +32,7 @@ from orchestrator.facts.systemd import (
     UnitState,
 )
 from orchestrator.inventory.model import Host
-from orchestrator.inventory.variables import DEFAULT_INSTALL_DIR
+from orchestrator.inventory.variables import DEFAULT_INSTALL_DIR, control_character
 
 UNIT_PREFIX = "rpcfleet-"
 
@@ -127,7 +127,21 @@ def render_unit(
     launch_env: the process supervisor's line) from `install_dir` (absolute, as the node expanded it).
     `user`: a user unit (no User=, wanted by default.target). `firewall`: rpc_allow_from's rules script
     (operations.firewall), run as root before every start, a boot's included; a start fails when it
-    cannot install them, so the port is never open to all."""
+    cannot install them, so the port is never open to all. Raises ServiceError for a value that holds a
+    control character: a newline would start a directive of its own in a unit root runs."""
+    values = [
+        ("install_dir", install_dir),
+        ("the address", host.rpc_host or host.address),
+        *((f"the launch line (argument {i})", arg) for i, arg in enumerate(argv, start=1)),
+        *((f"rpc_env's {key}", f"{key}={value}") for key, value in env.items()),
+        ("the firewall script's path", firewall or ""),
+    ]
+    for what, value in values:
+        bad = control_character(value)
+        if bad:
+            raise ServiceError(
+                f"refusing to write a unit: {what} holds a control character ({bad})", host=host.name
+            )
     cache = f"{install_dir}/cache"
     lines = [
         "# Written by rpcfleet: changes here are replaced by the next deploy.",
