@@ -26,6 +26,7 @@ class ServeScreen:
             progress=self.bars,
             loaded=self.loaded,
             engine_build=lambda line: self.say(escape(line)),
+            on_demand=self.on_demand,
         )
 
     def say(self, markup: str) -> None:
@@ -57,4 +58,12 @@ class ServeScreen:
             f"{escape(who)}{loaded.state} on {loaded.nodes} node(s): "
             + " · ".join(f"{k} {v:.2f} s" for k, v in loaded.phases.items())
             + escape(cache)
+        )
+
+    def on_demand(self, event: Any) -> None:
+        """An on-demand model's load, resume, failed load, unload or swap: one line."""
+        colour = "red" if event.kind == "load_failed" else "cyan"
+        self.say(
+            f"[{colour}]{escape(event.kind)}[/{colour}] {escape(event.formation)} ({escape(event.model)}): "
+            f"{escape(event.message)}"
         )

@@ -130,7 +130,10 @@ class Collector:
         formations: Callable[[], Sequence[Formation]] = tuple,
         trust_rpc_memory: bool = False,
         cache: bool = True,
+        events: Callable[[], Sequence[Event]] = tuple,
     ) -> None:
+        """`events`: whoever serves tells its own events (on-demand loads, unloads): those since the
+        last call, added to the page's at each round."""
         if interval <= 0 or timeout <= 0:
             raise ValueError("interval and timeout must be positive")
         self.hosts = list(hosts)
@@ -138,6 +141,7 @@ class Collector:
         self.timeout = timeout
         self.forks = forks or DEFAULT_FORKS
         self.formations = formations
+        self.news = events
         self.trust_rpc_memory = trust_rpc_memory
         self.cache = cache
         self.snapshot = Snapshot(0.0, interval)  # replaced whole by each round (one reference: atomic)
@@ -227,6 +231,7 @@ class Collector:
         nodes = self._nodes(reads, ssh, probes, now)
         before = self.snapshot
         events = changes(before.nodes, nodes, now) + formation_changes(before.formations, formations, now)
+        events = sorted([*events, *self.news()], key=lambda e: e.at)
         self._events.extend(events)
         self._history.append(
             Point(now, sum(f.request_count for f in formations), sum(f.completion_tokens for f in formations))

@@ -191,7 +191,8 @@ class Formation:
 @dataclass(frozen=True)
 class Event:
     at: float
-    kind: str  # restart, down, up, recovery, reload, rejoin, state
+    kind: str  # restart, down, up, recovery, reload, rejoin, state; serve's on-demand: load, resume,
+    # loaded, load_failed, unload, swap
     host: str  # the node, or the formation's name
     message: str
 

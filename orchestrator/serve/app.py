@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from orchestrator.core.log import get_logger
-from orchestrator.observe.web import Exporter, HttpGuard, PageGate, RequestTimer, mount
+from orchestrator.observe.web import Exporter, HttpGuard, PageGate, mount
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.keys import KeyRing, UserKey
 from orchestrator.serve.metrics import Metrics
@@ -215,7 +215,6 @@ def create_app(
     if exporter is not None:  # the live fleet page at `/`, behind the same key rules
         gate = UserKeysPage(keys) if keys is not None else None
         mount(app, exporter, api_key=api_key, has_key=has_key, gate=gate)
-        app.add_middleware(RequestTimer, histogram=exporter.histogram(model_name, "latency"))
     if keys is not None:
         app.add_middleware(KeyCounter, metrics=metrics)
     # outermost: before any route's work

@@ -57,6 +57,8 @@ class Backend:
         self.lost: tuple[str, ...] = ()
         self.load_seconds: float | None = None  # the last engine start and load
         self.on_failed: Callable[[], None] | None = None  # called when recovery gives up
+        # False: a failed first load ends `failed` at once (an on-demand model: its backoff retries)
+        self.recover_first_load = True
         # whether another formation of this model serves now (the router's): a rejoin then leaves the
         # router while it reloads instead of holding the requests in its queue
         self.others_serving: Callable[[], bool] | None = None
@@ -255,6 +257,13 @@ class Backend:
             async with self.control:
                 if await self.load(plan):
                     return
+            if not self.recover_first_load:
+                self.state = "failed"
+                self.changed.notify()
+                get_logger().warning("serve_first_load_failed", reason=self.reason)
+                if self.on_failed is not None:
+                    self.on_failed()
+                return
         await self.recovery.recover(None)
 
     async def plan_round(self, *, spare: bool = True) -> Round:

@@ -49,7 +49,6 @@ class Metrics:
     reloads: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
     rejoins: list[Rejoin] = field(default_factory=list)
-    on_ttft: Callable[[float], None] | None = None  # each time to first token (the exporter's histogram)
 
     def record_request(self, route: str, code: int) -> None:
         self.requests[(route, code)] += 1
@@ -66,8 +65,6 @@ class Metrics:
         if ttft is not None:
             self.ttft_sum += ttft
             self.ttft_count += 1
-            if self.on_ttft is not None:
-                self.on_ttft(ttft)
 
     def record_reload(self) -> None:
         self.reloads += 1
@@ -135,6 +132,84 @@ class Metrics:
             for phase in ("detection", "replan", "reload", "total"):
                 lines.append(f'rpcfleet_recovery_seconds{{phase="{phase}"}} {getattr(last, phase):.6g}')
         return "\n".join(lines) + "\n"
+
+
+MODEL_STATES = ("unloaded", "loading", "loaded", "backoff", "recovering", "draining", "failed")
+UNLOAD_REASONS = ("idle", "swap", "failed")
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """An on-demand model as `/metrics` shows it: its state, loads started (resumes included), failed
+    loads, unloads by reason (idle, swap: swapped out for another model, failed), requests waiting for
+    its load, its last load's seconds (placement to serving) and the seconds left of its backoff."""
+
+    model: str
+    state: str
+    loads: int
+    load_failures: int
+    unloads: Mapping[str, int]
+    waiting: int
+    load_seconds: float | None
+    backoff_seconds: float
+
+
+def model_metrics(models: Sequence[ModelView]) -> str:
+    """The on-demand models' families, each sample with a `model` label."""
+    lines = [
+        "# HELP rpcfleet_model_state 1 for the state the on-demand model is in.",
+        "# TYPE rpcfleet_model_state gauge",
+    ]
+    for m in models:
+        lines += [
+            f'rpcfleet_model_state{{model="{_label(m.model)}",state="{state}"}} {int(m.state == state)}'
+            for state in MODEL_STATES
+        ]
+    families: tuple[tuple[str, str, str, Callable[[ModelView], float | None]], ...] = (
+        (
+            "loads_total",
+            "counter",
+            "Loads of the on-demand model started (resumes included).",
+            lambda m: m.loads,
+        ),
+        (
+            "load_failures_total",
+            "counter",
+            "Loads of the on-demand model that failed.",
+            lambda m: m.load_failures,
+        ),
+        ("waiting", "gauge", "Requests waiting for the on-demand model's load.", lambda m: m.waiting),
+        (
+            "load_seconds",
+            "gauge",
+            "The model's last load, from placement to serving.",
+            lambda m: m.load_seconds,
+        ),
+        (
+            "backoff_seconds",
+            "gauge",
+            "Seconds before a failed model's next load (0: none).",
+            lambda m: m.backoff_seconds,
+        ),
+    )
+    for name, kind, text, value in families:
+        lines += [f"# HELP rpcfleet_model_{name} {text}", f"# TYPE rpcfleet_model_{name} {kind}"]
+        for m in models:
+            got = value(m)
+            if got is not None:
+                lines.append(f'rpcfleet_model_{name}{{model="{_label(m.model)}"}} {got:.6g}')
+    lines += [
+        "# HELP rpcfleet_model_unloads_total Unloads of the on-demand model, by reason: idle (past its "
+        "idle_unload), swap (swapped out for another model), failed (its load or recovery failed).",
+        "# TYPE rpcfleet_model_unloads_total counter",
+    ]
+    for m in models:
+        model = _label(m.model)
+        lines += [
+            f'rpcfleet_model_unloads_total{{model="{model}",reason="{why}"}} {m.unloads.get(why, 0)}'
+            for why in UNLOAD_REASONS
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def _label(value: str) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from orchestrator.inventory.model import Host
 from orchestrator.observe.collect import Collector
-from orchestrator.observe.snapshot import Formation, FormationDevice
+from orchestrator.observe.snapshot import Event, Formation, FormationDevice
 from orchestrator.observe.web import Exporter
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.router import Router
@@ -83,6 +83,18 @@ def observe(
     trust_rpc_memory: bool = False,
 ) -> Exporter:
     """An exporter of the serve's hosts with the serve's formations (started by the caller)."""
+    seen = 0  # the on-demand events the page has (`OnDemand.event_count`)
+
+    def news() -> list[Event]:
+        """The on-demand loads, unloads and swaps since the last round, as the page's events."""
+        nonlocal seen
+        demand = router.demand
+        if demand is None:
+            return []
+        new, seen = demand.event_count - seen, demand.event_count
+        recent = list(demand.events)[-new:] if new > 0 else []
+        return [Event(e.at, e.kind, e.formation, f"{e.model}: {e.message}") for e in recent]
+
     collector = Collector(
         hosts,
         interval=interval,
@@ -92,7 +104,12 @@ def observe(
         # nodes over SSH only: serve's own probes (re-plans, rejoins) must never meet one of the exporter's.
         formations=lambda: formations_of(router, probes_itself=collector.first_round.is_set()),
         trust_rpc_memory=trust_rpc_memory,
+        events=news,
     )
     exporter = Exporter(collector, collector.formations)
-    router.metrics.on_ttft = exporter.histogram(router.models[0], "ttft").observe
+
+    def observe_one(formation: str, metric: str, seconds: float) -> None:
+        exporter.histogram(formation, metric).observe(seconds)
+
+    router.observe = observe_one  # each formation's time to first token and request duration
     return exporter

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.core.log import get_logger
 from orchestrator.serve.affinity import AFFINE, FALLBACK, LEAST_LOADED, Load, reason, route
 from orchestrator.serve.backend import Backend
-from orchestrator.serve.metrics import EngineScrape, Metrics, engine_metrics, kv_used, label_value
+from orchestrator.serve.metrics import (
+    EngineScrape,
+    Metrics,
+    engine_metrics,
+    kv_used,
+    label_value,
+    model_metrics,
+)
 from orchestrator.serve.states import SERVING, Rejected, ServeConfig, Ticket
 from orchestrator.serve.upstream import Upstream, UpstreamError
 
@@ -93,6 +100,8 @@ class Router:
         self._scraped: dict[str, tuple[float, str, str]] = {}  # engine url -> (when, /metrics, /slots)
         self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
+        # each formation's request times: (formation, "ttft" | "latency", seconds), the exporter's histograms
+        self.observe: Callable[[str, str, float], None] | None = None
         for formation in self.formations:
             formation.backend.others_serving = functools.partial(self.others_serving, formation)
 
@@ -277,9 +286,12 @@ class Router:
             rejoins=sorted((r for b in backends for r in b.metrics.rejoins), key=lambda r: r.at),
         )
 
-    def counters(self, backend: Backend) -> Counters:
-        """Where a request served by `backend` is counted: the front's counters and its formation's."""
-        return Counters(self.metrics, backend.metrics)
+    def counters(self, backend: Backend, arrived: float | None = None) -> Counters:
+        """Where a request served by `backend` is counted: the front's counters and its formation's, and
+        its times in its formation's histograms (`observe`; `arrived`: its arrival, time.monotonic())."""
+        name = next((f.name for f in self.formations if f.backend is backend), None)
+        observe = self.observe if name is not None else None
+        return Counters(self.metrics, backend.metrics, name or "", observe, arrived)
 
     async def prometheus(self, *, formations: bool = True) -> str:
         """serve's Prometheus text: the front's counters, the slots with every formation's engine families
@@ -295,6 +307,7 @@ class Router:
         scrapes = await self.engine_scrapes()
         text += engine_metrics(scrapes, parallel, admitted)
         text += self.formation_metrics() if formations else ""
+        text += model_metrics(self.demand.views()) if self.demand is not None else ""
         return text + self.routing_metrics(scrapes)
 
     async def engine_scrapes(self) -> list[EngineScrape]:
@@ -448,15 +461,29 @@ class Router:
 
 
 class Counters:
-    """The front's counters and a formation's (one object when a single formation shares the front's)."""
+    """The front's counters and a formation's (one object when a single formation shares the front's),
+    and the formation's histograms (`observe`, under the formation's `name`): its time to first token,
+    and its request's duration from `arrived` to its answer's end (`record_request`)."""
 
-    def __init__(self, front: Metrics, formation: Metrics) -> None:
+    def __init__(
+        self,
+        front: Metrics,
+        formation: Metrics,
+        name: str = "",
+        observe: Callable[[str, str, float], None] | None = None,
+        arrived: float | None = None,
+    ) -> None:
         self.targets = (front,) if formation is front else (front, formation)
+        self.name, self.observe, self.arrived = name, observe, arrived
 
     def record_request(self, route: str, code: int) -> None:
         for target in self.targets:
             target.record_request(route, code)
+        if self.observe is not None and self.arrived is not None:
+            self.observe(self.name, "latency", time.monotonic() - self.arrived)
 
     def record_done(self, prompt: int, completion: int, tokens_per_second: float, ttft: float | None) -> None:
         for target in self.targets:
             target.record_done(prompt, completion, tokens_per_second, ttft)
+        if self.observe is not None and ttft is not None:
+            self.observe(self.name, "ttft", ttft)

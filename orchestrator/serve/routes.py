@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -159,6 +160,7 @@ def openai_routes(
         return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id, key)
 
     async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None, key: str | None) -> Any:
+        arrived = time.monotonic()  # its formation's request duration counts from here
         try:  # the formation of the prompt's prefix, or the least-loaded; a stream stays on it
             await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
             backend, ticket = router.admit(model_id, key)
@@ -200,7 +202,7 @@ def openai_routes(
                 if stream and answer.status == 200:
                     handed = True
                     return StreamingResponse(
-                        _stream(route, backend, ticket, got, held, answer),
+                        _stream(route, backend, ticket, got, held, answer, arrived),
                         media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     )
@@ -219,7 +221,7 @@ def openai_routes(
                 router.counters(backend).record_done(
                     usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
                 )
-            router.counters(backend).record_request(route, answer.status)
+            router.counters(backend, arrived).record_request(route, answer.status)
             media = answer.headers.get("content-type", "application/json")
             return Response(whole, status_code=answer.status, media_type=media)
         finally:
@@ -238,6 +240,7 @@ def openai_routes(
         running: Running,
         held: contextlib.AsyncExitStack,
         answer: Answer,
+        arrived: float,
     ) -> AsyncIterator[bytes]:
         usage = _Usage()
         last = b""  # the stream's end so far: an OpenAI stream of llama-server's ends with [DONE]
@@ -250,7 +253,7 @@ def openai_routes(
             if not settled:
                 settled = True
                 backend.release(ticket)
-                router.counters(backend).record_request(route, code)
+                router.counters(backend, arrived).record_request(route, code)
 
         try:
             try:

@@ -12,3 +12,5 @@ LINK_TIMEOUT = 10.0  # seconds a cut link may stall the engine before it is decl
 REJOIN_INTERVAL = 5.0  # seconds between two probes of the nodes left out (0: no watch)
 SEED = 0  # the default sampling seed
 ROUTING = "affine"  # prefix-affine routing between a model's formations (serve.affinity)
+MIN_RESIDENT = 60.0  # seconds an on-demand model stays loaded at least (or twice its load, if longer)
+SWAP_COOLDOWN = 30.0  # seconds after its last request before an on-demand model may be swapped out

@@ -31,6 +31,8 @@ class ServeConfig:
     diagnose_timeout: float = 15.0  # seconds a request waits for the diagnosis of a dead engine
     seed: int = settings.SEED
     routing: str = settings.ROUTING  # which formation of a model takes a request: affine or least-loaded
+    min_resident: float = settings.MIN_RESIDENT  # on-demand: seconds loaded before a swap may unload it
+    swap_cooldown: float = settings.SWAP_COOLDOWN  # on-demand: seconds unused before a swap may unload it
 
 
 class Rejected(RpcfleetError):

@@ -37,7 +37,7 @@ from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineFactory, default_engines
 from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
-from orchestrator.serve.on_demand import OnDemand
+from orchestrator.serve.on_demand import DemandEvent, OnDemand
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 from orchestrator.serve.spares import SpareWatch
@@ -114,6 +114,7 @@ class ServeEvents:
     progress: Callable[[LoadProgress], None] | None = None
     loaded: Callable[[Loaded], None] | None = None
     engine_build: Callable[[str], None] | None = None  # llama-server's build, when it is built first
+    on_demand: Callable[[DemandEvent], None] | None = None  # an on-demand load, unload, swap, resume...
 
 
 @dataclass
@@ -329,6 +330,7 @@ async def life(
                 whole.probe_spares,
                 lambda one, name: make_formation(one, name, {}),
                 known,
+                on_event=events.on_demand,
             )
         # A node silent at start (or a spare given back) that answers again makes a new formation when the
         # answering spares hold a model served with --replicas auto (`serve.spares`); with on-demand

@@ -237,6 +237,24 @@ ROUTING = Option(
     f"busy; least-loaded = always the least-loaded (default: {settings.ROUTING})",
     choices=("affine", "least-loaded"),
 )
+MODELS_MIN_RESIDENT = Option(
+    "min_resident",
+    ("--models-min-resident",),
+    seconds_or_zero,
+    settings.MIN_RESIDENT,
+    "on-demand models: seconds a model stays loaded before another may take its nodes (twice its load "
+    f"time when that is longer); 0: only twice its load time (default: {settings.MIN_RESIDENT:g})",
+    metavar="S",
+)
+MODELS_SWAP_COOLDOWN = Option(
+    "swap_cooldown",
+    ("--models-swap-cooldown",),
+    seconds_or_zero,
+    settings.SWAP_COOLDOWN,
+    "on-demand models: seconds after its last request before a model may be swapped out for another, "
+    f"so that a user's next turn finds it loaded; 0: at once (default: {settings.SWAP_COOLDOWN:g})",
+    metavar="S",
+)
 OBSERVE_INTERVAL = Option(
     "observe_interval",
     ("--observe-interval",),
@@ -273,6 +291,8 @@ OWN_OPTIONS = (
     RELOAD_ROLLING,
     SEED,
     ROUTING,
+    MODELS_MIN_RESIDENT,
+    MODELS_SWAP_COOLDOWN,
     OBSERVE_INTERVAL,
 )
 # Every option of `rpcfleet serve`, in the command line's order: the models and formations, the planning
@@ -299,6 +319,8 @@ LIMITS: Mapping[str, Option] = {
     "rejoin_interval": REJOIN_INTERVAL,
     "seed": SEED,
     "routing": ROUTING,
+    "min_resident": MODELS_MIN_RESIDENT,
+    "swap_cooldown": MODELS_SWAP_COOLDOWN,
 }
 
 

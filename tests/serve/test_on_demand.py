@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,11 @@ from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.models_file import parse_models_file
-from orchestrator.serve.on_demand import Holder, OnDemand, swap
+from orchestrator.serve.on_demand import OnDemand
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Formation, Router
 from orchestrator.serve.states import ServeConfig
+from orchestrator.serve.swap import Holder, swap
 from tests.plugins.llama import plan_devices
 from tests.plugins.serve_rig import HttpEngine, PartFleet
 
@@ -112,7 +114,13 @@ def test_the_swap_frees_the_least_recently_used_idle_formation_waits_for_busy_on
 
 
 @pytest.fixture
-def on_demand(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Router]]]:
+def started() -> Counter[str]:
+    """Engines started by `on_demand`'s formations, by model: one per load."""
+    return Counter()
+
+
+@pytest.fixture
+def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[..., tuple[Any, Router]]]:
     from fastapi.testclient import TestClient
 
     from orchestrator.serve.app import create_app
@@ -120,19 +128,35 @@ def on_demand(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Router]]]:
     made: list[tuple[Any, Router]] = []
 
     def make(
-        models: Sequence[ServedModel], always: Mapping[str, tuple[str, ...]] = {}, **config: Any
+        models: Sequence[ServedModel],
+        always: Mapping[str, tuple[str, ...]] = {},
+        *,
+        engine: Mapping[str, type[HttpEngine]] = {},
+        backoff: tuple[float, float] = (5.0, 300.0),
+        **config: Any,
     ) -> tuple[Any, Router]:
+        """`engine`: the engine class of some models (default HttpEngine); `config`: ServeConfig's fields
+        (residency and swap cooldown 0 unless given: a swap at once)."""
         options = ServeConfig(
-            **{"retry_interval": 0.005, "rejoin_interval": 0.0, "queue_timeout": 10.0, **config}
+            **{
+                "retry_interval": 0.005,
+                "rejoin_interval": 0.0,
+                "queue_timeout": 10.0,
+                "min_resident": 0.0,
+                "swap_cooldown": 0.0,
+                **config,
+            }
         )
         hosts = [_host(ep) for ep in NODES]
 
-        def backend_on(endpoints: tuple[str, ...]) -> Backend:
+        def backend_on(endpoints: tuple[str, ...], model: str = "") -> Backend:
             fleet = PartFleet(tiny_model, endpoints)
             engines: list[Any] = []
+            kind = engine.get(model, HttpEngine)
 
             def factory(plan: Plan, targets: Mapping[str, Target]) -> HttpEngine:
-                engines.append(HttpEngine(plan, fleet, len(engines)))
+                engines.append(kind(plan, fleet, len(engines)))
+                started[model] += 1
                 return engines[-1]  # type: ignore[no-any-return]
 
             return Backend(fleet, options, factory)
@@ -146,11 +170,21 @@ def on_demand(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Router]]]:
             return {h.endpoint: "ok" for h in free}, plan_devices([h.endpoint for h in free])
 
         def formation(one: Formed, name: str) -> Formation:
-            return Formation(name, one.model.name, backend_on(one.choice.endpoints))
+            return Formation(name, one.model.name, backend_on(one.choice.endpoints, one.model.name))
 
         known = {d.endpoint or "": [d] for d in plan_devices(list(NODES))}
         router.spares = lambda: [h.endpoint for h in pool.snapshot()]
-        router.demand = OnDemand(router, pool, models, hosts, probe, formation, known)
+        router.demand = OnDemand(
+            router,
+            pool,
+            models,
+            hosts,
+            probe,
+            formation,
+            known,
+            backoff_first=backoff[0],
+            backoff_max=backoff[1],
+        )
         client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name=router.models[0]))
         client.__enter__()  # one loop for the routes and the backends, as in serve
         client.portal.call(router.start)
@@ -237,3 +271,126 @@ def test_a_request_waits_for_a_busy_model_to_finish_then_swaps_it_out(
         answer = waiting.result()
     assert answer.status_code == 200, answer.text
     assert [f.name for f in router.formations] == ["b#0"]
+
+
+# -- under pressure: residency, swap cooldown, backoff, bounded waiters
+
+
+@dataclasses.dataclass(eq=False)
+class ExitingEngine(HttpEngine):
+    """llama-server that exits while loading its model (a bad file, a node's server gone)."""
+
+    async def load(self, limit: float, on_progress: Any, cache_hits: Mapping[str, int]) -> float:
+        from orchestrator.serve.engine import EngineError
+
+        raise EngineError("llama-server exited with status 1 while loading the model")
+
+
+@dataclasses.dataclass(eq=False)
+class SlowEngine(HttpEngine):
+    """An engine whose load takes a second."""
+
+    async def load(self, limit: float, on_progress: Any, cache_hits: Mapping[str, int]) -> float:
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        return 1.0
+
+
+def _metric(client: Any, sample: str) -> float | None:
+    """The value of the `/metrics` line that starts with `sample` (None: no such line)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rpartition(" ")[2])
+    return None
+
+
+def test_requests_alternating_between_two_models_that_cannot_both_be_loaded_swap_once_a_residency(
+    on_demand: Callable[..., tuple[Any, Router]], started: Counter[str], tiny_model: Path
+) -> None:
+    one_node = (NODES[0],)
+    a, b = _model(tiny_model, "a", one_node), _model(tiny_model, "b", one_node)
+    # a swap's unload takes a fake engine up to 0.5 s (its HTTP server's shutdown): a wait of 1.5 s
+    client, router = on_demand([a, b], min_resident=4.0, queue_timeout=1.5)
+    answers = [_ask(client, "ab"[i % 2]) for i in range(20)]
+    assert [r.status_code for r in answers[::2]] == [200] * 10  # a, loaded first, keeps its node
+    for refused in answers[1::2]:  # b: refused at once, told when a may go
+        assert refused.status_code == 503 and 2 <= int(refused.headers["Retry-After"]) <= 4, refused.text
+        assert "a#0 holds 10.8.0.1:50052, kept" in refused.json()["error"]["message"], refused.text
+    assert started == {"a": 1}  # not 20 loads
+    assert router.demand is not None
+    time.sleep(max(0.0, router.demand.loaded_at["a"] + 4.05 - time.monotonic()))  # a's residency over
+    assert _ask(client, "b").status_code == 200  # swapped in once
+    assert _ask(client, "a").status_code == 503  # b's residency now
+    assert started == {"a": 1, "b": 1}
+    kinds = [(e.kind, e.formation) for e in router.demand.events]
+    assert kinds == [("load", "a#0"), ("loaded", "a#0"), ("swap", "a#0"), ("load", "b#0"), ("loaded", "b#0")]
+    assert _metric(client, 'rpcfleet_model_unloads_total{model="a",reason="swap"}') == 1
+    assert _metric(client, 'rpcfleet_model_loads_total{model="b"}') == 1
+    assert _metric(client, 'rpcfleet_model_state{model="b",state="loaded"}') == 1
+    assert _metric(client, 'rpcfleet_model_state{model="a",state="unloaded"}') == 1
+
+
+def test_a_model_used_within_its_swap_cooldown_stays_for_its_users_next_turn(
+    on_demand: Callable[..., tuple[Any, Router]], started: Counter[str], tiny_model: Path
+) -> None:
+    one_node = (NODES[0],)
+    a, b = _model(tiny_model, "a", one_node), _model(tiny_model, "b", one_node)
+    client, _router = on_demand([a, b], swap_cooldown=2.0, queue_timeout=1.5)
+    assert _ask(client, "b").status_code == 200  # a user of b's turn
+    other = _ask(client, "a")  # another key's request, between two turns of b's user
+    assert other.status_code == 503 and other.headers["Retry-After"] == "2", other.text
+    assert _ask(client, "b").status_code == 200  # the next turn finds b loaded
+    time.sleep(2.1)  # b unused past its cooldown
+    assert _ask(client, "a").status_code == 200
+    assert started == {"b": 1, "a": 1}
+
+
+def test_a_model_whose_load_fails_is_loaded_once_then_answers_its_failure_in_a_growing_backoff(
+    on_demand: Callable[..., tuple[Any, Router]], started: Counter[str], tiny_model: Path
+) -> None:
+    one_node = (NODES[0],)
+    a, c = _model(tiny_model, "a", one_node), _model(tiny_model, "c", one_node)
+    client, router = on_demand([a, c], engine={"c": ExitingEngine}, backoff=(1.0, 60.0))
+    assert _ask(client, "a").status_code == 200
+    first = _ask(client, "c")  # its one try: a (idle) swapped out for it, then its engine exits
+    assert first.status_code == 503 and first.headers["Retry-After"] == "1", first.text
+    assert "exited with status 1 while loading the model" in first.json()["error"]["message"], first.text
+    assert _ask(client, "a").status_code == 200  # a back on the node
+    for _ in range(5):  # c in backoff: its failure at once, no load, a stays
+        again = _ask(client, "c")
+        assert again.status_code == 503 and "exited with status 1" in again.json()["error"]["message"]
+        assert again.headers["Retry-After"] == "1"
+    assert started == {"a": 2, "c": 1}
+    health = client.get("/health").json()["on_demand"]
+    assert health["c"]["state"] == "backoff" and "exited with status 1" in health["c"]["last_failure"]
+    assert health["a"]["state"] == "loaded"
+    assert _metric(client, 'rpcfleet_model_load_failures_total{model="c"}') == 1
+    assert _metric(client, 'rpcfleet_model_state{model="c",state="backoff"}') == 1
+    time.sleep(1.1)  # the backoff over: one more try, failing again, and a longer backoff
+    second = _ask(client, "c")
+    assert second.status_code == 503 and second.headers["Retry-After"] == "2", second.text
+    assert started == {"a": 2, "c": 2}
+    assert router.demand is not None
+    kinds = [e.kind for e in router.demand.events]
+    assert kinds.count("load_failed") == 2 and "resume" in kinds  # a loaded again after its swap
+
+
+def test_requests_waiting_for_a_load_are_bounded_by_its_slots_and_queue(
+    on_demand: Callable[..., tuple[Any, Router]], started: Counter[str], tiny_model: Path
+) -> None:
+    import concurrent.futures
+
+    a = _model(tiny_model, "a")
+    client, _router = on_demand([a], engine={"a": SlowEngine}, queue_size=1)
+    bound = a.options.parallel + 1
+    with concurrent.futures.ThreadPoolExecutor(bound + 6) as pool:
+        answers = list(pool.map(lambda _: _ask(client, "a"), range(bound + 6)))
+    codes = Counter(r.status_code for r in answers)
+    assert codes == {200: bound, 429: 6}, [r.text for r in answers]
+    refused = next(r for r in answers if r.status_code == 429)
+    assert (
+        f"wait for a to load: its {a.options.parallel} slot(s) and --queue 1"
+        in refused.json()["error"]["message"]
+    )
+    assert started == {"a": 1}
