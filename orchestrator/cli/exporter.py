@@ -78,10 +78,10 @@ def handle(args: argparse.Namespace) -> int:
     import asyncio
     import contextlib
 
-    import uvicorn
     from fastapi import FastAPI
 
     from orchestrator.observe.collect import Collector
+    from orchestrator.observe.server import http_server
     from orchestrator.observe.web import Exporter, HttpGuard, mount
 
     collector = Collector(
@@ -94,9 +94,7 @@ def handle(args: argparse.Namespace) -> int:
     app = FastAPI(title="rpcfleet exporter", docs_url=None, redoc_url=None, openapi_url=None)
     mount(app, Exporter(collector), api_key=api_key, metrics=True)
     app.add_middleware(HttpGuard, check_host=api_key is None)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
-    )
+    server = http_server(app, args.host, args.port)
     _output.err_console.print(
         f"exporter on http://{escape(args.host)}:{args.port}/ "
         f"({len(hosts)} host(s), every {args.interval:g} s)",

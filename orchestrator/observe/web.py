@@ -10,11 +10,15 @@ the page and its JSON, never the API.
 `HttpGuard`, in front of serve's and the exporter's apps: without a key (the loopback default), a
 request must name a loopback host (`localhost`, 127.0.0.0/8, ::1) in its Host header, so a web page
 that rebinds its DNS name to 127.0.0.1 cannot drive the API from a browser; and every request body is
-bounded (the OpenAI routes' by `max_body`, the others' by 4 KiB): 413 beyond.
+bounded (the OpenAI routes' by `max_body`, the others' by 4 KiB): 413 beyond, counted as it arrives
+whatever the headers say (a Content-Length and a Transfer-Encoding together are refused: 400), and it
+must arrive within `body_timeout` (408). Each refusal closes the connection: the rest of the body is
+never read. `observe.server` adds the limits of the connections themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -22,7 +26,7 @@ import json
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -188,6 +192,18 @@ SMALL_BODY = 4096  # bytes: /login, /admin and every route but the OpenAI ones
 DEFAULT_MAX_BODY = 16 * 1024 * 1024  # bytes of an OpenAI request: long prompts, base64 images
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may hold of an HTTP server (serve's, the exporter's): `observe.server` applies
+    the connections' limits, `HttpGuard` the body's deadline."""
+
+    max_connections: int = 256  # open at once; one more is answered 503 and closed
+    header_timeout: float = 10.0  # seconds for a request's head, from the connection or the last answer
+    body_timeout: float = 60.0  # seconds for a whole body: 16 MiB at 280 kB/s
+    keep_alive: float = 5.0  # seconds an idle connection stays open between two requests
+    max_head: int = 16 * 1024  # bytes of a request's line and headers
+
+
 def is_loopback_name(host_header: str) -> bool:
     """Pure: the Host header names this machine's loopback (`localhost`, 127.0.0.0/8, [::1]), port or
     not."""
@@ -205,20 +221,28 @@ def is_loopback_name(host_header: str) -> bool:
 
 
 class HttpGuard:
-    """ASGI middleware: the Host check of a key-less server (`check_host`) and the body bounds (see the
-    module's docstring). A body without a Content-Length (chunked) is read here up to its bound first."""
+    """ASGI middleware: the Host check of a key-less server (`check_host`) and the body's bounds, its size
+    and its deadline (see the module's docstring). The body is counted through `receive` as the app reads
+    it, never buffered here: a route that refuses a request unread (401) reads none of it."""
 
     def __init__(
-        self, app: Any, *, check_host: bool, max_body: int = DEFAULT_MAX_BODY, large_prefix: str = "/v1/"
+        self,
+        app: Any,
+        *,
+        check_host: bool,
+        max_body: int = DEFAULT_MAX_BODY,
+        large_prefix: str = "/v1/",
+        body_timeout: float = HttpLimits.body_timeout,
     ) -> None:
         self.app, self.check_host, self.max_body, self.large_prefix = app, check_host, max_body, large_prefix
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        host = headers.get(b"host", b"").decode("latin-1")
+        headers = scope.get("headers", [])
+        host = next((v for k, v in headers if k.lower() == b"host"), b"").decode("latin-1")
         if self.check_host and not is_loopback_name(host):
             message = (
                 f"Host {host or '(none)'!r} is not a loopback name: a server without an API key answers "
@@ -228,38 +252,80 @@ class HttpGuard:
             return
         path = str(scope.get("path", ""))
         limit = self.max_body if path.startswith(self.large_prefix) else SMALL_BODY
-        length = headers.get(b"content-length")
-        too_large = f"the request body is over {limit} bytes, the most {path} takes"
-        if length is not None:
-            if not length.isdigit() or int(length) > limit:
-                await _refuse(send, 413, "invalid_request_error", too_large)
-                return
-            await self.app(scope, receive, send)
+        lengths = [v for k, v in headers if k.lower() == b"content-length"]
+        if lengths and any(k.lower() == b"transfer-encoding" for k, _ in headers):
+            # Which one frames the body depends on who reads it (request smuggling): neither is trusted
+            message = "a request may have a Content-Length or a Transfer-Encoding, not both"
+            await _refuse(send, 400, "invalid_request_error", message)
             return
-        body, more = b"", True
-        while more:  # no length given: read it here, never past the bound
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left
-            body += message.get("body", b"")
-            more = bool(message.get("more_body"))
-            if len(body) > limit:
-                await _refuse(send, 413, "invalid_request_error", too_large)
-                return
-        replayed = False
+        too_large = f"the request body is over {limit} bytes, the most {path} takes"
+        if lengths and (not lengths[0].isdigit() or int(lengths[0]) > limit):
+            await _refuse(send, 413, "invalid_request_error", too_large)
+            return
+        body = _BoundedBody(receive, send, limit, self.body_timeout, too_large)
+        try:
+            await self.app(scope, body.receive, body.send)
+        except Exception:
+            # An app that read on after a refusal (`http.disconnect`) fails: that is the refusal, answered
+            if body.refusal is None:
+                raise
 
-        async def replay() -> Any:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+class _BoundedBody:
+    """One request's `receive` and `send` as `HttpGuard` hands them to the app: the body's bytes counted
+    and its deadline kept until its last part; past either the guard answers (413, 408), the app reads
+    `http.disconnect` and its own answer is dropped. After the body, `receive` waits for the client's
+    hang-up as it did."""
+
+    def __init__(self, receive: Any, send: Any, limit: int, timeout: float, too_large: str) -> None:
+        self._receive, self._send = receive, send
+        self.limit, self.timeout, self.too_large = limit, timeout, too_large
+        self.deadline = asyncio.get_running_loop().time() + timeout
+        self.received = 0
+        self.whole = False  # its last part read
+        self.started = False  # the app's answer begun
+        self.refusal: int | None = None  # the guard's answer (413, 408)
+
+    async def receive(self) -> Any:
+        if self.refusal is not None:
+            return {"type": "http.disconnect"}
+        if self.whole:
+            return await self._receive()
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                message = await self._receive()
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.timeout:g} s"
+            return await self._refused(408, "request_timeout", message)
+        if message["type"] != "http.request":
+            return message
+        self.received += len(message.get("body", b""))
+        if self.received > self.limit:
+            return await self._refused(413, "invalid_request_error", self.too_large)
+        self.whole = not message.get("more_body", False)
+        return message
+
+    async def send(self, message: Any) -> None:
+        if self.refusal is not None:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
+
+    async def _refused(self, status: int, kind: str, message: str) -> Any:
+        self.refusal = status
+        if not self.started:
+            await _refuse(self._send, status, kind, message)
+        return {"type": "http.disconnect"}
 
 
 async def _refuse(send: Any, status: int, kind: str, message: str) -> None:
+    """An error answer of the guard's; the connection closes after it (a body left unread is dropped)."""
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

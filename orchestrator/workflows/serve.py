@@ -554,8 +554,7 @@ async def run_formations(
     spare watch, all tasks of this one loop; all stopped when serving ends. With per-user keys (`ring`)
     SIGHUP re-reads them and reloads no engine (an admin-scoped key's POST /admin/reload does): a
     change of who may call must not drain every formation."""
-    import uvicorn
-
+    from orchestrator.observe.server import http_server
     from orchestrator.serve.app import create_app
     from orchestrator.serve.observed import observe
 
@@ -585,15 +584,8 @@ async def run_formations(
         model_name=router.models[0],
         exporter=exporter,
     )
-    config = uvicorn.Config(
-        app,
-        host=request.host,
-        port=request.port,
-        log_level="warning",
-        lifespan="off",
-        timeout_graceful_shutdown=5,
-    )
-    server = uvicorn.Server(config)
+    # its connections, heads and bodies bounded (observe.server, HttpGuard)
+    server = http_server(app, request.host, request.port, timeout_graceful_shutdown=5)
     ending.stop = lambda: setattr(server, "should_exit", True)
     if events.formed is not None:
         on_demand = list(router.demand.models) if router.demand is not None else []
