@@ -7,8 +7,9 @@ Errors of serve's own are OpenAI error objects (`{"error": {"message", "type", "
 
 `/health` answers anyone with its state only; the model path, pids, plan and endpoints need the key (when
 one is set). `/admin/*` always needs a key: a server started without one refuses them (SIGHUP reloads).
-With an admin key (`--admin-key-file`) the admin routes take only it; without one the API key may
-reload the engines, never with a rolling restart of the fleet's servers (403).
+With an admin key (`--admin-key-file`) the admin routes and `/slots` (every client's prompts) take only
+it; without one the API key may reload the engines, never with a rolling restart of the fleet's servers
+(403). There is no `/openapi.json`.
 
 Per-user keys (`--keys`, `serve.keys`) replace those: each key's scopes open its routes (`inference`:
 `/v1/*`, limited to its models; `metrics`: `/metrics`, the live page, `/health`'s details; `admin`:
@@ -53,7 +54,8 @@ def create_app(
     per-user keys in force (then neither `api_key` nor `admin_key`)."""
     if keys is not None and (api_key is not None or admin_key is not None):
         raise ValueError("per-user keys replace the API key and the admin key")
-    app = FastAPI(title="rpcfleet serve", version="0.2.0", docs_url=None, redoc_url=None)
+    # No /openapi.json: the routes are OpenAI's (docs/serve.md), and a schema is no one's without a key
+    app = FastAPI(title="rpcfleet serve", version="0.2.0", docs_url=None, redoc_url=None, openapi_url=None)
     router = backend if isinstance(backend, Router) else Router.single(backend, model_name)
     metrics = router.metrics
 
@@ -89,6 +91,9 @@ def create_app(
                 get_logger().warning("serve_key_unknown", route=request.url.path)
                 raise HTTPException(401, "invalid API key")
             request.state.key_name = found.name  # counted with the answer's code (KeyCounter)
+            # The key as checked, for the request's later questions (its models): a reload meanwhile
+            # must not change who the request is
+            request.state.user_key = found
             if scope not in found.scopes:
                 get_logger().warning("serve_key_refused", key=found.name, route=request.url.path, scope=scope)
                 raise HTTPException(403, f"the key {found.name!r} has no {scope} scope: {request.url.path}")
@@ -98,8 +103,12 @@ def create_app(
     def model_refused(request: Request, model: str | None) -> str | None:
         """Why the request's key may not use `model` (None: it may). A request naming no model gets the
         one model served, or 404 from the router."""
-        found = user(request) if keys is not None else None
-        if found is None or found.models is None:
+        if keys is None:
+            return None
+        found: UserKey | None = getattr(request.state, "user_key", None)
+        if found is None:  # fail closed: a request whose key was not checked uses no model
+            return "the request's key was not checked"
+        if found.models is None:
             return None
         served = router.models
         wanted = model if model is not None or len(served) != 1 else served[0]
@@ -155,7 +164,7 @@ def create_app(
     @app.get("/v1/models", dependencies=[Depends(scoped("inference"))])
     async def models(request: Request) -> dict[str, Any]:
         metrics.record_request("/v1/models", 200)
-        found = user(request)  # a key limited to some models lists only those
+        found: UserKey | None = getattr(request.state, "user_key", None)  # limited to some: only those
         return {
             "object": "list",
             "data": [
@@ -168,12 +177,15 @@ def create_app(
                     "load": "on-demand" if router.demand and name in router.demand.models else "always",
                 }
                 for name in router.models
-                if found is None or found.allows_model(name)
+                if keys is None or (found is not None and found.allows_model(name))  # fail closed
             ],
         }
 
-    # The prompts being served, every user's: with per-user keys, the admin scope's
-    @app.get("/slots", dependencies=[Depends(scoped("admin") if keys is not None else authorize)])
+    # The prompts being served, every user's: the admin key's when there is one (the admin scope's with
+    # per-user keys), else the API key's
+    slots_check = scoped("admin") if keys is not None or admin_key is not None else authorize
+
+    @app.get("/slots", dependencies=[Depends(slots_check)])
     async def slots() -> Response:
         try:
             status, body = await router.slots()
