@@ -10,10 +10,17 @@ here climbs back.
 Errors of serve's own are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 400 (bad JSON or
 fields), 404 (a model not served), 429 (queue full), 503 with Retry-After (loading, recovering, draining,
 a lost node, named). A stream whose engine is lost ends with one error event naming the lost node.
+
+Two llama-server fields are serve's to bound: the answer's length (`n_predict`, which llama-server reads
+before `max_tokens`, -1 meaning no end: every field it reads gets one bound, `bound_answer`) and the slot
+(`id_slot`, which it takes modulo its slots, a negative one waiting for ever: -1 or one of the
+formation's slots, else 400). A client that hangs up gives back its place at once, queued or served,
+whole or streamed: its engine connection is closed, and llama-server stops the task.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -41,6 +48,7 @@ _ERROR_TYPES = {
 }
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's for completions; llama-server's own default is unlimited
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")  # llama-server's names of one bound
 _TEXT = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk with text in it (the time to first token)
 
 
@@ -145,21 +153,45 @@ def openai_routes(
                 model.model_validate(data)
             except ValidationError as exc:
                 return _failed(route, 400, f"invalid request: {problems(exc.errors())}")
-            if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
-                data["max_tokens"] = DEFAULT_MAX_TOKENS
-            limit = data.get("max_tokens", data.get("max_completion_tokens"))
-            if isinstance(limit, int) and limit < 1:
-                return _failed(route, 400, "max_tokens must be at least 1")
+            unbounded = bound_answer(data)
+            if unbounded is not None:
+                return _failed(route, 400, unbounded)
             if data.get("seed") is None:
                 data["seed"] = config.seed
+        slot = data.get("id_slot")
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
+            return _failed(route, 400, "id_slot must be a whole number: -1 (any slot) or a slot's number")
         model_id = data.get("model") if isinstance(data.get("model"), str) else None
         refused = model_refused(request, model_id) if model_refused is not None else None
         if refused is not None:
             return _failed(route, 403, refused, param="model")
         key = affinity_key(route, data)
-        return await _proxy(route, json.dumps(data).encode(), bool(data.get("stream")), model_id, key)
+        stream = bool(data.get("stream"))
+        work = _proxy(route, json.dumps(data).encode(), stream, model_id, key, slot)
+        return await _until_hung_up(request, route, work)
 
-    async def _proxy(route: str, body: bytes, stream: bool, model_id: str | None, key: str | None) -> Any:
+    async def _until_hung_up(request: Request, route: str, work: Any) -> Any:
+        """`work`'s answer, or 499 once the client hangs up first: `work` is cancelled, which gives back
+        its place (queued or served) and closes its engine connection. A stream, once answered, watches
+        its client itself (starlette's StreamingResponse)."""
+        answer = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_hung_up(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+        if answer.cancelled():
+            metrics.record_request(route, 499)
+            return Response(status_code=499)  # no one reads it
+        return answer.result()
+
+    async def _proxy(
+        route: str, body: bytes, stream: bool, model_id: str | None, key: str | None, slot: int | None
+    ) -> Any:
         arrived = time.monotonic()  # its formation's request duration counts from here
         try:  # the formation of the prompt's prefix, or the least-loaded; a stream stays on it
             await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
@@ -169,6 +201,12 @@ def openai_routes(
             return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
         handed = False  # to the stream, which then releases the ticket
         try:
+            slots = backend.config.parallel
+            if slot is not None and not -1 <= slot < slots:
+                message = (
+                    f"id_slot must be -1 (any slot) or one of the engine's {slots} slots: 0 to {slots - 1}"
+                )
+                return _failed(route, 400, message)
             got = await backend.acquire(ticket)
             if isinstance(got, Failure):
                 return _failure(route, got)
@@ -282,6 +320,31 @@ def openai_routes(
             settle(499)  # the client went away before the end
 
     return api
+
+
+def bound_answer(data: dict[str, Any]) -> str | None:
+    """Pure: one bound on the answer's tokens in every field llama-server reads for it (`n_predict` wins
+    there over `max_tokens`, and -1 is no bound): the smallest the request gives, else
+    DEFAULT_MAX_TOKENS. Why not (a 400's message) when one given is not a whole number of 1 or more."""
+    given = []
+    for name in LENGTH_FIELDS:
+        value = data.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} must be at least 1: serve bounds every answer"
+        given.append(value)
+    limit = min(given, default=DEFAULT_MAX_TOKENS)
+    data["max_tokens"] = data["n_predict"] = limit
+    if "max_completion_tokens" in data:
+        data["max_completion_tokens"] = limit
+    return None
+
+
+async def _hung_up(request: Request) -> None:
+    """Until the client hangs up (after the body, `receive` has nothing else to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass  # uvicorn's `receive` waits for a message; after the body, only this one comes
 
 
 def problems(errors: Any) -> str:
