@@ -15,12 +15,18 @@ backend sees the process end. The same duplicates give each node's acknowledged 
 
 Engines are started by `engine.children.spawn_child` with `die_with_parent` (killed when serve dies);
 their sockets are found, tuned and measured with `engine.children` too, as the worker's are.
+
+Its port is picked free, then freed for llama-server to bind: another process may take it meanwhile.
+So the server that answers `/health` must prove to be the engine before serve sends it a request or its
+key: the port's listening socket is the engine process's own (`/proc`), and its `/props`, asked with its
+key, names the model it was given. Else the engine is killed and the load fails, naming the port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import socket
@@ -150,6 +156,38 @@ def lost_message(lost: tuple[tuple[str, str], ...], doing: str, how: str) -> str
     return f"llama-server ended ({how}) while {doing}; every node still answers"
 
 
+def listening_inodes(table: str, port: int) -> set[int]:
+    """Pure: the inodes of the sockets listening on `port` in a `/proc/net/tcp` or `tcp6` table."""
+    inodes = set()
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+            inodes.add(int(fields[9]))  # state 0A: LISTEN
+    return inodes
+
+
+def port_held_by(port: int, pid: int) -> bool | None:
+    """Whether every socket listening on loopback's `port` is process `pid`'s (None: cannot tell, /proc
+    unreadable, or nothing listens)."""
+    inodes: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            inodes |= listening_inodes(Path(table).read_text(), port)
+    if not inodes:
+        return None
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    held = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since the listing
+            link = str(fd.readlink())
+            if link.startswith("socket:["):
+                held.add(int(link[8:-1]))
+    return inodes <= held
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -228,6 +266,7 @@ class LlamaServer:
                 if process.poll() is not None:
                     raise await self._died("loading the model")
                 if await self._ready():
+                    await self._check_identity(process)
                     break
                 if time.monotonic() - started > limit:
                     await self.kill()
@@ -251,6 +290,34 @@ class LlamaServer:
         seconds = time.monotonic() - started
         get_logger().info("engine_ready", pid=self.pid, url=self.url, seconds=round(seconds, 3))
         return seconds
+
+    async def _check_identity(self, process: subprocess.Popen[bytes]) -> None:
+        """The server that answered /health is this engine (see the module's docstring), else it is killed
+        and EngineError names the port."""
+        where = f"127.0.0.1:{self.port}"
+        if port_held_by(self.port, process.pid) is False:  # the key goes to no other process
+            await self.kill()
+            raise EngineError(
+                f"{where} is another process's, not llama-server's (pid {process.pid}): it took the port "
+                "picked for the engine before llama-server bound it; start again to pick another"
+            )
+        try:
+            status, body = await self.http.get(self.url, "/props", 5.0, self._api_key)
+            props = json.loads(body) if status == 200 else None
+        except (UpstreamError, ValueError):
+            status, props = 0, None
+        model = str(self.options.model_path or self.plan.model_path)  # its -m (llama_cli_args)
+        if not isinstance(props, dict) or props.get("model_path") != model:
+            await self.kill()
+            said = (
+                f"/props answered {status}"
+                if not isinstance(props, dict)
+                else "its /props names another model"
+            )
+            raise EngineError(
+                f"{where} is not the llama-server serve started (pid {process.pid}): {said} with its key",
+                stderr=self.log_tail(),
+            )
 
     async def _ready(self) -> bool:
         try:
