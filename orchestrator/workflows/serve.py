@@ -280,6 +280,8 @@ async def life(
         spares = SparePool(list(chosen.spares), order=whole.endpoints)
         several = len(formed) > 1 or bool(on_demand)
         ending = Ending()
+        # by name: a formation's model may be a copy of its entry (`loaded_at_start` sets replicas)
+        template_of = {model.name: template for model, template in zip(served, templates, strict=True)}
 
         def make_formation(
             one: Formed, name: str, times: dict[str, float], *, local: bool = False
@@ -300,7 +302,7 @@ async def life(
                 dataclasses.replace(request.limits, parallel=one.model.options.parallel),
                 engines[one.model.name],
             )
-            template = templates[served.index(one.model)]
+            template = template_of[one.model.name]
             backend.template = {"source": template.source, "warning": template.warning}
             backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
             backend.on_loaded = loaded_reporter(
