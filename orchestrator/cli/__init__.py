@@ -6,7 +6,8 @@ handler takes the parsed `argparse.Namespace` and returns an exit status. Regist
 (the modules import their stages inside the handlers): every command parses the whole tree.
 
 Ctrl-C or SIGTERM at any moment, from the first import to the last line printed, ends the process
-with "interrupted" and exit status 130, never a traceback.
+with "interrupted" and exit status 130, never a traceback. An error no stage expected (a bug) is one line
+and the log that holds its traceback, exit status 1 (`report_unexpected`).
 """
 
 from __future__ import annotations
@@ -80,11 +81,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command line; returns its exit status (0 ok, 1 failed, 2 bad input, 130 interrupted)."""
     try:
         return _main(argv)
-    except (KeyboardInterrupt, RuntimeError) as exc:
-        if not signals.interrupted_by(exc):
+    except (KeyboardInterrupt, Exception) as exc:
+        if signals.interrupted_by(exc):
+            sys.stderr.write("interrupted\n")
+            return INTERRUPTED
+        if not isinstance(exc, Exception):
             raise
-        sys.stderr.write("interrupted\n")
-        return INTERRUPTED
+        return report_unexpected(exc)
+
+
+def report_unexpected(exc: Exception) -> int:
+    """A bug (an error no stage turned into an `RpcfleetError`): one line naming its type and where it
+    was raised, and the log that holds its traceback; exit status 1. Never its text: that may hold an
+    object's repr (`list.index` quoted 34 KB of a served model's, issue 42)."""
+    import traceback
+    from pathlib import Path
+
+    from orchestrator.cli import _output
+    from orchestrator.cli._output import escape
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = Path(__file__).resolve().parents[1]
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(package)] or frames
+    where = ""
+    if ours:
+        file = Path(ours[-1].filename).resolve()
+        shown = file.relative_to(package.parent) if file.is_relative_to(package.parent) else file
+        where = f" at {shown}:{ours[-1].lineno}"
+    try:
+        from orchestrator.engine.children import child_log_path
+
+        log = child_log_path("error")
+        log.write_text("".join(traceback.format_exception(exc)))
+        told = f"its traceback is in {log}"
+    except OSError as err:  # a full disk or a read-only home: the line still says what happened
+        told = f"its traceback could not be written ({err.strerror})"
+    _output.err_console.print(
+        f"[red]error:[/red] unexpected {type(exc).__name__}{where} (a bug in rpcfleet): {escape(told)}",
+        highlight=False,
+        soft_wrap=True,  # one line, however long the path
+    )
+    return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:
