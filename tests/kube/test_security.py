@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.kube.pod_security import restricted_violations
-from tests.kube.test_manifests import ROOT, export, pod_templates, rpcfleet, validate_all
+from tests.plugins.kube import ROOT, export, pod_templates, rpcfleet, validate_all
+from tests.plugins.pod_security import restricted_violations
 
 GiB = 1 << 30
 NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
