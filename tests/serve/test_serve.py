@@ -27,7 +27,7 @@ from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.metrics import Metrics, Recovery
 from tests.plugins.llama import DebugServer, completion_bytes, plan_devices
-from tests.plugins.servers import LocalServer, free_port, write_local_inventory
+from tests.plugins.servers import LocalServer, free_port, launch_rpc_server, write_local_inventory
 
 KEY = "k3y-from-elsewhere"
 
@@ -110,29 +110,21 @@ def _http(url: str, key: str | None = None, body: bytes | None = None) -> tuple[
         return err.code, json.loads(err.read())
 
 
-@pytest.fixture
-def local_serve(
-    start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
-) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], str]]]:
-    """Factory: `rpcfleet serve` (extra argv, extra environment) on one real local rpc-server, ready."""
-    server = start_rpc_server()
-    inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": server.port}})
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-        for process in started:  # one client at a time on the server: the previous serve goes first
-            process.send_signal(signal.SIGINT)
-            process.wait(20)
-        port = free_port()
-        argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(tiny_model)]
-        argv += ["--ctx", "512", "--port", str(port), *extra]
-        log = tmp_path / f"serve-{port}.log"
-        environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
-        environment |= {"RPCFLEET_HOME": str(tmp_path), **(env or {})}
-        with log.open("wb") as out:
-            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environment)
-        started.append(process)
-        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+def _start_serve(
+    inventory: Path, model: Path, home: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`rpcfleet serve -i INVENTORY -m MODEL --ctx 512` (extra argv, extra environment: no
+    RPCFLEET_API_KEY but the one given), its log in `home`, once /health says ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(inventory), "-m", str(model)]
+    argv += ["--ctx", "512", "--port", str(port), *extra]
+    log = home / f"serve-{port}.log"
+    environment = {k: v for k, v in os.environ.items() if k != "RPCFLEET_API_KEY"}
+    environment |= {"RPCFLEET_HOME": str(home), **(env or {})}
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environment)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+    try:
         while time.monotonic() < deadline:
             assert process.poll() is None, log.read_text()
             try:
@@ -142,16 +134,77 @@ def local_serve(
                 pass
             time.sleep(0.1)
         raise AssertionError(f"serve not ready in 90 s: {log.read_text()}")
+    except BaseException:
+        _stop_serve(process)
+        raise
+
+
+def _stop_serve(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def local_serve(
+    start_rpc_server: Callable[..., LocalServer], tiny_model: Path, tmp_path: Path
+) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], str]]]:
+    """Factory: `rpcfleet serve` (extra argv, extra environment) on one real local rpc-server, ready: a
+    serve of the test's own, for a test that reloads, signals or reconfigures it, or needs it unused."""
+    server = start_rpc_server()
+    inventory = write_local_inventory(tmp_path / "inv.yml", {"n1": {"rpc_port": server.port}})
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+        for process in started:  # one client at a time on the server: the previous serve goes first
+            process.send_signal(signal.SIGINT)
+            process.wait(20)
+        process, base = _start_serve(inventory, tiny_model, tmp_path, *extra, env=env)
+        started.append(process)
+        return process, base
 
     yield start
     for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        _stop_serve(process)
+
+
+@pytest.fixture(scope="module")
+def _keyed_serve(
+    rpc_server_binary: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """One serve for the module, its API key from the environment, on a server of its own."""
+    home = tmp_path_factory.mktemp("keyed-serve")
+    server = launch_rpc_server(rpc_server_binary, home)
+    try:
+        inventory = write_local_inventory(home / "inv.yml", {"n1": {"rpc_port": server.port}})
+        process, base = _start_serve(inventory, tiny_model, home, env={"RPCFLEET_API_KEY": KEY})
+        try:
+            yield process, base
+        finally:
+            _stop_serve(process)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def keyed_serve(
+    _keyed_serve: tuple[subprocess.Popen[bytes], str],
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The module's serve with `RPCFLEET_API_KEY=KEY` and serve's defaults, shared by the tests that only
+    ask it (none reloads, signals, restarts or stops it): at each test's start still the same process,
+    ready, never reloaded, its queue empty and its engine's slots idle."""
+    process, base = _keyed_serve
+    assert process.poll() is None, "the module's serve ended"
+    code, health = _http(f"{base}/health", KEY)
+    assert code == 200 and health["status"] == "ready" and health["pid"] == process.pid, health
+    assert health["reloads"] == 0 and health["queue"]["admitted"] == 0, health
+    code, slots = _http(f"{base}/slots", KEY)
+    assert code == 200 and not any(slot["is_processing"] for slot in slots), slots
+    return process, base
 
 
 @pytest.mark.llama
@@ -180,11 +233,11 @@ def test_a_key_from_the_environment_guards_the_health_details_and_the_admin_rout
 
 @pytest.mark.llama
 def test_the_engine_behind_serve_answers_no_one_without_its_own_key(
-    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
+    keyed_serve: tuple[subprocess.Popen[bytes], str],
 ) -> None:
     """llama-server listens on loopback, where any local user can reach it: without a key of its own its
     completions, /slots (the prompts being served) and /props (the model path) would bypass serve's."""
-    process, base = local_serve(env={"RPCFLEET_API_KEY": KEY})
+    process, base = keyed_serve
     engine = _http(f"{base}/health", KEY)[1]["engine"]
     url, pid = engine["url"], engine["pid"]
     assert psutil.Process(pid).ppid() == process.pid and url.startswith("http://127.0.0.1:"), engine
@@ -769,9 +822,12 @@ def test_a_keyless_serve_answers_only_loopback_names_and_bounds_every_body(
 
 @pytest.mark.llama
 def test_the_api_key_cannot_restart_the_fleet_and_an_admin_key_is_the_only_admin_one(
-    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]], tiny_model: Path, tmp_path: Path
+    keyed_serve: tuple[subprocess.Popen[bytes], str],
+    local_serve: Callable[..., tuple[subprocess.Popen[bytes], str]],
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
-    _, base = local_serve(env={"RPCFLEET_API_KEY": KEY})
+    _, base = keyed_serve  # the refused restart leaves it as it was: the module's serve
     code, answer = _http(f"{base}/admin/reload", KEY, json.dumps({"rolling_restart": True}).encode())
     assert code == 403 and "needs the admin key" in answer["error"]["message"], answer
     assert _http(f"{base}/health", KEY)[1]["reloads"] == 0  # refused: nothing drained
