@@ -177,7 +177,10 @@ def test_a_key_limited_to_one_model_is_refused_another_and_its_request_neither_l
     alice, ops = "sk-alice-limited-0001", "sk-ops-everything-0002"
     (workdir / "serve.keys").write_text(f"alice {alice} inference mine\nops {ops} inference,metrics\n")
     (workdir / "serve.keys").chmod(0o600)
-    served = serve_files(workdir, "--models", "models.yml", "--keys", "serve.keys", nodes=1)
+    # no residency nor swap cooldown: a load of the other unloads mine at once
+    argv = ("--models", "models.yml", "--keys", "serve.keys", "--models-min-resident", "0")
+    argv += ("--models-swap-cooldown", "0")
+    served = serve_files(workdir, *argv, nodes=1)
 
     status, body = served.complete(alice, "mine")
     assert status == 200, body
