@@ -127,6 +127,11 @@ _MACHINE_ID_RE = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}
 class MemInfo:
     total: int  # bytes
     available: int | None  # bytes; None on kernels before 3.14 (no MemAvailable)
+    # The memory cgroup whose limit leaves the host's processes least (its folder; None: no limit), and
+    # what it leaves: its limit less what it holds, its reclaimable file cache counted free as
+    # MemAvailable counts it (a container, a systemd slice with MemoryMax, a lab node's --memory).
+    cgroup: str | None = None
+    cgroup_free: int | None = None
 
 
 def parse_meminfo(text: str) -> dict[str, int]:
@@ -142,18 +147,73 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return values
 
 
+_CGROUP_MARK = "@@rpcfleet-memory-cgroup@@"
+
+
+# v1 writes "no limit" as the largest page-aligned 64-bit number; any limit past 2**62 is none.
+_NO_LIMIT = 1 << 62
+
+
+# For each memory hierarchy of this shell (v2's `0::PATH`; v1's `N:...memory...:PATH`), its cgroup and
+# every one above it that the mount shows: `cgroup DIR`, then `max`, `current` and the file cache that
+# is inactive (reclaimable first), each level's own lines. A limit above binds too (a slice's MemoryMax).
+_CGROUP_SCRIPT = (
+    "while IFS=: read -r _ c p; do "
+    'case ",$c," in '
+    ",,) d=/sys/fs/cgroup$p; m=memory.max; u=memory.current; i=inactive_file ;; "
+    "*,memory,*) d=/sys/fs/cgroup/memory$p; m=memory.limit_in_bytes; u=memory.usage_in_bytes; "
+    "i=total_inactive_file ;; "
+    "*) continue ;; esac; "
+    "while :; do "
+    'd=${d%/}; if [ -r "$d/$m" ]; then echo "cgroup $d"; echo "max $(cat "$d/$m")"; '
+    'echo "current $(cat "$d/$u" 2>/dev/null)"; '
+    'grep "^$i " "$d/memory.stat" 2>/dev/null | sed s/^$i/inactive/; fi; '
+    'case "$d" in /sys/fs/cgroup|/sys/fs/cgroup/memory|"") break ;; esac; d=${d%/*}; '
+    "done; done </proc/self/cgroup"
+)
+
+
+def parse_cgroup_memory(text: str) -> tuple[str | None, int | None]:
+    """The `_CGROUP_SCRIPT` lines -> (the cgroup whose limit leaves least, what it leaves), or (None,
+    None) where no level has a limit. A level without `current` is skipped: its headroom is unknown."""
+    best: tuple[str | None, int | None] = (None, None)
+    levels: list[dict[str, str]] = []
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key == "cgroup":
+            levels.append({"cgroup": value.strip()})
+        elif levels and key in ("max", "current", "inactive"):
+            levels[-1][key] = value.strip()
+    for level in levels:
+        limit, current = level.get("max", ""), level.get("current", "")
+        if not limit.isdigit() or not current.isdigit() or int(limit) >= _NO_LIMIT:
+            continue
+        inactive = level.get("inactive", "0")
+        held = int(current) - (int(inactive) if inactive.isdigit() else 0)
+        left = max(0, int(limit) - max(0, held))
+        if best[1] is None or left < best[1]:
+            best = (level["cgroup"], left)
+    return best
+
+
 @dataclass(frozen=True)
 class MemoryFact(Fact[MemInfo | None]):
+    """/proc/meminfo, and the memory cgroup limit over the processes of the host's sessions."""
+
     name: ClassVar[str] = "memory"
 
     def command(self) -> str:
-        return "cat /proc/meminfo"
+        return f"cat /proc/meminfo || exit 1; echo {_CGROUP_MARK}; {_CGROUP_SCRIPT}"
 
     def parse(self, stdout: str, stderr: str, exit_status: int) -> MemInfo | None:
-        values = parse_meminfo(stdout)
+        meminfo, _, cgroups = stdout.partition(_CGROUP_MARK)
+        values = parse_meminfo(meminfo)
         if "MemTotal" not in values:
             return None
-        return MemInfo(total=values["MemTotal"], available=values.get("MemAvailable"))
+        cgroup, left = parse_cgroup_memory(cgroups)
+        return MemInfo(
+            total=values["MemTotal"], available=values.get("MemAvailable"), cgroup=cgroup, cgroup_free=left
+        )
 
 
 _DF_ROW_RE = re.compile(r"\s(\d+)\s+(\d+)\s+(\d+)\s+(?:\d+%|-)\s")

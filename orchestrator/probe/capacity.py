@@ -73,8 +73,10 @@ class DeviceCapacity:
     shared_by: int = 1
     # Which rule gave `free`: `device` (a GPU's own figure, Vulkan's heap budget or CUDA's
     # cudaMemGetInfo, as its server reports it), `meminfo` (a CPU device: the host's MemAvailable,
-    # shared among its CPU servers), `uma` (a GPU sharing the host's RAM: an iGPU, Apple; counted in
-    # that share, never beside it), or `server` (the server's own figure, unchecked).
+    # shared among its CPU servers), `cgroup` (a CPU device whose host's processes are in a memory
+    # cgroup leaving less than that: what the cgroup leaves, shared among its CPU servers), `uma` (a
+    # GPU sharing the host's RAM: an iGPU, Apple; counted in that share, never beside it), or `server`
+    # (the server's own figure, unchecked).
     memory_rule: str = "device"
     # The device's buffer alignment and largest single buffer, as its server reports them (None: an
     # older probe result); the planner pads every tensor to the alignment.
@@ -206,20 +208,23 @@ def compute_capacity(
     facts: HostFacts | None,
     *,
     cpu_share: int = 1,
+    cgroup_share: int = 1,
     trust_rpc_memory: bool = False,
 ) -> tuple[DeviceCapacity, ...]:
     """Capacity of every device the server reported (none unless the probe is ok). Pure.
 
     `cpu_share`: how many CPU devices of the fleet run on this host's machine (`cpu_shares`); each
     gets that fraction of MemAvailable, since each of them would otherwise claim all of it. Reserve
-    and limit still apply per host, to the share.
+    and limit still apply per host, to the share. A CPU device whose host's processes run in a memory
+    cgroup with a limit (`MemInfo.cgroup_free`) gets no more than its `cgroup_share` of what that cgroup
+    leaves (`cgroup_shares`): a container or a lab node of `--memory` is a machine that small.
 
     Memory that was not measured is not trusted: a CPU device whose MemAvailable could not be read (no
     facts: SSH down, facts failed or not asked for) has `usable` 0 and says why in `untrusted`, since
     its server's figure is the total RAM. `trust_rpc_memory` uses that figure anyway (with a warning).
     """
-    if cpu_share < 1:
-        raise ValueError(f"cpu_share must be at least 1, got {cpu_share}")
+    if cpu_share < 1 or cgroup_share < 1:
+        raise ValueError(f"shares must be at least 1, got {cpu_share} and {cgroup_share}")
     if not rpc_result.ok:
         return ()
     host = with_backend_decided(host, facts)
@@ -266,6 +271,10 @@ def compute_capacity(
                         f"MemAvailable ({format_size(facts.memory.available)}) is shared among the "
                         f"{cpu_share} CPU servers of this machine: {format_size(free)} each"
                     )
+                left = facts.memory.cgroup_free
+                if left is not None and left // cgroup_share < free:
+                    # the kernel reclaims, then kills, the cgroup's processes past its limit
+                    free, rule = left // cgroup_share, "cgroup"
         elif target in ("nvidia", "amd") and facts is not None:
             tool = "nvidia-smi" if target == "nvidia" else "rocm-smi"
             report = facts.nvidia if target == "nvidia" else facts.rocm
@@ -372,15 +381,48 @@ def cpu_shares(
     return counts
 
 
+def _cgroup_of(facts: HostFacts | None) -> tuple[str, str] | None:
+    """(machine id, memory cgroup) of a host whose processes a cgroup's limit binds (None: none)."""
+    if facts is None or facts.machine_id is None or facts.memory is None or facts.memory.cgroup is None:
+        return None
+    return facts.machine_id, facts.memory.cgroup
+
+
+def cgroup_shares(
+    probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]],
+) -> dict[tuple[str, str], int]:
+    """{(machine id, memory cgroup): CPU devices whose servers run in it} over distinct ok endpoints.
+    Pure. Servers started from one cgroup (a lab node, a container) each see all it leaves."""
+    counts: dict[tuple[str, str], int] = {}
+    seen: set[str] = set()
+    for host, result, facts in probed:
+        group = _cgroup_of(facts)
+        if result.endpoint in seen or group is None:
+            continue
+        seen.add(result.endpoint)
+        n = _cpu_device_count(host, result, facts)
+        if n:
+            counts[group] = counts.get(group, 0) + n
+    return counts
+
+
 def fleet_capacity(
     probed: Sequence[tuple[Host, ProbeResult, HostFacts | None]], *, trust_rpc_memory: bool = False
 ) -> list[tuple[DeviceCapacity, ...]]:
     """`compute_capacity` of every (host, RPC result, facts), the CPU devices of one machine sharing
-    its MemAvailable (`cpu_shares`). Pure."""
+    its MemAvailable (`cpu_shares`), and those of one memory cgroup what it leaves (`cgroup_shares`).
+    Pure."""
     shares = cpu_shares(probed)
+    groups = cgroup_shares(probed)
     out = []
     for host, result, facts in probed:
         machine = facts.machine_id if facts is not None else None
         share = shares.get(machine, 1) if machine is not None else 1
-        out.append(compute_capacity(host, result, facts, cpu_share=share, trust_rpc_memory=trust_rpc_memory))
+        group = _cgroup_of(facts)
+        in_group = groups.get(group, 1) if group is not None else 1
+        out.append(
+            compute_capacity(
+                host, result, facts, cpu_share=share, cgroup_share=in_group, trust_rpc_memory=trust_rpc_memory
+            )
+        )
     return out
