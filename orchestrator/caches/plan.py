@@ -13,7 +13,8 @@ import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,29 +78,57 @@ def _memo_path(path: Path) -> Path:
     return rpcfleet_home() / "hashes" / f"{digest}.json"
 
 
-def _read_memo(path: Path) -> dict[str, int]:
-    """Hashes remembered for this file ("offset:size" -> hash), valid while its size and mtime stay."""
-    try:
+# Racy-git's rule: a file changed within this long before its stat could change again in the same tick
+# of the file system's clock (a jiffy, at most 10 ms on Linux) and keep its ctime, so no memo is written
+# from such a stat (the hashes are used once, and remembered on a later run).
+RACY_NS = 50_000_000
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a memo of a file is valid for: the file (device, inode) and its last change (size, mtime, and
+    ctime, which no one can set back: `touch -r` restores mtime, never ctime), stat'ed at `taken_ns`."""
+
+    fields: tuple[tuple[str, int], ...]
+    taken_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        taken = time.time_ns()
         st = path.stat()
+        values = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cls(tuple(zip(("dev", "ino", "size", "mtime_ns", "ctime_ns"), values, strict=True)), taken)
+
+    @property
+    def racy(self) -> bool:
+        return self.taken_ns - dict(self.fields)["ctime_ns"] < RACY_NS
+
+
+def _read_memo(path: Path) -> dict[str, int]:
+    """Hashes remembered for this file ("offset:size" -> hash), valid while its identity stays."""
+    try:
+        identity = FileIdentity.of(path)
         data = json.loads(_memo_path(path).read_text())
-        if data.get("size") == st.st_size and data.get("mtime_ns") == st.st_mtime_ns:
+        if all(data.get(k) == v for k, v in identity.fields):
             return {k: int(v, 16) for k, v in data["hashes"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return {}
 
 
-def _write_memo(path: Path, hashes: dict[str, int]) -> None:
-    st = path.stat()
-    text = json.dumps(
-        {
-            "path": str(path.resolve()),
-            "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns,
-            "hashes": {k: cache_name(v) for k, v in sorted(hashes.items())},
-        }
-    )
+def _write_memo(path: Path, hashes: dict[str, int], identity: FileIdentity) -> None:
+    """Remember `hashes`, read from the file as `identity` (its stat before they were read) says: nothing
+    is written when the file has changed since, or had changed just before (`RACY_NS`)."""
     with contextlib.suppress(OSError, RpcfleetError):  # a memo that cannot be written is only slower
+        if identity.racy or FileIdentity.of(path).fields != identity.fields:
+            return
+        text = json.dumps(
+            {
+                "path": str(path.resolve()),
+                **dict(identity.fields),
+                "hashes": {k: cache_name(v) for k, v in sorted(hashes.items())},
+            }
+        )
         write_atomic(_memo_path(path), text, parents=True)
 
 
@@ -111,24 +140,41 @@ def remembered(tensors: Iterable[TensorSlice]) -> dict[TensorSlice, str]:
     return {t: cache_name(h) for t, h in found.items() if h is not None}
 
 
-def remember(named: Iterable[tuple[Path, int, int, str]]) -> None:
-    """Add names learned elsewhere (a warm names what it sends: `path, offset, size, name`) to the memo."""
+def identities(paths: Iterable[Path]) -> dict[Path, FileIdentity]:
+    """Each readable file's identity now (taken before a warm reads its bytes: `remember`'s `since`)."""
+    out: dict[Path, FileIdentity] = {}
+    for path in set(paths):
+        with contextlib.suppress(OSError):
+            out[path] = FileIdentity.of(path)
+    return out
+
+
+def remember(
+    named: Iterable[tuple[Path, int, int, str]], since: Mapping[Path, FileIdentity] | None = None
+) -> None:
+    """Add names learned elsewhere (a warm names what it sends: `path, offset, size, name`) to the memo;
+    `since`: each file's identity before those bytes were read (a file changed since gets no memo)."""
     by_path: dict[Path, dict[str, int]] = {}
     for path, offset, size, name in named:
         by_path.setdefault(path, {})[f"{offset}:{size}"] = int(name, 16)
     for path, hashes in by_path.items():
-        known = _read_memo(path)
-        if any(k not in known for k in hashes):
-            with contextlib.suppress(OSError):
-                _write_memo(path, {**known, **hashes})
+        with contextlib.suppress(OSError):
+            identity = (since or {}).get(path) or FileIdentity.of(path)
+            known = _read_memo(path)
+            if any(k not in known for k in hashes):
+                _write_memo(path, {**known, **hashes}, identity)
 
 
 def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool = True) -> list[CacheTensor]:
     """Cache names for `tensors`, hashed natively in `threads` parallel threads (the C loop drops the GIL).
-    With `memo`, hashes are remembered per model file (`$RPCFLEET_HOME/hashes/`, keyed by path, size and
-    mtime), so planning the same model again costs no re-hash."""
+    With `memo`, hashes are remembered per model file (`$RPCFLEET_HOME/hashes/`, keyed by path and valid
+    for the file's device, inode, size, mtime and ctime), so planning the same model again costs no
+    re-hash."""
     items = list(tensors)
-    known: dict[Path, dict[str, int]] = {p: _read_memo(p) for p in {t.path for t in items}} if memo else {}
+    paths = {t.path for t in items}
+    # Taken before any byte is read: a file changed while it is hashed gets no memo (`_write_memo`).
+    before = {p: FileIdentity.of(p) for p in paths} if memo else {}
+    known: dict[Path, dict[str, int]] = {p: _read_memo(p) for p in paths} if memo else {}
 
     def one(t: TensorSlice) -> int:
         found = known.get(t.path, {}).get(f"{t.offset}:{t.size}")
@@ -140,7 +186,7 @@ def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool
         for path in {t.path for t in items}:
             mine = {f"{t.offset}:{t.size}": h for t, h in zip(items, hashes, strict=True) if t.path == path}
             if any(k not in known.get(path, {}) for k in mine):
-                _write_memo(path, {**known.get(path, {}), **mine})
+                _write_memo(path, {**known.get(path, {}), **mine}, before[path])
     return [CacheTensor(cache_name(h), t) for h, t in zip(hashes, items, strict=True)]
 
 

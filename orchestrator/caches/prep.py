@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +26,7 @@ from orchestrator.caches.plan import (
     CacheTensor,
     TensorSlice,
     hash_tensors,
+    identities,
     plan_tensors,
     remember,
     remembered,
@@ -182,6 +183,34 @@ def warming_hosts(prep: CachePrep) -> list[Host]:
     return [h for h in prep.hosts if prep.missing.get(h.name)]
 
 
+async def name_for_local_copies(prep: CachePrep) -> CachePrep:
+    """`prep` with every miss of a host that holds the model (`model_path_on_nodes`) named: the node
+    keeps a tensor it copies from its own file only when its hash is this name (the model's manifest:
+    hashed here once, then from the memo). Other hosts' misses stay unnamed (their stream names them)."""
+    local = {h.name for h in prep.hosts if h.model_path_on_nodes is not None}
+    unnamed = {
+        TensorSlice("", i.path, i.offset, i.size)
+        for name, items in prep.missing.items()
+        if name in local
+        for i in items
+        if i.name is None
+    }
+    if not unnamed:
+        return prep
+    names = {
+        (c.tensor.path, c.tensor.offset, c.tensor.size): c.file
+        for c in await asyncio.to_thread(hash_tensors, unnamed)
+    }
+    missing = {
+        name: tuple(
+            replace(i, name=names[(i.path, i.offset, i.size)]) if name in local and i.name is None else i
+            for i in items
+        )
+        for name, items in prep.missing.items()
+    }
+    return replace(prep, missing=missing)
+
+
 async def warm_misses(
     session: Session,
     prep: CachePrep,
@@ -192,6 +221,9 @@ async def warm_misses(
     returns the run and the prep as the load will now find the caches (what a host could not warm stays
     a miss: the load sends those tensors itself). `on_ready(host)`: as `operations.cache.warm`."""
     chosen = warming_hosts(prep)
+    # Before any byte is read: a file changed during the warm gets none of its names remembered.
+    since = await asyncio.to_thread(identities, {i.path for items in prep.missing.values() for i in items})
+    prep = await name_for_local_copies(prep)
     step = warm_step(prep.missing, options or OperationOptions(), on_ready)
     run = await session.run(chosen, step, name="cache-warm")
     hit_bytes = dict(prep.hit_bytes)
@@ -203,7 +235,7 @@ async def warm_misses(
         if isinstance(r.value, CacheChange)
         for i in r.value.landed
     ]
-    await asyncio.to_thread(remember, learned)  # the next check of these caches need not hash them
+    await asyncio.to_thread(remember, learned, since)  # the next check of these caches need not hash them
     for r in run.results:
         if not r.succeeded or not isinstance(r.value, CacheChange):
             continue

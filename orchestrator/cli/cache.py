@@ -129,12 +129,15 @@ def _report(
                 "added": list(value.added),
                 "hits": list(value.hits),
                 "bytes_sent": value.bytes_sent,
+                "bytes_local": value.bytes_local,
                 "seconds": round(value.seconds, 3),
                 "via": value.via,
+                "warnings": list(value.warnings),
                 "kept_over_quota": value.kept_over_quota,
             }
         rows.append((r.host, row))
     merged = rows_by_install(rows)
+    print_warnings(run)
     if args.json:
         _output.print_json({"action": action, "hosts": merged, "phases": phases or {}})
         return
@@ -148,9 +151,10 @@ def _report(
         if row["error"]:
             what = row["error"]
         elif action == "warm":
-            mbps = row["bytes_sent"] / row["seconds"] / 1e6 if row.get("seconds") else 0.0
-            sent = format_size(row["bytes_sent"])
-            via = f" over {row['via']}" if row.get("via") else ""
+            moved = row["bytes_sent"] + row.get("bytes_local", 0)
+            mbps = moved / row["seconds"] / 1e6 if row.get("seconds") else 0.0
+            sent = format_size(moved)
+            via = f" via {row['via']}" if row.get("via") else ""
             what = f"{len(row['added'])} added ({sent}{via}, {mbps:.0f} MB/s), {len(row['hits'])} hits"
         elif action == "status":
             hits = row.get("hits_since_start")
@@ -176,6 +180,17 @@ def _report(
     _running.print_interrupted([run])
 
 
+def print_warnings(run: RunResult[Any]) -> None:
+    """A warm's warnings (a node-local copy of the model not used: each names its host and path), to
+    stderr even with --json: the warm went on, from this machine."""
+    from orchestrator.operations.cache import CacheChange
+
+    for r in run.results:
+        if isinstance(r.value, CacheChange):
+            for warning in r.value.warnings:
+                _output.err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+
+
 _WORST = ("failed", "unreachable", "changed", "ok", "skipped")  # the status a merged row shows, first found
 
 
@@ -197,10 +212,10 @@ def rows_by_install(rows: Sequence[tuple[Host, dict[str, Any]]]) -> list[dict[st
         for key in ("files", "bytes", "max_bytes"):  # the folder as the later step left it
             if key in row:
                 first[key] = row[key]
-        for key in ("removed", "corrupt", "added", "hits"):
+        for key in ("removed", "corrupt", "added", "hits", "warnings"):
             if key in row:
                 first[key] = [*first.get(key, []), *row[key]]
-        for key in ("bytes_sent", "seconds"):
+        for key in ("bytes_sent", "bytes_local", "seconds"):
             if key in row:
                 first[key] = first.get(key, 0) + row[key]
         first["via"] = first.get("via") or row.get("via")

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # imported lazily: planning pulls in numpy
     from collections.abc import Sequence
 
     from orchestrator.caches.prep import CachePrep
+    from orchestrator.engine.executor import RunResult
     from orchestrator.inventory.model import Host
     from orchestrator.llama.observed_placement import Placement
     from orchestrator.llama.worker.wire import Done
@@ -172,7 +173,11 @@ def handle(args: argparse.Namespace) -> int:
                 "log": str(outcome.log_path) if outcome.log_path else None,
                 "phases": {k: round(v, 3) for k, v in phases.items()},
                 "cache": (
-                    {**outcome.load.cache.as_json(), "load_beside_warm": outcome.load.overlapped}
+                    {
+                        **outcome.load.cache.as_json(),
+                        "load_beside_warm": outcome.load.overlapped,
+                        "warm": _warm_json(outcome.load.warm),
+                    }
                     if outcome.load.cache is not None
                     else None
                 ),
@@ -301,6 +306,9 @@ def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
             )
         return
     if run is not None:
+        from orchestrator.cli.cache import print_warnings
+
+        print_warnings(run)
         for r in run.results:
             if not r.succeeded:  # to stderr even with --json: the load goes on, sending those tensors
                 _output.err_console.print(
@@ -318,6 +326,22 @@ def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
             f"{prep.misses} misses left[/dim]",
             highlight=False,
         )
+
+
+def _warm_json(run: RunResult[Any] | None) -> dict[str, Any]:
+    """Per warmed host: where its files came from (`via`), the bytes this machine sent and those the
+    node copied from its own copy of the model."""
+    from orchestrator.operations.cache import CacheChange
+
+    return {
+        r.host.name: {
+            "via": r.value.via,
+            "bytes_sent": r.value.bytes_sent,
+            "bytes_local": r.value.bytes_local,
+        }
+        for r in (run.results if run is not None else ())
+        if isinstance(r.value, CacheChange)
+    }
 
 
 def _generation_stats(done: Done) -> dict[str, Any]:

@@ -54,6 +54,8 @@ class Host:
     rpc_cache_max: int | None = None  # bytes; None: no quota (LRU eviction above it)
     rpc_backend: BackendChoice = "cpu"  # auto: decided at deploy from the node's facts
     install_dir: str = DEFAULT_INSTALL_DIR
+    # A folder on the node with the model's GGUF files under their own names (a cache warm reads them there)
+    model_path_on_nodes: str | None = None
     memory_reserve: int = 0  # bytes
     memory_limit: int | None = None  # bytes
     ssh_known_hosts: str | None = None  # None: ~/.ssh/known_hosts

@@ -248,7 +248,8 @@ def control_character(text: str) -> str | None:
 
 
 def _parse_install_dir(value: Any) -> str:
-    """`install_dir`: a path; no control character (it is written into a root-run unit)."""
+    """`install_dir`, `model_path_on_nodes`: a path; no control character (it is written into a root-run
+    unit, or a shell script)."""
     text = fields.text(value)
     bad = control_character(text)
     if bad:
@@ -340,6 +341,14 @@ VARIABLES: tuple[Variable, ...] = (
         "ggml backend of the server (auto: cuda with an NVIDIA driver, vulkan with a Vulkan GPU, else cpu)",
     ),
     Variable("install_dir", (), _parse_install_dir, DEFAULT_INSTALL_DIR, "where artifacts are installed"),
+    Variable(
+        "model_path_on_nodes",
+        (),
+        fields.optional(_parse_install_dir),
+        None,
+        "a folder on the node holding the model's GGUF files under their own names (an NFS mount, a "
+        "copy): a cache warm copies each tensor from there on the node, checked by its hash",
+    ),
     Variable("memory_reserve", (), fields.size, 0, "memory kept free per device"),
     Variable("memory_limit", (), fields.optional(fields.size), None, "most memory used per device"),
     Variable("ssh_known_hosts", (), fields.optional(fields.text), None, "known_hosts file"),

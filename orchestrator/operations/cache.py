@@ -26,6 +26,7 @@ from orchestrator.core.errors import CommandError, HostError
 from orchestrator.core.fnv import cache_name, fnv1a64, helper_binary, tools_dir
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.inventory.model import Host
+from orchestrator.operations.cache_local import copy_on_node
 from orchestrator.operations.cache_stream import TEMP_PREFIX, as_cache_owner, stream_to_cache
 from orchestrator.operations.layer import OperationOptions, node_operation
 from orchestrator.operations.server.state import CACHE_DIR, LOG_MARKER, server_files
@@ -61,7 +62,11 @@ class CacheChange:
     hits: tuple[str, ...] = ()
     bytes_sent: int = 0
     seconds: float = 0.0
-    via: str | None = None  # how a warm's bytes went: "plain tcp", "ssh", "local shell", "a file at a time"
+    # how a warm's bytes went: "node-local copy" (from `model_path_on_nodes`, on the node), then or else
+    # from this machine: "plain tcp", "ssh", "local shell", "a file at a time"
+    via: str | None = None
+    bytes_local: int = 0  # bytes a warm copied on the node from its own copy of the model (not sent)
+    warnings: tuple[str, ...] = ()  # each naming the host: a node-local copy not used, and why
     landed: tuple[WarmItem, ...] = ()  # a warm's files now there, each with its name
     kept_over_quota: int = 0  # bytes over rpc_cache_max kept because the current plan needs them
     after: CacheState | None = field(default=None)
@@ -284,7 +289,10 @@ async def warm(
     check: bool = False,
     on_ready: Callable[[], None] | None = None,
 ) -> CacheChange:
-    """Upload the items the node's cache lacks (one stream for all, `cache_stream`: an OpenSSH session,
+    """Put the items the node's cache lacks there: with `model_path_on_nodes`, the named ones copied on
+    the node from its own copy of the model (`cache_local`: each checked by its hash; a copy missing or
+    differing leaves the rest to this machine, with a warning); the rest uploaded (one stream for all,
+    `cache_stream`: an OpenSSH session,
     or a local shell; without the `ssh` binary, a `cat` per file over the connection; always a temp
     name, then a rename), touch those it has (their last use), then prune to `rpc_cache_max` keeping
     every item. `on_ready` is called once: when the stream has marked the files it will send (a server
@@ -343,6 +351,8 @@ async def _warm(
     if hits:
         await conn.run(f"cd {cache_path(host)} && touch -c -- {' '.join(hits)}", timeout=60)
     landed: list[WarmItem] = []
+    local: list[WarmItem] = []
+    warnings: list[str] = []
 
     def uploaded(item: WarmItem) -> None:  # structured progress: one event per file, bytes so far, rate
         landed.append(item)
@@ -361,16 +371,27 @@ async def _warm(
     def stopping() -> bool:
         return ctx is not None and ctx.session.interrupted is not None
 
-    via = (
-        await stream_to_cache(
-            host, conn, cache_path(host), missing, stopping=stopping, on_file=uploaded, on_ready=on_ready
+    named = [i for i in missing if i.name is not None]
+    if host.model_path_on_nodes is not None and named:
+        # The node's own copy first (a command, not the bytes); what it cannot give comes from here.
+        local, warning = await copy_on_node(
+            conn, host, cache_path(host), named, stopping=stopping, on_file=uploaded, on_ready=on_ready
         )
-        if missing
+        warnings += [warning] if warning is not None else []
+        if warning is not None and ctx is not None:
+            ctx.log.warning("cache_warm_local_copy_not_used", reason=warning)
+    rest = [i for i in missing if i not in local] if not stopping() else []
+    streamed = (
+        await stream_to_cache(
+            host, conn, cache_path(host), rest, stopping=stopping, on_file=uploaded, on_ready=on_ready
+        )
+        if rest
         else None
     )
-    if missing and via is None:
-        via = "a file at a time"
-    for item in missing if via == "a file at a time" else ():  # asyncssh only: a `cat` per file
+    if rest and streamed is None:
+        streamed = "a file at a time"
+    via = " + ".join(v for v in ("node-local copy" if local else None, streamed) if v) or None
+    for item in rest if streamed == "a file at a time" else ():  # asyncssh only: a `cat` per file
         if stopping():
             break
         with item.path.open("rb") as fh:
@@ -398,9 +419,11 @@ async def _warm(
         hits=hits,
         corrupt=truncated,
         removed=tuple(f.name for f in evict),
-        bytes_sent=sum(i.size for i in landed),
+        bytes_sent=sum(i.size for i in landed) - sum(i.size for i in local),
         seconds=time.monotonic() - started,
         via=via,
+        bytes_local=sum(i.size for i in local),
+        warnings=tuple(warnings),
         kept_over_quota=over,
         after=CacheState(tuple(after), host.rpc_cache_max),
         landed=tuple(landed),
