@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -24,7 +25,7 @@ from tests.plugins.lab import own_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.llama]
 
-MODEL = {"n_layer": 2, "n_embd": 1024, "n_head": 8, "n_head_kv": 8, "n_ff": 5632, "seed": 9}
+MODEL: dict[str, Any] = {"n_layer": 2, "n_embd": 1024, "n_head": 8, "n_head_kv": 8, "n_ff": 5632, "seed": 9}
 
 
 def _folder(node: LabNode) -> Path:
