@@ -84,9 +84,11 @@ class CachePrep:
         return sum(i.size for items in self.missing.values() for i in items)
 
     def worth_warming(self, choice: WarmChoice) -> bool:
-        """`auto`: when the misses are on two nodes or more (their links then carry them in parallel)."""
+        """`auto`: when the misses are on two nodes or more (their links then carry them in parallel), or
+        on a node that holds the model (`model_path_on_nodes`: its warm sends no weights at all)."""
         nodes = sum(1 for items in self.missing.values() if items)
-        return nodes > 0 and (choice == "always" or (choice == "auto" and nodes >= 2))
+        local = any(h.model_path_on_nodes is not None and self.missing.get(h.name) for h in self.hosts)
+        return nodes > 0 and (choice == "always" or (choice == "auto" and (nodes >= 2 or local)))
 
     @property
     def overlaps(self) -> bool:

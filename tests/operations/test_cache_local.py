@@ -183,3 +183,17 @@ def test_a_memo_is_not_written_for_a_file_changed_just_now(
     monkeypatch.setattr(memo, "RACY_NS", 0)
     hash_tensors([tensor])
     assert len(memo.remembered([tensor])) == 1
+
+
+def test_auto_warms_one_node_that_holds_the_model() -> None:
+    """`--warm auto` warms misses on one node only when its warm sends no weights (its own copy)."""
+    from orchestrator.caches.prep import CachePrep
+
+    plain = Host(name="a", address="10.0.0.1")
+    holder = Host(name="b", address="10.0.0.2", model_path_on_nodes="/mnt/models")
+    other = Host(name="c", address="10.0.0.3")
+    one = (ITEMS[0],)
+    assert not CachePrep((plain, other), {}, {"a": one, "c": ()}, 0).worth_warming("auto")
+    assert CachePrep((holder, other), {}, {"b": one, "c": ()}, 0).worth_warming("auto")
+    assert not CachePrep((holder, other), {}, {"b": (), "c": one}, 0).worth_warming("auto")
+    assert not CachePrep((holder,), {}, {"b": one}, 0).worth_warming("never")
