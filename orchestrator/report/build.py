@@ -43,8 +43,10 @@ from orchestrator.planning.plan import (
 from orchestrator.planning.profile import ModelProfile
 from orchestrator.planning.strategy import make_plan
 from orchestrator.probe.fleet import FleetProbe
+from orchestrator.report.summary import Curve, model_curve
 
-SCHEMA_VERSION = 1
+# 2: a case's `status` ("beyond_training" is no plain fit), `beyond_training`, `nodes`; the `summary`
+SCHEMA_VERSION = 2
 
 
 MiB = 1024 * 1024
@@ -100,10 +102,33 @@ class Case:
     plan: Plan | None
     error: str | None
     recommendation: Recommendation | None
+    n_ctx_train: int = 0  # the model's (0: unknown)
 
     @property
     def fits(self) -> bool:
         return self.plan is not None and self.plan.fit.fits
+
+    @property
+    def beyond_training(self) -> bool:
+        """Asked past the context the model was trained on: it may load, its answers there are untested."""
+        return bool(self.n_ctx_train) and self.n_ctx > self.n_ctx_train
+
+    @property
+    def status(self) -> str:
+        """fits, beyond_training (fits, past the training context: never a plain fit), short (does not
+        fit) or cannot_plan (the planner refused)."""
+        if self.plan is None:
+            return "cannot_plan"
+        if not self.plan.fit.fits:
+            return "short"
+        return "beyond_training" if self.beyond_training else "fits"
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The endpoints that hold some of its layers, in plan order."""
+        if self.plan is None:
+            return ()
+        return tuple(dict.fromkeys(d.endpoint or "local" for d in self.plan.devices if d.n_layers))
 
     @property
     def binding(self) -> PlannedDevice | None:
@@ -123,6 +148,20 @@ class Report:
     options: ReportOptions
     notes: tuple[str, ...] = ()
     formations: Formations | None = None  # `report --replicas`: the formations serve would choose
+    curves: tuple[Curve, ...] = ()  # per model: predicted memory against context
+
+    @property
+    def capacity(self) -> int:
+        """The usable bytes of the devices the plans could use (the curves' capacity line)."""
+        return sum(d.usable for d in self.devices)
+
+    def largest_ctx(self, model: str) -> tuple[int, bool]:
+        """The largest context that fits of `model`'s cases, and whether the search was capped there."""
+        fits = [c.plan.fit for c in self.cases if c.model == model and c.plan is not None]
+        best = max(fits, key=lambda f: f.largest_n_ctx, default=None)
+        if best is None:
+            return 0, False
+        return best.largest_n_ctx, bool(best.ctx_cap) and best.largest_n_ctx >= best.ctx_cap
 
     def host_of(self, endpoint: str | None) -> str | None:
         for dev in self.devices:
@@ -250,7 +289,8 @@ def build_report(
             rec = None
             if ro.recommend and (plan is None or not plan.fit.fits):
                 rec = _recommend(devices, profile, opts, plan, ro)
-            cases.append(Case(path, n_ctx, plan, error, rec))
+            cases.append(Case(path, n_ctx, plan, error, rec, profile.n_ctx_train))
+    curves = tuple(model_curve(path, devices, profile, ro.plan, contexts) for path, profile in models)
     return Report(
         schema_version=SCHEMA_VERSION,
         fleet=fleet,
@@ -261,6 +301,7 @@ def build_report(
         options=ro,
         notes=tuple(notes),
         formations=formations,
+        curves=curves,
     )
 
 

@@ -44,6 +44,9 @@ def _case_json(report: Report, case: Case) -> dict[str, Any]:
         "n_ctx": case.n_ctx,
         "n_ctx_padded": plan.n_ctx if plan is not None else None,
         "fits": plan.fit.fits if plan is not None else False,
+        "status": case.status,
+        "beyond_training": case.beyond_training,
+        "nodes": list(case.nodes),
         "error": case.error,
         "binding_device": binding.label if binding is not None else None,
         "binding_host": report.host_of(binding.endpoint) if binding is not None else None,
@@ -81,6 +84,27 @@ def _case_json(report: Report, case: Case) -> dict[str, Any]:
             "devices": [change(c) for c in rec.devices],
         }
     return out
+
+
+def _summary_json(report: Report) -> dict[str, Any]:
+    curves = {c.model: c for c in report.curves}
+    models = []
+    for m in report.models:
+        largest, capped = report.largest_ctx(m.path)
+        curve = curves.get(m.path)
+        models.append(
+            {
+                "path": m.path,
+                "statuses": [c.status for c in report.cases if c.model == m.path],  # one per context
+                "largest_n_ctx": largest,
+                "largest_capped": capped,
+                "curve": [
+                    {"n_ctx": p.n_ctx, "predicted": p.predicted, "fits": p.fits}
+                    for p in (curve.points if curve is not None else ())
+                ],
+            }
+        )
+    return {"capacity": report.capacity, "models": models}
 
 
 def report_to_dict(report: Report) -> dict[str, Any]:
@@ -165,6 +189,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             for m in report.models
         ],
         "contexts": list(report.contexts),
+        "summary": _summary_json(report),
         "cases": [_case_json(report, c) for c in report.cases],
         **(formations_json(report.formations) if report.formations is not None else {}),
     }

@@ -130,8 +130,97 @@ def verdict(report: Report, case: Case) -> str:
         where = f"{host} ({binding.label})" if host else binding.label
     if fit.fits:
         head = binding.memory.headroom if binding is not None else 0
-        return f"fits (n_ctx {plan.n_ctx}); binding device {where}, headroom {size(head)}; {largest}"
+        word = "fits" if not case.beyond_training else f"fits BEYOND TRAINING ({beyond_text(case)})"
+        return f"{word} (n_ctx {plan.n_ctx}); binding device {where}, headroom {size(head)}; {largest}"
     return f"does not fit (n_ctx {plan.n_ctx}): short {size_up(fit.shortfall)} on {where}; {largest}"
+
+
+def beyond_text(case: Case) -> str:
+    return f"the model was trained on {case.n_ctx_train}; its answers past that are untested"
+
+
+STATUS_WORDS = {
+    "fits": "fits",
+    "beyond_training": "beyond training",
+    "short": "does not fit",
+    "cannot_plan": "cannot plan",
+}
+
+
+def matrix_cell(case: Case) -> str:
+    """One cell of the models × contexts matrix: the verdict, the nodes it needs or what it lacks."""
+    if case.plan is None:
+        return "cannot plan"
+    n = len(case.nodes)
+    if case.status == "short":
+        return f"short {size_up(case.plan.fit.shortfall)}" + (
+            " (beyond training)" if case.beyond_training else ""
+        )
+    nodes = f"{n} node{'s' if n != 1 else ''}"
+    if case.status == "beyond_training":
+        return f"beyond training ({case.n_ctx_train}) · {nodes}"
+    return f"fits · {nodes}"
+
+
+def largest_cell(report: Report, model: str) -> str:
+    largest, capped = report.largest_ctx(model)
+    if not largest:
+        return "none"
+    train = next((m.profile.n_ctx_train for m in report.models if m.path == model), 0)
+    beyond = f" (beyond training {train})" if train and largest > train else ""
+    return f"{largest}{'+' if capped else ''}{beyond}"
+
+
+def matrix_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """The models × contexts matrix: per model its verdict at each context and its largest context."""
+    headers = ["model", *(f"ctx {ctx_label(c)}" for c in report.contexts), "largest context"]
+    rows = []
+    for model in report.models:
+        cells = {c.n_ctx: matrix_cell(c) for c in report.cases if c.model == model.path}
+        rows.append(
+            [
+                model_title(model),
+                *(cells[c] for c in report.contexts),
+                largest_cell(report, model.path),
+            ]
+        )
+    return headers, rows
+
+
+def model_title(model: ReportModel) -> str:
+    return model.profile.name or model.path
+
+
+def curve_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Each model's predicted memory (on the fleet's devices) against context, and the fleet's usable."""
+    contexts = sorted({p.n_ctx for curve in report.curves for p in curve.points})
+    by_model = {curve.model: {p.n_ctx: p for p in curve.points} for curve in report.curves}
+    headers = ["context", *(model_title(m) for m in report.models)]
+    rows = []
+    for n_ctx in contexts:
+        row = [str(n_ctx)]
+        for model in report.models:
+            point = by_model.get(model.path, {}).get(n_ctx)
+            if point is None:
+                row.append("")
+            elif point.predicted is None:
+                row.append("cannot plan")
+            else:
+                mark = "" if point.fits else " (short)"
+                train = model.profile.n_ctx_train
+                mark += " (beyond training)" if train and n_ctx > train else ""
+                row.append(size(point.predicted) + mark)
+        rows.append(row)
+    rows.append(["fleet usable", *(size(report.capacity) for _ in report.models)])
+    return headers, rows
+
+
+def summary_legend() -> str:
+    return (
+        "fits: fits within the training context · beyond training: fits, past the context the model "
+        "was trained on · does not fit: short on the binding device · +: the search stopped at the "
+        "training context"
+    )
 
 
 def _change_where(change: DeviceChange) -> str:
@@ -219,7 +308,11 @@ def model_architecture(report: Report, model: ReportModel) -> list[tuple[str, st
 
 
 def render_text(report: Report) -> str:
-    out = ["rpcfleet capacity report", *header_lines(report), "", "Fleet"]
+    out = ["rpcfleet capacity report", *header_lines(report), "", "Summary"]
+    out += _text_table(*matrix_table(report), "  ")
+    out += [f"  {summary_legend()}", "", "Memory against context (predicted on the fleet's devices)"]
+    out += _text_table(*curve_table(report), "  ")
+    out += ["", "Fleet"]
     rows = [row for node in report.fleet.nodes for row in node_rows(node)]
     out += _text_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)], "  ")
     out += [f"  {text}" for _, text in fleet_lines(report)]
@@ -260,6 +353,8 @@ def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str
 def render_markdown(report: Report) -> str:
     out = ["# rpcfleet capacity report", ""]
     out += [f"- {_md_cell(line)}" for line in header_lines(report)]
+    out += ["", "## Summary", "", *_md_table(*matrix_table(report)), "", _md_cell(summary_legend())]
+    out += ["", "## Memory against context", "", *_md_table(*curve_table(report))]
     out += ["", "## Fleet", ""]
     rows = [row for node in report.fleet.nodes for row in node_rows(node)]
     out += _md_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)])

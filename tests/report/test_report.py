@@ -37,10 +37,11 @@ from orchestrator.report.build import (
     smallest_addition,
 )
 from orchestrator.report.data import render_json
-from orchestrator.report.html import BAR_WIDTH, SEGMENT_COLOURS, render_html
+from orchestrator.report.html import BAR_WIDTH, MIN_SEGMENT, SEGMENT_COLOURS, render_html
 from orchestrator.report.render import render
 from orchestrator.report.text import render_markdown, render_text
 from orchestrator.rpc.records import Outcome
+from tests.plugins.browser import chromium
 from tests.plugins.fleets import down_node, fleet_of, ok_node
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
 
@@ -243,16 +244,20 @@ def _md_tables(text: str) -> list[list[list[str]]]:
 def test_markdown_table_structure(report_70b: Report) -> None:
     md = render_markdown(report_70b)
     tables = _md_tables(md)
-    assert len(tables) == 1 + len(report_70b.cases)
+    # the summary matrix and the curve's table first, then the fleet, then one table per case
+    assert len(tables) == 3 + len(report_70b.cases)
     for table in tables:
         width = len(table[0])
         assert all(len(row) == width for row in table), table
         assert all(set(c) == {"-"} for c in table[1])
-    fleet = tables[0]
+    matrix, curve, fleet = tables[:3]
+    assert matrix[0] == ["model", "ctx 4096", "ctx 32768", "largest context"]
+    assert matrix[2][1] == "fits · 2 nodes" and matrix[2][2].startswith("short ")
+    assert curve[0][0] == "context" and curve[-1] == ["fleet usable", "48.00 GiB"]
     assert fleet[0][:5] == ["host", "endpoint", "state", "protocol", "device"]
     assert [row[0] for row in fleet[2:]] == ["epyc-a", "epyc-b", "epyc-c", "total"]
     assert fleet[4][2] == "refused" and fleet[2][-1] == "32.00 GiB"
-    for table, case in zip(tables[1:], report_70b.cases, strict=True):
+    for table, case in zip(tables[3:], report_70b.cases, strict=True):
         assert table[0][:6] == ["device", "host", "layers", "weights", "KV", "compute"]
         # one row per device, then the host (CPU) row that `rpcfleet plan` shows too
         assert case.plan is not None and len(table) - 2 == len(case.plan.devices) + 1
@@ -292,11 +297,13 @@ def test_markdown_escapes_pipes(tiny_profile: ModelProfile) -> None:
 
 def test_json_shape_and_values(report_70b: Report) -> None:
     doc = json.loads(render_json(report_70b))
-    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert doc["schema_version"] == SCHEMA_VERSION == 2
     assert doc["fleet"]["totals"]["usable"] == 48 * GiB and doc["fleet"]["totals"]["ok_endpoints"] == 2
     assert [n["state"] for n in doc["fleet"]["nodes"]] == ["ok", "ok", "refused"]
     fits, short = doc["cases"]
     assert fits["fits"] is True and fits["recommendation"] is None and fits["shortfall"] == 0
+    assert (fits["status"], short["status"]) == ("fits", "short")
+    assert fits["nodes"] == ["10.0.0.1:50052", "10.0.0.2:50052"]
     assert short["fits"] is False and short["binding_host"] in ("epyc-a", "epyc-b")
     rec = report_70b.cases[1].recommendation
     assert rec is not None and rec.smallest is not None
@@ -398,6 +405,33 @@ def _check_golden_against_its_inputs(doc: dict[str, Any], models_dir: Path, spar
         # the layers run in order over the devices, the output layer on the last
         assert [d["first_layer"] for d in got] == [0, *[d["last_layer"] + 1 for d in got[:-1]]]
         assert got[-1]["last_layer"] == plan.n_layer and [d["has_output"] for d in got][-1]
+        # past the training context read from the GGUF itself, a fit is never a plain "fits"
+        train = _gguf_ctx_train(paths[case["model"]])
+        assert case["beyond_training"] == (case["n_ctx"] > train)
+        want = "short" if not plan.fit.fits else ("beyond_training" if case["n_ctx"] > train else "fits")
+        assert case["status"] == want
+        assert case["nodes"] == list(dict.fromkeys(d["endpoint"] for d in got if d["layers"]))
+    summary = doc["summary"]
+    assert summary["capacity"] == fleet["totals"]["usable"] == 96 * GiB
+    assert [m["path"] for m in summary["models"]] == list(paths)
+    for model in summary["models"]:
+        profile = profile_model(paths[model["path"]])
+        train = _gguf_ctx_train(paths[model["path"]])
+        cases = [c for c in doc["cases"] if c["model"] == model["path"]]
+        assert model["statuses"] == [c["status"] for c in cases]
+        assert model["largest_n_ctx"] == max(c["largest_n_ctx"] for c in cases)
+        top = max(65536, train)
+        powers = [1 << k for k in range(10, 40) if 1 << k <= top]
+        assert [p["n_ctx"] for p in model["curve"]] == sorted({*powers, 4096, 65536, train})
+        for point in model["curve"]:
+            plan = make_plan(_golden_devices(), profile, PlanOptions(n_ctx=point["n_ctx"]))
+            assert point["predicted"] == sum(d.memory.total for d in plan.devices)
+            assert point["fits"] == plan.fit.fits
+
+
+def _gguf_ctx_train(path: Path) -> int:
+    field = GGUFReader(path).fields["llama.context_length"]
+    return int(field.parts[field.data[0]][0])
 
 
 def test_golden_json(models_dir: Path, sparse_70b: Path) -> None:
@@ -545,7 +579,7 @@ def screenshot(html_path: Path, png: Path, profile_dir: Path) -> None:
         "--force-device-scale-factor=1",
         f"--user-data-dir={profile_dir}",
         f"--screenshot={png}",
-        "--window-size=1200,1600",
+        "--window-size=1400,2800",  # the whole page: the summary first, then the bars
         html_path.as_uri(),
     ]
     done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
@@ -557,7 +591,7 @@ def test_html_is_self_contained(report_70b: Report) -> None:
     lowered = page.lower()
     for banned in ("<script", "http://", "https://", "url(", "@import", "<link", "@font-face", "src="):
         assert banned not in lowered, banned
-    assert page.count("<svg") == len(report_70b.cases)
+    assert page.count("<svg") == len(report_70b.cases) + 1  # the bars of each case, the curves
     for colour in SEGMENT_COLOURS.values():
         assert colour in page
 
@@ -593,6 +627,8 @@ def test_html_chart_in_chromium(report_70b: Report, profile_70b: ModelProfile, t
     expected: list[dict[str, float]] = []
     for case in report.cases:
         assert case.plan is not None
+        # no device has more free memory than predicted: nothing is cut, the scale is the largest usable
+        assert all(d.memory.usable <= 2 * d.memory.total for d in case.plan.devices)
         scale = BAR_WIDTH / max(max(d.memory.usable, d.memory.total) for d in case.plan.devices)
         for d in case.plan.devices:
             m = d.memory
@@ -610,6 +646,92 @@ def test_html_chart_in_chromium(report_70b: Report, profile_70b: ModelProfile, t
         assert want["weights"] > 100 and want["kv"] > 5 and want["compute"] > 5  # all visible
     # the over-full case draws no free segment, the fitting one does
     assert all(b.get("free", 0) > 10 for b in bars[:3]) and all("free" not in b for b in bars[3:])
+
+
+def test_beyond_training_is_never_a_plain_fit(tiny_profile: ModelProfile) -> None:
+    """A context past the model's training context that fits is marked as such in every format."""
+    train = tiny_profile.n_ctx_train
+    assert train and train < 131072
+    fleet = fleet_of(ok_node("big", "10.0.0.1:50052", [64 * GiB]))
+    report = build_report(fleet, [("t.gguf", tiny_profile)], [train, 131072])
+    inside, past = report.cases
+    assert inside.fits and past.fits
+    assert (inside.status, past.status) == ("fits", "beyond_training")
+    text = render_text(report)
+    assert f"ctx {train}: fits (" in text and "ctx 131072: fits (" not in text
+    assert "ctx 131072: fits BEYOND TRAINING" in text
+    assert "beyond training" in render_markdown(report)
+    page = render_html(report)
+    assert '<td class="st-beyond_training"' in page and '<p class="beyond">fits BEYOND' in page
+    doc = json.loads(render_json(report))
+    assert [c["status"] for c in doc["cases"]] == ["fits", "beyond_training"]
+    assert doc["summary"]["models"][0]["statuses"] == ["fits", "beyond_training"]
+
+
+# What the page must be, measured in Chromium's DOM: the document no wider than a 1400 px window, every
+# element's box inside its parent's (nothing clipped or spilling), every bar segment that holds bytes a
+# few pixels wide, every colour drawn (bars, ticks, curves, matrix cells) in a legend swatch, and the
+# summary matrix naming every model and context.
+_DOM_CHECKS = """(() => {
+  const rgb = (c) => { const d = document.createElement('i'); d.style.color = c; document.body.appendChild(d);
+    const v = getComputedStyle(d).color; d.remove(); return v; };
+  const out = {scrollWidth: document.documentElement.scrollWidth, outside: [], segments: [], drawn: [],
+    legend: [], matrixHead: [], matrixRows: []};
+  for (const el of document.body.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect(); const p = el.parentElement.getBoundingClientRect();
+    if (r.width === 0 && r.height === 0) continue;
+    if (['title'].includes(el.tagName)) continue;
+    if (r.left < p.left - 1 || r.right > p.right + 1 || r.top < p.top - 1 || r.bottom > p.bottom + 1)
+      out.outside.push(`${el.tagName}.${el.getAttribute('class')} ${el.textContent.slice(0, 40)}`);
+  }
+  for (const el of document.querySelectorAll('svg.bars rect[class^=seg-]'))
+    out.segments.push(el.getBoundingClientRect().width);
+  for (const el of document.querySelectorAll('svg rect, svg path, svg circle, svg line')) {
+    if (el.classList.contains('axis')) continue;  // axes are the text's colour, no data
+    for (const a of ['fill', 'stroke']) {
+      const v = el.getAttribute(a); if (v && v !== 'none') out.drawn.push(rgb(v));
+    }
+  }
+  for (const el of document.querySelectorAll('table.matrix td[class^=st-]'))
+    out.drawn.push(getComputedStyle(el).backgroundColor);
+  for (const el of document.querySelectorAll('.legend i'))
+    out.legend.push(getComputedStyle(el).backgroundColor);
+  out.matrixHead = [...document.querySelectorAll('table.matrix thead th')].map(e => e.textContent);
+  out.matrixRows = [...document.querySelectorAll('table.matrix tbody tr')].map(
+    tr => [...tr.children].map(e => e.textContent));
+  return out;
+})()"""
+
+
+def test_html_page_in_chromium_dom(
+    profile_70b: ModelProfile, tiny_profile: ModelProfile, tmp_path: Path
+) -> None:
+    """A small model beside a large one, a node down, a context past training, long host names: the page
+    read from Chromium's DOM in a 1400 px window."""
+    fleet = fleet_of(
+        ok_node(
+            "gpu-a-with-a-rather-long-host-name.example.internal", "10.0.0.1:50052", [24 * GiB, 24 * GiB]
+        ),
+        ok_node("epyc-b", "10.0.0.2:50052", [10 * GiB]),
+        down_node("epyc-c", "10.0.0.3:50052"),
+    )
+    models = [("models/tiny.gguf", tiny_profile), ("models/llama-70b-q4_K.gguf", profile_70b)]
+    report = build_report(fleet, models, [4096, 32768, 131072])
+    page = tmp_path / "report.html"
+    page.write_text(render_html(report))
+    with chromium(tmp_path / "profile", width=1400, height=1000) as browser:
+        browser.open(page.as_uri())
+        browser.wait_for("document.readyState === 'complete' && document.querySelector('table.matrix')", 30)
+        got = browser.evaluate(_DOM_CHECKS)
+    assert got["scrollWidth"] <= 1400, got["scrollWidth"]
+    assert got["outside"] == []
+    assert got["segments"] and min(got["segments"]) >= MIN_SEGMENT
+    assert set(got["drawn"]) - set(got["legend"]) == set(), (got["drawn"], got["legend"])
+    assert got["matrixHead"] == ["model", "ctx 4096", "ctx 32768", "ctx 131072", "largest context"]
+    assert [row[0] for row in got["matrixRows"]] == [p.name for _, p in models]
+    assert all(len(row) == 5 for row in got["matrixRows"])
+    # the tiny model's compute and KV are a sliver of 24 GiB: drawn, all the same
+    assert sum(1 for w in got["segments"] if w < 10) > 0
 
 
 # --------------------------------------------------------------------------------------------------
