@@ -321,9 +321,10 @@ def report_cache(args: argparse.Namespace, done: FleetLoad) -> None:
     if done.interrupted:  # Ctrl-C during the check or the warm: no load
         return
     if run is not None and prep is not None and not args.json:
+        vias = ", ".join(f"{host}: {w['via']}" for host, w in _warm_json(run).items() if w["via"])
         _output.err_console.print(
-            f"[dim]warmed {len(run.results)} node(s) in parallel in {done.phases['warm']:.2f} s; "
-            f"{prep.misses} misses left[/dim]",
+            f"[dim]warmed {len(run.results)} node(s) in parallel in {done.phases['warm']:.2f} s"
+            f"{f' ({escape(vias)})' if vias else ''}; {prep.misses} misses left[/dim]",
             highlight=False,
         )
 

@@ -124,3 +124,12 @@ def _check(lab: Lab, model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
     assert sent[1] > 3 * 11 * 2**20, sent  # node 2's tensors crossed its link (and the load's small ones)
     verified, _ = _json(capsys, ["cache", "verify", *inv, "--json"])
     assert all(not h["corrupt"] for h in verified["hosts"])
+
+    # The table says where each node's files came from; the warning goes to stderr.
+    _json(capsys, ["cache", "clear", *inv, "--json"])
+    assert main(["cache", "warm", *inv, "-m", str(model), "--ctx", "256"]) == 0
+    table = capsys.readouterr()
+    rows_text = {n.name: next(x for x in table.out.splitlines() if n.name in x) for n in lab.nodes}
+    assert "via node-local copy" in rows_text[lab.nodes[0].name]
+    assert "via plain tcp" in rows_text[node.name] or "via ssh" in rows_text[node.name], table.out
+    assert f"{node.name}: the node-local copy ~/models/{model.name} differs" in " ".join(table.err.split())
