@@ -177,7 +177,7 @@ async def copy_on_node(
     """Copy `items` (all named) into the node's cache `folder` from its own copy of the model; returns
     those now there, in order, and the warning when the node must get the others from this machine
     (None: all copied, or stopped by `stopping()`). A full disk is a HostError naming the bytes needed."""
-    from orchestrator.operations.cache import ensure_helper
+    from orchestrator.operations.cache import ensure_helper  # here: cache.py imports this module
 
     await ensure_helper(conn, host)
     held: HeldCommand = await conn.hold(
