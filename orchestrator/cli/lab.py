@@ -13,6 +13,7 @@ from orchestrator.cli._inputs import DEFAULT_INVENTORY_ENV
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.core.paths import DEFAULT_LAB
+from orchestrator.core.units import format_size
 
 
 def register(subparsers: Any) -> None:
@@ -62,6 +63,15 @@ def register(subparsers: Any) -> None:
         metavar="CPUS",
         help="each node's CPU share, a cgroup quota (cpu.max): 0.6 is 60 ms of every 100 ms for all the "
         "node's processes (sshd, the servers)",
+    )
+    up.add_argument(
+        "--memory",
+        type=_parser.flag(_memory),
+        default=None,
+        metavar="SIZE",
+        help="each node's memory limit, a cgroup's memory.max (memory.limit_in_bytes on cgroup v1), e.g. "
+        "256MiB: the node's processes (sshd, the servers) share it, and the probe counts it as the node's "
+        "free memory",
     )
     _output.add_json_arg(up)
     up.set_defaults(handler=handle_up)
@@ -122,6 +132,18 @@ def _cpus(value: Any) -> float:
     return cpus
 
 
+def _memory(value: Any) -> int:
+    """--memory: a size, 32MiB or more (a node's sshd and a login need about 10 MiB)."""
+    from orchestrator.lab.cgroups import MIN_MEMORY
+
+    memory = fields.size(value)
+    if memory < MIN_MEMORY:
+        raise ValueError(
+            f"expected a size of {MIN_MEMORY // 2**20}MiB or more, such as 256MiB, got {value!r}"
+        )
+    return memory
+
+
 def _variables(items: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """`--var [N:]KEY=VALUE` items, every node's and node N's; each value read as YAML (`true`, `8GiB`,
     `[CPU]`), as in an inventory."""
@@ -160,6 +182,10 @@ def handle_up(args: argparse.Namespace) -> int:
         raise UsageError("--init systemd needs a network-namespace lab, not --local")
     if args.local and args.cpus is not None:
         raise UsageError("--cpus needs a network-namespace lab, not --local (its nodes are this machine)")
+    if args.local and args.memory is not None:
+        raise UsageError("--memory needs a network-namespace lab, not --local (its nodes are this machine)")
+    if args.init != "none" and args.memory is not None:
+        raise UsageError("--memory is for nodes that boot no systemd (--init none)")
     variables, node_variables = _variables(args.var)
     if args.backend is not None:
         if "rpc_backend" in variables or "backend" in variables:
@@ -176,6 +202,7 @@ def handle_up(args: argparse.Namespace) -> int:
         variables=variables,
         node_variables=node_variables,
         cpus=args.cpus,
+        memory=args.memory,
     )
     seconds = time.monotonic() - started
     if args.json:
@@ -189,6 +216,7 @@ def handle_up(args: argparse.Namespace) -> int:
     _output.console.print(
         f"lab [bold]{made.name}[/bold]: {len(made.nodes)} nodes ({kind})"
         + (f", {made.cpus:g} CPU each" if made.cpus is not None else "")
+        + (f", {format_size(made.memory)} of memory each" if made.memory is not None else "")
         + f" up in {seconds:.2f} s",
         highlight=False,
     )

@@ -10,6 +10,13 @@ the group's `cpu.stat`. cgroup v1 (this project's machines mount v1 controllers 
 `unified`): `cpu.cfs_quota_us`/`cpu.cfs_period_us` in the `cpu` hierarchy, usage from the group's
 `cpu.stat` in `unified` (v2's `usage_usec` is counted without the cpu controller), else `cpuacct.usage`.
 
+A memory limit per node (`lab up --memory 192MiB`) is a group of the same name in the memory
+controller: `memory.max` on v2, `memory.limit_in_bytes` on v1 (swap held to it too, where the kernel
+accounts swap), so a node is a small machine for memory as well: its processes are reclaimed, then
+killed, past it. The node mounts that hierarchy at /sys/fs/cgroup in its own mount namespace (`ip netns
+exec` gives it a /sys without one), as a real machine has it, so what runs there (the probe's memory
+fact) reads its own limit.
+
 The groups are named after the node's namespace (`rfl<slot>-<node>`), so `lab down` and the reaping of
 dead labs find them by the slot's prefix. The shell lines make and fill the group themselves, so a node
 that `lab repair` starts again joins its group with the same quota, made again if it was gone.
@@ -40,6 +47,10 @@ MIN_QUOTA_US = 1_000
 
 
 MIN_CPUS = 0.01  # the kernel refuses a quota under 1 ms per period
+
+
+# A node's sshd and one login take about 10 MiB: under this it could not even be reached.
+MIN_MEMORY = 32 * 1024 * 1024
 
 
 CgroupMode = Literal["v2", "v1"]
@@ -121,13 +132,86 @@ def join_lines(name: str, cpus: float, root: Path = CGROUP_ROOT) -> list[str]:
     ]
 
 
-def in_share(name: str, cpus: float | None, argv: list[str]) -> list[str]:
-    """`argv` run inside the node's CPU share (no share: `argv` as it is). It joins from the root
-    namespaces: `ip netns exec` mounts a /sys without the cgroup trees, and `nsenter` keeps the caller's
-    cgroup, so whatever a repair starts in a node (its sshd, a new holder) joins here first."""
-    if cpus is None:
+def memory_group(name: str, root: Path = CGROUP_ROOT) -> tuple[CgroupMode, Path]:
+    """(mode, folder) of the node's memory group; LabError where no memory limit can be set."""
+    with contextlib.suppress(OSError):
+        if "memory" in (root / "cgroup.controllers").read_text().split():
+            return "v2", root / name
+    if (root / "memory" / "memory.limit_in_bytes").exists():
+        return "v1", root / "memory" / name
+    raise LabError(
+        f"--memory needs the memory controller: neither cgroup v2 with memory in {root}/cgroup.controllers "
+        f"nor a cgroup v1 memory hierarchy at {root}/memory"
+    )
+
+
+def check_memory(memory: int) -> int:
+    """--memory: bytes, enough for the node's sshd and a login."""
+    if memory < MIN_MEMORY:
+        raise LabError(f"--memory must be at least {MIN_MEMORY // 1024 // 1024} MiB, not {memory} bytes")
+    return memory
+
+
+def memory_lines(name: str, memory: int, root: Path = CGROUP_ROOT) -> list[str]:
+    """Shell lines: make the node's memory group (if gone), set its limit, move this shell (`$$`) in;
+    exit 1 when that fails (a node without its limit would measure the wrong thing)."""
+    mode, group = memory_group(name, root)
+    fail = f'{{ echo "rpcfleet lab: cannot put the node in its memory cgroup {group}" >&2; exit 1; }}'
+    if mode == "v2":
+        control = root / "cgroup.subtree_control"
+        return [
+            f"grep -qw memory {q(control)} || echo +memory > {q(control)} || {fail}",
+            f"mkdir -p {q(group)} || {fail}",
+            f"echo {memory} > {q(group / 'memory.max')} || {fail}",
+            # no swap beyond the limit: the node is a machine of that much memory
+            f"if [ -e {q(group / 'memory.swap.max')} ]; then echo 0 > {q(group / 'memory.swap.max')}; fi",
+            f"echo $$ > {q(group / 'cgroup.procs')} || {fail}",
+        ]
+    swap = group / "memory.memsw.limit_in_bytes"
+    return [
+        f"mkdir -p {q(group)} || {fail}",
+        f"echo {memory} > {q(group / 'memory.limit_in_bytes')} || {fail}",
+        # memory + swap may not be less than memory: set after it (swap accounting may be off)
+        f"if [ -e {q(swap)} ]; then echo {memory} > {q(swap)} || {fail}; fi",
+        f"echo $$ > {q(group / 'cgroup.procs')} || {fail}",
+    ]
+
+
+def mount_lines(root: Path = CGROUP_ROOT) -> list[str]:
+    """Shell lines run in the node's own mount namespace: its memory hierarchy at /sys/fs/cgroup (v2:
+    the unified tree; v1: a tmpfs holding the memory controller's tree, as systemd mounts it)."""
+    mode, _ = memory_group("node", root)
+    if mode == "v2":
+        return ["mount -t cgroup2 cgroup2 /sys/fs/cgroup"]
+    # v1 mounts again the hierarchy holding memory, with its controllers (`cpu,memory` where co-mounted)
+    controllers = (root / "memory").resolve().name
+    return [
+        "mount -t tmpfs -o mode=0755,size=64k cgroup /sys/fs/cgroup",
+        "mkdir /sys/fs/cgroup/memory",
+        f"mount -t cgroup -o {shlex.quote(controllers)} cgroup /sys/fs/cgroup/memory",
+    ]
+
+
+def in_share(name: str, cpus: float | None, argv: list[str], memory: int | None = None) -> list[str]:
+    """`argv` run inside the node's CPU share and memory limit (neither: `argv` as it is). It joins from
+    the root namespaces: `ip netns exec` mounts a /sys without the cgroup trees, and `nsenter` keeps the
+    caller's cgroup, so whatever a repair starts in a node (its sshd, a new holder) joins here first."""
+    lines = [*(join_lines(name, cpus) if cpus is not None else [])]
+    lines += memory_lines(name, memory) if memory is not None else []
+    if not lines:
         return argv
-    return ["sh", "-c", "; ".join(["set -e", *join_lines(name, cpus), 'exec "$@"']), "node", *argv]
+    return ["sh", "-c", "; ".join(["set -e", *lines, 'exec "$@"']), "node", *argv]
+
+
+def memory_limit_of(name: str, root: Path = CGROUP_ROOT) -> int | None:
+    """The node's memory limit as its group says (None: no group, or no limit)."""
+    try:
+        mode, group = memory_group(name, root)
+        text = (group / ("memory.max" if mode == "v2" else "memory.limit_in_bytes")).read_text().strip()
+    except (OSError, LabError):
+        return None
+    # v1 says "no limit" with the largest page-aligned 64-bit number
+    return None if text == "max" or int(text) >= 1 << 62 else int(text)
 
 
 def usage_us(name: str, root: Path = CGROUP_ROOT) -> int:
@@ -176,8 +260,9 @@ def members(name: str, root: Path = CGROUP_ROOT) -> list[int]:
 
 
 def existing(prefix: str, root: Path = CGROUP_ROOT) -> list[Path]:
-    """The CPU groups of every node whose name starts with `prefix` (a slot's), in every hierarchy."""
-    parents = [root, root / "cpu", root / "cpuacct", root / "unified"]
+    """The CPU and memory groups of every node whose name starts with `prefix` (a slot's), in every
+    hierarchy."""
+    parents = [root, root / "cpu", root / "cpuacct", root / "memory", root / "unified"]
     found: list[Path] = []
     for parent in parents:
         if (parent / "cgroup.procs").exists():
@@ -186,8 +271,8 @@ def existing(prefix: str, root: Path = CGROUP_ROOT) -> list[Path]:
 
 
 def remove(prefix: str, root: Path = CGROUP_ROOT, timeout: float = 3.0) -> list[str]:
-    """Remove the CPU groups of `prefix*` nodes (deepest first), once their processes are gone: a group
-    with a process in it cannot be removed, and a killed process leaves it a moment later."""
+    """Remove the CPU and memory groups of `prefix*` nodes (deepest first), once their processes are
+    gone: a group with a process in it cannot be removed, and a killed process leaves it a moment later."""
     removed: list[str] = []
     deadline = time.monotonic() + timeout
     for top in existing(prefix, root):

@@ -27,6 +27,7 @@ class LabFaults:
     kind: LabKind
     bridge: str | None
     cpus: float | None
+    memory: int | None
     nodes: tuple[LabNode, ...]
 
     if TYPE_CHECKING:
@@ -98,7 +99,8 @@ class LabFaults:
             raise LabError(f"node {found.name} is gone (no holder process)", hint="recreate the lab")
         found.sshd_pid_file.unlink(missing_ok=True)
         argv = ["nsenter", "-t", str(holder), "-m", "-u", "-n", "--", *sshd_argv(found)]
-        run(cgroups.in_share(found.namespace or "", self.cpus, argv))  # back in the node's CPU share
+        # back in the node's CPU share and memory limit
+        run(cgroups.in_share(found.namespace or "", self.cpus, argv, self.memory))
         wait_ready([found], UP_TIMEOUT, self.bridge)
         pid = found.sshd_pid()
         if pid is None:

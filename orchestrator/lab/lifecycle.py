@@ -100,6 +100,7 @@ def lab_up(
     node_variables: Mapping[str, Mapping[str, Any]] | None = None,
     cpus: float | None = None,
     node_init: Mapping[int, NodeInit] | None = None,
+    memory: int | None = None,
 ) -> Lab:
     """Bring a lab of `nodes` nodes up, write its key, known_hosts and inventory, and return it.
 
@@ -109,6 +110,8 @@ def lab_up(
     is made; `node_variables`: a node's own, by its number (`--var 2:rpc_servers=[50052, 50053]`).
     `cpus`: each node's CPU share, a cgroup quota (lab/cgroups.py; network-namespace labs).
     `node_init`: a node's own init by its number, over `init` (a lab of plain and systemd nodes).
+    `memory`: each node's memory limit in bytes, a cgroup's `memory.max` (lab/cgroups.py; network-namespace
+    labs whose nodes boot no systemd).
     """
     check_name(name)
     extra = check_variables(variables or {})
@@ -120,11 +123,19 @@ def lab_up(
             raise LabError("--cpus needs a network-namespace lab, not --local (its nodes are this machine)")
         cpu_groups.check_cpus(cpus)
         cpu_groups.node_groups(f"{PREFIX}check")  # no cpu controller: said before anything is made
+    if memory is not None:
+        if local:
+            raise LabError("--memory needs a network-namespace lab, not --local (its nodes are this machine)")
+        cpu_groups.check_memory(memory)
+        cpu_groups.memory_group(f"{PREFIX}check")  # no memory controller: said before anything is made
     kind: LabKind = "local" if local else "netns"
     inits = {index: (node_init or {}).get(index, init) for index in range(1, nodes + 1)}
     booting: NodeInit = "systemd" if "systemd" in inits.values() else "none"
     if local and booting != "none":
         raise LabError("--init systemd needs a network-namespace lab, not --local")
+    if memory is not None and booting != "none":
+        # nspawn makes the container's own cgroups and mounts; reading the limit there is not done yet
+        raise LabError("--memory is for nodes that boot no systemd (--init none)")
     if kind == "netns":
         check_netns_prerequisites(booting)
     owner = Owner.of(owner_pid) if owner_pid is not None else None
@@ -147,7 +158,7 @@ def lab_up(
         if existing is not None or lab_dir(name).exists():
             teardown(existing, lab_dir(name))
         slot = _free_slot(name, kind)
-        lab = replace(_plan(name, kind, slot, owner, inits), cpus=cpus)
+        lab = replace(_plan(name, kind, slot, owner, inits), cpus=cpus, memory=memory)
         lab.dir.mkdir(parents=True, mode=0o700)
         lab.save()
     try:
@@ -346,7 +357,7 @@ def _fix(lab: Lab, node: LabNode, fault: str) -> str:
         sshd = node.sshd_pid()
         if sshd is None:
             return "nothing (its sshd died meanwhile)"
-        restore_holder(node, sshd, lab.cpus)
+        restore_holder(node, sshd, lab.cpus, lab.memory)
         return "holder started"
     if fault == "sshd dead":
         return f"sshd started (pid {lab.start_sshd(node)})"

@@ -167,14 +167,16 @@ def _start_node(lab: Lab, node: LabNode) -> None:
             f"echo $$ > {q(str(node.holder_pid_file))}",
             f"mount --bind {q(str(node.home))} {q(str(lab.home_mount))}",
             f"hostname {q(node.name)}",
+            # the node's memory limit readable inside it, as on a machine (--memory)
+            *(cgroups.mount_lines() if lab.memory is not None else []),
             " ".join(q(a) for a in sshd_argv(node)),
             f"exec -a {q(str(node.dir / 'holder'))} sleep infinity",
         ]
     )
     argv = ["ip", "netns", "exec", node.namespace, "unshare", "--mount", "--uts"]
     argv += ["--propagation", "private", "bash", "-c", script]
-    # The node's CPU share first (--cpus): sshd and all it starts inherit it.
-    argv = ["setsid", "-f", *cgroups.in_share(node.namespace, lab.cpus, argv)]
+    # The node's CPU share and memory limit first (--cpus, --memory): sshd and all it starts inherit them.
+    argv = ["setsid", "-f", *cgroups.in_share(node.namespace, lab.cpus, argv, lab.memory)]
     with node.log.open("ab") as out:
         # setsid -f forks: the node never is our child, so it outlives a CLI `lab up`.
         run_child(
@@ -195,14 +197,14 @@ def restart_node(lab: Lab, node: LabNode) -> None:
     wait_ready([node], UP_TIMEOUT, lab.bridge)
 
 
-def restore_holder(node: LabNode, sshd: int, cpus: float | None = None) -> None:
+def restore_holder(node: LabNode, sshd: int, cpus: float | None = None, memory: int | None = None) -> None:
     """A new holder for a node whose holder died while its sshd runs, in that sshd's namespaces (the
     node's mounts and hostname): `node_exec` enters the holder's."""
     q = shlex.quote
     node.holder_pid_file.unlink(missing_ok=True)
     script = f"echo $$ > {q(str(node.holder_pid_file))}; exec -a {q(str(node.dir / 'holder'))} sleep infinity"
     argv = ["nsenter", "-t", str(sshd), "-m", "-u", "-n", "--", "bash", "-c", script]
-    argv = ["setsid", "-f", *cgroups.in_share(node.namespace or "", cpus, argv)]
+    argv = ["setsid", "-f", *cgroups.in_share(node.namespace or "", cpus, argv, memory)]
     with node.log.open("ab") as out:
         run_child(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=child_env(), check=False, timeout=10
@@ -266,7 +268,7 @@ def teardown_slot(slot: int, lab: Lab | None = None) -> list[str]:
     if veths and not poll(veths_gone, timeout=2.0, interval=0.005):
         run(["ip", "-force", "-batch", "-"], input="".join(f"link del {v}\n" for v in veths), check=False)
     removed += systemd.release_slot(f"{PREFIX}{slot}-")
-    removed += cgroups.remove(f"{PREFIX}{slot}-")  # the nodes' CPU shares (--cpus)
+    removed += cgroups.remove(f"{PREFIX}{slot}-")  # the nodes' CPU shares and memory limits
     user = f"{PREFIX}{slot}"
     if user in lab_users():
         run(["userdel", user], check=False)

@@ -170,6 +170,7 @@ class Lab(LabFaults):
     outputs: tuple[str, ...] = ()  # extra inventory copies (-o); left in place by `down`
     created: float = field(default_factory=time.time)
     cpus: float | None = None  # each node's CPU share (`--cpus`, lab/cgroups.py); None: no quota
+    memory: int | None = None  # each node's memory limit in bytes (`--memory`, lab/cgroups.py); None: none
 
     # -- files
     @property
@@ -239,6 +240,7 @@ class Lab(LabFaults):
                 outputs=tuple(data.get("outputs", ())),
                 created=float(data.get("created", 0.0)),
                 cpus=float(data["cpus"]) if data.get("cpus") is not None else None,
+                memory=int(data["memory"]) if data.get("memory") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise LabError(f"unreadable lab state: {exc!r}") from exc

@@ -55,12 +55,18 @@ def lab_hosts_of(lab: Lab) -> list[Host]:
 
 @contextlib.contextmanager
 def own_lab(
-    nodes: int, suffix: str = "", *, init: NodeInit = "none", node_init: Mapping[int, NodeInit] | None = None
+    nodes: int,
+    suffix: str = "",
+    *,
+    init: NodeInit = "none",
+    node_init: Mapping[int, NodeInit] | None = None,
+    memory: int | None = None,
 ) -> Iterator[Lab]:
-    """A namespaced lab owned by this test session (reaped if the session dies), down on exit."""
+    """A namespaced lab owned by this test session (reaped if the session dies), down on exit; `memory`:
+    each node's memory limit in bytes (`lab up --memory`)."""
     require_lab_privileges()
     name = session_lab_name(suffix)
-    made = lab_up(nodes, name=name, owner_pid=os.getpid(), init=init, node_init=node_init)
+    made = lab_up(nodes, name=name, owner_pid=os.getpid(), init=init, node_init=node_init, memory=memory)
     try:
         yield made
     finally:
@@ -89,19 +95,20 @@ def lab_hosts(lab: Lab) -> list[Host]:
 
 @pytest.fixture
 def make_lab(request: pytest.FixtureRequest) -> Iterator[Callable[..., Lab]]:
-    """Factory: `make_lab(nodes=2, local=False)` -> a fresh lab of this session, down after the test. A
+    """Factory: `make_lab(nodes=2, local=False, memory=None)` -> a fresh lab of this session, down after
+    the test (`memory`: each node's memory limit in bytes, `lab up --memory`). A
     namespaced lab needs the test's `lab` mark (a local one does not: tests/plugins/tiers.py leaves this
     fixture to say so when it is called)."""
     made: list[str] = []
 
-    def make(nodes: int = 2, *, local: bool = False) -> Lab:
+    def make(nodes: int = 2, *, local: bool = False, memory: int | None = None) -> Lab:
         if not local:
             if request.node.get_closest_marker("lab") is None:
                 pytest.fail(f"{request.node.nodeid} makes a namespaced lab: mark it @pytest.mark.lab")
             require_lab_privileges()
         name = session_lab_name(f"x{next(_counter)}")
         made.append(name)
-        return lab_up(nodes, name=name, local=local, owner_pid=os.getpid())
+        return lab_up(nodes, name=name, local=local, owner_pid=os.getpid(), memory=memory)
 
     yield make
     for name in made:
