@@ -146,11 +146,14 @@ def free_footnote(fleet: FleetProbe) -> str:
             machines.setdefault(node.facts.machine_id, []).append(node.host)
     if not meminfo:
         return ""
+    limited = any(d.memory_rule == "cgroup" for node in fleet.nodes for d in node.devices)
+    # memory rule `cgroup`: the host's memory cgroup leaves less than MemAvailable
+    cgroup = "; less where the host's memory cgroup leaves less (rule cgroup)" if limited else ""
     shared = [hosts for hosts in machines.values() if len(hosts) > 1]
     if not shared:
-        return "* free = MemAvailable on the host (CPU devices)"
+        return f"* free = MemAvailable on the host (CPU devices){cgroup}"
     groups = "; ".join(f"{', '.join(hosts)} on one machine" for hosts in shared)
     return (
         "* free = MemAvailable on the host (CPU devices), divided evenly among the CPU servers of one "
-        f"machine ({groups}); the total counts each machine's RAM once"
+        f"machine ({groups}){cgroup}; the total counts each machine's RAM once"
     )

@@ -157,7 +157,7 @@ _NO_LIMIT = 1 << 62
 # For each memory hierarchy of this shell (v2's `0::PATH`; v1's `N:...memory...:PATH`), its cgroup and
 # every one above it that the mount shows: `cgroup DIR`, then `max`, `current` and the file cache that
 # is inactive (reclaimable first), each level's own lines. A limit above binds too (a slice's MemoryMax).
-_CGROUP_SCRIPT = (
+_CGROUP_SCRIPT = (  # shell builtins only: the probe gathers it on every host with a short timeout
     "while IFS=: read -r _ c p; do "
     'case ",$c," in '
     ",,) d=/sys/fs/cgroup$p; m=memory.max; u=memory.current; i=inactive_file ;; "
@@ -165,9 +165,11 @@ _CGROUP_SCRIPT = (
     "i=total_inactive_file ;; "
     "*) continue ;; esac; "
     "while :; do "
-    'd=${d%/}; if [ -r "$d/$m" ]; then echo "cgroup $d"; echo "max $(cat "$d/$m")"; '
-    'echo "current $(cat "$d/$u" 2>/dev/null)"; '
-    'grep "^$i " "$d/memory.stat" 2>/dev/null | sed s/^$i/inactive/; fi; '
+    'd=${d%/}; if [ -r "$d/$m" ]; then x=; y=; read -r x 2>/dev/null <"$d/$m"; '
+    'read -r y 2>/dev/null <"$d/$u"; echo "cgroup $d"; echo "max $x"; echo "current $y"; '
+    'while read -r k v; do if [ "$k" = "$i" ]; then echo "inactive $v"; fi; '
+    'done 2>/dev/null <"$d/memory.stat"; '
+    "fi; "
     'case "$d" in /sys/fs/cgroup|/sys/fs/cgroup/memory|"") break ;; esac; d=${d%/*}; '
     "done; done </proc/self/cgroup"
 )
