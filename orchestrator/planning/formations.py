@@ -374,3 +374,42 @@ def grow(models: Sequence[ServedModel], hosts: Sequence[Host], devices: Sequence
             free = [h for h in free if h.endpoint not in held]
             grown = True
     return made
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A formation re-planned after losing a node: the plan it would load (None: none fits, it waits for
+    the fleet) and the spares it took, in the order taken."""
+
+    plan: Plan | None
+    borrowed: tuple[str, ...]
+    reason: str = ""
+
+
+def replan_after_loss(
+    formed: Formed, lost: str, devices: Sequence[PlanDevice], spares: Sequence[Host]
+) -> Recovered:
+    """What serve's recovery (`workflows.serving.ServeFleet.plan_round` and `with_spare`) plans when
+    `formed` loses the node `lost`: the model on its servers that still answer (`devices`: the probed
+    ones); when none answers or it does not fit, and the planner did not refuse, one more spare (in the
+    pool's order) joins and it plans again, until it fits or no spare is left."""
+    members = [h.endpoint for h in formed.hosts if h.endpoint != lost]
+    pool = [h.endpoint for h in spares if h.endpoint != lost]
+    borrowed: list[str] = []
+    model = formed.model
+    while True:
+        chosen = [d for d in devices if d.endpoint in {*members, *borrowed}]
+        ordered = order_devices(chosen, (), [])
+        plan: Plan | None = None
+        reason = "no node answers"
+        if ordered:
+            try:
+                plan = make_plan(ordered, model.profile, model.options, model.draft)
+            except (PlanError, ProbeError) as exc:  # the planner refused: serve takes no spare for it
+                return Recovered(None, tuple(borrowed), exc.message)
+            if plan.fit.fits:
+                return Recovered(plan, tuple(borrowed))
+            reason = "it does not fit"
+        if not pool:
+            return Recovered(None, tuple(borrowed), reason)
+        borrowed.append(pool.pop(0))

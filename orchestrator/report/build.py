@@ -43,6 +43,7 @@ from orchestrator.planning.plan import (
 from orchestrator.planning.profile import ModelProfile
 from orchestrator.planning.strategy import make_plan
 from orchestrator.probe.fleet import FleetProbe
+from orchestrator.report.formations import FormationLoss, formation_losses
 from orchestrator.report.summary import Curve, model_curve
 
 # 2: a case's `status` ("beyond_training" is no plain fit), `beyond_training`, `nodes`; the `summary`
@@ -94,6 +95,17 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
+class NodeLoss:
+    """The case re-planned on the fleet without one node (N-1): whether it still fits, and by how much."""
+
+    endpoint: str
+    host: str | None
+    fits: bool
+    headroom: int  # the binding device's (negative: short by that much); 0 when no plan could be made
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Case:
     """One model at one context: the plan (None when the planner refused) and what would make it fit."""
 
@@ -103,6 +115,13 @@ class Case:
     error: str | None
     recommendation: Recommendation | None
     n_ctx_train: int = 0  # the model's (0: unknown)
+    losses: tuple[NodeLoss, ...] = ()  # N-1, for a case that fits: one per node the plan may use
+
+    @property
+    def worst_loss(self) -> NodeLoss | None:
+        """The node whose loss hurts most: one that breaks the fit with the largest shortfall, else the
+        one that leaves the least headroom (None: no N-1 was made)."""
+        return min(self.losses, key=lambda loss: (loss.fits, loss.error is None, loss.headroom), default=None)
 
     @property
     def fits(self) -> bool:
@@ -149,6 +168,7 @@ class Report:
     notes: tuple[str, ...] = ()
     formations: Formations | None = None  # `report --replicas`: the formations serve would choose
     curves: tuple[Curve, ...] = ()  # per model: predicted memory against context
+    formation_losses: tuple[FormationLoss, ...] = ()  # N-1 of the formations, one per answering node
 
     @property
     def capacity(self) -> int:
@@ -249,6 +269,28 @@ def _recommend(
     return Recommendation(tuple(changes), smallest, new_node, note)
 
 
+def node_losses(
+    devices: tuple[PlanDevice, ...], profile: ModelProfile, opts: PlanOptions
+) -> tuple[NodeLoss, ...]:
+    """N-1: the plan re-made without each node's devices in turn (same options; the largest-context
+    search capped, as it does not change the verdict)."""
+    quick = replace(opts, n_ctx_cap=CTX_PAD)
+    endpoints = list(dict.fromkeys(d.endpoint for d in devices if d.endpoint is not None))
+    losses = []
+    for endpoint in endpoints:
+        left = [d for d in devices if d.endpoint != endpoint]
+        host = next((d.host for d in devices if d.endpoint == endpoint), None)
+        try:
+            plan = make_plan(left, profile, quick)
+        except PlanError as exc:
+            losses.append(NodeLoss(endpoint, host, False, 0, exc.message))
+            continue
+        binding = plan.devices[plan.fit.binding_device] if plan.fit.binding_device is not None else None
+        headroom = binding.memory.headroom if binding is not None else 0
+        losses.append(NodeLoss(endpoint, host, plan.fit.fits, headroom))
+    return tuple(losses)
+
+
 def build_report(
     fleet: FleetProbe,
     models: Sequence[tuple[str, ModelProfile]],
@@ -289,7 +331,8 @@ def build_report(
             rec = None
             if ro.recommend and (plan is None or not plan.fit.fits):
                 rec = _recommend(devices, profile, opts, plan, ro)
-            cases.append(Case(path, n_ctx, plan, error, rec, profile.n_ctx_train))
+            losses = node_losses(devices, profile, opts) if plan is not None and plan.fit.fits else ()
+            cases.append(Case(path, n_ctx, plan, error, rec, profile.n_ctx_train, losses))
     curves = tuple(model_curve(path, devices, profile, ro.plan, contexts) for path, profile in models)
     return Report(
         schema_version=SCHEMA_VERSION,
@@ -302,6 +345,7 @@ def build_report(
         notes=tuple(notes),
         formations=formations,
         curves=curves,
+        formation_losses=formation_losses(formations, devices) if formations is not None else (),
     )
 
 

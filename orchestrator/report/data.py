@@ -36,6 +36,26 @@ def _plan_device_json(report: Report, d: PlannedDevice) -> dict[str, Any]:
     }
 
 
+def _losses_json(case: Case) -> dict[str, Any] | None:
+    if not case.losses:
+        return None
+    worst = case.worst_loss
+    return {
+        "survives": all(loss.fits for loss in case.losses),
+        "worst": worst.endpoint if worst is not None else None,
+        "losses": [
+            {
+                "endpoint": loss.endpoint,
+                "host": loss.host,
+                "fits": loss.fits,
+                "headroom": loss.headroom,
+                "error": loss.error,
+            }
+            for loss in case.losses
+        ],
+    }
+
+
 def _case_json(report: Report, case: Case) -> dict[str, Any]:
     plan = case.plan
     binding = case.binding
@@ -70,6 +90,7 @@ def _case_json(report: Report, case: Case) -> dict[str, Any]:
         ),
         "notes": list(plan.notes) if plan is not None else [],
         "recommendation": None,
+        "n_minus_one": _losses_json(case),
     }
     rec = case.recommendation
     if rec is not None:
@@ -191,7 +212,11 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         "contexts": list(report.contexts),
         "summary": _summary_json(report),
         "cases": [_case_json(report, c) for c in report.cases],
-        **(formations_json(report.formations) if report.formations is not None else {}),
+        **(
+            formations_json(report.formations, report.formation_losses)
+            if report.formations is not None
+            else {}
+        ),
     }
 
 

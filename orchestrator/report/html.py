@@ -11,7 +11,6 @@ from orchestrator.planning.plan import (
     PlannedDevice,
 )
 from orchestrator.report.build import Report, size_up
-from orchestrator.report.formations import formations_lines
 from orchestrator.report.text import (
     DEVICE_HEADERS,
     FLEET_HEADERS,
@@ -20,7 +19,9 @@ from orchestrator.report.text import (
     ctx_label,
     device_rows,
     fleet_lines,
+    formations_section,
     header_lines,
+    loss_line,
     matrix_table,
     model_architecture,
     model_title,
@@ -394,6 +395,9 @@ def render_html(report: Report) -> str:
             cls = {"fits": "fits", "beyond_training": "beyond"}.get(case.status, "nofit")
             b.append(f'<section class="case"><h3>ctx {_e(ctx_label(case.n_ctx))}</h3>')
             b.append(f'<p class="{cls}">{_e(verdict(report, case))}</p>')
+            if (n1 := loss_line(case)) is not None:
+                ok = all(loss.fits for loss in case.losses)
+                b.append(f'<p class="n1 {"fits" if ok else "nofit"}">{_e(n1)}</p>')
             if case.plan is not None and case.plan.devices:
                 b.append(_svg_chart(report, case.plan))
                 b.append(_html_table(DEVICE_HEADERS, device_rows(report, case.plan), numeric_from=2))
@@ -406,7 +410,7 @@ def render_html(report: Report) -> str:
                 ]
             b.append("</section>")
     if report.formations is not None:
-        lines = "\n".join(formations_lines(report.formations))
+        lines = "\n".join(formations_section(report))
         b += ["<h2>Formations</h2>", f"<pre>{_e(lines)}</pre>"]
     b.append("</body></html>")
     return "\n".join(b) + "\n"

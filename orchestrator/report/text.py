@@ -12,7 +12,7 @@ from orchestrator.planning.plan import (
 )
 from orchestrator.probe.fleet import FleetProbe, NodeProbe
 from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, ReportModel, size_up
-from orchestrator.report.formations import formations_lines
+from orchestrator.report.formations import formation_loss_lines, formations_lines
 
 
 def size(n: int | None) -> str:
@@ -157,9 +157,32 @@ def matrix_cell(case: Case) -> str:
             " (beyond training)" if case.beyond_training else ""
         )
     nodes = f"{n} node{'s' if n != 1 else ''}"
+    n1 = ""
+    if case.losses:
+        n1 = " · N-1 ok" if all(loss.fits for loss in case.losses) else " · N-1 breaks"
     if case.status == "beyond_training":
-        return f"beyond training ({case.n_ctx_train}) · {nodes}"
-    return f"fits · {nodes}"
+        return f"beyond training ({case.n_ctx_train}) · {nodes}{n1}"
+    return f"fits · {nodes}{n1}"
+
+
+def loss_line(case: Case) -> str | None:
+    """N-1 in words: whether the case still fits after losing any one node, and the worst loss."""
+    worst = case.worst_loss
+    if worst is None:
+        return None
+    broken = [loss.host or loss.endpoint for loss in case.losses if not loss.fits]
+    name = worst.host or worst.endpoint
+    if not broken:
+        head = size(worst.headroom)
+        return f"N-1: still fits after losing any one node (worst: without {name}, headroom {head})"
+    why = worst.error if worst.error is not None else f"short {size_up(-worst.headroom)}"
+    return f"N-1: does not survive losing {', '.join(broken)} (worst: without {name}, {why})"
+
+
+def formations_section(report: Report) -> list[str]:
+    if report.formations is None:
+        return []
+    return [*formations_lines(report.formations), *formation_loss_lines(report.formation_losses)]
 
 
 def largest_cell(report: Report, model: str) -> str:
@@ -326,6 +349,8 @@ def render_text(report: Report) -> str:
         ]
         for case in (c for c in report.cases if c.model == model.path):
             out.append(f"  ctx {ctx_label(case.n_ctx)}: {verdict(report, case)}")
+            if (n1 := loss_line(case)) is not None:
+                out.append(f"    {n1}")
             if case.plan is not None and case.plan.devices:
                 out += _text_table(DEVICE_HEADERS, device_rows(report, case.plan), "    ")
             if case.plan is not None:
@@ -335,7 +360,7 @@ def render_text(report: Report) -> str:
                     "    " + line for line in recommendation_lines(case.recommendation, case_shortfall(case))
                 ]
     if report.formations is not None:
-        out += ["", *formations_lines(report.formations)]
+        out += ["", *formations_section(report)]
     return "\n".join(out) + "\n"
 
 
@@ -373,6 +398,8 @@ def render_markdown(report: Report) -> str:
         ]
         for case in (c for c in report.cases if c.model == model.path):
             out += ["", f"### ctx {ctx_label(case.n_ctx)}", "", f"**{_md_cell(verdict(report, case))}**"]
+            if (n1 := loss_line(case)) is not None:
+                out += ["", _md_cell(n1)]
             if case.plan is not None and case.plan.devices:
                 out += ["", *_md_table(DEVICE_HEADERS, device_rows(report, case.plan))]
             if case.plan is not None and case.plan.notes:
@@ -386,5 +413,5 @@ def render_markdown(report: Report) -> str:
                     ),
                 ]
     if report.formations is not None:
-        out += ["", "## Formations", "", "```", *formations_lines(report.formations), "```"]
+        out += ["", "## Formations", "", "```", *formations_section(report), "```"]
     return "\n".join(out) + "\n"

@@ -252,7 +252,7 @@ def test_markdown_table_structure(report_70b: Report) -> None:
         assert all(set(c) == {"-"} for c in table[1])
     matrix, curve, fleet = tables[:3]
     assert matrix[0] == ["model", "ctx 4096", "ctx 32768", "largest context"]
-    assert matrix[2][1] == "fits · 2 nodes" and matrix[2][2].startswith("short ")
+    assert matrix[2][1] == "fits · 2 nodes · N-1 breaks" and matrix[2][2].startswith("short ")
     assert curve[0][0] == "context" and curve[-1] == ["fleet usable", "48.00 GiB"]
     assert fleet[0][:5] == ["host", "endpoint", "state", "protocol", "device"]
     assert [row[0] for row in fleet[2:]] == ["epyc-a", "epyc-b", "epyc-c", "total"]
@@ -411,6 +411,14 @@ def _check_golden_against_its_inputs(doc: dict[str, Any], models_dir: Path, spar
         want = "short" if not plan.fit.fits else ("beyond_training" if case["n_ctx"] > train else "fits")
         assert case["status"] == want
         assert case["nodes"] == list(dict.fromkeys(d["endpoint"] for d in got if d["layers"]))
+        # N-1: each node's loss as a plan made on the other hand-written devices says
+        n1 = case["n_minus_one"]
+        assert (n1 is None) == (not plan.fit.fits)
+        for loss in n1["losses"] if n1 else []:
+            left = [d for d in _golden_devices() if d.endpoint != loss["endpoint"]]
+            without = make_plan(left, profile_model(paths[case["model"]]), PlanOptions(n_ctx=case["n_ctx"]))
+            assert loss["fits"] == without.fit.fits
+            assert loss["headroom"] == min(d.memory.headroom for d in without.devices)
     summary = doc["summary"]
     assert summary["capacity"] == fleet["totals"]["usable"] == 96 * GiB
     assert [m["path"] for m in summary["models"]] == list(paths)
@@ -732,6 +740,71 @@ def test_html_page_in_chromium_dom(
     assert all(len(row) == 5 for row in got["matrixRows"])
     # the tiny model's compute and KV are a sliver of 24 GiB: drawn, all the same
     assert sum(1 for w in got["segments"] if w < 10) > 0
+
+
+def test_n_minus_one_matches_plans_made_without_each_node(profile_70b: ModelProfile) -> None:
+    """Each loss is what a report made on the fleet without that node says, and the worst is the one
+    that breaks the fit (epyc-a holds most of the 70B)."""
+    nodes = [
+        ok_node("epyc-a", "10.0.0.1:50052", [40 * GiB]),
+        ok_node("epyc-b", "10.0.0.2:50052", [20 * GiB]),
+        ok_node("epyc-c", "10.0.0.3:50052", [20 * GiB]),
+    ]
+    report = build_report(fleet_of(*nodes), [("m.gguf", profile_70b)], [4096])
+    (case,) = report.cases
+    assert case.fits and [loss.host for loss in case.losses] == ["epyc-a", "epyc-b", "epyc-c"]
+    for loss, node in zip(case.losses, nodes, strict=True):
+        without = build_report(
+            fleet_of(*(n for n in nodes if n is not node)), [("m.gguf", profile_70b)], [4096], ReportOptions()
+        ).cases[0]
+        assert without.plan is not None and loss.fits == without.fits, loss
+        assert without.binding is not None and loss.headroom == without.binding.memory.headroom
+    assert [loss.fits for loss in case.losses] == [False, True, True]
+    worst = case.worst_loss
+    assert worst is not None and worst.host == "epyc-a" and worst.headroom < 0
+    assert "N-1: does not survive losing epyc-a (worst: without epyc-a, short" in render_text(report)
+    doc = json.loads(render_json(report))["cases"][0]["n_minus_one"]
+    assert doc["survives"] is False and doc["worst"] == "10.0.0.1:50052"
+    assert [x["fits"] for x in doc["losses"]] == [False, True, True]
+
+
+def test_formations_n_minus_one_replans_with_spares_as_recovery_does(profile_70b: ModelProfile) -> None:
+    """The 70B needs two 32 GiB nodes: one formation on n0+n1, n2 spare. Losing n0 or n1, its recovery
+    re-plans on the node left, which does not hold it, then takes the spare: the plan is the one made on
+    the fleet of those two nodes. Losing the spare changes nothing."""
+    from orchestrator.inventory.model import Host
+    from orchestrator.planning.devices import to_plan_devices
+    from orchestrator.planning.formations import ServedModel
+    from orchestrator.workflows.plan import plan_formations
+
+    eps = ["10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"]
+    nodes = [ok_node(f"n{i}", ep, [32 * GiB]) for i, ep in enumerate(eps)]
+    hosts = [Host(name=f"n{i}", address=ep.split(":")[0], rpc_port=50052) for i, ep in enumerate(eps)]
+    fleet = fleet_of(*nodes)
+    devices = to_plan_devices(fleet, failed="skip")
+    served = [ServedModel("m.gguf", "m", profile_70b, PlanOptions(n_ctx=4096), replicas=1)]
+    formations = plan_formations(served, hosts, devices, "1")
+    assert [f.choice.endpoints for f in formations.formed] == [tuple(eps[:2])]
+    assert [h.endpoint for h in formations.spares] == [eps[2]]
+    report = build_report(fleet, [("m.gguf", profile_70b)], [4096], formations=formations)
+    losses = {loss.endpoint: loss for loss in report.formation_losses}
+    assert losses[eps[2]].formation is None and losses[eps[2]].fits
+    for lost, kept in ((eps[0], eps[1]), (eps[1], eps[0])):
+        loss = losses[lost]
+        assert loss.formation == "m#0" and loss.fits and loss.borrowed == (eps[2],)
+        pair = sorted([kept, eps[2]])
+        alone = make_plan(
+            to_plan_devices(fleet_of(nodes[eps.index(kept)]), failed="skip"),
+            profile_70b,
+            PlanOptions(n_ctx=4096),
+        )
+        assert not alone.fit.fits  # so the spare had to join
+        assert list(loss.endpoints) == pair
+    text = render_text(report)
+    assert "N-1: every formation still serves after losing any one node" in text
+    assert f"lose {eps[0]}: m#0 re-plans on {eps[1]}, {eps[2]} with spare {eps[2]}" in text
+    doc = json.loads(render_json(report))["formations_n_minus_one"]
+    assert doc["survives"] is True and [x["borrowed"] for x in doc["losses"]] == [[eps[2]], [eps[2]], []]
 
 
 # --------------------------------------------------------------------------------------------------
