@@ -16,11 +16,14 @@ from orchestrator.workflows.serve_options import REPLICAS, REPLICAS_HELP
 
 if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` stays fast
     from collections.abc import Sequence
+    from pathlib import Path
 
-    from orchestrator.inventory.model import Host
+    from orchestrator.inventory.model import Host, Inventory
     from orchestrator.planning.formations import Formations
     from orchestrator.planning.plan import PlanDevice, PlanOptions
+    from orchestrator.planning.profile import ModelProfile
     from orchestrator.probe.fleet import FleetProbe
+    from orchestrator.serve.models_file import ModelEntry
     from orchestrator.workflows.options import ProbeSettings
 
 
@@ -99,16 +102,54 @@ def formations(
     devices: Sequence[PlanDevice],
     models: Sequence[tuple[str, str, Any]],
     options: PlanOptions,
+    entries: Sequence[tuple[ModelEntry, ModelProfile]] = (),
+    inventory: Inventory | None = None,
 ) -> Formations:
-    """The formations serve would choose for `models` ((path, name, profile)) with --replicas on the probed
-    `devices` (workflows.plan.plan_formations); a model that gets none: PlanError."""
+    """The formations serve would choose for `models` ((path, name, profile)) with --replicas, and for a
+    models file's `entries` by serve's own rule (`workflows.serve.entry_model`: each model's context,
+    parallel, replicas and hosts; `loaded_at_start`), on the probed `devices`
+    (workflows.plan.plan_formations); a model that gets none: PlanError."""
     from orchestrator.planning.formations import ServedModel
     from orchestrator.workflows.plan import plan_formations
+    from orchestrator.workflows.serve import entry_model, loaded_at_start
 
+    flag = str(args.replicas) if args.replicas is not None else "auto"
     replicas = args.replicas if isinstance(args.replicas, int) else None
     served = [ServedModel(path, name, profile, options, replicas) for path, name, profile in models]
+    if entries:
+        assert inventory is not None
+        models_file = getattr(args, "models", None)
+        served += [entry_model(e, p, inventory, list(hosts), options, flag, models_file) for e, p in entries]
+        served = loaded_at_start(served)
     selection = args.local_devices if hasattr(args, "local_devices") else []
-    return plan_formations(served, hosts, devices, str(args.replicas), local_devices=selection)
+    return plan_formations(served, hosts, devices, flag, local_devices=selection)
+
+
+def read_models_file(path: Path) -> list[ModelEntry]:
+    """serve's models file, read as serve reads it (errors name the file and line, exit 2)."""
+    from orchestrator.core.errors import UsageError
+    from orchestrator.serve.models_file import parse_models_file
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"--models {path}: {exc.strerror}") from None
+    return parse_models_file(path, text)
+
+
+def entry_profile(models_file: Path | None, entry: ModelEntry) -> ModelProfile:
+    """A models-file entry's GGUF profile; a file that is no model: exit 2 naming the file and line."""
+    from orchestrator.core.errors import UsageError
+    from orchestrator.planning.profile import profile_model
+
+    where = f"{models_file}:{entry.line}: " if entry.line is not None else ""
+    if not entry.model.is_file():
+        what = "does not exist" if not entry.model.exists() else "is not a file"
+        raise UsageError(f"{where}model {entry.model} {what}")
+    try:
+        return profile_model(entry.model)
+    except UsageError as exc:
+        raise UsageError(f"{where}{exc.message}") from None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from orchestrator.cli import _inputs, _output, _planning
 from orchestrator.core import fields
 from orchestrator.core.errors import UsageError
 from orchestrator.workflows.options import CTX
+from orchestrator.workflows.serve_options import MODELS
 
 
 def parse_contexts(values: list[str] | None) -> list[int]:
@@ -53,6 +54,14 @@ def register(subparsers: Any) -> None:
         helps={CTX.name: f"context sizes, comma-separated (default {CTX.default}; 32k = 32768)"},
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    _planning.add_options(
+        parser,
+        [MODELS],
+        helps={
+            MODELS.name: "serve's models file: its models reported together, as serve would form them "
+            "(each model's context, parallel, replicas and hosts)"
+        },
+    )
     _planning.add_replicas_arg(parser)
     parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
     _planning.add_plan_option_args(parser, ctx=False, local=False)
@@ -68,7 +77,14 @@ def handle(args: argparse.Namespace) -> int:
     plan_options = _planning.planning_args(args, n_ctx=contexts[0]).options
     # read before probing: fail fast on a typo
     models = [(str(m), profile_model(_inputs.require_model(Path(m)))) for m in args.model]
-    _, hosts = _inputs.load_hosts(args)
+    entries = _planning.read_models_file(args.models) if args.models is not None else []
+    entry_profiles = [_planning.entry_profile(args.models, e) for e in entries]
+    models += [(str(e.model), p) for e, p in zip(entries, entry_profiles, strict=True)]
+    if not models:
+        raise UsageError(
+            "no model to report on", hint="give -m FILE (several: one per model) or --models FILE"
+        )
+    inventory, hosts = _inputs.load_hosts(args)
     fleet = _planning.probe(args, hosts)
     options = ReportOptions(
         plan=plan_options,
@@ -76,12 +92,13 @@ def handle(args: argparse.Namespace) -> int:
         inventory=str(_inputs.inventory_path(args)),
     )
     formations = None
-    if args.replicas is not None:  # the formations serve would choose, at the first context
+    if args.replicas is not None or entries:  # the formations serve would choose
         from orchestrator.planning.devices import to_plan_devices
 
-        named = [(path, Path(path).stem, profile) for path, profile in models]
+        named = [(path, Path(path).stem, profile) for path, profile in models[: len(args.model)]]
         devices = to_plan_devices(fleet, failed="skip")
-        formations = _planning.formations(args, hosts, devices, named, plan_options)
+        given = list(zip(entries, entry_profiles, strict=True))
+        formations = _planning.formations(args, hosts, devices, named, plan_options, given, inventory)
     report = build_report(fleet, models, contexts, options, formations)
     text = render(report, args.format)
     if args.output is not None:

@@ -433,7 +433,23 @@ def served_model(
 ) -> ServedModel:
     """A models-file or -m entry as a `ServedModel`: serve's flags where it sets nothing, its hosts among
     the selected ones (a pattern that selects none of them: exit 2, naming the line)."""
-    where = f"{request.models_file}:{entry.line}: " if entry.line is not None else ""
+    return entry_model(
+        entry, profile, inventory, hosts, request.options, request.replicas, request.models_file
+    )
+
+
+def entry_model(
+    entry: ModelEntry,
+    profile: ModelProfile,
+    inventory: Inventory,
+    hosts: list[Host],
+    options: PlanOptions,
+    replicas_flag: str,
+    models_file: Path | None,
+) -> ServedModel:
+    """`served_model` from its parts: serve's and `report --models`' one rule for an entry (its context,
+    parallel slots, replicas and hosts over the flags')."""
+    where = f"{models_file}:{entry.line}: " if entry.line is not None else ""
     endpoints = None
     if entry.hosts is not None:
         try:
@@ -443,8 +459,7 @@ def served_model(
         endpoints = tuple(h.endpoint for h in hosts if h.endpoint in picked)
         if not endpoints:
             raise UsageError(f"{where}hosts {entry.hosts!r} selects none of the selected servers")
-    replicas: str | int = entry.replicas if entry.replicas is not None else request.replicas
-    options = request.options
+    replicas: str | int = entry.replicas if entry.replicas is not None else replicas_flag
     return ServedModel(
         path=str(entry.model),
         name=entry.name or entry.model.stem,

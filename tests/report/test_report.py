@@ -955,3 +955,52 @@ def test_report_shows_the_architecture_as_model_info_does(
             assert f"<li>{label}: {value}</li>" in page.replace("&#x27;", "'"), (arch, label)
         assert "q8_0/q8_0" in text
         assert model["architecture_info"] == {k: info[k] for k in model["architecture_info"]}
+
+
+@pytest.mark.llama
+def test_cli_models_file_reports_the_formations_together(
+    start_rpc_server: Callable[..., LocalServer],
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """`report --models` reads serve's models file (per-model context, parallel, replicas): the
+    formations, their headroom per node and the set's N-1, over real rpc-servers."""
+    servers = [start_rpc_server() for _ in range(3)]
+    inventory = _inventory(tmp_path, servers, ["160MiB", "160MiB", "160MiB"], free_port())
+    a, b = tiny_model_factory(), tiny_model_factory(n_layer=6)
+    models = tmp_path / "models.yml"
+    models.write_text(
+        f"models:\n  - model: {a}\n    name: a\n    context: 2k\n    replicas: 1\n"
+        f"  - model: {b}\n    name: b\n    context: 4k\n    parallel: 2\n    replicas: 1\n"
+    )
+    out = tmp_path / "r.json"
+    argv = [
+        "report",
+        "-i",
+        str(inventory),
+        "--models",
+        str(models),
+        "--margin",
+        "0",
+        "--format",
+        "json",
+        "-o",
+        str(out),
+    ]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    formed = {f["model"]: f for f in doc["formations"]}
+    assert sorted(formed) == ["a", "b"]  # the API names of the models file
+    plans = {f["name"]: f["plan"] for f in doc["formations"]}
+    assert [p["options"]["n_ctx"] for p in plans.values()] == [2048, 4096]
+    assert [p["options"]["parallel"] for p in plans.values()] == [1, 2]
+    used = [ep for f in doc["formations"] for ep in f["endpoints"]]
+    assert len(used) == len(set(used))  # formations never share a server
+    assert len(doc["spares"]) == 4 - len(used)  # the silent host "gone" too: a spare if it answers
+    assert all(set(f["headroom"]) == set(f["endpoints"]) for f in doc["formations"])
+    assert {x["endpoint"] for x in doc["formations_n_minus_one"]["losses"]} == {
+        f"{s.host}:{s.port}" for s in servers
+    }
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"models:\n  - model: {a}\n    contxt: 2k\n")
+    assert main(["report", "-i", str(inventory), "--models", str(bad)]) == 2
