@@ -63,6 +63,22 @@ def register(subparsers: Any) -> None:
         },
     )
     _planning.add_replicas_arg(parser)
+    parser.add_argument(
+        "--add",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="a hypothetical node, for this report only: [NAME=][COUNTx]SIZE[:BACKEND] (2x24GiB:cuda: "
+        "one server of two 24 GiB CUDA GPUs; SIZE is each device's free memory; backend cpu by default); "
+        "repeatable",
+    )
+    parser.add_argument(
+        "--remove",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="leave a host (name or endpoint) out of the fleet, for this report only; repeatable",
+    )
     parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
     _planning.add_plan_option_args(parser, ctx=False, local=False)
     parser.set_defaults(handler=handle)
@@ -72,8 +88,10 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.planning.profile import profile_model
     from orchestrator.report.build import ReportOptions, build_report
     from orchestrator.report.render import render
+    from orchestrator.report.what_if import apply_what_if, check_removals, hosts_of, parse_what_if
 
     contexts = parse_contexts(args.ctx)
+    what_if = parse_what_if(args.add, args.remove)
     plan_options = _planning.planning_args(args, n_ctx=contexts[0]).options
     # read before probing: fail fast on a typo
     models = [(str(m), profile_model(_inputs.require_model(Path(m)))) for m in args.model]
@@ -85,6 +103,7 @@ def handle(args: argparse.Namespace) -> int:
             "no model to report on", hint="give -m FILE (several: one per model) or --models FILE"
         )
     inventory, hosts = _inputs.load_hosts(args)
+    check_removals(what_if, hosts)  # before probing: a typo costs no probe
     fleet = _planning.probe(args, hosts)
     options = ReportOptions(
         plan=plan_options,
@@ -96,10 +115,11 @@ def handle(args: argparse.Namespace) -> int:
         from orchestrator.planning.devices import to_plan_devices
 
         named = [(path, Path(path).stem, profile) for path, profile in models[: len(args.model)]]
-        devices = to_plan_devices(fleet, failed="skip")
+        devices = to_plan_devices(apply_what_if(fleet, what_if), failed="skip")
         given = list(zip(entries, entry_profiles, strict=True))
-        formations = _planning.formations(args, hosts, devices, named, plan_options, given, inventory)
-    report = build_report(fleet, models, contexts, options, formations)
+        formed_on = hosts_of(what_if, hosts)
+        formations = _planning.formations(args, formed_on, devices, named, plan_options, given, inventory)
+    report = build_report(fleet, models, contexts, options, formations, what_if)
     text = render(report, args.format)
     if args.output is not None:
         _output.write_output(args.output, text)

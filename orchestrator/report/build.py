@@ -45,6 +45,7 @@ from orchestrator.planning.strategy import make_plan
 from orchestrator.probe.fleet import FleetProbe
 from orchestrator.report.formations import FormationLoss, formation_losses
 from orchestrator.report.summary import Curve, model_curve
+from orchestrator.report.what_if import WhatIf, apply_what_if
 
 # 2: a case's `status` ("beyond_training" is no plain fit), `beyond_training`, `nodes`; the `summary`
 SCHEMA_VERSION = 2
@@ -169,6 +170,11 @@ class Report:
     formations: Formations | None = None  # `report --replicas`: the formations serve would choose
     curves: tuple[Curve, ...] = ()  # per model: predicted memory against context
     formation_losses: tuple[FormationLoss, ...] = ()  # N-1 of the formations, one per answering node
+    what_if: WhatIf = field(default_factory=WhatIf)  # nodes assumed (--add) and hosts left out (--remove)
+
+    def assumed(self, endpoint: str | None) -> bool:
+        """Whether `endpoint` is a hypothetical node (`--add`), not a probed one."""
+        return endpoint in self.what_if.assumed_endpoints
 
     @property
     def capacity(self) -> int:
@@ -297,11 +303,15 @@ def build_report(
     contexts: Sequence[int],
     options: ReportOptions | None = None,
     formations: Formations | None = None,
+    what_if: WhatIf | None = None,
 ) -> Report:
     """Plan every model at every context on the fleet's ok devices; find the smallest change where a plan
-    does not fit; carry `formations` (decided by workflows.plan.plan_formations) for the renderers. Pure:
-    no I/O, no clock."""
+    does not fit; carry `formations` (decided by workflows.plan.plan_formations) for the renderers. With
+    `what_if`, the fleet is first changed by it (`report.what_if.apply_what_if`: nodes added, hosts
+    removed) and the report marks what is assumed. Pure: no I/O, no clock."""
     ro = options or ReportOptions()
+    what_if = what_if or WhatIf()
+    fleet = apply_what_if(fleet, what_if) if what_if else fleet
     if not contexts:
         raise PlanError("no context sizes to report on")
     if any(c < 0 for c in contexts):
@@ -346,6 +356,7 @@ def build_report(
         formations=formations,
         curves=curves,
         formation_losses=formation_losses(formations, devices) if formations is not None else (),
+        what_if=what_if,
     )
 
 

@@ -12,6 +12,7 @@ from orchestrator.planning.plan import (
 from orchestrator.report.build import Case, DeviceChange, Report
 from orchestrator.report.formations import formations_json
 from orchestrator.report.text import reserve_total
+from orchestrator.report.what_if import unverified_on
 
 
 def _plan_device_json(report: Report, d: PlannedDevice) -> dict[str, Any]:
@@ -128,6 +129,26 @@ def _summary_json(report: Report) -> dict[str, Any]:
     return {"capacity": report.capacity, "models": models}
 
 
+def _what_if_json(report: Report) -> dict[str, Any]:
+    """The fleet's changes for this report only (`--add`, `--remove`): present only when there are some."""
+    w = report.what_if
+    if not w:
+        return {}
+    architectures = [m.profile.architecture for m in report.models]
+    added = [
+        {
+            "host": a.name,
+            "endpoint": a.endpoint,
+            "backend": a.backend,
+            "devices": a.count,
+            "size": a.size,
+            "unverified": unverified_on(a.backend, architectures),
+        }
+        for a in w.added
+    ]
+    return {"what_if": {"added": added, "removed": list(w.removed)}}
+
+
 def report_to_dict(report: Report) -> dict[str, Any]:
     """The JSON document (docs/report-schema.md) as plain data."""
     fleet = report.fleet
@@ -196,6 +217,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             ],
         },
         "notes": list(report.notes),
+        **_what_if_json(report),
         "models": [
             {
                 "path": m.path,

@@ -374,7 +374,7 @@ def render_html(report: Report) -> str:
         _curves(report),
         "<h2>Fleet</h2>",
     ]
-    rows = [row for node in report.fleet.nodes for row in node_rows(node)]
+    rows = [row for node in report.fleet.nodes for row in node_rows(report, node)]
     b.append(_html_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)], numeric_from=6))
     for kind, text in fleet_lines(report):  # the same lines as the text report's
         b.append(f'<p class="meta{" nofit" if kind == "failed" else ""}">{_e(text)}</p>')

@@ -13,6 +13,7 @@ from orchestrator.planning.plan import (
 from orchestrator.probe.fleet import FleetProbe, NodeProbe
 from orchestrator.report.build import Case, DeviceChange, MiB, Recommendation, Report, ReportModel, size_up
 from orchestrator.report.formations import formation_loss_lines, formations_lines
+from orchestrator.report.what_if import unverified_on
 
 
 def size(n: int | None) -> str:
@@ -23,16 +24,17 @@ def ctx_label(n_ctx: int) -> str:
     return "n_ctx_train" if n_ctx == 0 else str(n_ctx)
 
 
-def node_rows(node: NodeProbe) -> list[list[str]]:
+def node_rows(report: Report, node: NodeProbe) -> list[list[str]]:
     protocol = str(node.rpc.version) if node.rpc.version is not None else "-"
-    base = [node.host, node.endpoint, node.state, protocol]
+    assumed = report.assumed(node.endpoint)  # a hypothetical node (--add): never probed
+    base = [node.host, node.endpoint, "assumed" if assumed else node.state, protocol]
     if not node.devices:
         return [[*base, "-", "-", "-", "-", "-", "-", "-"]]
     return [
         [
             *base,
             f"#{d.index}",
-            d.description,
+            d.description + (unverified_mark(report, d.backend) if assumed else ""),
             size(d.total),
             size(d.free),
             size(d.reserve),
@@ -41,6 +43,13 @@ def node_rows(node: NodeProbe) -> list[list[str]]:
         ]
         for d in node.devices
     ]
+
+
+def unverified_mark(report: Report, backend: str) -> str:
+    """'; unverified on cuda' for an assumed device of a backend the report's models were never measured
+    on (planning.architectures.VERIFIED_ON): its plan is the planner's rules, not a check on such a GPU."""
+    architectures = [m.profile.architecture for m in report.models]
+    return f"; unverified on {backend}" if unverified_on(backend, architectures) else ""
 
 
 FLEET_HEADERS = [
@@ -100,7 +109,7 @@ def device_rows(report: Report, plan: Plan) -> list[list[str]]:
         rows.append(
             [
                 d.label,
-                report.host_of(d.endpoint) or "-",
+                (report.host_of(d.endpoint) or "-") + (" (assumed)" if report.assumed(d.endpoint) else ""),
                 d.layers_label,
                 size(m.weights),
                 size(m.kv),
@@ -295,7 +304,7 @@ def header_lines(report: Report) -> list[str]:
         f"{f', --n-cpu-moe {o.n_cpu_moe}' if o.n_cpu_moe else ''}"
     )
     lines.append(f"controller protocol: {report.fleet.protocol}")
-    return lines
+    return [*lines, *report.what_if.lines()]
 
 
 def _text_table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
@@ -336,7 +345,7 @@ def render_text(report: Report) -> str:
     out += [f"  {summary_legend()}", "", "Memory against context (predicted on the fleet's devices)"]
     out += _text_table(*curve_table(report), "  ")
     out += ["", "Fleet"]
-    rows = [row for node in report.fleet.nodes for row in node_rows(node)]
+    rows = [row for node in report.fleet.nodes for row in node_rows(report, node)]
     out += _text_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)], "  ")
     out += [f"  {text}" for _, text in fleet_lines(report)]
     for model in report.models:
@@ -381,7 +390,7 @@ def render_markdown(report: Report) -> str:
     out += ["", "## Summary", "", *_md_table(*matrix_table(report)), "", _md_cell(summary_legend())]
     out += ["", "## Memory against context", "", *_md_table(*curve_table(report))]
     out += ["", "## Fleet", ""]
-    rows = [row for node in report.fleet.nodes for row in node_rows(node)]
+    rows = [row for node in report.fleet.nodes for row in node_rows(report, node)]
     out += _md_table(FLEET_HEADERS, [*rows, totals_row(report.fleet)])
     extra = [f"- {text}" for _, text in fleet_lines(report)]
     if extra:
