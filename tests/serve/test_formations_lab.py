@@ -460,3 +460,26 @@ def test_on_demand_models_load_swap_and_unload_on_a_shared_node_without_a_failed
     assert status == 200 and body["choices"][0]["text"], body
     log = served.log.read_text()
     assert "Traceback" not in log, log[-4000:]
+
+
+def test_report_models_predicts_the_nodes_serve_forms_for_each_model(
+    flab: Lab, serve: Callable[..., Served], tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`report --models FILE` (issue 46) before serving, then `serve --models FILE` on the same lab: each
+    model is formed on the nodes the report said."""
+    from orchestrator.cli import main
+
+    a, b = tiny_model_factory(), tiny_model_factory(n_layer=6)
+    models = tmp_path / "models.yml"
+    models.write_text(
+        f"models:\n  - model: {a}\n    name: a\n    context: 1k\n    parallel: 1\n    replicas: 1\n"
+        f"  - model: {b}\n    name: b\n    context: 1k\n    parallel: 2\n    replicas: 1\n"
+    )
+    out = tmp_path / "report.json"
+    argv = ["report", "-i", str(flab.inventory), "--models", str(models), "--format", "json", "-o", str(out)]
+    assert main(argv) == 0
+    predicted = {f["model"]: sorted(f["endpoints"]) for f in json.loads(out.read_text())["formations"]}
+    assert sorted(predicted) == ["a", "b"]
+    health = serve("--models", str(models)).health()
+    formed = {f["name"].split("#")[0]: sorted(f["nodes"]) for f in health["formations"]}
+    assert formed == predicted, (formed, predicted)
