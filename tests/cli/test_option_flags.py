@@ -30,6 +30,7 @@ CHANGED = {
     ("rpcfleet exporter", "timeout"): {"help"},  # the exporter's rounds read over SSH more than facts
     ("rpcfleet plan", "replicas"): {"default", "help"},  # serve's --replicas: no formations unless asked
     ("rpcfleet report", "replicas"): {"default", "help"},
+    ("rpcfleet report", "models"): {"help"},  # serve's models file, reported together as serve forms them
 }
 PLANNING_COMMANDS = ("plan", "run", "serve", "report", "cache warm", "cache prune")
 # The flags of `rpcfleet serve` that no declaration of its own makes: every command's.
