@@ -193,15 +193,24 @@ class Backend:
         running = self.current
         return running.busy if running is not None else 0
 
-    def unavailable(self) -> str:
-        """Why a request is not served now (the 503's message)."""
-        why = f": {self.reason}" if self.reason else ""
-        return f"the model is {self.state}{why}"
+    @property
+    def recovers(self) -> bool:
+        """A recovery is under way (after a loss, a reload's or a failed rejoin's restart): the formation
+        should serve again, so a request may wait for it. Given up (`failed`), draining or stopping: not."""
+        return self.state == "recovering" and not self.stopping.is_set()
 
-    async def acquire(self, ticket: Ticket) -> Running | Failure:
-        """Wait (at most `queue_timeout`) for a slot of a serving engine: the engine to send the request
-        to, or the Failure to answer."""
-        deadline = ticket.admitted + self.config.queue_timeout
+    def unavailable(self) -> str:
+        """Why a request is not served now (the 503's message), naming the lost nodes."""
+        why = f": {self.reason}" if self.reason else ""
+        missing = [ep for ep in self.lost if ep not in self.reason]  # a later round's reason may not
+        lost = f" (lost: {', '.join(missing)})" if missing and self.state not in SERVING else ""
+        return f"the model is {self.state}{why}{lost}"
+
+    async def acquire(self, ticket: Ticket, deadline: float | None = None) -> Running | Failure:
+        """Wait (until `deadline`, time.monotonic(); default `queue_timeout` after admission) for a slot
+        of a serving engine: the engine to send the request to, or the Failure to answer."""
+        if deadline is None:
+            deadline = ticket.admitted + self.config.queue_timeout
         while True:
             # A drain serves what it admitted, those waiting for a slot too.
             if self.state not in (*SERVING, "draining"):

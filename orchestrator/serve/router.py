@@ -5,8 +5,11 @@ A request goes to a serving formation of its model, skipping those that are load
 draining: with `--routing affine` (the default) the one its prompt's prefix maps to while that one has a
 free slot, so that a conversation's turns find their prefix in its engine's KV cache, else the least-loaded
 (admitted = slots busy + queue; `serve.affinity`). A stream stays on the formation that admitted it
-(the route holds that backend). When every serving formation's queue is full: 429; when none serves:
-503 with Retry-After. A model the front does not serve: 404 naming the served ones (with a single model
+(the route holds that backend). When every serving formation's queue is full: 429. When none serves but
+one recovers, the request waits (`admit_or_wait`: woken by the formations' changes, no polling) in the
+model's bounded queue (its formations' slots and `--queue`, past it 429) until one serves, at most
+`--queue-timeout`; when none serves nor recovers (recovery given up, draining, stopping): 503 with
+Retry-After. A model the front does not serve: 404 naming the served ones (with a single model
 served, any name goes to it, as llama-server itself does).
 
 Reloads and rolling restarts go one formation at a time: the next starts once the previous serves again,
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.core.log import get_logger
+from orchestrator.engine.shared import Pulse
 from orchestrator.serve.affinity import AFFINE, FALLBACK, LEAST_LOADED, Load, reason, route
 from orchestrator.serve.backend import Backend
 from orchestrator.serve.metrics import (
@@ -98,6 +102,8 @@ class Router:
         self.routed_by: Counter[tuple[str, str]] = Counter()  # (formation name, why: serve.affinity.reason)
         self._turn = -1  # ties between formations go in turns
         self._scraped: dict[str, tuple[float, str, str]] = {}  # engine url -> (when, /metrics, /slots)
+        self.waiting: Counter[str] = Counter()  # by model: requests waiting for a formation to recover
+        self.changed = Pulse()  # a formation added or removed (those waiting for a recovery look again)
         self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
         # each formation's request times: (formation, "ttft" | "latency", seconds), the exporter's histograms
@@ -126,10 +132,12 @@ class Router:
         # a new list, not a change of the one a request may be reading
         self.formations = [*self.formations[:at], formation, *self.formations[at:]]
         formation.backend.start(plan)
+        self.changed.notify()
 
     def remove(self, formation: Formation) -> None:
         """Take `formation` out: no request reaches it from now on (its backend is the caller's)."""
         self.formations = [f for f in self.formations if f is not formation]  # a new list, as `add`
+        self.changed.notify()
 
     def next_index(self, model: str) -> int:
         """The number of the next formation of `model` (`MODEL#N`)."""
@@ -201,6 +209,74 @@ class Router:
             raise full
         raise Rejected(503, self._unavailable(formations), self.config.retry_after)
 
+    def recovering(self, model: str | None) -> bool:
+        """Whether a formation of `model` recovers (it should serve again: a request may wait for it)."""
+        try:
+            return any(f.backend.recovers for f in self.of_model(model))
+        except Rejected:
+            return False
+
+    async def admit_or_wait(
+        self, model: str | None, key: str | None, deadline: float
+    ) -> tuple[Backend, Ticket]:
+        """`admit`; when no formation of `model` serves but one recovers, wait for one to serve (until
+        `deadline`, time.monotonic()) in the model's queue: its formations' slots and `--queue` together,
+        past them the 429 of a full queue. Each change of a formation's state wakes the waiters (no
+        polling); a waiter cancelled (its client hung up) leaves the queue. Rejected 503 with Retry-After,
+        naming the lost nodes: at once when none recovers (given up, draining, stopping), or at
+        `deadline`."""
+        waiting = False
+        try:
+            while True:
+                try:
+                    return self.admit(model, key)
+                except Rejected as exc:
+                    if exc.status != 503:
+                        raise
+                    formations = self.of_model(model)
+                    if not any(f.backend.recovers for f in formations):
+                        raise Rejected(exc.status, exc.message, exc.retry_after, _lost(formations)) from None
+                    name = formations[0].model
+                    if not waiting:
+                        self._queue_place(name, formations)
+                        self.waiting[name] += 1
+                        waiting = True
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Rejected(
+                            503,
+                            f"not serving after {self.config.queue_timeout:g} s (--queue-timeout): "
+                            f"{self._unavailable(formations)}",
+                            self.config.retry_after,
+                            _lost(formations),
+                        ) from None
+                    await self._any_change(formations, left)
+        finally:
+            if waiting:
+                self.waiting[name] -= 1
+
+    def _queue_place(self, model: str, formations: Sequence[Formation]) -> None:
+        """Rejected 429 when the model's queue is full: its formations' slots and `--queue`, taken by the
+        requests they admitted and those waiting for a recovery."""
+        bound = sum(f.backend.config.parallel + f.backend.config.queue_size for f in formations)
+        taken = self.waiting[model] + sum(f.backend.admitted for f in formations)
+        if taken >= bound:
+            raise Rejected(
+                429,
+                f"the queue is full: {taken} request(s) wait for {model} to recover "
+                f"({bound} places: its slots and --queue)",
+            )
+
+    async def _any_change(self, formations: Sequence[Formation], limit: float) -> None:
+        """Until a formation of `formations` changes (or one is added or removed), at most `limit` s."""
+        waits = [asyncio.ensure_future(f.backend.changed.wait(limit)) for f in formations]
+        waits.append(asyncio.ensure_future(self.changed.wait(limit)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+
     def _unavailable(self, formations: Sequence[Formation]) -> str:
         if len(formations) == 1:
             return formations[0].backend.unavailable()
@@ -247,7 +323,9 @@ class Router:
         """One formation: its backend's health (as before formations) and the formations' list; several:
         the overall state, the models and each formation."""
         formations = [self.summary(f) for f in self.formations]
-        spares = {} if self.spares is None else {"spares": self.spares()}
+        # the free spares, and by model the requests waiting for a formation of it to recover
+        spares: dict[str, Any] = {} if self.spares is None else {"spares": self.spares()}
+        spares["waiting"] = {model: self.waiting[model] for model in self.models}
         if len(self.formations) == 1 and self.demand is None:
             return {**self.formations[0].backend.health(), "formations": formations, **spares}
         reasons = [f"{f['name']}: {f['reason']}" for f in formations if f["reason"]]
@@ -458,6 +536,12 @@ class Router:
 
         self._reload = asyncio.get_running_loop().create_task(run(), name="serve-reload-all")
         return self._reload
+
+
+def _lost(formations: Sequence[Formation]) -> tuple[str, ...]:
+    """The nodes lost by formations that do not serve (what a 503 names)."""
+    lost = (ep for f in formations if f.backend.state not in SERVING for ep in f.backend.lost)
+    return tuple(dict.fromkeys(lost))
 
 
 class Counters:

@@ -8,8 +8,10 @@ piece by piece) and the engine's own errors pass through as they are. Router →
 here climbs back.
 
 Errors of serve's own are OpenAI error objects (`{"error": {"message", "type", "code"}}`): 400 (bad JSON or
-fields), 404 (a model not served), 429 (queue full), 503 with Retry-After (loading, recovering, draining,
-a lost node, named). A stream whose engine is lost ends with one error event naming the lost node.
+fields), 404 (a model not served), 429 (queue full), 503 with Retry-After (loading, draining, recovery
+given up, a lost node, named; while a formation of the model recovers a request waits for it in the
+model's bounded queue, the 503 at --queue-timeout). A stream whose engine is lost ends with one error event
+naming the lost node.
 
 Two llama-server fields are serve's to bound: the answer's length (`n_predict`, which llama-server reads
 before `max_tokens`, -1 meaning no end: every field it reads gets one bound, `bound_answer`) and the slot
@@ -193,23 +195,12 @@ def openai_routes(
         route: str, body: bytes, stream: bool, model_id: str | None, key: str | None, slot: int | None
     ) -> Any:
         arrived = time.monotonic()  # its formation's request duration counts from here
-        try:  # the formation of the prompt's prefix, or the least-loaded; a stream stays on it
-            await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
-            backend, ticket = router.admit(model_id, key)
-        except Rejected as exc:
-            extra = {"param": "model"} if exc.status == 404 else {}
-            return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
+        placed = await _slot(route, model_id, key, slot, arrived + config.queue_timeout)
+        if isinstance(placed, Response):
+            return placed
+        backend, ticket, got = placed
         handed = False  # to the stream, which then releases the ticket
         try:
-            slots = backend.config.parallel
-            if slot is not None and not -1 <= slot < slots:
-                message = (
-                    f"id_slot must be -1 (any slot) or one of the engine's {slots} slots: 0 to {slots - 1}"
-                )
-                return _failed(route, 400, message)
-            got = await backend.acquire(ticket)
-            if isinstance(got, Failure):
-                return _failure(route, got)
             engine_url, engine_key = got.engine.url, got.engine.api_key
 
             async def alive() -> bool:
@@ -265,6 +256,37 @@ def openai_routes(
         finally:
             if not handed:
                 backend.release(ticket)
+
+    async def _slot(
+        route: str, model_id: str | None, key: str | None, slot: int | None, deadline: float
+    ) -> tuple[Backend, Ticket, Running] | Response:
+        """Admitted on a formation of the model (the one of the prompt's prefix, or the least-loaded; a
+        stream stays on it) and holding one of its engine's slots, waiting until `deadline` (its arrival
+        and --queue-timeout): while the model's formations recover, for one to serve again (a request
+        queued on a formation that stops serving waits so too). Else the error's answer."""
+        while True:
+            try:
+                await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
+                backend, ticket = await router.admit_or_wait(model_id, key, deadline)
+            except Rejected as exc:
+                extra: dict[str, Any] = {"param": "model"} if exc.status == 404 else {}
+                if exc.lost:
+                    extra["lost"] = list(exc.lost)
+                return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
+            got: Running | Failure | None = None
+            try:
+                slots = backend.config.parallel
+                if slot is not None and not -1 <= slot < slots:
+                    message = f"id_slot must be -1 (any slot) or one of the engine's {slots} slots"
+                    return _failed(route, 400, f"{message}: 0 to {slots - 1}")
+                got = await backend.acquire(ticket, deadline)
+                if isinstance(got, Running):
+                    return backend, ticket, got
+            finally:
+                if not isinstance(got, Running):  # its place given back: an error, a hang-up, or to wait
+                    backend.release(ticket)
+            if not router.recovering(model_id) or time.monotonic() >= deadline:
+                return _failure(route, got)
 
     async def _lost(backend: Backend, running: Running, exc: UpstreamError) -> Failure:
         if isinstance(exc, UpstreamTimeout):

@@ -36,11 +36,15 @@ class ServeConfig:
 
 
 class Rejected(RpcfleetError):
-    """A request that is not served: `status` (429, 503) and `retry_after` (seconds, for a 503)."""
+    """A request that is not served: `status` (429, 503), `retry_after` (seconds, for a 503) and the lost
+    nodes it names (a formation that recovers from their loss)."""
 
-    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, retry_after: int | None = None, lost: tuple[str, ...] = ()
+    ) -> None:
         self.status = status
         self.retry_after = retry_after
+        self.lost = lost
         super().__init__(message)
 
 

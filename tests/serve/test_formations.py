@@ -364,15 +364,23 @@ def test_a_lost_node_ends_only_its_formations_streams_and_the_others_keep_answer
     assert [f["recoveries"] for f in client.get("/health").json()["formations"]] == [0, 20]
 
 
-def test_none_serving_is_503_with_retry_after(routed: Callable[..., tuple[Any, dict[str, Rig]]]) -> None:
-    client, rigs = routed({"a": PARTS["a"]}, retry_interval=60.0)
+def test_none_serving_waits_for_a_recovery_then_503_with_retry_after(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """Both formations of a recover: a request waits (issue 42), at most --queue-timeout, for one of them
+    to serve; then the 503 with Retry-After names them and their lost nodes."""
+    client, rigs = routed({"a": PARTS["a"]}, retry_interval=60.0, queue_timeout=0.3)
     for name in ("a#0", "a#1"):
         rigs[name].fleet.answering = set()
         rigs[name].engine.die()
         rigs[name].wait_state({"recovering"})
+    started = time.monotonic()
     answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 1})
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "2", answer.json()
-    assert "no formation of a is serving" in answer.json()["error"]["message"]
+    assert time.monotonic() - started >= 0.3  # it waited its --queue-timeout
+    error = answer.json()["error"]
+    assert "not serving after 0.3 s (--queue-timeout): no formation of a is serving" in error["message"]
+    assert error["lost"] == ["10.8.0.1:50052", "10.8.0.2:50052"], error
     assert client.get("/health").status_code == 503
 
 
