@@ -5,6 +5,7 @@ typed options of `orchestrator.workflows` (`planning_args`): the workflows do th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,8 @@ def formations(
     options: PlanOptions,
     entries: Sequence[tuple[ModelEntry, ModelProfile]] = (),
     inventory: Inventory | None = None,
+    *,
+    entry_parallel: int | None = None,
 ) -> Formations:
     """The formations serve would choose for `models` ((path, name, profile)) with --replicas, and for a
     models file's `entries` by serve's own rule (`workflows.serve.entry_model`: each model's context,
@@ -119,7 +122,13 @@ def formations(
     if entries:
         assert inventory is not None
         models_file = getattr(args, "models", None)
-        served += [entry_model(e, p, inventory, list(hosts), options, flag, models_file) for e, p in entries]
+        # the entries' flags as serve's: its --parallel default is not the plan's (`entry_parallel`)
+        entry_options = (
+            options if entry_parallel is None else dataclasses.replace(options, parallel=entry_parallel)
+        )
+        served += [
+            entry_model(e, p, inventory, list(hosts), entry_options, flag, models_file) for e, p in entries
+        ]
         served = loaded_at_start(served)
     selection = args.local_devices if hasattr(args, "local_devices") else []
     return plan_formations(served, hosts, devices, flag, local_devices=selection)

@@ -81,7 +81,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("-o", "--output", type=Path, default=None, help="write to FILE (atomically)")
     _planning.add_plan_option_args(parser, ctx=False, local=False)
-    parser.set_defaults(handler=handle)
+    # None: --parallel not given, so a models file's entries take serve's default, as serve would
+    parser.set_defaults(handler=handle, parallel=None)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -89,7 +90,14 @@ def handle(args: argparse.Namespace) -> int:
     from orchestrator.report.build import ReportOptions, build_report
     from orchestrator.report.render import render
     from orchestrator.report.what_if import apply_what_if, check_removals, hosts_of, parse_what_if
+    from orchestrator.serve.settings import DEFAULT_PARALLEL
+    from orchestrator.workflows.options import PARALLEL
 
+    # A models file's entry without `parallel:` gets serve's --parallel (default DEFAULT_PARALLEL), and
+    # the other reports the plan's (default 1): the same flag, two defaults, as the two commands have.
+    entry_parallel = args.parallel if args.parallel is not None else DEFAULT_PARALLEL
+    if args.parallel is None:
+        args.parallel = PARALLEL.default
     contexts = parse_contexts(args.ctx)
     what_if = parse_what_if(args.add, args.remove)
     plan_options = _planning.planning_args(args, n_ctx=contexts[0]).options
@@ -118,7 +126,9 @@ def handle(args: argparse.Namespace) -> int:
         devices = to_plan_devices(apply_what_if(fleet, what_if), failed="skip")
         given = list(zip(entries, entry_profiles, strict=True))
         formed_on = hosts_of(what_if, hosts)
-        formations = _planning.formations(args, formed_on, devices, named, plan_options, given, inventory)
+        formations = _planning.formations(
+            args, formed_on, devices, named, plan_options, given, inventory, entry_parallel=entry_parallel
+        )
     report = build_report(fleet, models, contexts, options, formations, what_if)
     text = render(report, args.format)
     if args.output is not None:

@@ -30,6 +30,8 @@ CHANGED = {
     ("rpcfleet exporter", "timeout"): {"help"},  # the exporter's rounds read over SSH more than facts
     ("rpcfleet plan", "replicas"): {"default", "help"},  # serve's --replicas: no formations unless asked
     ("rpcfleet report", "replicas"): {"default", "help"},
+    # None when not given: a models file's entries then take serve's default, the other reports the plan's
+    ("rpcfleet report", "parallel"): {"default"},
     ("rpcfleet report", "models"): {"help"},  # serve's models file, reported together as serve forms them
 }
 PLANNING_COMMANDS = ("plan", "run", "serve", "report", "cache warm", "cache prune")

@@ -41,6 +41,7 @@ from orchestrator.report.html import BAR_WIDTH, MIN_SEGMENT, SEGMENT_COLOURS, re
 from orchestrator.report.render import render
 from orchestrator.report.text import render_markdown, render_text
 from orchestrator.rpc.records import Outcome
+from orchestrator.serve.settings import DEFAULT_PARALLEL
 from tests.plugins.browser import chromium
 from tests.plugins.fleets import down_node, fleet_of, ok_node
 from tests.plugins.servers import LocalServer, free_port, write_local_inventory
@@ -993,7 +994,8 @@ def test_cli_models_file_reports_the_formations_together(
     assert sorted(formed) == ["a", "b"]  # the API names of the models file
     plans = {f["name"]: f["plan"] for f in doc["formations"]}
     assert [p["options"]["n_ctx"] for p in plans.values()] == [2048, 4096]
-    assert [p["options"]["parallel"] for p in plans.values()] == [1, 2]
+    # `a` gives no parallel: serve's default, as serve would form it (not the plan's 1)
+    assert [p["options"]["parallel"] for p in plans.values()] == [DEFAULT_PARALLEL, 2]
     used = [ep for f in doc["formations"] for ep in f["endpoints"]]
     assert len(used) == len(set(used))  # formations never share a server
     assert len(doc["spares"]) == 4 - len(used)  # the silent host "gone" too: a spare if it answers
@@ -1001,6 +1003,9 @@ def test_cli_models_file_reports_the_formations_together(
     assert {x["endpoint"] for x in doc["formations_n_minus_one"]["losses"]} == {
         f"{s.host}:{s.port}" for s in servers
     }
+    assert main([*argv, "--parallel", "1"]) == 0  # a flag given is the entries' default, as serve's is
+    plans = {f["name"]: f["plan"] for f in json.loads(out.read_text())["formations"]}
+    assert [p["options"]["parallel"] for p in plans.values()] == [1, 2]
     bad = tmp_path / "bad.yml"
     bad.write_text(f"models:\n  - model: {a}\n    contxt: 2k\n")
     assert main(["report", "-i", str(inventory), "--models", str(bad)]) == 2
