@@ -9,8 +9,9 @@ from typing import Any
 
 from orchestrator.core.units import format_size
 from orchestrator.planning.draft import draft_note
-from orchestrator.planning.formations import Formations, replan_after_loss
+from orchestrator.planning.formations import Formations
 from orchestrator.planning.plan import Plan, PlanDevice, largest_ctx_text
+from orchestrator.planning.recovery import replan_after_loss
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class FormationLoss:
 
 def formation_losses(formations: Formations, devices: Sequence[PlanDevice]) -> tuple[FormationLoss, ...]:
     """N-1 for the set: each answering node lost in turn, the formation holding it re-planned as serve's
-    recovery does (`planning.formations.replan_after_loss`); formations never share a node, so the others
+    recovery does (`planning.recovery.replan_after_loss`); formations never share a node, so the others
     serve on, and the spares are all free."""
     held = {h.endpoint: one for one in formations.formed for h in one.hosts}
     answering = list(dict.fromkeys(d.endpoint for d in devices if d.endpoint is not None))

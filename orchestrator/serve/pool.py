@@ -21,6 +21,13 @@ class SparePool:
     def take(self) -> Host | None:
         return self.hosts.pop(0) if self.hosts else None
 
+    def take_this(self, host: Host) -> bool:
+        """Take `host` (the recovery rule's choice, `planning.recovery.next_spare`); False: not free."""
+        if host not in self.hosts:
+            return False
+        self.hosts.remove(host)
+        return True
+
     def take_these(self, endpoints: Sequence[str]) -> list[Host] | None:
         """The spares of `endpoints`, all taken at once; None (none taken) when one is no longer free."""
         chosen = [h for h in self.hosts if h.endpoint in endpoints]

@@ -28,6 +28,7 @@ from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.draft import DraftModel
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
+from orchestrator.planning.recovery import Attempt, next_spare
 from orchestrator.probe.fleet import FleetProbe
 from orchestrator.probe.settings import DEFAULT_TIMEOUT
 from orchestrator.serve.pool import SparePool
@@ -159,14 +160,17 @@ class ServeFleet:
         )
         assert self.shared is not None
         await self.shared.settle(self.hosts, round_.states)
-        if round_.fitting is None and round_.error is None and spare:  # none answers, or it does not fit
-            return await self.with_spare() or round_
+        if spare:  # the recovery rule the report's N-1 follows too: none answers or it does not fit
+            attempt = Attempt(round_.plan, round_.error.message if round_.error is not None else None)
+            chosen = next_spare(attempt, self.spares.snapshot() if self.spares is not None else [])
+            if chosen is not None:
+                return await self.with_spare(chosen) or round_
         return round_
 
-    async def with_spare(self) -> PlanRound | None:
-        """A plan with one more server, a spare no formation holds (None: no spare left)."""
-        spare = self.spares.take() if self.spares is not None else None
-        if spare is None:
+    async def with_spare(self, spare: Host) -> PlanRound | None:
+        """A plan with one more server, `spare` (`recovery.next_spare`'s choice), taken from the pool
+        (None: it is no longer free)."""
+        if self.spares is None or not self.spares.take_this(spare):
             return None
         get_logger().info("serve_spare_taken", spare=endpoint_of(spare))
         self.hosts = [*self.hosts, spare]

@@ -23,6 +23,7 @@ from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
+from orchestrator.planning.recovery import Attempt, next_spare
 from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.backend import Backend
 from orchestrator.workflows.plan import PlanRound
@@ -281,8 +282,9 @@ class PartFleet(FakeFleet):
         self.rounds += 1
         states = {ep: ("ok" if ep in self.answering else "refused") for ep in self.endpoints}
         up = [ep for ep in self.endpoints if ep in self.answering]
-        if not up:  # as ServeFleet's: a free spare, when there is one
-            taken = await self.with_spare() if spare else None
+        if not up:  # as ServeFleet's: the recovery rule's spare, when there is one
+            chosen = next_spare(Attempt(None), self.spares.snapshot() if self.spares else [])
+            taken = await self.with_spare(chosen) if spare and chosen is not None else None
             return taken or PlanRound(None, states, 0.0, 0.0, "no node answers")
         return PlanRound(make_plan(plan_devices(up), self.profile(), self.options), states, 0.0, 0.0)
 

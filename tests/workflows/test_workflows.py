@@ -162,3 +162,45 @@ def test_the_planning_flags_are_read_once_and_never_written_back() -> None:
     assert vars(args) == before
     assert request.probe == ProbeSettings(timeout=3.0, facts=False, forks=args.forks)
     assert request.local_devices is None
+
+
+def test_serves_round_takes_the_spares_the_recovery_rule_names(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ServeFleet.plan_round` follows `planning.recovery.next_spare`: while the plan does not fit, the
+    pool's first spare joins and the round is made again (the report's N-1 follows the same rule); after
+    the planner's refusal no spare is taken."""
+    from orchestrator.serve.pool import SparePool
+    from orchestrator.workflows import serving
+    from orchestrator.workflows.plan import PlanRound
+
+    fitting = make_plan(
+        [PlanDevice("127.0.0.1:1", 0, "127.0.0.1:1#0", usable=512 * MiB)], profile_model(tiny_model)
+    )
+    planned: list[list[str]] = []
+    refuse = False
+
+    async def rounds(hosts: list[Host], *args: object, **kwargs: object) -> PlanRound:
+        planned.append([h.name for h in hosts])
+        if refuse:
+            return PlanRound(None, {}, 0.0, 0.0, "refused", error=PlanError("refused"))
+        return PlanRound(fitting if len(hosts) >= 3 else _short_plan(tiny_model), {}, 0.0, 0.0)
+
+    monkeypatch.setattr(serving, "plan_for_fleet", rounds)
+    spares = [_host(f"s{i}", 50100 + i) for i in range(3)]
+
+    async def run(pool: SparePool) -> tuple[PlanRound, serving.ServeFleet]:
+        fleet = serving.ServeFleet([_host("own", 50099)], str(tiny_model), PlanOptions(), spares=pool)
+        got = await fleet.plan_round()
+        assert fleet.shared is not None
+        await fleet.shared.close()
+        return got, fleet
+
+    pool = SparePool(list(spares))
+    got, fleet = asyncio.run(run(pool))
+    assert got.fitting is fitting and planned == [["own"], ["own", "s0"], ["own", "s0", "s1"]]
+    assert fleet.borrowed == spares[:2] and pool.snapshot() == spares[2:]
+    refuse, planned = True, []
+    pool = SparePool(list(spares))
+    got, fleet = asyncio.run(run(pool))
+    assert got.fitting is None and planned == [["own"]] and fleet.borrowed == [] and pool.snapshot() == spares
