@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # numpy and the probe are imported lazily: `rpcfleet --help` 
     from pathlib import Path
 
     from orchestrator.inventory.model import Host, Inventory
-    from orchestrator.planning.formations import Formations
+    from orchestrator.planning.formations import Formations, ServedModel
     from orchestrator.planning.plan import PlanDevice, PlanOptions
     from orchestrator.planning.profile import ModelProfile
     from orchestrator.probe.fleet import FleetProbe
@@ -114,24 +114,39 @@ def formations(
     (workflows.plan.plan_formations); a model that gets none: PlanError."""
     from orchestrator.planning.formations import ServedModel
     from orchestrator.workflows.plan import plan_formations
-    from orchestrator.workflows.serve import entry_model, loaded_at_start
+    from orchestrator.workflows.serve import loaded_at_start
 
     flag = str(args.replicas) if args.replicas is not None else "auto"
     replicas = args.replicas if isinstance(args.replicas, int) else None
     served = [ServedModel(path, name, profile, options, replicas) for path, name, profile in models]
     if entries:
         assert inventory is not None
-        models_file = getattr(args, "models", None)
-        # the entries' flags as serve's: its --parallel default is not the plan's (`entry_parallel`)
-        entry_options = (
-            options if entry_parallel is None else dataclasses.replace(options, parallel=entry_parallel)
-        )
-        served += [
-            entry_model(e, p, inventory, list(hosts), entry_options, flag, models_file) for e, p in entries
-        ]
+        served += entry_models(args, hosts, entries, options, inventory, entry_parallel=entry_parallel)
         served = loaded_at_start(served)
     selection = args.local_devices if hasattr(args, "local_devices") else []
     return plan_formations(served, hosts, devices, flag, local_devices=selection)
+
+
+def entry_models(
+    args: argparse.Namespace,
+    hosts: Sequence[Host],
+    entries: Sequence[tuple[ModelEntry, ModelProfile]],
+    options: PlanOptions,
+    inventory: Inventory,
+    *,
+    entry_parallel: int | None = None,
+) -> list[ServedModel]:
+    """A models file's entries as serve makes them (`workflows.serve.entry_model`: each one's context,
+    parallel slots, replicas and hosts over the flags'); UsageError naming the file and line."""
+    from orchestrator.workflows.serve import entry_model
+
+    flag = str(args.replicas) if args.replicas is not None else "auto"
+    # the entries' flags as serve's: its --parallel default is not the plan's (`entry_parallel`)
+    entry_options = (
+        options if entry_parallel is None else dataclasses.replace(options, parallel=entry_parallel)
+    )
+    models_file = getattr(args, "models", None)
+    return [entry_model(e, p, inventory, list(hosts), entry_options, flag, models_file) for e, p in entries]
 
 
 def read_models_file(path: Path) -> list[ModelEntry]:

@@ -118,18 +118,23 @@ def handle(args: argparse.Namespace) -> int:
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         inventory=str(_inputs.inventory_path(args)),
     )
+    given = list(zip(entries, entry_profiles, strict=True))
+    formed_on = hosts_of(what_if, hosts)
+    # the entries' rows are planned as serve forms them (their own context and parallel), not at --ctx
+    served = _planning.entry_models(
+        args, formed_on, given, plan_options, inventory, entry_parallel=entry_parallel
+    )
+    own = {m.path: m.options for m in served}
     formations = None
     if args.replicas is not None or entries:  # the formations serve would choose
         from orchestrator.planning.devices import to_plan_devices
 
         named = [(path, Path(path).stem, profile) for path, profile in models[: len(args.model)]]
         devices = to_plan_devices(apply_what_if(fleet, what_if), failed="skip")
-        given = list(zip(entries, entry_profiles, strict=True))
-        formed_on = hosts_of(what_if, hosts)
         formations = _planning.formations(
             args, formed_on, devices, named, plan_options, given, inventory, entry_parallel=entry_parallel
         )
-    report = build_report(fleet, models, contexts, options, formations, what_if)
+    report = build_report(fleet, models, contexts, options, formations, what_if, own)
     text = render(report, args.format)
     if args.output is not None:
         _output.write_output(args.output, text)

@@ -23,7 +23,7 @@ The JSON document is described in `docs/report-schema.md` (`SCHEMA_VERSION`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from orchestrator.core.errors import PlanError
@@ -304,12 +304,17 @@ def build_report(
     options: ReportOptions | None = None,
     formations: Formations | None = None,
     what_if: WhatIf | None = None,
+    own_options: Mapping[str, PlanOptions] | None = None,
 ) -> Report:
     """Plan every model at every context on the fleet's ok devices; find the smallest change where a plan
     does not fit; carry `formations` (decided by workflows.plan.plan_formations) for the renderers. With
     `what_if`, the fleet is first changed by it (`report.what_if.apply_what_if`: nodes added, hosts
-    removed) and the report marks what is assumed. Pure: no I/O, no clock."""
+    removed) and the report marks what is assumed. `own_options` (model path -> options): a models
+    file's entries, planned with their own options (serve's: context, parallel) rather than the report's;
+    each one's own context joins the contexts, and a note says which it is. Pure: no I/O, no clock."""
     ro = options or ReportOptions()
+    own = dict(own_options or {})
+    contexts = list(dict.fromkeys([*contexts, *(own[path].n_ctx for path, _ in models if path in own)]))
     what_if = what_if or WhatIf()
     fleet = apply_what_if(fleet, what_if) if what_if else fleet
     if not contexts:
@@ -328,10 +333,17 @@ def build_report(
                 f"{node.host} ({node.endpoint}): {node.untrusted}: its devices are not in the plans "
                 "(--trust-rpc-memory plans on the server's figure, total RAM)"
             )
+    for path, _ in models:
+        if path in own:  # which column is the entry's own: the others are what it would need there
+            o = own[path]
+            notes.append(
+                f"{path}: planned with its models-file options (parallel {o.parallel}); serve runs it at "
+                f"ctx {o.n_ctx}, the other contexts are for comparison"
+            )
     cases: list[Case] = []
     for path, profile in models:
         for n_ctx in contexts:
-            opts = replace(ro.plan, n_ctx=n_ctx)
+            opts = replace(own.get(path, ro.plan), n_ctx=n_ctx)
             plan: Plan | None = None
             error: str | None = None
             try:
@@ -343,7 +355,9 @@ def build_report(
                 rec = _recommend(devices, profile, opts, plan, ro)
             losses = node_losses(devices, profile, opts) if plan is not None and plan.fit.fits else ()
             cases.append(Case(path, n_ctx, plan, error, rec, profile.n_ctx_train, losses))
-    curves = tuple(model_curve(path, devices, profile, ro.plan, contexts) for path, profile in models)
+    curves = tuple(
+        model_curve(path, devices, profile, own.get(path, ro.plan), contexts) for path, profile in models
+    )
     return Report(
         schema_version=SCHEMA_VERSION,
         fleet=fleet,

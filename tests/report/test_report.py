@@ -37,7 +37,13 @@ from orchestrator.report.build import (
     smallest_addition,
 )
 from orchestrator.report.data import render_json
-from orchestrator.report.html import BAR_WIDTH, MIN_SEGMENT, SEGMENT_COLOURS, render_html
+from orchestrator.report.html import (
+    BAR_WIDTH,
+    MIN_SEGMENT,
+    SEGMENT_COLOURS,
+    bar_segments,
+    render_html,
+)
 from orchestrator.report.render import render
 from orchestrator.report.text import render_markdown, render_text
 from orchestrator.rpc.records import Outcome
@@ -695,6 +701,16 @@ _DOM_CHECKS = """(() => {
   }
   for (const el of document.querySelectorAll('svg.bars rect[class^=seg-]'))
     out.segments.push(el.getBoundingClientRect().width);
+  // per chart, per bar (its segments share a y): the drawn width and the coloured (predicted) part's
+  out.bars = [...document.querySelectorAll('svg.bars')].map(svg => {
+    const rows = {};
+    for (const el of svg.querySelectorAll('rect[class^=seg-]')) {
+      const row = rows[el.getAttribute('y')] ??= {used: 0, drawn: 0};
+      const w = el.getBoundingClientRect().width;
+      row.drawn += w; if (!el.classList.contains('seg-free')) row.used += w;
+    }
+    return Object.values(rows);
+  });
   for (const el of document.querySelectorAll('svg rect, svg path, svg circle, svg line')) {
     if (el.classList.contains('axis')) continue;  // axes are the text's colour, no data
     for (const a of ['fill', 'stroke']) {
@@ -710,6 +726,48 @@ _DOM_CHECKS = """(() => {
     tr => [...tr.children].map(e => e.textContent));
   return out;
 })()"""
+
+
+def test_a_models_file_entry_is_planned_with_its_own_options(tiny_profile: ModelProfile) -> None:
+    """`own_options` (report --models' entries): the entry's rows use its parallel at every context, its
+    own context joins the report's, and a note names it; a model without them keeps the report's."""
+    fleet = fleet_of(ok_node("a", "10.0.0.1:50052", [8 * GiB]))
+    own = {"e.gguf": PlanOptions(n_ctx=2048, parallel=3)}
+    models = [("m.gguf", tiny_profile), ("e.gguf", tiny_profile)]
+    report = build_report(fleet, models, [4096], ReportOptions(), own_options=own)
+    assert report.contexts == (4096, 2048)
+    got = {(c.model, c.n_ctx): c.plan for c in report.cases}
+    assert len(got) == 4 and all(p is not None for p in got.values())
+    assert {k: (p.options.parallel, p.options.n_ctx) for k, p in got.items() if p is not None} == {
+        ("m.gguf", 4096): (1, 4096),
+        ("m.gguf", 2048): (1, 2048),
+        ("e.gguf", 4096): (3, 4096),
+        ("e.gguf", 2048): (3, 2048),
+    }
+    assert report.notes == (
+        "e.gguf: planned with its models-file options (parallel 3); serve runs it at ctx 2048, the other "
+        "contexts are for comparison",
+    )
+    assert "note: e.gguf: planned with its models-file options" in render_text(report)
+
+
+def test_a_small_models_bars_are_scaled_to_its_prediction_not_to_usable_memory(
+    tiny_profile: ModelProfile,
+) -> None:
+    """A 90 MB model on 24 GiB devices: free memory past `FREE_SHOWN` times the largest prediction is
+    cut, so the coloured part of that device's bar is about half its drawn width (at least 40%), not
+    three 3 px segments as at the usable scale."""
+    fleet = fleet_of(ok_node("big", "10.0.0.1:50052", [24 * GiB, 24 * GiB]))
+    (case,) = build_report(fleet, [("t.gguf", tiny_profile)], [4096]).cases
+    assert case.plan is not None
+    largest = max(d.memory.total for d in case.plan.devices)
+    assert largest * 100 < case.plan.devices[0].memory.usable  # a sliver at the usable scale
+    for d, segments in zip(case.plan.devices, bar_segments(case.plan), strict=True):
+        drawn = sum(w for _, _, w in segments)
+        used = sum(w for kind, _, w in segments if kind != "free")
+        assert drawn == BAR_WIDTH  # the free part drawn up to the cut
+        if d.memory.total == largest:
+            assert used / drawn >= 0.4, segments  # FREE_SHOWN 1.0: half
 
 
 def test_html_page_in_chromium_dom(
@@ -741,6 +799,11 @@ def test_html_page_in_chromium_dom(
     assert all(len(row) == 5 for row in got["matrixRows"])
     # the tiny model's compute and KV are a sliver of 24 GiB: drawn, all the same
     assert sum(1 for w in got["segments"] if w < 10) > 0
+    # ...and visible: its free memory is cut (FREE_SHOWN), so the bar of its largest prediction is at
+    # least 40% coloured; scaled to the 24 GiB usable it would be the 3 px segments' 9 px of 720
+    tiny_charts = got["bars"][: len(report.contexts)]  # the cases in order: the tiny model's first
+    for chart in tiny_charts:
+        assert max(row["used"] / row["drawn"] for row in chart) >= 0.4, chart
 
 
 def test_n_minus_one_matches_plans_made_without_each_node(profile_70b: ModelProfile) -> None:
@@ -1000,9 +1063,27 @@ def test_cli_models_file_reports_the_formations_together(
     assert len(used) == len(set(used))  # formations never share a server
     assert len(doc["spares"]) == 4 - len(used)  # the silent host "gone" too: a spare if it answers
     assert all(set(f["headroom"]) == set(f["endpoints"]) for f in doc["formations"])
+    # each node's headroom: the probe's usable bytes (the fleet section) less the plan's per-device
+    # weights, KV and compute (--margin 0), the least of the node's devices
+    usable = {(n["endpoint"], d["index"]): d["usable"] for n in doc["fleet"]["nodes"] for d in n["devices"]}
+    for f in doc["formations"]:
+        want: dict[str, int] = {}
+        for d in f["plan"]["devices"]:
+            m = d["memory"]
+            left = usable[(d["endpoint"], d["index"])] - (m["weights"] + m["kv"] + m["compute"])
+            want[d["endpoint"]] = min(want.get(d["endpoint"], left), left)
+        assert f["headroom"] == want and all(0 < h < 160 * MiB for h in want.values()), (f["name"], want)
     assert {x["endpoint"] for x in doc["formations_n_minus_one"]["losses"]} == {
         f"{s.host}:{s.port}" for s in servers
     }
+    # the matrix's rows: each entry at its own context too (a's 2k joins --ctx's default), with a note
+    assert doc["contexts"] == [4096, 2048]
+    notes = " ".join(doc["notes"])
+    assert (
+        f"{a}: planned with its models-file options (parallel {DEFAULT_PARALLEL}); serve runs it at ctx 2048"
+        in notes
+    )
+    assert f"{b}: planned with its models-file options (parallel 2); serve runs it at ctx 4096" in notes
     assert main([*argv, "--parallel", "1"]) == 0  # a flag given is the entries' default, as serve's is
     plans = {f["name"]: f["plan"] for f in json.loads(out.read_text())["formations"]}
     assert [p["options"]["parallel"] for p in plans.values()] == [1, 2]
