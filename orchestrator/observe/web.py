@@ -170,24 +170,6 @@ def mount(
             return PlainTextResponse(exporter.metrics(), media_type="text/plain; version=0.0.4")
 
 
-class RequestTimer:
-    """ASGI middleware: observes every `prefix` request's duration, from its arrival to its last byte
-    (a stream's included)."""
-
-    def __init__(self, app: Any, histogram: Histogram, prefix: str = "/v1/") -> None:
-        self.app, self.histogram, self.prefix = app, histogram, prefix
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
-        started = time.monotonic()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.histogram.observe(time.monotonic() - started)
-
-
 SMALL_BODY = 4096  # bytes: /login, /admin and every route but the OpenAI ones
 DEFAULT_MAX_BODY = 16 * 1024 * 1024  # bytes of an OpenAI request: long prompts, base64 images
 
