@@ -19,8 +19,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +34,92 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
+P95_MIN = 20  # nearest-rank p95 of fewer samples is the largest one: below this count a tail is a "max"
+
+
 def p95(xs: Sequence[float]) -> float:
-    """Nearest-rank 95th percentile."""
+    """Nearest-rank 95th percentile (of fewer than `P95_MIN` samples, the largest: say so with `tail`)."""
     ordered = sorted(xs)
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-FLAT, LINEAR = 0.3, 1.2  # log-log slopes: flat under 0.3, linear up to 1.2, worse above
+def tail_name(count: int) -> str:
+    """What a tail over `count` samples is: "p95" from `P95_MIN` samples, otherwise "max" (the nearest-rank
+    p95 of 19 or fewer samples is their largest, and calling it a p95 suggests a tail that was not seen)."""
+    return "p95" if count >= P95_MIN else "max"
+
+
+def tail(xs: Sequence[float]) -> tuple[str, float]:
+    """(`tail_name`, value): the p95 of enough samples, else their maximum."""
+    return tail_name(len(xs)), p95(xs) if len(xs) >= P95_MIN else max(xs)
+
+
+# Log-log slopes: y grows k**s-fold when x grows k-fold. Over the benches' ranges (x 8x to 32x) a slope of
+# 0.1 is y 1.2x-1.4x, inside the run-to-run spread seen on these shared machines: flat. The old 0.3 was y
+# 1.9x-2.8x over those ranges, a growth, not flat, and it made 0.31 "linear". Linear is 0.8 to 1.2 (y 1.7x
+# to 2.3x per doubling of x); between flat and linear a curve grows, but sublinearly.
+FLAT, LINEAR_FROM, LINEAR = 0.1, 0.8, 1.2
+R2_MIN = 0.9  # below it the points do not follow a power law well enough to name a slope's shape
+FLAT_SPREAD = 1.5  # a flat curve's largest point at most this times its smallest
+
+
+def loglog_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(slope, R^2) of the least-squares line through every (log x, log y): 0 flat, 1 linear. R^2 is 1
+    when all points lie on the line; with two points it is 1 by construction."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("a fit needs two points or more, as many x as y")
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    sxx = sum((x - mx) ** 2 for x in lx)
+    syy = sum((y - my) ** 2 for y in ly)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True))
+    if sxx == 0:
+        raise ValueError("a fit needs two different x")
+    slope = sxy / sxx
+    r2 = 1.0 if syy == 0 else sxy * sxy / (sxx * syy)
+    return slope, r2
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """The slope of log(y) over log(x) between the first and the last point: 0 flat, 1 linear."""
-    return math.log(ys[-1] / ys[0]) / math.log(xs[-1] / xs[0])
+    """The slope of the least-squares fit of log(y) over log(x), every point counted: 0 flat, 1 linear."""
+    return loglog_fit(xs, ys)[0]
 
 
 def shape(slope: float) -> str:
-    """A curve's shape from its log-log slope (`loglog_slope`)."""
-    return "flat" if slope < FLAT else "linear" if slope <= LINEAR else "worse than linear"
+    """A slope's band (`loglog_slope`), the fit's quality aside: `curve_shape` judges a curve."""
+    if slope < -FLAT:
+        return "falls"
+    if slope < FLAT:
+        return "flat"
+    if slope < LINEAR_FROM:
+        return "sublinear"
+    return "linear" if slope <= LINEAR else "worse than linear"
+
+
+def curve_shape(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, str]:
+    """(slope, R^2, shape) of a curve from all its points. "flat" needs a flat slope and every point within
+    `FLAT_SPREAD` of each other; a sloped shape needs R^2 >= `R2_MIN`; otherwise "irregular": the points
+    follow no power law (1.3, 17.5, 3.2 ms is not linear, whatever its end points say)."""
+    slope, r2 = loglog_fit(xs, ys)
+    band = shape(slope)
+    if band == "flat":
+        steady = max(ys) <= FLAT_SPREAD * min(ys)
+        return slope, r2, "flat" if steady else "irregular"
+    return slope, r2, band if r2 >= R2_MIN else "irregular"
+
+
+def shape_text(xs: Sequence[float], ys: Sequence[float]) -> str:
+    """`slope 0.98, R^2 0.99: linear`, for a block."""
+    slope, r2, name = curve_shape(xs, ys)
+    return f"slope {slope:.2f}, R^2 {r2:.2f}: {name}"
+
+
+SHAPE_RULE = (
+    f"log-log least-squares slope over every point; flat: |slope| < {FLAT} and all points within "
+    f"{FLAT_SPREAD}x; sublinear < {LINEAR_FROM}; linear {LINEAR_FROM}-{LINEAR}; a sloped shape only at "
+    f"R^2 >= {R2_MIN}, else irregular"
+)
 
 
 def ms(seconds: float) -> str:
@@ -142,11 +212,18 @@ def write_section(path: Path, section: str, body: str, script: str | None = None
     heading, _, generated = body.strip("\n").partition("\n")
     if heading != f"## {section}":
         raise ValueError(f"the body must start with '## {section}', not {heading!r}")
-    block = f"{begin}\n{generated.strip()}\n{end}"
+    generated = generated.strip()
+    if _run is not None and LOAD_NOTE not in generated:
+        generated += "\n\n" + load_note()
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    marked = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}$", re.S | re.M)
+    marked = re.compile(rf"^{re.escape(begin)}\n(.*?)^{re.escape(end)}$", re.S | re.M)
     whole = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     found = whole.search(text)
+    previous = marked.search(found.group(0)) if found is not None else None
+    earlier = history(previous.group(1)) if previous is not None else []
+    if earlier:
+        generated += "\n\n" + EARLIER + "; ".join(earlier) + "."
+    block = f"{begin}\n{generated}\n{end}"
     if found is not None and marked.search(found.group(0)):
         part = marked.sub(lambda _: block, found.group(0), count=1)
         text = text[: found.start()] + part + text[found.end() :]
@@ -170,12 +247,133 @@ def arg_parser(doc: str | None) -> argparse.ArgumentParser:
         metavar="PATH",
         help="replace this benchmark's section of PATH (default BENCHMARKS.md); otherwise print only",
     )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=QUIET_WAIT,
+        action=_QuietWait,
+        metavar="SECONDS",
+        help=f"wait at most this long for a 1-minute load under {QUIET_UNDER:g} before measuring "
+        f"(default {QUIET_WAIT:g}; env RPCFLEET_BENCH_QUIET_WAIT); the block says whether it got one",
+    )
     return parser
 
 
-def load_average() -> float:
-    """1-minute load average: how busy the machine was when the measurement started."""
+class _QuietWait(argparse.Action):
+    """--quiet-wait sets the bound `load_average`'s first call waits for."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        global QUIET_WAIT
+        if not isinstance(values, float) or values < 0:
+            parser.error(f"{option_string} must be a number of seconds, 0 or more")
+        QUIET_WAIT = values
+        setattr(namespace, self.dest, values)
+
+
+def one_minute_load() -> float:
     return os.getloadavg()[0]
+
+
+QUIET_UNDER = 1.0  # a 1-minute load under one runnable task: the 2 cores mostly the benchmark's own
+QUIET_WAIT = float(os.environ.get("RPCFLEET_BENCH_QUIET_WAIT", "120"))  # seconds; --quiet-wait
+
+
+@dataclass(frozen=True)
+class Quiet:
+    """How quiet the machine was when a measurement began: the 1-minute load then, after how long a wait
+    for one under `under`, bounded by `limit` seconds."""
+
+    start: float
+    waited: float
+    limit: float
+    under: float = QUIET_UNDER
+
+    @property
+    def quiet(self) -> bool:
+        return self.start < self.under
+
+
+def wait_quiet(
+    limit: float,
+    *,
+    under: float = QUIET_UNDER,
+    read: Callable[[], float] = one_minute_load,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    poll: float = 5.0,
+) -> Quiet:
+    """Wait until the 1-minute load (`read`) is under `under`, at most `limit` seconds; the last reading
+    is the start's load, quiet or not (the block then says it was not)."""
+    began = clock()
+    while True:
+        load = read()
+        waited = clock() - began
+        if load < under or waited >= limit:
+            return Quiet(load, waited, limit, under)
+        sleep(max(0.0, min(poll, limit - waited)))
+
+
+LOAD_NOTE = "1-minute load average"  # how a block's load line starts
+
+
+def load_words(quiet: Quiet, end: float) -> str:
+    """The line a block carries about the machine's load: at the start (after the wait), and at the end."""
+    waited = f"after {quiet.waited:.0f} s of waiting" if quiet.waited >= 0.5 else "without waiting"
+    if quiet.quiet:
+        start = f"{quiet.start:.2f} at the start (quiet: under {quiet.under:g} {waited})"
+    else:
+        start = (
+            f"{quiet.start:.2f} at the start (**not quiet**: still {quiet.under:g} or more after waiting "
+            f"{quiet.limit:.0f} s; other work shared the cores, so the times are slower than this code's)"
+        )
+    return f"{LOAD_NOTE} {start}, {end:.2f} at the end."
+
+
+_run: Quiet | None = None  # this process's measurement: set by its first load_average()
+
+
+def begin_measurement(limit: float | None = None, **wait: Any) -> Quiet:
+    """Start this process's measurement: `wait_quiet` (`limit` default `--quiet-wait`; `wait` its other
+    arguments), remembered for the load line `write_section` adds to the block."""
+    global _run
+    _run = wait_quiet(QUIET_WAIT if limit is None else limit, **wait)
+    return _run
+
+
+def load_average() -> float:
+    """1-minute load average. The first call in a process starts the measurement (`begin_measurement`:
+    a bounded wait for a load under 1) and returns the load it started at; later calls read the load now."""
+    if _run is None:
+        return begin_measurement().start
+    return one_minute_load()
+
+
+def load_note() -> str:
+    """`load_words` for this process's measurement (started by `load_average`), its end now."""
+    run = _run if _run is not None else begin_measurement()
+    return load_words(run, one_minute_load())
+
+
+EARLIER = "Earlier runs, replaced by this one (their blocks are in git history): "
+_DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+_COMMIT = re.compile(r"commit `([0-9a-f]{7,40})`")
+_NOTE_LOAD = re.compile(rf"{LOAD_NOTE} (\d+(?:\.\d+)?)")
+_LOAD = re.compile(r"load(?: average)?(?: before)?:? (\d+(?:\.\d+)?)")
+HISTORY = 8  # earlier runs a block names
+
+
+def history(block: str) -> list[str]:
+    """The runs a replaced block names, its own first (date, commit, load at the start), then its own
+    history, at most `HISTORY`: a re-run does not silently drop the figures it replaces."""
+    own, _, before = block.partition(EARLIER)
+    date, sha = _DATE.search(own), _COMMIT.search(own)
+    if date is None or sha is None:
+        return []
+    load = _NOTE_LOAD.search(own) or _LOAD.search(own)
+    entry = f"{date.group(0)} at `{sha.group(1)}`" + (f" (load {load.group(1)})" if load else "")
+    older = [e.strip() for e in before.strip().rstrip(".").split("; ") if e.strip()] if before else []
+    return [entry, *older][:HISTORY]
 
 
 # --- real servers on loopback -------------------------------------------------------------------------------
