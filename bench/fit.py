@@ -12,17 +12,28 @@ rpcfleet predicts on unlimited devices), so that neither tool can simply take th
 rpcfleet plans with `--margin 0` on LIMIT; `llama-fit-params` (built from the same llama.cpp as the
 server) gets `--fit-target` = each server's reported free memory - LIMIT, the same budget. Both with flash
 attention off and on, n_batch = n_ubatch = 512, one sequence, the small SWA cache. The truth: each
-answer is loaded as it says (context, -ngl, -ts) and every device's allocations (weights, KV + state,
-compute) are read from its server's log and compared with LIMIT. On sliding-window models rpcfleet's
-largest context with `--swa-full` (the full-size cache) is given too.
+answer is loaded as it says and every device's allocations (weights, KV + state, compute) are read from
+its server's log and compared with LIMIT: rpcfleet's plan through its loader, llama-fit-params' printed
+arguments (context, -ngl, -ts and its -ot tensor overrides) through `llama-server` from the same build
+(`-np 1 --fit off`: one sequence, no fit of its own). On sliding-window models rpcfleet's largest context
+with `--swa-full` (the full-size cache) is given too. A model whose need does not grow with the context
+(a recurrent one: its state is per sequence) gets one limit, so one row per flash-attention setting.
+
+Targets, computed: rpcfleet's answer loads within the limit on every model (the planner's promise: what
+it says fits, fits), and its context is at least llama-fit-params' wherever llama-fit-params' own answer
+loaded within the limit (llama.cpp's own fit is what a user would otherwise run; where its answer does
+not load within the limit there is nothing sound to be at least).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import subprocess
 import tempfile
+import time
+import urllib.request
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -110,10 +121,8 @@ def _reported_free(fleet: Fleet) -> list[int]:
     return [r.free for r in results]
 
 
-def _llama_fit(
-    binary: Path, model: Path, fleet: Fleet, limit: int, fa: bool
-) -> tuple[int, int, list[float] | None, str]:
-    """llama-fit-params' answer: (n_ctx, n_gpu_layers, tensor_split or None, its printed arguments)."""
+def _llama_fit(binary: Path, model: Path, fleet: Fleet, limit: int, fa: bool) -> tuple[int, str]:
+    """llama-fit-params' answer: (n_ctx, its printed arguments), n_ctx 0 when it gave none."""
     targets = [max(0, free - limit) // MiB for free in _reported_free(fleet)]
     argv = [
         str(binary),
@@ -135,12 +144,20 @@ def _llama_fit(
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     if out.returncode != 0 or not line.startswith("-c "):
-        return 0, 0, None, f"failed (exit {out.returncode})"
+        return 0, f"failed (exit {out.returncode})"
     words = line.split()
-    n_ctx = int(words[words.index("-c") + 1])
-    ngl = int(words[words.index("-ngl") + 1])
-    split = [float(x) for x in words[words.index("-ts") + 1].split(",")] if "-ts" in words else None
-    return n_ctx, ngl, split, line
+    return int(words[words.index("-c") + 1]), line
+
+
+def _read_allocations(fleet: Fleet, offsets: list[int]) -> list[int]:
+    """Bytes each server allocated since `offsets` of its log (the last connection that allocated)."""
+    totals = []
+    for log, offset in zip(fleet.logs, offsets, strict=True):
+        with log.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", "replace")
+        totals.append(sum(model_allocations(parse_server_log(text)).get(0, [])))
+    return totals
 
 
 def _allocated(plan: Plan, model: Path, fleet: Fleet) -> list[int]:
@@ -148,20 +165,57 @@ def _allocated(plan: Plan, model: Path, fleet: Fleet) -> list[int]:
     offsets = [log.stat().st_size for log in fleet.logs]
     llm = load_llama(plan, model)
     try:
-        totals = []
-        for log, offset in zip(fleet.logs, offsets, strict=True):
-            with log.open("rb") as f:
-                f.seek(offset)
-                text = f.read().decode("utf-8", "replace")
-            totals.append(sum(model_allocations(parse_server_log(text)).get(0, [])))
+        return _read_allocations(fleet, offsets)
     finally:
         llm.close()
-    return totals
 
 
-def _measure(binary: Path, model: Path, label: str, fleet: Fleet, fa: bool, frac: float) -> dict[str, object]:
+def _server_allocated(binary: Path, model: Path, fleet: Fleet, answer: str, fa: bool) -> list[int]:
+    """Bytes each server allocated for llama-fit-params' `answer` (its printed arguments, -ot included)
+    loaded by the llama-server beside `binary`: the answer exactly as a user would pass it on."""
+    port = free_port()
+    argv = [str(binary.with_name("llama-server")), "-m", str(model), "--rpc", ",".join(fleet.endpoints)]
+    argv += shlex.split(answer)
+    argv += ["-fa", "on" if fa else "off", "-b", "512", "-ub", "512", "-np", "1", "--fit", "off"]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    offsets = [log.stat().st_size for log in fleet.logs]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = (server.stderr.read() if server.stderr else b"").decode("utf-8", "replace")[-300:]
+                raise RuntimeError(f"llama-server did not load {answer!r}: {tail}")
+            time.sleep(0.2)
+        return _read_allocations(fleet, offsets)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        time.sleep(0.5)  # the servers free the closed connections' buffers
+
+
+Seen = set[tuple[str, bool, int]]
+
+
+def _measure(
+    binary: Path, model: Path, label: str, fleet: Fleet, fa: bool, frac: float, seen: Seen
+) -> dict[str, object] | None:
+    """One row, or None when this model and setting was measured at the same limit already."""
     profile = profile_model(model)
     limit = _limit(profile, fleet, fa, frac)
+    if (label, fa, limit) in seen:
+        return None
+    seen.add((label, fa, limit))
     devices = _devices(fleet, limit)
     ours = make_plan(devices, profile, _options(0, fa)).fit.largest_n_ctx
     ours_plan = make_plan(devices, profile, _options(ours, fa))
@@ -179,14 +233,8 @@ def _measure(binary: Path, model: Path, label: str, fleet: Fleet, fa: bool, frac
         if profile.swa_layer_ids
         else None
     )
-    theirs, ngl, split, args = _llama_fit(binary, model, fleet, limit, fa)
-    theirs_alloc: list[int] = []
-    if theirs:
-        extra: dict[str, object] = {"n_gpu_layers": ngl}
-        if split is not None:
-            extra["tensor_split"] = tuple(split)
-        their_plan = make_plan(devices, profile, _options(theirs, fa, **extra))
-        theirs_alloc = _allocated(their_plan, model, fleet)
+    theirs, args = _llama_fit(binary, model, fleet, limit, fa)
+    theirs_alloc = _server_allocated(binary, model, fleet, args, fa) if theirs else []
     return {
         "model": label,
         "fa": fa,
@@ -231,13 +279,12 @@ def _table(rows: list[dict[str, object]]) -> list[str]:
         args = f"`{r['theirs_args']}`"
         if " -ngl 0" in args:
             args += " (nothing on the devices)"
-        if " -ot " in args:  # the loader takes no tensor overrides: the load keeps them where -ts puts them
-            args += " (loaded without its -ot)"
+        limit, mine, past, their = r["limit"], r["ours_alloc"], r["past_alloc"], r["theirs_alloc"]
+        assert isinstance(mine, list) and isinstance(past, list) and isinstance(their, list)
         out.append(
             f"| {r['model']} ({r['family']}) | {'on' if r['fa'] else 'off'} | {r['train']} "
-            f"| {_mib(r['limit'])} | {ours} "
-            f"| {_within(r['ours_alloc'], r['limit'])} | {_within(r['past_alloc'], r['limit'])} | {args} "
-            f"| {_within(r['theirs_alloc'], r['limit'])} | {ratio} | {swa} |"  # type: ignore[arg-type]
+            f"| {_mib(limit)} | {ours} | {_within(mine, limit)} | {_within(past, limit)} | {args} "
+            f"| {_within(their, limit)} | {ratio} | {swa} |"
         )
     return out
 
@@ -265,24 +312,39 @@ def main() -> None:
                 fleet.logs.append(log)
             for port, proc in zip(fleet.ports, procs, strict=True):
                 wait_listening(port, proc)
+            seen: Seen = set()
+            models: list[tuple[Path, str]] = []
             gemma = CATALOGUE["gemma3-270m"]
             if is_fetched(gemma):
-                for fa, frac in product((False, True), FRACTIONS):
-                    rows.append(_measure(binary, cached_path(gemma), "Gemma 3 270M Q4_K_M", fleet, fa, frac))
-            for arch in SYNTH:
-                model = write_arch_model(folder / f"{arch}.gguf", arch)
-                for fa, frac in product((False, True), FRACTIONS):
-                    rows.append(_measure(binary, model, f"synth {arch}", fleet, fa, frac))
+                models.append((cached_path(gemma), "Gemma 3 270M Q4_K_M"))
+            models += [(write_arch_model(folder / f"{a}.gguf", a), f"synth {a}") for a in SYNTH]
+            for (model, label), fa, frac in product(models, (False, True), FRACTIONS):
+                row = _measure(binary, model, label, fleet, fa, frac, seen)
+                if row is not None:
+                    rows.append(row)
         finally:
             for proc in procs:
                 proc.terminate()
             for proc in procs:
                 proc.wait(10)
-    ours_ok = sum(bool(r["ours_alloc"]) and max(r["ours_alloc"]) <= r["limit"] for r in rows)  # type: ignore[arg-type,operator]
-    theirs_ok = sum(bool(r["theirs_alloc"]) and max(r["theirs_alloc"]) <= r["limit"] for r in rows)  # type: ignore[arg-type,operator]
-    at_least = sum(r["ours"] >= r["theirs"] for r in rows)  # type: ignore[operator]
-    sound = [r for r in rows if r["theirs_alloc"] and max(r["theirs_alloc"]) <= r["limit"]]  # type: ignore[arg-type,operator]
-    sound_at_least = sum(r["ours"] >= r["theirs"] for r in sound)  # type: ignore[operator]
+
+    def within(row: dict[str, object], key: str) -> bool:
+        alloc, limit = row[key], row["limit"]
+        assert isinstance(alloc, list) and isinstance(limit, int)
+        return bool(alloc) and max(alloc) <= limit
+
+    def at_least_theirs(row: dict[str, object]) -> bool:
+        ours, theirs = row["ours"], row["theirs"]
+        assert isinstance(ours, int) and isinstance(theirs, int)
+        return ours >= theirs
+
+    ours_ok = sum(within(r, "ours_alloc") for r in rows)
+    theirs_ok = sum(within(r, "theirs_alloc") for r in rows)
+    at_least = sum(at_least_theirs(r) for r in rows)
+    sound = [r for r in rows if within(r, "theirs_alloc")]
+    sound_at_least = sum(at_least_theirs(r) for r in sound)
+    safe, better = ours_ok == len(rows), sound_at_least == len(sound)
+    verdict = "met" if safe and better else "not met"
     lines = [
         f"## {SECTION}",
         "",
@@ -290,13 +352,19 @@ def main() -> None:
         f"engine build: {N_SERVERS} `ggml-rpc-server`s on loopback, each limited to LIMIT (a quarter or half "
         f"of the way from the busiest device's need at context {LOW_CTX} to its need at the training "
         "context); rpcfleet plans with `--margin 0`, llama-fit-params gets `--fit-target` = reported free "
-        "- LIMIT; both answers loaded, "
-        "allocations read from the servers' logs.",
+        "- LIMIT; both answers loaded (rpcfleet's plan through its loader, llama-fit-params' printed "
+        "arguments, `-ot` included, through the same build's `llama-server -np 1 --fit off`), allocations "
+        "read from the servers' logs. A model whose need does not grow with the context gets one limit: "
+        "one row per flash-attention setting.",
         "",
         f"rpcfleet's largest context loaded within the limit on {ours_ok} of {len(rows)} models, "
         f"llama-fit-params' on {theirs_ok} of {len(rows)}; rpcfleet's context at least llama.cpp's on "
         f"{at_least} of {len(rows)}, and on {sound_at_least} of the {len(sound)} where llama-fit-params' "
         "answer loaded within the limit.",
+        "",
+        f"Target (rpcfleet's answer loads within the limit on every model, and its context is at least "
+        f"llama-fit-params' wherever that answer loads within the limit): **{verdict}** (within the limit: "
+        f"{ours_ok} of {len(rows)}; at least llama.cpp's: {sound_at_least} of {len(sound)}).",
         "",
         *_table(rows),
     ]
