@@ -6,16 +6,21 @@
 Two real `ggml-rpc-server`s on loopback, a generated llama model (8 layers, n_embd 1024, about 200 MiB),
 one plan. Alternating rounds (in-process, worker, in-process, worker, ...; `--rounds` of each):
   (A) in-process: a fresh Python process imports llama_cpp and rpcfleet (not timed), then times
-      `load_llama(plan, model)` and a streamed completion of `--tokens` tokens at temperature 0;
+      `load_llama(plan, model)` and a completion of `--tokens` tokens at temperature 0, not streamed:
+      llama-cpp-python's own streaming re-decodes held-back bytes once per token, a cost of its own that
+      the worker does not pay (it runs the non-streamed completion with its own token loop), so a
+      streamed baseline would compare llama-cpp-python's streaming, not the process boundary;
   (B) worker: this process times `Worker.start(plan, model)` (the child's interpreter start, its imports
-      and the same load) and the same completion read from the worker's pipe.
-Decoding speed is measured by the reader of the stream (wall clock from the first piece of text to the last,
-over the tokens after the first), and also as llama.cpp counts it (tokens evaluated / eval time).
-Both generate the same text (checked). The three's order rotates each round.
+      and the same load) and the same completion streamed from the worker's pipe.
+Generation: the request to the last token, as tokens/s and as a share of llama.cpp's own decoding rate in
+the same run (tokens evaluated / eval time, also compared directly). Both generate the same text
+(checked). The three's order rotates each round.
 
-Target, computed (the natural one: as `rpcfleet run` uses it, pre-spawned, the worker costs no more than
-the noise): the pre-spawned worker's load within 10 % of the in-process load's time, and its decoding
-(llama.cpp's count) within 10 % of the in-process tokens/s; each against the in-process rounds' spread.
+Target, computed (as `rpcfleet run` uses it, pre-spawned): the pre-spawned worker's load within 5 % of the
+in-process load's time, and its decoding (llama.cpp's count) within 5 % of the in-process tokens/s; each
+also against the in-process rounds' spread. 5 % is what rpcfleet's other layers over llama.cpp are held
+to: the loader against hand registration (plan), serve against llama-server by hand (serve), decoding
+over SSH against TCP (transport).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +48,8 @@ from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 
 SECTION = "worker"
-TARGET = 0.10  # the pre-spawned worker within 10 % of in-process: load time and decoding
+TARGET = 0.05  # the pre-spawned worker within 5 % of in-process, load time and decoding: as the loader,
+# serve and the transport are held to against llama.cpp without them
 GiB = 1 << 30
 PROMPT = "The quick brown fox"
 
@@ -57,16 +64,13 @@ IN_PROCESS = textwrap.dedent(
     started = time.monotonic()
     llm = load_llama(plan, model, seed=0)
     load = time.monotonic() - started
-    text, finish = [], None
     started = time.monotonic()
-    for chunk in llm(prompt, max_tokens=n, temperature=0.0, seed=0, stream=True):
-        text.append(chunk["choices"][0]["text"])
-        finish = chunk["choices"][0]["finish_reason"] or finish
+    choice = llm(prompt, max_tokens=n, temperature=0.0, seed=0, stream=False)["choices"][0]
     generate = time.monotonic() - started
     t = generation_timings(llm)
     llm.close()
-    print(json.dumps({"load": load, "generate": generate, "text": "".join(text), "finish": finish,
-                      "perf": t.tokens_per_second}))
+    print(json.dumps({"load": load, "generate": generate, "text": choice["text"],
+                      "finish": choice["finish_reason"], "perf": t.tokens_per_second}))
     """
 )
 
@@ -132,7 +136,7 @@ def main() -> None:
             b: list[dict[str, Any]] = []
             c: list[dict[str, Any]] = []
             log = folder / "worker.log"
-            kinds = [
+            kinds: list[tuple[list[dict[str, Any]], Callable[[], dict[str, Any]]]] = [
                 (a, lambda: in_process(plan, model, args.tokens)),
                 (b, lambda: in_worker(plan, model, args.tokens, log, prespawned=False)),
                 (c, lambda: in_worker(plan, model, args.tokens, log, prespawned=True)),
@@ -148,8 +152,11 @@ def main() -> None:
         return median([r[key] for r in rs])
 
     load_a = med(a, "load")
-    wall = {name: args.tokens / med(rs, "generate") for name, rs in (("a", a), ("b", b), ("c", c))}
-    perf = {name: med(rs, "perf") for name, rs in (("a", a), ("b", b), ("c", c))}
+    kinds_of = (("a", a), ("b", b), ("c", c))
+    wall = {name: args.tokens / med(rs, "generate") for name, rs in kinds_of}
+    perf = {name: med(rs, "perf") for name, rs in kinds_of}
+    # each run's request-to-last-token rate over llama.cpp's own decoding rate in that run
+    kept = {name: median([args.tokens / r["generate"] / r["perf"] for r in rs]) for name, rs in kinds_of}
 
     def pct(x: float, y: float) -> str:
         return f"{(x / y - 1) * 100:+.1f} %"
@@ -181,10 +188,16 @@ def main() -> None:
         ),
         ("  llama.cpp's load inside the worker", "", ms(med(b, "inner")), ms(med(c, "inner"))),
         (
-            f"generate {args.tokens} tokens (request to last token, tok/s)",
+            f"generate {args.tokens} tokens, request to last token (tok/s; in-process not streamed)",
             f"{wall['a']:.1f}",
             f"{wall['b']:.1f} ({pct(wall['b'], wall['a'])})",
             f"{wall['c']:.1f} ({pct(wall['c'], wall['a'])})",
+        ),
+        (
+            "  of llama.cpp's decoding rate in the same run",
+            f"{kept['a'] * 100:.0f} %",
+            f"{kept['b'] * 100:.0f} %",
+            f"{kept['c'] * 100:.0f} %",
         ),
         (
             "decode, llama.cpp's count (tok/s)",
@@ -200,10 +213,11 @@ def main() -> None:
             f"{stamp()}; load average {load_before:.2f} at the start. `bench/worker.py` "
             f"(`--rounds {args.rounds} --tokens {args.tokens}`): two `ggml-rpc-server`s on loopback, a "
             f"generated 8-layer llama (n_embd 1024, {size / 2**20:.0f} MiB), n_ctx 2048, temperature 0; "
-            "medians of rounds in a rotating order. In-process: `load_llama` and a streamed completion in a "
-            "fresh process (imports not timed). Worker: `Worker.spawn` + `load` and the same completion read "
-            "from the worker's pipe; cold: the clock starts before the child, pre-spawned: once its "
-            "imports are done. Same text in every run.",
+            "medians of rounds in a rotating order. In-process: `load_llama` and the completion, not "
+            "streamed (llama-cpp-python's streaming has a cost of its own the worker does not pay), in a "
+            "fresh process (imports not timed). Worker: `Worker.spawn` + `load` and the same completion "
+            "streamed from the worker's pipe; cold: the clock starts before the child, pre-spawned: once "
+            "its imports are done. Same text in every run.",
             "",
             "| | in-process | worker, cold | worker, pre-spawned |",
             "|---|---:|---:|---:|",
@@ -212,8 +226,12 @@ def main() -> None:
             "Cold, the load's extra time is the child's start: a Python interpreter importing llama_cpp, "
             "numpy and the loader. `rpcfleet run` spawns the worker before it probes and plans, so that "
             "time overlaps with the probe (the pre-spawned column: the child's imports are done when the "
-            "clock starts); what remains is the plan and the placement crossing the pipe. Generation "
-            "pays one JSON line per token on a pipe.",
+            "clock starts); what remains is the plan and the placement crossing the pipe. The worker "
+            "streams one JSON line per piece of text on its pipe: from the request to the last token it "
+            f"kept {kept['c'] * 100:.0f} % of llama.cpp's own decoding rate pre-spawned, against "
+            f"{kept['a'] * 100:.0f} % in-process without streaming."
+            + f" Targets: {TARGET * 100:.0f} %, as rpcfleet's other layers over llama.cpp (loader, serve, "
+            "transport).",
             "",
             verdict,
         ]
