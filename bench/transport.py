@@ -14,8 +14,9 @@ tokens at temperature 0. Load time is the worker's own (`placement.load_seconds`
 servers); MB/s = model file bytes / load time; decode tok/s is llama.cpp's count (tokens / eval time).
 The modes' order rotates each round (a busy moment of the machine does not always fall on the same one).
 
-Target, computed (the natural one: the tunnel costs no more than the rounds' noise): every ssh forwarder
-loads within 10 % of tcp's time and decodes within 10 % of tcp's tokens/s; the default forwarder
+Target, computed, as asked (issue 45): every ssh forwarder decodes within 5 % of tcp's tokens/s (the
+tunnel must not slow what a user waits on per token) and loads within 15 % of tcp's time (a load is
+once per start, and the tunnel's encryption shares the cores with the servers); the default forwarder
 (`openssh`) decides the section's verdict, each forwarder's is given in its row.
 """
 
@@ -55,7 +56,7 @@ SECTION = "transport"
 PROMPT = "The quick brown fox"
 MODES = ("tcp", "ssh/openssh", "ssh/openssh-n", "ssh/asyncssh")
 DEFAULT = "ssh/openssh"  # the forwarder `rpc_transport: ssh` uses
-TARGET = 0.10  # load time and decode tokens/s within 10 % of tcp's
+DECODE, LOAD = 0.05, 0.15  # decode tokens/s within 5 % of tcp's, load time within 15 % (issue 45)
 
 
 def shape(lab: Lab, rate: str) -> None:
@@ -137,7 +138,7 @@ def main() -> None:
         loads = [r["load"] for r in results[mode]]
         tps = [r["tps"] for r in results[mode]]
         load, speed = median(loads), median(tps)
-        met[mode] = load / base_load - 1 <= TARGET and speed / base_tps - 1 >= -TARGET
+        met[mode] = load / base_load - 1 <= LOAD and speed / base_tps - 1 >= -DECODE
         verdict = "" if mode == "tcp" else f"**{'met' if met[mode] else 'not met'}**"
         rows.append(
             f"| {mode} | {load:.2f} s ({min(loads):.2f}-{max(loads):.2f}) | {size / load / 1e6:.0f} MB/s | "
@@ -156,13 +157,14 @@ def main() -> None:
             f"{args.rounds} rounds, the modes' order rotated each round. Same text in every round: "
             f"{len(texts) == 1}.",
             "",
-            "| transport/forwarder | load, median (min-max) | load MB/s | load vs tcp | decode tok/s, median "
-            f"(min-max) | decode vs tcp | target: within {TARGET:.0%} of tcp |",
+            "| transport/forwarder | load, median (min-max) | load MB/s | load vs tcp | decode tok/s, "
+            f"median (min-max) | decode vs tcp | target: decode within {DECODE:.0%}, load within {LOAD:.0%} "
+            "of tcp |",
             "|---|---|---|---|---|---|---|",
             *rows,
             "",
-            f"Target (ssh loads within {TARGET:.0%} of tcp's time and decodes within {TARGET:.0%} of its "
-            f"tokens/s), the default forwarder ({DEFAULT}): **{'met' if met[DEFAULT] else 'not met'}**; "
+            f"Target (ssh decodes within {DECODE:.0%} of tcp's tokens/s and loads within {LOAD:.0%} of its "
+            f"time), the default forwarder ({DEFAULT}): **{'met' if met[DEFAULT] else 'not met'}**; "
             f"met by {sum(met[m] for m in others)} of {len(others)} forwarders.",
             "",
         ]
