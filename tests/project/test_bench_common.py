@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,3 +211,16 @@ def test_a_block_without_a_stamp_leaves_no_history(common: ModuleType, tmp_path:
     common.write_section(doc, "probe", "## probe\n\nfirst 1 ms\n", "bench/probe.py")
     common.write_section(doc, "probe", "## probe\n\nsecond 2 ms\n", "bench/probe.py")
     assert common.EARLIER not in doc.read_text()
+
+
+def test_the_intro_names_every_bench_that_needs_root() -> None:
+    """BENCHMARKS.md's intro lists the scripts that bring up a lab (network namespaces: root)."""
+    intro = (ROOT / "BENCHMARKS.md").read_text().split("\n## ", 1)[0]
+    sentence = " ".join(intro.split()).split(" need root")[0].rsplit(". ", 1)[-1]
+    named = set(re.findall(r"`(\w+)`", sentence))
+    labs = {
+        script.stem
+        for script in (ROOT / "bench").glob("*.py")
+        if re.search(r"\blab_up\(|\bprivileged\(\)", script.read_text())
+    }
+    assert labs and named == labs, (sorted(named), sorted(labs))
