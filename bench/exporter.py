@@ -362,7 +362,7 @@ def main() -> int:
     targets = {
         f"serve's tokens/s at the default interval at most {COST:g} % under the exporter off": (
             cost <= COST,
-            f"{cost:+.1f} % under" if cost >= 0 else f"{-cost:.1f} % over",
+            f"{cost:.1f} % under" if cost >= 0 else f"{-cost:.1f} % over",
         ),
         "every run at the default interval held a round": (
             min(held) >= 1,
