@@ -1,17 +1,20 @@
 """Benchmark: `rpcfleet deploy` against Ansible on 1, 2, 4 and 8 lab nodes (needs root for the lab).
 
 For each size: a fresh deploy (nothing installed) and a no-op re-deploy, each with new connections,
-by rpcfleet (the library, as `rpcfleet deploy` runs it) and by ansible-core (its own venv under
-`$RPCFLEET_HOME/bench/ansible-venv`, created on first use) running a playbook that does the same work:
-copy the archive, check its sha256, unpack it, switch a link, start the server detached.
-Results go to stdout and, with `--write`, to the "deploy" section of BENCHMARKS.md.
+by rpcfleet (`rpcfleet deploy --artifact ID --json`, a fresh process) and by ansible-core (its own venv
+under `$RPCFLEET_HOME/bench/ansible-venv`, created on first use) running a playbook that does the same
+work: copy the archive, check its sha256, unpack it, switch a link, start the server detached. Both are
+timed from the command line, from the spawn of their command to its exit (interpreter start included),
+and they alternate: rpcfleet first in odd rounds, Ansible first in even ones, so that a drift of the
+machine's load favours neither. Results go to stdout and, with `--write`, to the "deploy" section of
+BENCHMARKS.md.
 
     .venv/bin/python bench/deploy.py [--sizes 1,2,4,8] [--repeat 3] [--no-ansible] [--write [PATH]]
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
 import shutil
 import signal
@@ -21,19 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import arg_parser, busy_cpu_seconds, load_average, median, stamp, write_section
+from _common import ROOT, arg_parser, busy_cpu_seconds, load_average, median, stamp, write_section
 
 from orchestrator.artifacts.build import default_artifact
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.core.paths import rpcfleet_home
-from orchestrator.engine.executor import Session
-from orchestrator.inventory.load import load_inventory
-from orchestrator.inventory.model import Host
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
 from orchestrator.lab.state import Lab
-from orchestrator.operations.install.ensure import ArtifactChooser
-from orchestrator.operations.server.steps import make_deploy_step
 
 SECTION = "deploy"
 
@@ -96,16 +94,21 @@ def kill_servers(lab: Lab) -> None:
             shutil.rmtree(node.home / folder, ignore_errors=True)
 
 
-async def rpcfleet_deploy(hosts: list[Host], artifact: Artifact) -> tuple[float, int, float]:
-    """Seconds for one `rpcfleet deploy` (new connections included), how many hosts changed, and the CPU
-    seconds the machine spent meanwhile (controller, sshd and the nodes' work: all on these cores)."""
+def rpcfleet_deploy(lab: Lab, artifact: Artifact) -> tuple[float, int, float]:
+    """Seconds for one `rpcfleet deploy` from the command line (a fresh process: its interpreter's start
+    and new connections included), how many hosts changed, and the CPU seconds the machine spent
+    meanwhile (controller, sshd and the nodes' work: all on these cores)."""
+    argv = [sys.executable, "-m", "orchestrator", "deploy", "-i", str(lab.inventory)]
+    argv += ["--artifact", artifact.id, "--forks", "16", "--json"]
     started, busy = time.monotonic(), busy_cpu_seconds()
-    async with Session(forks=16) as session:
-        run = await session.run(hosts, make_deploy_step(ArtifactChooser(artifact.id)), name="deploy")
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     elapsed, cpu = time.monotonic() - started, busy_cpu_seconds() - busy
-    if not run.ok:
-        raise SystemExit(f"rpcfleet deploy failed: {[str(r.error) for r in run.failed]}")
-    return elapsed, sum(r.status == "changed" for r in run.results), cpu
+    if done.returncode != 0:
+        raise SystemExit(
+            f"rpcfleet deploy failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    results = json.loads(done.stdout)
+    return elapsed, sum(r["status"] == "changed" for r in results), cpu
 
 
 def ansible_deploy(venv: Path, lab: Lab, artifact: Artifact, workdir: Path) -> float:
@@ -151,7 +154,6 @@ def measure(size: int, repeat: int, venv: Path | None, artifact: Artifact) -> di
     lab_down(name)
     lab = lab_up(size, name=name, owner_pid=os.getpid())
     try:
-        hosts = list(load_inventory(lab.inventory).hosts)
         results: dict[str, list[float]] = {
             "fresh": [],
             "fresh_cpu": [],
@@ -159,21 +161,30 @@ def measure(size: int, repeat: int, venv: Path | None, artifact: Artifact) -> di
             "a_fresh": [],
             "a_noop": [],
         }
-        for _ in range(repeat):
+
+        def rpcfleet() -> None:
             kill_servers(lab)
-            fresh, changed, fresh_cpu = asyncio.run(rpcfleet_deploy(hosts, artifact))
+            fresh, changed, fresh_cpu = rpcfleet_deploy(lab, artifact)
             assert changed == size, f"a fresh deploy changed {changed} of {size} hosts"
-            noop, changed, _ = asyncio.run(rpcfleet_deploy(hosts, artifact))
+            noop, changed, _ = rpcfleet_deploy(lab, artifact)
             assert changed == 0, f"a no-op deploy changed {changed} hosts"
             results["fresh"].append(fresh)
             results["fresh_cpu"].append(fresh_cpu)
             results["noop"].append(noop)
             kill_servers(lab)
-            if venv is not None:
-                with tempfile.TemporaryDirectory() as work:
-                    results["a_fresh"].append(ansible_deploy(venv, lab, artifact, Path(work)))
-                    results["a_noop"].append(ansible_deploy(venv, lab, artifact, Path(work)))
-                kill_servers(lab)
+
+        def ansible() -> None:
+            if venv is None:
+                return
+            kill_servers(lab)
+            with tempfile.TemporaryDirectory() as work:
+                results["a_fresh"].append(ansible_deploy(venv, lab, artifact, Path(work)))
+                results["a_noop"].append(ansible_deploy(venv, lab, artifact, Path(work)))
+            kill_servers(lab)
+
+        for i in range(repeat):  # rpcfleet first in odd rounds, Ansible first in even ones
+            for tool in (rpcfleet, ansible) if i % 2 == 0 else (ansible, rpcfleet):
+                tool()
         return {key: median(values) for key, values in results.items() if values}
     finally:
         kill_servers(lab)
@@ -189,7 +200,10 @@ def markdown(rows: dict[int, dict[str, float]], repeat: int, load: float) -> str
         f"1-min load average {load:.1f} at the start; "
         f"median of {repeat} runs; every run opens new connections. Fresh = nothing installed (upload "
         "the ~1 MB archive, sha256 on the node, unpack, switch `current`, start, wait for HELLO); "
-        "no-op = the same deploy again. Ansible: ansible-core, pipelining, no fact gathering, forks 16.",
+        "no-op = the same deploy again. Both timed from the command line, spawn to exit (`rpcfleet "
+        "deploy --json` and `ansible-playbook`, each interpreter's start included), alternating (rpcfleet "
+        "first in odd rounds, Ansible first in even ones). Ansible: ansible-core, pipelining, no fact "
+        "gathering, forks 16.",
         "",
     ]
     header = "| nodes | rpcfleet fresh (s) | rpcfleet no-op (s) |"
