@@ -1,6 +1,7 @@
-"""`rpcfleet model synth|info|fetch|list`: make a small llama GGUF to try everything without a download,
+"""`rpcfleet model synth|info|fetch|push|list`: make a small llama GGUF to try everything without a download,
 show what the planner reads from any GGUF (layers, tensors, bytes per layer, KV per token, training
-context), and fetch a real model of the catalogue into the cache (sha256 checked)."""
+context), fetch a real model of the catalogue into the cache (sha256 checked), and push a GGUF to the
+nodes peer to peer (`cli._push`)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,34 @@ def register(subparsers: Any) -> None:
     )
     _output.add_json_arg(fetch)
     fetch.set_defaults(handler=handle_fetch)
+
+    push = commands.add_parser(
+        "push",
+        help="copy a GGUF to the nodes, peer to peer (this machine sends each byte once)",
+        description="Copy MODEL to each selected node's model folder (model_path_on_nodes, else "
+        "<install_dir>/models), through a chain of nodes: this machine sends each byte once, to the first "
+        "node, and each node forwards it to the next. Each node writes NAME.partial and renames it to "
+        "NAME only when every chunk's FNV-1a matches this machine's; a cut push resumes where the checked "
+        "part of NAME.partial ends. Nodes need python3.",
+    )
+    push.add_argument("--model", "-m", type=Path, required=True, help="the GGUF file to copy")
+    _inputs.add_inventory_args(push)
+    push.add_argument(
+        "--port",
+        type=_parser.flag(fields.integer(minimum=0, maximum=65535)),
+        default=0,
+        help="the port each node's receiver listens on, for a firewall that opens one (default: 0, "
+        "a free port the node picks)",
+    )
+    push.add_argument(
+        "--chunk",
+        type=_parser.flag(fields.size),
+        default=None,
+        metavar="SIZE",
+        help="bytes per verified chunk, where a cut push resumes: 1MiB or more (default: 64MiB)",
+    )
+    _output.add_json_arg(push)
+    push.set_defaults(handler=handle_push)
 
     listing = commands.add_parser("list", help="the models `model fetch` knows, and whether they are cached")
     _output.add_json_arg(listing)
@@ -302,6 +331,12 @@ def handle_fetch(args: argparse.Namespace) -> int:
             say(f"{model.name} is already fetched" + (" (sha256 ok)" if args.verify else ""))
         sys.stdout.write(f"{result.path}\n")
     return 0
+
+
+def handle_push(args: argparse.Namespace) -> int:
+    from orchestrator.cli._push import push
+
+    return push(args)
 
 
 def handle_list(args: argparse.Namespace) -> int:

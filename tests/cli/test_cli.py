@@ -220,6 +220,7 @@ BAD_INPUT: list[tuple[str, list[str], str]] = [
     ("lab repair", ["lab", "repair", "--name", "nosuch"], "no lab named 'nosuch' is up"),
     ("model fetch", ["model", "fetch", "gemma3"], "unknown choice 'gemma3'; did you mean 'gemma3-270m'?"),
     ("model list", ["model", "list", "--jsn"], "--jsn; did you mean --json?"),
+    ("model push", ["model", "push", "-m", "{tmp}/file", "--chunk", "1k"], "--chunk must be at least 1MiB"),
     ("artifact build", ["artifact", "build", "--backend", "tpu"], "unknown backend 'tpu'"),
     ("artifact list", ["artifact", "list", "--jsn"], "--jsn; did you mean --json?"),
     ("artifact show", ["artifact", "show", "nosuch"], "no artifact 'nosuch'"),
