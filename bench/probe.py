@@ -241,12 +241,37 @@ def blackhole() -> Iterator[int]:
         listener.close()
 
 
+def servers_read(ports: list[int]) -> str:
+    """What a probe of the servers reads: their protocols, backends and device counts (not assumed)."""
+    fleet = asyncio.run(probe_fleet(hosts_for(ports), timeout=3.0, facts=False))
+    versions = sorted({str(n.rpc.version) for n in fleet.nodes if n.rpc.version is not None})
+    backends = sorted({d.backend for n in fleet.nodes for d in n.devices})
+    counts = sorted({len(n.devices) for n in fleet.nodes})
+    devices = (
+        f"{counts[0]} device{'s' if counts[0] != 1 else ''} each"
+        if len(counts) == 1
+        else "devices " + "/".join(map(str, counts))
+    )
+    return f"protocol {', '.join(versions) or 'unknown'}, {', '.join(backends) or 'no backend'}, {devices}"
+
+
+def native_version() -> str:
+    """The llama-cpp-python the native path goes through, as installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"llama-cpp-python {version('llama_cpp_python')}"
+    except PackageNotFoundError:
+        return "llama-cpp-python (version unknown)"
+
+
 def run(repeat: int, native_repeat: int, dead_timeout: float, lan_delays: list[float]) -> dict[str, Any]:
-    results: dict[str, Any] = {"sizes": {}, "load": load_average()}
+    results: dict[str, Any] = {"sizes": {}, "load": load_average(), "native_version": native_version()}
     with (
         tempfile.TemporaryDirectory(prefix="rpcfleet-bench-") as tmp,
         servers(max(SIZES), Path(tmp), "-t", "1") as ports,
     ):
+        results["servers"] = servers_read(ports)
         sizes: dict[int, dict[str, object]] = {}
         for n in SIZES:
             hosts = hosts_for(ports[:n])
@@ -314,6 +339,18 @@ def _row(label: str, probe: dict[int, list[float]], native: dict[int, list[float
     return rows
 
 
+def via_words(via: str) -> str:
+    """How the native path reached the function, as the subprocess found it."""
+    if via == "dlsym":
+        return (
+            "the RPC reg's get_proc_address returned NULL for it, so it was reached via dlsym on libllama's "
+            "handle"
+        )
+    if via == "proc_address":
+        return "reached through the RPC reg's get_proc_address"
+    return f"reached via {via}"
+
+
 def render(results: dict[str, Any], repeat: int, native_repeat: int) -> str:
     sizes, lans, dead = results["sizes"], results["lan"], results["dead"]
     loop_probe = {n: sizes[n]["rpc"] for n in SIZES}
@@ -323,17 +360,16 @@ def render(results: dict[str, Any], repeat: int, native_repeat: int) -> str:
         "",
         f"`bench/probe.py`, {stamp()}; 1-min load average "
         f"{results['load']:.1f} at the start. Real `ggml-rpc-server`s "
-        "(protocol 7.0.0, CPU, one device each) on loopback; the `+N ms` rows reach the same servers through "
-        "a userspace proxy (one Python process, on the same 2 cores) adding N ms each way, since netem is "
-        f"not available here. Median (max) of {repeat} runs for the probe and of {native_repeat} fresh "
-        "processes for the native path; every run opens fresh connections.",
+        f"({results['servers']}, as the probe read them) on loopback; the `+N ms` rows reach the same "
+        f"servers through a userspace proxy (one Python process, on the same {os.cpu_count()} cores) adding "
+        f"N ms each way, since netem is not available here. Median (max) of {repeat} runs for the probe "
+        f"and of {native_repeat} fresh processes for the native path; every run opens fresh connections.",
         "",
         "- probe = `probe_fleet(hosts, facts=False)`: HELLO, DEVICE_COUNT, GET_DEVICE_MEMORY per endpoint, "
         "all endpoints at once.",
         "- native = `ggml_backend_rpc_get_device_memory(endpoint, 0, &free, &total)` per endpoint through "
-        "llama-cpp-python 0.3.36 (`llama_cpp.llama_cpp._lib`), in a fresh subprocess per run, timed inside "
-        f"it, import excluded. The RPC reg's get_proc_address does not export this function (NULL), so it "
-        f"is reached via {sizes[16]['via']} on libllama's handle.",
+        f"{results['native_version']} (`llama_cpp.llama_cpp._lib`), in a fresh subprocess per run, timed "
+        f"inside it, import excluded; {via_words(str(sizes[16]['via']))}.",
         "",
         "| network | endpoints | probe | vs 1 endpoint | native | native / probe |",
         "|---|---:|---:|---:|---:|---:|",
@@ -386,7 +422,7 @@ def render(results: dict[str, Any], repeat: int, native_repeat: int) -> str:
         f"- A dead endpoint (a connect that never completes: full accept queue) among 16 live ones, timeout "
         f"{dead['timeout']:g} s: {ms(dead_m)} (max {ms(max(dead['times']))}), reported `{dead['state']}`, "
         f"the others `ok`: {'within' if within else 'OVER'} its timeout.",
-        "- probe with facts (`connection: local` hosts, so one local bash per host on 2 cores): "
+        f"- probe with facts (`connection: local` hosts, so one local bash per host on {cores} cores): "
         + ", ".join(f"{n}: {ms(med(facts[n]))}" for n in SIZES)
         + ". On a fleet the facts run on each host over SSH, concurrently, bounded by the same timeout.",
         "",
