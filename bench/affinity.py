@@ -211,6 +211,14 @@ def verdict(affine: list[float], least: list[float], higher_is_better: bool) -> 
     return "within the spread"
 
 
+def routing_target(verdicts: dict[str, str], names: dict[str, str]) -> tuple[bool, list[str]]:
+    """(met, the figures affine is worse in): affine better in prompt tokens processed and in TTFT p50,
+    worse in nothing; `verdicts` by figure key (`verdict`'s words), `names` the figures' names."""
+    gains = all(verdicts.get(k) == "affine better" for k in ("processed", "p50"))
+    losses = [names[k] for k, v in verdicts.items() if v == "affine worse"]
+    return gains and not losses, losses
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--users", type=int, default=8, help="conversations at once (default 8)")
@@ -258,9 +266,7 @@ def main() -> None:
             f"| {name} | {cell(a, unit, digits)} | {cell(b, unit, digits)} "
             f"| {median(a) / median(b):.2f} | {verdicts[key]} |"
         )
-    gains = all(verdicts[k] == "affine better" for k in ("processed", "p50"))
-    losses = [names[k] for k, v in verdicts.items() if v == "affine worse"]
-    met = gains and not losses
+    met, losses = routing_target(verdicts, names)
     target = (
         "Target (affine better in prompt tokens processed per later turn and in TTFT p50, worse in "
         f"nothing): **{'met' if met else 'not met'}** (prompt tokens: {verdicts['processed']}; TTFT p50: "

@@ -266,6 +266,38 @@ def against_off(runs: dict[str, list[tuple[float, float, float]]], name: str, in
     return f"outside: {(value - high) / high * 100:.1f}% over the highest off run"
 
 
+def exporter_targets(
+    cost: float,
+    held: list[float],
+    largest: int,
+    round_largest: float,
+    round_linear: bool,
+    shape_said: str,
+    scrape_medians: list[float],
+) -> dict[str, tuple[bool, str]]:
+    """Each target's (met, the figures it was judged on): `cost` the % of serve's tokens/s lost at the
+    default interval, `held` the rounds each such run held, `round_largest` a round's median at the
+    largest count (`round_linear`: its curve at most linear), `scrape_medians` per count (seconds)."""
+    return {
+        f"serve's tokens/s at the default interval at most {COST:g} % under the exporter off": (
+            cost <= COST,
+            f"{cost:.1f} % under" if cost >= 0 else f"{-cost:.1f} % over",
+        ),
+        "every run at the default interval held a round": (
+            bool(held) and min(held) >= 1,
+            "rounds held per run: " + ", ".join(f"{r:.0f}" for r in held),
+        ),
+        f"a probe round of {largest} nodes under the {INTERVAL:g} s interval, at most linear": (
+            round_largest < INTERVAL and round_linear,
+            f"{ms(round_largest)}, {shape_said}",
+        ),
+        f"a `/metrics` scrape under {ms(SCRAPE)} at every count": (
+            max(scrape_medians) < SCRAPE,
+            f"slowest median {ms(max(scrape_medians))}",
+        ),
+    }
+
+
 def main() -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--nodes", default="4,16,32", help="node counts, comma-separated (default 4,16,32)")
@@ -359,24 +391,7 @@ def main() -> int:
     cost = (off[0] - rate(DEFAULT, 0)) / off[0] * 100
     held = [r[2] for r in runs[DEFAULT]]
     round_largest = round_medians[-1]
-    targets = {
-        f"serve's tokens/s at the default interval at most {COST:g} % under the exporter off": (
-            cost <= COST,
-            f"{cost:.1f} % under" if cost >= 0 else f"{-cost:.1f} % over",
-        ),
-        "every run at the default interval held a round": (
-            min(held) >= 1,
-            "rounds held per run: " + ", ".join(f"{r:.0f}" for r in held),
-        ),
-        f"a probe round of {largest} nodes under the {INTERVAL:g} s interval, at most linear": (
-            round_largest < INTERVAL and round_linear,
-            f"{ms(round_largest)}, {shape_said}",
-        ),
-        f"a `/metrics` scrape under {ms(SCRAPE)} at every count": (
-            max(scrape_medians) < SCRAPE,
-            f"slowest median {ms(max(scrape_medians))}",
-        ),
-    }
+    targets = exporter_targets(cost, held, largest, round_largest, round_linear, shape_said, scrape_medians)
     verdict = "met" if all(ok for ok, _ in targets.values()) else "not met"
     target_lines = [
         f"- {what}: **{'met' if ok else 'not met'}** ({said})" for what, (ok, said) in targets.items()

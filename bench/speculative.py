@@ -255,6 +255,13 @@ def same_text(runs: dict[str, list[dict[int, dict[str, Any]]]]) -> tuple[str, bo
     return f"{text}; without the draft, 1 client against 4: the same in {s} of {t}", same == total
 
 
+def draft_target(accepted: int, drafted: int, unchanged: int, pairs: int) -> tuple[bool, float]:
+    """(met, the self-draft's acceptance): at least `SELF_ACCEPTANCE` of its drafted tokens accepted
+    (none drafted: 0, not met), and greedy text unchanged by the draft in every pair."""
+    rate = accepted / drafted if drafted else 0.0
+    return rate >= SELF_ACCEPTANCE and unchanged == pairs, rate
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=48, help="tokens per completion (default 48)")
@@ -291,9 +298,8 @@ def main() -> None:
         rows += got_rows
         notes.append(note)
     accepted, drafted = acceptance(pairs[0][1])
-    self_rate = accepted / drafted if drafted else 0.0
     unchanged = [name for name, runs in pairs if same_text(runs)[1]]
-    met = self_rate >= SELF_ACCEPTANCE and len(unchanged) == len(pairs)
+    met, self_rate = draft_target(accepted, drafted, len(unchanged), len(pairs))
     target_line = (
         f"Target (the self-draft's acceptance at least {SELF_ACCEPTANCE}, greedy text the same with the "
         f"draft on every prompt): **{'met' if met else 'not met'}** (acceptance {self_rate:.3f}; the same "

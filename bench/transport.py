@@ -103,6 +103,12 @@ def one_round(plan: Plan, model: Path, targets: dict[str, Target], tokens: int) 
     return {"load": placement.load_seconds, "tps": done.tokens_per_second, "text": done.text}
 
 
+def within_targets(load_ratio: float, decode_ratio: float) -> bool:
+    """A forwarder's load time and decode tokens/s, each over tcp's: loads at most `LOAD` longer, decodes
+    at most `DECODE` slower."""
+    return load_ratio - 1 <= LOAD and decode_ratio - 1 >= -DECODE
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=2)
@@ -138,7 +144,7 @@ def main() -> None:
         loads = [r["load"] for r in results[mode]]
         tps = [r["tps"] for r in results[mode]]
         load, speed = median(loads), median(tps)
-        met[mode] = load / base_load - 1 <= LOAD and speed / base_tps - 1 >= -DECODE
+        met[mode] = within_targets(load / base_load, speed / base_tps)
         verdict = "" if mode == "tcp" else f"**{'met' if met[mode] else 'not met'}**"
         rows.append(
             f"| {mode} | {load:.2f} s ({min(loads):.2f}-{max(loads):.2f}) | {size / load / 1e6:.0f} MB/s | "
