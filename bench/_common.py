@@ -234,9 +234,13 @@ def write_section(path: Path, section: str, body: str, script: str | None = None
     path.write_text(text.rstrip("\n") + "\n")
 
 
-def arg_parser(doc: str | None) -> argparse.ArgumentParser:
+def arg_parser(doc: str | None, *, quiet_wait: float | None = None) -> argparse.ArgumentParser:
     """A benchmark's parser (`doc` as its help) with the common `--write [PATH]`: also replace the
-    benchmark's section of PATH (default: BENCHMARKS.md)."""
+    benchmark's section of PATH (default: BENCHMARKS.md), and `--quiet-wait SECONDS` (default
+    `quiet_wait`, else `QUIET_WAIT`)."""
+    global QUIET_WAIT
+    if quiet_wait is not None:
+        QUIET_WAIT = quiet_wait
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--write",

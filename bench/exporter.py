@@ -58,6 +58,7 @@ from _common import (
     arg_parser,
     curve_shape,
     free_port,
+    load_average,
     median,
     ms,
     stamp,
@@ -316,6 +317,7 @@ def main() -> int:
     args = parser.parse_args()
     counts = sorted(int(n) for n in args.nodes.split(","))
     reap_stale()
+    load_average()  # the measurement starts: a bounded wait for a quiet machine, its load kept for the block
     lab = lab_up(counts[-1], name=LAB_NAME, owner_pid=os.getpid())
     rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     scraped: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}

@@ -169,6 +169,9 @@ def test_quiet_wait_is_an_option_of_every_bench(common: ModuleType) -> None:
     assert common.QUIET_WAIT == 7.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--quiet-wait", "-1"])
+    # a bench whose machine time is scarce (the GPU check) sets its own default
+    assert common.arg_parser("gpu", quiet_wait=0).parse_args([]).quiet_wait == 0
+    assert common.QUIET_WAIT == 0
 
 
 # --- the block's load line and its earlier runs ----------------------------------------------------------
