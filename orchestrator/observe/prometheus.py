@@ -14,7 +14,7 @@ import bisect
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from orchestrator.observe.snapshot import FORMATION_STATES, SERVER_STATES, CacheView, Formation, Snapshot
+from orchestrator.observe.snapshot import FORMATION_STATES, SERVER_STATES, CacheView, FormationView, Snapshot
 
 # Seconds: from a few ms (a short answer on a GPU) to minutes (a long stream on CPU nodes).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -87,7 +87,7 @@ class _Text:
 
 def render(
     snapshot: Snapshot,
-    formations: Sequence[Formation] = (),
+    formations: Sequence[FormationView] = (),
     histograms: Mapping[tuple[str, str], Histogram] | None = None,
 ) -> str:
     """The text: the snapshot's nodes, devices and caches; `formations` as they are now (serve's
@@ -207,7 +207,7 @@ def _formations(
     t: _Text,
     *,
     nodes_by_endpoint: Mapping[str, str],
-    formations: Sequence[Formation],
+    formations: Sequence[FormationView],
     histograms: Mapping[tuple[str, str], Histogram],
 ) -> None:
     t.family("rpcfleet_formation_state", "gauge", "1 for the state the formation (a served model) is in.")

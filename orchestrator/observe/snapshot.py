@@ -136,7 +136,7 @@ class FormationDevice:
 
 
 @dataclass(frozen=True)
-class Formation:
+class FormationView:
     """A model served over some nodes: what `serve` reports of itself at one moment."""
 
     name: str
@@ -212,7 +212,7 @@ class Snapshot:
     at: float  # wall clock of the round's end (0: no round yet)
     interval: float
     nodes: tuple[NodeView, ...] = ()
-    formations: tuple[Formation, ...] = ()
+    formations: tuple[FormationView, ...] = ()
     events: tuple[Event, ...] = ()
     history: tuple[Point, ...] = ()
     round_seconds: float = 0.0
@@ -233,7 +233,7 @@ class Snapshot:
         }
 
 
-def with_held(nodes: Sequence[NodeView], formations: Sequence[Formation]) -> tuple[NodeView, ...]:
+def with_held(nodes: Sequence[NodeView], formations: Sequence[FormationView]) -> tuple[NodeView, ...]:
     """The nodes with each device's `held` bytes summed over the formations' plans."""
     held: dict[tuple[str, int], int] = {}
     for f in formations:
@@ -269,7 +269,9 @@ def changes(before: Sequence[NodeView], after: Sequence[NodeView], at: float) ->
     return events
 
 
-def formation_changes(before: Sequence[Formation], after: Sequence[Formation], at: float) -> list[Event]:
+def formation_changes(
+    before: Sequence[FormationView], after: Sequence[FormationView], at: float
+) -> list[Event]:
     """Recoveries, reloads, rejoins and state changes between two rounds' formations."""
     old = {f.name: f for f in before}
     events = []

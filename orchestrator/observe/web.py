@@ -35,7 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Red
 
 from orchestrator.observe.collect import Collector
 from orchestrator.observe.prometheus import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram, render
-from orchestrator.observe.snapshot import Formation, Snapshot, with_held
+from orchestrator.observe.snapshot import FormationView, Snapshot, with_held
 
 COOKIE = "rpcfleet_page"
 
@@ -43,7 +43,9 @@ COOKIE = "rpcfleet_page"
 class Exporter:
     """A collector, the formations of whoever serves, and their request histograms."""
 
-    def __init__(self, collector: Collector, formations: Callable[[], Sequence[Formation]] = tuple) -> None:
+    def __init__(
+        self, collector: Collector, formations: Callable[[], Sequence[FormationView]] = tuple
+    ) -> None:
         self.collector = collector
         self.formations = formations
         self.histograms: dict[tuple[str, str], Histogram] = {}

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from orchestrator.core.log import get_logger
 from orchestrator.observe.web import Exporter, HttpGuard, PageGate, mount
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.keys import KeyRing, UserKey
 from orchestrator.serve.metrics import Metrics
 from orchestrator.serve.router import Router
@@ -42,7 +42,7 @@ from orchestrator.serve.upstream import UpstreamError
 
 
 def create_app(
-    backend: Backend | Router,
+    served: Formation | Router,
     *,
     api_key: str | None,
     model_name: str,
@@ -50,13 +50,13 @@ def create_app(
     admin_key: str | None = None,
     keys: KeyRing | None = None,
 ) -> FastAPI:
-    """The front over `backend` (one formation) or a router of formations (`serve.router`); `keys`: the
+    """The front over `served` (one formation) or a router of formations (`serve.router`); `keys`: the
     per-user keys in force (then neither `api_key` nor `admin_key`)."""
     if keys is not None and (api_key is not None or admin_key is not None):
         raise ValueError("per-user keys replace the API key and the admin key")
     # No /openapi.json: the routes are OpenAI's (docs/serve.md), and a schema is no one's without a key
     app = FastAPI(title="rpcfleet serve", version="0.2.0", docs_url=None, redoc_url=None, openapi_url=None)
-    router = backend if isinstance(backend, Router) else Router.single(backend, model_name)
+    router = served if isinstance(served, Router) else Router.single(served)
     metrics = router.metrics
 
     def token(request: Request) -> str | None:

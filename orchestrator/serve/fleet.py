@@ -1,4 +1,4 @@
-"""What a formation needs of its fleet (`Backend`'s view): its endpoints, a probe-and-plan round, the
+"""What a formation needs of its fleet (`Formation`'s view): its endpoints, a probe-and-plan round, the
 caches' check before a load, the targets the engine dials, a watch of the nodes it leaves out, the spares
 it took, and the fleet's rolling restart. `workflows.serving.ServeFleet` is the fleet serve runs on; the
 tests' fleets answer as a test says."""

@@ -13,19 +13,17 @@ from collections.abc import Sequence
 
 from orchestrator.inventory.model import Host
 from orchestrator.observe.collect import Collector
-from orchestrator.observe.snapshot import Event, Formation, FormationDevice
+from orchestrator.observe.snapshot import Event, FormationDevice, FormationView
 from orchestrator.observe.web import Exporter
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.router import Router
 
 
-def formation_of(
-    backend: Backend, name: str, *, model: str | None = None, probes_itself: bool = True
-) -> Formation:
+def formation_of(formation: Formation, *, probes_itself: bool = True) -> FormationView:
     """One formation now (reads counters only: never waits on the engine or the fleet).
     `probes_itself`: the exporter leaves every endpoint of the formation to serve's own probes."""
-    metrics, plan = backend.metrics, backend.plan
-    queue = backend.health()["queue"]
+    metrics, plan = formation.metrics, formation.plan
+    queue = formation.health()["queue"]
     devices: tuple[FormationDevice, ...] = ()
     if plan is not None:
         devices = tuple(
@@ -33,12 +31,12 @@ def formation_of(
             for d in plan.devices
             if d.endpoint is not None
         )
-    return Formation(
-        name=name,
-        model=model or name,
-        state=backend.state,
+    return FormationView(
+        name=formation.name,
+        model=formation.model,
+        state=formation.state,
         nodes=plan.endpoints if plan is not None else (),
-        slots=backend.config.parallel,  # llama-server's slots
+        slots=formation.config.parallel,  # llama-server's slots
         slots_busy=int(queue["served"]),
         requests=dict(metrics.requests),
         prompt_tokens=metrics.prompt_tokens,
@@ -46,19 +44,19 @@ def formation_of(
         recoveries=tuple(r.total for r in metrics.recoveries),
         reloads=metrics.reloads,
         rejoins=len(metrics.rejoins),
-        reason=backend.reason,
+        reason=formation.reason,
         devices=devices,
-        probes_itself=backend.fleet.endpoints if probes_itself else (),
+        probes_itself=formation.fleet.endpoints if probes_itself else (),
     )
 
 
-def formations_of(router: Router, *, probes_itself: bool = True) -> tuple[Formation, ...]:
+def formations_of(router: Router, *, probes_itself: bool = True) -> tuple[FormationView, ...]:
     """Every formation of the router (a single one: the front's request and token counters)."""
     if len(router.formations) == 1 and router.demand is None:
         only = router.formations[0]
-        one = formation_of(only.backend, only.name, model=only.model, probes_itself=probes_itself)
+        one = formation_of(only, probes_itself=probes_itself)
         front = router.metrics
-        if front is only.backend.metrics:
+        if front is only.metrics:
             return (one,)
         return (
             dataclasses.replace(
@@ -68,9 +66,7 @@ def formations_of(router: Router, *, probes_itself: bool = True) -> tuple[Format
                 completion_tokens=front.completion_tokens,
             ),
         )
-    return tuple(
-        formation_of(f.backend, f.name, model=f.model, probes_itself=probes_itself) for f in router.formations
-    )
+    return tuple(formation_of(f, probes_itself=probes_itself) for f in router.formations)
 
 
 def observe(

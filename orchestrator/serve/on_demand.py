@@ -29,7 +29,6 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
@@ -37,10 +36,12 @@ from orchestrator.engine.shared import Pulse
 from orchestrator.inventory.model import Host
 from orchestrator.planning.formations import Formed, ServedModel
 from orchestrator.planning.plan import PlanDevice
+from orchestrator.serve.demand import DemandEvent
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.metrics import ModelView
 from orchestrator.serve.pool import SparePool
-from orchestrator.serve.router import Formation, Router
-from orchestrator.serve.states import SERVING, Rejected
+from orchestrator.serve.router import Router
+from orchestrator.serve.states import SERVING, FormationState, Rejected
 from orchestrator.serve.swap import (
     BACKOFF_FIRST,
     BACKOFF_MAX,
@@ -53,20 +54,11 @@ from orchestrator.serve.swap import (
 )
 
 Probe = Callable[[Sequence[Host]], Awaitable[tuple[dict[str, str], list[PlanDevice]]]]
-Make = Callable[[Formed, str], Formation]
+# a formation chosen, its name, what it calls when its load fails -> the formation to add (its first load
+# not recovered: a failed load is the model's backoff, not a recovery)
+Make = Callable[[Formed, str, Callable[[Formation], None]], Formation]
 RETRY_STEP = 1.0  # seconds between two placements of a load waiting for nodes in use
 EVENTS_KEPT = 200  # the newest events, for the live page
-
-
-@dataclass(frozen=True)
-class DemandEvent:
-    """One on-demand event: `kind` load, resume, loaded, load_failed, unload or swap; `at` wall clock."""
-
-    at: float
-    kind: str
-    model: str
-    formation: str
-    message: str
 
 
 class OnDemand:
@@ -124,7 +116,7 @@ class OnDemand:
         unloaded; or, for a formation that neither serves nor loads, its own state (recovering, draining,
         failed: unloaded by the next request or swap)."""
         formations = [f for f in self.router.formations if f.model == model]
-        states = {f.backend.state for f in formations}
+        states = {f.state for f in formations}
         if states & SERVING:
             return "loaded"
         task = self.loads.get(model)
@@ -230,16 +222,14 @@ class OnDemand:
                         f"{name} is loading on demand: not serving after {wait:g} s (--queue-timeout)",
                         config.retry_after,
                     )
-                # the load's end wakes us (its task); a formation of ours that recovers, its backend
-                pulse = (
-                    self.changed if task is not None and not task.done() else formations[0].backend.changed
-                )
+                # the load's end wakes us (its task); a formation of ours that recovers, its own
+                pulse = self.changed if task is not None and not task.done() else formations[0].changed
                 await pulse.wait(deadline - now)
         finally:
             self.waiting[name] -= 1
 
     def _serving(self, name: str) -> bool:
-        return any(f.model == name and f.backend.state in SERVING for f in self.router.formations)
+        return any(f.model == name and f.state in SERVING for f in self.router.formations)
 
     def _backoff_left(self, name: str) -> float:
         return max(0.0, self.retry_at.get(name, 0.0) - time.monotonic())
@@ -285,10 +275,13 @@ class OnDemand:
 
     async def _until_served(self, formation: Formation) -> None:
         """Wait for `formation`'s first load: serving (the model's backoff over), or failed (`_failed`)."""
-        backend, started = formation.backend, time.monotonic()
-        while formation in self.router.formations and backend.state not in (*SERVING, "failed"):
-            await backend.changed.wait()
-        if backend.state in SERVING:
+        started = time.monotonic()
+        while formation in self.router.formations and formation.state not in (
+            *SERVING,
+            FormationState.FAILED,
+        ):
+            await formation.changed.wait()
+        if formation.state in SERVING:
             now = time.monotonic()
             self.loaded_at[formation.model] = self.last_used[formation.model] = now
             self.load_seconds[formation.model] = round(now - started, 3)
@@ -328,10 +321,7 @@ class OnDemand:
         if formed is None or self.pool.take_these(formed.choice.endpoints) is None:
             return None
         name = f"{model.name}#{self.router.next_index(model.name)}"
-        formation = self.make(dataclasses.replace(formed, model=model), name)
-        backend = formation.backend
-        backend.on_failed = lambda: self._failed(formation)
-        backend.recover_first_load = False  # a failed load is the model's backoff, not a recovery
+        formation = self.make(dataclasses.replace(formed, model=model), name, self._failed)
         nodes = ", ".join(formed.choice.endpoints)
         self.started_loads[model.name] += 1
         if self.unloads[model.name]:
@@ -345,7 +335,7 @@ class OnDemand:
         """Its load failed, or its recovery gave up: unloaded now, its nodes back in the pool, and the
         model in backoff (its requests get the failure until the next try)."""
         model = formation.model
-        self.failures[model] = f"{formation.name} {formation.backend.reason or 'failed'}"
+        self.failures[model] = f"{formation.name} {formation.reason or 'failed'}"
         self.failed_loads[model] += 1
         self.load_failures[model] += 1
         wait = backoff(self.failed_loads[model], self.backoff_first, self.backoff_max)
@@ -363,17 +353,17 @@ class OnDemand:
         now = time.monotonic() if now is None else now
         held: list[Holder] = []
         for formation in self.router.formations:
-            backend, model = formation.backend, formation.model
-            endpoints = tuple(h.endpoint for h in [*backend.fleet.hosts, *backend.fleet.borrowed])
+            model = formation.model
+            endpoints = tuple(h.endpoint for h in [*formation.fleet.hosts, *formation.fleet.borrowed])
             idle = (
                 model in on_demand
-                and backend.admitted == 0
+                and formation.admitted == 0
                 and self.waiting[model] == 0
-                and backend.state not in ("loading", "recovering")
+                and formation.state not in (FormationState.LOADING, FormationState.RECOVERING)
             )
             last_used = self.last_used.get(model, 0.0)
             kept = 0.0
-            if model in on_demand and backend.state in SERVING:  # a failed one may go at once
+            if model in on_demand and formation.state in SERVING:  # a failed one may go at once
                 kept = swappable_at(
                     self.loaded_at.get(model),
                     self.load_seconds.get(model),
@@ -389,7 +379,7 @@ class OnDemand:
                     model in on_demand,
                     idle,
                     last_used,
-                    backend.admitted,
+                    formation.admitted,
                     kept,
                 )
             )
@@ -408,11 +398,11 @@ class OnDemand:
     async def _stop(self, gone: Sequence[Formation], why: str, reason: str) -> None:
         """Stop the engines of `gone` (out of the router) and put their nodes back in the pool."""
         for formation in gone:
-            stopping = asyncio.get_running_loop().create_task(formation.backend.stop())
+            stopping = asyncio.get_running_loop().create_task(formation.stop())
             self.stopping.add(stopping)
             stopping.add_done_callback(self.stopping.discard)
             await asyncio.shield(stopping)
-            fleet = formation.backend.fleet
+            fleet = formation.fleet
             self.pool.put([*fleet.hosts, *fleet.borrowed])
             self.unloads[formation.model] += 1
             self.unloads_by[(formation.model, reason)] += 1

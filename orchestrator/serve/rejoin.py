@@ -1,5 +1,5 @@
 """A degraded formation's rejoin: every `rejoin_interval` seconds it probes the selected nodes its plan
-leaves out (only those: the serving ones are held by the engine); when one answers `ok`, the backend holds
+leaves out (only those: the serving ones are held by the engine); when one answers `ok`, the formation holds
 the slots (requests queued meanwhile wait; or, when another formation of the model serves, it leaves the
 router as in a reload), waits for the requests being served to end, stops the engine, re-plans on every
 node that answers and starts it again. A formation that took a spare re-plans on its own nodes first:
@@ -12,30 +12,80 @@ import asyncio
 import contextlib
 import functools
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
-from orchestrator.serve.fleet import Round
+from orchestrator.planning.plan import Plan
+from orchestrator.serve.fleet import FormationFleet, Round
+from orchestrator.serve.metrics import Metrics
 from orchestrator.serve.metrics import Rejoin as RejoinRecord
+from orchestrator.serve.recovery import Recovery
+from orchestrator.serve.states import FormationState, ServeConfig
 
-if TYPE_CHECKING:
-    from orchestrator.serve.backend import Backend
+
+class Rejoining(Protocol):
+    """What a rejoin needs of its formation (`serve.formation.Formation`)."""
+
+    fleet: FormationFleet
+    config: ServeConfig
+    metrics: Metrics
+    plan: Plan | None
+    lost: tuple[str, ...]
+    reason: str
+    admitted: int
+    control: asyncio.Lock
+    stopping: asyncio.Event
+    recovery: Recovery
+
+    @property
+    def state(self) -> FormationState: ...
+
+    @property
+    def busy(self) -> int: ...
+
+    def others_serving(self) -> bool: ...
+
+    def drain(self, reason: str) -> None: ...
+
+    def restart(self, reason: str | None = None) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def hold(self) -> None: ...
+
+    def unhold(self) -> None: ...
+
+    def wait_for_fleet(self, reason: str) -> None: ...
+
+    def node_states(self, states: Mapping[str, str]) -> None: ...
+
+    def forget_nodes(self, endpoints: Sequence[str]) -> None: ...
+
+    async def changed_within(self, limit: float) -> None: ...
+
+    async def stop_engine(self) -> None: ...
+
+    async def plan_round(self, *, spare: bool = True) -> Round: ...
+
+    async def load(self, plan: Plan, before_serving: Callable[[], None] | None = None) -> bool: ...
 
 
 class Rejoin:
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, formation: Rejoining) -> None:
+        self.formation = formation
         self.declined: set[str] = set()  # answered, yet a rejoin's plan left them out
+        self.under_way: dict[str, Any] | None = None  # the rejoin under way: endpoints, phase
 
     async def watch(self) -> None:
         """Every `rejoin_interval` seconds until stopped: one watch round (bounded by the probe's
         timeout), and a rejoin when a node left out answers."""
-        backend = self.backend
-        while not backend.stopping.is_set():
+        formation = self.formation
+        while not formation.stopping.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(backend.stopping.wait(), backend.config.rejoin_interval)
-            if backend.stopping.is_set():
+                await asyncio.wait_for(formation.stopping.wait(), formation.config.rejoin_interval)
+            if formation.stopping.is_set():
                 return
             try:
                 await self.watch_round()
@@ -43,26 +93,25 @@ class Rejoin:
                 get_logger().warning("serve_watch_failed", error=repr(exc))
 
     def left_out(self) -> tuple[str, ...]:
-        backend = self.backend
-        plan = backend.plan
-        if backend.state != "degraded" or plan is None:
+        formation = self.formation
+        plan = formation.plan
+        if formation.state != FormationState.DEGRADED or plan is None:
             return ()
-        return tuple(ep for ep in backend.fleet.endpoints if ep not in plan.endpoints)
+        return tuple(ep for ep in formation.fleet.endpoints if ep not in plan.endpoints)
 
     async def watch_round(self) -> None:
-        backend = self.backend
+        formation = self.formation
         left_out = self.left_out()
         if not left_out:
             return
         try:
-            states = await backend.fleet.watch(left_out)
+            states = await formation.fleet.watch(left_out)
         except RpcfleetError as exc:
             get_logger().warning("serve_watch_failed", error=exc.message)
             return
         if self.left_out() != left_out:  # a recovery or reload ran meanwhile: its states are newer
             return
-        for ep in left_out:
-            backend.nodes[ep] = states.get(ep, "unknown")
+        formation.node_states({ep: states.get(ep, "unknown") for ep in left_out})
         answering = {ep for ep in left_out if states.get(ep) == "ok"}
         self.declined &= answering  # one that stopped answering is tried again when it is back
         back = tuple(ep for ep in left_out if ep in answering and ep not in self.declined)
@@ -76,92 +125,91 @@ class Rejoin:
         new requests go to the others); else it holds the slots (new requests wait in its queue) and waits
         for the requests being served. When its own nodes hold the model again, the spares it took go back
         to the pool."""
-        backend = self.backend
+        formation = self.formation
         started = time.monotonic()
         get_logger().info("serve_rejoin_waiting", back=list(back))
         # a recovery or reload under way (or one waiting) re-plans on every node that answers anyway
-        if backend.state != "degraded" or backend.stopping.is_set() or backend.control.locked():
+        if (
+            formation.state != FormationState.DEGRADED
+            or formation.stopping.is_set()
+            or formation.control.locked()
+        ):
             return
-        await backend.control.acquire()  # free: taken at once, nothing ran in between
-        out = backend.others_serving is not None and backend.others_serving()
-        backend.rejoining = {"back": list(back), "phase": "waiting for the engine"}
+        await formation.control.acquire()  # free: taken at once, nothing ran in between
+        out = formation.others_serving()
+        self.under_way = {"back": list(back), "phase": "waiting for the engine"}
         if out:
-            backend.state, backend.reason = "draining", f"taking back {', '.join(back)}"
+            formation.drain(f"taking back {', '.join(back)}")
         else:
-            backend.hold += 1
-        waiting = "draining" if out else "degraded"
-        deadline = time.monotonic() + backend.config.queue_timeout
+            formation.hold()
+        waiting = FormationState.DRAINING if out else FormationState.DEGRADED
+        deadline = time.monotonic() + formation.config.queue_timeout
 
         def pending() -> int:
-            return backend.admitted if out else backend.busy
+            return formation.admitted if out else formation.busy
 
-        backend.changed.notify()
-        while pending() and time.monotonic() < deadline and backend.state == waiting:
-            await backend.changed.wait(max(0.0, deadline - time.monotonic()))
-        if pending() or backend.state != waiting:  # the engine was lost meanwhile, or never idle
-            backend.rejoining = None
-            if out and backend.state == "draining":
-                backend.state, backend.reason = "degraded", self.left_out_reason()
+        while pending() and time.monotonic() < deadline and self.state() == waiting:
+            await formation.changed_within(max(0.0, deadline - time.monotonic()))
+        if pending() or self.state() != waiting:  # the engine was lost meanwhile, or never idle
+            self.under_way = None
+            if out and self.state() == FormationState.DRAINING:
+                formation.resume()
             if not out:
-                backend.hold -= 1
-            backend.changed.notify()
-            backend.control.release()
+                formation.unhold()
+            formation.control.release()
             return
-        backend.rejoining = {"back": list(back), "phase": "loading"}
+        self.under_way = {"back": list(back), "phase": "loading"}
         if out:
-            backend.state = "recovering"  # out of the router until it serves again
+            formation.restart()  # out of the router until it serves again
         idle = time.monotonic() - started
         loaded = False
         try:
-            await backend.stop_engine()
-            result = await self.own_round(back) or await backend.plan_round()
+            await formation.stop_engine()
+            result = await self.own_round(back) or await formation.plan_round()
             record = functools.partial(self.record, back, idle, time.monotonic())
             plan = result.fitting
-            loaded = plan is not None and await backend.load(plan, before_serving=record)
+            loaded = plan is not None and await formation.load(plan, before_serving=record)
             if loaded and plan is not None:
                 self.declined |= {ep for ep in back if ep not in plan.endpoints}
             elif plan is None:
-                backend.reason = f"waiting for the fleet: {result.reason}"
+                formation.wait_for_fleet(result.reason)
         finally:
-            backend.rejoining = None
+            self.under_way = None
             if not out:
-                backend.hold -= 1
+                formation.unhold()
             if not loaded:
-                backend.state = "recovering"  # the requests waiting for a slot get 503
-            backend.changed.notify()
-            backend.control.release()
+                formation.restart()  # the requests waiting for a slot get 503
+            formation.control.release()
         if not loaded:
-            get_logger().warning("serve_rejoin_failed", back=list(back), reason=backend.reason)
-            await backend.recovery.recover(None)
+            get_logger().warning("serve_rejoin_failed", back=list(back), reason=formation.reason)
+            await formation.recovery.recover(None)
+
+    def state(self) -> FormationState:
+        """The formation's state now (read anew after each wait: a loss changes it meanwhile)."""
+        return self.formation.state
 
     async def own_round(self, back: tuple[str, ...]) -> Round | None:
         """When this formation took spares and a node of its own is back: a round on its own nodes only;
         if the model fits there, the spares go back to the pool (the engine holding them is stopped). None:
         no spare taken, or its own nodes do not hold the model (it keeps the spares)."""
-        backend = self.backend
-        borrowed = {h.endpoint for h in backend.fleet.borrowed}
+        formation = self.formation
+        borrowed = {h.endpoint for h in formation.fleet.borrowed}
         if not borrowed or all(ep in borrowed for ep in back):
             return None
-        laid = backend.fleet.lay_down_borrowed()
-        result = await backend.plan_round(spare=False)
+        laid = formation.fleet.lay_down_borrowed()
+        result = await formation.plan_round(spare=False)
         if result.fitting is None:
-            backend.fleet.keep_borrowed(laid)
+            formation.fleet.keep_borrowed(laid)
             return None
-        for host in laid:
-            backend.nodes.pop(host.endpoint, None)
-        backend.fleet.give_back(laid)
+        formation.forget_nodes([host.endpoint for host in laid])
+        formation.fleet.give_back(laid)
         return result
-
-    def left_out_reason(self) -> str:
-        backend = self.backend
-        return f"{len(backend.lost)} node(s) left out: {', '.join(backend.lost)}" if backend.lost else ""
 
     def record(self, back: tuple[str, ...], idle: float, load_started: float) -> None:
         """Just before the new state shows: the rejoin is over and recorded, so /health never shows the
         new plan with the rejoin still under way."""
-        backend = self.backend
-        backend.rejoining = None
-        backend.metrics.record_rejoin(
+        self.under_way = None
+        self.formation.metrics.record_rejoin(
             RejoinRecord(
                 back=back,
                 idle_wait=round(idle, 6),

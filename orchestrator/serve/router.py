@@ -1,11 +1,11 @@
 """serve's router: the formations behind the front, and which one takes a request.
 
-Each formation is one `Backend` (one engine on its own servers: slots, queue, recovery, rejoin, reload).
+Each formation is one `Formation` (one engine on its own servers: slots, queue, recovery, rejoin, reload).
 A request goes to a serving formation of its model, skipping those that are loading, recovering or
 draining: with `--routing affine` (the default) the one its prompt's prefix maps to while that one has a
 free slot, so that a conversation's turns find their prefix in its engine's KV cache, else the least-loaded
 (admitted = slots busy + queue; `serve.affinity`). A stream stays on the formation that admitted it
-(the route holds that backend). When every serving formation's queue is full: 429. When none serves but
+(the route holds that formation). When every serving formation's queue is full: 429. When none serves but
 one recovers, the request waits (`admit_or_wait`: woken by the formations' changes, no polling) in the
 model's bounded queue (its formations' slots and `--queue`, past it 429) until one serves, at most
 `--queue-timeout`; when none serves nor recovers (recovery given up, draining, stopping): 503 with
@@ -14,26 +14,25 @@ served, any name goes to it, as llama-server itself does).
 
 Reloads and rolling restarts go one formation at a time: the next starts once the previous serves again,
 so a model served by two formations or more always has one answering. The decisions (`serve.affinity`,
-`overall`) are pure; the rest reads the backends.
+`overall`) are pure; the rest reads the formations.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orchestrator.core.log import get_logger
 from orchestrator.engine.shared import Pulse
 from orchestrator.serve.affinity import AFFINE, FALLBACK, LEAST_LOADED, Load, reason, route
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.demand import Demand
+from orchestrator.serve.formation import Formation, Roster
 from orchestrator.serve.metrics import (
     EngineScrape,
     Metrics,
@@ -42,24 +41,12 @@ from orchestrator.serve.metrics import (
     label_value,
     model_metrics,
 )
-from orchestrator.serve.states import SERVING, Rejected, ServeConfig, Ticket
+from orchestrator.serve.states import SERVING, FormationState, Rejected, ServeConfig, Ticket
 from orchestrator.serve.upstream import Upstream, UpstreamError
-
-if TYPE_CHECKING:
-    from orchestrator.serve.on_demand import OnDemand
 
 ENGINE_SCRAPE_TIMEOUT = 2.0  # seconds a scrape waits for one engine's /metrics
 ENGINE_SCRAPE_CACHE = 1.0  # seconds one engine's /metrics text serves the scrapes that follow
-STATES = ("loading", "ready", "degraded", "recovering", "draining", "failed")
-
-
-@dataclass(frozen=True)
-class Formation:
-    """One formation: its name (`MODEL#N`), the model's API id and its backend."""
-
-    name: str
-    model: str
-    backend: Backend
+STATES = tuple(FormationState)
 
 
 def overall(states: Sequence[str]) -> str:
@@ -86,16 +73,21 @@ class Router:
         *,
         config: ServeConfig | None = None,
         models: Sequence[str] = (),
+        roster: Roster | None = None,
+        spares: Callable[[], list[str]] | None = None,
     ) -> None:
         """`models`: every model served, in order (default: those of `formations`); with on-demand models
-        there may be no formation yet (`config` then says the serving limits)."""
+        there may be no formation yet (`config` then says the serving limits). `roster`: the one the
+        formations were made with (their peers), which then holds them; `spares`: the free spares'
+        endpoints (for /health)."""
         if not formations and config is None:
             raise ValueError("a router needs one formation at least, or its config")
-        self.formations = list(formations)
+        self.roster = roster if roster is not None else Roster()
+        self.roster.formations = list(formations)
         self.metrics = metrics or Metrics()  # the front's: requests, tokens, time to first token
-        self.config: ServeConfig = config if config is not None else formations[0].backend.config
+        self.config: ServeConfig = config if config is not None else formations[0].config
         self.configured = list(models)
-        self.demand: OnDemand | None = None  # the on-demand models' loads and unloads, if any
+        self.demand: Demand | None = None  # the on-demand models' loads and unloads, if any
         self._reloading = asyncio.Lock()
         self._reload: asyncio.Task[None] | None = None
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
@@ -104,39 +96,34 @@ class Router:
         self._scraped: dict[str, tuple[float, str, str]] = {}  # engine url -> (when, /metrics, /slots)
         self.waiting: Counter[str] = Counter()  # by model: requests waiting for a formation to recover
         self.changed = Pulse()  # a formation added or removed (those waiting for a recovery look again)
-        self.spares: Callable[[], list[str]] | None = None  # the free spares' endpoints (for /health)
+        self.spares = spares
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
         # each formation's request times: (formation, "ttft" | "latency", seconds), the exporter's histograms
         self.observe: Callable[[str, str, float], None] | None = None
-        for formation in self.formations:
-            formation.backend.others_serving = functools.partial(self.others_serving, formation)
 
     @classmethod
-    def single(cls, backend: Backend, model: str) -> Router:
-        """One formation (a backend made alone): the front counts on the backend's own metrics."""
-        return cls([Formation(f"{model}#0", model, backend)], backend.metrics)
+    def single(cls, formation: Formation) -> Router:
+        """One formation (made alone): the front counts on the formation's own metrics."""
+        return cls([formation], formation.metrics)
 
-    def others_serving(self, formation: Formation) -> bool:
-        """Whether another formation of `formation`'s model serves now."""
-        return any(
-            f.model == formation.model and f is not formation and f.backend.state in SERVING
-            for f in self.formations
-        )
+    @property
+    def formations(self) -> list[Formation]:
+        """The formations served now (the roster's list: a new one at each change)."""
+        return self.roster.formations
 
     def add(self, formation: Formation, plan: Any = None) -> None:
         """A new formation (made while serving, on spares that answered): after its model's others, and
         started (`plan`: its first load's; requests reach it once it serves)."""
-        formation.backend.others_serving = functools.partial(self.others_serving, formation)
         after = max((i for i, f in enumerate(self.formations) if f.model == formation.model), default=-1)
         at = after + 1 if after >= 0 else len(self.formations)
         # a new list, not a change of the one a request may be reading
-        self.formations = [*self.formations[:at], formation, *self.formations[at:]]
-        formation.backend.start(plan)
+        self.roster.formations = [*self.formations[:at], formation, *self.formations[at:]]
+        formation.start(plan)
         self.changed.notify()
 
     def remove(self, formation: Formation) -> None:
-        """Take `formation` out: no request reaches it from now on (its backend is the caller's)."""
-        self.formations = [f for f in self.formations if f is not formation]  # a new list, as `add`
+        """Take `formation` out: no request reaches it from now on (stopping it is the caller's)."""
+        self.roster.formations = [f for f in self.formations if f is not formation]  # a new list, as `add`
         self.changed.notify()
 
     def next_index(self, model: str) -> int:
@@ -153,13 +140,13 @@ class Router:
         start loaded while a formation of it serves, else its formations' state (recovering...)."""
         if self.demand is not None and model in self.demand.models:
             return self.demand.state(model)
-        state = overall([f.backend.state for f in self.formations if f.model == model])
+        state = overall([f.state for f in self.formations if f.model == model])
         return "loaded" if state in SERVING else state
 
     @property
     def capacity(self) -> int:
         """Requests the formations admit at most (served and waiting), all together."""
-        return sum(f.backend.config.parallel + f.backend.config.queue_size for f in self.formations)
+        return sum(f.config.parallel + f.config.queue_size for f in self.formations)
 
     def of_model(self, model: str | None) -> list[Formation]:
         """The formations serving `model` (Rejected 404 when it is not served)."""
@@ -182,26 +169,24 @@ class Router:
         if name in self.demand.models:
             await self.demand.ensure(name, self.config.queue_timeout)
 
-    def admit(self, model: str | None, key: str | None = None) -> tuple[Backend, Ticket]:
+    def admit(self, model: str | None, key: str | None = None) -> tuple[Formation, Ticket]:
         """Admit a request of `model` (affinity `key`: `serve.affinity.affinity_key`) on the formation
-        routing picks (`--routing`: affine, else the least-loaded serving one): its backend and ticket.
+        routing picks (`--routing`: affine, else the least-loaded serving one): that formation and the ticket.
         Rejected: 404 (model), 429 (every queue full), 503 (none serving)."""
         formations = self.of_model(model)
         if not formations:  # an on-demand model unloaded since `OnDemand.ensure`
             raise Rejected(503, f"the model {model!r} is not loaded", self.config.retry_after)
         self._turn += 1
-        loads = [
-            Load(f.name, f.backend.state, f.backend.admitted, f.backend.config.parallel) for f in formations
-        ]
+        loads = [Load(f.name, f.state, f.admitted, f.config.parallel) for f in formations]
         order, best = route(loads, key, self.config.routing, self._turn)
         full: Rejected | None = None
         for index in order:
-            backend = formations[index].backend
+            formation = formations[index]
             try:
-                ticket = backend.admit()
+                ticket = formation.admit()
                 self.routed[formations[index].name] += 1
                 self.routed_by[(formations[index].name, reason(index, best))] += 1
-                return backend, ticket
+                return formation, ticket
             except Rejected as exc:  # it stopped serving or filled up meanwhile: the next one
                 if exc.status == 429:
                     full = exc
@@ -212,13 +197,13 @@ class Router:
     def recovering(self, model: str | None) -> bool:
         """Whether a formation of `model` recovers (it should serve again: a request may wait for it)."""
         try:
-            return any(f.backend.recovers for f in self.of_model(model))
+            return any(f.recovers for f in self.of_model(model))
         except Rejected:
             return False
 
     async def admit_or_wait(
         self, model: str | None, key: str | None, deadline: float
-    ) -> tuple[Backend, Ticket]:
+    ) -> tuple[Formation, Ticket]:
         """`admit`; when no formation of `model` serves but one recovers, wait for one to serve (until
         `deadline`, time.monotonic()) in the model's queue: its formations' slots and `--queue` together,
         past them the 429 of a full queue. Each change of a formation's state wakes the waiters (no
@@ -234,7 +219,7 @@ class Router:
                     if exc.status != 503:
                         raise
                     formations = self.of_model(model)
-                    if not any(f.backend.recovers for f in formations):
+                    if not any(f.recovers for f in formations):
                         raise Rejected(exc.status, exc.message, exc.retry_after, _lost(formations)) from None
                     name = formations[0].model
                     if not waiting:
@@ -258,8 +243,8 @@ class Router:
     def _queue_place(self, model: str, formations: Sequence[Formation]) -> None:
         """Rejected 429 when the model's queue is full: its formations' slots and `--queue`, taken by the
         requests they admitted and those waiting for a recovery."""
-        bound = sum(f.backend.config.parallel + f.backend.config.queue_size for f in formations)
-        taken = self.waiting[model] + sum(f.backend.admitted for f in formations)
+        bound = sum(f.config.parallel + f.config.queue_size for f in formations)
+        taken = self.waiting[model] + sum(f.admitted for f in formations)
         if taken >= bound:
             raise Rejected(
                 429,
@@ -269,7 +254,7 @@ class Router:
 
     async def _any_change(self, formations: Sequence[Formation], limit: float) -> None:
         """Until a formation of `formations` changes (or one is added or removed), at most `limit` s."""
-        waits = [asyncio.ensure_future(f.backend.changed.wait(limit)) for f in formations]
+        waits = [asyncio.ensure_future(f.changed.wait(limit)) for f in formations]
         waits.append(asyncio.ensure_future(self.changed.wait(limit)))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -279,8 +264,8 @@ class Router:
 
     def _unavailable(self, formations: Sequence[Formation]) -> str:
         if len(formations) == 1:
-            return formations[0].backend.unavailable()
-        states = ", ".join(f"{f.name} {f.backend.state}" for f in formations)
+            return formations[0].unavailable()
+        states = ", ".join(f"{f.name} {f.state}" for f in formations)
         return f"no formation of {formations[0].model} is serving ({states})"
 
     # -- state
@@ -288,18 +273,17 @@ class Router:
     def state(self) -> str:
         """Over the formations loaded at start and the on-demand ones serving (one that loads or fails
         to load does not make serve degraded: /health names it); none of them: ready (loads on demand)."""
-        states = [f.backend.state for f in self.counted()]
+        states = [f.state for f in self.counted()]
         return overall(states) if states or self.demand is None else "ready"
 
     def counted(self) -> list[Formation]:
         """The formations serve's state is judged on (`state`)."""
         on_demand = self.demand.models if self.demand is not None else {}
-        return [f for f in self.formations if f.model not in on_demand or f.backend.state in SERVING]
+        return [f for f in self.formations if f.model not in on_demand or f.state in SERVING]
 
     def summary(self, formation: Formation) -> dict[str, Any]:
         """A formation as /health shows it: model, nodes, state, slots busy, recoveries..."""
-        backend = formation.backend
-        health = backend.health()
+        health = formation.health()
         plan = health["plan"]
         return {
             "name": formation.name,
@@ -307,27 +291,27 @@ class Router:
             "state": health["status"],
             "reason": health["reason"],
             "nodes": plan["endpoints"] if plan else [],
-            "slots": backend.config.parallel,
+            "slots": formation.config.parallel,
             "slots_busy": health["queue"]["served"],
             "admitted": health["queue"]["admitted"],
             "requests": self.routed[formation.name],
             "engine_pid": health["engine"]["pid"] if health["engine"] else None,
             "lost": health["lost"],
-            "recoveries": len(backend.metrics.recoveries),
-            "reloads": backend.metrics.reloads,
-            "rejoins": len(backend.metrics.rejoins),
+            "recoveries": len(formation.metrics.recoveries),
+            "reloads": formation.metrics.reloads,
+            "rejoins": len(formation.metrics.rejoins),
             "last_recovery": health["last_recovery"],
         }
 
     def health(self) -> dict[str, Any]:
-        """One formation: its backend's health (as before formations) and the formations' list; several:
+        """One formation: its own health (as before formations) and the formations' list; several:
         the overall state, the models and each formation."""
         formations = [self.summary(f) for f in self.formations]
         # the free spares, and by model the requests waiting for a formation of it to recover
         spares: dict[str, Any] = {} if self.spares is None else {"spares": self.spares()}
         spares["waiting"] = {model: self.waiting[model] for model in self.models}
         if len(self.formations) == 1 and self.demand is None:
-            return {**self.formations[0].backend.health(), "formations": formations, **spares}
+            return {**self.formations[0].health(), "formations": formations, **spares}
         reasons = [f"{f['name']}: {f['reason']}" for f in formations if f["reason"]]
         on_demand: dict[str, Any] = {}
         if self.demand is not None:
@@ -347,29 +331,29 @@ class Router:
     def endpoint_up(self) -> dict[str, bool]:
         up: dict[str, bool] = {}
         for formation in self.formations:
-            up.update(formation.backend.endpoint_up())
+            up.update(formation.endpoint_up())
         return up
 
     def combined_metrics(self) -> Metrics:
         """The front's counters with every formation's reloads, recoveries and rejoins."""
-        if len(self.formations) == 1 and self.formations[0].backend.metrics is self.metrics:
+        if len(self.formations) == 1 and self.formations[0].metrics is self.metrics:
             return self.metrics
-        backends = [f.backend for f in self.formations]
+        formations = self.formations
         return dataclasses.replace(
             self.metrics,
-            reloads=sum(b.metrics.reloads for b in backends),
+            reloads=sum(f.metrics.reloads for f in formations),
             recoveries=sorted(
-                (r for b in backends for r in b.metrics.recoveries), key=lambda r: r.detected_at
+                (r for f in formations for r in f.metrics.recoveries), key=lambda r: r.detected_at
             ),
-            rejoins=sorted((r for b in backends for r in b.metrics.rejoins), key=lambda r: r.at),
+            rejoins=sorted((r for f in formations for r in f.metrics.rejoins), key=lambda r: r.at),
         )
 
-    def counters(self, backend: Backend, arrived: float | None = None) -> Counters:
-        """Where a request served by `backend` is counted: the front's counters and its formation's, and
+    def counters(self, formation: Formation, arrived: float | None = None) -> Counters:
+        """Where a request served by `formation` is counted: the front's counters and its own, and
         its times in its formation's histograms (`observe`; `arrived`: its arrival, time.monotonic())."""
-        name = next((f.name for f in self.formations if f.backend is backend), None)
+        name = next((f.name for f in self.formations if f is formation), None)
         observe = self.observe if name is not None else None
-        return Counters(self.metrics, backend.metrics, name or "", observe, arrived)
+        return Counters(self.metrics, formation.metrics, name or "", observe, arrived)
 
     async def prometheus(self, *, formations: bool = True) -> str:
         """serve's Prometheus text: the front's counters, the slots with every formation's engine families
@@ -379,7 +363,7 @@ class Router:
         text = self.combined_metrics().render(self.endpoint_up(), self.state)
         parallel = admitted = 0
         for formation in self.formations:
-            states = formation.backend.engine_states()
+            states = formation.engine_states()
             parallel += states["parallel"]
             admitted += states["admitted"]
         scrapes = await self.engine_scrapes()
@@ -402,8 +386,8 @@ class Router:
                 return ""
 
         async def one(formation: Formation) -> EngineScrape:
-            served = formation.backend.engine_states()["served"]
-            engine = formation.backend.engine
+            served = formation.engine_states()["served"]
+            engine = formation.engine
             if engine is None:
                 return EngineScrape(formation.name, formation.model, "", served)
             cached = self._scraped.get(engine.url)
@@ -417,7 +401,7 @@ class Router:
 
         formations = list(self.formations)
         scrapes = await asyncio.gather(*(one(f) for f in formations))
-        live = {f.backend.engine.url for f in formations if f.backend.engine is not None}
+        live = {f.engine.url for f in formations if f.engine is not None}
         for url in [u for u in self._scraped if u not in live]:  # engines gone
             self._scraped.pop(url, None)
         return list(scrapes)
@@ -496,13 +480,13 @@ class Router:
     async def slots(self) -> tuple[int, bytes]:
         """llama-server's /slots: one formation's as it is; several: by formation name."""
         if len(self.formations) == 1 and self.demand is None:
-            engine = self.formations[0].backend.engine
+            engine = self.formations[0].engine
             if engine is None:
                 raise Rejected(503, str(self.health()["status"]), self.config.retry_after)
             return await self.upstream.get(engine.url, "/slots", 5.0, engine.api_key)
         out: dict[str, Any] = {}
         for formation in self.formations:
-            engine = formation.backend.engine
+            engine = formation.engine
             if engine is None:
                 out[formation.name] = None
                 continue
@@ -517,10 +501,10 @@ class Router:
     def start(self, plans: Sequence[Any] | None = None) -> None:
         """Every formation's first load (on the serving loop)."""
         for i, formation in enumerate(self.formations):
-            formation.backend.start(plans[i] if plans is not None else None)
+            formation.start(plans[i] if plans is not None else None)
 
     async def stop(self) -> None:
-        await asyncio.gather(*(f.backend.stop() for f in self.formations))
+        await asyncio.gather(*(f.stop() for f in self.formations))
         if self._reload is not None:
             self._reload.cancel()
 
@@ -532,7 +516,7 @@ class Router:
             async with self._reloading:
                 for formation in self.formations:
                     get_logger().info("serve_reload_formation", formation=formation.name)
-                    await formation.backend.reload(rolling_restart=rolling_restart)
+                    await formation.reload(rolling_restart=rolling_restart)
 
         self._reload = asyncio.get_running_loop().create_task(run(), name="serve-reload-all")
         return self._reload
@@ -540,7 +524,7 @@ class Router:
 
 def _lost(formations: Sequence[Formation]) -> tuple[str, ...]:
     """The nodes lost by formations that do not serve (what a 503 names)."""
-    lost = (ep for f in formations if f.backend.state not in SERVING for ep in f.backend.lost)
+    lost = (ep for f in formations if f.state not in SERVING for ep in f.lost)
     return tuple(dict.fromkeys(lost))
 
 

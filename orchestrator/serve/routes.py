@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.serve.affinity import affinity_key
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
 from orchestrator.serve.router import Router
 from orchestrator.serve.states import Failure, Rejected, Running, Ticket
@@ -259,7 +259,7 @@ def openai_routes(
 
     async def _slot(
         route: str, model_id: str | None, key: str | None, slot: int | None, deadline: float
-    ) -> tuple[Backend, Ticket, Running] | Response:
+    ) -> tuple[Formation, Ticket, Running] | Response:
         """Admitted on a formation of the model (the one of the prompt's prefix, or the least-loaded; a
         stream stays on it) and holding one of its engine's slots, waiting until `deadline` (its arrival
         and --queue-timeout): while the model's formations recover, for one to serve again (a request
@@ -288,14 +288,14 @@ def openai_routes(
             if not router.recovering(model_id) or time.monotonic() >= deadline:
                 return _failure(route, got)
 
-    async def _lost(backend: Backend, running: Running, exc: UpstreamError) -> Failure:
+    async def _lost(backend: Formation, running: Running, exc: UpstreamError) -> Failure:
         if isinstance(exc, UpstreamTimeout):
             backend.stalled(running)
         return await backend.failure_of(running, str(exc))
 
     async def _stream(
         route: str,
-        backend: Backend,
+        backend: Formation,
         ticket: Ticket,
         running: Running,
         held: contextlib.AsyncExitStack,

@@ -19,8 +19,9 @@ from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
 from orchestrator.planning.formations import Formed, ServedModel, grow
 from orchestrator.planning.plan import PlanDevice
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.pool import SparePool
-from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.router import Router
 
 Probe = Callable[[Sequence[Host]], Awaitable[tuple[dict[str, str], list[PlanDevice]]]]
 Make = Callable[[Formed, str], Formation]  # a formation chosen, its name -> the formation to add

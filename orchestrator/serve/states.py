@@ -1,18 +1,75 @@
-"""A formation's records: its serving limits (`ServeConfig`), the states that serve requests, a refusal, a
-request's end that was not served, the engine serving now and how it ended, an admitted request."""
+"""A formation's records: its state and the moves allowed between states (`FormationState`, `MOVES`), its
+serving limits (`ServeConfig`), the states that serve requests, a refusal, a request's end that was not
+served, the engine serving now and how it ended, an admitted request."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.planning.plan import Plan
 from orchestrator.serve import settings
 from orchestrator.serve.engine import DEFAULT_PARALLEL, Engine
 
-SERVING = frozenset({"ready", "degraded"})
+
+class FormationState(StrEnum):
+    """A formation's state (its value is what /health, /metrics and the logs show).
+
+    `loading` (first load), `ready` (serving on every node that was selected), `degraded` (serving on
+    fewer: a node was lost and the model was re-planned on the others), `recovering` (a node or the engine
+    was lost, or a reload or rejoin restarts it: probing, planning, loading), `draining` (a reload, or a
+    rejoin while another formation of the model serves, waits for admitted requests to finish), `failed`
+    (recovery gave up after `recover_timeout`, or an on-demand model's first load failed)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    DEGRADED = "degraded"
+    RECOVERING = "recovering"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+_S = FormationState
+# The moves a formation's state may make (`Formation` makes them, nothing else): from -> the states it may
+# go to. A move not listed is a programming error (`IllegalMove`), never a request's or a node's fault.
+MOVES: Mapping[FormationState, frozenset[FormationState]] = {
+    # served after its load; an on-demand model's failed first load; a reload before the load ended
+    _S.LOADING: frozenset({_S.READY, _S.DEGRADED, _S.FAILED, _S.DRAINING}),
+    # the engine lost (a node, or its own end); a reload's drain
+    _S.READY: frozenset({_S.RECOVERING, _S.DRAINING}),
+    # as ready; and a rejoin: its drain (another formation serves), its reload (ready, or degraded again
+    # with a node still left out), its failed load (recovering)
+    _S.DEGRADED: frozenset({_S.RECOVERING, _S.DRAINING, _S.READY, _S.DEGRADED}),
+    # served again, or given up; a reload that took the control first; a reload or a rejoin restarting
+    # a formation whose engine was lost meanwhile
+    _S.RECOVERING: frozenset({_S.READY, _S.DEGRADED, _S.FAILED, _S.DRAINING, _S.RECOVERING}),
+    # drained: the reload or rejoin restarts it, or the engine was lost; a rejoin that did not drain in
+    # time serves on as it was
+    _S.DRAINING: frozenset({_S.RECOVERING, _S.DEGRADED}),
+    # a reload tries again
+    _S.FAILED: frozenset({_S.DRAINING}),
+}
+
+SERVING = frozenset({FormationState.READY, FormationState.DEGRADED})
+
+
+class IllegalMove(RuntimeError):
+    """A formation's state asked to make a move that `MOVES` does not allow: a bug in serve."""
+
+    def __init__(self, was: FormationState, to: FormationState) -> None:
+        super().__init__(f"a formation may not go from {was} to {to}")
+        self.was, self.to = was, to
+
+
+def moved(was: FormationState, to: FormationState) -> FormationState:
+    """`to`, when `MOVES` allows it from `was` (else IllegalMove)."""
+    if to not in MOVES[was]:
+        raise IllegalMove(was, to)
+    return to
 
 
 @dataclass(frozen=True)

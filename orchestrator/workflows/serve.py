@@ -1,7 +1,7 @@
 """`serve_fleet`: the use case of `rpcfleet serve`, its whole start and life in flow order: read the models
 (their GGUF headers and chat templates, so a bad file fails before anything starts), read the hosts, probe
 once and plan the formations (`planning.formations`), start each formation's engine (llama-server on its
-plan, `serve.backend`), serve the OpenAI API in front of them (`serve.app`, on the command's one loop) with
+plan, `serve.formation`), serve the OpenAI API in front of them (`serve.app`, on the command's one loop) with
 the fleet exporter beside it; while it serves, each formation watches its engine and recovers from a lost
 node, takes nodes back (rejoin), reloads on SIGHUP, and the spare watch grows new formations.
 
@@ -33,22 +33,26 @@ from orchestrator.planning.draft import DraftModel, vocab_mismatch
 from orchestrator.planning.formations import Formations, Formed, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model, read_vocab
 from orchestrator.planning.settings import DRAFT_DEVICES, DRAFT_N_MAX, DRAFT_N_MIN
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.demand import DemandEvent
 from orchestrator.serve.engine import EngineFactory, default_engines
+from orchestrator.serve.formation import Formation, FormationHooks, Roster
 from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
-from orchestrator.serve.on_demand import DemandEvent, OnDemand
+from orchestrator.serve.on_demand import OnDemand
 from orchestrator.serve.pool import SparePool
-from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.router import Router
 from orchestrator.serve.spares import SpareWatch
-from orchestrator.serve.states import ServeConfig
+from orchestrator.serve.states import FormationState, ServeConfig
 from orchestrator.serve.templates import ChatTemplate, model_chat_template
 from orchestrator.serve.upstream import Upstream
 from orchestrator.workflows.plan import plan_formations, states_of
 from orchestrator.workflows.serving import ServeFleet
 
 if TYPE_CHECKING:
+    from uvicorn import Server
+
     from orchestrator.llama.worker.load_progress import LoadProgress
+    from orchestrator.observe.web import Exporter
     from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
     from orchestrator.workflows.options import ProbeSettings
 
@@ -124,12 +128,14 @@ class Ending:
     router: Router | None = None
     stop: Callable[[], None] | None = None
 
-    def formation_failed(self) -> None:
+    def formation_failed(self, _formation: Formation) -> None:
         if self.router is not None and self.stop is not None and self.failed():
             self.stop()
 
     def failed(self) -> bool:
-        return self.router is not None and all(f.backend.state == "failed" for f in self.router.formations)
+        return self.router is not None and all(
+            f.state == FormationState.FAILED for f in self.router.formations
+        )
 
 
 @dataclass(frozen=True)
@@ -246,110 +252,189 @@ async def life(
     client to the engines (`http`) for serve's whole life, closed at its end."""
     http = Upstream()
     try:
-        started = time.monotonic()
-        probe = await whole.probe()  # one probe of every server; the formations are chosen from it
-        probe_seconds = time.monotonic() - started
-        states = states_of(probe)
-        devices = to_plan_devices(probe, failed="skip")
-        at_start = loaded_at_start(served)
-        try:  # a model that does not fit at start is an error, not a wait
-            chosen = (
-                Formations((), tuple(hosts), request.replicas)
-                if not at_start
-                else plan_formations(
-                    at_start,
-                    hosts,
-                    [*devices, *whole.local_gpus()],
-                    request.replicas,
-                    local_devices=request.local_devices,
-                )
-            )
-        except PlanError as exc:
-            listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
-            raise PlanError(
-                f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why"
-            ) from None
-        formed = list(chosen.formed)
-        on_demand = [model for model in served if model.on_demand]
-        first_times = {"probe": probe_seconds, "plan": time.monotonic() - started - probe_seconds}
+        first = await first_round(request, served, hosts, whole)
         warn(request, served, templates, events)
-        engines = {
-            model.name: engine_factory(request, model, events, http)
-            for model in served  # llama-server is built here on a fresh machine (its lines: engine_build)
-        }
-        spares = SparePool(list(chosen.spares), order=whole.endpoints)
-        several = len(formed) > 1 or bool(on_demand)
-        ending = Ending()
-        # by name: a formation's model may be a copy of its entry (`loaded_at_start` sets replicas)
-        template_of = {model.name: template for model, template in zip(served, templates, strict=True)}
-
-        def make_formation(
-            one: Formed, name: str, times: dict[str, float], *, local: bool = False
-        ) -> Formation:
-            fleet = dataclasses.replace(
-                whole,
-                hosts=list(one.hosts),
-                model_path=one.model.path,
-                options=one.model.options,
-                local_devices=whole.local_devices if local else [],
-                spares=spares,
-                borrowed=[],
-                _profile=one.model.profile,
-                draft=one.model.draft,
-            )
-            backend = Backend(
-                fleet,
-                dataclasses.replace(request.limits, parallel=one.model.options.parallel),
-                engines[one.model.name],
-            )
-            template = template_of[one.model.name]
-            backend.template = {"source": template.source, "warning": template.warning}
-            backend.nodes.update({ep: states.get(ep, "unknown") for ep in fleet.endpoints})
-            backend.on_loaded = loaded_reporter(
-                backend, name if several or not times else None, times, events
-            )
-            # an on-demand formation that fails to load is unloaded by its requests, serve goes on
-            backend.on_failed = None if one.model.on_demand else ending.formation_failed
-            return Formation(name, one.model.name, backend)
-
+        maker = FormationMaker(request, events, served, templates, whole, first, http)
         formations = [
-            make_formation(one, one.model.name if not several else one.choice.name, first_times, local=i == 0)
-            for i, one in enumerate(formed)
-        ]
-        if not several and events.progress is not None:  # one load's bars; several loads print a line each
-            formations[0].backend.on_progress = events.progress
-        router = ending.router = make_router(request, served, formations, spares, http)
-        if on_demand:
-            known: dict[str, list[PlanDevice]] = {}
-            for device in devices:
-                if device.endpoint is not None:
-                    known.setdefault(device.endpoint, []).append(device)
-            router.demand = OnDemand(
-                router,
-                spares,
-                on_demand,
-                hosts,
-                whole.probe_spares,
-                lambda one, name: make_formation(one, name, {}),
-                known,
-                on_event=events.on_demand,
+            maker.make(
+                one, one.model.name if not maker.several else one.choice.name, first.times, local=i == 0
             )
-        # A node silent at start (or a spare given back) that answers again makes a new formation when the
-        # answering spares hold a model served with --replicas auto (`serve.spares`); with on-demand
-        # models the free nodes are theirs.
-        watch = SpareWatch(
-            router,
-            spares,
-            [] if on_demand else served,
-            whole.probe_spares,
-            lambda one, name: make_formation(one, name, {}),  # the start's times are not its own
-            request.limits.rejoin_interval,
+            for i, one in enumerate(first.formed)
+        ]
+        router = maker.ending.router = make_router(
+            request, served, formations, maker.spares, http, maker.roster
         )
-        return await run_formations(request, router, watch, hosts, formed, events, ending, ring)
+        on_demand = [model for model in served if model.on_demand]
+        if on_demand:
+            router.demand = on_demand_loads(router, maker, on_demand, hosts, whole, first.devices, events)
+        watch = spare_watch(request, router, maker, [] if on_demand else served, whole)
+        return await run_formations(request, router, watch, hosts, first.formed, events, maker.ending, ring)
     finally:
         assert whole.shared is not None
         await whole.shared.close()
         await http.aclose()
+
+
+@dataclass(frozen=True)
+class FirstRound:
+    """serve's first probe of every server and the formations chosen from it: the formations to load and
+    the spares, each endpoint's probe state, the devices found, and the probe's and plan's seconds."""
+
+    formed: list[Formed]
+    spares: tuple[Host, ...]
+    states: dict[str, str]
+    devices: list[PlanDevice]
+    times: dict[str, float]
+
+
+async def first_round(
+    request: ServeRequest, served: Sequence[ServedModel], hosts: list[Host], whole: ServeFleet
+) -> FirstRound:
+    """One probe of every server, and the formations of the models loaded at start planned on it (a model
+    that does not fit at start is an error, not a wait)."""
+    started = time.monotonic()
+    probe = await whole.probe()
+    probe_seconds = time.monotonic() - started
+    states = states_of(probe)
+    devices = to_plan_devices(probe, failed="skip")
+    at_start = loaded_at_start(served)
+    try:
+        chosen = (
+            Formations((), tuple(hosts), request.replicas)
+            if not at_start
+            else plan_formations(
+                at_start,
+                hosts,
+                [*devices, *whole.local_gpus()],
+                request.replicas,
+                local_devices=request.local_devices,
+            )
+        )
+    except PlanError as exc:
+        listed = ", ".join(f"{ep} {state}" for ep, state in states.items())
+        raise PlanError(f"cannot serve: {exc.message} ({listed})", hint="rpcfleet plan shows why") from None
+    times = {"probe": probe_seconds, "plan": time.monotonic() - started - probe_seconds}
+    return FirstRound(list(chosen.formed), tuple(chosen.spares), states, devices, times)
+
+
+class FormationMaker:
+    """Makes serve's formations, at start and while it serves (the spare watch's, the on-demand loads'):
+    each on its own hosts of the one fleet, with its model's engines, chat template and serving limits, and
+    what it tells (`FormationHooks`) given when it is made. The engines are built here (llama-server on a
+    fresh machine: its lines go to `engine_build`)."""
+
+    def __init__(
+        self,
+        request: ServeRequest,
+        events: ServeEvents,
+        served: Sequence[ServedModel],
+        templates: Sequence[ChatTemplate],
+        whole: ServeFleet,
+        first: FirstRound,
+        http: Upstream,
+    ) -> None:
+        self.request, self.events, self.whole, self.states = request, events, whole, first.states
+        self.engines = {model.name: engine_factory(request, model, events, http) for model in served}
+        self.spares = SparePool(list(first.spares), order=whole.endpoints)
+        self.several = len(first.formed) > 1 or any(model.on_demand for model in served)
+        self.ending = Ending()
+        self.roster = Roster()  # the router's formations, each formation's peers
+        # by name: a formation's model may be a copy of its entry (`loaded_at_start` sets replicas)
+        self.templates = {model.name: template for model, template in zip(served, templates, strict=True)}
+
+    def make(
+        self,
+        one: Formed,
+        name: str,
+        times: dict[str, float],
+        *,
+        local: bool = False,
+        on_failed: Callable[[Formation], None] | None = None,
+    ) -> Formation:
+        """`one`'s formation under `name` (`times`: the probe's and plan's, for its first load's event;
+        `local`: it may use this machine's GPUs). Loaded at start, its recovery giving up may end serve
+        (`Ending`); on demand, a failed load is its model's (`on_failed`), never recovered."""
+        whole = self.whole
+        fleet = dataclasses.replace(
+            whole,
+            hosts=list(one.hosts),
+            model_path=one.model.path,
+            options=one.model.options,
+            local_devices=whole.local_devices if local else [],
+            spares=self.spares,
+            borrowed=[],
+            _profile=one.model.profile,
+            draft=one.model.draft,
+        )
+        template = self.templates[one.model.name]
+        reported = name if self.several or not times else None
+        # one load's bars; several loads print a line each
+        progress = self.events.progress if not self.several else None
+        hooks = FormationHooks(
+            on_failed=on_failed if one.model.on_demand else self.ending.formation_failed,
+            on_progress=progress if times else None,
+            on_loaded=loaded_reporter(reported, times, self.events),
+        )
+        formation = Formation(
+            name,
+            one.model.name,
+            fleet,
+            dataclasses.replace(self.request.limits, parallel=one.model.options.parallel),
+            self.engines[one.model.name],
+            hooks=hooks,
+            peers=self.roster,
+            template={"source": template.source, "warning": template.warning},
+            recover_first_load=not one.model.on_demand,
+        )
+        formation.node_states({ep: self.states.get(ep, "unknown") for ep in fleet.endpoints})
+        return formation
+
+
+def on_demand_loads(
+    router: Router,
+    maker: FormationMaker,
+    on_demand: Sequence[ServedModel],
+    hosts: Sequence[Host],
+    whole: ServeFleet,
+    devices: Sequence[PlanDevice],
+    events: ServeEvents,
+) -> OnDemand:
+    """The on-demand models' loads and unloads, on the nodes left free at start (`devices`: what the first
+    probe found on them)."""
+    known: dict[str, list[PlanDevice]] = {}
+    for device in devices:
+        if device.endpoint is not None:
+            known.setdefault(device.endpoint, []).append(device)
+    return OnDemand(
+        router,
+        maker.spares,
+        on_demand,
+        hosts,
+        whole.probe_spares,
+        lambda one, name, failed: maker.make(one, name, {}, on_failed=failed),
+        known,
+        on_event=events.on_demand,
+    )
+
+
+def spare_watch(
+    request: ServeRequest,
+    router: Router,
+    maker: FormationMaker,
+    growing: Sequence[ServedModel],
+    whole: ServeFleet,
+) -> SpareWatch:
+    """A node silent at start (or a spare given back) that answers again makes a new formation when the
+    answering spares hold a model of `growing`, served with --replicas auto (`serve.spares`); with
+    on-demand models the free nodes are theirs (`growing` is empty)."""
+    return SpareWatch(
+        router,
+        maker.spares,
+        growing,
+        whole.probe_spares,
+        lambda one, name: maker.make(one, name, {}),  # the start's times are not its own
+        request.limits.rejoin_interval,
+    )
 
 
 def loaded_at_start(served: Sequence[ServedModel]) -> list[ServedModel]:
@@ -518,18 +603,18 @@ def engine_factory(
 
 
 def loaded_reporter(
-    backend: Backend, name: str | None, first_times: dict[str, float], events: ServeEvents
-) -> Callable[[Plan, dict[str, float]], None]:
-    """The `Loaded` event after each load of `backend` (its first with the probe's and plan's times)."""
+    name: str | None, first_times: dict[str, float], events: ServeEvents
+) -> Callable[[Formation, Plan, dict[str, float]], None]:
+    """The `Loaded` event after each load of a formation (its first with the probe's and plan's times)."""
     loads = 0
 
-    def on_loaded(plan: Plan, phases: dict[str, float]) -> None:
+    def on_loaded(formation: Formation, plan: Plan, phases: dict[str, float]) -> None:
         nonlocal loads
         times = first_times if loads == 0 else {}
         loads += 1
         if events.loaded is not None:
-            hits = sum(backend.skipped.values())
-            events.loaded(Loaded(name, backend.state, len(plan.endpoints), {**times, **phases}, hits))
+            hits = sum(formation.skipped.values())
+            events.loaded(Loaded(name, formation.state, len(plan.endpoints), {**times, **phases}, hits))
 
     return on_loaded
 
@@ -540,21 +625,22 @@ def make_router(
     formations: list[Formation],
     spares: SparePool,
     http: Upstream,
+    roster: Roster,
 ) -> Router:
-    """The router over the formations. One formation: the front counts on its backend's metrics, as
-    before formations; unless the spare watch may add formations (--replicas auto): the front's counters
-    must then be its own."""
+    """The router over the formations (made with `roster` as their peers). One formation: the front
+    counts on its metrics, as before formations; unless the spare watch may add formations (--replicas
+    auto): the front's counters must then be its own."""
     growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
     shared = len(formations) == 1 and not growing and not any(m.on_demand for m in served)
-    router = Router(
+    return Router(
         formations,
-        formations[0].backend.metrics if shared else None,
+        formations[0].metrics if shared else None,
         http,
         config=request.limits,
         models=[m.name for m in served],
+        roster=roster,
+        spares=lambda: [h.endpoint for h in spares.snapshot()],
     )
-    router.spares = lambda: [h.endpoint for h in spares.snapshot()]
-    return router
 
 
 async def run_formations(
@@ -568,31 +654,60 @@ async def run_formations(
     ring: KeyRing | None = None,
 ) -> ServeOutcome:
     """Serve: the exporter's rounds, the app, SIGHUP as a reload, each formation's first load and the
-    spare watch, all tasks of this one loop; all stopped when serving ends. With per-user keys (`ring`)
-    SIGHUP re-reads them and reloads no engine (an admin-scoped key's POST /admin/reload does): a
-    change of who may call must not drain every formation."""
-    from orchestrator.observe.server import http_server
-    from orchestrator.serve.app import create_app
+    spare watch, all tasks of this one loop; all stopped when serving ends."""
+    exporter, rounds = await start_exporter(request, router, hosts)
+    server = front(request, router, exporter, ring)
+    ending.stop = lambda: setattr(server, "should_exit", True)
+    if events.formed is not None:
+        on_demand = list(router.demand.models) if router.demand is not None else []
+        events.formed(formed, f"http://{request.host}:{request.port}/v1", on_demand)
+    with signals.handling(signal.SIGHUP, sighup(request, router, ring)):  # until serve ends
+        router.start([one.plan for one in formed])
+        watch.start()
+        if router.demand is not None:
+            router.demand.start()
+        try:
+            await server.serve(sockets=[request.listen])
+        finally:
+            await stop_serving(router, watch, exporter, rounds)
+    if ending.failed():
+        return ServeOutcome(True, "; ".join(f"{f.name}: {f.reason}" for f in router.formations))
+    return ServeOutcome(False)
+
+
+async def start_exporter(
+    request: ServeRequest, router: Router, hosts: Sequence[Host]
+) -> tuple[Exporter | None, asyncio.Task[None] | None]:
+    """The fleet exporter beside serve (none with --observe-interval 0) and its rounds' task, once its
+    first round has read the nodes (before the loads hold them)."""
     from orchestrator.serve.observed import observe
 
-    loop = asyncio.get_running_loop()
-    exporter, rounds = None, None
-    if request.observe_interval:  # its first round reads the nodes before the load holds them
-        exporter = observe(
-            router,
-            hosts,
-            interval=request.observe_interval,
-            timeout=request.probe.timeout,
-            forks=request.probe.forks,
-            trust_rpc_memory=request.probe.trust_rpc_memory,
-        )
-        rounds = loop.create_task(exporter.collector.run(), name="serve-observe")
-        first_round = exporter.collector.first_round
+    if not request.observe_interval:
+        return None, None
+    exporter = observe(
+        router,
+        hosts,
+        interval=request.observe_interval,
+        timeout=request.probe.timeout,
+        forks=request.probe.forks,
+        trust_rpc_memory=request.probe.trust_rpc_memory,
+    )
+    rounds = asyncio.get_running_loop().create_task(exporter.collector.run(), name="serve-observe")
+    first_round_seen = exporter.collector.first_round
 
-        async def first_round_done() -> bool | None:
-            return True if first_round.is_set() or rounds.done() else None
+    async def first_round_done() -> bool | None:
+        return True if first_round_seen.is_set() or rounds.done() else None
 
-        await poll_async(first_round_done, limit=request.probe.timeout * 4 + 5, interval=0.05)
+    await poll_async(first_round_done, limit=request.probe.timeout * 4 + 5, interval=0.05)
+    return exporter, rounds
+
+
+def front(request: ServeRequest, router: Router, exporter: Exporter | None, ring: KeyRing | None) -> Server:
+    """The API's HTTP server over the router: its connections, heads and bodies bounded (observe.server,
+    HttpGuard)."""
+    from orchestrator.observe.server import http_server
+    from orchestrator.serve.app import create_app
+
     app = create_app(
         router,
         api_key=request.api_key,
@@ -601,36 +716,33 @@ async def run_formations(
         model_name=router.models[0],
         exporter=exporter,
     )
-    # its connections, heads and bodies bounded (observe.server, HttpGuard)
-    server = http_server(app, request.host, request.port, timeout_graceful_shutdown=5)
-    ending.stop = lambda: setattr(server, "should_exit", True)
-    if events.formed is not None:
-        on_demand = list(router.demand.models) if router.demand is not None else []
-        events.formed(formed, f"http://{request.host}:{request.port}/v1", on_demand)
+    return http_server(app, request.host, request.port, timeout_graceful_shutdown=5)
 
+
+def sighup(request: ServeRequest, router: Router, ring: KeyRing | None) -> Callable[..., None]:
+    """SIGHUP's handler: reload the engines; with per-user keys (`ring`) re-read them instead and reload
+    no engine (an admin-scoped key's POST /admin/reload does): a change of who may call must not drain
+    every formation. The signal lands between two of the loop's steps: the work is handed over."""
+    loop = asyncio.get_running_loop()
     models = router.models
 
-    def reload(*_: object) -> None:  # the signal lands between two of the loop's steps: hand it over
+    def reload(*_: object) -> None:
         if ring is not None:
             loop.call_soon_threadsafe(lambda: reload_keys(ring, models))
         else:
             loop.call_soon_threadsafe(lambda: router.reload(rolling_restart=request.reload_rolling))
 
-    with signals.handling(signal.SIGHUP, reload):  # until serve ends: SIGHUP reloads (keys or engines)
-        router.start([one.plan for one in formed])
-        watch.start()
-        if router.demand is not None:
-            router.demand.start()
-        try:
-            await server.serve(sockets=[request.listen])
-        finally:
-            await watch.stop()
-            if router.demand is not None:
-                await router.demand.stop()
-            if exporter is not None and rounds is not None:
-                exporter.collector.stop()
-                await asyncio.gather(rounds, return_exceptions=True)
-            await router.stop()
-    if ending.failed():
-        return ServeOutcome(True, "; ".join(f"{f.name}: {f.backend.reason}" for f in router.formations))
-    return ServeOutcome(False)
+    return reload
+
+
+async def stop_serving(
+    router: Router, watch: SpareWatch, exporter: Exporter | None, rounds: asyncio.Task[None] | None
+) -> None:
+    """Serving ended: the spare watch, the on-demand loads, the exporter and every formation stopped."""
+    await watch.stop()
+    if router.demand is not None:
+        await router.demand.stop()
+    if exporter is not None and rounds is not None:
+        exporter.collector.stop()
+        await asyncio.gather(rounds, return_exceptions=True)
+    await router.stop()

@@ -4,8 +4,8 @@ flags are made from `SERVE_OPTIONS` (`cli/_planning.py: add_options`), `plan` an
 from here, and `serve_config` builds the serving limits (`ServeConfig`) from the options by name.
 
 The defaults are serve's own (`orchestrator.serve.settings`, which `ServeConfig` and the engine read too:
-one number each). Cheap to import (the command line reads it at start-up): `serve.backend` (the planner,
-the RPC client) is imported where the limits are built, the address parser where an address is read.
+one number each). Cheap to import (the command line reads it at start-up): `serve.states` (the engine's
+defaults) is imported where the limits are built, the address parser where an address is read.
 """
 
 from __future__ import annotations

@@ -219,8 +219,8 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
 ) -> None:
     from orchestrator.core.poll import poll_async
     from orchestrator.planning.plan import PlanOptions
-    from orchestrator.serve.backend import Backend
     from orchestrator.serve.engine import default_engines
+    from orchestrator.serve.formation import Formation, FormationHooks
     from orchestrator.serve.states import ServeConfig
     from orchestrator.serve.upstream import Upstream
     from orchestrator.workflows.serving import ServeFleet
@@ -229,47 +229,49 @@ def test_serve_reports_its_load_in_health_warms_first_and_refuses_a_truncated_fi
     during: list[dict] = []  # type: ignore[type-arg]
     loaded: list[dict[str, float]] = []
 
-    async def scenario() -> tuple[Backend, bool]:
+    async def scenario() -> tuple[Formation, bool]:
         http = Upstream()
         engines, _template = default_engines(str(big_model), big_model.stem, http)
         fleet = ServeFleet(hosts, str(big_model), PlanOptions(n_ctx=256))
-        backend = Backend(fleet, ServeConfig(), engines)
-        backend.on_progress = lambda _progress: during.append(backend.health())
-        backend.on_loaded = lambda _plan, phases: loaded.append(phases)
+        hooks = FormationHooks(
+            on_progress=lambda _progress: during.append(formation.health()),
+            on_loaded=lambda _formation, _plan, phases: loaded.append(phases),
+        )
+        formation = Formation(big_model.stem, big_model.stem, fleet, ServeConfig(), engines, hooks=hooks)
         first = await fleet.plan_round()
         assert first.plan is not None
         cached = plan_cache(first.plan, [big_model])
-        backend.start(first.plan)
+        formation.start(first.plan)
         try:
 
             async def ready() -> bool | None:
-                return True if backend.state == "ready" else None
+                return True if formation.state == "ready" else None
 
             await poll_async(ready, limit=120, interval=0.05)
-            assert backend.state == "ready", backend.reason
+            assert formation.state == "ready", formation.reason
             assert during and all(h["status"] == "loading" for h in during)
             last = during[-1]["loading"]
             assert last["percent"] == 100.0 and set(last["nodes"]) == {h.endpoint for h in hosts}
             assert len(loaded) == 1 and set(loaded[0]) == {"cache", "load"} and loaded[0]["load"] > 0
-            assert backend.health()["loading"] is None  # only while a load is under way
+            assert formation.health()["loading"] is None  # only while a load is under way
             # The empty caches of both nodes were warmed before the load: every cached tensor was a hit.
-            assert backend.skipped == {ep: sum(c.tensor.size for c in cs) for ep, cs in cached.items()}
+            assert formation.skipped == {ep: sum(c.tensor.size for c in cs) for ep, cs in cached.items()}
             for endpoint, node in last["nodes"].items():
-                assert node["sent"] <= node["planned"] - backend.skipped[endpoint] + (2 << 20)
+                assert node["sent"] <= node["planned"] - formation.skipped[endpoint] + (2 << 20)
         finally:
-            await backend.stop()
+            await formation.stop()
         # A file truncated under its own name: the next load is refused before llama.cpp reads it.
         victim = nodes[0].install / "cache" / "rpc" / cached[hosts[0].endpoint][0].file
         victim.write_bytes(victim.read_bytes()[:4096])
-        refused = await backend.load(first.plan)
+        refused = await formation.load(first.plan)
         assert fleet.shared is not None
         await fleet.shared.close()
         await http.aclose()
-        return backend, refused
+        return formation, refused
 
-    backend, refused = asyncio.run(scenario())
+    formation, refused = asyncio.run(scenario())
     assert refused is False
-    assert "truncated or corrupt" in backend.reason and nodes[0].name in backend.reason
+    assert "truncated or corrupt" in formation.reason and nodes[0].name in formation.reason
 
 
 def test_reading_the_sockets_leaks_no_descriptor() -> None:

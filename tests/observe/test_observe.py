@@ -27,8 +27,8 @@ from orchestrator.observe.prometheus import TTFT_BUCKETS, Histogram, render
 from orchestrator.observe.snapshot import (
     CacheView,
     DeviceView,
-    Formation,
     FormationDevice,
+    FormationView,
     NodeView,
     Snapshot,
     changes,
@@ -71,8 +71,10 @@ def _nodes() -> tuple[NodeView, ...]:
     )
 
 
-def _formation(state: str = "ready", recoveries: tuple[float, ...] = (4.2,), reloads: int = 1) -> Formation:
-    return Formation(
+def _formation(
+    state: str = "ready", recoveries: tuple[float, ...] = (4.2,), reloads: int = 1
+) -> FormationView:
+    return FormationView(
         name="tiny",
         model="tiny",
         state=state,

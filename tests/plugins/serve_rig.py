@@ -1,10 +1,10 @@
 """serve's fast rig: a fake fleet whose nodes answer or not as a test says (`FakeFleet.answering`), fake
 engines that load in a moment and end when told, one that speaks HTTP as llama-server does (`HttpEngine`),
-and `Rig`, a backend with its fleet and engines (test_serve_engine.py, test_formations.py).
+and `Rig`, a formation with its fleet and engines (test_serve_engine.py, test_formations.py).
 
-The backend runs on one event loop, as in serve: a test on another thread reaches it through an anyio
+The formation runs on one event loop, as in serve: a test on another thread reaches it through an anyio
 portal (`Rig.call`: a function, async or not, run on that loop; the portal of the app's TestClient when
-the front is tested, so that the routes and the backend share the loop)."""
+the front is tested, so that the routes and the formation share the loop)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from orchestrator.llama.worker.load_progress import LoadProgress
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.recovery import Attempt, next_spare
 from orchestrator.planning.strategy import make_plan
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.formation import Formation
 from orchestrator.workflows.plan import PlanRound
 from orchestrator.workflows.serving import ServeFleet
 from tests.plugins.llama import plan_devices
@@ -34,7 +34,7 @@ ENDPOINTS = ("10.9.0.1:50052", "10.9.0.2:50052", "10.9.0.3:50052")
 
 
 class FakeFleet(ServeFleet):
-    """The fleet as the backend sees it; `answering` says which nodes answer a probe."""
+    """The fleet as the formation sees it; `answering` says which nodes answer a probe."""
 
     def __init__(self, model: Path) -> None:
         hosts = [
@@ -134,19 +134,19 @@ class FakeEngine:
 
 @dataclass
 class Rig:
-    backend: Backend
+    formation: Formation
     fleet: FakeFleet
     engines: list[FakeEngine]
-    portal: Any  # anyio's BlockingPortal of the loop the backend runs on
+    portal: Any  # anyio's BlockingPortal of the loop the formation runs on
 
     def call(self, function: Callable[..., Any], *args: Any) -> Any:
-        """`function(*args)` on the backend's loop (awaited when async), from this thread."""
+        """`function(*args)` on the formation's loop (awaited when async), from this thread."""
         return self.portal.call(function, *args)
 
     def wait_state(self, states: set[str], limit: float = 5.0) -> None:
         deadline = time.monotonic() + limit
-        while self.backend.state not in states:
-            assert time.monotonic() < deadline, (self.backend.state, self.backend.reason)
+        while self.formation.state not in states:
+            assert time.monotonic() < deadline, (self.formation.state, self.formation.reason)
             time.sleep(0.001)
 
     @property

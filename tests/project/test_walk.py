@@ -1,7 +1,7 @@
 """A newcomer's walk of `run`, `deploy` and `serve` (issue 19's and issue 32's "done when"): the front end
 reads its input (the flags, the inventory), hands the whole job to its one use case in `workflows/`, and
 goes on only to print what came back; below it, the stages are reached in the order docs/architecture.md
-gives; a request to serve goes route > router > formation (backend) > engine (the HTTP client), never back
+gives; a request to serve goes route > router > formation > engine (the HTTP client), never back
 up. Traced in-process (`tests/plugins/walk.py`) over a real rpc-server, a real model load, a real deploy
 and a real llama-server on this machine."""
 
@@ -145,7 +145,7 @@ def _serve_ready(base: str, limit: float = 120.0) -> bool:
     return False
 
 
-REQUEST_PATH = ("serve.routes", "serve.router", "serve.backend", "serve.upstream")
+REQUEST_PATH = ("serve.routes", "serve.router", "serve.formation", "serve.upstream")
 
 
 def request_walk(calls: list[tuple[str, str, str]]) -> list[str]:
@@ -158,16 +158,16 @@ def request_walk(calls: list[tuple[str, str, str]]) -> list[str]:
 
 
 def test_the_request_check_names_a_call_back_up() -> None:
-    """The check can fail: a request whose backend calls back into workflows/."""
+    """The check can fail: a request whose formation calls back into workflows/."""
     calls = [
         ("serve.app", "serve.routes", "completions"),
         ("serve.routes", "serve.router", "admit"),
-        ("serve.router", "serve.backend", "admit"),
-        ("serve.backend", "workflows.serving", "plan_round"),
+        ("serve.router", "serve.formation", "admit"),
+        ("serve.formation", "workflows.serving", "plan_round"),
         ("serve.routes", "serve.upstream", "request"),
     ]
     assert request_walk(calls) == list(REQUEST_PATH)
-    assert _climbs(calls) == ["serve.backend -> workflows.serving.plan_round"]
+    assert _climbs(calls) == ["serve.formation -> workflows.serving.plan_round"]
 
 
 def _climbs(calls: list[tuple[str, str, str]]) -> list[str]:

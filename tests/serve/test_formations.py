@@ -27,10 +27,10 @@ from orchestrator.planning.formations import (
 )
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.formation import Formation, Roster
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
 from orchestrator.serve.pool import SparePool
-from orchestrator.serve.router import Formation, Router, overall
+from orchestrator.serve.router import Router, overall
 from orchestrator.serve.states import ServeConfig
 from tests.plugins.llama import GiB, plan_devices
 from tests.plugins.serve_rig import HttpEngine, PartFleet, Rig
@@ -134,6 +134,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
     ) -> tuple[Any, dict[str, Rig]]:
         rigs: dict[str, Rig] = {}
         formations = []
+        roster = Roster()
         for model, groups in parts.items():
             for i, endpoints in enumerate(groups):
                 fleet = PartFleet(tiny_model, endpoints)
@@ -149,13 +150,13 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
                     return engines[-1]  # type: ignore[no-any-return]
 
                 options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
-                backend = Backend(fleet, ServeConfig(**options), factory)
                 name = f"{model}#{i}"
-                rigs[name] = Rig(backend, fleet, engines, None)
-                formations.append(Formation(name, model, backend))
-        router = Router(formations)
+                formation = Formation(name, model, fleet, ServeConfig(**options), factory, peers=roster)
+                rigs[name] = Rig(formation, fleet, engines, None)
+                formations.append(formation)
+        router = Router(formations, roster=roster)
         client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name="a"))
-        client.__enter__()  # one loop for the routes and the backends, as in serve
+        client.__enter__()  # one loop for the routes and the formations, as in serve
         for rig_ in rigs.values():
             rig_.portal = client.portal
         client.portal.call(router.start)
@@ -344,7 +345,7 @@ def test_a_lost_node_ends_only_its_formations_streams_and_the_others_keep_answer
         _wait(lambda a0=a0, a1=a1: a0.active == 3 and a1.active == 3)  # type: ignore[misc]
         rigs["a#1"].fleet.answering = set()
         a1.die()
-        _wait(lambda: rigs["a#1"].backend.state == "recovering")
+        _wait(lambda: rigs["a#1"].formation.state == "recovering")
         served = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
         assert served.status_code == 200, (round_, served.json())  # a#0 answers meanwhile
         for thread in threads:
@@ -399,7 +400,7 @@ def test_a_reload_goes_one_formation_at_a_time_and_the_model_never_answers_503(
 
     def look() -> None:
         while not done.is_set():
-            seen.append((rigs["a#0"].backend.state, rigs["a#1"].backend.state))
+            seen.append((rigs["a#0"].formation.state, rigs["a#1"].formation.state))
             time.sleep(0.001)
 
     threads = [threading.Thread(target=ask) for _ in range(3)] + [threading.Thread(target=look)]
@@ -410,7 +411,7 @@ def test_a_reload_goes_one_formation_at_a_time_and_the_model_never_answers_503(
         "/admin/reload", json={"rolling_restart": True}, headers={"Authorization": "Bearer adm"}
     )
     assert reload.status_code == 202
-    _wait(lambda: all(r.fleet.restarts == 1 and r.backend.state == "ready" for r in rigs.values()))
+    _wait(lambda: all(r.fleet.restarts == 1 and r.formation.state == "ready" for r in rigs.values()))
     time.sleep(0.1)
     done.set()
     for thread in threads:
@@ -418,7 +419,7 @@ def test_a_reload_goes_one_formation_at_a_time_and_the_model_never_answers_503(
     assert codes and set(codes) == {200}, sorted(set(codes))
     assert not any(s0 not in ("ready", "degraded") and s1 not in ("ready", "degraded") for s0, s1 in seen)
     assert any(s0 != "ready" for s0, _ in seen) and any(s1 != "ready" for _, s1 in seen)  # both reloaded
-    assert [r.backend.metrics.reloads for r in rigs.values()] == [1, 1]
+    assert [r.formation.metrics.reloads for r in rigs.values()] == [1, 1]
     assert len(rigs["a#0"].engines) == len(rigs["a#1"].engines) == 2
 
 
@@ -438,7 +439,7 @@ def test_a_formation_whose_nodes_are_gone_takes_a_free_spare(
     fleet.answering = {"10.8.0.9:50052"}  # its own node is gone; the spare answers
     rigs["a#1"].engine.die()
     rigs["a#1"].wait_state({"degraded"})
-    health = rigs["a#1"].backend.health()
+    health = rigs["a#1"].formation.health()
     assert health["plan"]["endpoints"] == ["10.8.0.9:50052"] and health["lost"] == ["10.8.0.2:50052"], health
     assert pool.take() is None
     answer = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
@@ -474,21 +475,21 @@ def test_a_formation_takes_its_own_node_back_and_gives_the_spare_back_without_a_
     for round_ in range(20):
         rig.fleet.answering = {free}  # its own node is gone; the spare answers
         rig.engine.die()
-        _wait(lambda: rig.backend.state == "degraded" and rig.backend.plan.endpoints == (free,))  # type: ignore[union-attr]
+        _wait(lambda: rig.formation.state == "degraded" and rig.formation.plan.endpoints == (free,))  # type: ignore[union-attr]
         assert pool.snapshot() == [] and [h.endpoint for h in rig.fleet.borrowed] == [free], round_
         codes: list[int] = []
         done = threading.Event()
         askers = [_asking(client, "a", codes, done) for _ in range(3)]
         _wait(lambda codes=codes: len(codes) > 3)  # type: ignore[misc]
         rig.fleet.answering = {own, free}  # its node is back
-        _wait(lambda: rig.backend.state == "ready" and rig.backend.plan.endpoints == (own,))  # type: ignore[union-attr]
+        _wait(lambda: rig.formation.state == "ready" and rig.formation.plan.endpoints == (own,))  # type: ignore[union-attr]
         _wait(lambda codes=codes: len(codes) > 20)  # type: ignore[misc]
         done.set()
         for asker in askers:
             asker.join(20)
         assert codes and set(codes) == {200}, (round_, sorted(set(codes)))
         assert [h.endpoint for h in pool.snapshot()] == [free] and rig.fleet.borrowed == [], round_
-        assert rig.fleet.endpoints == (own,) and free not in rig.backend.nodes, round_
+        assert rig.fleet.endpoints == (own,) and free not in rig.formation.nodes, round_
     health = {f["name"]: f for f in client.get("/health").json()["formations"]}
     assert (health["a#1"]["recoveries"], health["a#1"]["rejoins"], health["a#1"]["nodes"]) == (20, 20, [own])
     assert health["a#0"]["recoveries"] == health["a#0"]["rejoins"] == 0
@@ -521,9 +522,10 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
             engines.append(HttpEngine(plan, fleet, 10 + len(engines)))
             return engines[-1]  # type: ignore[no-any-return]
 
-        backend = Backend(fleet, ServeConfig(retry_interval=0.005, rejoin_interval=0.0), factory)
-        rigs[name] = Rig(backend, fleet, engines, client.portal)
-        return Formation(name, one.model.name, backend)
+        config = ServeConfig(retry_interval=0.005, rejoin_interval=0.0)
+        formation = Formation(name, one.model.name, fleet, config, factory, peers=router.roster)
+        rigs[name] = Rig(formation, fleet, engines, client.portal)
+        return formation
 
     model = ServedModel(str(tiny_model), "a", profile_model(tiny_model), PlanOptions(n_ctx=512))
     watch = SpareWatch(router, pool, [model], probe, make, interval=0.0)
@@ -538,7 +540,7 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
     assert [f.name for f in added] == ["a#1"] and pool.snapshot() == []
     assert [f.name for f in router.formations] == ["a#0", "a#1"]
     rigs["a#1"].wait_state({"ready"})
-    assert rigs["a#1"].backend.plan.endpoints == (late,)  # type: ignore[union-attr]
+    assert rigs["a#1"].formation.plan.endpoints == (late,)  # type: ignore[union-attr]
     for i in range(8):  # 8 prompts: the new formation takes the keys it wins (rendezvous: 2 of these)
         answer = client.post("/v1/completions", json={"model": "a", "prompt": f"x{i}", "max_tokens": 2})
         assert answer.status_code == 200
@@ -642,7 +644,7 @@ def test_metrics_show_every_formations_engine_counters_under_its_formation_label
             f'rpcfleet_engine_spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 3'
             in text
         )
-    slots = sum(rig_.backend.config.parallel for rig_ in rigs.values())
+    slots = sum(rig_.formation.config.parallel for rig_ in rigs.values())
     assert "rpcfleet_slots_busy 3\n" in text and f"rpcfleet_slots {slots}\n" in text  # 1 + 2 + 0
     assert text.count("# TYPE rpcfleet_engine_tokens_predicted_total counter") == 1
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
@@ -712,7 +714,7 @@ def test_the_exporter_gets_each_formation_with_its_own_requests_and_slots(
     for model, prompt in (("a", "x0"), ("a", "x2"), ("b", "x")):  # x0's formation is a#0, x2's a#1
         answer = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2})
         assert answer.status_code == 200
-    router = Router([Formation(name, name.split("#")[0], rig_.backend) for name, rig_ in rigs.items()])
+    router = Router([rig_.formation for rig_ in rigs.values()])
     seen = {f.name: f for f in formations_of(router)}
     assert {n: (f.model, f.nodes, f.slots, f.state) for n, f in seen.items()} == {
         "a#0": ("a", ("10.8.0.1:50052",), 3, "ready"),

@@ -25,10 +25,10 @@ from orchestrator.core.target import Target
 from orchestrator.observe.server import http_server
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.app import create_app
-from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineError, EngineOptions, LlamaServer, listening_inodes
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.keys import KeyRing, parse_keys_file, read_keys_file
-from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.router import Router
 from orchestrator.serve.states import ServeConfig
 from orchestrator.serve.upstream import Upstream
 from tests.plugins.serve_rig import FakeFleet, HttpEngine
@@ -47,14 +47,14 @@ def _router(tiny_model: Path, models: tuple[str, ...], config: ServeConfig, **en
         def factory(plan: Plan, targets: Mapping[str, Target], fleet: FakeFleet = fleet) -> HttpEngine:
             return HttpEngine(plan, fleet, 0, **engine)
 
-        formations.append(Formation(f"{model}#0", model, Backend(fleet, config, factory)))
+        formations.append(Formation(f"{model}#0", model, fleet, config, factory))
     return Router(formations)
 
 
 def _engine(router: Router, model: str) -> HttpEngine:
-    backend = next(f.backend for f in router.formations if f.model == model)
-    assert backend.current is not None
-    engine = backend.current.engine
+    formation = next(f for f in router.formations if f.model == model)
+    assert formation.current is not None
+    engine = formation.current.engine
     assert isinstance(engine, HttpEngine)
     return engine
 
@@ -69,7 +69,7 @@ def front(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Test
         router = _router(tiny_model, ("a", "b"), config)
         app = create_app(router, model_name="a", **{"api_key": None, **keys})
         client = TestClient(app, base_url="http://127.0.0.1")  # a loopback name: a key-less front asks one
-        client.__enter__()  # one loop for the routes and the backends, as in serve
+        client.__enter__()  # one loop for the routes and the formations, as in serve
         made.append((client, router))
         assert client.portal is not None
         client.portal.call(router.start)
@@ -177,7 +177,7 @@ def test_the_schema_is_not_served_and_slots_take_the_admin_key(
     assert plain.get("/slots", headers=_as(API_KEY)).status_code == 200
 
 
-# -- a client that hangs up: a real uvicorn, serve's app, its backends on the server's loop
+# -- a client that hangs up: a real uvicorn, serve's app, its formations on the server's loop
 
 
 @pytest.fixture
@@ -237,16 +237,18 @@ def test_a_client_that_hangs_up_gives_back_its_slot_and_its_place_in_the_queue(
     """F12: a non-streamed request whose client hangs up frees its slot at once (it used to hold it until
     the engine's whole answer), and one waiting in the queue its place; the engine's connection closes."""
     port, router = served(ServeConfig(parallel=1, retry_interval=0.005, rejoin_interval=0.0), whole_delay=4.0)
-    backend = router.formations[0].backend
+    formation = router.formations[0]
     engine = _engine(router, "a")
     served_one = _send(port, {"prompt": "hi", "max_tokens": 3})
     _until(lambda: len(engine.bodies) == 1, 5, "the engine never got the request")
     queued = _send(port, {"prompt": "hello", "max_tokens": 3})
-    _until(lambda: backend.admitted == 2, 5, "the second request was not queued")
+    _until(lambda: formation.admitted == 2, 5, "the second request was not queued")
     queued.close()
-    took = _until(lambda: backend.admitted == 1, 1.0, "the queued request kept its place")
+    took = _until(lambda: formation.admitted == 1, 1.0, "the queued request kept its place")
     served_one.close()
-    took = max(took, _until(lambda: backend.admitted == 0 and backend.busy == 0, 1.0, "the slot was kept"))
+    took = max(
+        took, _until(lambda: formation.admitted == 0 and formation.busy == 0, 1.0, "the slot was kept")
+    )
     print(f"given back within {took:.2f} s (the engine answers after 4 s)")
     assert len(engine.bodies) == 1  # the queued one never reached it
     with _send(port, {"prompt": "again", "max_tokens": 2}) as again:  # the slot serves the next one

@@ -25,9 +25,10 @@ import pytest
 from orchestrator.core.errors import UsageError
 from orchestrator.core.target import Target
 from orchestrator.planning.plan import Plan
-from orchestrator.serve.backend import Backend, ServeConfig
+from orchestrator.serve.formation import Formation
 from orchestrator.serve.keys import KeyRing, hashed, parse_keys_file, read_keys_file
-from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.router import Router
+from orchestrator.serve.states import ServeConfig
 from orchestrator.workflows.serve import reload_keys
 from tests.plugins.serve_rig import FakeFleet, HttpEngine
 from tests.plugins.servers import free_port
@@ -170,15 +171,15 @@ def keyed(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Any,
             def factory(plan: Plan, targets: Mapping[str, Target], fleet: FakeFleet = fleet) -> HttpEngine:
                 return HttpEngine(plan, fleet, 0)
 
-            backend = Backend(fleet, ServeConfig(retry_interval=0.005, rejoin_interval=0.0), factory)
-            formations.append(Formation(f"{model}#0", model, backend))
+            config = ServeConfig(retry_interval=0.005, rejoin_interval=0.0)
+            formations.append(Formation(f"{model}#0", model, fleet, config, factory))
         router = Router(formations)
         path = tmp_path / "keys"
         path.write_text(text)
         ring = KeyRing(read_keys_file(path, router.models))
         exporter = Exporter(Collector([], interval=60.0, timeout=1.0, cache=False))
         client = TestClient(create_app(router, api_key=None, model_name="a", keys=ring, exporter=exporter))
-        client.__enter__()  # one loop for the routes and the backends, as in serve
+        client.__enter__()  # one loop for the routes and the formations, as in serve
         made.append((client, router))
         client.portal.call(router.start)
         deadline = time.monotonic() + 10

@@ -21,11 +21,11 @@ from orchestrator.inventory.model import Host
 from orchestrator.planning.formations import Formed, ServedModel
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
-from orchestrator.serve.backend import Backend
+from orchestrator.serve.formation import Formation, FormationHooks
 from orchestrator.serve.models_file import parse_models_file
 from orchestrator.serve.on_demand import OnDemand
 from orchestrator.serve.pool import SparePool
-from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.router import Router
 from orchestrator.serve.states import ServeConfig
 from orchestrator.serve.swap import Holder, swap
 from tests.plugins.llama import plan_devices
@@ -149,31 +149,40 @@ def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[...,
         )
         hosts = [_host(ep) for ep in NODES]
 
-        def backend_on(endpoints: tuple[str, ...], model: str = "") -> Backend:
+        def formation_on(
+            name: str, model: str, endpoints: tuple[str, ...], engine_of: str = "", **made: Any
+        ) -> Formation:
             fleet = PartFleet(tiny_model, endpoints)
             engines: list[Any] = []
-            kind = engine.get(model, HttpEngine)
+            kind = engine.get(engine_of, HttpEngine)
 
             def factory(plan: Plan, targets: Mapping[str, Target]) -> HttpEngine:
                 engines.append(kind(plan, fleet, len(engines)))
-                started[model] += 1
+                started[engine_of] += 1
                 return engines[-1]  # type: ignore[no-any-return]
 
-            return Backend(fleet, options, factory)
+            return Formation(name, model, fleet, options, factory, **made)
 
-        formations = [Formation(f"{m}#0", m, backend_on(eps)) for m, eps in always.items()]
+        formations = [formation_on(f"{m}#0", m, eps) for m, eps in always.items()]
         held = {ep for eps in always.values() for ep in eps}
         pool = SparePool([h for h in hosts if h.endpoint not in held], order=NODES)
-        router = Router(formations, None, config=options, models=[*always, *(m.name for m in models)])
+        router = Router(
+            formations,
+            None,
+            config=options,
+            models=[*always, *(m.name for m in models)],
+            spares=lambda: [h.endpoint for h in pool.snapshot()],
+        )
 
         async def probe(free: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
             return {h.endpoint: "ok" for h in free}, plan_devices([h.endpoint for h in free])
 
-        def formation(one: Formed, name: str) -> Formation:
-            return Formation(name, one.model.name, backend_on(one.choice.endpoints, one.model.name))
+        def formation(one: Formed, name: str, failed: Callable[[Formation], None]) -> Formation:
+            model, endpoints = one.model.name, one.choice.endpoints
+            hooks = FormationHooks(on_failed=failed)
+            return formation_on(name, model, endpoints, model, hooks=hooks, recover_first_load=False)
 
         known = {d.endpoint or "": [d] for d in plan_devices(list(NODES))}
-        router.spares = lambda: [h.endpoint for h in pool.snapshot()]
         router.demand = OnDemand(
             router,
             pool,
@@ -186,7 +195,7 @@ def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[...,
             backoff_max=backoff[1],
         )
         client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name=router.models[0]))
-        client.__enter__()  # one loop for the routes and the backends, as in serve
+        client.__enter__()  # one loop for the routes and the formations, as in serve
         client.portal.call(router.start)
         client.portal.call(router.demand.start)
         client.headers["Authorization"] = "Bearer k"
@@ -222,7 +231,7 @@ def test_a_request_loads_its_model_another_swaps_it_out_and_idle_ones_are_unload
     answer = _ask(client, "a")
     assert answer.status_code == 200, answer.text
     assert _states(client) == {"a": "loaded", "b": "unloaded"}
-    assert [(f.name, f.backend.fleet.endpoints) for f in router.formations] == [("a#0", one_node)]
+    assert [(f.name, f.fleet.endpoints) for f in router.formations] == [("a#0", one_node)]
     answer = _ask(client, "b")  # a is idle: swapped out for b on the same node
     assert answer.status_code == 200, answer.text
     assert [f.name for f in router.formations] == ["b#0"]
@@ -260,7 +269,7 @@ def test_a_request_waits_for_a_busy_model_to_finish_then_swaps_it_out(
     one_node = (NODES[0],)
     client, router = on_demand([_model(tiny_model, "a", one_node), _model(tiny_model, "b", one_node)])
     assert _ask(client, "a").status_code == 200
-    engine = router.formations[0].backend.engine
+    engine = router.formations[0].engine
     assert isinstance(engine, HttpEngine)
     engine.whole_delay = 1.0  # a's next answer takes a second: a is busy meanwhile
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

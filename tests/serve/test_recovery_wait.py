@@ -22,8 +22,8 @@ from orchestrator.core.target import Target
 from orchestrator.observe.server import http_server
 from orchestrator.planning.plan import Plan
 from orchestrator.serve.app import create_app
-from orchestrator.serve.backend import Backend
-from orchestrator.serve.router import Formation, Router
+from orchestrator.serve.formation import Formation
+from orchestrator.serve.router import Router
 from orchestrator.serve.states import ServeConfig
 from tests.plugins.serve_rig import ENDPOINTS, FakeFleet, HttpEngine
 
@@ -45,8 +45,7 @@ def served(tiny_model: Path) -> Iterator[Callable[..., Served]]:
             return engines[-1]
 
         options = {"retry_interval": 0.005, "rejoin_interval": 0.0, "parallel": 1, "queue_size": 1, **config}
-        backend = Backend(fleet, ServeConfig(**options), factory)
-        router = Router([Formation("a#0", "a", backend)])
+        router = Router([Formation("a#0", "a", fleet, ServeConfig(**options), factory)])
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -117,7 +116,7 @@ def _lose_every_node(router: Router, fleet: FakeFleet, engines: list[HttpEngine]
     """The engine dies and no node answers: the formation recovers until the test gives them back."""
     fleet.answering = set()
     engines[-1].die()
-    _until(lambda: router.formations[0].backend.state == "recovering", 5, "never recovering")
+    _until(lambda: router.formations[0].state == "recovering", 5, "never recovering")
 
 
 def _error(answer: httpx.Response) -> dict[str, Any]:
@@ -129,18 +128,18 @@ def test_a_request_during_the_recovery_waits_and_is_answered_once_the_formation_
     served: Callable[..., Served],
 ) -> None:
     base, router, fleet, engines = served(queue_timeout=30.0)
-    backend = router.formations[0].backend
+    formation = router.formations[0]
     _lose_every_node(router, fleet, engines)
     ask = Ask(base)
     _waiting(base, 1, ask)
     time.sleep(0.2)
-    assert ask.answer is None and backend.state == "recovering"  # still waiting, not refused
+    assert ask.answer is None and formation.state == "recovering"  # still waiting, not refused
     fleet.answering = set(ENDPOINTS)  # the nodes are back: the formation is formed again
     answer = ask.result()
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == "xx" and len(engines) == 2  # the new engine's
-    assert router.waiting["a"] == 0 and backend.admitted == 0
-    assert backend.metrics.recoveries[-1].lost == ENDPOINTS
+    assert router.waiting["a"] == 0 and formation.admitted == 0
+    assert formation.metrics.recoveries[-1].lost == ENDPOINTS
 
 
 def test_a_request_queued_when_the_engine_dies_waits_for_the_recovery_too(
@@ -149,11 +148,11 @@ def test_a_request_queued_when_the_engine_dies_waits_for_the_recovery_too(
     """Queued for the one slot (not yet at the engine) when the engine dies: it waits as a new one would,
     while the stream holding the slot ends with the 503 naming the lost node."""
     base, router, fleet, engines = served(queue_timeout=30.0)
-    backend = router.formations[0].backend
+    formation = router.formations[0]
     stream = Ask(base, stream=True, max_tokens=400)
     _until(lambda: engines[-1].active == 1, 5, "the stream never started")
     queued = Ask(base)
-    _until(lambda: backend.admitted == 2, 5, "the second request was not queued")
+    _until(lambda: formation.admitted == 2, 5, "the second request was not queued")
     _lose_every_node(router, fleet, engines)
     _waiting(base, 1, queued)
     assert b'"lost"' in stream.result().content  # the stream in flight: its 503 event names the nodes
@@ -171,7 +170,7 @@ def test_a_recovery_that_gives_up_refuses_its_waiters_and_later_requests_at_once
     _waiting(base, 1, waiting)
     answer = waiting.result()  # the recovery gives up after 1 s: then, not at the 30 s queue timeout
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "2", answer.text
-    assert router.formations[0].backend.state == "failed" and waiting.took < 15
+    assert router.formations[0].state == "failed" and waiting.took < 15
     error = _error(answer)
     assert "the model is failed: gave up after 1 s" in error["message"], error
     assert error["lost"] == list(ENDPOINTS) and ENDPOINTS[0] in error["message"], error
@@ -220,4 +219,4 @@ def test_the_waiters_are_bounded_by_the_models_queue_and_one_that_hangs_up_frees
     _waiting(base, 2, first, second)
     fleet.answering = set(ENDPOINTS)
     assert [first.result().status_code, second.result().status_code] == [200, 200]
-    assert router.waiting["a"] == 0 and router.formations[0].backend.admitted == 0
+    assert router.waiting["a"] == 0 and router.formations[0].admitted == 0

@@ -719,10 +719,10 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
     """serve's round is `workflows.plan_for_fleet` with the one fit policy: on a real server whose usable
     memory (`memory_limit`, 4 MiB beyond the 256 MiB margin) cannot hold the model, the plan is made but
     is no plan to load (`fitting` None); the reason names the binding server in serve's words (`--ctx`,
-    no `--force`), the backend waits for the fleet and starts no engine; a spare no formation holds then
+    no `--force`), the formation waits for the fleet and starts no engine; a spare no formation holds then
     joins and the model fits on both."""
     from orchestrator.core.errors import RpcfleetError
-    from orchestrator.serve.backend import Backend
+    from orchestrator.serve.formation import Formation
     from orchestrator.serve.pool import SparePool
     from orchestrator.serve.states import ServeConfig
     from orchestrator.workflows.serving import ServeFleet
@@ -735,12 +735,12 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
         made.append(plan)
         raise RpcfleetError("no engine may start for a plan that does not fit")
 
-    async def rounds() -> tuple[Any, Backend, Any, ServeFleet, SparePool]:
+    async def rounds() -> tuple[Any, Formation, Any, ServeFleet, SparePool]:
         alone = ServeFleet([_local_host("small", small.port, 260 << 20)], str(tiny_model), options)
         misfit = await alone.plan_round()
         config = ServeConfig(recover_timeout=1.0, retry_interval=0.2, rejoin_interval=0)
-        backend = Backend(alone, config, engines)
-        await asyncio.wait_for(backend.start(), 60)
+        formation = Formation("tiny", "tiny", alone, config, engines)
+        await asyncio.wait_for(formation.start(), 60)
         pool = SparePool([_local_host("spare", spare.port)])
         joined = ServeFleet(
             [_local_host("small", small.port, 260 << 20)], str(tiny_model), options, spares=pool
@@ -749,15 +749,15 @@ def test_a_plan_that_does_not_fit_is_no_plan_to_load_until_a_spare_joins(
         for fleet in (alone, joined):
             assert fleet.shared is not None
             await fleet.shared.close()
-        return misfit, backend, fitting, joined, pool
+        return misfit, formation, fitting, joined, pool
 
-    misfit, backend, fitting, joined, pool = asyncio.run(rounds())
+    misfit, formation, fitting, joined, pool = asyncio.run(rounds())
     assert misfit.plan is not None and misfit.fitting is None and misfit.misfit is not None, misfit
     assert misfit.reason.startswith("the model does not fit") and small.endpoint in misfit.reason
     assert misfit.misfit.host == small.endpoint and "--ctx" in (misfit.misfit.hint or "")
     assert "--force" not in (misfit.misfit.hint or "")
-    assert backend.state == "failed" and made == [], (backend.state, made)
-    assert "waiting for the fleet: the model does not fit" in backend.reason, backend.reason
+    assert formation.state == "failed" and made == [], (formation.state, made)
+    assert "waiting for the fleet: the model does not fit" in formation.reason, formation.reason
     assert fitting is not None and fitting.fit.fits and spare.endpoint in fitting.endpoints
     assert joined.endpoints == (small.endpoint, spare.endpoint) and pool.hosts == []
 

@@ -1,4 +1,4 @@
-"""Tier 1 for serve's engine layer: the backend's state machine (slots, queue, a lost node, recovery,
+"""Tier 1 for serve's engine layer: the formation's state machine (slots, queue, a lost node, recovery,
 rejoin, reload, a stalled engine) driven by a fake engine and a fake fleet (tests/plugins/serve_rig.py) in
 milliseconds (the real llama-server and real nodes are in test_serve*.py), and the pure parts:
 llama-server's arguments from a plan, the chat template's choice, the engine's metrics passed through."""
@@ -24,8 +24,8 @@ from orchestrator.core.target import Target
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
-from orchestrator.serve.backend import Backend
 from orchestrator.serve.engine import EngineOptions, engine_args, lost_message
+from orchestrator.serve.formation import Formation, FormationHooks
 from orchestrator.serve.metrics import EngineScrape, engine_metrics
 from orchestrator.serve.states import Failure, Running, ServeConfig
 from orchestrator.serve.templates import BUILTIN_TEMPLATES, resolve_chat_template
@@ -38,7 +38,7 @@ def rig(tiny_model: Path) -> Iterator[Callable[..., Rig]]:
     made: list[Rig] = []
     loops = contextlib.ExitStack()
 
-    def make(**config: Any) -> Rig:
+    def make(hooks: FormationHooks | None = None, **config: Any) -> Rig:
         fleet = FakeFleet(tiny_model)
         engines: list[FakeEngine] = []
 
@@ -47,42 +47,42 @@ def rig(tiny_model: Path) -> Iterator[Callable[..., Rig]]:
             return engines[-1]
 
         options = {"retry_interval": 0.005, "rejoin_interval": 0.0, "diagnose_timeout": 5.0, **config}
-        backend = Backend(fleet, ServeConfig(**options), factory)
-        made_rig = Rig(backend, fleet, engines, loops.enter_context(start_blocking_portal()))
+        formation = Formation("fake#0", "fake", fleet, ServeConfig(**options), factory, hooks=hooks)
+        made_rig = Rig(formation, fleet, engines, loops.enter_context(start_blocking_portal()))
         made.append(made_rig)
-        made_rig.call(backend.start)
+        made_rig.call(formation.start)
         made_rig.wait_state({"ready"})
         return made_rig
 
     with loops:
         yield make
         for made_rig in made:
-            made_rig.call(made_rig.backend.stop)
+            made_rig.call(made_rig.formation.stop)
 
 
 def _acquire(r: Rig) -> tuple[Any, Running | Failure]:
-    ticket = r.call(r.backend.admit)
-    return ticket, r.call(r.backend.acquire, ticket)
+    ticket = r.call(r.formation.admit)
+    return ticket, r.call(r.formation.acquire, ticket)
 
 
 def test_the_slots_serve_parallel_requests_and_the_queue_waits_then_429(rig: Callable[..., Rig]) -> None:
     r = rig(parallel=2, queue_size=1, queue_timeout=5.0)
-    backend = r.backend
+    formation = r.formation
     served = [_acquire(r) for _ in range(2)]
     assert all(isinstance(got, Running) for _, got in served)
-    waiting = r.call(backend.admit)  # the queue's one place
+    waiting = r.call(formation.admit)  # the queue's one place
     with pytest.raises(Exception, match="the queue is full") as refused:
-        r.call(backend.admit)
+        r.call(formation.admit)
     assert getattr(refused.value, "status", None) == 429
     got: list[Any] = []
-    thread = threading.Thread(target=lambda: got.append(r.call(backend.acquire, waiting)))
+    thread = threading.Thread(target=lambda: got.append(r.call(formation.acquire, waiting)))
     thread.start()
     time.sleep(0.05)
     assert not got  # both slots are held
-    r.call(backend.release, served[0][0])
+    r.call(formation.release, served[0][0])
     thread.join(5)
     assert isinstance(got[0], Running) and got[0] is served[1][1]
-    assert backend.health()["queue"] == {"admitted": 2, "served": 2, "parallel": 2, "size": 1}
+    assert formation.health()["queue"] == {"admitted": 2, "served": 2, "parallel": 2, "size": 1}
 
 
 def test_a_request_waits_at_most_the_queue_timeout_for_a_slot(rig: Callable[..., Rig]) -> None:
@@ -101,27 +101,27 @@ def test_a_lost_node_ends_every_request_in_flight_with_a_503_naming_it_and_servi
     503 naming the node (or, waiting, the 503 of recovering); the engine restarts on the nodes that
     answer; the node's return is a rejoin once the watch sees it (here: off)."""
     r = rig(parallel=4, queue_size=2)
-    backend = r.backend
+    formation = r.formation
     for round_ in range(20):
         victim = ENDPOINTS[round_ % 3]
         r.fleet.answering = set(ENDPOINTS)
-        if backend.plan is None or len(backend.plan.endpoints) != 3:
-            r.call(backend.reload)
+        if formation.plan is None or len(formation.plan.endpoints) != 3:
+            r.call(formation.reload)
             r.wait_state({"ready"})
         before = r.engine
         held = [_acquire(r) for _ in range(4)]
-        assert all(isinstance(got, Running) for _, got in held), (round_, held, backend.state)
-        waiting = [r.call(backend.admit) for _ in range(2)]
+        assert all(isinstance(got, Running) for _, got in held), (round_, held, formation.state)
+        waiting = [r.call(formation.admit) for _ in range(2)]
         results: list[Any] = []
         threads = [
-            threading.Thread(target=lambda t=t, out=results: out.append(r.call(backend.acquire, t)))
+            threading.Thread(target=lambda t=t, out=results: out.append(r.call(formation.acquire, t)))
             for t in waiting
         ]
         for thread in threads:
             thread.start()
         r.fleet.answering = set(ENDPOINTS) - {victim}
         before.die()
-        failures = [r.call(backend.failure_of, got, "reset by peer") for _, got in held]
+        failures = [r.call(formation.failure_of, got, "reset by peer") for _, got in held]
         for failure in failures:
             assert failure.status == 503 and failure.lost == (victim,), (round_, failure)
             assert f"lost {victim} (refused) while serving" in failure.message
@@ -129,15 +129,15 @@ def test_a_lost_node_ends_every_request_in_flight_with_a_503_naming_it_and_servi
             thread.join(5)
         assert len(results) == 2 and all(isinstance(x, Failure) or x.engine is not before for x in results)
         for ticket, _ in held:
-            r.call(backend.release, ticket)
+            r.call(formation.release, ticket)
         for ticket in waiting:
-            r.call(backend.release, ticket)
+            r.call(formation.release, ticket)
         r.wait_state({"degraded"})
-        assert backend.plan is not None and victim not in backend.plan.endpoints, round_
-        assert r.engine is not before and backend.lost == (victim,)
-        assert backend.health()["queue"]["admitted"] == 0
-        assert backend.metrics.recoveries[-1].lost == (victim,)
-    assert len(backend.metrics.recoveries) == 20
+        assert formation.plan is not None and victim not in formation.plan.endpoints, round_
+        assert r.engine is not before and formation.lost == (victim,)
+        assert formation.health()["queue"]["admitted"] == 0
+        assert formation.metrics.recoveries[-1].lost == (victim,)
+    assert len(formation.metrics.recoveries) == 20
 
 
 def test_a_stalled_engine_is_killed_and_diagnosed(rig: Callable[..., Rig]) -> None:
@@ -146,10 +146,10 @@ def test_a_stalled_engine_is_killed_and_diagnosed(rig: Callable[..., Rig]) -> No
     assert isinstance(got, Running)
     r.fleet.answering = {ENDPOINTS[0], ENDPOINTS[1]}  # a cut link: the third does not answer
     stuck = r.engine
-    r.call(r.backend.stalled, got)
-    failure = r.call(r.backend.failure_of, got, "the engine answered nothing for 120 s")
+    r.call(r.formation.stalled, got)
+    failure = r.call(r.formation.failure_of, got, "the engine answered nothing for 120 s")
     assert stuck.killed and failure.lost == (ENDPOINTS[2],) and "signal SIGKILL" in failure.message
-    r.call(r.backend.release, ticket)
+    r.call(r.formation.release, ticket)
     r.wait_state({"degraded"})
 
 
@@ -157,16 +157,16 @@ def test_the_engines_death_with_every_node_answering_is_a_server_error(rig: Call
     r = rig()
     ticket, got = _acquire(r)
     r.engine.die("exit status 1")
-    failure = r.call(r.backend.failure_of, got, "closed")
+    failure = r.call(r.formation.failure_of, got, "closed")
     assert failure.status == 503 and failure.kind == "server_error" and failure.lost == ()
     assert "every node still answers" in failure.message
-    r.call(r.backend.release, ticket)
+    r.call(r.formation.release, ticket)
     r.wait_state({"ready"})  # restarted on all three
 
 
 def test_a_returned_node_is_taken_back_once_the_requests_being_served_end(rig: Callable[..., Rig]) -> None:
     r = rig(parallel=2, rejoin_interval=0.01)
-    backend = r.backend
+    formation = r.formation
     r.fleet.answering = set(ENDPOINTS[:2])
     r.engine.die()
     r.wait_state({"degraded"})
@@ -174,39 +174,39 @@ def test_a_returned_node_is_taken_back_once_the_requests_being_served_end(rig: C
     assert isinstance(got, Running)
     r.fleet.answering = set(ENDPOINTS)  # back
     deadline = time.monotonic() + 5
-    while (backend.rejoining or {}).get("phase") != "waiting for the engine":
+    while (formation.rejoin.under_way or {}).get("phase") != "waiting for the engine":
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    queued = r.call(backend.admit)
+    queued = r.call(formation.admit)
     later: list[Any] = []
-    thread = threading.Thread(target=lambda: later.append(r.call(backend.acquire, queued)))
+    thread = threading.Thread(target=lambda: later.append(r.call(formation.acquire, queued)))
     thread.start()
     time.sleep(0.05)
-    assert not later and backend.state == "degraded"  # held: the new request waits for the new engine
-    r.call(backend.release, ticket)  # the request being served ends: the rejoin goes on
+    assert not later and formation.state == "degraded"  # held: the new request waits for the new engine
+    r.call(formation.release, ticket)  # the request being served ends: the rejoin goes on
     thread.join(5)
     assert isinstance(later[0], Running) and later[0].plan.endpoints == ENDPOINTS
-    assert backend.state == "ready" and backend.metrics.rejoins[-1].back == (ENDPOINTS[2],)
-    r.call(backend.release, queued)
+    assert formation.state == "ready" and formation.metrics.rejoins[-1].back == (ENDPOINTS[2],)
+    r.call(formation.release, queued)
 
 
 def test_a_reload_drains_restarts_the_fleet_and_starts_a_new_engine(rig: Callable[..., Rig]) -> None:
     r = rig(parallel=2)
-    backend = r.backend
+    formation = r.formation
     ticket, _ = _acquire(r)
     first = r.engine
-    reload = r.portal.start_task_soon(functools.partial(backend.reload, rolling_restart=True))
+    reload = r.portal.start_task_soon(functools.partial(formation.reload, rolling_restart=True))
     r.wait_state({"draining"})
     with pytest.raises(Exception, match="draining") as refused:
-        r.call(backend.admit)
+        r.call(formation.admit)
     assert getattr(refused.value, "status", None) == 503
     time.sleep(0.05)
     assert not first.ended.is_set()  # the request in flight is served to its end
-    r.call(backend.release, ticket)
+    r.call(formation.release, ticket)
     reload.result(5)
     r.wait_state({"ready"})
     assert first.ended.is_set() and r.engine is not first and r.fleet.restarts == 1
-    assert backend.metrics.reloads == 1 and not backend.metrics.recoveries  # on purpose: no recovery
+    assert formation.metrics.reloads == 1 and not formation.metrics.recoveries  # on purpose: no recovery
 
 
 def test_a_drain_past_its_timeout_stops_the_engine_under_the_request_and_the_reload_goes_on(
@@ -215,43 +215,42 @@ def test_a_drain_past_its_timeout_stops_the_engine_under_the_request_and_the_rel
     """A request that outlives `drain_timeout` does not hold the reload: the engine is stopped under it
     (its answer: 503 "the engine was stopped", not a lost node), the new engine serves, no recovery."""
     r = rig(parallel=2, drain_timeout=0.05)
-    backend = r.backend
+    formation = r.formation
     ticket, got = _acquire(r)
     assert isinstance(got, Running)
     first = r.engine
-    reload = r.portal.start_task_soon(backend.reload)
+    reload = r.portal.start_task_soon(formation.reload)
     reload.result(5)  # the reload ended although the request still holds its slot
     r.wait_state({"ready"})
     assert first.ended.is_set() and r.engine is not first
-    failure = r.call(backend.failure_of, got, "reset by peer")
+    failure = r.call(formation.failure_of, got, "reset by peer")
     assert (failure.status, failure.message) == (503, "the engine was stopped"), failure
-    r.call(backend.release, ticket)
-    assert backend.health()["queue"]["admitted"] == 0
-    assert backend.metrics.reloads == 1 and not backend.metrics.recoveries
+    r.call(formation.release, ticket)
+    assert formation.health()["queue"]["admitted"] == 0
+    assert formation.metrics.reloads == 1 and not formation.metrics.recoveries
     again, served = _acquire(r)
     assert isinstance(served, Running) and served.engine is r.engine
-    r.call(backend.release, again)
+    r.call(formation.release, again)
 
 
 def test_a_recovery_that_outlasts_its_timeout_gives_up_failed_and_says_so(rig: Callable[..., Rig]) -> None:
-    """No node answers for `recover_timeout`: the backend is `failed` (serve exits through `on_failed`),
+    """No node answers for `recover_timeout`: the formation is `failed` (serve exits through `on_failed`),
     a request is refused with the reason, and a node coming back afterwards changes nothing."""
-    r = rig(recover_timeout=0.05)
-    backend = r.backend
     told: list[str] = []
-    backend.on_failed = lambda: told.append(backend.state)
+    r = rig(FormationHooks(on_failed=lambda formation: told.append(formation.state)), recover_timeout=0.05)
+    formation = r.formation
     r.fleet.answering = set()
     r.engine.die()
     r.wait_state({"failed"})
     assert told == ["failed"] and r.fleet.rounds >= 2  # it retried before giving up
-    assert backend.reason.startswith("gave up after 0.05 s: waiting for the fleet: no node answers")
+    assert formation.reason.startswith("gave up after 0.05 s: waiting for the fleet: no node answers")
     with pytest.raises(Exception, match="the model is failed: gave up") as refused:
-        r.call(backend.admit)
+        r.call(formation.admit)
     assert getattr(refused.value, "status", None) == 503
     rounds = r.fleet.rounds
     r.fleet.answering = set(ENDPOINTS)
     time.sleep(0.05)
-    assert backend.state == "failed" and r.fleet.rounds == rounds  # given up: no more rounds
+    assert formation.state == "failed" and r.fleet.rounds == rounds  # given up: no more rounds
 
 
 def test_a_load_that_fails_is_retried_until_the_fleet_holds_the_model(rig: Callable[..., Rig]) -> None:
@@ -260,7 +259,7 @@ def test_a_load_that_fails_is_retried_until_the_fleet_holds_the_model(rig: Calla
     r.engine.die()
     r.wait_state({"recovering"})
     time.sleep(0.05)
-    assert "no node answers" in r.backend.reason
+    assert "no node answers" in r.formation.reason
     r.fleet.answering = set(ENDPOINTS)
     r.wait_state({"ready"})
 
@@ -382,19 +381,19 @@ def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
             return engines[-1]  # type: ignore[return-value]
 
         options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
-        backend = Backend(fleet, ServeConfig(**options), factory)
-        client = TestClient(create_app(backend, api_key="k", model_name="fake"))
-        client.__enter__()  # one loop for the routes and the backend, as in serve
+        formation = Formation("fake#0", "fake", fleet, ServeConfig(**options), factory)
+        client = TestClient(create_app(formation, api_key="k", model_name="fake"))
+        client.__enter__()  # one loop for the routes and the formation, as in serve
         client.headers["Authorization"] = "Bearer k"
-        rig_ = Rig(backend, fleet, engines, client.portal)
+        rig_ = Rig(formation, fleet, engines, client.portal)
         made.append((client, rig_))
-        rig_.call(backend.start)
+        rig_.call(formation.start)
         rig_.wait_state({"ready"})
         return client, rig_
 
     yield make
     for client, rig_ in made:
-        rig_.call(rig_.backend.stop)
+        rig_.call(rig_.formation.stop)
         client.__exit__(None, None, None)
 
 
@@ -430,7 +429,7 @@ def test_a_stream_passes_through_and_its_tokens_count(front: Callable[..., tuple
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
-    assert r.backend.health()["queue"]["admitted"] == 0
+    assert r.formation.health()["queue"]["admitted"] == 0
     assert client.get("/slots").status_code == 404  # the fake's own answer, passed through
     # Every request to the engine carried the engine's own key (llama-server asks it of all but /health).
     assert r.engine.refused == []
@@ -488,7 +487,7 @@ def test_beyond_the_slots_and_the_queue_a_request_is_refused_with_429(
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 10
-    while r.backend.health()["queue"]["admitted"] < 2:
+    while r.formation.health()["queue"]["admitted"] < 2:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
@@ -507,7 +506,7 @@ def test_a_whole_answer_slower_than_the_event_timeout_is_waited_for_while_the_en
     busy = r.engine
     busy.whole_delay = 1.0
     answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
-    assert answer.status_code == 200 and not busy.killed and r.backend.state == "ready"
+    assert answer.status_code == 200 and not busy.killed and r.formation.state == "ready"
     busy.stuck = True
     r.fleet.answering = set(ENDPOINTS[1:])
     answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})

@@ -1,12 +1,10 @@
-"""One formation's backend: its life (start, stop, the loads), its slots and queue, and its reload; no HTTP
-here (the routes proxy to `engine.url` while they hold a slot). Its recovery after a lost node is
-`serve/recovery.py`, its rejoin of nodes that answer again `serve/rejoin.py`; its records `serve/states.py`.
-All of it runs on the loop that serves, its work as tasks (`spawn`).
-
-States: `loading` (first load), `ready` (serving on every node that was selected), `degraded` (serving
-on fewer: a node was lost and the model was re-planned on the others), `recovering` (a node or the
-engine was lost: probing, planning, restarting the engine), `draining` (a reload waits for admitted
-requests to finish), `failed` (recovery gave up after `recover_timeout`; the process exits).
+"""One formation: a model served by one engine on its own servers, under its name (`MODEL#N`). Its life
+(start, stop, the loads), its slots and queue, its reload, and its state: the one owner of that state, which
+moves only through its named moves (`serve_on`, `lose`, `give_up`, `drain`, `restart`, `resume`) and
+only as `states.MOVES` allows. No HTTP here (the routes proxy to `engine.url` while they hold a slot). Its
+recovery after a lost node is `serve/recovery.py`, its rejoin of nodes that answer again `serve/rejoin.py`
+(both see it through a narrow Protocol, and ask it to move); its records `serve/states.py`. All of it runs
+on the loop that serves, its work as tasks (`spawn`).
 
 Slots: the engine serves `parallel` requests at once (its slots, batched together); up to `queue_size`
 more wait for a slot, each at most `queue_timeout`; beyond that a request is refused (429). A request
@@ -20,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
@@ -33,52 +32,186 @@ from orchestrator.serve.fleet import FormationFleet, Round
 from orchestrator.serve.metrics import Metrics
 from orchestrator.serve.recovery import Recovery
 from orchestrator.serve.rejoin import Rejoin
-from orchestrator.serve.states import SERVING, Failure, NoRound, Rejected, Running, ServeConfig, Ticket
+from orchestrator.serve.states import (
+    SERVING,
+    Failure,
+    FormationState,
+    NoRound,
+    Rejected,
+    Running,
+    ServeConfig,
+    Ticket,
+    moved,
+)
+
+State = FormationState
 
 
-class Backend:
+@dataclass(frozen=True)
+class FormationHooks:
+    """What a formation tells the one that made it (each optional): its recovery gave up (or, for an
+    on-demand model, its first load failed), each load's progress, and each load's end (its plan and the
+    phases' seconds: cache, the check and warm; load)."""
+
+    on_failed: Callable[[Formation], None] | None = None
+    on_progress: Callable[[LoadProgress], None] | None = None
+    on_loaded: Callable[[Formation, Plan, dict[str, float]], None] | None = None
+
+
+class Peers(Protocol):
+    """The formations beside this one (the router's): whether another of its model serves now."""
+
+    def others_serving(self, formation: Formation) -> bool: ...
+
+
+class Roster:
+    """The formations served now, in order (each model's together), shared by the router (which changes
+    the list, a new one each time: a request reading the old one is not disturbed) and the formations
+    (which ask it whether another of their model serves: a rejoin then leaves the router while it
+    reloads, instead of holding the requests in its queue)."""
+
+    def __init__(self, formations: Sequence[Formation] = ()) -> None:
+        self.formations: list[Formation] = list(formations)
+
+    def others_serving(self, formation: Formation) -> bool:
+        return any(
+            f.model == formation.model and f is not formation and f.state in SERVING for f in self.formations
+        )
+
+
+class Formation:
     def __init__(
         self,
+        name: str,
+        model: str,
         fleet: FormationFleet,
         config: ServeConfig,
         engines: EngineFactory,
         metrics: Metrics | None = None,
+        *,
+        hooks: FormationHooks | None = None,
+        peers: Peers | None = None,
+        template: dict[str, Any] | None = None,
+        recover_first_load: bool = True,
     ) -> None:
-        """`engines` makes the engine for a plan (llama-server: `engine.default_engines`). Everything
-        runs on the loop that serves: `start` there, the rest from its tasks and routes."""
+        """`name`: `MODEL#N` (or the model's name when it is the only one); `model`: the model's API id.
+        `engines` makes the engine for a plan (llama-server: `engine.default_engines`). `peers`: the
+        formations beside it (none: it is alone). `template`: the chat template in use (for /health).
+        `recover_first_load` False: a failed first load ends `failed` at once (an on-demand model: its
+        backoff retries). Everything runs on the loop that serves: `start` there, the rest from its tasks
+        and routes."""
+        self.name = name
+        self.model = model
         self.fleet = fleet
         self.config = config
         self.engines = engines
         self.metrics = metrics or Metrics()
-        self.state = "loading"
+        self.hooks = hooks or FormationHooks()
+        self.peers = peers
+        self.template = template
+        self.recover_first_load = recover_first_load
+        self._state = State.LOADING
         self.reason = ""  # why the state is not ready (the last recovery round, the lost endpoints)
         self.plan: Plan | None = None
         self.nodes: dict[str, str] = dict.fromkeys(fleet.endpoints, "unknown")
         self.lost: tuple[str, ...] = ()
         self.load_seconds: float | None = None  # the last engine start and load
-        self.on_failed: Callable[[], None] | None = None  # called when recovery gives up
-        # False: a failed first load ends `failed` at once (an on-demand model: its backoff retries)
-        self.recover_first_load = True
-        # whether another formation of this model serves now (the router's): a rejoin then leaves the
-        # router while it reloads instead of holding the requests in its queue
-        self.others_serving: Callable[[], bool] | None = None
-        self.on_progress: Callable[[LoadProgress], None] | None = None  # during each load
-        # after each load: its plan and the phases' seconds (cache: the check and warm; load)
-        self.on_loaded: Callable[[Plan, dict[str, float]], None] | None = None
         self.load_progress: LoadProgress | None = None  # the load under way, if any
         self.skipped: dict[str, int] = {}  # per endpoint, bytes of cache hits of the load under way
-        self.template: dict[str, Any] | None = None  # the chat template in use (for /health)
         self.current: Running | None = None
         self.changed = Pulse()  # wakes the requests waiting for a slot, and a drain, on every change
         self.admitted = 0  # requests admitted (served and waiting): the router's measure of load
-        self.hold = 0  # a rejoin holds the slots: none is given out
+        self._held = 0  # a rejoin holds the slots: none is given out
         self.control = asyncio.Lock()  # one load, recovery or reload at a time
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()  # its work in flight: loads, watches, reloads
-        self.rejoining: dict[str, Any] | None = None  # the rejoin under way: endpoints, phase
         self.last_answer = time.monotonic()  # the engine's last answer (a loss's detection counts from it)
         self.recovery = Recovery(self)
         self.rejoin = Rejoin(self)
+
+    # -- the state and its moves (`states.MOVES`): the only writer of `_state`
+    @property
+    def state(self) -> FormationState:
+        return self._state
+
+    def _move(self, to: FormationState, reason: str | None = None) -> None:
+        self._state = moved(self._state, to)
+        if reason is not None:
+            self.reason = reason
+        self.changed.notify()
+
+    def serve_on(self, running: Running) -> None:
+        """A load ended well: `running` serves, ready on every node selected, else degraded (those left
+        out named)."""
+        self.current = running
+        self.plan = running.plan
+        for ep in running.plan.endpoints:
+            self.nodes[ep] = "serving"
+        self.lost = tuple(ep for ep in self.fleet.endpoints if ep not in running.plan.endpoints)
+        self._move(State.DEGRADED if self.lost else State.READY, self.left_out_reason())
+
+    def lose(self, running: Running, lost: tuple[str, ...], message: str) -> None:
+        """`running`'s engine ended unasked (`lost`: the nodes its diagnosis names): recovering, when it
+        was the engine serving."""
+        if self.current is running:
+            self.current = None
+            self.lost = lost
+            for ep in lost:
+                self.nodes[ep] = "lost"
+            self._move(State.RECOVERING, message)
+        self.changed.notify()
+
+    def give_up(self, reason: str) -> None:
+        """Recovery gave up (or an on-demand model's first load failed): failed, and the maker told."""
+        self._move(State.FAILED, reason)
+        if self.hooks.on_failed is not None:
+            self.hooks.on_failed(self)
+
+    def drain(self, reason: str) -> None:
+        """A reload or a rejoin: admitted requests finish, new ones go elsewhere (503 here)."""
+        self._move(State.DRAINING, reason)
+
+    def restart(self, reason: str | None = None) -> None:
+        """Out of the router until it serves again: a reload or rejoin restarts the engine, or its load
+        failed (the requests waiting for a slot get 503)."""
+        self._move(State.RECOVERING, reason)
+
+    def resume(self) -> None:
+        """A rejoin that did not drain in time: serving on as it was."""
+        self._move(State.DEGRADED, self.left_out_reason())
+
+    def hold(self) -> None:
+        """A rejoin holds the slots (new requests wait in the queue) while the served ones end."""
+        self._held += 1
+        self.changed.notify()
+
+    def unhold(self) -> None:
+        self._held -= 1
+        self.changed.notify()
+
+    def wait_for_fleet(self, reason: str) -> None:
+        """No plan fits the nodes that answer: why, for /health and the 503s."""
+        self.reason = f"waiting for the fleet: {reason}"
+
+    def node_states(self, states: Mapping[str, str]) -> None:
+        """The probe states of some of its nodes (a rejoin's watch of those left out)."""
+        self.nodes.update(states)
+
+    def forget_nodes(self, endpoints: Sequence[str]) -> None:
+        """Nodes no longer its own (spares given back to the pool)."""
+        for ep in endpoints:
+            self.nodes.pop(ep, None)
+
+    async def changed_within(self, limit: float) -> None:
+        """Until its next change, at most `limit` seconds."""
+        await self.changed.wait(limit)
+
+    def left_out_reason(self) -> str:
+        return f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
+
+    def others_serving(self) -> bool:
+        """Whether another formation of its model serves now."""
+        return self.peers is not None and self.peers.others_serving(self)
 
     # -- life
     def start(self, plan: Plan | None = None) -> asyncio.Task[None]:
@@ -90,7 +223,7 @@ class Backend:
         return task
 
     def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """`work` as a task of this backend's (cancelled by `stop`); its failure is logged."""
+        """`work` as a task of this formation's (cancelled by `stop`); its failure is logged."""
         task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
 
@@ -167,7 +300,7 @@ class Backend:
             "lost": list(self.lost),
             "reloads": self.metrics.reloads,
             "last_recovery": None if last is None else last.__dict__ | {"lost": list(last.lost)},
-            "rejoining": self.rejoining,
+            "rejoining": self.rejoin.under_way,
             "last_rejoin": None if rejoin is None else rejoin.__dict__ | {"back": list(rejoin.back)},
         }
 
@@ -197,7 +330,7 @@ class Backend:
     def recovers(self) -> bool:
         """A recovery is under way (after a loss, a reload's or a failed rejoin's restart): the formation
         should serve again, so a request may wait for it. Given up (`failed`), draining or stopping: not."""
-        return self.state == "recovering" and not self.stopping.is_set()
+        return self.state == State.RECOVERING and not self.stopping.is_set()
 
     def unavailable(self) -> str:
         """Why a request is not served now (the 503's message), naming the lost nodes."""
@@ -213,10 +346,10 @@ class Backend:
             deadline = ticket.admitted + self.config.queue_timeout
         while True:
             # A drain serves what it admitted, those waiting for a slot too.
-            if self.state not in (*SERVING, "draining"):
+            if self.state not in (*SERVING, State.DRAINING):
                 return Failure(503, self.unavailable(), "unavailable", retry_after=self.config.retry_after)
             running = self.current
-            if running is not None and not self.hold and running.busy < self.config.parallel:
+            if running is not None and not self._held and running.busy < self.config.parallel:
                 running.busy += 1
                 ticket.running = running
                 return running
@@ -267,11 +400,8 @@ class Backend:
                 if await self.load(plan):
                     return
             if not self.recover_first_load:
-                self.state = "failed"
-                self.changed.notify()
                 get_logger().warning("serve_first_load_failed", reason=self.reason)
-                if self.on_failed is not None:
-                    self.on_failed()
+                self.give_up(self.reason)
                 return
         await self.recovery.recover(None)
 
@@ -318,19 +448,12 @@ class Backend:
             return True
         if before_serving is not None:
             before_serving()
-        self.current = running
-        self.plan = plan
         self.load_seconds = round(seconds, 3)
-        for ep in plan.endpoints:
-            self.nodes[ep] = "serving"
-        self.lost = tuple(ep for ep in self.fleet.endpoints if ep not in plan.endpoints)
-        self.state = "degraded" if self.lost else "ready"
-        self.reason = f"{len(self.lost)} node(s) left out: {', '.join(self.lost)}" if self.lost else ""
-        self.changed.notify()
+        self.serve_on(running)
         self.spawn(self.recovery.watch_engine(running), "serve-engine")
         get_logger().info("serve_loaded", endpoints=list(plan.endpoints), state=self.state, pid=engine.pid)
-        if self.on_loaded is not None:
-            self.on_loaded(plan, {**phases, "load": time.monotonic() - started})
+        if self.hooks.on_loaded is not None:
+            self.hooks.on_loaded(self, plan, {**phases, "load": time.monotonic() - started})
         return True
 
     async def stop_engine(self) -> None:
@@ -343,9 +466,9 @@ class Backend:
 
     def _progress(self, progress: LoadProgress) -> None:
         self.load_progress = progress
-        if self.on_progress is not None:
+        if self.hooks.on_progress is not None:
             try:
-                self.on_progress(progress)
+                self.hooks.on_progress(progress)
             except Exception as exc:  # a display's bug must not stop the load (nor leave us recovering)
                 get_logger().warning("serve_progress_failed", error=repr(exc))
 
@@ -355,13 +478,11 @@ class Backend:
         gave up)."""
         async with self.control:
             self.metrics.record_reload()
-            self.state, self.reason = "draining", "reloading"
-            self.changed.notify()
+            self.drain("reloading")
             deadline = time.monotonic() + self.config.drain_timeout
             while self.admitted and time.monotonic() < deadline:
                 await self.changed.wait(max(0.0, deadline - time.monotonic()))
-            self.state = "recovering"
-            self.changed.notify()
+            self.restart()
             # a request still admitted past the drain timeout is ended by the stop (a 503)
             await self.stop_engine()
             if rolling_restart:
@@ -374,5 +495,5 @@ class Backend:
 
     # -- the engine's counters
     def engine_states(self) -> Mapping[str, Any]:
-        """Slots and queue as the backend sees them (for /metrics)."""
+        """Slots and queue as the formation sees them (for /metrics)."""
         return {"admitted": self.admitted, "served": self.busy, "parallel": self.config.parallel}
