@@ -49,6 +49,7 @@ from orchestrator.llama.logs import model_allocations, parse_server_log
 from orchestrator.llama.native.loader import load_llama
 from orchestrator.models.catalogue import CATALOGUE, cached_path, is_fetched
 from orchestrator.models.synth_arch import write_arch_model
+from orchestrator.planning.formats import llama_cli_args
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import ModelProfile, profile_model
 from orchestrator.planning.strategy import make_plan
@@ -170,14 +171,18 @@ def _allocated(plan: Plan, model: Path, fleet: Fleet) -> list[int]:
         llm.close()
 
 
-def _server_allocated(binary: Path, model: Path, fleet: Fleet, answer: str, fa: bool) -> list[int]:
-    """Bytes each server allocated for llama-fit-params' `answer` (its printed arguments, -ot included)
-    loaded by the llama-server beside `binary`: the answer exactly as a user would pass it on."""
+def _fit_params_argv(model: Path, fleet: Fleet, answer: str, fa: bool) -> list[str]:
+    """llama-server's arguments for llama-fit-params' `answer` (its printed arguments, -ot included): the
+    answer exactly as a user would pass it on, one sequence, no fit of llama-server's own."""
+    argv = ["-m", str(model), "--rpc", ",".join(fleet.endpoints), *shlex.split(answer)]
+    return [*argv, "-fa", "on" if fa else "off", "-b", "512", "-ub", "512", "-np", "1", "--fit", "off"]
+
+
+def _server_allocated(binary: Path, fleet: Fleet, args: list[str]) -> list[int]:
+    """Bytes each server allocated for a load by the llama-server beside `binary` with `args`."""
     port = free_port()
-    argv = [str(binary.with_name("llama-server")), "-m", str(model), "--rpc", ",".join(fleet.endpoints)]
-    argv += shlex.split(answer)
-    argv += ["-fa", "on" if fa else "off", "-b", "512", "-ub", "512", "-np", "1", "--fit", "off"]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv = [str(binary.with_name("llama-server")), *args, "--host", "127.0.0.1", "--port", str(port)]
+    answer = shlex.join(args)
     offsets = [log.stat().st_size for log in fleet.logs]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -234,7 +239,12 @@ def _measure(
         else None
     )
     theirs, args = _llama_fit(binary, model, fleet, limit, fa)
-    theirs_alloc = _server_allocated(binary, model, fleet, args, fa) if theirs else []
+    theirs_alloc = (
+        _server_allocated(binary, fleet, _fit_params_argv(model, fleet, args, fa)) if theirs else []
+    )
+    # rpcfleet's own plan through the same llama-server (`plan --format llama-cli`'s arguments): both
+    # answers loaded by one program, so that a difference between the loaders is not taken for the fit's
+    ours_server = _server_allocated(binary, fleet, [*llama_cli_args(ours_plan, model), "-b", "512"])
     return {
         "model": label,
         "fa": fa,
@@ -244,6 +254,7 @@ def _measure(
         "ours": ours,
         "ours_fits": ours_plan.fit.fits,
         "ours_alloc": ours_alloc,
+        "ours_server_alloc": ours_server,
         "past": past,
         "past_alloc": past_alloc,
         "full": full,
@@ -268,8 +279,9 @@ def _table(rows: list[dict[str, object]]) -> list[str]:
     out = [
         "| model (family) | flash attn | training ctx | limit per device (MiB) | rpcfleet largest ctx "
         "| its load within the limit (busiest device) | a load 256 past it | llama-fit-params "
-        "| its load within the limit (busiest device) | rpcfleet / llama.cpp | rpcfleet with --swa-full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| its load within the limit (busiest device) | rpcfleet / llama.cpp | rpcfleet with --swa-full "
+        "| rpcfleet's answer loaded by llama-server (busiest device) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ours, theirs, full = r["ours"], r["theirs"], r["full"]
@@ -280,11 +292,13 @@ def _table(rows: list[dict[str, object]]) -> list[str]:
         if " -ngl 0" in args:
             args += " (nothing on the devices)"
         limit, mine, past, their = r["limit"], r["ours_alloc"], r["past_alloc"], r["theirs_alloc"]
+        by_server = r["ours_server_alloc"]
         assert isinstance(mine, list) and isinstance(past, list) and isinstance(their, list)
+        assert isinstance(by_server, list)
         out.append(
             f"| {r['model']} ({r['family']}) | {'on' if r['fa'] else 'off'} | {r['train']} "
             f"| {_mib(limit)} | {ours} | {_within(mine, limit)} | {_within(past, limit)} | {args} "
-            f"| {_within(their, limit)} | {ratio} | {swa} |"
+            f"| {_within(their, limit)} | {ratio} | {swa} | {_within(by_server, limit)} |"
         )
     return out
 
@@ -353,6 +367,7 @@ def main() -> None:
     at_least = sum(at_least_theirs(r) for r in rows)
     sound = [r for r in rows if within(r, "theirs_alloc")]
     sound_at_least = sum(at_least_theirs(r) for r in sound)
+    ours_server_ok = sum(within(r, "ours_server_alloc") for r in rows)
     verdict = "met" if fit_target(rows) else "not met"
     lines = [
         f"## {SECTION}",
@@ -361,15 +376,18 @@ def main() -> None:
         f"engine build: {N_SERVERS} `ggml-rpc-server`s on loopback, each limited to LIMIT (a quarter or half "
         f"of the way from the busiest device's need at context {LOW_CTX} to its need at the training "
         "context); rpcfleet plans with `--margin 0`, llama-fit-params gets `--fit-target` = reported free "
-        "- LIMIT; both answers loaded (rpcfleet's plan through its loader, llama-fit-params' printed "
-        "arguments, `-ot` included, through the same build's `llama-server -np 1 --fit off`), allocations "
+        "- LIMIT; both answers loaded (rpcfleet's plan through its loader and through llama-server, "
+        "llama-fit-params' printed arguments, `-ot` included, through the same build's `llama-server -np 1 "
+        "--fit off`), allocations "
         "read from the servers' logs. A model whose need does not grow with the context gets one limit: "
         "one row per flash-attention setting.",
         "",
         f"rpcfleet's largest context loaded within the limit on {ours_ok} of {len(rows)} models, "
         f"llama-fit-params' on {theirs_ok} of {len(rows)}; rpcfleet's context at least llama.cpp's on "
         f"{at_least} of {len(rows)}, and on {sound_at_least} of the {len(sound)} where llama-fit-params' "
-        "answer loaded within the limit.",
+        "answer loaded within the limit. rpcfleet's answer loaded by llama-server as well (its "
+        f"`plan --format llama-cli` arguments): within the limit on {ours_server_ok} of {len(rows)}; where "
+        "the two loads of one answer differ, the loaders allocate differently at the same arguments.",
         "",
         f"Target (rpcfleet's answer loads within the limit on every model, and its context is at least "
         f"llama-fit-params' wherever that answer loads within the limit): **{verdict}** (within the limit: "
