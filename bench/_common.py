@@ -207,7 +207,8 @@ def write_section(path: Path, section: str, body: str, script: str | None = None
     """Put `body` (which starts with its own `## <section>` heading) into `path` as `script`'s generated
     block (default: the running script). Only the block between the script's markers is replaced: the
     heading and any hand-written text after the block stay. A section without markers (or a new one) is
-    written whole; other sections stay as they are."""
+    written whole; other sections stay as they are. The block ends with this process's load line
+    (`load_note`, unless `body` has one) and the earlier runs the replaced block named (`history`)."""
     begin, end = markers(script or _main_script())
     heading, _, generated = body.strip("\n").partition("\n")
     if heading != f"## {section}":
