@@ -233,6 +233,7 @@ async def push_chain(
             outcomes[host.name] = got
     sent = 0
     stream_from = 0
+    finishing: list[asyncio.Future[Pushed | HostError]] = []
     try:
         checked = await asyncio.gather(*(_check(n, hashes) for n in nodes))
         chain: list[_Node] = []
@@ -246,7 +247,7 @@ async def push_chain(
             for node, after in zip(chain, [*chain[1:], None], strict=True):
                 hop = "-" if after is None else f"{after.host.address} {after.port} {after.token}"
                 await node.held.send(f"next {hop}\n")
-            finishing = [asyncio.ensure_future(_finish(n)) for n in chain]
+            finishing += [asyncio.ensure_future(_finish(n)) for n in chain]
             try:
                 sent = await _stream(chain[0], model, stream_from, size, on_sent)
             except OSError as exc:
@@ -258,7 +259,9 @@ async def push_chain(
                 outcomes[chain[0].host.name] = error
             for node, fut in zip(chain, finishing, strict=True):
                 outcomes.setdefault(node.host.name, await fut)
-    finally:
+    finally:  # cut short (Ctrl-C) too: each receiver ends as its stdin does, keeping NAME.partial
+        for fut in finishing:
+            fut.cancel()
         for node in nodes:
             with contextlib.suppress(Exception):
                 await node.held.release()
