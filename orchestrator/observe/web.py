@@ -85,7 +85,7 @@ _LOGIN = """<!doctype html><html><head><meta charset="utf-8"><title>rpcfleet: si
 
 class PageGate:
     """Who signs in to the page: one key (`api_key`; None: the page is open to all), its cookie an HMAC
-    of it. Serve's per-user keys bring their own (`serve.app.UserKeysPage`)."""
+    of it. Serve's per-user keys bring their own (`serve.access.UserKeysPage`)."""
 
     def __init__(self, api_key: str | None = None) -> None:
         self.api_key = api_key

@@ -713,7 +713,6 @@ def front(request: ServeRequest, router: Router, exporter: Exporter | None, ring
         api_key=request.api_key,
         admin_key=request.admin_key,
         keys=ring,
-        model_name=router.models[0],
         exporter=exporter,
     )
     return http_server(app, request.host, request.port, timeout_graceful_shutdown=5)

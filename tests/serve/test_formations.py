@@ -155,7 +155,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
                 rigs[name] = Rig(formation, fleet, engines, None)
                 formations.append(formation)
         router = Router(formations, roster=roster)
-        client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name="a"))
+        client = TestClient(create_app(router, api_key="k", admin_key="adm"))
         client.__enter__()  # one loop for the routes and the formations, as in serve
         for rig_ in rigs.values():
             rig_.portal = client.portal

@@ -67,7 +67,7 @@ def front(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Test
     def make(parallel: int = 4, **keys: Any) -> tuple[TestClient, Router]:
         config = ServeConfig(parallel=parallel, retry_interval=0.005, rejoin_interval=0.0)
         router = _router(tiny_model, ("a", "b"), config)
-        app = create_app(router, model_name="a", **{"api_key": None, **keys})
+        app = create_app(router, **{"api_key": None, **keys})
         client = TestClient(app, base_url="http://127.0.0.1")  # a loopback name: a key-less front asks one
         client.__enter__()  # one loop for the routes and the formations, as in serve
         made.append((client, router))
@@ -191,7 +191,7 @@ def served(tiny_model: Path) -> Iterator[Callable[..., tuple[int, Router]]]:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = http_server(create_app(router, api_key=None, model_name="a"), "127.0.0.1", port)
+        server = http_server(create_app(router, api_key=None), "127.0.0.1", port)
 
         async def main() -> None:
             router.start()

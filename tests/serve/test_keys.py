@@ -178,7 +178,7 @@ def keyed(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Any,
         path.write_text(text)
         ring = KeyRing(read_keys_file(path, router.models))
         exporter = Exporter(Collector([], interval=60.0, timeout=1.0, cache=False))
-        client = TestClient(create_app(router, api_key=None, model_name="a", keys=ring, exporter=exporter))
+        client = TestClient(create_app(router, api_key=None, keys=ring, exporter=exporter))
         client.__enter__()  # one loop for the routes and the formations, as in serve
         made.append((client, router))
         client.portal.call(router.start)

@@ -194,7 +194,7 @@ def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[...,
             backoff_first=backoff[0],
             backoff_max=backoff[1],
         )
-        client = TestClient(create_app(router, api_key="k", admin_key="adm", model_name=router.models[0]))
+        client = TestClient(create_app(router, api_key="k", admin_key="adm"))
         client.__enter__()  # one loop for the routes and the formations, as in serve
         client.portal.call(router.start)
         client.portal.call(router.demand.start)

@@ -49,7 +49,7 @@ def served(tiny_model: Path) -> Iterator[Callable[..., Served]]:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = http_server(create_app(router, api_key=None, model_name="a"), "127.0.0.1", port)
+        server = http_server(create_app(router, api_key=None), "127.0.0.1", port)
 
         async def main() -> None:
             router.start()

@@ -382,7 +382,7 @@ def front(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, Rig]]]:
 
         options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
         formation = Formation("fake#0", "fake", fleet, ServeConfig(**options), factory)
-        client = TestClient(create_app(formation, api_key="k", model_name="fake"))
+        client = TestClient(create_app(formation, api_key="k"))
         client.__enter__()  # one loop for the routes and the formation, as in serve
         client.headers["Authorization"] = "Bearer k"
         rig_ = Rig(formation, fleet, engines, client.portal)
