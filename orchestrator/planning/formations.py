@@ -216,13 +216,13 @@ class Formations:
     """What `plan --replicas`, `report --replicas` and `serve` start from: the formations chosen, the
     spare servers, and the --replicas asked ("auto", or a number)."""
 
-    formed: tuple[Formed, ...]
+    formed: tuple[PlannedFormation, ...]
     spares: tuple[Host, ...]
     replicas: str
 
 
 @dataclass(frozen=True)
-class Formed:
+class PlannedFormation:
     """A formation chosen: its model, the choice (name, endpoints) and the plan it loads first."""
 
     model: ServedModel
@@ -246,7 +246,7 @@ def form(
     devices: Sequence[PlanDevice],
     local_gpus: Sequence[PlanDevice] = (),
     local_devices: Sequence[str] | None = None,
-) -> tuple[list[Formed], list[Host]]:
+) -> tuple[list[PlannedFormation], list[Host]]:
     """The formations of `models` on the probed `devices` (answering nodes only) and the spare servers
     left over; FormationError when a model gets none (or fewer than its --replicas)."""
     by_name = {m.name: m for m in models}
@@ -295,7 +295,7 @@ def form(
     choices = choose(wants, nodes_of(devices), fits)
     host_of = {h.endpoint: h for h in hosts}
     chosen = {ep for c in choices for ep in c.endpoints}
-    formed: list[Formed] = []
+    formed: list[PlannedFormation] = []
     for i, choice in enumerate(choices):
         plan = plan_of(choice.model, choice.endpoints, local=i == 0 and bool(local_gpus))
         if plan is None or not plan.fit.fits:  # with the local GPUs it did not fit: without them
@@ -317,7 +317,7 @@ def form(
                     and (model.endpoints is None or h.endpoint in model.endpoints)
                 )
             ]
-        formed.append(Formed(model, choice, plan, tuple(members)))
+        formed.append(PlannedFormation(model, choice, plan, tuple(members)))
     held = {h.endpoint for f in formed for h in f.hosts}
     spares = [h for h in hosts if h.endpoint not in held]
     return formed, spares
@@ -348,13 +348,15 @@ def _renamed(plan: Plan, made_for: Sequence[PlanDevice], devices: Sequence[PlanD
     return dataclasses.replace(plan, devices=tuple(renamed))
 
 
-def grow(models: Sequence[ServedModel], hosts: Sequence[Host], devices: Sequence[PlanDevice]) -> list[Formed]:
+def grow(
+    models: Sequence[ServedModel], hosts: Sequence[Host], devices: Sequence[PlanDevice]
+) -> list[PlannedFormation]:
     """New formations on free spares (`hosts`, probed as `devices`: the answering ones only) for the
     models served with `--replicas auto`: by the same rules as at start (the fewest nodes that hold the
     model, disjoint servers, at most 15 RPC devices, the inventory's order), one formation per model in
     turns while the spares hold one. Their `choice.index` counts from 0: the caller numbers them."""
     free = list(hosts)
-    made: list[Formed] = []
+    made: list[PlannedFormation] = []
     grown = True
     while grown:
         grown = False

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from orchestrator.core.errors import PlanError, ProbeError
 from orchestrator.inventory.model import Host
-from orchestrator.planning.formations import Formed
+from orchestrator.planning.formations import PlannedFormation
 from orchestrator.planning.layer_assignment import order_devices
 from orchestrator.planning.plan import Plan, PlanDevice
 from orchestrator.planning.strategy import make_plan
@@ -66,7 +66,7 @@ class Recovered:
 
 
 def replan_after_loss(
-    formed: Formed, lost: str, devices: Sequence[PlanDevice], spares: Sequence[Host]
+    formed: PlannedFormation, lost: str, devices: Sequence[PlanDevice], spares: Sequence[Host]
 ) -> Recovered:
     """What serve's recovery plans when `formed` loses the node `lost`, by `next_spare`'s rule: the model
     on its servers that still answer (`devices`: the probed ones), then with one more spare at a time."""

@@ -34,7 +34,7 @@ from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.engine.shared import Pulse
 from orchestrator.inventory.model import Host
-from orchestrator.planning.formations import Formed, ServedModel
+from orchestrator.planning.formations import PlannedFormation, ServedModel
 from orchestrator.planning.plan import PlanDevice
 from orchestrator.serve.demand import DemandEvent
 from orchestrator.serve.formation import Formation
@@ -45,7 +45,7 @@ from orchestrator.serve.states import SERVING, FormationState, Rejected
 from orchestrator.serve.swap import (
     BACKOFF_FIRST,
     BACKOFF_MAX,
-    Holder,
+    Occupant,
     Swap,
     backoff,
     fits_on,
@@ -56,7 +56,7 @@ from orchestrator.serve.swap import (
 Probe = Callable[[Sequence[Host]], Awaitable[tuple[dict[str, str], list[PlanDevice]]]]
 # a formation chosen, its name, what it calls when its load fails -> the formation to add (its first load
 # not recovered: a failed load is the model's backoff, not a recovery)
-Make = Callable[[Formed, str, Callable[[Formation], None]], Formation]
+Make = Callable[[PlannedFormation, str, Callable[[Formation], None]], Formation]
 RETRY_STEP = 1.0  # seconds between two placements of a load waiting for nodes in use
 EVENTS_KEPT = 200  # the newest events, for the live page
 
@@ -296,7 +296,7 @@ class OnDemand:
         if made is not None:
             return made
         now = time.monotonic()
-        decision = swap(model, self.pool.snapshot(), self.holders(now), self.hosts, self.known, now)
+        decision = swap(model, self.pool.snapshot(), self.occupants(now), self.hosts, self.known, now)
         if decision.wait is not None or decision.never is not None:
             return decision
         chosen = [f for f in self.router.formations if f.name in decision.unload]
@@ -347,11 +347,11 @@ class OnDemand:
             self._stop([formation], why="it failed", reason="failed"), name=f"serve-unload-{formation.name}"
         )
 
-    def holders(self, now: float | None = None) -> list[Holder]:
+    def occupants(self, now: float | None = None) -> list[Occupant]:
         on_demand = set(self.models)
         config = self.router.config
         now = time.monotonic() if now is None else now
-        held: list[Holder] = []
+        held: list[Occupant] = []
         for formation in self.router.formations:
             model = formation.model
             endpoints = tuple(h.endpoint for h in [*formation.fleet.hosts, *formation.fleet.borrowed])
@@ -372,7 +372,7 @@ class OnDemand:
                     config.swap_cooldown,
                 )
             held.append(
-                Holder(
+                Occupant(
                     formation.name,
                     model,
                     endpoints,
@@ -439,14 +439,14 @@ class OnDemand:
         now = time.monotonic()
         done: list[str] = []
         async with self._deciding:
-            for holder in self.holders(now):
-                model = self.models.get(holder.model)
+            for occupant in self.occupants(now):
+                model = self.models.get(occupant.model)
                 if model is None or model.idle_unload is None:
                     continue
-                if not holder.idle:
-                    self.last_used[holder.model] = now
-                elif now - self.last_used[holder.model] >= model.idle_unload:
-                    done.append(holder.name)
+                if not occupant.idle:
+                    self.last_used[occupant.model] = now
+                elif now - self.last_used[occupant.model] >= model.idle_unload:
+                    done.append(occupant.name)
             chosen = [f for f in self.router.formations if f.name in done]
             await self.unload(chosen, why=f"idle past {_seconds(chosen, self.models)}", reason="idle")
         return done

@@ -17,14 +17,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.log import get_logger
 from orchestrator.inventory.model import Host
-from orchestrator.planning.formations import Formed, ServedModel, grow
+from orchestrator.planning.formations import PlannedFormation, ServedModel, grow
 from orchestrator.planning.plan import PlanDevice
 from orchestrator.serve.formation import Formation
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Router
 
 Probe = Callable[[Sequence[Host]], Awaitable[tuple[dict[str, str], list[PlanDevice]]]]
-Make = Callable[[Formed, str], Formation]  # a formation chosen, its name -> the formation to add
+Make = Callable[[PlannedFormation, str], Formation]  # a formation chosen, its name -> the formation to add
 
 
 class SpareWatch:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.inventory.model import Host
-from orchestrator.planning.formations import FormationError, Formed, ServedModel, form
+from orchestrator.planning.formations import FormationError, PlannedFormation, ServedModel, form
 from orchestrator.planning.plan import PlanDevice
 
 BACKOFF_FIRST = 5.0  # seconds a model waits after its first failed load
@@ -26,8 +26,8 @@ BACKOFF_MAX = 300.0  # seconds: the backoff's cap
 
 
 @dataclass(frozen=True)
-class Holder:
-    """A formation holding nodes, as the swap sees it: idle (no request admitted or waiting, serving),
+class Occupant:
+    """A formation occupying nodes, as the swap sees it: idle (no request admitted or waiting, serving),
     on-demand or always loaded, when its model was last asked for, and (on-demand) when it may be
     swapped out at the earliest (`swappable_at`: its residency and cooldown; 0: any time)."""
 
@@ -77,7 +77,9 @@ def backoff(failures: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_MA
     return 0.0 if failures <= 0 else min(cap, first * 2 ** (failures - 1))
 
 
-def fits_on(model: ServedModel, hosts: Sequence[Host], devices: Sequence[PlanDevice]) -> Formed | None:
+def fits_on(
+    model: ServedModel, hosts: Sequence[Host], devices: Sequence[PlanDevice]
+) -> PlannedFormation | None:
     """The formation of `model` on the fewest of `hosts` that hold it (None: they do not)."""
     some = [d for d in devices if d.endpoint in {h.endpoint for h in hosts}]
     if not some:
@@ -92,7 +94,7 @@ def fits_on(model: ServedModel, hosts: Sequence[Host], devices: Sequence[PlanDev
 def swap(
     model: ServedModel,
     free: Sequence[Host],
-    holders: Sequence[Holder],
+    occupants: Sequence[Occupant],
     hosts: Sequence[Host],
     known: dict[str, list[PlanDevice]],
     now: float = 0.0,
@@ -110,7 +112,7 @@ def swap(
     free_eps = [h.endpoint for h in free]
     if fits(free_eps):
         return Swap()
-    others = [h for h in holders if h.model != model.name]
+    others = [h for h in occupants if h.model != model.name]
     idle = sorted(
         (h for h in others if h.on_demand and h.idle and h.swappable_at <= now), key=lambda h: h.last_used
     )

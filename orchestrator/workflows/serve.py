@@ -30,7 +30,7 @@ from orchestrator.facts.system import parse_meminfo
 from orchestrator.inventory.model import Host, Inventory, select_servers
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.draft import DraftModel, vocab_mismatch
-from orchestrator.planning.formations import Formations, Formed, ServedModel
+from orchestrator.planning.formations import Formations, PlannedFormation, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model, read_vocab
 from orchestrator.planning.settings import DRAFT_DEVICES, DRAFT_N_MAX, DRAFT_N_MIN
 from orchestrator.serve.demand import DemandEvent
@@ -114,7 +114,8 @@ class ServeEvents:
     the URL), each load's progress while one formation loads, and each load's end."""
 
     warning: Callable[[str], None] | None = None
-    formed: Callable[[Sequence[Formed], str, Sequence[str]], None] | None = None  # + the on-demand models
+    # the formations chosen, the API's URL and the on-demand models
+    formed: Callable[[Sequence[PlannedFormation], str, Sequence[str]], None] | None = None
     progress: Callable[[LoadProgress], None] | None = None
     loaded: Callable[[Loaded], None] | None = None
     engine_build: Callable[[str], None] | None = None  # llama-server's build, when it is built first
@@ -280,7 +281,7 @@ class FirstRound:
     """serve's first probe of every server and the formations chosen from it: the formations to load and
     the spares, each endpoint's probe state, the devices found, and the probe's and plan's seconds."""
 
-    formed: list[Formed]
+    formed: list[PlannedFormation]
     spares: tuple[Host, ...]
     states: dict[str, str]
     devices: list[PlanDevice]
@@ -344,7 +345,7 @@ class FormationMaker:
 
     def make(
         self,
-        one: Formed,
+        one: PlannedFormation,
         name: str,
         times: dict[str, float],
         *,
@@ -648,7 +649,7 @@ async def run_formations(
     router: Router,
     watch: SpareWatch,
     hosts: Sequence[Host],
-    formed: Sequence[Formed],
+    formed: Sequence[PlannedFormation],
     events: ServeEvents,
     ending: Ending,
     ring: KeyRing | None = None,

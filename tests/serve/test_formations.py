@@ -21,7 +21,7 @@ from orchestrator.core.errors import UsageError
 from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
 from orchestrator.planning.formations import (
-    Formed,
+    PlannedFormation,
     ServedModel,
     grow,
 )
@@ -514,7 +514,7 @@ def test_a_node_silent_at_start_makes_a_new_formation_when_it_answers(
         states = {h.endpoint: ("ok" if h.endpoint in answers else "refused") for h in hosts}
         return states, plan_devices(up, [answers[ep] for ep in up]) if up else []
 
-    def make(one: Formed, name: str) -> Formation:
+    def make(one: PlannedFormation, name: str) -> Formation:
         fleet = PartFleet(tiny_model, one.choice.endpoints)
         engines: list[Any] = []
 

@@ -18,7 +18,7 @@ import pytest
 from orchestrator.core.errors import UsageError
 from orchestrator.core.target import Target
 from orchestrator.inventory.model import Host
-from orchestrator.planning.formations import Formed, ServedModel
+from orchestrator.planning.formations import PlannedFormation, ServedModel
 from orchestrator.planning.plan import Plan, PlanDevice, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.serve.formation import Formation, FormationHooks
@@ -27,7 +27,7 @@ from orchestrator.serve.on_demand import OnDemand
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Router
 from orchestrator.serve.states import ServeConfig
-from orchestrator.serve.swap import Holder, swap
+from orchestrator.serve.swap import Occupant, swap
 from tests.plugins.llama import plan_devices
 from tests.plugins.serve_rig import HttpEngine, PartFleet
 
@@ -91,8 +91,8 @@ def test_the_swap_frees_the_least_recently_used_idle_formation_waits_for_busy_on
     known = {d.endpoint or "": [d] for d in plan_devices(list(NODES))}
     only_3 = _model(tiny_model, "c", (NODES[2],))
     assert swap(only_3, [hosts[2]], [], hosts, known).unload == ()  # fits on the free node: nothing to do
-    older = Holder("a#0", "a", (NODES[2],), True, True, last_used=1.0)
-    newer = Holder("b#0", "b", (NODES[1],), True, True, last_used=2.0)
+    older = Occupant("a#0", "a", (NODES[2],), True, True, last_used=1.0)
+    newer = Occupant("b#0", "b", (NODES[1],), True, True, last_used=2.0)
     anywhere = _model(tiny_model, "c")
     assert swap(anywhere, [], [newer, older], hosts, known).unload == ("a#0",)  # least recently used
     busy = dataclasses.replace(older, idle=False, admitted=2)
@@ -100,7 +100,7 @@ def test_the_swap_frees_the_least_recently_used_idle_formation_waits_for_busy_on
     assert (
         waited.unload == () and waited.wait is not None and "a#0 (2 request(s)) holds 10.8.0.3" in waited.wait
     )
-    always = Holder("z#0", "z", (NODES[2],), False, False, last_used=0.0)
+    always = Occupant("z#0", "z", (NODES[2],), False, False, last_used=0.0)
     never = swap(only_3, [hosts[0]], [always], hosts, known)
     assert never.never is not None and "always loaded: z#0 holds 10.8.0.3:50052" in never.never, never
     small = {
@@ -177,7 +177,7 @@ def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[...,
         async def probe(free: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
             return {h.endpoint: "ok" for h in free}, plan_devices([h.endpoint for h in free])
 
-        def formation(one: Formed, name: str, failed: Callable[[Formation], None]) -> Formation:
+        def formation(one: PlannedFormation, name: str, failed: Callable[[Formation], None]) -> Formation:
             model, endpoints = one.model.name, one.choice.endpoints
             hooks = FormationHooks(on_failed=failed)
             return formation_on(name, model, endpoints, model, hooks=hooks, recover_first_load=False)
