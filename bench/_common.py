@@ -330,7 +330,7 @@ def load_words(quiet: Quiet, end: float) -> str:
     else:
         start = (
             f"{quiet.start:.2f} at the start (**not quiet**: still {quiet.under:g} or more after waiting "
-            f"{quiet.limit:.0f} s; other work shared the cores, so the times are slower than this code's)"
+            f"{quiet.limit:.0f} s: other work shared the cores)"
         )
     return f"{LOAD_NOTE} {start}, {end:.2f} at the end."
 
