@@ -124,19 +124,19 @@ class ServeEvents:
 
 @dataclass
 class Ending:
-    """Ends serving once every formation has given up recovering (the others still serve)."""
+    """Ends serving once every formation of `roster` (the router's) has given up recovering (the others
+    still serve). `stop`: the HTTP server's stop, once it is made (after the formations, which tell this
+    when they give up)."""
 
-    router: Router | None = None
+    roster: Roster
     stop: Callable[[], None] | None = None
 
     def formation_failed(self, _formation: Formation) -> None:
-        if self.router is not None and self.stop is not None and self.failed():
+        if self.stop is not None and self.failed():
             self.stop()
 
     def failed(self) -> bool:
-        return self.router is not None and all(
-            f.state == FormationState.FAILED for f in self.router.formations
-        )
+        return all(f.state == FormationState.FAILED for f in self.roster.formations)
 
 
 @dataclass(frozen=True)
@@ -262,9 +262,7 @@ async def life(
             )
             for i, one in enumerate(first.formed)
         ]
-        router = maker.ending.router = make_router(
-            request, served, formations, maker.spares, http, maker.roster
-        )
+        router = make_router(request, served, formations, maker.spares, http, maker.roster)
         on_demand = [model for model in served if model.on_demand]
         if on_demand:
             router.demand = on_demand_loads(router, maker, on_demand, hosts, whole, first.devices, events)
@@ -338,8 +336,8 @@ class FormationMaker:
         self.engines = {model.name: engine_factory(request, model, events, http) for model in served}
         self.spares = SparePool(list(first.spares), order=whole.endpoints)
         self.several = len(first.formed) > 1 or any(model.on_demand for model in served)
-        self.ending = Ending()
         self.roster = Roster()  # the router's formations, each formation's peers
+        self.ending = Ending(self.roster)
         # by name: a formation's model may be a copy of its entry (`loaded_at_start` sets replicas)
         self.templates = {model.name: template for model, template in zip(served, templates, strict=True)}
 
