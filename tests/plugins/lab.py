@@ -1,7 +1,8 @@
 """Tier-2 fixtures: an emulated lab of network namespaces with real OpenSSH (needs root).
 
-- `lab`: one 3-node lab for the whole session (stale labs of killed runs are reaped first; the lab is
-  owned by this process, so a killed session's lab is reaped by the next one).
+- `lab`: one 3-node lab for the whole session (stale labs of killed runs are reaped first, under
+  pytest-xdist once by the controller; the lab is owned by this process, a worker's by that worker, so a
+  killed session's lab is reaped by the next one).
 - `healthy_lab`: that lab, healed after the test (links up, firewalls cleared, sshd running).
 - `lab_hosts`: the session lab's inventory hosts, in node order.
 - `make_lab`: a factory for a fresh small lab a test may break as it likes; torn down after the test.
@@ -73,10 +74,25 @@ def own_lab(
         lab_down(name)
 
 
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist the controller reaps stale labs, once, before it starts the workers: a worker's
+    reap could take a lab that a test of the other worker made stale on purpose (tests/plugins/schedule.py
+    keeps those tests in one worker)."""
+    workers = int(getattr(config.option, "numprocesses", 0) or 0)
+    labs = "not lab" not in str(config.getoption("markexpr") or "")  # `make unit` leaves labs alone
+    if workers and labs and not _xdist_worker(config) and privileged():
+        reap_stale()
+
+
 @pytest.fixture(scope="session")
-def lab() -> Iterator[Lab]:
+def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
     require_lab_privileges()
-    reap_stale()
+    if not _xdist_worker(request.config):
+        reap_stale()
     with own_lab(3) as made:
         yield made
 

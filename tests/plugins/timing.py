@@ -45,7 +45,10 @@ _modules: dict[str, ModuleTime] = {}
 
 def whole_suite(config: pytest.Config) -> bool:
     selected = (
-        config.getoption("keyword") or config.getoption("markexpr") or config.getoption("lf", default=False)
+        config.getoption("keyword")
+        or config.getoption("markexpr")
+        or config.getoption("lf", default=False)
+        or config.getoption("collectonly", default=False)  # runs nothing: no time to record
     )
     return not selected and list(config.args) in ([], ["tests"], [str(Path(config.rootpath) / "tests")])
 
