@@ -154,6 +154,18 @@ def test_a_push_crosses_the_controller_link_once_and_the_copies_load_the_same_te
     assert tx < size / 2, tx  # the load's small tensors and SSH only (measured: see the print)
     with capsys.disabled():
         print(f"load from the pushed copies: the controller sent {tx} bytes")
+    # A formation re-formed after a loss (node 1 gone): nodes 2 and 3 take larger shares, again from
+    # their own copies; the text is that of the same plan loaded through the controller.
+    without = [*rig.run_argv(), "-l", f"!{rig.lab.nodes[0].name}"]
+    _json(capsys, ["cache", "clear", *rig.inv, "--json"])
+    through, _ = _json(capsys, [*without, "--warm", "never"])
+    _json(capsys, ["cache", "clear", *rig.inv, "--json"])
+    before = rig.tx()
+    reformed, err = _json(capsys, without)
+    tx = rig.tx() - before
+    assert set(reformed["cache"]["warm"]) <= {n.name for n in rig.lab.nodes[1:]}
+    assert {w["via"] for w in reformed["cache"]["warm"].values()} == {"node-local copy"}
+    assert reformed["text"] == through["text"] and "warning" not in err and tx < size / 2, tx
     again, _ = _json(capsys, [*rig.push_argv(), "--json"])
     assert again["sent"] == 0 and [h["state"] for h in again["hosts"]] == ["present"] * 3
 
