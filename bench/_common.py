@@ -131,7 +131,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def measure(base: str, clients: int, requests: int, tokens: int, *, timeout: float) -> dict[str, float]:
     """`clients` OpenAI clients at once, each making `requests` completions of `tokens` tokens (EOS
-    ignored) against serve at `base`: aggregate tokens/s and latency p50/p95 (seconds). `timeout`: the
+    ignored) against serve at `base`: aggregate tokens/s and latency p50/p95 (seconds; "p95" is the
+    largest under `P95_MIN` requests: `tail_name(int(result["samples"]))` says which). `timeout`: the
     client's, per request."""
     import openai
 
@@ -157,7 +158,12 @@ def measure(base: str, clients: int, requests: int, tokens: int, *, timeout: flo
         results = [r for rs in pool.map(one, range(clients)) for r in rs]
     wall = time.monotonic() - started
     latencies = [r[0] for r in results]
-    return {"tps": sum(r[1] for r in results) / wall, "p50": median(latencies), "p95": p95(latencies)}
+    return {
+        "tps": sum(r[1] for r in results) / wall,
+        "p50": median(latencies),
+        "p95": p95(latencies),
+        "samples": float(len(latencies)),
+    }
 
 
 def machine() -> str:
