@@ -172,3 +172,35 @@ def test_chunk_hashes_are_the_fnv_of_each_chunk(model: Path) -> None:
     data = model.read_bytes()
     expected = [f"{fnv.fnv1a64(data[o : o + n]):016x}" for o, n in chunk_spans(len(data), CHUNK)]
     assert chunk_hashes(model, CHUNK) == expected
+
+
+def test_a_file_changed_during_the_push_is_never_renamed_and_the_next_push_resumes(
+    model: Path, tmp_path: Path
+) -> None:
+    """A byte of chunk 3 changed here after the hashes were taken, before its bytes go: every node finds
+    chunk 3 differing, keeps NAME.partial cut there, and no NAME; the next push (hashing the file as it
+    is now) resumes at chunk 3."""
+    one, two = _hosts(tmp_path, 2)
+    changed = False
+
+    def change(sent: int) -> None:
+        nonlocal changed
+        if not changed and sent >= CHUNK:
+            changed = True
+            with model.open("r+b") as fh:
+                fh.seek(3 * CHUNK + 99)
+                byte = fh.read(1)
+                fh.seek(3 * CHUNK + 99)
+                fh.write(bytes([byte[0] ^ 0x5A]))
+
+    report = push_fleet([one, two], model, chunk=CHUNK, on_sent=change)
+    for host in (one, two):
+        error = report.run.outcomes[host.name]
+        assert not isinstance(error, Pushed) and error.host == host.name
+        assert f"chunk 3 of {_file(host, model)} did not match this machine's hash" in error.message
+        assert not _file(host, model).exists()
+        assert Path(f"{_file(host, model)}.partial").stat().st_size == 3 * CHUNK
+    again = push_fleet([one, two], model, chunk=CHUNK)
+    assert again.run.started_at == 3 * CHUNK and again.run.sent == model.stat().st_size - 3 * CHUNK
+    for host in (one, two):
+        assert _file(host, model).read_bytes() == model.read_bytes()
