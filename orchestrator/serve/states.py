@@ -39,8 +39,9 @@ _S = FormationState
 MOVES: Mapping[FormationState, frozenset[FormationState]] = {
     # served after its load; an on-demand model's failed first load; a reload before the load ended
     _S.LOADING: frozenset({_S.READY, _S.DEGRADED, _S.FAILED, _S.DRAINING}),
-    # the engine lost (a node, or its own end); a reload's drain
-    _S.READY: frozenset({_S.RECOVERING, _S.DRAINING}),
+    # the engine lost (a node, or its own end); a reload's drain; and a first load that a reload overtook
+    # (a SIGHUP as serve starts takes the control first) serves once more
+    _S.READY: frozenset({_S.RECOVERING, _S.DRAINING, _S.READY, _S.DEGRADED}),
     # as ready; and a rejoin: its drain (another formation serves), its reload (ready, or degraded again
     # with a node still left out), its failed load (recovering)
     _S.DEGRADED: frozenset({_S.RECOVERING, _S.DRAINING, _S.READY, _S.DEGRADED}),
@@ -50,8 +51,9 @@ MOVES: Mapping[FormationState, frozenset[FormationState]] = {
     # drained: the reload or rejoin restarts it, or the engine was lost; a rejoin that did not drain in
     # time serves on as it was
     _S.DRAINING: frozenset({_S.RECOVERING, _S.DEGRADED}),
-    # a reload tries again
-    _S.FAILED: frozenset({_S.DRAINING}),
+    # a reload tries again; and a recovery queued behind one that gave up (a reload's, whose drain saw the
+    # engine lost and recovered first) tries on: it serves, or gives up once more
+    _S.FAILED: frozenset({_S.DRAINING, _S.READY, _S.DEGRADED, _S.FAILED}),
 }
 
 SERVING = frozenset({FormationState.READY, FormationState.DEGRADED})
