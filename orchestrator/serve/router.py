@@ -75,11 +75,13 @@ class Router:
         models: Sequence[str] = (),
         roster: Roster | None = None,
         spares: Callable[[], list[str]] | None = None,
+        demand: Callable[[Router], Demand] | None = None,
     ) -> None:
         """`models`: every model served, in order (default: those of `formations`); with on-demand models
         there may be no formation yet (`config` then says the serving limits). `roster`: the one the
         formations were made with (their peers), which then holds them; `spares`: the free spares'
-        endpoints (for /health)."""
+        endpoints (for /health); `demand`: makes the on-demand models' loads and unloads over this router
+        (`serve.on_demand.OnDemand`), when some are served."""
         if not formations and config is None:
             raise ValueError("a router needs one formation at least, or its config")
         self.roster = roster if roster is not None else Roster()
@@ -87,7 +89,6 @@ class Router:
         self.metrics = metrics or Metrics()  # the front's: requests, tokens, time to first token
         self.config: ServeConfig = config if config is not None else formations[0].config
         self.configured = list(models)
-        self.demand: Demand | None = None  # the on-demand models' loads and unloads, if any
         self._reloading = asyncio.Lock()
         self._reload: asyncio.Task[None] | None = None
         self.routed: Counter[str] = Counter()  # requests admitted, by formation name
@@ -100,6 +101,8 @@ class Router:
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
         # each formation's request times: (formation, "ttft" | "latency", seconds), the exporter's histograms
         self.observe: Callable[[str, str, float], None] | None = None
+        # the on-demand models' loads and unloads, if any: made last, over this router as it is now
+        self.demand: Demand | None = demand(self) if demand is not None else None
 
     @classmethod
     def single(cls, formation: Formation) -> Router:

@@ -33,7 +33,7 @@ from orchestrator.planning.draft import DraftModel, vocab_mismatch
 from orchestrator.planning.formations import Formations, PlannedFormation, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model, read_vocab
 from orchestrator.planning.settings import DRAFT_DEVICES, DRAFT_N_MAX, DRAFT_N_MIN
-from orchestrator.serve.demand import DemandEvent
+from orchestrator.serve.demand import Demand, DemandEvent
 from orchestrator.serve.engine import EngineFactory, default_engines
 from orchestrator.serve.formation import Formation, FormationHooks, Roster
 from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
@@ -262,10 +262,14 @@ async def life(
             )
             for i, one in enumerate(first.formed)
         ]
-        router = make_router(request, served, formations, maker.spares, http, maker.roster)
         on_demand = [model for model in served if model.on_demand]
-        if on_demand:
-            router.demand = on_demand_loads(router, maker, on_demand, hosts, whole, first.devices, events)
+
+        def demand(router: Router) -> OnDemand:
+            return on_demand_loads(router, maker, on_demand, hosts, whole, first.devices, events)
+
+        router = make_router(
+            request, served, formations, maker.spares, http, maker.roster, demand if on_demand else None
+        )
         watch = spare_watch(request, router, maker, [] if on_demand else served, whole)
         return await run_formations(request, router, watch, hosts, first.formed, events, maker.ending, ring)
     finally:
@@ -625,10 +629,11 @@ def make_router(
     spares: SparePool,
     http: Upstream,
     roster: Roster,
+    demand: Callable[[Router], Demand] | None = None,
 ) -> Router:
-    """The router over the formations (made with `roster` as their peers). One formation: the front
-    counts on its metrics, as before formations; unless the spare watch may add formations (--replicas
-    auto): the front's counters must then be its own."""
+    """The router over the formations (made with `roster` as their peers; `demand`: the on-demand loads
+    over it, if any). One formation: the front counts on its metrics, as before formations; unless the
+    spare watch may add formations (--replicas auto): the front's counters must then be its own."""
     growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
     shared = len(formations) == 1 and not growing and not any(m.on_demand for m in served)
     return Router(
@@ -639,6 +644,7 @@ def make_router(
         models=[m.name for m in served],
         roster=roster,
         spares=lambda: [h.endpoint for h in spares.snapshot()],
+        demand=demand,
     )
 
 

@@ -166,13 +166,6 @@ def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[...,
         formations = [formation_on(f"{m}#0", m, eps) for m, eps in always.items()]
         held = {ep for eps in always.values() for ep in eps}
         pool = SparePool([h for h in hosts if h.endpoint not in held], order=NODES)
-        router = Router(
-            formations,
-            None,
-            config=options,
-            models=[*always, *(m.name for m in models)],
-            spares=lambda: [h.endpoint for h in pool.snapshot()],
-        )
 
         async def probe(free: Sequence[Host]) -> tuple[dict[str, str], list[PlanDevice]]:
             return {h.endpoint: "ok" for h in free}, plan_devices([h.endpoint for h in free])
@@ -183,16 +176,23 @@ def on_demand(tiny_model: Path, started: Counter[str]) -> Iterator[Callable[...,
             return formation_on(name, model, endpoints, model, hooks=hooks, recover_first_load=False)
 
         known = {d.endpoint or "": [d] for d in plan_devices(list(NODES))}
-        router.demand = OnDemand(
-            router,
-            pool,
-            models,
-            hosts,
-            probe,
-            formation,
-            known,
-            backoff_first=backoff[0],
-            backoff_max=backoff[1],
+        router = Router(
+            formations,
+            None,
+            config=options,
+            models=[*always, *(m.name for m in models)],
+            spares=lambda: [h.endpoint for h in pool.snapshot()],
+            demand=lambda router: OnDemand(
+                router,
+                pool,
+                models,
+                hosts,
+                probe,
+                formation,
+                known,
+                backoff_first=backoff[0],
+                backoff_max=backoff[1],
+            ),
         )
         client = TestClient(create_app(router, api_key="k", admin_key="adm"))
         client.__enter__()  # one loop for the routes and the formations, as in serve
