@@ -6,8 +6,11 @@ PY := .venv/bin/python
 setup:
 	@bash scripts/setup.sh
 
+# Two pytest-xdist workers, a module per worker at a time (tests/plugins/schedule.py: slowest first);
+# the lab tests mostly wait on sshd and servers. `make test WORKERS=0` runs it in one process.
+WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 unit: setup
 	$(PY) -m pytest -q -m "not lab and not llama" $(PYTEST_ARGS)
