@@ -272,8 +272,8 @@ def test_a_push_while_a_load_reads_the_caches(
     """Each round: no copies on the nodes; a push (a child process) while `run` checks its caches and
     loads: full caches every other round (the load reads them while the push writes), empty ones in the
     others (the warm copies from each node's own file where the push has renamed it, else the tensors
-    come from this machine, with a warning). The text is the reference's, the copies are whole, no
-    cache file is corrupt."""
+    come from this machine, with a warning), the load started at three moments of the push in turn. The
+    text is the reference's, the copies are whole, no cache file is corrupt."""
     seen: list[str] = []
     for k in range(rounds):
         rig.forget()
@@ -282,6 +282,15 @@ def test_a_push_while_a_load_reads_the_caches(
         argv = [sys.executable, "-m", "orchestrator", *rig.push_argv()]
         child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
+            # The load starts at once, or once the push is under way (partial files), or once the
+            # first node has renamed its copy (the others may be renaming theirs): each order in turn.
+            if k % 2 == 0 and (k // 2) % 3:
+                first = rig.copy(rig.lab.nodes[0])
+                wait_for = Path(f"{first}.partial") if (k // 2) % 3 == 1 else first
+                deadline = time.monotonic() + 60
+                while not wait_for.exists() and child.poll() is None:
+                    assert time.monotonic() < deadline, f"no {wait_for}"
+                    time.sleep(0.02)
             loaded, _ = _json(capsys, rig.run_argv())
             assert child.wait(timeout=120) == 0, child.communicate()[1]
         finally:
