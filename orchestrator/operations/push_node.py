@@ -134,7 +134,12 @@ n_chunks = len(expected)
 def hashes(path, first, count):
     if count <= 0:
         return []
-    done = subprocess.run([tool, path, str(chunk), str(first), str(count)], stdout=subprocess.PIPE)
+    try:
+        done = subprocess.run([tool, path, str(chunk), str(first), str(count)], stdout=subprocess.PIPE)
+    except OSError as e:  # noexec, another architecture: say so, never take it for differing bytes
+        say("error", "the chunk-hash tool %s did not run: %s" % (tool, e.strerror)); sys.exit(1)
+    if done.returncode not in (0, 1):
+        say("error", "the chunk-hash tool %s failed (exit status %d)" % (tool, done.returncode)); sys.exit(1)
     return [x.split()[1] for x in done.stdout.decode().splitlines()]
 def stamp_of(path):
     st = os.stat(path)

@@ -16,7 +16,7 @@ from orchestrator.cli import main
 from orchestrator.core import fnv
 from orchestrator.inventory.model import Host
 from orchestrator.operations.push import Pushed
-from orchestrator.operations.push_node import Said, chunk_spans, read_said
+from orchestrator.operations.push_node import Said, chunk_spans, read_said, tool_name
 from orchestrator.workflows.push import chunk_hashes, destinations, push_fleet
 from tests.plugins.cache import local_host
 
@@ -204,3 +204,20 @@ def test_a_file_changed_during_the_push_is_never_renamed_and_the_next_push_resum
     assert again.run.started_at == 3 * CHUNK and again.run.sent == model.stat().st_size - 3 * CHUNK
     for host in (one, two):
         assert _file(host, model).read_bytes() == model.read_bytes()
+
+
+def test_a_hash_tool_that_cannot_run_on_the_node_is_said_not_taken_for_other_bytes(
+    model: Path, tmp_path: Path
+) -> None:
+    """A node where the uploaded tool does not run (another architecture, a noexec mount): an error
+    naming the tool, and no file under the final name."""
+    (host,) = _hosts(tmp_path, 1)
+    tool = Path(host.install_dir) / "tools" / tool_name() / "fnvchunks"
+    tool.parent.mkdir(parents=True)
+    tool.write_bytes(b"\x7fELF-not-this-machine")
+    tool.chmod(0o755)
+    report = push_fleet([host], model, chunk=CHUNK)
+    error = report.run.outcomes["n1"]
+    assert not isinstance(error, Pushed) and error.host == "n1"
+    assert f"the chunk-hash tool {tool} did not run: Exec format error" in error.message
+    assert not _file(host, model).exists()
