@@ -147,10 +147,12 @@ def section(runs: int) -> str:
     suites = records("suite.jsonl")
     if suites:
         r = suites[-1]
+        workers = int(r.get("workers") or 0)
+        how = f"on {workers} pytest-xdist workers" if workers else "in one process"
         lines.append(
             f"- The whole suite (`make test`): **{minutes(r['seconds'])}**, {r['passed']} passed, "
-            f"{r['failed']} failed, {r['skipped']} skipped. Measured {r['date']}, commit `{r['commit']}`, "
-            f"{r['machine']}, load average {r['load1']:.1f} at its start."
+            f"{r['failed']} failed, {r['skipped']} skipped, {how}. Measured {r['date']}, commit "
+            f"`{r['commit']}`, {r['machine']}, load average {r['load1']:.1f} at its start."
         )
     else:
         lines.append("- The whole suite: no record yet of a full `make test` run here.")
