@@ -85,6 +85,24 @@ class _Text:
         self.sample(f"{name}_count", counts[-1], **pairs)
 
 
+class RequestTimes:
+    """Each formation's request histograms: `ttft` (time to first token) and `latency` (the request's
+    duration), made on first use. Whoever serves observes into it; the exporter renders it."""
+
+    def __init__(self) -> None:
+        self.histograms: dict[tuple[str, str], Histogram] = {}
+
+    def histogram(self, formation: str, metric: str) -> Histogram:
+        """`ttft` or `latency` of `formation` (made on first use)."""
+        key = (formation, metric)
+        if key not in self.histograms:
+            self.histograms[key] = Histogram(TTFT_BUCKETS if metric == "ttft" else LATENCY_BUCKETS)
+        return self.histograms[key]
+
+    def observe(self, formation: str, metric: str, seconds: float) -> None:
+        self.histogram(formation, metric).observe(seconds)
+
+
 def render(
     snapshot: Snapshot,
     formations: Sequence[FormationView] = (),

@@ -34,28 +34,24 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 
 from orchestrator.observe.collect import Collector
-from orchestrator.observe.prometheus import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram, render
+from orchestrator.observe.prometheus import RequestTimes, render
 from orchestrator.observe.snapshot import FormationView, Snapshot, with_held
 
 COOKIE = "rpcfleet_page"
 
 
 class Exporter:
-    """A collector, the formations of whoever serves, and their request histograms."""
+    """A collector, the formations of whoever serves, and their request histograms (`times`)."""
 
     def __init__(
-        self, collector: Collector, formations: Callable[[], Sequence[FormationView]] = tuple
+        self,
+        collector: Collector,
+        formations: Callable[[], Sequence[FormationView]] = tuple,
+        times: RequestTimes | None = None,
     ) -> None:
         self.collector = collector
         self.formations = formations
-        self.histograms: dict[tuple[str, str], Histogram] = {}
-
-    def histogram(self, formation: str, metric: str) -> Histogram:
-        """`ttft` or `latency` of `formation` (made on first use)."""
-        key = (formation, metric)
-        if key not in self.histograms:
-            self.histograms[key] = Histogram(TTFT_BUCKETS if metric == "ttft" else LATENCY_BUCKETS)
-        return self.histograms[key]
+        self.times = times or RequestTimes()
 
     def snapshot(self) -> Snapshot:
         """The last round's nodes with the formations as they are now: never waits on the fleet."""
@@ -65,7 +61,7 @@ class Exporter:
 
     def metrics(self) -> str:
         snap = self.snapshot()
-        return render(snap, snap.formations, self.histograms)
+        return render(snap, snap.formations, self.times.histograms)
 
 
 def page_token(api_key: str) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from orchestrator.inventory.model import Host
 from orchestrator.observe.collect import Collector
+from orchestrator.observe.prometheus import RequestTimes
 from orchestrator.observe.snapshot import Event, FormationDevice, FormationView
 from orchestrator.observe.web import Exporter
 from orchestrator.serve.formation import Formation
@@ -77,8 +78,10 @@ def observe(
     timeout: float,
     forks: int | None,
     trust_rpc_memory: bool = False,
+    times: RequestTimes | None = None,
 ) -> Exporter:
-    """An exporter of the serve's hosts with the serve's formations (started by the caller)."""
+    """An exporter of the serve's hosts with the serve's formations (started by the caller), and their
+    request histograms (`times`: those the router observes into, `Router(observe=times.observe)`)."""
     seen = 0  # the on-demand events the page has (`OnDemand.event_count`)
 
     def news() -> list[Event]:
@@ -102,10 +105,4 @@ def observe(
         trust_rpc_memory=trust_rpc_memory,
         events=news,
     )
-    exporter = Exporter(collector, collector.formations)
-
-    def observe_one(formation: str, metric: str, seconds: float) -> None:
-        exporter.histogram(formation, metric).observe(seconds)
-
-    router.observe = observe_one  # each formation's time to first token and request duration
-    return exporter
+    return Exporter(collector, collector.formations, times)

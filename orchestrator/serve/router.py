@@ -76,12 +76,14 @@ class Router:
         roster: Roster | None = None,
         spares: Callable[[], list[str]] | None = None,
         demand: Callable[[Router], Demand] | None = None,
+        observe: Callable[[str, str, float], None] | None = None,
     ) -> None:
         """`models`: every model served, in order (default: those of `formations`); with on-demand models
         there may be no formation yet (`config` then says the serving limits). `roster`: the one the
         formations were made with (their peers), which then holds them; `spares`: the free spares'
         endpoints (for /health); `demand`: makes the on-demand models' loads and unloads over this router
-        (`serve.on_demand.OnDemand`), when some are served."""
+        (`serve.on_demand.OnDemand`), when some are served; `observe`: each formation's request times,
+        (formation, "ttft" | "latency", seconds), into the exporter's histograms (`RequestTimes`)."""
         if not formations and config is None:
             raise ValueError("a router needs one formation at least, or its config")
         self.roster = roster if roster is not None else Roster()
@@ -99,8 +101,7 @@ class Router:
         self.changed = Pulse()  # a formation added or removed (those waiting for a recovery look again)
         self.spares = spares
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
-        # each formation's request times: (formation, "ttft" | "latency", seconds), the exporter's histograms
-        self.observe: Callable[[str, str, float], None] | None = None
+        self.observe = observe
         # the on-demand models' loads and unloads, if any: made last, over this router as it is now
         self.demand: Demand | None = demand(self) if demand is not None else None
 

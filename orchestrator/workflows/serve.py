@@ -28,6 +28,7 @@ from orchestrator.engine.children import socket_access_denied
 from orchestrator.engine.runtime import run_once
 from orchestrator.facts.system import parse_meminfo
 from orchestrator.inventory.model import Host, Inventory, select_servers
+from orchestrator.observe.prometheus import RequestTimes
 from orchestrator.planning.devices import to_plan_devices
 from orchestrator.planning.draft import DraftModel, vocab_mismatch
 from orchestrator.planning.formations import Formations, PlannedFormation, ServedModel
@@ -267,11 +268,13 @@ async def life(
         def demand(router: Router) -> OnDemand:
             return on_demand_loads(router, maker, on_demand, hosts, whole, first.devices, events)
 
-        router = make_router(
-            request, served, formations, maker.spares, http, maker.roster, demand if on_demand else None
-        )
+        times = RequestTimes() if request.observe_interval else None  # the exporter's histograms
+        loads = demand if on_demand else None
+        router = make_router(request, served, formations, maker.spares, http, maker.roster, loads, times)
         watch = spare_watch(request, router, maker, [] if on_demand else served, whole)
-        return await run_formations(request, router, watch, hosts, first.formed, events, maker.ending, ring)
+        return await run_formations(
+            request, router, watch, hosts, first.formed, events, maker.ending, ring, times
+        )
     finally:
         assert whole.shared is not None
         await whole.shared.close()
@@ -630,10 +633,12 @@ def make_router(
     http: Upstream,
     roster: Roster,
     demand: Callable[[Router], Demand] | None = None,
+    times: RequestTimes | None = None,
 ) -> Router:
     """The router over the formations (made with `roster` as their peers; `demand`: the on-demand loads
-    over it, if any). One formation: the front counts on its metrics, as before formations; unless the
-    spare watch may add formations (--replicas auto): the front's counters must then be its own."""
+    over it, if any; `times`: the exporter's histograms of each formation's requests). One formation: the
+    front counts on its metrics, as before formations; unless the spare watch may add formations
+    (--replicas auto): the front's counters must then be its own."""
     growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
     shared = len(formations) == 1 and not growing and not any(m.on_demand for m in served)
     return Router(
@@ -645,6 +650,7 @@ def make_router(
         roster=roster,
         spares=lambda: [h.endpoint for h in spares.snapshot()],
         demand=demand,
+        observe=times.observe if times is not None else None,
     )
 
 
@@ -657,10 +663,11 @@ async def run_formations(
     events: ServeEvents,
     ending: Ending,
     ring: KeyRing | None = None,
+    times: RequestTimes | None = None,
 ) -> ServeOutcome:
     """Serve: the exporter's rounds, the app, SIGHUP as a reload, each formation's first load and the
     spare watch, all tasks of this one loop; all stopped when serving ends."""
-    exporter, rounds = await start_exporter(request, router, hosts)
+    exporter, rounds = await start_exporter(request, router, hosts, times)
     server = front(request, router, exporter, ring)
     ending.stop = lambda: setattr(server, "should_exit", True)
     if events.formed is not None:
@@ -681,7 +688,7 @@ async def run_formations(
 
 
 async def start_exporter(
-    request: ServeRequest, router: Router, hosts: Sequence[Host]
+    request: ServeRequest, router: Router, hosts: Sequence[Host], times: RequestTimes | None
 ) -> tuple[Exporter | None, asyncio.Task[None] | None]:
     """The fleet exporter beside serve (none with --observe-interval 0) and its rounds' task, once its
     first round has read the nodes (before the loads hold them)."""
@@ -696,6 +703,7 @@ async def start_exporter(
         timeout=request.probe.timeout,
         forks=request.probe.forks,
         trust_rpc_memory=request.probe.trust_rpc_memory,
+        times=times,
     )
     rounds = asyncio.get_running_loop().create_task(exporter.collector.run(), name="serve-observe")
     first_round_seen = exporter.collector.first_round
