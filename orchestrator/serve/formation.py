@@ -80,6 +80,9 @@ class Roster:
 
 
 class Formation:
+    """One model served by one engine on its own servers: its life, slots, queue and loads, and the one
+    writer of its state (`state`, moved by `_move` only, from the named moves below)."""
+
     def __init__(
         self,
         name: str,
