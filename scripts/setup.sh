@@ -103,7 +103,13 @@ exec 9>"$RPCFLEET_HOME/.setup.lock"
 flock 9   # two concurrent setups (a test run and a demo) must not build twice
 
 # ---- 2. llama-cpp-python wheel with RPC ----------------------------------------
+# The wheel is built from the sdist with rpcfleet's source patches applied (orchestrator/artifacts/
+# patches.py: among them the client's hash-manifest lookup), keyed by the flags and each patch's
+# name@digest: a changed patch makes a new wheel (and so a new shared venv) on the next set-up.
+WHEEL_PATCHES=$(cd "$ROOT" && "$PYTHON" -m orchestrator.artifacts.patches labels) \
+  || die "listing the source patches of the llama-cpp-python wheel failed (above)"
 flags_key=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)
+[ -z "$WHEEL_PATCHES" ] || flags_key=$(printf '%s\n%s' "$LLAMA_CMAKE_ARGS" "$WHEEL_PATCHES" | sha256sum | cut -c1-8)
 WHEEL_DIR="$RPCFLEET_HOME/wheels/llama-cpp-python-$LLAMA_VERSION-$flags_key"
 SDIST="$RPCFLEET_HOME/src/llama_cpp_python-$LLAMA_VERSION.tar.gz"
 # verify_sdist FILE WHAT: its sha256 is the pinned one, or setup stops without using it.
@@ -135,11 +141,20 @@ if ! compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
   verify_sdist "$SDIST" "cached" "delete it to download it again"
   say "building llama-cpp-python $LLAMA_VERSION with $LLAMA_CMAKE_ARGS (about 10 minutes on 2 cores, once)"
   stage="$WHEEL_DIR.partial"
-  rm -rf "$stage"; mkdir -p "$stage"
+  rm -rf "$stage"; mkdir -p "$stage/src"
+  # The verified sdist, extracted and patched (the patches' own check: each anchor found once).
+  tar -xzf "$SDIST" -C "$stage/src"
+  tree="$stage/src/llama_cpp_python-$LLAMA_VERSION"
+  applied=$(cd "$ROOT" && "$PYTHON" -m orchestrator.artifacts.patches apply "$tree/vendor/llama.cpp") \
+    || die "patching the llama-cpp-python source failed (above)"
+  say "patched the source: $applied"
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    "$BUILD_PYTHON" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w "$stage" \
+    "$BUILD_PYTHON" -m pip wheel -q --no-deps --no-build-isolation "$tree" -w "$stage" \
     >"$RPCFLEET_HOME/llama-wheel-build.log" 2>&1 \
     || die "building llama-cpp-python failed; see $RPCFLEET_HOME/llama-wheel-build.log"
+  rm -rf "$stage/src"
+  # the wheel's record of how its source differs from upstream (as an artifact's manifest lists them)
+  printf '%s\n' $applied >"$stage/patches.txt"
   rm -rf "$WHEEL_DIR"; mv "$stage" "$WHEEL_DIR"
   built+=(llama-cpp-python)
 fi

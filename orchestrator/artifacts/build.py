@@ -27,6 +27,7 @@ from orchestrator.artifacts.cuda import (
 )
 from orchestrator.artifacts.manifest import (
     BACKENDS,
+    DEFAULT_LLAMA_CPP_PYTHON_VERSION,
     SERVER_NAME,
     Artifact,
     ArtifactChoiceError,
@@ -36,7 +37,7 @@ from orchestrator.artifacts.manifest import (
     llama_cpp_python_version,
     scan_files,
 )
-from orchestrator.artifacts.patches import apply_patches, patches_for
+from orchestrator.artifacts.patches import CLIENT_BACKEND, SourcePatch, apply_patches, patches_for
 from orchestrator.artifacts.source import (
     ensure_sdist,
     extract_source,
@@ -394,11 +395,22 @@ TOOL_DEFINES: dict[str, str] = {
 }
 
 
-def tools_key(sdist_sha256: str, targets: Sequence[str] = TOOL_TARGETS) -> str:
-    """The cache key of the tools build: the source's sha256, the targets, the flags, os and arch."""
+def tool_patches(version: str) -> tuple[SourcePatch, ...]:
+    """The source patches of the tools build: the clients' (`patches.CLIENT_BACKEND`), as the binding's
+    wheel takes them (scripts/setup.sh), so llama-server looks its weights' hashes up the same way."""
+    return patches_for(CLIENT_BACKEND, version)
+
+
+def tools_key(
+    sdist_sha256: str, targets: Sequence[str] = TOOL_TARGETS, patches: Sequence[SourcePatch] | None = None
+) -> str:
+    """The cache key of the tools build: the source's sha256, the targets, the flags, os and arch, and
+    the labels (name@digest) of the source patches (default: those of the pinned version's build)."""
     os_name, arch = host_platform()
     flags = sorted(f"-D{k}={v}" for k, v in TOOL_DEFINES.items())
-    data = json.dumps(["tools", sdist_sha256, sorted(targets), flags, os_name, arch]).encode()
+    chosen = tool_patches(DEFAULT_LLAMA_CPP_PYTHON_VERSION) if patches is None else patches
+    labels = [p.label for p in chosen]
+    data = json.dumps(["tools", sdist_sha256, sorted(targets), flags, os_name, arch, labels]).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -416,7 +428,7 @@ def cached_tools(version: str | None = None) -> Path | None:
     sha = SDIST_SHA256.get(version)
     if sha is None:
         return None
-    key = tools_key(sha)
+    key = tools_key(sha, patches=tool_patches(version))
     # A build is immutable and named by its source and flags: one in the default cache serves another
     # $RPCFLEET_HOME too (a test's, a demo's) rather than a second 10-minute build; the user's own home
     # from the password database counts too, when $HOME points elsewhere (a test's empty home).
@@ -443,7 +455,8 @@ def build_llama_tools(*, version: str | None = None, progress: Progress | None =
         return found
     say = progress or (lambda _line: None)
     sdist = ensure_sdist(version, say)
-    key = tools_key(SDIST_SHA256[version])
+    patches = tool_patches(version)
+    key = tools_key(SDIST_SHA256[version], patches=patches)
     target_dir = tools_dir(key)
     workdir = rpcfleet_home() / "build" / f"tools-{key}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -452,6 +465,9 @@ def build_llama_tools(*, version: str | None = None, progress: Progress | None =
             return target_dir
         source = extract_source(sdist, workdir / "src", say)
         llama = source / "vendor" / "llama.cpp"
+        patched = apply_patches(llama, patches)
+        if patched:
+            say(f"patched the source: {', '.join(patched)}")
         build_dir = workdir / "build"
         log_path = workdir / "build.log"
         args = sorted(f"-D{k}={v}" for k, v in TOOL_DEFINES.items())
@@ -486,6 +502,7 @@ def build_llama_tools(*, version: str | None = None, progress: Progress | None =
                 "llama_cpp_commit": read_llama_cpp_commit(source / "CHANGELOG.md"),
                 "cmake_args": args,
                 "targets": list(TOOL_TARGETS),
+                "patches": list(patched),
                 "build_seconds": round(time.monotonic() - started, 1),
             }
             (staging / "build.json").write_text(json.dumps(info, indent=1) + "\n")

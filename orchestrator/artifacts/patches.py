@@ -32,6 +32,15 @@ whose manifest lacks them (`lacking`). `build: on_node` applies the same patches
   tensor a second time. The wait ends when the file lands, the mark goes, the mark's process is gone
   (a warm killed before its trap ran) or after WARM_WAIT_MAX_S; then, as stock, a missing file is a
   miss and the client sends the tensor itself.
+- `hash-manifest`, `hash-manifest-set-tensor`, `hash-manifest-set-tensor-async` (the client's side): where
+  llama.cpp's RPC client hashes a weight tensor for the servers' cache (both its paths, the buffer's
+  set_tensor and the backend's async one), it first looks the tensor up in the manifest rpcfleet wrote for
+  its file (`caches.manifest`): the tensor's data must lie in a read-only file mapping of the process
+  (`/proc/self/maps`), that path must still be the mapped file, the file's device, inode, size, mtime and
+  ctime must be the manifest's, and the manifest must hold an entry at exactly that offset and size; then
+  its hash is used, else the bytes are hashed as stock. The lookup code is `hash_manifest.cpp` beside this
+  file. The client finds the manifests through `$GGML_RPC_HASH_MANIFESTS`, which rpcfleet sets for the
+  engines it starts; without it the client hashes as stock. The wire and the server are unchanged.
 - `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
   instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
   block is compiled only where the headers have it, else the instance is created without those settings.
@@ -40,6 +49,7 @@ whose manifest lacks them (`lacking`). `build: on_node` applies the same patches
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -59,6 +69,9 @@ REQUIRED_IN: tuple[str, ...] = (DEFAULT_LLAMA_CPP_PYTHON_VERSION,)
 # What a server needs to free itself of a vanished client and to report a failed bind: `status` warns
 # when the installed manifest lacks one.
 SERVER_PATCHES: tuple[str, ...] = ("keepalive", "exit-status")
+# The backend whose patches the clients rpcfleet builds take (the binding's wheel, llama-server): they
+# run on the controller's CPU.
+CLIENT_BACKEND = "cpu"
 
 
 @dataclass(frozen=True)
@@ -189,6 +202,58 @@ _LAYER_SETTINGS = (
     + "#endif\n"
 )
 
+# The whole FNV-1a function, so the lookup and its wrapper land right after it (file scope).
+_FNV_ANCHOR = """static uint64_t fnv_hash(const uint8_t * data, size_t len, uint64_t hash = 0xcbf29ce484222325ULL) {
+    const uint64_t fnv_prime = 0x100000001b3ULL;
+
+    for (size_t i = 0; i < len; ++i) {
+        hash ^= data[i];
+        hash *= fnv_prime;
+    }
+    return hash;
+}
+"""
+
+HASH_MANIFEST = "hash-manifest"  # the patch's name, as manifests list it
+HASH_MANIFEST_ENV = "GGML_RPC_HASH_MANIFESTS"  # the folder the patched client reads manifests from
+HASH_LOG_ENV = "GGML_RPC_HASH_LOG"  # a file the patched client appends one line per weight tensor to
+
+_HASH_MANIFEST = (
+    _FNV_ANCHOR
+    + Path(__file__).with_name("hash_manifest.cpp").read_text()
+    + """
+// rpcfleet hash-manifest patch: what both hashing paths of the client call instead of fnv_hash.
+static uint64_t rpc_weight_hash(const void * data, size_t size) {
+    uint64_t hash = 0;
+    const char * why = nullptr;
+    const bool listed = rpcfleet_manifest::lookup(data, size, hash, why);
+    if (!listed) {
+        hash = fnv_hash((const uint8_t *) data, size);
+    }
+    rpcfleet_manifest::note(listed ? "manifest" : "hashed", why, size, hash);
+    return hash;
+}
+"""
+)
+
+# The two call sites differ only in what follows (the async one carries its TODO).
+_SET_TENSOR_HASH_ANCHOR = """        request->hash = fnv_hash((const uint8_t*)data, size);
+        rpc_msg_set_tensor_hash_rsp response;
+        ctx->dispatcher->send(RPC_CMD_SET_TENSOR_HASH"""
+
+_SET_TENSOR_HASH_ASYNC_ANCHOR = """        request->hash = fnv_hash((const uint8_t*)data, size);
+        rpc_msg_set_tensor_hash_rsp response;
+        // TODO: make this async
+"""
+
+
+def _from_manifest(anchor: str) -> str:
+    return anchor.replace(
+        "fnv_hash((const uint8_t*)data, size);",
+        "rpc_weight_hash(data, size);  // rpcfleet hash-manifest patch",
+    )
+
+
 PATCHES: tuple[SourcePatch, ...] = (
     SourcePatch(
         "keepalive",
@@ -212,6 +277,30 @@ PATCHES: tuple[SourcePatch, ...] = (
         _WARM_WAIT_ANCHOR,
         _WARM_WAIT,
         optional=True,  # an older llama.cpp reads its cache differently (the skew tests' server)
+    ),
+    SourcePatch(
+        HASH_MANIFEST,
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _FNV_ANCHOR,
+        _HASH_MANIFEST,
+        optional=True,  # an older llama.cpp's client (the skew tests' server) is never rpcfleet's client
+        required_in=REQUIRED_IN,
+    ),
+    SourcePatch(
+        f"{HASH_MANIFEST}-set-tensor",
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _SET_TENSOR_HASH_ANCHOR,
+        _from_manifest(_SET_TENSOR_HASH_ANCHOR),
+        optional=True,
+        required_in=REQUIRED_IN,
+    ),
+    SourcePatch(
+        f"{HASH_MANIFEST}-set-tensor-async",
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _SET_TENSOR_HASH_ASYNC_ANCHOR,
+        _from_manifest(_SET_TENSOR_HASH_ASYNC_ANCHOR),
+        optional=True,
+        required_in=REQUIRED_IN,
     ),
     SourcePatch(
         "vulkan-layer-settings",
@@ -293,3 +382,29 @@ def lacking_note(names: Sequence[str]) -> str:
         f"built without the {', '.join(names)} patch{'es' if len(names) > 1 else ''} (its manifest): {said}; "
         "a server rpcfleet builds from the pinned source has them"
     )
+
+
+def _main(argv: Sequence[str]) -> int:
+    """`python -m orchestrator.artifacts.patches labels` prints the labels of the patches the binding's
+    wheel takes (scripts/setup.sh keys the wheel by them); `... apply DIR` applies them to the vendored
+    llama.cpp at DIR. Standard library only: set-up runs it before any dependency is installed."""
+    version = DEFAULT_LLAMA_CPP_PYTHON_VERSION
+    chosen = patches_for(CLIENT_BACKEND, version)
+    if list(argv) == ["labels"]:
+        print(" ".join(p.label for p in chosen))
+        return 0
+    if len(argv) == 2 and argv[0] == "apply":
+        try:
+            print(" ".join(apply_patches(Path(argv[1]), chosen)))
+        except (ArtifactError, OSError) as exc:
+            print(f"patching {argv[1]} failed: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    print(
+        "usage: python -m orchestrator.artifacts.patches labels | apply VENDORED_LLAMA_CPP", file=sys.stderr
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.caches.manifest import has_manifest, write_manifest
 from orchestrator.core.errors import RpcfleetError
 from orchestrator.core.files import write_atomic
 from orchestrator.core.fnv import cache_name, hash_file_range
@@ -116,12 +117,29 @@ def _read_memo(path: Path) -> dict[str, int]:
     return {}
 
 
+def _by_range(hashes: Mapping[str, int]) -> dict[tuple[int, int], int]:
+    """The memo's "offset:size" keys as (offset, size)."""
+    return {(int(k.partition(":")[0]), int(k.partition(":")[2])): v for k, v in hashes.items()}
+
+
+def _needs_write(path: Path, known: Mapping[str, int], mine: Mapping[str, int]) -> bool:
+    """Whether the memo lacks one of `mine`, or the file's hash manifest (`caches.manifest`: what the
+    client reads) is missing or behind the memo (written by an older rpcfleet, or removed)."""
+    if any(k not in known for k in mine):
+        return True
+    with contextlib.suppress(OSError):
+        return not has_manifest(dict(FileIdentity.of(path).fields), _by_range({**known, **mine}))
+    return False
+
+
 def _write_memo(path: Path, hashes: dict[str, int], identity: FileIdentity) -> None:
-    """Remember `hashes`, read from the file as `identity` (its stat before they were read) says: nothing
-    is written when the file has changed since, or had changed just before (`RACY_NS`)."""
+    """Remember `hashes`, read from the file as `identity` (its stat before they were read) says, and
+    write its hash manifest with them: nothing is written when the file has changed since, or had
+    changed just before (`RACY_NS`)."""
     with contextlib.suppress(OSError, RpcfleetError):  # a memo that cannot be written is only slower
         if identity.racy or FileIdentity.of(path).fields != identity.fields:
             return
+        write_manifest(dict(identity.fields), _by_range(hashes))
         text = json.dumps(
             {
                 "path": str(path.resolve()),
@@ -161,7 +179,7 @@ def remember(
         with contextlib.suppress(OSError):
             identity = (since or {}).get(path) or FileIdentity.of(path)
             known = _read_memo(path)
-            if any(k not in known for k in hashes):
+            if _needs_write(path, known, hashes):
                 _write_memo(path, {**known, **hashes}, identity)
 
 
@@ -169,7 +187,7 @@ def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool
     """Cache names for `tensors`, hashed natively in `threads` parallel threads (the C loop drops the GIL).
     With `memo`, hashes are remembered per model file (`$RPCFLEET_HOME/hashes/`, keyed by path and valid
     for the file's device, inode, size, mtime and ctime), so planning the same model again costs no
-    re-hash."""
+    re-hash, and written as the file's hash manifest, so the load's own client hashes none of them."""
     items = list(tensors)
     paths = {t.path for t in items}
     # Taken before any byte is read: a file changed while it is hashed gets no memo (`_write_memo`).
@@ -185,7 +203,7 @@ def hash_tensors(tensors: Iterable[TensorSlice], *, threads: int = 2, memo: bool
     if memo:
         for path in {t.path for t in items}:
             mine = {f"{t.offset}:{t.size}": h for t, h in zip(items, hashes, strict=True) if t.path == path}
-            if any(k not in known.get(path, {}) for k in mine):
+            if _needs_write(path, known.get(path, {}), mine):
                 _write_memo(path, {**known.get(path, {}), **mine}, before[path])
     return [CacheTensor(cache_name(h), t) for h, t in zip(hashes, items, strict=True)]
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator.caches.manifest import engine_environment
 from orchestrator.core.errors import RpcfleetError, tail
 from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target, dial_addresses, targets_for
@@ -194,6 +195,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def engine_env(api_key: str) -> dict[str, str]:
+    """llama-server's environment: ours, with its API key, no backtrace (no debugger attached on an
+    abort), and the folder of the hash manifests its RPC client takes weight hashes from unless ours
+    names one (caches.manifest)."""
+    return {**engine_environment(), **os.environ, "GGML_NO_BACKTRACE": "1", KEY_ENV: api_key}
+
+
 class LlamaServer:
     """llama-server on `plan`, dialing its endpoints' `targets` (SSH forwards), on a free loopback port."""
 
@@ -253,8 +261,7 @@ class LlamaServer:
         get_logger().info("engine_start", argv=self.argv, log=str(self._log_path))
         process = self._process = spawn_child(
             self.argv,
-            # GGML_NO_BACKTRACE: no debugger attached on an abort
-            env={**os.environ, "GGML_NO_BACKTRACE": "1", KEY_ENV: self._api_key},
+            env=engine_env(self._api_key),
             log_path=self._log_path,
             stdin=subprocess.DEVNULL,
             die_with_parent=True,

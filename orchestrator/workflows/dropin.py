@@ -36,6 +36,7 @@ from orchestrator.llama.native import libllama as _native_module
 import llama_cpp
 
 # isort: split
+from orchestrator.caches.manifest import engine_environment
 from orchestrator.core.errors import LoaderError, ModelError, PlanError
 from orchestrator.inventory.variables import near_miss
 from orchestrator.llama.dropin_plan import (
@@ -182,6 +183,8 @@ class Llama(llama_cpp.Llama):
         **kwargs: Any,
     ) -> None:
         os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+        for key, value in engine_environment().items():  # the client reads hashes from manifests
+            os.environ.setdefault(key, value)
         _check_keywords(kwargs)
         endpoints = parse_rpc_servers(rpc_servers)
         memory = parse_rpc_memory(rpc_memory)

@@ -127,7 +127,14 @@ def test_the_node_applies_the_same_source_patches_as_a_build_here(tmp_path: Path
     `apply_patches` makes of them here; a rerun in the same tree changes nothing; a file that is not the
     sdist's is refused, named. The manifest lists the patches, and they are part of the build's id."""
     build = _build()
-    assert [label.split("@")[0] for label in build.patches] == ["keepalive", "exit-status", "warm-wait"]
+    assert [label.split("@")[0] for label in build.patches] == [
+        "keepalive",
+        "exit-status",
+        "warm-wait",
+        "hash-manifest",
+        "hash-manifest-set-tensor",
+        "hash-manifest-set-tensor-async",
+    ]
     assert build.patches == tuple(p.label for p in patches_for("cpu"))
     assert build.manifest(()).patches == build.patches
     assert {e.path for e in build.edits} == {p.path for p in patches_for("cpu")}
@@ -261,7 +268,14 @@ async def test_a_real_on_node_build_serves_and_records_its_manifest(built: Built
     assert manifest.llama_cpp_commit and manifest.ggml_version
     # The source patches, as a build here applies them: listed, and in the binary. exit-status: a
     # server that cannot bind (an address the node does not have) exits 1, where the stock one exits 0.
-    assert [label.split("@")[0] for label in manifest.patches] == ["keepalive", "exit-status", "warm-wait"]
+    assert [label.split("@")[0] for label in manifest.patches] == [
+        "keepalive",
+        "exit-status",
+        "warm-wait",
+        "hash-manifest",
+        "hash-manifest-set-tensor",
+        "hash-manifest-set-tensor-async",
+    ]
     assert (
         "rpcfleet: patched tools/rpc/rpc-server.cpp"
         in (rf / "build" / change.build.key / "build.log").read_text()

@@ -30,6 +30,9 @@ def test_the_pinned_source_takes_every_patch_once_and_again_changes_nothing(llam
         "keepalive",
         "exit-status",
         "warm-wait",
+        "hash-manifest",
+        "hash-manifest-set-tensor",
+        "hash-manifest-set-tensor-async",
         "vulkan-layer-settings",
     ]
     transport = (llama / "ggml/src/ggml-rpc/transport.cpp").read_text()
@@ -39,7 +42,14 @@ def test_the_pinned_source_takes_every_patch_once_and_again_changes_nothing(llam
     assert (llama / "ggml/src/ggml-rpc/ggml-rpc.cpp").read_text().count("rpcfleet warm-wait patch") == 1
     assert apply_patches(llama, patches_for("vulkan")) == applied
     assert (llama / "ggml/src/ggml-rpc/transport.cpp").read_text() == transport
-    assert [p.name for p in patches_for("cpu")] == ["keepalive", "exit-status", "warm-wait"]
+    assert [p.name for p in patches_for("cpu")] == [
+        "keepalive",
+        "exit-status",
+        "warm-wait",
+        "hash-manifest",
+        "hash-manifest-set-tensor",
+        "hash-manifest-set-tensor-async",
+    ]
 
 
 def test_a_source_the_patch_does_not_fit_is_refused(tmp_path: Path) -> None:
@@ -64,11 +74,13 @@ def test_the_patches_are_part_of_the_build_key_and_the_artifact() -> None:
 
 
 def test_the_pinned_version_requires_the_servers_own_patches(tmp_path: Path) -> None:
-    """keepalive and exit-status are required in the pinned source (a build without them is refused,
-    never shipped without them), optional for the version-skew tests' 0.3.16 source; labels (and build
-    keys) do not depend on it."""
+    """keepalive and exit-status (and the client's hash-manifest patches) are required in the pinned
+    source (a build without them is refused, never shipped without them), optional for the version-skew
+    tests' 0.3.16 source; labels (and build keys) do not depend on it."""
     pinned = patches_for("cpu", DEFAULT_LLAMA_CPP_PYTHON_VERSION)
-    assert {p.name for p in pinned if not p.optional} == {"keepalive", "exit-status"}
+    required = {p.name for p in pinned if not p.optional}
+    assert required == {"keepalive", "exit-status", *(n for n in required if n.startswith("hash-manifest"))}
+    assert len(required) == 5  # and the client's three hash-manifest patches
     assert all(p.optional for p in patches_for("cpu", "0.3.16"))
     assert [p.label for p in pinned] == [p.label for p in patches_for("cpu")]
     (tmp_path / "tools/rpc").mkdir(parents=True)

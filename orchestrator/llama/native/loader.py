@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from orchestrator.caches.manifest import engine_environment
 from orchestrator.core.errors import LoaderError
 from orchestrator.core.log import get_logger
 from orchestrator.core.target import Target, dial_addresses, targets_for
@@ -360,6 +361,9 @@ def load_llama(
     tensors loaded).
     """
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    # the RPC client rpcfleet builds takes weight hashes from the manifests instead of hashing
+    for key, value in engine_environment().items():
+        os.environ.setdefault(key, value)
     _check_kwargs(llama_kwargs)
     path = Path(model_path) if model_path is not None else Path(plan.model_path)
     _check_model(plan, path)
