@@ -248,17 +248,33 @@ async def push_chain(
                 hop = "-" if after is None else f"{after.host.address} {after.port} {after.token}"
                 await node.held.send(f"next {hop}\n")
             finishing += [asyncio.ensure_future(_finish(n)) for n in chain]
+            progress = [0]
+
+            def counted(n: int) -> None:
+                progress[0] = n
+                on_sent(n)
+
             try:
-                sent = await _stream(chain[0], model, stream_from, size, on_sent)
+                sent = await _stream(chain[0], model, stream_from, size, counted)
             except OSError as exc:
-                error = HostError(
-                    f"cannot stream to {chain[0].path} at {chain[0].host.address}:{chain[0].port}: {exc}",
-                    host=chain[0].host.name,
+                head = chain[0]
+                outcomes[head.host.name] = HostError(
+                    f"cannot stream to {head.path} at {head.host.address}:{head.port}: {exc}; "
+                    f"{head.path}.partial stays and the next push resumes it",
+                    host=head.host.name,
                     hint="a firewall on the node must let the push's port through (--port picks one)",
                 )
-                outcomes[chain[0].host.name] = error
+                sent = progress[0]
+                if sent < size - stream_from:  # the chain is cut: no node after the first gets more
+                    for node in chain[1:]:
+                        outcomes[node.host.name] = HostError(
+                            f"the push to {node.path} stopped with the chain's first node, "
+                            f"{head.host.name}; {node.path}.partial stays and the next push resumes it",
+                            host=node.host.name,
+                        )
             for node, fut in zip(chain, finishing, strict=True):
-                outcomes.setdefault(node.host.name, await fut)
+                if node.host.name not in outcomes:
+                    outcomes[node.host.name] = await fut
     finally:  # cut short (Ctrl-C) too: each receiver ends as its stdin does, keeping NAME.partial
         for fut in finishing:
             fut.cancel()

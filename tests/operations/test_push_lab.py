@@ -306,3 +306,40 @@ def test_a_push_while_a_load_reads_the_caches(
         assert all(not h["corrupt"] for h in verified["hosts"])
     with capsys.disabled():  # which sources the race gave, round by round
         print(f"\nwhere each round's weights came from: {seen}")
+
+
+PORT = 7399
+
+
+def test_a_firewall_that_opens_one_port_takes_the_push_on_that_port(
+    rig: Rig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each node refuses new TCP connections but to SSH and PORT: a push on free ports fails at once,
+    naming the first node and the flag, and leaves no final file; `--port PORT` goes through."""
+    rig.forget()
+    rule = ["INPUT", "-p", "tcp", "--syn", "-m", "multiport", "!", "--dports", f"22,{PORT}"]
+    rule += ["-j", "REJECT", "--reject-with", "tcp-reset"]
+    for node in rig.lab.nodes:
+        rig.lab.node_exec(node.name, ["iptables", "-I", *rule])
+    try:
+        started = time.monotonic()
+        assert main(rig.push_argv()) == 1
+        seconds = time.monotonic() - started
+        err = " ".join(capsys.readouterr().err.split())
+        first, *others = rig.lab.nodes
+        name = rig.model.name
+        assert f"error: {first.name}: cannot stream to ~/models/{name} at {first.address}:" in err, err
+        assert "(a firewall on the node must let the push's port through (--port picks one))" in err
+        for node in others:
+            assert (
+                f"error: {node.name}: the push to ~/models/{name} stopped with the chain's first node" in err
+            )
+        assert seconds < 20, seconds  # refused at once: no receiver is waited for
+        assert not any(rig.copy(node).exists() for node in rig.lab.nodes)
+        pushed, _ = _json(capsys, [*rig.push_argv(), "--port", str(PORT), "--json"])
+        assert [h["state"] for h in pushed["hosts"]] == ["pushed"] * 3
+        for node in rig.lab.nodes:
+            assert filecmp.cmp(rig.copy(node), rig.model, shallow=False), node.name
+    finally:
+        for node in rig.lab.nodes:
+            rig.lab.node_exec(node.name, ["iptables", "-D", *rule], check=False)
