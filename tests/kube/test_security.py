@@ -1,5 +1,5 @@
 """`rpcfleet export lws`'s pods locked down (issue 43, F8): every pod template passes the Pod Security
-"restricted" profile (tests/kube/pod_security.py applies its documented controls; no cluster admits them
+"restricted" profile (tests/plugins/pod_security.py applies its documented controls; no cluster admits them
 here) and the checker refuses a template that lacks any one of them; NetworkPolicies let only each
 group's leader reach its rpc-servers and only the pods named for it reach llama-server; llama-server's
 key comes from a Secret mounted in its own container only."""
