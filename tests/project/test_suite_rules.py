@@ -13,6 +13,9 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = "tests"  # the tree's test folder (its modules' paths are made here, not cited)
+TIERS_MODULE = f"{TESTS}/test_tiers.py"
+SKIPS_MODULE = f"{TESTS}/test_skips.py"
 
 # The plugins' roots by name (tests/plugins/tiers.py reads fixture names, not where they come from).
 CONFTEST = """
@@ -86,20 +89,20 @@ def test_known():
 """
 
 UNMARKED = {
-    "tests/test_tiers.py::test_lab_unmarked": "needs @pytest.mark.lab (fixture lab)",
-    "tests/test_tiers.py::test_server_unmarked": "needs @pytest.mark.llama (fixture rpc_server_binary)",
-    "tests/test_tiers.py::test_own_lab_unmarked": "needs @pytest.mark.lab (it calls own_lab)",
+    f"{TIERS_MODULE}::test_lab_unmarked": "needs @pytest.mark.lab (fixture lab)",
+    f"{TIERS_MODULE}::test_server_unmarked": "needs @pytest.mark.llama (fixture rpc_server_binary)",
+    f"{TIERS_MODULE}::test_own_lab_unmarked": "needs @pytest.mark.lab (it calls own_lab)",
 }
 
 
 def _tree(root: Path, modules: dict[str, str]) -> None:
     (root / "pytest.ini").write_text(
-        "[pytest]\ntestpaths = tests\nmarkers =\n    lab: a lab\n    llama: a real server\n"
+        f"[pytest]\ntestpaths = {TESTS}\nmarkers =\n    lab: a lab\n    llama: a real server\n"
     )
-    (root / "tests").mkdir()
-    (root / "tests" / "conftest.py").write_text(textwrap.dedent(CONFTEST))
+    (root / TESTS).mkdir()
+    (root / TESTS / "conftest.py").write_text(textwrap.dedent(CONFTEST))
     for name, text in modules.items():
-        (root / "tests" / name).write_text(textwrap.dedent(text))
+        (root / TESTS / name).write_text(textwrap.dedent(text))
 
 
 def _pytest(root: Path, plugin: str, *args: str, ci: str = "") -> subprocess.CompletedProcess[str]:
@@ -147,10 +150,10 @@ def test_with_ci_set_a_whole_run_that_skipped_a_test_fails_naming_it(tmp_path: P
     assert done.returncode == 1, said
     assert "1 passed, 1 skipped, 1 xfailed" in said, said
     assert "CI: skipped tests fail the run" in said, said
-    assert "tests/test_skips.py::test_skipped: no root here" in said, said
+    assert f"{SKIPS_MODULE}::test_skipped: no root here" in said, said
     assert "CI: expected failures (xfail), allowed" in said, said
-    assert "tests/test_skips.py::test_known: a known failure" in said, said
+    assert f"{SKIPS_MODULE}::test_known: a known failure" in said, said
     done = _pytest(tmp_path, "tests.plugins.ci_skips")
     assert done.returncode == 0 and "CI:" not in done.stdout, done.stdout + done.stderr
-    done = _pytest(tmp_path, "tests.plugins.ci_skips", "tests/test_skips.py", ci="1")
+    done = _pytest(tmp_path, "tests.plugins.ci_skips", SKIPS_MODULE, ci="1")
     assert done.returncode == 0 and "CI:" not in done.stdout, done.stdout + done.stderr
