@@ -484,3 +484,135 @@ def local_inventory(folder: Path, ports: Sequence[int]) -> Path:
     inventory = folder / "inventory.yml"
     inventory.write_text(json.dumps({"hosts": hosts}))
     return inventory
+
+
+# --- the conditions every load figure names (issue 41, item 3) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadConditions:
+    """What a load figure depends on beyond the model and the nodes: the controller side's rate (its own
+    link; "loopback" or "unshaped" when none is set), the GGUF in this machine's page cache or dropped
+    from it (`drop_page_cache`), the servers' caches (none: servers without `-c`; empty, partly warm or
+    full) and the RPC transport (tcp or ssh)."""
+
+    controller: str
+    page_cache: str  # "cold" | "warm"
+    caches: str  # "none" | "empty" | "partly warm" | "full"
+    transport: str = "tcp"
+
+    def text(self) -> str:
+        return (
+            f"controller {self.controller}, page cache {self.page_cache}, caches {self.caches}, "
+            f"{self.transport}"
+        )
+
+
+CONDITIONS_RULE = (
+    "Conditions beside each load: the controller side's rate (tbf on the lab bridge: what this machine "
+    "sends into it; unshaped when no `--controller-rate`), the GGUF's page cache here (cold: dropped with "
+    "posix_fadvise(DONTNEED) just before; warm: read before), the servers' caches (none: servers without "
+    "`-c`; empty; partly warm; full: every big tensor a hit) and the RPC transport."
+)
+
+
+def controller_rate_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """The common `--controller-rate RATE`: tc tbf on the lab bridge's side, the controller's own link."""
+    parser.add_argument(
+        "--controller-rate",
+        default=default,
+        metavar="RATE",
+        help="tc tbf rate of the lab bridge's side: the controller's own link, which every node's bytes "
+        f"cross (default: {default or 'unshaped'})",
+    )
+
+
+def shape_controller(bridge: str, rate: str | None) -> None:
+    """Shape what this machine sends into the lab's bridge to `rate` (tbf); None leaves it unshaped."""
+    if rate is not None:
+        tbf = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+        subprocess.run(["tc", "qdisc", "replace", "dev", bridge, *tbf], check=True)
+
+
+def bridge_tx(bridge: str) -> int:
+    """Bytes this machine has sent into the lab's bridge (its `tx_bytes`; node-to-node traffic is switched
+    inside the bridge and not counted): the controller's bytes."""
+    return int(Path(f"/sys/class/net/{bridge}/statistics/tx_bytes").read_text())
+
+
+def drop_page_cache(path: Path) -> None:
+    """Drop `path`'s pages from this machine's page cache (posix_fadvise DONTNEED, after a sync of the
+    file: dirty pages are not dropped), so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def page_cache_resident(path: Path) -> float:
+    """The share of `path`'s pages in the page cache now (mincore over a read-only mapping)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    if size == 0:
+        return 1.0
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = (size + page - 1) // page
+    vec = ctypes.create_string_buffer(pages)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+def process_cpu(pids: Sequence[int]) -> tuple[float, float, int]:
+    """(user CPU seconds, system CPU seconds, minor page faults) the processes `pids` have spent so far,
+    all together (those gone count 0). System time and faults name a copy into fresh memory: each first
+    touch of a page is a fault the kernel serves."""
+    import psutil
+
+    user = system = 0.0
+    faults = 0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (psutil.NoSuchProcess, OSError):
+            continue
+        user, system = user + times.user, system + times.system
+        faults += int(stat.rpartition(")")[2].split()[7])  # minflt: the 10th field, the 8th after comm
+    return user, system, faults
+
+
+def server_pids(ports: Sequence[int]) -> list[int]:
+    """The pids of the loopback servers (`servers`) listening on `ports`, in that order."""
+    import psutil
+
+    wanted = {str(p): p for p in ports}
+    found: dict[int, int] = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "-p" in argv and argv.index("-p") + 1 < len(argv) and argv[argv.index("-p") + 1] in wanted:
+            found[wanted[argv[argv.index("-p") + 1]]] = proc.info["pid"]
+    missing = [p for p in ports if p not in found]
+    if missing:
+        raise RuntimeError(f"no server process found on port(s) {missing}")
+    return [found[p] for p in ports]

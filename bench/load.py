@@ -29,6 +29,19 @@ Loads 1-4 are timed as `run` times its load phase: the worker was spawned before
 the probe and the plan). Also: the native FNV-1a rate (the client hashes every big tensor on every load,
 hit or miss), the GGUF read rate from the page cache, and the achieved link rate (bytes of the no-cache
 load / its time).
+
+    .venv/bin/python bench/load.py --manifest [--rounds N] [--size 1.8gb|4gb] [--write]
+
+`--manifest`: the warm load with the hash manifest (docs/caches.md), over loopback (no lab, no root): two
+real CPU servers on 127.0.0.1 without a cache and two with `-c`, the 1.8 GB f16 llama of
+bench/load_scaling.py (or, `--size 4gb`, one of 4 GB with more layers). After the manifest is written
+(the hashing `run`'s check does once) and a cold load has filled the caches, each round loads, in this
+order: without a cache; warm (every tensor a hit) with the client hashing as stock
+(`GGML_RPC_HASH_MANIFESTS=` empty); warm with the manifest. Each load in a fresh worker whose imports are
+done. The client's own log (`GGML_RPC_HASH_LOG`) counts the tensors and bytes it hashed, and the worker
+process's CPU seconds during each load are read from /proc; the ratios to the load without a cache are
+taken per round (its spread given). Its own section per size, "warm load with the hash manifest, 1.8 GB"
+(or ", 4 GB").
 """
 
 from __future__ import annotations
@@ -41,16 +54,34 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from statistics import median
 from typing import Any
 
-from _common import ROOT, arg_parser, busy_cpu_seconds, load_average, stamp, write_section
+from _common import (
+    CONDITIONS_RULE,
+    ROOT,
+    LoadConditions,
+    arg_parser,
+    busy_cpu_seconds,
+    load_average,
+    local_inventory,
+    page_cache_resident,
+    process_cpu,
+    server_pids,
+    servers,
+    stamp,
+    write_section,
+)
 
 from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator.caches.plan import HASH_THRESHOLD, gguf_tensors, plan_cache
+from orchestrator.artifacts.patches import HASH_LOG_ENV, HASH_MANIFEST_ENV
+from orchestrator.caches.manifest import hash_log_counts
+from orchestrator.caches.plan import HASH_THRESHOLD, RACY_NS, gguf_tensors, plan_cache
 from orchestrator.caches.prep import warm_items
 from orchestrator.core.fnv import hash_file_range
 from orchestrator.engine.executor import HostContext, Session, StepOutcome
@@ -236,14 +267,244 @@ async def connected(session: Session, hosts: list[Host]) -> None:
         raise RuntimeError(f"cannot connect: {[str(r.error) for r in run.failed]}")
 
 
+# --manifest: bench/load_scaling.py's 1.8 GB f16 llama, and a 4 GB one with the same layers, more of them.
+MANIFEST_MODELS: dict[str, dict[str, Any]] = {
+    "1.8gb": {"n_layer": 8, "n_embd": 3072, "n_head": 24, "n_head_kv": 24, "n_ff": 8192, "seed": 9},
+    "4gb": {"n_layer": 18, "n_embd": 3072, "n_head": 24, "n_head_kv": 24, "n_ff": 8192, "seed": 9},
+}
+MANIFEST_SECTION = "warm load with the hash manifest"
+NO_CACHE, WARM_HASHED, WARM_MANIFEST = "no cache", "warm, the client hashes", "warm, hashes from the manifest"
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestLoad:
+    seconds: float
+    cpu: float  # the worker process's CPU seconds during the load (user + system)
+    server_cpu: float  # the servers' CPU seconds during the load, all together
+    server_system: float  # of which in the kernel
+    server_faults: int  # the servers' minor page faults during the load
+    counts: Counter[str]  # the client's log: tensors from the manifest, tensors hashed (by reason)
+    hashed_bytes: int
+
+
+def logged_load(plan: Plan, model: Path, log: Path, manifests: bool, server: list[int]) -> ManifestLoad:
+    """`timed_load` with the client's hash log and the CPU seconds of the worker and of the servers
+    (`server`: their pids); `manifests` False: the lookup off (`GGML_RPC_HASH_MANIFESTS` empty: the client
+    hashes as stock), True: rpcfleet's default folder (the loader sets it)."""
+    import psutil
+
+    log.unlink(missing_ok=True)
+    saved = {k: os.environ.get(k) for k in (HASH_LOG_ENV, HASH_MANIFEST_ENV)}
+    os.environ[HASH_LOG_ENV] = str(log)
+    if manifests:
+        os.environ.pop(HASH_MANIFEST_ENV, None)
+    else:
+        os.environ[HASH_MANIFEST_ENV] = ""
+    try:
+        with Worker.spawn() as worker:
+            worker.wait_ready()
+            process = psutil.Process(worker.pid)
+            before, servers_before = process.cpu_times(), process_cpu(server)
+            started = time.monotonic()
+            worker.load(plan, model, {"seed": 0})
+            seconds = time.monotonic() - started
+            after, servers_after = process.cpu_times(), process_cpu(server)
+        user, system, faults = (a - b for a, b in zip(servers_after, servers_before, strict=True))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    text = log.read_text() if log.exists() else ""
+    hashed = sum(int(line.split()[2]) for line in text.splitlines() if line.startswith("hashed "))
+    cpu = (after.user - before.user) + (after.system - before.system)
+    return ManifestLoad(seconds, cpu, user + system, system, int(faults), hash_log_counts(text), hashed)
+
+
+def read_rate(folder: Path) -> tuple[int, float]:
+    """(bytes, seconds) to read every file under `folder` from the page cache into one reused buffer: the
+    kernel's copy that a server's cache hit makes (it also zero-fills and copies into its buffer)."""
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    for f in files:  # into the page cache first
+        f.read_bytes()
+    buffer = bytearray(64 << 20)
+    total = 0
+    started = time.monotonic()
+    for f in files:
+        with f.open("rb", buffering=0) as fh:
+            while n := fh.readinto(buffer):
+                total += n
+    return total, time.monotonic() - started
+
+
+def manifest_main(args: Any) -> int:
+    """`--manifest`: see the module's doc."""
+    model = (
+        args.model
+        if args.model != DEFAULT_MODEL
+        else Path(f"/tmp/rpcfleet-bench-load/model-{args.size}.gguf")
+    )
+    spec = MANIFEST_MODELS[args.size]
+    if not model.exists():
+        model.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_llama(model, **spec)
+        time.sleep(2 * RACY_NS / 1e9)  # the memo is not kept for a file changed within its racy window
+    tensors = gguf_tensors([model])
+    total = sum(t.size for t in tensors)
+    big = sum(t.size for t in tensors if t.size > HASH_THRESHOLD)
+    profile = profile_model(model)
+    for t in tensors:  # brings the file into the page cache: every load reads it from there
+        hash_file_range(t.path, t.offset, t.size)
+    cpu_started = time.process_time()  # CPU seconds: the load of a shared machine does not count
+    for t in tensors:
+        hash_file_range(t.path, t.offset, t.size)
+    hash_rate = total / (time.process_time() - cpu_started)
+    load = load_average()
+    work = Path(f"/tmp/rpcfleet-bench-load/manifest-{os.getpid()}")
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    os.environ["LLAMA_CACHE"] = str(work / "cache")  # the servers' cache folder (`-c`)
+    log = work / "hash.log"
+    runs: dict[str, list[ManifestLoad]] = {NO_CACHE: [], WARM_HASHED: [], WARM_MANIFEST: []}
+    resident: list[float] = []
+    try:
+        with servers(2, work / "logs") as plain_ports, servers(2, work / "logs", "-c") as cached_ports:
+            plans = {}
+            for name, ports in (("plain", plain_ports), ("cached", cached_ports)):
+                (work / name).mkdir()
+                hosts = list(load_inventory(local_inventory(work / name, ports)).hosts)
+                plans[name] = asyncio.run(make_lab_plan(hosts, model))
+            pids = {"plain": server_pids(plain_ports), "cached": server_pids(cached_ports)}
+            started = time.monotonic()
+            per_endpoint = plan_cache(plans["cached"], [model])  # the memo and the manifest: once per file
+            named_s = time.monotonic() - started
+            listed = len({(c.tensor.offset, c.tensor.size) for cs in per_endpoint.values() for c in cs})
+            cold = logged_load(plans["cached"], model, log, True, pids["cached"])  # fills the cache files
+            for _ in range(args.rounds):
+                for name, plan_name, manifests in (
+                    (NO_CACHE, "plain", True),
+                    (WARM_HASHED, "cached", False),
+                    (WARM_MANIFEST, "cached", True),
+                ):
+                    resident.append(page_cache_resident(model))
+                    runs[name].append(logged_load(plans[plan_name], model, log, manifests, pids[plan_name]))
+            cache_bytes, cache_read_s = read_rate(work / "cache")
+    finally:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+    plan = plans["cached"]
+    per_node = planned_bytes(plan)
+    section_name = f"{MANIFEST_SECTION}, {args.size.replace('gb', ' GB')}"
+    conditions = {
+        NO_CACHE: LoadConditions("loopback (unshaped)", "warm", "none"),
+        WARM_HASHED: LoadConditions("loopback (unshaped)", "warm", "full"),
+        WARM_MANIFEST: LoadConditions("loopback (unshaped)", "warm", "full"),
+    }
+
+    def ratios(name: str) -> list[float]:
+        return [r.seconds / b.seconds for r, b in zip(runs[name], runs[NO_CACHE], strict=True)]
+
+    def spread(xs: list[float], unit: str = "", digits: int = 2) -> str:
+        return f"{median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}..{max(xs):.{digits}f})"
+
+    def counts(r: ManifestLoad) -> str:
+        said = ", ".join(f"{k} {v}" for k, v in sorted(r.counts.items()))
+        return said or "none"
+
+    lines = [
+        f"## {section_name}",
+        "",
+        f"`bench/load.py --manifest --size {args.size}`, {stamp()}; 1-min load average {load:.1f} at the "
+        f"start. Loopback: 2 CPU servers without a cache and 2 with `-c` on 127.0.0.1 (this machine's "
+        f"{os.cpu_count()} cores shared by the servers, the worker and the rest); a generated f16 llama of "
+        f"{total / 1e9:.2f} GB ({profile.n_layer} layers, n_embd {profile.n_embd}; {big / total:.0%} of its "
+        f"bytes in tensors over 10 MiB), plan {'/'.join(str(d.n_layers) for d in plan.devices)} layers, "
+        f"{sum(per_node.values()) / 1e9:.2f} GB of weights on the servers; the GGUF in the page cache "
+        f"({min(resident):.0%} of its pages or more before each load). {args.rounds} rounds, each in this "
+        "order: no cache, warm with the client hashing (stock), warm from the manifest; each load in a "
+        "fresh worker whose imports are done. Medians over the rounds, (min..max) beside them; the ratio "
+        "is taken per round.",
+        "",
+        "| load | conditions | seconds | x no cache | worker CPU s | servers' CPU s | tensors hashed "
+        "| GB hashed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, loads in runs.items():
+        rel = "1" if name == NO_CACHE else spread(ratios(name), "x")
+        n_hashed = [sum(v for k, v in r.counts.items() if k.startswith("hashed")) for r in loads]
+        lines.append(
+            f"| {name} | {conditions[name].text()} | {spread([r.seconds for r in loads])} | {rel} | "
+            f"{spread([r.cpu for r in loads])} | {spread([r.server_cpu for r in loads])} | {max(n_hashed)} | "
+            f"{max(r.hashed_bytes for r in loads) / 1e9:.2f} |"
+        )
+    manifest, hashed = ratios(WARM_MANIFEST), ratios(WARM_HASHED)
+    hashed_before = max(r.hashed_bytes for r in runs[WARM_HASHED])
+    hashed_after = max(r.hashed_bytes for r in runs[WARM_MANIFEST])
+    hashing_cpu = [h.cpu - m.cpu for h, m in zip(runs[WARM_HASHED], runs[WARM_MANIFEST], strict=True)]
+    warm = runs[WARM_MANIFEST]
+    server_share = [r.server_cpu / r.seconds for r in warm]
+    system_share = [r.server_system / r.server_cpu for r in warm]
+    fault_bytes = [r.server_faults * 4096 / 1e9 for r in warm]
+    plain_fault_bytes = [r.server_faults * 4096 / 1e9 for r in runs[NO_CACHE]]
+    plain_system = [r.server_system / r.server_cpu for r in runs[NO_CACHE]]
+    verdict = "met" if median(manifest) <= 0.25 else "**not met**"
+    lines += [
+        "",
+        f"- Target: a warm load at most 0.25x the load without a cache: {spread(manifest, 'x')} with the "
+        f"manifest ({verdict}); {spread(hashed, 'x')} when the client hashes (today's stock client).",
+        f"- The controller's CPU seconds hashing per warm load (the worker's CPU, client hashing minus "
+        f"manifest, per round): {spread(hashing_cpu, ' s')} for {hashed_before / 1e9:.2f} GB hashed "
+        f"({hashed_before / median(hashing_cpu) / 1e6:.0f} MB per CPU second; rpcfleet's own native FNV-1a "
+        f"here {hash_rate / 1e6:.0f} MB per CPU second). With the manifest: {hashed_after / 1e9:.2f} GB "
+        f"hashed, so none (the client's log, last round: {counts(warm[-1])}; the manifest lists {listed} "
+        "tensors).",
+        f"- Once per model file: naming the plan's tensors for the memo and the manifest {named_s:.2f} s "
+        f"(read from the memo when an earlier run hashed this file); the cold load that filled the caches "
+        f"{cold.seconds:.2f} s (its client: {counts(cold)}).",
+        f"- What is left of a warm load with the manifest, measured: the servers were busy "
+        f"{spread([r.server_cpu for r in warm], ' CPU s')} of its "
+        f"{spread([r.seconds for r in warm], ' s')} ({spread(server_share, 'x')} of the wall time; the "
+        f"worker {spread([r.cpu for r in warm], ' CPU s')}), {spread(system_share, 'x')} of it in the "
+        f"kernel, with {spread(fault_bytes, ' GB')} of fresh pages first touched (minor faults x 4 KiB; "
+        f"without a cache {spread(plain_fault_bytes, ' GB')}, the servers {spread(plain_system, 'x')} in the "
+        f"kernel). A hit makes the server allocate and zero-fill a vector of the tensor's size, read its "
+        f"cache file into it and copy that into its buffer (stock `get_cached_file`, `set_tensor_hash`), "
+        f"and the weights' buffers are new at each load: reading the {cache_bytes / 1e9:.2f} GB of cache "
+        f"files from the page cache into one reused buffer takes only {cache_read_s:.2f} s here "
+        f"({cache_bytes / cache_read_s / 1e9:.2f} GB/s), so the servers' time is the fresh memory (faults, "
+        f"zero-fill, copies), not the reads. The SET_TENSOR_HASH requests go one at a time ({listed}, a "
+        "loopback round trip each); the tensors under 10 MiB are sent. Over loopback the no-cache load "
+        "pays for the same fresh memory (receive into a new vector, copy into the buffer), so a hit saves "
+        "the hash and the socket copies and little else; the ratio falls where the wire, not memory, "
+        "bounds the load without a cache.",
+        "",
+        CONDITIONS_RULE,
+        "",
+    ]
+    section = "\n".join(lines)
+    print(section)
+    if args.write is not None:
+        write_section(args.write, section_name, section)
+    return 0
+
+
+DEFAULT_MODEL = Path("/tmp/rpcfleet-bench-load/model.gguf")
+
+
 def main() -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate per link (default 1gbit)")
     parser.add_argument(
         "--controller-rate", default=None, help="tc tbf rate of the bridge's side: the controller's own link"
     )
-    parser.add_argument("--model", type=Path, default=Path("/tmp/rpcfleet-bench-load/model.gguf"))
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--manifest", action="store_true", help="the warm load with the hash manifest, over loopback (no lab)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="--manifest: rounds of the three loads")
+    parser.add_argument("--size", choices=sorted(MANIFEST_MODELS), default="1.8gb", help="--manifest: model")
     args = parser.parse_args()
+    if args.manifest:
+        return manifest_main(args)
     if not privileged():
         print("bench/load.py needs root (network namespaces)", file=sys.stderr)
         return 2
