@@ -40,8 +40,8 @@ order: without a cache; warm (every tensor a hit) with the client hashing as sto
 (`GGML_RPC_HASH_MANIFESTS=` empty); warm with the manifest. Each load in a fresh worker whose imports are
 done. The client's own log (`GGML_RPC_HASH_LOG`) counts the tensors and bytes it hashed, and the worker
 process's CPU seconds during each load are read from /proc; the ratios to the load without a cache are
-taken per round (its spread given). Its own section per size, "warm load with the hash manifest, 1.8 GB"
-(or ", 4 GB").
+taken per round (its spread given). Its own section per size: "warm load with the hash manifest (--size
+1.8gb)" (or 4gb).
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def manifest_main(args: Any) -> int:
         subprocess.run(["rm", "-rf", str(work)], check=False)
     plan = plans["cached"]
     per_node = planned_bytes(plan)
-    section_name = f"{MANIFEST_SECTION}, {args.size.replace('gb', ' GB')}"
+    section_name = f"{MANIFEST_SECTION} (--size {args.size})"  # a figure in a heading would be hand-written
     conditions = {
         NO_CACHE: LoadConditions("loopback (unshaped)", "warm", "none"),
         WARM_HASHED: LoadConditions("loopback (unshaped)", "warm", "full"),
