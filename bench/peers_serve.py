@@ -64,7 +64,7 @@ from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.state import Lab
 from orchestrator.models.catalogue import GEMMA3_270M, cached_path
 
-SECTION = "peers: serve --replicas auto vs round robin"
+SECTION = "peers: serve replicas vs round robin"
 LAB_NAME = "peersserve"
 NODES = 3
 TARGET = 0.05  # serve's front within 5 % of the plain stack: tokens/s not under, TTFT p50 not over
