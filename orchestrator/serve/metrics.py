@@ -47,6 +47,8 @@ class Metrics:
     ttft_sum: float = 0.0
     ttft_count: int = 0
     reloads: int = 0
+    resumed: Counter[tuple[str, str]] = field(default_factory=Counter)  # (route, how: restarted, continued)
+    resumed_tokens: int = 0  # tokens an engine processed again for a resumed request (its prompt, its text)
     recoveries: list[Recovery] = field(default_factory=list)
     rejoins: list[Rejoin] = field(default_factory=list)
 
@@ -65,6 +67,13 @@ class Metrics:
         if ttft is not None:
             self.ttft_sum += ttft
             self.ttft_count += 1
+
+    def record_resumed(self, route: str, *, restarted: bool, tokens: int) -> None:
+        """A request whose engine was lost went on elsewhere: sent again whole (`restarted`: nothing had
+        been sent to the client) or continued from its streamed tokens; `tokens` processed again (a
+        continuation's prompt and streamed tokens; a restart's are its whole answer's, unknown here)."""
+        self.resumed[(route, "restarted" if restarted else "continued")] += 1
+        self.resumed_tokens += tokens
 
     def record_reload(self) -> None:
         self.reloads += 1
@@ -118,6 +127,17 @@ class Metrics:
             "# HELP rpcfleet_reloads_total Reloads (SIGHUP, POST /admin/reload).",
             "# TYPE rpcfleet_reloads_total counter",
             f"rpcfleet_reloads_total {self.reloads}",
+            "# HELP rpcfleet_requests_resumed_total Requests whose engine was lost, finished elsewhere: sent "
+            "again whole (nothing sent yet) or continued from the tokens streamed.",
+            "# TYPE rpcfleet_requests_resumed_total counter",
+            *(
+                f'rpcfleet_requests_resumed_total{{route="{_label(route)}",how="{how}"}} {n}'
+                for (route, how), n in sorted(self.resumed.items())
+            ),
+            "# HELP rpcfleet_resumed_prefill_tokens_total Tokens processed again to continue resumed streams "
+            "(the prompt and the tokens already streamed), not billed in the client's usage.",
+            "# TYPE rpcfleet_resumed_prefill_tokens_total counter",
+            f"rpcfleet_resumed_prefill_tokens_total {self.resumed_tokens}",
             "# HELP rpcfleet_recoveries_total Recoveries after a lost node or a dead worker.",
             "# TYPE rpcfleet_recoveries_total counter",
             f"rpcfleet_recoveries_total {len(self.recoveries)}",

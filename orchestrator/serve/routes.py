@@ -28,12 +28,15 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from orchestrator.core.log import get_logger
+from orchestrator.serve import resume
 from orchestrator.serve.affinity import affinity_key
 from orchestrator.serve.formation import Formation
 from orchestrator.serve.requests import ChatCompletionRequest, CompletionRequest
@@ -168,8 +171,7 @@ def openai_routes(
         if refused is not None:
             return _failed(route, 403, refused, param="model")
         key = affinity_key(route, data)
-        stream = bool(data.get("stream"))
-        work = _proxy(route, json.dumps(data).encode(), stream, model_id, key, slot)
+        work = _proxy(route, data, model_id, key, slot)
         return await _until_hung_up(request, route, work)
 
     async def _until_hung_up(request: Request, route: str, work: Any) -> Any:
@@ -192,52 +194,57 @@ def openai_routes(
         return answer.result()
 
     async def _proxy(
-        route: str, body: bytes, stream: bool, model_id: str | None, key: str | None, slot: int | None
+        route: str, data: dict[str, Any], model_id: str | None, key: str | None, slot: int | None
     ) -> Any:
+        """The engine's answer to `data`. An engine lost before its answer began (a whole answer, or a
+        stream's head) is asked again on a formation that serves the model again, within --queue-timeout
+        of the loss: the client has received nothing yet."""
         arrived = time.monotonic()  # its formation's request duration counts from here
         placed = await _slot(route, model_id, key, slot, arrived + config.queue_timeout)
         if isinstance(placed, Response):
             return placed
+        edit = _stream_edit(route, data) if data.get("stream") else None
         backend, ticket, got = placed
+        while True:
+            try:
+                return await _answered(route, data, model_id, key, arrived, (backend, ticket, got), edit)
+            except UpstreamError as exc:
+                failure = await _lost(backend, got, exc)
+            again = await _again(failure, model_id, key) if resumes(failure) else None
+            if again is None:
+                return _failure(route, failure)
+            backend, ticket, got = again
+            metrics.record_resumed(route, restarted=True, tokens=0)
+            get_logger().info("serve_request_resumed", route=route, streamed=0)
+
+    async def _answered(
+        route: str,
+        data: dict[str, Any],
+        model_id: str | None,
+        key: str | None,
+        arrived: float,
+        placed: tuple[Formation, Ticket, Running],
+        edit: resume.StreamEdit | None,
+    ) -> Response:
+        """The engine's answer on the slot `placed` holds (given back here, or by the stream it hands
+        on); UpstreamError when the engine is lost before its answer began."""
+        backend, ticket, got = placed
+        body = json.dumps(resume.engine_body(route, data) if edit is not None else data).encode()
         handed = False  # to the stream, which then releases the ticket
         try:
-            engine_url, engine_key = got.engine.url, got.engine.api_key
-
-            async def alive() -> bool:
-                """Its main loop still takes tasks (/metrics is one): busy generating, not stuck. The loop
-                takes one between two decode steps, and one step of a slow device (llvmpipe on a loaded
-                machine: seconds a token) may outlast any short wait: the same `event_timeout` bounds it."""
-                try:
-                    return (await upstream.get(engine_url, "/metrics", config.event_timeout, engine_key))[
-                        0
-                    ] == 200
-                except UpstreamError:
-                    return False
-
             held = contextlib.AsyncExitStack()  # the engine's answer, open until its body is read
             try:
-                answer = await held.enter_async_context(
-                    upstream.request(
-                        engine_url,
-                        "POST",
-                        route,
-                        body,
-                        key=engine_key,
-                        silence=config.event_timeout,
-                        alive=alive,
-                    )
-                )
+                answer = await held.enter_async_context(_ask(got, route, body))
                 backend.answered()
-                if stream and answer.status == 200:
+                if data.get("stream") and answer.status == 200:
                     handed = True
+                    flow = _Flow(router, route, data, model_id, key, backend, ticket, got, arrived, edit)
                     return StreamingResponse(
-                        _stream(route, backend, ticket, got, held, answer, arrived),
+                        _stream(flow, held, answer),
                         media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     )
                 whole = await answer.read()
-            except UpstreamError as exc:
-                return _failure(route, await _lost(backend, got, exc))
             finally:
                 if not handed:
                     await held.aclose()
@@ -257,6 +264,25 @@ def openai_routes(
             if not handed:
                 backend.release(ticket)
 
+    def _ask(running: Running, route: str, body: bytes) -> contextlib.AbstractAsyncContextManager[Answer]:
+        """`body` sent to `running`'s engine on `route`: its answer, as it comes."""
+        engine_url, engine_key = running.engine.url, running.engine.api_key
+
+        async def alive() -> bool:
+            """Its main loop still takes tasks (/metrics is one): busy generating, not stuck. The loop
+            takes one between two decode steps, and one step of a slow device (llvmpipe on a loaded
+            machine: seconds a token) may outlast any short wait: the same `event_timeout` bounds it."""
+            try:
+                return (await upstream.get(engine_url, "/metrics", config.event_timeout, engine_key))[
+                    0
+                ] == 200
+            except UpstreamError:
+                return False
+
+        return upstream.request(
+            engine_url, "POST", route, body, key=engine_key, silence=config.event_timeout, alive=alive
+        )
+
     async def _slot(
         route: str, model_id: str | None, key: str | None, slot: int | None, deadline: float
     ) -> tuple[Formation, Ticket, Running] | Response:
@@ -264,21 +290,29 @@ def openai_routes(
         stream stays on it) and holding one of its engine's slots, waiting until `deadline` (its arrival
         and --queue-timeout): while the model's formations recover, for one to serve again (a request
         queued on a formation that stops serving waits so too). Else the error's answer."""
+        try:
+            held = await _held(model_id, key, deadline, slot)
+        except Rejected as exc:
+            extra: dict[str, Any] = {"param": "model"} if exc.status == 404 else {}
+            if exc.lost:
+                extra["lost"] = list(exc.lost)
+            return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
+        return _failure(route, held) if isinstance(held, Failure) else held
+
+    async def _held(
+        model_id: str | None, key: str | None, deadline: float, slot: int | None = None
+    ) -> tuple[Formation, Ticket, Running] | Failure:
+        """A slot of a serving formation of the model, waited for until `deadline` (Rejected when the
+        router refuses the request), or the Failure to answer."""
         while True:
-            try:
-                await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
-                backend, ticket = await router.admit_or_wait(model_id, key, deadline)
-            except Rejected as exc:
-                extra: dict[str, Any] = {"param": "model"} if exc.status == 404 else {}
-                if exc.lost:
-                    extra["lost"] = list(exc.lost)
-                return _failed(route, exc.status, exc.message, retry_after=exc.retry_after, **extra)
+            await router.loaded(model_id)  # an on-demand model: loaded first (nothing awaited after it)
+            backend, ticket = await router.admit_or_wait(model_id, key, deadline)
             got: Running | Failure | None = None
             try:
                 slots = backend.config.parallel
                 if slot is not None and not -1 <= slot < slots:
                     message = f"id_slot must be -1 (any slot) or one of the engine's {slots} slots"
-                    return _failed(route, 400, f"{message}: 0 to {slots - 1}")
+                    return Failure(400, f"{message}: 0 to {slots - 1}", "invalid_request_error")
                 got = await backend.acquire(ticket, deadline)
                 if isinstance(got, Running):
                     return backend, ticket, got
@@ -286,62 +320,189 @@ def openai_routes(
                 if not isinstance(got, Running):  # its place given back: an error, a hang-up, or to wait
                     backend.release(ticket)
             if not router.recovering(model_id) or time.monotonic() >= deadline:
-                return _failure(route, got)
+                return got
+
+    async def _again(
+        failure: Failure, model_id: str | None, key: str | None
+    ) -> tuple[Formation, Ticket, Running] | None:
+        """After `failure` (its engine lost), a slot of a formation that serves the model again within
+        --queue-timeout (another replica at once, or this one re-formed), else None."""
+        try:
+            held = await _held(model_id, key, time.monotonic() + config.queue_timeout)
+        except Rejected:
+            return None
+        return None if isinstance(held, Failure) else held
 
     async def _lost(backend: Formation, running: Running, exc: UpstreamError) -> Failure:
         if isinstance(exc, UpstreamTimeout):
             backend.stalled(running)
         return await backend.failure_of(running, str(exc))
 
-    async def _stream(
-        route: str,
-        backend: Formation,
-        ticket: Ticket,
-        running: Running,
-        held: contextlib.AsyncExitStack,
-        answer: Answer,
-        arrived: float,
-    ) -> AsyncIterator[bytes]:
-        usage = _Usage()
-        last = b""  # the stream's end so far: an OpenAI stream of llama-server's ends with [DONE]
-        settled = False
+    async def _prompt_tokens(running: Running, route: str, data: dict[str, Any]) -> list[int]:
+        """The request's prompt as token ids, by `running`'s engine: a chat's template applied
+        (/apply-template), then tokenized as llama-server tokenizes a completion's prompt (/tokenize
+        with the special tokens added and parsed)."""
+        prompt = data.get("prompt")
+        if route == resume.CHAT:
+            prompt = json.loads(await _engine_json(running, "/apply-template", data))["prompt"]
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        asked = {"content": prompt, "add_special": True, "parse_special": True}
+        return [int(t) for t in json.loads(await _engine_json(running, "/tokenize", asked))["tokens"]]
 
-        def settle(code: int) -> None:
-            # Counted and released before the client can read the end, so a client that has its
-            # answer also sees it in /metrics and /health.
-            nonlocal settled
-            if not settled:
-                settled = True
-                backend.release(ticket)
-                router.counters(backend, arrived).record_request(route, code)
+    async def _engine_json(running: Running, path: str, data: dict[str, Any]) -> bytes:
+        """`path`'s answer to `data`; CannotResume when the engine refuses it (it is not lost)."""
+        async with _ask(running, path, json.dumps(data).encode()) as answer:
+            whole = await answer.read()
+        if answer.status != 200:
+            raise CannotResume(f"{path} answered {answer.status}: {whole[:200]!r}")
+        return whole
 
+    async def _stream(flow: _Flow, held: contextlib.AsyncExitStack, answer: Answer) -> AsyncIterator[bytes]:
+        """The engine's stream to the client. A stream whose engine is lost goes on, when it can
+        (`serve.resume`), on a formation that serves the model again within --queue-timeout: the same
+        stream, from where it stopped. Else it ends with the loss's error event."""
         try:
-            try:
-                async for piece in answer.body():
-                    backend.answered()
-                    if ticket.first_token is None and _TEXT.search(piece):
-                        ticket.saw_text()
-                    usage.feed(piece)
-                    last = (last + piece)[-32:]
-                    if b"data: [DONE]" in last:
-                        router.counters(backend).record_done(
-                            usage.prompt, usage.completion, usage.tokens_per_second, ticket.first_token
-                        )
-                        settle(200)
-                    yield piece
-                    if settled:
-                        break  # the answer is whole; what follows [DONE] is the connection's end
-                if not settled:  # closed early, whatever its framing said
-                    raise UpstreamError("the engine's stream ended before [DONE]")
-            except UpstreamError as exc:
-                failure = await _lost(backend, running, exc)
-                settle(failure.status)
-                yield b"data: " + json.dumps(failure_body(failure)).encode() + b"\n\n"
+            while True:
+                try:
+                    async for out in flow.pipe(answer):
+                        yield out
+                    return
+                except UpstreamError as exc:
+                    failure = await _lost(flow.backend, flow.running, exc)
+                await held.aclose()
+                went_on = await _resumed(flow, failure)
+                if went_on is None:
+                    flow.settle(failure.status)
+                    yield b"data: " + json.dumps(failure_body(failure)).encode() + b"\n\n"
+                    return
+                held, answer = went_on
         finally:
             await held.aclose()
-            settle(499)  # the client went away before the end
+            flow.settle(499)  # the client went away before the end
+
+    async def _resumed(flow: _Flow, failure: Failure) -> tuple[contextlib.AsyncExitStack, Answer] | None:
+        """The continuation of `flow` after `failure`: its engine's answer, open, or None when the stream
+        cannot go on (it cannot be continued, or no formation serves again in time)."""
+        while resumes(failure) and (not flow.texted or (flow.edit is not None and flow.edit.resumable())):
+            flow.backend.release(flow.ticket)
+            flow.released = True
+            again = await _again(failure, flow.model_id, flow.key)
+            if again is None:
+                return None
+            flow.backend, flow.ticket, flow.running = again
+            flow.released = False
+            held = contextlib.AsyncExitStack()
+            prompt: list[int] = []
+            try:
+                if flow.texted and flow.edit is not None:  # continued from the tokens streamed
+                    prompt = await _prompt_tokens(flow.running, flow.route, flow.data)
+                    body = resume.continuation_body(flow.route, flow.data, prompt, flow.edit.generated)
+                    path = resume.COMPLETIONS
+                else:  # no text sent yet: asked again as it was
+                    body = flow.data if flow.edit is None else resume.engine_body(flow.route, flow.data)
+                    path = flow.route
+                answer = await held.enter_async_context(_ask(flow.running, path, json.dumps(body).encode()))
+                if answer.status != 200:
+                    raise CannotResume(f"{path} was answered {answer.status}")
+            except CannotResume as exc:
+                await held.aclose()
+                get_logger().warning("serve_resume_refused", route=flow.route, error=str(exc))
+                return None
+            except UpstreamError as exc:
+                await held.aclose()
+                failure = await _lost(flow.backend, flow.running, exc)
+                continue
+            streamed = len(flow.edit.generated) if flow.edit is not None else 0
+            if not flow.texted:
+                metrics.record_resumed(flow.route, restarted=True, tokens=0)
+            else:
+                assert flow.edit is not None
+                flow.edit.resume(len(prompt))
+                metrics.record_resumed(flow.route, restarted=False, tokens=len(prompt) + streamed)
+            get_logger().info("serve_request_resumed", route=flow.route, streamed=streamed)
+            return held, answer
+        return None
 
     return api
+
+
+class CannotResume(Exception):
+    """The engine that would continue a stream refused a step of it (it is alive: not a loss)."""
+
+
+def resumes(failure: Failure) -> bool:
+    """Pure: whether a request whose engine ended so may go on elsewhere: the engine was lost (a node, or
+    the engine itself), not stopped on purpose (a drain past its timeout) nor the request refused."""
+    return failure.kind in ("node_lost", "server_error") and failure.status in (502, 503)
+
+
+def _stream_edit(route: str, data: dict[str, Any]) -> resume.StreamEdit | None:
+    """The edit that lets a stream go on elsewhere, None for one that cannot (`resume.not_resumable`)."""
+    if resume.not_resumable(route, data) is not None:
+        return None
+    options = data.get("stream_options")
+    return resume.StreamEdit(
+        route,
+        client_logprobs=resume.asks_logprobs(route, data),
+        client_timings=bool(data.get("timings_per_token")),
+        client_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+    )
+
+
+@dataclass(eq=False)
+class _Flow:
+    """One stream on its way to the client, across the engines that serve it: where it is served now
+    (backend, ticket, running), how it is edited (`edit`, None: passed as it is), and its end, counted
+    once (`settle`)."""
+
+    router: Router
+    route: str
+    data: dict[str, Any]
+    model_id: str | None
+    key: str | None
+    backend: Formation
+    ticket: Ticket
+    running: Running
+    arrived: float
+    edit: resume.StreamEdit | None
+    usage: _Usage = field(default_factory=lambda: _Usage())
+    settled: bool = False
+    released: bool = False  # its ticket given back while it waits for another formation
+    texted: bool = False  # text was sent to the client
+    _last: bytes = b""
+
+    def settle(self, code: int) -> None:
+        """Counted and released before the client can read the end, so a client that has its answer
+        also sees it in /metrics and /health."""
+        if not self.settled:
+            self.settled = True
+            if not self.released:
+                self.backend.release(self.ticket)
+            self.router.counters(self.backend, self.arrived).record_request(self.route, code)
+
+    async def pipe(self, answer: Answer) -> AsyncIterator[bytes]:
+        """The client's bytes of `answer`'s stream, to its [DONE]; UpstreamError if it ends before."""
+        async for piece in answer.body():
+            self.backend.answered()
+            if self.ticket.first_token is None and _TEXT.search(piece):
+                self.ticket.saw_text()
+            self.usage.feed(piece)
+            out = piece if self.edit is None else self.edit.feed(piece)
+            self.texted = self.texted or _TEXT.search(out) is not None
+            self._last = (self._last + out)[-32:]
+            if b"data: [DONE]" in self._last:
+                completion = (
+                    len(self.edit.generated) if self.edit and self.edit.resumes else self.usage.completion
+                )
+                self.router.counters(self.backend).record_done(
+                    self.usage.prompt, completion, self.usage.tokens_per_second, self.ticket.first_token
+                )
+                self.settle(200)
+            yield out
+            if self.settled:
+                return  # the answer is whole; what follows [DONE] is the connection's end
+        raise UpstreamError("the engine's stream ended before [DONE]")
 
 
 def bound_answer(data: dict[str, Any]) -> str | None:

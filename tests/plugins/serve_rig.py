@@ -220,6 +220,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
                 chunk = {"choices": [{"text": f"t{i} ", "index": 0, "finish_reason": None}]}
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
+                self.engine.chunks += 1
             end = {
                 "choices": [{"text": "", "finish_reason": "length"}],
                 "timings": {"prompt_n": 3, "predicted_n": n},
@@ -233,6 +234,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
 class HttpEngine(FakeEngine):
     delay: float = 0.01
     whole_delay: float = 0.0
+    chunks: int = 0  # stream events with text sent so far
     stuck: bool = False
     active: int = 0
     metrics_text: str = ""  # its /metrics (default: requests_processing only)

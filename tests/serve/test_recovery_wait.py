@@ -146,11 +146,12 @@ def test_a_request_queued_when_the_engine_dies_waits_for_the_recovery_too(
     served: Callable[..., Served],
 ) -> None:
     """Queued for the one slot (not yet at the engine) when the engine dies: it waits as a new one would,
-    while the stream holding the slot ends with the 503 naming the lost node."""
+    while the stream holding the slot, which has sent text without its tokens' ids (this engine does not
+    say them: `serve.resume`), cannot go on and ends with the 503 naming the lost node."""
     base, router, fleet, engines = served(queue_timeout=30.0)
     formation = router.formations[0]
     stream = Ask(base, stream=True, max_tokens=400)
-    _until(lambda: engines[-1].active == 1, 5, "the stream never started")
+    _until(lambda: engines[-1].chunks >= 1, 5, "the stream never started")
     queued = Ask(base)
     _until(lambda: formation.admitted == 2, 5, "the second request was not queued")
     _lose_every_node(router, fleet, engines)
