@@ -30,8 +30,9 @@ def register(subparsers: Any) -> None:
         description=(
             "Probe the selected servers, plan the model, run llama-server on the plan (on loopback, with "
             "--parallel slots) and serve its OpenAI API (completions, chat, streaming, models) behind "
-            "serve's API key, /health and /metrics. A lost node ends the requests in flight with 503 naming "
-            "it; the model is re-planned on the nodes that answer and llama-server restarted there. "
+            "serve's API key, /health and /metrics. At a lost node the model is re-planned on the nodes that "
+            "answer and llama-server restarted there; the requests in flight go on once a formation of the "
+            "model serves again (a stream from where it stopped), else get 503 naming the node. "
             "SIGHUP or POST /admin/reload reloads (drain, unload, [rolling restart], plan, load)."
         ),
     )

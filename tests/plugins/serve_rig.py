@@ -154,6 +154,10 @@ class Rig:
         return self.engines[-1]
 
 
+FIRST_ID = 1000  # the id of a fake engine's token i is FIRST_ID + i
+PROMPT_TOKENS = [1, 2, 3]  # any prompt, tokenized by a fake engine
+
+
 class _FakeHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # the body ends with the connection, as a stream's may
     engine: HttpEngine
@@ -197,14 +201,23 @@ class _FakeHandler(BaseHTTPRequestHandler):
         if self._refused():
             return
         self.engine.bodies.append(body)
+        if self.path in ("/tokenize", "/apply-template"):
+            self._tokenize_or_template(body)
+            return
         if body.get("max_tokens", 0) > 1000:
             self._send(
                 400, b'{"error":{"code":400,"message":"too many tokens","type":"invalid_request_error"}}'
             )
             return
         n = int(body["max_tokens"])
+        # A continuation's prompt is the prompt's tokens, then the ids streamed (`FIRST_ID + i`)
+        prompt = body.get("prompt")
+        start = sum(1 for t in prompt if t >= FIRST_ID) if isinstance(prompt, list) else 0
         if not body.get("stream"):
             time.sleep(self.engine.whole_delay)
+            if self.engine.ended.is_set():
+                self.connection.shutdown(socket.SHUT_RDWR)  # died while answering: nothing comes
+                return
             whole = {"choices": [{"text": "x" * n}], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
             self._send(200, json.dumps(whole).encode())
             return
@@ -212,22 +225,47 @@ class _FakeHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         self.engine.active += 1
+        mine = len(self.engine.streamed)
+        self.engine.streamed.append(0)
         try:
             for i in range(n):
                 if self.engine.ended.wait(self.engine.delay):
                     self.connection.shutdown(socket.SHUT_RDWR)  # the engine aborts: the stream breaks off
                     return
-                chunk = {"choices": [{"text": f"t{i} ", "index": 0, "finish_reason": None}]}
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.write(
+                    b"data: " + json.dumps(self._chunk(body, start + i, i + 1)).encode() + b"\n\n"
+                )
                 self.wfile.flush()
                 self.engine.chunks += 1
+                self.engine.streamed[mine] += 1
             end = {
-                "choices": [{"text": "", "finish_reason": "length"}],
+                "id": f"cmpl-{self.engine.number}",
+                "choices": [{"text": "", "finish_reason": "length", "index": 0}],
                 "timings": {"prompt_n": 3, "predicted_n": n},
+                "usage": {"prompt_tokens": 3 + start, "completion_tokens": n, "total_tokens": 3 + start + n},
             }
             self.wfile.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
         finally:
             self.engine.active -= 1
+
+    def _chunk(self, body: dict[str, Any], i: int, decoded: int) -> dict[str, Any]:
+        """The event of token `i`: its text `t{i} `, and when the engine says ids (`token_ids`) and the
+        request asks (logprobs, n_probs), its id and the count decoded, as llama-server does."""
+        choice: dict[str, Any] = {"text": f"t{i} ", "index": 0, "finish_reason": None}
+        chunk: dict[str, Any] = {"id": f"cmpl-{self.engine.number}", "choices": [choice]}
+        if self.engine.token_ids and (body.get("n_probs") or body.get("logprobs")):
+            choice["logprobs"] = {"content": [{"id": FIRST_ID + i, "token": f"t{i} "}]}
+        if self.engine.token_ids and body.get("timings_per_token"):
+            chunk["timings"] = {"predicted_n": decoded}
+        return chunk
+
+    def _tokenize_or_template(self, body: dict[str, Any]) -> None:
+        if not self.engine.token_ids:
+            self._send(404, b'{"error":{"code":404,"message":"not found","type":"not_found_error"}}')
+        elif self.path == "/tokenize":
+            self._send(200, json.dumps({"tokens": PROMPT_TOKENS}).encode())
+        else:
+            self._send(200, json.dumps({"prompt": "templated"}).encode())
 
 
 @dataclass(eq=False)
@@ -235,6 +273,8 @@ class HttpEngine(FakeEngine):
     delay: float = 0.01
     whole_delay: float = 0.0
     chunks: int = 0  # stream events with text sent so far
+    streamed: list[int] = field(default_factory=list)  # each stream's events with text, in arrival order
+    token_ids: bool = False  # says each token's id (logprobs) and answers /tokenize, /apply-template
     stuck: bool = False
     active: int = 0
     metrics_text: str = ""  # its /metrics (default: requests_processing only)

@@ -130,7 +130,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
     made: list[tuple[Any, Router]] = []
 
     def make(
-        parts: Mapping[str, tuple[tuple[str, ...], ...]] = PARTS, **config: Any
+        parts: Mapping[str, tuple[tuple[str, ...], ...]] = PARTS, token_ids: bool = False, **config: Any
     ) -> tuple[Any, dict[str, Rig]]:
         rigs: dict[str, Rig] = {}
         formations = []
@@ -146,7 +146,7 @@ def routed(tiny_model: Path) -> Iterator[Callable[..., tuple[Any, dict[str, Rig]
                     fleet: PartFleet = fleet,
                     engines: list[Any] = engines,
                 ) -> HttpEngine:
-                    engines.append(HttpEngine(plan, fleet, len(engines)))
+                    engines.append(HttpEngine(plan, fleet, len(engines), token_ids=token_ids))
                     return engines[-1]  # type: ignore[no-any-return]
 
                 options = {"retry_interval": 0.005, "rejoin_interval": 0.0, **config}
@@ -329,20 +329,22 @@ def test_an_unknown_model_is_404_naming_the_served_ones(
     assert chat.status_code == 404 and "'zz' is not served" in chat.json()["error"]["message"]
 
 
-def test_a_lost_node_ends_only_its_formations_streams_and_the_others_keep_answering(
+def test_a_lost_nodes_streams_go_on_on_the_other_formation_and_read_as_one_stream(
     routed: Callable[..., tuple[Any, dict[str, Rig]]],
 ) -> None:
-    """20 rounds: 3 streams on a#0 and 3 on a#1; a#1's node dies: its streams end with 503 naming it,
-    a#0's finish, new requests go to a#0 while a#1 recovers, then a#1 takes its node back."""
-    client, rigs = routed({"a": PARTS["a"]}, parallel=3, queue_size=2)
+    """20 rounds: 3 streams on a#0 and 3 on a#1, engines that say each token's id; a#1's node dies: its
+    streams go on on a#0 (issue 42: resumed, not failed), each one whole: one id, every token once and in
+    order, the usage of the whole answer; a#0's finish; new requests go to a#0 while a#1 recovers."""
+    client, rigs = routed({"a": PARTS["a"]}, token_ids=True, parallel=3, queue_size=4)
     for round_ in range(20):
         a0, a1 = rigs["a#0"].engine, rigs["a#1"].engine
         a0.delay = a1.delay = 0.01
+        a1.streamed.clear()
         results: list[Any] = []
         threads = [threading.Thread(target=_stream, args=(client, "a", 60, results)) for _ in range(6)]
         for thread in threads:
             thread.start()
-        _wait(lambda a0=a0, a1=a1: a0.active == 3 and a1.active == 3)  # type: ignore[misc]
+        _wait(lambda a1=a1: len(a1.streamed) == 3 and min(a1.streamed) >= 2)  # type: ignore[misc]
         rigs["a#1"].fleet.answering = set()
         a1.die()
         _wait(lambda: rigs["a#1"].formation.state == "recovering")
@@ -350,19 +352,47 @@ def test_a_lost_node_ends_only_its_formations_streams_and_the_others_keep_answer
         assert served.status_code == 200, (round_, served.json())  # a#0 answers meanwhile
         for thread in threads:
             thread.join(20)
-        lost = [events for code, events in results if "error" in events[-1]]
-        whole = [events for code, events in results if "error" not in events[-1]]
-        assert len(lost) == 3 and len(whole) == 3, round_
-        assert all(
-            e[-1]["error"]["code"] == 503 and e[-1]["error"]["lost"] == ["10.8.0.2:50052"] for e in lost
-        )
-        assert all(len(e) == 61 for e in whole)
+        assert len(results) == 6 and all(code == 200 for code, _ in results), round_
+        for _, events in results:
+            assert "error" not in events[-1], (round_, events[-1])
+            texts = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+            assert texts == "".join(f"t{i} " for i in range(60)), (round_, texts)
+            assert len({e["id"] for e in events}) == 1, round_
+            assert all(e["choices"][0].get("logprobs") is None for e in events)  # not asked: removed
+            assert (
+                events[-1]["usage"]["prompt_tokens"] == 3 and events[-1]["usage"]["completion_tokens"] == 60
+            )
         health = client.get("/health").json()
         states = {f["name"]: f["state"] for f in health["formations"]}
         assert states == {"a#0": "ready", "a#1": "recovering"} and health["status"] == "degraded", health
         rigs["a#1"].fleet.answering = {"10.8.0.2:50052"}
         rigs["a#1"].wait_state({"ready"})
     assert [f["recoveries"] for f in client.get("/health").json()["formations"]] == [0, 20]
+    metrics = client.get("/metrics").text
+    assert 'rpcfleet_requests_resumed_total{route="/v1/completions",how="continued"} 60' in metrics
+
+
+def test_a_stream_whose_engine_says_no_token_ids_ends_with_the_503_naming_the_lost_node(
+    routed: Callable[..., tuple[Any, dict[str, Rig]]],
+) -> None:
+    """An engine that does not say its tokens' ids: a stream that sent text cannot go on (its tokens are
+    not known, and serve never tokenizes text again); it ends with the 503 event naming the lost node."""
+    client, rigs = routed({"a": PARTS["a"]}, parallel=3, queue_size=2)
+    a1 = rigs["a#1"].engine
+    results: list[Any] = []
+    threads = [threading.Thread(target=_stream, args=(client, "a", 60, results)) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    _wait(lambda: len(a1.streamed) == 3 and min(a1.streamed) >= 1)
+    rigs["a#1"].fleet.answering = set()
+    a1.die()
+    for thread in threads:
+        thread.join(20)
+    lost = [events for code, events in results if "error" in events[-1]]
+    whole = [events for code, events in results if "error" not in events[-1]]
+    assert len(lost) == 3 and len(whole) == 3
+    assert all(e[-1]["error"]["code"] == 503 and e[-1]["error"]["lost"] == ["10.8.0.2:50052"] for e in lost)
+    assert all(len(e) == 61 for e in whole)
 
 
 def test_none_serving_waits_for_a_recovery_then_503_with_retry_after(

@@ -40,6 +40,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.llama]
 KEY = "s3cret"
 ADMIN_KEY = "serve-lab-admin"  # /admin/* takes only it
 LONG = 3000  # tokens: a stream that lasts (greedy on the tiny model: text all along)
+RESUMED = 400  # tokens: a stream that goes on after a loss
 
 
 def deploy(lab: Lab, artifact: Artifact) -> list[Host]:
@@ -118,12 +119,17 @@ def _http(request: urllib.request.Request) -> tuple[int, str]:
 def serve(serve_lab: Lab, fleet: list[Host], tiny_model: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[Served] = []
 
-    def start(*extra: str, until: frozenset[str] = frozenset({"ready"})) -> Served:
+    def start(
+        *extra: str,
+        until: frozenset[str] = frozenset({"ready"}),
+        model: Path = tiny_model,
+        shape: tuple[str, ...] = ("--split",),
+    ) -> Served:
         port = free_port()
         log = tmp_path / f"serve-{port}.log"
         argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(serve_lab.inventory)]
-        argv += ["-m", str(tiny_model), "--ctx", "4096", "--port", str(port)]
-        argv += ["--model-name", "tiny", "--split", *extra]
+        argv += ["-m", str(model), "--ctx", "4096", "--port", str(port)]
+        argv += ["--model-name", "tiny", *shape, *extra]
         env = {**os.environ, "RPCFLEET_HOME": str(tmp_path), "RPCFLEET_API_KEY": KEY}
         env["RPCFLEET_ADMIN_KEY"] = ADMIN_KEY
         with log.open("wb") as out:
@@ -227,25 +233,29 @@ def test_the_openai_client_gets_completions_chat_streams_models_and_errors(serve
 
 
 def _lose_a_node_during_a_stream(served: Served, lose: Any, limit: float) -> dict[str, Any]:
+    """A stream of RESUMED tokens; once it has text, `lose()`: the stream goes on once serve serves again
+    (issue 42), whole: one id, its bound reached, the continuation counted in /metrics."""
     pid = served.process.pid
     before = served.health()
     assert len(before["plan"]["endpoints"]) == 3
-    stream = _stream(served)
-    got = 0
+    got, ids, finish = "", set(), None
     lost_at = None
-    with pytest.raises(openai.APIError) as caught:
-        for chunk in stream:
-            got += len(chunk.choices[0].text)
-            if got >= 8 and lost_at is None:
-                lose()
-                lost_at = time.monotonic()
+    for chunk in _stream(served, RESUMED):
+        ids.add(chunk.id)
+        got += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+        if len(got) >= 8 and lost_at is None:
+            lose()
+            lost_at = time.monotonic()
     assert lost_at is not None
-    health, seen, _ = served.wait({"degraded", "ready"}, limit)
-    assert seen[0] == "recovering", seen  # the error reached the client after the state changed
-    return {"error": str(caught.value), "health": health, "took": time.monotonic() - lost_at, "pid": pid}
+    assert len(ids) == 1 and finish == "length", (ids, finish)
+    health, _, _ = served.wait({"degraded", "ready"}, limit)
+    _, metrics = served.get("/metrics")
+    assert 'rpcfleet_requests_resumed_total{route="/v1/completions",how="continued"} 1' in metrics
+    return {"text": got, "health": health, "took": time.monotonic() - lost_at, "pid": pid}
 
 
-def test_a_node_killed_during_a_stream_is_named_and_serving_resumes_on_the_other_two(
+def test_a_node_killed_during_a_stream_is_named_and_the_stream_goes_on_on_the_other_two(
     serve_lab: Lab, fleet: list[Host], serve: Any
 ) -> None:
     served: Served = serve("--rejoin-interval", "0")  # the supervisor brings the server back: no rejoin
@@ -254,7 +264,6 @@ def test_a_node_killed_during_a_stream_is_named_and_serving_resumes_on_the_other
     out = _lose_a_node_during_a_stream(
         served, lambda: os.kill(_server_pid(serve_lab, victim), signal.SIGKILL), 30
     )
-    assert victim.endpoint in out["error"], out["error"]
     health = out["health"]
     assert health["plan"]["endpoints"] == [h.endpoint for h in fleet if h is not victim]
     assert health["lost"] == [victim.endpoint] and health["status"] == "degraded"
@@ -276,7 +285,8 @@ def test_a_cut_link_during_a_stream_is_bounded_by_the_link_timeout(
     victim = fleet[2]
     started = time.monotonic()
     out = _lose_a_node_during_a_stream(served, lambda: serve_lab.cut_link(victim.name), 40)
-    assert victim.endpoint in out["error"] and "timeout" in out["error"], out["error"]
+    recovery = out["health"]["last_recovery"]
+    assert recovery["lost"] == [victim.endpoint], recovery
     assert out["health"]["plan"]["endpoints"] == [h.endpoint for h in fleet[:2]]
     assert time.monotonic() - started < 30  # link timeout 4 s, the probe 2 s, a load: not TCP's minutes
     assert (
@@ -368,11 +378,12 @@ def _lose_the_client_behind_a_drop(lab: Lab, served: Served, victim: Host) -> st
     held = _peers(lab, victim)
     assert len(held) == 1, held  # serve's worker, the only client
     _rpc_drop(lab, victim, "-A")
-    with pytest.raises(openai.APIError) as caught:
-        for _ in _stream(served):
-            pass
-    assert victim.endpoint in str(caught.value), str(caught.value)
+    # The stream sends no text before the link timeout kills the worker: it is asked again, whole, of
+    # the formation re-formed without the victim (issue 42)
+    chunks = list(_stream(served, RESUMED))
+    assert chunks[-1].choices[0].finish_reason == "length" and len({c.id for c in chunks}) == 1
     health, _, _ = served.wait({"degraded"}, 60)
+    assert health["last_recovery"]["lost"] == [victim.endpoint], health
     assert victim.endpoint not in health["plan"]["endpoints"], health
     # The killed worker's socket may linger as an orphan retrying its FIN (dropped) for a minute or two
     # (tcp_orphan_retries): end it as that timeout would, before the rule goes, so the client is gone.
@@ -521,10 +532,11 @@ def test_a_killed_server_that_its_supervisor_restarts_is_taken_back_without_an_o
         while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        with pytest.raises(openai.APIStatusError) as caught:
-            served.client.completions.create(model="tiny", prompt="hi", max_tokens=4)
-        assert caught.value.status_code == 503 and victim.endpoint in str(caught.value), caught.value
+        # the request finds the node gone: it is asked again of the formation re-formed on two (issue 42)
+        answer = served.client.completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert answer.choices[0].finish_reason == "length", answer
         health, _, _ = served.wait({"degraded"}, 60)
+        assert health["last_recovery"]["lost"] == [victim.endpoint], health
         assert health["plan"]["endpoints"] == others and health["lost"] == [victim.endpoint], health
         time.sleep(5)  # watch rounds find the node down: still degraded, no rejoin
         health = served.health()
@@ -599,7 +611,7 @@ def test_a_node_behind_a_cut_link_is_taken_back_once_the_link_is_up_again(
     victim = fleet[2]
     server_pid = _server_pid(serve_lab, victim)
     out = _lose_a_node_during_a_stream(served, lambda: serve_lab.cut_link(victim.name), 40)
-    assert victim.endpoint in out["error"] and out["health"]["status"] == "degraded", out
+    assert out["health"]["lost"] == [victim.endpoint] and out["health"]["status"] == "degraded", out
     serve_lab.restore_link(victim.name)
     restored = time.monotonic()
     health, seen, _ = served.wait({"ready"}, 75)
@@ -653,21 +665,24 @@ def test_eight_concurrent_streamed_chats_complete_and_the_slots_serve_them_toget
 
 
 def _lose_a_node_during_four_streams(served: Served, lose: Callable[[], None], limit: float) -> list[str]:
-    """Four streams at once; once each has text, `lose()`; every stream must end with an error event
-    (returned), then serve must be serving again (on fewer nodes)."""
+    """Four streams at once; once each has text, `lose()`; every stream goes on (issue 42) to its end:
+    returned, each one's end ("length", or the error it ended with); then serve serves on fewer nodes."""
     started = [concurrent.futures.Future() for _ in range(4)]  # type: ignore[var-annotated]
 
     def one(i: int) -> str:
         stream = served.client.completions.create(
-            model="tiny", prompt=f"hello {i}", max_tokens=LONG, temperature=0, stream=True
+            model="tiny", prompt=f"hello {i}", max_tokens=RESUMED, temperature=0, stream=True
         )
+        end, ids = "none", set()
         try:
             for chunk in stream:
+                ids.add(chunk.id)
                 if chunk.choices and chunk.choices[0].text and not started[i].done():
                     started[i].set_result(True)
+                end = chunk.choices[0].finish_reason or end
         except openai.APIError as exc:
             return str(exc)
-        return "no error"
+        return end if len(ids) == 1 else f"{len(ids)} ids"
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(one, i) for i in range(4)]
@@ -675,21 +690,21 @@ def _lose_a_node_during_four_streams(served: Served, lose: Callable[[], None], l
         assert all(f.done() for f in started)
         assert _slots_busy(served) >= 2
         lose()
-        errors = [s.result(limit) for s in streams]
+        ends = [s.result(limit) for s in streams]
     served.wait({"degraded"}, limit)
-    return errors
+    return ends
 
 
-def test_a_node_killed_during_four_streams_ends_them_all_and_serving_resumes_on_two(
+def test_a_node_killed_during_four_streams_lets_them_all_go_on_on_two(
     serve_lab: Lab, fleet: list[Host], serve: Any
 ) -> None:
     served: Served = serve("--rejoin-interval", "0")
     pid, engine = served.process.pid, served.health()["worker_pid"]
     victim = fleet[0]
-    errors = _lose_a_node_during_four_streams(
+    ends = _lose_a_node_during_four_streams(
         served, lambda: os.kill(_server_pid(serve_lab, victim), signal.SIGKILL), 60
     )
-    assert all(victim.endpoint in e for e in errors), errors
+    assert ends == ["length"] * 4, ends
     health = served.health()
     assert health["plan"]["endpoints"] == [h.endpoint for h in fleet[1:]] and health["lost"] == [
         victim.endpoint
@@ -702,7 +717,7 @@ def test_a_node_killed_during_four_streams_ends_them_all_and_serving_resumes_on_
     assert all(w.choices[0].text for w in whole)
 
 
-def test_a_link_cut_during_four_streams_ends_them_all_within_the_link_timeout(
+def test_a_link_cut_during_four_streams_lets_them_all_go_on_within_the_link_timeout(
     serve_lab: Lab, fleet: list[Host], serve: Any
 ) -> None:
     served: Served = serve("--link-timeout", "4", "--timeout", "2", "--rejoin-interval", "0")
@@ -713,11 +728,128 @@ def test_a_link_cut_during_four_streams_ends_them_all_within_the_link_timeout(
         serve_lab.cut_link(victim.name)
         cut_at.append(time.monotonic())
 
-    errors = _lose_a_node_during_four_streams(served, cut, 60)
+    ends = _lose_a_node_during_four_streams(served, cut, 60)
     took = time.monotonic() - cut_at[0]
-    assert all(victim.endpoint in e and "timeout" in e for e in errors), errors
+    assert ends == ["length"] * 4, ends
     assert took < 30, took  # the link timeout (4 s), the probe (2 s), a load: not TCP's minutes
     health = served.health()
     assert victim.endpoint not in health["plan"]["endpoints"] and len(health["plan"]["endpoints"]) == 2
     assert served.client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text
     assert served.process.poll() is None and health["pid"] == served.process.pid
+
+
+# -- issue 42: a request in flight when its formation loses a node is finished, not failed (real Gemma)
+
+PROMPT = "The history of the lighthouse"
+CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
+
+
+def _text_of(chunks: Any, chat: bool) -> tuple[str, set[str], str | None, Any]:
+    """A stream's text, its ids, its finish reason and its usage."""
+    text, ids, finish, usage = "", set(), None, None
+    for chunk in chunks:
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text += (choice.delta.content if chat else choice.text) or ""
+            finish = choice.finish_reason or finish
+    return text, ids, finish, usage
+
+
+def _ask(served: Served, chat: bool, stream: bool, tokens: int) -> Any:
+    if chat:
+        return served.client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=tokens,
+            temperature=0,
+            stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+        )
+    return served.client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=tokens, temperature=0, stream=stream
+    )
+
+
+def _killed_during(served: Served, lab: Lab, chat: bool, victim_of: Callable[[], Host]) -> dict[str, Any]:
+    """A greedy stream, its node's server killed once it has 40 characters: the client's one whole
+    stream, against the same request uninterrupted just before (on the same formation)."""
+    reference = _text_of(_ask(served, chat, True, 120), chat)[0]
+    text, killed_at, pauses = "", None, [0.0]
+    ids, finish, usage = set(), None, None
+    last = time.monotonic()
+    for chunk in _ask(served, chat, True, 120):
+        now = time.monotonic()
+        pauses.append(now - last)
+        last = now
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text += (choice.delta.content if chat else choice.text) or ""
+            finish = choice.finish_reason or finish
+        if len(text) >= 40 and killed_at is None:
+            killed_at = len(text)
+            os.kill(_server_pid(lab, victim_of()), signal.SIGKILL)
+    assert killed_at is not None and len(ids) == 1 and finish == "length", (killed_at, ids, finish)
+    assert text[:killed_at] == reference[:killed_at]  # nothing before the kill repeated or lost
+    assert usage is None or usage.completion_tokens == 120, usage
+    return {"text": text, "reference": reference, "pause": max(pauses)}
+
+
+def _plan_node(served: Served, fleet: list[Host]) -> Host:
+    endpoint = served.health()["plan"]["endpoints"][-1]
+    return next(h for h in fleet if h.endpoint == endpoint)
+
+
+def test_gemma_on_a_split_a_stream_a_whole_answer_and_a_chat_outlive_a_killed_node(
+    serve_lab: Lab, fleet: list[Host], serve: Any, gemma_model: Path
+) -> None:
+    """One split formation of Gemma over the 3 nodes; a node of its plan is killed (its supervisor
+    restarts it) during a stream, a whole answer and a chat stream: the official client gets each one
+    whole, with no error, the stream's text before the kill as it was."""
+    served: Served = serve("--rejoin-interval", "0", model=gemma_model)
+    stream = _killed_during(served, serve_lab, False, lambda: _plan_node(served, fleet))
+    served.wait({"degraded", "ready"}, 60)
+    # a whole answer: the node killed while it is generated (nothing sent yet: asked again whole)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(_ask, served, False, False, 300)
+        deadline = time.monotonic() + 30
+        while _slots_busy(served) < 1:
+            assert time.monotonic() < deadline, "the whole answer never started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(_server_pid(serve_lab, _plan_node(served, fleet)), signal.SIGKILL)
+        answer = whole.result(120)
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 300
+    served.wait({"degraded", "ready"}, 60)
+    chat = _killed_during(served, serve_lab, True, lambda: _plan_node(served, fleet))
+    _, metrics = served.get("/metrics")
+    assert 'rpcfleet_requests_resumed_total{route="/v1/completions",how="continued"} 1' in metrics
+    assert 'rpcfleet_requests_resumed_total{route="/v1/completions",how="restarted"} 1' in metrics
+    assert 'rpcfleet_requests_resumed_total{route="/v1/chat/completions",how="continued"} 1' in metrics
+    assert "rpcfleet_recoveries_total 3" in metrics
+    for out in (stream, chat):  # the greedy text after the kill: equal, or say where it differs
+        if out["text"] != out["reference"]:
+            at = next(
+                i for i, (a, b) in enumerate(zip(out["text"], out["reference"], strict=False)) if a != b
+            )
+            print(f"greedy text differs after the kill at character {at}: {out['text'][at : at + 30]!r}")
+
+
+def test_gemma_replicas_a_chat_goes_on_on_another_replica_at_once(
+    serve_lab: Lab, fleet: list[Host], serve: Any, gemma_model: Path
+) -> None:
+    """--replicas 3 (one formation per node): the node of the formation serving a chat stream is
+    killed; the stream goes on on another replica without waiting for a recovery."""
+    served: Served = serve("--rejoin-interval", "0", model=gemma_model, shape=("--replicas", "3"))
+
+    def busy_node() -> Host:
+        formation = next(f for f in served.health()["formations"] if f["slots_busy"])
+        return next(h for h in fleet if h.endpoint == formation["nodes"][0])
+
+    chat = _killed_during(served, serve_lab, True, busy_node)
+    assert chat["pause"] < 10, chat["pause"]  # another replica at once: no load, no recovery waited
+    _, metrics = served.get("/metrics")
+    assert 'rpcfleet_requests_resumed_total{route="/v1/chat/completions",how="continued"} 1' in metrics
