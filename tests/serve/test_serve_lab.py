@@ -758,7 +758,7 @@ def _text_of(chunks: Any, chat: bool) -> tuple[str, set[str], str | None, Any]:
 
 
 def _ask(served: Served, chat: bool, stream: bool, tokens: int) -> Any:
-    if chat:
+    if chat:  # with each token's two best candidates, to say where a run after a kill differs and why
         return served.client.chat.completions.create(
             model="tiny",
             messages=CHAT,
@@ -766,17 +766,33 @@ def _ask(served: Served, chat: bool, stream: bool, tokens: int) -> Any:
             temperature=0,
             stream=stream,
             stream_options={"include_usage": True} if stream else None,
+            logprobs=True,
+            top_logprobs=2,
         )
     return served.client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=tokens, temperature=0, stream=stream
     )
 
 
+def _candidates(chunk: Any) -> list[list[tuple[str, float]]]:
+    """A chat chunk's tokens' two best candidates (token, logprob)."""
+    logprobs = chunk.choices[0].logprobs if chunk.choices else None
+    return (
+        [[(c.token, round(c.logprob, 3)) for c in t.top_logprobs] for t in (logprobs.content or [])]
+        if logprobs
+        else []
+    )
+
+
 def _killed_during(served: Served, lab: Lab, chat: bool, victim_of: Callable[[], Host]) -> dict[str, Any]:
     """A greedy stream, its node's server killed once it has 40 characters: the client's one whole
     stream, against the same request uninterrupted just before (on the same formation)."""
-    reference = _text_of(_ask(served, chat, True, 120), chat)[0]
-    text, killed_at, pauses = "", None, [0.0]
+    reference, reference_candidates = "", []
+    for chunk in _ask(served, chat, True, 120):
+        reference_candidates += _candidates(chunk) if chat else []
+        if chunk.choices:
+            reference += (chunk.choices[0].delta.content if chat else chunk.choices[0].text) or ""
+    text, killed_at, pauses, candidates = "", None, [0.0], []
     ids, finish, usage = set(), None, None
     last = time.monotonic()
     for chunk in _ask(served, chat, True, 120):
@@ -789,13 +805,25 @@ def _killed_during(served: Served, lab: Lab, chat: bool, victim_of: Callable[[],
             choice = chunk.choices[0]
             text += (choice.delta.content if chat else choice.text) or ""
             finish = choice.finish_reason or finish
+            candidates += _candidates(chunk) if chat else []
         if len(text) >= 40 and killed_at is None:
             killed_at = len(text)
             os.kill(_server_pid(lab, victim_of()), signal.SIGKILL)
     assert killed_at is not None and len(ids) == 1 and finish == "length", (killed_at, ids, finish)
     assert text[:killed_at] == reference[:killed_at]  # nothing before the kill repeated or lost
     assert usage is None or usage.completion_tokens == 120, usage
-    return {"text": text, "reference": reference, "pause": max(pauses)}
+    differs = next(
+        (i for i, (a, b) in enumerate(zip(candidates, reference_candidates, strict=False)) if a[:1] != b[:1]),
+        None,
+    )
+    return {
+        "text": text,
+        "reference": reference,
+        "pause": max(pauses),
+        "candidates": None
+        if differs is None
+        else (differs, candidates[differs], reference_candidates[differs]),
+    }
 
 
 def _plan_node(served: Served, fleet: list[Host]) -> Host:
@@ -838,18 +866,40 @@ def test_gemma_on_a_split_a_stream_a_whole_answer_and_a_chat_outlive_a_killed_no
             print(f"greedy text differs after the kill at character {at}: {out['text'][at : at + 30]!r}")
 
 
+@pytest.mark.soak(quick=1)
 def test_gemma_replicas_a_chat_goes_on_on_another_replica_at_once(
-    serve_lab: Lab, fleet: list[Host], serve: Any, gemma_model: Path
+    serve_lab: Lab, fleet: list[Host], serve: Any, gemma_model: Path, rounds: int
 ) -> None:
-    """--replicas 3 (one formation per node): the node of the formation serving a chat stream is
-    killed; the stream goes on on another replica without waiting for a recovery."""
+    """--replicas 3 (one formation per node): the node of the formation serving a greedy chat stream is
+    killed; the stream goes on on another replica without waiting for a recovery. Soaked (20 rounds):
+    the text after the kill equals the uninterrupted run's in at least 18 (a re-prefill batches
+    differently: a near-tie may flip; where it differs, the position and both runs' top candidates)."""
     served: Served = serve("--rejoin-interval", "0", model=gemma_model, shape=("--replicas", "3"))
 
     def busy_node() -> Host:
         formation = next(f for f in served.health()["formations"] if f["slots_busy"])
         return next(h for h in fleet if h.endpoint == formation["nodes"][0])
 
-    chat = _killed_during(served, serve_lab, True, busy_node)
-    assert chat["pause"] < 10, chat["pause"]  # another replica at once: no load, no recovery waited
+    equal, differences = 0, []
+    for round_ in range(rounds):
+        served.wait({"ready"}, 120)  # every replica serving again (the killed node's restarted)
+        chat = _killed_during(served, serve_lab, True, busy_node)
+        assert chat["pause"] < 10, (round_, chat["pause"])  # another replica at once: no load waited
+        if chat["text"] == chat["reference"]:
+            equal += 1
+        else:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(chat["text"], chat["reference"], strict=False)) if a != b),
+                min(len(chat["text"]), len(chat["reference"])),
+            )
+            differences.append(
+                f"round {round_}: at character {at}: {chat['text'][at : at + 20]!r} where "
+                f"the uninterrupted run has {chat['reference'][at : at + 20]!r}"
+            )
+    print(f"greedy text after the kill equal to the uninterrupted run in {equal} of {rounds} rounds")
+    print("\n".join(differences))
+    if rounds >= 20:
+        assert equal >= 18, differences
     _, metrics = served.get("/metrics")
-    assert 'rpcfleet_requests_resumed_total{route="/v1/chat/completions",how="continued"} 1' in metrics
+    resumed = f'rpcfleet_requests_resumed_total{{route="/v1/chat/completions",how="continued"}} {rounds}'
+    assert resumed in metrics
