@@ -64,6 +64,7 @@ class Request:
     outcome: str = ""  # answered, refused, failed, lost
     status: int | None = None
     message: str = ""
+    pause: float = 0.0  # the longest silence between two chunks of its stream
 
 
 @dataclass
@@ -76,6 +77,8 @@ class Fault:
     window_end: float = 0.0  # requests sent before this may fail for this fault
     whole_after: float | None = None  # seconds from `healed` to /health showing the whole fleet
     failed: int = 0  # requests in flight that it ended (503 naming its node)
+    survived: int = 0  # requests in flight at its injection that were answered whole (issue 42)
+    pause: float = 0.0  # the longest silence inside those streams
     engine_replaced: bool = False  # serve's engine after the heal is not the one before the fault
     notes: list[str] = field(default_factory=list)
 
@@ -92,6 +95,7 @@ class Result:
     engines: int = 0  # llama-server processes serve started during the soak (one per load)
     stray_engines: list[int] = field(default_factory=list)  # others dialing the lab at the end
     available: tuple[int, int] = (0, 0)  # answered, all: the requests clear of every fault's window
+    resumed: int = 0  # serve's rpcfleet_requests_resumed_total at the end
 
     def count(self, outcome: str) -> int:
         return sum(r.outcome == outcome for r in self.requests)
@@ -379,10 +383,14 @@ class Chaos:
                 model=MODEL_NAME, prompt=prompt, max_tokens=self.max_tokens, temperature=0.8, stream=True
             )
             with stream, self._counted_while_streaming() as began:
+                last = None
                 for chunk in stream:
+                    now = time.monotonic()
                     if request.first is None:
-                        request.first = time.monotonic() - request.sent
+                        request.first = now - request.sent
                         began()
+                    request.pause = max(request.pause, now - last) if last is not None else 0.0
+                    last = now
                     finish = chunk.choices[0].finish_reason or finish
         except openai.APIStatusError as exc:  # refused at admission: 503 + Retry-After while not serving
             request.first = time.monotonic() - request.sent
@@ -566,7 +574,9 @@ class Chaos:
             if thread.is_alive():
                 self.violation(f"{thread.name} did not end within {self.request_timeout + 15:g} s")
         self._check_failures()
+        self._count_survivors()
         available = self._availability()
+        resumed = self._resumed()
         assert self.serve is not None
         pid_kept = self.serve.poll() is None and int(self.health()["pid"]) == self.pid == self.serve.pid
         if not pid_kept:
@@ -595,7 +605,29 @@ class Chaos:
             len(self.engine_pids),
             stray,
             available,
+            resumed,
         )
+
+    def _count_survivors(self) -> None:
+        """Each fault's requests in flight at its injection that were answered whole, and the longest
+        silence inside them (the wait for a formation to serve again, issue 42)."""
+        for fault in self.faults:
+            survivors = [
+                r for r in self.requests if r.outcome == "answered" and r.sent <= fault.injected <= r.ended
+            ]
+            fault.survived = len(survivors)
+            fault.pause = max((r.pause for r in survivors), default=0.0)
+
+    def _resumed(self) -> int:
+        """serve's count of the requests that went on after their engine was lost."""
+        request = urllib.request.Request(self.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(request, timeout=10) as answer:
+            return sum(
+                int(float(line.rsplit(" ", 1)[1]))
+                for line in answer.read().decode().splitlines()
+                if line.startswith("rpcfleet_requests_resumed_total{")
+            )
+        return 0
 
     def _availability(self) -> tuple[int, int]:
         """Answered and all among the requests clear of every fault's window; a violation below the

@@ -1,7 +1,8 @@
 """Tier 2: the chaos soak, short: `rpcfleet serve` with the real Gemma 3 270M on a 3-node lab, 4 clients
 streaming without a pause, and each fault of tests/plugins/chaos.py once in a fixed order (bench/chaos.py
 runs them at random for minutes). Every request ends (answered, refused with 503 + Retry-After, or failed
-with 503 naming the faulted node while in flight at its fault), the fleet is whole after each heal,
+with 503 naming the faulted node while in flight at its fault: none here, a request in flight goes on once
+serve serves again), the fleet is whole after each heal,
 serve keeps its pid and its descriptors, and no server is left an orphan (no node's rpc-server, and no
 llama-server beside serve's one engine)."""
 
@@ -59,15 +60,15 @@ def test_serve_rides_out_each_fault_once_and_the_fleet_is_whole_after_each_heal(
     assert [f.kind for f in result.faults] == [kind for kind, _ in ORDER]
     assert all(f.whole_after is not None for f in result.faults), log
     # The faults landed: a killed server, a cut link and a power cut each cost serve its engine (a new one
-    # after the heal), and the first two ended a request in flight (a node fault waits for one streaming).
-    # A power cut may end none: seen once in the suite, with the recovery and a new engine all the same.
+    # after the heal), and the first two hit a request in flight (a node fault waits for one streaming),
+    # which went on once serve served again (issue 42): answered whole, none failed.
     for fault in result.faults:
         if fault.kind in ("kill9", "cut", "reboot", "foreign"):
             assert fault.engine_replaced, (fault, log)
         if fault.kind in ("kill9", "cut"):
-            assert fault.failed >= 1, (fault, log)
-        elif fault.kind not in ("reboot", "foreign"):
-            assert fault.failed == 0, (fault, log)
+            assert fault.survived >= 1, (fault, log)
+        assert fault.failed == 0, (fault, log)
+    assert result.resumed >= 2, (result.resumed, log)
     assert result.count("answered") > 10 and result.count("lost") == 0
     assert result.count("failed") == sum(f.failed for f in result.faults)
     assert result.pid_kept and not result.orphans and result.fds[1] <= result.fds[0]
