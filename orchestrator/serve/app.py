@@ -23,8 +23,9 @@ from orchestrator.observe.web import Exporter, HttpGuard, mount
 from orchestrator.serve.access import Access, KeyCounter, UserKeysPage
 from orchestrator.serve.formation import Formation
 from orchestrator.serve.keys import KeyRing
+from orchestrator.serve.proxy import error_response
 from orchestrator.serve.router import Router
-from orchestrator.serve.routes import error_response, openai_routes, problems
+from orchestrator.serve.routes import openai_routes, problems
 from orchestrator.serve.states import Rejected
 from orchestrator.serve.upstream import UpstreamError
 

@@ -403,3 +403,52 @@ def test_requests_waiting_for_a_load_are_bounded_by_its_slots_and_queue(
         in refused.json()["error"]["message"]
     )
     assert started == {"a": 1}
+
+
+# -- issue 42 (item 2): a stream of an on-demand model goes on when its formation loses a node
+
+
+@dataclasses.dataclass(eq=False)
+class SayingEngine(HttpEngine):
+    """An engine that says its tokens' ids, as llama-server does (`serve.resume` continues its streams)."""
+
+    token_ids: bool = True
+    delay: float = 0.02
+
+
+def test_a_stream_of_an_on_demand_model_goes_on_once_its_formation_is_re_formed(
+    on_demand: Callable[..., tuple[Any, Router]], tiny_model: Path
+) -> None:
+    import json
+    import threading
+
+    two = (NODES[0], NODES[1])
+    client, router = on_demand([_model(tiny_model, "a", two)], engine={"a": SayingEngine})
+    assert _ask(client, "a").status_code == 200  # loaded
+    formation = router.formations[0]
+    engine = formation.engine
+    assert isinstance(engine, SayingEngine)
+    events: list[dict[str, Any]] = []
+
+    def stream() -> None:
+        body = {"model": "a", "prompt": "hi", "max_tokens": 40, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as answer:
+            for line in answer.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while engine.chunks < 5:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.01)
+    assert isinstance(formation.fleet, PartFleet)
+    formation.fleet.answering = {NODES[0]}  # node 2 lost: the formation is re-formed on node 1
+    engine.die()
+    reader.join(30)
+    assert not reader.is_alive() and "error" not in events[-1], events[-1]
+    assert "".join(e["choices"][0]["text"] for e in events) == "".join(f"t{i} " for i in range(40))
+    assert len({e["id"] for e in events}) == 1
+    assert formation.plan is not None and formation.plan.endpoints == (NODES[0],)
+    assert router.metrics.resumed[("/v1/completions", "continued")] == 1

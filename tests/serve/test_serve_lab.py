@@ -741,7 +741,8 @@ def test_a_link_cut_during_four_streams_lets_them_all_go_on_within_the_link_time
 # -- issue 42: a request in flight when its formation loses a node is finished, not failed (real Gemma)
 
 PROMPT = "The history of the lighthouse"
-CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
+CHAT = "Tell me a long story about a lighthouse keeper"
+TOPICS = ("the sea", "a storm", "a lost ship", "the winter", "a cat", "the stars", "an old map", "a whale")
 
 
 def _text_of(chunks: Any, chat: bool) -> tuple[str, set[str], str | None, Any]:
@@ -757,11 +758,11 @@ def _text_of(chunks: Any, chat: bool) -> tuple[str, set[str], str | None, Any]:
     return text, ids, finish, usage
 
 
-def _ask(served: Served, chat: bool, stream: bool, tokens: int) -> Any:
+def _ask(served: Served, chat: bool, stream: bool, tokens: int, topic: str = "the sea") -> Any:
     if chat:  # with each token's two best candidates, to say where a run after a kill differs and why
         return served.client.chat.completions.create(
             model="tiny",
-            messages=CHAT,
+            messages=[{"role": "user", "content": f"{CHAT} and {topic}."}],
             max_tokens=tokens,
             temperature=0,
             stream=stream,
@@ -784,18 +785,20 @@ def _candidates(chunk: Any) -> list[list[tuple[str, float]]]:
     )
 
 
-def _killed_during(served: Served, lab: Lab, chat: bool, victim_of: Callable[[], Host]) -> dict[str, Any]:
+def _killed_during(
+    served: Served, lab: Lab, chat: bool, victim_of: Callable[[], Host], topic: str = "the sea"
+) -> dict[str, Any]:
     """A greedy stream, its node's server killed once it has 40 characters: the client's one whole
     stream, against the same request uninterrupted just before (on the same formation)."""
     reference, reference_candidates = "", []
-    for chunk in _ask(served, chat, True, 120):
+    for chunk in _ask(served, chat, True, 120, topic):
         reference_candidates += _candidates(chunk) if chat else []
         if chunk.choices:
             reference += (chunk.choices[0].delta.content if chat else chunk.choices[0].text) or ""
     text, killed_at, pauses, candidates = "", None, [0.0], []
     ids, finish, usage = set(), None, None
     last = time.monotonic()
-    for chunk in _ask(served, chat, True, 120):
+    for chunk in _ask(served, chat, True, 120, topic):
         now = time.monotonic()
         pauses.append(now - last)
         last = now
@@ -867,6 +870,7 @@ def test_gemma_on_a_split_a_stream_a_whole_answer_and_a_chat_outlive_a_killed_no
 
 
 @pytest.mark.soak(quick=1)
+@pytest.mark.timeout(2400)  # soaked: 20 rounds of two 120-token chats and a recovery
 def test_gemma_replicas_a_chat_goes_on_on_another_replica_at_once(
     serve_lab: Lab, fleet: list[Host], serve: Any, gemma_model: Path, rounds: int
 ) -> None:
@@ -883,8 +887,11 @@ def test_gemma_replicas_a_chat_goes_on_on_another_replica_at_once(
     equal, differences = 0, []
     for round_ in range(rounds):
         served.wait({"ready"}, 120)  # every replica serving again (the killed node's restarted)
-        chat = _killed_during(served, serve_lab, True, busy_node)
+        # a topic of its own each round: its formation (affine routing) and so the node killed vary, so
+        # no node's supervisor sees 5 kills a minute (it would then leave the server down)
+        chat = _killed_during(served, serve_lab, True, busy_node, TOPICS[round_ % len(TOPICS)])
         assert chat["pause"] < 10, (round_, chat["pause"])  # another replica at once: no load waited
+        print(f"round {round_}: equal {chat['text'] == chat['reference']}, pause {chat['pause']:.1f} s")
         if chat["text"] == chat["reference"]:
             equal += 1
         else:
@@ -893,8 +900,9 @@ def test_gemma_replicas_a_chat_goes_on_on_another_replica_at_once(
                 min(len(chat["text"]), len(chat["reference"])),
             )
             differences.append(
-                f"round {round_}: at character {at}: {chat['text'][at : at + 20]!r} where "
-                f"the uninterrupted run has {chat['reference'][at : at + 20]!r}"
+                f"round {round_}: at character {at}: {chat['text'][at : at + 20]!r} where the uninterrupted"
+                f" run has {chat['reference'][at : at + 20]!r}; at that token, the two best candidates"
+                f" (token, logprob) after the kill and uninterrupted: {chat['candidates']}"
             )
     print(f"greedy text after the kill equal to the uninterrupted run in {equal} of {rounds} rounds")
     print("\n".join(differences))
