@@ -384,7 +384,9 @@ class Formation:
         try:
             await asyncio.wait_for(running.ended.wait(), self.config.diagnose_timeout)
         except TimeoutError:
-            return Failure(502, f"the engine broke the request off: {error}", "server_error")
+            return Failure(
+                502, f"the engine broke the request off: {error}", "server_error", engine_alive=True
+            )
         failure = running.failure
         if failure is None:  # stopped on purpose under the request (a drain past its timeout)
             return Failure(503, "the engine was stopped", "unavailable", retry_after=self.config.retry_after)

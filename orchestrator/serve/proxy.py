@@ -325,9 +325,12 @@ class Proxy:
             flow.released = False
             held = contextlib.AsyncExitStack()
             prompt: list[int] = []
+            replayed = 0
             try:
                 if flow.texted and flow.edit is not None:  # continued from the tokens streamed
                     prompt = await self._prompt_tokens(flow.running, flow.route, flow.data)
+                    if resume.greedy(flow.data):
+                        replayed = await self._replayed(flow.running, prompt, flow.edit.generated)
                     body = resume.continuation_body(flow.route, flow.data, prompt, flow.edit.generated)
                     path = resume.COMPLETIONS
                 else:  # no text sent yet: asked again as it was
@@ -353,9 +356,25 @@ class Proxy:
                 assert flow.edit is not None
                 flow.edit.resume(len(prompt))
                 self.metrics.record_resumed(flow.route, restarted=False, tokens=len(prompt) + streamed)
-            get_logger().info("serve_request_resumed", route=flow.route, streamed=streamed)
+            get_logger().info("serve_request_resumed", route=flow.route, streamed=streamed, replayed=replayed)
             return held, answer
         return None
+
+    async def _replayed(self, running: Running, prompt: list[int], generated: list[int]) -> int:
+        """Decodes `prompt`, then each of `generated` but the last (the continuation's), one at a time on
+        `running`'s engine, so that a greedy continuation goes on as the lost engine would have
+        (`serve.resume`), for at most REPLAY_SECONDS. Returns the steps taken: an engine that refuses
+        one stops the replay, and the continuation prefills what is left."""
+        deadline = time.monotonic() + resume.REPLAY_SECONDS
+        upto = 0
+        while upto < len(generated) and time.monotonic() < deadline:
+            try:
+                await self._engine_json(running, "/completion", resume.replay_body(prompt, generated, upto))
+            except CannotResume as exc:
+                get_logger().warning("serve_replay_refused", error=str(exc))
+                break
+            upto += 1
+        return upto
 
 
 class CannotResume(Exception):
@@ -364,8 +383,13 @@ class CannotResume(Exception):
 
 def resumes(failure: Failure) -> bool:
     """Pure: whether a request whose engine ended so may go on elsewhere: the engine was lost (a node, or
-    the engine itself), not stopped on purpose (a drain past its timeout) nor the request refused."""
-    return failure.kind in ("node_lost", "server_error") and failure.status in (502, 503)
+    the engine itself), not stopped on purpose (a drain past its timeout), nor the request refused or broken
+    off by an engine that runs on (it would be asked again, and break it off again, without end)."""
+    return (
+        not failure.engine_alive
+        and failure.kind in ("node_lost", "server_error")
+        and failure.status in (502, 503)
+    )
 
 
 def _stream_edit(route: str, data: dict[str, Any]) -> resume.StreamEdit | None:

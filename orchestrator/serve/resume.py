@@ -13,6 +13,13 @@ every answer in flight on it; serve finishes those answers on a formation that s
   the first stream: the same `id`, `created` and `model`, chat deltas for a chat, and usage counting the
   prompt once and every generated token.
 
+A greedy stream (temperature 0, or top_k 1) is first replayed on the new engine one token at a time: the
+prompt in one batch, then each streamed token on its own, as the lost engine decoded them, so that the
+keys and values they leave equal the lost engine's and the greedy text goes on as it would have. A
+continuation that prefills the streamed tokens in one batch computes them in another order, and a near-tie
+can then flip. The replay costs about what decoding those tokens did, so it stops after `REPLAY_SECONDS`;
+the tokens it did not reach are prefilled with the continuation, in one batch.
+
 A stream is not continued where the continuation could not be the same request: several choices, tools,
 grammars or response formats (a grammar would restart mid-answer), several prompts, or a gap in the ids.
 It then ends with the lost node's error event, as before.
@@ -45,6 +52,11 @@ CHAT_ONLY = (
     "logprobs",
     "top_logprobs",
 )
+
+
+# A greedy stream's replay stops here, bounding the pause it adds (the issue's aim: a resumed stream pauses at
+# most the fault's recovery + 2 s); what is left is prefilled in one batch.
+REPLAY_SECONDS = 1.5
 
 
 def not_resumable(route: str, data: dict[str, Any]) -> str | None:
@@ -104,6 +116,24 @@ def continuation_body(
     elif not asks_logprobs(route, data):
         body["n_probs"] = 1
     return body
+
+
+def greedy(data: dict[str, Any]) -> bool:
+    """Pure: whether the request samples greedily (its continuation is then replayed, token by token)."""
+    temperature = data.get("temperature")
+    return (isinstance(temperature, int | float) and temperature <= 0) or data.get("top_k") == 1
+
+
+def replay_body(prompt: list[int], generated: list[int], upto: int) -> dict[str, Any]:
+    """Pure: the native `/completion` that decodes the prompt and `generated[:upto]` on an engine that holds
+    the prompt and `generated[:upto - 1]` in a slot's cache (llama-server picks the idle slot whose cache
+    shares the longest prefix), so that it decodes one token. Its one sampled token is thrown away."""
+    return {
+        "prompt": list(prompt) + list(generated[:upto]),
+        "n_predict": 1,
+        "temperature": 0,
+        "cache_prompt": True,
+    }
 
 
 @dataclass

@@ -116,6 +116,7 @@ class Failure:
     kind: str  # OpenAI error type: node_lost, unavailable, invalid_request_error, server_error
     lost: tuple[str, ...] = ()
     retry_after: int | None = None
+    engine_alive: bool = False  # the engine runs on: it broke this request alone off (no other serves it)
 
 
 @dataclass(frozen=True)

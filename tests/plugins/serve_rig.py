@@ -204,6 +204,10 @@ class _FakeHandler(BaseHTTPRequestHandler):
         if self.path in ("/tokenize", "/apply-template"):
             self._tokenize_or_template(body)
             return
+        if self.path == "/completion":  # llama-server's own route: a greedy stream's replay, step by step
+            self.engine.replays.append(body["prompt"])
+            self._send(200, json.dumps({"content": "x", "id_slot": 0, "stop": True}).encode())
+            return
         if body.get("max_tokens", 0) > 1000:
             self._send(
                 400, b'{"error":{"code":400,"message":"too many tokens","type":"invalid_request_error"}}'
@@ -281,6 +285,7 @@ class HttpEngine(FakeEngine):
     metrics_asked: int = 0
     slots_text: str = ""  # its /slots (default: none, a 404)
     bodies: list[Any] = field(default_factory=list)
+    replays: list[list[int]] = field(default_factory=list)  # the prompts of /completion's replay steps
     refused: list[str] = field(default_factory=list)  # paths asked without the engine's key
     server: ThreadingHTTPServer | None = None
 

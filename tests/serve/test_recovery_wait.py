@@ -21,11 +21,12 @@ import pytest
 from orchestrator.core.target import Target
 from orchestrator.observe.server import http_server
 from orchestrator.planning.plan import Plan
+from orchestrator.serve import resume
 from orchestrator.serve.app import create_app
 from orchestrator.serve.formation import Formation
 from orchestrator.serve.router import Router
 from orchestrator.serve.states import ServeConfig
-from tests.plugins.serve_rig import ENDPOINTS, FakeFleet, HttpEngine
+from tests.plugins.serve_rig import ENDPOINTS, FIRST_ID, PROMPT_TOKENS, FakeFleet, HttpEngine
 
 Served = tuple[str, Router, FakeFleet, list[HttpEngine]]
 
@@ -229,15 +230,15 @@ def test_the_waiters_are_bounded_by_the_models_queue_and_one_that_hangs_up_frees
 class Streamed(threading.Thread):
     """One streamed completion on its own thread: its events as they come, or its hang-up (`leave`)."""
 
-    def __init__(self, base: str, tokens: int) -> None:
+    def __init__(self, base: str, tokens: int, **sampling: Any) -> None:
         super().__init__(daemon=True)
-        self.base, self.tokens = base, tokens
+        self.base, self.tokens, self.sampling = base, tokens, sampling
         self.events: list[dict[str, Any]] = []
         self.leave = threading.Event()
         self.start()
 
     def run(self) -> None:
-        body = {"prompt": "hi", "max_tokens": self.tokens, "stream": True}
+        body = {"prompt": "hi", "max_tokens": self.tokens, "stream": True, **self.sampling}
         with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=60) as answer:
             for line in answer.iter_lines():
                 if self.leave.is_set():
@@ -268,6 +269,27 @@ def test_a_stream_waits_for_the_recovery_and_goes_on_from_where_it_stopped(
     fleet.answering = set(ENDPOINTS)
     _whole(stream, 40)
     assert len(engines) == 2 and engines[-1].bodies[-1]["prompt"][:3] == [1, 2, 3]  # the prompt's tokens
+    assert engines[-1].replays == []  # not greedy: nothing replayed
+
+
+@pytest.mark.parametrize("budget", [resume.REPLAY_SECONDS, 0.0])
+def test_a_greedy_stream_is_replayed_token_by_token_within_its_budget_before_it_goes_on(
+    served: Callable[..., Served], monkeypatch: pytest.MonkeyPatch, budget: float
+) -> None:
+    """Greedy (temperature 0): the new engine decodes the prompt, then each streamed token but the last on
+    its own, as the lost engine did, then the continuation (the last one, and on); for at most
+    REPLAY_SECONDS (none at 0: the continuation prefills them all)."""
+    monkeypatch.setattr(resume, "REPLAY_SECONDS", budget)
+    base, router, fleet, engines = served(token_ids=True, queue_timeout=30.0)
+    stream = Streamed(base, 40, temperature=0)
+    _until(lambda: engines[-1].chunks >= 5, 5, "the stream never started")
+    _lose_every_node(router, fleet, engines)
+    fleet.answering = set(ENDPOINTS)
+    _whole(stream, 40)
+    sent = engines[-1].bodies[-1]["prompt"][len(PROMPT_TOKENS) :]  # the continuation's: prompt, streamed
+    assert len(sent) >= 5 and sent == [FIRST_ID + i for i in range(len(sent))]
+    steps = [PROMPT_TOKENS + sent[:upto] for upto in range(len(sent))]
+    assert engines[-1].replays == (steps if budget else [])
 
 
 def test_a_kill_during_the_resume_itself_is_waited_out_too(served: Callable[..., Served]) -> None:

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from orchestrator.serve import resume
+from orchestrator.serve.proxy import resumes
 from orchestrator.serve.resume import CHAT, COMPLETIONS, StreamEdit
+from orchestrator.serve.states import Failure
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -154,3 +156,19 @@ def test_the_clients_own_logprobs_and_an_error_event_pass_as_they_are() -> None:
     assert out[0]["choices"][0]["logprobs"]["content"][0]["id"] == 1 and "timings" in out[0]
     error = {"error": {"message": "boom", "code": 500}}
     assert _events(edit.feed(_event(error))) == [error]
+
+
+@pytest.mark.parametrize(
+    ("failure", "goes_on"),
+    [
+        (Failure(503, "lost 10.0.0.2:50052", "node_lost", lost=("10.0.0.2:50052",)), True),
+        (Failure(502, "the engine ended: signal SIGABRT", "server_error"), True),
+        (Failure(502, "the engine broke the request off", "server_error", engine_alive=True), False),
+        (Failure(503, "the engine was stopped", "unavailable"), False),
+        (Failure(400, "bad", "invalid_request_error"), False),
+    ],
+)
+def test_a_request_goes_on_elsewhere_only_when_its_engine_was_lost(failure: Failure, goes_on: bool) -> None:
+    """An engine that runs on but broke a request off (it cannot answer that request) is not a loss: asked
+    again, it would break it off again, without end; the client gets its 502."""
+    assert resumes(failure) is goes_on
