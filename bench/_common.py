@@ -527,16 +527,20 @@ def controller_rate_arg(parser: argparse.ArgumentParser, default: str | None = N
     )
 
 
-def shape_controller(bridge: str, rate: str | None) -> None:
+def shape_controller(bridge: str | None, rate: str | None) -> None:
     """Shape what this machine sends into the lab's bridge to `rate` (tbf); None leaves it unshaped."""
     if rate is not None:
+        if bridge is None:
+            raise RuntimeError("--controller-rate needs a lab with a bridge (network namespaces)")
         tbf = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
         subprocess.run(["tc", "qdisc", "replace", "dev", bridge, *tbf], check=True)
 
 
-def bridge_tx(bridge: str) -> int:
+def bridge_tx(bridge: str | None) -> int:
     """Bytes this machine has sent into the lab's bridge (its `tx_bytes`; node-to-node traffic is switched
     inside the bridge and not counted): the controller's bytes."""
+    if bridge is None:
+        raise RuntimeError("counting the controller's bytes needs a lab with a bridge (network namespaces)")
     return int(Path(f"/sys/class/net/{bridge}/statistics/tx_bytes").read_text())
 
 

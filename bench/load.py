@@ -42,6 +42,19 @@ done. The client's own log (`GGML_RPC_HASH_LOG`) counts the tensors and bytes it
 process's CPU seconds during each load are read from /proc; the ratios to the load without a cache are
 taken per round (its spread given). Its own section per size: "warm load with the hash manifest (--size
 1.8gb)" (or 4gb).
+
+    .venv/bin/python bench/load.py --node-local [--size 4gb] [--nodes 3] [--cpus 0.6] [--rounds N] [--write]
+
+`--node-local`: a lab of `--nodes` nodes, each capped at `--cpus` CPU (`lab up --cpus`), each link shaped to
+`--rate`, the controller's side (the bridge) to `--controller-rate` (default 1gbit); each node holds a copy
+of the GGUF in `~/models`. Each round, on emptied caches with every copy and this machine's GGUF dropped
+from the page cache (posix_fadvise DONTNEED): a cold load through rpcfleet (`rpcfleet_cold`: check, warm
+all nodes in parallel, the load beside the warm) with `model_path_on_nodes: ~/models`, then the same
+without it (every byte through the controller). Measured beside: the controller-link limit (plain TCP,
+the plan's bytes), the controller's bytes (the bridge's tx_bytes), each node's CPU seconds (its cgroup),
+and the per-byte costs (FNV-1a per CPU second, a cold read of a copy, a write with fdatasync, a load from
+full caches) from which a table projects a 318 GiB model on 8 nodes behind 10 GbE (computed, not
+measured). Its own section, "load from node-local copies".
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -64,13 +78,17 @@ from _common import (
     ROOT,
     LoadConditions,
     arg_parser,
+    bridge_tx,
     busy_cpu_seconds,
+    controller_rate_arg,
+    drop_page_cache,
     load_average,
     local_inventory,
     page_cache_resident,
     process_cpu,
     server_pids,
     servers,
+    shape_controller,
     stamp,
     write_section,
 )
@@ -122,8 +140,7 @@ def shape(lab: Any, rate: str, controller_rate: str | None) -> None:
             ["ip", "netns", "exec", node.namespace, "tc", "qdisc", "replace", "dev", "eth0", *tbf(rate)],
             check=True,
         )
-    if controller_rate is not None:  # what the controller sends into the bridge: its own link
-        subprocess.run(["tc", "qdisc", "replace", "dev", lab.bridge, *tbf(controller_rate)], check=True)
+    shape_controller(lab.bridge, controller_rate)  # what the controller sends into the bridge: its own link
 
 
 SINK_PORT = 5999
@@ -153,10 +170,10 @@ def send_raw(address: str, count: int) -> float:
     return time.monotonic() - started
 
 
-def wire_limits(lab: Any, per_node: dict[str, int]) -> tuple[float, float, float]:
+def wire_limits(lab: Any, per_node: dict[str, int], parallel: bool = True) -> tuple[float, float, float]:
     """The measured wire limits of these bytes: each node's bytes to it one node after the other (one link
     at a time), then to all nodes at once (seconds until the last is read), and the CPU seconds the
-    machine spent on the latter."""
+    machine spent on the latter (`parallel` False: the first only, the others 0)."""
     by_endpoint = {f"{n.address}:50052": n for n in lab.nodes}
     sinks = [
         subprocess.Popen(
@@ -171,6 +188,8 @@ def wire_limits(lab: Any, per_node: dict[str, int]) -> tuple[float, float, float
             assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
         addresses = {by_endpoint[ep].address: count for ep, count in per_node.items()}
         one_at_a_time = sum(send_raw(address, count) for address, count in addresses.items())
+        if not parallel:
+            return one_at_a_time, 0.0, 0.0
         busy = busy_cpu_seconds()
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(addresses)) as pool:
@@ -226,14 +245,25 @@ def node_rates(samples: list[LoadProgress]) -> dict[str, tuple[float, float, flo
     return rates
 
 
-def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -> dict[str, float]:
+def rpcfleet_cold(
+    hosts: list[Host],
+    plan: Plan,
+    model: Path,
+    *,
+    beside: bool,
+    first: bool = True,
+    warmed: dict[str, Any] | None = None,
+) -> dict[str, float]:
     """`rpcfleet run --warm auto` on empty caches, its phases after the plan (`load_on_fleet` on the
     command's runtime, whose session holds one SSH connection per node, as the probe leaves it), timed to
     the model loaded: check (nothing remembered: the model's mtime changes), warm, load. The worker was
     spawned before (its imports overlap with the probe). `beside`: as on servers with the `warm-wait`
     patch (the load runs beside the warm), else as on stock servers (the load starts when the warm has
-    ended). Returns the total and `load_on_fleet`'s phases."""
-    os.utime(model)  # no name remembered for this file: as on a first load
+    ended). `first` False: the model's hashes stay remembered (its memo and manifest), as on any load
+    after its first. `warmed`: filled with each host's warm outcome (`CacheChange`). Returns the total and
+    `load_on_fleet`'s phases."""
+    if first:
+        os.utime(model)  # no name remembered for this file: as on a first load
     with Runtime(forks=8) as runtime, Worker.spawn() as worker:
         runtime.run(connected(runtime.session, hosts))
         worker.wait_ready()
@@ -252,6 +282,8 @@ def rpcfleet_cold(hosts: list[Host], plan: Plan, model: Path, *, beside: bool) -
         raise RuntimeError(f"warming failed: {done.warm and [str(r.error) for r in done.warm.failed]}")
     if done.overlapped is not beside:
         raise RuntimeError(f"the load ran {'beside' if done.overlapped else 'after'} the warm")
+    if warmed is not None:
+        warmed.update({r.host.name: r.value for r in done.warm.results})
     return {"total": total, **done.phases, "cpu": cpu}
 
 
@@ -487,24 +519,305 @@ def manifest_main(args: Any) -> int:
     return 0
 
 
+# --node-local: nodes that hold the model (`model_path_on_nodes`) against loads through the controller.
+NODE_LOCAL_SECTION = "load from node-local copies"
+LOCAL_LAB = "h41local"
+FROM_NODES = "cold from the nodes' own copies (`model_path_on_nodes`)"
+FROM_CONTROLLER = "cold through the controller (no copies on the nodes)"
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+    phases: dict[str, float]  # `rpcfleet_cold`'s: total, its phases, the machine's busy CPU
+    sent: int  # the controller's bytes into the lab (the bridge's tx_bytes)
+    node_cpu: dict[str, float]  # CPU seconds per node (its cgroup)
+    via: list[str]  # how the warm's bytes went
+    local_bytes: int  # bytes the nodes copied from their own files
+    warnings: list[str]
+
+    @property
+    def total(self) -> float:
+        return self.phases["total"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteCosts:
+    """Seconds per byte, each measured in the run: `hash` FNV-1a on one core (per CPU second), `wire` the
+    measured controller link's (its achieved share of its nominal rate is `efficiency`), `read` a node's
+    cold read of its copy, `write` a node writing a file to its disk (fdatasync), `from_cache` a load whose
+    every tensor is in the servers' caches (llama.cpp's load: one tensor, one node after another)."""
+
+    hash: float
+    efficiency: float
+    read: float
+    write: float
+    from_cache: float
+
+
+PROJECTED_GIB, PROJECTED_NODES, PROJECTED_LINK_BPS, AIM_S = 318, 8, 10e9, 45.0
+
+
+def projection(size: float, nodes: int, link_bps: float, costs: ByteCosts) -> dict[str, tuple[float, str]]:
+    """Pure: seconds until a model of `size` bytes is loaded on `nodes` nodes behind a controller link of
+    `link_bps` bits/s, from the measured per-byte costs, with how each is made up. Every load ends with the
+    servers putting each tensor into their buffers one after another (llama.cpp's load), at least as
+    long as a load from full caches (`from_cache`; bench/load.py --manifest measures the servers' CPU
+    about the same whether the bytes come from the socket or the cache):
+    - today (stock client, through the controller): the client hashes each tensor, then sends it, every
+      byte through the one link;
+    - with the manifest, through the controller: the hashes read, every byte still through the link;
+    - from node-local copies: each node copies its share from its disk, hashes it and writes its cache
+      file (in series on the node, all nodes at once), the load beside it."""
+    wire = size * 8 / (link_bps * costs.efficiency)
+    hashed = size * costs.hash
+    share = size / nodes
+    node_side = share * (costs.read + costs.hash + costs.write)
+    servers = size * costs.from_cache
+    return {
+        "today: the client hashes, then sends (stock)": (
+            hashed + max(wire, servers),
+            f"hash {hashed:.0f} s + the larger of wire {wire:.0f} s and servers {servers:.0f} s",
+        ),
+        "the manifest, through the controller": (
+            max(wire, servers),
+            f"the larger of wire {wire:.0f} s and servers {servers:.0f} s",
+        ),
+        "the manifest, from node-local copies": (
+            max(node_side, servers),
+            f"the larger of per node read {share * costs.read:.0f} s + hash {share * costs.hash:.0f} s + "
+            f"write {share * costs.write:.0f} s = {node_side:.0f} s and servers {servers:.0f} s",
+        ),
+    }
+
+
+def write_rate(folder: Path, size: int = 1 << 30) -> float:
+    """Bytes per second writing `size` bytes to a new file in `folder`, fdatasync included (a node
+    writing its cache file); the file is removed after."""
+    path = folder / f".bench-write-{os.getpid()}"
+    block = os.urandom(1 << 20)  # not zeros: nothing may skip them
+    started = time.monotonic()
+    try:
+        with path.open("wb", buffering=0) as fh:
+            for _ in range(size // len(block)):
+                fh.write(block)
+            os.fdatasync(fh.fileno())
+        return size / (time.monotonic() - started)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def cold_read_rate(path: Path) -> float:
+    """Bytes per second reading `path` whole after dropping it from the page cache."""
+    drop_page_cache(path)
+    buffer = bytearray(16 << 20)
+    total = 0
+    started = time.monotonic()
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buffer):
+            total += n
+    return total / (time.monotonic() - started)
+
+
+def node_local_main(args: Any) -> int:
+    """`--node-local`: see the module's doc."""
+    from orchestrator.lab.cgroups import usage_us
+
+    if not privileged():
+        print("bench/load.py --node-local needs root (network namespaces)", file=sys.stderr)
+        return 2
+    model = (
+        args.model
+        if args.model != DEFAULT_MODEL
+        else Path(f"/tmp/rpcfleet-bench-load/model-{args.size}.gguf")
+    )
+    if not model.exists():
+        model.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_llama(model, **MANIFEST_MODELS[args.size])
+        time.sleep(2 * RACY_NS / 1e9)  # the memo is not kept for a file changed within its racy window
+    controller_rate = args.controller_rate or "1gbit"
+    tensors = gguf_tensors([model])
+    total = sum(t.size for t in tensors)
+    reap_stale()
+    load = load_average()
+    lab = lab_up(args.nodes, name=LOCAL_LAB, owner_pid=os.getpid(), cpus=args.cpus)
+    runs: dict[str, list[LocalRun]] = {FROM_NODES: [], FROM_CONTROLLER: []}
+    try:
+        shape(lab, args.rate, controller_rate)
+        base = [dataclasses.replace(h, rpc_cache=True) for h in load_inventory(lab.inventory).hosts]
+        local = [dataclasses.replace(h, model_path_on_nodes="~/models") for h in base]
+        copies = []
+        for node in lab.nodes:  # each node's own copy on its disk (here: in its own home)
+            (node.home / "models").mkdir(mode=0o755, exist_ok=True)
+            copies.append(Path(shutil.copyfile(model, node.home / "models" / model.name)))
+            copies[-1].chmod(0o644)
+        asyncio.run(deploy(base))
+        plan = asyncio.run(make_lab_plan(base, model))
+        per_node = planned_bytes(plan)
+        limit, _, _ = wire_limits(lab, per_node, parallel=False)  # every byte through the controller's link
+        started = time.monotonic()
+        plan_cache(plan, [model])  # the model's memo and manifest: once per file (read back if known)
+        named_s = time.monotonic() - started
+        # Per-byte costs for the projection, each measured here: FNV-1a per CPU second (the file in the
+        # page cache), a cold read of a node's copy, a 1 GiB write with fdatasync in a node's home.
+        for t in tensors:
+            hash_file_range(t.path, t.offset, t.size)
+        cpu_started = time.process_time()
+        for t in tensors:
+            hash_file_range(t.path, t.offset, t.size)
+        hash_rate = total / (time.process_time() - cpu_started)
+        read_bps = cold_read_rate(copies[0])
+        write_bps = write_rate(lab.nodes[0].home / "models")
+        options = OperationOptions()
+        for _ in range(args.rounds):
+            for name, hosts in ((FROM_NODES, local), (FROM_CONTROLLER, base)):
+                asyncio.run(cache_op(base, cache_step("clear", options)))
+                for path in (model, *copies):  # page cache cold: every copy is read from the disk
+                    drop_page_cache(path)
+                cpu = {n.name: usage_us(n.namespace or n.name) for n in lab.nodes}
+                tx = bridge_tx(lab.bridge)
+                warmed: dict[str, Any] = {}
+                phases = rpcfleet_cold(hosts, plan, model, beside=True, first=False, warmed=warmed)
+                runs[name].append(
+                    LocalRun(
+                        phases,
+                        bridge_tx(lab.bridge) - tx,
+                        {n.name: (usage_us(n.namespace or n.name) - cpu[n.name]) / 1e6 for n in lab.nodes},
+                        sorted({str(c.via) for c in warmed.values()}),
+                        sum(c.bytes_local for c in warmed.values()),
+                        [w for c in warmed.values() for w in c.warnings],
+                    )
+                )
+        from_cache = timed_load(plan, model)  # the caches full now: every big tensor a hit
+    finally:
+        lab_down(LOCAL_LAB)
+    transport = "/".join(sorted({h.rpc_transport for h in base}))
+    said = LoadConditions(controller_rate, "cold", "empty", transport).text()
+
+    def spread(xs: list[float], unit: str = "") -> str:
+        return f"{median(xs):.2f}{unit} ({min(xs):.2f}..{max(xs):.2f})"
+
+    lines = [
+        f"## {NODE_LOCAL_SECTION}",
+        "",
+        f"`bench/load.py --node-local --size {args.size}`, {stamp()}; 1-min load average {load:.1f} at the "
+        f"start. A lab of {args.nodes} network-namespace nodes, each capped at {args.cpus:g} CPU (`lab up "
+        f"--cpus`: {args.nodes} nodes, the controller and other work share this machine's {os.cpu_count()} "
+        f"cores, one disk and one page cache), each link shaped to {args.rate}, the controller's side (the "
+        f"bridge) to {controller_rate}; CPU servers with `-c`; a generated f16 llama of "
+        f"{total / 1e9:.2f} GB, "
+        f"plan {'/'.join(str(d.n_layers) for d in plan.devices)} layers "
+        f"({', '.join(f'{v / 1e9:.2f}' for v in per_node.values())} GB per node); each node holds a whole "
+        "copy of the GGUF in `~/models` (`model_path_on_nodes`). Each load is `rpcfleet run --warm auto`'s "
+        "after the plan (check, warm all nodes in parallel, the load beside the warm; bench/load.py's "
+        "`rpcfleet_cold`) on emptied caches, with this machine's GGUF and every node's copy dropped from the "
+        "page cache just before; the model's hashes remembered (its memo and manifest, as on every load "
+        f"after its first; naming them took {named_s:.2f} s here). {args.rounds} rounds, each: from the "
+        "nodes' copies, then through the controller. Medians, (min..max) beside them.",
+        "",
+        "| load | conditions | seconds | x the controller-link limit | controller sent (bridge tx) | CPU s "
+        "per node | warm's bytes via |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rs in runs.items():
+        cpus = " / ".join(f"{n} {spread([r.node_cpu[n] for r in rs])}" for n in rs[0].node_cpu)
+        lines.append(
+            f"| {name} | {said} | {spread([r.total for r in rs])} | "
+            f"{spread([r.total / limit for r in rs], 'x')} | {spread([r.sent / 1e9 for r in rs], ' GB')} | "
+            f"{cpus} | {', '.join(sorted({v for r in rs for v in r.via}))} |"
+        )
+    ours = [r.total / limit for r in runs[FROM_NODES]]
+    theirs = [r.total / limit for r in runs[FROM_CONTROLLER]]
+    best = min(runs[FROM_NODES], key=lambda r: r.total)
+    capped = [max(r.node_cpu.values()) / args.cpus for r in runs[FROM_NODES]]
+    warnings = sorted({w for r in runs[FROM_NODES] for w in r.warnings})
+    verdict = "met" if median(ours) <= 0.5 else "**not met**"
+    busy = [r.phases["cpu"] / r.total / (os.cpu_count() or 1) for r in runs[FROM_NODES]]
+    nominal = {"gbit": 1e9, "mbit": 1e6}[controller_rate[-4:]] * float(controller_rate[:-4])
+    efficiency = sum(per_node.values()) * 8 / limit / nominal
+    costs = ByteCosts(1 / hash_rate, efficiency, 1 / read_bps, 1 / write_bps, from_cache / total)
+    projected = projection(PROJECTED_GIB * 2**30, PROJECTED_NODES, PROJECTED_LINK_BPS, costs)
+    local_s, _ = projected["the manifest, from node-local copies"]
+    node_side = PROJECTED_GIB * 2**30 / PROJECTED_NODES * (costs.read + costs.hash + costs.write)
+    bound = "the nodes' read, hash and write" if node_side >= local_s else "the servers' load from the caches"
+    aim = (
+        f"met ({local_s:.0f} s)"
+        if local_s <= AIM_S
+        else f"**not met** ({local_s:.0f} s, {local_s / AIM_S:.1f}x; bound by {bound} at these rates)"
+    )
+    best_phases = ", ".join(f"{k} {v:.2f} s" for k, v in best.phases.items() if k not in ("total", "cpu"))
+    lines += [
+        "",
+        f"- Controller-link limit, measured in this run: the plan's {sum(per_node.values()) / 1e9:.2f} GB "
+        f"over plain TCP through the same shaped path, node after node: {limit:.2f} s.",
+        f"- Target: a cold load from node-local copies at most 0.5x that limit: {spread(ours, 'x')} "
+        f"({verdict}); through the controller {spread(theirs, 'x')}. From the copies the controller sent "
+        f"{spread([r.sent / 1e9 for r in runs[FROM_NODES]], ' GB')} into the lab (commands, the tensors "
+        f"under 10 MiB, the load's requests); the nodes copied "
+        f"{spread([r.local_bytes / 1e9 for r in runs[FROM_NODES]], ' GB')} from their own files"
+        + (f"; warnings: {'; '.join(warnings)}" if warnings else "; no node fell back to the controller")
+        + ".",
+        f"- Against the caps: the busiest node's CPU seconds over its {args.cpus:g}-CPU cap, "
+        f"{spread(capped, ' s')}, is the least time its share could take at that cap "
+        f"({spread([c / r.total for c, r in zip(capped, runs[FROM_NODES], strict=True)], 'x')} of the "
+        f"load). Phases of the fastest load from the copies: {best_phases}. This machine's "
+        f"{os.cpu_count()} cores were busy {spread(busy, 'x')} of each load from the copies (all work on "
+        "the machine, the other sessions' included).",
+        f"- Per-byte costs measured here: FNV-1a {hash_rate / 1e9:.2f} GB per CPU second; a node's copy "
+        f"read cold {read_bps / 1e9:.2f} GB/s; a 1 GiB write with fdatasync {write_bps / 1e9:.2f} GB/s; "
+        f"the controller link carried {efficiency:.0%} of its nominal {controller_rate}; the load once the "
+        f"caches are full (the manifest's hashes) {from_cache:.2f} s, {total / from_cache / 1e9:.2f} GB/s.",
+        "",
+        f"Projection, computed from those costs (not measured): a {PROJECTED_GIB} GiB model on "
+        f"{PROJECTED_NODES} nodes behind a {PROJECTED_LINK_BPS / 1e9:g} GbE controller link, each cost at "
+        f"this machine's rate (aim: ready in {AIM_S:.0f} s from node-local copies).",
+        "",
+        "| load | seconds | made of |",
+        "|---|---|---|",
+        *(f"| {name} | {seconds:.0f} | {parts} |" for name, (seconds, parts) in projected.items()),
+        "",
+        f"- The aim of {AIM_S:.0f} s from node-local copies: {aim}.",
+        "",
+        CONDITIONS_RULE,
+        "",
+    ]
+    section = "\n".join(lines)
+    print(section)
+    if args.write is not None:
+        write_section(args.write, NODE_LOCAL_SECTION, section)
+    return 0
+
+
 DEFAULT_MODEL = Path("/tmp/rpcfleet-bench-load/model.gguf")
 
 
 def main() -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate per link (default 1gbit)")
-    parser.add_argument(
-        "--controller-rate", default=None, help="tc tbf rate of the bridge's side: the controller's own link"
-    )
+    controller_rate_arg(parser)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument(
         "--manifest", action="store_true", help="the warm load with the hash manifest, over loopback (no lab)"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="--manifest: rounds of the three loads")
-    parser.add_argument("--size", choices=sorted(MANIFEST_MODELS), default="1.8gb", help="--manifest: model")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="--manifest, --node-local: rounds (each alternates its loads)"
+    )
+    parser.add_argument(
+        "--size", choices=sorted(MANIFEST_MODELS), default="1.8gb", help="--manifest, --node-local: model"
+    )
+    parser.add_argument(
+        "--node-local",
+        action="store_true",
+        help="a cold load from the nodes' own copies (model_path_on_nodes) against one through this machine",
+    )
+    parser.add_argument("--nodes", type=int, default=3, help="--node-local: lab nodes (default 3)")
+    parser.add_argument(
+        "--cpus", type=float, default=0.6, help="--node-local: CPU cap per node (default 0.6)"
+    )
     args = parser.parse_args()
     if args.manifest:
         return manifest_main(args)
+    if args.node_local:
+        return node_local_main(args)
     if not privileged():
         print("bench/load.py needs root (network namespaces)", file=sys.stderr)
         return 2
@@ -529,6 +842,7 @@ def main() -> int:
     load = load_average()
     lab = lab_up(3, name=LAB_NAME, owner_pid=os.getpid())
     results: dict[str, float] = {}
+    sent_by: dict[str, int] = {}  # the controller's bytes into the lab (the bridge's tx_bytes) per load
     try:
         shape(lab, args.rate, args.controller_rate)
         base = list(load_inventory(lab.inventory).hosts)
@@ -538,14 +852,19 @@ def main() -> int:
         plan = asyncio.run(make_lab_plan(plain, model))
         wire, wire_parallel, wire_cpu = wire_limits(lab, planned_bytes(plan))
         samples: list[LoadProgress] = []
+        tx = bridge_tx(lab.bridge)
         results["no cache"] = timed_load(plan, model, samples)
+        sent_by["no cache"], tx = bridge_tx(lab.bridge) - tx, bridge_tx(lab.bridge)
         asyncio.run(deploy(cached))
         options = OperationOptions()
         asyncio.run(cache_op(cached, cache_step("clear", options)))
+        tx = bridge_tx(lab.bridge)
         results["cold (-c, empty cache)"] = timed_load(plan, model)
-        busy = busy_cpu_seconds()
+        sent_by["cold (-c, empty cache)"] = bridge_tx(lab.bridge) - tx
+        busy, tx = busy_cpu_seconds(), bridge_tx(lab.bridge)
         results["warm (-c, every big tensor a hit)"] = timed_load(plan, model)
         warm_load_cpu = busy_cpu_seconds() - busy
+        sent_by["warm (-c, every big tensor a hit)"] = bridge_tx(lab.bridge) - tx
         asyncio.run(cache_op(cached, cache_step("clear", options)))
         started = time.monotonic()
         per_endpoint = plan_cache(plan, [model], memo=False)
@@ -558,7 +877,9 @@ def main() -> int:
         warm_cpu = busy_cpu_seconds() - busy
         node_warm = {r.host.name: (r.value.bytes_sent, r.value.seconds) for r in run.results}
         warm_via = sorted({str(r.value.via) for r in run.results})
+        tx = bridge_tx(lab.bridge)
         results["pre-warmed first load"] = timed_load(plan, model)
+        sent_by["pre-warmed first load"] = bridge_tx(lab.bridge) - tx
         asyncio.run(cache_op(cached, cache_step("clear", options)))
         largest = max(items, key=lambda name: sum(i.size for i in items[name]))
         started = time.monotonic()
@@ -570,9 +891,12 @@ def main() -> int:
         throughs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for beside in (True, False, True, False):
             asyncio.run(cache_op(cached, cache_step("clear", options)))
+            tx = bridge_tx(lab.bridge)
             throughs[beside].append(rpcfleet_cold(cached, plan, model, beside=beside))
+            throughs[beside][-1]["sent"] = bridge_tx(lab.bridge) - tx
         for beside, name in ((True, BESIDE), (False, AFTER)):
             results[name] = min(r["total"] for r in throughs[beside])
+            sent_by[name] = int(min(throughs[beside], key=lambda r: r["total"])["sent"])
     finally:
         lab_down(LAB_NAME)
     per_node = planned_bytes(plan)
@@ -592,15 +916,28 @@ def main() -> int:
         "each load in a fresh worker process whose imports are done (`Worker.load`: the load phase "
         "`rpcfleet run` prints).",
         "",
-        "| load | seconds | links at once | x the measured wire limit of those links | MB/s (all nodes) |",
-        "|---|---|---|---|---|",
+        "| load | conditions | seconds | links at once | x the measured wire limit of those links | MB/s "
+        "(all nodes) | controller sent (bridge tx) |",
+        "|---|---|---|---|---|---|---|",
     ]
+    side = args.controller_rate or "unshaped"
+    transport = "/".join(sorted({h.rpc_transport for h in cached}))
+    caches = {
+        "no cache": "none",
+        "cold (-c, empty cache)": "empty",
+        "warm (-c, every big tensor a hit)": "full",
+        "pre-warmed first load": "full",
+        BESIDE: "empty",
+        AFTER: "empty",
+    }
     # Each load is judged against the links it uses: llama.cpp sends to one node after another (one link
     # at a time); rpcfleet's warming fills every node's link at once, so its limit is the busiest link's.
     for name, seconds in results.items():
         links, limit = (len(per_node), wire_parallel) if name in (BESIDE, AFTER) else (1, wire)
+        said = LoadConditions(side, "warm", caches[name], transport).text()
         lines.append(
-            f"| {name} | {seconds:.2f} | {links} | {seconds / limit:.2f} | {sent / seconds / 1e6:.0f} |"
+            f"| {name} | {said} | {seconds:.2f} | {links} | {seconds / limit:.2f} | "
+            f"{sent / seconds / 1e6:.0f} | {sent_by[name] / 1e9:.2f} GB |"
         )
     prewarmed = results["pre-warmed first load"]
     ours = results[BESIDE]
@@ -675,6 +1012,8 @@ def main() -> int:
         "`rpc_transport: tcp` nodes, an OpenSSH session for `ssh` ones), so the three links fill at once, "
         "which llama.cpp never does; and the servers rpcfleet builds wait for a file while their cache is "
         "being warmed, so the load runs beside the warm, each tensor read from the cache as it lands.",
+        "",
+        CONDITIONS_RULE,
         "",
     ]
     section = "\n".join(lines)
