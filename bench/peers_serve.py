@@ -16,8 +16,7 @@ off so that streams pass as they come, `worker_processes auto`). Both get the sa
 each sends `--requests` streamed completions of `--tokens` tokens (greedy, ignore_eos, seed 0) one after
 the other with the official `openai` client (bench/serve.py's `measure_stream`): aggregate tokens/s = all
 completion tokens / the wall time; time to first token (TTFT) per request, p50 and p95 (over 20 requests
-or more; over fewer, the largest, called max). Rounds alternate (serve first in odd rounds, the stack
-first in even ones).
+or more; over fewer, the largest, called max).
 
 Router mode: the pinned llama-server's router (`--models-preset`) is started once with `--rpc` of one
 node and a preset of the model; one request loads the model, and the child's argv is read to say whether
@@ -25,9 +24,12 @@ the router passed `--rpc` on. The router runs one child per model name, so one m
 be spread over replicas on their own nodes behind it: it is named, not measured, as a peer of
 `--replicas`.
 
-Targets, computed: serve's tokens/s at least the round robin's less `TARGET` (5 %, serve's front cost as
-bench/serve.py allows it) and its TTFT p50 at most the round robin's plus `TARGET`, at every
-concurrency; the rounds' spread of each ratio says whether a difference is noise.
+serve runs with its default routing (affine) and with `--routing least-loaded`: three sides, each round
+starting with the next one.
+
+Targets, computed, for each routing: serve's tokens/s at least the round robin's less `TARGET` (5 %,
+serve's front cost as bench/serve.py allows it) and its TTFT p50 at most the round robin's plus
+`TARGET`, at every concurrency; the rounds' spread of each ratio says whether a difference is noise.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ LAB_NAME = "peersserve"
 NODES = 3
 TARGET = 0.05  # serve's front within 5 % of the plain stack: tokens/s not under, TTFT p50 not over
 TIMEOUT = 900.0  # seconds a client waits for one request
-NAMES = ("serve", "nginx")
+ROUTINGS = ("affine", "least-loaded")  # serve's default, then the plain one
+NAMES = (*ROUTINGS, "nginx")
 
 
 def deploy(lab: Lab) -> None:
@@ -107,14 +110,16 @@ def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
 
 
 @contextlib.contextmanager
-def serving(lab: Lab, model: Path, folder: Path, ctx: int, parallel: int) -> Iterator[tuple[str, Any]]:
-    """serve --replicas auto on the lab: its base URL and its first ready /health."""
+def serving(
+    lab: Lab, model: Path, folder: Path, ctx: int, parallel: int, routing: str = "affine"
+) -> Iterator[tuple[str, Any]]:
+    """serve --replicas auto --routing `routing` on the lab: its base URL and its first ready /health."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "orchestrator", "serve", "-i", str(lab.inventory), "-m", str(model)]
     argv += ["--ctx", str(ctx), "--parallel", str(parallel), "--port", str(port), "--model-name", "bench"]
     argv += ["--replicas", "auto", "--seed", "0", "--rejoin-interval", "1", "--observe-interval", "0"]
-    argv += ["--queue-timeout", str(int(TIMEOUT))]
+    argv += ["--queue-timeout", str(int(TIMEOUT)), "--routing", routing]
     env = {**os.environ, "RPCFLEET_HOME": str(folder / "home")}
     env.pop("RPCFLEET_API_KEY", None)
     with (folder / "serve.log").open("ab") as log:
@@ -300,11 +305,12 @@ def main() -> None:
         with serving(lab, model, folder, args.ctx, args.parallel) as (_, health):
             engines = engine_argvs(health)
         for i in range(args.rounds):
-            for name in NAMES if i % 2 == 0 else NAMES[::-1]:  # a drift of the load favours neither
+            for name in NAMES[i % 3 :] + NAMES[: i % 3]:  # each round starts with the next side
                 print(f"round {i + 1}: {name}", file=sys.stderr, flush=True)
                 with contextlib.ExitStack() as side:
-                    if name == "serve":
-                        base = side.enter_context(serving(lab, model, folder, args.ctx, args.parallel))[0]
+                    if name in ROUTINGS:
+                        serve = serving(lab, model, folder, args.ctx, args.parallel, name)
+                        base = side.enter_context(serve)[0]
                     else:
                         base = side.enter_context(round_robin(engines, folder))
                     for c in concurrencies:
@@ -317,17 +323,19 @@ def main() -> None:
         name, value = tail(ttft)
         return f"{median([r['tps'] for r in of]):.1f} ({ms(median(ttft))} / {name} {ms(value)})"
 
-    rows, missed = [], []
+    rows, missed = [], {routing: list[int]() for routing in ROUTINGS}
     for c in concurrencies:
-        s, n = runs["serve"][c], runs["nginx"][c]
-        tps, first, met = ratio_verdict(s, n)
-        if not met:
-            missed.append(c)
-        each = [a["tps"] / b["tps"] for a, b in zip(s, n, strict=True)]
-        rows.append(
-            f"| {c} | {figures(s)} | {figures(n)} | {tps:.2f} / {first:.2f} | {round_spread(each)} "
-            f"| **{'met' if met else 'not met'}** |"
-        )
+        n = runs["nginx"][c]
+        for routing in ROUTINGS:
+            s = runs[routing][c]
+            tps, first, met = ratio_verdict(s, n)
+            if not met:
+                missed[routing].append(c)
+            each = [a["tps"] / b["tps"] for a, b in zip(s, n, strict=True)]
+            rows.append(
+                f"| {c} | {routing} | {figures(s)} | {figures(n)} | {tps:.2f} / {first:.2f} "
+                f"| {round_spread(each)} | **{'met' if met else 'not met'}** |"
+            )
     shown = [Path(engines[0][0]).name, *engines[0][1:]]
     shown[shown.index("-m") + 1] = Path(shown[shown.index("-m") + 1]).name
     shown = on_port(shown, 0)
@@ -339,25 +347,32 @@ def main() -> None:
         f"--parallel {args.parallel} --ctx {args.ctx} --rounds {args.rounds} --cpus {args.cpus:g}`, "
         f"{stamp()}; load average {load_before:.2f} at the start. A {NODES}-node lab, each node "
         f"`--cpus {args.cpus:g}`, Gemma 3 270M Q4_K_M. serve = `rpcfleet serve --replicas auto "
-        f"--parallel {args.parallel} --ctx {args.ctx}`: {len(engines)} formations, one per node. "
+        f"--parallel {args.parallel} --ctx {args.ctx} --routing R`: {len(engines)} formations, one per "
+        "node, with its default routing (affine: a request goes to the formation whose slots hold its "
+        "prefix, the least-loaded when that one is full) and with least-loaded. "
         f"Round robin = the same {len(engines)} llama-servers started by hand with the argv serve's engines "
         "ran with (their `--port` aside), behind nginx (Debian's package: `upstream`, its default round "
         "robin, `proxy_buffering off`). Each client streams "
-        f"{args.requests} greedy completions of {args.tokens} tokens one after the other; rounds "
-        "alternate (serve first in odd rounds). The first engine's argv (each differs in its `--rpc` "
-        "node):",
+        f"{args.requests} greedy completions of {args.tokens} tokens one after the other (each prompt "
+        "starts with its own request number); each round starts with the next of the three sides. The "
+        "first engine's argv (each differs in its `--rpc` node):",
         "",
         f"    {' '.join(shown)}",
         "",
-        "| clients | serve --replicas auto: tok/s (TTFT p50 / p95 or max) "
+        "| clients | serve --routing | serve --replicas auto: tok/s (TTFT p50 / p95 or max) "
         "| llama-servers + nginx round robin | serve / round robin: tok/s / TTFT p50 "
         f"| each round's tok/s ratio | target: within {TARGET * 100:.0f} % |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"Target (serve's tokens/s at least the round robin's less {TARGET * 100:.0f} %, its TTFT p50 at "
-        f"most {TARGET * 100:.0f} % over): **{'met' if not missed else 'not met'}**"
-        + (f" (missed at {', '.join(map(str, missed))} clients)." if missed else f" at all {len(rows)}."),
+        f"most {TARGET * 100:.0f} % over): "
+        + "; ".join(
+            f"{routing}: **{'met' if not missed[routing] else 'not met'}**"
+            + (f" (missed at {', '.join(map(str, missed[routing]))} clients)" if missed[routing] else "")
+            for routing in ROUTINGS
+        )
+        + ".",
         "",
         f"Router mode: {router}.",
     ]

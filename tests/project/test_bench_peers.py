@@ -123,3 +123,31 @@ def test_the_round_robin_holds_every_engine_unbuffered(peers_serve: ModuleType, 
 def test_an_engine_argv_moves_to_another_port(peers_serve: ModuleType) -> None:
     argv = ["llama-server", "-m", "m.gguf", "--port", "41000", "--alias", "bench"]
     assert peers_serve.on_port(argv, 5) == ["llama-server", "-m", "m.gguf", "--port", "5", "--alias", "bench"]
+
+
+@pytest.fixture
+def peers_affinity() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        yield importlib.import_module("peers_affinity")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def verdicts(rr: dict[str, str], one: dict[str, str]) -> dict[str, dict[str, str]]:
+    within = "within the spread"
+    base = {"p50": within, "p95": within, "tps": within, "wall": within, "processed": within}
+    return {"round robin": {**base, **rr}, "one engine": {**base, **one}}
+
+
+def test_the_routers_gain_is_real_only_against_the_round_robins_cache(peers_affinity: ModuleType) -> None:
+    better = {"processed": "affine better", "p50": "affine better"}
+    assert peers_affinity.gain_target(verdicts(better, {})) == (True, [])
+    # the one engine holds every history itself: affine need not beat it, only not lose to it
+    met, misses = peers_affinity.gain_target(verdicts(better, {"processed": "affine worse"}))
+    assert met and not misses
+    met, misses = peers_affinity.gain_target(verdicts(better, {"tps": "affine worse"}))
+    assert not met and misses == ["tps against the one engine"]
+    # the engine's own cache did the router's work: no gain in prompt tokens
+    met, misses = peers_affinity.gain_target(verdicts({"p50": "affine better"}, {}))
+    assert not met and misses == ["processed against the round robin"]
