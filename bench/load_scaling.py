@@ -12,7 +12,10 @@ tbf` on both ends of every node's link, as bench/load.py):
 - **load without a cache** (servers without `-c`): a fresh worker's load phase;
 - **warm**: `cache warm` of the emptied caches, all nodes in parallel (servers with `-c`), then the
   **warm load** (every big tensor a hit).
-Each figure is one measurement (a lab per node count; the rates alternate inside it).
+Each figure is one measurement (a lab per node count; the rates alternate inside it). `--controller-rate
+RATE` shapes the lab bridge's side too (the controller's own link; default unshaped). Every figure names
+its conditions (the controller's rate, the GGUF's page cache, the caches, the transport) and the
+controller's bytes into the lab (the bridge's tx_bytes).
 
 Verdicts, computed per curve (time over nodes, log-log slope from 1 to 6 nodes): flat within +-0.3,
 falls below (more nodes, less time: each node's share shrinks), grows above; and each point against its
@@ -29,7 +32,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import FLAT, arg_parser, load_average, loglog_slope, stamp, write_section
+from _common import (
+    CONDITIONS_RULE,
+    FLAT,
+    LoadConditions,
+    arg_parser,
+    bridge_tx,
+    controller_rate_arg,
+    load_average,
+    loglog_slope,
+    page_cache_resident,
+    stamp,
+    write_section,
+)
 from load import cache_op, deploy, make_lab_plan, timed_load, wire_limits
 from load import shape as shape_links
 
@@ -58,6 +73,18 @@ class Point:
     no_cache: float = 0.0
     warm: float = 0.0
     warm_load: float = 0.0
+    # the controller's bytes into the lab (the bridge's tx_bytes) during each
+    sent: dict[str, int] = dataclasses.field(default_factory=dict)
+    resident: float = 1.0  # the least share of the GGUF in this machine's page cache before a load
+
+
+def in_page_cache(path: Path) -> float:
+    """Read `path` through, so that every load of it finds it in the page cache (the conditions say
+    "page cache warm"); returns the share resident after."""
+    with path.open("rb", buffering=0) as fh:
+        while fh.read(64 << 20):
+            pass
+    return page_cache_resident(path)
 
 
 def trend(slope: float) -> str:
@@ -66,7 +93,9 @@ def trend(slope: float) -> str:
     return "flat" if slope <= FLAT else "grows"
 
 
-def measure(nodes: int, models: dict[str, Path], rates: tuple[str, ...]) -> dict[tuple[str, str], Point]:
+def measure(
+    nodes: int, models: dict[str, Path], rates: tuple[str, ...], controller_rate: str | None
+) -> dict[tuple[str, str], Point]:
     lab = lab_up(nodes, name=LAB_NAME, owner_pid=os.getpid())
     points: dict[tuple[str, str], Point] = {}
     options = OperationOptions()
@@ -78,19 +107,27 @@ def measure(nodes: int, models: dict[str, Path], rates: tuple[str, ...]) -> dict
         plans = {name: asyncio.run(make_lab_plan(plain, path)) for name, path in models.items()}
         for name, path in models.items():
             for rate in rates:
-                shape_links(lab, rate, None)
+                shape_links(lab, rate, controller_rate)
                 wire, parallel, _cpu = wire_limits(lab, planned_bytes(plans[name]))
-                points[(name, rate)] = Point(wire, parallel, no_cache=timed_load(plans[name], path))
+                point = points[(name, rate)] = Point(wire, parallel, resident=in_page_cache(path))
+                tx = bridge_tx(lab.bridge)
+                point.no_cache = timed_load(plans[name], path)
+                point.sent["no_cache"] = bridge_tx(lab.bridge) - tx
         asyncio.run(deploy(cached))
         for name, path in models.items():
             items = warm_items(plan_cache(plans[name], [path]), cached)
             for rate in rates:
-                shape_links(lab, rate, None)
+                shape_links(lab, rate, controller_rate)
+                point = points[(name, rate)]
                 asyncio.run(cache_op(cached, cache_step("clear", options)))
+                point.resident = min(point.resident, in_page_cache(path))
+                tx = bridge_tx(lab.bridge)
                 started = time.monotonic()
                 asyncio.run(cache_op(cached, warm_step(items, options)))
-                points[(name, rate)].warm = time.monotonic() - started
-                points[(name, rate)].warm_load = timed_load(plans[name], path)
+                point.warm = time.monotonic() - started
+                point.sent["warm"], tx = bridge_tx(lab.bridge) - tx, bridge_tx(lab.bridge)
+                point.warm_load = timed_load(plans[name], path)
+                point.sent["warm_load"] = bridge_tx(lab.bridge) - tx
     finally:
         lab_down(LAB_NAME)
     return points
@@ -100,6 +137,7 @@ def main() -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--big", type=Path, default=Path("/tmp/rpcfleet-bench-load/big.gguf"))
     parser.add_argument("--nodes", default=",".join(map(str, NODES)), help="node counts (default 1,3,6)")
+    controller_rate_arg(parser)
     args = parser.parse_args()
     if not privileged():
         print("bench/load_scaling.py needs root (network namespaces)", file=sys.stderr)
@@ -116,7 +154,9 @@ def main() -> int:
     counts = tuple(int(n) for n in args.nodes.split(","))
     reap_stale()
     load = load_average()
-    results = {n: measure(n, models, RATES) for n in counts}
+    results = {n: measure(n, models, RATES, args.controller_rate) for n in counts}
+    side = args.controller_rate or "unshaped"
+    resident = min(p.resident for r in results.values() for p in r.values())
 
     lines = [
         f"## {SECTION}",
@@ -125,12 +165,21 @@ def main() -> int:
         f"(CPU servers, real sshd), links shaped with tbf; models: "
         + ", ".join(f"{name} ({size / 1e6:.0f} MB)" for name, size in sizes.items())
         + ". Seconds; in brackets the time over the wire limit measured in the same run (plain TCP, the "
-        "same bytes and path: one node after the other for a load, all at once for a warm).",
+        "same bytes and path: one node after the other for a load, all at once for a warm). Conditions of "
+        f"every figure: the controller's side {side}, the GGUF in the page cache (read through before "
+        f"each; at least {resident:.0%} of its pages resident), transport tcp; the load without a cache on "
+        "servers without `-c` (caches none), the warm on emptied caches (caches empty), the warm load "
+        "after it (caches full, the client taking its hashes from the manifest). Under each time the "
+        "controller's bytes into the lab (the bridge's tx_bytes).",
         "",
         "| model | link | nodes | wire limit (one at a time / all at once) | load without a cache | warm, "
         "all nodes in parallel | warm load |",
         "|---|---|---|---|---|---|---|",
     ]
+    conditions = " / ".join(
+        f"{what}: {LoadConditions(side, 'warm', caches).text()}"
+        for what, caches in (("load", "none"), ("warm", "empty"), ("warm load", "full"))
+    )
     verdicts = []
     for name in models:
         for rate in RATES:
@@ -138,8 +187,9 @@ def main() -> int:
                 p = results[n][(name, rate)]
                 lines.append(
                     f"| {name} | {rate} | {n} | {p.wire:.2f} / {p.wire_parallel:.2f} | {p.no_cache:.2f} "
-                    f"({p.no_cache / p.wire:.2f}x) | {p.warm:.2f} ({p.warm / p.wire_parallel:.2f}x) | "
-                    f"{p.warm_load:.2f} |"
+                    f"({p.no_cache / p.wire:.2f}x; {p.sent['no_cache'] / 1e6:.0f} MB sent) | {p.warm:.2f} "
+                    f"({p.warm / p.wire_parallel:.2f}x; {p.sent['warm'] / 1e6:.0f} MB sent) | "
+                    f"{p.warm_load:.2f} ({p.sent['warm_load'] / 1e6:.0f} MB sent) |"
                 )
             if len(counts) > 1:
                 curve = [results[n][(name, rate)] for n in counts]
@@ -157,6 +207,8 @@ def main() -> int:
         + "; ".join(verdicts)
         + ". A load sends one node after the other, so its wire limit stays the model's bytes over one "
         "link; a warm fills every link at once, so its limit falls with the largest node's share.",
+        "",
+        f"The conditions in full: {conditions}. {CONDITIONS_RULE}",
     ]
     section = "\n".join(lines)
     print(section)
