@@ -949,7 +949,7 @@ def main() -> int:
 
     def phases(run: dict[str, float]) -> str:
         cpu = f"; the {cores} cores busy {run['cpu'] / run['total'] / cores:.0%}"
-        return ", ".join(f"{k} {v:.2f} s" for k, v in run.items() if k not in ("total", "cpu")) + cpu
+        return ", ".join(f"{k} {v:.2f} s" for k, v in run.items() if k not in ("total", "cpu", "sent")) + cpu
 
     per_node_text = ", ".join(
         f"{n} {b / 1e6:.0f} MB in {s:.2f} s ({b / s / 1e6:.0f} MB/s)" for n, (b, s) in node_warm.items()
