@@ -330,7 +330,7 @@ class Proxy:
                 if flow.texted and flow.edit is not None:  # continued from the tokens streamed
                     prompt = await self._prompt_tokens(flow.running, flow.route, flow.data)
                     if resume.greedy(flow.data):
-                        replayed = await self._replayed(flow.running, prompt, flow.edit.generated)
+                        replayed = await self._replayed(flow.running, flow.data, prompt, flow.edit.generated)
                     body = resume.continuation_body(flow.route, flow.data, prompt, flow.edit.generated)
                     path = resume.COMPLETIONS
                 else:  # no text sent yet: asked again as it was
@@ -360,7 +360,9 @@ class Proxy:
             return held, answer
         return None
 
-    async def _replayed(self, running: Running, prompt: list[int], generated: list[int]) -> int:
+    async def _replayed(
+        self, running: Running, data: dict[str, Any], prompt: list[int], generated: list[int]
+    ) -> int:
         """Decodes `prompt`, then each of `generated` but the last (the continuation's), one at a time on
         `running`'s engine, so that a greedy continuation goes on as the lost engine would have
         (`serve.resume`), for at most REPLAY_SECONDS. Returns the steps taken: an engine that refuses
@@ -369,7 +371,9 @@ class Proxy:
         upto = 0
         while upto < len(generated) and time.monotonic() < deadline:
             try:
-                await self._engine_json(running, "/completion", resume.replay_body(prompt, generated, upto))
+                await self._engine_json(
+                    running, "/completion", resume.replay_body(data, prompt, generated, upto)
+                )
             except CannotResume as exc:
                 get_logger().warning("serve_replay_refused", error=str(exc))
                 break

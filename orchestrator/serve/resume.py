@@ -109,6 +109,7 @@ def continuation_body(
         max_tokens=left,
         n_predict=left,
         timings_per_token=True,
+        cache_prompt=True,  # the replay left the prompt and the streamed tokens in a slot's cache
     )
     body.pop("max_completion_tokens", None)
     if route == CHAT and data.get("logprobs"):
@@ -124,15 +125,17 @@ def greedy(data: dict[str, Any]) -> bool:
     return (isinstance(temperature, int | float) and temperature <= 0) or data.get("top_k") == 1
 
 
-def replay_body(prompt: list[int], generated: list[int], upto: int) -> dict[str, Any]:
+def replay_body(data: dict[str, Any], prompt: list[int], generated: list[int], upto: int) -> dict[str, Any]:
     """Pure: the native `/completion` that decodes the prompt and `generated[:upto]` on an engine that holds
     the prompt and `generated[:upto - 1]` in a slot's cache (llama-server picks the idle slot whose cache
-    shares the longest prefix), so that it decodes one token. Its one sampled token is thrown away."""
+    shares the longest prefix), so that it decodes one token. Its one sampled token is thrown away. The
+    first (the prompt) uses the prompt cache as the request asked (`cache_prompt`: a prompt computed
+    afresh, or partly from a cached prefix, as the lost engine computed it)."""
     return {
         "prompt": list(prompt) + list(generated[:upto]),
         "n_predict": 1,
         "temperature": 0,
-        "cache_prompt": True,
+        "cache_prompt": bool(data.get("cache_prompt", True)) if upto == 0 else True,
     }
 
 

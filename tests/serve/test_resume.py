@@ -82,6 +82,7 @@ def test_the_continuation_is_the_prompts_tokens_then_those_streamed_with_the_bou
         "stop": ["\n\n"],
         "tools": None,
         "stream": True,
+        "cache_prompt": False,
     }
     body = resume.continuation_body(CHAT, data, [2, 100, 101], [5, 6, 7])
     assert body["prompt"] == [2, 100, 101, 5, 6, 7]
@@ -89,6 +90,7 @@ def test_the_continuation_is_the_prompts_tokens_then_those_streamed_with_the_bou
     assert body["temperature"] == 0 and body["seed"] == 7 and body["stop"] == ["\n\n"]
     assert "messages" not in body and "logprobs" not in body and body["n_probs"] == 1
     assert body["stream"] is True and body["timings_per_token"] is True
+    assert body["cache_prompt"] is True  # the replay's tokens are in the slot's cache: used, not computed again
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
@@ -172,3 +174,15 @@ def test_a_request_goes_on_elsewhere_only_when_its_engine_was_lost(failure: Fail
     """An engine that runs on but broke a request off (it cannot answer that request) is not a loss: asked
     again, it would break it off again, without end; the client gets its 502."""
     assert resumes(failure) is goes_on
+
+
+@pytest.mark.parametrize("asked", [None, True, False])
+def test_a_replay_decodes_one_token_a_step_and_computes_the_prompt_as_the_request_asked(
+    asked: bool | None,
+) -> None:
+    data: dict[str, Any] = {"temperature": 0} if asked is None else {"temperature": 0, "cache_prompt": asked}
+    assert resume.greedy(data) and resume.greedy({"top_k": 1}) and not resume.greedy({"temperature": 0.7})
+    first = resume.replay_body(data, [1, 2], [10, 11, 12], 0)
+    assert first == {"prompt": [1, 2], "n_predict": 1, "temperature": 0, "cache_prompt": asked is not False}
+    step = resume.replay_body(data, [1, 2], [10, 11, 12], 2)
+    assert step["prompt"] == [1, 2, 10, 11] and step["cache_prompt"] is True  # one token past the cache
