@@ -15,7 +15,7 @@ from orchestrator.core.files import write_atomic
 from orchestrator.core.paths import DEFAULT_LAB, labs_root
 from orchestrator.lab import sshd
 from orchestrator.lab.faults import LabFaults
-from orchestrator.lab.procs import proc_alive, read_pid, start_time
+from orchestrator.lab.procs import cmdline, proc_alive, read_pid, start_time
 
 PREFIX = "rfl"
 
@@ -125,8 +125,19 @@ class LabNode:
         return sshd.running_pid(self)
 
     def holder_pid(self) -> int | None:
+        """The holder's pid, when it runs. Its file outlives it (a power cut kills it, not the file),
+        and this machine's pids wrap around (32768 by default): a live pid is the holder only if it bears
+        the holder's name (`exec -a`), else a fault would SIGKILL, or `node_exec` enter, whatever
+        process took that pid, another lab's rpc-server too. Before its `exec` the holder is the shell
+        that wrote the file: its command line names the file."""
         pid = read_pid(self.holder_pid_file)
-        return pid if pid is not None and proc_alive(pid) else None
+        if pid is None or not proc_alive(pid):
+            return None
+        argv = cmdline(pid)
+        ours = bool(argv) and (
+            argv[0] == str(self.dir / "holder") or str(self.holder_pid_file) in " ".join(argv)
+        )
+        return pid if ours else None
 
 
 @dataclass(frozen=True)
