@@ -687,6 +687,16 @@ def node_local_main(args: Any) -> int:
                         [w for c in warmed.values() for w in c.warnings],
                     )
                 )
+        # Apart, once: the warm from the copies alone (no load beside it), then a load from the full caches.
+        asyncio.run(cache_op(base, cache_step("clear", options)))
+        for path in (model, *copies):
+            drop_page_cache(path)
+        cpu = {n.name: usage_us(n.namespace or n.name) for n in lab.nodes}
+        started = time.monotonic()
+        alone = asyncio.run(cache_op(local, warm_step(warm_items(plan_cache(plan, [model]), local), options)))
+        warm_alone = time.monotonic() - started
+        warm_alone_cpu = {n.name: (usage_us(n.namespace or n.name) - cpu[n.name]) / 1e6 for n in lab.nodes}
+        warm_alone_via = sorted({str(r.value.via) for r in alone.results})
         from_cache = timed_load(plan, model)  # the caches full now: every big tensor a hit
     finally:
         lab_down(LOCAL_LAB)
@@ -762,6 +772,11 @@ def node_local_main(args: Any) -> int:
         f"load). Phases of the fastest load from the copies: {best_phases}. This machine's "
         f"{os.cpu_count()} cores were busy {spread(busy, 'x')} of each load from the copies (all work on "
         "the machine, the other sessions' included).",
+        f"- Apart, once (caches emptied, page caches dropped): the warm from the copies alone "
+        f"{warm_alone:.2f} s (via {', '.join(warm_alone_via)}; CPU s per node "
+        f"{', '.join(f'{n} {c:.2f}' for n, c in warm_alone_cpu.items())}), then the load from the full "
+        f"caches {from_cache:.2f} s: {warm_alone + from_cache:.2f} s one after the other, against "
+        f"{median([r.total for r in runs[FROM_NODES]]):.2f} s beside each other.",
         f"- Per-byte costs measured here: FNV-1a {hash_rate / 1e9:.2f} GB per CPU second; a node's copy "
         f"read cold {read_bps / 1e9:.2f} GB/s; a 1 GiB write with fdatasync {write_bps / 1e9:.2f} GB/s; "
         f"the controller link carried {efficiency:.0%} of its nominal {controller_rate}; the load once the "
