@@ -144,8 +144,9 @@ def on_port(argv: list[str], port: int) -> list[str]:
 
 
 def nginx_conf(folder: Path, port: int, upstreams: list[int]) -> str:
-    """A plain round robin of `upstreams` on 127.0.0.1:`port`: nginx's default balancing, streams passed
-    unbuffered, its files under `folder`."""
+    """A plain round robin of `upstreams` on 127.0.0.1:`port`: nginx's default balancing, a connection
+    per request to the engines (with `keepalive` to them, bench/peers_affinity.py's chat workload got a
+    502 Bad Gateway), streams passed unbuffered (HTTP/1.1, chunked), its files under `folder`."""
     servers = "\n".join(f"        server 127.0.0.1:{p};" for p in upstreams)
     return f"""user root;
 worker_processes auto;
@@ -161,14 +162,12 @@ http {{
     scgi_temp_path {folder}/scgi;
     upstream engines {{
 {servers}
-        keepalive 64;
     }}
     server {{
         listen 127.0.0.1:{port};
         location / {{
             proxy_pass http://engines;
             proxy_http_version 1.1;
-            proxy_set_header Connection "";
             proxy_buffering off;
             proxy_read_timeout {int(TIMEOUT)}s;
         }}
@@ -203,6 +202,10 @@ def round_robin(engines: list[list[str]], folder: Path) -> Iterator[str]:
                 raise RuntimeError(f"nginx exited with {procs[-1].returncode}: {folder / 'nginx-error.log'}")
             time.sleep(0.05)
         yield base
+    except Exception:
+        log = folder / "nginx-error.log"  # the temporary folder goes with the error: show its reason
+        print(log.read_text()[-2000:] if log.exists() else "no nginx error log", file=sys.stderr)
+        raise
     finally:
         for proc in procs:
             stop(proc)
