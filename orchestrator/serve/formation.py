@@ -331,9 +331,10 @@ class Formation:
 
     @property
     def recovers(self) -> bool:
-        """A recovery is under way (after a loss, a reload's or a failed rejoin's restart): the formation
-        should serve again, so a request may wait for it. Given up (`failed`), draining or stopping: not."""
-        return self.state == State.RECOVERING and not self.stopping.is_set()
+        """A recovery is under way (after a loss, a reload's or a failed rejoin's restart), or a reload's or
+        a rejoin's drain (its restart follows): the formation should serve again, so a request may wait
+        for it. Given up (`failed`) or stopping (serve's end): not."""
+        return self.state in (State.RECOVERING, State.DRAINING) and not self.stopping.is_set()
 
     def unavailable(self) -> str:
         """Why a request is not served now (the 503's message), naming the lost nodes."""

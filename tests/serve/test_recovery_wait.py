@@ -53,6 +53,7 @@ def served(tiny_model: Path) -> Iterator[Callable[..., Served]]:
         server = http_server(create_app(router, api_key=None), "127.0.0.1", port)
 
         async def main() -> None:
+            LOOPS[id(router)] = asyncio.get_running_loop()
             router.start()
             try:
                 await server.serve(sockets=[sock])
@@ -69,6 +70,9 @@ def served(tiny_model: Path) -> Iterator[Callable[..., Served]]:
     for server, thread in running:
         server.should_exit = True
         thread.join(10)
+
+
+LOOPS: dict[int, asyncio.AbstractEventLoop] = {}  # each served router's loop, by id(router)
 
 
 def _until(check: Callable[[], bool], limit: float, what: str) -> float:
@@ -222,6 +226,28 @@ def test_the_waiters_are_bounded_by_the_models_queue_and_one_that_hangs_up_frees
     fleet.answering = set(ENDPOINTS)
     assert [first.result().status_code, second.result().status_code] == [200, 200]
     assert router.waiting["a"] == 0 and router.formations[0].admitted == 0
+
+
+def test_a_request_during_a_reloads_drain_waits_and_is_answered_by_the_reloaded_engine(
+    served: Callable[..., Served],
+) -> None:
+    """A reload (or a rejoin) drains, then restarts the formation: a request that comes meanwhile waits
+    in the queue for it, as for a recovery (issue 42: a rolling restart through serve refused them)."""
+    base, router, _, engines = served(queue_timeout=30.0)
+    formation = router.formations[0]
+    stream = Streamed(base, 40)  # holds the drain for about 2 s (the engine's 0.05 s a token)
+    _until(lambda: engines[-1].chunks >= 2, 5, "the stream never started")
+    reload = asyncio.run_coroutine_threadsafe(formation.reload(rolling_restart=False), LOOPS[id(router)])
+    _until(lambda: formation.state == "draining", 5, "never draining")
+    ask = Ask(base)
+    _waiting(base, 1, ask)
+    assert formation.state == "draining"
+    answer = ask.result(30)
+    assert answer.status_code == 200, answer.text
+    assert len(engines) == 2 and engines[-1].bodies[-1]["prompt"] == "hi"  # the reloaded engine's
+    _whole(stream, 40)  # the request in flight finished on the first engine
+    reload.result(10)
+    assert formation.metrics.reloads == 1 and router.waiting["a"] == 0
 
 
 # -- issue 42 (item 2): a stream in flight waits for the recovery too, then goes on from where it stopped

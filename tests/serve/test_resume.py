@@ -90,7 +90,7 @@ def test_the_continuation_is_the_prompts_tokens_then_those_streamed_with_the_bou
     assert body["temperature"] == 0 and body["seed"] == 7 and body["stop"] == ["\n\n"]
     assert "messages" not in body and "logprobs" not in body and body["n_probs"] == 1
     assert body["stream"] is True and body["timings_per_token"] is True
-    assert body["cache_prompt"] is True  # the replay's tokens are in the slot's cache: used, not computed again
+    assert body["cache_prompt"] is True  # the replay filled the slot's cache: used, not computed again
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
