@@ -129,25 +129,26 @@ def _server(lab: Lab, host: Host) -> psutil.Process:
     raise AssertionError(f"no rpc-server on {host.name}")
 
 
-def _kill_under_a_stream(served: Served, lab: Lab, victim: Host) -> psutil.Process:
+def _kill_under_a_stream(served: Served, lab: Lab, victim: Host) -> tuple[psutil.Process, Iterator[Any]]:
     """Kill `victim`'s rpc-server while a stream runs, its supervisor held (so the node stays lost): the
-    stream ends with the 503 naming it, the formation recovers. Returns the held supervisor."""
+    formation recovers. Returns the held supervisor and the rest of the stream, which waits for a
+    formation of the model to serve again (issue 42) and goes on there, or ends with the 503 naming the
+    node at --queue-timeout."""
     server = _server(lab, victim)
     supervisor = server.parent()
     assert supervisor is not None and "rpc-supervise" in " ".join(supervisor.cmdline()), supervisor
-    stream = served.client.completions.create(
-        model="tiny", prompt="hello world", max_tokens=3000, temperature=0, stream=True
+    stream = iter(
+        served.client.completions.create(
+            model="tiny", prompt="hello world", max_tokens=200, temperature=0, stream=True
+        )
     )
-    got, killed = 0, False
-    with pytest.raises(openai.APIError) as caught:
-        for chunk in stream:
-            got += len(chunk.choices[0].text)
-            if got >= 8 and not killed:
-                supervisor.suspend()
-                server.kill()
-                killed = True
-    assert victim.endpoint in str(caught.value), caught.value
-    return supervisor
+    got = 0
+    while got < 8:
+        got += len(next(stream).choices[0].text)
+    supervisor.suspend()
+    server.kill()
+    served.wait(lambda h: h["status"] == "recovering", 30, "never recovering")
+    return supervisor, stream
 
 
 def _ask(served: Served) -> tuple[str, float]:
@@ -166,10 +167,10 @@ def test_a_request_sent_while_a_split_formation_recovers_is_answered_after_the_r
 ) -> None:
     served = serve("--queue-timeout", "120")
     victim = fleet[1]
-    supervisor = _kill_under_a_stream(served, wait_lab, victim)
+    supervisor, stream = _kill_under_a_stream(served, wait_lab, victim)
     try:
-        assert served.health()["status"] == "recovering"  # the request below comes during the recovery
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            rest = pool.submit(lambda: [c.choices[0].finish_reason for c in stream if c.choices])
             asked = pool.submit(_ask, served)
             seen = served.wait(
                 lambda h: asked.done() or h.get("waiting", {}).get("tiny") == 1, 30, "no request waited"
@@ -177,6 +178,7 @@ def test_a_request_sent_while_a_split_formation_recovers_is_answered_after_the_r
             assert not asked.done(), asked.result()  # it waits: not refused at admission
             assert seen["status"] == "recovering", seen
             answer, took = asked.result(120)
+            assert rest.result(120)[-1] == "length"  # the stream went on after the re-form, to its end
         print(f"answered after {took:.1f} s of recovery")
         assert answer.startswith("200 ") and answer != "200 ", answer
         health = served.health()
@@ -192,14 +194,17 @@ def test_with_no_spare_and_no_replica_the_request_waits_and_gets_its_503_at_the_
 ) -> None:
     victim = fleet[0]
     served = serve("-l", victim.name, "--queue-timeout", "6")  # one formation on one node, no spare
-    supervisor = _kill_under_a_stream(served, wait_lab, victim)
+    supervisor, stream = _kill_under_a_stream(served, wait_lab, victim)
     try:
-        assert served.health()["status"] == "recovering"
         answer, took = _ask(served)
         print(f"refused after {took:.1f} s: {answer}")
         assert answer.startswith("503 retry-after=2 ") and victim.endpoint in answer, answer
         assert "not serving after 6 s (--queue-timeout)" in answer, answer
         assert 5.5 < took < 30, took  # its --queue-timeout, not at once
+        with pytest.raises(openai.APIError) as caught:  # the stream waited as long, then its 503 event
+            for _ in stream:
+                pass
+        assert victim.endpoint in str(caught.value), caught.value
         assert served.health()["status"] == "recovering" and served.process.poll() is None
     finally:
         supervisor.resume()

@@ -313,8 +313,7 @@ def test_a_reload_with_a_rolling_restart_lets_the_streaming_request_finish_first
         chunks = [first, *stream]
         assert waiting.result(180).choices[0].finish_reason == "length"  # answered by the reloaded engine
     assert chunks[-1].choices[0].finish_reason == "length"  # the request in flight finished
-    health, seen, _ = served.wait({"ready"}, 120)
-    assert seen[0] in ("draining", "recovering"), seen
+    health, _, _ = served.wait({"ready"}, 120)
     assert health["reloads"] == 1 and len(health["plan"]["endpoints"]) == 3
     servers_after = {h.name: _server_pid(serve_lab, h) for h in fleet}
     assert all(servers_after[n] != servers_before[n] for n in servers_before)  # every server restarted
