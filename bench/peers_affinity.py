@@ -99,6 +99,21 @@ def one_engine(argv: list[str], folder: Path) -> Iterator[str]:
         stop(process)
 
 
+LOGS = {"round robin": "llama-servers.log", "one engine": "one-engine.log"}
+
+
+def failure(exc: BaseException, folder: Path, side: str) -> str:
+    """A failed run in one line: the client's error and the last line of the side's engine log (its
+    reason, when the engine logged one)."""
+    log = folder / LOGS[side]
+    lines = (
+        [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if log.exists()
+        else []
+    )
+    return f"{type(exc).__name__}: {exc}" + (f"; the engine's log ends: {lines[-1][:300]}" if lines else "")
+
+
 def gain_target(verdicts: dict[str, dict[str, str]]) -> tuple[bool, list[str]]:
     """(met, what misses): `verdicts[peer][figure]` in `verdict`'s words (affine against that peer).
     Affine better than the round robin in prompt tokens processed and TTFT p50; worse than no peer in
@@ -126,9 +141,12 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=8192, help="context of each formation (default 8192)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each side (default 2)")
     args = parser.parse_args()
+    import httpx  # the workload's client
+
     model = cached_path(GEMMA3_270M)
     load_before = load_average()
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    failures: dict[str, list[str]] = {side: [] for side in SIDES}
     affine = ["--replicas", "auto", "--routing", "affine"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -152,9 +170,16 @@ def main() -> None:
                             base = stack.enter_context(round_robin(engines, folder))
                         else:
                             base = stack.enter_context(one_engine(single, folder))
-                        runs[side].append(workload(base, args.users, args.turns, args.tokens))
+                        try:
+                            runs[side].append(workload(base, args.users, args.turns, args.tokens))
+                        except (OSError, RuntimeError, httpx.HTTPError) as exc:  # a peer that fails
+                            if side == "affine":  # is a finding, serve failing is not measured
+                                raise
+                            failures[side].append(failure(exc, folder, side))
 
     def cell(values: list[float], digits: int) -> str:
+        if not values:
+            return "failed"
         return f"{median(values):.{digits}f} ({', '.join(f'{v:.{digits}f}' for v in values)})"
 
     tail = tail_name(min(r["samples"] for rs in runs.values() for r in rs))
@@ -170,11 +195,14 @@ def main() -> None:
     for key, name, digits, higher in figures:
         got = {side: [r[key] for r in runs[side]] for side in SIDES}
         for peer in PEERS:
-            verdicts[peer][key] = verdict(got["affine"], got[peer], higher)
+            verdicts[peer][key] = verdict(got["affine"], got[peer], higher) if got[peer] else "failed"
         rows.append(
             f"| {name} | {' | '.join(cell(got[side], digits) for side in SIDES)} | "
             + " | ".join(
-                f"{median(got['affine']) / median(got[peer]):.2f}, {verdicts[peer][key]}" for peer in PEERS
+                f"{median(got['affine']) / median(got[peer]):.2f}, {verdicts[peer][key]}"
+                if got[peer]
+                else "-"
+                for peer in PEERS
             )
             + " |"
         )
@@ -206,6 +234,11 @@ def main() -> None:
         "Target (the router's gain is real: affine better than the round robin in prompt tokens processed "
         "per later turn and in TTFT p50, worse than neither peer in TTFT p50 or tokens/s): "
         f"**{'met' if met else 'not met'}**" + (f" (missed: {'; '.join(misses)})." if misses else "."),
+        *[
+            f"\n{side}: {len(failed)} of {args.rounds} run(s) failed: {' | '.join(failed)}"
+            for side, failed in failures.items()
+            if failed
+        ],
     ]
     text = "\n".join(body) + "\n"
     print(text)
