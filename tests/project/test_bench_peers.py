@@ -151,3 +151,45 @@ def test_the_routers_gain_is_real_only_against_the_round_robins_cache(peers_affi
     # the engine's own cache did the router's work: no gain in prompt tokens
     met, misses = peers_affinity.gain_target(verdicts({"p50": "affine better"}, {}))
     assert not met and misses == ["processed against the round robin"]
+
+
+@pytest.fixture
+def peers_rolling() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        yield importlib.import_module("peers_rolling")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_rolling_restart_at_most_10_percent_over_ansible(peers_rolling: ModuleType) -> None:
+    ratio, met = peers_rolling.rolling_target([2.1, 2.2, 9.0], [2.0, 2.1, 2.3], extra=0.10)
+    assert ratio == pytest.approx(2.2 / 2.1) and met
+    ratio, met = peers_rolling.rolling_target([3.0], [2.0], extra=0.10)
+    assert ratio == pytest.approx(1.5) and not met
+
+
+def test_the_ansible_play_restarts_one_node_at_a_time_and_waits_for_the_port(
+    peers_rolling: ModuleType,
+) -> None:
+    import yaml
+
+    (play,) = yaml.safe_load(peers_rolling.PLAYBOOK.format(unit="rpcfleet-home-rpcfleet.service", port=50052))
+    assert play["serial"] == 1 and play["gather_facts"] is False
+    restart, wait = play["tasks"]
+    assert restart["ansible.builtin.systemd"] == {
+        "name": "rpcfleet-home-rpcfleet.service",
+        "state": "restarted",
+    }
+    assert wait["ansible.builtin.wait_for"] == {"host": "{{ ansible_host }}", "port": 50052, "timeout": 30}
+
+
+def test_a_failed_peer_run_names_the_error_and_the_engines_last_line(
+    peers_affinity: ModuleType, tmp_path: Path
+) -> None:
+    (tmp_path / "one-engine.log").write_text("srv  load_model: loaded\nGGML_ASSERT(n_tokens > 0) failed\n\n")
+    said = peers_affinity.failure(RuntimeError("Server disconnected"), tmp_path, "one engine")
+    assert (
+        said == "RuntimeError: Server disconnected; the engine's log ends: GGML_ASSERT(n_tokens > 0) failed"
+    )
+    assert peers_affinity.failure(OSError("refused"), tmp_path, "round robin") == "OSError: refused"
