@@ -257,6 +257,23 @@ def _parse_install_dir(value: Any) -> str:
     return text
 
 
+# iptables keeps a rule's comment to 255 bytes; the firewall's rules carry `rpcfleet <install_dir> <port>`
+# and are found again by it, so a longer install_dir would leave rules rpcfleet cannot find.
+INSTALL_DIR_MAX_BYTES = 255 - len("rpcfleet ") - len(" 65535")
+
+
+def _parse_install_dir_of_rules(value: Any) -> str:
+    """`install_dir`: a path (`_parse_install_dir`) short enough for the firewall rules' comment."""
+    text = _parse_install_dir(value)
+    size = len(text.encode())
+    if size > INSTALL_DIR_MAX_BYTES:
+        raise ValueError(
+            f"a path of {size} bytes: at most {INSTALL_DIR_MAX_BYTES} (the firewall rules' comment, which "
+            "iptables keeps to 255 bytes, holds it)"
+        )
+    return text
+
+
 @dataclass(frozen=True)
 class Variable:
     """A variable rpcfleet understands: its `Host` field, Ansible aliases, parser and default."""
@@ -340,7 +357,9 @@ VARIABLES: tuple[Variable, ...] = (
         "cpu",
         "ggml backend of the server (auto: cuda with an NVIDIA driver, vulkan with a Vulkan GPU, else cpu)",
     ),
-    Variable("install_dir", (), _parse_install_dir, DEFAULT_INSTALL_DIR, "where artifacts are installed"),
+    Variable(
+        "install_dir", (), _parse_install_dir_of_rules, DEFAULT_INSTALL_DIR, "where artifacts are installed"
+    ),
     Variable(
         "model_path_on_nodes",
         (),

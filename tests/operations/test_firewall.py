@@ -56,6 +56,20 @@ def test_a_control_character_in_a_value_a_unit_holds_is_refused_naming_the_file_
     assert "Traceback" not in err
 
 
+def test_an_install_dir_longer_than_the_rules_comment_holds_is_refused_naming_the_file_and_line(
+    tmp_path: Path,
+) -> None:
+    """The rules carry `rpcfleet <install_dir> <port>` in a comment, which iptables keeps to 255 bytes."""
+    path = tmp_path / "inv.yml"
+    fits = "/opt/" + "r" * 235
+    path.write_text(f"hosts:\n  x:\n    address: 10.0.0.5\n    install_dir: {fits}\n")
+    assert load_inventory_text(path.read_text(), path).host("x").install_dir == fits
+    path.write_text(f"hosts:\n  x:\n    address: 10.0.0.5\n    install_dir: {fits}r\n")
+    with pytest.raises(InventoryError) as info:
+        load_inventory_text(path.read_text(), path)
+    assert str(info.value).startswith(f"{path}:4:") and "a path of 241 bytes: at most 240" in str(info.value)
+
+
 def test_a_unit_is_never_written_with_a_control_character() -> None:
     """Past the inventory (an install dir as the node expanded it, an artifact's name): the unit refuses."""
     host = load_inventory_text(INVENTORY, Path("inv.yml")).host("b")

@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -285,16 +287,18 @@ def _comment_of(rule: str) -> str:
 
 
 def test_a_hostile_install_dir_runs_nothing_and_its_rules_stay_right(
-    transport_lab: Lab, root_node: tuple[LabNode, Path], tmp_path: Path
+    transport_lab: Lab, root_node: tuple[LabNode, Path]
 ) -> None:
     """install_dir is in the rules' comment, which the firewall script reads back from `iptables -S`:
     shell syntax in it must never run (as root), and quotes in it must not lose track of the rules."""
     node, inventory = root_node
     host = load_inventory(inventory).hosts[0]
-    pwned = tmp_path / "pwned"
+    # a short folder: pytest-xdist's tmp_path would take the paths past the comment's 255 bytes
+    base = Path(tempfile.mkdtemp(prefix="rf", dir="/tmp"))
+    pwned = base / "pwned"
     hostile = [
-        f"{tmp_path}/rf$(touch {pwned})`touch {pwned}`",  # no quote: the listing shows it as is
-        f"{tmp_path}/rf \"$(touch {pwned})\" 'x' \\ $HOME;touch {pwned}",  # quotes, backslashes: escaped
+        f"{base}/rf$(touch {pwned})`touch {pwned}`",  # no quote: the listing shows it as is
+        f"{base}/rf \"$(touch {pwned})\" 'x' \\ $HOME;touch {pwned}",  # quotes, backslashes: escaped
     ]
     wider = dataclasses.replace(host, rpc_allow_from=("controller", "10.77.0.0/16"))
 
@@ -317,6 +321,7 @@ def test_a_hostile_install_dir_runs_nothing_and_its_rules_stay_right(
         assert ours() == [] and _tagged_rules(transport_lab, node) == []
         assert not pwned.exists()
         assert transport_lab.node_exec(node, ["test", "-e", str(pwned)], check=False).returncode == 1
+    shutil.rmtree(base)
 
 
 def test_a_live_client_is_not_reset_when_another_operators_deploy_replaces_the_list(
