@@ -97,7 +97,8 @@ from orchestrator.core.log import configure_logging
 
 configure_logging("text", "WARNING")
 
-from orchestrator.artifacts.patches import HASH_LOG_ENV, HASH_MANIFEST_ENV
+from orchestrator.artifacts.build import cached_build
+from orchestrator.artifacts.patches import CACHE_READ, HASH_LOG_ENV, HASH_MANIFEST_ENV
 from orchestrator.caches.manifest import hash_log_counts
 from orchestrator.caches.plan import HASH_THRESHOLD, RACY_NS, gguf_tensors, plan_cache
 from orchestrator.caches.prep import warm_items
@@ -354,9 +355,15 @@ def logged_load(plan: Plan, model: Path, log: Path, manifests: bool, server: lis
     return ManifestLoad(seconds, cpu, user + system, system, int(faults), hash_log_counts(text), hashed)
 
 
+def server_patched(name: str) -> bool:
+    """Whether the servers this bench runs (the cached CPU artifact's) were built with patch `name`."""
+    artifact = cached_build("cpu")
+    return artifact is not None and artifact.manifest.has_patch(name)
+
+
 def read_rate(folder: Path) -> tuple[int, float]:
     """(bytes, seconds) to read every file under `folder` from the page cache into one reused buffer: the
-    kernel's copy that a server's cache hit makes (it also zero-fills and copies into its buffer)."""
+    kernel's copy that a server's cache hit makes."""
     files = [f for f in folder.rglob("*") if f.is_file()]
     for f in files:  # into the page cache first
         f.read_bytes()
@@ -479,6 +486,14 @@ def manifest_main(args: Any) -> int:
     plain_fault_bytes = [r.server_faults * 4096 / 1e9 for r in runs[NO_CACHE]]
     plain_system = [r.server_system / r.server_cpu for r in runs[NO_CACHE]]
     verdict = "met" if median(manifest) <= 0.25 else "**not met**"
+    hit_path = (
+        "The servers take the `cache-read` patch (their manifest): a hit reads its cache file straight "
+        "into the weights' buffer."
+        if server_patched(CACHE_READ)
+        else "The servers lack the `cache-read` patch (their manifest): a hit allocates and zero-fills a "
+        "vector of the tensor's size, reads its cache file into it and copies that into the buffer "
+        "(stock `get_cached_file`, `set_tensor_hash`)."
+    )
     lines += [
         "",
         f"- Target: a warm load at most 0.25x the load without a cache: {spread(manifest, 'x')} with the "
@@ -498,16 +513,14 @@ def manifest_main(args: Any) -> int:
         f"worker {spread([r.cpu for r in warm], ' CPU s')}), {spread(system_share, 'x')} of it in the "
         f"kernel, with {spread(fault_bytes, ' GB')} of fresh pages first touched (minor faults x 4 KiB; "
         f"without a cache {spread(plain_fault_bytes, ' GB')}, the servers {spread(plain_system, 'x')} in the "
-        f"kernel). A hit makes the server allocate and zero-fill a vector of the tensor's size, read its "
-        f"cache file into it and copy that into its buffer (stock `get_cached_file`, `set_tensor_hash`), "
-        f"and the weights' buffers are new at each load: reading the {cache_bytes / 1e9:.2f} GB of cache "
-        f"files from the page cache into one reused buffer takes only {cache_read_s:.2f} s here "
-        f"({cache_bytes / cache_read_s / 1e9:.2f} GB/s), so the servers' time is the fresh memory (faults, "
-        f"zero-fill, copies), not the reads. The SET_TENSOR_HASH requests go one at a time ({listed}, a "
-        "loopback round trip each); the tensors under 10 MiB are sent. Over loopback the no-cache load "
-        "pays for the same fresh memory (receive into a new vector, copy into the buffer), so a hit saves "
-        "the hash and the socket copies and little else; the ratio falls where the wire, not memory, "
-        "bounds the load without a cache.",
+        f"kernel). {hit_path} The weights' buffers are new at each load: reading the "
+        f"{cache_bytes / 1e9:.2f} GB of cache files from the page cache into one reused buffer takes only "
+        f"{cache_read_s:.2f} s here ({cache_bytes / cache_read_s / 1e9:.2f} GB/s), so the servers' time is "
+        f"the fresh memory (faults, the kernel's zero-fill), not the reads. The SET_TENSOR_HASH requests go "
+        f"one at a time ({listed}, a loopback round trip each); the tensors under 10 MiB are sent. Over "
+        "loopback the no-cache load pays for fresh memory twice (receive into a new vector, copy into the "
+        "buffer) and for the socket copies; the ratio falls further where the wire, not memory, bounds the "
+        "load without a cache.",
         "",
         CONDITIONS_RULE,
         "",

@@ -37,7 +37,7 @@ from orchestrator.artifacts.manifest import (
     llama_cpp_python_version,
     scan_files,
 )
-from orchestrator.artifacts.patches import CLIENT_BACKEND, SourcePatch, apply_patches, patches_for
+from orchestrator.artifacts.patches import SourcePatch, apply_patches, client_patches, patches_for
 from orchestrator.artifacts.source import (
     ensure_sdist,
     extract_source,
@@ -396,9 +396,9 @@ TOOL_DEFINES: dict[str, str] = {
 
 
 def tool_patches(version: str) -> tuple[SourcePatch, ...]:
-    """The source patches of the tools build: the clients' (`patches.CLIENT_BACKEND`), as the binding's
+    """The source patches of the tools build: the clients' (`patches.client_patches`), as the binding's
     wheel takes them (scripts/setup.sh), so llama-server looks its weights' hashes up the same way."""
-    return patches_for(CLIENT_BACKEND, version)
+    return client_patches(version)
 
 
 def tools_key(

@@ -41,6 +41,12 @@ whose manifest lacks them (`lacking`). `build: on_node` applies the same patches
   its hash is used, else the bytes are hashed as stock. The lookup code is `hash_manifest.cpp` beside this
   file. The client finds the manifests through `$GGML_RPC_HASH_MANIFESTS`, which rpcfleet sets for the
   engines it starts; without it the client hashes as stock. The wire and the server are unchanged.
+- `cache-read`, `cache-read-declare`, `cache-read-define` (the server's side: `clients=False`, the
+  clients' builds never serve and do not take them): stock, a cache hit (SET_TENSOR_HASH) is read into a
+  new zero-filled vector of the tensor's size and copied from it into the weights' buffer, three passes
+  over fresh memory per byte. With the patch a hit opens the cache file and reads it straight into a
+  host buffer (a CPU server's), or maps it and sets the tensor from the mapping (a GPU's buffer); a file
+  that cannot be opened, read or mapped is answered as a miss, and the client sends the tensor.
 - `vulkan-layer-settings`: Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the
   instance creation of ggml-vulkan uses only to turn on a validation layer's best-practice checks; the
   block is compiled only where the headers have it, else the instance is created without those settings.
@@ -80,7 +86,9 @@ class SourcePatch:
 
     `backends`: the backends it applies to (empty: all). `optional`: a source without the anchor (an
     older llama.cpp, laid out differently) is built without it, and its manifest does not list it;
-    `required_in`: the llama-cpp-python versions whose source must take it even so."""
+    `required_in`: the llama-cpp-python versions whose source must take it even so. `clients`: whether
+    the clients' builds (the binding's wheel, llama-server) take it; a patch to the server's side alone
+    does not change their keys."""
 
     name: str
     path: str
@@ -89,6 +97,7 @@ class SourcePatch:
     backends: tuple[str, ...] = ()
     optional: bool = False
     required_in: tuple[str, ...] = ()
+    clients: bool = True
 
     @property
     def digest(self) -> str:
@@ -202,6 +211,173 @@ _LAYER_SETTINGS = (
     + "#endif\n"
 )
 
+CACHE_READ = "cache-read"  # the patch's name, as manifests list it
+
+_CACHE_READ_DECLARE_ANCHOR = """    bool get_cached_file(uint64_t hash, std::vector<uint8_t> & data);
+"""
+_CACHE_READ_DECLARE = """    // rpcfleet cache-read patch: given `fd`, the file is opened (*fd) instead of read into `data`.
+    bool get_cached_file(uint64_t hash, std::vector<uint8_t> & data, int * fd = nullptr);
+"""
+
+_CACHE_READ_DEFINE_ANCHOR = """bool rpc_server::get_cached_file(uint64_t hash, std::vector<uint8_t> & data) {
+"""
+_CACHE_READ_DEFINE = """#ifndef _WIN32
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+bool rpc_server::get_cached_file(uint64_t hash, std::vector<uint8_t> & data, int * fd) {
+"""
+
+# set_tensor_hash's checks of the request (deserialize, bounds), kept as they are between its new head
+# and tail.
+_SET_TENSOR_HASH_CHECKS = """    struct ggml_init_params params {
+        /*.mem_size   =*/ ggml_tensor_overhead(),
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context_ptr ctx_ptr { ggml_init(params) };
+    GGML_ASSERT(ctx_ptr != nullptr);
+    ggml_context * ctx = ctx_ptr.get();
+    ggml_tensor * tensor = deserialize_tensor(ctx, &request.tensor);
+    if (tensor == nullptr || tensor->buffer == nullptr) {
+        GGML_LOG_ERROR("[%s] error deserializing tensor\\n", __func__);
+        return false;
+    }
+    LOG_DBG("[%s] buffer: %p, data: %p, offset: %" PRIu64 ", size: %zu, hash: %" PRIx64 "\\n",
+            __func__, (void*)tensor->buffer, tensor->data, request.offset, size, request.hash);
+
+    // sanitize tensor->data
+    {
+        const size_t p0 = (size_t) ggml_backend_buffer_get_base(tensor->buffer);
+        const size_t p1 = p0 + ggml_backend_buffer_get_size(tensor->buffer);
+
+        if (request.tensor.data + request.offset < p0
+         || request.tensor.data + request.offset >= p1
+         || size > (p1 - request.tensor.data - request.offset)) {
+            GGML_LOG_ERROR("[%s] tensor data region (data=0x%" PRIx64 ", offset=%" PRIu64 ", size=%zu, hash=0x%" PRIx64 ") out of buffer bounds [0x%zx, 0x%zx)\\n",
+                           __func__, request.tensor.data, request.offset, size, request.hash, p0, p1);
+            return false;
+        }
+    }
+"""
+
+# From the read at the end of get_cached_file to the end of set_tensor_hash, which follows it.
+_CACHE_READ_ANCHOR = (
+    """    std::ifstream ifs(cache_file, std::ios::binary);
+    ifs.seekg(0, std::ios::end);
+    size_t size = ifs.tellg();
+    ifs.seekg(0, std::ios::beg);
+    data.resize(size);
+    ifs.read((char *)data.data(), size);
+    return true;
+}
+
+bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rpc_msg_set_tensor_hash_rsp & response)
+{
+    std::vector<uint8_t> cached_file;
+    if (!get_cached_file(request.hash, cached_file)) {
+        response.result = 0;
+        return true;
+    }
+    size_t size = cached_file.size();
+"""
+    + _SET_TENSOR_HASH_CHECKS
+    + """    ggml_backend_tensor_set(tensor, cached_file.data(), request.offset, size);
+    response.result = 1;
+    return true;
+}
+"""
+)
+
+_CACHE_READ = (
+    """#ifndef _WIN32
+    if (fd != nullptr) {
+        *fd = open(cache_file.c_str(), O_RDONLY | O_CLOEXEC);
+        return *fd >= 0;
+    }
+#endif
+    std::ifstream ifs(cache_file, std::ios::binary);
+    ifs.seekg(0, std::ios::end);
+    size_t size = ifs.tellg();
+    ifs.seekg(0, std::ios::beg);
+    data.resize(size);
+    ifs.read((char *)data.data(), size);
+    return true;
+}
+
+#ifndef _WIN32
+// rpcfleet cache-read patch: `size` bytes of `fd` from its start into `dst`; false on a short file.
+static bool rpcfleet_read_all(int fd, uint8_t * dst, size_t size) {
+    size_t done = 0;
+    while (done < size) {
+        ssize_t got = pread(fd, dst + done, size - done, (off_t) done);
+        if (got <= 0) {
+            return false;
+        }
+        done += (size_t) got;
+    }
+    return true;
+}
+
+// rpcfleet cache-read patch: a hit is set from the cache file itself, not from a zero-filled copy of it.
+bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rpc_msg_set_tensor_hash_rsp & response)
+{
+    int fd = -1;
+    std::vector<uint8_t> unused;
+    struct stat st {};
+    if (!get_cached_file(request.hash, unused, &fd) || fstat(fd, &st) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        response.result = 0;  // a miss: the client sends the tensor
+        return true;
+    }
+    struct closer { int fd; ~closer() { close(fd); } } closes { fd };
+    size_t size = (size_t) st.st_size;
+"""
+    + _SET_TENSOR_HASH_CHECKS
+    + """    if (size == 0) {
+        response.result = 1;
+        return true;
+    }
+    // A host buffer (a CPU server's) takes the file's bytes where they belong; any other (a GPU's) is set
+    // from the file's mapping, the page cache itself.
+    if (ggml_backend_buffer_is_host(tensor->buffer)) {
+        response.result = rpcfleet_read_all(fd, (uint8_t *) tensor->data + request.offset, size) ? 1 : 0;
+        return true;
+    }
+    void * mapped = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapped == MAP_FAILED) {
+        response.result = 0;
+        return true;
+    }
+    ggml_backend_tensor_set(tensor, mapped, request.offset, size);
+    munmap(mapped, size);
+    response.result = 1;
+    return true;
+}
+#else
+bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rpc_msg_set_tensor_hash_rsp & response)
+{
+    std::vector<uint8_t> cached_file;
+    if (!get_cached_file(request.hash, cached_file)) {
+        response.result = 0;
+        return true;
+    }
+    size_t size = cached_file.size();
+"""
+    + _SET_TENSOR_HASH_CHECKS
+    + """    ggml_backend_tensor_set(tensor, cached_file.data(), request.offset, size);
+    response.result = 1;
+    return true;
+}
+#endif
+"""
+)
+
 # The whole FNV-1a function, so the lookup and its wrapper land right after it (file scope).
 _FNV_ANCHOR = """static uint64_t fnv_hash(const uint8_t * data, size_t len, uint64_t hash = 0xcbf29ce484222325ULL) {
     const uint64_t fnv_prime = 0x100000001b3ULL;
@@ -303,6 +479,33 @@ PATCHES: tuple[SourcePatch, ...] = (
         required_in=REQUIRED_IN,
     ),
     SourcePatch(
+        f"{CACHE_READ}-declare",
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _CACHE_READ_DECLARE_ANCHOR,
+        _CACHE_READ_DECLARE,
+        optional=True,  # an older llama.cpp reads its cache differently (the skew tests' server)
+        required_in=REQUIRED_IN,
+        clients=False,
+    ),
+    SourcePatch(
+        f"{CACHE_READ}-define",
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _CACHE_READ_DEFINE_ANCHOR,
+        _CACHE_READ_DEFINE,
+        optional=True,
+        required_in=REQUIRED_IN,
+        clients=False,
+    ),
+    SourcePatch(
+        CACHE_READ,
+        "ggml/src/ggml-rpc/ggml-rpc.cpp",
+        _CACHE_READ_ANCHOR,
+        _CACHE_READ,
+        optional=True,
+        required_in=REQUIRED_IN,
+        clients=False,
+    ),
+    SourcePatch(
         "vulkan-layer-settings",
         "ggml/src/ggml-vulkan/ggml-vulkan.cpp",
         _LAYER_SETTINGS_ANCHOR,
@@ -320,6 +523,12 @@ def patches_for(backend: str, version: str | None = None) -> tuple[SourcePatch, 
     if version is None:
         return chosen
     return tuple(replace(p, optional=False) if version in p.required_in else p for p in chosen)
+
+
+def client_patches(version: str | None = None) -> tuple[SourcePatch, ...]:
+    """The patches of the clients' builds (the binding's wheel, llama-server): CLIENT_BACKEND's, less
+    those to the server's side alone."""
+    return tuple(p for p in patches_for(CLIENT_BACKEND, version) if p.clients)
 
 
 def lacking(labels: Iterable[str]) -> tuple[str, ...]:
@@ -388,8 +597,7 @@ def _main(argv: Sequence[str]) -> int:
     """`python -m orchestrator.artifacts.patches labels` prints the labels of the patches the binding's
     wheel takes (scripts/setup.sh keys the wheel by them); `... apply DIR` applies them to the vendored
     llama.cpp at DIR. Standard library only: set-up runs it before any dependency is installed."""
-    version = DEFAULT_LLAMA_CPP_PYTHON_VERSION
-    chosen = patches_for(CLIENT_BACKEND, version)
+    chosen = client_patches(DEFAULT_LLAMA_CPP_PYTHON_VERSION)
     if list(argv) == ["labels"]:
         print(" ".join(p.label for p in chosen))
         return 0

@@ -134,6 +134,9 @@ def test_the_node_applies_the_same_source_patches_as_a_build_here(tmp_path: Path
         "hash-manifest",
         "hash-manifest-set-tensor",
         "hash-manifest-set-tensor-async",
+        "cache-read-declare",
+        "cache-read-define",
+        "cache-read",
     ]
     assert build.patches == tuple(p.label for p in patches_for("cpu"))
     assert build.manifest(()).patches == build.patches
@@ -275,6 +278,9 @@ async def test_a_real_on_node_build_serves_and_records_its_manifest(built: Built
         "hash-manifest",
         "hash-manifest-set-tensor",
         "hash-manifest-set-tensor-async",
+        "cache-read-declare",
+        "cache-read-define",
+        "cache-read",
     ]
     assert (
         "rpcfleet: patched tools/rpc/rpc-server.cpp"

@@ -9,7 +9,14 @@ import pytest
 
 from orchestrator.artifacts.build import build_key, cached_build
 from orchestrator.artifacts.manifest import DEFAULT_LLAMA_CPP_PYTHON_VERSION
-from orchestrator.artifacts.patches import PATCHES, SourcePatch, apply_patches, lacking, patches_for
+from orchestrator.artifacts.patches import (
+    PATCHES,
+    SourcePatch,
+    apply_patches,
+    client_patches,
+    lacking,
+    patches_for,
+)
 from orchestrator.artifacts.source import ensure_sdist, extract_source
 from orchestrator.core.errors import ArtifactError
 
@@ -33,6 +40,9 @@ def test_the_pinned_source_takes_every_patch_once_and_again_changes_nothing(llam
         "hash-manifest",
         "hash-manifest-set-tensor",
         "hash-manifest-set-tensor-async",
+        "cache-read-declare",
+        "cache-read-define",
+        "cache-read",
         "vulkan-layer-settings",
     ]
     transport = (llama / "ggml/src/ggml-rpc/transport.cpp").read_text()
@@ -49,6 +59,13 @@ def test_the_pinned_source_takes_every_patch_once_and_again_changes_nothing(llam
         "hash-manifest",
         "hash-manifest-set-tensor",
         "hash-manifest-set-tensor-async",
+        "cache-read-declare",
+        "cache-read-define",
+        "cache-read",
+    ]
+    # the clients' builds (the binding's wheel, llama-server) never serve: the server's side is not theirs
+    assert [p.name for p in client_patches()] == [
+        p.name for p in patches_for("cpu") if "cache-read" not in p.name
     ]
 
 
@@ -74,13 +91,17 @@ def test_the_patches_are_part_of_the_build_key_and_the_artifact() -> None:
 
 
 def test_the_pinned_version_requires_the_servers_own_patches(tmp_path: Path) -> None:
-    """keepalive and exit-status (and the client's hash-manifest patches) are required in the pinned
-    source (a build without them is refused, never shipped without them), optional for the version-skew
-    tests' 0.3.16 source; labels (and build keys) do not depend on it."""
+    """keepalive and exit-status (and the client's hash-manifest patches, the server's cache-read ones)
+    are required in the pinned source (a build without them is refused, never shipped without them),
+    optional for the version-skew tests' 0.3.16 source; labels (and build keys) do not depend on it."""
     pinned = patches_for("cpu", DEFAULT_LLAMA_CPP_PYTHON_VERSION)
     required = {p.name for p in pinned if not p.optional}
-    assert required == {"keepalive", "exit-status", *(n for n in required if n.startswith("hash-manifest"))}
-    assert len(required) == 5  # and the client's three hash-manifest patches
+    assert required == {
+        "keepalive",
+        "exit-status",
+        *(n for n in required if n.startswith(("hash-", "cache-"))),
+    }
+    assert len(required) == 8  # and the client's three hash-manifest patches, the server's three cache-read
     assert all(p.optional for p in patches_for("cpu", "0.3.16"))
     assert [p.label for p in pinned] == [p.label for p in patches_for("cpu")]
     (tmp_path / "tools/rpc").mkdir(parents=True)

@@ -22,6 +22,7 @@ from orchestrator.artifacts.patches import (
     HASH_MANIFEST_ENV,
     PATCHES,
     SourcePatch,
+    client_patches,
     patches_for,
 )
 from orchestrator.artifacts.source import SDIST_SHA256
@@ -139,7 +140,7 @@ def test_the_client_patch_is_in_all_three_builds_and_their_keys() -> None:
     assert all(
         p.label in {q.label for q in patches_for(b)} for p in client for b in ("cpu", "vulkan", "cuda")
     )
-    assert [p.label for p in tool_patches(version)] == [p.label for p in patches_for(CLIENT_BACKEND)]
+    assert [p.label for p in tool_patches(version)] == [p.label for p in client_patches()]
     changed = tuple(
         SourcePatch(p.name, p.path, p.anchor, p.replacement + "// other\n") if p.name == HASH_MANIFEST else p
         for p in tool_patches(version)
@@ -157,7 +158,7 @@ def test_the_client_patch_is_in_all_three_builds_and_their_keys() -> None:
         [sys.executable, "-m", "orchestrator.artifacts.patches", "labels"],
         capture_output=True, text=True, check=True, cwd=ROOT,
     ).stdout.split()  # fmt: skip
-    assert labels == [p.label for p in patches_for(CLIENT_BACKEND, version)]
+    assert labels == [p.label for p in client_patches(version)]
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert '"$PYTHON" -m orchestrator.artifacts.patches labels' in setup
     assert 'flags_key=$(printf \'%s\\n%s\' "$LLAMA_CMAKE_ARGS" "$WHEEL_PATCHES"' in setup

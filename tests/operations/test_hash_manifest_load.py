@@ -10,10 +10,14 @@ was hashed and why (`$GGML_RPC_HASH_LOG`): the tests count those lines.
   a load of the changed file without a cache (not the one the old cached bytes would give).
 - No manifest (an empty folder), or no folder at all: hashed as stock.
 - serve's llama-server (the tools build), in serve's environment: every hash from the manifest.
+- The servers' cache-read patch: every hit is answered from its file (none is sent and written again),
+  a CPU server's straight into its buffer (no fresh copy: the warm load touches fresh memory for its
+  buffers alone), a Vulkan server's from the file's mapping (llvmpipe, a software Vulkan device).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -25,18 +29,19 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.artifacts.build import cached_tools
+from orchestrator.artifacts.build import cached_tools, local_server_binary
 from orchestrator.artifacts.patches import HASH_LOG_ENV, HASH_MANIFEST_ENV
 from orchestrator.caches import manifest as hm
 from orchestrator.caches.plan import RACY_NS, FileIdentity, plan_cache
 from orchestrator.core import fnv
 from orchestrator.llama.worker.parent import Worker
 from orchestrator.llama.worker.wire import Done
+from orchestrator.models.synth import write_tiny_llama
 from orchestrator.planning.plan import Plan, PlanOptions
 from orchestrator.planning.profile import profile_model
 from orchestrator.planning.strategy import make_plan
 from orchestrator.serve.engine import EngineOptions, engine_args, engine_env
-from tests.plugins.cache import Node, plan_on_nodes
+from tests.plugins.cache import LARGE_TENSOR_MODEL, Node, plan_on_nodes
 from tests.plugins.llama import plan_devices
 from tests.plugins.servers import LocalServer
 from tests.waits import wait_until
@@ -53,7 +58,12 @@ def _settled(model: Path) -> None:
 
 
 def _load(
-    plan: Plan, model: Path, log: Path, monkeypatch: pytest.MonkeyPatch, manifests: str | None = None
+    plan: Plan,
+    model: Path,
+    log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    manifests: str | None = None,
+    max_tokens: int = 12,
 ) -> tuple[str, Counter[str]]:
     """One load in a fresh worker and a greedy completion: its text, and the client's hash log counts."""
     log.unlink(missing_ok=True)
@@ -62,7 +72,7 @@ def _load(
         if manifests is not None:
             mp.setenv(HASH_MANIFEST_ENV, manifests)
         with Worker.start(plan, model, {"seed": 0}) as worker:
-            events = list(worker.complete(PROMPT, max_tokens=12, temperature=0.0, seed=0))
+            events = list(worker.complete(PROMPT, max_tokens=max_tokens, temperature=0.0, seed=0))
     done = events[-1]
     assert isinstance(done, Done)
     return done.text, hm.hash_log_counts(log.read_text() if log.exists() else "")
@@ -113,6 +123,79 @@ def test_a_load_with_the_manifest_hashes_nothing_and_says_the_same(
     warm_text, warm = _load(plan, big_model, log, monkeypatch)  # every tensor a hit
     assert warm == {"manifest": count}
     assert reference and cold_text == reference and warm_text == reference
+
+
+def _fresh_bytes(node: Node) -> int:
+    """The memory `node`'s server has touched for the first time so far (minor faults x page size)."""
+    assert node.server is not None
+    fields = Path(f"/proc/{node.server.process.pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[7]) * os.sysconf("SC_PAGE_SIZE")  # minflt, the 10th field of stat(5)
+
+
+def _cache_files(nodes: list[Node]) -> dict[Path, int]:
+    """Each node's cache files and their mtimes (a miss's tensor is sent, and its file written again)."""
+    return {f: f.stat().st_mtime_ns for n in nodes for f in _folder(n).iterdir()}
+
+
+def _cold_then_warm(
+    nodes: list[Node], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_tokens: int = 12
+) -> tuple[list[int], list[int], dict[Path, int]]:
+    """A cold load (the servers write their files) and a warm one with the manifest, the same greedy text
+    of `max_tokens`: the fresh memory each server touched in each, and the cache files after the cold one
+    (unchanged after the warm one: every hit answered from its file)."""
+    for node in nodes:
+        node.start()
+    try:
+        plan = plan_on_nodes(nodes, model)
+        _settled(model)
+        plan_cache(plan, [model])
+        log = tmp_path / "hash.log"
+        before = [_fresh_bytes(n) for n in nodes]
+        cold_text, cold = _load(plan, model, log, monkeypatch, max_tokens=max_tokens)
+        written = _cache_files(nodes)
+        between = [_fresh_bytes(n) for n in nodes]
+        warm_text, warm = _load(plan, model, log, monkeypatch, max_tokens=max_tokens)
+        after = [_fresh_bytes(n) for n in nodes]
+    finally:
+        for node in nodes:
+            node.stop()
+    assert cold == warm == {"manifest": len(written)} and written
+    assert _cache_files(nodes) == written
+    assert cold_text and warm_text == cold_text
+    return (
+        [m - b for b, m in zip(before, between, strict=True)],
+        [a - m for m, a in zip(between, after, strict=True)],
+        written,
+    )
+
+
+def test_a_cpu_servers_hit_goes_from_its_file_straight_into_the_buffer(
+    rpc_server_binary: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stock, a hit was read into a new zero-filled vector and copied from it: fresh memory as large as
+    the tensor at each hit (over glibc's mmap threshold), as a received tensor takes on a cold load."""
+    model = write_tiny_llama(tmp_path / "large.gguf", **LARGE_TENSOR_MODEL)
+    nodes = [Node(rpc_server_binary, tmp_path, f"n{i}") for i in range(2)]
+    cold, warm, written = _cold_then_warm(nodes, model, tmp_path, monkeypatch)
+    for node, cold_fresh, warm_fresh in zip(nodes, cold, warm, strict=True):
+        hit = sum(size for f, size in _sizes(written).items() if f.is_relative_to(node.install))
+        assert hit > 0 and warm_fresh < cold_fresh - hit // 2, (node.name, cold_fresh, warm_fresh, hit)
+
+
+def test_a_vulkan_servers_hit_is_set_from_the_files_mapping(
+    gemma_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer that is not host memory (llvmpipe's device memory) is set from the cache file's mapping:
+    Gemma's tied output (its 178 MB token_embd, the one tensor over HASH_THRESHOLD) on the last server."""
+    binary = local_server_binary(backend="vulkan")
+    assert binary.exists(), f"no Vulkan ggml-rpc-server at {binary}: run `make setup`"
+    env = {"GGML_VK_VISIBLE_DEVICES": "0"}  # ggml-vulkan skips a device of type CPU unless it is listed
+    nodes = [Node(binary, tmp_path, f"v{i}", env=env) for i in range(2)]
+    _cold_then_warm(nodes, gemma_model, tmp_path, monkeypatch, max_tokens=1)  # llvmpipe: 5 s a token
+
+
+def _sizes(files: dict[Path, int]) -> dict[Path, int]:
+    return {f: f.stat().st_size for f in files}
 
 
 def test_a_byte_changed_under_a_kept_mtime_is_hashed_again(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import getpass
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,9 @@ from tests.plugins.servers import LocalServer, launch_rpc_server
 
 # 2 layers, n_embd 1024, n_ff 5632: each FFN matrix is 11 MiB (cached), attention matrices 2 MiB (not).
 BIG_MODEL = {"n_layer": 2, "n_embd": 1024, "n_head": 8, "n_head_kv": 8, "n_ff": 5632, "seed": 3}
+# The same with FFN matrices of 34 MiB: over glibc's largest mmap threshold (32 MiB), so a copy of one
+# in a vector is new memory each time (a smaller one reuses the heap a freed one left).
+LARGE_TENSOR_MODEL = {**BIG_MODEL, "n_ff": 17408}
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +39,15 @@ def local_host(name: str, install: Path, **kw: object) -> Host:
 
 
 class Node:
-    def __init__(self, binary: Path, root: Path, name: str) -> None:
+    def __init__(self, binary: Path, root: Path, name: str, env: Mapping[str, str] | None = None) -> None:
         self.install = root / name
         (self.install / "cache").mkdir(parents=True, exist_ok=True)
-        self.binary, self.root, self.name = binary, root, name
+        self.binary, self.root, self.name, self.env = binary, root, name, dict(env or {})
         self.server: LocalServer | None = None
         self.host = local_host(name, self.install)
 
     def start(self) -> LocalServer:
-        env = {**os.environ, "LLAMA_CACHE": str(self.install / "cache")}
+        env = {**os.environ, **self.env, "LLAMA_CACHE": str(self.install / "cache")}
         self.server = launch_rpc_server(self.binary, self.root, "-c", env=env, log_prefix=self.name)
         return self.server
 
