@@ -26,7 +26,7 @@ class ServeScreen:
             progress=self.bars,
             loaded=self.loaded,
             engine_build=lambda line: self.say(escape(line)),
-            on_demand=self.on_demand,
+            news=self.news,
         )
 
     def say(self, markup: str) -> None:
@@ -60,9 +60,9 @@ class ServeScreen:
             + escape(cache)
         )
 
-    def on_demand(self, event: Any) -> None:
-        """An on-demand model's load, resume, failed load, unload or swap: one line."""
-        colour = "red" if event.kind == "load_failed" else "cyan"
+    def news(self, event: Any) -> None:
+        """An on-demand model's load, resume, failed load, unload or swap, or a resumed request: one line."""
+        colour = {"load_failed": "red", "resumed": "yellow"}.get(event.kind, "cyan")
         self.say(
             f"[{colour}]{escape(event.kind)}[/{colour}] {escape(event.formation)} ({escape(event.model)}): "
             f"{escape(event.message)}"

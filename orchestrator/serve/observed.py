@@ -82,16 +82,12 @@ def observe(
 ) -> Exporter:
     """An exporter of the serve's hosts with the serve's formations (started by the caller), and their
     request histograms (`times`: those the router observes into, `Router(observe=times.observe)`)."""
-    seen = 0  # the on-demand events the page has (`OnDemand.event_count`)
+    seen = 0  # the events the page has (`News.count`)
 
     def news() -> list[Event]:
-        """The on-demand loads, unloads and swaps since the last round, as the page's events."""
+        """serve's events since the last round (on-demand loads, unloads, swaps; resumed requests)."""
         nonlocal seen
-        demand = router.demand
-        if demand is None:
-            return []
-        new, seen = demand.event_count - seen, demand.event_count
-        recent = list(demand.events)[-new:] if new > 0 else []
+        recent, seen = router.news.since(seen)
         return [Event(e.at, e.kind, e.formation, f"{e.model}: {e.message}") for e in recent]
 
     collector = Collector(

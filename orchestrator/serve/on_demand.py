@@ -15,7 +15,7 @@ and a Retry-After, and nothing is evicted for it, until the backoff ends. Reques
 bounded by the model's slots and `--queue` (429 beyond), and wait on a `Pulse`, woken when the load ends.
 
 Each load, unload, swap, resume (a load of a model unloaded before) and failed load is an event
-(`DemandEvent`: the console's line, the live page's events) and a counter (`/metrics`, `model_metrics`).
+(the router's `News`: the console's line, the live page's events) and a counter (`/metrics`, `model_metrics`).
 One load or unload decision at a time (`_deciding`); each model's load is one task that every request
 for it waits on. Everything runs on the serving loop.
 """
@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
 from orchestrator.core.errors import RpcfleetError
@@ -36,7 +36,6 @@ from orchestrator.engine.shared import Pulse
 from orchestrator.inventory.model import Host
 from orchestrator.planning.formations import PlannedFormation, ServedModel
 from orchestrator.planning.plan import PlanDevice
-from orchestrator.serve.demand import DemandEvent
 from orchestrator.serve.formation import Formation
 from orchestrator.serve.metrics import ModelView
 from orchestrator.serve.pool import SparePool
@@ -58,12 +57,11 @@ Probe = Callable[[Sequence[Host]], Awaitable[tuple[dict[str, str], list[PlanDevi
 # not recovered: a failed load is the model's backoff, not a recovery)
 Make = Callable[[PlannedFormation, str, Callable[[Formation], None]], Formation]
 RETRY_STEP = 1.0  # seconds between two placements of a load waiting for nodes in use
-EVENTS_KEPT = 200  # the newest events, for the live page
 
 
 class OnDemand:
     """The on-demand models of a serve: their loads (one task per model), their idle unloads, their state.
-    `on_event`: told each event (the console); `backoff_first`, `backoff_max`: the failed loads' backoff."""
+    Its events go to the router's `News`; `backoff_first`, `backoff_max`: the failed loads' backoff."""
 
     def __init__(
         self,
@@ -75,7 +73,6 @@ class OnDemand:
         make: Make,
         known: dict[str, list[PlanDevice]],
         *,
-        on_event: Callable[[DemandEvent], None] | None = None,
         backoff_first: float = BACKOFF_FIRST,
         backoff_max: float = BACKOFF_MAX,
     ) -> None:
@@ -86,7 +83,6 @@ class OnDemand:
         self.probe = probe
         self.make = make
         self.known = known  # each node's devices when last probed free
-        self.on_event = on_event
         self.backoff_first, self.backoff_max = backoff_first, backoff_max
         self.last_used: dict[str, float] = dict.fromkeys(self.models, time.monotonic())
         self.waiting: Counter[str] = Counter()  # requests waiting in `ensure`, by model
@@ -104,8 +100,6 @@ class OnDemand:
         self.load_failures: Counter[str] = Counter()  # failed loads, by model
         self.unloads: Counter[str] = Counter()  # idle unloads, swaps and failed ones, by model
         self.unloads_by: Counter[tuple[str, str]] = Counter()  # (model, idle | swap | failed)
-        self.events: deque[DemandEvent] = deque(maxlen=EVENTS_KEPT)
-        self.event_count = 0  # events ever (a reader's cursor over `events`)
         self.changed = Pulse()  # wakes the requests waiting in `ensure`: a load ended, a model failed
         self._deciding = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
@@ -164,15 +158,8 @@ class OnDemand:
         ]
 
     def _tell(self, kind: str, model: str, formation: str, message: str) -> None:
-        event = DemandEvent(time.time(), kind, model, formation, message)
-        self.events.append(event)
-        self.event_count += 1
         get_logger().info(f"serve_on_demand_{kind}", model=model, formation=formation, message=message)
-        if self.on_event is not None:
-            try:
-                self.on_event(event)
-            except Exception as exc:  # a display's bug must not stop a load or an unload
-                get_logger().warning("serve_on_demand_event_failed", error=repr(exc))
+        self.router.news.tell(kind, model, formation, message)
 
     # -- requests
     async def ensure(self, name: str, wait: float) -> None:

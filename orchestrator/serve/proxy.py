@@ -139,9 +139,32 @@ class Proxy:
             again = await self._again(failure, model_id, key) if resumes(failure) else None
             if again is None:
                 return self.failure(route, failure)
-            placed = again
-            self.metrics.record_resumed(route, restarted=True, tokens=0)
-            get_logger().info("serve_request_resumed", route=route, streamed=0)
+            lost, placed = placed[0], again
+            self._went_on(route, lost, placed[0])
+
+    def _went_on(
+        self,
+        route: str,
+        lost: Formation,
+        now: Formation,
+        continued: bool = False,
+        prompt: int = 0,
+        streamed: int = 0,
+        replayed: int = 0,
+    ) -> None:
+        """A request whose engine (on `lost`) was lost goes on on `now`: asked again as it was (nothing
+        sent yet), or `continued` from the `streamed` tokens sent (`prompt` tokens with them processed
+        again, `replayed` of them checked one at a time). Counted (`/metrics`), logged and told (the
+        console, the page's events)."""
+        self.metrics.record_resumed(
+            route, restarted=not continued, tokens=prompt + streamed if continued else 0
+        )
+        get_logger().info("serve_request_resumed", route=route, streamed=streamed, replayed=replayed)
+        how = f"continued after {streamed} tokens" if continued else "asked again (nothing sent yet)"
+        checked = f", {replayed} replayed" if replayed else ""
+        self.router.news.tell(
+            "resumed", now.model, now.name, f"a request ({route}) lost on {lost.name}: {how}{checked}"
+        )
 
     async def _answered(
         self,
@@ -316,6 +339,7 @@ class Proxy:
         """The continuation of `flow` after `failure`: its engine's answer, open, or None when the stream
         cannot go on (it cannot be continued, or no formation serves again in time)."""
         while resumes(failure) and (not flow.texted or (flow.edit is not None and flow.edit.resumable())):
+            lost = flow.formation
             flow.formation.release(flow.ticket)
             flow.released = True
             again = await self._again(failure, flow.model_id, flow.key)
@@ -350,13 +374,10 @@ class Proxy:
                 failure = await self._lost(flow.formation, flow.running, exc)
                 continue
             streamed = len(flow.edit.generated) if flow.edit is not None else 0
-            if not flow.texted:
-                self.metrics.record_resumed(flow.route, restarted=True, tokens=0)
-            else:
+            if flow.texted:
                 assert flow.edit is not None
                 flow.edit.resume(len(prompt))
-                self.metrics.record_resumed(flow.route, restarted=False, tokens=len(prompt) + streamed)
-            get_logger().info("serve_request_resumed", route=flow.route, streamed=streamed, replayed=replayed)
+            self._went_on(flow.route, lost, flow.formation, flow.texted, len(prompt), streamed, replayed)
             return held, answer
         return None
 

@@ -41,6 +41,7 @@ from orchestrator.serve.metrics import (
     label_value,
     model_metrics,
 )
+from orchestrator.serve.news import News
 from orchestrator.serve.states import SERVING, FormationState, Rejected, ServeConfig, Ticket
 from orchestrator.serve.upstream import Upstream, UpstreamError
 
@@ -77,13 +78,15 @@ class Router:
         spares: Callable[[], list[str]] | None = None,
         demand: Callable[[Router], Demand] | None = None,
         observe: Callable[[str, str, float], None] | None = None,
+        news: News | None = None,
     ) -> None:
         """`models`: every model served, in order (default: those of `formations`); with on-demand models
         there may be no formation yet (`config` then says the serving limits). `roster`: the one the
         formations were made with (their peers), which then holds them; `spares`: the free spares'
         endpoints (for /health); `demand`: makes the on-demand models' loads and unloads over this router
         (`serve.on_demand.OnDemand`), when some are served; `observe`: each formation's request times,
-        (formation, "ttft" | "latency", seconds), into the exporter's histograms (`RequestTimes`)."""
+        (formation, "ttft" | "latency", seconds), into the exporter's histograms (`RequestTimes`); `news`:
+        what serve tells as it happens (the on-demand models' events, resumed requests)."""
         if not formations and config is None:
             raise ValueError("a router needs one formation at least, or its config")
         self.roster = roster if roster is not None else Roster()
@@ -102,6 +105,7 @@ class Router:
         self.spares = spares
         self.upstream = upstream or Upstream()  # the one HTTP client to the engines (closed at the end)
         self.observe = observe
+        self.news = news if news is not None else News()
         # the on-demand models' loads and unloads, if any: made last, over this router as it is now
         self.demand: Demand | None = demand(self) if demand is not None else None
 

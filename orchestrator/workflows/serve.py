@@ -34,11 +34,12 @@ from orchestrator.planning.draft import DraftModel, vocab_mismatch
 from orchestrator.planning.formations import Formations, PlannedFormation, ServedModel
 from orchestrator.planning.profile import ModelProfile, profile_model, read_vocab
 from orchestrator.planning.settings import DRAFT_DEVICES, DRAFT_N_MAX, DRAFT_N_MIN
-from orchestrator.serve.demand import Demand, DemandEvent
+from orchestrator.serve.demand import Demand
 from orchestrator.serve.engine import EngineFactory, default_engines
 from orchestrator.serve.formation import Formation, FormationHooks, Roster
 from orchestrator.serve.keys import KeyRing, exposed, read_keys_file
 from orchestrator.serve.models_file import ModelEntry, parse_models_file
+from orchestrator.serve.news import News, ServeEvent
 from orchestrator.serve.on_demand import OnDemand
 from orchestrator.serve.pool import SparePool
 from orchestrator.serve.router import Router
@@ -120,7 +121,7 @@ class ServeEvents:
     progress: Callable[[LoadProgress], None] | None = None
     loaded: Callable[[Loaded], None] | None = None
     engine_build: Callable[[str], None] | None = None  # llama-server's build, when it is built first
-    on_demand: Callable[[DemandEvent], None] | None = None  # an on-demand load, unload, swap, resume...
+    news: Callable[[ServeEvent], None] | None = None  # an on-demand load, unload, swap; a resumed request
 
 
 @dataclass
@@ -266,11 +267,14 @@ async def life(
         on_demand = [model for model in served if model.on_demand]
 
         def demand(router: Router) -> OnDemand:
-            return on_demand_loads(router, maker, on_demand, hosts, whole, first.devices, events)
+            return on_demand_loads(router, maker, on_demand, hosts, whole, first.devices)
 
         times = RequestTimes() if request.observe_interval else None  # the exporter's histograms
         loads = demand if on_demand else None
-        router = make_router(request, served, formations, maker.spares, http, maker.roster, loads, times)
+        news = News(events.news)
+        router = make_router(
+            request, served, formations, maker.spares, http, maker.roster, loads, times, news
+        )
         watch = spare_watch(request, router, maker, [] if on_demand else served, whole)
         return await run_formations(
             request, router, watch, hosts, first.formed, events, maker.ending, ring, times
@@ -403,7 +407,6 @@ def on_demand_loads(
     hosts: Sequence[Host],
     whole: ServeFleet,
     devices: Sequence[PlanDevice],
-    events: ServeEvents,
 ) -> OnDemand:
     """The on-demand models' loads and unloads, on the nodes left free at start (`devices`: what the first
     probe found on them)."""
@@ -419,7 +422,6 @@ def on_demand_loads(
         whole.probe_spares,
         lambda one, name, failed: maker.make(one, name, {}, on_failed=failed),
         known,
-        on_event=events.on_demand,
     )
 
 
@@ -634,9 +636,11 @@ def make_router(
     roster: Roster,
     demand: Callable[[Router], Demand] | None = None,
     times: RequestTimes | None = None,
+    news: News | None = None,
 ) -> Router:
     """The router over the formations (made with `roster` as their peers; `demand`: the on-demand loads
-    over it, if any; `times`: the exporter's histograms of each formation's requests). One formation: the
+    over it, if any; `times`: the exporter's histograms of each formation's requests; `news`: the events
+    told as they happen). One formation: the
     front counts on its metrics, as before formations; unless the spare watch may add formations
     (--replicas auto): the front's counters must then be its own."""
     growing = any(not m.split and m.replicas is None for m in served) and request.limits.rejoin_interval > 0
@@ -651,6 +655,7 @@ def make_router(
         spares=lambda: [h.endpoint for h in spares.snapshot()],
         demand=demand,
         observe=times.observe if times is not None else None,
+        news=news,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -370,6 +371,13 @@ def test_a_lost_nodes_streams_go_on_on_the_other_formation_and_read_as_one_strea
     assert [f["recoveries"] for f in client.get("/health").json()["formations"]] == [0, 20]
     metrics = client.get("/metrics").text
     assert 'rpcfleet_requests_resumed_total{route="/v1/completions",how="continued"} 60' in metrics
+    # each told as it happened (the console's line, the page's events): where it was lost, where it went on
+    told = [e for e in client.router.news.latest if e.kind == "resumed"]  # type: ignore[attr-defined]
+    assert len(told) == 60 and {(e.model, e.formation) for e in told} == {("a", "a#0")}
+    assert all(
+        re.fullmatch(r"a request \(/v1/completions\) lost on a#1: continued after \d+ tokens", e.message)
+        for e in told
+    ), told[0].message
 
 
 def test_a_stream_whose_engine_says_no_token_ids_ends_with_the_503_naming_the_lost_node(

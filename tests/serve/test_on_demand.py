@@ -332,7 +332,7 @@ def test_requests_alternating_between_two_models_that_cannot_both_be_loaded_swap
     assert _ask(client, "b").status_code == 200  # swapped in once
     assert _ask(client, "a").status_code == 503  # b's residency now
     assert started == {"a": 1, "b": 1}
-    kinds = [(e.kind, e.formation) for e in router.demand.events]
+    kinds = [(e.kind, e.formation) for e in router.news.latest]
     assert kinds == [("load", "a#0"), ("loaded", "a#0"), ("swap", "a#0"), ("load", "b#0"), ("loaded", "b#0")]
     assert _metric(client, 'rpcfleet_model_unloads_total{model="a",reason="swap"}') == 1
     assert _metric(client, 'rpcfleet_model_loads_total{model="b"}') == 1
@@ -381,7 +381,7 @@ def test_a_model_whose_load_fails_is_loaded_once_then_answers_its_failure_in_a_g
     assert second.status_code == 503 and second.headers["Retry-After"] == "2", second.text
     assert started == {"a": 2, "c": 2}
     assert router.demand is not None
-    kinds = [e.kind for e in router.demand.events]
+    kinds = [e.kind for e in router.news.latest]
     assert kinds.count("load_failed") == 2 and "resume" in kinds  # a loaded again after its swap
 
 

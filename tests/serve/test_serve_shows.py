@@ -174,3 +174,65 @@ def test_an_on_demand_load_and_idle_unload_show_on_the_console_the_page_and_metr
     console = "".join(lines)
     assert "load tiny#0 (tiny): loading on 127.0.0.1:" in console, console
     assert "unload tiny#0 (tiny): unloaded: idle past 2 s" in console, console
+
+
+@pytest.mark.llama
+def test_a_request_whose_node_is_lost_goes_on_and_shows_on_the_console_the_page_and_metrics(
+    start_rpc_server: Callable[..., LocalServer],
+    serve: Callable[..., tuple[str, list[str]]],
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Two formations of one node each; the node under a stream is killed after its first text: the
+    stream goes on on the other formation, and that is told on the console, the page's events and in
+    /metrics, naming the formation lost and the one it went on on."""
+    servers = {f"n{i}": start_rpc_server() for i in range(2)}
+    inventory = write_local_inventory(
+        tmp_path / "inv.yml", {n: {"rpc_port": s.port} for n, s in servers.items()}
+    )
+    base, lines = serve(
+        "-i", str(inventory), "-m", str(tiny_model), "--ctx", "512", "--replicas", "2", "--parallel", "1",
+        "--observe-interval", "1",
+    )  # fmt: skip
+    texted = threading.Event()
+    events: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "hello", "max_tokens": 400, "stream": True, "temperature": 0}
+        request = urllib.request.Request(
+            f"{base}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            for raw in answer:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if re.search(r'"text":"[^"]', line):
+                        texted.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert texted.wait(60), events
+    formations = json.loads(_get(base, "/health"))["formations"]
+    busy = next(f for f in formations if f["slots_busy"])
+    port = int(busy["nodes"][0].rpartition(":")[2])
+    next(s for s in servers.values() if s.port == port).stop()
+    reader.join(120)
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+    went_on = next(f["name"] for f in formations if f["name"] != busy["name"])
+    told = f"resumed {went_on} ({busy['model']}): a request (/v1/completions) lost on {busy['name']}: "
+    told += "continued after"
+    deadline = time.monotonic() + 10
+    while not any(told in line for line in lines):
+        assert time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    resumed = _samples(_get(base, "/metrics"), "rpcfleet_requests_resumed_total")
+    assert resumed == {'{route="/v1/completions",how="continued"}': 1}, resumed
+    deadline = time.monotonic() + 10  # the page's events: at the exporter's next round
+    while not [e for e in json.loads(_get(base, "/fleet.json"))["events"] if e["kind"] == "resumed"]:
+        assert time.monotonic() < deadline, json.loads(_get(base, "/fleet.json"))["events"]
+        time.sleep(0.2)
+    page = [e for e in json.loads(_get(base, "/fleet.json"))["events"] if e["kind"] == "resumed"]
+    assert [e["host"] for e in page] == [went_on] and f"lost on {busy['name']}" in page[0]["message"], page
