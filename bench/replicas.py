@@ -41,6 +41,7 @@ from _common import (
     ROOT,
     arg_parser,
     bridge_tx,
+    busy_cpu_seconds,
     drop_page_cache,
     free_port,
     get_json,
@@ -51,6 +52,7 @@ from _common import (
 from load import MODEL, shape
 
 from orchestrator.core.units import parse_size
+from orchestrator.lab.cgroups import usage_us
 from orchestrator.lab.lifecycle import lab_down, lab_up, reap_stale
 from orchestrator.lab.netns import privileged
 from orchestrator.lab.state import Lab
@@ -144,7 +146,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the four runs (default 2)")
     parser.add_argument("--rate", default="1gbit", help="each link's and the controller side's rate")
     parser.add_argument("--cpus", type=float, default=0.3, help="each node's CPU share (default 0.3)")
-    parser.add_argument("--memory", default="900MiB", help="each node's memory.max (default 900MiB)")
+    parser.add_argument("--memory", default="1100MiB", help="each node's memory.max (default 1100MiB)")
     args = parser.parse_args()
     if not privileged():
         print("bench/replicas.py needs root (network namespaces)", file=sys.stderr)
@@ -176,10 +178,16 @@ def main() -> int:
                 rpcfleet("cache", "clear", "-i", str(inventories[THROUGH]))
                 for path in (model, *copies):  # page caches cold: every copy is read from the disk
                     drop_page_cache(path)
-                tx = bridge_tx(lab.bridge)
+                tx, busy = bridge_tx(lab.bridge), busy_cpu_seconds()
+                nodes_cpu = {n.name: usage_us(n.namespace or n.name) for n in lab.nodes}
                 print(f"round {i + 1}: {replicas} formation(s), {source}", file=sys.stderr, flush=True)
                 run = ready_in(inventories[source], model, folder, replicas, first if replicas == 1 else None)
                 run["sent"] = bridge_tx(lab.bridge) - tx
+                # this machine's cores busy over the run (every node, serve, its engines, the rest), and
+                # the busiest node's CPU seconds over its cap: the least time its share could take
+                run["busy"] = (busy_cpu_seconds() - busy) / (run["seconds"] * (os.cpu_count() or 1))
+                used = [(usage_us(n.namespace or n.name) - nodes_cpu[n.name]) / 1e6 for n in lab.nodes]
+                run["capped"] = max(used) / args.cpus / run["seconds"]
                 runs.setdefault((source, replicas), []).append(run)
     finally:
         lab_down(LAB_NAME)
@@ -228,6 +236,16 @@ def render(runs: dict[tuple[str, int], list[dict[str, Any]]], args: Any, load: f
         f"- Target: {REPLICAS} formations ready in at most {TARGET}x the time of one: "
         f"{spread(ratios[COPIES], 'x')} from the nodes' copies ({verdict}); "
         f"{spread(ratios[THROUGH], 'x')} through the controller (today's).",
+        "- What the machine allows: the share of this machine's cores busy during each run (all work on it: "
+        "the nodes, serve and its engines, other sessions), and the busiest node's CPU seconds over its cap "
+        "as a share of the run (1: that node's share alone takes the whole run): "
+        + "; ".join(
+            f"{n} {'formation' if n == 1 else 'formations'} {source}: cores "
+            f"{spread([r['busy'] for r in rs])}, node {spread([r['capped'] for r in rs])}"
+            for source in (THROUGH, COPIES)
+            for n, rs in ((1, runs[(source, 1)]), (REPLICAS, runs[(source, REPLICAS)]))
+        )
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
