@@ -264,18 +264,9 @@ _SET_TENSOR_HASH_CHECKS = """    struct ggml_init_params params {
     }
 """
 
-# From the read at the end of get_cached_file to the end of set_tensor_hash, which follows it.
-_CACHE_READ_ANCHOR = (
-    """    std::ifstream ifs(cache_file, std::ios::binary);
-    ifs.seekg(0, std::ios::end);
-    size_t size = ifs.tellg();
-    ifs.seekg(0, std::ios::beg);
-    data.resize(size);
-    ifs.read((char *)data.data(), size);
-    return true;
-}
-
-bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rpc_msg_set_tensor_hash_rsp & response)
+# stock set_tensor_hash, whole (the patch keeps it where there is no POSIX file API)
+_STOCK_SET_TENSOR_HASH = (
+    """bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rpc_msg_set_tensor_hash_rsp & response)
 {
     std::vector<uint8_t> cached_file;
     if (!get_cached_file(request.hash, cached_file)) {
@@ -290,6 +281,21 @@ bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rp
     return true;
 }
 """
+)
+
+# From the read at the end of get_cached_file to the end of set_tensor_hash, which follows it.
+_CACHE_READ_ANCHOR = (
+    """    std::ifstream ifs(cache_file, std::ios::binary);
+    ifs.seekg(0, std::ios::end);
+    size_t size = ifs.tellg();
+    ifs.seekg(0, std::ios::beg);
+    data.resize(size);
+    ifs.read((char *)data.data(), size);
+    return true;
+}
+
+"""
+    + _STOCK_SET_TENSOR_HASH
 )
 
 _CACHE_READ = (
@@ -360,22 +366,9 @@ bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rp
     return true;
 }
 #else
-bool rpc_server::set_tensor_hash(const rpc_msg_set_tensor_hash_req & request, rpc_msg_set_tensor_hash_rsp & response)
-{
-    std::vector<uint8_t> cached_file;
-    if (!get_cached_file(request.hash, cached_file)) {
-        response.result = 0;
-        return true;
-    }
-    size_t size = cached_file.size();
 """
-    + _SET_TENSOR_HASH_CHECKS
-    + """    ggml_backend_tensor_set(tensor, cached_file.data(), request.offset, size);
-    response.result = 1;
-    return true;
-}
-#endif
-"""
+    + _STOCK_SET_TENSOR_HASH
+    + "#endif\n"
 )
 
 # The whole FNV-1a function, so the lookup and its wrapper land right after it (file scope).
