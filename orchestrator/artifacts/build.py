@@ -20,6 +20,7 @@ from typing import Any
 
 from orchestrator.artifacts.cuda import (
     PYPI_TOOLKIT_DEFINES,
+    bundle_runtime,
     cuda_toolkit,
     system_toolkit,
     toolkit_key,
@@ -124,8 +125,9 @@ def build_key(
     patches = [p.label for p in patches_for(backend)]
     parts: list[Any] = ["build", version, backend, sorted(cmake_args), os_name or host_os, arch or host_arch]
     parts.append(patches)
-    if backend == "cuda":  # which nvcc built it
+    if backend == "cuda":  # which nvcc built it; the artifact carries its runtime libraries
         parts.append("system" if system_toolkit() is not None else f"pypi-{toolkit_key()}")
+        parts.append("runtime-bundled")
     data = json.dumps(parts).encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
@@ -246,6 +248,10 @@ def build_artifact(
         with tempfile.TemporaryDirectory(dir=workdir, prefix="stage-") as tmp:
             stage = Path(tmp)
             collect_server(build_dir / "bin", stage / "bin", target)
+            if backend == "cuda":
+                bundled = bundle_runtime(stage / "bin", cuda_toolkit().lib_dir)
+                say(f"carries the CUDA runtime it links: {', '.join(bundled)} "
+                    f"({sum(bundled.values()) / 1e6:.0f} MB)")  # fmt: skip
             _check_runpath(stage / "bin")
             manifest = Manifest(
                 protocol=protocol,

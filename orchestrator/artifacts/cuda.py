@@ -62,7 +62,19 @@ class CudaToolkit:
     def environment(self) -> dict[str, str]:
         """What cmake needs to find this toolkit (the compiler and its root), on top of os.environ."""
         path = f"{self.root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {**os.environ, "CUDACXX": str(self.nvcc), "CUDAToolkit_ROOT": str(self.root), "PATH": path}
+        # The server's link resolves libggml-cuda's libcublas.so.13 through ld's LD_LIBRARY_PATH (its
+        # RUNPATH is $ORIGIN, where the runtime libraries are copied only after the build)
+        libraries = os.pathsep.join(p for p in (str(self.lib_dir), os.environ.get("LD_LIBRARY_PATH")) if p)
+        return {**os.environ, "CUDACXX": str(self.nvcc), "CUDAToolkit_ROOT": str(self.root), "PATH": path,
+                "LD_LIBRARY_PATH": libraries}  # fmt: skip
+
+    @property
+    def lib_dir(self) -> Path:
+        """Where its runtime libraries are: lib (PyPI's), lib64 or targets/<arch>/lib (a system one)."""
+        for candidate in (self.root / "lib", self.root / "lib64", *sorted(self.root.glob("targets/*/lib"))):
+            if any(candidate.glob("libcudart.so*")):
+                return candidate
+        raise ArtifactError(f"the CUDA toolkit at {self.root} has no libcudart")
 
     @property
     def defines(self) -> dict[str, str]:
@@ -200,6 +212,32 @@ def _link_unversioned(lib: Path) -> None:
         plain = lib / (path.name.split(".so.")[0] + ".so")
         if not plain.exists():
             plain.symlink_to(path.name)
+
+
+def linked_libraries(path: Path) -> list[str]:
+    """The sonames an ELF file names as NEEDED (readelf -d), in its order; [] when it is not one."""
+    done = run_child(["readelf", "-d", str(path)], capture_output=True, text=True, timeout=30, check=False)
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", done.stdout)
+
+
+def bundle_runtime(bin_dir: Path, toolkit_lib: Path) -> dict[str, int]:
+    """Copy into `bin_dir` every library of the toolkit that its binaries link, and what those link in
+    turn (libcudart, libcublas, libcublasLt), as plain files under their sonames, found there through the
+    artifact's RUNPATH=$ORIGIN: a node then needs only the NVIDIA driver. NVIDIA's EULA lets applications
+    redistribute these runtime libraries. Returns {soname: bytes} of what was copied."""
+    copied: dict[str, int] = {}
+    queue = [p for p in sorted(bin_dir.iterdir()) if p.is_file() and not p.is_symlink()]
+    while queue:
+        for name in linked_libraries(queue.pop()):
+            source = toolkit_lib / name
+            target = bin_dir / name
+            if name in copied or not source.exists() or target.exists() or target.is_symlink():
+                continue
+            shutil.copyfile(source.resolve(), target)
+            target.chmod(0o755)
+            copied[name] = target.stat().st_size
+            queue.append(target)
+    return copied
 
 
 def _run(command: list[str], what: str) -> None:

@@ -155,3 +155,22 @@ def resolve_artifact(
             f"the host needs {'/'.join(wanted)}"
         )
     return artifact
+
+
+def known_cuda_release(spec: str | None) -> str | None:
+    """The CUDA release a host's cuda artifact needs the driver for, where it is known without building
+    or fetching anything: a cached artifact's own, the cached default build's, else the release the
+    default build would have (the pinned PyPI toolkit's; a system toolkit's is read at build time only:
+    None). A spec file's artifact is known at deploy (None here)."""
+    from orchestrator.artifacts.build import cached_build
+    from orchestrator.artifacts.cuda import pinned_release, system_toolkit
+
+    spec = (spec or "").strip()
+    if ID_RE.match(spec) and (artifacts_dir() / f"{spec}.json").is_file():
+        return load_artifact(spec).manifest.cuda_version
+    if spec not in ("", "default"):
+        return None
+    cached = cached_build("cuda")
+    if cached is not None:
+        return cached.manifest.cuda_version
+    return pinned_release() if system_toolkit() is None else None

@@ -6,6 +6,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from orchestrator.artifacts.cuda import driver_too_old
+from orchestrator.artifacts.spec import known_cuda_release
 from orchestrator.core.errors import HostError
 from orchestrator.engine.executor import HostContext, StepOutcome
 from orchestrator.facts.base import gather
@@ -23,6 +25,9 @@ class PingResult:
     latency_seconds: float  # one command round trip on the open connection
     backend: str = "cpu"  # the host's rpc_backend, `auto` decided from the node's GPU runtimes
     gpus: str = ""  # what GPU runtimes the node has: "NVIDIA driver ...", "Vulkan: <device>", or ""
+
+
+DRIVER_FIX = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
 
 
 def describe_gpus(runtime: GpuRuntime | None) -> str:
@@ -55,6 +60,11 @@ async def ping_step(context: HostContext) -> StepOutcome[PingResult]:
         backend = runtime.backend_for(context.host.rpc_backend)[0]
     except ValueError:
         backend = "?"
+    if backend == "cuda":  # what deploy refuses, said before it
+        old = driver_too_old(known_cuda_release(context.host.rpc_artifact), runtime.nvidia_driver)
+        if old is not None:
+            message = f"{old}: a cuda server cannot start here"
+            raise HostError(message, host=context.host.name, hint=DRIVER_FIX)
     ping = PingResult(
         os_info.system,
         os_info.machine,
