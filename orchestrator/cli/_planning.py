@@ -192,8 +192,10 @@ def planning_args(args: argparse.Namespace, *, n_ctx: int | None = None, facts: 
     servers)."""
     from orchestrator.workflows.options import plan_options, probe_settings
 
+    # serve's engine and the llama-cli format's reader are llama-server; run loads llama-cpp-python
+    llama_server = args.command == "serve" or getattr(args, "format", None) == "llama-cli"
     return PlanningArgs(
-        plan_options(vars(args), n_ctx=n_ctx),
+        plan_options(vars(args), n_ctx=n_ctx, llama_server=llama_server),
         probe_settings(vars(args), forks=args.forks, facts=facts),
         getattr(args, "local_devices", None),
     )

@@ -129,7 +129,7 @@ def handle(args: argparse.Namespace) -> int:
     http_from_namespace = None if namespaces is None else parse_labels(namespaces, "--http-from-namespace")
     request = ExportRequest(
         model=args.model,
-        options=plan_options(vars(args)),
+        options=plan_options(vars(args), llama_server=True),  # the exported pods run llama-server
         node_memory=args.node_memory,
         out=args.output,
         image=args.image or f"rpcfleet:{__version__}-{args.backend}",

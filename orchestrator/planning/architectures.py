@@ -376,7 +376,9 @@ def family_compute(
             peak = max(peak, 2 * hidden + router + routed + 2 * shared * n_tok * f32)
     if profile.n_layer not in layers:
         return inputs + peak
-    logits = profile.n_vocab * n_tok * f32 + hidden
+    # llama.cpp reserves min(n_tokens, n_outputs_max) logits rows (llama-context.cpp n_outputs_pp)
+    rows = min(n_tok, opts.n_outputs_max) if opts.n_outputs_max > 0 else n_tok
+    logits = profile.n_vocab * rows * f32 + hidden
     if copies > 1:  # the input copies have buffers of their own
         return inputs + max(peak, logits)
     return max(inputs + peak, logits)

@@ -348,3 +348,25 @@ def validate(devices: Sequence[PlanDevice], profile: ModelProfile, opts: PlanOpt
             raise PlanError("tensor_split values must be finite and non-negative")
         if devices and opts.n_gpu_layers != 0 and not any(x > 0 for x in opts.tensor_split):
             raise PlanError("tensor_split is all zeros; give at least one device a share")
+
+
+# cuBLAS's default workspace for one handle (cuBLAS docs, "cuBLAS workspace"): 32 MiB on Hopper (compute
+# capability 9.0) and newer, 4 MiB before; ggml-cuda keeps one handle per device.
+CUBLAS_WORKSPACE = {True: 32 << 20, False: 4 << 20}
+CUDA_POOL_LOOKAHEAD = 1.05  # ggml_cuda_pool_leg allocates 5% more than asked, to reuse the buffer
+
+
+def cuda_runtime_bytes(profile: ModelProfile, opts: PlanOptions, compute_major: int = 9) -> int:
+    """What a CUDA server allocates for a model beyond its ggml buffers (weights, KV, compute), from the
+    model alone: cuBLAS's workspace and ggml-cuda's memory pool (the legacy one: the artifact is built with
+    GGML_CUDA_NO_VMM), which holds a GEMM's operands converted to f16, the activations (K x ub) and the
+    result (N x ub), for the widest f16/bf16 weight matrix of the layers at -ub rows. The CUDA context is
+    not in it: the server holds its context from its start, before any load. Unverified on a GPU until
+    bench/gpu.py has run on one (docs/gpu.md)."""
+    widest = max(
+        (t.shape[0] + t.shape[1] for t in profile.tensors
+         if t.name.startswith("blk.") and len(t.shape) == 2 and t.type_name.upper() in ("F16", "BF16")),
+        default=0,
+    )  # fmt: skip
+    pool = math.ceil(CUDA_POOL_LOOKAHEAD * widest * opts.n_ubatch * 2)
+    return CUBLAS_WORKSPACE[compute_major >= 9] + pool

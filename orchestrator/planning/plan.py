@@ -101,6 +101,9 @@ class PlanOptions:
     parallel: int = 1  # llama-server's --parallel: sequences (n_seq_max)
     kv_unified: bool = False  # llama-server's --kv-unified: one KV stream shared by all sequences
     n_cpu_moe: int = 0  # llama-server's --n-cpu-moe: the expert tensors of the first N layers stay on the CPU
+    # Logits rows a ubatch reserves (llama.cpp's n_outputs_max): 0 = n_batch, llama-cpp-python's (and
+    # llama.cpp's C default); llama-server's is its --parallel (x (1 + drafted tokens) with a draft).
+    n_outputs_max: int = 0
 
 
 @dataclass(frozen=True)

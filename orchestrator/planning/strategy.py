@@ -364,6 +364,8 @@ def make_plan(
     context: the largest-context search keeps that figure); on this machine's CPU, the host's total
     (target and draft) is checked against `draft.host_available` when known."""
     opts = options or PlanOptions()
+    if draft is not None:  # only llama-server drafts: its logits rows, the target's outputs per ubatch
+        opts = replace(opts, n_outputs_max=target_output_rows(opts, draft.n_max))
     all_devices = tuple(devices)
     validate(all_devices, profile, opts)
     for il in range(profile.n_layer):  # row_bytes raises on row widths a quantized cache cannot take

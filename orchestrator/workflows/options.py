@@ -237,10 +237,13 @@ def flash_attn_planned(value: bool | str) -> bool:
     return bool(value)
 
 
-def plan_options(values: Mapping[str, Any], *, n_ctx: int | None = None) -> PlanOptions:
+def plan_options(
+    values: Mapping[str, Any], *, n_ctx: int | None = None, llama_server: bool = False
+) -> PlanOptions:
     """The one builder of `PlanOptions` from the planning options by name (`PLAN_OPTIONS`' default for an
     absent or None one, `margin` None = the planner's default margin); `n_ctx` overrides "ctx" (the
-    report plans several contexts)."""
+    report plans several contexts); `llama_server`: the plan is for llama-server (serve, export, the
+    llama-cli format), which reserves logits for one output per sequence, not n_batch of them."""
     from orchestrator.planning.plan import PlanOptions
 
     def get(name: str) -> Any:
@@ -258,6 +261,7 @@ def plan_options(values: Mapping[str, Any], *, n_ctx: int | None = None) -> Plan
         parallel=get("parallel"),
         kv_unified=bool(get("kv_unified")),
         n_cpu_moe=get("n_cpu_moe"),
+        n_outputs_max=get("parallel") if llama_server else 0,
         margin=DEFAULT_MARGIN if margin is None else margin,
         strategy=get("strategy"),
     )

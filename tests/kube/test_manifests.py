@@ -282,19 +282,20 @@ def test_every_container_asks_for_cpus_and_the_rpc_server_runs_that_many_threads
 def test_where_no_context_fits_the_hint_is_the_ubatch_which_export_takes(
     sparse_or_tiny: Path, tmp_path: Path
 ) -> None:
-    """A pod of 520 MiB holds no context of this model at the default --ubatch 512 (the weights and the
+    """A pod of 490 MiB holds no context of this model at the default --ubatch 512 (the weights and the
     compute buffer alone are too large): a smaller --ctx cannot help, the hint names --ubatch, which
-    export lws takes (at 32 the model fits); at 560 MiB a context of 2048 fits, and --ctx is the hint."""
+    export lws takes (at 32 the model fits); at 530 MiB a context of 2048 fits, and --ctx is the hint.
+    (The pods run llama-server, whose compute buffer holds logits for one output per slot.)"""
     argv = ["export", "lws", "-m", str(sparse_or_tiny), "--nodes-per-group", "1", "--ctx", "1024"]
-    done = rpcfleet(*argv, "--node-memory", "520MiB", "-o", "k8s", cwd=tmp_path)
+    done = rpcfleet(*argv, "--node-memory", "490MiB", "-o", "k8s", cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no context fits" in done.stderr and "a smaller --ubatch (now 512" in done.stderr, done.stderr
     assert "--ctx or --parallel" not in done.stderr and "Traceback" not in done.stderr
-    done = rpcfleet(*argv, "--node-memory", "520MiB", "--ubatch", "32", "-o", "k8s", cwd=tmp_path)
+    done = rpcfleet(*argv, "--node-memory", "490MiB", "--ubatch", "32", "-o", "k8s", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = yaml.safe_load((tmp_path / "k8s" / "configmap.yaml").read_text())["data"]["plan.json"]
     assert Plan.from_text(plan).options.n_ubatch == 32
-    done = rpcfleet(*argv[:-1], "4096", "--node-memory", "560MiB", "-o", "more", cwd=tmp_path)
+    done = rpcfleet(*argv[:-1], "4096", "--node-memory", "530MiB", "-o", "more", cwd=tmp_path)
     assert done.returncode == 2 and "the largest context that fits: 2048" in done.stderr, done.stderr
     assert "a smaller --ctx or --parallel" in done.stderr and "--ubatch" not in done.stderr
 
