@@ -1,33 +1,45 @@
-"""The GPU check: rpcfleet on one real NVIDIA GPU, unattended, in a few minutes.
+"""The GPU check: rpcfleet's plans against one real GPU, unattended, in a few minutes.
 
-    .venv/bin/python bench/gpu.py                    # print the report
+    bash .gpu-kit/run.sh                             # on a lent GPU machine (the kit: bench/gpu_kit.py)
+    .venv/bin/python bench/gpu.py --kit .gpu-kit     # the same check, from a kit, on this Python
+    .venv/bin/python bench/gpu.py                    # without a kit: build the cuda artifact here first
     .venv/bin/python bench/gpu.py --write            # and replace the "gpu" section of BENCHMARKS.md
-    .venv/bin/python bench/gpu.py --cuda-arch 90     # build for this architecture (default: the GPU's)
 
-On a Linux machine with an NVIDIA GPU and its driver (nvidia-smi), it:
-1. builds the cuda artifact for that GPU's architecture only (`rpcfleet artifact build --backend cuda
-   --cuda-arch ARCH`; the toolkit from PyPI unless the machine has a complete one), or takes it cached;
-2. deploys it to a `connection: local` host (rpc_backend cuda, GGML_RPC_DEBUG on, the process supervisor);
-3. probes it and compares the free VRAM the server reports with `nvidia-smi --query-gpu=memory.free`;
-4. plans and loads the real Gemma 3 270M through `rpcfleet run`, and compares the plan's weights, KV and
-   compute with the buffers the server allocated (its GGML_RPC_DEBUG log, to the byte);
-5. generates, and reports tokens/s beside llama-server run by hand (`--rpc` to the same server, the same
-   context, -ngl, --flash-attn, -b/-ub and greedy sampling).
+For each backend asked (default: cuda, then vulkan) it:
+1. takes the artifact from the kit (`--kit`) or builds it (cuda: `artifact build --backend cuda
+   --cuda-arch ARCH` for the GPU's architecture);
+2. makes its model with `rpcfleet model synth`: a dense llama of several GB (f16), so that the weights
+   dominate (`--model` takes another, such as the cached Gemma for the dry run);
+3. deploys to a `connection: local` host (rpc_backend, rpc_env: the machine's cuBLAS through
+   LD_LIBRARY_PATH for cuda, VK_DRIVER_FILES for vulkan; GGML_RPC_DEBUG on, the process supervisor);
+4. compares the free memory the probe reports with `nvidia-smi --query-gpu=memory.free`, read while the
+   server holds its context;
+5. plans, and loads through llama-server with the plan's engine arguments (no llama-cpp-python needed);
+   compares the plan's weights, KV and compute with the buffers the server allocated (its GGML_RPC_DEBUG
+   log, to the byte), and `memory.used` after the load less before it with the plan's total plus the CUDA
+   runtime the planner predicts (`planning.memory.cuda_runtime_bytes`: cuBLAS's workspace, ggml's pool);
+6. generates, and reports tokens/s beside llama-server run by hand (`--rpc` to the same server, -ngl 99,
+   the same context, batch and flash attention), the two alternated `--rounds` times.
 
-Without an NVIDIA GPU it says so and exits with status 2, having changed nothing. Its only network is
-PyPI (the toolkit wheels) and loopback.
+Without a GPU (no nvidia-smi) a cuda check is refused, exit status 2, having changed nothing; the vulkan
+check runs on any Vulkan device, Mesa's llvmpipe included (the suite's dry run: `--backends vulkan
+--model GEMMA`), and says what it could not compare. Its only network is PyPI (the toolkit wheels, when
+it builds) and loopback.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from _common import ROOT, arg_parser, free_port, load_average, stamp, wait_listening, write_section
@@ -80,7 +92,16 @@ def read_gpus(nvidia_smi: str | None = None) -> list[Gpu]:
     return gpus
 
 
+STARTED = time.monotonic()
+
+
+def say(line: str) -> None:
+    """Progress on stderr, with the seconds since the start: where a short lease's time goes."""
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+
 def rpcfleet(*argv: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+    say(f"rpcfleet {' '.join(argv[:3])}")
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator", *argv],
         capture_output=True,
@@ -93,45 +114,222 @@ def rpcfleet(*argv: str, timeout: float = 3600) -> subprocess.CompletedProcess[s
     return done
 
 
-def llama_server_by_hand(endpoint: str, model: Path, tokens: int) -> float:
-    """Tokens/s of llama-server (this source's) with `--rpc endpoint`, the same flags as rpcfleet's run."""
-    from orchestrator.artifacts.build import llama_server_binary
+# The dense llama the check makes on the GPU: 16 blocks of 3072 (24 heads, 8 KV heads), FFN 8192, a
+# 32000-token vocabulary, f16: 3.6 GB of weights, most of them in 2-D matrices cuBLAS multiplies.
+GPU_MODEL = ("--layers", "16", "--embd", "3072", "--heads", "24", "--kv-heads", "8", "--ff", "8192",
+             "--vocab", "32000", "--type", "f16")  # fmt: skip
+# Where NVIDIA's Vulkan ICD is (the driver's packages, or the container toolkit's mounts).
+NVIDIA_ICDS = ("/usr/share/vulkan/icd.d/nvidia_icd.json", "/etc/vulkan/icd.d/nvidia_icd.json",
+               "/usr/share/vulkan/icd.d/nvidia_icd.x86_64.json")  # fmt: skip
 
+
+@dataclass
+class Kit:
+    """What the check runs: artifact ids per backend and the machine's cuBLAS folder (cuda)."""
+
+    artifacts: dict[str, str]
+    cuda_libs: Path | None = None
+    vk_icd: str | None = None
+
+
+@dataclass
+class Result:
+    backend: str
+    device: str = ""
+    lines: list[str] = field(default_factory=list)  # the table's rows
+    text: str = ""
+
+
+def serve_completion(port: int, tokens: int) -> tuple[float, str]:
+    """(tokens/s, text) of one greedy /completion of `tokens` tokens from llama-server on `port`."""
+    body = {"prompt": PROMPT, "n_predict": tokens, "temperature": 0, "top_k": 1, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=900) as reply:
+        answer = json.loads(reply.read())
+    return float(answer["timings"]["predicted_per_second"]), str(answer.get("content", ""))
+
+
+class LlamaServer:
+    """llama-server (this source's, CPU: its model goes to the RPC servers) with `args`, until closed."""
+
+    def __init__(self, args: list[str]) -> None:
+        from orchestrator.artifacts.build import llama_server_binary
+
+        self.port = free_port()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        argv = [str(llama_server_binary()), *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                tail = self.log.read()[-2000:].decode(errors="replace")
+                self.close()
+                raise RuntimeError(f"llama-server did not start: {tail}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def memory_used(gpu_ok: bool) -> int | None:
+    """The first GPU's memory.used (bytes) from nvidia-smi, None without one."""
+    if not gpu_ok:
+        return None
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return int(done.stdout.split()[0]) * MiB
+
+
+def make_model(folder: Path, model: Path | None) -> Path:
+    if model is not None:
+        return model
+    path = folder / "dense.gguf"
+    rpcfleet("model", "synth", str(path), *GPU_MODEL, timeout=1800)
+    return path
+
+
+def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: int, rounds: int,
+                  tmp: Path) -> Result:  # fmt: skip
+    from orchestrator.llama.logs import model_allocations, parse_server_log
+    from orchestrator.planning.formats import llama_cli_args
+    from orchestrator.planning.memory import cuda_runtime_bytes
+    from orchestrator.planning.plan import Plan
+    from orchestrator.planning.profile import profile_model
+
+    result = Result(backend)
     port = free_port()
-    argv = [
-        str(llama_server_binary()), "-m", str(model), "--rpc", endpoint, "-ngl", "99", "-c", str(CTX),
-        "-b", str(BATCH), "-ub", str(BATCH), "-fa", "off", "-np", "1",
-        "--port", str(port), "--host", "127.0.0.1",
-    ]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
+    node = tmp / f"node-{backend}"
+    env: dict[str, str] = {}
+    if backend == "cuda" and kit.cuda_libs is not None:
+        env["LD_LIBRARY_PATH"] = str(kit.cuda_libs)
+    if backend == "vulkan":
+        env["GGML_VK_VISIBLE_DEVICES"] = "0"  # ggml-vulkan skips a CPU device (llvmpipe) unless named
+        if kit.vk_icd:
+            env["VK_DRIVER_FILES"] = kit.vk_icd
+    device_name = "CUDA0" if backend == "cuda" else "Vulkan0"
+    inventory = tmp / f"{backend}.yml"
+    inventory.write_text(
+        "hosts:\n  gpu:\n"
+        f"    connection: local\n    address: 127.0.0.1\n    rpc_port: {port}\n    rpc_backend: {backend}\n"
+        f"    rpc_devices: [{device_name}]\n    rpc_artifact: {kit.artifacts[backend]}\n    rpc_debug: true\n"
+        f"    rpc_env: {json.dumps(env)}\n    supervisor: process\n    install_dir: {node}\n"
+    )
+    try:
+        rpcfleet("deploy", "-i", str(inventory))
+        wait_listening(port, limit=60)
+        probe = json.loads(rpcfleet("probe", "-i", str(inventory), "--json").stdout)
+        smi = read_gpus()[0] if gpu is not None else None
+        device = probe["nodes"][0]["devices"][0]
+        result.device = str(device.get("description") or device.get("name"))
+        plan_path = tmp / f"plan-{backend}.json"
+        # the llama-cli format: a plan for llama-server (its logits rows), which loads it below
+        rpcfleet("plan", "-i", str(inventory), "-m", str(model), "--ctx", str(CTX), "--flash-attn", "off",
+                 "--format", "llama-cli", "-o", str(plan_path))  # fmt: skip
+        plan = Plan.from_path(plan_path)
+        planned = plan.devices[0].memory
+        args = [*llama_cli_args(plan, model), "-b", str(plan.options.n_batch)]
+        endpoint = f"127.0.0.1:{port}"
+        by_hand = ["-m", str(model), "--rpc", endpoint, "-ngl", "99", "-c", str(CTX), "-b", str(BATCH),
+                   "-ub", str(BATCH), "-fa", "off", "-np", "1"]  # fmt: skip
+        log = next(node.joinpath("log").glob("*.log"))
+        rates: dict[str, list[float]] = {"plan": [], "hand": []}
+        allocated: dict[int, list[int]] = {}
+        used_delta: int | None = None
+        for _ in range(rounds):
+            for which, argv in (("plan", args), ("hand", by_hand)):
+                # a fresh server for each load: its memory before is its context alone, and llvmpipe's
+                # Vulkan server can corrupt its heap on a second client's graphs (docs/gpu.md)
+                rpcfleet("restart", "-i", str(inventory))
+                wait_listening(port, limit=60)
+                before = memory_used(gpu is not None)
+                offset = log.stat().st_size
+                say(f"llama-server ({which})")
+                server = LlamaServer(argv)
+                say("loaded")
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                        if reply.status == 200:
-                            break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(
-                        f"llama-server did not start: {log.read()[-2000:].decode(errors='replace')}"
-                    )
-                time.sleep(0.5)
-            body = {"prompt": PROMPT, "n_predict": tokens, "temperature": 0, "top_k": 1, "ignore_eos": True}
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/completion",
-                json.dumps(body).encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(request, timeout=600) as reply:
-                timings = json.loads(reply.read())["timings"]
-            return float(timings["predicted_per_second"])
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+                    after = memory_used(gpu is not None)
+                    if which == "plan" and not allocated:
+                        text = log.read_bytes()[offset:].decode(errors="replace")
+                        allocated = model_allocations(parse_server_log(text))
+                        if before is not None and after is not None:
+                            used_delta = after - before
+                    rate, said = serve_completion(server.port, tokens)
+                    say(f"generated: {rate:.1f} tokens/s")
+                    rates[which].append(rate)
+                    result.text = result.text or said
+                finally:
+                    server.close()
+    finally:
+        subprocess.run([sys.executable, "-m", "orchestrator", "stop", "-i", str(inventory)], cwd=ROOT,
+                       check=False, capture_output=True)  # fmt: skip
+    weights, *kv, compute = allocated.get(0, [0, 0])
+    compute_error = (planned.compute - compute) / compute if compute else float("nan")
+    rows = result.lines
+    probed = f"{device['free'] / MiB:,.0f} MiB (probe, rule {device['memory_rule']})"
+    if smi is not None:
+        near = abs(device["free"] - smi.free) <= 64 * MiB
+        verdict = f"{'within' if near else 'outside'} 64 MiB"
+        rows.append(row("free memory", probed, f"{smi.free / MiB:,.0f} MiB (nvidia-smi)", verdict))
+    else:
+        rows.append(row("free memory", probed, "no nvidia-smi", "not compared"))
+    kv_allocated = sum(kv)
+    rows += [
+        row("weights", f"{planned.weights:,} B (plan)", f"{weights:,} B (allocated)",
+            "exact" if planned.weights == weights else "differs"),
+        row("KV", f"{planned.kv:,} B (plan)", f"{kv_allocated:,} B (allocated)",
+            "exact" if planned.kv == kv_allocated else "differs"),
+        row("compute", f"{planned.compute:,} B (plan)", f"{compute:,} B (allocated)",
+            f"{compute_error:+.1%}, "
+            + ("within 10%, not under" if 0 <= compute_error <= 0.10 else "outside the target")),
+    ]  # fmt: skip
+    total = planned.weights + planned.kv + planned.compute
+    what = "plan"
+    if backend == "cuda":
+        major = int(smi.compute_cap.split(".")[0]) if smi is not None else 9
+        total += cuda_runtime_bytes(profile_model(model), plan.options, major)
+        what = "plan + CUDA runtime"
+    predicted = f"{total / MiB:,.0f} MiB ({what})"
+    if used_delta is not None:
+        error = (used_delta - total) / total
+        measured = f"{used_delta / MiB:,.0f} MiB (nvidia-smi, after less before)"
+        verdict = f"{error:+.1%}, {'within 5%' if abs(error) <= 0.05 else 'outside 5%'}"
+        rows.append(row("memory.used by the load", predicted, measured, verdict))
+    else:
+        rows.append(row("memory.used by the load", predicted, "no nvidia-smi", "not compared"))
+    plan_rate, hand_rate = statistics.median(rates["plan"]), statistics.median(rates["hand"])
+    spread = f" ({min(rates['plan']):.1f}..{max(rates['plan']):.1f})" if rounds > 1 else ""
+    ours = f"{plan_rate:.1f} tokens/s{spread} (llama-server, the plan's arguments)"
+    reference = f"{hand_rate:.1f} tokens/s (llama-server by hand)"
+    rows.append(row("decode", ours, reference, f"{plan_rate / hand_rate:.2f}x"))
+    return result
+
+
+def row(what: str, ours: str, reference: str, verdict: str) -> str:
+    return f"| {what} | {ours} | {reference} | {verdict} |"
+
+
+def read_kit(folder: Path) -> dict[str, object]:
+    try:
+        info = json.loads((folder / "kit.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise Refused(
+            f"--kit {folder}: no readable kit.json ({exc.__class__.__name__}); make it with bench/gpu_kit.py"
+        ) from None
+    return dict(info)
 
 
 def main() -> int:
@@ -139,11 +337,34 @@ def main() -> int:
     # the CUDA build would hold the wait to its bound; the block says the load it measured under
     parser = arg_parser(__doc__, quiet_wait=0)
     parser.add_argument(
+        "--kit", type=Path, default=None, help="take the artifacts from this kit (bench/gpu_kit.py)"
+    )
+    parser.add_argument(
+        "--backends", default="cuda,vulkan", help="what to check, in order (default cuda,vulkan)"
+    )
+    parser.add_argument(
+        "--cuda-libs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the machine's cuBLAS, for the cuda server's LD_LIBRARY_PATH (the kit's run.sh finds it)",
+    )
+    parser.add_argument(
+        "--vk-icd",
+        default=None,
+        metavar="JSON",
+        help="the Vulkan ICD for VK_DRIVER_FILES (default: NVIDIA's, where it is installed)",
+    )
+    parser.add_argument(
         "--cuda-arch", default=None, metavar="ARCH", help="build for this (default: the GPU's)"
     )
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per run (default 64)")
+    parser.add_argument("--rounds", type=int, default=2, help="plan and by-hand loads alternated (default 2)")
     parser.add_argument(
-        "--model", type=Path, default=None, help="GGUF model (default: the cached Gemma 3 270M)"
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF model (default: a dense llama of 3.6 GB made on the machine)",
     )
     parser.add_argument("--nvidia-smi", default=None, help=argparse_suppress())
     args = parser.parse_args()
@@ -152,6 +373,12 @@ def main() -> int:
     try:
         if args.tokens < 1:
             raise Refused("--tokens must be at least 1")
+        if args.rounds < 1:
+            raise Refused("--rounds must be at least 1")
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        unknown = [b for b in backends if b not in ("cuda", "vulkan")]
+        if unknown or not backends:
+            raise Refused(f"--backends {args.backends}: cuda and vulkan only")
         if args.cuda_arch is not None:
             try:
                 check_cuda_architectures(args.cuda_arch)
@@ -159,91 +386,91 @@ def main() -> int:
                 raise Refused(f"--cuda-arch: {exc}") from None
         if args.model is not None and not args.model.is_file():
             raise Refused(f"--model {args.model}: no such file")
-        gpus = read_gpus(args.nvidia_smi)
+        kit_info = read_kit(args.kit) if args.kit is not None else None
+        gpus = read_gpus(args.nvidia_smi) if "cuda" in backends or shutil.which("nvidia-smi") else []
     except Refused as why:
         print(f"bench/gpu.py: {why}", file=sys.stderr)
         return 2
-    return run_check(gpus[0], args.cuda_arch or gpus[0].arch, args.tokens, args.model, args.write)
+    gpu = gpus[0] if gpus else None
+    artifacts: dict[str, str] = {}
+    build_s = 0.0
+    if kit_info is not None:
+        artifacts = {b: str(kit_info[b]) for b in ("cuda", "vulkan")}
+    else:
+        from orchestrator.artifacts.build import default_artifact
+
+        started = time.monotonic()
+        if "cuda" in backends and gpu is not None:
+            arch = args.cuda_arch or gpu.arch
+            built = rpcfleet("artifact", "build", "--backend", "cuda", "--cuda-arch", arch, "--json").stdout
+            artifacts["cuda"] = json.loads(built)["id"]
+        if "vulkan" in backends:
+            artifacts["vulkan"] = default_artifact("vulkan").id
+        build_s = time.monotonic() - started
+    icd = args.vk_icd or next((p for p in NVIDIA_ICDS if Path(p).is_file()), None)
+    kit = Kit(artifacts, args.cuda_libs, icd)
+    return run_check(kit, backends, gpu, args, build_s)
 
 
 def argparse_suppress() -> str:
-    import argparse
-
     return argparse.SUPPRESS  # a test's stand-in for nvidia-smi
 
 
-def run_check(gpu: Gpu, arch: str, tokens: int, model: Path | None, write: Path | None) -> int:
-    from orchestrator.llama.logs import model_allocations, parse_server_log
-    from orchestrator.models.catalogue import CATALOGUE, cached_path
-
+def run_check(
+    kit: Kit, backends: list[str], gpu: Gpu | None, args: argparse.Namespace, build_s: float
+) -> int:
     load = load_average()
-    model = model or cached_path(CATALOGUE["gemma3-270m"])
     started = time.monotonic()
-    built = json.loads(
-        rpcfleet("artifact", "build", "--backend", "cuda", "--cuda-arch", arch, "--json").stdout
+    results: list[Result] = []
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="rpcfleet-gpu-") as folder:
+        tmp = Path(folder)
+        tmp.chmod(0o755)  # the server runs as rpcfleet's service user, who must reach its install_dir
+        model = make_model(tmp, args.model)
+        made_s = time.monotonic() - started
+        for backend in backends:
+            try:
+                results.append(check_backend(backend, kit, model, gpu, args.tokens,
+                                             args.rounds, tmp))  # fmt: skip
+            except Exception as exc:  # a short lease: the next backend still runs, this one is reported
+                said = str(exc).strip().splitlines()
+                failures.append(f"{backend}: {said[-1] if said else exc.__class__.__name__}")
+                say(f"{backend} failed: {str(exc)[-3000:]}")
+        size = model.stat().st_size
+    where = (
+        f"GPU: {gpu.name} (compute capability {gpu.compute_cap}, {gpu.total / MiB:,.0f} MiB)"
+        if gpu
+        else "no NVIDIA GPU"
     )
-    build_s = time.monotonic() - started
-    with tempfile.TemporaryDirectory(prefix="rpcfleet-gpu-") as tmp:
-        port = free_port()
-        inventory = Path(tmp) / "gpu.yml"
-        inventory.write_text(
-            "hosts:\n  gpu:\n"
-            f"    connection: local\n    address: 127.0.0.1\n    rpc_port: {port}\n    rpc_backend: cuda\n"
-            f"    rpc_devices: [CUDA0]\n    rpc_artifact: {built['id']}\n    rpc_debug: true\n"
-            f"    supervisor: process\n    install_dir: {tmp}/node\n"
-        )
-        try:
-            rpcfleet("deploy", "-i", str(inventory))
-            wait_listening(port)
-            smi_free = read_gpus()[0].free
-            probe = json.loads(rpcfleet("probe", "-i", str(inventory), "--json").stdout)
-            device = probe["nodes"][0]["devices"][0]
-            log = next(Path(tmp, "node", "log").glob("*.log"))
-            offset = log.stat().st_size
-            run = json.loads(
-                rpcfleet(
-                    "run", "-i", str(inventory), "-m", str(model), "-p", PROMPT, "-n", str(tokens),
-                    "--ctx", str(CTX), "--flash-attn", "off", "--temp", "0", "--json",
-                ).stdout
-            )  # fmt: skip
-            allocated = model_allocations(
-                parse_server_log(log.read_bytes()[offset:].decode(errors="replace"))
-            )
-            by_hand = llama_server_by_hand(f"127.0.0.1:{port}", model, tokens)
-        finally:
-            subprocess.run(
-                [sys.executable, "-m", "orchestrator", "stop", "-i", str(inventory)], cwd=ROOT, check=False
-            )
-    placed = run["placement"]["devices"][0]["predicted"]
-    weights, *kv, compute = allocated.get(0, [0, 0])
-    compute_error = (placed["compute"] - compute) / compute if compute else float("nan")
     lines = [
         "## gpu",
         "",
-        f"{stamp()}, load {load:.1f}; GPU: {gpu.name} (compute capability {gpu.compute_cap}), "
-        f"artifact `{built['id']}` for sm_{arch} (build or cache: {build_s:.0f} s)",
-        "",
-        "| what | rpcfleet | reference | verdict |",
-        "|---|---:|---:|---|",
-        f"| free VRAM | {device['free'] / MiB:,.0f} MiB (probe, rule {device['memory_rule']}) | "
-        f"{smi_free / MiB:,.0f} MiB (nvidia-smi) | "
-        f"{'agrees' if abs(device['free'] - smi_free) <= 0.02 * gpu.total else 'differs'} (2% of total) |",
-        f"| weights | {placed['weights']:,} B (plan) | {weights:,} B (allocated) | "
-        f"{'exact' if placed['weights'] == weights else 'differs'} |",
-        f"| KV | {placed['kv']:,} B (plan) | {sum(kv):,} B (allocated) | "
-        f"{'exact' if placed['kv'] == sum(kv) else 'differs'} |",
-        f"| compute | {placed['compute']:,} B (plan) | {compute:,} B (allocated) | {compute_error:+.1%}, "
-        f"{'within 10%, not under' if 0 <= compute_error <= 0.10 else 'outside the target'} |",
-        f"| decode | {run['tokens_per_second']:.1f} tokens/s (rpcfleet run) | {by_hand:.1f} tokens/s "
-        f"(llama-server by hand) | {run['tokens_per_second'] / by_hand:.2f}x |",
-        "",
-        f"Text: {run['text'][:80]!r}",
+        f"{stamp()}, load {load:.1f}; {where}; driver {nvidia_driver() or 'none'}; model "
+        f"{args.model or 'synth (dense llama, f16)'} ({size / 1e9:.2f} GB, made in {made_s:.0f} s); "
+        f"artifacts {', '.join(f'{b} `{a}`' for b, a in kit.artifacts.items() if b in backends)}"
+        + (f" (build or cache {build_s:.0f} s)" if build_s else " (from the kit)")
+        + f"; whole check {time.monotonic() - started:.0f} s",
     ]
+    header = ["| what | rpcfleet | reference | verdict |", "|---|---:|---:|---|"]
+    for result in results:
+        lines += ["", f"**{result.backend}** ({result.device}):", "", *header, *result.lines]
+    for failure in failures:
+        lines += ["", f"**{failure}**"]
     body = "\n".join(lines)
     print(body)
+    write = args.write
     if write is not None:
         write_section(write, "gpu", body)
-    return 0
+    return 1 if failures else 0
+
+
+def nvidia_driver() -> str | None:
+    try:
+        line = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)*)", line)
+    return found.group(1) if found else line.strip()
 
 
 if __name__ == "__main__":
