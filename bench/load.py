@@ -26,8 +26,9 @@ sends the same bytes from the controller to a sink in each node's namespace, one
 warm). `--controller-rate` shapes the lab bridge's side too (the controller's own link, which every
 node's bytes cross); the limit that applies is then the slower of the links and that one.
 Loads 1-4 are timed as `run` times its load phase: the worker was spawned before (its imports overlap with
-the probe and the plan). Also: the native FNV-1a rate (the client hashes every big tensor on every load,
-hit or miss), the GGUF read rate from the page cache, and the achieved link rate (bytes of the no-cache
+the probe and the plan). Also: the native FNV-1a rate (what hashing every big tensor would cost a load;
+the client takes their hashes from the model's hash manifest), the GGUF read rate from the page cache, and
+the achieved link rate (bytes of the no-cache
 load / its time).
 
     .venv/bin/python bench/load.py --manifest [--rounds N] [--size 1.8gb|4gb] [--write]
@@ -1020,8 +1021,9 @@ def main() -> int:
         f"remembered under $RPCFLEET_HOME/hashes), upload {warm_s:.2f} s for all nodes in parallel; per node "
         f"{per_node_text}; the largest node ({largest}) warmed alone {alone_s:.2f} s (target: all nodes in "
         f"parallel about the largest alone, within 1.2x: {verdict(warm_s <= 1.2 * alone_s)}).",
-        f"- Where time goes: native FNV-1a here {hash_rate / 1e6:.0f} MB/s; the client hashes every tensor "
-        f"over 10 MiB on every load, hit or miss ({big / hash_rate:.2f} s of each load at that rate). GGUF "
+        f"- Where time goes: native FNV-1a here {hash_rate / 1e6:.0f} MB/s; the client takes each tensor's "
+        f"hash over 10 MiB from the model's hash manifest, written once per model file (docs/caches.md), "
+        f"and hashes only one it lacks: hashing them all would take {big / hash_rate:.2f} s a load. GGUF "
         f"read from the page cache {read_rate / 1e6:.0f} MB/s ({model.stat().st_size / read_rate:.2f} s). "
         "The rest of a warm load is the servers reading their cache files and copying them into their "
         "buffers, plus the worker's start and context set-up; of a cold one, the wire and the servers "
@@ -1032,9 +1034,10 @@ def main() -> int:
         f"beside the warm {best[True]['cpu']:.1f}: on {cores} cores at least "
         f"{best[True]['cpu'] / cores:.2f} s, {best[True]['cpu'] / cores / wire_parallel:.2f}x the "
         f"{len(per_node)}-link limit.",
-        "- What limits it on 2 cores: llama.cpp's load is sequential: per tensor the client hashes (one "
-        "core), asks the server, sends, and the server (on a miss with -c) hashes and writes its file before "
-        "it answers the next request, so a cold load adds both hashes and the write to the wire time; the "
+        "- What limits it on 2 cores: llama.cpp's load is sequential: per tensor the client takes its hash "
+        "(from the manifest, else hashing it on one core), asks the server, sends, and the server (on a miss "
+        "with -c) hashes and writes its file before it answers the next request, so a cold load adds the "
+        "server's hash and the write to the wire time; the "
         "three servers, the tbf shapers, the worker and sshd share the 2 cores. Warming streams each node's "
         "files in one stream of its own (a plain TCP link the node opens back with a one-time token for "
         "`rpc_transport: tcp` nodes, an OpenSSH session for `ssh` ones), so the three links fill at once, "
