@@ -76,3 +76,30 @@ def test_ping_knows_the_release_a_default_cuda_build_needs(
     assert (driver_too_old(release, runtime.nvidia_driver) is not None) is refused
     assert known_cuda_release("rpc-server-7.0.0-cuda-linux-x86_64-0123abcd") is None
     assert known_cuda_release(str(tmp_path / "spec.yml")) is None
+
+
+async def test_deploy_refuses_an_old_driver_before_it_builds_the_artifact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cuda host with a 550 driver and no cuda artifact cached: deploy refuses it, naming the driver,
+    before asking for the artifact (whose default is a half-hour build): the chooser is never called."""
+    from orchestrator.core.errors import NodeMismatchError
+    from orchestrator.inventory.model import Host
+    from orchestrator.operations.install.ensure import ensure_installed
+    from orchestrator.operations.install.plan import InstallState
+
+    monkeypatch.setenv("RPCFLEET_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    old = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024"
+    state = InstallState("gpu", "/opt/rpcfleet", "linux", "x86_64", None, (), (), None, None,
+                         gpu_runtime=GpuRuntime(nvidia_device_nodes=1, nvidia_driver=old))  # fmt: skip
+    asked: list[str] = []
+
+    async def choose(host: Host, _state: InstallState) -> object:
+        asked.append(host.name)
+        raise AssertionError("the artifact was asked for")
+
+    host = Host(name="gpu", address="10.0.0.1", rpc_backend="cuda")
+    with pytest.raises(NodeMismatchError, match=r"the NVIDIA driver 550\.54\.14 is too old for a CUDA 13\.5"):
+        await ensure_installed(None, host, choose, state=state)  # type: ignore[arg-type]
+    assert asked == []

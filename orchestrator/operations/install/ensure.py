@@ -9,7 +9,7 @@ from pathlib import Path
 from orchestrator.artifacts.cuda import driver_too_old
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.artifacts.node_build import NodeBuild, node_build
-from orchestrator.artifacts.spec import read_artifact_spec, resolve_artifact
+from orchestrator.artifacts.spec import known_cuda_release, read_artifact_spec, resolve_artifact
 from orchestrator.artifacts.store import verify_artifact
 from orchestrator.connectors.base import Connection, Progress
 from orchestrator.connectors.nodescript import Planned, would_run
@@ -17,6 +17,7 @@ from orchestrator.core.errors import ArtifactError, InstallError, NodeMismatchEr
 from orchestrator.core.log import get_logger
 from orchestrator.engine.executor import HostContext, Step, StepOutcome
 from orchestrator.engine.shared import Shared
+from orchestrator.facts.gpus import GpuRuntime
 from orchestrator.inventory.model import Host
 from orchestrator.operations.install.apply import apply_install, planned_install
 from orchestrator.operations.install.plan import (
@@ -108,6 +109,20 @@ def server_backend(host: Host, state: InstallState) -> str:
     return backend
 
 
+def _decided_backend(host: Host, runtime: GpuRuntime) -> str | None:
+    try:
+        return runtime.backend_for(host.rpc_backend)[0]
+    except ValueError:  # `auto` on facts that could not be read: refused where the backend is decided
+        return None
+
+
+def _refuse_old_driver(host: Host, what: str, cuda_version: str | None, runtime: GpuRuntime) -> None:
+    old = driver_too_old(cuda_version, runtime.nvidia_driver)
+    if old is not None:
+        fix = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
+        raise NodeMismatchError(f"{what}: {old}", host.location, hint=fix).with_host(host.name)
+
+
 ProgressFactory = Callable[[Host, InstallChange], Progress | None]
 
 
@@ -128,14 +143,13 @@ async def ensure_installed(
     """Read, plan, and (unless `check`) apply: the artifact for `host` becomes current (built on the
     node first for a `build: on_node` spec; the returned change then carries the built manifest)."""
     state = state or await read_install_state(conn, host)
+    runtime = state.gpu_runtime
+    if runtime is not None and _decided_backend(host, runtime) == "cuda":
+        # before choosing: the default cuda artifact may be built first (half an hour on 2 cores)
+        _refuse_old_driver(host, "the cuda artifact", known_cuda_release(host.rpc_artifact), runtime)
     source = await choose(host, state)
-    if isinstance(source, Artifact) and source.manifest.backend == "cuda" and state.gpu_runtime is not None:
-        old = driver_too_old(source.manifest.cuda_version, state.gpu_runtime.nvidia_driver)
-        if old is not None:
-            fix = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
-            raise NodeMismatchError(f"artifact {source.id}: {old}", host.location, hint=fix).with_host(
-                host.name
-            )
+    if isinstance(source, Artifact) and source.manifest.backend == "cuda" and runtime is not None:
+        _refuse_old_driver(host, f"artifact {source.id}", source.manifest.cuda_version, runtime)
     if isinstance(source, NodeBuild):
         change = plan_node_build(state, source, keep_versions=host.keep_versions, force=force)
         if change.action == "install" and not check:
