@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -118,9 +119,12 @@ def rpcfleet(*argv: str, timeout: float = 3600) -> subprocess.CompletedProcess[s
 # 32000-token vocabulary, f16: 3.6 GB of weights, most of them in 2-D matrices cuBLAS multiplies.
 GPU_MODEL = ("--layers", "16", "--embd", "3072", "--heads", "24", "--kv-heads", "8", "--ff", "8192",
              "--vocab", "32000", "--type", "f16")  # fmt: skip
-# Where NVIDIA's Vulkan ICD is (the driver's packages, or the container toolkit's mounts).
-NVIDIA_ICDS = ("/usr/share/vulkan/icd.d/nvidia_icd.json", "/etc/vulkan/icd.d/nvidia_icd.json",
-               "/usr/share/vulkan/icd.d/nvidia_icd.x86_64.json")  # fmt: skip
+# Where NVIDIA's Vulkan ICD is: the lent machines' driver mount first, then the driver's packages.
+NVIDIA_ICDS = (
+    "/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json",
+    "/usr/share/vulkan/icd.d/nvidia_icd.json",
+    "/etc/vulkan/icd.d/nvidia_icd.json",
+)
 
 
 @dataclass
@@ -130,6 +134,8 @@ class Kit:
     artifacts: dict[str, str]
     cuda_libs: Path | None = None
     vk_icd: str | None = None
+    needs_cuda_libs: bool = False  # the kit's cuda artifact leaves cuBLAS to the machine
+    commit: str | None = None  # the kit's (a machine without .git cannot say its own)
 
 
 @dataclass
@@ -202,8 +208,21 @@ def make_model(folder: Path, model: Path | None) -> Path:
     return path
 
 
+def split_allocations(sizes: list[int], weights: int) -> tuple[int, list[int], int]:
+    """(weights, KV buffers, compute) from a load's allocations in order: the weights come in as many
+    buffers as the device's largest buffer needs (1 GiB on ggml-vulkan: a 3.6 GB model in 4 or more),
+    the leading ones up to the plan's weights; the compute buffer is the last."""
+    if len(sizes) < 2:
+        return 0, [], 0
+    total, count = 0, 0
+    while count < len(sizes) - 1 and total < weights:
+        total += sizes[count]
+        count += 1
+    return total, sizes[count:-1], sizes[-1]
+
+
 def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: int, rounds: int,
-                  tmp: Path) -> Result:  # fmt: skip
+                  tmp: Path, logs: Path | None = None) -> Result:  # fmt: skip
     from orchestrator.llama.logs import model_allocations, parse_server_log
     from orchestrator.planning.formats import llama_cli_args
     from orchestrator.planning.memory import cuda_runtime_bytes
@@ -216,6 +235,10 @@ def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: 
     env: dict[str, str] = {}
     if backend == "cuda" and kit.cuda_libs is not None:
         env["LD_LIBRARY_PATH"] = str(kit.cuda_libs)
+    elif backend == "cuda" and kit.needs_cuda_libs:
+        raise RuntimeError(
+            "no cuBLAS on this machine (nvidia/cu13/lib): the kit's cuda artifact carries none"
+        )
     if backend == "vulkan":
         env["GGML_VK_VISIBLE_DEVICES"] = "0"  # ggml-vulkan skips a CPU device (llvmpipe) unless named
         if kit.vk_icd:
@@ -227,6 +250,8 @@ def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: 
         f"    connection: local\n    address: 127.0.0.1\n    rpc_port: {port}\n    rpc_backend: {backend}\n"
         f"    rpc_devices: [{device_name}]\n    rpc_artifact: {kit.artifacts[backend]}\n    rpc_debug: true\n"
         f"    rpc_env: {json.dumps(env)}\n    supervisor: process\n    install_dir: {node}\n"
+        # root, as the check runs: the server reaches the machine's cuBLAS wherever its Python keeps it
+        "    rpc_run_as: root\n"
     )
     try:
         rpcfleet("deploy", "-i", str(inventory))
@@ -237,14 +262,15 @@ def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: 
         result.device = str(device.get("description") or device.get("name"))
         plan_path = tmp / f"plan-{backend}.json"
         # the llama-cli format: a plan for llama-server (its logits rows), which loads it below
-        rpcfleet("plan", "-i", str(inventory), "-m", str(model), "--ctx", str(CTX), "--flash-attn", "off",
+        rpcfleet("plan", "-i", str(inventory), "-m", str(model), "--ctx", str(CTX), "--flash-attn", "on",
                  "--format", "llama-cli", "-o", str(plan_path))  # fmt: skip
         plan = Plan.from_path(plan_path)
         planned = plan.devices[0].memory
         args = [*llama_cli_args(plan, model), "-b", str(plan.options.n_batch)]
         endpoint = f"127.0.0.1:{port}"
+        # what a user types: every layer on the server, the same context, batch, flash attention, slots
         by_hand = ["-m", str(model), "--rpc", endpoint, "-ngl", "99", "-c", str(CTX), "-b", str(BATCH),
-                   "-ub", str(BATCH), "-fa", "off", "-np", "1"]  # fmt: skip
+                   "-ub", str(BATCH), "-fa", "on", "-np", str(plan.options.parallel)]  # fmt: skip
         log = next(node.joinpath("log").glob("*.log"))
         rates: dict[str, list[float]] = {"plan": [], "hand": []}
         allocated: dict[int, list[int]] = {}
@@ -276,7 +302,11 @@ def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: 
     finally:
         subprocess.run([sys.executable, "-m", "orchestrator", "stop", "-i", str(inventory)], cwd=ROOT,
                        check=False, capture_output=True)  # fmt: skip
-    weights, *kv, compute = allocated.get(0, [0, 0])
+        if logs is not None:  # what the servers said comes back even when the check did not finish
+            logs.mkdir(parents=True, exist_ok=True)
+            for found in node.glob("log/*.log"):
+                shutil.copy(found, logs / f"{backend}-{found.name}")
+    weights, kv, compute = split_allocations(allocated.get(0, []), planned.weights)
     compute_error = (planned.compute - compute) / compute if compute else float("nan")
     rows = result.lines
     probed = f"{device['free'] / MiB:,.0f} MiB (probe, rule {device['memory_rule']})"
@@ -366,6 +396,13 @@ def main() -> int:
         default=None,
         help="GGUF model (default: a dense llama of 3.6 GB made on the machine)",
     )
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy the servers' logs here (run.sh: $OUT/logs)",
+    )
     parser.add_argument("--nvidia-smi", default=None, help=argparse_suppress())
     args = parser.parse_args()
     from orchestrator.artifacts.cuda import check_cuda_architectures
@@ -396,9 +433,11 @@ def main() -> int:
     build_s = 0.0
     if kit_info is not None:
         artifacts = {b: str(kit_info[b]) for b in ("cuda", "vulkan")}
+        needs_cuda_libs, kit_commit = bool(kit_info.get("left_to_the_machine")), str(kit_info.get("commit"))
     else:
         from orchestrator.artifacts.build import default_artifact
 
+        needs_cuda_libs, kit_commit = False, None
         started = time.monotonic()
         if "cuda" in backends and gpu is not None:
             arch = args.cuda_arch or gpu.arch
@@ -407,8 +446,12 @@ def main() -> int:
         if "vulkan" in backends:
             artifacts["vulkan"] = default_artifact("vulkan").id
         build_s = time.monotonic() - started
-    icd = args.vk_icd or next((p for p in NVIDIA_ICDS if Path(p).is_file()), None)
-    kit = Kit(artifacts, args.cuda_libs, icd)
+    icd = (
+        args.vk_icd
+        or os.environ.get("VK_DRIVER_FILES")
+        or next((p for p in NVIDIA_ICDS if Path(p).is_file()), None)
+    )
+    kit = Kit(artifacts, args.cuda_libs, icd, needs_cuda_libs, kit_commit)
     return run_check(kit, backends, gpu, args, build_s)
 
 
@@ -423,20 +466,39 @@ def run_check(
     started = time.monotonic()
     results: list[Result] = []
     failures: list[str] = []
+    made = ""
     with tempfile.TemporaryDirectory(prefix="rpcfleet-gpu-") as folder:
         tmp = Path(folder)
-        tmp.chmod(0o755)  # the server runs as rpcfleet's service user, who must reach its install_dir
-        model = make_model(tmp, args.model)
-        made_s = time.monotonic() - started
+        tmp.chmod(0o755)  # the node's install_dir is in there
+        try:
+            model = make_model(tmp, args.model)
+            made = f"{model.stat().st_size / 1e9:.2f} GB, made in {time.monotonic() - started:.0f} s"
+        except Exception as exc:  # reported in the section, as a backend's failure is
+            failures.append(f"the model: {last_line(exc)}")
+            backends = []
         for backend in backends:
             try:
                 results.append(check_backend(backend, kit, model, gpu, args.tokens,
-                                             args.rounds, tmp))  # fmt: skip
+                                             args.rounds, tmp, args.logs))  # fmt: skip
             except Exception as exc:  # a short lease: the next backend still runs, this one is reported
-                said = str(exc).strip().splitlines()
-                failures.append(f"{backend}: {said[-1] if said else exc.__class__.__name__}")
+                failures.append(f"{backend}: {last_line(exc)}")
                 say(f"{backend} failed: {str(exc)[-3000:]}")
-        size = model.stat().st_size
+            # written after each backend: a lease cut short still brings back what finished
+            report(kit, backends, gpu, args, build_s, load, started, made, results, failures)
+        if not backends:
+            report(kit, backends, gpu, args, build_s, load, started, made, results, failures)
+    return 1 if failures else 0
+
+
+def last_line(exc: BaseException) -> str:
+    said = str(exc).strip().splitlines()
+    return said[-1] if said else exc.__class__.__name__
+
+
+def report(
+    kit: Kit, backends: list[str], gpu: Gpu | None, args: argparse.Namespace, build_s: float,
+    load: float, started: float, made: str, results: list[Result], failures: list[str],
+) -> None:  # fmt: skip
     where = (
         f"GPU: {gpu.name} (compute capability {gpu.compute_cap}, {gpu.total / MiB:,.0f} MiB)"
         if gpu
@@ -445,11 +507,11 @@ def run_check(
     lines = [
         "## gpu",
         "",
-        f"{stamp()}, load {load:.1f}; {where}; driver {nvidia_driver() or 'none'}; model "
-        f"{args.model or 'synth (dense llama, f16)'} ({size / 1e9:.2f} GB, made in {made_s:.0f} s); "
+        f"{stamp()}{f' (the kit: {kit.commit})' if kit.commit else ''}, load {load:.1f}; {where}; "
+        f"driver {nvidia_driver() or 'none'}; model {args.model or 'synth (dense llama, f16)'} ({made}); "
         f"artifacts {', '.join(f'{b} `{a}`' for b, a in kit.artifacts.items() if b in backends)}"
         + (f" (build or cache {build_s:.0f} s)" if build_s else " (from the kit)")
-        + f"; whole check {time.monotonic() - started:.0f} s",
+        + f"; {time.monotonic() - started:.0f} s so far",
     ]
     header = ["| what | rpcfleet | reference | verdict |", "|---|---:|---:|---|"]
     for result in results:
@@ -457,14 +519,18 @@ def run_check(
     for failure in failures:
         lines += ["", f"**{failure}**"]
     body = "\n".join(lines)
-    print(body)
-    write = args.write
-    if write is not None:
-        write_section(write, "gpu", body)
-    return 1 if failures else 0
+    print(body, flush=True)
+    if args.write is not None:
+        write_section(args.write, "gpu", body)
 
 
 def nvidia_driver() -> str | None:
+    """The driver's version: nvidia-smi's, else /proc's (a sandboxed runtime may have either)."""
+    if shutil.which("nvidia-smi"):
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.split()[0]
     try:
         line = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
     except (OSError, IndexError):

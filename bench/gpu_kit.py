@@ -11,7 +11,8 @@ The kit (a folder at the repository's root, ignored by git, carried to the machi
   through `rpc_env` LD_LIBRARY_PATH; its libcudart (under 1 MB) stays in; and the vulkan artifact;
 - `engine.tar.gz`: llama-server and llama-fit-params (CPU, this source's): the check loads through them;
 - `wheels/`: cp312 wheels (the lock's versions) of what the machine's Python lacks;
-- `debs/`: Debian's Vulkan loader and vulkan-tools, unpacked there when the loader is absent;
+- `debs/`: Debian's Vulkan loader with glvnd (`root/`, unpacked over / when the machine has no loader) and
+  vulkaninfo with its libraries (`aside/`, unpacked into the cache folder when vulkaninfo is absent);
 - `run.sh`: the one command (bench/gpu_kit_run.sh), and `kit.json`: what is in it, with sizes.
 
 With --image-libs DIR (a folder holding an older libcublas.so.13 and libcublasLt.so.13, such as NVIDIA's
@@ -43,7 +44,14 @@ KIT_PACKAGES = (
     "asyncssh", "cryptography", "cffi", "pycparser", "typing-extensions", "structlog", "tenacity", "gguf",
     "tqdm",
 )  # fmt: skip
-KIT_DEBS = ("libvulkan1", "vulkan-tools")
+# Debian's Vulkan loader and what NVIDIA's ICD needs of glvnd, unpacked over / (as the lent machines'
+# notes say), and vulkaninfo with its X11/Wayland libraries, unpacked aside (they could break /): the
+# node facts ask vulkaninfo which Vulkan devices there are.
+KIT_DEBS = {
+    "root": ("libvulkan1", "libegl1", "libglvnd0", "libopengl0", "libgl1", "libglx0", "libgles2"),
+    "aside": ("vulkan-tools", "libwayland-client0", "libx11-6", "libxcb1", "libxau6", "libxdmcp6",
+              "libbsd0", "libmd0", "libffi8"),
+}  # fmt: skip
 # cuBLAS is left to the machine; libcudart stays (small, and the binaries' own release).
 MACHINE_LIBS = ("libcublas.so.13", "libcublasLt.so.13")
 PYTHON = "3.12"
@@ -153,8 +161,10 @@ def download_wheels(folder: Path) -> None:
 
 
 def download_debs(folder: Path) -> None:
-    folder.mkdir(parents=True)
-    run(["apt-get", "download", *KIT_DEBS], "apt-get download of the Vulkan loader", cwd=folder, timeout=300)
+    for where, packages in KIT_DEBS.items():
+        (folder / where).mkdir(parents=True)
+        run(["apt-get", "download", *packages], "apt-get download of the Vulkan loader", cwd=folder / where,
+            timeout=300)  # fmt: skip
 
 
 def pack_engine(dest: Path) -> str:

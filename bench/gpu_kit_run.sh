@@ -22,11 +22,24 @@ if ! "$python" -c "$deps" 2>/dev/null; then
     export PYTHONPATH=$home/site${PYTHONPATH:+:$PYTHONPATH}
     "$python" -c "$deps"
 fi
-if ! ldconfig -p | grep -q 'libvulkan\.so\.1 '; then
-    for deb in "$kit"/debs/*.deb; do dpkg-deb -x "$deb" /; done
+if ! ldconfig -p | grep 'libvulkan\.so\.1 ' >/dev/null; then   # grep reads it all: no SIGPIPE
+    for deb in "$kit"/debs/root/*.deb; do dpkg-deb -x "$deb" /; done
     ldconfig
 fi
-cp -n "$kit"/artifacts/* "$home/artifacts/"
+if ! command -v vulkaninfo >/dev/null; then   # the node facts list Vulkan devices with it
+    mkdir -p "$home/vulkan-tools"
+    for deb in "$kit"/debs/aside/*.deb; do dpkg-deb -x "$deb" "$home/vulkan-tools"; done
+    mkdir -p "$home/bin"
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$home/vulkan-tools/usr/lib/x86_64-linux-gnu" \
+        "$home/vulkan-tools/usr/bin/vulkaninfo" >"$home/bin/vulkaninfo"
+    chmod +x "$home/bin/vulkaninfo"
+    export PATH=$home/bin:$PATH
+fi
+icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json   # where the lent machines mount the driver's
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$icd" ]; then
+    export VK_DRIVER_FILES=$icd __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+fi
+cp -f "$kit"/artifacts/* "$home/artifacts/"
 tar -xzf "$kit/engine.tar.gz" -C "$home/engine"
 [ -f "$out/BENCHMARKS.md" ] || cp "$repo/BENCHMARKS.md" "$out/BENCHMARKS.md"
 
@@ -46,5 +59,8 @@ if [ -n "$cublas" ]; then
     ln -sf "$cublas/libcublas.so.13" "$cublas/libcublasLt.so.13" "$home/cublas/"
     cuda_libs=(--cuda-libs "$home/cublas")
 fi
-echo "kit set up in $(( $(date +%s) - started )) s (python: $python; cuBLAS: ${cublas:-none})"
-exec "$python" "$repo/bench/gpu.py" --kit "$kit" "${cuda_libs[@]}" --write "$out/BENCHMARKS.md" "$@"
+echo "kit set up in $(( $(date +%s) - started )) s (python: $python; cuBLAS: ${cublas:-none};" \
+    "Vulkan ICD: ${VK_DRIVER_FILES:-none})"
+export PYTHONUNBUFFERED=1
+"$python" "$repo/bench/gpu.py" --kit "$kit" ${cuda_libs[@]+"${cuda_libs[@]}"} --logs "$out/logs" \
+    --write "$out/BENCHMARKS.md" "$@" 2>&1 | tee "$out/gpu-check.log"

@@ -146,3 +146,14 @@ def _bench_module(name: str) -> Any:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "bench"))
+
+
+def test_a_loads_allocations_are_split_into_weights_kv_and_compute() -> None:
+    """The weights come in as many buffers as the device's largest buffer needs (1 GiB on ggml-vulkan):
+    the leading ones up to the plan's weights; then the KV buffers; the compute buffer last."""
+    gpu = _bench_module("gpu")
+    gib = 1 << 30
+    sizes = [gib, gib, gib, 500, 64, 32, 7]
+    assert gpu.split_allocations(sizes, 3 * gib + 500) == (3 * gib + 500, [64, 32], 7)
+    assert gpu.split_allocations([100, 20, 5], 100) == (100, [20], 5)
+    assert gpu.split_allocations([], 100) == (0, [], 0)
