@@ -225,7 +225,14 @@ def test_the_probes_check_follows_the_rpc_server_process_and_never_connects(
             assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
             time.sleep(0.1)
         pid = json.loads(pid_file.read_text())["pid"]
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
+        while True:  # its pid file comes before it listens: on a busy machine, a connect was refused
+            try:
+                holder = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the server never listened"
+                time.sleep(0.05)
+        with holder:
             time.sleep(0.3)  # accepted: the server now serves this client only
             for _ in range(3):
                 alive, why = rpc_server_alive(pid_file)

@@ -235,8 +235,11 @@ def test_a_cut_push_leaves_no_final_file_and_the_next_one_resumes(
     assert resumed["stream_from"] > 0.5 * size and resumed["sent"] == size - resumed["stream_from"]
     assert resumed["stream_from"] >= held - (2 << 20)  # from the last whole checked chunk
     assert tx < 0.5 * size + (2 << 20), tx
+    # each node resumes from its own last whole checked chunk, the stream from the smallest of them: a
+    # node ahead in the chain may hold a chunk more than the next one when the push was cut
     for host in resumed["hosts"]:
-        assert host["state"] == "pushed" and host["resumed_from"] == resumed["stream_from"], host
+        assert host["state"] == "pushed" and host["resumed_from"] >= resumed["stream_from"], host
+    assert min(h["resumed_from"] for h in resumed["hosts"]) == resumed["stream_from"]
     for node in rig.lab.nodes:
         assert filecmp.cmp(rig.copy(node), rig.model, shallow=False), node.name
         assert not rig.partial(node).exists()
