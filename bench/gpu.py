@@ -160,11 +160,12 @@ def serve_completion(port: int, tokens: int) -> tuple[float, str]:
 class LlamaServer:
     """llama-server (this source's, CPU: its model goes to the RPC servers) with `args`, until closed."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], log: Path | None = None) -> None:
         from orchestrator.artifacts.build import llama_server_binary
 
         self.port = free_port()
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        # its log: kept where asked (the check's --logs), else a temporary file; closed in close()
+        self.log = log.open("w+b") if log is not None else tempfile.TemporaryFile()  # noqa: SIM115
         argv = [str(llama_server_binary()), *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
@@ -284,7 +285,10 @@ def check_backend(backend: str, kit: Kit, model: Path, gpu: Gpu | None, tokens: 
                 before = memory_used(gpu is not None)
                 offset = log.stat().st_size
                 say(f"llama-server ({which})")
-                server = LlamaServer(argv)
+                if logs is not None:
+                    logs.mkdir(parents=True, exist_ok=True)
+                kept = logs / f"{backend}-llama-server-{which}-{len(rates[which])}.log" if logs else None
+                server = LlamaServer(argv, kept)
                 say("loaded")
                 try:
                     after = memory_used(gpu is not None)
@@ -516,6 +520,7 @@ def report(
     header = ["| what | rpcfleet | reference | verdict |", "|---|---:|---:|---|"]
     for result in results:
         lines += ["", f"**{result.backend}** ({result.device}):", "", *header, *result.lines]
+        lines += ["", f"Text (greedy): {result.text[:80]!r}"]
     for failure in failures:
         lines += ["", f"**{failure}**"]
     body = "\n".join(lines)

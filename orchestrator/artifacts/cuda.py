@@ -92,6 +92,9 @@ def toolkit_release(nvcc: Path) -> str | None:
     return found.group(1) if found else None
 
 
+DRIVER_FIX = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
+
+
 def driver_too_old(cuda_version: str | None, driver_line: str | None) -> str | None:
     """Why a driver (/proc/driver/nvidia/version's first line) cannot run a build of `cuda_version`, or
     None (also when either is not known)."""

@@ -6,7 +6,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from orchestrator.artifacts.cuda import driver_too_old
+from orchestrator.artifacts.cuda import DRIVER_FIX, driver_too_old
 from orchestrator.artifacts.spec import known_cuda_release
 from orchestrator.core.errors import HostError
 from orchestrator.engine.executor import HostContext, StepOutcome
@@ -25,9 +25,6 @@ class PingResult:
     latency_seconds: float  # one command round trip on the open connection
     backend: str = "cpu"  # the host's rpc_backend, `auto` decided from the node's GPU runtimes
     gpus: str = ""  # what GPU runtimes the node has: "NVIDIA driver ...", "Vulkan: <device>", or ""
-
-
-DRIVER_FIX = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
 
 
 def describe_gpus(runtime: GpuRuntime | None) -> str:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.artifacts.cuda import driver_too_old
+from orchestrator.artifacts.cuda import DRIVER_FIX, driver_too_old
 from orchestrator.artifacts.manifest import Artifact
 from orchestrator.artifacts.node_build import NodeBuild, node_build
 from orchestrator.artifacts.spec import known_cuda_release, read_artifact_spec, resolve_artifact
@@ -119,8 +119,7 @@ def _decided_backend(host: Host, runtime: GpuRuntime) -> str | None:
 def _refuse_old_driver(host: Host, what: str, cuda_version: str | None, runtime: GpuRuntime) -> None:
     old = driver_too_old(cuda_version, runtime.nvidia_driver)
     if old is not None:
-        fix = "update the node's NVIDIA driver, or pin an artifact of an older CUDA (rpc_artifact)"
-        raise NodeMismatchError(f"{what}: {old}", host.location, hint=fix).with_host(host.name)
+        raise NodeMismatchError(f"{what}: {old}", host.location, hint=DRIVER_FIX).with_host(host.name)
 
 
 ProgressFactory = Callable[[Host, InstallChange], Progress | None]
