@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -187,6 +188,21 @@ def test_a_request_sent_while_a_split_formation_recovers_is_answered_after_the_r
         assert health["waiting"] == {"tiny": 0}
     finally:
         supervisor.resume()
+        _wait_until_served_again(wait_lab, victim)
+
+
+def _wait_until_served_again(lab: Lab, host: Host, limit: float = 60) -> None:
+    """Until the resumed supervisor has the killed server listening again: the next test's deploy must not
+    race its restart (CI once met the port taken by the restart, which deploy saw as another program)."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            _server(lab, host)
+            socket.create_connection((host.address, host.rpc_port), timeout=2).close()
+            return
+        except (AssertionError, OSError):
+            assert time.monotonic() < deadline, f"{host.name}'s server did not come back"
+            time.sleep(0.2)
 
 
 def test_with_no_spare_and_no_replica_the_request_waits_and_gets_its_503_at_the_queue_timeout(
