@@ -437,6 +437,22 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes] | None = None, limit
             time.sleep(0.02)
 
 
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], limit: float) -> bool:
+    """Until llama-server on 127.0.0.1:`port` answers /health with 200 (True), or `proc` has ended or
+    `limit` seconds have passed (False)."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return True
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @contextmanager
 def servers(n: int, log_dir: Path, *extra: str) -> Iterator[list[int]]:
     """The ports of `n` real servers on 127.0.0.1 (`extra`: more server arguments), logs in `log_dir`;

@@ -33,12 +33,20 @@ import shlex
 import subprocess
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from _common import arg_parser, free_port, load_average, server_binary, server_command, stamp, wait_listening
+from _common import (
+    arg_parser,
+    free_port,
+    load_average,
+    server_binary,
+    server_command,
+    stamp,
+    wait_healthy,
+    wait_listening,
+)
 from _common import write_section as write_md_section
 
 from orchestrator.core.log import configure_logging
@@ -186,18 +194,9 @@ def _server_allocated(binary: Path, fleet: Fleet, args: list[str]) -> list[int]:
     offsets = [log.stat().st_size for log in fleet.logs]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                tail = (server.stderr.read() if server.stderr else b"").decode("utf-8", "replace")[-300:]
-                raise RuntimeError(f"llama-server did not load {answer!r}: {tail}")
-            time.sleep(0.2)
+        if not wait_healthy(port, server, 300):
+            tail = (server.stderr.read() if server.stderr else b"").decode("utf-8", "replace")[-300:]
+            raise RuntimeError(f"llama-server did not load {answer!r}: {tail}")
         return _read_allocations(fleet, offsets)
     finally:
         server.terminate()

@@ -43,7 +43,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import ROOT, arg_parser, free_port, load_average, stamp, wait_listening, write_section
+from _common import (
+    ROOT,
+    arg_parser,
+    free_port,
+    load_average,
+    stamp,
+    wait_healthy,
+    wait_listening,
+    write_section,
+)
 
 PROMPT = "The capital of France is the city of"
 CTX = 2048
@@ -168,20 +177,11 @@ class LlamaServer:
         self.log = log.open("w+b") if log is not None else tempfile.TemporaryFile()  # noqa: SIM115
         argv = [str(llama_server_binary()), *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.log.seek(0)
-                tail = self.log.read()[-2000:].decode(errors="replace")
-                self.close()
-                raise RuntimeError(f"llama-server did not start: {tail}")
-            time.sleep(0.5)
+        if not wait_healthy(self.port, self.proc, 600):
+            self.log.seek(0)
+            tail = self.log.read()[-2000:].decode(errors="replace")
+            self.close()
+            raise RuntimeError(f"llama-server did not start: {tail}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
